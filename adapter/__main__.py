@@ -1,0 +1,3 @@
+from adapter.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""One exception type for every mistake a user can make.
+
+The CLI prints `UserError` as a single line and exits with status 2; anything else is a bug in nd-adapter and keeps
+its traceback. Messages always name the key, the value and the fix, so the user never has to read our source.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """Bad input: a config key, a file, a flag. `str(err)` is the whole one-line message."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))  # one line, always
+
+
+def bad(key: str, value: Any, problem: str, fix: str) -> UserError:
+    """Build the canonical message: `key=value: problem. Fix: fix`."""
+    shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+    return UserError(f"{key}={shown}: {problem}. Fix: {fix}")
