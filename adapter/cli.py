@@ -1,0 +1,128 @@
+"""`nd-adapter` command line. Every user mistake ends as one line on stderr and exit status 2.
+
+Subcommands import their heavy dependencies (torch, megatron, deepspeed) lazily, so `plan` stays fast on a laptop.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Sequence
+
+from adapter import __version__
+from adapter.errors import EXIT_USAGE, UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + message
+        raise UserError(f"{self.prog}: {message}. Fix: see `{self.prog} --help`")
+
+
+def _world_overrides(args) -> dict:
+    return {"hardware.nodes": args.nodes, "hardware.gpus_per_node": args.gpus_per_node, "hardware.gpu": args.gpu,
+            "model.path": args.model, "deepspeed.replicate_mode": getattr(args, "replicate_mode", None)}
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF checkpoint dir or config.json (overrides the config's model path)")
+    p.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs (processes) per node")
+    p.add_argument("--gpu", help="GPU kind for the memory check (h100-80gb, h200, a100-80gb, a100-40gb, l40s)")
+
+
+def cmd_plan(args) -> int:
+    from adapter import config, plan, plan_view
+
+    if args.nodes is not None and args.gpus_per_node is None:
+        raise UserError("--nodes given without --gpus-per-node. Fix: pass both, e.g. --nodes 2 --gpus-per-node 8")
+    world = args.nodes * args.gpus_per_node if args.gpus_per_node is not None and args.nodes is not None else None
+    if world is None and args.gpus_per_node is not None:
+        world = args.gpus_per_node
+    cfg = config.load(args.config, overrides=_world_overrides(args), world_size=world)
+    doc = plan.build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
+    if args.format == "json":
+        print(doc.model_dump_json(indent=2))
+    else:
+        plan_view.render(doc)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from adapter.train.entry import main as train_main
+
+    return train_main(args)
+
+
+def cmd_rehearse(args) -> int:
+    from adapter.train.rehearse import main as rehearse_main
+
+    return rehearse_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="nd-adapter", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"nd-adapter {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("plan", help="dry-run: layout, groups, Megatron call, DeepSpeed JSON, memory, traffic")
+    p.add_argument("config", help="YAML config (native, Axolotl or Accelerate)")
+    _add_run_args(p)
+    p.add_argument("--gpu-mem-gib", type=float, help="usable GPU memory, overrides --gpu")
+    p.add_argument("--replicate-mode", choices=("hsdp", "hpz"), help="how dp_replicate maps onto DeepSpeed")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.set_defaults(func=cmd_plan)
+
+    try:
+        from adapter.convert.cli import add_parser as add_convert
+    except ImportError:  # conversion not installed in this build
+        add_convert = None
+    if add_convert is not None:
+        add_convert(sub)
+
+    for name, func, text in (("train", cmd_train, "train on this machine's GPUs (single node; or use launch/)"),
+                             ("rehearse", cmd_rehearse, "run the config's layout on CPU processes with a tiny model")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", required=True)
+        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+        p.add_argument("--max-steps", type=int, help="override optimizer.max_steps")
+        if name == "train":
+            p.add_argument("--nproc", type=int, help="processes to start (default: the config's world size)")
+        else:
+            p.add_argument("--steps", type=int, default=4, help="steps to rehearse")
+            p.add_argument("--seq-len", type=int, help="shorter sequence for the rehearsal")
+        p.set_defaults(func=func)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    shown: set[str] = set()
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if category is UserWarning and text not in shown and not filename.endswith(("megatron/core/__init__.py",)):
+            shown.add(text)
+            if "adapter" in filename or "nd-adapter" in text or filename.endswith("config.py"):
+                print(f"nd-adapter: warning: {text}", file=sys.stderr)
+
+    warnings.showwarning = show_warning
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"nd-adapter: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # a bug in nd-adapter, not the user's input
+        if os.environ.get("ND_ADAPTER_DEBUG"):
+            raise
+        print(f"nd-adapter: internal error: {e.__class__.__name__}: {e} "
+              "(a bug; rerun with ND_ADAPTER_DEBUG=1 for the traceback and report it)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""RunConfig + Layout -> the DeepSpeed ZeRO-3 JSON.
+
+Batch keys are written consistently with how DeepSpeed counts the data-parallel world when our MPU is given
+(dp_replicate·dp_shard; cp ranks share samples). torch's AdamW is chosen over DeepSpeed's JIT-built fused Adam,
+which fails to build on some hosts (NOTES). `gradient_clipping` is always explicit: DeepSpeed's silent default
+is 1.0. The LR schedule is DeepSpeed's own, so it is saved in and restored from its checkpoints.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from adapter.config import RunConfig
+from adapter.errors import bad
+from adapter.layout import Layout
+
+
+def partition_size(cfg: RunConfig, layout: Layout) -> int:
+    """Ranks one ZeRO-3 shard set spans: dp_shard×cp for exact HSDP, all of dp×cp for hpZ."""
+    if cfg.deepspeed.replicate_mode == "hsdp":
+        return layout.size("dp_shard_cp")
+    return layout.size("dp_cp")
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.overrides") -> dict[str, Any]:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v, f"{path}.{k}")
+        else:
+            if v == "auto":
+                raise bad(f"{path}.{k}", v, "'auto' is silently dropped by DeepSpeed", "give a concrete value")
+            base[k] = v
+    return base
+
+
+def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
+    o, d = cfg.optimizer, cfg.deepspeed
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "overlap_comm": d.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": d.reduce_bucket_size,
+        "stage3_prefetch_bucket_size": d.prefetch_bucket_size,
+        "stage3_param_persistence_threshold": d.param_persistence_threshold,
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    if layout.dp_replicate > 1 and d.replicate_mode == "hpz":
+        zero["zero_hpz_partition_size"] = layout.size("dp_shard_cp")
+    if o.schedule == "cosine":
+        scheduler = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": o.max_steps, "warmup_num_steps": o.warmup_steps, "warmup_type": "linear",
+            "warmup_min_ratio": 0.0, "cos_min_ratio": round(o.min_lr / o.lr, 12)}}
+    else:
+        scheduler = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_num_steps": o.warmup_steps, "warmup_type": "linear"}}
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.batch.micro_batch_size * cfg.grad_accum * layout.dp,
+        "gradient_clipping": o.clip_grad,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True}},
+        "scheduler": scheduler,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision == "bf16":
+        conf["bf16"] = {"enabled": True}
+    elif cfg.precision == "fp16":
+        conf["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return _merge(conf, copy.deepcopy(d.overrides))
