@@ -190,8 +190,13 @@ def detect_dialect(raw: dict[str, Any]) -> str:
 
 def _set(d: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
-    for k in keys[:-1]:
-        d = d.setdefault(k, {})
+    for i, k in enumerate(keys[:-1]):
+        if d.get(k) is None:
+            d[k] = {}
+        if not isinstance(d[k], dict):
+            where = ".".join(keys[: i + 1])
+            raise bad(where, d[k], "must be a mapping", f"write `{where}:` with its keys indented below it")
+        d = d[k]
     d[keys[-1]] = value
 
 
