@@ -1,0 +1,65 @@
+"""`nd-adapter train` / `rehearse`: start one process per rank on this machine, running the same worker that
+launch/train.py runs under `deepspeed` or `torchrun`.
+
+Checks that need no processes run first (config, architecture, data files, checkpoint), so most mistakes end as
+one line and exit status 2 before anything starts. If a worker still fails, the others are stopped and the job
+returns that worker's status (2 for a UserError, which the worker prints as one line).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from adapter import config
+from adapter.errors import bad
+from adapter.train.preflight import preflight
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
+    if nproc < 1:
+        raise bad("--nproc", nproc, "must be at least 1", "pass the number of processes to start")
+    port = str(_free_port())
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if cpu:
+            env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+        procs.append(subprocess.Popen([sys.executable, "-m", "adapter.train.worker", *worker_args], env=env))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    p.wait()
+                return 2 if 2 in failed else failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+
+
+def main(args) -> int:
+    cfg = config.load(args.config, world_size=args.nproc)
+    preflight(cfg, resume=args.resume)
+    worker_args = ["--config", args.config] + (["--resume"] if args.resume else [])
+    if args.max_steps is not None:
+        worker_args += ["--max-steps", str(args.max_steps)]
+    return spawn(args.nproc or cfg.world_size, worker_args)

@@ -1,0 +1,47 @@
+"""Checks a run can fail on before any process starts: architecture vs layout, data files, checkpoint, tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adapter import validate
+from adapter.arch import ModelArch, load_arch
+from adapter.config import RunConfig
+from adapter.errors import bad
+
+# Fields of ModelArch that must agree between the config's model and the converted checkpoint.
+ARCH_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+             "vocab_size", "tie_embeddings", "qkv_bias", "qk_norm")
+
+
+def check_checkpoint(cfg: RunConfig, arch: ModelArch) -> None:
+    ckpt = cfg.model.checkpoint
+    if not ckpt:
+        return
+    root = Path(ckpt)
+    meta_file = root / "nd_adapter.json"
+    if not root.is_dir() or not (root / "latest_checkpointed_iteration.txt").is_file():
+        raise bad("model.checkpoint", ckpt, "not a converted Megatron checkpoint (no latest_checkpointed_iteration.txt)",
+                  "convert first: nd-adapter convert hf-to-megatron --hf MODEL --out DIR")
+    if meta_file.is_file():
+        stored = json.loads(meta_file.read_text()).get("arch", {})
+        diff = [k for k in ARCH_KEYS if k in stored and stored[k] != getattr(arch, k)]
+        if diff:
+            k = diff[0]
+            raise bad("model.checkpoint", ckpt, f"does not match the model: {k} is {stored[k]} in the checkpoint, "
+                      f"{getattr(arch, k)} in {cfg.model.path}", "point model.path and model.checkpoint at the same model")
+
+
+def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
+    arch = load_arch(cfg.model.path)
+    validate.check(cfg, arch)
+    check_checkpoint(cfg, arch)
+    if need_data:
+        from adapter.train.data import expand_files
+
+        if not cfg.data.files:
+            raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
+        expand_files(cfg.data.files)
+    if resume and not cfg.checkpoint.dir:
+        raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
+    return arch

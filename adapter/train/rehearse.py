@@ -1,0 +1,72 @@
+"""`nd-adapter rehearse`: the config's exact layout and training path on CPU processes, with a tiny model.
+
+The model keeps the family, head and KV-head counts (so every tp/cp divisibility rule is exercised) but shrinks
+head_dim, width and depth; precision becomes fp32 (CPU). One process per rank, gloo + DeepSpeed's CPU accelerator.
+It trains a few steps, saves, resumes from that checkpoint and trains on: config, layout, data and checkpoint
+mistakes surface here instead of on the GPUs. Data files are tokenised when the config has them (with the real
+tokenizer and vocab); otherwise synthetic tokens are used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+
+from adapter.arch import ModelArch, load_arch
+from adapter.config import RunConfig
+from adapter.errors import bad
+from adapter.train.entry import spawn
+from adapter.train.preflight import preflight
+
+TINY_HEAD_DIM = 8
+TINY_LAYERS = 2
+SYNTHETIC_VOCAB = 1024
+
+
+def tiny_arch(arch: ModelArch, tp: int, real_vocab: bool) -> ModelArch:
+    hidden = arch.num_heads * TINY_HEAD_DIM
+    return dataclasses.replace(arch, hidden_size=hidden, head_dim=TINY_HEAD_DIM, num_layers=TINY_LAYERS,
+                               ffn_hidden_size=2 * hidden * tp, max_position_embeddings=4096,
+                               vocab_size=arch.vocab_size if real_vocab else SYNTHETIC_VOCAB)
+
+
+def rehearsal_seq_len(cfg: RunConfig, seq_len: int | None) -> int:
+    p = cfg.parallelism
+    unit = math.lcm(2 * p.cp_size if p.cp_size > 1 else 1, p.cp_size * p.tp_size)
+    want = seq_len or min(cfg.seq_len, 64)
+    return max(unit, want // unit * unit)
+
+
+def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: str):
+    """The rehearsal's config; `workdir` (shared by all ranks) takes its checkpoints and token cache."""
+    arch = load_arch(cfg.model.path)
+    tiny = tiny_arch(arch, cfg.parallelism.tp_size, real_vocab=bool(cfg.data.files))
+    ckdir = workdir
+    half = max(1, steps // 2)
+    upd = {
+        "seq_len": rehearsal_seq_len(cfg, seq_len),
+        "precision": "fp32",
+        "model": cfg.model.model_copy(update={"checkpoint": None}),
+        "optimizer": cfg.optimizer.model_copy(update={"max_steps": steps, "warmup_steps": min(1, steps)}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"dir": ckdir, "save_every": half, "export_hf": None}),
+        "logging": cfg.logging.model_copy(update={"tensorboard": None, "wandb_project": None, "every": 1}),
+        "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache"}),
+    }
+    return cfg.model_copy(update=upd), tiny
+
+
+def main(args) -> int:
+    from adapter import config
+
+    cfg = config.load(args.config)
+    preflight(cfg, need_data=False)  # data files are checked (and tokenised) inside, when given
+    if args.steps < 2:
+        raise bad("--steps", args.steps, "a rehearsal saves half-way and resumes", "use --steps 2 or more")
+    with tempfile.TemporaryDirectory(prefix="nd-rehearse-") as workdir:
+        worker = ["--config", args.config, "--rehearse", "--steps", str(args.steps), "--workdir", workdir]
+        if args.seq_len:
+            worker += ["--seq-len", str(args.seq_len)]
+        p = cfg.parallelism
+        print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
+              f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}", flush=True)
+        return spawn(cfg.world_size, worker, cpu=True)

@@ -1,0 +1,80 @@
+"""Per-process entry: what `launch/train.py` runs under deepspeed/torchrun, and what `nd-adapter train` spawns."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from adapter.errors import EXIT_USAGE, UserError
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="launch/train.py", description="nd-adapter training process")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--rehearse", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=4, help=argparse.SUPPRESS)
+    ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", help=argparse.SUPPRESS)
+    ap.add_argument("--local_rank", "--local-rank", type=int, help="set by the deepspeed launcher")
+    return ap.parse_args(argv)
+
+
+def quiet_third_party() -> None:
+    """Megatron, DeepSpeed and torch warn about optional kernels and deprecations at every rank: keep the log readable."""
+    import logging
+
+    for category in (FutureWarning, UserWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(torch|megatron|deepspeed)\.")
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|CUDA_DEVICE_MAX_CONNECTIONS|cuda_graph).*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    rank = int(os.environ.get("RANK", 0))
+    quiet_third_party()
+    try:
+        from adapter import config
+        from adapter.train.loop import init_distributed, run
+
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        overrides = {"optimizer.max_steps": args.max_steps}
+        if args.rehearse:
+            from adapter.train.rehearse import rehearsal_config
+
+            cfg, arch = rehearsal_config(config.load(args.config, world_size=world), args.steps, args.seq_len,
+                                         args.workdir)
+        else:
+            cfg, arch = config.load(args.config, world_size=world, overrides=overrides), None
+        init_distributed()
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        if not args.rehearse:
+            run(cfg, resume=args.resume, arch=arch, log=log)
+            return 0
+        # rehearsal: train half, save; resume from that checkpoint in a fresh engine; train to the end
+        synthetic = not cfg.data.files
+        half = cfg.checkpoint.save_every
+        first = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"max_steps": half})})
+        a = run(first, synthetic_data=synthetic, arch=arch, log=log)
+        b = run(cfg, resume=True, synthetic_data=synthetic, arch=arch, log=log)
+        if b.start_step != half:
+            raise RuntimeError(f"rehearsal resumed at step {b.start_step}, expected {half}")
+        if rank == 0:
+            print(f"rehearsal ok: {cfg.world_size} processes, layout {cfg.parallelism.dp_replicate_size}x"
+                  f"{cfg.parallelism.dp_shard_size}x{cfg.parallelism.cp_size}x{cfg.parallelism.tp_size}, "
+                  f"saved at step {half} and resumed, losses {[round(x, 4) for x in a.losses + b.losses]}", flush=True)
+        return 0
+    except UserError as e:
+        if rank == 0:
+            print(f"nd-adapter: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
