@@ -46,13 +46,17 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     }
     if layout.dp_replicate > 1 and d.replicate_mode == "hpz":
         zero["zero_hpz_partition_size"] = layout.size("dp_shard_cp")
+    # DeepSpeed wants warmup_num_steps >= 1; "no warmup" is one step that starts at the full LR.
+    warm = max(1, o.warmup_steps)
+    start_ratio = 1.0 if o.warmup_steps == 0 else 0.0
     if o.schedule == "cosine":
         scheduler = {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": o.max_steps, "warmup_num_steps": o.warmup_steps, "warmup_type": "linear",
-            "warmup_min_ratio": 0.0, "cos_min_ratio": round(o.min_lr / o.lr, 12)}}
+            "total_num_steps": max(o.max_steps, warm), "warmup_num_steps": warm, "warmup_type": "linear",
+            "warmup_min_ratio": start_ratio, "cos_min_ratio": round(o.min_lr / o.lr, 12)}}
     else:
         scheduler = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_num_steps": o.warmup_steps, "warmup_type": "linear"}}
+            "warmup_min_lr": o.lr * start_ratio, "warmup_max_lr": o.lr, "warmup_num_steps": warm,
+            "warmup_type": "linear"}}
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -35,15 +37,26 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180) -> l
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, ok, value = q.get(timeout=timeout)
+        while len(results) < world:
+            try:
+                rank, ok, value = q.get(timeout=1)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)]
+                if dead:  # killed or crashed before reporting (e.g. OOM, segfault): do not wait out the timeout
+                    raise AssertionError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {timeout}s; ranks reported: {sorted(results)}")
+                continue
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for p in procs:  # on failure the other ranks are likely stuck in a collective: do not wait for them
+            p.join(timeout=10 if len(results) == world else 0)
             if p.is_alive():
                 p.kill()
+                p.join()
     return [results[r] for r in range(world)]

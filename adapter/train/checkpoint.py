@@ -1,0 +1,243 @@
+"""Checkpoints around a DeepSpeed engine that a crash during save cannot corrupt.
+
+Every rank writes into a temporary tag (`tmp-global_stepN`); after all ranks are done, one rank renames it to
+`global_stepN`, then replaces `latest` (DeepSpeed's own pointer: a text file holding the tag) and only then prunes
+old checkpoints. Until `latest` moves, it names the previous complete checkpoint; leftover `tmp-*` directories, and
+orphans newer than `latest`, are removed by the next save. The rename is safe because DeepSpeed's file names inside
+a tag carry only ranks (`zero_pp_rank_{dp}_mp_rank_{mp:02d}_{model,optim}_states.pt`), never the tag.
+
+The directory must be shared by all ranks (or, with DeepSpeed's `use_node_local_storage`, local to each node, then
+local rank 0 renames). With exact HSDP the replicas' ranks map to the same file names: pass `save_ranks` so one
+replica writes and the others only join the collectives.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from adapter.errors import bad
+
+LATEST = "latest"
+TMP = "tmp-"
+_TAG = re.compile(r"global_step(\d+)$")
+_OURS = "nd_adapter"  # our key in DeepSpeed's client_state: step and this rank's RNG states
+
+
+# --- RNG --------------------------------------------------------------------------------------------------------
+
+def capture_rng() -> dict[str, Any]:
+    """This rank's RNG states: python, numpy, torch CPU, CUDA, and Megatron's TP tracker when loaded."""
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    tracker = _megatron_tracker()
+    if tracker is not None:
+        state["megatron"] = tracker.get_states()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tracker = _megatron_tracker()
+    if tracker is not None and state.get("megatron"):
+        tracker.set_states(state["megatron"])
+
+
+def _megatron_tracker():
+    """Only if Megatron is already imported: this module must not pull it in."""
+    mod = sys.modules.get("megatron.core.tensor_parallel.random")
+    return mod.get_cuda_rng_tracker() if mod is not None else None
+
+
+# --- directory bookkeeping --------------------------------------------------------------------------------------
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def latest_tag(save_dir: str | Path) -> str | None:
+    try:
+        tag = (Path(save_dir) / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return tag or None
+
+
+def _step_of(tag: str | None) -> int | None:
+    m = _TAG.match(tag or "")
+    return int(m.group(1)) if m else None
+
+
+def _steps(save_dir: Path) -> dict[int, Path]:
+    return {int(m.group(1)): p for p in save_dir.iterdir() if p.is_dir() and (m := _TAG.match(p.name))}
+
+
+def _remove(path: Path) -> None:
+    """Rename first, so a crash mid-delete leaves a `tmp-` leftover rather than a half checkpoint with a real tag."""
+    doomed = path.with_name(f"{TMP}deleting-{path.name}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _clean(save_dir: Path) -> None:
+    for p in save_dir.glob(f"{TMP}*"):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    last = _step_of(latest_tag(save_dir))
+    if last is not None:  # renamed but never pointed to: a crash between rename and `latest`
+        for step, p in _steps(save_dir).items():
+            if step > last:
+                _remove(p)
+
+
+def _prune(save_dir: Path, keep_last: int | None) -> None:
+    last = _step_of(latest_tag(save_dir))
+    if not keep_last or last is None:
+        return
+    kept = sorted(s for s in _steps(save_dir) if s <= last)
+    for step in kept[:-keep_last]:
+        _remove(save_dir / tag_for(step))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP}{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def _writes(engine, enabled: bool) -> Iterator[None]:
+    """A rank that must not write still runs save_checkpoint (it has collectives); DeepSpeed gates the writes on
+    these two flags."""
+    saved = engine.save_non_zero_checkpoint, engine.save_zero_checkpoint
+    if not enabled:
+        engine.save_non_zero_checkpoint = engine.save_zero_checkpoint = False
+    try:
+        yield
+    finally:
+        engine.save_non_zero_checkpoint, engine.save_zero_checkpoint = saved
+
+
+# --- save / load ------------------------------------------------------------------------------------------------
+
+def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] | None = None, *,
+         keep_last: int | None = None, save_ranks: Callable[[int], bool] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the published checkpoint directory.
+
+    `client_state` (e.g. {"sampler": sampler.state_dict()}) is stored per rank along with `step` and this rank's
+    RNG states. `keep_last`: keep that many newest checkpoints (None/0 keeps all). `save_ranks(global_rank)`
+    says which ranks write files (default: all). Saving the step `latest` already names does nothing.
+    """
+    from deepspeed import comm as dist
+
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
+        raise bad("checkpoint.keep_last", keep_last, "must be a non-negative integer", "use e.g. 3, or 0 to keep all")
+    if getattr(engine.checkpoint_engine, "is_decoupled", lambda: False)():
+        raise bad("checkpoint_engine", type(engine.checkpoint_engine).__name__, "a decoupled engine writes after"
+                  " save_checkpoint returns, so the rename could publish a half-written checkpoint",
+                  "use DeepSpeed's default (torch) checkpoint engine")
+    rank = dist.get_rank()
+    fs_leader = engine.local_rank == 0 if _node_local(engine) else rank == 0
+    root, tag = Path(save_dir), tag_for(step)
+    if fs_leader:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean(root)
+    dist.barrier()
+    if latest_tag(root) == tag:
+        return root / tag
+    state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng()}}
+    with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
+        engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False)  # ends in a barrier
+    if fs_leader:
+        if (root / tag).exists():  # an older branch of history reused this step number
+            _remove(root / tag)
+        os.rename(root / (TMP + tag), root / tag)
+        _atomic_write(root / LATEST, tag)
+        _prune(root, keep_last)
+    dist.barrier()
+    return root / tag
+
+
+def _node_local(engine) -> bool:
+    fn = getattr(engine, "use_node_local_storage", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def load(engine, load_dir: str | Path, *, tag: str | None = None,
+         restore_rng_state: bool = True) -> tuple[int, dict[str, Any]] | None:
+    """Collective. Load `tag` (default: what `latest` names) into a freshly built engine.
+
+    Returns (step, client_state) or None when the directory has no checkpoint. Restores this rank's RNG states
+    unless told not to. A checkpoint of another model or parallel layout is refused before DeepSpeed touches the
+    engine, with a UserError naming the first differences.
+    """
+    root = Path(load_dir)
+    explicit = tag is not None
+    tag = tag if explicit else latest_tag(root)
+    if tag is None:
+        return None
+    key, value = ("tag", tag) if explicit else ("load_dir", str(root))
+    ckpt = root / tag
+    if not ckpt.is_dir():
+        raise bad(key, value, f"checkpoint directory {ckpt} does not exist",
+                  "pass a tag that exists (global_stepN) or restore the directory `latest` points to")
+    mine = Path(engine._get_ckpt_name(str(root), tag))
+    if not mine.is_file():
+        found = sorted(p.name for p in ckpt.glob("*model_states.pt"))
+        raise bad(key, value, f"no {mine.name} for this rank; the checkpoint holds {len(found)} model-state file(s),"
+                  " so it was saved with another parallel layout", "resume with the layout it was saved with")
+    _check_match(engine, mine, key, value)
+    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed did not load {ckpt}")
+    ours = client.pop(_OURS, None)
+    if ours is None:
+        raise bad(key, value, "not saved by nd-adapter (no step/RNG record)", "load it with DeepSpeed directly")
+    if restore_rng_state:
+        restore_rng(ours["rng"])
+    return int(ours["step"]), client
+
+
+def _check_match(engine, model_states: Path, key: str, value: str) -> None:
+    import torch
+
+    meta = torch.load(model_states, map_location="cpu", weights_only=False)
+    here_dp, here_mp = engine.seq_dp_world_size, engine.mp_world_size
+    if (meta.get("dp_world_size"), meta.get("mp_world_size")) != (here_dp, here_mp):
+        raise bad(key, value, f"saved with data-parallel size {meta.get('dp_world_size')} and model-parallel size "
+                  f"{meta.get('mp_world_size')}, this run has {here_dp} and {here_mp}",
+                  "resume with the layout it was saved with")
+    if meta.get("param_shapes") is not None:
+        saved = {k: tuple(v) for group in meta["param_shapes"] for k, v in group.items()}
+        here = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}
+    else:
+        saved = {k: tuple(v.shape) for k, v in (meta.get("module") or {}).items() if hasattr(v, "shape")}
+        here = {k: tuple(v.shape) for k, v in engine.module.state_dict().items()}
+    diffs = [f"{k}: {saved.get(k, 'missing')} there, {here.get(k, 'missing')} here"
+             for k in sorted(saved.keys() | here.keys()) if saved.get(k) != here.get(k)]
+    if diffs:
+        more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
+        raise bad(key, value, "checkpoint does not match this model: " + "; ".join(diffs[:2]) + more,
+                  "resume with the model it was trained from, or save into a new directory")
+
+
+__all__ = ["capture_rng", "restore_rng", "latest_tag", "tag_for", "save", "load"]

@@ -1,0 +1,128 @@
+"""Throughput, MFU and memory, printed one line per step and optionally sent to TensorBoard / Weights & Biases.
+
+MFU uses the one formula every number in this project (bench, peer anchors in NOTES.md) is computed with, so they
+stay comparable:
+
+    N               = L·(H·(H + 2·H·kv/heads + H) + 3·H·FFN) + H·V    (attention + SwiGLU MLP per layer, LM head)
+    flops_per_token = 6·N + 12·L·H·S                                    (fwd+bwd matmuls, attention scores)
+    MFU             = tokens/s/GPU · flops_per_token / peak_flops
+
+with L layers, H hidden, FFN the MLP width, V the vocabulary and S the sequence length. Norms and the input
+embedding (a lookup) are left out; activation recomputation is not counted (it is "model" FLOPs, not hardware).
+"""
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+# Dense bf16 tensor-core peaks (no sparsity). Matched as substrings of torch.cuda.get_device_name().
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+
+
+def flops_per_token(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                    seq_len: int) -> int:
+    n = layers * (hidden * (hidden + 2 * hidden * kv_heads // heads + hidden) + 3 * hidden * ffn) + hidden * vocab
+    return 6 * n + 12 * layers * hidden * seq_len
+
+
+def flops_per_token_for(arch, seq_len: int) -> int:
+    """Same formula from an adapter.arch.ModelArch."""
+    return flops_per_token(layers=arch.num_layers, hidden=arch.hidden_size, heads=arch.num_heads,
+                           kv_heads=arch.num_kv_heads, ffn=arch.ffn_hidden_size, vocab=arch.vocab_size,
+                           seq_len=seq_len)
+
+
+def peak_flops(device_name: str | None = None) -> float | None:
+    """Peak bf16 FLOP/s of this GPU (or of `device_name`); None on CPU or an unlisted GPU, and then no MFU is shown."""
+    if device_name is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    name = device_name.upper()
+    return next((v for key, v in PEAK_BF16_FLOPS if key in name), None)
+
+
+def mfu(tokens_per_s_per_gpu: float, flops_per_tok: float, peak: float | None) -> float | None:
+    return None if not peak else tokens_per_s_per_gpu * flops_per_tok / peak
+
+
+def tokens_per_s_per_gpu(tokens_per_step: int, seconds: float, world_size: int) -> float:
+    """`tokens_per_step` counts the whole job's tokens (global batch × seq_len); TP/CP ranks share them."""
+    return tokens_per_step / seconds / world_size
+
+
+def peak_memory_bytes() -> int:
+    """Peak allocated GPU memory on CUDA (what the memory model predicts); peak RSS of this process on CPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def format_step(step: int, *, loss: float, lr: float, grad_norm: float | None = None,
+                tokens_per_s_gpu: float | None = None, mfu: float | None = None, peak_mem: int | None = None,
+                total_steps: int | None = None) -> str:
+    """One grep-friendly line; fields that are unknown (e.g. MFU on CPU) are left out rather than shown as 0."""
+    parts = [f"step {step}" + (f"/{total_steps}" if total_steps else ""), f"loss {loss:.4f}", f"lr {lr:.3e}"]
+    if grad_norm is not None:
+        parts.append(f"grad_norm {grad_norm:.3f}")
+    if tokens_per_s_gpu is not None:
+        parts.append(f"{tokens_per_s_gpu:,.0f} tok/s/GPU")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
+    if peak_mem is not None:
+        parts.append(f"peak_mem {peak_mem / 2**30:.2f} GiB")
+    return " | ".join(parts)
+
+
+class MetricsSink:
+    """TensorBoard and/or W&B on global rank 0; a no-op elsewhere, when not asked for, or when not installed.
+
+    W&B honours its own environment (WANDB_MODE=offline, WANDB_DIR, ...), so offline runs need no code here.
+    """
+
+    def __init__(self, rank: int, *, tensorboard_dir: str | None = None, wandb_project: str | None = None,
+                 run_name: str | None = None, config: dict[str, Any] | None = None):
+        self._tb = self._wandb = None
+        if rank != 0:
+            return
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed
+                pass
+            else:
+                self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                pass
+            else:
+                self._wandb = wandb.init(project=wandb_project, name=run_name, config=config or {})
+
+    @property
+    def active(self) -> bool:
+        return self._tb is not None or self._wandb is not None
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        values = {k: float(v) for k, v in metrics.items() if v is not None}
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._tb = self._wandb = None
+
+
+__all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "flops_per_token_for", "peak_flops", "mfu", "tokens_per_s_per_gpu",
+           "peak_memory_bytes", "format_step", "MetricsSink"]
