@@ -22,7 +22,11 @@ def free_port() -> int:
 
 def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, q) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
     try:
         q.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - ship every failure to the parent

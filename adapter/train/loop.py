@@ -84,6 +84,10 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: mcore.
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
     tp = layout.tp
     torch.manual_seed(cfg.seed)  # same init on every dp rank when there is no checkpoint
+    if torch.cuda.is_available():  # Megatron's GPU init draws TP-sharded weights from its CUDA RNG tracker
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     model = build_gpt_model(arch, tp=tp, cp=layout.cp, sequence_parallel=cfg.use_sequence_parallel and tp > 1,
                             padded_vocab=padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by),
                             params_dtype=dtype, attention=cfg.model.attention,
@@ -190,7 +194,7 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
     try:
         engine, mpu = build_engine(cfg, arch, layout, groups, device)
         result = RunResult()
-        dataset, sampler = _batches(cfg, layout, rank, arch, dist.barrier, synthetic_data)
+        dataset, sampler = _batches(cfg, layout, rank, arch, dist.barrier, synthetic_data or cfg.data.synthetic)
         start = 0
         if resume:
             if not cfg.checkpoint.dir:

@@ -36,7 +36,7 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
     arch = load_arch(cfg.model.path)
     validate.check(cfg, arch)
     check_checkpoint(cfg, arch)
-    if need_data:
+    if need_data and not cfg.data.synthetic:
         from adapter.train.data import expand_files
 
         if not cfg.data.files:

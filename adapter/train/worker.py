@@ -35,6 +35,7 @@ def quiet_third_party() -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron: TP/SP comm overlaps compute in order
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     rank = int(os.environ.get("RANK", 0))

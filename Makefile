@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (the CPU demo, end to end) and `make test` (the test suite). Each installs what it
+# needs into .venv first. On these CPU machines `torch==2.13.0` is a local CPU wheel; install it before the project,
+# or a bare `torch` requirement pulls a multi-GB CUDA build. On a GPU machine set TORCH_SPEC to your CUDA torch.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test plan-example clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(PY) -m adapter.demo_run --out demo-out
+
+test: setup
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
+
+plan-example: setup
+	$(VENV)/bin/nd-adapter plan configs/llama-3.1-8b-hsdp-tp.yaml --nodes 2 --gpus-per-node 8
+
+clean:
+	rm -rf demo-out .pytest_cache

@@ -1,0 +1,166 @@
+"""Conversion benchmark (not run in CI): Llama-3.1-8B-shaped random bf16 checkpoint -> Megatron tp=2 -> HF.
+
+Measures wall time and GB/s of each direction against a plain copy of the same bytes in the same run
+(`shutil.copyfile`, plus copy+fsync since the converter fsyncs before its atomic rename), the converters' peak RSS
+(each runs in its own child process, which reports its ru_maxrss), and checks the round trip is bit-exact.
+
+    python bench/convert_bench.py --dir /tmp/convbench            # full size: ~16 GB per copy, ~50 GB of disk
+    python bench/convert_bench.py --dir /tmp/convbench --scale 0.05  # smoke run, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from adapter.convert import hf_io  # noqa: E402
+
+LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, head_dim=128)
+
+
+def config(scale: float) -> dict:
+    c = dict(LLAMA31_8B)
+    if scale != 1:
+        r = lambda x, m: max(m, int(round(x * scale / m)) * m)  # noqa: E731
+        c.update(hidden_size=r(4096, 128), intermediate_size=r(14336, 128), num_hidden_layers=max(2, round(32 * scale)),
+                 vocab_size=max(1000, int(128256 * scale)))
+        c["num_attention_heads"] = c["hidden_size"] // 128
+        c["num_key_value_heads"] = min(8, c["num_attention_heads"])
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+            "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False, "dtype": "bfloat16",
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}, **c}
+
+
+def hf_items(c: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    h, f, v, d = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    items = [("model.embed_tokens.weight", (v, h))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        items += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q, h)),
+                  (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                  (p + "self_attn.o_proj.weight", (h, q)), (p + "post_attention_layernorm.weight", (h,)),
+                  (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
+                  (p + "mlp.down_proj.weight", (h, f))]
+    items += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    return [(n, s, torch.bfloat16) for n, s in items]
+
+
+def generate(out: Path, c: dict) -> int:
+    """Random bf16 safetensors in 5 GB shards, one tensor at a time (values from a shifted random pool)."""
+    out.mkdir(parents=True)
+    pool = torch.randn(64 * 2**20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    state = {"i": 0}
+    items = hf_items(c)
+    shapes = {n: s for n, s, _ in items}
+
+    def produce(name):
+        shape = shapes[name]
+        n = torch.Size(shape).numel()
+        start = (state["i"] * 7919) % (pool.numel() // 2)
+        state["i"] += 1
+        reps = -(-(start + n) // pool.numel())
+        src = pool if reps == 1 else pool.repeat(reps)
+        return src[start:start + n].view(shape).clone()
+
+    hf_io.write_safetensors_sharded(out, items, produce, shard_size=5 * 10**9)
+    (out / "config.json").write_text(json.dumps(c, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 128000, "eos_token_id": 128001}))
+    return sum(torch.Size(s).numel() * 2 for _, s, _ in items)
+
+
+def copy_tree(src: Path, dst: Path, sync: bool) -> None:
+    dst.mkdir()
+    for p in sorted(src.iterdir()):
+        shutil.copyfile(p, dst / p.name)
+        if sync:
+            with open(dst / p.name, "rb+") as f:
+                os.fsync(f.fileno())
+
+
+def child(code: str) -> tuple[float, int]:
+    """Run `code` in a fresh interpreter; returns (wall seconds, its peak RSS in bytes)."""
+    script = (f"import sys, resource, json; sys.path.insert(0, {str(ROOT)!r})\n{code}\n"
+              "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if r.returncode:
+        raise SystemExit(f"child failed:\n{r.stderr[-3000:]}")
+    rss_kb = int(next(ln for ln in r.stdout.splitlines() if ln.startswith("RSS")).split()[1])
+    return wall, rss_kb * 1024
+
+
+def tensor_digests(d: Path) -> dict[str, str]:
+    ck = hf_io.HFCheckpoint(d)
+    return {n: hashlib.blake2b(ck.get(n).view(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
+            for n in ck.names()}
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, required=True, help="scratch dir (deleted at the end unless --keep)")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink the model (e.g. 0.05 for a smoke run)")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--no-check", action="store_true", help="skip the bit-exact round-trip check (reads 2x size)")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    work = args.dir
+    if work.exists():
+        raise SystemExit(f"{work} exists; give a fresh --dir")
+    src, cp1, cp2, meg, back = (work / n for n in ("hf", "copy", "copy_sync", "megatron", "hf_back"))
+    try:
+        c = config(args.scale)
+        t0 = time.perf_counter()
+        nbytes = generate(src, c)
+        t_gen = time.perf_counter() - t0
+        gb = nbytes / 1e9
+        t_copy = timed(lambda: copy_tree(src, cp1, sync=False))
+        shutil.rmtree(cp1)
+        t_copy_sync = timed(lambda: copy_tree(src, cp2, sync=True))
+        shutil.rmtree(cp2)
+        t_fwd, rss_fwd = child(f"from adapter.convert import ops; ops.hf_to_megatron({str(src)!r}, {str(meg)!r}, "
+                               f"tp={args.tp}, progress=False)")
+        t_back, rss_back = child(f"from adapter.convert import ops; ops.megatron_to_hf({str(meg)!r}, {str(back)!r}, "
+                                 "progress=False)")
+        exact = None
+        if not args.no_check:
+            exact = tensor_digests(src) == tensor_digests(back)
+        res = {"params_b": round(nbytes / 2 / 1e9, 3), "gb": round(gb, 2), "tp": args.tp, "scale": args.scale,
+               "generate_s": round(t_gen, 1), "copy_s": round(t_copy, 1), "copy_fsync_s": round(t_copy_sync, 1),
+               "hf_to_megatron_s": round(t_fwd, 1), "megatron_to_hf_s": round(t_back, 1),
+               "copy_gbps": round(gb / t_copy, 2), "hf_to_megatron_gbps": round(gb / t_fwd, 2),
+               "megatron_to_hf_gbps": round(gb / t_back, 2),
+               "hf_to_megatron_vs_copy": round(t_fwd / t_copy, 2), "megatron_to_hf_vs_copy": round(t_back / t_copy, 2),
+               "hf_to_megatron_vs_copy_fsync": round(t_fwd / t_copy_sync, 2),
+               "megatron_to_hf_vs_copy_fsync": round(t_back / t_copy_sync, 2),
+               "peak_rss_hf_to_megatron_gb": round(rss_fwd / 1e9, 2), "peak_rss_megatron_to_hf_gb": round(rss_back / 1e9, 2),
+               "round_trip_bit_exact": exact, "cpus": os.cpu_count()}
+        print(json.dumps(res, indent=2))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
