@@ -8,8 +8,11 @@ from tests._dist import run_workers
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = {"dp_shard=4": (1, 4, 1, 1), "tp=2,dp_shard=2": (1, 2, 1, 2), "tp=4": (1, 1, 1, 4),
-           "dp_replicate=2,dp_shard=2": (2, 2, 1, 1)}
+LAYOUTS = {"dp_shard=4": ((1, 4, 1, 1), {}), "tp=2,dp_shard=2": ((1, 2, 1, 2), {}), "tp=4": ((1, 1, 1, 4), {}),
+           "dp_replicate=2,dp_shard=2 (exact HSDP)": ((2, 2, 1, 1), {}),
+           "dp_replicate=2,dp_shard=2 (hpZ)": ((2, 2, 1, 1), {"deepspeed.replicate_mode": "hpz"}),
+           "cp=2,tp=2": ((1, 1, 2, 2), {}),
+           "cp=2 (p2p),dp_shard=2": ((1, 2, 2, 1), {"parallelism.cp_comm_type": "p2p"})}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,8 @@ def _parity_worker(rank, world, demo):
     from adapter.train.loop import init_distributed, run
 
     init_distributed()
-    return {name: run(run_config(demo, shape), log=lambda s: None).losses for name, shape in LAYOUTS.items()}
+    return {name: run(run_config(demo, shape, **over), log=lambda s: None).losses
+            for name, (shape, over) in LAYOUTS.items()}
 
 
 def test_loss_parity_across_layouts(demo):
