@@ -84,11 +84,15 @@ def generate(out: Path, c: dict) -> int:
 
 
 def copy_tree(src: Path, dst: Path, sync: bool) -> None:
-    dst.mkdir()
-    for p in sorted(src.iterdir()):
-        shutil.copyfile(p, dst / p.name)
+    """The baseline: every file of `src` (recursively, hidden ones too) with shutil.copyfile."""
+    for p in sorted(src.rglob("*")):
+        q = dst / p.relative_to(src)
+        if p.is_dir():
+            continue
+        q.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, q)
         if sync:
-            with open(dst / p.name, "rb+") as f:
+            with open(q, "rb+") as f:
                 os.fsync(f.fileno())
 
 
@@ -130,7 +134,13 @@ def main() -> None:
     work = args.dir
     if work.exists():
         raise SystemExit(f"{work} exists; give a fresh --dir")
-    src, cp1, cp2, meg, back = (work / n for n in ("hf", "copy", "copy_sync", "megatron", "hf_back"))
+    src, cp, meg, back = (work / n for n in ("hf", "copy", "megatron", "hf_back"))
+
+    def copy_s(tree: Path, sync: bool) -> float:
+        t = timed(lambda: copy_tree(tree, cp, sync))
+        shutil.rmtree(cp)
+        return t
+
     try:
         c = config(args.scale)
         load0 = os.getloadavg()[0]
@@ -138,30 +148,30 @@ def main() -> None:
         nbytes = generate(src, c)
         t_gen = time.perf_counter() - t0
         gb = nbytes / 1e9
-        t_copy = timed(lambda: copy_tree(src, cp1, sync=False))
-        shutil.rmtree(cp1)
-        t_copy_sync = timed(lambda: copy_tree(src, cp2, sync=True))
-        shutil.rmtree(cp2)
+        # Each direction is bracketed by copies of its own input (same bytes, same page-cache state): plain
+        # shutil.copyfile before, copy+fsync before and after (the converters fsync before their atomic rename).
+        fwd_copy, fwd_sync = copy_s(src, False), [copy_s(src, True)]
         t_fwd, c_fwd, rss_fwd = child(f"ops.hf_to_megatron({str(src)!r}, {str(meg)!r}, tp={args.tp}, progress=False)")
+        fwd_sync.append(copy_s(src, True))
+        back_copy, back_sync = copy_s(meg, False), [copy_s(meg, True)]
         t_back, c_back, rss_back = child(f"ops.megatron_to_hf({str(meg)!r}, {str(back)!r}, progress=False)")
-        exact = None
-        if not args.no_check:
-            exact = tensor_digests(src) == tensor_digests(back)
-        shutil.rmtree(meg)
+        exact = None if args.no_check else tensor_digests(src) == tensor_digests(back)
         shutil.rmtree(back)
-        t_copy2 = timed(lambda: copy_tree(src, cp1, sync=True))  # again: page-cache state drifts during the run
-        shutil.rmtree(cp1)
-        sync = (t_copy_sync + t_copy2) / 2
+        back_sync.append(copy_s(meg, True))
+        f_sync, b_sync = sum(fwd_sync) / 2, sum(back_sync) / 2
         res = {"gb": round(gb, 2), "params_b": round(nbytes / 2 / 1e9, 3), "tp": args.tp, "scale": args.scale,
                "cpus": os.cpu_count(), "load_avg_start_end": [round(load0, 1), round(os.getloadavg()[0], 1)],
                "generate_s": round(t_gen, 1),
-               "copy_s": round(t_copy, 1), "copy_fsync_s": [round(t_copy_sync, 1), round(t_copy2, 1)],
-               "hf_to_megatron_s": round(t_fwd, 1), "megatron_to_hf_s": round(t_back, 1),
-               "in_process_s (no interpreter start/imports)": [round(c_fwd, 1), round(c_back, 1)],
-               "gbps copy/fwd/back": [round(gb / t_copy, 2), round(gb / t_fwd, 2), round(gb / t_back, 2)],
-               "vs_copy fwd/back": [round(t_fwd / t_copy, 2), round(t_back / t_copy, 2)],
-               "vs_copy_fsync fwd/back": [round(t_fwd / sync, 2), round(t_back / sync, 2)],
-               "peak_rss_gb fwd/back": [round(rss_fwd / 1e9, 2), round(rss_back / 1e9, 2)],
+               "hf_to_megatron": {"s": round(t_fwd, 1), "in_process_s": round(c_fwd, 1),
+                                  "copy_s": round(fwd_copy, 1), "copy_fsync_s": [round(x, 1) for x in fwd_sync],
+                                  "gbps": round(gb / t_fwd, 2), "copy_gbps": round(gb / fwd_copy, 2),
+                                  "vs_copy": round(t_fwd / fwd_copy, 2), "vs_copy_fsync": round(t_fwd / f_sync, 2),
+                                  "peak_rss_gb": round(rss_fwd / 1e9, 2)},
+               "megatron_to_hf": {"s": round(t_back, 1), "in_process_s": round(c_back, 1),
+                                  "copy_s": round(back_copy, 1), "copy_fsync_s": [round(x, 1) for x in back_sync],
+                                  "gbps": round(gb / t_back, 2), "copy_gbps": round(gb / back_copy, 2),
+                                  "vs_copy": round(t_back / back_copy, 2), "vs_copy_fsync": round(t_back / b_sync, 2),
+                                  "peak_rss_gb": round(rss_back / 1e9, 2)},
                "round_trip_bit_exact": exact}
         print(json.dumps(res, indent=2))
     finally:

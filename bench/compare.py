@@ -1,0 +1,110 @@
+"""Side-by-side GPU benchmark: this project's entry point and its peers, in one invocation on the same GPUs.
+
+    python bench/compare.py                      # on the GPU host, 2 GPUs; see docs/BENCHMARKS.md
+    python bench/compare.py --dry-run            # print the commands only (works anywhere)
+
+Rows: nd-adapter dp_shard=2 and tp=2 (launch/train.py under the deepspeed launcher, configs in bench/configs/), and
+the peers in bench/peers.py (Accelerate ParallelismConfig + FSDP2, Accelerate + transformers TP plan, DeepSpeed
+ZeRO-3 on the HF model). One MFU formula for all rows (adapter/train/metrics.py); ratios are against the Accelerate
+FSDP2 row of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from statistics import mean
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) .*?\| ([\d,]+) tok/s/GPU(?: \| MFU ([\d.]+)%)?(?: \| peak_mem ([\d.]+) GiB)?")
+OURS = {"nd-adapter dp_shard=2": "bench/configs/llama-3.2-1b-dp2.yaml",
+        "nd-adapter tp=2": "bench/configs/llama-3.2-1b-tp2.yaml"}
+PEERS = ("accelerate-fsdp2", "accelerate-tp", "deepspeed-hf")
+
+
+def parse_steps(log: str, skip: int = 2) -> dict | None:
+    """Summarise our step lines: mean throughput/MFU after `skip` warm-up steps, peak memory, last loss."""
+    rows = [m.groups() for m in map(STEP.match, log.splitlines()) if m]
+    if not rows:
+        return None
+    steady = rows[skip:] or rows
+    tps = mean(float(r[2].replace(",", "")) for r in steady)
+    mfus = [float(r[3]) / 100 for r in steady if r[3]]
+    return {"tokens_per_s_per_gpu": round(tps), "mfu": round(mean(mfus), 4) if mfus else None,
+            "peak_gib": max(float(r[4]) for r in rows if r[4]) if any(r[4] for r in rows) else None,
+            "loss": float(rows[-1][1])}
+
+
+def parse_result(log: str) -> dict | None:
+    lines = [ln for ln in log.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(lines[-1][7:]) if lines else None
+
+
+def commands(a) -> dict[str, list[str]]:
+    cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg] for name, cfg in OURS.items()}
+    model = "configs/models/llama-3.2-1b/config.json"
+    for mode in PEERS:
+        cmds[mode] = ["torchrun", f"--nproc-per-node={a.gpus}", "bench/peers.py", mode, "--model-config", model,
+                      "--seq", str(a.seq), "--micro-batch", str(a.micro_batch), "--steps", str(a.steps)]
+    return {k: v for k, v in cmds.items() if not a.only or any(o in k for o in a.only)}
+
+
+def render(rows: dict[str, dict | None], reference: str = "accelerate-fsdp2") -> str:
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    ref = (rows.get(reference) or {}).get("tokens_per_s_per_gpu")
+    t = Table(title="Llama-3.2-1B shape, seq 4096, micro-batch 2 per DP rank, bf16, 2 GPUs")
+    for col in ("system", "tokens/s/GPU", f"× {reference}", "MFU", "peak GiB", "loss"):
+        t.add_column(col)
+    for name, r in rows.items():
+        if r is None:
+            t.add_row(name, "failed", "", "", "", "")
+            continue
+        ratio = f"{r['tokens_per_s_per_gpu'] / ref:.2f}" if ref else ""
+        t.add_row(name, f"{r['tokens_per_s_per_gpu']:,}", ratio, f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "",
+                  f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "", f"{r['loss']:.3f}")
+    buf = StringIO()
+    Console(file=buf, width=120).print(t)
+    return buf.getvalue()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--only", nargs="*", help="substrings of the rows to run")
+    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp/compare"))
+    a = ap.parse_args(argv)
+    cmds = commands(a)
+    if a.dry_run:
+        for name, cmd in cmds.items():
+            print(f"{name}: {' '.join(cmd)}")
+        return 0
+    Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for name, cmd in cmds.items():
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
+            out = p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        (Path(a.log_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log").write_text(out)
+        rows[name] = parse_steps(out) if name in OURS else parse_result(out)
+        print(name, json.dumps(rows[name]), flush=True)
+    print(render(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

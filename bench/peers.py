@@ -1,0 +1,113 @@
+"""One peer training process (run under torchrun, 2 GPUs): the HF model trained by Accelerate's ND-parallel recipe
+(FSDP2 or its TP plan) or by plain DeepSpeed ZeRO-3. Prints one `RESULT {json}` line on rank 0.
+
+Same model shape (an HF config.json), tokens, optimizer (torch AdamW) and MFU formula as this project's runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["accelerate-fsdp2", "accelerate-tp", "deepspeed-hf"])
+    ap.add_argument("--model-config", required=True, help="HF config.json of the shape to train")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from adapter.arch import load_arch
+    from adapter.train.metrics import flops_per_token_for, mfu
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    cfg = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(a.model_config)))
+    cfg.use_cache = False
+    arch = load_arch(a.model_config)
+    ckpt = f"/tmp/peer-{os.path.basename(os.path.dirname(os.path.abspath(a.model_config)))}"
+    if a.mode == "deepspeed-hf":
+        import deepspeed
+
+        deepspeed.init_distributed()
+    else:
+        from accelerate import Accelerator
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp = a.mode == "accelerate-fsdp2"
+        pc = ParallelismConfig(dp_shard_size=2) if fsdp else ParallelismConfig(tp_size=2)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                                state_dict_type="SHARDED_STATE_DICT") if fsdp else None
+        acc = Accelerator(mixed_precision="bf16", parallelism_config=pc, fsdp_plugin=plugin)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and not os.path.exists(f"{ckpt}/config.json"):  # TP plans load from a checkpoint
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).save_pretrained(ckpt)
+    dist.barrier()
+    extra = {"tp_plan": "auto", "device_mesh": acc.torch_device_mesh} if a.mode == "accelerate-tp" else {}
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                 use_cache=False, **extra)
+    dp = 1 if a.mode == "accelerate-tp" else world
+    if a.mode == "deepspeed-hf":
+        conf = {"train_micro_batch_size_per_gpu": a.micro_batch, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": 3, "overlap_comm": True},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}}
+        model, opt, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    else:
+        if a.mode == "accelerate-tp":
+            model = model.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=a.mode != "accelerate-tp")  # foreach+DTensor TP crashes
+        model, opt = acc.prepare(model, opt)
+    gen = torch.Generator(device="cuda").manual_seed(rank if dp > 1 else 0)
+    ids = torch.randint(0, cfg.vocab_size, (a.micro_batch, a.seq), device="cuda", generator=gen)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        if a.mode == "deepspeed-hf":
+            model.backward(loss)
+            model.step()
+        else:
+            acc.backward(loss)
+            if a.mode == "accelerate-fsdp2":
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / a.steps
+    tps = a.micro_batch * a.seq * dp / dt / world
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "system": a.mode, "tokens_per_s_per_gpu": round(tps), "mfu": mfu(tps, flops_per_token_for(arch, a.seq), 989e12),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(float(loss), 4)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

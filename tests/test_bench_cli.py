@@ -1,0 +1,31 @@
+"""CPU smoke test of the GPU comparison script: argument parsing, log parsing and the table (no timings asserted)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("compare", ROOT / "bench/compare.py")
+compare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare)
+
+LOG = """noise
+step 1/4 | loss 12.1000 | lr 0.000e+00 | grad_norm 9.150 | 2,775 tok/s/GPU | MFU 2.5% | peak_mem 15.79 GiB
+step 2/4 | loss 12.0000 | lr 5.000e-05 | grad_norm 9.150 | 17,925 tok/s/GPU | MFU 16.4% | peak_mem 20.18 GiB
+step 3/4 | loss 11.9000 | lr 9.755e-05 | grad_norm 9.089 | 15,000 tok/s/GPU | MFU 13.0% | peak_mem 20.18 GiB
+step 4/4 | loss 11.8000 | lr 9.045e-05 | grad_norm 9.150 | 17,000 tok/s/GPU | MFU 15.0% | peak_mem 20.18 GiB
+"""
+
+
+def test_parse_and_render(capsys):
+    ours = compare.parse_steps(LOG)
+    assert ours == {"tokens_per_s_per_gpu": 16000, "mfu": 0.14, "peak_gib": 20.18, "loss": 11.8}
+    peer = compare.parse_result('x\nRESULT {"system": "accelerate-fsdp2", "tokens_per_s_per_gpu": 32000, '
+                                '"mfu": 0.29, "peak_gib": 34.6, "loss": 12.0}\n')
+    table = compare.render({"nd-adapter tp=2": ours, "accelerate-fsdp2": peer, "deepspeed-hf": None})
+    assert "16,000" in table and "0.50" in table and "failed" in table and "14.0%" in table
+    assert compare.main(["--dry-run", "--only", "fsdp2", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "torchrun --nproc-per-node=2 bench/peers.py accelerate-fsdp2" in out
+    assert "deepspeed --num_gpus=2 launch/train.py --config bench/configs/llama-3.2-1b-tp2.yaml" in out
+    assert compare.parse_steps("nothing") is None and compare.parse_result("") is None
