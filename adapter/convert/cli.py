@@ -1,0 +1,69 @@
+"""`nd-adapter convert {hf-to-megatron, megatron-to-hf, verify}`; heavy imports happen only when a verb runs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("convert", help="HF <-> Megatron-Core checkpoint conversion (streamed, any TP)")
+    verbs = p.add_subparsers(dest="verb", required=True, parser_class=type(p))
+    dtypes = ("bf16", "fp16", "fp32")
+
+    h = verbs.add_parser("hf-to-megatron", help="HF checkpoint dir -> Megatron torch_dist checkpoint")
+    h.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors or .bin)")
+    h.add_argument("--out", required=True, help="output checkpoint directory (created atomically)")
+    h.add_argument("--tp", type=int, default=1, help="TP size for on-disk chunking and vocab padding (loads at any tp)")
+    h.add_argument("--dtype", choices=dtypes, help="cast weights (default: keep the checkpoint's dtype)")
+    h.add_argument("--vocab-divisible-by", type=int, default=128,
+                   help="pad the vocab to a multiple of this times --tp (Megatron-LM's rule; default 128)")
+    h.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    h.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    m = verbs.add_parser("megatron-to-hf", help="Megatron checkpoint (from hf-to-megatron) -> HF checkpoint dir")
+    m.add_argument("--megatron", required=True, help="checkpoint directory written by hf-to-megatron")
+    m.add_argument("--out", required=True, help="output HF directory (created atomically)")
+    m.add_argument("--dtype", choices=dtypes, help="cast weights (default: keep the checkpoint's dtype)")
+    m.add_argument("--shard-size", default="5GB", help="max safetensors shard size (default 5GB)")
+    m.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    v = verbs.add_parser("verify", help="compare every tensor and the logits of an HF checkpoint and its conversion")
+    v.add_argument("--hf", required=True)
+    v.add_argument("--megatron", required=True)
+    v.add_argument("--no-logits", action="store_true", help="weights only (logits need both models in fp32 memory)")
+    v.add_argument("--seq-len", type=int, default=32)
+    v.add_argument("--atol", type=float, default=1e-5, help="max |delta logit| accepted (fp32)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from adapter.convert import ops
+
+    if args.verb == "hf-to-megatron":
+        out = ops.hf_to_megatron(args.hf, args.out, tp=args.tp, dtype=args.dtype,
+                                 vocab_divisible_by=args.vocab_divisible_by, overwrite=args.overwrite,
+                                 progress=not args.no_progress)
+        print(f"wrote Megatron checkpoint {out} (loads at any tp that divides its padded vocab)")
+        return 0
+    if args.verb == "megatron-to-hf":
+        out = ops.megatron_to_hf(args.megatron, args.out, dtype=args.dtype, shard_size=args.shard_size,
+                                 overwrite=args.overwrite, progress=not args.no_progress)
+        print(f"wrote HF checkpoint {out}")
+        return 0
+    report = ops.verify(args.hf, args.megatron, logits=not args.no_logits, seq_len=args.seq_len, atol=args.atol)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"tensors: {report['exact']}/{report['tensors']} bit-exact, "
+              f"max |delta weight| {report['max_abs_weight_diff']:.3g}")
+        for t in report["mismatched"]:
+            print(f"  differs: {t['name']} max |delta| {t['max_abs_diff']:.3g}")
+        if "max_abs_logit_diff" in report:
+            print(f"logits: max |delta| {report['max_abs_logit_diff']:.3g} (atol {report['atol']:g})")
+        print("OK" if report["ok"] else "MISMATCH")
+    return 0 if report["ok"] else 1
