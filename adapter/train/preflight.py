@@ -32,16 +32,29 @@ def check_checkpoint(cfg: RunConfig, arch: ModelArch) -> None:
                       f"{getattr(arch, k)} in {cfg.model.path}", "point model.path and model.checkpoint at the same model")
 
 
+def check_data(cfg: RunConfig) -> None:
+    """Read each file's first document: a wrong data.text_key or a non-JSON line is otherwise found by the workers,
+    after every process has started, and only once the token cache is being built inside checkpoint.dir."""
+    from adapter.train.data import TEXT_SUFFIXES, expand_files, iter_documents
+
+    for path in expand_files(cfg.data.files):
+        if path.suffix.lower() in TEXT_SUFFIXES:  # no key to get wrong; a first paragraph can be the whole file
+            continue
+        docs = iter_documents(path, cfg.data.text_key)
+        try:
+            next(docs, None)
+        finally:
+            docs.close()
+
+
 def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
     arch = load_arch(cfg.model.path)
     validate.check(cfg, arch)
     check_checkpoint(cfg, arch)
     if need_data and not cfg.data.synthetic:
-        from adapter.train.data import expand_files
-
         if not cfg.data.files:
             raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
-        expand_files(cfg.data.files)
+        check_data(cfg)
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
     return arch
