@@ -59,6 +59,13 @@ class ModelArch:
         return asdict(self)
 
 
+def padded_vocab_size(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Megatron-LM's rule: pad so every tp rank holds a multiple of `divisible_by` rows (zero rows on import,
+    dropped on export). One definition for the model builder, the converter and the memory model."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -157,4 +164,4 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     )
 
 
-__all__ = ["ModelArch", "load_arch", "arch_from_hf_dict", "config_path", "FAMILIES", "UserError"]
+__all__ = ["ModelArch", "load_arch", "padded_vocab_size", "arch_from_hf_dict", "config_path", "FAMILIES", "UserError"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from adapter.arch import ModelArch
+from adapter.arch import ModelArch, padded_vocab_size
 from adapter.config import RunConfig
 
 GIB = 2**30
@@ -22,12 +22,6 @@ GPUS: dict[str, tuple[int, float]] = {
     "a100-40gb": (40 * GIB, 312e12),
     "l40s": (48 * GIB, 362e12),
 }
-
-
-def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
-    """Megatron-LM's rule: pad so every tp rank holds a multiple of `divisible_by` rows."""
-    m = divisible_by * tp
-    return -(-vocab // m) * m
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,7 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128) -> Loc
     linear = h * (q + 2 * kv) + q * h + 3 * h * f       # qkv, proj, fc1 (gate+up), fc2
     bias = (q + 2 * kv) if arch.qkv_bias else 0
     norms = 2 * h + (2 * d if arch.qk_norm else 0)      # replicated across tp
-    vp = padded_vocab(arch.vocab_size, tp, vocab_divisible_by)
+    vp = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
     emb = vp * h // tp
     return LocalParams(layer=(linear + bias) // tp + norms, embedding=emb,
                        output=0 if arch.tie_embeddings else emb, final_norm=h)
@@ -120,7 +114,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     no_rc = L * one + 3 * layer_input                                    # + embedding out, final norm in/out
     full_rc = L * layer_input + one + 3 * layer_input                     # inputs kept, one layer recomputed
     acts = full_rc if cfg.recompute == "full" else no_rc
-    vp = padded_vocab(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
+    vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     logits = s * b * (vp // tp) * (pb + 4 + 4)                          # logits, fp32 copy, saved softmax
 
     during_step = weights + grads + optim + step_fp32_grad

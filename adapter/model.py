@@ -18,7 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from adapter import cpu_shims
-from adapter.arch import ModelArch
+from adapter.arch import ModelArch, padded_vocab_size
 from adapter.attention import SDPAttention, normalize_cp_comm_type
 from adapter.errors import bad
 
@@ -37,12 +37,6 @@ class RMSNorm(torch.nn.RMSNorm):
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
-
-
-def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's rule: pad to a multiple of divisible_by·tp (converters zero-pad rows, truncate on export)."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
 
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,

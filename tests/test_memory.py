@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from adapter import config, memory, traffic
-from adapter.arch import arch_from_hf_dict
+from adapter.arch import arch_from_hf_dict, padded_vocab_size
 from adapter.layout import Layout
 
 # hidden 64, 4 heads × 16, 2 KV heads, ffn 128, 2 layers, vocab 1000, untied
@@ -20,8 +20,8 @@ def cfg(**over):
 
 
 def test_padded_vocab_and_local_params():
-    assert memory.padded_vocab(1000, 2, 128) == 1024          # multiple of 128·2
-    assert memory.padded_vocab(128256, 8, 128) == 129024
+    assert padded_vocab_size(1000, 2, 128) == 1024          # multiple of 128·2
+    assert padded_vocab_size(128256, 8, 128) == 129024
     lp = memory.local_params(TINY, tp=2)
     # linear per layer: 64·(64+2·32) + 64·64 + 3·64·128 = 36864 -> /tp = 18432, + 2 norms of 64 = 18560
     assert lp.layer == 18560
