@@ -27,6 +27,17 @@ class DeepSpeedMPU:
     def get_data_parallel_rank(self) -> int:
         return dist.get_rank(self._partition)
 
+    # DeepSpeed's "sequence data parallel" world sizes its checkpoint bookkeeping (how many ZeRO shard files a
+    # save writes and a load reads): it must be the partition group, which includes cp ranks.
+    def get_sequence_data_parallel_group(self):
+        return self._partition
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._partition)
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._partition)
+
     # model parallel == tensor parallel (no pipeline stages)
     def get_model_parallel_group(self):
         return self._tp

@@ -1,10 +1,10 @@
 """Conversion benchmark (not run in CI): Llama-3.1-8B-shaped random bf16 checkpoint -> Megatron tp=2 -> HF.
 
-Measures wall time and GB/s of each direction against a plain copy of the same bytes in the same run
-(`shutil.copyfile`, plus copy+fsync since the converter fsyncs before its atomic rename), the converters' peak RSS
-(each runs in its own child process, which reports its ru_maxrss), and checks the round trip is bit-exact.
+Measures wall time and GB/s of each direction against copies of the same input in the same run, alternated with
+the conversions (`shutil.copyfile`, and copy+fsync since the converters fsync before their atomic rename), the
+converters' peak RSS (each runs in its own interpreter and reports its VmHWM), and checks the round trip is bit-exact.
 
-    python bench/convert_bench.py --dir /tmp/convbench            # full size: ~16 GB per copy, ~50 GB of disk
+    python bench/convert_bench.py --dir /tmp/convbench --repeat 2   # full size: 16 GB per copy, ~50 GB of disk
     python bench/convert_bench.py --dir /tmp/convbench --scale 0.05  # smoke run, seconds
 """
 from __future__ import annotations
@@ -156,10 +156,10 @@ def main() -> None:
         def direction(inp: Path, out: Path, code: str) -> dict:
             plain, sync, conv = [], [], []
             for i in range(args.repeat):
+                if out.exists():  # before the copies: keeps the disk peak at 3x the model
+                    shutil.rmtree(out)
                 plain.append(copy_s(inp, False))
                 sync.append(copy_s(inp, True))
-                if out.exists():
-                    shutil.rmtree(out)
                 conv.append(child(code))
             sync.append(copy_s(inp, True))
             walls, rss = [w for w, _, _ in conv], max(r for _, _, r in conv)

@@ -1,4 +1,6 @@
-"""HF <-> Megatron conversion in one process: round trips, layout, streaming, bad inputs (logits: test_convert_parity)."""
+"""HF <-> Megatron conversion in one process: round trips, layout, streaming, bad inputs.
+
+Logits parity at tp 1/2/4 lives in test_convert_parity.py."""
 from __future__ import annotations
 
 import json
@@ -44,7 +46,8 @@ def make_hf(case: str, path: Path, dtype=torch.float32, seed: int = 0, shard: st
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path, max_shard_size=shard or "5GB")
     if not safe:  # transformers 5 writes only safetensors; make the legacy pytorch_model.bin layout by hand
-        sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+        sd = {k: v.clone() for k, v in model.state_dict().items()
+              if k != "lm_head.weight" or not cfg.tie_word_embeddings}
         for f in list(path.glob("model*.safetensors*")):
             f.unlink()
         torch.save(sd, path / "pytorch_model.bin")

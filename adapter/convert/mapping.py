@@ -143,12 +143,6 @@ def table_for(arch: ModelArch, table: Sequence[Rule] | None = None) -> list[Rule
     return [r for r in rules if r.applies(arch)]
 
 
-def padded_vocab_size(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
-    """Megatron-LM rule: round up to a multiple of divisible_by * tp (so also of every smaller power-of-two tp)."""
-    m = divisible_by * tp
-    return -(-vocab // m) * m
-
-
 def hf_shape(spec: str, arch: ModelArch) -> tuple[int, ...]:
     sym = {"h": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
            "f": arch.ffn_hidden_size, "v": arch.vocab_size, "d": arch.head_dim}

@@ -14,16 +14,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from adapter.arch import ModelArch, load_arch
+from adapter.arch import ModelArch, load_arch, padded_vocab_size
 from adapter.convert import hf_io, megatron_io as mio, rows
-from adapter.convert.mapping import (EXTRA_STATE, IGNORED_HF, OPS, Ctx, Rule, check_tp, hf_shape, padded_vocab_size,
-                                     table_for)
+from adapter.convert.mapping import EXTRA_STATE, IGNORED_HF, OPS, Ctx, Rule, check_tp, hf_shape, table_for
 from adapter.convert.rows import megatron_shape
 from adapter.convert.outdir import atomic_dir, check_target
 from adapter.errors import UserError, bad
 
 FORMAT = "nd-adapter/megatron-torch_dist"
 BLOCK = 256 << 20  # export reads and holds HF tensors in row blocks of at most this many bytes
+
+
+def _hf_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise bad("hf", str(path), "not an HF checkpoint directory (no config.json)",
+                  "point --hf at the directory holding config.json and the weights")
+    return p
 
 
 def _layers(rule: Rule, arch: ModelArch) -> Sequence[int | None]:
@@ -42,7 +49,8 @@ def _check_hf(hf: hf_io.HFCheckpoint, arch: ModelArch, rules: list[Rule], dtype:
                     raise bad("hf", str(hf.dir), f"tensor {name} is missing but config.json implies it",
                               "use the config.json that belongs to these weights (or a complete checkpoint)")
                 if hf.shape(name) != want:
-                    raise bad(name, list(hf.shape(name)), f"shape disagrees with config.json, which implies {list(want)}",
+                    raise bad(name, list(hf.shape(name)),
+                              f"shape disagrees with config.json, which implies {list(want)}",
                               "use the config.json that belongs to these weights")
                 expected.add(name)
             kinds = {hf.dtype(n) for n in names}
@@ -118,7 +126,7 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, *, dtyp
     the checkpoint's dtype. `table` overrides the architecture's mapping table (tests use it for negative controls).
     Layout: OUT/latest_checkpointed_iteration.txt ("release"), OUT/release/ (torch_dist), OUT/hf/, OUT/nd_adapter.json.
     """
-    hf_dir = Path(hf_dir)
+    hf_dir = _hf_dir(hf_dir)
     arch = load_arch(hf_dir)
     check_tp(arch, tp)
     if isinstance(vocab_divisible_by, bool) or not isinstance(vocab_divisible_by, int) or vocab_divisible_by < 1:
@@ -260,7 +268,7 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, *, logits: bool = True,
     Weights are compared after the inverse transform, in the HF checkpoint's dtype (exact unless --dtype changed
     precision). Logits need both models in memory (fp32), so pass logits=False for large models on small hosts.
     """
-    hf = hf_io.HFCheckpoint(hf_dir)
+    hf = hf_io.HFCheckpoint(_hf_dir(hf_dir))
     root, meta, arch, reader, rules, ctx = _megatron_side(megatron_dir, table)
     if dataclasses.replace(load_arch(hf_dir), torch_dtype="") != dataclasses.replace(arch, torch_dtype=""):
         raise bad("hf", str(hf_dir), "config.json differs from the one stored with the Megatron checkpoint",
@@ -350,15 +358,15 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True
                   f"{meta['padded_vocab_size']})")
     stored = mio.DistCheckpointReader(path).md.state_dict_metadata
     sd = model.sharded_state_dict()
-    skipped = []
     for k, v in list(sd.items()):
         if isinstance(v, ShardedObject) and v.unique_key not in stored:
-            skipped.append(sd.pop(k))  # e.g. TE's extra state, absent from a local-spec conversion
+            del sd[k]  # e.g. TE's extra state, absent from a local-spec conversion
         elif isinstance(v, ShardedTensor) and v.key not in stored:
             raise bad("megatron", str(path), f"checkpoint lacks {v.key}, which the model has",
                       "build the model with the checkpoint's architecture (nd_adapter.json / hf/config.json)")
         elif isinstance(v, ShardedTensor) and not v.allow_shape_mismatch and tuple(stored[v.key].size) != v.global_shape:
-            raise bad(v.key, list(stored[v.key].size), f"checkpoint shape differs from the model's {list(v.global_shape)}",
+            raise bad(v.key, list(stored[v.key].size),
+                      f"checkpoint shape differs from the model's {list(v.global_shape)}",
                       "build the model with the checkpoint's architecture (nd_adapter.json / hf/config.json)")
     try:
         state = dist_checkpointing.load(sd, str(path))
