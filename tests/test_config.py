@@ -132,6 +132,13 @@ def test_rule_seq_vs_cp():
     validate.check(*_cfg_arch(cp=2, tp=4, seq=2052, sp=False))
 
 
+def test_rule_document_mask_needs_cp1():
+    cfg, arch = _cfg_arch(cp=2)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"document_mask": True})})
+    with pytest.raises(UserError, match="data.document_mask=True: .*context parallelism"):
+        validate.check(cfg, arch)
+
+
 def test_rule_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(UserError, match="architectures='GPT2LMHeadModel': unknown model architecture. Fix: use one of"):

@@ -38,20 +38,30 @@ def run_config(demo, shape, steps=10, **over):
     return config.with_grad_accum(config.build(raw, env={}, world_size=4))
 
 
+MASKED = {"dp_shard=4 +document_mask": ((1, 4, 1, 1), {"data.document_mask": True}),
+          "tp=2,dp_shard=2 +document_mask": ((1, 2, 1, 2), {"data.document_mask": True})}
+
+
 def _parity_worker(rank, world, demo):
     from adapter.train.loop import init_distributed, run
 
     init_distributed()
     return {name: run(run_config(demo, shape, **over), log=lambda s: None).losses
-            for name, (shape, over) in LAYOUTS.items()}
+            for name, (shape, over) in (LAYOUTS | MASKED).items()}
 
 
 def test_loss_parity_across_layouts(demo):
     results = run_workers(_parity_worker, 4, demo, timeout=900)
-    curves = results[0]
+    curves = dict(results[0])
     ref = curves["dp_shard=4"]
     assert len(ref) == 10 and ref[-1] < ref[0] - 0.05, ref  # it learns
+    masked = [curves.pop(name) for name in MASKED]
+    assert max(abs(a - b) for a, b in zip(*masked)) < 2e-5, masked   # document masking is layout-independent too
+    assert masked[0] != ref                                             # and it changes what the model sees
     for name, losses in curves.items():
         diff = max(abs(a - b) for a, b in zip(ref, losses))
         assert diff < 2e-5, f"{name} differs from dp_shard=4 by {diff}: {losses} vs {ref}"
-    assert all(r == results[0] for r in results)  # every rank logs the same global loss
+    for r, other in enumerate(results[1:], 1):  # every rank logs the same global loss
+        for name in other:
+            gap = max(abs(a - b) for a, b in zip(other[name], results[0][name]))
+            assert gap < 1e-9, f"rank {r} logs {name} differently from rank 0 by {gap}"

@@ -206,7 +206,7 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
             elif rank == 0:
                 log(f"no checkpoint in {cfg.checkpoint.dir}: starting from step 0")
         result.start_step = start
-        from adapter.train.data import build_batches
+        from adapter.train.data import build_batches, document_attention_mask
 
         it = build_batches(dataset, sampler)
         cp_rank = layout.coords(rank)[Axis.CP]
@@ -224,7 +224,8 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
             stats = torch.zeros(2, dtype=torch.float64, device=device)  # sum of micro-batch mean losses, count
             for _ in range(ga):
                 batch, ntok = _next_batch(it, layout, cp_rank, device)
-                per_token = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                mask = document_attention_mask(batch["segment_ids"]) if cfg.data.document_mask else None
+                per_token = engine(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
                 local = (per_token.float() * batch["loss_mask"]).sum() / ntok
                 engine.backward(local * layout.cp)
                 if engine.is_gradient_accumulation_boundary():
