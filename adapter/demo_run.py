@@ -195,7 +195,7 @@ def stage_build(out: Path, s: Settings) -> dict:
     print(f"  model/  LlamaForCausalLM hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads "
           f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} kv, ffn {cfg['intermediate_size']}, vocab "
           f"{cfg['vocab_size']}, random weights (seed 0)")
-    print(f"  tokenizer/  byte-level BPE trained on adapter/assets/genesis_kjv.txt")
+    print("  tokenizer/  byte-level BPE trained on adapter/assets/genesis_kjv.txt")
     print(f"  data/genesis.jsonl  {n_docs} documents (one per chapter)")
     return {k: str(v.relative_to(out)) for k, v in paths.items()}
 

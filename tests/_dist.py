@@ -1,4 +1,5 @@
-"""Run a function in N fresh gloo processes (spawned, so no torch/deepspeed state leaks into pytest).
+"""Run a function in N fresh gloo processes (spawned, so no torch/deepspeed state leaks into pytest; not daemons,
+since torch_dist checkpoint writers start child processes of their own).
 
 `fn(rank, world, *args)` must be a module-level function (spawn pickles it by reference). Its return values come
 back in rank order; an exception in any rank fails the caller with that rank's traceback.
@@ -37,7 +38,7 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180) -> l
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, q), daemon=False) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

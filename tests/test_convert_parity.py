@@ -63,7 +63,6 @@ def converted(tmp_path_factory):
 
 def _worker(rank: int, world: int, cases, tokens, save_dir):
     """Every TP size in one spawn (imports dominate on 2 cores): world 4 = tp 1 x dp 4, tp 2 x dp 2, tp 4."""
-    import multiprocessing as mp
 
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state as ps
@@ -88,12 +87,7 @@ def _worker(rank: int, world: int, cases, tokens, save_dir):
                 with torch.no_grad():  # numpy: torch tensors would need fd passing back to the parent
                     out[tp, name] = forward_logits(model, tokens, vocab_size=arch.vocab_size).numpy()
                 if tp == 2 and name == "llama":  # Megatron's own save of the same weights, to compare formats
-                    cfg = mp.current_process()._config  # its writer starts a Manager; _dist workers are daemons
-                    daemon, cfg["daemon"] = cfg.get("daemon"), False
-                    try:
-                        dist_checkpointing.save(model.sharded_state_dict(), save_dir)
-                    finally:
-                        cfg["daemon"] = daemon
+                    dist_checkpointing.save(model.sharded_state_dict(), save_dir)
             ps.destroy_model_parallel()
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,6 @@
 """The CPU shims still match the installed megatron-core: fail loudly after an upgrade instead of mis-running."""
 from __future__ import annotations
 
-import multiprocessing
 import types
 
 import torch
@@ -55,8 +54,6 @@ def _gpt_worker(rank, world, ckpt_dir):
         losses.append(loss.item())
     assert losses[0] == losses[1]
 
-    # tests/_dist.py starts daemonic workers; torch_dist's async writer starts a multiprocessing Manager.
-    multiprocessing.current_process()._config["daemon"] = False
     dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
     torch.manual_seed(1)
     fresh = build_gpt_model(arch)

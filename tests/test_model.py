@@ -45,7 +45,7 @@ def hf_model(family: str, **over):
 def copy_hf_to_megatron(hf, model, arch, tp: int, rank: int) -> None:
     """NOTES' HF->GPTModel mapping, sliced for TP rank `rank` (local helper; adapter/convert owns the real one)."""
     sd = hf.state_dict()
-    h, d, ng = arch.hidden_size, arch.head_dim, arch.num_kv_heads
+    d, ng = arch.head_dim, arch.num_kv_heads
     hpg = arch.num_heads // ng
     padded = model.vocab_size
 

@@ -13,7 +13,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from adapter import ds_config, mcore, validate
 from adapter.arch import ModelArch, load_arch
