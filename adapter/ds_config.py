@@ -22,6 +22,14 @@ def partition_size(cfg: RunConfig, layout: Layout) -> int:
     return layout.size("dp_cp")
 
 
+def zero_stage(cfg: RunConfig, layout: Layout) -> int:
+    """ZeRO-3 whenever there is something to shard; a shard group of one (tp/cp-only layouts without replicas)
+    would only pay ZeRO-3's per-module gather hooks, so it runs DeepSpeed's plain (stage 0) optimizer instead."""
+    if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
+        return 0
+    return 3
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.overrides") -> dict[str, Any]:
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
@@ -35,7 +43,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.ov
 
 def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     o, d = cfg.optimizer, cfg.deepspeed
-    zero: dict[str, Any] = {
+    stage = zero_stage(cfg, layout)
+    zero: dict[str, Any] = {"stage": 0} if stage == 0 else {
         "stage": 3,
         "overlap_comm": d.overlap_comm,
         "contiguous_gradients": True,

@@ -231,7 +231,7 @@ def _check_match(engine, model_states: Path, key: str, value: str) -> None:
         here = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}
     else:
         saved = {k: tuple(v.shape) for k, v in (meta.get("module") or {}).items() if hasattr(v, "shape")}
-        here = {k: tuple(v.shape) for k, v in engine.module.state_dict().items()}
+        here = {k: tuple(v.shape) for k, v in engine.module.state_dict().items() if hasattr(v, "shape")}
     diffs = [f"{k}: {saved.get(k, 'missing')} there, {here.get(k, 'missing')} here"
              for k in sorted(saved.keys() | here.keys()) if saved.get(k) != here.get(k)]
     if diffs:
