@@ -23,10 +23,11 @@ def partition_size(cfg: RunConfig, layout: Layout) -> int:
 
 
 def zero_stage(cfg: RunConfig, layout: Layout) -> int:
-    """ZeRO-3 whenever there is something to shard; a shard group of one (tp/cp-only layouts without replicas)
-    would only pay ZeRO-3's per-module gather hooks, so it runs DeepSpeed's plain (stage 0) optimizer instead."""
+    """ZeRO-3 whenever there is something to shard. A shard group of one (tp-only layouts without replicas) would
+    only pay ZeRO-3's per-module gather hooks, so it runs stage 1 (nothing to partition either way). Not stage 0:
+    DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong."""
     if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
-        return 0
+        return 1
     return 3
 
 
@@ -44,7 +45,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.ov
 def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     o, d = cfg.optimizer, cfg.deepspeed
     stage = zero_stage(cfg, layout)
-    zero: dict[str, Any] = {"stage": 0} if stage == 0 else {
+    zero: dict[str, Any] = {"stage": stage} if stage < 3 else {
         "stage": 3,
         "overlap_comm": d.overlap_comm,
         "contiguous_gradients": True,

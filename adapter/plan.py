@@ -225,8 +225,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                             explanation=EXPLAIN[cfg.deepspeed.replicate_mode] if layout.dp_replicate > 1 else
                             "ZeRO-3 shards params, grads and optimizer states over dp_shard×cp"
                             if ds_config.zero_stage(cfg, layout) == 3 else
-                            "nothing to shard (dp_shard×cp = 1): DeepSpeed's plain optimizer (ZeRO stage 0), "
-                            "gradient clipping across TP",
+                            "nothing to shard (dp_shard×cp = 1): ZeRO stage 1 over a group of one, which skips "
+                            "ZeRO-3's per-module gather hooks; gradient clipping across TP",
                             config=ds_config.build(cfg, layout)),
         batch=Batch(micro_batch_size=cfg.batch.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
                     data_parallel_size=dp, global_batch_size=cfg.global_batch,

@@ -57,3 +57,11 @@ def test_zero3_traffic_by_hand():
     assert rows["dp_shard_cp"].bytes_per_step == 3 * 102720
     # TP: (4·2 + 2) collectives × 2 × (2·32·2·64 bytes) × 1/2
     assert rows["tp"].bytes_per_step == 10 * 2 * 8192 // 2
+
+
+def test_zero_stage_only_when_there_is_something_to_shard():
+    from adapter import ds_config
+
+    tp_only = cfg(**{"parallelism.dp_shard_size": 1})
+    assert ds_config.build(tp_only, Layout(1, 1, 1, 2))["zero_optimization"] == {"stage": 1}
+    assert ds_config.build(cfg(), Layout(1, 2, 1, 2))["zero_optimization"]["stage"] == 3

@@ -65,3 +65,23 @@ def test_loss_parity_across_layouts(demo):
         for name in other:
             gap = max(abs(a - b) for a, b in zip(other[name], results[0][name]))
             assert gap < 1e-9, f"rank {r} logs {name} differently from rank 0 by {gap}"
+
+
+def _grad_norm_worker(rank, world, demo):
+    from adapter.train.loop import init_distributed, run
+
+    init_distributed()
+    norms = {}
+    for name, shape in {"dp_shard=4 (ZeRO-3)": (1, 4, 1, 1), "tp=4 (ZeRO-1, nothing to shard)": (1, 1, 1, 4)}.items():
+        lines = []
+        run(run_config(demo, shape, steps=2, precision="bf16", **{"optimizer.clip_grad": 100.0}), log=lines.append)
+        norms[name] = [float(line.split("grad_norm ")[1].split()[0]) for line in lines]
+    return norms
+
+
+def test_bf16_grad_norm_counts_tp_shards_once(demo):
+    """The norm that clipping uses must not depend on the layout (DeepSpeed's bf16 stage-0 optimizer got it wrong
+    by √tp, which is why tp-only layouts run ZeRO stage 1)."""
+    norms = run_workers(_grad_norm_worker, 4, demo, timeout=600)[0]
+    ref, tp = norms.values()
+    assert all(abs(a - b) / a < 0.01 for a, b in zip(ref, tp)), norms
