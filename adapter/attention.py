@@ -90,13 +90,27 @@ def _all_gather_attention(q, k, v, scale, group, dropout_p):
 
 
 # ---- ring (p2p): block kernels that also return the log-sum-exp, and their exact backward given the global out/lse.
-# CPU only for now: on H200 (torch 2.11) the CUDA efficient-attention backward called this way hit an illegal memory
-# access from 8k local tokens up (fine at 1k-4k), and the flash backward wants undefined tensors Python cannot pass.
+# CUDA: torch's FlashAttention-2 ops (native GQA, so K/V travel with their own head count; bf16/fp16 only). Their
+# backward takes "undefined" cum_seq/rng tensors for dense batches, which Python passes as None. (The efficient-
+# attention ops were tried first and hit an illegal memory access in backward from 8k local tokens on H200.)
+# CPU: torch's flash-for-CPU ops, which want equal head counts.
 def _block_fwd(q, k, v, causal, scale):
+    """[b, h, s, d] blocks -> (out [b, h, sq, d], lse [b, h, sq] fp32)."""
+    if q.is_cuda:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.size(2), k.size(2), 0.0, causal,
+            False, scale=scale)
+        return out.transpose(1, 2), lse
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
 def _block_bwd(dout, q, k, v, out, lse, causal, scale):
+    """dq, dk, dv of one block, given the merged (global) out and lse of its query rows."""
+    if q.is_cuda:
+        t = [x.transpose(1, 2) for x in (dout, q, k, v, out)]
+        grads = torch.ops.aten._flash_attention_backward(*t, lse, None, None, q.size(2), k.size(2), 0.0, causal,
+                                                         None, None, scale=scale)
+        return [g.transpose(1, 2) for g in grads]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
@@ -189,17 +203,18 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _p2p_on_gpu():
-    return bad("cp_comm_type", "p2p", "the ring (p2p) attention kernels are verified on CPU only",
-               "use cp_comm_type='all_gather' (Accelerate 'allgather') on GPUs")
+def _p2p_dtype_error(dtype):
+    return bad("precision", str(dtype).removeprefix("torch."),
+               "the GPU ring (cp_comm_type='p2p') runs FlashAttention kernels, which take bf16/fp16 only",
+               "train in bf16, or use cp_comm_type='all_gather'")
 
 
 def _p2p_attention(q, k, v, scale, group):
     """q/k/v: [s_local, b, heads, d]. Returns [b, heads, s_local, d]."""
-    if q.device.type != "cpu":
-        raise _p2p_on_gpu()
+    if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+        raise _p2p_dtype_error(q.dtype)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if k.size(1) != q.size(1):  # the block kernels want equal head counts
+    if not q.is_cuda and k.size(1) != q.size(1):  # the CPU block kernels want equal head counts
         rep = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, group)
@@ -228,8 +243,9 @@ class SDPAttention(MegatronModule):
         self.cp_group = getattr(pg_collection, "cp", None)
         self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
         self.cp_comm_type = normalize_cp_comm_type(cp_comm_type)
-        if self.cp_size > 1 and self.cp_comm_type == "p2p" and torch.cuda.is_available():
-            raise _p2p_on_gpu()  # fail at build time, not at the first step
+        if (self.cp_size > 1 and self.cp_comm_type == "p2p" and torch.cuda.is_available()
+                and config.params_dtype not in (torch.bfloat16, torch.float16)):
+            raise _p2p_dtype_error(config.params_dtype)  # fail at build time, not at the first step
         self.attn_mask_type = attn_mask_type
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout

@@ -29,6 +29,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, help="number of nodes")
     p.add_argument("--gpus-per-node", type=int, help="GPUs (processes) per node")
     p.add_argument("--gpu", help="GPU kind for the memory check (h100-80gb, h200, a100-80gb, a100-40gb, l40s)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. seq_len=8192")
 
 
 def cmd_plan(args) -> int:
@@ -39,7 +40,8 @@ def cmd_plan(args) -> int:
     world = args.nodes * args.gpus_per_node if args.gpus_per_node is not None and args.nodes is not None else None
     if world is None and args.gpus_per_node is not None:
         world = args.gpus_per_node
-    cfg = config.load(args.config, overrides=_world_overrides(args), world_size=world)
+    cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **_world_overrides(args)},
+                      world_size=world)
     doc = plan.build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
     if args.format == "json":
         print(doc.model_dump_json(indent=2))
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
         p.add_argument("--max-steps", type=int, help="override optimizer.max_steps")
         if name == "train":
+            p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
             p.add_argument("--nproc", type=int, help="processes to start (default: the config's world size)")
         else:
             p.add_argument("--steps", type=int, default=4, help="steps to rehearse")

@@ -59,6 +59,8 @@ class ModelSection(_Strict):
     checkpoint: str | None = Field(None, description="converted Megatron checkpoint (nd-adapter convert) to train from")
     attention: Literal["sdpa", "local", "te"] = "sdpa"
     vocab_divisible_by: StrictInt = Field(128, ge=1)
+    fused_kernels: bool | None = Field(
+        None, description="Megatron's TE-free fused SwiGLU and cross-entropy (torch.compile); default: on GPUs")
 
 
 class BatchSection(_Strict):
@@ -109,6 +111,16 @@ class LoggingSection(_Strict):
     every: StrictInt = Field(1, ge=1)
     tensorboard: str | None = None
     wandb_project: str | None = None
+    profile_steps: tuple[StrictInt, StrictInt] | None = Field(
+        None, description="[first, last] step (inclusive) to record with the torch profiler")
+    profile_dir: str = Field("profile", description="where profiler traces and op tables go")
+    profile_ranks: list[StrictInt] = Field(default_factory=lambda: [0], description="global ranks to profile")
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> "LoggingSection":
+        if self.profile_steps and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError("logging.profile_steps must be [first, last] with 1 <= first <= last")
+        return self
 
 
 class HardwareSection(_Strict):
@@ -404,6 +416,20 @@ def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunCon
     model = cfg.model.model_copy(update={"path": fix(cfg.model.path), "checkpoint": fix(cfg.model.checkpoint)})
     data = cfg.data.model_copy(update={"files": [fix(f) for f in cfg.data.files]})
     return cfg.model_copy(update={"model": model, "data": data})
+
+
+def parse_sets(items: list[str] | None) -> dict[str, Any]:
+    """`--set key.path=value` command-line overrides (native key names; values read as YAML, so 1e-4, true, [4, 6])."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+            raise bad("--set", item, "expected key.path=value", "write e.g. --set optimizer.lr=1e-4")
+        try:
+            out[key.strip()] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise bad("--set", item, "the value is not valid YAML", "quote it, e.g. --set 'logging.profile_dir=/tmp/p'")
+    return out
 
 
 def load(path: str | Path, **kw: Any) -> RunConfig:

@@ -74,7 +74,8 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         "gradient_clipping": o.clip_grad,
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {
-            "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True}},
+            "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True,
+            "fused": True}},
         "scheduler": scheduler,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

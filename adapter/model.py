@@ -42,8 +42,13 @@ class RMSNorm(torch.nn.RMSNorm):
 def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
                        params_dtype: torch.dtype = torch.float32, bf16: bool = False,
                        recompute: Literal["full", "selective"] | None = None, cp_comm_type: str | None = None,
-                       **overrides) -> TransformerConfig:
-    """TransformerConfig for `arch` at this run's tp/cp. `overrides` go straight to TransformerConfig."""
+                       fused_kernels: bool = False, **overrides) -> TransformerConfig:
+    """TransformerConfig for `arch` at this run's tp/cp. `overrides` go straight to TransformerConfig.
+
+    `fused_kernels`: Megatron's SwiGLU and vocab-parallel cross-entropy fusions, which need no TransformerEngine
+    (Megatron builds them with torch.compile); the unfused versions make several passes over the FFN activations
+    and the fp32 logits. The fused cross-entropy returns its logits gradient in bf16 whatever the input dtype, so it
+    is used for bf16 models only (where autograd rounds the unfused gradient to bf16 as well)."""
     if sequence_parallel and tp == 1:
         sequence_parallel = False  # Megatron refuses SP without TP; it would be a no-op anyway
     kw = dict(
@@ -53,6 +58,9 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        bias_activation_fusion=fused_kernels,
+        cross_entropy_loss_fusion=fused_kernels and params_dtype == torch.bfloat16,
+        cross_entropy_fusion_impl="native",
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
         cp_comm_type=normalize_cp_comm_type(cp_comm_type) if cp > 1 else None,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=bf16,

@@ -29,3 +29,21 @@ def test_parse_and_render(capsys):
     assert "torchrun --nproc-per-node=2 bench/peers.py accelerate-fsdp2" in out
     assert "deepspeed --num_gpus=2 launch/train.py --config bench/configs/llama-3.2-1b-tp2.yaml" in out
     assert compare.parse_steps("nothing") is None and compare.parse_result("") is None
+
+
+def test_trace_summary_on_a_synthetic_trace():
+    spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "bench/trace_summary.py")
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    k = lambda name, t, d, tid=7: {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": d, "tid": tid}  # noqa
+    events = [{"ph": "X", "cat": "user_annotation", "name": "nd.forward", "ts": 0, "dur": 400},
+              {"ph": "X", "cat": "user_annotation", "name": "nd.backward", "ts": 400, "dur": 600},
+              k("sm90_xmma_gemm_bf16", 100, 200), k("flash_fwd_kernel", 300, 50),
+              k("ncclDevKernel_AllGather", 250, 300, tid=9), k("triton_poi_fused_silu", 700, 100)]
+    s = ts.summarize(events)
+    assert s["window_ms"] == 1.0 and s["gpu_busy_ms"] == 0.55  # union: [100,550] and [700,800]
+    assert s["families_ms"] == {"nccl": 0.3, "gemm": 0.2, "fused (triton)": 0.1, "attention": 0.05}
+    assert s["phases_gpu_ms"] == {"nd.forward": 0.25, "nd.backward": 0.1}  # compute stream = tid 7
+    text = ts.render(s)
+    assert "GPU busy 0.6 ms (55%)" in text and "sm90_xmma_gemm_bf16" in text
+    assert ts.summarize([]) == {"error": "no GPU kernels in this trace"}

@@ -114,13 +114,16 @@ def _resume_worker(rank, world, tiny, root):
 
     init_distributed()
 
-    def load(name):
-        return config.with_grad_accum(config.build(raw_config(tiny, Path(root) / name), env={}, world_size=world))
+    def load(name, **over):
+        return config.with_grad_accum(config.build(raw_config(tiny, Path(root) / name, **over), env={},
+                                                   world_size=world))
 
     def listing():  # (DeepSpeed also drops its zero_to_*.py helper scripts there)
         return sorted(p.name for p in (Path(root) / "crashed").iterdir() if not p.name.endswith(".py"))
 
-    whole = run(load("whole"), log=lambda s: None)
+    # the uninterrupted run is also profiled (steps 2-3, ranks 0 and 3): profiling must not change the numbers
+    whole = run(load("whole", **{"logging.profile_steps": [2, 3], "logging.profile_ranks": [0, 3],
+                                 "logging.profile_dir": f"{root}/prof"}), log=lambda s: None)
     seen: list[float] = []
     undo = _crash_at_save(6)
     try:
@@ -148,3 +151,12 @@ def test_crash_during_save_then_resume_matches_uninterrupted_run(tiny, tmp_path)
     assert r["start"] == 4  # the last complete checkpoint, not the torn one
     assert r["resumed"] == whole[4:], (r["resumed"], whole[4:])  # bit-identical on CPU
     assert r["latest"] == "global_step8" and r["after"] == ["global_step6", "global_step8", "latest"], r["after"]
+    prof = tmp_path / "prof"
+    assert sorted(p.name for p in prof.iterdir()) == ["ops-rank0.txt", "ops-rank3.txt", "trace-rank0.json.gz",
+                                                       "trace-rank3.json.gz"]
+    import gzip
+    import json
+
+    events = json.load(gzip.open(prof / "trace-rank0.json.gz", "rt"))["traceEvents"]
+    phases = sorted(e["name"] for e in events if str(e.get("name", "")).startswith("nd."))
+    assert phases == ["nd.backward"] * 2 + ["nd.forward"] * 2 + ["nd.step"] * 2, phases  # steps 2 and 3 only

@@ -57,9 +57,11 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
 
 
 def main(args) -> int:
-    cfg = config.load(args.config, world_size=args.nproc)
+    cfg = config.load(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
     preflight(cfg, resume=args.resume)
     worker_args = ["--config", args.config] + (["--resume"] if args.resume else [])
+    for item in args.set or []:
+        worker_args += ["--set", item]
     if args.max_steps is not None:
         worker_args += ["--max-steps", str(args.max_steps)]
     return spawn(args.nproc or cfg.world_size, worker_args)

@@ -92,7 +92,9 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: mcore.
                             params_dtype=dtype, attention=cfg.model.attention,
                             max_sequence_length=max(cfg.seq_len, arch.max_position_embeddings),
                             recompute=None if cfg.recompute == "none" else cfg.recompute,
-                            cp_comm_type=cfg.parallelism.cp_comm_type)
+                            cp_comm_type=cfg.parallelism.cp_comm_type,
+                            fused_kernels=torch.cuda.is_available() if cfg.model.fused_kernels is None
+                            else cfg.model.fused_kernels)
     if cfg.model.checkpoint:
         from adapter.convert.ops import load_megatron_checkpoint
 
@@ -179,8 +181,11 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
     import torch
     import torch.distributed as dist
 
+    from torch.profiler import record_function
+
     from adapter.train import checkpoint as ckpt
     from adapter.train import metrics
+    from adapter.train.profile import StepProfiler
 
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = arch or _arch_for(cfg)
@@ -217,19 +222,25 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
         sink = metrics.MetricsSink(rank, tensorboard_dir=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                                    config=cfg.model_dump(mode="json"))
         save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if layout.dp_replicate > 1 else None
+        lg = cfg.logging
+        prof = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
         engine.train()
         for step in range(start + 1, max_steps + 1):
+            prof.begin(step)
             t0 = time.perf_counter()
             stats = torch.zeros(2, dtype=torch.float64, device=device)  # sum of micro-batch mean losses, count
             for _ in range(ga):
                 batch, ntok = _next_batch(it, layout, cp_rank, device)
                 mask = document_attention_mask(batch["segment_ids"]) if cfg.data.document_mask else None
-                per_token = engine(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
-                local = (per_token.float() * batch["loss_mask"]).sum() / ntok
-                engine.backward(local * layout.cp)
-                if engine.is_gradient_accumulation_boundary():
-                    _sync_replicas(engine, mpu, layout)
-                engine.step()
+                with record_function("nd.forward"):
+                    per_token = engine(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
+                    local = (per_token.float() * batch["loss_mask"]).sum() / ntok
+                with record_function("nd.backward"):
+                    engine.backward(local * layout.cp)
+                    if engine.is_gradient_accumulation_boundary():
+                        _sync_replicas(engine, mpu, layout)
+                with record_function("nd.step"):
+                    engine.step()
                 stats += torch.stack([local.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
             dist.all_reduce(stats, group=dp_cp)  # cp ranks hold slices of one sample's mean: their sum is it
             loss = float(stats[0] / (stats[1] / layout.cp))
@@ -248,6 +259,7 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
                                             total_steps=max_steps))
                 sink.log(step, {"loss": loss, "lr": lr, "grad_norm": None if gn is None else float(gn),
                                 "tokens_per_s_per_gpu": tps, "mfu": m})
+            prof.finish(step)
             if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 result.checkpoint = str(ckpt.save(engine, cfg.checkpoint.dir, step, {"sampler": sampler.state_dict()},
                                                   keep_last=cfg.checkpoint.keep_last, save_ranks=save_ranks))

@@ -14,6 +14,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", required=True)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     ap.add_argument("--rehearse", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=4, help=argparse.SUPPRESS)
     ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
@@ -35,7 +36,6 @@ def quiet_third_party() -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron: TP/SP comm overlaps compute in order
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     rank = int(os.environ.get("RANK", 0))
@@ -45,7 +45,9 @@ def main(argv=None) -> int:
         from adapter.train.loop import init_distributed, run
 
         world = int(os.environ.get("WORLD_SIZE", 1))
-        overrides = {"optimizer.max_steps": args.max_steps}
+        overrides = config.parse_sets(args.set)
+        if args.max_steps is not None:
+            overrides["optimizer.max_steps"] = args.max_steps
         if args.rehearse:
             from adapter.train.rehearse import rehearsal_config
 
@@ -53,6 +55,8 @@ def main(argv=None) -> int:
                                          args.workdir)
         else:
             cfg, arch = config.load(args.config, world_size=world, overrides=overrides), None
+        if cfg.parallelism.tp_size > 1:  # Megatron's TP/SP comm is issued in order with compute; without TP it would
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # only serialise ZeRO's side-stream collectives
         init_distributed()
         log = lambda s: print(s, flush=True)  # noqa: E731
         if not args.rehearse:

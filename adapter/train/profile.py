@@ -1,0 +1,51 @@
+"""Optional torch-profiler window over a few training steps (Megatron-LM's --profile-step-start/--profile-step-end).
+
+Issue 6 asks where the time goes before anything is tuned; this writes, per profiled rank, a gzipped Chrome trace
+(open in Perfetto or chrome://tracing; `bench/trace_summary.py` digests it) and the op table sorted by GPU time.
+Nothing is imported or recorded unless `logging.profile_steps` is set.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class StepProfiler:
+    """Records steps start..end (inclusive, 1-based) on the ranks in `ranks`."""
+
+    def __init__(self, steps: tuple[int, int] | None, out_dir: str | None, rank: int, ranks: tuple[int, ...] = (0,)):
+        self.start, self.end = steps if steps else (0, -1)
+        self.active = steps is not None and rank in ranks
+        self.dir, self.rank, self._prof = Path(out_dir or "profile"), rank, None
+
+    def begin(self, step: int) -> None:
+        if self.active and step == self.start:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=acts)
+            self._prof.__enter__()
+
+    def finish(self, step: int) -> None:
+        if self._prof is None or step != self.end:
+            return
+        import gzip
+        import shutil
+
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        trace = self.dir / f"trace-rank{self.rank}.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
+        (self.dir / f"ops-rank{self.rank}.txt").write_text(table)
+

@@ -1,0 +1,99 @@
+"""Where did the time go? A one-screen digest of a torch-profiler Chrome trace from `logging.profile_steps`.
+
+    python bench/trace_summary.py profile/trace-rank0.json.gz [--top 20]
+
+Prints the profiled window's wall time, how much of it the GPU was busy (union of kernel intervals over all
+streams), GPU time by kernel family, compute-stream time inside each `nd.*` phase, and the top kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+
+FAMILIES = (("nccl", re.compile(r"nccl", re.I)),
+            ("attention", re.compile(r"flash|fmha|attention|cudnn.*sdpa", re.I)),
+            ("gemm", re.compile(r"gemm|nvjet|sm90_xmma|cutlass|cublas", re.I)),
+            ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+            ("fused (triton)", re.compile(r"^triton", re.I)),
+            ("copy/cast", re.compile(r"copy|memcpy|memset|cat|CatArray|fill", re.I)),
+            ("reduce/norm", re.compile(r"reduce|norm|softmax|cross_entropy|nll", re.I)),
+            ("elementwise", re.compile(r"elementwise|vectorized|unrolled", re.I)))
+
+
+def family(name: str) -> str:
+    return next((fam for fam, rx in FAMILIES if rx.search(name)), "other")
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def summarize(events: list[dict], top: int = 20) -> dict:
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    phases = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("nd.")]
+    gpu_phases = [e for e in phases if e.get("cat") == "gpu_user_annotation"]
+    cpu_phases = [e for e in phases if e.get("cat") != "gpu_user_annotation"]
+    if not kernels:
+        return {"error": "no GPU kernels in this trace"}
+    t0 = min(e["ts"] for e in kernels + cpu_phases)
+    t1 = max(e["ts"] + e["dur"] for e in kernels + cpu_phases)
+    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    by_family, by_name, by_stream = defaultdict(float), defaultdict(lambda: [0.0, 0]), defaultdict(float)
+    for e in kernels:
+        by_family[family(e["name"])] += e["dur"]
+        by_name[e["name"]][0] += e["dur"]
+        by_name[e["name"]][1] += 1
+        by_stream[e.get("tid")] += e["dur"]
+    compute_stream = max(by_stream, key=by_stream.get)
+    phase_gpu = defaultdict(float)
+    spans = gpu_phases or cpu_phases
+    for p in spans:  # compute-stream kernel time that starts inside each phase's span
+        a, b = p["ts"], p["ts"] + p["dur"]
+        phase_gpu[p["name"]] += sum(e["dur"] for e in kernels if e.get("tid") == compute_stream and a <= e["ts"] < b)
+    phase_cpu = defaultdict(float)
+    for p in cpu_phases:
+        phase_cpu[p["name"]] += p["dur"]
+    return {"window_ms": (t1 - t0) / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_busy_frac": busy / (t1 - t0),
+            "kernel_ms": sum(e["dur"] for e in kernels) / 1e3,
+            "families_ms": {k: v / 1e3 for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+            "phases_cpu_ms": {k: v / 1e3 for k, v in phase_cpu.items()},
+            "phases_gpu_ms": {k: v / 1e3 for k, v in phase_gpu.items()},
+            "top": [(n[:110], round(t / 1e3, 2), c) for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])
+                    [:top]]}
+
+
+def render(s: dict) -> str:
+    if "error" in s:
+        return s["error"]
+    lines = [f"window {s['window_ms']:.1f} ms | GPU busy {s['gpu_busy_ms']:.1f} ms ({100 * s['gpu_busy_frac']:.0f}%) "
+             f"| kernel time, all streams {s['kernel_ms']:.1f} ms",
+             "families (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["families_ms"].items()),
+             "phases, CPU span (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["phases_cpu_ms"].items()),
+             "phases, compute-stream GPU (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["phases_gpu_ms"].items()),
+             "top kernels (ms, calls):"]
+    lines += [f"  {t:8.2f} {c:5d}  {n}" for n, t, c in s["top"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=20)
+    a = ap.parse_args(argv)
+    opener = gzip.open if a.trace.endswith(".gz") else open
+    with opener(a.trace, "rt") as f:
+        data = json.load(f)
+    print(render(summarize(data["traceEvents"] if isinstance(data, dict) else data, a.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
