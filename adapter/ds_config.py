@@ -28,7 +28,11 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
     DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong."""
     if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
         return 1
-    return 3
+    if cfg.deepspeed.zero_stage == 2 and layout.dp_replicate > 1:
+        raise bad("deepspeed.zero_stage", 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages ZeRO-3's "
+                  "gradient partitions over replicas; hpZ is a ZeRO-3 feature)",
+                  "set deepspeed.zero_stage: 3, or fold dp_replicate into dp_shard")
+    return cfg.deepspeed.zero_stage
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.overrides") -> dict[str, Any]:
@@ -45,7 +49,14 @@ def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.ov
 def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     o, d = cfg.optimizer, cfg.deepspeed
     stage = zero_stage(cfg, layout)
-    zero: dict[str, Any] = {"stage": stage} if stage < 3 else {
+    zero: dict[str, Any] = {"stage": stage} if stage == 1 else {
+        "stage": 2,
+        "overlap_comm": d.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": d.reduce_bucket_size,
+        "allgather_bucket_size": d.prefetch_bucket_size,
+    } if stage == 2 else {
         "stage": 3,
         "overlap_comm": d.overlap_comm,
         "contiguous_gradients": True,

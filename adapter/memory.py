@@ -88,7 +88,9 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     return norm_side + attn + mlp
 
 
-def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capacity: int) -> MemoryEstimate:
+def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capacity: int,
+             stage: int = 3) -> MemoryEstimate:
+    """`stage` 3 shards the 16-bit weights over the partition; 1 and 2 keep them whole (nothing is gathered)."""
     p = cfg.parallelism
     tp, cp, L = p.tp_size, p.cp_size, arch.num_layers
     half = cfg.precision in ("bf16", "fp16")
@@ -97,11 +99,11 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     P = lp.total(L)
     Z = partition_size
     shard = -(-P // Z)
-    weights, grads = pb * shard, pb * shard
+    weights, grads = pb * (shard if stage == 3 else P), pb * shard
     optim = (12 if half else 8) * shard
     ds = cfg.deepspeed
     big = max(lp.layer, lp.embedding)
-    gathered = pb * (big + min(ds.prefetch_bucket_size, lp.layer)) if Z > 1 else 0
+    gathered = pb * (big + min(ds.prefetch_bucket_size, lp.layer)) if Z > 1 and stage == 3 else 0
     step_fp32_grad = 4 * min(shard, 1_000_000_000) if half else 0      # DeepSpeed sub_group_size default 1e9
     buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 else 0
 
@@ -115,7 +117,10 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     full_rc = L * layer_input + one + 3 * layer_input                     # inputs kept, one layer recomputed
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
-    logits = s * b * (vp // tp) * (pb + 4 + 4)                          # logits, fp32 copy, saved softmax
+    if cfg.model.fused_kernels is False:                                # Megatron's CE: fp32 copy + saved exp
+        logits = s * b * (vp // tp) * (pb + 4 + 4)
+    else:                                                               # adapter.fusions: logits + their grad
+        logits = s * b * (vp // tp) * 2 * pb
 
     during_step = weights + grads + optim + step_fp32_grad
     during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits

@@ -21,6 +21,7 @@ from adapter import cpu_shims
 from adapter.arch import ModelArch, padded_vocab_size
 from adapter.attention import SDPAttention, normalize_cp_comm_type
 from adapter.errors import bad
+from adapter.fusions import install_rope_fusion, vocab_parallel_cross_entropy
 
 Attention = Literal["sdpa", "local", "te"]
 
@@ -45,10 +46,9 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
                        fused_kernels: bool = False, **overrides) -> TransformerConfig:
     """TransformerConfig for `arch` at this run's tp/cp. `overrides` go straight to TransformerConfig.
 
-    `fused_kernels`: Megatron's SwiGLU and vocab-parallel cross-entropy fusions, which need no TransformerEngine
-    (Megatron builds them with torch.compile); the unfused versions make several passes over the FFN activations
-    and the fp32 logits. The fused cross-entropy returns its logits gradient in bf16 whatever the input dtype, so it
-    is used for bf16 models only (where autograd rounds the unfused gradient to bf16 as well)."""
+    `fused_kernels`: Megatron's SwiGLU fusion (needs no TransformerEngine; Megatron builds it with torch.compile)
+    and our fused RoPE, installed where TE's would go (adapter/fusions.py). The cross-entropy half lives in
+    `FusedLossGPTModel`."""
     if sequence_parallel and tp == 1:
         sequence_parallel = False  # Megatron refuses SP without TP; it would be a no-op anyway
     kw = dict(
@@ -56,11 +56,9 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        bias_activation_fusion=fused_kernels,
-        cross_entropy_loss_fusion=fused_kernels and params_dtype == torch.bfloat16,
-        cross_entropy_fusion_impl="native",
+        bias_activation_fusion=fused_kernels, apply_rope_fusion=fused_kernels and install_rope_fusion(),
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
         cp_comm_type=normalize_cp_comm_type(cp_comm_type) if cp > 1 else None,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=bf16,
@@ -95,21 +93,33 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
     return spec
 
 
+class FusedLossGPTModel(GPTModel):
+    """GPTModel whose training loss is adapter.fusions' vocab-parallel cross-entropy (no fp32 copy of the logits)."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)  # logits [s, b, v]
+        return loss.transpose(0, 1).contiguous()
+
+
 def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: int | None = None,
                     sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                     attention: Attention = "sdpa", max_sequence_length: int | None = None,
-                    parallel_output: bool = True, config: TransformerConfig | None = None, **config_kw) -> GPTModel:
-    """GPTModel for `arch` on the current parallel_state (tp/cp must match it). Weights are random: load them after."""
+                    parallel_output: bool = True, config: TransformerConfig | None = None,
+                    fused_kernels: bool = False, **config_kw) -> GPTModel:
+    """GPTModel for `arch` on the current parallel_state (tp/cp must match it). Weights are random: load them after.
+
+    `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel)."""
     cpu_shims.install()
     if attention == "local" and cp > 1:
         raise bad("attention", "local", "Megatron's local attention has no context parallelism",
                   "use attention='sdpa' (the default)")
     config = config or transformer_config(arch, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
-                                          params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, **config_kw)
+                                          params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+                                          fused_kernels=fused_kernels, **config_kw)
     spec = layer_spec(arch, attention)
     if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
         spec = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
-    return GPTModel(
+    return (FusedLossGPTModel if fused_kernels else GPTModel)(
         config, spec,
         vocab_size=padded_vocab or padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
@@ -149,5 +159,5 @@ def tp_grad_sum_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             or "q_layernorm" in n or "k_layernorm" in n]
 
 
-__all__ = ["RMSNorm", "padded_vocab_size", "transformer_config", "layer_spec", "build_gpt_model", "forward_logits",
+__all__ = ["RMSNorm", "FusedLossGPTModel", "padded_vocab_size", "transformer_config", "layer_spec", "build_gpt_model", "forward_logits",
            "sequence_parallel_params", "tp_grad_sum_params"]

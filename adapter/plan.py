@@ -183,7 +183,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
     def cost(mode: str) -> tuple[memory.MemoryEstimate, list[traffic.GroupTraffic]]:
         c = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"replicate_mode": mode})})
         z = ds_config.partition_size(c, layout)
-        return memory.estimate(c, arch, partition_size=z, gpu_capacity=capacity), traffic.estimate(c, arch, layout)
+        return (memory.estimate(c, arch, partition_size=z, gpu_capacity=capacity,
+                                stage=ds_config.zero_stage(c, layout)), traffic.estimate(c, arch, layout))
 
     mem, rows = cost(cfg.deepspeed.replicate_mode)
     modes = {}
@@ -225,6 +226,9 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                             explanation=EXPLAIN[cfg.deepspeed.replicate_mode] if layout.dp_replicate > 1 else
                             "ZeRO-3 shards params, grads and optimizer states over dp_shard×cp"
                             if ds_config.zero_stage(cfg, layout) == 3 else
+                            "ZeRO-2: whole 16-bit weights on every rank (no per-module gathers); grads and "
+                            "optimizer states sharded over dp_shard×cp"
+                            if ds_config.zero_stage(cfg, layout) == 2 else
                             "nothing to shard (dp_shard×cp = 1): ZeRO stage 1 over a group of one, which skips "
                             "ZeRO-3's per-module gather hooks; gradient clipping across TP",
                             config=ds_config.build(cfg, layout)),

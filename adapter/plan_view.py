@@ -62,7 +62,8 @@ def render(plan: Plan, console: Console | None = None) -> None:
     c.print("[bold]Megatron-Core[/]")
     c.print(plan.megatron.call, soft_wrap=True, markup=False)
     d = plan.deepspeed
-    c.print(f"[bold]DeepSpeed[/] ZeRO-3 partition group {d.partition_group} (size {d.partition_size}); "
+    stage = d.config["zero_optimization"]["stage"]
+    c.print(f"[bold]DeepSpeed[/] ZeRO-{stage} partition group {d.partition_group} (size {d.partition_size}); "
             f"replicate mode: {d.replicate_mode}. {d.explanation}")
     c.print(json.dumps(d.config, indent=2), soft_wrap=True, markup=False)
 

@@ -46,7 +46,10 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
     zgroup = "dp_shard_cp" if hsdp else "dp_cp"
     z = layout.size(zgroup)
     gather = pb * P * _ring(z)
-    if hsdp:
+    if hsdp and cfg.deepspeed.zero_stage == 2 and layout.dp_replicate == 1:
+        add(zgroup, "ZeRO-2 grad reduce-scatter per micro-batch, updated-param all-gather once per step",
+            gather * (ga + 1))
+    elif hsdp:
         add(zgroup, "ZeRO-3 param all-gather (fwd + bwd) and grad reduce-scatter, per micro-batch", 3 * gather * ga)
         add("dp_replicate", "HSDP grad-partition all-reduce, once per step", 2 * pb * (P / z) * _ring(layout.dp_replicate))
     else:

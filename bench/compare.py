@@ -21,7 +21,8 @@ from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) .*?\| ([\d,]+) tok/s/GPU(?: \| MFU ([\d.]+)%)?(?: \| peak_mem ([\d.]+) GiB)?")
-OURS = {"nd-adapter dp_shard=2": "bench/configs/llama-3.2-1b-dp2.yaml",
+OURS = {"nd-adapter dp_shard=2 (ZeRO-2)": "bench/configs/llama-3.2-1b-dp2.yaml",
+        "nd-adapter dp_shard=2 (ZeRO-3)": "bench/configs/llama-3.2-1b-dp2-zero3.yaml",
         "nd-adapter tp=2": "bench/configs/llama-3.2-1b-tp2.yaml"}
 PEERS = ("accelerate-fsdp2", "accelerate-tp", "deepspeed-hf")
 

@@ -39,7 +39,9 @@ def test_model_states_and_activations_by_hand():
     assert memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="sdpa") == 53760
     assert est.activations_no_recompute == 2 * 53760 + 3 * 4096 == 119808
     assert est.activations_full_recompute == 2 * 4096 + 53760 + 3 * 4096 == 74240
-    assert est.logits == 32 * 2 * 512 * (2 + 4 + 4) == 327680
+    assert est.logits == 32 * 2 * 512 * (2 + 2) == 131072               # fused CE: bf16 logits and their grad
+    unfused = memory.estimate(cfg(**{"model.fused_kernels": False}), TINY, partition_size=2, gpu_capacity=1)
+    assert unfused.logits == 32 * 2 * 512 * (2 + 4 + 4) == 327680      # Megatron's CE: + fp32 copy + saved exp
     assert est.activations == est.activations_no_recompute
     assert memory.estimate(cfg(recompute="full"), TINY, partition_size=2, gpu_capacity=1).activations == 74240
 

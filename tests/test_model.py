@@ -203,10 +203,13 @@ def test_matches_hf_at_tp1_tp2_and_sequence_parallel():
 
 
 def _fused_worker(rank, world):
-    """Megatron's TE-free fusions (torch.compile on CPU here): SwiGLU is exact in fp32 against HF; the bf16-only
-    fused cross-entropy agrees with the unfused one to bf16 rounding, and its gradient flows."""
+    """Fused kernels (adapter/fusions.py eager on CPU; Megatron's SwiGLU via torch.compile): fp32 logits match HF;
+    bf16 agrees with the unfused model to bf16 rounding; the cross-entropy equals Megatron's at tp=2."""
+    from megatron.core import parallel_state, tensor_parallel
+
     from adapter.arch import arch_from_hf_dict
-    from adapter.model import build_gpt_model
+    from adapter.fusions import vocab_parallel_cross_entropy
+    from adapter.model import FusedLossGPTModel, build_gpt_model
 
     init_megatron(tp=1)
     out = {"fp32_vs_hf": max_logit_diff("llama", 1, 0, fused_kernels=True)}
@@ -216,7 +219,8 @@ def _fused_worker(rank, world):
     for fused in (False, True):
         torch.manual_seed(0)
         model = build_gpt_model(arch, params_dtype=torch.bfloat16, fused_kernels=fused)
-        flags.append((model.config.bias_activation_fusion, model.config.cross_entropy_loss_fusion))
+        flags.append((model.config.bias_activation_fusion, model.config.apply_rope_fusion,
+                      isinstance(model, FusedLossGPTModel)))
         loss = model(ids[:, :-1], None, None, labels=ids[:, 1:]).float().mean()
         loss.backward()
         losses.append(loss.item())
@@ -224,11 +228,26 @@ def _fused_worker(rank, world):
     out["flags"] = flags
     out["bf16_loss_rel"] = abs(losses[0] - losses[1]) / losses[0]
     out["bf16_grad_rel"] = ((grads[0] - grads[1]).abs().max() / grads[0].abs().max()).item()
+
+    init_megatron(tp=2)  # vocab-parallel: each rank holds half the vocabulary
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(16, 3, 2 * 50, generator=g) * 4
+    target = torch.randint(0, 100, (16, 3), generator=g)
+    dloss = torch.rand(16, 3, generator=g)
+    res = []
+    for fn in (lambda x: vocab_parallel_cross_entropy(x, target, parallel_state.get_tensor_model_parallel_group()),
+               lambda x: tensor_parallel.vocab_parallel_cross_entropy(x, target)):
+        x = full.chunk(2, -1)[rank].clone().requires_grad_()
+        loss = fn(x)
+        (loss * dloss).sum().backward()
+        res.append((loss.detach(), x.grad))
+    out["tp2_ce_loss"] = (res[0][0] - res[1][0]).abs().max().item()
+    out["tp2_ce_grad"] = (res[0][1] - res[1][1]).abs().max().item()
     return out
 
 
 def test_fused_kernels_match_unfused():
-    r = run_workers(_fused_worker, 1, timeout=300)[0]
-    assert r["flags"] == [(False, False), (True, True)], r
-    assert r["fp32_vs_hf"] <= TOL, r
-    assert r["bf16_loss_rel"] <= 2e-3 and r["bf16_grad_rel"] <= 3e-2, r  # bf16 eps is 7.8e-3
+    for r in run_workers(_fused_worker, 2, timeout=300):
+        assert r["flags"] == [(False, False, False), (True, True, True)], r
+        assert r["fp32_vs_hf"] <= TOL and r["tp2_ce_loss"] <= TOL and r["tp2_ce_grad"] <= TOL, r
+        assert r["bf16_loss_rel"] <= 2e-3 and r["bf16_grad_rel"] <= 3e-2, r  # bf16 eps is 7.8e-3
