@@ -198,6 +198,13 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         if layout.size(name) > 1 and layout.crosses_nodes(name):
             warnings.append(f"{name} groups cross nodes (size {layout.size(name)} > gpus_per_node "
                             f"{layout.gpus_per_node}): {name.upper()} traffic is per layer and will be slow")
+    z = ds_config.partition_size(cfg, layout)
+    if ds_config.zero_stage(cfg, layout) == 3 and layout.dp_replicate == 1 and z > 1:
+        z2 = memory.estimate(cfg, arch, partition_size=z, gpu_capacity=capacity, stage=2)
+        if z2.peak <= 0.8 * capacity:
+            warnings.append(f"hint: whole 16-bit weights fit here (ZeRO-2 peak {z2.peak / memory.GIB:.1f} of "
+                            f"{capacity / memory.GIB:.1f} GiB): deepspeed.zero_stage: 2 skips ZeRO-3's per-module "
+                            "gathers (1.7x tokens/s at dp_shard=2 on 2xH200, docs/BENCHMARKS.md)")
     if not mem.fits:
         warnings.append(f"predicted peak {mem.peak / memory.GIB:.1f} GiB exceeds the GPU's "
                         f"{capacity / memory.GIB:.1f} GiB: raise tp/dp_shard, lower micro_batch_size, "

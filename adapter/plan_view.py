@@ -103,4 +103,4 @@ def render(plan: Plan, console: Console | None = None) -> None:
     c.print(plan.launch.deepspeed, soft_wrap=True, markup=False)
     c.print(plan.launch.torchrun, soft_wrap=True, markup=False)
     for w in plan.warnings:
-        c.print(f"[yellow]warning:[/] {w}", markup=True)
+        c.print(f"[cyan]{w}[/]" if w.startswith("hint:") else f"[yellow]warning:[/] {w}", markup=True)

@@ -20,6 +20,7 @@ from adapter.convert.mapping import EXTRA_STATE, IGNORED_HF, OPS, Ctx, Rule, che
 from adapter.convert.rows import megatron_shape
 from adapter.convert.outdir import atomic_dir, check_target
 from adapter.errors import UserError, bad
+from adapter.osutil import free_port
 
 FORMAT = "nd-adapter/megatron-torch_dist"
 BLOCK = 256 << 20  # export reads and holds HF tensors in row blocks of at most this many bytes
@@ -306,7 +307,7 @@ def _logit_diff(hf_dir: Path, root: Path, arch: ModelArch, meta: dict, seq_len: 
     own = not dist.is_initialized()
     if own:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         if not ps.model_parallel_is_initialized():
@@ -327,14 +328,6 @@ def _logit_diff(hf_dir: Path, root: Path, arch: ModelArch, meta: dict, seq_len: 
         if own:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from adapter.errors import bad
+from adapter.osutil import atomic_write_text
 
 LATEST = "latest"
 TMP = "tmp-"
@@ -115,15 +116,6 @@ def _prune(save_dir: Path, keep_last: int | None) -> None:
         _remove(save_dir / tag_for(step))
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 @contextmanager
 def _writes(engine, enabled: bool) -> Iterator[None]:
     """A rank that must not write still runs save_checkpoint (it has collectives); DeepSpeed gates the writes on
@@ -171,7 +163,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
         if (root / tag).exists():  # an older branch of history reused this step number
             _remove(root / tag)
         os.rename(root / (TMP + tag), root / tag)
-        _atomic_write(root / LATEST, tag)
+        atomic_write_text(root / LATEST, tag, tmp_prefix=TMP)
         _prune(root, keep_last)
     dist.barrier()
     return root / tag

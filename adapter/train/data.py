@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from adapter.errors import UserError, bad
+from adapter.osutil import atomic_write_text
 
 CACHE_VERSION = 1  # bump when tokenisation or file layout changes: old caches are then simply not found
 TEXT_SUFFIXES = {".txt", ".md"}
@@ -209,7 +210,7 @@ def build_token_cache(files: str | Path | Sequence[str | Path], tokenizer_dir: s
                     raise
         except Exception as e:
             error = e  # tell the waiting ranks why, instead of leaving them hanging or without a cache
-            _atomic_write(failed, json.dumps({"user": isinstance(e, UserError), "message": str(e)}))
+            atomic_write_text(failed, json.dumps({"user": isinstance(e, UserError), "message": str(e)}))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if barrier is not None:
@@ -223,12 +224,6 @@ def build_token_cache(files: str | Path | Sequence[str | Path], tokenizer_dir: s
         raise (UserError if why["user"] else RuntimeError)(why["message"])
     raise bad("data.cache_dir", str(root), f"the token cache {final.name} made by the builder rank is not visible here",
               "put data.cache_dir on storage shared with the builder rank, or build with local rank 0 per node")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --- packing ----------------------------------------------------------------------------------------------------

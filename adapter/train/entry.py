@@ -8,26 +8,20 @@ returns that worker's status (2 for a UserError, which the worker prints as one 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 from adapter import config
 from adapter.errors import bad
+from adapter.osutil import free_port
 from adapter.train.preflight import preflight
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
     if nproc < 1:
         raise bad("--nproc", nproc, "must be at least 1", "pass the number of processes to start")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
