@@ -152,3 +152,25 @@ def test_no_traceback_for_random_yaml_text(tmp_path_factory, text):
 def test_no_traceback_for_random_argv(argv):
     code, _, err = run_cli(*argv)
     assert code in (0, 2) and "Traceback" not in err and "internal error" not in err, (argv, err)
+
+
+def test_set_overrides_zero_stage_and_hint():
+    dp2 = str(ROOT / "bench/configs/llama-3.2-1b-dp2-zero3.yaml")
+    code, out, err = run_cli("plan", dp2, "--format", "json", "--gpu", "h200")
+    assert code == 0, err
+    z3 = json.loads(out)
+    assert z3["deepspeed"]["config"]["zero_optimization"]["stage"] == 3
+    assert any(w.startswith("hint: whole 16-bit weights fit") for w in z3["warnings"])
+    code, out, err = run_cli("plan", dp2, "--format", "json", "--gpu", "h200", "--set", "deepspeed.zero_stage=2",
+                             "--set", "seq_len=2048")
+    assert code == 0, err
+    z2 = json.loads(out)
+    assert z2["deepspeed"]["config"]["zero_optimization"]["stage"] == 2 and z2["seq_len"] == 2048
+    assert z2["memory"]["gathered_params"] == 0 and z2["memory"]["weights"] == 2 * z3["memory"]["weights"]
+    assert not any(w.startswith("hint:") for w in z2["warnings"])
+    for argv, needle in ((("--set", "deepspeed.zero_stage=2"), "deepspeed.zero_stage=2: dp_replicate_size > 1"),
+                         (("--set", "nonsense"), "--set='nonsense': expected key.path=value"),
+                         (("--set", "deepspeed.zero_stage=1"), "deepspeed.zero_stage"),
+                         (("--set", "logging.profile_steps=[3, 2]"), "logging.profile_steps")):
+        code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", *argv)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
