@@ -60,7 +60,7 @@ class ModelSection(_Strict):
     attention: Literal["sdpa", "local", "te"] = "sdpa"
     vocab_divisible_by: StrictInt = Field(128, ge=1)
     fused_kernels: bool | None = Field(
-        None, description="Megatron's TE-free fused SwiGLU and cross-entropy (torch.compile); default: on GPUs")
+        None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
 
 
 class BatchSection(_Strict):

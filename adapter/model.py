@@ -159,5 +159,5 @@ def tp_grad_sum_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             or "q_layernorm" in n or "k_layernorm" in n]
 
 
-__all__ = ["RMSNorm", "FusedLossGPTModel", "padded_vocab_size", "transformer_config", "layer_spec", "build_gpt_model", "forward_logits",
-           "sequence_parallel_params", "tp_grad_sum_params"]
+__all__ = ["RMSNorm", "FusedLossGPTModel", "padded_vocab_size", "transformer_config", "layer_spec", "build_gpt_model",
+           "forward_logits", "sequence_parallel_params", "tp_grad_sum_params"]

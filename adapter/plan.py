@@ -198,8 +198,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         if layout.size(name) > 1 and layout.crosses_nodes(name):
             warnings.append(f"{name} groups cross nodes (size {layout.size(name)} > gpus_per_node "
                             f"{layout.gpus_per_node}): {name.upper()} traffic is per layer and will be slow")
-    z = ds_config.partition_size(cfg, layout)
-    if ds_config.zero_stage(cfg, layout) == 3 and layout.dp_replicate == 1 and z > 1:
+    z, stage = ds_config.partition_size(cfg, layout), ds_config.zero_stage(cfg, layout)
+    if stage == 3 and layout.dp_replicate == 1 and z > 1:
         z2 = memory.estimate(cfg, arch, partition_size=z, gpu_capacity=capacity, stage=2)
         if z2.peak <= 0.8 * capacity:
             warnings.append(f"hint: whole 16-bit weights fit here (ZeRO-2 peak {z2.peak / memory.GIB:.1f} of "
@@ -232,10 +232,10 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                             partition_group=zgroup, partition_size=layout.size(zgroup),
                             explanation=EXPLAIN[cfg.deepspeed.replicate_mode] if layout.dp_replicate > 1 else
                             "ZeRO-3 shards params, grads and optimizer states over dp_shard×cp"
-                            if ds_config.zero_stage(cfg, layout) == 3 else
+                            if stage == 3 else
                             "ZeRO-2: whole 16-bit weights on every rank (no per-module gathers); grads and "
                             "optimizer states sharded over dp_shard×cp"
-                            if ds_config.zero_stage(cfg, layout) == 2 else
+                            if stage == 2 else
                             "nothing to shard (dp_shard×cp = 1): ZeRO stage 1 over a group of one, which skips "
                             "ZeRO-3's per-module gather hooks; gradient clipping across TP",
                             config=ds_config.build(cfg, layout)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from adapter import ds_config
 from adapter.arch import ModelArch
 from adapter.config import RunConfig
 from adapter.layout import Layout
@@ -46,7 +47,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
     zgroup = "dp_shard_cp" if hsdp else "dp_cp"
     z = layout.size(zgroup)
     gather = pb * P * _ring(z)
-    if hsdp and cfg.deepspeed.zero_stage == 2 and layout.dp_replicate == 1:
+    if ds_config.zero_stage(cfg, layout) == 2:
         add(zgroup, "ZeRO-2 grad reduce-scatter per micro-batch, updated-param all-gather once per step",
             gather * (ga + 1))
     elif hsdp:

@@ -180,7 +180,6 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
     import deepspeed
     import torch
     import torch.distributed as dist
-
     from torch.profiler import record_function
 
     from adapter.train import checkpoint as ckpt
