@@ -40,8 +40,8 @@ def cmd_plan(args) -> int:
     world = args.nodes * args.gpus_per_node if args.gpus_per_node is not None and args.nodes is not None else None
     if world is None and args.gpus_per_node is not None:
         world = args.gpus_per_node
-    cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **_world_overrides(args)},
-                      world_size=world)
+    flags = {k: v for k, v in _world_overrides(args).items() if v is not None}  # an absent flag keeps a --set
+    cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
     doc = plan.build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
     if args.format == "json":
         print(doc.model_dump_json(indent=2))

@@ -107,6 +107,9 @@ class DeepSpeedSection(_Strict):
     reduce_bucket_size: StrictInt = Field(500_000_000, ge=1)
     prefetch_bucket_size: StrictInt = Field(500_000_000, ge=1)
     param_persistence_threshold: StrictInt = Field(1_000_000, ge=0)
+    # ZeRO-3's gather unit: a whole transformer layer (FSDP's per-block wrapping: one fetch, release and gradient
+    # reduce per layer) or every module (DeepSpeed's default: ~10 per layer, each paying Python hooks).
+    gather_granularity: Literal["layer", "module"] = "layer"
     overlap_comm: bool = True
     overrides: dict[str, Any] = Field(default_factory=dict, description="merged into the generated DeepSpeed JSON")
 

@@ -103,7 +103,8 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     optim = (12 if half else 8) * shard
     ds = cfg.deepspeed
     big = max(lp.layer, lp.embedding)
-    gathered = pb * (big + min(ds.prefetch_bucket_size, lp.layer)) if Z > 1 and stage == 3 else 0
+    prefetched = lp.layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, lp.layer)
+    gathered = pb * (big + prefetched) if Z > 1 and stage == 3 else 0
     step_fp32_grad = 4 * min(shard, 1_000_000_000) if half else 0      # DeepSpeed sub_group_size default 1e9
     # ZeRO-3's reduce buckets count at the peak; ZeRO-2's did not (measured: the same peak at bucket sizes 5e7-5e8)
     buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0

@@ -16,6 +16,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from adapter import cpu_shims
 from adapter.arch import ModelArch, padded_vocab_size
@@ -38,6 +39,20 @@ class RMSNorm(torch.nn.RMSNorm):
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
+
+
+class Layer(TransformerLayer):
+    """Megatron's TransformerLayer, called with its hidden states as a positional argument.
+
+    Megatron's block passes `hidden_states=` by keyword; torch's full backward hooks only see positional tensors, so
+    a hook on the layer would fire before its weight gradients exist. DeepSpeed's ZeRO-3 reduces a gather unit's
+    gradients in exactly such a hook (`deepspeed.gather_granularity: layer`), so without this the reduce ran first
+    and the weight gradients then landed on released (empty) parameters."""
+
+    def __call__(self, *args, **kwargs):
+        if not args and "hidden_states" in kwargs:
+            args = (kwargs.pop("hidden_states"),)
+        return super().__call__(*args, **kwargs)
 
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
@@ -85,6 +100,7 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
     if attention not in ("sdpa", "local"):
         raise bad("attention", attention, "unknown attention backend", "use 'sdpa' (default), 'local' or 'te'")
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.module = Layer
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
     attn.core_attention = SDPAttention if attention == "sdpa" else DotProductAttention
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm

@@ -13,11 +13,14 @@ LOGS=${LOGS:-/tmp/nd-logs}; mkdir -p "$LOGS"  # $OUT brings back 8 files at most
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
 python3 -c "import torch, deepspeed, megatron.core as m; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'megatron-core', m.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpus.txt"
 ngpu=${NGPU:-2}
+RUNS=0
 run_one() {  # config, then its KEY=VALUE overrides
   local cfg=$1; shift
   local name sets=()
   name=$(basename "$cfg" .yaml)
   for kv in "$@"; do sets+=(--set "$kv"); name+="_$(echo "${kv##*.}" | tr -c 'A-Za-z0-9_.=-' '_' | tr '=' '-')"; done
+  RUNS=$((RUNS + 1))
+  name=$(printf '%02d' "$RUNS")_${name:0:120}  # file names have a length limit; the index keeps them unique
   echo "== deepspeed --num_gpus $ngpu launch/train.py --config $cfg ${sets[*]}"
   timeout "${RUN_TIMEOUT:-300}" deepspeed --num_gpus "$ngpu" launch/train.py --config "$cfg" "${sets[@]}" \
     > "$LOGS/$name.log" 2>&1

@@ -57,20 +57,64 @@ def test_format_step_leaves_out_unknowns():
     assert m.format_step(1, loss=1.0, lr=0.1) == "step 1 | loss 1.0000 | lr 1.000e-01"
 
 
-def test_sinks_are_noops_off_rank0_or_when_missing(tmp_path, monkeypatch):
+class _FakeWandb:
+    """Records what the sink asks of W&B (the real package is heavy and needs an account or offline mode)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **kw):
+        self.calls.append(("init", kw))
+        return self
+
+    def log(self, values, step):
+        self.calls.append(("log", values, step))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_sinks_are_noops_off_rank0_and_when_not_asked(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", _FakeWandb())
     assert not m.MetricsSink(1, tensorboard_dir=str(tmp_path), wandb_project="p").active
-    assert not m.MetricsSink(0).active
+    assert not list(tmp_path.iterdir())
+    sink = m.MetricsSink(0)
+    assert not sink.active
+    sink.log(1, {"loss": 1.0})
+    sink.close()
+
+
+def test_a_missing_sink_package_is_a_one_line_config_error(tmp_path, monkeypatch):
+    from adapter.errors import UserError
+
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    sink = m.MetricsSink(0, tensorboard_dir=str(tmp_path), wandb_project="p")
-    assert not sink.active
-    sink.log(1, {"loss": 1.0, "mfu": None})
+    for kw, key in (({"tensorboard_dir": str(tmp_path)}, "logging.tensorboard"),
+                    ({"wandb_project": "p"}, "logging.wandb_project")):
+        for rank in (0, 1):  # every rank refuses, so none trains on alone
+            with pytest.raises(UserError, match=key) as err:
+                m.MetricsSink(rank, **kw)
+            assert "pip install" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_wandb_sink_sends_project_config_and_steps(monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sink = m.MetricsSink(0, wandb_project="nd", run_name="r1", config={"seq_len": 64})
+    sink.log(3, {"loss": 2.5, "mfu": None})
     sink.close()
+    assert fake.calls == [("init", {"project": "nd", "name": "r1", "config": {"seq_len": 64}}),
+                          ("log", {"loss": 2.5}, 3), ("finish",)]
 
 
-def test_tensorboard_sink_writes_events(tmp_path):
-    pytest.importorskip("tensorboard")
+def test_tensorboard_sink_writes_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     sink = m.MetricsSink(0, tensorboard_dir=str(tmp_path))
-    sink.log(1, {"loss": 2.0})
+    sink.log(1, {"loss": 2.0, "grad_norm": None})
+    sink.log(2, {"loss": 1.5})
     sink.close()
-    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["loss"]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.0), (2, 1.5)]

@@ -168,6 +168,15 @@ def test_set_overrides_zero_stage_and_hint():
     assert z2["deepspeed"]["config"]["zero_optimization"]["stage"] == 2 and z2["seq_len"] == 2048
     assert z2["memory"]["gathered_params"] == 0 and z2["memory"]["weights"] == 2 * z3["memory"]["weights"]
     assert not any(w.startswith("hint:") for w in z2["warnings"])
+    code, out, err = run_cli("plan", dp2, "--format", "json", "--gpu", "h200", "--set",
+                             f"model.path={ROOT / 'configs/models/llama-3.1-8b'}")  # no --model flag to undo it
+    assert code == 0 and json.loads(out)["model"]["num_layers"] == 32, err
+    gathered = {}
+    for unit in ("module", "layer"):  # a small prefetch bucket holds part of a layer; a layer unit is gathered whole
+        code, out, err = run_cli("plan", dp2, "--format", "json", "--gpu", "h200", "--set",
+                                 f"deepspeed.gather_granularity={unit}", "--set", "deepspeed.prefetch_bucket_size=1000")
+        gathered[unit] = json.loads(out)["memory"]["gathered_params"]
+    assert 0 < gathered["module"] < gathered["layer"] == z3["memory"]["gathered_params"], gathered
     for argv, needle in ((("--set", "deepspeed.zero_stage=2"), "deepspeed.zero_stage=2: dp_replicate_size > 1"),
                          (("--set", "nonsense"), "--set='nonsense': expected key.path=value"),
                          (("--set", "deepspeed.zero_stage=1"), "deepspeed.zero_stage"),

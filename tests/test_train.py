@@ -116,3 +116,40 @@ def test_zero2_resumes_exactly_and_exports(demo, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(r["exported"]).num_parameters() > 0
+
+
+def _nan_grad_worker(rank, world, demo, root):
+    """Poison one weight's gradient with NaN under bf16 (DeepSpeed's own overflow check is off by default)."""
+    import torch
+
+    from adapter.train import loop
+
+    loop.init_distributed()
+    build = loop.build_engine
+
+    def poisoned(*a, **k):
+        engine, mpu, conf = build(*a, **k)
+        next(engine.module.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
+        return engine, mpu, conf
+
+    loop.build_engine = poisoned
+    out = {}
+    for stage in (2, 3):
+        try:
+            loop.run(run_config(demo, (1, 4, 1, 1), steps=3, precision="bf16",
+                                **{"deepspeed.zero_stage": stage, "checkpoint.dir": f"{root}/z{stage}",
+                                   "checkpoint.save_every": 1}), log=lambda s: None)
+            out[stage] = "finished"
+        except RuntimeError as e:
+            out[stage] = str(e)
+    return out
+
+
+def test_nonfinite_grad_norm_stops_before_any_checkpoint(demo, tmp_path):
+    from pathlib import Path
+
+    out = run_workers(_nan_grad_worker, 4, demo, str(tmp_path), timeout=600)
+    for stage in (2, 3):
+        assert all(r[stage].startswith("the gradient norm is inf/NaN at step 1") for r in out), out
+        assert "\n" not in out[0][stage] and "check_grad_overflow" in out[0][stage]
+        assert not list(Path(tmp_path, f"z{stage}").glob("*step*")), f"ZeRO-{stage} wrote a checkpoint"

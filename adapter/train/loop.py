@@ -109,9 +109,25 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: mcore.
 
         ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = groups.dp_shard_cp
     conf = ds_config.build(cfg, layout)
+    if conf["zero_optimization"]["stage"] == 3 and cfg.deepspeed.gather_granularity == "layer":
+        from deepspeed.utils import set_z3_leaf_modules
+
+        from adapter.model import Layer
+
+        set_z3_leaf_modules(model, [Layer])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=_param_groups(model, cfg.optimizer.weight_decay),
                                       config=conf, mpu=mpu)
-    return engine, mpu
+    return engine, mpu, conf
+
+
+def _nonfinite(grad_norm, device):
+    """1.0 on the device when DeepSpeed's grad norm is inf/NaN (ZeRO-1/2 mask it to -1), else 0.0; no host sync."""
+    import torch
+
+    if grad_norm is None:  # no clipping: DeepSpeed computed no norm
+        return torch.zeros((), dtype=torch.float64, device=device)
+    g = torch.as_tensor(grad_norm, dtype=torch.float64, device=device)
+    return (~torch.isfinite(g) | (g < 0)).double()
 
 
 def _sync_replicas(engine, mpu, layout: Layout) -> None:
@@ -191,11 +207,13 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
     for w in validate.check(cfg, arch):
         if rank == 0:
             log(f"warning: {w}")
+    metrics.check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)  # before any GPU time is spent
     layout = Layout.from_config(cfg.parallelism)
     groups = mcore.initialize(layout)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        engine, mpu = build_engine(cfg, arch, layout, groups, device)
+        engine, mpu, conf = build_engine(cfg, arch, layout, groups, device)
+        guard_grads = not ds_config.skips_nonfinite_steps(conf)
         result = RunResult()
         dataset, sampler = _batches(cfg, layout, rank, arch, dist.barrier, synthetic_data or cfg.data.synthetic)
         start = 0
@@ -227,7 +245,8 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
         for step in range(start + 1, max_steps + 1):
             prof.begin(step)
             t0 = time.perf_counter()
-            stats = torch.zeros(2, dtype=torch.float64, device=device)  # sum of micro-batch mean losses, count
+            # sum of micro-batch mean losses, their count, and whether the step's grad norm was inf/NaN
+            stats = torch.zeros(3, dtype=torch.float64, device=device)
             for _ in range(ga):
                 batch, ntok = _next_batch(it, layout, cp_rank, device)
                 mask = document_attention_mask(batch["segment_ids"]) if cfg.data.document_mask else None
@@ -240,16 +259,22 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
                         _sync_replicas(engine, mpu, layout)
                 with record_function("nd.step"):
                     engine.step()
-                stats += torch.stack([local.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
+                stats[:2] += torch.stack([local.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
+            gn = engine.get_global_grad_norm()
+            if guard_grads:
+                stats[2] = _nonfinite(gn, device)
             dist.all_reduce(stats, group=dp_cp)  # cp ranks hold slices of one sample's mean: their sum is it
             loss = float(stats[0] / (stats[1] / layout.cp))
             if not math.isfinite(loss):
                 raise RuntimeError(f"loss is {loss} at step {step}")
+            if stats[2] > 0:
+                raise RuntimeError(f"the gradient norm is inf/NaN at step {step} (loss {loss:.4f}); stopping before "
+                                   "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
+                                   "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
             result.losses.append(loss)
             dt = time.perf_counter() - t0
             if step % cfg.logging.every == 0 or step == max_steps:
                 tps = metrics.tokens_per_s_per_gpu(tokens_per_step, dt, world)
-                gn = engine.get_global_grad_norm()
                 lr = engine.optimizer.param_groups[0]["lr"]
                 m = metrics.mfu(tps, fpt, peak)
                 if rank == 0:

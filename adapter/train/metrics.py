@@ -78,8 +78,29 @@ def format_step(step: int, *, loss: float, lr: float, grad_norm: float | None = 
     return " | ".join(parts)
 
 
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
+    """A sink that is asked for but not installed is a config error, found before training starts (HF Trainer's
+    `report_to` refuses the same), not a run that silently logs nowhere."""
+    from adapter.errors import bad
+
+    if tensorboard_dir and not _importable("torch.utils.tensorboard"):
+        raise bad("logging.tensorboard", tensorboard_dir, "the tensorboard package is not installed",
+                  "pip install tensorboard (or nd-adapter[logging]), or remove logging.tensorboard")
+    if wandb_project and not _importable("wandb"):
+        raise bad("logging.wandb_project", wandb_project, "the wandb package is not installed",
+                  "pip install wandb (or nd-adapter[logging]), or remove logging.wandb_project")
+
+
 class MetricsSink:
-    """TensorBoard and/or W&B on global rank 0; a no-op elsewhere, when not asked for, or when not installed.
+    """TensorBoard and/or W&B on global rank 0; a no-op elsewhere or when not asked for.
 
     W&B honours its own environment (WANDB_MODE=offline, WANDB_DIR, ...), so offline runs need no code here.
     """
@@ -87,22 +108,17 @@ class MetricsSink:
     def __init__(self, rank: int, *, tensorboard_dir: str | None = None, wandb_project: str | None = None,
                  run_name: str | None = None, config: dict[str, Any] | None = None):
         self._tb = self._wandb = None
+        check_sinks(tensorboard_dir, wandb_project)  # on every rank, so no rank trains on alone
         if rank != 0:
             return
         if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard not installed
-                pass
-            else:
-                self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
         if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                pass
-            else:
-                self._wandb = wandb.init(project=wandb_project, name=run_name, config=config or {})
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config or {})
 
     @property
     def active(self) -> bool:

@@ -1,4 +1,5 @@
-"""Checks a run can fail on before any process starts: architecture vs layout, data files, checkpoint, tokenizer."""
+"""Checks a run can fail on before any process starts: architecture vs layout, data files, checkpoint, tokenizer,
+metrics sinks."""
 from __future__ import annotations
 
 import json
@@ -55,6 +56,9 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
         if not cfg.data.files:
             raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
         check_data(cfg)
+    from adapter.train.metrics import check_sinks
+
+    check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
     return arch
