@@ -94,7 +94,9 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
     if attention == "te":
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+            spec.module = Layer
+            return spec
         except (ImportError, AssertionError) as e:
             raise bad("attention", "te", f"TransformerEngine is not usable here ({e})", "use attention='sdpa'")
     if attention not in ("sdpa", "local"):

@@ -14,7 +14,11 @@ LAYOUTS = {"dp_shard=4": ((1, 4, 1, 1), {}), "tp=2,dp_shard=2": ((1, 2, 1, 2), {
            "cp=2,tp=2": ((1, 1, 2, 2), {}),
            "cp=2 (p2p),dp_shard=2": ((1, 2, 2, 1), {"parallelism.cp_comm_type": "p2p"}),
            "dp_shard=4 (ZeRO-2)": ((1, 4, 1, 1), {"deepspeed.zero_stage": 2}),
-           "cp=2,tp=2 (ZeRO-2 over cp)": ((1, 1, 2, 2), {"deepspeed.zero_stage": 2})}
+           "cp=2,tp=2 (ZeRO-2 over cp)": ((1, 1, 2, 2), {"deepspeed.zero_stage": 2}),
+           # ZeRO-3's gather unit is a whole layer by default: DeepSpeed's per-module hooks must give the same losses,
+           # and so must layer gathers under activation recompute (the layer's forward runs again in backward)
+           "dp_shard=4 (per-module gathers)": ((1, 4, 1, 1), {"deepspeed.gather_granularity": "module"}),
+           "tp=2,dp_shard=2 (full recompute)": ((1, 2, 1, 2), {"recompute": "full"})}
 
 
 @pytest.fixture(scope="module")
