@@ -99,7 +99,7 @@ class CheckpointSection(_Strict):
 
 class DeepSpeedSection(_Strict):
     # 3 shards weights, gradients and optimizer states (FSDP FULL_SHARD). 2 keeps the 16-bit weights whole on every
-    # rank and shards the rest (FSDP2 reshard_after_forward=False): no per-module gathers, for models whose weights
+    # rank and shards the rest (FSDP2 reshard_after_forward=False): no gathers at all, for models whose weights
     # fit; layouts with dp_replicate > 1 need 3. Layouts with nothing to shard run stage 1 either way.
     zero_stage: Literal[2, 3] = 3
     # How dp_replicate maps onto DeepSpeed: exact HSDP (shard over dp_shard×cp, average over replicas) or ZeRO++ hpZ.

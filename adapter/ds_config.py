@@ -24,7 +24,7 @@ def partition_size(cfg: RunConfig, layout: Layout) -> int:
 
 def zero_stage(cfg: RunConfig, layout: Layout) -> int:
     """ZeRO-3 whenever there is something to shard. A shard group of one (tp-only layouts without replicas) would
-    only pay ZeRO-3's per-module gather hooks, so it runs stage 1 (nothing to partition either way). Not stage 0:
+    only pay ZeRO-3's gather hooks, so it runs stage 1 (nothing to partition either way). Not stage 0:
     DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong."""
     if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
         return 1

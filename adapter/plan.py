@@ -203,8 +203,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         z2 = memory.estimate(cfg, arch, partition_size=z, gpu_capacity=capacity, stage=2)
         if z2.peak <= 0.8 * capacity:
             warnings.append(f"hint: whole 16-bit weights fit here (ZeRO-2 peak {z2.peak / memory.GIB:.1f} of "
-                            f"{capacity / memory.GIB:.1f} GiB): deepspeed.zero_stage: 2 skips ZeRO-3's per-module "
-                            "gathers (1.7x tokens/s at dp_shard=2 on 2xH200, docs/BENCHMARKS.md)")
+                            f"{capacity / memory.GIB:.1f} GiB): deepspeed.zero_stage: 2 skips ZeRO-3's per-layer "
+                            "gathers (1.04-1.2x tokens/s at dp_shard=2 on 2xH200, docs/BENCHMARKS.md)")
     if not mem.fits:
         warnings.append(f"predicted peak {mem.peak / memory.GIB:.1f} GiB exceeds the GPU's "
                         f"{capacity / memory.GIB:.1f} GiB: raise tp/dp_shard, lower micro_batch_size, "
@@ -231,13 +231,14 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         deepspeed=DeepSpeed(replicate_mode=cfg.deepspeed.replicate_mode if layout.dp_replicate > 1 else "none",
                             partition_group=zgroup, partition_size=layout.size(zgroup),
                             explanation=EXPLAIN[cfg.deepspeed.replicate_mode] if layout.dp_replicate > 1 else
-                            "ZeRO-3 shards params, grads and optimizer states over dp_shard×cp"
-                            if stage == 3 else
-                            "ZeRO-2: whole 16-bit weights on every rank (no per-module gathers); grads and "
+                            "ZeRO-3 shards params, grads and optimizer states over dp_shard×cp; gathers "
+                            f"{'a whole layer' if cfg.deepspeed.gather_granularity == 'layer' else 'each module'} "
+                            "at a time" if stage == 3 else
+                            "ZeRO-2: whole 16-bit weights on every rank (no gathers); grads and "
                             "optimizer states sharded over dp_shard×cp"
                             if stage == 2 else
                             "nothing to shard (dp_shard×cp = 1): ZeRO stage 1 over a group of one, which skips "
-                            "ZeRO-3's per-module gather hooks; gradient clipping across TP",
+                            "ZeRO-3's gather hooks; gradient clipping across TP",
                             config=ds_config.build(cfg, layout)),
         batch=Batch(micro_batch_size=cfg.batch.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
                     data_parallel_size=dp, global_batch_size=cfg.global_batch,
