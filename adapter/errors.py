@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_DIVERGED = 1
 
 
 class UserError(Exception):
@@ -15,6 +16,10 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))  # one line, always
+
+
+class DivergedError(RuntimeError):
+    """Training produced an inf/NaN loss or gradient norm. Not a bug and not bad input: printed as one line, exit 1."""
 
 
 def bad(key: str, value: Any, problem: str, fix: str) -> UserError:

@@ -17,7 +17,7 @@ from pathlib import Path
 from adapter import ds_config, mcore, validate
 from adapter.arch import ModelArch, load_arch
 from adapter.config import RunConfig
-from adapter.errors import UserError, bad
+from adapter.errors import DivergedError, UserError, bad
 from adapter.layout import Axis, Layout
 
 
@@ -266,11 +266,12 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
             dist.all_reduce(stats, group=dp_cp)  # cp ranks hold slices of one sample's mean: their sum is it
             loss = float(stats[0] / (stats[1] / layout.cp))
             if not math.isfinite(loss):
-                raise RuntimeError(f"loss is {loss} at step {step}")
+                raise DivergedError(f"the loss is {loss} at step {step}; stopping before the next step or checkpoint. "
+                                    "Lower optimizer.lr or raise optimizer.warmup_steps")
             if stats[2] > 0:
-                raise RuntimeError(f"the gradient norm is inf/NaN at step {step} (loss {loss:.4f}); stopping before "
-                                   "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
-                                   "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
+                raise DivergedError(f"the gradient norm is inf/NaN at step {step} (loss {loss:.4f}); stopping before "
+                                    "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
+                                    "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
             result.losses.append(loss)
             dt = time.perf_counter() - t0
             if step % cfg.logging.every == 0 or step == max_steps:

@@ -6,7 +6,7 @@ import os
 import sys
 import warnings
 
-from adapter.errors import EXIT_USAGE, UserError
+from adapter.errors import EXIT_DIVERGED, EXIT_USAGE, DivergedError, UserError
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -79,6 +79,10 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"nd-adapter: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except DivergedError as e:
+        if rank == 0:
+            print(f"nd-adapter: training stopped: {e}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
 
 
 if __name__ == "__main__":
