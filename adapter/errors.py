@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 EXIT_USAGE = 2
-EXIT_DIVERGED = 1
 
 
 class UserError(Exception):
@@ -19,7 +18,8 @@ class UserError(Exception):
 
 
 class DivergedError(RuntimeError):
-    """Training produced an inf/NaN loss or gradient norm. Not a bug and not bad input: printed as one line, exit 1."""
+    """Training produced an inf/NaN loss or gradient norm: not a bug, so one line and exit status 2 like bad input
+    (the fix is in the config: learning rate, warmup), with the last good checkpoint left as `latest`."""
 
 
 def bad(key: str, value: Any, problem: str, fix: str) -> UserError:

@@ -141,9 +141,9 @@ def _resume_worker(rank, world, tiny, root):
 
 
 @pytest.mark.slow
-def test_divergence_stops_with_one_line_status_1_and_keeps_the_last_good_checkpoint(tiny, tmp_path):
+def test_divergence_stops_with_one_line_status_2_and_keeps_the_last_good_checkpoint(tiny, tmp_path):
     """An absurd learning rate blows the weights up after step 1: the run stops at step 2 with one line and status
-    1 (not 2: the input was valid), and the step-1 checkpoint stays the latest."""
+    2 (the fix is in the config), and the step-1 checkpoint stays the latest."""
     ckpt_dir = tmp_path / "checkpoints"
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(raw_config(
@@ -151,7 +151,7 @@ def test_divergence_stops_with_one_line_status_1_and_keeps_the_last_good_checkpo
                            "optimizer.warmup_steps": 0, "checkpoint.save_every": 1})))
     r = _nd_train(cfg_file)
     stopped = [line for line in r.stderr.splitlines() if line.startswith("nd-adapter: training stopped: ")]
-    assert r.returncode == 1 and len(stopped) == 1, (r.returncode, r.stderr[-2000:])
+    assert r.returncode == 2 and len(stopped) == 1, (r.returncode, r.stderr[-2000:])
     assert "at step 2" in stopped[0] and "optimizer.lr" in stopped[0], stopped
     assert "Traceback" not in r.stderr + r.stdout
     assert (ckpt_dir / "latest").read_text().strip() == "global_step1"

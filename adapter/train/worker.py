@@ -6,7 +6,7 @@ import os
 import sys
 import warnings
 
-from adapter.errors import EXIT_DIVERGED, EXIT_USAGE, DivergedError, UserError
+from adapter.errors import EXIT_USAGE, DivergedError, UserError
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     except DivergedError as e:
         if rank == 0:
             print(f"nd-adapter: training stopped: {e}", file=sys.stderr, flush=True)
-        return EXIT_DIVERGED
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":
