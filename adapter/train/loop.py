@@ -207,7 +207,9 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
     for w in validate.check(cfg, arch):
         if rank == 0:
             log(f"warning: {w}")
-    metrics.check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)  # before any GPU time is spent
+    # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
+    sink = metrics.MetricsSink(rank, tensorboard_dir=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
+                               config=cfg.model_dump(mode="json"))
     layout = Layout.from_config(cfg.parallelism)
     groups = mcore.initialize(layout)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -236,8 +238,6 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
         tokens_per_step = cfg.global_batch * cfg.seq_len
         fpt = metrics.flops_per_token_for(arch, cfg.seq_len)
         peak = metrics.peak_flops()
-        sink = metrics.MetricsSink(rank, tensorboard_dir=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
-                                   config=cfg.model_dump(mode="json"))
         save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if layout.dp_replicate > 1 else None
         lg = cfg.logging
         prof = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
@@ -299,9 +299,9 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
             result.exported = str(export_hf(engine, arch, cfg, cfg.checkpoint.export_hf, rank=rank))
             if rank == 0:
                 log(f"exported HF checkpoint to {result.exported}")
-        sink.close()
         return result
     finally:
+        sink.close()  # also when training stops early: the events written so far are flushed
         mcore.destroy()
         deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
 
