@@ -61,6 +61,7 @@ class ModelSection(_Strict):
     vocab_divisible_by: StrictInt = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
+    compile: bool = Field(False, description="torch.compile each transformer layer (not with ZeRO-3)")
 
 
 class BatchSection(_Strict):

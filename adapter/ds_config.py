@@ -28,6 +28,9 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
     DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong."""
     if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
         return 1
+    if cfg.deepspeed.zero_stage == 3 and cfg.model.compile:
+        raise bad("model.compile", True, "compiled layers cannot follow ZeRO-3's parameter gathers (adapter/compile.py)",
+                  "set deepspeed.zero_stage: 2 (whole bf16 weights per GPU), or model.compile: false")
     if cfg.deepspeed.zero_stage == 2 and layout.dp_replicate > 1:
         raise bad("deepspeed.zero_stage", 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages ZeRO-3's "
                   "gradient partitions over replicas; hpZ is a ZeRO-3 feature)",

@@ -127,6 +127,7 @@ class Plan(_Doc):
     precision: str
     sequence_parallel: bool
     attention: str
+    compiled_layers: bool
     memory: Memory
     traffic: list[Traffic]
     traffic_totals: dict[str, int]
@@ -247,6 +248,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         precision=cfg.precision,
         sequence_parallel=cfg.use_sequence_parallel and layout.tp > 1,
         attention=cfg.model.attention,
+        compiled_layers=cfg.model.compile,
         memory=Memory(gpu=cfg.hardware.gpu if gpu_mem_gib is None else f"{gpu_mem_gib} GiB", recompute=cfg.recompute,
                       **{k: v for k, v in mem.to_dict().items()}),
         traffic=[Traffic(**r.to_dict()) for r in rows],

@@ -37,7 +37,7 @@ def render(plan: Plan, console: Console | None = None) -> None:
     c.print(f"[bold]Batch[/] micro {b.micro_batch_size} × grad-accum {b.gradient_accumulation_steps} × dp "
             f"{b.data_parallel_size} = global {b.global_batch_size} sequences × seq {plan.seq_len} = "
             f"{b.tokens_per_step:,} tokens/step; {plan.precision}, sequence parallel {plan.sequence_parallel}, "
-            f"attention {plan.attention}")
+            f"attention {plan.attention}" + (", compiled layers (torch.compile)" if plan.compiled_layers else ""))
 
     t = Table(title="Ranks", show_lines=False)
     for col in ("rank", "node", "local_rank", "dp_replicate", "dp_shard", "cp", "tp"):

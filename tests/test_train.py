@@ -18,7 +18,10 @@ LAYOUTS = {"dp_shard=4": ((1, 4, 1, 1), {}), "tp=2,dp_shard=2": ((1, 2, 1, 2), {
            # ZeRO-3's gather unit is a whole layer by default: DeepSpeed's per-module hooks must give the same losses,
            # and so must layer gathers under activation recompute (the layer's forward runs again in backward)
            "dp_shard=4 (per-module gathers)": ((1, 4, 1, 1), {"deepspeed.gather_granularity": "module"}),
-           "tp=2,dp_shard=2 (full recompute)": ((1, 2, 1, 2), {"recompute": "full"})}
+           "tp=2,dp_shard=2 (full recompute)": ((1, 2, 1, 2), {"recompute": "full"}),
+           # torch.compile'd layers (graph breaks at Megatron's TP linears) under ZeRO-2's gradient hooks
+           "tp=2,dp_shard=2 (ZeRO-2, compiled layers)": ((1, 2, 1, 2), {"deepspeed.zero_stage": 2,
+                                                                         "model.compile": True})}
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,10 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: mcore.
 
         load_megatron_checkpoint(model, cfg.model.checkpoint)
     model.to(device)
+    if cfg.model.compile:
+        from adapter.compile import compile_layers
+
+        compile_layers(model)
     _tp_grad_hooks(model, groups.tp)
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
