@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,6 +163,16 @@ def _batches(cfg: RunConfig, layout: Layout, rank: int, arch: ModelArch, barrier
     return dataset, sampler
 
 
+@dataclass
+class _Pending:
+    """One optimizer step's device-side results, read on the host one micro-batch later (`run`'s `report`)."""
+    step: int
+    stats: object        # float64 [loss sum, micro-batch count, non-finite flag], all-reduced over dp×cp
+    grad_norm: object    # DeepSpeed's global grad norm (tensor or float), None without clipping
+    lr: float
+    clock: tuple         # metrics.StepClock handle
+
+
 class _SyntheticData:
     """Deterministic random tokens (rehearsals without data files): same API as PackedDataset."""
 
@@ -245,10 +254,41 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
         save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if layout.dp_replicate > 1 else None
         lg = cfg.logging
         prof = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
+        clock = metrics.StepClock(device.type == "cuda")
+
+        def report(p: _Pending) -> None:
+            """Read step p's stats on the host: divergence check, loss, log line. Runs while the next step's first
+            micro-batch is already queued (so the GPU never drains), always before that step's optimizer update
+            and before any checkpoint."""
+            loss = float(p.stats[0] / (p.stats[1] / layout.cp))
+            if not math.isfinite(loss):
+                raise DivergedError(f"the loss is {loss} at step {p.step}; stopping before the next step or checkpoint. "
+                                    "Lower optimizer.lr or raise optimizer.warmup_steps")
+            if p.stats[2] > 0:
+                raise DivergedError(f"the gradient norm is inf/NaN at step {p.step} (loss {loss:.4f}); stopping before "
+                                    "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
+                                    "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
+            result.losses.append(loss)
+            if p.step % cfg.logging.every == 0 or p.step == max_steps:
+                tps = metrics.tokens_per_s_per_gpu(tokens_per_step, metrics.StepClock.seconds(p.clock), world)
+                gn = None if p.grad_norm is None else float(p.grad_norm)
+                m = metrics.mfu(tps, fpt, peak)
+                if rank == 0:
+                    log(metrics.format_step(p.step, loss=loss, lr=p.lr, grad_norm=gn, tokens_per_s_gpu=tps, mfu=m,
+                                            peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps))
+                sink.log(p.step, {"loss": loss, "lr": p.lr, "grad_norm": gn, "tokens_per_s_per_gpu": tps, "mfu": m})
+
+        def save(step: int) -> str:
+            path = str(ckpt.save(engine, cfg.checkpoint.dir, step, {"sampler": sampler.state_dict()},
+                                 keep_last=cfg.checkpoint.keep_last, save_ranks=save_ranks))
+            clock.reset()  # the save is not training time
+            return path
+
+        pending: _Pending | None = None  # the last step, until its numbers are read on the host
         engine.train()
         for step in range(start + 1, max_steps + 1):
             prof.begin(step)
-            t0 = time.perf_counter()
+            clock.begin()
             # sum of micro-batch mean losses, their count, and whether the step's grad norm was inf/NaN
             stats = torch.zeros(3, dtype=torch.float64, device=device)
             for _ in range(ga):
@@ -261,6 +301,9 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
                     engine.backward(local * layout.cp)
                     if engine.is_gradient_accumulation_boundary():
                         _sync_replicas(engine, mpu, layout)
+                if pending is not None:
+                    report(pending)
+                    pending = None
                 with record_function("nd.step"):
                     engine.step()
                 stats[:2] += torch.stack([local.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
@@ -268,35 +311,19 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
             if guard_grads:
                 stats[2] = _nonfinite(gn, device)
             dist.all_reduce(stats, group=dp_cp)  # cp ranks hold slices of one sample's mean: their sum is it
-            loss = float(stats[0] / (stats[1] / layout.cp))
-            if not math.isfinite(loss):
-                raise DivergedError(f"the loss is {loss} at step {step}; stopping before the next step or checkpoint. "
-                                    "Lower optimizer.lr or raise optimizer.warmup_steps")
-            if stats[2] > 0:
-                raise DivergedError(f"the gradient norm is inf/NaN at step {step} (loss {loss:.4f}); stopping before "
-                                    "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
-                                    "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
-            result.losses.append(loss)
-            dt = time.perf_counter() - t0
-            if step % cfg.logging.every == 0 or step == max_steps:
-                tps = metrics.tokens_per_s_per_gpu(tokens_per_step, dt, world)
-                lr = engine.optimizer.param_groups[0]["lr"]
-                m = metrics.mfu(tps, fpt, peak)
-                if rank == 0:
-                    log(metrics.format_step(step, loss=loss, lr=lr, grad_norm=None if gn is None else float(gn),
-                                            tokens_per_s_gpu=tps, mfu=m, peak_mem=metrics.peak_memory_bytes(),
-                                            total_steps=max_steps))
-                sink.log(step, {"loss": loss, "lr": lr, "grad_norm": None if gn is None else float(gn),
-                                "tokens_per_s_per_gpu": tps, "mfu": m})
-            prof.finish(step)
+            pending = _Pending(step, stats, gn, engine.optimizer.param_groups[0]["lr"], clock.end())
+            if prof.finish(step):
+                clock.reset()  # writing the trace is not training time
             if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                result.checkpoint = str(ckpt.save(engine, cfg.checkpoint.dir, step, {"sampler": sampler.state_dict()},
-                                                  keep_last=cfg.checkpoint.keep_last, save_ranks=save_ranks))
+                report(pending)
+                pending = None
+                result.checkpoint = save(step)
+        if pending is not None:
+            report(pending)
         result.final_step = max(start, max_steps)
         if cfg.checkpoint.dir and max_steps > start and (not cfg.checkpoint.save_every
                                                          or max_steps % cfg.checkpoint.save_every):
-            result.checkpoint = str(ckpt.save(engine, cfg.checkpoint.dir, max_steps, {"sampler": sampler.state_dict()},
-                                              keep_last=cfg.checkpoint.keep_last, save_ranks=save_ranks))
+            result.checkpoint = save(max_steps)
         if export and cfg.checkpoint.export_hf:
             from adapter.train.export import export_hf
 

@@ -53,6 +53,46 @@ def tokens_per_s_per_gpu(tokens_per_step: int, seconds: float, world_size: int) 
     return tokens_per_step / seconds / world_size
 
 
+class StepClock:
+    """Step times read off the device's own timeline (CUDA events; wall clock on CPU), so timing a step never makes
+    the host wait for the GPU. A step's time is the period from the previous step's end (or from this step's start
+    after `reset`, e.g. following a checkpoint save) to its end; read it once the step's results are on the host."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self._last = cuda, None
+
+    def _mark(self):
+        import time
+
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def begin(self) -> None:
+        if self._last is None:
+            self._last = self._mark()
+
+    def end(self):
+        """Mark the end of the current step; returns a handle for `seconds`."""
+        prev, self._last = self._last, self._mark()
+        return prev, self._last
+
+    def reset(self) -> None:
+        self._last = None
+
+    @staticmethod
+    def seconds(handle) -> float:
+        prev, mark = handle
+        if isinstance(mark, float):
+            return mark - prev
+        mark.synchronize()
+        return prev.elapsed_time(mark) / 1e3
+
+
 def peak_memory_bytes() -> int:
     """Peak allocated GPU memory on CUDA (what the memory model predicts); peak RSS of this process on CPU."""
     import torch
@@ -141,4 +181,4 @@ class MetricsSink:
 
 
 __all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "flops_per_token_for", "peak_flops", "mfu", "tokens_per_s_per_gpu",
-           "peak_memory_bytes", "format_step", "MetricsSink"]
+           "StepClock", "peak_memory_bytes", "format_step", "MetricsSink"]

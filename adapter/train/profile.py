@@ -27,9 +27,10 @@ class StepProfiler:
             self._prof = torch.profiler.profile(activities=acts)
             self._prof.__enter__()
 
-    def finish(self, step: int) -> None:
+    def finish(self, step: int) -> bool:
+        """Stop and write the trace after the window's last step; True if it did (that took time off the step)."""
         if self._prof is None or step != self.end:
-            return
+            return False
         import gzip
         import shutil
 
@@ -48,4 +49,5 @@ class StepProfiler:
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
         (self.dir / f"ops-rank{self.rank}.txt").write_text(table)
+        return True
 
