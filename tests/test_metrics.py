@@ -49,6 +49,25 @@ def test_tokens_per_s_per_gpu():
     assert m.tokens_per_s_per_gpu(2 * 2 * 4096, 0.5, 2) == 16384
 
 
+def test_step_clock_times_periods_between_step_ends_and_skips_resets(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("time.perf_counter", lambda: now[0])
+    clock = m.StepClock(cuda=False)
+    clock.begin()
+    now[0] += 2.0
+    first = clock.end()
+    now[0] += 0.5                 # host work between steps (logging, data) belongs to the next step's period
+    clock.begin()                 # no-op after an end
+    now[0] += 3.0
+    second = clock.end()
+    now[0] += 50.0                # a checkpoint save
+    clock.reset()
+    clock.begin()
+    now[0] += 1.5
+    third = clock.end()
+    assert [m.StepClock.seconds(h) for h in (first, second, third)] == [2.0, 3.5, 1.5]
+
+
 def test_format_step_leaves_out_unknowns():
     line = m.format_step(12, loss=3.14159, lr=3e-4, grad_norm=1.5, tokens_per_s_gpu=12345.6, mfu=0.352,
                          peak_mem=3 * 2**30, total_steps=100)
