@@ -13,6 +13,7 @@ embedding (a lookup) are left out; activation recomputation is not counted (it i
 from __future__ import annotations
 
 import resource
+import time
 from typing import Any
 
 # Dense bf16 tensor-core peaks (no sparsity). Matched as substrings of torch.cuda.get_device_name().
@@ -62,8 +63,6 @@ class StepClock:
         self.cuda, self._last = cuda, None
 
     def _mark(self):
-        import time
-
         if not self.cuda:
             return time.perf_counter()
         import torch
