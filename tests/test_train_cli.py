@@ -59,6 +59,7 @@ BAD = {  # name: (config overrides, extra CLI args, text the one line must conta
     "missing data file": ({"data.files": ["no/such.jsonl"]}, (), "data.files="),
     "wrong text_key": ({"data.text_key": "content"}, (), "data.text_key='content'"),
     "model.checkpoint not converted": ({"model.checkpoint": "MODEL"}, (), "nd-adapter convert hf-to-megatron"),
+    "compiled layers under ZeRO-3": ({"model.compile": True}, (), "model.compile=True"),
 }
 
 

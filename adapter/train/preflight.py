@@ -1,14 +1,15 @@
-"""Checks a run can fail on before any process starts: architecture vs layout, data files, checkpoint, tokenizer,
-metrics sinks."""
+"""Checks a run can fail on before any process starts: architecture vs layout, the ZeRO stage, data files, checkpoint,
+tokenizer, metrics sinks."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from adapter import validate
+from adapter import ds_config, validate
 from adapter.arch import ModelArch, load_arch
 from adapter.config import RunConfig
 from adapter.errors import bad
+from adapter.layout import Layout
 
 # Fields of ModelArch that must agree between the config's model and the converted checkpoint.
 ARCH_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
@@ -51,6 +52,7 @@ def check_data(cfg: RunConfig) -> None:
 def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
     arch = load_arch(cfg.model.path)
     validate.check(cfg, arch)
+    ds_config.zero_stage(cfg, Layout.from_config(cfg.parallelism))  # e.g. model.compile or ZeRO-2 where they can't go
     check_checkpoint(cfg, arch)
     if need_data and not cfg.data.synthetic:
         if not cfg.data.files:
