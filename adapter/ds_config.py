@@ -98,6 +98,9 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         "scheduler": scheduler,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # its throughput timer synchronises the device at every forward and step (~3 ms/step of idle GPU on the 1B
+        # shape, BENCHMARKS); the loop times steps with CUDA events instead
+        "timers": {"throughput": {"enabled": False}},
     }
     if cfg.precision == "bf16":
         # DeepSpeed's bf16 default scans every gradient for inf/NaN before each step (hundreds of small kernels and

@@ -3,7 +3,9 @@
     python bench/trace_summary.py profile/trace-rank0.json.gz [--top 20]
 
 Prints the profiled window's wall time, how much of it the GPU was busy (union of kernel intervals over all
-streams), GPU time by kernel family, compute-stream time inside each `nd.*` phase, and the top kernels.
+streams), GPU time by kernel family, compute-stream time inside each `nd.*` phase, the NCCL time no other kernel
+overlaps, GPU idle per phase, the host waits (syncs, blocking copies) with the Python frames that caused them, and
+the top kernels.
 """
 from __future__ import annotations
 
@@ -36,6 +38,36 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, end = [], None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            out.append((end, a))
+        end = b if end is None else max(end, b)
+    return out
+
+
+def _overlap(a: float, b: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
+
+
+WAITS = re.compile(r"^cuda(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy|MemcpyAsync)$")
+
+
+def host_waits(events: list[dict], min_us: float = 300.0) -> list[tuple[float, str, str]]:
+    """(ms, runtime call, innermost non-torch Python frames) for each host call that blocked at least min_us."""
+    waits = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+             and WAITS.match(str(e.get("name", ""))) and e.get("dur", 0) >= min_us]
+    frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
+    out = []
+    for w in sorted(waits, key=lambda e: e["ts"]):
+        around = sorted((f for f in frames if f.get("tid") == w.get("tid") and f["ts"] <= w["ts"]
+                         and f["ts"] + f["dur"] >= w["ts"] + w["dur"]), key=lambda f: -f["ts"])
+        names = [f["name"] for f in around if not f["name"].startswith(("torch/", "<built-in"))][:3]
+        out.append((w["dur"] / 1e3, w["name"], " < ".join(names)))
+    return out
+
+
 def summarize(events: list[dict], top: int = 20) -> dict:
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     phases = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("nd.")]
@@ -61,11 +93,20 @@ def summarize(events: list[dict], top: int = 20) -> dict:
     phase_cpu = defaultdict(float)
     for p in cpu_phases:
         phase_cpu[p["name"]] += p["dur"]
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if family(e["name"]) == "nccl"]
+    other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if family(e["name"]) != "nccl"]
+    exposed = union_length(nccl + other) - union_length(other)  # time only NCCL kept the GPU busy
+    idle = defaultdict(float)
+    gaps = _gaps([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    for p in spans:
+        idle[p["name"]] += sum(_overlap(a, b, [(p["ts"], p["ts"] + p["dur"])]) for a, b in gaps)
     return {"window_ms": (t1 - t0) / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_busy_frac": busy / (t1 - t0),
             "kernel_ms": sum(e["dur"] for e in kernels) / 1e3,
             "families_ms": {k: v / 1e3 for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
             "phases_cpu_ms": {k: v / 1e3 for k, v in phase_cpu.items()},
             "phases_gpu_ms": {k: v / 1e3 for k, v in phase_gpu.items()},
+            "nccl_exposed_ms": exposed / 1e3, "idle_in_phase_ms": {k: v / 1e3 for k, v in idle.items()},
+            "host_waits": [(round(ms, 2), name, where) for ms, name, where in host_waits(events)],
             "top": [(n[:110], round(t / 1e3, 2), c) for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])
                     [:top]]}
 
@@ -78,7 +119,11 @@ def render(s: dict) -> str:
              "families (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["families_ms"].items()),
              "phases, CPU span (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["phases_cpu_ms"].items()),
              "phases, compute-stream GPU (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["phases_gpu_ms"].items()),
-             "top kernels (ms, calls):"]
+             f"NCCL not overlapped by other kernels: {s['nccl_exposed_ms']:.1f} ms",
+             "GPU idle inside each phase (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["idle_in_phase_ms"].items()),
+             f"host waits >= 0.3 ms ({len(s['host_waits'])}):"]
+    lines += [f"  {ms:8.2f}  {name}  {where}" for ms, name, where in s["host_waits"]]
+    lines += ["top kernels (ms, calls):"]
     lines += [f"  {t:8.2f} {c:5d}  {n}" for n, t, c in s["top"]]
     return "\n".join(lines)
 

@@ -39,11 +39,20 @@ def test_trace_summary_on_a_synthetic_trace():
     events = [{"ph": "X", "cat": "user_annotation", "name": "nd.forward", "ts": 0, "dur": 400},
               {"ph": "X", "cat": "user_annotation", "name": "nd.backward", "ts": 400, "dur": 600},
               k("sm90_xmma_gemm_bf16", 100, 200), k("flash_fwd_kernel", 300, 50),
-              k("ncclDevKernel_AllGather", 250, 300, tid=9), k("triton_poi_fused_silu", 700, 100)]
+              k("ncclDevKernel_AllGather", 250, 300, tid=9), k("triton_poi_fused_silu", 700, 100),
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 560, "dur": 400, "tid": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 960, "dur": 900, "tid": 1},
+              {"ph": "X", "cat": "python_function", "name": "deepspeed/zero.py(10): step", "ts": 500, "dur": 500,
+               "tid": 1},
+              {"ph": "X", "cat": "python_function", "name": "torch/_tensor.py(5): to", "ts": 550, "dur": 420,
+               "tid": 1}]
     s = ts.summarize(events)
     assert s["window_ms"] == 1.0 and s["gpu_busy_ms"] == 0.55  # union: [100,550] and [700,800]
     assert s["families_ms"] == {"nccl": 0.3, "gemm": 0.2, "fused (triton)": 0.1, "attention": 0.05}
     assert s["phases_gpu_ms"] == {"nd.forward": 0.25, "nd.backward": 0.1}  # compute stream = tid 7
+    assert s["nccl_exposed_ms"] == 0.2  # [350, 550]: the all-gather after the attention kernel ends
+    assert s["idle_in_phase_ms"] == {"nd.forward": 0.0, "nd.backward": 0.15}  # gaps between kernels only
+    assert s["host_waits"] == [(0.4, "cudaStreamSynchronize", "deepspeed/zero.py(10): step")]  # launches excluded
     text = ts.render(s)
     assert "GPU busy 0.6 ms (55%)" in text and "sm90_xmma_gemm_bf16" in text
     assert ts.summarize([]) == {"error": "no GPU kernels in this trace"}

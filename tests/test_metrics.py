@@ -137,3 +137,12 @@ def test_tensorboard_sink_writes_the_scalars(tmp_path):
     events.Reload()
     assert events.Tags()["scalars"] == ["loss"]
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.0), (2, 1.5)]
+
+
+def test_host_readback_snapshots_the_values_at_creation():
+    import torch
+
+    t = torch.tensor([1.5, 2.0, 0.0], dtype=torch.float64)
+    r = m.HostReadback(t)
+    t.add_(10)  # the next step reuses the tensor: the reading must not move
+    assert r.values() == [1.5, 2.0, 0.0]

@@ -120,6 +120,10 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: mcore.
         set_z3_leaf_modules(model, [Layer])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=_param_groups(model, cfg.optimizer.weight_decay),
                                       config=conf, mpu=mpu)
+    if conf["zero_optimization"]["stage"] in (1, 2):
+        from adapter import zero_step
+
+        zero_step.install(engine.optimizer)
     return engine, mpu, conf
 
 
@@ -167,8 +171,8 @@ def _batches(cfg: RunConfig, layout: Layout, rank: int, arch: ModelArch, barrier
 class _Pending:
     """One optimizer step's device-side results, read on the host one micro-batch later (`run`'s `report`)."""
     step: int
-    stats: object        # float64 [loss sum, micro-batch count, non-finite flag], all-reduced over dp×cp
-    grad_norm: object    # DeepSpeed's global grad norm (tensor or float), None without clipping
+    stats: object        # HostReadback of float64 [loss sum, micro-batch count, non-finite flag(, grad norm)]
+    grad_norm: object    # DeepSpeed's global grad norm when it is not a device tensor (a float, or None)
     lr: float
     clock: tuple         # metrics.StepClock handle
 
@@ -200,7 +204,8 @@ def _next_batch(it, layout: Layout, cp_rank: int, device):
     if layout.cp > 1:
         b = {k: split_for_cp(v, layout.cp, cp_rank, seq_dim=1) for k, v in b.items()}
     b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-    return b, torch.clamp(tokens_total, min=1).to(device)
+    # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)
+    return b, torch.clamp(tokens_total, min=1).to(device, non_blocking=True)
 
 
 def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, arch: ModelArch | None = None,
@@ -260,18 +265,19 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
             """Read step p's stats on the host: divergence check, loss, log line. Runs while the next step's first
             micro-batch is already queued (so the GPU never drains), always before that step's optimizer update
             and before any checkpoint."""
-            loss = float(p.stats[0] / (p.stats[1] / layout.cp))
+            values = p.stats.values()
+            loss = values[0] / (values[1] / layout.cp)
             if not math.isfinite(loss):
                 raise DivergedError(f"the loss is {loss} at step {p.step}; stopping before the next step or checkpoint. "
                                     "Lower optimizer.lr or raise optimizer.warmup_steps")
-            if p.stats[2] > 0:
+            if values[2] > 0:
                 raise DivergedError(f"the gradient norm is inf/NaN at step {p.step} (loss {loss:.4f}); stopping before "
                                     "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
                                     "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
             result.losses.append(loss)
             if p.step % cfg.logging.every == 0 or p.step == max_steps:
                 tps = metrics.tokens_per_s_per_gpu(tokens_per_step, metrics.StepClock.seconds(p.clock), world)
-                gn = None if p.grad_norm is None else float(p.grad_norm)
+                gn = values[3] if len(values) > 3 else None if p.grad_norm is None else float(p.grad_norm)
                 m = metrics.mfu(tps, fpt, peak)
                 if rank == 0:
                     log(metrics.format_step(p.step, loss=loss, lr=p.lr, grad_norm=gn, tokens_per_s_gpu=tps, mfu=m,
@@ -311,7 +317,10 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
             if guard_grads:
                 stats[2] = _nonfinite(gn, device)
             dist.all_reduce(stats, group=dp_cp)  # cp ranks hold slices of one sample's mean: their sum is it
-            pending = _Pending(step, stats, gn, engine.optimizer.param_groups[0]["lr"], clock.end())
+            if isinstance(gn, torch.Tensor):  # already global: appended after the sum
+                stats, gn = torch.cat([stats, gn.detach().double().reshape(1)]), None
+            pending = _Pending(step, metrics.HostReadback(stats), gn, engine.optimizer.param_groups[0]["lr"],
+                               clock.end())
             if prof.finish(step):
                 clock.reset()  # writing the trace is not training time
             if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:

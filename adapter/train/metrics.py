@@ -92,6 +92,28 @@ class StepClock:
         return prev.elapsed_time(mark) / 1e3
 
 
+class HostReadback:
+    """A device tensor's values on the host without draining the GPU's queue: a non-blocking copy into pinned memory
+    and an event behind it. `values()` waits for that event only, so the kernels queued after it keep the GPU busy
+    (`.item()` or `float(tensor)` would wait for the whole stream, i.e. for everything queued since)."""
+
+    def __init__(self, tensor):
+        import torch
+
+        self._event = None
+        if tensor.device.type == "cuda":
+            self._host = tensor.detach().to("cpu", non_blocking=True)  # pinned destination: an async copy
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.detach().clone()
+
+    def values(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 def peak_memory_bytes() -> int:
     """Peak allocated GPU memory on CUDA (what the memory model predicts); peak RSS of this process on CPU."""
     import torch
@@ -180,4 +202,4 @@ class MetricsSink:
 
 
 __all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "flops_per_token_for", "peak_flops", "mfu", "tokens_per_s_per_gpu",
-           "StepClock", "peak_memory_bytes", "format_step", "MetricsSink"]
+           "StepClock", "HostReadback", "peak_memory_bytes", "format_step", "MetricsSink"]

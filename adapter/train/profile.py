@@ -24,7 +24,9 @@ class StepProfiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=acts)
+            # with_stack: the Python frames around each host wait (a `.to()`, `bool(tensor)`, a device sync) name
+            # the line that drained the GPU's queue; `bench/trace_summary.py` lists them
+            self._prof = torch.profiler.profile(activities=acts, with_stack=True)
             self._prof.__enter__()
 
     def finish(self, step: int) -> bool:
