@@ -61,9 +61,12 @@ def _epilogue_ordered_on_device(optimizer):
 
 
 def install(optimizer) -> None:
-    """Patch a stage-1/2 `DeepSpeedZeroOptimizer` (the instance, and the one module-level helper it calls)."""
+    """Patch a stage-1/2 `DeepSpeedZeroOptimizer` (the instance, and the one module-level helper it calls); any other
+    optimizer DeepSpeed chose is left as it is."""
     from deepspeed.runtime.zero import stage_1_and_2
 
+    if not isinstance(optimizer, stage_1_and_2.DeepSpeedZeroOptimizer):
+        return
     stage_1_and_2.mask_nan_or_inf_with_val_inplace = mask_nonfinite_
     optimizer.unscale_and_clip_grads = unscale_and_clip_grads.__get__(optimizer)
     optimizer.independent_gradient_partition_epilogue = _epilogue_ordered_on_device(optimizer)

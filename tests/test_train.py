@@ -102,9 +102,20 @@ def test_bf16_grad_norm_counts_tp_shards_once(demo):
 
 def _zero2_resume_worker(rank, world, demo, root):
     """ZeRO-2 (tp=2 × dp_shard=2): save at step 3, resume in a fresh engine, export HF at the end."""
+    from adapter import zero_step
+    from adapter.train import loop
     from adapter.train.loop import init_distributed, run
 
     init_distributed()
+    build, ours = loop.build_engine, []
+
+    def spy(*a, **k):  # every engine runs adapter.zero_step's clipping, not DeepSpeed's host-waiting one
+        engine, mpu, conf = build(*a, **k)
+        clip = getattr(engine.optimizer.unscale_and_clip_grads, "__func__", None)
+        ours.append(clip is zero_step.unscale_and_clip_grads)
+        return engine, mpu, conf
+
+    loop.build_engine = spy
     over = {"deepspeed.zero_stage": 2, "checkpoint.save_every": 3}
     whole = run(run_config(demo, (1, 2, 1, 2), steps=6, **over, **{"checkpoint.dir": f"{root}/whole"}),
                 log=lambda s: None)
@@ -114,12 +125,13 @@ def _zero2_resume_worker(rank, world, demo, root):
                                                                      "checkpoint.export_hf": f"{root}/hf"}),
                  resume=True, log=lambda s: None)
     return {"whole": whole.losses, "first": first.losses, "second": second.losses, "start": second.start_step,
-            "exported": second.exported}
+            "exported": second.exported, "patched": ours}
 
 
 def test_zero2_resumes_exactly_and_exports(demo, tmp_path):
     r = run_workers(_zero2_resume_worker, 4, demo, str(tmp_path), timeout=600)[0]
     assert r["start"] == 3 and r["first"] + r["second"] == r["whole"], r   # bit-identical on CPU
+    assert r["patched"] == [True, True, True], r["patched"]
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(r["exported"]).num_parameters() > 0
