@@ -47,8 +47,8 @@ def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _overlap(a: float, b: float, spans: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
+def _overlap(a: float, b: float, x: float, y: float) -> float:
+    return max(0.0, min(b, y) - max(a, x))
 
 
 WAITS = re.compile(r"^cuda(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy|MemcpyAsync)$")
@@ -99,7 +99,7 @@ def summarize(events: list[dict], top: int = 20) -> dict:
     idle = defaultdict(float)
     gaps = _gaps([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     for p in spans:
-        idle[p["name"]] += sum(_overlap(a, b, [(p["ts"], p["ts"] + p["dur"])]) for a, b in gaps)
+        idle[p["name"]] += sum(_overlap(a, b, p["ts"], p["ts"] + p["dur"]) for a, b in gaps)
     return {"window_ms": (t1 - t0) / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_busy_frac": busy / (t1 - t0),
             "kernel_ms": sum(e["dur"] for e in kernels) / 1e3,
             "families_ms": {k: v / 1e3 for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
