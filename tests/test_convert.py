@@ -308,3 +308,103 @@ def test_verify_logits_in_process_and_load_refuses_wrong_model(tmp_path):
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+# ---- issue 19: the writer never depends on DCP's loader; checksums refuse damage ---------------------------------
+
+def flip_chunk(root: Path, key_part: str) -> str:
+    """Flip 4 bytes inside one stored chunk's data, as a bad disk or an interrupted copy would; returns its id."""
+    reader = mio.DistCheckpointReader(mio.resolve_ckpt_dir(root))
+    key, ch = next((k, c) for k, c in reader.chunks() if key_part in k)
+    path, pos = reader._locate(key, ch)
+    with open(path, "r+b") as f:
+        f.seek(pos + 4)
+        b = f.read(4)
+        f.seek(pos + 4)
+        f.write(bytes(x ^ 0xFF for x in b))
+    return mio.chunk_id(key, ch.offsets)
+
+
+def test_writer_exact_when_dcp_resolves_ahead(tmp_path, monkeypatch):
+    """With CUDA visible, DCP's FileSystemWriter resolves write items ahead of writing them (_OverlappingCpuLoader);
+    the old writer then overwrote queued chunks in its reused buffers (19 of 21 tensors wrong, no error). Both of
+    DCP's loaders are made to resolve everything first: the conversion must stay bit-exact."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    class ResolveAll(fs._SerialCpuLoader):
+        def values(self):
+            yield from [(self.resolve_fun(obj).detach(), obj) for _, obj in self.items]
+
+    monkeypatch.setattr(fs, "_SerialCpuLoader", ResolveAll)
+    monkeypatch.setattr(fs, "_OverlappingCpuLoader", lambda resolve_fun, **kw: ResolveAll(resolve_fun))
+    src = make_hf("llama", tmp_path / "hf", dtype=torch.bfloat16)
+    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    report = ops.verify(src, out, logits=False)
+    assert report["ok"] and report["exact"] == report["tensors"] == len(tensors(src)), report["mismatched"]
+    meta = json.loads((out / mio.META).read_text())
+    reader = mio.DistCheckpointReader(mio.resolve_ckpt_dir(out))
+    assert set(meta["checksums"]["chunks"]) == {mio.chunk_id(k, c.offsets) for k, c in reader.chunks()}
+
+
+def test_bytes_on_disk_that_differ_from_the_produced_ones_publish_nothing(tmp_path, monkeypatch):
+    """The read-back check: a chunk whose written bytes differ from those produced (here torch.save is handed a
+    changed copy after the checksum was taken) fails the conversion with one line, and nothing is published."""
+    real_save = torch.save
+    hit = []
+
+    def damaging_save(obj, f, *a, **kw):
+        if isinstance(obj, torch.Tensor) and obj.numel() > 8 and not hit:
+            hit.append(1)
+            obj = obj.clone()
+            obj.view(-1)[3] += 1
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(mio.torch, "save", damaging_save)
+    src = make_hf("llama", tmp_path / "hf")
+    _refused(src, tmp_path / "meg", "read back differs from what was written; nothing was published")
+    assert hit
+
+
+def test_damaged_checkpoint_is_refused_by_verify_export_and_load(tmp_path, capsys):
+    import torch.distributed as dist
+
+    from adapter.cli import main
+
+    src = make_hf("llama", tmp_path / "hf")
+    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    chunk = flip_chunk(out, "linear_fc1.weight")
+    capsys.readouterr()  # transformers' save_pretrained progress bar
+    for argv in (["convert", "verify", "--hf", str(src), "--megatron", str(out), "--no-logits"],
+                 ["convert", "megatron-to-hf", "--megatron", str(out), "--out", str(tmp_path / "back"),
+                  "--no-progress"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"tensor chunk {chunk} does not match the checksum" in err[0], err
+        assert "Fix: re-convert" in err[0]
+    assert _leftovers(tmp_path, "back") == []
+    if dist.is_initialized():
+        pytest.skip("the load check needs a process without a default process group")
+    from megatron.core import parallel_state as ps
+
+    from adapter.model import build_gpt_model
+    from tests._dist import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1)
+        with pytest.raises(UserError, match=f"tensor chunk {chunk}"):
+            ops.load_megatron_checkpoint(build_gpt_model(ops.load_arch(src), padded_vocab=512), out)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_checkpoint_without_checksums_still_loads_with_a_warning(tmp_path):
+    src = make_hf("llama", tmp_path / "hf")
+    out = ops.hf_to_megatron(src, tmp_path / "meg", progress=False)
+    meta = json.loads((out / mio.META).read_text())
+    del meta["checksums"]
+    (out / mio.META).write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="records no checksums"):
+        assert ops.verify(src, out, logits=False)["ok"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import yaml
 
 from adapter import config
 from tests._dist import run_workers
+from tests.test_convert import flip_chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +30,11 @@ def tiny(tmp_path_factory):
     hf_to_megatron(paths["model"], root / "megatron", tp=2, dtype="fp32", progress=False)
     make_tiny_llama(root / "narrow", tokenizer_dir=paths["tokenizer"], hidden=32, layers=2, heads=4, kv_heads=2)
     hf_to_megatron(root / "narrow", root / "narrow-megatron", tp=2, dtype="fp32", progress=False)
+    shutil.copytree(root / "megatron", root / "damaged")
+    flip_chunk(root / "damaged", "linear_proj.weight")
     return {k: str(v) for k, v in paths.items()} | {"root": str(root), "megatron": str(root / "megatron"),
-                                                      "narrow_megatron": str(root / "narrow-megatron")}
+                                                      "narrow_megatron": str(root / "narrow-megatron"),
+                                                      "damaged": str(root / "damaged")}
 
 
 def raw_config(tiny, ckpt_dir, **over) -> dict:
@@ -60,13 +65,15 @@ BAD = {  # name: (config overrides, extra CLI args, text the one line must conta
     "wrong text_key": ({"data.text_key": "content"}, (), "data.text_key='content'"),
     "model.checkpoint not converted": ({"model.checkpoint": "MODEL"}, (), "nd-adapter convert hf-to-megatron"),
     "compiled layers under ZeRO-3": ({"model.compile": True}, (), "model.compile=True"),
+    "damaged converted checkpoint": ({"model.checkpoint": "DAMAGED"}, (), "does not match the checksum"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_is_one_line_status_2_and_writes_nothing(tiny, tmp_path, case):
     over, extra, needle = BAD[case]
-    over = {k: {"NARROW": tiny["narrow_megatron"], "MODEL": tiny["model"]}.get(v, v) if isinstance(v, str) else v
+    over = {k: {"NARROW": tiny["narrow_megatron"], "MODEL": tiny["model"], "DAMAGED": tiny["damaged"]}.get(v, v)
+            if isinstance(v, str) else v
             for k, v in over.items()}
     ckpt_dir = tmp_path / "checkpoints"
     cfg_file = tmp_path / "run.yaml"

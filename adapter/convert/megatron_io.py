@@ -1,10 +1,17 @@
 """Megatron-Core torch_dist checkpoints written and read one chunk at a time, without building a GPTModel.
 
 The on-disk format is plain torch.distributed.checkpoint (DCP) plus Megatron's `metadata.json` and `common.pt`.
-DCP's own FileSystemWriter does the writing; a planner hands it write items we describe ourselves (same keys,
-global shapes and per-(layer, TP rank) chunks a tp-N `dist_checkpointing.save` of GPTModel produces) and produces
-each chunk only when the writer asks for it. Reading goes straight through the DCP index to one chunk at a time.
-Megatron-Core then loads the result at any TP through its usual sharded_state_dict path (resharding by overlap).
+A planner hands DCP write items we describe ourselves (same keys, global shapes and per-(layer, TP rank) chunks a
+tp-N `dist_checkpointing.save` of GPTModel produces) and produces each chunk only when asked for it, into one of two
+reused buffers. That reuse is only safe if each chunk is written before the next is produced, which DCP's own
+writer does not promise: with CUDA visible it switches to a loader that resolves items ahead of writing them (up to
+`per_thread_copy_ahead` bytes), and the reused buffers then overwrote chunks still queued -- a wrong checkpoint and
+no error (issue 19). So `_SerialWriter` owns the write loop: resolve one item, write it, then the next.
+
+Every chunk's CRC-32 is taken from the bytes handed to the file, every chunk is read back and compared before the
+directory is published, and the checksums go into nd_adapter.json, so any later load can refuse a damaged file.
+Reading goes straight through the DCP index to one chunk at a time. Megatron-Core then loads the result at any TP
+through its usual sharded_state_dict path (resharding by overlap).
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import json
 import os
 import pickle
 import warnings
+import zlib
 from argparse import Namespace
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,7 +34,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.utils import _create_file_view
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from adapter.convert.dcp_compat import DEFAULT_SUFFIX, create_file_view, storage_info
 
 from adapter.convert.hf_io import pread_into
 from adapter.convert.rows import contiguous_strides
@@ -38,6 +49,18 @@ META = "nd_adapter.json"
 HF_SUBDIR = "hf"
 MCORE_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                 "common_backend": "torch", "common_backend_version": 1}
+CHECKSUM = "crc32"  # of each chunk's raw bytes (C order); ~7 GB/s here, against ~1 GB/s for the whole conversion
+
+
+def chunk_id(key: str, offsets) -> str:
+    """How nd_adapter.json names one stored chunk: `key@o0,o1,...` (its global offsets)."""
+    return f"{key}@{','.join(str(int(o)) for o in offsets)}"
+
+
+def tensor_crc(t: torch.Tensor) -> str:
+    if not t.numel():
+        return f"{0:08x}"
+    return f"{zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())):08x}"
 
 
 @dataclass(frozen=True)
@@ -102,9 +125,46 @@ class _StreamingPlanner(DefaultSavePlanner):
         return t
 
 
+class _SerialWriter(FileSystemWriter):
+    """DCP's FileSystemWriter with a write loop that writes each item to the file before resolving the next.
+
+    Same on-disk format as DCP's single file per rank (torch.save blobs back to back, indexed by `.metadata`), so
+    Megatron and DCP read it as their own. The order is the plan's, whatever the torch version or device. Records the
+    CRC-32 of every tensor chunk as it is written (`self.checksums`, by `chunk_id`)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.checksums: dict[str, str] = {}
+
+    def write_data(self, plan: SavePlan, planner) -> Future:
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with open(Path(self.path) / name, "wb") as f:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                offset = f.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    f.write(data.getbuffer())
+                else:
+                    t = data.detach()
+                    if t.untyped_storage().nbytes() != t.nbytes:  # torch.save writes whole storages
+                        t = t.clone()
+                    self.checksums[chunk_id(item.index.fqn, item.index.offset)] = tensor_crc(t)
+                    torch.save(t, f)
+                length = f.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=storage_info(name, offset, length)))
+            f.flush()
+            os.fsync(f.fileno())
+        done: Future = Future()
+        done.set_result(results)
+        return done
+
+
 def write_dist_checkpoint(ckpt_dir: Path, specs: list[TensorSpec], objects: dict[str, object],
-                          produce: Callable, common: dict) -> None:
-    """Write a torch_dist checkpoint dir (metadata.json last, as Megatron does, so it marks completeness)."""
+                          produce: Callable, common: dict) -> dict[str, str]:
+    """Write a torch_dist checkpoint dir (metadata.json last, as Megatron does, so it marks completeness), read every
+    chunk back and compare it with what was written. Returns the chunks' checksums (by `chunk_id`)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     blobs = {}
     for key, value in objects.items():
@@ -113,20 +173,29 @@ def write_dist_checkpoint(ckpt_dir: Path, specs: list[TensorSpec], objects: dict
         blobs[key] = buf.getvalue()
     torch.save(common, ckpt_dir / "common.pt")
     planner = _StreamingPlanner(specs, blobs, produce)
+    writer = _SerialWriter(ckpt_dir)
     crc = _crc32_enabled()
     torch.serialization.set_crc32_options(False)  # zip CRC runs at ~0.6 GB/s, 10x the write; torch.load skips it
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
-            dcp.save({}, storage_writer=FileSystemWriter(ckpt_dir, thread_count=1, single_file_per_rank=True),
-                     planner=planner, no_dist=True)
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     except BaseException:  # CheckpointException derives from BaseException
         if planner.error is not None:  # the user's Ctrl-C or a UserError, not DCP's wrapper
             raise planner.error.with_traceback(planner.error.__traceback__) from None
         raise
     finally:
         torch.serialization.set_crc32_options(crc)
+    want = {chunk_id(s.key, off) for s in specs for off, _ in s.chunks}
+    if set(writer.checksums) != want:
+        missing = sorted(want - set(writer.checksums))[:1] or sorted(set(writer.checksums) - want)[:1]
+        raise RuntimeError(f"the checkpoint writer wrote a different set of chunks than planned (e.g. {missing})")
+    bad_chunk = DistCheckpointReader(ckpt_dir).first_mismatch(writer.checksums)
+    if bad_chunk is not None:
+        raise bad("out", str(ckpt_dir.parent), f"chunk {bad_chunk} read back differs from what was written; nothing "
+                  "was published", "re-run the conversion; if it repeats, check the disk and report it")
     (ckpt_dir / "metadata.json").write_text(json.dumps(MCORE_CONFIG))
+    return writer.checksums
 
 
 def _crc32_enabled() -> bool:
@@ -186,7 +255,7 @@ class DistCheckpointReader:
             if not getattr(info, "transform_descriptors", None):
                 try:
                     with open(path, "rb") as f:
-                        zr = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
+                        zr = torch._C.PyTorchFileReader(create_file_view(f, info.offset, info.length))
                         pid, offset, size, stride = _Layout(io.BytesIO(zr.get_record("data.pkl"))).load()
                         want = tuple(ch.sizes)
                         if (pid[1] == self.dtype(key) and offset == 0 and size == want
@@ -207,7 +276,7 @@ class DistCheckpointReader:
         if raw is None:
             info = self.md.storage_data[MetadataIndex(key, ch.offsets)]
             with open(self.dir / info.relative_path, "rb") as f:
-                t = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+                t = torch.load(create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
             return out.copy_(t[lead][row_lo:row_hi])
         strides = contiguous_strides(sizes)
         first = sum(i * s for i, s in zip(lead + (row_lo,), strides))
@@ -250,6 +319,39 @@ class DistCheckpointReader:
         shape = tuple(meta.size)[0 if layer is None else 1:]
         return self.read_rows(key, layer, 0, shape[0], torch.empty(shape, dtype=meta.properties.dtype))
 
+    def chunks(self) -> list[tuple[str, object]]:
+        """Every stored tensor chunk, (key, ChunkStorageMetadata), in index order."""
+        return [(k, ch) for k in self.keys() for ch in self.md.state_dict_metadata[k].chunks]
+
+    def chunk(self, key: str, ch) -> torch.Tensor:
+        """One stored chunk, as written (its own shape and dtype)."""
+        out = torch.empty(tuple(ch.sizes), dtype=self.dtype(key))
+        raw = self._locate(key, ch)
+        if raw is not None:
+            pread_into(raw[0], raw[1], out, key, key="megatron")
+            return out
+        info = self.md.storage_data[MetadataIndex(key, ch.offsets)]
+        with open(self.dir / info.relative_path, "rb") as f:
+            return out.copy_(torch.load(create_file_view(f, info.offset, info.length), map_location="cpu",
+                                        weights_only=True))
+
+    def first_mismatch(self, checksums: dict[str, str], only: set[str] | None = None) -> str | None:
+        """The first chunk (`chunk_id`) whose bytes on disk do not hash to `checksums` (absent counts), else None.
+        `only` restricts the check to those chunk ids (ranks split the work)."""
+        stored = {chunk_id(k, ch.offsets): (k, ch) for k, ch in self.chunks()}
+        for cid in sorted(checksums):
+            if only is not None and cid not in only:
+                continue
+            if cid not in stored:
+                return cid
+            try:
+                got = tensor_crc(self.chunk(*stored[cid]))
+            except Exception:  # noqa: BLE001 - unreadable bytes are damage too
+                return cid
+            if got != checksums[cid]:
+                return cid
+        return None
+
 
 def resolve_ckpt_dir(root: str | Path) -> Path:
     """The torch_dist dir of a Megatron-LM style root (tracker -> release/ or iter_N/), or the dir itself."""
@@ -266,6 +368,30 @@ def resolve_ckpt_dir(root: str | Path) -> Path:
         raise bad("megatron", str(sub), "the tracker points at an incomplete checkpoint (metadata.json missing)",
                   "re-run the conversion; an interrupted one never leaves a complete-looking directory")
     return sub
+
+
+def check_checksums(root: str | Path, meta: dict, *, rank: int = 0, world: int = 1, key: str = "megatron") -> bool:
+    """Refuse a converted checkpoint whose chunks no longer match the checksums recorded when it was written
+    (UserError naming the chunk). Rank `rank` of `world` checks its share only; the caller combines the answers.
+    Returns False when the checkpoint records no checksums (written by nd-adapter before issue 19's fix)."""
+    sums = (meta.get("checksums") or {}).get("chunks")
+    if not sums:
+        return False
+    ids = sorted(sums)[rank::world]
+    bad_chunk = DistCheckpointReader(resolve_ckpt_dir(root)).first_mismatch(sums, only=set(ids))
+    if bad_chunk is not None:
+        raise damaged(root, bad_chunk, key)
+    return True
+
+
+def damaged(root: str | Path, chunk: str, key: str = "megatron") -> Exception:
+    return bad(key, str(root), f"tensor chunk {chunk} does not match the checksum recorded when it was written "
+               "(the file was damaged or changed after conversion)",
+               "re-convert it with `nd-adapter convert hf-to-megatron` (or restore an intact copy)")
+
+
+NO_CHECKSUMS = ("records no checksums: it was converted by an nd-adapter whose writer could silently corrupt "
+                "checkpoints on machines with CUDA (issue 19); check it with `nd-adapter convert verify` or re-convert")
 
 
 def read_meta(root: str | Path) -> dict:

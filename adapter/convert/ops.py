@@ -158,9 +158,10 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, *, dtyp
             atomic_dir(target) as tmp:
         produce = _Producer(hf, rules, ctx, dtypes, specs, bar)
         try:
-            mio.write_dist_checkpoint(tmp / mio.RELEASE, specs, objects, produce, common)
+            sums = mio.write_dist_checkpoint(tmp / mio.RELEASE, specs, objects, produce, common)
         finally:
             produce.prefetch.close()
+        meta["checksums"] = {"algorithm": mio.CHECKSUM, "chunks": sums}
         meta["hf_files"] = hf_io.copy_side_files(hf_dir, tmp / mio.HF_SUBDIR, dt)
         (tmp / mio.META).write_text(json.dumps(meta, indent=2) + "\n")
         mio.write_tracker(tmp)
@@ -168,9 +169,15 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, *, dtyp
     return target
 
 
-def _megatron_side(megatron_dir: str | Path, table: Sequence[Rule] | None):
+def _megatron_side(megatron_dir: str | Path, table: Sequence[Rule] | None, check: bool = True):
+    """The converted checkpoint's metadata, architecture, reader and table, its shapes checked against hf/config.json
+    and (`check`) every chunk against the checksums recorded when it was written."""
     root = Path(megatron_dir)
     meta = mio.read_meta(root)
+    if check and not mio.check_checksums(root, meta):
+        import warnings
+
+        warnings.warn(f"{root} {mio.NO_CHECKSUMS}", UserWarning, stacklevel=3)
     arch = load_arch(root / meta.get("hf_subdir", mio.HF_SUBDIR))
     reader = mio.DistCheckpointReader(mio.resolve_ckpt_dir(root))
     rules = table_for(arch, table)
@@ -205,12 +212,13 @@ def _export_parts(reader, rule: Rule, layer, ctx) -> list[torch.Tensor]:
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, dtype: str | torch.dtype | None = None,
                    shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
-                   table: Sequence[Rule] | None = None) -> Path:
+                   table: Sequence[Rule] | None = None, check: bool = True) -> Path:
     """Convert a checkpoint written by hf_to_megatron (or saved by training into the same layout) back to HF:
-    sharded safetensors + index, config/tokenizer/generation files from its hf/ dir. Bit-exact when dtype is kept."""
+    sharded safetensors + index, config/tokenizer/generation files from its hf/ dir. Bit-exact when dtype is kept.
+    `check=False` skips the checksum check (the training export's own just-written staging checkpoint)."""
     dt = hf_io.parse_dtype(dtype)
     size = hf_io.parse_size(shard_size)
-    root, meta, arch, reader, rules, ctx = _megatron_side(megatron_dir, table)
+    root, meta, arch, reader, rules, ctx = _megatron_side(megatron_dir, table, check)
     target = check_target(out_dir, overwrite, (root,))
     order = _hf_order(rules, arch)
     where, items = {}, []
@@ -294,6 +302,7 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, *, logits: bool = True,
 
 
 def _logit_diff(hf_dir: Path, root: Path, arch: ModelArch, meta: dict, seq_len: int, batch: int, seed: int) -> float:
+    """Both models in fp32 on the same tokens, on the GPU when there is one (TF32 off), else on the CPU."""
     import os
 
     import torch.distributed as dist
@@ -302,29 +311,37 @@ def _logit_diff(hf_dir: Path, root: Path, arch: ModelArch, meta: dict, seq_len: 
     from adapter import cpu_shims
     from adapter.model import build_gpt_model, forward_logits
     from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
 
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cpu_shims.install()
     own = not dist.is_initialized()
     if own:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(1)
+        if cuda:  # Megatron's GPU init draws weights from its CUDA RNG tracker, which must be seeded first
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
         g = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=g)
+        tokens = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=g).to(device)
         model = build_gpt_model(arch, tp=1, padded_vocab=meta["padded_vocab_size"], params_dtype=torch.float32)
-        load_megatron_checkpoint(model, root)
+        load_megatron_checkpoint(model.to(device), root)
         model.eval()
         with torch.no_grad():
             ours = forward_logits(model, tokens, vocab_size=arch.vocab_size).float()
         del model
-        ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
         with torch.no_grad():
             ref = ref_model(tokens).logits.float()
         return (ours - ref).abs().max().item()
     finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         if own:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
@@ -345,6 +362,7 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True
     root = Path(ckpt_dir)
     path = mio.resolve_ckpt_dir(root)
     meta = json.loads((root / mio.META).read_text()) if (root / mio.META).exists() else {}
+    _check_checksums_collectively(root, meta)
     if meta and getattr(model, "vocab_size", meta["vocab_size"]) < meta["vocab_size"]:
         raise bad("padded_vocab", model.vocab_size, f"smaller than the checkpoint's vocab {meta['vocab_size']}",
                   f"build the model with padded_vocab >= {meta['vocab_size']} (the converter used "
@@ -374,6 +392,28 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True
         raise bad("megatron", str(path), f"state mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}",
                   "build the model with the checkpoint's architecture")
     return meta
+
+
+def _check_checksums_collectively(root: Path, meta: dict) -> None:
+    """Every rank hashes its share of the chunks; all ranks refuse together, naming the first damaged chunk."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found: str | None = None
+    try:
+        recorded = mio.check_checksums(root, meta, rank=rank, world=world)
+    except UserError as e:
+        found, recorded = str(e), True
+    if world > 1:
+        every: list = [None] * world
+        dist.all_gather_object(every, found)
+        found = next((x for x in every if x is not None), None)
+    if found is not None:
+        raise UserError(found)
+    if not recorded and meta and rank == 0:
+        import warnings
+
+        warnings.warn(f"{root} {mio.NO_CHECKSUMS}", UserWarning, stacklevel=3)
 
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "verify", "load_megatron_checkpoint"]

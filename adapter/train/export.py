@@ -48,7 +48,7 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int) -> Path:
             meta["hf_files"] = hf_io.copy_side_files(_source_hf_dir(cfg), stage / mio.HF_SUBDIR, dtype)
             (stage / mio.META).write_text(json.dumps(meta, indent=2) + "\n")
             mio.write_tracker(stage)
-            megatron_to_hf(stage, out, overwrite=True, progress=False)
+            megatron_to_hf(stage, out, overwrite=True, progress=False, check=False)  # written just now
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     dist.barrier()
