@@ -74,8 +74,10 @@ def train_tokenizer(text_files: Iterable[str | Path] = (DEMO_TEXT,), out_dir: st
 
 def make_tiny_llama(out_dir: str | Path, vocab_size: int | None = None, *, tokenizer_dir: str | Path | None = None,
                     hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int | None = None,
-                    max_positions: int = 2048, seed: int = 0, tie: bool = False) -> Path:
-    """Random-weight LlamaForCausalLM in HF format (fp32 safetensors, config, generation config, tokenizer).
+                    max_positions: int = 2048, seed: int = 0, tie: bool = False, dtype: str = "float32",
+                    device: str = "cpu") -> Path:
+    """Random-weight LlamaForCausalLM in HF format (safetensors in `dtype`, config, generation config, tokenizer).
+    `device="cuda"` initialises large shapes on the GPU (the weights are the same kind of random, not the same bits).
 
     GQA (kv_heads < heads) and an untied head by default so the demo exercises the converter's harder paths.
     """
@@ -104,8 +106,10 @@ def make_tiny_llama(out_dir: str | Path, vocab_size: int | None = None, *, token
             pad_token_id=tok.eos_token_id if tok is not None else None)
         config.architectures = ["LlamaForCausalLM"]
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
-        model.save_pretrained(tmp, safe_serialization=True)
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+        del model
         if tok is not None:
             tok.save_pretrained(tmp)
             for name in ("tokenizer.json", "tokenizer_config.json"):  # keep the portable files as trained

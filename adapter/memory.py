@@ -13,6 +13,7 @@ from adapter.arch import ModelArch, padded_vocab_size
 from adapter.config import RunConfig
 
 GIB = 2**30
+SUB_GROUP = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (ZeRO-3 steps that many at a time)
 
 # name -> (usable device memory in bytes, dense bf16 peak FLOP/s)
 GPUS: dict[str, tuple[int, float]] = {
@@ -105,7 +106,10 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     big = max(lp.layer, lp.embedding)
     prefetched = lp.layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, lp.layer)
     gathered = pb * (big + prefetched) if Z > 1 and stage == 3 else 0
-    step_fp32_grad = 4 * min(shard, 1_000_000_000) if half else 0      # DeepSpeed sub_group_size default 1e9
+    # The optimizer step turns this rank's 16-bit gradient partition into fp32 on top of everything else: ZeRO-3 one
+    # sub_group (1e9 elements) at a time, ZeRO-1/2 the whole partition at once (DeepSpeed 0.19.8 stage_1_and_2.step,
+    # `flat_grad_partition.to(fp32)`: the 27 GiB a Mistral-7B-shaped run on one H200 died allocating, issue 19).
+    step_fp32_grad = 4 * (min(shard, SUB_GROUP) if stage == 3 else shard) if half else 0
     # ZeRO-3's reduce buckets count at the peak; ZeRO-2's did not (measured: the same peak at bucket sizes 5e7-5e8)
     buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0
 

@@ -329,6 +329,8 @@ def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, a
                 result.checkpoint = save(step)
         if pending is not None:
             report(pending)
+        if device.type == "cuda" and rank == 0:
+            log(metrics.memory_summary())
         result.final_step = max(start, max_steps)
         if cfg.checkpoint.dir and max_steps > start and (not cfg.checkpoint.save_every
                                                          or max_steps % cfg.checkpoint.save_every):

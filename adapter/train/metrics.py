@@ -123,6 +123,18 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def memory_summary() -> str:
+    """What the memory model is checked against: the allocator's peaks and what the device has in use in all
+    (CUDA context, NCCL and cuBLAS workspaces are outside the allocator)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    g = 2**30
+    return (f"memory: peak allocated {torch.cuda.max_memory_allocated() / g:.2f} GiB, peak reserved "
+            f"{torch.cuda.max_memory_reserved() / g:.2f} GiB, device in use {(total - free) / g:.2f} of "
+            f"{total / g:.2f} GiB")
+
+
 def format_step(step: int, *, loss: float, lr: float, grad_norm: float | None = None,
                 tokens_per_s_gpu: float | None = None, mfu: float | None = None, peak_mem: int | None = None,
                 total_steps: int | None = None) -> str:
@@ -202,4 +214,4 @@ class MetricsSink:
 
 
 __all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "flops_per_token_for", "peak_flops", "mfu", "tokens_per_s_per_gpu",
-           "StepClock", "HostReadback", "peak_memory_bytes", "format_step", "MetricsSink"]
+           "StepClock", "HostReadback", "peak_memory_bytes", "memory_summary", "format_step", "MetricsSink"]

@@ -55,6 +55,9 @@ def main(argv=None) -> int:
                                          args.workdir)
         else:
             cfg, arch = config.load(args.config, world_size=world, overrides=overrides), None
+        # Large one-off allocations (the optimizer step's fp32 gradient partition) otherwise fail on fragmentation
+        # with memory free in total (issue 19); torchtitan sets the same. Read at CUDA's first allocation, so here.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if cfg.parallelism.tp_size > 1:  # Megatron's TP/SP comm is issued in order with compute; without TP it would
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # only serialise ZeRO's side-stream collectives
         init_distributed()
