@@ -15,14 +15,18 @@ from adapter.config import RunConfig
 GIB = 2**30
 SUB_GROUP = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (ZeRO-3 steps that many at a time)
 
-# name -> (usable device memory in bytes, dense bf16 peak FLOP/s)
+# name -> (device memory as torch reports it (`mem_get_info` total), dense bf16 peak FLOP/s). H200: measured on the
+# GPU host (139.80 GiB); the others from the same driver's reserve (~0.6 GiB under the nominal size).
 GPUS: dict[str, tuple[int, float]] = {
-    "h100-80gb": (80 * GIB, 989e12),
-    "h200": (int(140.4 * GIB), 989e12),
-    "a100-80gb": (80 * GIB, 312e12),
-    "a100-40gb": (40 * GIB, 312e12),
-    "l40s": (48 * GIB, 362e12),
+    "h100-80gb": (int(79.1 * GIB), 989e12),
+    "h200": (int(139.8 * GIB), 989e12),
+    "a100-80gb": (int(79.1 * GIB), 312e12),
+    "a100-40gb": (int(39.4 * GIB), 312e12),
+    "l40s": (int(44.4 * GIB), 362e12),
 }
+# Held outside PyTorch's allocator for the whole run: CUDA context, NCCL and cuBLAS workspaces. Measured 1.3 GiB on
+# one H200 (torch 2.11, NCCL 2.27, DeepSpeed ZeRO-1); counted against the capacity, not as a tensor.
+RUNTIME_RESERVE = int(1.5 * GIB)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class MemoryEstimate:
     gradients: int           # its shard of the gradients
     optimizer: int           # fp32 master weights + Adam moments, sharded
     gathered_params: int     # ZeRO-3 working set: the layers gathered for compute (current + prefetched)
-    comm_buffers: int        # reduce bucket(s) and the optimizer step's transient fp32 gradient partition
+    comm_buffers: int        # reduce bucket(s) and the optimizer step's transient gradient copies
     activations: int         # with the run's recompute setting
     activations_no_recompute: int
     activations_full_recompute: int
@@ -64,12 +68,14 @@ class MemoryEstimate:
     peak: int
     capacity: int
     partition_size: int      # ranks a ZeRO-3 shard set spans
+    runtime_reserve: int = RUNTIME_RESERVE  # CUDA context, NCCL, cuBLAS: outside the allocator's peak
+    peak_phase: str = "forward_backward"    # or "optimizer_step": where the peak is reached
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.capacity
+        return self.peak + self.runtime_reserve <= self.capacity
 
-    def to_dict(self) -> dict[str, int | bool]:
+    def to_dict(self) -> dict[str, int | bool | str]:
         return {**asdict(self), "fits": self.fits}
 
 
@@ -106,10 +112,16 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     big = max(lp.layer, lp.embedding)
     prefetched = lp.layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, lp.layer)
     gathered = pb * (big + prefetched) if Z > 1 and stage == 3 else 0
-    # The optimizer step turns this rank's 16-bit gradient partition into fp32 on top of everything else: ZeRO-3 one
-    # sub_group (1e9 elements) at a time, ZeRO-1/2 the whole partition at once (DeepSpeed 0.19.8 stage_1_and_2.step,
-    # `flat_grad_partition.to(fp32)`: the 27 GiB a Mistral-7B-shaped run on one H200 died allocating, issue 19).
-    step_fp32_grad = 4 * (min(shard, SUB_GROUP) if stage == 3 else shard) if half else 0
+    # The optimizer step's transients on top of the model states (DeepSpeed 0.19.8). ZeRO-3 turns its 16-bit gradient
+    # partition into fp32 one sub_group (1e9 elements) at a time. ZeRO-1/2 turn the whole partition at once
+    # (stage_1_and_2.step, `flat_grad_partition.to(fp32)`) and, from the second step on, also hold a flat 16-bit
+    # copy of it: measured on one H200 with a Mistral-7B shape, 16.0 bytes/param resident before the fp32 copy at
+    # step 1 and 18.0 at step 2, then the 27 GiB fp32 copy that the run died allocating (issue 19). Neither
+    # outlives the step (a 1B run peaked 2.3 GiB below what they would add to forward/backward).
+    if stage == 3:
+        step_transient = 4 * min(shard, SUB_GROUP) if half else 0
+    else:
+        step_transient = pb * shard + (4 * shard if half else 0)
     # ZeRO-3's reduce buckets count at the peak; ZeRO-2's did not (measured: the same peak at bucket sizes 5e7-5e8)
     buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0
 
@@ -128,9 +140,10 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     else:                                                               # adapter.fusions: logits + their grad
         logits = s * b * (vp // tp) * 2 * pb
 
-    during_step = weights + grads + optim + step_fp32_grad
+    during_step = weights + grads + optim + step_transient
     during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits
     return MemoryEstimate(weights=weights, gradients=grads, optimizer=optim, gathered_params=gathered,
-                          comm_buffers=buckets + step_fp32_grad, activations=acts,
+                          comm_buffers=buckets + step_transient, activations=acts,
                           activations_no_recompute=no_rc, activations_full_recompute=full_rc, logits=logits,
-                          peak=max(during_step, during_fwd_bwd), capacity=gpu_capacity, partition_size=Z)
+                          peak=max(during_step, during_fwd_bwd), capacity=gpu_capacity, partition_size=Z,
+                          peak_phase="optimizer_step" if during_step > during_fwd_bwd else "forward_backward")

@@ -74,7 +74,8 @@ def render(plan: Plan, console: Console | None = None) -> None:
     for key in ("weights", "gradients", "optimizer", "gathered_params", "comm_buffers", "activations",
                 "activations_no_recompute", "activations_full_recompute", "logits"):
         mt.add_row(key.replace("_", " "), _gib(getattr(mem, key)))
-    mt.add_row("[bold]predicted peak[/]", f"[bold]{_gib(mem.peak)}[/]")
+    mt.add_row("[bold]predicted peak[/]", f"[bold]{_gib(mem.peak)}[/] ({mem.peak_phase.replace('_', ' ')})")
+    mt.add_row("runtime reserve", _gib(mem.runtime_reserve) + " (CUDA context, NCCL, cuBLAS)")
     mt.add_row("capacity", _gib(mem.capacity))
     mt.add_row("fits", "[green]yes[/]" if mem.fits else "[red]NO[/]")
     c.print(mt)

@@ -67,3 +67,25 @@ def test_zero_stage_only_when_there_is_something_to_shard():
     tp_only = cfg(**{"parallelism.dp_shard_size": 1})
     assert ds_config.build(tp_only, Layout(1, 1, 1, 2))["zero_optimization"] == {"stage": 1}
     assert ds_config.build(cfg(), Layout(1, 2, 1, 2))["zero_optimization"]["stage"] == 3
+
+
+def test_optimizer_step_transients_by_stage():
+    """ZeRO-1/2 step: flat 16-bit partition copy + fp32 copy of the whole partition (2 + 4 bytes/param on top of the
+    16 of model states); ZeRO-3: one fp32 sub_group. The Mistral-7B shape on one H200 (issue 19) peaks there and
+    ran out of memory at every micro-batch size; plan must say so."""
+    from adapter.arch import load_arch
+    from pathlib import Path
+
+    mistral = load_arch(Path(__file__).resolve().parents[1] / "configs/models/mistral-7b")
+    one = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full"})
+    P = memory.local_params(mistral, 1).total(mistral.num_layers)
+    est = memory.estimate(one, mistral, partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
+    assert est.comm_buffers == (2 + 4) * P and est.peak == 22 * P and est.peak_phase == "optimizer_step"
+    assert not est.fits and 22 * P / memory.GIB > 148
+    z3 = memory.estimate(cfg(), TINY, partition_size=2, gpu_capacity=10**9, stage=3)
+    assert z3.comm_buffers - 2 * 2 * min(500_000_000, 102720) == 4 * (102720 // 2)   # buckets + fp32 shard
+    big = memory.estimate(one, mistral, partition_size=2, gpu_capacity=10**13, stage=3)
+    # ZeRO-3 steps one sub_group of 1e9 at a time (not the 3.6e9-element shard), beside 2 overlapped 5e8 buckets
+    assert big.comm_buffers == 4 * memory.SUB_GROUP + 2 * 2 * 500_000_000
+    edge = memory.estimate(one, mistral, partition_size=1, gpu_capacity=22 * P + memory.RUNTIME_RESERVE, stage=1)
+    assert edge.fits and not memory.estimate(one, mistral, partition_size=1, gpu_capacity=22 * P, stage=1).fits
