@@ -17,9 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m adapter.demo_run --out demo-out
+	$(PY) -m adapter.demo --out demo-out
 
 test: setup
+	$(VENV)/bin/ruff check adapter tests bench launch
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 plan-example: setup

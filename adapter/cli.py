@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 from adapter import __version__
 from adapter.errors import EXIT_USAGE, UserError
@@ -33,7 +33,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args) -> int:
-    from adapter import config, plan, plan_view
+    from adapter import config
+    from adapter.plan.build import build_plan
+    from adapter.plan.render import render
 
     if args.nodes is not None and args.gpus_per_node is None:
         raise UserError("--nodes given without --gpus-per-node. Fix: pass both, e.g. --nodes 2 --gpus-per-node 8")
@@ -42,16 +44,16 @@ def cmd_plan(args) -> int:
         world = args.gpus_per_node
     flags = {k: v for k, v in _world_overrides(args).items() if v is not None}  # an absent flag keeps a --set
     cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
-    doc = plan.build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
+    doc = build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
     if args.format == "json":
         print(doc.model_dump_json(indent=2))
     else:
-        plan_view.render(doc)
+        render(doc)
     return 0
 
 
 def cmd_train(args) -> int:
-    from adapter.train.entry import main as train_main
+    from adapter.train.spawn import main as train_main
 
     return train_main(args)
 

@@ -32,9 +32,9 @@ def main() -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from adapter.arch import arch_from_hf_dict
-    from adapter.attention import SDPAttention
-    from adapter.model import transformer_config
+    from adapter.models.arch import arch_from_hf_dict
+    from adapter.models.attention import SDPAttention
+    from adapter.models.gpt import transformer_config
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
@@ -52,7 +52,8 @@ def main() -> None:
     s, b, h, g, d = a.seq, a.batch, a.heads, a.kv_heads, a.head_dim
     flops = 3.5 * 4 * b * s * s * h * d / 2
     rows = []
-    for name, cls in (("nd-adapter SDPAttention", SDPAttention), ("megatron local DotProductAttention", DotProductAttention)):
+    for name, cls in (("nd-adapter SDPAttention", SDPAttention),
+                      ("megatron local DotProductAttention", DotProductAttention)):
         mod = cls(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").cuda()
         q = torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(s, b, g, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

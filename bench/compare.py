@@ -20,7 +20,8 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) .*?\| ([\d,]+) tok/s/GPU(?: \| MFU ([\d.]+)%)?(?: \| peak_mem ([\d.]+) GiB)?")
+STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) .*?\| ([\d,]+) tok/s/GPU(?: \| MFU ([\d.]+)%)?"
+                  r"(?: \| peak_mem ([\d.]+) GiB)?")
 OURS = {"nd-adapter dp_shard=2 (ZeRO-2)": "bench/configs/llama-3.2-1b-dp2.yaml",
         "nd-adapter dp_shard=2 (ZeRO-3)": "bench/configs/llama-3.2-1b-dp2-zero3.yaml",
         "nd-adapter tp=2": "bench/configs/llama-3.2-1b-tp2.yaml"}
@@ -46,7 +47,8 @@ def parse_result(log: str) -> dict | None:
 
 
 def commands(a) -> dict[str, list[str]]:
-    cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg] for name, cfg in OURS.items()}
+    cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg]
+            for name, cfg in OURS.items()}
     model = "configs/models/llama-3.2-1b/config.json"
     for mode in PEERS:
         cmds[mode] = ["torchrun", f"--nproc-per-node={a.gpus}", "bench/peers.py", mode, "--model-config", model,

@@ -155,7 +155,7 @@ def main() -> None:
         # their atomic rename). The disk of a shared VM is noisy, so min and median are reported.
         def direction(inp: Path, out: Path, code: str) -> dict:
             plain, sync, conv = [], [], []
-            for i in range(args.repeat):
+            for _ in range(args.repeat):
                 if out.exists():  # before the copies: keeps the disk peak at 3x the model
                     shutil.rmtree(out)
                 plain.append(copy_s(inp, False))

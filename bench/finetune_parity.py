@@ -31,7 +31,7 @@ STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+)")
 
 
 def build(out: Path, shape: str, device: str) -> dict[str, Path]:
-    from adapter.demo import make_tiny_llama, train_tokenizer, write_demo_jsonl
+    from adapter.demo.build import make_tiny_llama, train_tokenizer, write_demo_jsonl
 
     tok = out / "tokenizer"
     if not (tok / "tokenizer.json").exists():
@@ -70,7 +70,7 @@ def run_hf(paths: dict, a, mode: str) -> list[float]:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from adapter.train.data import DPSampler, PackedDataset, build_batches, build_token_cache
+    from adapter.data import DPSampler, PackedDataset, build_batches, build_token_cache
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cache = build_token_cache([paths["data"]], paths["model"], a.out / "token-cache", progress=False)

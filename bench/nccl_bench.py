@@ -22,7 +22,7 @@ def main() -> None:
         x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(numel * n if op == "all_gather" else numel // n, device="cuda", dtype=torch.bfloat16)
 
-        def call():
+        def call(op=op, x=x, out=out):
             if op == "all_reduce":
                 dist.all_reduce(x)
             elif op == "all_gather":

@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from adapter.arch import load_arch
+    from adapter.models.arch import load_arch
     from adapter.train.metrics import flops_per_token_for, mfu
 
     local = int(os.environ["LOCAL_RANK"])
@@ -73,7 +73,8 @@ def main(argv=None) -> None:
     else:
         if a.mode == "accelerate-tp":
             model = model.cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=a.mode != "accelerate-tp")  # foreach+DTensor TP crashes
+        # foreach + DTensor TP crashes
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=a.mode != "accelerate-tp")
         model, opt = acc.prepare(model, opt)
     gen = torch.Generator(device="cuda").manual_seed(rank if dp > 1 else 0)
     ids = torch.randint(0, cfg.vocab_size, (a.micro_batch, a.seq), device="cuda", generator=gen)
@@ -103,8 +104,10 @@ def main(argv=None) -> None:
     tps = a.micro_batch * a.seq * dp / dt / world
     if rank == 0:
         print("RESULT " + json.dumps({
-            "system": a.mode, "tokens_per_s_per_gpu": round(tps), "mfu": mfu(tps, flops_per_token_for(arch, a.seq), 989e12),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(float(loss), 4)}), flush=True)
+            "system": a.mode, "tokens_per_s_per_gpu": round(tps),
+            "mfu": mfu(tps, flops_per_token_for(arch, a.seq), 989e12),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(float(loss), 4)}),
+            flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,10 +1,20 @@
-"""`gpu` tests run only where CUDA is (the GPU host); everywhere else they are skipped, not failed."""
+"""Tests by kind: `unit/` (one process), `distributed/` (several gloo processes on CPU), `gpu/` (the GPU host).
+
+Everything under gpu/ is marked `gpu`; `gpu` tests run only where CUDA is and are skipped, not failed, elsewhere.
+"""
+from pathlib import Path
+
 import pytest
+
+GPU_DIR = Path(__file__).parent / "gpu"
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:
+        if GPU_DIR in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.gpu)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the GPU host: pytest -m gpu)")

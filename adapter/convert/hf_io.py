@@ -10,8 +10,8 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 

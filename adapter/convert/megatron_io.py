@@ -23,25 +23,28 @@ import warnings
 import zlib
 from argparse import Namespace
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from adapter.convert.dcp_compat import DEFAULT_SUFFIX, create_file_view, storage_info
-
 from adapter.convert.hf_io import pread_into
 from adapter.convert.rows import contiguous_strides
 from adapter.errors import bad
+from adapter.patches.dcp import DEFAULT_SUFFIX, create_file_view, storage_info
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"  # Megatron-LM's tag for converted checkpoints (it refuses iteration 0 in the tracker)

@@ -7,23 +7,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from adapter.arch import ModelArch, load_arch, padded_vocab_size
-from adapter.convert import hf_io, megatron_io as mio, rows
-from adapter.convert.mapping import EXTRA_STATE, IGNORED_HF, OPS, Ctx, Rule, check_tp, hf_shape, table_for
-from adapter.convert.rows import megatron_shape
+from adapter.convert import hf_io, rows
+from adapter.convert import megatron_io as mio
 from adapter.convert.outdir import atomic_dir, check_target
+from adapter.convert.rows import megatron_shape
 from adapter.errors import UserError, bad
+from adapter.models.arch import ModelArch, check_tp, load_arch, padded_vocab_size
+from adapter.models.families import family
+from adapter.models.mapping import EXTRA_STATE, IGNORED_HF, Ctx, Rule, Vocab, hf_shape
 from adapter.osutil import free_port
+from adapter.patches import dcp
 
 FORMAT = "nd-adapter/megatron-torch_dist"
 BLOCK = 256 << 20  # export reads and holds HF tensors in row blocks of at most this many bytes
+
+
+def table_for(arch: ModelArch, table: Sequence[Rule] | None = None) -> list[Rule]:
+    """The rules that apply to this architecture: its family's table (or `table`, for tests' negative controls)."""
+    return [r for r in (family(arch.family).table if table is None else table) if r.applies(arch)]
 
 
 def _hf_dir(path: str | Path) -> Path:
@@ -63,7 +71,7 @@ def _check_hf(hf: hf_io.HFCheckpoint, arch: ModelArch, rules: list[Rule], dtype:
     extra = hf_io.unexpected_names(hf.names(), expected, ignored)
     if extra:
         raise bad("hf", extra[:3], f"{len(extra)} tensor(s) the {arch.family} mapping table does not cover",
-                  "use a supported checkpoint, or add rules to adapter/convert/mapping.py")
+                  "use a supported checkpoint, or add rules to its table in adapter/models/families.py")
     return dtypes
 
 
@@ -133,6 +141,7 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, *, dtyp
     if isinstance(vocab_divisible_by, bool) or not isinstance(vocab_divisible_by, int) or vocab_divisible_by < 1:
         raise bad("vocab_divisible_by", vocab_divisible_by, "must be a positive integer", "pass e.g. 128")
     dt = hf_io.parse_dtype(dtype)
+    dcp.check_version()
     target = check_target(out_dir, overwrite, (hf_dir,))
     hf = hf_io.HFCheckpoint(hf_dir)
     rules = table_for(arch, table)
@@ -189,7 +198,7 @@ def _megatron_side(megatron_dir: str | Path, table: Sequence[Rule] | None, check
             raise bad("megatron", str(reader.dir), f"checkpoint lacks {rule.megatron}",
                       "the checkpoint does not match its hf/config.json; re-convert it")
         got = reader.shape(rule.megatron)
-        if rule.op == "vocab" and got[1:] == want[1:] and got[0] >= arch.vocab_size:
+        if isinstance(rule, Vocab) and got[1:] == want[1:] and got[0] >= arch.vocab_size:
             continue  # any padding >= the real vocab is fine; export truncates it
         if got != want:
             raise bad(rule.megatron, list(got), f"shape disagrees with hf/config.json, which implies {list(want)}",
@@ -207,7 +216,7 @@ def _hf_order(rules: list[Rule], arch: ModelArch) -> list[tuple[Rule, int | None
 
 
 def _export_parts(reader, rule: Rule, layer, ctx) -> list[torch.Tensor]:
-    return OPS[rule.op][1](reader.read(rule.megatron, layer), ctx)
+    return rule.to_hf(reader.read(rule.megatron, layer), ctx)
 
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, dtype: str | torch.dtype | None = None,
@@ -306,16 +315,16 @@ def _logit_diff(hf_dir: Path, root: Path, arch: ModelArch, meta: dict, seq_len: 
     import os
 
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
-
-    from adapter import cpu_shims
-    from adapter.model import build_gpt_model, forward_logits
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
+    from transformers import AutoModelForCausalLM
+
+    from adapter.models.gpt import build_gpt_model, forward_logits
+    from adapter.patches.mcore import install_cpu_shims
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cpu_shims.install()
+    install_cpu_shims()
     own = not dist.is_initialized()
     if own:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -375,7 +384,8 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True
         elif isinstance(v, ShardedTensor) and v.key not in stored:
             raise bad("megatron", str(path), f"checkpoint lacks {v.key}, which the model has",
                       "build the model with the checkpoint's architecture (nd_adapter.json / hf/config.json)")
-        elif isinstance(v, ShardedTensor) and not v.allow_shape_mismatch and tuple(stored[v.key].size) != v.global_shape:
+        elif (isinstance(v, ShardedTensor) and not v.allow_shape_mismatch
+              and tuple(stored[v.key].size) != v.global_shape):
             raise bad(v.key, list(stored[v.key].size),
                       f"checkpoint shape differs from the model's {list(v.global_shape)}",
                       "build the model with the checkpoint's architecture (nd_adapter.json / hf/config.json)")

@@ -7,27 +7,26 @@ stay the definition (and `verify` checks the result through the independent inve
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
-from typing import Callable
+from functools import cache
 
 import numpy as np
 import torch
 
-from adapter.convert.mapping import OPS, Ctx, Rule, hf_shape
-
-ROWWISE = {"copy", "vocab", "qkv", "glu", "cat3", "glu_naive"}  # ops that only permute, concatenate or pad rows
+from adapter.models.mapping import Ctx, Rule, hf_shape
 
 
-@lru_cache(maxsize=None)
+@cache
 def row_map(rule: Rule, ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
     """(for each Megatron row: 0 for padding else 1 + row in the concatenated HF parts; part start offsets)."""
-    if rule.op not in ROWWISE:
-        raise NotImplementedError(f"op {rule.op!r} is not row-wise; add it to ROWWISE only if it moves whole rows")
+    if not rule.rowwise:
+        raise NotImplementedError(f"{type(rule).__name__} is not row-wise; mark a rule rowwise only if it moves "
+                                  "whole rows")
     rows = [hf_shape(spec, ctx.arch)[0] for _, spec in rule.hf]
     bounds = np.concatenate([[0], np.cumsum(rows)])
     idx = [torch.arange(b + 1, b + r + 1, dtype=torch.int64) for b, r in zip(bounds[:-1], rows)]
-    return OPS[rule.op][0](idx, ctx).numpy(), bounds
+    return rule.to_megatron(idx, ctx).numpy(), bounds
 
 
 def megatron_shape(rule: Rule, ctx: Ctx) -> tuple[int, ...]:

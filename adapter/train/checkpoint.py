@@ -17,9 +17,10 @@ import random
 import re
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from adapter.errors import bad
 from adapter.osutil import atomic_write_text

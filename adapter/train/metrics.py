@@ -27,7 +27,7 @@ def flops_per_token(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn:
 
 
 def flops_per_token_for(arch, seq_len: int) -> int:
-    """Same formula from an adapter.arch.ModelArch."""
+    """Same formula from an adapter.models.arch.ModelArch."""
     return flops_per_token(layers=arch.num_layers, hidden=arch.hidden_size, heads=arch.num_heads,
                            kv_heads=arch.num_kv_heads, ffn=arch.ffn_hidden_size, vocab=arch.vocab_size,
                            seq_len=seq_len)

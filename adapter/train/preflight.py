@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adapter import ds_config, validate
-from adapter.arch import ModelArch, load_arch
 from adapter.config import RunConfig
 from adapter.errors import bad
-from adapter.layout import Layout
+from adapter.models import checks
+from adapter.models.arch import ModelArch, load_arch
+from adapter.parallel import deepspeed_config
+from adapter.parallel.layout import Layout
 
 # Fields of ModelArch that must agree between the config's model and the converted checkpoint.
 ARCH_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
@@ -23,7 +24,8 @@ def check_checkpoint(cfg: RunConfig, arch: ModelArch) -> None:
     root = Path(ckpt)
     meta_file = root / "nd_adapter.json"
     if not root.is_dir() or not (root / "latest_checkpointed_iteration.txt").is_file():
-        raise bad("model.checkpoint", ckpt, "not a converted Megatron checkpoint (no latest_checkpointed_iteration.txt)",
+        raise bad("model.checkpoint", ckpt,
+                  "not a converted Megatron checkpoint (no latest_checkpointed_iteration.txt)",
                   "convert first: nd-adapter convert hf-to-megatron --hf MODEL --out DIR")
     if meta_file.is_file():
         stored = json.loads(meta_file.read_text()).get("arch", {})
@@ -31,13 +33,14 @@ def check_checkpoint(cfg: RunConfig, arch: ModelArch) -> None:
         if diff:
             k = diff[0]
             raise bad("model.checkpoint", ckpt, f"does not match the model: {k} is {stored[k]} in the checkpoint, "
-                      f"{getattr(arch, k)} in {cfg.model.path}", "point model.path and model.checkpoint at the same model")
+                      f"{getattr(arch, k)} in {cfg.model.path}",
+                      "point model.path and model.checkpoint at the same model")
 
 
 def check_data(cfg: RunConfig) -> None:
     """Read each file's first document: a wrong data.text_key or a non-JSON line is otherwise found by the workers,
     after every process has started, and only once the token cache is being built inside checkpoint.dir."""
-    from adapter.train.data import TEXT_SUFFIXES, expand_files, iter_documents
+    from adapter.data import TEXT_SUFFIXES, expand_files, iter_documents
 
     for path in expand_files(cfg.data.files):
         if path.suffix.lower() in TEXT_SUFFIXES:  # no key to get wrong; a first paragraph can be the whole file
@@ -51,8 +54,9 @@ def check_data(cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
     arch = load_arch(cfg.model.path)
-    validate.check(cfg, arch)
-    ds_config.zero_stage(cfg, Layout.from_config(cfg.parallelism))  # e.g. model.compile or ZeRO-2 where they can't go
+    checks.check(cfg, arch)
+    # e.g. model.compile or ZeRO-2 where they can't go
+    deepspeed_config.zero_stage(cfg, Layout.from_config(cfg.parallelism))
     check_checkpoint(cfg, arch)
     if need_data and not cfg.data.synthetic:
         if not cfg.data.files:

@@ -12,11 +12,11 @@ import dataclasses
 import math
 import tempfile
 
-from adapter.arch import ModelArch, load_arch
 from adapter.config import RunConfig
 from adapter.errors import bad
-from adapter.train.entry import spawn
+from adapter.models.arch import ModelArch, load_arch
 from adapter.train.preflight import preflight
+from adapter.train.spawn import spawn
 
 TINY_HEAD_DIM = 8
 TINY_LAYERS = 2

@@ -24,7 +24,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def quiet_third_party() -> None:
-    """Megatron, DeepSpeed and torch warn about optional kernels and deprecations at every rank: keep the log readable."""
+    """Megatron, DeepSpeed and torch warn about optional kernels and deprecations at every rank: keep the log
+    readable."""
     import logging
 
     for category in (FutureWarning, UserWarning, DeprecationWarning):
@@ -42,7 +43,8 @@ def main(argv=None) -> int:
     quiet_third_party()
     try:
         from adapter import config
-        from adapter.train.loop import init_distributed, run
+        from adapter.train.engine import init_distributed
+        from adapter.train.trainer import run
 
         world = int(os.environ.get("WORLD_SIZE", 1))
         overrides = config.parse_sets(args.set)

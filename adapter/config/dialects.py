@@ -1,0 +1,128 @@
+"""The two foreign dialects mapped onto the native dict: an Axolotl YAML and an Accelerate launch config, unchanged.
+
+Each maps only what it can map exactly; every Axolotl key it does not use is reported once as ignored, and a key it
+cannot honour is refused rather than dropped.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from adapter.config.schema import SIZE_KEYS
+from adapter.errors import bad
+
+# ----------------------------------------------------------------------------------------------------------------
+
+AXOLOTL_MARKERS = {"base_model", "sequence_len", "tensor_parallel_size", "context_parallel_size", "datasets",
+                   "sequence_parallel_degree", "micro_batch_size", "learning_rate", "num_epochs"}
+# Axolotl keys we understand; every other Axolotl key is reported once as ignored.
+AXOLOTL_KNOWN = AXOLOTL_MARKERS | {
+    "dp_shard_size", "dp_replicate_size", "gradient_accumulation_steps", "bf16", "fp16", "tf32", "max_steps",
+    "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "output_dir", "save_steps", "save_total_limit",
+    "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
+    "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
+    "deepspeed", "model_type", "tokenizer_type", "sample_packing", "pad_to_sequence_len", "flash_attention",
+    "sdp_attention", "strict", "load_in_8bit", "load_in_4bit",
+}
+ACCELERATE_MARKERS = {"parallelism_config", "compute_environment", "distributed_type", "num_processes", "num_machines"}
+
+
+def detect_dialect(raw: dict[str, Any]) -> str:
+    if "model" in raw and isinstance(raw.get("model"), dict):
+        return "native"
+    if raw.keys() & ACCELERATE_MARKERS:
+        return "accelerate"
+    if raw.keys() & AXOLOTL_MARKERS:
+        return "axolotl"
+    return "native"
+
+
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for i, k in enumerate(keys[:-1]):
+        if d.get(k) is None:
+            d[k] = {}
+        if not isinstance(d[k], dict):
+            where = ".".join(keys[: i + 1])
+            raise bad(where, d[k], "must be a mapping", f"write `{where}:` with its keys indented below it")
+        d = d[k]
+    d[keys[-1]] = value
+
+
+def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"source": "axolotl"}
+    mapping = {
+        "base_model": "model.path", "dp_shard_size": "parallelism.dp_shard_size",
+        "dp_replicate_size": "parallelism.dp_replicate_size", "tensor_parallel_size": "parallelism.tp_size",
+        "context_parallel_size": "parallelism.cp_size", "micro_batch_size": "batch.micro_batch_size",
+        "gradient_accumulation_steps": "batch.gradient_accumulation_steps", "sequence_len": "seq_len",
+        "learning_rate": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "warmup_steps":
+        "optimizer.warmup_steps", "max_steps": "optimizer.max_steps", "max_grad_norm": "optimizer.clip_grad",
+        "adam_epsilon": "optimizer.eps", "output_dir": "checkpoint.dir", "save_steps": "checkpoint.save_every",
+        "save_total_limit": "checkpoint.keep_last", "seed": "seed", "logging_steps": "logging.every",
+        "wandb_project": "logging.wandb_project",
+    }
+    for key, target in mapping.items():
+        if raw.get(key) is not None:
+            set_dotted(out, target, raw[key])
+    if raw.get("sequence_parallel_degree") is not None:
+        if raw.get("context_parallel_size") is None:
+            warnings.warn("sequence_parallel_degree is deprecated (Axolotl); read as context_parallel_size",
+                          stacklevel=3)
+            set_dotted(out, "parallelism.cp_size", raw["sequence_parallel_degree"])
+        elif raw["sequence_parallel_degree"] != raw["context_parallel_size"]:
+            raise bad("sequence_parallel_degree", raw["sequence_parallel_degree"],
+                      f"conflicts with context_parallel_size={raw['context_parallel_size']}",
+                      "drop the deprecated sequence_parallel_degree")
+    if "adam_beta1" in raw or "adam_beta2" in raw:
+        set_dotted(out, "optimizer.betas", (raw.get("adam_beta1", 0.9), raw.get("adam_beta2", 0.95)))
+    if raw.get("lr_scheduler") is not None:
+        sched = raw["lr_scheduler"]
+        if sched not in ("cosine", "constant", "constant_with_warmup"):
+            raise bad("lr_scheduler", sched, "not supported", "use cosine or constant")
+        set_dotted(out, "optimizer.schedule", "cosine" if sched == "cosine" else "constant")
+    if raw.get("cosine_min_lr_ratio") is not None and raw.get("learning_rate") is not None:
+        set_dotted(out, "optimizer.min_lr", raw["cosine_min_lr_ratio"] * raw["learning_rate"])
+    out["precision"] = "bf16" if raw.get("bf16") in (True, "auto", "true") else "fp16" if raw.get("fp16") else "bf16"
+    if raw.get("gradient_checkpointing"):
+        out["recompute"] = "full"
+    files = [d.get("path") for d in raw.get("datasets") or [] if isinstance(d, dict) and d.get("path")]
+    if files:
+        set_dotted(out, "data.files", files)
+    ignored = sorted(k for k in raw if k not in AXOLOTL_KNOWN)
+    if ignored:
+        warnings.warn(f"ignored Axolotl keys (not used by nd-adapter): {', '.join(ignored)}", stacklevel=3)
+    return out
+
+
+def from_accelerate(raw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"source": "accelerate", "model": {"path": raw.get("model", "")}}
+    block = raw.get("parallelism_config") or {}
+    if not isinstance(block, dict):
+        raise bad("parallelism_config", block, "must be a mapping", "write `parallelism_config:` with its keys below")
+    for key, value in block.items():
+        name = key.removeprefix("parallelism_config_")
+        if name in SIZE_KEYS:
+            set_dotted(out, f"parallelism.{name}", value)
+        elif name == "cp_comm_strategy":
+            if value not in ("allgather", "all_gather"):
+                raise bad(key, value, "only the all-gather strategy maps onto this project (as all_gather)",
+                          "use allgather, or set parallelism.cp_comm_type: p2p in a native config for the ring")
+            set_dotted(out, "parallelism.cp_comm_type", "all_gather")
+        else:
+            raise bad(f"parallelism_config.{key}", value, "unknown key",
+                      f"use parallelism_config_{{{','.join(SIZE_KEYS)}}}")
+    nodes, procs = raw.get("num_machines", 1), raw.get("num_processes")
+    set_dotted(out, "hardware.nodes", nodes)
+    if isinstance(procs, int) and isinstance(nodes, int) and nodes >= 1 and procs % nodes == 0:
+        set_dotted(out, "hardware.gpus_per_node", procs // nodes)
+    elif procs is not None:
+        raise bad("num_processes", procs, f"not divisible by num_machines={nodes}", "make num_processes a multiple")
+    mp = raw.get("mixed_precision")
+    if mp is not None:
+        if mp not in ("bf16", "fp16", "no"):
+            raise bad("mixed_precision", mp, "unsupported", "use bf16, fp16 or no")
+        out["precision"] = "fp32" if mp == "no" else mp
+    return out
+
+

@@ -1,0 +1,166 @@
+"""Loading the run configuration: one validated object from a native, Axolotl or Accelerate YAML (plus env and CLI).
+
+Three dialects are read so users can bring the file they already have:
+  * native    -- this project's schema (`parallelism:` holds Accelerate's field names);
+  * Axolotl   -- its top-level keys (`tensor_parallel_size`, `sequence_len`, `base_model`, ...);
+  * Accelerate -- a launch config with a `parallelism_config:` block of `parallelism_config_*` keys.
+Each dialect is mapped onto the native dict, which pydantic validates; a pydantic error becomes a `UserError`
+naming the key, so no traceback reaches the user.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from adapter.config.dialects import detect_dialect, from_accelerate, from_axolotl, set_dotted
+from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, RunConfig
+from adapter.errors import UserError, bad
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def _env_sizes(env: dict[str, str]) -> dict[str, int]:
+    out = {}
+    for key in SIZE_KEYS:
+        name = ENV_PREFIX + key.upper()
+        if name in env:
+            try:
+                out[key] = int(env[name])
+            except ValueError:
+                raise bad(name, env[name], "must be an integer", f"export {name}=<n> with n ≥ 1")
+    return out
+
+
+def _first_error(err: ValidationError) -> UserError:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"]) or "config"
+    value = e.get("input")
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        return bad(key, value, "unknown key", "remove it or check its spelling against docs/config.md")
+    if kind == "missing":
+        return UserError(f"{key}: missing. Fix: add `{key}` to the config")
+    msg = e["msg"].rstrip(".")
+    if kind in ("int_type", "int_parsing", "greater_than_equal") and key.split(".")[-1].endswith("_size"):
+        return bad(key, value, f"{msg}", "give an integer ≥ 1 (1 disables the dimension)")
+    if kind == "value_error":
+        return UserError(f"{key}: {msg.removeprefix('Value error, ')}. Fix: correct the value")
+    return bad(key, value, msg, "see docs/config.md for the allowed values")
+
+
+def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, Any] | None = None,
+          world_size: int | None = None) -> RunConfig:
+    """Validate a raw mapping (any dialect) into a RunConfig with dp_shard resolved against `world_size`.
+
+    Precedence: file < PARALLELISM_CONFIG_* env (only for keys the file leaves unset, as in Accelerate) < CLI overrides.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise bad("config", type(raw).__name__, "the YAML top level must be a mapping", "write `key: value` lines")
+    dialect = detect_dialect(raw)
+    native = {"native": lambda r: dict(r), "axolotl": from_axolotl, "accelerate": from_accelerate}[dialect](raw)
+    par = native.setdefault("parallelism", {})
+    if not isinstance(par, dict):
+        raise bad("parallelism", par, "must be a mapping", "write the sizes under `parallelism:`")
+    for key, value in _env_sizes(dict(os.environ) if env is None else env).items():
+        par.setdefault(key, value)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            set_dotted(native, dotted, value)
+    try:
+        cfg = RunConfig.model_validate(native)
+    except ValidationError as err:
+        raise _first_error(err) from None
+    if not cfg.model.path:
+        raise UserError("model.path: missing. Fix: set model.path (or base_model) to an HF checkpoint dir, "
+                        "or pass --model")
+    if world_size is None and cfg.hardware.gpus_per_node is not None:
+        world_size = cfg.hardware.nodes * cfg.hardware.gpus_per_node
+    par_resolved = cfg.parallelism.resolve(world_size)
+    cfg = cfg.model_copy(update={"parallelism": par_resolved})
+    _check_world_and_batch(cfg, world_size)
+    return cfg
+
+
+def _check_world_and_batch(cfg: RunConfig, world_size: int | None) -> None:
+    p = cfg.parallelism
+    if world_size is not None and cfg.world_size != world_size:
+        raise bad("parallelism", f"{p.dp_replicate_size}×{p.dp_shard_size}×{p.cp_size}×{p.tp_size}",
+                  f"ParallelismConfig total_size ({cfg.world_size}) does not match num_processes ({world_size})",
+                  "adjust dp_replicate_size/dp_shard_size/tp_size/cp_size so their product is the world size")
+    b, dp = cfg.batch, cfg.dp_size
+    if b.global_batch_size is not None:
+        per_step = b.micro_batch_size * dp
+        if b.gradient_accumulation_steps is None:
+            if b.global_batch_size % per_step:
+                raise bad("batch.global_batch_size", b.global_batch_size,
+                          f"not divisible by micro_batch_size×dp = {b.micro_batch_size}×{dp}",
+                          f"use a multiple of {per_step}")
+        elif b.global_batch_size != per_step * b.gradient_accumulation_steps:
+            raise bad("batch.global_batch_size", b.global_batch_size,
+                      f"≠ micro_batch_size×gradient_accumulation_steps×(dp_replicate·dp_shard) = "
+                      f"{b.micro_batch_size}×{b.gradient_accumulation_steps}×{dp} = "
+                      f"{per_step * b.gradient_accumulation_steps}",
+                      "drop one of the three batch keys or make them agree")
+
+
+def with_grad_accum(cfg: RunConfig) -> RunConfig:
+    """Derive gradient_accumulation_steps from global_batch_size when only the latter is given."""
+    b = cfg.batch
+    if b.gradient_accumulation_steps is None and b.global_batch_size is not None:
+        ga = b.global_batch_size // (b.micro_batch_size * cfg.dp_size)
+        return cfg.model_copy(update={"batch": b.model_copy(update={"gradient_accumulation_steps": ga})})
+    return cfg
+
+
+def read_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise bad("--config", str(path), "no such file", "pass the path of a YAML config (see configs/)")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise bad("--config", str(path), f"not valid YAML{where}", "fix the YAML syntax")
+    except UnicodeDecodeError:
+        raise bad("--config", str(path), "not a UTF-8 text file", "pass a YAML file")
+
+
+def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunConfig:
+    """Relative model/data paths are relative to the config file, so configs/ works from any directory."""
+    if config_file is None:
+        return cfg
+    base = Path(config_file).resolve().parent
+
+    def fix(p: str | None) -> str | None:
+        if not p or Path(p).is_absolute() or Path(p).exists():
+            return p
+        cand = base / p
+        return str(cand) if cand.exists() else p
+
+    model = cfg.model.model_copy(update={"path": fix(cfg.model.path), "checkpoint": fix(cfg.model.checkpoint)})
+    data = cfg.data.model_copy(update={"files": [fix(f) for f in cfg.data.files]})
+    return cfg.model_copy(update={"model": model, "data": data})
+
+
+def parse_sets(items: list[str] | None) -> dict[str, Any]:
+    """`--set key.path=value` command-line overrides (native key names; values read as YAML, so 1e-4, true, [4, 6])."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+            raise bad("--set", item, "expected key.path=value", "write e.g. --set optimizer.lr=1e-4")
+        try:
+            out[key.strip()] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise bad("--set", item, "the value is not valid YAML", "quote it, e.g. --set 'logging.profile_dir=/tmp/p'")
+    return out
+
+
+def load(path: str | Path, **kw: Any) -> RunConfig:
+    return with_grad_accum(resolve_model_path(build(read_yaml(path), **kw), path))

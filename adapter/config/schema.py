@@ -1,0 +1,175 @@
+"""The run configuration's schema: one frozen, validated pydantic object (`RunConfig`) every dialect maps onto.
+
+`parallelism:` holds Accelerate's `ParallelismConfig` field names; every other section is this project's. Unknown
+keys are refused (`extra="forbid"`), so a typo never silently changes a run. Reference: docs/config.md.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from adapter.errors import bad
+
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+ENV_PREFIX = "PARALLELISM_CONFIG_"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParallelismConfig(_Strict):
+    """Accelerate's `ParallelismConfig` fields. 1 disables a dimension; `dp_shard_size=None` means "fill the rest"."""
+
+    dp_replicate_size: StrictInt = Field(1, ge=1)
+    dp_shard_size: StrictInt | None = Field(None, ge=1)
+    tp_size: StrictInt = Field(1, ge=1)
+    cp_size: StrictInt = Field(1, ge=1)
+    cp_comm_type: Literal["all_gather", "p2p"] = "all_gather"
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs: the product of the four sizes (an unset dp_shard counts 1 until `resolve`).
+        The one definition of it: the config, plan and launchers all read this."""
+        return self.dp_replicate_size * (self.dp_shard_size or 1) * self.tp_size * self.cp_size
+
+    def resolve(self, world_size: int | None) -> ParallelismConfig:
+        """Fill an unset dp_shard_size with the world left after tp, cp and dp_replicate (as Axolotl does)."""
+        if self.dp_shard_size is not None:
+            return self
+        if world_size is None:
+            return self.model_copy(update={"dp_shard_size": 1})
+        rest = self.model_copy(update={"dp_shard_size": 1}).world_size
+        if world_size % rest:
+            raise bad("parallelism.dp_shard_size", None,
+                      f"cannot fill it: world size {world_size} is not divisible by dp_replicate×tp×cp={rest}",
+                      "set dp_shard_size explicitly or change the world size")
+        return self.model_copy(update={"dp_shard_size": world_size // rest})
+
+
+class ModelSection(_Strict):
+    path: str = Field(description="HF checkpoint directory or its config.json (architecture source)")
+    checkpoint: str | None = Field(None, description="converted Megatron checkpoint (nd-adapter convert) to train from")
+    attention: Literal["sdpa", "local", "te"] = "sdpa"
+    vocab_divisible_by: StrictInt = Field(128, ge=1)
+    fused_kernels: bool | None = Field(
+        None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
+    compile: bool = Field(False, description="torch.compile each transformer layer (not with ZeRO-3)")
+
+
+class BatchSection(_Strict):
+    micro_batch_size: StrictInt = Field(1, ge=1)
+    gradient_accumulation_steps: StrictInt | None = Field(None, ge=1)
+    global_batch_size: StrictInt | None = Field(None, ge=1)
+
+
+class OptimizerSection(_Strict):
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: StrictInt = Field(0, ge=0)
+    max_steps: StrictInt = Field(1000, ge=1)
+    clip_grad: float = Field(1.0, ge=0)
+
+
+class DataSection(_Strict):
+    files: list[str] = Field(default_factory=list)
+    synthetic: bool = Field(False, description="random tokens instead of files (benchmarks, rehearsals)")
+    document_mask: bool = Field(False, description="attention stays inside each packed document (cp = 1 only)")
+    text_key: str = "text"
+    cache_dir: str | None = None
+    seed: StrictInt = 1234
+
+
+class CheckpointSection(_Strict):
+    dir: str | None = None
+    save_every: StrictInt = Field(0, ge=0, description="steps between saves; 0 saves only at the end")
+    keep_last: StrictInt = Field(2, ge=1)
+    export_hf: str | None = Field(None, description="write an HF checkpoint here at the end")
+
+
+class DeepSpeedSection(_Strict):
+    # 3 shards weights, gradients and optimizer states (FSDP FULL_SHARD). 2 keeps the 16-bit weights whole on every
+    # rank and shards the rest (FSDP2 reshard_after_forward=False): no gathers at all, for models whose weights
+    # fit; layouts with dp_replicate > 1 need 3. Layouts with nothing to shard run stage 1 either way.
+    zero_stage: Literal[2, 3] = 3
+    # How dp_replicate maps onto DeepSpeed: exact HSDP (shard over dp_shard×cp, average over replicas) or ZeRO++ hpZ.
+    replicate_mode: Literal["hsdp", "hpz"] = "hsdp"
+    reduce_bucket_size: StrictInt = Field(500_000_000, ge=1)
+    prefetch_bucket_size: StrictInt = Field(500_000_000, ge=1)
+    param_persistence_threshold: StrictInt = Field(1_000_000, ge=0)
+    # ZeRO-3's gather unit: a whole transformer layer (FSDP's per-block wrapping: one fetch, release and gradient
+    # reduce per layer) or every module (DeepSpeed's default: ~10 per layer, each paying Python hooks).
+    gather_granularity: Literal["layer", "module"] = "layer"
+    overlap_comm: bool = True
+    overrides: dict[str, Any] = Field(default_factory=dict, description="merged into the generated DeepSpeed JSON")
+
+
+class LoggingSection(_Strict):
+    every: StrictInt = Field(1, ge=1)
+    tensorboard: str | None = None
+    wandb_project: str | None = None
+    profile_steps: tuple[StrictInt, StrictInt] | None = Field(
+        None, description="[first, last] step (inclusive) to record with the torch profiler")
+    profile_dir: str = Field("profile", description="where profiler traces and op tables go")
+    profile_ranks: list[StrictInt] = Field(default_factory=lambda: [0], description="global ranks to profile")
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> LoggingSection:
+        if self.profile_steps and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError("logging.profile_steps must be [first, last] with 1 <= first <= last")
+        return self
+
+
+class HardwareSection(_Strict):
+    nodes: StrictInt = Field(1, ge=1)
+    gpus_per_node: StrictInt | None = Field(None, ge=1)
+    gpu: str = "h100-80gb"
+
+
+class RunConfig(_Strict):
+    model: ModelSection
+    parallelism: ParallelismConfig = ParallelismConfig()
+    batch: BatchSection = BatchSection()
+    seq_len: StrictInt = Field(2048, ge=1)
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism; default: on when tp > 1")
+    recompute: Literal["none", "selective", "full"] = "none"
+    optimizer: OptimizerSection = OptimizerSection()
+    data: DataSection = DataSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    deepspeed: DeepSpeedSection = DeepSpeedSection()
+    logging: LoggingSection = LoggingSection()
+    hardware: HardwareSection = HardwareSection()
+    seed: StrictInt = 1234
+    source: str = Field("native", description="which dialect the file was written in")
+
+    @model_validator(mode="after")
+    def _lr_order(self) -> RunConfig:
+        if self.optimizer.min_lr > self.optimizer.lr:
+            raise ValueError("optimizer.min_lr must not exceed optimizer.lr")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallelism.dp_replicate_size * (self.parallelism.dp_shard_size or 1)
+
+    @property
+    def use_sequence_parallel(self) -> bool:
+        return self.parallelism.tp_size > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch.gradient_accumulation_steps or 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch.micro_batch_size * self.grad_accum * self.dp_size

@@ -1,0 +1,78 @@
+"""Samples -> one deterministic, resumable micro-batch stream per data-parallel rank."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from adapter.errors import bad
+
+
+class DPSampler:
+    """Infinite, deterministic stream of micro-batch indices for one data-parallel rank.
+
+    Each round of dp_size·micro_batch consecutive samples of the epoch's permutation is split by dp_rank, so DP
+    ranks are disjoint and the TP/CP ranks that share a dp_rank get the same batch. An epoch's tail that cannot fill
+    a round is skipped (every rank must take the same number of steps); the next epoch reshuffles with seed+epoch.
+    The state is global (epoch, samples of it consumed by all ranks), so it is the same on every rank and resuming
+    with another dp_size or micro_batch continues at the same place in the data.
+    """
+
+    def __init__(self, num_samples: int, *, dp_rank: int, dp_size: int, micro_batch: int, seed: int = 0,
+                 shuffle: bool = True):
+        if micro_batch < 1:
+            raise bad("micro_batch_size", micro_batch, "must be at least 1", "set a positive micro-batch size")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
+        if num_samples < dp_size * micro_batch:
+            raise bad("data.files", num_samples, f"only that many samples, fewer than one round of dp_size×micro_batch"
+                      f" = {dp_size * micro_batch}", "add data, or lower seq_len or micro_batch_size")
+        self.num_samples, self.dp_rank, self.dp_size, self.micro_batch = num_samples, dp_rank, dp_size, micro_batch
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch = self.offset = 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_samples // (self.dp_size * self.micro_batch)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            perm = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples) if self.shuffle
+                    else np.arange(self.num_samples))
+            self._order = (epoch, perm)
+        return self._order[1]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.dp_size * self.micro_batch
+        while True:
+            if self.offset + step > self.num_samples:
+                self.epoch, self.offset = self.epoch + 1, 0
+            lo = self.offset + self.dp_rank * self.micro_batch
+            idx = self.order(self.epoch)[lo:lo + self.micro_batch]
+            self.offset += step  # before the yield: the state counts what the consumer has been handed
+            yield idx.tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "num_samples": self.num_samples, "seed": self.seed,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise bad("data.files", self.num_samples, f"the checkpoint was trained on {state['num_samples']} samples,"
+                      " this data gives a different count", "resume with the same data files and seq_len, or start a"
+                      " fresh run in an empty checkpoint directory")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self.seed, self.shuffle = state["seed"], state["shuffle"]  # the checkpoint's order wins, for exact resume
+
+
+def build_batches(dataset, sampler: DPSampler) -> Iterator[dict[str, Any]]:
+    """Endless dicts of [micro_batch, seq_len] tensors from `dataset[i]` (e.g. a PackedDataset): tokens, labels,
+    position_ids, segment_ids (int64) and
+    loss_mask (float32). Take `sampler.state_dict()` between steps: it counts exactly the batches yielded so far."""
+    import torch
+
+    for idx in sampler:
+        items = [dataset[i] for i in idx]
+        yield {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}

@@ -1,0 +1,134 @@
+"""Documents -> one token stream on disk, built once by one rank and published by a directory rename.
+
+Each document is tokenised with the checkpoint's own tokenizer, special tokens as that tokenizer adds them (e.g.
+Llama's BOS), then EOS once per document. Restarts and the other ranks never re-tokenise and never see half a
+cache. Its name hashes the files (path, size, mtime), `text_key` and the tokenizer files: editing any of them
+builds a new cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from adapter.data.documents import expand_files, iter_documents
+from adapter.errors import UserError, bad
+from adapter.osutil import atomic_write_text
+
+CACHE_VERSION = 1  # bump when tokenisation or file layout changes: old caches are then simply not found
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+
+
+class TokenCache(NamedTuple):
+    tokens: np.ndarray       # uint32 memmap, all documents back to back
+    doc_offsets: np.ndarray  # int64 [n_docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
+    path: Path
+
+
+def cache_key(files: Sequence[Path], tokenizer_dir: str | Path, text_key: str) -> str:
+    """Cheap (stat + tokenizer files only), so every rank computes it without loading anything."""
+    tok = Path(tokenizer_dir)
+    tok_files = [tok / n for n in TOKENIZER_FILES if (tok / n).is_file()]
+    if not tok_files:
+        raise bad("model", str(tok), "no tokenizer files there (tokenizer.json, tokenizer.model, ...)",
+                  "point `model` at an HF checkpoint directory that includes its tokenizer")
+    h = hashlib.sha256(json.dumps({"v": CACHE_VERSION, "text_key": text_key, "files": [
+        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]}).encode())
+    for f in tok_files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def _open_cache(d: Path) -> TokenCache:
+    offsets = np.load(d / "doc_offsets.npy")
+    return TokenCache(np.memmap(d / "tokens.u32", dtype=np.uint32, mode="r", shape=(int(offsets[-1]),)), offsets, d)
+
+
+def _tokenize_into(d: Path, files: Sequence[Path], tokenizer_dir: str | Path, text_key: str, progress: bool) -> dict:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    eos = tok.eos_token_id
+    if eos is None:
+        raise bad("model", str(tokenizer_dir), "the tokenizer has no eos_token, so documents cannot be separated",
+                  "set eos_token in tokenizer_config.json")
+    if len(tok) > 2**32:
+        raise bad("model", str(tokenizer_dir), f"vocabulary of {len(tok)} does not fit uint32", "use a smaller vocab")
+    offsets = [0]
+    with open(d / "tokens.u32", "wb") as out, tqdm(unit="doc", desc="tokenising", disable=not progress) as bar:
+        def flush(batch: list[str]) -> None:
+            if not batch:
+                return
+            for ids in tok(batch, add_special_tokens=True, verbose=False)["input_ids"]:
+                ids = list(ids) if ids and ids[-1] == eos else [*ids, eos]
+                out.write(np.asarray(ids, dtype=np.uint32).tobytes())
+                offsets.append(offsets[-1] + len(ids))
+            bar.update(len(batch))
+            batch.clear()
+        for path in files:
+            batch: list[str] = []
+            for doc in iter_documents(path, text_key):
+                batch.append(doc)
+                if len(batch) == 256:
+                    flush(batch)
+            flush(batch)
+    if len(offsets) == 1:
+        raise bad("data.files", [str(f) for f in files], "no documents (all files are empty)", "give non-empty data")
+    np.save(d / "doc_offsets.npy", np.asarray(offsets, dtype=np.int64))
+    return {"version": CACHE_VERSION, "files": [str(f) for f in files], "text_key": text_key,
+            "tokenizer": str(tokenizer_dir), "eos_token_id": eos, "vocab_size": len(tok),
+            "num_documents": len(offsets) - 1, "num_tokens": offsets[-1]}
+
+
+def build_token_cache(files: str | Path | Sequence[str | Path], tokenizer_dir: str | Path, cache_dir: str | Path, *,
+                      text_key: str = "text", builder: bool = True, barrier: Callable[[], None] | None = None,
+                      progress: bool = True) -> TokenCache:
+    """Return the token cache for these files, building it on the `builder` rank if missing.
+
+    Every rank must call this with the same arguments; `barrier`, when given, is called exactly once on each
+    (after the builder finished), so pass torch.distributed.barrier or a group's barrier. Pick the builder as global
+    rank 0 for a shared `cache_dir`, or local rank 0 per node for node-local disks. A data error found by the
+    builder is raised on every rank, not only on the builder.
+    """
+    paths = expand_files(files)
+    root = Path(cache_dir)
+    key = cache_key(paths, tokenizer_dir, text_key)
+    final, failed = root / f"tokens-{key}", root / f"tokens-{key}.error"
+    error: Exception | None = None
+    if builder and not (final / "manifest.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        failed.unlink(missing_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tokens-{key}.tmp-", dir=root))
+        try:
+            manifest = _tokenize_into(tmp, paths, tokenizer_dir, text_key, progress)
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+            try:
+                os.rename(tmp, final)  # atomic publish; a concurrent identical build may have won
+            except OSError:
+                if not (final / "manifest.json").is_file():
+                    raise
+        except Exception as e:
+            error = e  # tell the waiting ranks why, instead of leaving them hanging or without a cache
+            atomic_write_text(failed, json.dumps({"user": isinstance(e, UserError), "message": str(e)}))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if barrier is not None:
+        barrier()
+    if error is not None:
+        raise error
+    if (final / "manifest.json").is_file():
+        return _open_cache(final)
+    if failed.is_file():
+        why = json.loads(failed.read_text())
+        raise (UserError if why["user"] else RuntimeError)(why["message"])
+    raise bad("data.cache_dir", str(root), f"the token cache {final.name} made by the builder rank is not visible here",
+              "put data.cache_dir on storage shared with the builder rank, or build with local rank 0 per node")

@@ -1,0 +1,3 @@
+from adapter.demo.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""Model architecture facts read from an HF `config.json` alone (no weights).
+
+Everything downstream (plan's memory model, the GPTModel builder, the conversion tables) reads a `ModelArch`, never
+the raw JSON, so one place decides what is supported and refuses the rest before anything runs or is written.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from adapter.errors import UserError, bad
+from adapter.models import families
+
+# Megatron-Core hard-codes these for Llama-3.1 rope scaling; other values would silently change the model.
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_embeddings: bool
+    rope_theta: float
+    rope_scaling_factor: float | None  # Llama-3.1 style ("llama3") scaling, else None
+    norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+
+    @property
+    def num_params(self) -> int:
+        """Exact parameter count of the HF model (norms and biases included)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
+        mlp = 3 * h * self.ffn_hidden_size
+        layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        return self.num_layers * layer + emb * (1 if self.tie_embeddings else 2) + h
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def padded_vocab_size(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Megatron-LM's rule: pad so every tp rank holds a multiple of `divisible_by` rows (zero rows on import,
+    dropped on export). One definition for the model builder, the converter and the memory model."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise bad("model", str(path), "no such file", "point `model` at an HF checkpoint directory or its config.json")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad("model", str(path), f"not valid JSON ({e.__class__.__name__})", "give a valid HF config.json")
+
+
+def config_path(model: str | Path) -> Path:
+    p = Path(model)
+    return p / "config.json" if p.is_dir() else p
+
+
+def load_arch(model: str | Path) -> ModelArch:
+    """Read an HF checkpoint dir or config.json; refuse anything GPTModel cannot reproduce exactly."""
+    path = config_path(model)
+    if not path.exists():
+        raise bad("model", str(model), "no config.json found there",
+                  "point `model` at an HF checkpoint directory (with config.json) or at a config.json file")
+    return arch_from_hf_dict(_read_json(path), source=str(path))
+
+
+def _int(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise bad(key, v, f"must be a positive integer in {source}", "fix the model's config.json")
+    return v
+
+
+def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> ModelArch:
+    if not isinstance(cfg, dict):
+        raise bad("model", source, "config.json is not a JSON object", "give a valid HF config.json")
+    archs = cfg.get("architectures") or []
+    name = archs[0] if isinstance(archs, list) and archs else None
+    fam = families.find(name, cfg.get("model_type"))
+    if fam is None:
+        shown = name or cfg.get("model_type")
+        raise bad("architectures", shown, "unknown model architecture",
+                  f"use one of {', '.join(families.supported_architectures())} (adding a family: "
+                  "docs/adding-a-model.md)")
+    name = name or fam.architectures[0]
+
+    hidden = _int(cfg, "hidden_size", source)
+    heads = _int(cfg, "num_attention_heads", source)
+    kv = _int(cfg, "num_key_value_heads", source, heads)
+    if heads % kv:
+        raise bad("num_key_value_heads", kv, f"does not divide num_attention_heads={heads}",
+                  "fix the model's config.json")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if not cfg.get("head_dim") and hidden % heads:
+        raise bad("hidden_size", hidden, f"not divisible by num_attention_heads={heads}", "set head_dim in config.json")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise bad("hidden_act", act, "only SwiGLU (silu) MLPs are supported", "use a silu-gated model")
+
+    # Sliding-window attention would be computed as full attention by GPTModel: refuse rather than be silently wrong.
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", fam.sliding_window_default)
+    if window is not None and uses_window and window < cfg.get("max_position_embeddings", 0):
+        raise bad("sliding_window", window, "sliding-window attention is not supported",
+                  "use a checkpoint without sliding window (e.g. Mistral v0.2+), or set sliding_window to null "
+                  "if unused")
+
+    rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling together here
+    scaling = cfg.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    factor = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in (None, "default"):
+            if kind != "llama3":
+                raise bad("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3') rope scaling is supported",
+                          "use a checkpoint with rope_type 'llama3' or none")
+            for k, want in LLAMA3_ROPE_FIXED.items():
+                if float(scaling.get(k, want)) != float(want):
+                    raise bad(f"rope_scaling.{k}", scaling.get(k), f"Megatron-Core fixes it at {want}",
+                              "only the standard Llama-3.1 rope scaling values are supported")
+            factor = float(scaling.get("factor", 8.0))
+
+    return ModelArch(
+        family=fam.name,
+        architecture=name,
+        hidden_size=hidden,
+        num_layers=_int(cfg, "num_hidden_layers", source),
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=int(head_dim),
+        ffn_hidden_size=_int(cfg, "intermediate_size", source),
+        vocab_size=_int(cfg, "vocab_size", source),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=theta,
+        rope_scaling_factor=factor,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=fam.qkv_bias if fam.qkv_bias is not None else bool(cfg.get("attention_bias", False)),
+        qk_norm=fam.qk_norm,
+        torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
+    )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_tp(arch: ModelArch, tp: int, key: str = "tp") -> None:
+    """Refuse a TP size GPTModel cannot run for this architecture (one rule for the converter and the layout)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise bad(key, tp, "must be a positive integer", "use e.g. 2")
+    name = arch.architecture
+    if arch.num_heads % tp:
+        raise bad(key, tp, f"does not divide num_attention_heads={arch.num_heads} of {name}",
+                  f"use a tp_size that divides {arch.num_heads} ({_divisors(arch.num_heads)})")
+    kv = arch.num_kv_heads
+    if kv % tp and tp % kv:
+        raise bad(key, tp, f"is incompatible with num_key_value_heads={kv} of {name} "
+                  "(KV heads must split evenly across tp ranks, or tp must be a multiple of them)",
+                  f"use a tp_size that divides {kv} or is a multiple of it")
+    if arch.ffn_hidden_size % tp:
+        raise bad(key, tp, f"does not divide intermediate_size={arch.ffn_hidden_size} of {name}",
+                  "use a tp_size that divides the MLP width")
+
+
+__all__ = ["ModelArch", "load_arch", "padded_vocab_size", "arch_from_hf_dict", "config_path", "check_tp", "UserError"]

@@ -1,0 +1,291 @@
+"""Core attention for Megatron-Core's layer spec: torch SDPA, with context parallelism, without TransformerEngine.
+
+Megatron's local `DotProductAttention` materialises the S×S scores (≈3× slower and ≈4× the memory of SDPA on H200,
+see NOTES) and refuses CP; TransformerEngine is not installed on our hosts. `SDPAttention` keeps the
+DotProductAttention constructor/forward contract so a ModuleSpec can swap it in, and is the default for every run.
+
+Context parallelism follows Megatron's load-balanced layout: the sequence is cut into 2·cp chunks and CP rank r holds
+chunks r and 2·cp−1−r (`split_for_cp`), so every rank does the same causal work. Two schemes (`cp_comm_type`):
+  * "all_gather": K|V are all-gathered once (reduce-scattered in backward, Megatron's autograd op); each local query
+    chunk attends its causal prefix with torch SDPA and a lower-right causal mask. Simple; K/V of the whole sequence
+    live on every rank for the layer's duration.
+  * "p2p": K|V blocks travel around the ring, overlapped with compute, merged with log-sum-exp; backward sends the
+    K/V gradients around the ring with them (as in ring-flash-attention). Memory per rank stays O(S/cp).
+    CPU only for now (see _block_fwd); refused on GPUs at model construction.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention.bias import causal_lower_right
+
+from adapter.errors import bad
+
+CP_COMM_TYPES = ("all_gather", "p2p")
+# Accelerate/torch names (`cp_comm_strategy`, torch's set_rotate_method). torch's "alltoall" rotates whole K/V
+# shards to the next rank, i.e. a ring: same semantics as Megatron's "p2p". Megatron's "a2a" (Ulysses) is not here.
+_ALIASES = {"allgather": "all_gather", "alltoall": "p2p"}
+_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def normalize_cp_comm_type(name: str | None) -> str:
+    """Megatron name for a CP communication scheme; None means "all_gather"."""
+    name = _ALIASES.get(name, name) if name is not None else "all_gather"
+    if name not in CP_COMM_TYPES:
+        raise bad("cp_comm_type", name, "unsupported context-parallel communication scheme",
+                  "use 'all_gather' (Accelerate 'allgather') or 'p2p' (Accelerate 'alltoall', a KV ring)")
+    return name
+
+
+def split_for_cp(tensor: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
+    """This CP rank's part of a full-sequence tensor: chunks r and 2·cp−1−r of 2·cp.
+
+    Same split as Megatron's get_batch_on_this_cp_rank; apply it to input_ids, labels and loss_mask."""
+    if cp_size == 1:
+        return tensor
+    s = tensor.shape[seq_dim]
+    if s % (2 * cp_size):
+        raise bad("seq_length", s, f"not divisible by 2 × context_parallel_size = {2 * cp_size}",
+                  f"pad sequences to a multiple of {2 * cp_size} (and of tp when sequence_parallel is on)")
+    chunks = tensor.view(*tensor.shape[:seq_dim], 2 * cp_size, s // (2 * cp_size), *tensor.shape[seq_dim + 1:])
+    idx = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=tensor.device)
+    chunks = chunks.index_select(seq_dim, idx)
+    return chunks.reshape(*tensor.shape[:seq_dim], -1, *tensor.shape[seq_dim + 1:])
+
+
+def _sdpa(q, k, v, **kw):
+    """SDPA with GQA: torch's native K/V head broadcast where available, else expanded K/V."""
+    if q.size(1) == k.size(1):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    if _HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    rep = q.size(1) // k.size(1)
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw)
+
+
+def _all_gather_attention(q, k, v, scale, group, dropout_p):
+    """q/k/v: [s_local, b, heads, d] (Megatron layout). Returns [b, heads, s_local, d]."""
+    cp, r = group.size(), group.rank()
+    c, d = q.size(0) // 2, k.size(-1)
+    kv = gather_from_sequence_parallel_region(torch.cat([k, v], -1), True, group=group)  # rank order
+    kv = kv.view(cp, 2, c, *kv.shape[1:])
+    kv = torch.cat([kv[:, 0].flatten(0, 1), kv[:, 1].flip(0).flatten(0, 1)])  # chunk order 0 .. 2cp-1
+    k_all, v_all = kv.permute(1, 2, 0, 3).split(d, dim=-1)
+    q = q.permute(1, 2, 0, 3)
+    outs = []
+    for i, chunk in enumerate((r, 2 * cp - 1 - r)):
+        n = (chunk + 1) * c  # causal prefix of this query chunk
+        outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, :n], v_all[:, :, :n],
+                          attn_mask=causal_lower_right(c, n), scale=scale, dropout_p=dropout_p))
+    return torch.cat(outs, dim=2)
+
+
+# ---- ring (p2p): block kernels that also return the log-sum-exp, and their exact backward given the global out/lse.
+# CUDA: torch's FlashAttention-2 ops (native GQA, so K/V travel with their own head count; bf16/fp16 only). Their
+# backward takes "undefined" cum_seq/rng tensors for dense batches, which Python passes as None. (The efficient-
+# attention ops were tried first and hit an illegal memory access in backward from 8k local tokens on H200.)
+# CPU: torch's flash-for-CPU ops, which want equal head counts.
+def _block_fwd(q, k, v, causal, scale):
+    """[b, h, s, d] blocks -> (out [b, h, sq, d], lse [b, h, sq] fp32)."""
+    if q.is_cuda:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.size(2), k.size(2), 0.0, causal,
+            False, scale=scale)
+        return out.transpose(1, 2), lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _block_bwd(dout, q, k, v, out, lse, causal, scale):
+    """dq, dk, dv of one block, given the merged (global) out and lse of its query rows."""
+    if q.is_cuda:
+        t = [x.transpose(1, 2) for x in (dout, q, k, v, out)]
+        grads = torch.ops.aten._flash_attention_backward(*t, lse, None, None, q.size(2), k.size(2), 0.0, causal,
+                                                         None, None, scale=scale)
+        return [g.transpose(1, 2) for g in grads]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _ring_shift(tensor, group):
+    """Start sending `tensor` to the next CP rank and receiving the previous rank's; returns (recv buffer, requests)."""
+    r, n = group.rank(), group.size()
+    recv = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % n), group),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs):
+    for req in reqs:
+        req.wait()
+
+
+def _ring_step(step, r, cp, c):
+    """Which rows/keys a ring step touches: (query rows, key slice, causal). Load-balanced chunk layout."""
+    j = (r - step) % cp  # owner of the K/V block held at this step
+    if step == 0:
+        return slice(None), slice(None), True  # own chunks: plain causal over the local 2c tokens
+    if j < r:
+        return slice(None), slice(0, c), False  # block's early chunk precedes both local chunks; its late one neither
+    return slice(c, None), slice(None), False  # only the local late chunk sees the block, and all of it
+
+
+class _RingAttention(torch.autograd.Function):
+    """q/k/v: [b, heads, 2c, d] with equal head counts. Output [b, heads, 2c, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, group):
+        cp, r, c = group.size(), group.rank(), q.size(2) // 2
+        kv = torch.cat([k, v], -1).contiguous()
+        out = lse = None
+        for step in range(cp):
+            if step + 1 < cp:
+                nxt, reqs = _ring_shift(kv, group)
+            rows, keys, causal = _ring_step(step, r, cp, c)
+            kb, vb = kv[:, :, keys].split(k.size(-1), -1)
+            o, lse_b = _block_fwd(q[:, :, rows].contiguous(), kb.contiguous(), vb.contiguous(), causal, scale)
+            o, lse_b = o.float(), lse_b.float()
+            if out is None:  # step 0 covers every row
+                out, lse = o, lse_b
+            else:  # stable merge (ring-flash-attention #34): out -= σ(l − lse)(out − o); lse −= logσ(lse − l)
+                lse_r = lse[:, :, rows]
+                out[:, :, rows] -= torch.sigmoid(lse_b - lse_r).unsqueeze(-1) * (out[:, :, rows] - o)
+                lse[:, :, rows] = lse_r - F.logsigmoid(lse_r - lse_b)
+            if step + 1 < cp:
+                _wait(reqs)
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.group = scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, r, c, d = group.size(), group.rank(), q.size(2) // 2, k.size(-1)
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv = torch.cat([k, v], -1).contiguous()
+        # The gradient of the K/V block held at a step travels one rank ahead with it; after cp hops it is home.
+        # Buffers are rebound only after their sends completed (NCCL may still read a send buffer until wait()).
+        dkv = dkv_next = dkv_reqs = None
+        for step in range(cp):
+            if step + 1 < cp:
+                kv_next, kv_reqs = _ring_shift(kv, group)
+            rows, keys, causal = _ring_step(step, r, cp, c)
+            kb, vb = kv[:, :, keys].split(d, -1)
+            g = _block_bwd(*(t.contiguous() for t in (dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
+                                                      lse[:, :, rows])), causal, scale)
+            dq[:, :, rows] += g[0].float()
+            if dkv_reqs is None:
+                dkv = torch.zeros_like(kv, dtype=torch.float32)
+            else:
+                _wait(dkv_reqs)
+                dkv = dkv_next
+            dkv[:, :, keys] += torch.cat([g[1], g[2]], -1).float()
+            dkv_next, dkv_reqs = _ring_shift(dkv, group)
+            if step + 1 < cp:
+                _wait(kv_reqs)
+                kv = kv_next
+        _wait(dkv_reqs)
+        dkv = dkv_next
+        dk, dv = dkv.split(d, -1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _p2p_dtype_error(dtype):
+    return bad("precision", str(dtype).removeprefix("torch."),
+               "the GPU ring (cp_comm_type='p2p') runs FlashAttention kernels, which take bf16/fp16 only",
+               "train in bf16, or use cp_comm_type='all_gather'")
+
+
+def _p2p_attention(q, k, v, scale, group):
+    """q/k/v: [s_local, b, heads, d]. Returns [b, heads, s_local, d]."""
+    if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+        raise _p2p_dtype_error(q.dtype)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if not q.is_cuda and k.size(1) != q.size(1):  # the CPU block kernels want equal head counts
+        rep = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, group)
+
+
+def context_parallel_attention(q, k, v, *, scale, group, comm="all_gather", dropout_p=0.0):
+    """Causal attention over a CP-split sequence: q [s_local, b, np, d], k/v [s_local, b, ng, d]
+    -> [b, np, s_local, d]."""
+    if comm == "all_gather":
+        return _all_gather_attention(q, k, v, scale, group, dropout_p)
+    if dropout_p:
+        raise bad("attention_dropout", dropout_p, "not supported with cp_comm_type='p2p'",
+                  "set attention_dropout to 0 or use cp_comm_type='all_gather'")
+    return _p2p_attention(q, k, v, scale, group)
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for Megatron's DotProductAttention (same constructor and forward signature)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise NotImplementedError("SDPAttention supports vanilla softmax without sliding window only")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.cp_group = getattr(pg_collection, "cp", None)
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        self.cp_comm_type = normalize_cp_comm_type(cp_comm_type)
+        if (self.cp_size > 1 and self.cp_comm_type == "p2p" and torch.cuda.is_available()
+                and config.params_dtype not in (torch.bfloat16, torch.float16)):
+            raise _p2p_dtype_error(config.params_dtype)  # fail at build time, not at the first step
+        self.attn_mask_type = attn_mask_type
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """[sq, b, np, hn] q and [sk, b, ng, hn] k/v -> [sq, b, np·hn]. `attention_mask`: True = masked (Megatron)."""
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by SDPAttention")
+        p = self.dropout_p if self.training else 0.0
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if p and not self.config.sequence_parallel \
+            else contextlib.nullcontext()
+        with rng:
+            if packed_seq_params is not None:
+                out = self._packed(query, key, value, packed_seq_params, p)
+                return out.reshape(out.size(0), -1)
+            if self.cp_size > 1:
+                if attention_mask is not None:
+                    raise bad("attention_mask", "given", "explicit masks are not supported with context parallelism",
+                              "drop the mask (causal is implied) or run with context_parallel_size=1")
+                out = context_parallel_attention(query, key, value, scale=self.scale, group=self.cp_group,
+                                                 comm=self.cp_comm_type, dropout_p=p)
+            else:
+                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+                mask_type = attn_mask_type or self.attn_mask_type
+                causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+                mask = None if attention_mask is None else ~attention_mask
+                out = _sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, dropout_p=p)
+        return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+    def _packed(self, q, k, v, params, p):
+        """THD packing: [t, heads, d] tensors; causal attention within each document, one SDPA call per document."""
+        if self.cp_size > 1:
+            raise bad("packed sequences", "with context parallelism", "not supported",
+                      "disable sample packing or run with context_parallel_size=1")
+        cu = params.cu_seqlens_q.tolist()
+        outs = [_sdpa(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=self.scale,
+                      dropout_p=p)[0].transpose(0, 1) for a, b in zip(cu[:-1], cu[1:])]
+        return torch.cat(outs)
+
+
+__all__ = ["SDPAttention", "split_for_cp", "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]

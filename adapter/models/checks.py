@@ -1,0 +1,26 @@
+"""Checks that need both the run config and the model's architecture (the config alone cannot know head counts)."""
+from __future__ import annotations
+
+from adapter.config import RunConfig
+from adapter.errors import bad
+from adapter.models.arch import ModelArch, check_tp
+
+
+def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
+    """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
+    tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
+    check_tp(arch, tp, key="parallelism.tp_size")
+    if cp > 1 and seq % (2 * cp):
+        raise bad("seq_len", seq, f"not divisible by 2·cp_size = {2 * cp} (load-balanced context-parallel chunks)",
+                  f"use a seq_len that is a multiple of {2 * cp}")
+    if cfg.use_sequence_parallel and tp > 1 and (seq // cp) % tp:
+        raise bad("seq_len", seq, f"the per-cp-rank sequence {seq // cp} is not divisible by tp_size={tp} "
+                  "(sequence parallelism splits it)", f"use a seq_len that is a multiple of {cp * tp}, "
+                  "or set sequence_parallel: false")
+    if cfg.data.document_mask and cp > 1:
+        raise bad("data.document_mask", True, "document masking is not supported with context parallelism",
+                  "set data.document_mask: false or cp_size: 1")
+    warnings = []
+    if seq > arch.max_position_embeddings:
+        warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
+    return warnings

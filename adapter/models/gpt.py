@@ -1,0 +1,183 @@
+"""ModelArch -> Megatron-Core GPTModel that reproduces the HF model exactly (Llama, Mistral, Qwen2, Qwen3).
+
+Weights come from adapter/convert (NOTES has the key mapping); this module only builds the right empty model.
+The caller initialises megatron's parallel_state first. On CPU, the CPU shims (adapter/patches/mcore.py) are
+applied here.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from adapter.errors import bad
+from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.attention import SDPAttention, normalize_cp_comm_type
+from adapter.models.fusions import install_rope_fusion, vocab_parallel_cross_entropy
+from adapter.patches.mcore import install_cpu_shims
+
+Attention = Literal["sdpa", "local", "te"]
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with Megatron's norm constructor, usable with sequence parallelism.
+
+    Megatron's WrappedTorchNorm refuses sequence_parallel; the maths is per token, so it is fine: only the weight's
+    gradient is a partial sum over TP ranks. The weight is tagged `sequence_parallel` like Megatron's own norms, so
+    `tp_grad_sum_params` (and Megatron's finalize_model_grads) find it.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+class Layer(TransformerLayer):
+    """Megatron's TransformerLayer, called with its hidden states as a positional argument.
+
+    Megatron's block passes `hidden_states=` by keyword; torch's full backward hooks only see positional tensors, so
+    a hook on the layer would fire before its weight gradients exist. DeepSpeed's ZeRO-3 reduces a gather unit's
+    gradients in exactly such a hook (`deepspeed.gather_granularity: layer`), so without this the reduce ran first
+    and the weight gradients then landed on released (empty) parameters."""
+
+    def __call__(self, *args, **kwargs):
+        if not args and "hidden_states" in kwargs:
+            args = (kwargs.pop("hidden_states"),)
+        return super().__call__(*args, **kwargs)
+
+
+def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
+                       params_dtype: torch.dtype = torch.float32, bf16: bool = False,
+                       recompute: Literal["full", "selective"] | None = None, cp_comm_type: str | None = None,
+                       fused_kernels: bool = False, **overrides) -> TransformerConfig:
+    """TransformerConfig for `arch` at this run's tp/cp. `overrides` go straight to TransformerConfig.
+
+    `fused_kernels`: Megatron's SwiGLU fusion (needs no TransformerEngine; Megatron builds it with torch.compile)
+    and our fused RoPE, installed where TE's would go (adapter/models/fusions.py). The cross-entropy half lives in
+    `FusedLossGPTModel`."""
+    if sequence_parallel and tp == 1:
+        sequence_parallel = False  # Megatron refuses SP without TP; it would be a no-op anyway
+    kw = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        bias_activation_fusion=fused_kernels, apply_rope_fusion=fused_kernels and install_rope_fusion(),
+        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
+        cp_comm_type=normalize_cp_comm_type(cp_comm_type) if cp > 1 else None,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=bf16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    if recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        kw.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute is not None:
+        raise bad("recompute", recompute, "unknown activation recompute mode", "use 'full', 'selective' or null")
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
+    """Megatron-Core layer spec; "sdpa" (default) is Megatron's local spec with our SDPAttention and RMSNorm."""
+    if attention == "te":
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+            spec.module = Layer
+            return spec
+        except (ImportError, AssertionError) as e:
+            raise bad("attention", "te", f"TransformerEngine is not usable here ({e})", "use attention='sdpa'")
+    if attention not in ("sdpa", "local"):
+        raise bad("attention", attention, "unknown attention backend", "use 'sdpa' (default), 'local' or 'te'")
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.module = Layer
+    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    attn.core_attention = SDPAttention if attention == "sdpa" else DotProductAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if arch.qk_norm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
+    return spec
+
+
+class FusedLossGPTModel(GPTModel):
+    """GPTModel whose training loss is adapter.models.fusions' vocab-parallel cross-entropy (no fp32 copy of the
+    logits)."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)  # logits [s, b, v]
+        return loss.transpose(0, 1).contiguous()
+
+
+def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: int | None = None,
+                    sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                    attention: Attention = "sdpa", max_sequence_length: int | None = None,
+                    parallel_output: bool = True, config: TransformerConfig | None = None,
+                    fused_kernels: bool = False, **config_kw) -> GPTModel:
+    """GPTModel for `arch` on the current parallel_state (tp/cp must match it). Weights are random: load them after.
+
+    `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel)."""
+    install_cpu_shims()
+    if attention == "local" and cp > 1:
+        raise bad("attention", "local", "Megatron's local attention has no context parallelism",
+                  "use attention='sdpa' (the default)")
+    config = config or transformer_config(arch, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+                                          params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+                                          fused_kernels=fused_kernels, **config_kw)
+    spec = layer_spec(arch, attention)
+    if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
+    return (FusedLossGPTModel if fused_kernels else GPTModel)(
+        config, spec,
+        vocab_size=padded_vocab or padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=max_sequence_length or arch.max_position_embeddings,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
+
+
+def forward_logits(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   vocab_size: int | None = None) -> torch.Tensor:
+    """[b, s, vocab] logits, gathered over TP and cut to `vocab_size` (drops the padding rows).
+
+    GPTModel ignores position_ids for RoPE (positions are 0..s-1, CP-chunked); they are passed for completeness.
+    """
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    logits = model(input_ids, position_ids, attention_mask=None)
+    if model.parallel_output and model.config.tensor_model_parallel_size > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :vocab_size] if vocab_size else logits
+
+
+def sequence_parallel_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters tagged sequence_parallel (norm weights under SP): their grads are partial sums over TP ranks."""
+    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def tp_grad_sum_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Every parameter whose gradient must be all-reduced (summed) over TP after backward, as Megatron's
+    finalize_model_grads does: sequence-parallel norms, and q/k layernorms (each TP rank sees only its heads)."""
+    if model.config.tensor_model_parallel_size == 1:
+        return []
+    return [p for n, p in model.named_parameters()
+            if (model.config.sequence_parallel and getattr(p, "sequence_parallel", False))
+            or "q_layernorm" in n or "k_layernorm" in n]
+
+
+__all__ = ["RMSNorm", "FusedLossGPTModel", "padded_vocab_size", "transformer_config", "layer_spec", "build_gpt_model",
+           "forward_logits", "sequence_parallel_params", "tp_grad_sum_params"]

@@ -1,0 +1,159 @@
+"""Typed HF <-> Megatron-Core weight rules: what one Megatron distributed-checkpoint key is built from, and how.
+
+A family's table (adapter/models/families.py) is a tuple of these; adapter/convert/ executes them (streamed, any
+TP) and tests them through the inverse. Megatron keys are the sharded keys
+GPTModel.sharded_state_dict() uses (TE-style norm names, layers stacked on a leading axis), so the global tensor of
+each key is independent of TP: TP only decides how the key is chunked on disk and the vocab padding.
+
+Every rule here only permutes, concatenates or zero-pads whole rows (`rowwise`), which is what lets the converter
+plan each output chunk as a few positioned reads (adapter/convert/rows.py) and check it through the inverse.
+Declarative on import (torch is imported inside the transforms): `plan` reads the family records without torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+Arch = Any  # an adapter.models.arch.ModelArch; not imported, since arch.py reads the families built from these
+
+LAYER = "decoder.layers."  # Megatron keys under this prefix are stacked: global shape (num_layers, *per_layer)
+# Linear layers whose (empty for the local spec) `_extra_state` GPTModel checkpoints as one ShardedObject per layer.
+EXTRA_STATE = tuple(LAYER + s + "._extra_state" for s in (
+    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+# HF tensors that carry no weights and are safe to drop.
+IGNORED_HF = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a transform may depend on besides the tensors."""
+    arch: Arch
+    padded_vocab: int
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron key from HF tensors. Subclasses say how (`to_megatron`) and back (`to_hf`)."""
+    megatron: str                      # sharded key in the torch_dist checkpoint
+    hf: tuple[tuple[str, str], ...]    # (HF name with {i} for the layer, shape in symbols h q kv f v d)
+    tp_axis: int | None = None         # axis TP splits (0 column-parallel / vocab, 1 row-parallel), None replicated
+    when: Callable[[Arch], bool] | None = None  # the rule exists only for architectures where this holds
+    parts: ClassVar[int] = 1           # independently TP-split blocks along tp_axis ([gate; up] has 2)
+    rowwise: ClassVar[bool] = True     # transforms move whole rows only (row plans rely on it)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.megatron.startswith(LAYER)
+
+    def applies(self, arch: Arch) -> bool:
+        return self.when is None or bool(self.when(arch))
+
+    def hf_names(self, layer: int | None) -> list[str]:
+        return [n.format(i=layer) for n, _ in self.hf]
+
+    def to_megatron(self, ts: Sequence[torch.Tensor], c: Ctx) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_hf(self, t: torch.Tensor, c: Ctx) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class Copy(Rule):
+    """The tensor as it is (norms, o_proj and down_proj with tp_axis=1)."""
+
+    def to_megatron(self, ts, c):
+        return ts[0]
+
+    def to_hf(self, t, c):
+        return [t]
+
+
+class Vocab(Rule):
+    """Embedding or output rows, zero-padded to the padded vocab (GPTModel does not pad; Megatron-LM converters do)."""
+
+    def to_megatron(self, ts, c):
+        import torch
+
+        (t,) = ts
+        extra = c.padded_vocab - t.shape[0]
+        return t if extra == 0 else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+    def to_hf(self, t, c):
+        return [t[: c.arch.vocab_size].contiguous()]
+
+
+class FusedQKV(Rule):
+    """q, k, v into Megatron's linear_qkv: per query group, [its q heads; k; v] contiguous, so a plain TP chunk of
+    the rows gives whole groups (and nkv < tp is all-gathered by Megatron in forward)."""
+
+    def to_megatron(self, ts, c):
+        import torch
+
+        q, k, v = ts
+        ng, d, rest = c.arch.num_kv_heads, c.arch.head_dim, q.shape[1:]
+        hpg = c.arch.num_heads // ng
+        return torch.cat([q.reshape(ng, hpg * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], 1
+                         ).reshape(-1, *rest)
+
+    def to_hf(self, t, c):
+        ng, d, rest = c.arch.num_kv_heads, c.arch.head_dim, t.shape[1:]
+        hpg = c.arch.num_heads // ng
+        q, k, v = t.reshape(ng, (hpg + 2) * d, *rest).split([hpg * d, d, d], 1)
+        return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
+
+
+class GatedMLP(Rule):
+    """gate and up into linear_fc1 = [gate; up]. Split independently under TP (rank r holds [gate_r; up_r]);
+    a naive chunk of [gate; up] is wrong (tests/test_convert_parity.py keeps that negative control)."""
+    parts: ClassVar[int] = 2
+
+    def to_megatron(self, ts, c):
+        import torch
+
+        return torch.cat(list(ts))
+
+    def to_hf(self, t, c):
+        return [x.contiguous() for x in t.chunk(2)]
+
+
+# -- constructors: what a family table is written with ----------------------------------------------------------
+
+def copy(megatron: str, hf: str, shape: str, *, tp_axis: int | None = None, when=None) -> Copy:
+    return Copy(megatron, ((hf, shape),), tp_axis, when)
+
+
+def vocab(megatron: str, hf: str, *, when=None) -> Vocab:
+    return Vocab(megatron, ((hf, "v h"),), 0, when)
+
+
+def fused_qkv(megatron: str, q: str, k: str, v: str, *, bias: bool = False, when=None) -> FusedQKV:
+    shapes = ("q", "kv", "kv") if bias else ("q h", "kv h", "kv h")
+    return FusedQKV(megatron, tuple(zip((q, k, v), shapes)), 0, when)
+
+
+def gated_mlp(megatron: str, gate: str, up: str) -> GatedMLP:
+    return GatedMLP(megatron, ((gate, "f h"), (up, "f h")), 0)
+
+
+def untied(arch: Arch) -> bool:
+    """The output layer is its own tensor (not the embedding's)."""
+    return not arch.tie_embeddings
+
+
+def has_qkv_bias(arch: Arch) -> bool:
+    return arch.qkv_bias
+
+
+def hf_shape(spec: str, arch: Arch) -> tuple[int, ...]:
+    sym = {"h": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
+           "f": arch.ffn_hidden_size, "v": arch.vocab_size, "d": arch.head_dim}
+    return tuple(sym[s] for s in spec.split())
+
+
+__all__ = ["LAYER", "EXTRA_STATE", "IGNORED_HF", "Ctx", "Rule", "Copy", "Vocab", "FusedQKV", "GatedMLP", "copy",
+           "vocab", "fused_qkv", "gated_mlp", "untied", "has_qkv_bias", "hf_shape"]

@@ -1,0 +1,113 @@
+"""RunConfig + Layout -> the DeepSpeed ZeRO-3 JSON.
+
+Batch keys are written consistently with how DeepSpeed counts the data-parallel world when our MPU is given
+(dp_replicate·dp_shard; cp ranks share samples). torch's AdamW is chosen over DeepSpeed's JIT-built fused Adam,
+which fails to build on some hosts (NOTES). `gradient_clipping` is always explicit: DeepSpeed's silent default
+is 1.0. The LR schedule is DeepSpeed's own, so it is saved in and restored from its checkpoints.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from adapter.config import RunConfig
+from adapter.errors import bad
+from adapter.parallel.layout import Layout
+
+
+def partition_size(cfg: RunConfig, layout: Layout) -> int:
+    """Ranks one ZeRO-3 shard set spans: dp_shard×cp for exact HSDP, all of dp×cp for hpZ."""
+    if cfg.deepspeed.replicate_mode == "hsdp":
+        return layout.size("dp_shard_cp")
+    return layout.size("dp_cp")
+
+
+def zero_stage(cfg: RunConfig, layout: Layout) -> int:
+    """ZeRO-3 whenever there is something to shard. A shard group of one (tp-only layouts without replicas) would
+    only pay ZeRO-3's gather hooks, so it runs stage 1 (nothing to partition either way). Not stage 0:
+    DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong."""
+    if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
+        return 1
+    if cfg.deepspeed.zero_stage == 3 and cfg.model.compile:
+        raise bad("model.compile", True,
+                  "compiled layers cannot follow ZeRO-3's parameter gathers (adapter/models/compile.py)",
+                  "set deepspeed.zero_stage: 2 (whole bf16 weights per GPU), or model.compile: false")
+    if cfg.deepspeed.zero_stage == 2 and layout.dp_replicate > 1:
+        raise bad("deepspeed.zero_stage", 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages ZeRO-3's "
+                  "gradient partitions over replicas; hpZ is a ZeRO-3 feature)",
+                  "set deepspeed.zero_stage: 3, or fold dp_replicate into dp_shard")
+    return cfg.deepspeed.zero_stage
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.overrides") -> dict[str, Any]:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v, f"{path}.{k}")
+        else:
+            if v == "auto":
+                raise bad(f"{path}.{k}", v, "'auto' is silently dropped by DeepSpeed", "give a concrete value")
+            base[k] = v
+    return base
+
+
+def skips_nonfinite_steps(conf: dict[str, Any]) -> bool:
+    """Whether DeepSpeed itself skips steps with inf/NaN gradients (fp16 loss scaling, or bf16 with its check on)."""
+    return "fp16" in conf or bool(conf.get("bf16", {}).get("check_grad_overflow", False))
+
+
+def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
+    o, d = cfg.optimizer, cfg.deepspeed
+    stage = zero_stage(cfg, layout)
+    zero: dict[str, Any] = {"stage": stage} if stage == 1 else {
+        "stage": 2,
+        "overlap_comm": d.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": d.reduce_bucket_size,
+        "allgather_bucket_size": d.prefetch_bucket_size,
+    } if stage == 2 else {
+        "stage": 3,
+        "overlap_comm": d.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": d.reduce_bucket_size,
+        "stage3_prefetch_bucket_size": d.prefetch_bucket_size,
+        "stage3_param_persistence_threshold": d.param_persistence_threshold,
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    if layout.dp_replicate > 1 and d.replicate_mode == "hpz":
+        zero["zero_hpz_partition_size"] = layout.size("dp_shard_cp")
+    # DeepSpeed wants warmup_num_steps >= 1; "no warmup" is one step that starts at the full LR.
+    warm = max(1, o.warmup_steps)
+    start_ratio = 1.0 if o.warmup_steps == 0 else 0.0
+    if o.schedule == "cosine":
+        scheduler = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(o.max_steps, warm), "warmup_num_steps": warm, "warmup_type": "linear",
+            "warmup_min_ratio": start_ratio, "cos_min_ratio": round(o.min_lr / o.lr, 12)}}
+    else:
+        scheduler = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": o.lr * start_ratio, "warmup_max_lr": o.lr, "warmup_num_steps": warm,
+            "warmup_type": "linear"}}
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.batch.micro_batch_size * cfg.grad_accum * layout.dp,
+        "gradient_clipping": o.clip_grad,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True,
+            "fused": True}},
+        "scheduler": scheduler,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        # its throughput timer synchronises the device at every forward and step (~3 ms/step of idle GPU on the 1B
+        # shape, BENCHMARKS); the loop times steps with CUDA events instead
+        "timers": {"throughput": {"enabled": False}},
+    }
+    if cfg.precision == "bf16":
+        # DeepSpeed's bf16 default scans every gradient for inf/NaN before each step (hundreds of small kernels and
+        # host syncs: ~13 ms of idle GPU per step on the 1B shape, BENCHMARKS). bf16 has no loss scale to adjust, so
+        # the loop stops on a non-finite grad norm instead, as Megatron-LM does.
+        conf["bf16"] = {"enabled": True, "check_grad_overflow": False}
+    elif cfg.precision == "fp16":
+        conf["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return _merge(conf, copy.deepcopy(d.overrides))

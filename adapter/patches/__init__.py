@@ -1,0 +1,35 @@
+"""Everything that reaches into a third-party library's internals, in one place (Megatron-Core: `mcore.py`;
+DeepSpeed ZeRO: `zero.py`; torch.distributed.checkpoint: `dcp.py`).
+
+Each patch names the versions it was checked against and refuses any other with one line before it changes
+anything (`require`): an upgrade then fails loudly instead of mis-training. `ND_ADAPTER_ALLOW_UNTESTED=1` tries an
+untested version anyway (say so when you report what happened).
+"""
+from __future__ import annotations
+
+import os
+from importlib.metadata import PackageNotFoundError, version
+
+from adapter.errors import UserError
+
+ALLOW_UNTESTED = "ND_ADAPTER_ALLOW_UNTESTED"
+
+
+def installed(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def require(dist: str, tested: tuple[str, ...], what: str) -> None:
+    """Refuse to apply `what` on a version of `dist` it was not checked against (one-line UserError)."""
+    found = installed(dist)
+    if found in tested or os.environ.get(ALLOW_UNTESTED) == "1":
+        return
+    raise UserError(f"{dist} {found}: nd-adapter's {what} reaches into its internals and was checked against "
+                    f"{', '.join(tested)} only. Fix: pip install '{dist}=={tested[-1]}', or set "
+                    f"{ALLOW_UNTESTED}=1 to try this version")
+
+
+__all__ = ["ALLOW_UNTESTED", "installed", "require"]

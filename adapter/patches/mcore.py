@@ -1,0 +1,149 @@
+"""Megatron-Core internals nd-adapter changes, checked against TESTED_MEGATRON_VERSIONS and refused on others:
+
+* CPU shims (`install_cpu_shims`), so GPTModel and dist_checkpointing run without CUDA (tests, CI, laptops);
+* RowParallelLinear's group lookup without its per-forward warning (`quiet_row_parallel_group`, for torch.compile);
+* our fused RoPE plugged into the extension point TransformerEngine would fill (`install_rope_fusion`).
+
+CPU shims.
+
+Megatron-Core assumes a GPU in a handful of places that are not about the maths: it asks for the current CUDA device,
+forks the CUDA RNG around dropout, builds a default causal mask and the CP rotary index on "cuda", and synchronises
+before checkpoint I/O. Each shim below replaces exactly one such symbol with its CPU meaning. They are applied only
+when CUDA is unavailable, so GPU runs execute Megatron's own code untouched.
+
+The shims name private Megatron symbols, so they are pinned: installing refuses (one line) a megatron-core version
+not listed in TESTED_MEGATRON_VERSIONS and raises if a symbol is gone (tests/test_cpu_shims.py fails there too).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+from adapter.patches import require
+
+TESTED_MEGATRON_VERSIONS = ("0.16.1",)
+
+_RANDOM = "megatron.core.tensor_parallel.random"
+_ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding"
+_YARN = "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding"
+_SOFTMAX = "megatron.core.fusions.fused_softmax"
+
+_installed = False
+
+
+@contextlib.contextmanager
+def _no_fork(self, name=None):
+    # CPU has one RNG stream; Megatron's per-TP-rank CUDA streams do not exist there.
+    yield
+
+
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    # Megatron's version builds the chunk index with pin_memory=True and .cuda(): same selection, on CPU.
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp, r = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, torch.tensor([r, 2 * cp - r - 1], device=pos_emb.device))
+    return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
+
+
+def _default_causal_mask(sq):
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+# (module, attribute, replacement). Everything Megatron reaches for "cuda" on the GPTModel / checkpoint paths.
+_SHIMS = (
+    ("torch.cuda", "current_device", lambda: "cpu"),
+    ("torch.cuda", "synchronize", lambda device=None: None),
+    (_RANDOM, "CudaRNGStatesTracker.fork", _no_fork),
+    # Recompute (tensor_parallel.checkpoint) saves/restores the CUDA RNG; the CPU RNG is saved by it separately.
+    (_RANDOM, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8)),
+    (_RANDOM, "_set_cuda_rng_state", lambda *a, **k: None),
+    (_ROPE, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
+    (_YARN, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
+    (_SOFTMAX, "get_default_causal_mask", _default_causal_mask),
+)
+
+
+def _owner(module: str, attr: str):
+    """(object holding the last name, last name); raises AttributeError/ImportError when Megatron moved it."""
+    obj = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for p in path:
+        obj = getattr(obj, p)
+    getattr(obj, name)
+    return obj, name
+
+
+def megatron_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def check() -> list[str]:
+    """Problems that would make the shims unsafe: symbols Megatron no longer has. Empty list when all is well."""
+    problems = []
+    for module, attr, _ in _SHIMS:
+        try:
+            _owner(module, attr)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{module}.{attr}: {e}")
+    return problems
+
+
+def install_cpu_shims(force: bool = False) -> bool:
+    """Apply the shims once; no-op with CUDA present (unless `force`, for tests). Returns whether they are active."""
+    global _installed
+    if _installed:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    require("megatron-core", TESTED_MEGATRON_VERSIONS, "CPU shims (adapter/patches/mcore.py)")
+    problems = check()
+    if problems:
+        raise RuntimeError(f"megatron-core {megatron_version()} changed symbols nd-adapter's CPU shims patch: "
+                           + "; ".join(problems) + ". Update adapter/patches/mcore.py.")
+    for module, attr, replacement in _SHIMS:
+        obj, name = _owner(module, attr)
+        setattr(obj, name, replacement)
+    _installed = True
+    return True
+
+
+def quiet_row_parallel_group() -> None:
+    """Megatron 0.16's RowParallelLinear passes tp_group=None on every forward; the lookup then warns (on rank 0),
+    and `warnings.warn` is a graph break under torch.compile. Resolve None to the TP group without the warning: same
+    group, same math (adapter/models/compile.py)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import layers
+
+    original = layers.get_tensor_model_parallel_group_if_none
+    if getattr(original, "_nd_quiet", False):
+        return
+    require("megatron-core", TESTED_MEGATRON_VERSIONS, "compiled-layer group lookup (adapter/patches/mcore.py)")
+
+    def group_if_none(tp_group, is_expert=False, check_initialized=True):
+        if tp_group is None and not is_expert and parallel_state.is_initialized():
+            return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+        return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+    group_if_none._nd_quiet = True
+    layers.get_tensor_model_parallel_group_if_none = group_if_none
+
+
+def install_rope_fusion(fused_rope) -> bool:
+    """Plug `fused_rope` into Megatron where TransformerEngine's would go (`rope_utils.fused_apply_rotary_pos_emb`,
+    None without TE); True if ours (or TE's) is in place."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused-RoPE hook (adapter/patches/mcore.py)")
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
+__all__ = ["TESTED_MEGATRON_VERSIONS", "install_cpu_shims", "check", "megatron_version", "quiet_row_parallel_group",
+           "install_rope_fusion"]

@@ -1,0 +1,107 @@
+"""DeepSpeed ZeRO internals nd-adapter changes or reads, checked against TESTED_DEEPSPEED_VERSIONS and refused on
+others:
+
+* the ZeRO-1/2 gradient epilogue and optimizer step, minus their host waits (`install_zero12_step`);
+* the hpZ secondary-partition group, which DeepSpeed would otherwise build from consecutive global ranks, mixing TP
+  ranks (`set_hpz_group`);
+* exact HSDP's replica all-reduce of ZeRO-3's flat gradient partition buffer (`average_over_replicas`).
+
+The ZeRO-1/2 step. Why: DeepSpeed 0.19.8's stage-1/2 optimizer makes the host wait for the GPU several times per
+step: a device-wide synchronize at the end of every backward (with `overlap_comm`), a scalar built with
+`torch.tensor(-1.0, device=...)` (a blocking host->device copy) in the grad norm, `bool(tensor)` on that norm before
+clipping. Each wait drains the GPU's queue, and the ~15 ms of Python that DeepSpeed's step then runs per step on the
+host leaves the GPU idle (docs/BENCHMARKS.md, session 5). The replacements below do the same arithmetic, in the same
+order, on the device: an invalid (inf/NaN/negative) norm still clips with an infinite norm, i.e. the gradients
+become zeros, exactly as DeepSpeed does; the loop's own non-finite check then stops the run.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from adapter.patches import require
+
+TESTED_DEEPSPEED_VERSIONS = ("0.19.8",)
+
+
+def mask_nonfinite_(norm: torch.Tensor, device=None, val: float = -1.0) -> None:
+    """DeepSpeed's `mask_nan_or_inf_with_val_inplace`, filling with a Python scalar (no host->device copy)."""
+    norm.masked_fill_(~torch.isfinite(norm), val)
+
+
+def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
+    """`DeepSpeedZeroOptimizer.unscale_and_clip_grads` without `bool(tensor)`: the clip factor stays on the device."""
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return
+    combined = self.loss_scale
+    if self.clip_grad > 0.0:
+        ref = next(g for g in _flat(grad_groups_flat))
+        norm = torch.as_tensor(total_norm, dtype=torch.float32, device=ref.device)
+        norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, math.inf))
+        combined = torch.clamp((norm / self.loss_scale + 1e-6) / self.clip_grad, min=1.0) * self.loss_scale
+    for g in _flat(grad_groups_flat):
+        g.data.mul_(1.0 / combined)
+
+
+def _flat(groups):
+    for g in groups:
+        yield from (g if isinstance(g, list) else [g])
+
+
+def _epilogue_ordered_on_device(optimizer):
+    """The end-of-backward epilogue synchronises the device so that the host may drop the buckets the side-stream
+    reduction read. Making the compute stream wait for the reduction stream instead orders every later kernel (and
+    every reuse of that memory, all on the compute stream) after the reduction, without stopping the host."""
+    from deepspeed.accelerator import get_accelerator
+
+    original = type(optimizer).independent_gradient_partition_epilogue
+    acc = get_accelerator()
+
+    def epilogue():
+        if not (optimizer.overlap_comm and torch.cuda.is_available()):
+            return original(optimizer)
+        acc.synchronize = lambda *a, **k: torch.cuda.current_stream().wait_stream(optimizer.reduction_stream)
+        try:
+            return original(optimizer)
+        finally:
+            del acc.synchronize  # back to the class's method
+
+    return epilogue
+
+
+def install_zero12_step(optimizer) -> None:
+    """Patch a stage-1/2 `DeepSpeedZeroOptimizer` (the instance, and the one module-level helper it calls); any other
+    optimizer DeepSpeed chose is left as it is."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if not isinstance(optimizer, stage_1_and_2.DeepSpeedZeroOptimizer):
+        return
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "ZeRO-1/2 step without host waits (adapter/patches/zero.py)")
+    stage_1_and_2.mask_nan_or_inf_with_val_inplace = mask_nonfinite_
+    optimizer.unscale_and_clip_grads = unscale_and_clip_grads.__get__(optimizer)
+    optimizer.independent_gradient_partition_epilogue = _epilogue_ordered_on_device(optimizer)
+
+
+def set_hpz_group(group) -> None:
+    """ZeRO++ hpZ partitions its secondary parameter copy inside this group (ours: dp_shard×cp); None resets it."""
+    from deepspeed.utils import groups
+
+    if group is not None:
+        require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "hpZ group set-up (adapter/patches/zero.py)")
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group
+
+
+def average_over_replicas(engine, replica_group, replicas: int) -> None:
+    """Exact HSDP: average ZeRO-3's flat gradient partitions over dp_replicate, once per optimizer step, after the
+    last backward (NOTES: matched plain ZeRO-3 to 3e-8 with clipping). Relies on ZeRO-3's internal flat buffer."""
+    import torch.distributed as dist
+
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "exact HSDP replica averaging (adapter/patches/zero.py)")
+    buf = engine.optimizer.grad_partitions_flat_buffer
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=replica_group)
+    buf.div_(replicas)
+
+
+__all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "unscale_and_clip_grads", "mask_nonfinite_",
+           "set_hpz_group", "average_over_replicas"]

@@ -1,0 +1,149 @@
+"""Per-GPU memory model for a run: model states under ZeRO-3, activations, buffers; all in bytes.
+
+The formulas are deliberately explicit (one line per tensor family) so they can be unit-tested against hand
+calculations and calibrated against measured `torch.cuda.max_memory_allocated` peaks (docs/BENCHMARKS.md).
+Activation terms follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+adapted to RMSNorm + SwiGLU + GQA and to our SDPA attention, which keeps no S×S score matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from adapter.config import RunConfig
+from adapter.models.arch import ModelArch, padded_vocab_size
+
+GIB = 2**30
+SUB_GROUP = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (ZeRO-3 steps that many at a time)
+
+# name -> (device memory as torch reports it (`mem_get_info` total), dense bf16 peak FLOP/s). H200: measured on the
+# GPU host (139.80 GiB); the others from the same driver's reserve (~0.6 GiB under the nominal size).
+GPUS: dict[str, tuple[int, float]] = {
+    "h100-80gb": (int(79.1 * GIB), 989e12),
+    "h200": (int(139.8 * GIB), 989e12),
+    "a100-80gb": (int(79.1 * GIB), 312e12),
+    "a100-40gb": (int(39.4 * GIB), 312e12),
+    "l40s": (int(44.4 * GIB), 362e12),
+}
+# Held outside PyTorch's allocator for the whole run: CUDA context, NCCL and cuBLAS workspaces. Measured 1.3 GiB on
+# one H200 (torch 2.11, NCCL 2.27, DeepSpeed ZeRO-1); counted against the capacity, not as a tensor.
+RUNTIME_RESERVE = int(1.5 * GIB)
+
+
+@dataclass(frozen=True)
+class LocalParams:
+    """Parameters one tp rank holds (before ZeRO sharding)."""
+
+    layer: int          # one transformer layer
+    embedding: int      # input embedding (vocab-parallel, padded)
+    output: int         # output layer (0 when tied to the embedding)
+    final_norm: int
+
+    def total(self, layers: int) -> int:
+        return layers * self.layer + self.embedding + self.output + self.final_norm
+
+
+def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128) -> LocalParams:
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    linear = h * (q + 2 * kv) + q * h + 3 * h * f       # qkv, proj, fc1 (gate+up), fc2
+    bias = (q + 2 * kv) if arch.qkv_bias else 0
+    norms = 2 * h + (2 * d if arch.qk_norm else 0)      # replicated across tp
+    vp = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
+    emb = vp * h // tp
+    return LocalParams(layer=(linear + bias) // tp + norms, embedding=emb,
+                       output=0 if arch.tie_embeddings else emb, final_norm=h)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int             # this rank's ZeRO-3 shard of the (bf16) weights
+    gradients: int           # its shard of the gradients
+    optimizer: int           # fp32 master weights + Adam moments, sharded
+    gathered_params: int     # ZeRO-3 working set: the layers gathered for compute (current + prefetched)
+    comm_buffers: int        # reduce bucket(s) and the optimizer step's transient gradient copies
+    activations: int         # with the run's recompute setting
+    activations_no_recompute: int
+    activations_full_recompute: int
+    logits: int              # output logits + vocab-parallel cross-entropy workspace
+    peak: int
+    capacity: int
+    partition_size: int      # ranks a ZeRO-3 shard set spans
+    runtime_reserve: int = RUNTIME_RESERVE  # CUDA context, NCCL, cuBLAS: outside the allocator's peak
+    peak_phase: str = "forward_backward"    # or "optimizer_step": where the peak is reached
+
+    @property
+    def fits(self) -> bool:
+        return self.peak + self.runtime_reserve <= self.capacity
+
+    def to_dict(self) -> dict[str, int | bool | str]:
+        return {**asdict(self), "fits": self.fits}
+
+
+def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, sp: bool, attention: str,
+                      cp_comm: str = "all_gather", bytes_per: int = 2) -> int:
+    """Bytes one layer keeps for backward, for one micro-batch on one rank."""
+    s, b, h = seq // cp, micro, arch.hidden_size
+    qd, kvd, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.ffn_hidden_size
+    norm_side = bytes_per * s * b * h * 4 // (tp if sp else 1)       # 2 norm inputs + qkv and fc1 inputs
+    kv_len = seq if (cp > 1 and cp_comm == "all_gather") else s         # all-gather CP keeps the gathered K,V
+    attn = bytes_per * s * b * qd // tp + bytes_per * kv_len * b * 2 * kvd // tp   # q and k, v for attention bwd
+    attn += bytes_per * s * b * qd // tp                                 # attention output (= linear_proj input)
+    attn += 4 * s * b * arch.num_heads // tp                             # fp32 log-sum-exp of the fused kernel
+    if attention == "local":                                             # unfused: scores + softmax, S×S
+        attn += 2 * bytes_per * s * kv_len * b * arch.num_heads // tp
+    mlp = bytes_per * s * b * 3 * f // tp                                # fc1 out (gate, up) + swiglu out
+    return norm_side + attn + mlp
+
+
+def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capacity: int,
+             stage: int = 3) -> MemoryEstimate:
+    """`stage` 3 shards the 16-bit weights over the partition; 1 and 2 keep them whole (nothing is gathered)."""
+    p = cfg.parallelism
+    tp, cp, L = p.tp_size, p.cp_size, arch.num_layers
+    half = cfg.precision in ("bf16", "fp16")
+    pb = 2 if half else 4
+    lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
+    P = lp.total(L)
+    Z = partition_size
+    shard = -(-P // Z)
+    weights, grads = pb * (shard if stage == 3 else P), pb * shard
+    optim = (12 if half else 8) * shard
+    ds = cfg.deepspeed
+    big = max(lp.layer, lp.embedding)
+    prefetched = lp.layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, lp.layer)
+    gathered = pb * (big + prefetched) if Z > 1 and stage == 3 else 0
+    # The optimizer step's transients on top of the model states (DeepSpeed 0.19.8). ZeRO-3 turns its 16-bit gradient
+    # partition into fp32 one sub_group (1e9 elements) at a time. ZeRO-1/2 turn the whole partition at once
+    # (stage_1_and_2.step, `flat_grad_partition.to(fp32)`) and, from the second step on, also hold a flat 16-bit
+    # copy of it: measured on one H200 with a Mistral-7B shape, 16.0 bytes/param resident before the fp32 copy at
+    # step 1 and 18.0 at step 2, then the 27 GiB fp32 copy that the run died allocating (issue 19). Neither
+    # outlives the step (a 1B run peaked 2.3 GiB below what they would add to forward/backward).
+    if stage == 3:
+        step_transient = 4 * min(shard, SUB_GROUP) if half else 0
+    else:
+        step_transient = pb * shard + (4 * shard if half else 0)
+    # ZeRO-3's reduce buckets count at the peak; ZeRO-2's did not (measured: the same peak at bucket sizes 5e7-5e8)
+    buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0
+
+    sp = cfg.use_sequence_parallel and tp > 1
+    kw = dict(seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=tp, cp=cp, sp=sp, attention=cfg.model.attention,
+              cp_comm=p.cp_comm_type, bytes_per=pb)
+    one = layer_activations(arch, **kw)
+    s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
+    layer_input = pb * s * b * h // (tp if sp else 1)
+    no_rc = L * one + 3 * layer_input                                    # + embedding out, final norm in/out
+    full_rc = L * layer_input + one + 3 * layer_input                     # inputs kept, one layer recomputed
+    acts = full_rc if cfg.recompute == "full" else no_rc
+    vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
+    if cfg.model.fused_kernels is False:                                # Megatron's CE: fp32 copy + saved exp
+        logits = s * b * (vp // tp) * (pb + 4 + 4)
+    else:                                                               # adapter.models.fusions: logits + their grad
+        logits = s * b * (vp // tp) * 2 * pb
+
+    during_step = weights + grads + optim + step_transient
+    during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits
+    return MemoryEstimate(weights=weights, gradients=grads, optimizer=optim, gathered_params=gathered,
+                          comm_buffers=buckets + step_transient, activations=acts,
+                          activations_no_recompute=no_rc, activations_full_recompute=full_rc, logits=logits,
+                          peak=max(during_step, during_fwd_bwd), capacity=gpu_capacity, partition_size=Z,
+                          peak_phase="optimizer_step" if during_step > during_fwd_bwd else "forward_backward")

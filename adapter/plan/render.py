@@ -1,0 +1,108 @@
+"""Terminal rendering of a `Plan` with rich tables (the JSON view is `Plan.model_dump_json`)."""
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from adapter.plan.build import Plan
+from adapter.plan.memory import GIB
+
+MAX_RANK_ROWS = 64
+MAX_GROUPS_SHOWN = 8
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def render(plan: Plan, console: Console | None = None) -> None:
+    c = console or Console(width=140)
+    m = plan.mesh
+    a = plan.model
+    c.print(f"[bold]Model[/] {a['architecture']} ({a['family']}): {plan.num_params / 1e9:.2f}B params, "
+            f"hidden {a['hidden_size']}, layers {a['num_layers']}, heads {a['num_heads']}/{a['num_kv_heads']} kv, "
+            f"ffn {a['ffn_hidden_size']}, vocab {a['vocab_size']}, tied={a['tie_embeddings']}")
+    c.print(f"[bold]Mesh[/] dp_replicate={m.dp_replicate} × dp_shard={m.dp_shard} × cp={m.cp} × tp={m.tp} "
+            f"= {m.world} GPUs on {m.nodes} node(s) × {m.gpus_per_node}; order {' > '.join(m.order)} (tp fastest)")
+    b = plan.batch
+    c.print(f"[bold]Batch[/] micro {b.micro_batch_size} × grad-accum {b.gradient_accumulation_steps} × dp "
+            f"{b.data_parallel_size} = global {b.global_batch_size} sequences × seq {plan.seq_len} = "
+            f"{b.tokens_per_step:,} tokens/step; {plan.precision}, sequence parallel {plan.sequence_parallel}, "
+            f"attention {plan.attention}" + (", compiled layers (torch.compile)" if plan.compiled_layers else ""))
+
+    t = Table(title="Ranks", show_lines=False)
+    for col in ("rank", "node", "local_rank", "dp_replicate", "dp_shard", "cp", "tp"):
+        t.add_column(col, justify="right")
+    for r in plan.ranks[:MAX_RANK_ROWS]:
+        cols = ("rank", "node", "local_rank", "dp_replicate", "dp_shard", "cp", "tp")
+        t.add_row(*(str(getattr(r, col)) for col in cols))
+    if len(plan.ranks) > MAX_RANK_ROWS:
+        t.caption = f"first {MAX_RANK_ROWS} of {len(plan.ranks)} ranks (--format json has all)"
+    c.print(t)
+
+    g = Table(title="Process groups")
+    for col in ("group", "axes", "size", "count", "crosses nodes", "members"):
+        g.add_column(col)
+    for info in plan.groups:
+        shown = " ".join(str(x) for x in info.groups[:MAX_GROUPS_SHOWN])
+        if info.count > MAX_GROUPS_SHOWN:
+            shown += f" … (+{info.count - MAX_GROUPS_SHOWN})"
+        g.add_row(info.name, "×".join(info.axes), str(info.size), str(info.count),
+                  "[red]yes[/]" if info.crosses_nodes else "no", shown)
+    c.print(g)
+
+    c.print("[bold]Megatron-Core[/]")
+    c.print(plan.megatron.call, soft_wrap=True, markup=False)
+    d = plan.deepspeed
+    stage = d.config["zero_optimization"]["stage"]
+    c.print(f"[bold]DeepSpeed[/] ZeRO-{stage} partition group {d.partition_group} (size {d.partition_size}); "
+            f"replicate mode: {d.replicate_mode}. {d.explanation}")
+    c.print(json.dumps(d.config, indent=2), soft_wrap=True, markup=False)
+
+    mem = plan.memory
+    mt = Table(title=f"Memory per GPU ({mem.gpu}, recompute={mem.recompute})")
+    mt.add_column("item")
+    mt.add_column("size", justify="right")
+    for key in ("weights", "gradients", "optimizer", "gathered_params", "comm_buffers", "activations",
+                "activations_no_recompute", "activations_full_recompute", "logits"):
+        mt.add_row(key.replace("_", " "), _gib(getattr(mem, key)))
+    mt.add_row("[bold]predicted peak[/]", f"[bold]{_gib(mem.peak)}[/] ({mem.peak_phase.replace('_', ' ')})")
+    mt.add_row("runtime reserve", _gib(mem.runtime_reserve) + " (CUDA context, NCCL, cuBLAS)")
+    mt.add_row("capacity", _gib(mem.capacity))
+    mt.add_row("fits", "[green]yes[/]" if mem.fits else "[red]NO[/]")
+    c.print(mt)
+
+    tt = Table(title="Communication per GPU per optimizer step")
+    for col in ("group", "size", "volume", "link", "what"):
+        tt.add_column(col)
+    for row in plan.traffic:
+        tt.add_row(row.group, str(row.size), _bytes(row.bytes_per_step), "inter-node" if row.crosses_nodes else
+                   "intra-node", row.what)
+    tot = plan.traffic_totals
+    tt.caption = f"intra-node {_bytes(tot['intra_node'])}, inter-node {_bytes(tot['inter_node'])}"
+    c.print(tt)
+
+    if len(plan.replicate_modes) > 1:
+        rt = Table(title="dp_replicate on DeepSpeed: the two mappings")
+        for col in ("mode", "peak memory", "model states", "intra-node/step", "inter-node/step"):
+            rt.add_column(col)
+        for mode, mc in plan.replicate_modes.items():
+            mark = " (chosen)" if mode == d.replicate_mode else ""
+            rt.add_row(mode + mark, _gib(mc.peak_memory), _gib(mc.model_states), _bytes(mc.intra_node_bytes),
+                       _bytes(mc.inter_node_bytes))
+        c.print(rt)
+
+    c.print("[bold]Launch[/]")
+    c.print(plan.launch.deepspeed, soft_wrap=True, markup=False)
+    c.print(plan.launch.torchrun, soft_wrap=True, markup=False)
+    for w in plan.warnings:
+        c.print(f"[cyan]{w}[/]" if w.startswith("hint:") else f"[yellow]warning:[/] {w}", markup=True)

@@ -1,0 +1,71 @@
+"""Bytes each GPU sends per optimizer step, per process group, with ring-algorithm costs.
+
+all-gather / reduce-scatter of a full buffer of M bytes over n ranks: each rank sends M·(n−1)/n;
+all-reduce: 2·M·(n−1)/n. A group that spans nodes is counted as inter-node traffic (its ring is bound by the
+slowest link), the rest as intra-node.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from adapter.config import RunConfig
+from adapter.models.arch import ModelArch
+from adapter.parallel import deepspeed_config
+from adapter.parallel.layout import Layout
+from adapter.plan.memory import local_params
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class GroupTraffic:
+    group: str
+    size: int
+    what: str
+    bytes_per_step: int
+    crosses_nodes: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraffic]:
+    p = cfg.parallelism
+    tp, cp, ga, L = p.tp_size, p.cp_size, cfg.grad_accum, arch.num_layers
+    pb = 2 if cfg.precision in ("bf16", "fp16") else 4
+    P = local_params(arch, tp, cfg.model.vocab_divisible_by).total(L)
+    s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
+    rows: list[GroupTraffic] = []
+
+    def add(group: str, what: str, nbytes: float) -> None:
+        if nbytes > 0:
+            rows.append(GroupTraffic(group, layout.size(group), what, int(nbytes), layout.crosses_nodes(group)))
+
+    hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
+    zgroup = "dp_shard_cp" if hsdp else "dp_cp"
+    z = layout.size(zgroup)
+    gather = pb * P * _ring(z)
+    if deepspeed_config.zero_stage(cfg, layout) == 2:
+        add(zgroup, "ZeRO-2 grad reduce-scatter per micro-batch, updated-param all-gather once per step",
+            gather * (ga + 1))
+    elif hsdp:
+        add(zgroup, "ZeRO-3 param all-gather (fwd + bwd) and grad reduce-scatter, per micro-batch", 3 * gather * ga)
+        add("dp_replicate", "HSDP grad-partition all-reduce, once per step",
+            2 * pb * (P / z) * _ring(layout.dp_replicate))
+    else:
+        k = layout.size("dp_shard_cp")
+        add("dp_cp", "ZeRO-3 fwd param all-gather + grad reduce-scatter (hpZ primary), per micro-batch",
+            2 * gather * ga)
+        add("dp_shard_cp", "hpZ secondary param all-gather in backward, per micro-batch", pb * P * _ring(k) * ga)
+
+    act = pb * s * b * h
+    recompute = 1.5 if cfg.recompute == "full" else 1.0   # full recompute replays the forward's collectives
+    add("tp", "TP activations: 2 collectives fwd + 2 bwd per layer (all-reduce, or all-gather/reduce-scatter with SP)",
+        (4 * L + 2) * 2 * act * _ring(tp) * ga * recompute)
+    if cp > 1:
+        kv = pb * s * b * 2 * arch.head_dim * max(1, arch.num_kv_heads // tp)   # this rank's K and V
+        per_layer = (2 if p.cp_comm_type == "all_gather" else 3) * (cp - 1) * kv
+        add("cp", f"CP K/V exchange ({p.cp_comm_type}) per layer, fwd + bwd", L * per_layer * ga * recompute)
+    return rows

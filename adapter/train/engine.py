@@ -1,0 +1,145 @@
+"""The training engine's set-up: process group, GPTModel with its weights, the DeepSpeed ZeRO engine around it, and
+the hooks DeepSpeed does not provide (TP sums of partial gradients, replica averaging for exact HSDP).
+
+Kept apart from the loop (adapter/train/trainer.py) so the loop only ever sees an `Engine`: the model to call, the
+step to take, and the two per-step duties (`after_backward`, `grad_norm_is_host_value`) that depend on the layout.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from adapter.config import RunConfig
+from adapter.models.arch import ModelArch
+from adapter.parallel import deepspeed_config
+from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
+from adapter.parallel.layout import Layout
+from adapter.parallel.mcore_groups import Groups
+
+
+def init_distributed() -> tuple[int, int]:
+    """NCCL on GPUs, gloo (and DeepSpeed's CPU accelerator) otherwise; env from any launcher."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    import logging
+
+    deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def param_groups(model, weight_decay: float):
+    """No weight decay on norms and biases (the usual LLM recipe)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def add_tp_grad_hooks(model, tp_group) -> None:
+    """Sum, over TP, the grads Megatron leaves partial (sequence-parallel norms, q/k norms); DeepSpeed does not.
+
+    A tensor hook runs before the grad is accumulated, so ZeRO-3's reduce-scatter sees the summed gradient.
+    """
+    import torch.distributed as dist
+
+    from adapter.models.gpt import tp_grad_sum_params
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=tp_group)
+        return grad
+
+    for p in tp_grad_sum_params(model):
+        p.register_hook(hook)
+
+
+@dataclass
+class Engine:
+    """What the loop drives: DeepSpeed's engine, its config, and the layout-dependent per-step duties."""
+    ds: Any                 # deepspeed.DeepSpeedEngine
+    mpu: DeepSpeedMPU
+    conf: dict
+    layout: Layout
+
+    @property
+    def guard_grads(self) -> bool:
+        """Whether the loop must stop on an inf/NaN grad norm itself (DeepSpeed skips such steps only with fp16
+        loss scaling, or bf16 with its overflow check on)."""
+        return not deepspeed_config.skips_nonfinite_steps(self.conf)
+
+    def after_backward(self) -> None:
+        """Exact HSDP: average the gradient partitions over dp_replicate once per optimizer step."""
+        if self.ds.is_gradient_accumulation_boundary() and self.layout.dp_replicate > 1 \
+                and self.mpu.replica_group is not None:
+            from adapter.patches.zero import average_over_replicas
+
+            average_over_replicas(self.ds, self.mpu.replica_group, self.layout.dp_replicate)
+
+
+def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups, device) -> Engine:
+    import deepspeed
+    import torch
+
+    from adapter.models.gpt import build_gpt_model, padded_vocab_size
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
+    tp = layout.tp
+    torch.manual_seed(cfg.seed)  # same init on every dp rank when there is no checkpoint
+    if torch.cuda.is_available():  # Megatron's GPU init draws TP-sharded weights from its CUDA RNG tracker
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    model = build_gpt_model(arch, tp=tp, cp=layout.cp, sequence_parallel=cfg.use_sequence_parallel and tp > 1,
+                            padded_vocab=padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by),
+                            params_dtype=dtype, attention=cfg.model.attention,
+                            max_sequence_length=max(cfg.seq_len, arch.max_position_embeddings),
+                            recompute=None if cfg.recompute == "none" else cfg.recompute,
+                            cp_comm_type=cfg.parallelism.cp_comm_type,
+                            fused_kernels=torch.cuda.is_available() if cfg.model.fused_kernels is None
+                            else cfg.model.fused_kernels)
+    if cfg.model.checkpoint:
+        from adapter.convert.ops import load_megatron_checkpoint
+
+        load_megatron_checkpoint(model, cfg.model.checkpoint)
+    model.to(device)
+    if cfg.model.compile:
+        from adapter.models.compile import compile_layers
+
+        compile_layers(model)
+    add_tp_grad_hooks(model, groups.tp)
+    hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
+    mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
+                       dp_world_size=layout.dp, replica_group=groups.dp_replicate if hsdp else None)
+    if not hsdp:  # hpZ: DeepSpeed would group consecutive global ranks, mixing TP ranks; give it dp_shard×cp
+        from adapter.patches.zero import set_hpz_group
+
+        set_hpz_group(groups.dp_shard_cp)
+    conf = deepspeed_config.build(cfg, layout)
+    if conf["zero_optimization"]["stage"] == 3 and cfg.deepspeed.gather_granularity == "layer":
+        from deepspeed.utils import set_z3_leaf_modules
+
+        from adapter.models.gpt import Layer
+
+        set_z3_leaf_modules(model, [Layer])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+                                      config=conf, mpu=mpu)
+    if conf["zero_optimization"]["stage"] in (1, 2):
+        from adapter.patches.zero import install_zero12_step
+
+        install_zero12_step(engine.optimizer)
+    return Engine(engine, mpu, conf, layout)
+
+
+__all__ = ["Engine", "build_engine", "init_distributed", "param_groups", "add_tp_grad_hooks"]

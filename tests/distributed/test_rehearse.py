@@ -1,0 +1,34 @@
+"""`nd-adapter rehearse`: a shipped multi-GPU config's exact layout on CPU processes (train, save, resume)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rehearse(config: str, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "adapter", "rehearse", "--config", config, "--steps", "2", *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_rehearse_qwen3_cp_tp_layout_on_8_processes():
+    p = rehearse("configs/qwen3-8b-cp-tp.yaml")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rehearsing on 8 CPU processes: dp_replicate=1 dp_shard=2 cp=2 tp=2" in p.stdout
+    assert "saved at step 1 and resumed" in p.stdout and "Traceback" not in p.stdout + p.stderr
+
+
+def test_rehearse_refuses_a_bad_layout_before_starting(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text((ROOT / "configs/llama-3.1-8b-hsdp-tp.yaml").read_text().replace("tp_size: 2", "tp_size: 3")
+                   .replace("models/llama-3.1-8b", str(ROOT / "configs/models/llama-3.1-8b")))
+    p = rehearse(str(cfg), timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("nd-adapter: error: parallelism")

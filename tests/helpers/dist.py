@@ -1,0 +1,68 @@
+"""Run a function in N fresh gloo processes (spawned, so no torch/deepspeed state leaks into pytest; not daemons,
+since torch_dist checkpoint writers start child processes of their own).
+
+`fn(rank, world, *args)` must be a module-level function (spawn pickles it by reference). Its return values come
+back in rank order; an exception in any rank fails the caller with that rank's traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, q) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        q.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - ship every failure to the parent
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, q), daemon=False) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, ok, value = q.get(timeout=1)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)]
+                if dead:  # killed or crashed before reporting (e.g. OOM, segfault): do not wait out the timeout
+                    raise AssertionError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {timeout}s; ranks reported: {sorted(results)}")
+                continue
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:  # on failure the other ranks are likely stuck in a collective: do not wait for them
+            p.join(timeout=10 if len(results) == world else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world)]

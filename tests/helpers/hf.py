@@ -1,0 +1,74 @@
+"""Tiny random HF checkpoints, and damaging a converted one, shared by the conversion and training tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from adapter.convert import hf_io
+from adapter.convert import megatron_io as mio
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=300, max_position_embeddings=256)
+
+
+
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+
+CASES = {  # name -> (config class, overrides)
+    "llama": ("LlamaConfig", {}),
+    "llama2_mha": ("LlamaConfig", {"num_key_value_heads": 4}),  # Llama-2: one query group per head
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama_mqa": ("LlamaConfig", {"num_key_value_heads": 1}),  # nkv < tp at tp 2 and 4
+    "llama31": ("LlamaConfig", {"rope_theta": 500000.0, "rope_scaling": LLAMA31_ROPE}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "use_sliding_window": False}),  # head_dim != hidden / heads
+}
+
+
+
+def make_hf(case: str, path: Path, dtype=torch.float32, seed: int = 0, shard: str | None = "40KB",
+            safe: bool = True) -> Path:
+    """A tiny random HF checkpoint; every parameter (norms, biases too) random so a wrong mapping shows."""
+    import transformers
+
+    cls_name, extra = CASES[case]
+    cfg = getattr(transformers, cls_name)(**{**TINY, "tie_word_embeddings": False, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.to(dtype).save_pretrained(path, max_shard_size=shard or "5GB")
+    if not safe:  # transformers 5 writes only safetensors; make the legacy pytorch_model.bin layout by hand
+        sd = {k: v.clone() for k, v in model.state_dict().items()
+              if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+        for f in list(path.glob("model*.safetensors*")):
+            f.unlink()
+        torch.save(sd, path / "pytorch_model.bin")
+    (path / "tokenizer.json").write_text('{"version": "1.0", "model": {}}')
+    return path
+
+
+
+def tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    ck = hf_io.HFCheckpoint(hf_dir)
+    return {n: ck.get(n) for n in ck.names()}
+
+
+
+def flip_chunk(root: Path, key_part: str) -> str:
+    """Flip 4 bytes inside one stored chunk's data, as a bad disk or an interrupted copy would; returns its id."""
+    reader = mio.DistCheckpointReader(mio.resolve_ckpt_dir(root))
+    key, ch = next((k, c) for k, c in reader.chunks() if key_part in k)
+    path, pos = reader._locate(key, ch)
+    with open(path, "r+b") as f:
+        f.seek(pos + 4)
+        b = f.read(4)
+        f.seek(pos + 4)
+        f.write(bytes(x ^ 0xFF for x in b))
+    return mio.chunk_id(key, ch.offsets)

@@ -1,0 +1,58 @@
+"""CPU smoke test of the GPU comparison script: argument parsing, log parsing and the table (no timings asserted)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("compare", ROOT / "bench/compare.py")
+compare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare)
+
+LOG = """noise
+step 1/4 | loss 12.1000 | lr 0.000e+00 | grad_norm 9.150 | 2,775 tok/s/GPU | MFU 2.5% | peak_mem 15.79 GiB
+step 2/4 | loss 12.0000 | lr 5.000e-05 | grad_norm 9.150 | 17,925 tok/s/GPU | MFU 16.4% | peak_mem 20.18 GiB
+step 3/4 | loss 11.9000 | lr 9.755e-05 | grad_norm 9.089 | 15,000 tok/s/GPU | MFU 13.0% | peak_mem 20.18 GiB
+step 4/4 | loss 11.8000 | lr 9.045e-05 | grad_norm 9.150 | 17,000 tok/s/GPU | MFU 15.0% | peak_mem 20.18 GiB
+"""
+
+
+def test_parse_and_render(capsys):
+    ours = compare.parse_steps(LOG)
+    assert ours == {"tokens_per_s_per_gpu": 16000, "mfu": 0.14, "peak_gib": 20.18, "loss": 11.8}
+    peer = compare.parse_result('x\nRESULT {"system": "accelerate-fsdp2", "tokens_per_s_per_gpu": 32000, '
+                                '"mfu": 0.29, "peak_gib": 34.6, "loss": 12.0}\n')
+    table = compare.render({"nd-adapter tp=2": ours, "accelerate-fsdp2": peer, "deepspeed-hf": None})
+    assert "16,000" in table and "0.50" in table and "failed" in table and "14.0%" in table
+    assert compare.main(["--dry-run", "--only", "fsdp2", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "torchrun --nproc-per-node=2 bench/peers.py accelerate-fsdp2" in out
+    assert "deepspeed --num_gpus=2 launch/train.py --config bench/configs/llama-3.2-1b-tp2.yaml" in out
+    assert compare.parse_steps("nothing") is None and compare.parse_result("") is None
+
+
+def test_trace_summary_on_a_synthetic_trace():
+    spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "bench/trace_summary.py")
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    k = lambda name, t, d, tid=7: {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": d, "tid": tid}  # noqa
+    events = [{"ph": "X", "cat": "user_annotation", "name": "nd.forward", "ts": 0, "dur": 400},
+              {"ph": "X", "cat": "user_annotation", "name": "nd.backward", "ts": 400, "dur": 600},
+              k("sm90_xmma_gemm_bf16", 100, 200), k("flash_fwd_kernel", 300, 50),
+              k("ncclDevKernel_AllGather", 250, 300, tid=9), k("triton_poi_fused_silu", 700, 100),
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 560, "dur": 400, "tid": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 960, "dur": 900, "tid": 1},
+              {"ph": "X", "cat": "python_function", "name": "deepspeed/zero.py(10): step", "ts": 500, "dur": 500,
+               "tid": 1},
+              {"ph": "X", "cat": "python_function", "name": "torch/_tensor.py(5): to", "ts": 550, "dur": 420,
+               "tid": 1}]
+    s = ts.summarize(events)
+    assert s["window_ms"] == 1.0 and s["gpu_busy_ms"] == 0.55  # union: [100,550] and [700,800]
+    assert s["families_ms"] == {"nccl": 0.3, "gemm": 0.2, "fused (triton)": 0.1, "attention": 0.05}
+    assert s["phases_gpu_ms"] == {"nd.forward": 0.25, "nd.backward": 0.1}  # compute stream = tid 7
+    assert s["nccl_exposed_ms"] == 0.2  # [350, 550]: the all-gather after the attention kernel ends
+    assert s["idle_in_phase_ms"] == {"nd.forward": 0.0, "nd.backward": 0.15}  # gaps between kernels only
+    assert s["host_waits"] == [(0.4, "cudaStreamSynchronize", "deepspeed/zero.py(10): step")]  # launches excluded
+    text = ts.render(s)
+    assert "GPU busy 0.6 ms (55%)" in text and "sm90_xmma_gemm_bf16" in text
+    assert ts.summarize([]) == {"error": "no GPU kernels in this trace"}

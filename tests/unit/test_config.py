@@ -1,0 +1,168 @@
+"""Config dialects, env fallbacks, auto-fill, and one test per validation rule (message checked)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adapter import config
+from adapter.errors import UserError
+from adapter.models import checks
+from adapter.models.arch import arch_from_hf_dict, load_arch
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA8B = ROOT / "configs/models/llama-3.1-8b"
+
+
+def native(**over):
+    raw = {"model": {"path": str(LLAMA8B)}, "parallelism": {}}
+    for k, v in over.items():
+        config.set_dotted(raw, k, v)
+    return raw
+
+
+def test_defaults_and_autofill_like_axolotl():
+    cfg = config.build(native(**{"parallelism.tp_size": 2, "parallelism.dp_replicate_size": 2}), env={}, world_size=16)
+    assert cfg.parallelism.dp_shard_size == 4 and cfg.world_size == 16
+    cfg = config.build(native(), env={})
+    assert cfg.parallelism.dp_shard_size == 1 and cfg.world_size == 1
+
+
+def test_env_fallbacks_fill_only_unset_keys():
+    env = {"PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "4"}
+    cfg = config.build(native(**{"parallelism.dp_shard_size": 2}), env=env)
+    assert cfg.parallelism.tp_size == 2 and cfg.parallelism.dp_shard_size == 2
+    with pytest.raises(UserError, match="PARALLELISM_CONFIG_CP_SIZE='x': must be an integer"):
+        config.build(native(), env={"PARALLELISM_CONFIG_CP_SIZE": "x"})
+
+
+def test_axolotl_yaml_unchanged(recwarn):
+    cfg = config.load(ROOT / "configs/axolotl-llama-3.1-8b.yaml", env={}, world_size=16)
+    p = cfg.parallelism
+    assert (p.dp_replicate_size, p.dp_shard_size, p.cp_size, p.tp_size) == (2, 4, 1, 2)
+    assert cfg.source == "axolotl" and cfg.seq_len == 2048 and cfg.grad_accum == 4
+    ignored = [str(w.message) for w in recwarn if "ignored Axolotl keys" in str(w.message)]
+    assert len(ignored) == 1 and "special_tokens" in ignored[0] and "flash_attention" not in ignored[0]
+
+
+def test_axolotl_sequence_parallel_degree_alias():
+    raw = {"base_model": str(LLAMA8B), "sequence_parallel_degree": 2, "sequence_len": 64}
+    with pytest.warns(UserWarning, match="deprecated"):
+        cfg = config.build(raw, env={}, world_size=4)
+    assert cfg.parallelism.cp_size == 2 and cfg.parallelism.dp_shard_size == 2
+    with pytest.raises(UserError, match="sequence_parallel_degree=4: conflicts with context_parallel_size=2"):
+        config.build({**raw, "sequence_parallel_degree": 4, "context_parallel_size": 2}, env={})
+
+
+def test_accelerate_launch_config():
+    cfg = config.load(ROOT / "configs/accelerate-fsdp-tp.yaml", env={}, overrides={"model.path": str(LLAMA8B)})
+    p = cfg.parallelism
+    assert (p.dp_shard_size, p.tp_size) == (4, 2) and cfg.hardware.gpus_per_node == 8 and cfg.precision == "bf16"
+    with pytest.raises(UserError, match="model.path: missing"):
+        config.load(ROOT / "configs/accelerate-fsdp-tp.yaml", env={})
+
+
+def test_relative_model_path_resolves_next_to_the_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(ROOT / "configs/llama-3.1-8b-hsdp-tp.yaml", env={})
+    assert Path(cfg.model.path) == LLAMA8B
+
+
+# ---- validation rules -------------------------------------------------------------------------------------------
+
+def test_rule_product_not_world():
+    with pytest.raises(UserError) as e:
+        config.build(native(**{"parallelism.dp_shard_size": 2, "parallelism.tp_size": 2}), env={}, world_size=8)
+    assert "ParallelismConfig total_size (4) does not match num_processes (8)" in str(e.value)
+    assert "Fix:" in str(e.value)
+
+
+def test_rule_sizes_below_one_and_non_integers():
+    with pytest.raises(UserError,
+                       match=r"parallelism.tp_size=0: .*greater than or equal to 1.*Fix: give an integer ≥ 1"):
+        config.build(native(**{"parallelism.tp_size": 0}), env={})
+    with pytest.raises(UserError, match=r"parallelism.cp_size='two'.*Fix: give an integer ≥ 1"):
+        config.build(native(**{"parallelism.cp_size": "two"}), env={})
+    with pytest.raises(UserError, match=r"parallelism.dp_shard_size=2.5"):
+        config.build(native(**{"parallelism.dp_shard_size": 2.5}), env={})
+
+
+def test_rule_unknown_key():
+    with pytest.raises(UserError, match="parallelism.tp=2: unknown key"):
+        config.build(native(**{"parallelism.tp": 2}), env={})
+
+
+def test_rule_global_batch():
+    raw = native(**{"parallelism.dp_shard_size": 4, "batch.micro_batch_size": 2,
+                    "batch.gradient_accumulation_steps": 2, "batch.global_batch_size": 12})
+    with pytest.raises(UserError, match=r"batch.global_batch_size=12: ≠ .* = 2×2×4 = 16"):
+        config.build(raw, env={})
+    raw["batch"].pop("gradient_accumulation_steps")
+    with pytest.raises(UserError, match="not divisible by micro_batch_size×dp"):
+        config.build(raw, env={})
+    raw["batch"]["global_batch_size"] = 16
+    assert config.with_grad_accum(config.build(raw, env={})).grad_accum == 2
+
+
+def _cfg_arch(tp=1, cp=1, seq=2048, heads=32, kv=8, sp=None):
+    raw = native(**{"parallelism.tp_size": tp, "parallelism.cp_size": cp, "seq_len": seq})
+    if sp is not None:
+        raw["sequence_parallel"] = sp
+    hf = json.loads((LLAMA8B / "config.json").read_text())
+    hf.update(num_attention_heads=heads, num_key_value_heads=kv)
+    return config.build(raw, env={}), arch_from_hf_dict(hf)
+
+
+def test_rule_tp_divides_heads():
+    with pytest.raises(UserError, match=r"parallelism.tp_size=3: does not divide num_attention_heads=32 .*"
+                                        r"Fix: use a tp_size that divides 32 \(1, 2, 4, 8, 16, 32\)"):
+        checks.check(*_cfg_arch(tp=3))
+
+
+def test_rule_kv_heads_vs_tp():
+    with pytest.raises(UserError, match="incompatible with num_key_value_heads=6"):
+        checks.check(*_cfg_arch(tp=4, heads=24, kv=6))
+    checks.check(*_cfg_arch(tp=16, kv=8, seq=4096))  # tp a multiple of kv heads: allowed (KV replicated)
+
+
+def test_rule_seq_vs_cp():
+    with pytest.raises(UserError, match=r"seq_len=2050: not divisible by 2·cp_size = 4"):
+        checks.check(*_cfg_arch(cp=2, seq=2050))
+    with pytest.raises(UserError, match=r"seq_len=2052: the per-cp-rank sequence 1026 is not divisible by tp_size=4"):
+        checks.check(*_cfg_arch(cp=2, tp=4, seq=2052))
+    checks.check(*_cfg_arch(cp=2, tp=4, seq=2052, sp=False))
+
+
+def test_rule_document_mask_needs_cp1():
+    cfg, arch = _cfg_arch(cp=2)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"document_mask": True})})
+    with pytest.raises(UserError, match="data.document_mask=True: .*context parallelism"):
+        checks.check(cfg, arch)
+
+
+def test_rule_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UserError, match="architectures='GPT2LMHeadModel': unknown model architecture. Fix: use one of"):
+        load_arch(tmp_path)
+
+
+def test_rule_sliding_window_and_rope(tmp_path):
+    hf = json.loads((LLAMA8B / "config.json").read_text())
+    with pytest.raises(UserError, match="sliding_window=4096"):
+        arch_from_hf_dict({**hf, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    with pytest.raises(UserError, match="rope_scaling.rope_type='yarn'"):
+        arch_from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_bad_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model: [unclosed\n")
+    with pytest.raises(UserError, match=r"--config=.*not valid YAML at line"):
+        config.load(p)
+    p.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(UserError, match="the YAML top level must be a mapping"):
+        config.load(p)
+    with pytest.raises(UserError, match="no such file"):
+        config.load(tmp_path / "missing.yaml")

@@ -1,0 +1,93 @@
+"""The memory and traffic formulas against values computed by hand for a tiny model (see comments)."""
+from __future__ import annotations
+
+from adapter import config
+from adapter.models.arch import arch_from_hf_dict, padded_vocab_size
+from adapter.parallel.layout import Layout
+from adapter.plan import memory, traffic
+
+# hidden 64, 4 heads × 16, 2 KV heads, ffn 128, 2 layers, vocab 1000, untied
+TINY = arch_from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "vocab_size": 1000, "tie_word_embeddings": False})
+
+
+def cfg(**over):
+    raw = {"model": {"path": "unused"}, "parallelism": {"dp_shard_size": 2, "tp_size": 2},
+           "batch": {"micro_batch_size": 2}, "seq_len": 32}
+    for k, v in over.items():
+        config.set_dotted(raw, k, v)
+    return config.build(raw, env={})
+
+
+def test_padded_vocab_and_local_params():
+    assert padded_vocab_size(1000, 2, 128) == 1024          # multiple of 128·2
+    assert padded_vocab_size(128256, 8, 128) == 129024
+    lp = memory.local_params(TINY, tp=2)
+    # linear per layer: 64·(64+2·32) + 64·64 + 3·64·128 = 36864 -> /tp = 18432, + 2 norms of 64 = 18560
+    assert lp.layer == 18560
+    assert lp.embedding == lp.output == 1024 * 64 // 2 == 32768
+    assert lp.total(2) == 2 * 18560 + 2 * 32768 + 64 == 102720
+
+
+def test_model_states_and_activations_by_hand():
+    est = memory.estimate(cfg(), TINY, partition_size=2, gpu_capacity=10**9)
+    shard = 102720 // 2
+    assert (est.weights, est.gradients, est.optimizer) == (2 * shard, 2 * shard, 12 * shard)
+    # one layer, s=32 b=2 h=64 tp=2 with sequence parallel, bf16:
+    #   norms/linear inputs 2·32·2·64·4/2 = 16384; q 4096, k+v 4096, attn out 4096, lse 4·32·2·4/2 = 512;
+    #   mlp 2·32·2·3·128/2 = 24576  -> 53760
+    assert memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="sdpa") == 53760
+    assert est.activations_no_recompute == 2 * 53760 + 3 * 4096 == 119808
+    assert est.activations_full_recompute == 2 * 4096 + 53760 + 3 * 4096 == 74240
+    assert est.logits == 32 * 2 * 512 * (2 + 2) == 131072               # fused CE: bf16 logits and their grad
+    unfused = memory.estimate(cfg(**{"model.fused_kernels": False}), TINY, partition_size=2, gpu_capacity=1)
+    assert unfused.logits == 32 * 2 * 512 * (2 + 4 + 4) == 327680      # Megatron's CE: + fp32 copy + saved exp
+    assert est.activations == est.activations_no_recompute
+    assert memory.estimate(cfg(recompute="full"), TINY, partition_size=2, gpu_capacity=1).activations == 74240
+
+
+def test_local_attention_adds_the_score_matrix():
+    sdpa = memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="sdpa")
+    local = memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="local")
+    assert local - sdpa == 2 * 2 * 32 * 32 * 2 * 4 // 2     # scores + softmax, bf16, 4 heads / tp
+
+
+def test_zero3_traffic_by_hand():
+    c = cfg()
+    rows = {r.group: r for r in traffic.estimate(c, TINY, Layout(1, 2, 1, 2))}
+    # ZeRO-3 over 2 ranks: 3 × (2 bytes × 102720 params × 1/2)
+    assert rows["dp_shard_cp"].bytes_per_step == 3 * 102720
+    # TP: (4·2 + 2) collectives × 2 × (2·32·2·64 bytes) × 1/2
+    assert rows["tp"].bytes_per_step == 10 * 2 * 8192 // 2
+
+
+def test_zero_stage_only_when_there_is_something_to_shard():
+    from adapter.parallel import deepspeed_config
+
+    tp_only = cfg(**{"parallelism.dp_shard_size": 1})
+    assert deepspeed_config.build(tp_only, Layout(1, 1, 1, 2))["zero_optimization"] == {"stage": 1}
+    assert deepspeed_config.build(cfg(), Layout(1, 2, 1, 2))["zero_optimization"]["stage"] == 3
+
+
+def test_optimizer_step_transients_by_stage():
+    """ZeRO-1/2 step: flat 16-bit partition copy + fp32 copy of the whole partition (2 + 4 bytes/param on top of the
+    16 of model states); ZeRO-3: one fp32 sub_group. The Mistral-7B shape on one H200 (issue 19) peaks there and
+    ran out of memory at every micro-batch size; plan must say so."""
+    from pathlib import Path
+
+    from adapter.models.arch import load_arch
+
+    mistral = load_arch(Path(__file__).resolve().parents[2] / "configs/models/mistral-7b")
+    one = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full"})
+    P = memory.local_params(mistral, 1).total(mistral.num_layers)
+    est = memory.estimate(one, mistral, partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
+    assert est.comm_buffers == (2 + 4) * P and est.peak == 22 * P and est.peak_phase == "optimizer_step"
+    assert not est.fits and 22 * P / memory.GIB > 148
+    z3 = memory.estimate(cfg(), TINY, partition_size=2, gpu_capacity=10**9, stage=3)
+    assert z3.comm_buffers - 2 * 2 * min(500_000_000, 102720) == 4 * (102720 // 2)   # buckets + fp32 shard
+    big = memory.estimate(one, mistral, partition_size=2, gpu_capacity=10**13, stage=3)
+    # ZeRO-3 steps one sub_group of 1e9 at a time (not the 3.6e9-element shard), beside 2 overlapped 5e8 buckets
+    assert big.comm_buffers == 4 * memory.SUB_GROUP + 2 * 2 * 500_000_000
+    edge = memory.estimate(one, mistral, partition_size=1, gpu_capacity=22 * P + memory.RUNTIME_RESERVE, stage=1)
+    assert edge.fits and not memory.estimate(one, mistral, partition_size=1, gpu_capacity=22 * P, stage=1).fits
