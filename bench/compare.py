@@ -1,12 +1,16 @@
 """Side-by-side GPU benchmark: this project's entry point and its peers, in one invocation on the same GPUs.
 
-    python bench/compare.py                      # on the GPU host, 2 GPUs; see docs/BENCHMARKS.md
-    python bench/compare.py --dry-run            # print the commands only (works anywhere)
+    python bench/compare.py                        # on the GPU host, 2 GPUs; see docs/BENCHMARKS.md
+    python bench/compare.py --gpus 1 --shape 3b    # one GPU: against transformers, + torch.compile, + Liger
+    python bench/compare.py --dry-run              # print the commands only (works anywhere)
 
-Rows: nd-adapter dp_shard=2 and tp=2 (launch/train.py under the deepspeed launcher, configs in bench/configs/), and
-the peers in bench/peers.py (Accelerate ParallelismConfig + FSDP2, Accelerate + transformers TP plan, DeepSpeed
-ZeRO-3 on the HF model). One MFU formula for all rows (adapter/train/metrics.py); ratios are against the Accelerate
-FSDP2 row of the same run.
+2 GPUs: nd-adapter dp_shard=2 and tp=2 (launch/train.py under the deepspeed launcher, configs in bench/configs/),
+and the peers in bench/peers.py (Accelerate ParallelismConfig + FSDP2, Accelerate + transformers TP plan, DeepSpeed
+ZeRO-3 on the HF model); ratios against the Accelerate FSDP2 row of the same run. 1 GPU (issue 16): nd-adapter (one
+rank, nothing to shard) against plain transformers, transformers + torch.compile and transformers + Liger; ratios
+against the Liger row. One MFU formula for all rows (adapter/train/metrics.py). `act GiB` is activation + logits
+memory: the peak minus weights, gradients and optimizer states (16 bytes/param for our fp32-master bf16 training,
+8 for the HF rows' bf16 parameters and states).
 """
 from __future__ import annotations
 
@@ -20,12 +24,17 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
 STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) .*?\| ([\d,]+) tok/s/GPU(?: \| MFU ([\d.]+)%)?"
                   r"(?: \| peak_mem ([\d.]+) GiB)?")
 OURS = {"nd-adapter dp_shard=2 (ZeRO-2)": "bench/configs/llama-3.2-1b-dp2.yaml",
         "nd-adapter dp_shard=2 (ZeRO-3)": "bench/configs/llama-3.2-1b-dp2-zero3.yaml",
         "nd-adapter tp=2": "bench/configs/llama-3.2-1b-tp2.yaml"}
 PEERS = ("accelerate-fsdp2", "accelerate-tp", "deepspeed-hf")
+ONE_GPU = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}  # shape -> configs/models/<name>, bench/configs/<name>-1gpu.yaml
+ONE_GPU_PEERS = ("hf", "hf-compile", "hf-liger")
+OUR_STATE_BYTES = 16  # bf16 weights + bf16 grads + fp32 master + fp32 Adam moments
 
 
 def parse_steps(log: str, skip: int = 2) -> dict | None:
@@ -41,38 +50,60 @@ def parse_steps(log: str, skip: int = 2) -> dict | None:
             "loss": float(rows[-1][1])}
 
 
+def yaml_model_path(cfg_file: Path) -> str:
+    import yaml
+
+    return yaml.safe_load(cfg_file.read_text())["model"]["path"]
+
+
 def parse_result(log: str) -> dict | None:
     lines = [ln for ln in log.splitlines() if ln.startswith("RESULT ")]
     return json.loads(lines[-1][7:]) if lines else None
 
 
+def ours(a) -> dict[str, str]:
+    if a.gpus == 1:
+        return {f"nd-adapter 1 GPU ({a.shape})": f"bench/configs/{ONE_GPU[a.shape]}-1gpu.yaml"}
+    return OURS
+
+
 def commands(a) -> dict[str, list[str]]:
     cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg]
-            for name, cfg in OURS.items()}
-    model = "configs/models/llama-3.2-1b/config.json"
-    for mode in PEERS:
+            for name, cfg in ours(a).items()}
+    model = f"configs/models/{ONE_GPU[a.shape]}/config.json"
+    for mode in ONE_GPU_PEERS if a.gpus == 1 else PEERS:
         cmds[mode] = ["torchrun", f"--nproc-per-node={a.gpus}", "bench/peers.py", mode, "--model-config", model,
                       "--seq", str(a.seq), "--micro-batch", str(a.micro_batch), "--steps", str(a.steps)]
     return {k: v for k, v in cmds.items() if not a.only or any(o in k for o in a.only)}
 
 
-def render(rows: dict[str, dict | None], reference: str = "accelerate-fsdp2") -> str:
+def activation_gib(r: dict) -> float | None:
+    """Peak minus model states (weights, gradients, optimizer states)."""
+    if not r.get("peak_gib") or not r.get("num_params"):
+        return None
+    return r["peak_gib"] - r["num_params"] * r["model_state_bytes_per_param"] / 2**30
+
+
+def render(rows: dict[str, dict | None], reference: str = "accelerate-fsdp2",
+           title: str = "Llama-3.2-1B shape, seq 4096, micro-batch 2 per DP rank, bf16, 2 GPUs") -> str:
     from io import StringIO
 
     from rich.console import Console
     from rich.table import Table
 
     ref = (rows.get(reference) or {}).get("tokens_per_s_per_gpu")
-    t = Table(title="Llama-3.2-1B shape, seq 4096, micro-batch 2 per DP rank, bf16, 2 GPUs")
-    for col in ("system", "tokens/s/GPU", f"× {reference}", "MFU", "peak GiB", "loss"):
+    t = Table(title=title)
+    for col in ("system", "tokens/s/GPU", f"× {reference}", "MFU", "peak GiB", "act GiB", "loss"):
         t.add_column(col)
     for name, r in rows.items():
         if r is None:
-            t.add_row(name, "failed", "", "", "", "")
+            t.add_row(name, "failed", "", "", "", "", "")
             continue
         ratio = f"{r['tokens_per_s_per_gpu'] / ref:.2f}" if ref else ""
+        act = activation_gib(r)
         t.add_row(name, f"{r['tokens_per_s_per_gpu']:,}", ratio, f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "",
-                  f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "", f"{r['loss']:.3f}")
+                  f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "", "" if act is None else f"{act:.1f}",
+                  f"{r['loss']:.3f}")
     buf = StringIO()
     Console(file=buf, width=120).print(t)
     return buf.getvalue()
@@ -80,7 +111,8 @@ def render(rows: dict[str, dict | None], reference: str = "accelerate-fsdp2") ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--gpus", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--shape", choices=sorted(ONE_GPU), default="1b", help="model shape of the 1-GPU rows")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
@@ -103,9 +135,19 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         (Path(a.log_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log").write_text(out)
-        rows[name] = parse_steps(out) if name in OURS else parse_result(out)
+        ours_cfg = ours(a).get(name)
+        rows[name] = parse_steps(out) if ours_cfg else parse_result(out)
+        if ours_cfg and rows[name]:
+            from adapter.models.arch import load_arch
+
+            model = (ROOT / ours_cfg).parent / yaml_model_path(ROOT / ours_cfg)
+            rows[name].update(num_params=load_arch(model).num_params, model_state_bytes_per_param=OUR_STATE_BYTES)
         print(name, json.dumps(rows[name]), flush=True)
-    print(render(rows))
+    if a.gpus == 1:
+        print(render(rows, "hf-liger", f"{ONE_GPU[a.shape]} shape, seq {a.seq}, micro-batch {a.micro_batch}, bf16, "
+                                      "1 GPU"))
+    else:
+        print(render(rows))
     return 0
 
 

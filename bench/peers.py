@@ -1,7 +1,11 @@
-"""One peer training process (run under torchrun, 2 GPUs): the HF model trained by Accelerate's ND-parallel recipe
-(FSDP2 or its TP plan) or by plain DeepSpeed ZeRO-3. Prints one `RESULT {json}` line on rank 0.
+"""One peer training process, run under torchrun. On 2 GPUs: the HF model trained by Accelerate's ND-parallel recipe
+(FSDP2 or its TP plan) or by plain DeepSpeed ZeRO-3. On 1 GPU: plain transformers (bf16 parameters and AdamW states,
+SDPA), the same with `torch.compile(model)`, and with Liger kernels (RoPE, RMSNorm, SwiGLU, fused linear
+cross-entropy: what Axolotl's LigerPlugin switches on). Prints one `RESULT {json}` line on rank 0.
 
-Same model shape (an HF config.json), tokens, optimizer (torch AdamW) and MFU formula as this project's runs.
+Same model shape (an HF config.json), tokens, optimizer (torch AdamW, fused on one GPU; clip 1.0) and MFU formula as
+this project's runs. `model_state_bytes_per_param` lets compare.py report activation + logits memory (peak minus
+weights, gradients and optimizer states), the issue-16 memory measure.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["accelerate-fsdp2", "accelerate-tp", "deepspeed-hf"])
+    ap.add_argument("mode", choices=["accelerate-fsdp2", "accelerate-tp", "deepspeed-hf", "hf", "hf-compile",
+                                     "hf-liger"])
     ap.add_argument("--model-config", required=True, help="HF config.json of the shape to train")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=2)
@@ -40,10 +45,18 @@ def main(argv=None) -> None:
     cfg.use_cache = False
     arch = load_arch(a.model_config)
     ckpt = f"/tmp/peer-{os.path.basename(os.path.dirname(os.path.abspath(a.model_config)))}"
+    single = a.mode in ("hf", "hf-compile", "hf-liger")
+    if a.mode == "hf-liger":  # before the model is built: it patches transformers' Llama modules
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
     if a.mode == "deepspeed-hf":
         import deepspeed
 
         deepspeed.init_distributed()
+    elif single:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     else:
         from accelerate import Accelerator
         from accelerate.parallelism_config import ParallelismConfig
@@ -70,6 +83,11 @@ def main(argv=None) -> None:
                 "zero_optimization": {"stage": 3, "overlap_comm": True},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}}
         model, opt, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    elif single:
+        model = model.cuda()
+        if a.mode == "hf-compile":
+            model = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     else:
         if a.mode == "accelerate-tp":
             model = model.cuda()
@@ -84,6 +102,11 @@ def main(argv=None) -> None:
         if a.mode == "deepspeed-hf":
             model.backward(loss)
             model.step()
+        elif single:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         else:
             acc.backward(loss)
             if a.mode == "accelerate-fsdp2":
@@ -106,7 +129,10 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps({
             "system": a.mode, "tokens_per_s_per_gpu": round(tps),
             "mfu": mfu(tps, flops_per_token_for(arch, a.seq), 989e12),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(float(loss), 4)}),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(float(loss), 4),
+            # bf16 weights, bf16 gradients, bf16 AdamW moments (torch keeps them in the parameters' dtype)
+            "num_params": sum(p.numel() for p in model.parameters()) * (world if a.mode == "accelerate-fsdp2" else 1),
+            "model_state_bytes_per_param": 8}),
             flush=True)
     dist.barrier()
     dist.destroy_process_group()

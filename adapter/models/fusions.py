@@ -1,4 +1,4 @@
-"""TE-free fused kernels for the two memory-bound hot spots the H200 profile showed (docs/BENCHMARKS.md):
+"""TE-free fused kernels for the memory-bound hot spots the H200 profiles showed (docs/BENCHMARKS.md):
 
 * RoPE: Megatron's unfused rotary embedding costs ~10 elementwise kernels per q/k per layer (mul, cat, neg, add,
   cos, sin, casts) — about 7% of a Llama-3.2-1B step. Megatron only fuses it through TransformerEngine; we install
@@ -7,6 +7,11 @@
   save exp(logits) in fp32 for backward: ~12 passes over a [tokens × vocab/tp] fp32 array per step. Ours reads the
   bf16 logits twice forward and once backward, saves only the logits and the per-token log-sum-exp, and writes the
   gradient in the logits' dtype.
+
+* Linear + cross-entropy (`linear_cross_entropy`): the output layer's matmul and the loss in token chunks, the
+  gradients computed in the forward, so the [tokens × vocab/tp] logits and their gradient never exist whole (2 × 2 GB
+  per micro-batch on the 1B shape at seq 4096 × 2). At tp = 1 on GPUs Liger's kernel does it (the kernel Axolotl
+  users run); ours, vocab-parallel, where the vocabulary is split over TP or Liger is absent.
 
 The math runs eagerly on CPU (what CI checks against Megatron's references) and is compiled on CUDA.
 """
@@ -104,4 +109,80 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return _VocabParallelCE.apply(logits, target, group)
 
 
-__all__ = ["fused_rope", "install_rope_fusion", "vocab_parallel_cross_entropy"]
+# ---- linear + cross-entropy ---------------------------------------------------------------------------------------
+
+CHUNK_BYTES = 1 << 29  # fp32 bytes of one chunk's logits: ~1k tokens of a 128k vocabulary
+MIN_CHUNK = 256        # tokens: below this the chunk's GEMMs get inefficient
+
+
+@_compiled_on_cuda
+def _chunk_grad(logits, target, lse, weights, vocab_start):
+    """d(Σ w·CE)/d logits = (softmax − one_hot(target)) · w, in the logits' dtype."""
+    x = logits.float()
+    local = target - vocab_start
+    cols = torch.arange(x.size(-1), device=x.device)
+    one_hot = (cols == local.unsqueeze(-1)).float()
+    return ((torch.exp(x - lse.unsqueeze(-1)) - one_hot) * weights.unsqueeze(-1)).to(logits.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Σ_t w_t · CE(h_t · Wᵀ, y_t) with W's rows (the vocabulary) split over `group`, token chunk by token chunk.
+
+    The loss is a weighted sum, so the gradients can be computed in the forward; the backward only scales them by the
+    upstream scalar. `hidden` must already be the TP-replicated input (Megatron's copy/gather op in front reduces
+    its gradient over TP, as for the output layer's own input)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, weights, group, chunk):
+        tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        start = (dist.get_rank(group) if tp > 1 else 0) * weight.size(0)
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros_like(weight)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for lo in range(0, hidden.size(0), chunk):
+            h, y, w = hidden[lo:lo + chunk], target[lo:lo + chunk], weights[lo:lo + chunk].float()
+            logits = h @ weight.t()
+            row_max = logits.amax(-1).float()
+            if tp > 1:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            partials = _ce_partials(logits, y, row_max, start)  # Σ exp(x − max), the target's logit where held
+            if tp > 1:
+                dist.all_reduce(partials, group=group)
+            lse = row_max + partials[0].log()
+            total += ((lse - partials[1]) * w).sum()
+            d = _chunk_grad(logits, y, lse, w, start)
+            grad_h[lo:lo + chunk] = d @ weight
+            grad_w.addmm_(d.t(), h)
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None
+
+
+def _liger_linear_cross_entropy():
+    """Liger's fused linear cross-entropy, where it runs (CUDA and the package installed), else None."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:  # not installed, or no triton (CPU builds)
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor,
+                         group=None, chunk: int | None = None) -> torch.Tensor:
+    """Σ over tokens of loss_mask · CE(hidden · weightᵀ, target), fp32 scalar; hidden [t, h], weight [v/tp, h] (this
+    rank's vocabulary slice), target and loss_mask [t]. loss_mask is 0/1 (untrained tokens), as the loop's data is."""
+    tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    if tp == 1 and hidden.is_cuda and chunk is None:
+        liger = _liger_linear_cross_entropy()
+        if liger is not None:
+            masked = torch.where(loss_mask > 0, target, torch.full_like(target, -100))
+            return liger(hidden, weight, masked, ignore_index=-100, reduction="sum").float()
+    chunk = chunk or max(MIN_CHUNK, CHUNK_BYTES // (4 * weight.size(0)))
+    return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk)
+
+
+__all__ = ["fused_rope", "install_rope_fusion", "vocab_parallel_cross_entropy", "linear_cross_entropy"]

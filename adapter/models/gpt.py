@@ -12,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -22,8 +26,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from adapter.errors import bad
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.attention import SDPAttention, normalize_cp_comm_type
-from adapter.models.fusions import install_rope_fusion, vocab_parallel_cross_entropy
-from adapter.patches.mcore import install_cpu_shims
+from adapter.models.fusions import install_rope_fusion, linear_cross_entropy, vocab_parallel_cross_entropy
+from adapter.patches import require
+from adapter.patches.mcore import TESTED_MEGATRON_VERSIONS, install_cpu_shims
 
 Attention = Literal["sdpa", "local", "te"]
 
@@ -114,21 +119,44 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
 
 class FusedLossGPTModel(GPTModel):
     """GPTModel whose training loss is adapter.models.fusions' vocab-parallel cross-entropy (no fp32 copy of the
-    logits)."""
+    logits). Called with `labels` and `loss_mask` (and `linear_ce`), it returns Σ loss_mask · loss as one fp32 scalar
+    computed by the fused linear + cross-entropy, so the [tokens × vocab] logits are never built."""
+
+    def __init__(self, *args, linear_ce: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.linear_ce = linear_ce
+        if linear_ce:  # the override below replaces Megatron's private _postprocess for training batches
+            require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused linear cross-entropy (GPTModel._postprocess)")
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)  # logits [s, b, v]
         return loss.transpose(0, 1).contiguous()
+
+    def _postprocess(self, **kw):
+        labels, loss_mask = kw.get("labels"), kw.get("loss_mask")
+        if (not self.linear_ce or labels is None or loss_mask is None or kw.get("mtp_in_postprocess")
+                or kw.get("inference_context") is not None):
+            return super()._postprocess(**kw)
+        h, group = kw["hidden_states"], self.pg_collection.tp  # [s (/tp under SP), b, h]
+        tp = self.config.tensor_model_parallel_size
+        if tp > 1:  # what the output layer does to its input, so the TP reduction of the input's gradient happens
+            h = (gather_from_sequence_parallel_region(h, group=group) if self.config.sequence_parallel
+                 else copy_to_tensor_model_parallel_region(h, group=group))
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        return linear_cross_entropy(h.reshape(-1, h.size(-1)), weight, labels.t().reshape(-1),
+                                    loss_mask.t().reshape(-1).float(), group if tp > 1 else None)
 
 
 def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: int | None = None,
                     sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                     attention: Attention = "sdpa", max_sequence_length: int | None = None,
                     parallel_output: bool = True, config: TransformerConfig | None = None,
-                    fused_kernels: bool = False, **config_kw) -> GPTModel:
+                    fused_kernels: bool = False, linear_ce: bool = False, **config_kw) -> GPTModel:
     """GPTModel for `arch` on the current parallel_state (tp/cp must match it). Weights are random: load them after.
 
-    `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel)."""
+    `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel).
+    `linear_ce`: training calls that pass a loss_mask get the fused linear + cross-entropy's masked loss sum."""
     install_cpu_shims()
     if attention == "local" and cp > 1:
         raise bad("attention", "local", "Megatron's local attention has no context parallelism",
@@ -139,7 +167,8 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
     spec = layer_spec(arch, attention)
     if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
         spec = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
-    return (FusedLossGPTModel if fused_kernels else GPTModel)(
+    fused = {"linear_ce": linear_ce} if fused_kernels or linear_ce else None
+    return (GPTModel if fused is None else FusedLossGPTModel)(
         config, spec,
         vocab_size=padded_vocab or padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
@@ -147,6 +176,7 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        **(fused or {}),
     )
 
 

@@ -13,6 +13,7 @@ from adapter.config import RunConfig
 from adapter.models.arch import ModelArch, padded_vocab_size
 
 GIB = 2**30
+CHUNK_BYTES = 1 << 29  # adapter/models/fusions.py's token chunk of the fused linear cross-entropy (fp32 logits bytes)
 SUB_GROUP = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (ZeRO-3 steps that many at a time)
 
 # name -> (device memory as torch reports it (`mem_get_info` total), dense bf16 peak FLOP/s). H200: measured on the
@@ -135,7 +136,13 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     full_rc = L * layer_input + one + 3 * layer_input                     # inputs kept, one layer recomputed
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
-    if cfg.model.fused_kernels is False:                                # Megatron's CE: fp32 copy + saved exp
+    fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)
+    if (fused if cfg.model.fused_linear_ce is None else cfg.model.fused_linear_ce):
+        # linear + CE in token chunks: the output weight's gradient and the hidden states' gradient, computed in the
+        # forward, wait for backward; one chunk's logits (+ fp32 working copy) exist at a time
+        chunk = min(s * b, max(256, CHUNK_BYTES // (4 * (vp // tp))))
+        logits = pb * (vp // tp) * h + pb * s * b * h + chunk * (vp // tp) * (pb + 4)
+    elif not fused:                                                     # Megatron's CE: fp32 copy + saved exp
         logits = s * b * (vp // tp) * (pb + 4 + 4)
     else:                                                               # adapter.models.fusions: logits + their grad
         logits = s * b * (vp // tp) * 2 * pb

@@ -96,6 +96,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
     tp = layout.tp
+    fused = torch.cuda.is_available() if cfg.model.fused_kernels is None else cfg.model.fused_kernels
     torch.manual_seed(cfg.seed)  # same init on every dp rank when there is no checkpoint
     if torch.cuda.is_available():  # Megatron's GPU init draws TP-sharded weights from its CUDA RNG tracker
         from megatron.core import tensor_parallel
@@ -107,8 +108,8 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                             max_sequence_length=max(cfg.seq_len, arch.max_position_embeddings),
                             recompute=None if cfg.recompute == "none" else cfg.recompute,
                             cp_comm_type=cfg.parallelism.cp_comm_type,
-                            fused_kernels=torch.cuda.is_available() if cfg.model.fused_kernels is None
-                            else cfg.model.fused_kernels)
+                            fused_kernels=fused,
+                            linear_ce=fused if cfg.model.fused_linear_ce is None else cfg.model.fused_linear_ce)
     if cfg.model.checkpoint:
         from adapter.convert.ops import load_megatron_checkpoint
 

@@ -82,6 +82,15 @@ def tokenizer_dir(cfg: RunConfig) -> Path:
               "point model.path at the HF checkpoint directory that holds the tokenizer")
 
 
+def masked_loss_sum(model, batch, attention_mask):
+    """Σ loss_mask · per-token loss of one micro-batch (fp32 scalar). A model built with the fused linear
+    cross-entropy returns that sum itself when handed the loss_mask (no [tokens × vocab] logits); others return
+    per-token losses, summed here."""
+    out = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"],
+                loss_mask=batch["loss_mask"])
+    return out.float() if out.dim() == 0 else (out.float() * batch["loss_mask"]).sum()
+
+
 def _nonfinite(grad_norm, device):
     """1.0 on the device when DeepSpeed's grad norm is inf/NaN (ZeRO-1/2 mask it to -1), else 0.0; no host sync."""
     import torch
@@ -200,8 +209,7 @@ class Trainer:
             batch, ntok = self._next_batch(batches)
             mask = document_attention_mask(batch["segment_ids"]) if self.cfg.data.document_mask else None
             with record_function("nd.forward"):
-                per_token = ds(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
-                local = (per_token.float() * batch["loss_mask"]).sum() / ntok
+                local = masked_loss_sum(ds, batch, mask) / ntok
             with record_function("nd.backward"):
                 ds.backward(local * cp)
                 engine.after_backward()

@@ -40,7 +40,11 @@ def test_model_states_and_activations_by_hand():
     assert memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="sdpa") == 53760
     assert est.activations_no_recompute == 2 * 53760 + 3 * 4096 == 119808
     assert est.activations_full_recompute == 2 * 4096 + 53760 + 3 * 4096 == 74240
-    assert est.logits == 32 * 2 * 512 * (2 + 2) == 131072               # fused CE: bf16 logits and their grad
+    unchunked = memory.estimate(cfg(**{"model.fused_linear_ce": False}), TINY, partition_size=2, gpu_capacity=1)
+    assert unchunked.logits == 32 * 2 * 512 * (2 + 2) == 131072          # fused CE: bf16 logits and their grad
+    # fused linear + CE (the default with fused kernels): the output weight's grad (512 rows per tp rank × 64) and
+    # the hidden states' grad (32·2 tokens × 64), bf16, plus one chunk of logits: all 64 tokens (< 256) × 512 × (2 + 4)
+    assert est.logits == 2 * 512 * 64 + 2 * 32 * 2 * 64 + 64 * 512 * (2 + 4) == 270336
     unfused = memory.estimate(cfg(**{"model.fused_kernels": False}), TINY, partition_size=2, gpu_capacity=1)
     assert unfused.logits == 32 * 2 * 512 * (2 + 4 + 4) == 327680      # Megatron's CE: + fp32 copy + saved exp
     assert est.activations == est.activations_no_recompute
