@@ -77,6 +77,7 @@ def main(argv=None) -> None:
     extra = {"tp_plan": "auto", "device_mesh": acc.torch_device_mesh} if a.mode == "accelerate-tp" else {}
     model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.bfloat16, attn_implementation="sdpa",
                                                  use_cache=False, **extra)
+    model.train()  # from_pretrained returns eval mode; Liger's fused linear cross-entropy runs only in training mode
     dp = 1 if a.mode == "accelerate-tp" else world
     if a.mode == "deepspeed-hf":
         conf = {"train_micro_batch_size_per_gpu": a.micro_batch, "bf16": {"enabled": True}, "gradient_clipping": 1.0,

@@ -55,9 +55,9 @@ class ModelSection(_Strict):
     vocab_divisible_by: StrictInt = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
-    fused_linear_ce: bool | None = Field(
-        None, description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits); "
-                          "default: with fused_kernels")
+    fused_linear_ce: bool = Field(
+        False, description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits): less "
+                           "memory, slower on one H200 (docs/BENCHMARKS.md)")
     compile: bool = Field(False, description="torch.compile each transformer layer (not with ZeRO-3)")
 
 

@@ -214,8 +214,9 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         fix = ("the optimizer step peaks (model states and its gradient copies): shard them over more GPUs "
                "(dp_shard, tp)" if mem.peak_phase == "optimizer_step" else
                "raise tp/dp_shard, lower micro_batch_size, or set recompute: full")
-        warnings.append(f"predicted peak {mem.peak / memory.GIB:.1f} GiB + {mem.runtime_reserve / memory.GIB:.1f} GiB "
-                        f"runtime reserve exceeds the GPU's {capacity / memory.GIB:.1f} GiB: {fix}")
+        warnings.append(f"predicted peak {mem.peak / memory.GIB:.1f} GiB (+{100 * memory.MARGIN:.0f}% model margin) + "
+                        f"{mem.runtime_reserve / memory.GIB:.1f} GiB runtime reserve exceeds the GPU's "
+                        f"{capacity / memory.GIB:.1f} GiB: {fix}")
     if cfg.hardware.gpus_per_node is None:
         warnings.append("gpus_per_node not given: all ranks assumed on one node (pass --nodes/--gpus-per-node)")
     zgroup = "dp_shard_cp" if (cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1) else "dp_cp"

@@ -109,7 +109,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                             recompute=None if cfg.recompute == "none" else cfg.recompute,
                             cp_comm_type=cfg.parallelism.cp_comm_type,
                             fused_kernels=fused,
-                            linear_ce=fused if cfg.model.fused_linear_ce is None else cfg.model.fused_linear_ce)
+                            linear_ce=cfg.model.fused_linear_ce)
     if cfg.model.checkpoint:
         from adapter.convert.ops import load_megatron_checkpoint
 
