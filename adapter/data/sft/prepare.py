@@ -156,11 +156,15 @@ def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(col.flatten(), dtype=dtype), offsets
 
 
-def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, n: int):
+def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, n: int, progress: bool):
     """Tokenise and mask one entry; returns flat ids, labels, offsets, eos_missing flags and its row count."""
     import datasets
 
-    ds = sources.load(src, entry, workdir / "hf")
+    datasets.disable_progress_bars()  # reading a split is quick: its bars would only clutter a one-line error
+    try:
+        ds = sources.load(src, entry, workdir / "hf")
+    finally:
+        (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
     formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
     chat = None
     if kind == "chat_template":
@@ -172,7 +176,10 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
         chat = templates.ChatFormatter(entry, tok, template, train_on_inputs=cfg.data.train_on_inputs, where=where)
     fn = formats.make_formatter(kind, entry, tok, seq_len=cfg.seq_len, train_on_inputs=cfg.data.train_on_inputs,
                                 where=where, chat=chat)
-    procs = cfg.data.num_proc or (min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_ROWS else None)
+    big = len(ds) >= PARALLEL_ROWS
+    procs = cfg.data.num_proc or (min(8, os.cpu_count() or 1) if big else None)
+    if not big:
+        datasets.disable_progress_bars()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "labels": datasets.Sequence(datasets.Value("int64")),
                                   "eos_missing": datasets.Value("bool")})
@@ -232,7 +239,8 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
     work = out / "work"
     parts, per_dataset, used_templates, eos_missing = [], [], [], 0
     for n, (entry, where, kind, src) in enumerate(resolved):
-        ids, labels, offsets, missing, rows, template = _entry_examples(cfg, tok, entry, where, kind, src, work, n)
+        ids, labels, offsets, missing, rows, template = _entry_examples(cfg, tok, entry, where, kind, src, work, n,
+                                                                         progress)
         st = {"dataset": where, "path": src.location, "type": kind, "rows": rows, "examples": len(offsets) - 1}
         ids, tgt, offsets = _filter(cfg, ids, labels, offsets, where, vocab_size, st)
         st.update(kept=len(offsets) - 1, tokens=int(len(ids)), trained_tokens=int((tgt >= 0).sum()))
