@@ -30,6 +30,9 @@ def test_two_datasets_packed_with_stats_and_template(model, tmp_path):
     data = prepare(cfg, model, progress=False)
     chat, alp = data.stats["datasets"]
     assert (chat["rows"], chat["kept"], alp["rows"], alp["kept"]) == (52, 52, 12, 12)
+    assert data.stats["total"] == {"rows": 64, "examples": 64, "dropped_too_long": 0, "truncated": 0,
+                                   "no_trained_token": 0, "kept": 64, "trained_tokens": data.stats["train"][
+                                       "trained_tokens"]}
     t = data.stats["train"]
     assert t["examples"] == 64 and t["bins"] == len(data.train) < 64 and data.val is None
     assert t["packing_efficiency"] == round(t["tokens"] / (t["bins"] * 256), 4) > 0.8
@@ -198,3 +201,17 @@ def test_preprocess_cli_prints_stats_and_debug_pairs(model, tmp_path, capsys):
     assert trained and 2 not in trained  # <|im_start|> (id 2) is never a trained label
     assert cli.main(["preprocess", "--config", str(tmp_path / "run.yaml")]) == 0
     assert "(reused)" in capsys.readouterr().out
+
+
+def test_relative_dataset_paths_are_read_from_the_config_directory(model, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    (tmp_path / "cfg").mkdir()
+    shutil.copy(ALPACA_DATA, tmp_path / "cfg" / "rows.jsonl")
+    (tmp_path / "cfg" / "run.yaml").write_text(json.dumps({
+        "base_model": str(model), "sequence_len": 256, "datasets": [{"path": "rows.jsonl", "type": "alpaca"}],
+        "dataset_prepared_path": str(tmp_path / "prepared")}))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["preprocess", "--config", "cfg/run.yaml", "--set", "data.val_set_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "cfg" / "rows.jsonl") in out and "val: 2 examples" in out

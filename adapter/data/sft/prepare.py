@@ -268,7 +268,9 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
     order = (np.random.default_rng(d.seed).permutation(n) if d.shuffle_merged_datasets else np.arange(n))
     n_val = val_fraction(cfg, n)
     split = {"train": order[:n - n_val], "val": order[n - n_val:]}
-    result = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "datasets": per_dataset,
+    total = {k: sum(st.get(k, 0) for st in per_dataset) for k in
+             ("rows", "examples", "dropped_too_long", "truncated", "no_trained_token", "kept", "trained_tokens")}
+    result = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "datasets": per_dataset, "total": total,
               "pad_id": pad_id(tok), "eos_token": tok.eos_token, "eos_missing": eos_missing}
     eval_pack = d.sample_packing if d.eval_sample_packing is None else d.eval_sample_packing
     for name, pick in split.items():
@@ -337,7 +339,7 @@ def _open(cfg, d: Path, reused: bool) -> SFTData:
     if m["seq_len"] != cfg.seq_len:  # the key includes it; a mismatch means a hand-edited cache
         raise bad("data.prepared_path", str(d), "was prepared for another sequence_len", "remove it")
     val = SFTDataset(d / "val", cfg.seq_len, m["pad_id"]) if (d / "val").is_dir() else None
-    stats = {k: m[k] for k in ("datasets", "train", "val") if k in m}
+    stats = {k: m[k] for k in ("total", "datasets", "train", "val") if k in m}
     return SFTData(SFTDataset(d / "train", cfg.seq_len, m["pad_id"]), val, stats, m["chat_template"], d,
                    notes_for(cfg, m), reused)
 

@@ -139,6 +139,9 @@ def load(src: Source, entry, cache_dir: Path):
                     raise bad(f"{src.where}.split", entry.split, f"the saved dataset has splits {sorted(obj)}",
                               "set split to one of them")
                 obj = obj[entry.split]
+            elif entry.split != "train":
+                raise bad(f"{src.where}.split", entry.split, "the saved dataset is one Dataset, without splits",
+                          "drop split, or save a DatasetDict")
             return obj
         if src.kind == "file":
             return datasets.load_dataset(src.loader, data_files=[src.root], split=entry.split,
