@@ -180,14 +180,14 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
     procs = cfg.data.num_proc or (min(8, os.cpu_count() or 1) if big else None)
     if not big:
         datasets.disable_progress_bars()
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
-                                  "labels": datasets.Sequence(datasets.Value("int64")),
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),  # 4 bytes a token
+                                  "labels": datasets.Sequence(datasets.Value("int32")),
                                   "eos_missing": datasets.Value("bool")})
     mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=list(ds.column_names), features=features,
                     num_proc=procs if procs and procs > 1 else None, load_from_cache_file=False,
                     cache_file_name=str(workdir / f"map-{n}.arrow"), desc=f"{where} ({kind})")
-    ids, offsets = _flat(mapped, "input_ids", np.int64)
-    labels, _ = _flat(mapped, "labels", np.int64)
+    ids, offsets = _flat(mapped, "input_ids", np.int32)
+    labels, _ = _flat(mapped, "labels", np.int32)
     eos_missing = np.asarray(mapped.with_format("arrow")[:]["eos_missing"].combine_chunks()
                              .to_numpy(zero_copy_only=False), dtype=bool)
     return ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None)
