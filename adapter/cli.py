@@ -64,6 +64,12 @@ def cmd_rehearse(args) -> int:
     return rehearse_main(args)
 
 
+def cmd_preprocess(args) -> int:
+    from adapter.data.sft.report import main as preprocess_main
+
+    return preprocess_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="nd-adapter", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"nd-adapter {__version__}")
@@ -97,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--steps", type=int, default=4, help="steps to rehearse")
             p.add_argument("--seq-len", type=int, help="shorter sequence for the rehearsal")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("preprocess", help="tokenise, mask and pack the SFT datasets once (the run's cache); stats")
+    p.add_argument("--config", required=True)
+    p.add_argument("--debug", action="store_true", help="print (token, label) pairs of a few samples")
+    p.add_argument("--samples", type=int, default=3, help="samples --debug prints")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.set_defaults(func=cmd_preprocess)
     return ap
 
 

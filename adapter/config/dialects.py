@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from adapter.config.schema import SIZE_KEYS
+from adapter.config.schema import SIZE_KEYS, DatasetEntry
 from adapter.errors import bad
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -21,7 +21,7 @@ AXOLOTL_KNOWN = AXOLOTL_MARKERS | {
     "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "output_dir", "save_steps", "save_total_limit",
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
-    "deepspeed", "model_type", "tokenizer_type", "sample_packing", "pad_to_sequence_len", "flash_attention",
+    "deepspeed", "model_type", "tokenizer_type", "flash_attention",
     "sdp_attention", "strict", "load_in_8bit", "load_in_4bit",
 }
 ACCELERATE_MARKERS = {"parallelism_config", "compute_environment", "distributed_type", "num_processes", "num_machines"}
@@ -86,10 +86,8 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     out["precision"] = "bf16" if raw.get("bf16") in (True, "auto", "true") else "fp16" if raw.get("fp16") else "bf16"
     if raw.get("gradient_checkpointing"):
         out["recompute"] = "full"
-    files = [d.get("path") for d in raw.get("datasets") or [] if isinstance(d, dict) and d.get("path")]
-    if files:
-        set_dotted(out, "data.files", files)
-    ignored = sorted(k for k in raw if k not in AXOLOTL_KNOWN)
+    _axolotl_data(raw, out)
+    ignored = sorted(k for k in raw if k not in AXOLOTL_KNOWN and k not in AXOLOTL_DATA)
     if ignored:
         warnings.warn(f"ignored Axolotl keys (not used by nd-adapter): {', '.join(ignored)}", stacklevel=3)
     return out
@@ -126,3 +124,53 @@ def from_accelerate(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# Axolotl's dataset keys (issue 14): top-level key -> data.<key>; `datasets:` entries are checked key by key.
+
+AXOLOTL_DATA = {
+    "datasets": "datasets", "train_on_inputs": "train_on_inputs", "sample_packing": "sample_packing",
+    "eval_sample_packing": "eval_sample_packing", "pad_to_sequence_len": "pad_to_sequence_len",
+    "excess_length_strategy": "excess_length_strategy", "dataset_prepared_path": "prepared_path",
+    "val_set_size": "val_set_size", "shuffle_merged_datasets": "shuffle_merged_datasets",
+    "chat_template": "chat_template", "chat_template_jinja": "chat_template_jinja",
+    "special_tokens": "special_tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
+}
+ENTRY_KEYS = set(DatasetEntry.model_fields)
+ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings
+
+
+def _axolotl_entry(i: int, entry: Any) -> dict[str, Any]:
+    where = f"datasets[{i}]"
+    if not isinstance(entry, dict):
+        raise bad(where, entry, "must be a mapping", "write each entry as `- path: ...` with `type: ...` below it")
+    out: dict[str, Any] = {}
+    legacy: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key in ENTRY_ALIASES:
+            legacy[ENTRY_ALIASES[key]] = value
+        elif key not in ENTRY_KEYS:
+            raise bad(f"{where}.{key}", value, "a dataset key nd-adapter does not support",
+                      "remove it; the supported keys are listed in docs/config.md (SFT datasets)")
+        elif key == "type" and isinstance(value, dict):
+            raise bad(f"{where}.type", value, "user-defined prompt formats are not supported",
+                      "use type: input_output (segments with labels) or pre-tokenised rows")
+        elif value is not None:
+            out[key] = value
+    if legacy:
+        out["message_property_mappings"] = {**legacy, **(out.get("message_property_mappings") or {})}
+    return out
+
+
+def _axolotl_data(raw: dict[str, Any], out: dict[str, Any]) -> None:
+    for key, target in AXOLOTL_DATA.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        if key == "datasets":
+            if not isinstance(value, list):
+                raise bad("datasets", value, "must be a list", "write `datasets:` with `- path: ...` entries below it")
+            value = [_axolotl_entry(i, e) for i, e in enumerate(value)]
+        set_dotted(out, f"data.{target}", value)
+    if raw.get("seed") is not None:
+        set_dotted(out, "data.seed", raw["seed"])  # Axolotl's seed also shuffles and splits the data

@@ -144,7 +144,13 @@ def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunCon
         return str(cand) if cand.exists() else p
 
     model = cfg.model.model_copy(update={"path": fix(cfg.model.path), "checkpoint": fix(cfg.model.checkpoint)})
-    data = cfg.data.model_copy(update={"files": [fix(f) for f in cfg.data.files]})
+    def fix_jinja(t: str | None) -> str | None:  # a template string stays as it is; a file name is resolved
+        return t if t is None or "{" in t else fix(t)
+
+    entries = [e.model_copy(update={"path": fix(e.path), "chat_template_jinja": fix_jinja(e.chat_template_jinja)})
+               for e in cfg.data.datasets]
+    data = cfg.data.model_copy(update={"files": [fix(f) for f in cfg.data.files], "datasets": entries,
+                                       "chat_template_jinja": fix_jinja(cfg.data.chat_template_jinja)})
     return cfg.model_copy(update={"model": model, "data": data})
 
 

@@ -79,6 +79,46 @@ class OptimizerSection(_Strict):
     clip_grad: float = Field(1.0, ge=0)
 
 
+TRAIN_ON_EOS = Literal["turn", "all", "last", "none"]
+
+
+class DatasetEntry(_Strict):
+    """One SFT dataset, Axolotl's `datasets:` entry keys (adapter/data/sft reads them; docs/config.md lists them).
+    `type` stays a string here so that a wrong one is refused by the data code in one line naming the entry."""
+
+    path: str = Field(description="local file or directory, a save_to_disk directory, or a hub id in the local cache")
+    type: str | None = Field(None, description="completion, alpaca, chat_template, input_output; none = tokenised")
+    split: str = "train"
+    data_files: str | list[str] | None = None
+    name: str | None = Field(None, description="the dataset's configuration name")
+    ds_type: str | None = Field(None, description="loader for files: json, parquet, arrow, csv, text")
+    field: str | None = Field(None, description="completion: the text column (default text)")
+    field_messages: str = "messages"
+    field_system: str = "system"
+    field_tools: str = "tools"
+    message_property_mappings: dict[str, str] | None = None
+    roles: dict[str, list[str]] | None = None
+    roles_to_train: list[str] | None = None
+    train_on_eos: TRAIN_ON_EOS | None = None
+    train_on_eot: TRAIN_ON_EOS | None = None
+    chat_template: str | None = None
+    chat_template_jinja: str | None = None
+    drop_system_message: bool = False
+
+
+class SpecialTokens(_Strict):
+    """Axolotl's `special_tokens`: only tokens the vocabulary already has (new ones would need new embedding rows)."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    sep_token: str | None = None
+    cls_token: str | None = None
+    mask_token: str | None = None
+    additional_special_tokens: list[str] | None = None
+
+
 class DataSection(_Strict):
     files: list[str] = Field(default_factory=list)
     synthetic: bool = Field(False, description="random tokens instead of files (benchmarks, rehearsals)")
@@ -86,6 +126,26 @@ class DataSection(_Strict):
     text_key: str = "text"
     cache_dir: str | None = None
     seed: StrictInt = 1234
+    # SFT (issue 14): Axolotl's dataset keys; `datasets` replaces `files` (adapter/data/sft).
+    datasets: list[DatasetEntry] = Field(default_factory=list)
+    train_on_inputs: bool = False
+    sample_packing: bool = False
+    eval_sample_packing: bool | None = Field(None, description="default: sample_packing")
+    pad_to_sequence_len: bool | None = None
+    excess_length_strategy: Literal["drop", "truncate", "raise"] = "drop"
+    prepared_path: str | None = Field(None, description="SFT cache root (Axolotl's dataset_prepared_path)")
+    val_set_size: float = Field(0.0, ge=0)
+    shuffle_merged_datasets: bool = True
+    chat_template: str | None = None
+    chat_template_jinja: str | None = None
+    special_tokens: SpecialTokens = SpecialTokens()
+    num_proc: StrictInt | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSection:
+        if self.datasets and (self.files or self.synthetic):
+            raise ValueError("data.datasets (SFT) cannot be combined with data.files or data.synthetic: give one")
+        return self
 
 
 class CheckpointSection(_Strict):
@@ -164,6 +224,13 @@ class RunConfig(_Strict):
     @property
     def dp_size(self) -> int:
         return self.parallelism.dp_replicate_size * (self.parallelism.dp_shard_size or 1)
+
+    @property
+    def document_attention(self) -> bool:
+        """Attention confined to each example of a packed sample: asked for, or implied by packed SFT data (train or
+        eval; harmless on unpacked samples, whose one example comes before its padding)."""
+        d = self.data
+        return d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing))
 
     @property
     def use_sequence_parallel(self) -> bool:

@@ -19,6 +19,9 @@ from adapter.errors import bad
 ASSETS = Path(__file__).with_name("data")
 DEMO_TEXT = ASSETS / "genesis_kjv.txt"  # 50 chapters, one per blank-line-separated paragraph
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"  # Llama-3 spellings, so prompts look familiar
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # chatml's turn markers, so chat fine-tuning needs no new rows
+CHAT_DATA = ASSETS / "chat_genesis.jsonl"  # messages-style conversations for the fine-tuning leg
+ALPACA_DATA = ASSETS / "alpaca_genesis.jsonl"  # instruction / input / output rows
 
 
 def _fresh_dir(out_dir: str | Path, key: str) -> tuple[Path, Path]:
@@ -40,7 +43,8 @@ def _publish(tmp: Path, out: Path) -> Path:
 def train_tokenizer(text_files: Iterable[str | Path] = (DEMO_TEXT,), out_dir: str | Path = "tokenizer",
                     vocab_size: int = 2048, model_max_length: int = 2048) -> Path:
     """Byte-level BPE (GPT-2/Llama-3 style: no unknown tokens), BOS added by the post-processor, EOS left to the
-    data pipeline, which appends it once per document."""
+    data pipeline, which appends it once per document. chatml's <|im_start|>/<|im_end|> are special tokens too, so
+    `chat_template: chatml` works on the demo model (the tokenizer ships no chat template of its own)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -48,19 +52,22 @@ def train_tokenizer(text_files: Iterable[str | Path] = (DEMO_TEXT,), out_dir: st
     for f in files:
         if not Path(f).is_file():
             raise bad("text_files", f, "no such file", "pass existing UTF-8 text files")
-    if vocab_size < 256 + 2:
-        raise bad("vocab_size", vocab_size, "byte-level BPE needs the 256 bytes plus BOS and EOS", "use at least 258")
+    if vocab_size < 256 + 4:
+        raise bad("vocab_size", vocab_size, "byte-level BPE needs the 256 bytes plus BOS, EOS and the two chatml "
+                  "markers", "use at least 260")
     out, tmp = _fresh_dir(out_dir, "out_dir")
     try:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        tok.train(files, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+        tok.train(files, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, IM_START, IM_END],
+                                             show_progress=False,
                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         bos = tok.token_to_id(BOS)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)])
         PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                additional_special_tokens=[IM_START, IM_END],
                                 model_max_length=model_max_length).save_pretrained(tmp)
         cfg_path = tmp / "tokenizer_config.json"  # transformers 5 writes its new class name; 4.x only knows this one
         cfg = json.loads(cfg_path.read_text())
@@ -151,4 +158,5 @@ def build_demo(out_dir: str | Path, *, vocab_size: int = 2048, **model_kwargs) -
     return {"tokenizer": tok_dir, "model": model_dir, "data": data}
 
 
-__all__ = ["DEMO_TEXT", "train_tokenizer", "make_tiny_llama", "chapters", "write_demo_jsonl", "build_demo"]
+__all__ = ["DEMO_TEXT", "CHAT_DATA", "ALPACA_DATA", "train_tokenizer",
+           "make_tiny_llama", "chapters", "write_demo_jsonl", "build_demo"]

@@ -58,7 +58,11 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
     # e.g. model.compile or ZeRO-2 where they can't go
     deepspeed_config.zero_stage(cfg, Layout.from_config(cfg.parallelism))
     check_checkpoint(cfg, arch)
-    if need_data and not cfg.data.synthetic:
+    if cfg.data.datasets:  # SFT: types, keys and sources (hub ids in the local cache), nothing tokenised yet
+        from adapter.data.sft import check as check_sft
+
+        check_sft(cfg)
+    elif need_data and not cfg.data.synthetic:
         if not cfg.data.files:
             raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
         check_data(cfg)

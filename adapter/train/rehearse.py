@@ -40,7 +40,7 @@ def rehearsal_seq_len(cfg: RunConfig, seq_len: int | None) -> int:
 def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: str):
     """The rehearsal's config; `workdir` (shared by all ranks) takes its checkpoints and token cache."""
     arch = load_arch(cfg.model.path)
-    tiny = tiny_arch(arch, cfg.parallelism.tp_size, real_vocab=bool(cfg.data.files))
+    tiny = tiny_arch(arch, cfg.parallelism.tp_size, real_vocab=bool(cfg.data.files or cfg.data.datasets))
     ckdir = workdir
     half = max(1, steps // 2)
     upd = {
@@ -50,9 +50,18 @@ def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: s
         "optimizer": cfg.optimizer.model_copy(update={"max_steps": steps, "warmup_steps": min(1, steps)}),
         "checkpoint": cfg.checkpoint.model_copy(update={"dir": ckdir, "save_every": half, "export_hf": None}),
         "logging": cfg.logging.model_copy(update={"tensorboard": None, "wandb_project": None, "every": 1}),
-        "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache"}),
+        "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache",
+                                            **_sft_rehearsal(cfg, ckdir)}),
     }
     return cfg.model_copy(update=upd), tiny
+
+
+def _sft_rehearsal(cfg: RunConfig, workdir: str) -> dict:
+    """SFT data at the rehearsal's short sequence: truncated rather than dropped (else little may be left), and
+    prepared in the rehearsal's own directory, not beside the real run's."""
+    if not cfg.data.datasets:
+        return {}
+    return {"excess_length_strategy": "truncate", "prepared_path": f"{workdir}/sft"}
 
 
 def main(args) -> int:

@@ -157,13 +157,25 @@ class Trainer:
         self.clock = metrics.StepClock(self.device.type == "cuda")
 
     def _data(self):
-        """Packed, resumable batches for this rank's data shard; synthetic tokens when the run has no data files."""
+        """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, `self.val_dataset`
+        held out), pretraining text, or synthetic tokens when the run has no data."""
         import torch.distributed as dist
 
         from adapter.data import DPSampler, PackedDataset, SyntheticData, build_token_cache
 
         cfg = self.cfg
-        if self.synthetic:
+        self.val_dataset = self.sft = None
+        if cfg.data.datasets and not self.synthetic:
+            from adapter.data.sft import prepare
+            from adapter.data.sft.report import stats_lines
+
+            self.sft = prepare(cfg, tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
+                               progress=self.rank == 0)
+            dataset, self.val_dataset = self.sft.train, self.sft.val
+            if self.rank == 0:
+                for line in stats_lines(self.sft):
+                    self.log(line.strip())
+        elif self.synthetic:
             dataset = SyntheticData(self.arch.vocab_size, cfg.seq_len, cfg.seed)
         else:
             if not cfg.data.files:

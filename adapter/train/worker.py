@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             run(cfg, resume=args.resume, arch=arch, log=log)
             return 0
         # rehearsal: train half, save; resume from that checkpoint in a fresh engine; train to the end
-        synthetic = not cfg.data.files
+        synthetic = not cfg.data.files and not cfg.data.datasets
         half = cfg.checkpoint.save_every
         first = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"max_steps": half})})
         a = run(first, synthetic_data=synthetic, arch=arch, log=log)

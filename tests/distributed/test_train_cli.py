@@ -66,6 +66,11 @@ BAD = {  # name: (config overrides, extra CLI args, text the one line must conta
     "model.checkpoint not converted": ({"model.checkpoint": "MODEL"}, (), "nd-adapter convert hf-to-megatron"),
     "compiled layers under ZeRO-3": ({"model.compile": True}, (), "model.compile=True"),
     "damaged converted checkpoint": ({"model.checkpoint": "DAMAGED"}, (), "does not match the checksum"),
+    # SFT datasets are checked before any process starts too (adapter/data/sft check)
+    "unknown SFT dataset type": ({"data.files": [], "data.datasets": [{"path": "DATA", "type": "alpaka"}]}, (),
+                                 "data.datasets[0].type='alpaka': unknown dataset type"),
+    "SFT hub dataset not cached": ({"data.files": [], "data.datasets": [{"path": "acme/none", "type": "alpaca"}]},
+                                   (), "data.datasets[0].path='acme/none': not a local file or directory"),
 }
 
 
@@ -75,6 +80,9 @@ def test_bad_input_is_one_line_status_2_and_writes_nothing(tiny, tmp_path, case)
     over = {k: {"NARROW": tiny["narrow_megatron"], "MODEL": tiny["model"], "DAMAGED": tiny["damaged"]}.get(v, v)
             if isinstance(v, str) else v
             for k, v in over.items()}
+    if "data.datasets" in over:
+        over["data.datasets"] = [{**e, "path": tiny["data"] if e["path"] == "DATA" else e["path"]}
+                                 for e in over["data.datasets"]]
     ckpt_dir = tmp_path / "checkpoints"
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(raw_config(tiny, ckpt_dir, **over)))

@@ -44,7 +44,36 @@ def test_axolotl_yaml_unchanged(recwarn):
     assert (p.dp_replicate_size, p.dp_shard_size, p.cp_size, p.tp_size) == (2, 4, 1, 2)
     assert cfg.source == "axolotl" and cfg.seq_len == 2048 and cfg.grad_accum == 4
     ignored = [str(w.message) for w in recwarn if "ignored Axolotl keys" in str(w.message)]
-    assert len(ignored) == 1 and "special_tokens" in ignored[0] and "flash_attention" not in ignored[0]
+    assert not ignored  # special_tokens is read now (issue 14), flash_attention was already known
+    assert cfg.data.special_tokens.pad_token == "<|end_of_text|>"
+
+
+def test_axolotl_dataset_keys_map_onto_data(recwarn):
+    raw = {"base_model": str(LLAMA8B), "sequence_len": 512, "seed": 7, "train_on_inputs": True,
+           "sample_packing": True, "pad_to_sequence_len": True, "excess_length_strategy": "truncate",
+           "dataset_prepared_path": "last_run_prepared", "val_set_size": 0.05, "shuffle_merged_datasets": False,
+           "chat_template": "chatml", "special_tokens": None, "dataset_processes": 4, "datasets": [
+               {"path": "tatsu-lab/alpaca", "type": "alpaca"},
+               {"path": "chat.jsonl", "type": "chat_template", "field_messages": "conversations",
+                "message_field_role": "from", "message_field_content": "value", "roles_to_train": ["gpt"],
+                "train_on_eos": "all", "split": "train[:90%]"}]}
+    cfg = config.build(raw, env={})
+    d = cfg.data
+    assert (d.train_on_inputs, d.sample_packing, d.excess_length_strategy, d.prepared_path, d.val_set_size,
+            d.shuffle_merged_datasets, d.chat_template, d.num_proc, d.seed, d.files) == (
+        True, True, "truncate", "last_run_prepared", 0.05, False, "chatml", 4, 7, [])
+    first, chat = d.datasets
+    assert (first.path, first.type, first.split) == ("tatsu-lab/alpaca", "alpaca", "train")
+    assert chat.message_property_mappings == {"role": "from", "content": "value"}  # Axolotl's legacy spellings
+    assert (chat.field_messages, chat.roles_to_train, chat.train_on_eos) == ("conversations", ["gpt"], "all")
+    assert cfg.document_attention and not [w for w in recwarn if "ignored" in str(w.message)]
+    with pytest.raises(UserError, match=r"^datasets\[1\]\.shards=2: a dataset key nd-adapter does not support"):
+        config.build({**raw, "datasets": [raw["datasets"][0], {"path": "x", "type": "alpaca", "shards": 2}]}, env={})
+    with pytest.raises(UserError, match=r"^datasets\[0\]\.type=.*user-defined prompt formats are not supported"):
+        config.build({**raw, "datasets": [{"path": "x", "type": {"field_instruction": "q"}}]}, env={})
+    with pytest.raises(UserError, match=r"data: data\.datasets \(SFT\) cannot be combined with data\.files"):
+        config.build(native(**{"data.files": ["a.txt"], "data.datasets": [{"path": "b.jsonl"}]}), env={})
+    assert not config.build(native(**{"data.document_mask": False}), env={}).document_attention
 
 
 def test_axolotl_sequence_parallel_degree_alias():

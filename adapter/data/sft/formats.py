@@ -1,0 +1,187 @@
+"""Dataset types -> tokens and labels (-100 = not trained), as Axolotl builds them, one batched `map` function each.
+
+  completion    text column (`field`, default text): tokenised with the tokenizer's own specials, EOS appended,
+                cut into consecutive chunks of seq_len; everything trained.
+  alpaca        instruction / input / output in Axolotl's instruct prompt; the prompt (BOS included) is masked
+                unless train_on_inputs, the output and the EOS after it are trained. Prompt and output are
+                tokenised apart and truncated to seq_len each, as Axolotl does.
+  chat_template messages rendered by a chat template (templates.py).
+  input_output  `segments: [{label, text}]`, each tokenised without specials, trained where label is true.
+  (no type)     pre-tokenised rows: input_ids, optional labels (-100 = masked; absent = all trained) and
+                attention_mask (0 = padding, dropped).
+Every returned row is one example; labels follow the HF convention (aligned with input_ids, unshifted).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from adapter.errors import bad
+
+IGNORE = -100
+ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+                "Write a response that appropriately completes the request.\n\n"
+                "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+                   "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+TYPES = ("completion", "alpaca", "chat_template", "input_output")
+PRETOKENISED = "pretokenised"
+CHAT_KEYS = {"field_messages", "field_system", "field_tools", "message_property_mappings", "roles", "roles_to_train",
+             "train_on_eos", "train_on_eot", "chat_template", "chat_template_jinja", "drop_system_message"}
+
+
+def kind_of(entry, where: str) -> str:
+    """The entry's type, checked: one line for an unknown or deprecated one, or keys that belong to another type."""
+    t = entry.type
+    if t is None:
+        kind = PRETOKENISED
+    elif t == "sharegpt" or t.startswith("sharegpt:"):
+        raise bad(f"{where}.type", t, "sharegpt is deprecated in Axolotl and not supported",
+                  "use type: chat_template with message_property_mappings: {role: from, content: value} and "
+                  "field_messages: conversations")
+    elif t.startswith("alpaca:"):
+        raise bad(f"{where}.type", t, "only Axolotl's default alpaca prompt (instruct) is supported",
+                  "use type: alpaca, or chat_template for chat-style prompts")
+    elif t not in TYPES:
+        raise bad(f"{where}.type", t, "unknown dataset type",
+                  f"use one of {', '.join(TYPES)}, or leave type out for pre-tokenised rows (input_ids, labels)")
+    else:
+        kind = t
+    given = {k for k in entry.model_fields_set if getattr(entry, k) is not None}
+    stray = sorted(given & CHAT_KEYS) if kind != "chat_template" else []
+    if entry.field is not None and kind != "completion":
+        stray.append("field")
+    if stray:
+        raise bad(f"{where}.{stray[0]}", getattr(entry, stray[0]), f"only applies to type "
+                  f"{'completion' if stray[0] == 'field' else 'chat_template'}, not {t}",
+                  "remove it or change the entry's type")
+    if kind == "chat_template" and entry.train_on_eot not in (None, entry.train_on_eos or "turn"):
+        raise bad(f"{where}.train_on_eot", entry.train_on_eot, "the end-of-turn token is the EOS here, so it cannot "
+                  f"differ from train_on_eos={entry.train_on_eos or 'turn'}", "drop train_on_eot or make them equal")
+    return kind
+
+
+def required_columns(entry, kind: str) -> list[str]:
+    return {"completion": [entry.field or "text"], "alpaca": ["instruction", "output"],
+            "chat_template": [entry.field_messages], "input_output": ["segments"],
+            PRETOKENISED: ["input_ids"]}[kind]
+
+
+def check_columns(entry, kind: str, columns: list[str], where: str, source: str) -> None:
+    for col in required_columns(entry, kind):
+        if col not in columns:
+            key = {"completion": "field", "chat_template": "field_messages"}.get(kind, "type")
+            fix = (f"set {key} to the column that holds it" if key != "type" else
+                   "use a dataset with that column or the type that matches its columns")
+            if kind == PRETOKENISED:
+                fix = "set type (completion, alpaca, chat_template, input_output) to match the rows"
+            raise bad(f"{where}.{key}", getattr(entry, key, None) if key != "type" else entry.type,
+                      f"{source} has no column {col!r} (its columns: {', '.join(columns)})", fix)
+
+
+def _text(value: Any, where: str, column: str, idx: int, *, optional: bool = False) -> str:
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise bad(where, f"row {idx}", f"column {column!r} is {type(value).__name__}, not text",
+                  "fix the row or point the entry at the right column")
+    return value
+
+
+def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool, where: str,
+                   chat=None) -> Callable[[dict[str, list], list[int]], dict[str, list]]:
+    """A batched map function: columns of a batch + row indices -> input_ids, labels, eos_missing (per example)."""
+    eos, bos = tok.eos_token_id, tok.bos_token_id
+
+    def out(rows: list[tuple[list[int], list[int], bool]]) -> dict[str, list]:
+        return {"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows],
+                "eos_missing": [r[2] for r in rows]}
+
+    if kind == "completion":
+        field, cap = entry.field or "text", seq_len * 64
+
+        def completion(batch, idx):
+            texts = [t for t, i in zip(batch[field], idx) if _text(t, where, field, i)]
+            rows = []
+            for ids in tok(texts, truncation=True, max_length=cap)["input_ids"] if texts else []:
+                ids = list(ids)
+                if ids and ids[-1] != eos and len(ids) < cap and eos is not None:
+                    ids.append(eos)
+                rows += [(ids[k:k + seq_len], ids[k:k + seq_len], False) for k in range(0, len(ids), seq_len)]
+            return out(rows)
+        return completion
+
+    if kind == "alpaca":
+        def alpaca(batch, idx):
+            inputs = batch.get("input") or [None] * len(idx)
+            prompts, outputs = [], []
+            for ins, inp, o, i in zip(batch["instruction"], inputs, batch["output"], idx):
+                ins, inp, o = (_text(ins, where, "instruction", i), _text(inp, where, "input", i, optional=True),
+                               _text(o, where, "output", i))
+                prompts.append(ALPACA_INPUT.format(instruction=ins, input=inp) if inp else
+                               ALPACA_NO_INPUT.format(instruction=ins))
+                outputs.append(o)
+            p_ids = tok(prompts, truncation=True, max_length=seq_len)["input_ids"]
+            nonempty = [o for o in outputs if o]
+            o_iter = iter(tok(nonempty, truncation=True, max_length=seq_len)["input_ids"] if nonempty else [])
+            rows = []
+            for p, o in zip(p_ids, outputs):
+                p, r = list(p), list(next(o_iter)) if o else []  # Axolotl: an empty output gets no tokens, no EOS
+                if r and r[-1] != eos and len(r) < seq_len and eos is not None:
+                    r.append(eos)
+                if r and bos is not None and r[0] == bos:
+                    r = r[1:]
+                rows.append((p + r, (p if train_on_inputs else [IGNORE] * len(p)) + r, False))
+            return out(rows)
+        return alpaca
+
+    if kind == "chat_template":
+        def chat_template(batch, idx):
+            names = list(batch)
+            return out([chat({k: batch[k][j] for k in names}, i) for j, i in enumerate(idx)])
+        return chat_template
+
+    if kind == "input_output":
+        def input_output(batch, idx):
+            rows = []
+            for segs, i in zip(batch["segments"], idx):
+                if not isinstance(segs, list):
+                    raise bad(where, f"row {i}", "segments is not a list", "write segments: [{label, text}, ...]")
+                ids: list[int] = []
+                labels: list[int] = []
+                for n, seg in enumerate(segs):
+                    if not isinstance(seg, dict) or not isinstance(seg.get("label"), bool) or \
+                            not isinstance(seg.get("text"), str):
+                        raise bad(where, f"row {i} segment {n}", "needs a boolean label and a text",
+                                  "write each segment as {label: true|false, text: ...}")
+                    piece = tok(seg["text"], add_special_tokens=False)["input_ids"]
+                    ids += piece
+                    labels += piece if seg["label"] or train_on_inputs else [IGNORE] * len(piece)
+                rows.append((ids, labels, False))
+            return out(rows)
+        return input_output
+
+    def pretokenised(batch, idx):
+        rows = []
+        labels_col, mask_col = batch.get("labels"), batch.get("attention_mask")
+        for j, i in enumerate(idx):
+            ids = batch["input_ids"][j]
+            labels = labels_col[j] if labels_col is not None else None
+            mask = mask_col[j] if mask_col is not None else None
+            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise bad(where, f"row {i}", "input_ids is not a list of token ids", "store input_ids as [int, ...]")
+            for name, col in (("labels", labels), ("attention_mask", mask)):
+                if col is not None and (not isinstance(col, list) or len(col) != len(ids)):
+                    raise bad(where, f"row {i}", f"{name} does not match input_ids in length",
+                              f"give one {name} value per token")
+            labels = list(ids) if labels is None else list(labels)
+            if mask is not None:
+                keep = [k for k, m in enumerate(mask) if m]
+                ids, labels = [ids[k] for k in keep], [labels[k] for k in keep]
+            rows.append((list(ids), labels, False))
+        return out(rows)
+    return pretokenised
+
+
+__all__ = ["TYPES", "PRETOKENISED", "ALPACA_INPUT", "ALPACA_NO_INPUT", "kind_of", "required_columns",
+           "check_columns", "make_formatter"]

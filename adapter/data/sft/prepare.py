@@ -1,0 +1,399 @@
+"""SFT datasets -> tokenised, masked, packed train/val samples on disk, built once by one rank, reused by all.
+
+The cache directory's name hashes everything that changes its contents: each source's files (path, size, mtime),
+the tokenizer's files, the model's vocabulary size, seq_len and every data key that changes what is kept or
+trained. The builder writes into a temporary directory beside it and renames it into place, so restarts and the
+other ranks never see half a cache; a data error on the builder reaches every rank (token_cache.py's pattern).
+
+Order of work, as Axolotl does it: tokenise and mask each entry; handle over-long examples (drop, truncate or
+refuse); skip examples without a trained token (counted: they would give a 0/0 loss); concatenate the entries,
+shuffle with the seed (shuffle_merged_datasets); hold out the tail as the validation set (val_set_size); pack.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapter.data.sft import formats, sources, templates
+from adapter.data.sft.packing import SFTDataset, ragged_take, targets, write_split
+from adapter.data.token_cache import TOKENIZER_FILES
+from adapter.errors import UserError, bad
+from adapter.osutil import atomic_write_text
+
+CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
+TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
+RESULT_KEYS = ("train_on_inputs", "sample_packing", "eval_sample_packing", "excess_length_strategy", "val_set_size",
+               "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed")
+PARALLEL_ROWS = 20_000  # below this, one process tokenises faster than starting workers
+
+
+@dataclass
+class SFTData:
+    train: SFTDataset
+    val: SFTDataset | None
+    stats: dict[str, Any]
+    chat_template: str | None          # the jinja the conversations were rendered with, for the exported tokenizer
+    path: Path
+    notes: list[str] = field(default_factory=list)  # what changes what is trained, for the run's first lines
+    reused: bool = False
+
+
+def names(cfg) -> tuple[Callable[[int], str], Callable[[str], str]]:
+    """How keys are spelled in messages: as the user wrote them (Axolotl top level, or native data.*)."""
+    if cfg.source == "axolotl":
+        return (lambda i: f"datasets[{i}]"), (lambda k: "dataset_prepared_path" if k == "prepared_path" else k)
+    return (lambda i: f"data.datasets[{i}]"), (lambda k: f"data.{k}")
+
+
+def top_prefix(cfg) -> str:
+    return "" if cfg.source == "axolotl" else "data."
+
+
+def resolve_all(cfg) -> list[tuple[Any, str, str, sources.Source]]:
+    """(entry, where, kind, source) per dataset: types, keys and paths checked, nothing loaded (cheap, every rank)."""
+    where, _ = names(cfg)
+    out = []
+    for i, entry in enumerate(cfg.data.datasets):
+        kind = formats.kind_of(entry, where(i))
+        out.append((entry, where(i), kind, sources.resolve(entry, where(i))))
+    return out
+
+
+def check(cfg) -> None:
+    """Preflight: every entry's type, keys and source, before any process starts."""
+    resolve_all(cfg)
+    val_fraction(cfg, None)
+
+
+def prepared_root(cfg) -> Path:
+    d = cfg.data
+    return Path(d.prepared_path or d.cache_dir or Path(cfg.checkpoint.dir or ".") / "token-cache")
+
+
+def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int) -> str:
+    tok_files = [tokenizer_dir / n for n in TOKENIZER_KEY_FILES if (tokenizer_dir / n).is_file()]
+    if not tok_files:
+        raise bad("model.path", str(tokenizer_dir), "no tokenizer files there (tokenizer.json, tokenizer.model, ...)",
+                  "point the model at an HF checkpoint directory that includes its tokenizer")
+    d = cfg.data
+    knobs = {k: getattr(d, k) for k in RESULT_KEYS}
+    knobs["special_tokens"] = d.special_tokens.model_dump()
+    for jinja in [d.chat_template_jinja] + [e.chat_template_jinja for e, *_ in resolved]:
+        if jinja and "{" not in jinja and Path(jinja).is_file():  # a template file: its contents count
+            knobs.setdefault("jinja_files", []).append(hashlib.sha256(Path(jinja).read_bytes()).hexdigest())
+    doc = {"v": CACHE_VERSION, "seq_len": cfg.seq_len, "vocab": vocab_size, "knobs": knobs,
+           "entries": [[e.model_dump(), src.identity()] for e, _, _, src in resolved]}
+    h = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode())
+    for f in tok_files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def val_fraction(cfg, n: int | None) -> int:
+    """Examples held out: a fraction < 1 of n (rounded up, as datasets' train_test_split) or a whole count."""
+    v, (_, key) = cfg.data.val_set_size, names(cfg)
+    if v >= 1 and v != int(v):
+        raise bad(key("val_set_size"), v, "neither a fraction below 1 nor a whole number of examples",
+                  "give e.g. 0.05 (5%) or 200 (examples)")
+    if n is None:
+        return 0
+    count = int(v) if v >= 1 else math.ceil(v * n)
+    if count >= n:
+        raise bad(key("val_set_size"), v, f"holds out {count} of the {n} examples left after filtering, leaving "
+                  "nothing to train on", f"use a smaller val_set_size (below {n}) or add data")
+    return count
+
+
+# --- tokenizer -----------------------------------------------------------------------------------------------------
+
+def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
+    """The checkpoint's tokenizer with the config's `special_tokens` set; ones not in the vocabulary are refused."""
+    from transformers import AutoTokenizer
+
+    _, key = names(cfg)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    given = cfg.data.special_tokens.model_dump(exclude_none=True)
+    vocab = tok.get_vocab()
+    for name, value in given.items():
+        for token in value if isinstance(value, list) else [value]:
+            tid = vocab.get(token)
+            if tid is None or tid >= vocab_size:
+                raise bad(f"{key('special_tokens')}.{name}", token,
+                          "not in the tokenizer's vocabulary" if tid is None else
+                          f"its id {tid} is outside the model's {vocab_size} embedding rows",
+                          "use a token the vocabulary has (e.g. the EOS for pad_token); adding tokens needs new "
+                          "embedding rows, which nd-adapter does not do yet")
+    if given:
+        before = len(tok)
+        tok.add_special_tokens(given)
+        if len(tok) != before:  # cannot happen after the checks above; never train on unknown rows
+            raise RuntimeError("special_tokens grew the vocabulary")
+    if not getattr(tok, "is_fast", False):
+        raise bad("model.path", str(tokenizer_dir), "the tokenizer has no fast (tokenizer.json) version, which "
+                  "masking needs for character offsets", "save the tokenizer with tokenizer.json")
+    return tok
+
+
+# --- one entry -----------------------------------------------------------------------------------------------------
+
+def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow.compute as pc
+
+    col = ds.with_format("arrow")[:][column].combine_chunks()
+    lens = np.asarray(pc.list_value_length(col).fill_null(0), dtype=np.int64)
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return np.asarray(col.flatten(), dtype=dtype), offsets
+
+
+def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, n: int, progress: bool):
+    """Tokenise and mask one entry; returns flat ids, labels, offsets, eos_missing flags and its row count."""
+    import datasets
+
+    datasets.disable_progress_bars()  # reading a split is quick: its bars would only clutter a one-line error
+    try:
+        ds = sources.load(src, entry, workdir / "hf")
+    finally:
+        (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
+    formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
+    chat = None
+    if kind == "chat_template":
+        top = cfg.data
+        if entry.chat_template is not None or entry.chat_template_jinja is not None:  # the entry's own wins
+            template = templates.resolve_template(entry.chat_template, entry.chat_template_jinja, tok, f"{where}.")
+        else:
+            template = templates.resolve_template(top.chat_template, top.chat_template_jinja, tok, top_prefix(cfg))
+        chat = templates.ChatFormatter(entry, tok, template, train_on_inputs=cfg.data.train_on_inputs, where=where)
+    fn = formats.make_formatter(kind, entry, tok, seq_len=cfg.seq_len, train_on_inputs=cfg.data.train_on_inputs,
+                                where=where, chat=chat)
+    big = len(ds) >= PARALLEL_ROWS
+    procs = cfg.data.num_proc or (min(8, os.cpu_count() or 1) if big else None)
+    if not big:
+        datasets.disable_progress_bars()
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),  # 4 bytes a token
+                                  "labels": datasets.Sequence(datasets.Value("int32")),
+                                  "eos_missing": datasets.Value("bool")})
+    mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=list(ds.column_names), features=features,
+                    num_proc=procs if procs and procs > 1 else None, load_from_cache_file=False,
+                    cache_file_name=str(workdir / f"map-{n}.arrow"), desc=f"{where} ({kind})")
+    ids, offsets = _flat(mapped, "input_ids", np.int32)
+    labels, _ = _flat(mapped, "labels", np.int32)
+    eos_missing = np.asarray(mapped.with_format("arrow")[:]["eos_missing"].combine_chunks()
+                             .to_numpy(zero_copy_only=False), dtype=bool)
+    return ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None)
+
+
+def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict):
+    """Over-long examples per excess_length_strategy, then examples without a trained target; counted in stats."""
+    _, key = names(cfg)
+    s = cfg.seq_len
+    if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):
+        bad_id = int(ids.max() if ids.max() >= vocab_size else ids.min())
+        raise bad(f"{where}", f"token id {bad_id}", f"outside the model's vocabulary of {vocab_size}",
+                  "use the model's own tokenizer (pre-tokenised rows must use its ids)")
+    lengths = np.diff(offsets)
+    over = lengths > s
+    strategy = cfg.data.excess_length_strategy
+    if over.any() and strategy == "raise":
+        i = int(np.flatnonzero(over)[0])
+        raise bad(key("excess_length_strategy"), "raise", f"{where} example {i} has {int(lengths[i])} tokens, more "
+                  f"than sequence_len={s}", "raise sequence_len, or set excess_length_strategy: drop or truncate")
+    keep = np.flatnonzero(~over & (lengths > 0)) if strategy == "drop" else np.flatnonzero(lengths > 0)
+    stats["dropped_too_long" if strategy == "drop" else "truncated"] = int(over.sum())
+    idx, offsets = ragged_take(offsets, keep, np.minimum(lengths[keep], s))
+    ids, labels = ids[idx], labels[idx]
+    tgt = targets(labels, offsets)
+    trained = np.add.reduceat((tgt >= 0).astype(np.int64), offsets[:-1]) if len(tgt) else np.zeros(0, np.int64)
+    trained = np.where(np.diff(offsets) > 0, trained, 0)
+    ok = np.flatnonzero(trained > 0)
+    stats["no_trained_token"] = int(len(keep) - len(ok))
+    idx, offsets = ragged_take(offsets, ok)
+    return ids[idx], tgt[idx], offsets
+
+
+# --- build ---------------------------------------------------------------------------------------------------------
+
+def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:
+    import datasets
+
+    was_on = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
+    try:
+        return _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out, progress)
+    finally:
+        (datasets.enable_progress_bars if was_on else datasets.disable_progress_bars)()
+
+
+def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: bool) -> dict:
+    tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+    work = out / "work"
+    parts, per_dataset, used_templates, eos_missing = [], [], [], 0
+    for n, (entry, where, kind, src) in enumerate(resolved):
+        ids, labels, offsets, missing, rows, template = _entry_examples(cfg, tok, entry, where, kind, src, work, n,
+                                                                         progress)
+        st = {"dataset": where, "path": src.location, "type": kind, "rows": rows, "examples": len(offsets) - 1}
+        ids, tgt, offsets = _filter(cfg, ids, labels, offsets, where, vocab_size, st)
+        st.update(kept=len(offsets) - 1, tokens=int(len(ids)), trained_tokens=int((tgt >= 0).sum()))
+        per_dataset.append(st)
+        parts.append((ids, tgt, offsets))
+        eos_missing += int(missing.sum())
+        if template is not None:
+            used_templates.append(template)
+        if progress:
+            print(f"{where}: {rows} rows -> {st['kept']} examples kept of {st['examples']}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    ids = np.concatenate([p[0] for p in parts])
+    tgt = np.concatenate([p[1] for p in parts])
+    base = np.cumsum([0] + [len(p[0]) for p in parts])
+    offsets = np.concatenate([[0]] + [p[2][1:] + b for p, b in zip(parts, base)]).astype(np.int64)
+    n = len(offsets) - 1
+    if n == 0:
+        dropped = sum(s.get("dropped_too_long", 0) for s in per_dataset)
+        none = sum(s["no_trained_token"] for s in per_dataset)
+        raise bad("datasets", [s["path"] for s in per_dataset], f"no example left after filtering ({dropped} longer "
+                  f"than sequence_len={cfg.seq_len} dropped, {none} without a trained token)",
+                  "raise sequence_len or set excess_length_strategy: truncate, and check roles_to_train / "
+                  "train_on_inputs and the data's fields")
+    d = cfg.data
+    order = (np.random.default_rng(d.seed).permutation(n) if d.shuffle_merged_datasets else np.arange(n))
+    n_val = val_fraction(cfg, n)
+    split = {"train": order[:n - n_val], "val": order[n - n_val:]}
+    total = {k: sum(st.get(k, 0) for st in per_dataset) for k in
+             ("rows", "examples", "dropped_too_long", "truncated", "no_trained_token", "kept", "trained_tokens")}
+    result = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "datasets": per_dataset, "total": total,
+              "pad_id": pad_id(tok), "eos_token": tok.eos_token, "eos_missing": eos_missing}
+    eval_pack = d.sample_packing if d.eval_sample_packing is None else d.eval_sample_packing
+    for name, pick in split.items():
+        if name == "val" and not len(pick):
+            continue
+        idx, off = ragged_take(offsets, pick)
+        result[name] = write_split(out / name, ids[idx], tgt[idx], off, cfg.seq_len,
+                                   d.sample_packing if name == "train" else eval_pack)
+    chosen = None
+    if used_templates:
+        chosen = used_templates[0]
+        if d.chat_template is not None or d.chat_template_jinja is not None:  # the top-level one is the model's
+            chosen = templates.resolve_template(d.chat_template, d.chat_template_jinja, tok, top_prefix(cfg))
+    result["chat_template"] = chosen
+    result["chat_templates_used"] = len(set(used_templates))
+    return result
+
+
+def pad_id(tok) -> int:
+    for t in (tok.pad_token_id, tok.eos_token_id):
+        if t is not None:
+            return int(t)
+    return 0
+
+
+def notes_for(cfg, result: dict) -> list[str]:
+    """Lines for the run's start: defaults and filtering that change what is trained."""
+    d, (_, key), out = cfg.data, names(cfg), []
+    kinds = {s["type"] for s in result["datasets"]}
+    if kinds - {"completion"} and "train_on_inputs" not in d.model_fields_set:
+        out.append("prompts, system and user turns are not trained (train_on_inputs: false, the default)")
+    dropped = sum(s.get("dropped_too_long", 0) for s in result["datasets"])
+    truncated = sum(s.get("truncated", 0) for s in result["datasets"])
+    none = sum(s["no_trained_token"] for s in result["datasets"])
+    if dropped:
+        default = "" if "excess_length_strategy" in d.model_fields_set else ", the default"
+        out.append(f"{dropped} examples longer than sequence_len={cfg.seq_len} dropped "
+                   f"({key('excess_length_strategy')}: drop{default}; truncate keeps their start)")
+    if truncated:
+        out.append(f"{truncated} examples longer than sequence_len={cfg.seq_len} truncated to it")
+    if none:
+        out.append(f"{none} examples without a trained token skipped (they would add nothing, or a 0/0 loss)")
+    if result.get("eos_missing"):
+        out.append(f"{result['eos_missing']} conversations have a trained turn with no EOS "
+                   f"({result['eos_token']}) right after it: the model is not taught to stop there; set "
+                   f"{key('special_tokens')}.eos_token to the template's end-of-turn token (e.g. <|im_end|>)")
+    if "pretokenised" in kinds:
+        out.append("pre-tokenised rows without a labels column train every token")
+    if d.pad_to_sequence_len is False:
+        out.append(f"every sample is padded to sequence_len={cfg.seq_len} (fixed shapes): pad_to_sequence_len: "
+                   "false is not applied")
+    if result.get("val"):
+        how = f"shuffled with seed {d.seed}" if d.shuffle_merged_datasets else "unshuffled"
+        out.append(f"{key('val_set_size')}={d.val_set_size:g}: {result['val']['examples']} examples held out "
+                   f"(the tail of the merged data, {how})")
+    if result.get("chat_templates_used", 0) > 1:
+        out.append("the datasets use different chat templates; the exported tokenizer gets "
+                   "the top-level (or first) one")
+    return out
+
+
+# --- the entry point -----------------------------------------------------------------------------------------------
+
+def _open(cfg, d: Path, reused: bool) -> SFTData:
+    m = json.loads((d / "manifest.json").read_text())
+    if m["seq_len"] != cfg.seq_len:  # the key includes it; a mismatch means a hand-edited cache
+        raise bad("data.prepared_path", str(d), "was prepared for another sequence_len", "remove it")
+    val = SFTDataset(d / "val", cfg.seq_len, m["pad_id"]) if (d / "val").is_dir() else None
+    stats = {k: m[k] for k in ("total", "datasets", "train", "val") if k in m}
+    return SFTData(SFTDataset(d / "train", cfg.seq_len, m["pad_id"]), val, stats, m["chat_template"], d,
+                   notes_for(cfg, m), reused)
+
+
+def prepare(cfg, tokenizer_dir, *, builder: bool = True, barrier: Callable[[], None] | None = None,
+            progress: bool = True) -> SFTData:
+    """The prepared SFT data for `cfg.data.datasets`, built on the `builder` rank if missing.
+
+    Every rank calls this with the same arguments; `barrier`, when given, is called exactly once on each (after
+    the builder finished). Pick the builder as global rank 0 for a shared prepared_path, or local rank 0 per node
+    for node-local disks. A data error found by the builder is raised on every rank.
+    """
+    from adapter.models.arch import load_arch
+
+    if not cfg.data.datasets:
+        raise bad("data.datasets", [], "no SFT datasets given", "list them under datasets:")
+    tokenizer_dir = Path(tokenizer_dir)
+    vocab_size = load_arch(cfg.model.path).vocab_size
+    resolved = resolve_all(cfg)
+    val_fraction(cfg, None)
+    root = prepared_root(cfg)
+    key = cache_key(cfg, resolved, tokenizer_dir, vocab_size)
+    final, failed = root / f"sft-{key}", root / f"sft-{key}.error"
+    error: Exception | None = None
+    reused = (final / "manifest.json").is_file()
+    if builder and not reused:
+        root.mkdir(parents=True, exist_ok=True)
+        failed.unlink(missing_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".sft-{key}.tmp-", dir=root))
+        try:
+            manifest = _build(cfg, resolved, tokenizer_dir, vocab_size, tmp, progress)
+            atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+            try:
+                os.rename(tmp, final)  # atomic publish; a concurrent identical build may have won
+            except OSError:
+                if not (final / "manifest.json").is_file():
+                    raise
+        except Exception as e:
+            error = e
+            atomic_write_text(failed, json.dumps({"user": isinstance(e, UserError), "message": str(e)}))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if barrier is not None:
+        barrier()
+    if error is not None:
+        raise error
+    if (final / "manifest.json").is_file():
+        return _open(cfg, final, reused)
+    if failed.is_file():
+        why = json.loads(failed.read_text())
+        raise (UserError if why["user"] else RuntimeError)(why["message"])
+    _, k = names(cfg)
+    raise bad(k("prepared_path"), str(root), f"the prepared data {final.name} made by the builder rank is not "
+              "visible here", "put it on storage shared with the builder rank, or build with local rank 0 per node")
+
+
+__all__ = ["SFTData", "prepare", "check", "prepared_root", "cache_key", "load_tokenizer"]

@@ -1,0 +1,68 @@
+"""`nd-adapter preprocess`: build (or reuse) the prepared SFT data the run will use, print what it holds, and with
+`--debug` the (token, label) pairs of a few samples, as Axolotl's `preprocess --debug` shows them: the label is
+the token itself where it is a trained target, -100 where it is not (the first token of an example never is)."""
+from __future__ import annotations
+
+import numpy as np
+
+from adapter.errors import bad
+
+IGNORE = -100
+
+
+def stats_lines(data) -> list[str]:
+    s = data.stats
+    out = [f"prepared data: {data.path} ({'reused' if data.reused else 'built'})"]
+    for d in s["datasets"]:
+        over = (f"{d['dropped_too_long']} over-long dropped" if "dropped_too_long" in d
+                else f"{d['truncated']} over-long truncated")
+        out.append(f"  {d['dataset']} {d['type']:<13} {d['path']}: {d['rows']} rows -> {d['examples']} examples, "
+                   f"{over}, {d['no_trained_token']} without a trained token skipped, {d['kept']} kept "
+                   f"({d['trained_tokens']:,} trained of {d['tokens']:,} tokens)")
+    for name in ("train", "val"):
+        if name in s:
+            t = s[name]
+            out.append(f"  {name}: {t['examples']} examples in {t['bins']} samples of {data.train.seq_len} tokens "
+                       f"({'packed' if t['packed'] else 'one example each'}), packing efficiency "
+                       f"{100 * t['packing_efficiency']:.1f}%, {t['trained_tokens']:,} trained tokens of "
+                       f"{t['tokens']:,}")
+    out += [f"  note: {n}" for n in data.notes]
+    return out
+
+
+def debug_lines(data, tok, samples: int = 3) -> list[str]:
+    """(token, label) per token of the first examples of the first samples (unshifted, HF/Axolotl convention)."""
+    out = []
+    for i in range(min(samples, len(data.train))):
+        item, bounds = data.train[i], data.train.examples(i)
+        for k in range(len(bounds) - 1):
+            a, b = int(bounds[k]), int(bounds[k + 1])
+            ids = item["tokens"][a:b]
+            trained = np.r_[False, item["loss_mask"][a:b - 1] > 0]  # position j-1 predicts token j
+            pairs = [f"({tok.decode([int(t)])!r}, {int(t) if m else IGNORE})" for t, m in zip(ids, trained)]
+            out.append(f"sample {i} example {k} ({b - a} tokens, {int(trained.sum())} trained): " + " ".join(pairs))
+    return out
+
+
+def main(args) -> int:
+    from adapter import config
+    from adapter.data.sft import prepare
+    from adapter.train.trainer import tokenizer_dir
+
+    cfg = config.load(args.config, overrides=config.parse_sets(args.set))
+    if not cfg.data.datasets:
+        raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
+                  "list them under datasets: (Axolotl) or data.datasets (native)")
+    tok_dir = tokenizer_dir(cfg)
+    data = prepare(cfg, tok_dir, builder=True, barrier=None, progress=True)
+    print("\n".join(stats_lines(data)))
+    if args.debug:
+        from adapter.data.sft.prepare import load_tokenizer
+        from adapter.models.arch import load_arch
+
+        tok = load_tokenizer(cfg, tok_dir, load_arch(cfg.model.path).vocab_size)
+        print("\n".join(debug_lines(data, tok, args.samples)))
+    return 0
+
+
+__all__ = ["stats_lines", "debug_lines", "main"]

@@ -1,0 +1,230 @@
+"""Chat templates: which jinja string renders a dataset, and which of its tokens are trained.
+
+Trained spans come from the rendered text itself, so any template works, with or without `{% generation %}`
+markers: the conversation is rendered once as it is, and once per inspected turn with that turn's content replaced
+by each of two sentinels whose first and last characters differ. Where the renderings start and stop differing
+is exactly where the turn's rendered content sits (role headers and separators are identical in all three), even
+when the template trims, escapes or re-orders content. The whole text is tokenised once with offsets; a token is
+trained when it carries any character of a trained span (transformers' assistant mask uses the same rule). Unlike
+rendering growing prefixes (Axolotl's `find_turn`), this never assumes a prefix renders as the start of the whole.
+
+End of turn, as Axolotl's `train_on_eos`: the first EOS within the 4 tokens after a turn's content is that turn's
+EOS; `turn` trains it after trained turns, `all` after every turn, `last` only the last one found, `none` never.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapter.errors import UserError, bad
+
+IGNORE = -100
+# <|im_start|>{role}\n{content}<|im_end|>\n per message (the format Axolotl's and most hub chatml templates render).
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+BUILTIN = {"chatml": CHATML}
+CHOICES = ("tokenizer_default", "tokenizer_default_fallback_chatml", "chatml", "jinja")
+SENTINELS = ("\x01", "\x02")  # one character each: they differ in their first and in their last character
+EOS_WINDOW = 4  # the EOS must be among the first 4 tokens after the content (Axolotl: |eos - end| <= 3)
+DEFAULT_ROLES = {"human": "user", "user": "user", "assistant": "assistant", "gpt": "assistant", "system": "system",
+                 "tool": "tool"}
+_SPECIAL_LITERAL = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+
+def _read_jinja(value: str, key: str) -> str:
+    if "{" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise bad(key, value, "neither a jinja template (no {% or {{ in it) nor an existing file",
+                  "give the template text or the path of a .jinja file")
+    return path.read_text(encoding="utf-8")
+
+
+def _tokenizer_template(tok) -> str | None:
+    t = getattr(tok, "chat_template", None)
+    if isinstance(t, dict):  # named templates: the default one renders conversations
+        t = t.get("default")
+    return t if isinstance(t, str) and t.strip() else None
+
+
+def resolve_template(choice: str | None, jinja: str | None, tok, prefix: str) -> str:
+    """The jinja string for Axolotl's `chat_template` / `chat_template_jinja` pair, whose keys are spelled
+    `{prefix}chat_template` in errors ("" top level, "data." native, "datasets[0]." per entry). Refuses templates
+    whose <|...|> tokens the vocabulary lacks: adding them needs new embedding rows."""
+    key = f"{prefix}chat_template"
+    if jinja is not None and choice not in (None, "jinja"):
+        raise bad(key, choice, "chat_template_jinja is also given",
+                  "drop chat_template (chat_template_jinja alone means chat_template: jinja) or the jinja")
+    choice = "jinja" if jinja is not None else (choice or "tokenizer_default")
+    own = _tokenizer_template(tok)
+    if choice == "jinja":
+        if jinja is None:
+            raise bad(key, choice, "needs chat_template_jinja", "set chat_template_jinja")
+        template = _read_jinja(jinja, f"{key}_jinja")
+    elif choice == "tokenizer_default":
+        if own is None:
+            raise bad(key, choice, "the tokenizer has no chat template",
+                      "set chat_template: chatml (or tokenizer_default_fallback_chatml) or chat_template_jinja")
+        template = own
+    elif choice.startswith("tokenizer_default_fallback_") and choice.removeprefix(
+            "tokenizer_default_fallback_") in BUILTIN:
+        template = own or BUILTIN[choice.removeprefix("tokenizer_default_fallback_")]
+    elif choice in BUILTIN:
+        template = BUILTIN[choice]
+    else:
+        raise bad(key, choice, "not a chat template nd-adapter ships",
+                  f"use one of {', '.join(CHOICES)}, or give the template itself as chat_template_jinja")
+    check_template_tokens(template, tok, key, choice)
+    return template
+
+
+def check_template_tokens(template: str, tok, key: str, choice: str) -> None:
+    vocab = tok.get_vocab()
+    for literal in sorted(set(_SPECIAL_LITERAL.findall(template))):
+        if literal not in vocab or len(tok(literal, add_special_tokens=False)["input_ids"]) != 1:
+            raise bad(key, choice, f"the template writes {literal}, which is not one token of this tokenizer "
+                      "(adding tokens needs new embedding rows, not supported yet)",
+                      "use the tokenizer's own template (tokenizer_default) or a chat_template_jinja written "
+                      "with tokens the vocabulary has")
+
+
+def _lcp(a: str, b: str) -> int:
+    """Length of the common prefix, by bisection over slice comparisons (C speed on long conversations)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _lcs(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if n == 0 or a[len(a) - n:] == b[len(b) - n:]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[len(a) - mid:] == b[len(b) - mid:]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class ChatFormatter:
+    """Conversation rows -> (input_ids, labels with -100, whether a trained turn had no EOS after it)."""
+
+    def __init__(self, entry, tok, template: str, *, train_on_inputs: bool, where: str):
+        self.tok, self.template, self.where = tok, template, where
+        self.field = entry.field_messages
+        self.field_system, self.field_tools = entry.field_system, entry.field_tools
+        self.mapping = {"role": "role", "content": "content", **(entry.message_property_mappings or {})}
+        self.roles = ({src: dst for dst, sources in entry.roles.items() for src in sources} if entry.roles
+                      else dict(DEFAULT_ROLES))
+        self.train_roles = {self.roles.get(r, r) for r in (entry.roles_to_train
+                                                           if entry.roles_to_train is not None else ["assistant"])}
+        self.train_on_eos = entry.train_on_eos or "turn"
+        self.train_on_inputs = train_on_inputs
+        self.drop_system = entry.drop_system_message
+        self.eos = tok.eos_token_id
+
+    # --- rows -> turns ------------------------------------------------------------------------------------------
+    def turns(self, row: dict[str, Any], idx: int) -> list[dict[str, Any]]:
+        msgs = row.get(self.field)
+        if not isinstance(msgs, list) or not msgs:
+            raise bad(f"{self.where}.field_messages", self.field, f"row {idx} has no list of messages there",
+                      "point field_messages at the column that holds each conversation's messages")
+        sources = set(self.mapping.values())
+        turns = []
+        for n, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise bad(f"{self.where}.field_messages", self.field, f"row {idx} message {n} is not a mapping",
+                          "store each message as an object with a role and a content field")
+            turn = {k: v for k, v in m.items() if k not in sources and v is not None}  # e.g. tool_calls pass through
+            for dst, src in self.mapping.items():
+                if m.get(src) is not None:
+                    turn[dst] = m[src]
+            if "role" not in turn:
+                raise bad(f"{self.where}.message_property_mappings", self.mapping,
+                          f"row {idx} message {n} has no {self.mapping['role']!r} field (its keys: {sorted(m)})",
+                          "map role (and content) onto the message's field names, e.g. {role: from, content: value}")
+            turn["role"] = self.roles.get(turn["role"], turn["role"])
+            turns.append(turn)
+        system = row.get(self.field_system)
+        if turns[0]["role"] != "system" and system is not None:
+            turns.insert(0, {"role": "system", "content": system})
+        if self.drop_system and turns[0]["role"] == "system":
+            turns = turns[1:]
+        return turns
+
+    def render(self, turns, tools, idx: int) -> str:
+        kw = {"tools": tools} if tools else {}
+        try:
+            return self.tok.apply_chat_template(turns, chat_template=self.template, tokenize=False,
+                                                add_generation_prompt=False, **kw)
+        except UserError:
+            raise
+        except Exception as e:  # the template's own raise_exception(...) or a jinja error on this row's data
+            raise bad(self.where, f"row {idx}", f"the chat template failed on it: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}", "fix the row or use a template that accepts it")
+
+    def content_span(self, turns, i: int, tools, text: str, idx: int) -> tuple[int, int]:
+        """[start, end) of turn i's rendered content in `text` (the rendering of `turns`)."""
+        start, end_back = len(text), len(text)
+        for sentinel in SENTINELS:
+            swapped = [*turns[:i], {**turns[i], "content": sentinel}, *turns[i + 1:]]
+            other = self.render(swapped, tools, idx)
+            start = min(start, _lcp(text, other))
+            end_back = min(end_back, _lcs(text, other))
+        return start, max(start, len(text) - end_back)
+
+    # --- one conversation -> tokens and labels ------------------------------------------------------------------
+    def __call__(self, row: dict[str, Any], idx: int) -> tuple[list[int], list[int], bool]:
+        turns = self.turns(row, idx)
+        tools = row.get(self.field_tools)
+        text = self.render(turns, tools, idx)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        labels = [IGNORE] * len(ids)
+        last_eos, eos_missing = -1, False
+        for i, turn in enumerate(turns):
+            trained = self.train_on_inputs or turn["role"] in self.train_roles
+            if not trained and self.train_on_eos != "all":
+                continue
+            s, e = self.content_span(turns, i, tools, text, idx)
+            first = int(np.searchsorted(ends, s, side="right"))  # first token ending after s
+            if e > s:
+                last = int(np.searchsorted(starts, e, side="left")) - 1  # last token starting before e
+                if trained:
+                    for j in range(first, last + 1):
+                        labels[j] = ids[j]
+                after = last + 1
+            else:  # empty content: its EOS may still follow
+                after = int(np.searchsorted(starts, s, side="left"))
+            window = ids[after:after + EOS_WINDOW]
+            if self.eos is not None and self.eos in window:
+                k = after + window.index(self.eos)
+                last_eos = k
+                if self.train_on_eos == "all" or (self.train_on_eos == "turn" and trained):
+                    labels[k] = ids[k]
+            elif trained:
+                eos_missing = True
+        if self.train_on_eos == "last" and last_eos >= 0:
+            labels[last_eos] = ids[last_eos]
+        return ids, labels, eos_missing and self.train_on_eos != "none"
+
+
+__all__ = ["CHATML", "BUILTIN", "ChatFormatter", "resolve_template", "check_template_tokens"]

@@ -1,0 +1,217 @@
+"""SFT prepare: sources (files, directories, save_to_disk, the local hub cache), filtering counts, the held-out
+split, the cache (reused, keyed on contents, one builder), and every bad input as one line, exit 2, nothing left."""
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import threading
+
+import pytest
+
+from adapter import cli
+from adapter.data.sft import prepare
+from adapter.demo.build import ALPACA_DATA, CHAT_DATA
+from adapter.errors import UserError
+from tests.helpers.sft import axolotl_cfg, tiny_model, write_jsonl
+
+prep_mod = importlib.import_module("adapter.data.sft.prepare")  # the module (the package exports the function)
+CHAT = {"path": str(CHAT_DATA), "type": "chat_template", "chat_template": "chatml"}
+ALPACA = {"path": str(ALPACA_DATA), "type": "alpaca"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("sft-prep"))
+
+
+def test_two_datasets_packed_with_stats_and_template(model, tmp_path):
+    cfg = axolotl_cfg(model, [CHAT, ALPACA], tmp_path, sample_packing=True, sequence_len=256)
+    data = prepare(cfg, model, progress=False)
+    chat, alp = data.stats["datasets"]
+    assert (chat["rows"], chat["kept"], alp["rows"], alp["kept"]) == (52, 52, 12, 12)
+    assert data.stats["total"] == {"rows": 64, "examples": 64, "dropped_too_long": 0, "truncated": 0,
+                                   "no_trained_token": 0, "kept": 64, "trained_tokens": data.stats["train"][
+                                       "trained_tokens"]}
+    t = data.stats["train"]
+    assert t["examples"] == 64 and t["bins"] == len(data.train) < 64 and data.val is None
+    assert t["packing_efficiency"] == round(t["tokens"] / (t["bins"] * 256), 4) > 0.8
+    assert t["trained_tokens"] == sum(int(data.train[i]["loss_mask"].sum()) for i in range(len(data.train)))
+    assert data.chat_template == prep_mod.templates.CHATML and not data.reused
+    assert any("train_on_inputs: false, the default" in n for n in data.notes)
+    assert any("no EOS (<|end_of_text|>)" in n for n in data.notes)  # chatml turns end with <|im_end|>
+    assert cfg.document_attention  # packed SFT data confines attention to each example
+
+
+def test_cache_is_reused_and_keyed_on_file_contents(model, tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say hi.", "output": "Hi."}] * 3)
+    cfg = axolotl_cfg(model, [{"path": str(src), "type": "alpaca"}], tmp_path)
+    first = prepare(cfg, model, progress=False)
+    monkeypatch.setattr(prep_mod, "_build", lambda *a: pytest.fail("re-tokenised"))
+    again = prepare(cfg, model, progress=False)
+    assert again.reused and again.path == first.path
+    monkeypatch.undo()
+    write_jsonl(src, [{"instruction": "Say hello.", "output": "Hello there."}] * 3)
+    changed = prepare(cfg, model, progress=False)
+    assert changed.path != first.path and not changed.reused
+    other = axolotl_cfg(model, [{"path": str(src), "type": "alpaca"}], tmp_path, train_on_inputs=True)
+    assert prepare(other, model, progress=False).path != changed.path  # a config key that changes the result
+
+
+def test_one_builder_others_wait_and_errors_reach_every_rank(model, tmp_path):
+    barrier, out = threading.Barrier(2, timeout=60), {}
+
+    def rank(builder, cfg):
+        try:
+            out[builder] = prepare(cfg, model, builder=builder, barrier=barrier.wait, progress=False)
+        except Exception as e:  # noqa: BLE001
+            out[builder] = e
+
+    for cfg in (axolotl_cfg(model, [ALPACA], tmp_path / "ok"),
+                axolotl_cfg(model, [ALPACA], tmp_path / "bad", special_tokens={"pad_token": "<pad>"})):
+        threads = [threading.Thread(target=rank, args=(b, cfg)) for b in (False, True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if isinstance(out[True], Exception):
+            assert isinstance(out[False], UserError) and str(out[False]) == str(out[True])
+            assert str(out[True]).startswith("special_tokens.pad_token='<pad>': not in the tokenizer's vocabulary")
+        else:
+            assert out[True].path == out[False].path and out[False].reused is False
+
+
+def test_val_split_is_deterministic_disjoint_and_counted(model, tmp_path):
+    def split(seed, size):
+        data = prepare(axolotl_cfg(model, [ALPACA], tmp_path, val_set_size=size, seed=seed, sequence_len=256), model,
+                       progress=False)
+        take = lambda ds: sorted(tuple(ds[i]["tokens"][ds[i]["tokens"] != ds.pad_id].tolist())  # noqa: E731
+                                 for i in range(len(ds)))
+        return take(data.train), take(data.val)
+    train, val = split(1, 3)
+    assert len(val) == 3 and len(train) == 9 and not set(train) & set(val)
+    assert split(1, 3) == (train, val) and split(2, 3)[1] != val
+    assert len(split(1, 0.25)[1]) == 3  # ceil(0.25 * 12)
+
+
+def test_over_long_dropped_or_truncated_and_untrained_skipped(model, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]},
+            {"messages": [{"role": "user", "content": "Tell me Genesis. " * 20},
+                          {"role": "assistant", "content": "In the beginning."}]},
+            {"messages": [{"role": "user", "content": "Only a question, no answer."}]}]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    entry = [{"path": str(src), "type": "chat_template", "chat_template": "chatml"}]
+    dropped = prepare(axolotl_cfg(model, entry, tmp_path, sequence_len=64), model, progress=False)
+    st = dropped.stats["datasets"][0]
+    assert (st["dropped_too_long"], st["no_trained_token"], st["kept"]) == (1, 1, 1)
+    assert any("1 examples longer than sequence_len=64 dropped" in n for n in dropped.notes)
+    assert any("1 examples without a trained token skipped" in n for n in dropped.notes)
+    cut = prepare(axolotl_cfg(model, entry, tmp_path, sequence_len=64, excess_length_strategy="truncate"), model,
+                  progress=False)
+    st = cut.stats["datasets"][0]
+    # the long one loses its answer to the cut: truncated, then skipped as untrained (never a 0/0 loss)
+    assert (st["truncated"], st["no_trained_token"], st["kept"]) == (1, 2, 1)
+    assert all(cut.train[i]["loss_mask"].sum() > 0 for i in range(len(cut.train)))
+    with pytest.raises(UserError, match=r"^excess_length_strategy='raise': datasets\[0\] example 1 has \d+ tokens"):
+        prepare(axolotl_cfg(model, entry, tmp_path, sequence_len=64, excess_length_strategy="raise"), model,
+                progress=False)
+
+
+def test_sources_directory_saved_parquet_data_files_and_hub_cache(model, tmp_path, monkeypatch):
+    import datasets
+
+    rows = [{"instruction": f"Count to {i}.", "output": " ".join(str(k) for k in range(i))} for i in range(1, 7)]
+    d = tmp_path / "dir"
+    d.mkdir()
+    write_jsonl(d / "part1.jsonl", rows[:3])
+    write_jsonl(d / "part2.jsonl", rows[3:])
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                          "test": datasets.Dataset.from_list(rows[2:])}).save_to_disk(str(tmp_path / "saved"))
+    snap = tmp_path / "hf" / "hub" / "datasets--acme--count" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    write_jsonl(snap / "train.jsonl", rows[:4])
+    write_jsonl(snap / "test.jsonl", rows[4:])
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    for entry, n in (({"path": str(d)}, 6), ({"path": str(d), "data_files": ["part2.jsonl"]}, 3),
+                     ({"path": str(tmp_path / "rows.parquet")}, 6), ({"path": str(tmp_path / "saved")}, 2),
+                     ({"path": str(tmp_path / "saved"), "split": "test"}, 4), ({"path": "acme/count"}, 4),
+                     ({"path": "acme/count", "split": "test"}, 2)):
+        data = prepare(axolotl_cfg(model, [{**entry, "type": "alpaca"}], tmp_path), model, progress=False)
+        assert data.stats["datasets"][0]["rows"] == n, entry
+
+
+# --- bad input through the CLI: one line, exit 2, nothing half-written ----------------------------------------------
+
+BAD = {
+    "unknown type": ({"type": "alpaka"}, {}, r"^datasets\[0\]\.type='alpaka': unknown dataset type\. Fix: use one of"),
+    "sharegpt": ({"type": "sharegpt"}, {}, r"datasets\[0\]\.type='sharegpt': sharegpt is deprecated.*"
+                 r"message_property_mappings"),
+    "unknown key": ({"conversation": "chatml"}, {}, r"^datasets\[0\]\.conversation='chatml': a dataset key"),
+    "missing field": ({"type": "chat_template", "field_messages": "conversations", "chat_template": "chatml"}, {},
+                      r"^datasets\[0\]\.field_messages='conversations': .* has no column 'conversations' "
+                      r"\(its columns: instruction, input, output\)"),
+    "hub name offline": ({"path": "acme/not-here"}, {}, r"^datasets\[0\]\.path='acme/not-here': not a local file or "
+                         r"directory, and no snapshot .* Fix: on a machine with network run `hf download "
+                         r"acme/not-here"),
+    "empty after filtering": ({}, {"sequence_len": 16}, r"^datasets=\[.*\]: no example left after filtering "
+                              r"\(12 longer than sequence_len=16 dropped"),
+    "special token": ({}, {"special_tokens": {"pad_token": "<pad>"}},
+                      r"^special_tokens\.pad_token='<pad>': not in the tokenizer's vocabulary\. Fix:"),
+    "val too large": ({}, {"val_set_size": 12}, r"^val_set_size=12\.0: holds out 12 of the 12 examples"),
+    "no trained token anywhere": ({"type": "chat_template", "chat_template": "chatml",
+                                   "path": "CONVS", "roles_to_train": ["tool"]}, {},
+                                  r"no example left after filtering \(0 longer .* 52 without a trained token\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_status_2_and_nothing_written(model, tmp_path, capsys, monkeypatch, case):
+    entry, top, match = BAD[case]
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    ds = {"path": str(ALPACA_DATA), "type": "alpaca", **entry}
+    if ds["path"] == "CONVS":
+        ds["path"] = str(CHAT_DATA)
+    raw = {"base_model": str(model), "sequence_len": 256, "datasets": [ds],
+           "dataset_prepared_path": str(tmp_path / "prepared"), **top}
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert cli.main(["preprocess", "--config", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nd-adapter: error: "), err
+    assert re.search(match, err.removeprefix("nd-adapter: error: ")), err
+    left = list((tmp_path / "prepared").glob("*")) if (tmp_path / "prepared").exists() else []
+    assert not [p for p in left if p.is_dir()], left  # at most the builder's error note for the other ranks
+
+
+def test_preprocess_cli_prints_stats_and_debug_pairs(model, tmp_path, capsys):
+    raw = {"base_model": str(model), "sequence_len": 256, "sample_packing": True, "val_set_size": 0.1,
+           "special_tokens": {"eos_token": "<|im_end|>"}, "datasets": [CHAT],
+           "dataset_prepared_path": str(tmp_path / "prepared")}
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert cli.main(["preprocess", "--config", str(tmp_path / "run.yaml"), "--debug", "--samples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(built)" in out and "val: 6 examples" in out and "packing efficiency" in out
+    debug = [line for line in out.splitlines() if line.startswith("sample 0 example 0")]
+    assert debug and "('<|im_start|>', -100)" in debug[0] and "('<|im_end|>', " in debug[0]
+    trained = [int(x) for x in re.findall(r", (\d+)\)", debug[0])]
+    assert trained and 2 not in trained  # <|im_start|> (id 2) is never a trained label
+    assert cli.main(["preprocess", "--config", str(tmp_path / "run.yaml")]) == 0
+    assert "(reused)" in capsys.readouterr().out
+
+
+def test_relative_dataset_paths_are_read_from_the_config_directory(model, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    (tmp_path / "cfg").mkdir()
+    shutil.copy(ALPACA_DATA, tmp_path / "cfg" / "rows.jsonl")
+    (tmp_path / "cfg" / "run.yaml").write_text(json.dumps({
+        "base_model": str(model), "sequence_len": 256, "datasets": [{"path": "rows.jsonl", "type": "alpaca"}],
+        "dataset_prepared_path": str(tmp_path / "prepared")}))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["preprocess", "--config", "cfg/run.yaml", "--set", "data.val_set_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "cfg" / "rows.jsonl") in out and "val: 2 examples" in out
