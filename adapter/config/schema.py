@@ -79,7 +79,7 @@ class OptimizerSection(_Strict):
 class DataSection(_Strict):
     files: list[str] = Field(default_factory=list)
     synthetic: bool = Field(False, description="random tokens instead of files (benchmarks, rehearsals)")
-    document_mask: bool = Field(False, description="attention stays inside each packed document (cp = 1 only)")
+    document_mask: bool = Field(False, description="attention stays inside each packed document (varlen, any cp)")
     text_key: str = "text"
     cache_dir: str | None = None
     seed: StrictInt = 1234

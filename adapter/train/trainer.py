@@ -168,16 +168,26 @@ class Trainer:
         return dataset, sampler
 
     def _next_batch(self, it):
+        """This rank's part of the next micro-batch and the FULL micro-batch's trained-token count. Documents
+        (data.document_mask) become one packed stream with its PackedDocs under "packed_seq_params"."""
         import torch
 
         from adapter.models.attention import split_for_cp
+        from adapter.models.packed import local_multiple, pack_batch
 
         b = next(it)
         tokens_total = b["loss_mask"].sum()
-        if self.layout.cp > 1:
+        packed = None
+        if self.cfg.data.document_mask:
+            sp_tp = self.layout.tp if self.cfg.use_sequence_parallel else 1
+            b, packed = pack_batch(b, cp_size=self.layout.cp, cp_rank=self.cp_rank,
+                                   multiple=local_multiple(self.cfg.seq_len, self.layout.cp, sp_tp))
+        elif self.layout.cp > 1:
             b = {k: split_for_cp(v, self.layout.cp, self.cp_rank, seq_dim=1) for k, v in b.items()}
         b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
         # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)
+        if packed is not None:
+            b["packed_seq_params"] = packed.to(self.device)
         return b, torch.clamp(tokens_total, min=1).to(self.device, non_blocking=True)
 
     # --- one step -------------------------------------------------------------------------------------------------
@@ -188,7 +198,6 @@ class Trainer:
         import torch.distributed as dist
         from torch.profiler import record_function
 
-        from adapter.data import document_attention_mask
         from adapter.train import metrics
 
         engine, ds, device, cp = self.engine, self.engine.ds, self.device, self.layout.cp
@@ -198,9 +207,9 @@ class Trainer:
         summed = torch.zeros(3, dtype=torch.float64, device=device)
         for _ in range(self.cfg.grad_accum):
             batch, ntok = self._next_batch(batches)
-            mask = document_attention_mask(batch["segment_ids"]) if self.cfg.data.document_mask else None
             with record_function("nd.forward"):
-                per_token = ds(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
+                per_token = ds(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                               packed_seq_params=batch.get("packed_seq_params"))
                 local = (per_token.float() * batch["loss_mask"]).sum() / ntok
             with record_function("nd.backward"):
                 ds.backward(local * cp)
