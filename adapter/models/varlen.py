@@ -49,6 +49,14 @@ def _allowed(cu_q, cu_k, tq, tk, causal):
     return ok
 
 
+def _check_max(cu, max_len, what):
+    """FlashAttention sizes its grid by the longest sequence given: a stale or short one drops rows silently on a GPU,
+    so the CPU kernel (where cu_seqlens are host values) refuses it."""
+    longest = int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
+    if longest > max_len:
+        raise RuntimeError(f"varlen attention: longest {what} sequence {longest} exceeds the max given ({max_len})")
+
+
 def _ref_probs(q, k, cu_q, cu_k, causal, scale, lse=None):
     rep = q.size(1) // k.size(1)
     kr = k.float().repeat_interleave(rep, 1)
@@ -83,6 +91,7 @@ def block_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """(out [tq, hq, d] in q's dtype, lse [hq, tq] fp32), both contiguous."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if not q.is_cuda:
+        _check_max(cu_q, max_q, "query"), _check_max(cu_k, max_k, "key")
         return _ref_fwd(q, k, v, cu_q, cu_k, causal, scale)
     if q.dtype not in HALF:
         raise dtype_error(q.dtype)
@@ -97,6 +106,7 @@ def block_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     """(dq, dk, dv) of one block given the final out/lse of its query rows; contiguous."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     if not q.is_cuda:
+        _check_max(cu_q, max_q, "query"), _check_max(cu_k, max_k, "key")
         return _ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # never read at dropout 0 (as torch's varlen_attn)
     unused = torch.empty(0, device=q.device)
@@ -133,13 +143,13 @@ def _(dout, q, k, v, out, lse, cu_q, cu_k, max_qk, causal, scale):
 
 def _setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_qk, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-    ctx.max_qk, ctx.causal, ctx.scale = max_qk, causal, scale
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, max_qk)  # saved, not an attribute: a compiled backward
+    ctx.causal, ctx.scale = causal, scale                          # must see each batch's lengths, not the first's
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_qk, ctx.causal, ctx.scale)
+    q, k, v, out, lse, cu_q, cu_k, max_qk = ctx.saved_tensors
+    dq, dk, dv = _varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_qk, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None, None, None
 
 

@@ -155,7 +155,7 @@ class Trainer:
 
         cfg = self.cfg
         if self.synthetic:
-            dataset = SyntheticData(self.arch.vocab_size, cfg.seq_len, cfg.seed)
+            dataset = SyntheticData(self.arch.vocab_size, cfg.seq_len, cfg.seed, doc_len=cfg.data.synthetic_doc_len)
         else:
             if not cfg.data.files:
                 raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")

@@ -81,6 +81,8 @@ def test_bottom_right_causal_and_explicit_backward():
     k, v = torch.randn(12, HK, D, generator=g), torch.randn(12, HK, D, generator=g)
     cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 12], dtype=torch.int32)
     out = varlen(q, k, v, cu_q, cu_k, (3, 8), True, 0.3)
+    with pytest.raises(RuntimeError, match="longest query sequence 3 exceeds the max given"):
+        varlen(q, k, v, cu_q, cu_k, (2, 8), True, 0.3)  # FlashAttention would silently drop rows
     for (a, b), (c, e) in zip(((0, 2), (2, 5)), ((0, 4), (4, 12))):
         x = [q[a:b].transpose(0, 1)[None], *(t[c:e].transpose(0, 1)[None] for t in (k, v))]
         ref = F.scaled_dot_product_attention(*x, attn_mask=causal_lower_right(b - a, e - c), scale=0.3,
@@ -157,3 +159,21 @@ def test_ring_schedule_covers_each_causal_chunk_pair_once(cp):
             met += [(own[hq], held[hk], causal) for hq, hk, causal in ring_tasks(step, r, cp)]
         want = [(qc, kc, qc == kc) for qc in own for kc in range(2 * cp) if kc <= qc]
         assert sorted(met) == sorted(want), (cp, r)
+
+
+def test_synthetic_documents():
+    """data.synthetic_doc_len: documents of about N tokens with the packer's masking rules; unset, the old stream."""
+    import numpy as np
+
+    from adapter.data import SyntheticData
+
+    one = SyntheticData(1000, 64, 0)[5]
+    assert not one["segment_ids"].any() and one["loss_mask"].all()
+    assert np.array_equal(one["tokens"], np.random.default_rng([0, 5]).integers(0, 1000, 65)[:-1])  # unchanged
+    docs = SyntheticData(1000, 64, 0, doc_len=8)[5]
+    assert np.array_equal(docs["tokens"], one["tokens"])
+    lens = document_lengths(torch.from_numpy(docs["segment_ids"])[None])
+    assert len(lens) >= 64 // 12 and (lens[:-1] >= 4).all() and (lens[:-1] <= 12).all()
+    ends = np.cumsum(lens.numpy())[:-1] - 1
+    assert (docs["loss_mask"][ends] == 0).all() and docs["loss_mask"].sum() == 64 - len(ends)
+    assert (docs["position_ids"][ends + 1] == 0).all()
