@@ -191,8 +191,9 @@ def attention_cost(cfg: RunConfig, arch: ModelArch) -> AttentionCost:
     """Packed documents attend within themselves (no s×s term): their FLOPs scale with the document length, which
     plan knows only for synthetic data; for real data seq_len is the upper bound (one document per sequence)."""
     p, packed = cfg.parallelism, cfg.data.document_mask
-    if packed and cfg.data.synthetic and cfg.data.synthetic_doc_len:
-        ell, source = min(cfg.data.synthetic_doc_len, cfg.seq_len), "data.synthetic_doc_len"
+    if packed and cfg.data.synthetic:
+        ell = min(cfg.data.synthetic_doc_len or cfg.seq_len, cfg.seq_len)
+        source = "data.synthetic_doc_len" if cfg.data.synthetic_doc_len else "synthetic: one document per sequence"
     else:
         ell = cfg.seq_len
         source = "seq_len (upper bound: plan does not read the data)" if packed else "seq_len (no document mask)"
