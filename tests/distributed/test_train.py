@@ -52,7 +52,9 @@ MASKED = {"dp_shard=4 +document_mask": ((1, 4, 1, 1), {"data.document_mask": Tru
           # packed documents split per document over CP ranks: same curve (ZeRO-3 over cp, SP over tp)
           "cp=2,tp=2 +document_mask": ((1, 1, 2, 2), {"data.document_mask": True}),
           "cp=2 (p2p),dp_shard=2 +document_mask": ((1, 2, 2, 1), {"data.document_mask": True,
-                                                                   "parallelism.cp_comm_type": "p2p"})}
+                                                                   "parallelism.cp_comm_type": "p2p"}),
+          "cp=2,dp_shard=2 (ZeRO-2, full recompute) +document_mask": ((1, 2, 2, 1), {
+              "data.document_mask": True, "deepspeed.zero_stage": 2, "recompute": "full"})}
 
 
 def _parity_worker(rank, world, demo):
