@@ -91,7 +91,8 @@ def block_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """(out [tq, hq, d] in q's dtype, lse [hq, tq] fp32), both contiguous."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if not q.is_cuda:
-        _check_max(cu_q, max_q, "query"), _check_max(cu_k, max_k, "key")
+        _check_max(cu_q, max_q, "query")
+        _check_max(cu_k, max_k, "key")
         return _ref_fwd(q, k, v, cu_q, cu_k, causal, scale)
     if q.dtype not in HALF:
         raise dtype_error(q.dtype)
@@ -106,7 +107,8 @@ def block_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     """(dq, dk, dv) of one block given the final out/lse of its query rows; contiguous."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     if not q.is_cuda:
-        _check_max(cu_q, max_q, "query"), _check_max(cu_k, max_k, "key")
+        _check_max(cu_q, max_q, "query")
+        _check_max(cu_k, max_k, "key")
         return _ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # never read at dropout 0 (as torch's varlen_attn)
     unused = torch.empty(0, device=q.device)
