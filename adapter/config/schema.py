@@ -122,7 +122,9 @@ class SpecialTokens(_Strict):
 class DataSection(_Strict):
     files: list[str] = Field(default_factory=list)
     synthetic: bool = Field(False, description="random tokens instead of files (benchmarks, rehearsals)")
-    document_mask: bool = Field(False, description="attention stays inside each packed document (cp = 1 only)")
+    synthetic_doc_len: StrictInt | None = Field(
+        None, ge=1, description="synthetic data in documents of about this many tokens (default: one per sample)")
+    document_mask: bool = Field(False, description="attention stays inside each packed document (varlen, any cp)")
     text_key: str = "text"
     cache_dir: str | None = None
     seed: StrictInt = 1234

@@ -12,6 +12,9 @@ chunks r and 2·cp−1−r (`split_for_cp`), so every rank does the same causal 
   * "p2p": K|V blocks travel around the ring, overlapped with compute, merged with log-sum-exp; backward sends the
     K/V gradients around the ring with them (as in ring-flash-attention). Memory per rank stays O(S/cp).
     CPU only for now (see _block_fwd); refused on GPUs at model construction.
+
+Packed documents (`packed_seq_params`, built by adapter/models/packed.py) take their own path: varlen attention
+within each document, both CP schemes included (adapter/models/varlen.py).
 """
 from __future__ import annotations
 
@@ -262,7 +265,7 @@ class SDPAttention(MegatronModule):
         with rng:
             if packed_seq_params is not None:
                 out = self._packed(query, key, value, packed_seq_params, p)
-                return out.reshape(out.size(0), -1)
+                return out.reshape(*out.shape[:-2], -1)
             if self.cp_size > 1:
                 if attention_mask is not None:
                     raise bad("attention_mask", "given", "explicit masks are not supported with context parallelism",
@@ -278,14 +281,23 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
 
     def _packed(self, q, k, v, params, p):
-        """THD packing: [t, heads, d] tensors; causal attention within each document, one SDPA call per document."""
+        """Packed documents (adapter/models/varlen.py): our PackedDocs ([t, 1, heads, d], any cp) or Megatron's own
+        THD PackedSeqParams ([t, heads, d], cp = 1). Returns q's shape."""
+        from adapter.models.packed import PackedDocs
+        from adapter.models.varlen import packed_attention, varlen_attention
+
+        if p:
+            raise bad("attention_dropout", p, "not supported with packed documents", "set attention_dropout to 0")
+        if isinstance(params, PackedDocs):
+            out = packed_attention(q.squeeze(1), k.squeeze(1), v.squeeze(1), params, scale=self.scale,
+                                   group=self.cp_group if self.cp_size > 1 else None, comm=self.cp_comm_type)
+            return out.unsqueeze(1)
         if self.cp_size > 1:
-            raise bad("packed sequences", "with context parallelism", "not supported",
-                      "disable sample packing or run with context_parallel_size=1")
-        cu = params.cu_seqlens_q.tolist()
-        outs = [_sdpa(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=self.scale,
-                      dropout_p=p)[0].transpose(0, 1) for a, b in zip(cu[:-1], cu[1:])]
-        return torch.cat(outs)
+            raise bad("packed sequences", "Megatron THD format", "not split for context parallelism here",
+                      "pack batches with adapter.models.packed.pack_batch (data.document_mask: true)")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        max_len = params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
+        return varlen_attention(q, k, v, cu.to(torch.int32), max_len, self.scale)
 
 
 __all__ = ["SDPAttention", "split_for_cp", "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]

@@ -17,9 +17,9 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
         raise bad("seq_len", seq, f"the per-cp-rank sequence {seq // cp} is not divisible by tp_size={tp} "
                   "(sequence parallelism splits it)", f"use a seq_len that is a multiple of {cp * tp}, "
                   "or set sequence_parallel: false")
-    if cfg.data.document_mask and cp > 1:
-        raise bad("data.document_mask", True, "document masking is not supported with context parallelism",
-                  "set data.document_mask: false or cp_size: 1")
+    if cfg.document_attention and cfg.model.attention != "sdpa":
+        raise bad("model.attention", cfg.model.attention, "packed documents (data.document_mask) run nd-adapter's "
+                  "varlen attention", "set model.attention: sdpa (the default)")
     warnings = []
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")

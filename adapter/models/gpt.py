@@ -27,8 +27,9 @@ from adapter.errors import bad
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.attention import SDPAttention, normalize_cp_comm_type
 from adapter.models.fusions import install_rope_fusion, linear_cross_entropy, vocab_parallel_cross_entropy
+from adapter.models.packed import PackedDocs
 from adapter.patches import require
-from adapter.patches.mcore import TESTED_MEGATRON_VERSIONS, install_cpu_shims
+from adapter.patches.mcore import TESTED_MEGATRON_VERSIONS, check_preprocess, install_cpu_shims, with_rotary
 
 Attention = Literal["sdpa", "local", "te"]
 
@@ -117,7 +118,21 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
     return spec
 
 
-class FusedLossGPTModel(GPTModel):
+class PackedGPTModel(GPTModel):
+    """GPTModel that also takes packed documents (`packed_seq_params=adapter.models.packed.PackedDocs`): one RoPE
+    angle per token, its position inside its document, so a CP rank's chunks of every document rotate as in the
+    whole document. Megatron's own THD path finds positions from cu_seqlens in every layer with host syncs, and has
+    no per-document CP split without TransformerEngine; a per-token angle table costs one gather per forward."""
+
+    def _preprocess(self, *args, packed_seq_params=None, **kwargs):
+        if not isinstance(packed_seq_params, PackedDocs):
+            return super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
+        out = super()._preprocess(*args, packed_seq_params=None, **kwargs)
+        table = self.rotary_pos_emb(packed_seq_params.rope_len, packed_seq=True)  # [rope_len, 1, 1, d], cached
+        return with_rotary(out, table.index_select(0, packed_seq_params.positions))
+
+
+class FusedLossGPTModel(PackedGPTModel):
     """GPTModel whose training loss is adapter.models.fusions' vocab-parallel cross-entropy (no fp32 copy of the
     logits). Called with `labels` and `loss_mask` (and `linear_ce`), it returns Σ loss_mask · loss as one fp32 scalar
     computed by the fused linear + cross-entropy, so the [tokens × vocab] logits are never built."""
@@ -158,6 +173,7 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
     `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel).
     `linear_ce`: training calls that pass a loss_mask get the fused linear + cross-entropy's masked loss sum."""
     install_cpu_shims()
+    check_preprocess()
     if attention == "local" and cp > 1:
         raise bad("attention", "local", "Megatron's local attention has no context parallelism",
                   "use attention='sdpa' (the default)")
@@ -168,7 +184,7 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
     if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
         spec = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
     fused = {"linear_ce": linear_ce} if fused_kernels or linear_ce else None
-    return (GPTModel if fused is None else FusedLossGPTModel)(
+    return (PackedGPTModel if fused is None else FusedLossGPTModel)(
         config, spec,
         vocab_size=padded_vocab or padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
@@ -209,5 +225,5 @@ def tp_grad_sum_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             or "q_layernorm" in n or "k_layernorm" in n]
 
 
-__all__ = ["RMSNorm", "FusedLossGPTModel", "padded_vocab_size", "transformer_config", "layer_spec", "build_gpt_model",
-           "forward_logits", "sequence_parallel_params", "tp_grad_sum_params"]
+__all__ = ["RMSNorm", "PackedGPTModel", "FusedLossGPTModel", "padded_vocab_size", "transformer_config", "layer_spec",
+           "build_gpt_model", "forward_logits", "sequence_parallel_params", "tp_grad_sum_params"]

@@ -2,7 +2,8 @@
 
 * CPU shims (`install_cpu_shims`), so GPTModel and dist_checkpointing run without CUDA (tests, CI, laptops);
 * RowParallelLinear's group lookup without its per-forward warning (`quiet_row_parallel_group`, for torch.compile);
-* our fused RoPE plugged into the extension point TransformerEngine would fill (`install_rope_fusion`).
+* our fused RoPE plugged into the extension point TransformerEngine would fill (`install_rope_fusion`);
+* GPTModel's preprocessing result with per-token RoPE angles for packed documents (`with_rotary`).
 
 CPU shims.
 
@@ -145,5 +146,16 @@ def install_rope_fusion(fused_rope) -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
+def check_preprocess() -> None:
+    """`with_rotary` knows GPTModel._preprocess's result layout of the tested versions only."""
+    require("megatron-core", TESTED_MEGATRON_VERSIONS, "per-token RoPE for packed documents (adapter/patches/mcore.py)")
+
+
+def with_rotary(preprocessed: tuple, rotary_pos_emb: torch.Tensor) -> tuple:
+    """GPTModel._preprocess's result (0.16.1: decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+    sequence_len_offset, padding_mask[, rotary_pos_cos_sin]) with its rotary embedding replaced."""
+    return (preprocessed[0], rotary_pos_emb, *preprocessed[2:])
+
+
 __all__ = ["TESTED_MEGATRON_VERSIONS", "install_cpu_shims", "check", "megatron_version", "quiet_row_parallel_group",
-           "install_rope_fusion"]
+           "install_rope_fusion", "check_preprocess", "with_rotary"]

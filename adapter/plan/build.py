@@ -95,6 +95,14 @@ class Memory(_Doc):
     fits: bool
 
 
+class AttentionCost(_Doc):
+    packed_documents: bool
+    kernel: str
+    doc_len: int               # tokens per document the FLOPs assume
+    doc_len_source: str
+    flops_per_gpu_step: float  # attention matmuls, fwd + bwd, causal (plan/memory.attention_flops)
+
+
 class Traffic(_Doc):
     group: str
     size: int
@@ -131,6 +139,7 @@ class Plan(_Doc):
     precision: str
     sequence_parallel: bool
     attention: str
+    attention_cost: AttentionCost
     compiled_layers: bool
     memory: Memory
     traffic: list[Traffic]
@@ -176,6 +185,28 @@ def gpu_capacity(name: str, override_gib: float | None = None) -> int:
     if name not in memory.GPUS:
         raise bad("hardware.gpu", name, "unknown GPU", f"use one of {', '.join(memory.GPUS)} or pass --gpu-mem-gib")
     return memory.GPUS[name][0]
+
+
+def attention_cost(cfg: RunConfig, arch: ModelArch) -> AttentionCost:
+    """Packed documents attend within themselves (no s×s term): their FLOPs scale with the document length, which
+    plan knows only for synthetic data; for real data seq_len is the upper bound (one document per sequence)."""
+    p, packed = cfg.parallelism, cfg.document_attention
+    if packed and cfg.data.synthetic:
+        ell = min(cfg.data.synthetic_doc_len or cfg.seq_len, cfg.seq_len)
+        source = "data.synthetic_doc_len" if cfg.data.synthetic_doc_len else "synthetic: one document per sequence"
+    else:
+        ell = cfg.seq_len
+        source = "seq_len (upper bound: plan does not read the data)" if packed else "seq_len (no document mask)"
+    if packed:
+        kernel = "varlen over cu_seqlens (FlashAttention-2 on GPUs)" + (
+            f", each document split over cp={p.cp_size} ({p.cp_comm_type})" if p.cp_size > 1 else "")
+    else:
+        kernel = {"sdpa": "SDPA causal", "local": "Megatron local (S×S scores)", "te": "TransformerEngine"}[
+            cfg.model.attention] + (f", cp={p.cp_size} ({p.cp_comm_type})" if p.cp_size > 1 else "")
+    flops = memory.attention_flops(arch, seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=p.tp_size,
+                                   cp=p.cp_size, doc_len=ell) * cfg.grad_accum
+    return AttentionCost(packed_documents=packed, kernel=kernel, doc_len=ell, doc_len_source=source,
+                         flops_per_gpu_step=flops)
 
 
 def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArch | None = None,
@@ -255,6 +286,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         precision=cfg.precision,
         sequence_parallel=cfg.use_sequence_parallel and layout.tp > 1,
         attention=cfg.model.attention,
+        attention_cost=attention_cost(cfg, arch),
         compiled_layers=cfg.model.compile,
         memory=Memory(gpu=cfg.hardware.gpu if gpu_mem_gib is None else f"{gpu_mem_gib} GiB", recompute=cfg.recompute,
                       **{k: v for k, v in mem.to_dict().items()}),

@@ -3,7 +3,8 @@
 The formulas are deliberately explicit (one line per tensor family) so they can be unit-tested against hand
 calculations and calibrated against measured `torch.cuda.max_memory_allocated` peaks (docs/BENCHMARKS.md).
 Activation terms follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
-adapted to RMSNorm + SwiGLU + GQA and to our SDPA attention, which keeps no S×S score matrix.
+adapted to RMSNorm + SwiGLU + GQA and to our SDPA attention, which keeps no S×S score matrix; packed documents
+(`data.document_mask`) run varlen attention, which keeps no S×S mask either (`attention_flops` has their FLOPs).
 """
 from __future__ import annotations
 
@@ -85,12 +86,18 @@ class MemoryEstimate:
 
 
 def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, sp: bool, attention: str,
-                      cp_comm: str = "all_gather", bytes_per: int = 2) -> int:
-    """Bytes one layer keeps for backward, for one micro-batch on one rank."""
+                      cp_comm: str = "all_gather", bytes_per: int = 2, packed: bool = False) -> int:
+    """Bytes one layer keeps for backward, for one micro-batch on one rank.
+
+    `packed`: packed documents (adapter/models/varlen.py): the same per-token terms, no s×s mask; under all-gather
+    CP the saved K,V are every local query chunk's causal key prefix, (2·cp+1)/(2·cp) of the sequence. The
+    per-document CP padding (< 2·cp tokens per document) is not counted."""
     s, b, h = seq // cp, micro, arch.hidden_size
     qd, kvd, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.ffn_hidden_size
     norm_side = bytes_per * s * b * h * 4 // (tp if sp else 1)       # 2 norm inputs + qkv and fc1 inputs
     kv_len = seq if (cp > 1 and cp_comm == "all_gather") else s         # all-gather CP keeps the gathered K,V
+    if packed and cp > 1 and cp_comm == "all_gather":
+        kv_len = seq * (2 * cp + 1) // (2 * cp)                          # the key prefixes of both local chunks
     attn = bytes_per * s * b * qd // tp + bytes_per * kv_len * b * 2 * kvd // tp   # q and k, v for attention bwd
     attn += bytes_per * s * b * qd // tp                                 # attention output (= linear_proj input)
     attn += 4 * s * b * arch.num_heads // tp                             # fp32 log-sum-exp of the fused kernel
@@ -98,6 +105,15 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
         attn += 2 * bytes_per * s * kv_len * b * arch.num_heads // tp
     mlp = bytes_per * s * b * 3 * f // tp                                # fc1 out (gate, up) + swiglu out
     return norm_side + attn + mlp
+
+
+def attention_flops(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, doc_len: int | None = None) -> float:
+    """Attention-matmul FLOPs one GPU does per micro-batch, forward + backward (the backward's five matmuls, one
+    recomputed, are 2.5× the forward's two). Causal: a sequence of s tokens costs 4·(s²/2)·heads·head_dim forward.
+    Packed documents of ℓ tokens (`doc_len`) cost s/ℓ · 4·(ℓ²/2)·heads·head_dim per sequence: s·ℓ instead of s²."""
+    ell = min(doc_len or seq, seq)
+    forward = 4 * seq * ell / 2 * arch.num_heads * arch.head_dim * micro * arch.num_layers
+    return 3.5 * forward / (tp * cp)
 
 
 def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capacity: int,
@@ -131,13 +147,15 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0
 
     sp = cfg.use_sequence_parallel and tp > 1
+    packed = cfg.document_attention
     kw = dict(seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=tp, cp=cp, sp=sp, attention=cfg.model.attention,
-              cp_comm=p.cp_comm_type, bytes_per=pb)
+              cp_comm=p.cp_comm_type, bytes_per=pb, packed=packed)
     one = layer_activations(arch, **kw)
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     layer_input = pb * s * b * h // (tp if sp else 1)
-    no_rc = L * one + 3 * layer_input                                    # + embedding out, final norm in/out
-    full_rc = L * layer_input + one + 3 * layer_input                     # inputs kept, one layer recomputed
+    rope = 4 * s * b * arch.head_dim if packed else 0                    # packed: one fp32 RoPE angle row per token
+    no_rc = L * one + 3 * layer_input + rope                             # + embedding out, final norm in/out
+    full_rc = L * layer_input + one + 3 * layer_input + rope              # inputs kept, one layer recomputed
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)

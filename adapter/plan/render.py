@@ -38,6 +38,10 @@ def render(plan: Plan, console: Console | None = None) -> None:
             f"{b.data_parallel_size} = global {b.global_batch_size} sequences × seq {plan.seq_len} = "
             f"{b.tokens_per_step:,} tokens/step; {plan.precision}, sequence parallel {plan.sequence_parallel}, "
             f"attention {plan.attention}" + (", compiled layers (torch.compile)" if plan.compiled_layers else ""))
+    ac = plan.attention_cost
+    c.print(f"[bold]Attention[/] {ac.kernel}; {ac.flops_per_gpu_step / 1e12:.2f} TFLOP per GPU per step (fwd + bwd) "
+            f"at {ac.doc_len:,} tokens per document ({ac.doc_len_source})"
+            + ("; no s×s mask" if ac.packed_documents else ""), markup=True)
 
     t = Table(title="Ranks", show_lines=False)
     for col in ("rank", "node", "local_rank", "dp_replicate", "dp_shard", "cp", "tp"):

@@ -66,6 +66,19 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
         (4 * L + 2) * 2 * act * _ring(tp) * ga * recompute)
     if cp > 1:
         kv = pb * s * b * 2 * arch.head_dim * max(1, arch.num_kv_heads // tp)   # this rank's K and V
-        per_layer = (2 if p.cp_comm_type == "all_gather" else 3) * (cp - 1) * kv
-        add("cp", f"CP K/V exchange ({p.cp_comm_type}) per layer, fwd + bwd", L * per_layer * ga * recompute)
+        what = "packed documents, every document split over the CP ranks: " if cfg.document_attention else ""
+        add("cp", f"CP K/V exchange ({p.cp_comm_type}) per layer, fwd + bwd, {what}"
+            + ("all-gather fwd, reduce-scatter bwd" if p.cp_comm_type == "all_gather" else
+               "ring: K/V blocks fwd and bwd, their fp32 gradients home in bwd"),
+            L * cp_layer_bytes(kv, cp, p.cp_comm_type, pb) * ga * recompute)
     return rows
+
+
+def cp_layer_bytes(kv: float, cp: int, comm: str, bytes_per: int) -> float:
+    """Bytes a CP rank sends per layer, forward + backward, for `kv` bytes of its own K and V. The same with packed
+    documents: each rank holds 1/cp of every document, so of the K/V too (the split's padding is not counted).
+    all_gather: (cp−1)·kv in the all-gather, (cp−1)·kv in the backward's reduce-scatter. p2p ring: cp−1 block hops
+    forward and backward, and cp hops of the block gradients, which travel in fp32."""
+    if comm == "all_gather":
+        return 2 * (cp - 1) * kv
+    return 2 * (cp - 1) * kv + cp * kv * 4 / bytes_per

@@ -82,12 +82,12 @@ def tokenizer_dir(cfg: RunConfig) -> Path:
               "point model.path at the HF checkpoint directory that holds the tokenizer")
 
 
-def masked_loss_sum(model, batch, attention_mask):
+def masked_loss_sum(model, batch):
     """Σ loss_mask · per-token loss of one micro-batch (fp32 scalar). A model built with the fused linear
     cross-entropy returns that sum itself when handed the loss_mask (no [tokens × vocab] logits); others return
-    per-token losses, summed here."""
-    out = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"],
-                loss_mask=batch["loss_mask"])
+    per-token losses, summed here. Packed documents travel as `packed_seq_params` (adapter/models/packed.py)."""
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
+                packed_seq_params=batch.get("packed_seq_params"))
     return out.float() if out.dim() == 0 else (out.float() * batch["loss_mask"]).sum()
 
 
@@ -176,7 +176,7 @@ class Trainer:
                 for line in stats_lines(self.sft):
                     self.log(line.strip())
         elif self.synthetic:
-            dataset = SyntheticData(self.arch.vocab_size, cfg.seq_len, cfg.seed)
+            dataset = SyntheticData(self.arch.vocab_size, cfg.seq_len, cfg.seed, doc_len=cfg.data.synthetic_doc_len)
         else:
             if not cfg.data.files:
                 raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
@@ -189,16 +189,26 @@ class Trainer:
         return dataset, sampler
 
     def _next_batch(self, it):
+        """This rank's part of the next micro-batch and the FULL micro-batch's trained-token count. Documents
+        (cfg.document_attention) become one packed stream with its PackedDocs under "packed_seq_params"."""
         import torch
 
         from adapter.models.attention import split_for_cp
+        from adapter.models.packed import local_multiple, pack_batch
 
         b = next(it)
         tokens_total = b["loss_mask"].sum()
-        if self.layout.cp > 1:
+        packed = None
+        if self.cfg.document_attention:
+            sp_tp = self.layout.tp if self.cfg.use_sequence_parallel else 1
+            b, packed = pack_batch(b, cp_size=self.layout.cp, cp_rank=self.cp_rank,
+                                   multiple=local_multiple(self.cfg.seq_len, self.layout.cp, sp_tp))
+        elif self.layout.cp > 1:
             b = {k: split_for_cp(v, self.layout.cp, self.cp_rank, seq_dim=1) for k, v in b.items()}
         b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
         # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)
+        if packed is not None:
+            b["packed_seq_params"] = packed.to(self.device)
         return b, torch.clamp(tokens_total, min=1).to(self.device, non_blocking=True)
 
     # --- one step -------------------------------------------------------------------------------------------------
@@ -209,7 +219,6 @@ class Trainer:
         import torch.distributed as dist
         from torch.profiler import record_function
 
-        from adapter.data import document_attention_mask
         from adapter.train import metrics
 
         engine, ds, device, cp = self.engine, self.engine.ds, self.device, self.layout.cp
@@ -219,9 +228,8 @@ class Trainer:
         summed = torch.zeros(3, dtype=torch.float64, device=device)
         for _ in range(self.cfg.grad_accum):
             batch, ntok = self._next_batch(batches)
-            mask = document_attention_mask(batch["segment_ids"]) if self.cfg.data.document_mask else None
             with record_function("nd.forward"):
-                local = masked_loss_sum(ds, batch, mask) / ntok
+                local = masked_loss_sum(ds, batch) / ntok
             with record_function("nd.backward"):
                 ds.backward(local * cp)
                 engine.after_backward()

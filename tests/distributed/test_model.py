@@ -127,11 +127,13 @@ def sdpa_vs_local() -> float:
 
 
 def packed_diff() -> float:
-    """THD packing (PackedSeqParams): two documents in one row equal the HF model run on each separately."""
+    """Packed documents equal the HF model run on each document separately: Megatron's THD PackedSeqParams (two
+    documents in one row), and our packed batches (adapter.models.packed: two samples, five documents)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from adapter.models.arch import arch_from_hf_dict
     from adapter.models.gpt import build_gpt_model
+    from adapter.models.packed import pack_batch
 
     hf = hf_model("qwen3")
     arch = arch_from_hf_dict(hf.config.to_dict())
@@ -140,10 +142,17 @@ def packed_diff() -> float:
     a, b = torch.randint(0, VOCAB, (1, 10)), torch.randint(0, VOCAB, (1, 22))
     cu = torch.tensor([0, 10, 32], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=22, max_seqlen_kv=22)
+    docs = ([3, 10, 19], [5, 27])
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    seg = torch.tensor([[i for i, n in enumerate(d) for _ in range(n)] for d in docs])
+    stream, params = pack_batch({"tokens": ids, "labels": ids, "loss_mask": torch.ones(2, SEQ), "segment_ids": seg})
     with torch.no_grad():
         got = model(torch.cat([a, b], 1), None, None, packed_seq_params=packed)[..., :VOCAB]
         ref = torch.cat([hf(a).logits, hf(b).logits], 1)
-    return (got - ref).abs().max().item()
+        got2 = model(stream["tokens"], stream["position_ids"], None, packed_seq_params=params)[..., :VOCAB]
+        ref2 = torch.cat([hf(ids[i:i + 1, sum(d[:j]):sum(d[:j + 1])]).logits
+                          for i, d in enumerate(docs) for j in range(len(d))], 1)
+    return max((got - ref).abs().max().item(), (got2 - ref2).abs().max().item())
 
 
 def tp_grad_diff(rank: int) -> float:
@@ -262,10 +271,18 @@ def _compile_worker(rank, world):
     from adapter.models.arch import arch_from_hf_dict
     from adapter.models.compile import compile_layers
     from adapter.models.gpt import build_gpt_model
+    from adapter.models.packed import pack_batch
 
     out = {}
     arch = arch_from_hf_dict(hf_config("llama", num_hidden_layers=4).to_dict())
     ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+    def packed(docs):  # documents as the loop packs them (PackedDocs.to marks cu_seqlens dynamic)
+        seg = torch.tensor([[i for i, n in enumerate(d) for _ in range(n)] for d in docs])
+        stream, params = pack_batch({"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(2, SEQ),
+                                     "segment_ids": seg})
+        return stream, params.to("cpu")
+
     for tp in (1, 2):
         init_megatron(tp=tp)
         runs = []
@@ -278,21 +295,39 @@ def _compile_worker(rank, world):
                 assert compile_layers(model) == 4
             loss = model(ids[:, :-1], None, None, labels=ids[:, 1:]).float().mean()
             loss.backward()
-            runs.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        (l0, g0), (l1, g1) = runs
-        out[f"tp{tp}_loss"] = abs(l0 - l1)
-        out[f"tp{tp}_grad"] = max((g0[n] - g1[n]).abs().max().item() for n in g0)
-        if tp == 1:
-            out["graph_breaks"] = sum(counters["graph_break"].values())
-            out["graphs"] = counters["stats"]["unique_graphs"]
+            runs.append([(loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})])
+            if tp == 1:  # packed documents: the varlen op stays inside the graph; new document counts reuse it
+                if compiled:
+                    out["graph_breaks"] = sum(counters["graph_break"].values())
+                    out["graphs"] = counters["stats"]["unique_graphs"]
+                for docs in (([3, 10, 19], [5, 27]), ([2] * 16, [1, 31])):
+                    if compiled:
+                        out["packed_graphs_before_second"] = counters["stats"]["unique_graphs"]
+                    model.zero_grad()
+                    stream, params = packed(docs)
+                    loss = model(stream["tokens"], stream["position_ids"], None, labels=stream["labels"],
+                                 packed_seq_params=params).float().mean()
+                    loss.backward()
+                    runs[-1].append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+                if compiled:
+                    out["packed_graph_breaks"] = sum(counters["graph_break"].values()) - out["graph_breaks"]
+                    out["packed_graphs_second"] = counters["stats"]["unique_graphs"] - out.pop(
+                        "packed_graphs_before_second")
+        for i, ((l0, g0), (l1, g1)) in enumerate(zip(*runs)):
+            name = f"tp{tp}_packed{i}" if i else f"tp{tp}"
+            out[f"{name}_loss"] = abs(l0 - l1)
+            out[f"{name}_grad"] = max((g0[n] - g1[n]).abs().max().item() for n in g0)
     return out
 
 
 def test_compiled_layers_match_eager():
     for r in run_workers(_compile_worker, 2, timeout=600):
-        assert r["tp1_loss"] <= TOL and r["tp1_grad"] <= TOL and r["tp2_loss"] <= TOL and r["tp2_grad"] <= TOL, r
+        assert all(v <= TOL for k, v in r.items() if k.endswith(("_loss", "_grad"))), r
+        assert {"tp1_loss", "tp2_grad", "tp1_packed1_grad", "tp1_packed2_grad"} <= r.keys(), r
         assert r["graph_breaks"] == 0, r  # e.g. Megatron's tp_group=None warning (adapter/patches/mcore.py) would
         assert r["graphs"] == 1, r        # four layers, one compiled graph
+        # packed documents: no graph break, and a new document count needs no new graph (cu_seqlens are dynamic)
+        assert r["packed_graph_breaks"] == 0 and r["packed_graphs_second"] == 0, r
 
 
 def _linear_ce_worker(rank, world):

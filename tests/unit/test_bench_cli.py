@@ -56,3 +56,30 @@ def test_trace_summary_on_a_synthetic_trace():
     text = ts.render(s)
     assert "GPU busy 0.6 ms (55%)" in text and "sm90_xmma_gemm_bf16" in text
     assert ts.summarize([]) == {"error": "no GPU kernels in this trace"}
+
+
+def test_packed_attention_bench_helpers():
+    spec = importlib.util.spec_from_file_location("pab", ROOT / "bench/packed_attention_bench.py")
+    pab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pab)
+    lens = pab.doc_lengths(4096, 8, seed=0)
+    assert sum(lens) == 4096 and len(lens) == 8 and min(lens) > 4096 / 8 / 2 - 8 and max(lens) < 4096 / 8 * 1.5 + 8
+    assert pab.causal_flops([4, 4], 2, 8) == 3.5 * 2 * (4 * 16 / 2) * 2 * 8
+    row = {"shape": "1x8 2docs", "variant": "varlen (ours)", "ms": 1.0, "tflops": 2.0, "peak_extra_gib": 0.1,
+           "max_diff_vs_varlen": 0.0}
+    table = pab.render([row, row | {"variant": "dense causal", "max_diff_vs_varlen": None}])
+    assert "varlen (ours)" in table and "dense causal" in table and " -" in table
+
+
+def test_packed_attention_bench_runs_on_cpu(capsys):
+    """The GPU script end to end on CPU (fp32, tiny heads, no flex: it has no CPU backward): the varlen path and
+    the dense document mask agree."""
+    spec = importlib.util.spec_from_file_location("pab", ROOT / "bench/packed_attention_bench.py")
+    pab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pab)
+    assert pab.main(["--device", "cpu", "--shapes", "2x64x4", "--iters", "1", "--warmup", "0", "--heads", "4",
+                     "--kv-heads", "2", "--head-dim", "16", "--variants", "dense causal", "dense doc mask",
+                     "varlen (ours)", "varlen, max=seq"]) == 0
+    result = compare.parse_result(capsys.readouterr().out)
+    diffs = {r["variant"]: r["max_diff_vs_varlen"] for r in result["rows"]}
+    assert diffs["dense causal"] is None and diffs["dense doc mask"] < 1e-5 and diffs["varlen, max=seq"] == 0.0

@@ -164,11 +164,13 @@ def test_rule_seq_vs_cp():
     checks.check(*_cfg_arch(cp=2, tp=4, seq=2052, sp=False))
 
 
-def test_rule_document_mask_needs_cp1():
+def test_rule_document_mask_with_cp_needs_sdpa():
     cfg, arch = _cfg_arch(cp=2)
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"document_mask": True})})
-    with pytest.raises(UserError, match="data.document_mask=True: .*context parallelism"):
-        checks.check(cfg, arch)
+    checks.check(cfg, arch)  # packed documents with context parallelism: supported
+    local = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention": "local"})})
+    with pytest.raises(UserError, match="model.attention='local': packed documents .* Fix: set model.attention: sdpa"):
+        checks.check(local, arch)
 
 
 def test_rule_unknown_architecture(tmp_path):

@@ -96,3 +96,52 @@ def test_optimizer_step_transients_by_stage():
     room = int(22 * P * (1 + memory.MARGIN)) + memory.RUNTIME_RESERVE  # peak + the model's margin + the runtime
     assert memory.estimate(one, mistral, partition_size=1, gpu_capacity=room + 1, stage=1).fits
     assert not memory.estimate(one, mistral, partition_size=1, gpu_capacity=room - 2**20, stage=1).fits
+
+
+def test_packed_documents_by_hand():
+    """Packed documents (data.document_mask): no s×s term, key prefixes under all-gather CP, one RoPE row per token."""
+    kw = dict(micro=2, tp=2, sp=True, attention="sdpa")
+    dense = memory.layer_activations(TINY, seq=32, cp=1, **kw)
+    assert memory.layer_activations(TINY, seq=32, cp=1, packed=True, **kw) == dense == 53760  # same per-token terms
+    assert memory.layer_activations(TINY, seq=64, cp=1, packed=True, **kw) == 2 * dense     # linear in seq
+    # cp=2 all-gather, s = 16 per rank: q 2·16·2·64/2 = 2048, attn out 2048, lse 4·16·2·4/2 = 256, norms 8192,
+    # mlp 12288; K,V: the gathered sequence (32) for dense, the key prefixes 32·5/4 = 40 for packed, ×2·2·32/2
+    ag = dict(seq=32, cp=2, cp_comm="all_gather", **kw)
+    assert memory.layer_activations(TINY, **ag) == 2048 + 2048 + 256 + 8192 + 12288 + 2 * 32 * 2 * 2 * 32 // 2
+    assert memory.layer_activations(TINY, packed=True, **ag) - memory.layer_activations(TINY, **ag) == \
+        2 * (40 - 32) * 2 * 2 * 32 // 2
+    est = memory.estimate(cfg(**{"data.document_mask": True}), TINY, partition_size=2, gpu_capacity=10**9)
+    assert est.activations_no_recompute == 2 * 53760 + 3 * 4096 + 4 * 32 * 2 * 16  # + fp32 RoPE angles [s·b, d]
+
+
+def test_attention_flops_by_hand():
+    # 2 layers, 4 heads × 16, s=32, b=2: forward 4·(32·32/2)·4·16·2·2 = 524,288; × 3.5 fwd+bwd; / (tp·cp)
+    assert memory.attention_flops(TINY, seq=32, micro=2, tp=1, cp=1) == 3.5 * 524288
+    assert memory.attention_flops(TINY, seq=32, micro=2, tp=2, cp=2) == 3.5 * 524288 / 4
+    assert memory.attention_flops(TINY, seq=32, micro=2, tp=1, cp=1, doc_len=8) == 3.5 * 524288 / 4  # s·ℓ, not s²
+    assert memory.attention_flops(TINY, seq=32, micro=2, tp=1, cp=1, doc_len=64) == 3.5 * 524288    # ℓ ≤ s
+
+
+def test_cp_traffic_by_hand():
+    # kv = 2 bytes · s=16 · b=2 · 2 · 16 head_dim · (2 kv heads / tp 1) = 4096 per layer; 2 layers
+    for comm, per_layer in (("all_gather", 2 * 1 * 4096),              # all-gather + reduce-scatter, (cp−1)·kv each
+                            ("p2p", 2 * 1 * 4096 + 2 * 4096 * 4 // 2)):  # block hops fwd+bwd; cp fp32 gradient hops
+        for mask in (False, True):  # the same volume with packed documents: 1/cp of every document per rank
+            c = cfg(**{"parallelism.cp_size": 2, "parallelism.tp_size": 1, "parallelism.cp_comm_type": comm,
+                       "data.document_mask": mask})
+            rows = {r.group: r for r in traffic.estimate(c, TINY, Layout(1, 2, 2, 1))}
+            assert rows["cp"].bytes_per_step == 2 * per_layer, (comm, mask)
+            assert ("packed documents" in rows["cp"].what) == mask
+
+
+def test_plan_attention_cost():
+    from adapter.plan.build import attention_cost
+
+    dense = attention_cost(cfg(), TINY)
+    assert not dense.packed_documents and dense.doc_len == 32 and dense.kernel == "SDPA causal"
+    assert dense.flops_per_gpu_step == memory.attention_flops(TINY, seq=32, micro=2, tp=2, cp=1)
+    syn = attention_cost(cfg(**{"data.document_mask": True, "data.synthetic": True, "data.synthetic_doc_len": 8}),
+                         TINY)
+    assert syn.packed_documents and syn.doc_len == 8 and syn.flops_per_gpu_step == dense.flops_per_gpu_step / 4
+    real = attention_cost(cfg(**{"data.document_mask": True, "parallelism.cp_size": 2}), TINY)
+    assert real.doc_len == 32 and "upper bound" in real.doc_len_source and "split over cp=2" in real.kernel

@@ -1,0 +1,149 @@
+"""Packed documents -> this rank's THD stream and the attention parameters for it (a pure, host-side function).
+
+Why one stream: a `[b, s]` micro-batch is flattened into one token stream with boundaries over every document of
+every sample (`cu_seqlens`), so attention runs per document through varlen kernels (adapter/models/varlen.py),
+whatever the batch size, and no s×s mask exists anywhere.
+
+Context parallelism splits each document, not the sequence: document i is padded to a multiple of 2·cp and cut
+into 2·cp chunks of c_i tokens, and CP rank r keeps chunks r and 2·cp−1−r of every document (Megatron's load
+balance, per document). The rank's stream is laid out as [chunk r of every document | chunk 2·cp−1−r of every
+document], so each block the all-gather and ring schemes need is one contiguous varlen call over the c_i.
+The padding (each document's tail, plus one all-padding document that rounds the local length to `multiple`) has
+loss_mask 0 and comes after its document's real tokens, so causal attention never lets a real token see it; the
+loop's trained-token count stays that of the full batch. RoPE angles follow each token's position inside its
+document (`positions`), so the chunks a rank holds rotate as they would in the whole document.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+KEYS = ("tokens", "labels", "loss_mask")  # per-token keys carried into the stream (position_ids are recomputed)
+
+
+@dataclass
+class PackedDocs(PackedSeqParams):
+    """Megatron's PackedSeqParams (its fields keep their meaning: global cu_seqlens of the real and the padded
+    documents, max padded length) plus what this rank's attention and RoPE need. Tensors are [1, T]-stream
+    tensors; `qkv_format="sbhd"` because q/k/v reach the core attention as [T, 1, heads, d]."""
+
+    positions: torch.Tensor = None   # [T] int64: each local token's position inside its padded document
+    rope_len: int = None             # RoPE table rows (> every position; one value per run, so it caches)
+    cu_local: torch.Tensor = None    # int32: cp=1 document boundaries of the stream; cp>1 cumulative c_i
+    max_local: int = None            # longest sequence in cu_local
+    cp_size: int = 1
+    cp_rank: int = 0
+    ag_index: torch.Tensor = None    # all-gather scheme: rows of the gathered K|V forming each query's key prefix
+    ag_cu_q: torch.Tensor = None     # int32 [2n+1]: the stream as 2n query sequences (early chunks, late chunks)
+    ag_cu_k: torch.Tensor = None     # int32 [2n+1]: their key prefixes in the ag_index stream
+    ag_max_k: int = None
+    max_host: torch.Tensor = None    # CPU int64 [2]: longest query and key sequence of the attention call (stays on
+                                     # the host: the kernels take ints, and torch.compile guards no tensor values)
+
+    def __post_init__(self):
+        if self.max_host is None and self.max_local is not None:
+            self.max_host = torch.tensor([self.max_local, self.ag_max_k or self.max_local])
+
+    def to(self, device, non_blocking: bool = True) -> PackedDocs:
+        """On `device`; the cu_seqlens are marked dynamic, so a compiled graph serves every document count."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in moved.items():
+            if isinstance(v, torch.Tensor) and k != "max_host":
+                moved[k] = v.to(device, non_blocking=non_blocking)
+                if v.dtype == torch.int32:
+                    torch._dynamo.maybe_mark_dynamic(moved[k], 0)
+        return PackedDocs(**moved)
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """cat(arange(s, s + n) for s, n in zip(starts, lengths)), vectorised."""
+    before = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - before, lengths) + torch.arange(int(lengths.sum()))
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+
+
+def local_multiple(seq_len: int, cp: int, sp_tp: int = 1) -> int:
+    """What the local stream length is rounded up to: divisible by tp under sequence parallelism, even under CP (for
+    the split of the padding document), and, for long sequences under CP, by 64 so per-document padding gives only
+    a few distinct lengths (the fused RoPE and compiled layers see static shapes, recompiling once per length)."""
+    if cp == 1:
+        return sp_tp
+    return math.lcm(2, sp_tp, 64 if seq_len // cp >= 4096 else 1)
+
+
+def document_lengths(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Lengths of the documents of the flattened [b, s] batch: a new one at every segment change and sample start."""
+    b, s = segment_ids.shape
+    new = torch.ones(b, s, dtype=torch.bool)
+    new[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    starts = new.flatten().nonzero().flatten()
+    return torch.diff(torch.cat([starts, starts.new_tensor([b * s])]))
+
+
+def pack_batch(batch: dict[str, torch.Tensor], *, cp_size: int = 1, cp_rank: int = 0,
+               multiple: int = 1) -> tuple[dict[str, torch.Tensor], PackedDocs]:
+    """The FULL micro-batch ([b, s] tensors on the host: tokens, labels, loss_mask, segment_ids) -> this CP rank's
+    [1, T] tokens / labels / loss_mask / position_ids and its PackedDocs. Same result on every rank of a CP group
+    but for its own chunks; the trained tokens over the group are exactly the batch's."""
+    seg = batch["segment_ids"].cpu()
+    b, s = seg.shape
+    flat = {k: batch[k].cpu().reshape(-1) for k in KEYS}
+    lens = document_lengths(seg)
+    starts = torch.cumsum(lens, 0) - lens
+    g = 2 * cp_size if cp_size > 1 else 1
+    padded = (lens + g - 1) // g * g
+    m = math.lcm(multiple, 2) if cp_size > 1 else multiple
+    extra = -int(padded.sum()) // cp_size % m  # local tokens short of a multiple of m: one padding document
+    if extra:
+        lens, starts = torch.cat([lens, lens.new_zeros(1)]), torch.cat([starts, starts.new_zeros(1)])
+        padded = torch.cat([padded, padded.new_tensor([extra * cp_size])])
+    n = len(lens)
+    docs = torch.arange(n)
+    if cp_size == 1:
+        owner = torch.repeat_interleave(docs, padded)
+        pos = _ranges(torch.zeros_like(padded), padded)
+        cu_local, max_local = _cu(padded), int(padded.max())
+    else:
+        c = padded // g
+        owner = torch.cat([torch.repeat_interleave(docs, c)] * 2)
+        chunk = torch.cat([torch.full((int(c.sum()),), cp_rank), torch.full((int(c.sum()),), g - 1 - cp_rank)])
+        pos = chunk * c[owner] + torch.cat([_ranges(torch.zeros_like(c), c)] * 2)
+        cu_local, max_local = _cu(c), int(c.max())
+    real = pos < lens[owner]
+    src = torch.where(real, starts[owner] + pos, 0)
+    out = {k: torch.where(real, v[src], torch.zeros((), dtype=v.dtype))[None] for k, v in flat.items()}
+    out["position_ids"] = pos[None]
+    rope_len = max(-(-s // g) * g, int(padded.max()))
+    params = PackedDocs(qkv_format="sbhd", cu_seqlens_q=_cu(lens), cu_seqlens_kv=_cu(lens),
+                        cu_seqlens_q_padded=_cu(padded), cu_seqlens_kv_padded=_cu(padded),
+                        max_seqlen_q=int(padded.max()), max_seqlen_kv=int(padded.max()), positions=pos,
+                        rope_len=rope_len, cu_local=cu_local, max_local=max_local, cp_size=cp_size, cp_rank=cp_rank)
+    if cp_size > 1:
+        _all_gather_plan(params, c, cp_size, cp_rank)
+        params.max_host = torch.tensor([max_local, params.ag_max_k])
+    return out, params
+
+
+def _all_gather_plan(params: PackedDocs, c: torch.Tensor, cp: int, r: int) -> None:
+    """Where each local query chunk's causal key prefix lies in the all-gathered K|V ([cp ranks × local stream]):
+    chunk j of document i is held by rank j (early part) or 2·cp−1−j (late part), at the document's chunk offset."""
+    n, t_half = len(c), int(c.sum())
+    off = torch.cumsum(c, 0) - c
+    doc_e, m_e = torch.repeat_interleave(torch.arange(n), r + 1), torch.arange(r + 1).repeat(n)
+    doc_l, m_l = torch.repeat_interleave(torch.arange(n), 2 * cp - r), torch.arange(2 * cp - r).repeat(n)
+    doc, m = torch.cat([doc_e, doc_l]), torch.cat([m_e, m_l])
+    rank = torch.where(m < cp, m, 2 * cp - 1 - m)
+    base = rank * 2 * t_half + torch.where(m < cp, 0, t_half) + off[doc]
+    params.ag_index = _ranges(base, c[doc])
+    k_lens = torch.cat([(r + 1) * c, (2 * cp - r) * c])
+    params.ag_cu_q, params.ag_cu_k = _cu(torch.cat([c, c])), _cu(k_lens)
+    params.ag_max_k = int(k_lens.max())
+
+
+__all__ = ["PackedDocs", "pack_batch", "document_lengths", "local_multiple"]

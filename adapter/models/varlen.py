@@ -1,0 +1,301 @@
+"""Causal attention over packed documents (THD / varlen), with and without context parallelism; no s×s mask on GPUs.
+
+Block kernels share one contract: q [tq, hq, d], k/v [tk, hk, d], int32 cumulative sequence lengths cu_q / cu_k
+(query sequence i attends key sequence i only) -> out [tq, hq, d] and the fp32 log-sum-exp [hq, tq]; the backward
+takes the final (merged) out and lse of its query rows, which is what makes ring attention's partial blocks exact.
+Causal masks are aligned bottom-right when a query sequence is shorter than its keys (FlashAttention's rule).
+  * CUDA: torch's FlashAttention-2 varlen ops (`_flash_attention_forward/_backward`), GQA without repeating K/V,
+    bf16/fp16 only.
+  * CPU (tests, CI): the same maths in fp32 with a block-diagonal mask built from cu_seqlens; fine for small shapes.
+
+Schemes, on the stream adapter/models/packed.py lays out (chunk lengths c_i; early half E = chunk r of every
+document, late half L = chunk 2·cp−1−r):
+  * cp = 1: one causal call over the document boundaries.
+  * "all_gather": K|V all-gathered once (reduce-scattered in backward); each query chunk's causal key prefix is
+    gathered into one stream (`ag_index`) and a single bottom-right causal call covers every chunk of every
+    document.
+  * "p2p": K|V blocks travel the ring; at each step the (E or L) × (E or L) pairs that are causally visible are
+    separate varlen calls over the c_i, merged with their log-sum-exp; backward sends K/V gradients with them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from adapter.errors import bad
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def dtype_error(dtype) -> Exception:
+    return bad("precision", str(dtype).removeprefix("torch."),
+               "packed documents (data.document_mask) run FlashAttention varlen kernels on GPUs, bf16/fp16 only",
+               "train in bf16, or set data.document_mask: false")
+
+
+# ---- reference kernels (CPU) -----------------------------------------------------------------------------------
+def _allowed(cu_q, cu_k, tq, tk, causal):
+    """[tq, tk] bool: same sequence and, if causal, key position ≤ query position + (len_k − len_q)."""
+    iq, ik = torch.arange(tq, device=cu_q.device), torch.arange(tk, device=cu_k.device)
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    sq = torch.searchsorted(cu_q[1:], iq, right=True)
+    sk = torch.searchsorted(cu_k[1:], ik, right=True)
+    ok = sq[:, None] == sk[None, :]
+    if causal:
+        shift = (cu_k[sq + 1] - cu_k[sq]) - (cu_q[sq + 1] - cu_q[sq])
+        ok &= (ik - cu_k[sk])[None, :] <= (iq - cu_q[sq] + shift)[:, None]
+    return ok
+
+
+def _check_max(cu, max_len, what):
+    """FlashAttention sizes its grid by the longest sequence given: a stale or short one drops rows silently on a GPU,
+    so the CPU kernel (where cu_seqlens are host values) refuses it."""
+    longest = int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
+    if longest > max_len:
+        raise RuntimeError(f"varlen attention: longest {what} sequence {longest} exceeds the max given ({max_len})")
+
+
+def _ref_probs(q, k, cu_q, cu_k, causal, scale, lse=None):
+    rep = q.size(1) // k.size(1)
+    kr = k.float().repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kr) * scale
+    s = s.masked_fill(~_allowed(cu_q, cu_k, q.size(0), k.size(0), causal), float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, -1)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    return torch.exp(s - safe[..., None]), lse, kr, rep
+
+
+def _ref_fwd(q, k, v, cu_q, cu_k, causal, scale):
+    p, lse, _, rep = _ref_probs(q, k, cu_q, cu_k, causal, scale)
+    out = torch.einsum("hqk,khd->qhd", p, v.float().repeat_interleave(rep, 1))
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+    p, _, kr, rep = _ref_probs(q, k, cu_q, cu_k, causal, scale, lse)
+    do, hk = dout.float(), k.size(1)
+    dv = torch.einsum("hqk,qhd->khd", p, do)
+    dp = torch.einsum("qhd,khd->hqk", do, v.float().repeat_interleave(rep, 1))
+    ds = p * (dp - (do * out.float()).sum(-1).t()[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, kr) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, q.float()) * scale
+    fold = lambda t: t.view(t.size(0), hk, rep, -1).sum(2)  # noqa: E731 - GQA: sum the query heads of a group
+    return tuple(t.to(x.dtype).contiguous() for t, x in ((dq, q), (fold(dk), k), (fold(dv), v)))
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------------------
+def block_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """(out [tq, hq, d] in q's dtype, lse [hq, tq] fp32), both contiguous."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if not q.is_cuda:
+        _check_max(cu_q, max_q, "query")
+        _check_max(cu_k, max_k, "key")
+        return _ref_fwd(q, k, v, cu_q, cu_k, causal, scale)
+    if q.dtype not in HALF:
+        raise dtype_error(q.dtype)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                           scale=scale)
+    if lse.shape != (q.size(1), q.size(0)):  # the merges index it [heads, tokens] (torch 2.11-2.13 varlen layout)
+        raise RuntimeError(f"unexpected varlen log-sum-exp shape {tuple(lse.shape)} for q {tuple(q.shape)}")
+    return out, lse
+
+
+def block_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    """(dq, dk, dv) of one block given the final out/lse of its query rows; contiguous."""
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    if not q.is_cuda:
+        _check_max(cu_q, max_q, "query")
+        _check_max(cu_k, max_k, "key")
+        return _ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # never read at dropout 0 (as torch's varlen_attn)
+    unused = torch.empty(0, device=q.device)
+    return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
+                                                    rng, unused, scale=scale)
+
+
+# A custom op, so torch.compile keeps it as one graph node (no graph break inside Megatron's attention). The longest
+# sequence lengths travel as a CPU tensor: as Python ints they would be guarded and recompile at every new value.
+@torch.library.custom_op("nd_adapter::varlen_fwd", mutates_args=())
+def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                max_qk: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    max_q, max_k = max_qk.tolist()
+    return block_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+@_varlen_fwd.register_fake
+def _(q, k, v, cu_q, cu_k, max_qk, causal, scale):
+    return q.new_empty(q.shape), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
+
+
+@torch.library.custom_op("nd_adapter::varlen_bwd", mutates_args=())
+def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_qk: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    max_q, max_k = max_qk.tolist()
+    return tuple(block_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale))
+
+
+@_varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_qk, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_qk, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, max_qk)  # saved, not an attribute: a compiled backward
+    ctx.causal, ctx.scale = causal, scale                          # must see each batch's lengths, not the first's
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, max_qk = ctx.saved_tensors
+    dq, dk, dv = _varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_qk, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_varlen_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def varlen(q, k, v, cu_q, cu_k, max_qk, causal, scale):
+    """One varlen call with autograd: q [tq, hq, d], k/v [tk, hk, d] -> [tq, hq, d]. `max_qk`: the longest query
+    and key sequence, as (int, int) or a CPU int64 tensor [2]."""
+    if not isinstance(max_qk, torch.Tensor):
+        max_qk = torch.tensor(max_qk, dtype=torch.int64)
+    return _varlen_fwd(q, k, v, cu_q, cu_k, max_qk, causal, scale)[0]
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    """Causal attention within each sequence of cu_seqlens (cp = 1)."""
+    if not isinstance(max_seqlen, torch.Tensor):
+        max_seqlen = (max_seqlen, max_seqlen)
+    return varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, True, scale)
+
+
+# ---- context parallelism ------------------------------------------------------------------------------------------
+def _all_gather(q, k, v, params, scale, group):
+    kv = gather_from_sequence_parallel_region(torch.cat([k, v], -1), True, group=group)  # [cp·t, hk, 2d]
+    ks, vs = kv.index_select(0, params.ag_index).split(k.size(-1), -1)
+    return varlen(q, ks.contiguous(), vs.contiguous(), params.ag_cu_q, params.ag_cu_k, params.max_host, True, scale)
+
+
+E, L = 0, 1
+
+
+def ring_tasks(step: int, r: int, cp: int) -> tuple[tuple[int, int, bool], ...]:
+    """(query half, key half of the held block, causal) pairs that are visible at a ring step, for every document at
+    once. The block held is rank j = r − step's: its early chunk j and late chunk 2·cp−1−j."""
+    j = (r - step) % cp
+    if step == 0:
+        return (E, E, True), (L, E, False), (L, L, True)
+    if j < r:  # chunk j precedes both local chunks; chunk 2cp−1−j follows both
+        return (E, E, False), (L, E, False)
+    return (L, E, False), (L, L, False)  # both of the block's chunks lie between the local ones
+
+
+def _shift(tensor, group):
+    """Send `tensor` to the next CP rank, receive the previous rank's: (receive buffer, requests)."""
+    r, n = group.rank(), group.size()
+    recv = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % n), group),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs):
+    for req in reqs:
+        req.wait()
+
+
+class _Ring(torch.autograd.Function):
+    """q [2t, hq, d], k/v [2t, hk, d] in the [E | L] layout -> [2t, hq, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_c, scale, group):
+        cp, r, t, d = group.size(), group.rank(), q.size(0) // 2, k.size(-1)
+        kv = torch.cat([k, v], -1).contiguous()
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.size(1), q.size(0), dtype=torch.float32, device=q.device)
+        seen = [False, False]
+        for step in range(cp):
+            if step + 1 < cp:
+                nxt, reqs = _shift(kv, group)
+            for hq, hk, causal in ring_tasks(step, r, cp):
+                rows = slice(hq * t, (hq + 1) * t)
+                kb, vb = kv[hk * t:(hk + 1) * t].split(d, -1)
+                o, l_b = block_fwd(q[rows], kb.contiguous(), vb.contiguous(), cu, cu, max_c, max_c, causal, scale)
+                if not seen[hq]:
+                    out[rows], lse[:, rows], seen[hq] = o.float(), l_b, True
+                else:  # stable merge: out −= σ(l − lse)(out − o); lse −= logσ(lse − l)
+                    l_r = lse[:, rows]
+                    out[rows] -= torch.sigmoid(l_b - l_r).t().unsqueeze(-1) * (out[rows] - o.float())
+                    lse[:, rows] = l_r - F.logsigmoid(l_r - l_b)
+            if step + 1 < cp:
+                _wait(reqs)
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.max_c, ctx.scale, ctx.group = max_c, scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        group, scale, max_c = ctx.group, ctx.scale, ctx.max_c
+        cp, r, t, d = group.size(), group.rank(), q.size(0) // 2, k.size(-1)
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv = torch.cat([k, v], -1).contiguous()
+        # The gradient of the block held at a step travels one rank ahead with it; after cp hops it is home.
+        # Buffers are rebound only after their sends completed (NCCL may read a send buffer until wait()).
+        dkv = dkv_next = dkv_reqs = None
+        for step in range(cp):
+            if step + 1 < cp:
+                kv_next, kv_reqs = _shift(kv, group)
+            grads = []
+            for hq, hk, causal in ring_tasks(step, r, cp):
+                rows, keys = slice(hq * t, (hq + 1) * t), slice(hk * t, (hk + 1) * t)
+                kb, vb = kv[keys].split(d, -1)
+                g = block_bwd(dout[rows], q[rows], kb.contiguous(), vb.contiguous(), out[rows],
+                              lse[:, rows].contiguous(), cu, cu, max_c, max_c, causal, scale)
+                dq[rows] += g[0].float()
+                grads.append((keys, torch.cat([g[1], g[2]], -1)))
+            if dkv_reqs is None:
+                dkv = torch.zeros_like(kv, dtype=torch.float32)
+            else:
+                _wait(dkv_reqs)
+                dkv = dkv_next
+            for keys, g in grads:
+                dkv[keys] += g.float()
+            dkv_next, dkv_reqs = _shift(dkv, group)
+            if step + 1 < cp:
+                _wait(kv_reqs)
+                kv = kv_next
+        _wait(dkv_reqs)
+        dk, dv = dkv_next.split(d, -1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def packed_attention(q, k, v, params, *, scale, group=None, comm="all_gather"):
+    """This rank's packed stream: q [t, hq, d], k/v [t, hk, d] -> [t, hq, d], causal within each document.
+
+    `params`: adapter.models.packed.PackedDocs for this rank (its cp_size must match `group`)."""
+    if q.is_cuda and q.dtype not in HALF:
+        raise dtype_error(q.dtype)
+    if params.cp_size == 1:
+        return varlen_attention(q, k, v, params.cu_local, params.max_host, scale)
+    return _cp_attention(q, k, v, params, scale, group, comm)
+
+
+@torch.compiler.disable  # collectives and ring sends: a graph break (torch.compile stays correct, fuses less)
+def _cp_attention(q, k, v, params, scale, group, comm):
+    if group is None or group.size() != params.cp_size:
+        raise ValueError(f"packed batch split for cp={params.cp_size} but the attention's CP group has "
+                         f"{group.size() if group is not None else 1} ranks")
+    if comm == "all_gather":
+        return _all_gather(q, k, v, params, scale, group)
+    return _Ring.apply(q, k, v, params.cu_local, params.max_local, scale, group)
+
+
+__all__ = ["packed_attention", "varlen_attention", "varlen", "block_fwd", "block_bwd", "ring_tasks", "dtype_error"]
