@@ -123,6 +123,51 @@ def rows() -> list[dict]:
     return out
 
 
+# Layouts measured side by side (same model, same GPU count, today's code): (group, search config, [run labels]).
+SIDE_BY_SIDE = [
+    ("1B on 2×H200", "llama-3.2-1b-dp2", 2, [0, 1, 2]),
+    ("8B on 2×H200", "llama-3.1-8b-dp2", 2, [3, 4, 5]),   # (the no-accum tp=2 run had half the global batch)
+]
+
+
+def _identity(cfg_name: str, overrides: dict, gpus: int) -> tuple:
+    from adapter import config
+    from adapter.parallel import deepspeed_config
+    from adapter.parallel.layout import Layout
+
+    cfg = config.load(ROOT / "bench/configs" / f"{cfg_name}.yaml", overrides=overrides, world_size=gpus)
+    p = cfg.parallelism
+    stage = deepspeed_config.zero_stage(cfg, Layout.from_config(p, gpus))
+    return (p.dp_replicate_size, p.dp_shard_size, p.cp_size, p.tp_size, stage, cfg.recompute,
+            cfg.batch.micro_batch_size, cfg.grad_accum, cfg.use_sequence_parallel and p.tp_size > 1, cfg.model.compile)
+
+
+def search_check() -> list[dict]:
+    """For each group of layouts measured side by side: where `plan --search` (run on the group's config, its
+    global batch) ranks each measured layout, whether the best-ranked of them is the fastest measured (or within
+    5%), and what the search's overall first row is (possibly never measured)."""
+    from adapter.plan import search
+
+    out = []
+    for group, cfg_name, gpus, idx in SIDE_BY_SIDE:
+        found = search.run(str(ROOT / "bench/configs" / f"{cfg_name}.yaml"), {}, {"hardware.gpus_per_node": gpus}, gpus)
+        rank = {(r.dp_replicate, r.dp_shard, r.cp, r.tp, r.zero_stage, r.recompute, r.micro_batch_size,
+                 r.gradient_accumulation_steps, r.sequence_parallel, r.compiled_layers): r.rank for r in found.rows}
+        runs = []
+        for i in idx:
+            label, name, over, g, measured, _, _ = RUNS[i]
+            runs.append({"run": label, "measured": measured, "rank": rank.get(_identity(name, over, g))})
+        ranked = [r for r in runs if r["rank"] is not None]
+        best = min(ranked, key=lambda r: r["rank"])
+        fastest = max(runs, key=lambda r: r["measured"])
+        top = found.rows[0]
+        out.append({"group": group, "runs": runs, "search_pick": best["run"], "fastest_measured": fastest["run"],
+                    "pick_vs_fastest": best["measured"] / fastest["measured"] - 1,
+                    "search_first_row": {"rank": 1, "sets": top.sets, "tokens_per_s_per_gpu":
+                                         round(top.tokens_per_s_per_gpu)}})
+    return out
+
+
 def _sets(over: dict) -> str:
     return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in over.items()) or "–"
 
@@ -133,15 +178,24 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     table = rows()
     if a.json:
-        print(json.dumps(table, indent=2))
+        print(json.dumps({"runs": table, "side_by_side": search_check()}, indent=2))
         return 0
     print("| run | GPUs | code | measured | predicted | error | predicted bottleneck |")
     print("|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['run']} ({r['source']}) | {r['gpus']} | {r['code']} | {r['measured']:,} | {r['predicted']:,} | "
-              f"{100 * r['error']:+.1f}% | {r['bottleneck']} |")
+              f"{100 * r['error']:+.1f}% | {r['bottleneck'].split(' (')[0]} |")
     for label, measured, why in NOT_MODELLED:
         print(f"| {label} | | not modelled: {why} | {measured:,} | – | – | |")
+    print("\n| measured side by side | measured tokens/s/GPU (search rank) | search's pick of these | fastest measured "
+          "| pick vs fastest | search's first row (predicted) |")
+    print("|---|---|---|---|---|---|")
+    for g in search_check():
+        runs = "; ".join(f"{r['run']}: {r['measured']:,} (#{r['rank']})" for r in g["runs"])
+        first = g["search_first_row"]
+        sets = " ".join(x for x in first["sets"] if not x.endswith(("_size=1", "=none", "steps=1")))
+        print(f"| {g['group']} | {runs} | {g['search_pick']} | {g['fastest_measured']} | "
+              f"{100 * g['pick_vs_fastest']:+.1f}% | {sets} ({first['tokens_per_s_per_gpu']:,}) |")
     return 0
 
 

@@ -253,7 +253,7 @@ def bottleneck(breakdown: dict[str, float], detail: dict[str, float], layout: La
     else:
         name = {"tp_comm": "TP collectives on the critical path", "dp_comm": "exposed data-parallel communication",
                 "cp_comm": "CP K/V exchange"}[top]
-        group = {"tp_comm": "tp", "cp_comm": "cp"}.get(top)
-        over = " (its groups cross nodes)" if group and layout.crosses_nodes(group) else ""
+        group = {"tp_comm": "tp", "cp_comm": "cp", "dp_comm": "dp_cp"}[top]
+        over = " (its groups cross nodes)" if layout.crosses_nodes(group) else ""
         text = f"{name}{over}, {pct}"
     return text

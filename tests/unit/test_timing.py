@@ -240,3 +240,9 @@ def test_predictions_match_the_recorded_gpu_runs():
     one_b = {r["run"]: r for r in current if r["run"].startswith("1B") and r["gpus"] == 2}
     fastest = max(one_b.values(), key=lambda r: r["measured"])
     assert max(one_b.values(), key=lambda r: r["predicted"]) is fastest
+
+
+def test_search_picks_the_fastest_of_the_layouts_measured_side_by_side():
+    for group in _validation().search_check():
+        assert all(r["rank"] is not None for r in group["runs"]), group   # every measured layout is a valid one
+        assert group["pick_vs_fastest"] >= -0.05, group
