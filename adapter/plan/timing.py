@@ -197,8 +197,6 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
             t += collective_seconds(vol.get("dp_shard_cp", 0) / ga, units, link(layout, "dp_shard_cp", prof))
         edge = t * (2 * edge_params + lp.layer) / (3 * P)      # first gather, last reduce: nothing to hide behind
         dp_mb = edge + max(0.0, t - edge - compute_mb)
-        if hsdp and layout.dp_replicate > 1:
-            dp_step += collective_seconds(vol.get("dp_replicate", 0), 1, link(layout, "dp_replicate", prof))
     elif stage == 2 and z > 1:
         one = vol.get(zgroup, 0) / (ga + 1)                    # one full-model pass of grads or params
         bw_lat = link(layout, zgroup, prof)
@@ -206,13 +204,15 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
         grads = collective_seconds(one, ceil(P / ds.reduce_bucket_size), bw_lat)
         dp_mb = last + max(0.0, grads - last - compute_mb * 2 / 3)  # reduced bucket by bucket during backward
         dp_step += collective_seconds(one, ceil(P / ds.prefetch_bucket_size), bw_lat)  # after the step, exposed
+    if stage == 3 and hsdp and layout.dp_replicate > 1:       # after the whole backward, before the step
+        dp_step += collective_seconds(vol.get("dp_replicate", 0), 1, link(layout, "dp_replicate", prof))
 
     # the host issuing it all
     per_layer_tensors, tensors = param_tensors(arch)
     layer_host = hw.compiled_layer_s if compiled else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
     host_mb = L * layer_host * rc + tensors * hw.param_s + \
         (tp_calls * hw.tp_collective_s if tp > 1 else 0.0)
-    stall_mb = 2 * units * hw.zero3_unit_s * rc if stage == 3 and z > 1 else 0.0
+    stall_mb = 2 * units * hw.zero3_unit_s * rc if stage == 3 else 0.0   # hooks run even over a group of one
     gpu_mb = compute_mb + tp_mb + cp_mb + dp_mb
     mb_time = max(gpu_mb, host_mb) + stall_mb
 

@@ -246,3 +246,21 @@ def test_search_picks_the_fastest_of_the_layouts_measured_side_by_side():
     for group in _validation().search_check():
         assert all(r["rank"] is not None for r in group["runs"]), group   # every measured layout is a valid one
         assert group["pick_vs_fastest"] >= -0.05, group
+
+
+def test_hsdp_replica_all_reduce_is_exposed_once_per_step():
+    p = profile(host={"zero3_unit_s": 1e-3})
+    for shard in (2, 1):                                       # also with nothing to shard inside a replica
+        c = cfg(**{"parallelism.tp_size": 1, "parallelism.dp_shard_size": shard, "parallelism.dp_replicate_size": 2,
+                   "batch.gradient_accumulation_steps": 2})
+        layout = Layout(2, shard, 1, 1, gpus_per_node=shard)   # replicas on different nodes: one NIC each
+        rows = {r.group: r.bytes_per_step for r in traffic.estimate(c, TINY, layout)}
+        st = _predict(c, layout, p, 3)
+        zero3 = 0.0
+        if shard > 1:
+            t = rows["dp_shard_cp"] / 2 / 1e11 + 9 * 1e-5
+            lp = memory.local_params(TINY, 1)
+            edge = t * (2 * (lp.embedding + lp.output) + lp.layer) / (3 * lp.total(2))
+            zero3 = 2 * (edge + max(0.0, t - edge - st.breakdown["compute"] / 2))
+        assert st.breakdown["dp_comm"] == pytest.approx(zero3 + rows["dp_replicate"] / 1e10 + 2e-5)
+        assert st.breakdown["host"] == pytest.approx(2 * 2 * 3 * 1e-3)   # ZeRO-3's hooks, 2 micro-batches
