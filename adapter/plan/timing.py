@@ -148,7 +148,9 @@ def flops_per_token(arch: ModelArch, seq: int) -> int:
 
 def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, stage: int,
             rows: list[traffic.GroupTraffic] | None = None, doc_len: int | None = None) -> StepTime:
-    """The step time of `cfg` on `layout` with ZeRO `stage` (deepspeed_config.zero_stage's answer)."""
+    """The step time of `cfg` on `layout` with ZeRO `stage` (deepspeed_config.zero_stage's answer). `doc_len`: the
+    packed documents' mean length when attention stays inside documents (varlen); plan does not know the data, so
+    it passes None and full causal sequences are counted (an upper bound for `data.document_mask`)."""
     p, ds, hw = cfg.parallelism, cfg.deepspeed, prof.host
     tp, cp, L, ga, b = p.tp_size, p.cp_size, arch.num_layers, cfg.grad_accum, cfg.batch.micro_batch_size
     sp = cfg.use_sequence_parallel and tp > 1
@@ -208,7 +210,7 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
         dp_step += collective_seconds(vol.get("dp_replicate", 0), 1, link(layout, "dp_replicate", prof))
 
     # the host issuing it all
-    per_layer_tensors, tensors = param_tensors(arch)
+    tensors = param_tensors(arch)[1]
     layer_host = hw.compiled_layer_s if compiled else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
     host_mb = L * layer_host * rc + tensors * hw.param_s + \
         (tp_calls * hw.tp_collective_s if tp > 1 else 0.0)
