@@ -43,6 +43,15 @@ def cmd_plan(args) -> int:
     if world is None and args.gpus_per_node is not None:
         world = args.gpus_per_node
     flags = {k: v for k, v in _world_overrides(args).items() if v is not None}  # an absent flag keeps a --set
+    if args.search:
+        from adapter.plan.render import render_search
+        from adapter.plan.search import run
+
+        if args.top < 1:
+            raise UserError(f"--top={args.top}: must be at least 1. Fix: e.g. --top 10")
+        found = run(args.config, config.parse_sets(args.set), flags, world, gpu_mem_gib=args.gpu_mem_gib)
+        print(found.model_dump_json(indent=2)) if args.format == "json" else render_search(found, top=args.top)
+        return 0
     cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
     doc = build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
     if args.format == "json":
@@ -50,6 +59,12 @@ def cmd_plan(args) -> int:
     else:
         render(doc)
     return 0
+
+
+def cmd_calibrate(args) -> int:
+    from adapter.plan.calibrate import main as calibrate_main
+
+    return calibrate_main(args, {k: v for k, v in _world_overrides(args).items() if v is not None})
 
 
 def cmd_train(args) -> int:
@@ -81,7 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem-gib", type=float, help="usable GPU memory, overrides --gpu")
     p.add_argument("--replicate-mode", choices=("hsdp", "hpz"), help="how dp_replicate maps onto DeepSpeed")
     p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--search", action="store_true",
+                   help="rank every valid layout for this world by predicted tokens/s/GPU (--set pins a part)")
+    p.add_argument("--top", type=int, default=10, help="rows of --search's table (JSON has all)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="micro-benchmark this machine's GPUs into a hardware profile for plan")
+    p.add_argument("config", help="YAML config: the model and layout whose shapes are measured")
+    _add_run_args(p)
+    p.add_argument("--out", required=True, help="profile JSON to write (then: --set hardware.profile=PATH)")
+    p.add_argument("--base", help="profile whose unmeasured parts (network, host costs) are kept (default: the GPU's)")
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per measurement")
+    p.set_defaults(func=cmd_calibrate)
 
     try:
         from adapter.convert.cli import add_parser as add_convert

@@ -194,6 +194,11 @@ class HardwareSection(_Strict):
     nodes: StrictInt = Field(1, ge=1)
     gpus_per_node: StrictInt | None = Field(None, ge=1)
     gpu: str = "h100-80gb"
+    # `plan`'s step-time model: a shipped profile (h100, h200, a100) or a JSON from `nd-adapter calibrate`;
+    # unset = the profile of `gpu`. The two bandwidths (GB/s, nccl-tests' bus bandwidth) override the profile's.
+    profile: str | None = Field(None, description="hardware profile: h100, h200, a100 or a calibrate JSON path")
+    intra_node_gb_per_s: float | None = Field(None, gt=0, description="NCCL bus bandwidth inside a node (NVLink)")
+    inter_node_gb_per_s: float | None = Field(None, gt=0, description="network bandwidth per GPU between nodes")
 
 
 class RunConfig(_Strict):

@@ -128,8 +128,12 @@ class Layout:
     def group_of(self, name: str, rank: int) -> tuple[int, ...]:
         return next(g for g in self._groups[name] if rank in g)
 
+    @cached_property
+    def _crossing(self) -> dict[str, bool]:
+        return {name: any(len({self.node(r) for r in g}) > 1 for g in gs) for name, gs in self._groups.items()}
+
     def crosses_nodes(self, name: str) -> bool:
-        return any(len({self.node(r) for r in g}) > 1 for g in self._groups[name])
+        return self._crossing[name]  # cached: plan --search asks it thousands of times per layout
 
     def data_rank(self, rank: int) -> int:
         """Which data shard a rank reads: ranks of one tp×cp block share it (Accelerate: rank // (tp·cp))."""

@@ -5,6 +5,7 @@ to docs/plan-schema.json) and the table view is just a rendering of the same obj
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -15,7 +16,7 @@ from adapter.models import checks
 from adapter.models.arch import ModelArch, load_arch
 from adapter.parallel import deepspeed_config, mcore_groups
 from adapter.parallel.layout import GROUPS, ORDER, Layout
-from adapter.plan import memory, traffic
+from adapter.plan import hardware, memory, timing, traffic
 
 SCHEMA_VERSION = 1
 
@@ -118,6 +119,18 @@ class ModeCost(_Doc):
     inter_node_bytes: int
 
 
+class Predicted(_Doc):
+    """The step-time model's answer (adapter/plan/timing.py): seconds are per optimizer step, per GPU."""
+
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    breakdown: dict[str, float]
+    compute_detail: dict[str, float]
+    bottleneck: str
+    profile: str
+
+
 class Launch(_Doc):
     deepspeed: str
     torchrun: str
@@ -144,6 +157,7 @@ class Plan(_Doc):
     memory: Memory
     traffic: list[Traffic]
     traffic_totals: dict[str, int]
+    predicted: Predicted | None
     replicate_modes: dict[str, ModeCost]
     launch: Launch
     warnings: list[str]
@@ -223,6 +237,19 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                                 stage=deepspeed_config.zero_stage(c, layout)), traffic.estimate(c, arch, layout))
 
     mem, rows = cost(cfg.deepspeed.replicate_mode)
+    prof = hardware.resolve(cfg.hardware, Path(config_path).resolve().parent if config_path else None)
+    predicted = None
+    if prof is None:
+        warnings.append(f"no hardware profile for gpu {cfg.hardware.gpu!r}: no step time predicted (set "
+                        f"hardware.profile to one of {', '.join(hardware.shipped())} or a `nd-adapter calibrate` JSON)")
+    elif cfg.precision == "fp32":
+        warnings.append("no step time predicted for fp32: the step-time model's rates are bf16/fp16")
+    else:
+        if prof.gpu != cfg.hardware.gpu:
+            warnings.append(f"step time from the {prof.name} profile, made for {prof.gpu}; memory is checked "
+                            f"against hardware.gpu={cfg.hardware.gpu}")
+        predicted = Predicted(**timing.predict(cfg, arch, layout, prof, stage=deepspeed_config.zero_stage(cfg, layout),
+                                               rows=rows).to_dict())
     modes = {}
     for mode in ("hsdp", "hpz") if layout.dp_replicate > 1 else (cfg.deepspeed.replicate_mode,):
         m, r = cost(mode)
@@ -292,6 +319,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                       **{k: v for k, v in mem.to_dict().items()}),
         traffic=[Traffic(**r.to_dict()) for r in rows],
         traffic_totals=_totals(rows),
+        predicted=predicted,
         replicate_modes=modes,
         launch=launch_commands(config_path, layout),
         warnings=warnings,

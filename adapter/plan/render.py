@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from adapter.plan.build import Plan
 from adapter.plan.memory import GIB
+
+if TYPE_CHECKING:
+    from adapter.plan.search import Search
 
 MAX_RANK_ROWS = 64
 MAX_GROUPS_SHOWN = 8
@@ -95,6 +99,12 @@ def render(plan: Plan, console: Console | None = None) -> None:
     tt.caption = f"intra-node {_bytes(tot['intra_node'])}, inter-node {_bytes(tot['inter_node'])}"
     c.print(tt)
 
+    pr = plan.predicted
+    if pr is not None:
+        c.print(f"[bold]Predicted[/] {pr.step_time_s * 1e3:.1f} ms/step, {pr.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                f"MFU {100 * pr.mfu:.1f}% (profile {pr.profile}): {_split(pr.breakdown, pr.step_time_s)}. "
+                f"Bottleneck: {pr.bottleneck}", markup=True)
+
     if len(plan.replicate_modes) > 1:
         rt = Table(title="dp_replicate on DeepSpeed: the two mappings")
         for col in ("mode", "peak memory", "model states", "intra-node/step", "inter-node/step"):
@@ -110,3 +120,61 @@ def render(plan: Plan, console: Console | None = None) -> None:
     c.print(plan.launch.torchrun, soft_wrap=True, markup=False)
     for w in plan.warnings:
         c.print(f"[cyan]{w}[/]" if w.startswith("hint:") else f"[yellow]warning:[/] {w}", markup=True)
+
+
+def _split(breakdown: dict[str, float], step: float) -> str:
+    return ", ".join(f"{k.replace('_comm', '')} {1e3 * v:.1f} ms ({100 * v / step:.0f}%)"
+                     for k, v in breakdown.items() if v > 0.0005 * step)
+
+
+PARTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
+
+
+def render_search(found: Search, top: int = 10, console: Console | None = None) -> None:
+    """The top rows that fit, then the fastest that do not (so a faster layout that needs more memory is seen)."""
+    c = console or Console(width=200)
+    c.print(f"[bold]Layout search[/] {found.model} on {found.world} GPUs ({found.nodes} node(s) × "
+            f"{found.gpus_per_node}, {found.gpu}, profile {found.profile}): global batch {found.global_batch_size} × "
+            f"seq {found.seq_len} = {found.tokens_per_step:,} tokens/step. {found.ranked} valid layouts of "
+            f"{found.candidates} ({found.fitting} fit in memory)"
+            + (f"; pinned {', '.join(f'{k}={v}' for k, v in found.pinned.items())}" if found.pinned else ""))
+    fit, seen = [], set()
+    for r in found.rows:   # a row that differs from a shown one only in compiled layers, at the same speed: once
+        key = (r.dp_replicate, r.dp_shard, r.cp, r.tp, r.zero_stage, r.replicate_mode, r.recompute,
+               r.micro_batch_size, r.sequence_parallel, round(r.tokens_per_s_per_gpu))
+        if r.fits and key not in seen and len(fit) < top:
+            fit.append(r)
+            seen.add(key)
+    best = fit[0].tokens_per_s_per_gpu if fit else 0.0
+    over = [r for r in found.rows if not r.fits and r.tokens_per_s_per_gpu > best][:3]
+    t = Table(title="Ranked by predicted tokens/s/GPU")
+    for col in ("#", "dp_rep×dp_shard×cp×tp", "ZeRO", "recompute", "micro×accum", "SP", "compiled", "tokens/s/GPU",
+                "step", "compute / tp / dp / cp / optim / host", "peak", "fits", "bottleneck"):
+        t.add_column(col, overflow="fold")
+    for r in fit + over:
+        b = r.breakdown
+        zero = f"{r.zero_stage}" + (f" {r.replicate_mode}" if r.replicate_mode else "")
+        t.add_row(str(r.rank), f"{r.dp_replicate}×{r.dp_shard}×{r.cp}×{r.tp}", zero, r.recompute,
+                  f"{r.micro_batch_size}×{r.gradient_accumulation_steps}", "yes" if r.sequence_parallel else "no",
+                  "yes" if r.compiled_layers else "no", f"{r.tokens_per_s_per_gpu:,.0f}",
+                  f"{1e3 * r.step_time_s:.0f} ms", " / ".join(f"{100 * b[k] / r.step_time_s:.0f}" for k in PARTS) + "%",
+                  _gib(r.peak_memory), "[green]yes[/]" if r.fits else "[red]NO[/]", r.bottleneck)
+    if over:
+        t.caption = f"last {len(over)} rows: faster, but do not fit in {_gib(found.capacity)}"
+    c.print(t)
+    if found.config_rank is not None:
+        own = found.rows[found.config_rank - 1]
+        c.print(f"The config's own layout ranks {own.rank}: {own.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                f"{_gib(own.peak_memory)}{'' if own.fits else ' (does not fit)'}; {own.bottleneck}")
+    if fit:
+        sets = " ".join(f"--set {x}" for x in fit[0].sets)
+        c.print(f"Best: nd-adapter plan {found.config_path or 'CONFIG'} {sets}", soft_wrap=True,
+                markup=False)
+    else:
+        c.print("[red]no valid layout fits in memory[/]: see the rows above, or add GPUs")
+    if found.skipped:
+        c.print("[bold]Not ranked[/] (combinations the project's checks refuse; --format json lists all):")
+        for reason, n in list(found.skipped.items())[:6]:
+            c.print(f"  {n} × {reason}", markup=False)
+    for w in found.warnings:
+        c.print(f"[yellow]note:[/] {w}")

@@ -184,3 +184,26 @@ def test_set_overrides_zero_stage_and_hint():
                          (("--set", "model.compile=true"), "model.compile=True: compiled layers cannot follow ZeRO-3")):
         code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", *argv)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_every_plan_predicts_its_step_time():
+    code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", "--format", "json")
+    assert code == 0, err
+    pr = json.loads(out)["predicted"]
+    assert set(pr["breakdown"]) == {"compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host"}
+    assert abs(sum(pr["breakdown"].values()) - pr["step_time_s"]) < 1e-9 and pr["profile"] == "h100"
+    assert abs(pr["tokens_per_s_per_gpu"] * pr["step_time_s"] * 16 - 32 * 2048) < 1e-3 and pr["bottleneck"]
+    code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8")
+    assert code == 0 and "Predicted" in out and "tokens/s/GPU" in out and "(profile h100)" in out, err
+    code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", "--format", "json", "--gpu",
+                             "l40s")
+    doc = json.loads(out)
+    assert code == 0 and doc["predicted"] is None and any("no hardware profile" in w for w in doc["warnings"])
+    code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", "--format", "json", "--set",
+                             "hardware.profile=h200", "--set", "hardware.inter_node_gb_per_s=5")
+    slow = json.loads(out)
+    assert code == 0 and slow["predicted"]["profile"] == "h200"
+    assert any("made for h200; memory is checked against hardware.gpu=h100-80gb" in w for w in slow["warnings"])
+    assert slow["predicted"]["breakdown"]["dp_comm"] > pr["breakdown"]["dp_comm"]   # HSDP all-reduce over 5 GB/s
+    code, _, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", "--set", "hardware.profile=x.json")
+    assert code == 2 and "hardware.profile='x.json': no such hardware profile" in err

@@ -1,0 +1,261 @@
+"""Step-time model: seconds per optimizer step and tokens/s/GPU, split into what the GPU computes and what it waits on.
+
+Per micro-batch the GPU runs each layer's GEMMs at a shape-dependent rate, flash attention (causal, or over packed
+documents) and memory-bound kernels (bytes / achieved bandwidth). TP and CP collectives sit on its critical path
+(Megatron issues them on the compute stream). ZeRO's gathers and reductions run on a side stream: only what the
+layers' compute cannot hide is exposed (the embedding's first gather and last reduce always are; ZeRO-2's last
+bucket and its post-step parameter all-gather too; HSDP's replica all-reduce waits for the whole backward). The host
+issues the same work: when its Python and launch cost per micro-batch exceeds the GPU's, the GPU waits, and ZeRO-3's
+hooks stall it outright (BENCHMARKS sessions 2-5). Per step come the optimizer's memory streams and DeepSpeed's step.
+
+Inputs: the config, config.json, `traffic.py`'s volumes and a hardware profile (`hardware.py`); no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from math import ceil
+
+from adapter.config import RunConfig
+from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.parallel.deepspeed_config import skips_nonfinite_steps
+from adapter.parallel.layout import Layout
+from adapter.plan import traffic
+from adapter.plan.hardware import Profile
+from adapter.plan.memory import local_params
+
+COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
+ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: fwd+bwd = 3.5 × the forward
+LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414 (issue 5)
+OPT_BYTES_PER_PARAM = 56    # fp32 grad copy (6), AdamW r/w of param, m, v + grad read (28), 16-bit write-back (6),
+#                             grad norm and clip (16): what one optimizer step streams per local parameter
+COMPILED_HIDDEN = 0.6       # compiled layers fuse each residual add with the next norm: 12 of the 20 bytes/element
+COMPILE_BREAKS = 1.2        # ...but at tp > 1 (a graph break at every Megatron linear), cp > 1 or selective recompute
+#                             nothing fuses and each break costs host time: -8% measured at tp=2 (1B, session 4)
+UNFUSED_ROPE = 5            # unfused RoPE (mul/cat/neg/add per q and k) moves ~5× the fused kernel's bytes (~12 ms
+#                             per step on the 1B shape, BENCHMARKS session 2)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    breakdown: dict[str, float]        # COMPONENTS, seconds per step; they add up to step_time_s
+    compute_detail: dict[str, float]   # gemm, attention, memory_bound, recompute: the compute term's parts
+    bottleneck: str
+    profile: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- compute ------------------------------------------------------------------------------------------------------
+
+def layer_gemms(arch: ModelArch, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """The forward GEMMs of one layer on one tp rank, (m, n, k): qkv, proj, fc1 (gate+up), fc2."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return [(tokens, (qd + 2 * kvd) // tp, h), (tokens, h, qd // tp), (tokens, 2 * f // tp, h),
+            (tokens, h, f // tp)]
+
+
+def gemm_seconds(shapes: list[tuple[int, int, int]], prof: Profile) -> float:
+    """Forward time; backward is two GEMMs of the same three dimensions each (dgrad, wgrad), so fwd+bwd = 3×."""
+    return sum(2 * m * n * k / prof.gemm.rate(m, n, k) for m, n, k in shapes)
+
+
+def attention_seconds(arch: ModelArch, *, micro: int, seq: int, cp: int, tp: int, prof: Profile,
+                      doc_len: int | None = None, kind: str = "sdpa") -> float:
+    """Forward+backward of one layer's core attention on one rank. Causal: half the s² score matrix; packed
+    documents (varlen) attend only inside each document of `doc_len` tokens; cp ranks split the work evenly
+    (load-balanced chunks)."""
+    span = min(doc_len or seq, seq)
+    heads = arch.num_heads // tp
+    fwd = 4 * micro * (seq / span) * span * span * heads * arch.head_dim / 2 / cp
+    rate = prof.attention.rate(span / cp if doc_len is None else span)
+    if kind == "local":
+        rate *= LOCAL_ATTENTION
+    return ATTN_FWD_BWD * fwd / rate
+
+
+def layer_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused: bool,
+                       compiled: bool = False) -> float:
+    """Bytes one layer's memory-bound kernels move, fwd+bwd (backward ≈ 2× forward): two RMSNorms (r+w) and two
+    residual adds (2r+w) on the hidden states, sharded over tp by sequence parallelism; RoPE on q and k; SwiGLU."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    hidden = (2 * 4 + 2 * 6) * tokens * h / (tp if sp else 1) * (COMPILED_HIDDEN if compiled else 1)
+    rope = 4 * tokens * (qd + kvd) / tp * (1 if fused else UNFUSED_ROPE)
+    swiglu = 6 * tokens * f / tp
+    return 3 * (hidden + rope + swiglu)
+
+
+def head_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused: bool, vocab: int,
+                      local_params: int) -> float:
+    """Per micro-batch, outside the layers: cross-entropy over the vocab-parallel logits (fused: bf16 logits read
+    twice forward, once backward, gradient written; Megatron's: fp32 copies, ~4× that), the embedding's lookup and
+    gradient, the final norm, and the copy of every gradient into ZeRO's contiguous buffer."""
+    h, v = arch.hidden_size, vocab // tp
+    ce = (8 if fused else 16) * tokens * v
+    emb = 2 * v * h + 8 * tokens * h
+    norm = 12 * tokens * h / (tp if sp else 1)
+    return ce + emb + norm + 4 * local_params
+
+
+# ---- communication ------------------------------------------------------------------------------------------------
+
+def link(layout: Layout, group: str, prof: Profile) -> tuple[float, float]:
+    """(bus bandwidth, latency) of a group's ring. Inside a node: NVLink. Across nodes each node's members of the
+    group push the ring's boundary traffic through their own NICs, so the ring runs at min(NVLink, members per node
+    × NIC bandwidth): a dp_replicate group with one member per node gets one NIC, a 16-rank group over two 8-GPU
+    nodes gets eight."""
+    if not layout.crosses_nodes(group):
+        return prof.intra_node.busbw, prof.intra_node.latency_s
+    return min(prof.intra_node.busbw, members_per_node(layout, group) * prof.inter_node.busbw_per_gpu), \
+        prof.inter_node.latency_s
+
+
+@lru_cache(maxsize=4096)
+def members_per_node(layout: Layout, group: str) -> int:
+    """The fewest members any node holds of one group (the ring's narrowest crossing)."""
+    per_node: dict[int, int] = {}
+    for r in layout.groups(group)[0]:
+        per_node[layout.node(r)] = per_node.get(layout.node(r), 0) + 1
+    return min(per_node.values())
+
+
+def collective_seconds(nbytes: float, calls: float, bw_lat: tuple[float, float]) -> float:
+    """`nbytes` each rank sends in total (traffic.py's ring volumes) over `calls` collectives."""
+    bw, lat = bw_lat
+    return nbytes / bw + calls * lat if nbytes > 0 else 0.0
+
+
+# ---- the step -----------------------------------------------------------------------------------------------------
+
+def param_tensors(arch: ModelArch) -> tuple[int, int]:
+    """(per layer, total): the tensors DeepSpeed's hooks, the optimizer and ZeRO-3's module gathers walk."""
+    per_layer = 6 + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0)
+    return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
+
+
+def flops_per_token(arch: ModelArch, seq: int) -> int:
+    """MFU's model FLOPs, the formula of adapter/train/metrics.py (a test keeps the two equal)."""
+    h, kv, heads, L = arch.hidden_size, arch.num_kv_heads, arch.num_heads, arch.num_layers
+    n = L * (h * (h + 2 * h * kv // heads + h) + 3 * h * arch.ffn_hidden_size) + h * arch.vocab_size
+    return 6 * n + 12 * L * h * seq
+
+
+def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, stage: int,
+            rows: list[traffic.GroupTraffic] | None = None, doc_len: int | None = None) -> StepTime:
+    """The step time of `cfg` on `layout` with ZeRO `stage` (deepspeed_config.zero_stage's answer). `doc_len`: the
+    packed documents' mean length when attention stays inside documents (varlen); plan does not know the data, so
+    it passes None and full causal sequences are counted (an upper bound for `data.document_mask`)."""
+    p, ds, hw = cfg.parallelism, cfg.deepspeed, prof.host
+    tp, cp, L, ga, b = p.tp_size, p.cp_size, arch.num_layers, cfg.grad_accum, cfg.batch.micro_batch_size
+    sp = cfg.use_sequence_parallel and tp > 1
+    fused = cfg.model.fused_kernels is not False
+    tokens = b * cfg.seq_len // cp
+    lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
+    P = lp.total(L)
+    vocab = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
+    full, selective = cfg.recompute == "full", cfg.recompute == "selective"
+    compiled = cfg.model.compile and tp == 1 and cp == 1 and not selective     # one whole graph per layer
+    broken = cfg.model.compile and not compiled
+    rows = traffic.estimate(cfg, arch, layout) if rows is None else rows
+    vol = {r.group: r.bytes_per_step for r in rows}
+
+    # GPU compute per micro-batch
+    g_fwd = L * gemm_seconds(layer_gemms(arch, tokens, tp), prof)
+    g_head = gemm_seconds([(tokens, vocab // tp, arch.hidden_size)], prof)
+    gemm = 3 * (g_fwd + g_head)
+    attn = L * attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
+                                 kind=cfg.model.attention)
+    layer_bytes = L * layer_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, compiled=compiled)
+    mem = (layer_bytes + head_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, vocab=vocab,
+                                           local_params=P)) / prof.elementwise_bytes_per_s
+    recompute = (g_fwd + attn / ATTN_FWD_BWD + layer_bytes / 3 / prof.elementwise_bytes_per_s) if full else \
+        attn / ATTN_FWD_BWD if selective else 0.0
+    compute_mb = gemm + attn + mem + recompute
+
+    # TP and CP collectives: on the critical path
+    rc = 1.5 if full else 1.0
+    tp_calls = ((8 * L + 4) if sp else (4 * L + 2)) * rc + (2 * L + 1 if sp else 0) + \
+        (2 * L if arch.qk_norm and tp > 1 else 0)
+    tp_mb = collective_seconds(vol.get("tp", 0) / ga, tp_calls if tp > 1 else 0, link(layout, "tp", prof))
+    cp_calls = L * (2 if p.cp_comm_type == "all_gather" else 3 * (cp - 1)) * rc
+    cp_mb = collective_seconds(vol.get("cp", 0) / ga, cp_calls if cp > 1 else 0, link(layout, "cp", prof))
+
+    # ZeRO: side-stream traffic, exposed only where compute cannot hide it
+    hsdp = ds.replicate_mode == "hsdp" or layout.dp_replicate == 1
+    zgroup = "dp_shard_cp" if hsdp else "dp_cp"
+    z = layout.size(zgroup)
+    edge_params = lp.embedding + lp.output
+    dp_mb = dp_step = 0.0
+    units = (L + 1) if ds.gather_granularity == "layer" else (L * param_tensors(arch)[0] + 2)
+    if stage == 3 and z > 1:
+        t = collective_seconds(vol.get(zgroup, 0) / ga, 3 * units if hsdp else 2 * units, link(layout, zgroup, prof))
+        if not hsdp:   # hpZ: the secondary (intra-group) all-gather in backward
+            t += collective_seconds(vol.get("dp_shard_cp", 0) / ga, units, link(layout, "dp_shard_cp", prof))
+        edge = t * (2 * edge_params + lp.layer) / (3 * P)      # first gather, last reduce: nothing to hide behind
+        dp_mb = edge + max(0.0, t - edge - compute_mb)
+    elif stage == 2 and z > 1:
+        one = vol.get(zgroup, 0) / (ga + 1)                    # one full-model pass of grads or params
+        bw_lat = link(layout, zgroup, prof)
+        last = collective_seconds(2 * one * min(ds.reduce_bucket_size, P) / P, 1, bw_lat)
+        grads = collective_seconds(one, ceil(P / ds.reduce_bucket_size), bw_lat)
+        dp_mb = last + max(0.0, grads - last - compute_mb * 2 / 3)  # reduced bucket by bucket during backward
+        dp_step += collective_seconds(one, ceil(P / ds.prefetch_bucket_size), bw_lat)  # after the step, exposed
+    if stage == 3 and hsdp and layout.dp_replicate > 1:       # after the whole backward, before the step
+        dp_step += collective_seconds(vol.get("dp_replicate", 0), 1, link(layout, "dp_replicate", prof))
+
+    # the host issuing it all
+    tensors = param_tensors(arch)[1]
+    layer_host = hw.compiled_layer_s if compiled else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
+    host_mb = L * layer_host * rc + tensors * hw.param_s + \
+        (tp_calls * hw.tp_collective_s if tp > 1 else 0.0)
+    stall_mb = 2 * units * hw.zero3_unit_s * rc if stage == 3 else 0.0   # hooks run even over a group of one
+    gpu_mb = compute_mb + tp_mb + cp_mb + dp_mb
+    mb_time = max(gpu_mb, host_mb) + stall_mb
+
+    shard = -(-P // z) if stage >= 2 else P
+    optimizer = OPT_BYTES_PER_PARAM * shard / prof.optimizer_bytes_per_s
+    host_step = max(0.0, hw.step_s + tensors * hw.step_per_tensor_s - optimizer - dp_step)
+    scan = {"fp16": {}} if cfg.precision == "fp16" else {"bf16": ds.overrides.get("bf16", {})}
+    host_step += tensors * hw.overflow_scan_per_tensor_s if skips_nonfinite_steps(scan) else 0.0
+
+    step = ga * mb_time + dp_step + optimizer + host_step
+    breakdown = {"compute": ga * compute_mb, "tp_comm": ga * tp_mb, "dp_comm": ga * dp_mb + dp_step,
+                 "cp_comm": ga * cp_mb, "optimizer": optimizer, "host": ga * (mb_time - gpu_mb) + host_step}
+    detail = {"gemm": ga * gemm, "attention": ga * attn, "memory_bound": ga * mem, "recompute": ga * recompute}
+    tok = cfg.global_batch * cfg.seq_len / layout.world / step
+    return StepTime(step_time_s=step, tokens_per_s_per_gpu=tok,
+                    mfu=tok * flops_per_token(arch, cfg.seq_len) / prof.peak_flops, breakdown=breakdown,
+                    compute_detail=detail, bottleneck=bottleneck(breakdown, detail, layout),
+                    profile=prof.source_path or prof.name)
+
+
+def bottleneck(breakdown: dict[str, float], detail: dict[str, float], layout: Layout) -> str:
+    """The largest share of the step, in words, with what would move it."""
+    step = sum(breakdown.values())
+    share = {k: v / step for k, v in breakdown.items()}
+    top = max(share, key=share.get)
+    pct = f"{100 * share[top]:.0f}% of the step"
+    if top == "compute":
+        part = max(detail, key=detail.get)
+        words = {"gemm": "compute-bound: matmuls", "attention": "compute-bound: attention kernels (long sequences)",
+                 "memory_bound": "memory-bound kernels (norms, RoPE, SwiGLU, cross-entropy)",
+                 "recompute": "activation recompute"}[part]
+        text = f"{words}, {100 * detail[part] / step:.0f}% of the step (compute {pct})"
+    elif top == "host":
+        text = (f"host-bound: the GPU waits {pct} for Python, kernel launches and DeepSpeed's hooks (larger "
+                "micro-batches, fewer collectives or compiled layers help)")
+    elif top == "optimizer":
+        text = f"optimizer step, {pct} (few tokens per step for the parameters each GPU updates)"
+    else:
+        name = {"tp_comm": "TP collectives on the critical path", "dp_comm": "exposed data-parallel communication",
+                "cp_comm": "CP K/V exchange"}[top]
+        group = {"tp_comm": "tp", "cp_comm": "cp", "dp_comm": "dp_cp"}[top]
+        over = " (its groups cross nodes)" if layout.crosses_nodes(group) else ""
+        text = f"{name}{over}, {pct}"
+    return text
