@@ -248,8 +248,10 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         if prof.gpu != cfg.hardware.gpu:
             warnings.append(f"step time from the {prof.name} profile, made for {prof.gpu}; memory is checked "
                             f"against hardware.gpu={cfg.hardware.gpu}")
+        attn = attention_cost(cfg, arch)  # packed documents attend within themselves: pass their length
         predicted = Predicted(**timing.predict(cfg, arch, layout, prof, stage=deepspeed_config.zero_stage(cfg, layout),
-                                               rows=rows).to_dict())
+                                               rows=rows, doc_len=attn.doc_len if attn.packed_documents else None
+                                               ).to_dict())
     modes = {}
     for mode in ("hsdp", "hpz") if layout.dp_replicate > 1 else (cfg.deepspeed.replicate_mode,):
         m, r = cost(mode)
