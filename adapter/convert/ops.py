@@ -409,17 +409,17 @@ def _check_checksums_collectively(root: Path, meta: dict) -> None:
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    found: str | None = None
+    found: tuple[str, bool] | None = None
     try:
         recorded = mio.check_checksums(root, meta, rank=rank, world=world)
     except UserError as e:
-        found, recorded = str(e), True
+        found, recorded = (str(e), isinstance(e, mio.DamagedCheckpoint)), True
     if world > 1:
         every: list = [None] * world
         dist.all_gather_object(every, found)
         found = next((x for x in every if x is not None), None)
     if found is not None:
-        raise UserError(found)
+        raise (mio.DamagedCheckpoint if found[1] else UserError)(found[0])
     if not recorded and meta and rank == 0:
         import warnings
 
