@@ -66,7 +66,7 @@ def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> 
     for a, b in pairs:
         if raw.get(a) is not None and raw.get(b) is not None:
             raise bad(b, raw[b], f"Axolotl takes {a} or {b}, not both (here {a}={raw[a]!r})", "drop one of them")
-    if raw.get("optimizer") is not None and raw["optimizer"] not in ADAMW:
+    if raw.get("optimizer") is not None and (not isinstance(raw["optimizer"], str) or raw["optimizer"] not in ADAMW):
         raise bad("optimizer", raw["optimizer"], "nd-adapter trains with torch AdamW only",
                   f"use one of {', '.join(ADAMW)}, or remove the key")
     for key, target in (("num_epochs", "optimizer.num_epochs"), ("warmup_ratio", "optimizer.warmup_ratio"),
@@ -95,7 +95,7 @@ def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[s
     """Both spellings: flat `context_parallel_size` (+ `ring_attn_func`, `heads_k_stride`) and the block."""
     func = raw.get("ring_attn_func")
     if func is not None:
-        if func not in RING_ATTN:
+        if not isinstance(func, str) or func not in RING_ATTN:
             raise bad("ring_attn_func", func, "no nd-adapter counterpart (its stripe layout is not implemented)",
                       f"use one of {', '.join(RING_ATTN)}, or remove it")
         _comm(out, RING_ATTN[func], f"ring_attn_func {func}", notes)
@@ -109,13 +109,21 @@ def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[s
                   "write `context_parallel:` with `size: N` indented below it")
     known = {"size", "backend", "ulysses_size", "ring_size", "rotate_method", "load_balance", "ring_impl"}
     for k in block:
-        if k not in known:
+        if not isinstance(k, str) or k not in known:
             raise bad(f"context_parallel.{k}", block[k], "unknown key", f"use {', '.join(sorted(known))}")
+    for k in ("size", "ulysses_size", "ring_size"):
+        if block.get(k) is not None and (isinstance(block[k], bool) or not isinstance(block[k], int) or block[k] < 1):
+            raise bad(f"context_parallel.{k}", block[k], "must be a positive integer", "give e.g. 8")
     size = block.get("size", 1)
     flat = raw.get("context_parallel_size") or raw.get("sequence_parallel_degree")
     if flat is not None and flat != size:
         raise bad("context_parallel.size", size, f"conflicts with context_parallel_size={flat}", "give the size once")
     backend = block.get("backend", "auto")
+    balance = block.get("load_balance", "head_tail")
+    rotate = block.get("rotate_method", "allgather")
+    for k, v in (("backend", backend), ("load_balance", balance), ("rotate_method", rotate)):
+        if not isinstance(v, str):
+            raise bad(f"context_parallel.{k}", v, "must be a name", "see Axolotl's context_parallel block")
     if backend in ("ulysses", "usp") or (block.get("ulysses_size") or 1) > 1:
         key, value = (("context_parallel.backend", backend) if backend in ("ulysses", "usp") else
                       ("context_parallel.ulysses_size", block["ulysses_size"]))
@@ -127,11 +135,9 @@ def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[s
     if block.get("ring_size") not in (None, size):
         raise bad("context_parallel.ring_size", block["ring_size"], f"must equal size={size} (a pure ring)",
                   "remove ring_size")
-    balance = block.get("load_balance", "head_tail")
     if balance not in ("head_tail", "auto"):
         raise bad("context_parallel.load_balance", balance, "nd-adapter always splits each sequence into 2·cp "
                   "chunks and gives rank r chunks r and 2·cp−1−r (head_tail)", "use load_balance: head_tail")
-    rotate = block.get("rotate_method", "allgather")
     if rotate not in ROTATE:
         raise bad("context_parallel.rotate_method", rotate, "unknown", "use allgather or alltoall")
     _set(out, "parallelism.cp_size", size)
@@ -143,7 +149,7 @@ def _fsdp_block(raw: dict[str, Any]) -> dict[str, Any]:
     block = raw.get("fsdp_config") or {}
     if not isinstance(block, dict):
         raise bad("fsdp_config", block, "must be a mapping", "write `fsdp_config:` with its keys indented below it")
-    return {k.removeprefix("fsdp_"): v for k, v in block.items()}
+    return {str(k).removeprefix("fsdp_"): v for k, v in block.items()}
 
 
 def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
@@ -154,7 +160,9 @@ def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored
         return
     stage, why = 3, "FSDP's default (reshard after forward)"
     if legacy:
-        opts = legacy.split() if isinstance(legacy, str) else list(legacy)
+        if not isinstance(legacy, (str, list)):
+            raise bad("fsdp", legacy, "must be a list of FSDP options", "write e.g. fsdp: [full_shard, auto_wrap]")
+        opts = legacy.split() if isinstance(legacy, str) else [str(o) for o in legacy]
         if "offload" in opts:
             raise bad("fsdp", legacy, "CPU offload is not supported", "remove `offload`")
         for o in opts:

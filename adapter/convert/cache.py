@@ -7,8 +7,8 @@ any tp), into a cache entry named by the checkpoint's identity: config.json and 
 weight and side file's name, size and mtime, the vocab padding and this module's format version. The entry is
 published by a directory rename (hf_to_megatron's own), so a reader sees all of it or nothing, and every later run
 and every rank reuses it: the builder is global rank 0 for a shared cache, local rank 0 per node for a node-local
-one (as adapter/data/token_cache). Loading checks the converter's per-chunk checksums (all ranks, each a share); a
-damaged entry is converted again and loaded again. A missing one is simply built.
+one (as adapter/data/token_cache). Before the run prepares its data, all ranks check the converter's per-chunk
+checksums (each a share); a damaged entry is converted again, a missing one simply built.
 
 `resolve` and `describe` read only the file system (no torch), so `plan` uses them too.
 """
@@ -215,23 +215,35 @@ def prepare(w: WeightsSource, cfg, *, rank: int, log=print, rebuild: bool = Fals
     return str(entry)
 
 
-def load(model, w: WeightsSource, cfg, *, rank: int, log=print) -> None:
-    """Collective: the run's first weights into the plain GPTModel (before DeepSpeed wraps it); nothing for random
-    initialisation. A damaged cache entry is converted again and loaded again."""
+def ready(w: WeightsSource, cfg, *, rank: int, log=print) -> str | None:
+    """Collective: the converted directory the run loads, built if missing and its checksums checked by all ranks
+    (each a share) -- before the run's data is prepared, so a damaged checkpoint costs no tokenising. A damaged
+    cache entry is converted again (the writer reads every chunk back); a damaged `model.checkpoint` is the user's
+    to fix. None for random initialisation."""
     path = prepare(w, cfg, rank=rank, log=log)
     if path is None:
-        return
+        return None
     from adapter.convert.megatron_io import DamagedCheckpoint
-    from adapter.convert.ops import load_megatron_checkpoint
+    from adapter.convert.ops import check_checksums_collectively
 
     try:
-        load_megatron_checkpoint(model, path)
+        check_checksums_collectively(path)
     except DamagedCheckpoint as e:
         if w.kind != "pretrained":
             raise
         if rank == 0:
             log(f"weights: the converted copy is damaged ({e}); converting again")
-        load_megatron_checkpoint(model, prepare(w, cfg, rank=rank, log=log, rebuild=True))
+        path = prepare(w, cfg, rank=rank, log=log, rebuild=True)
+    return path
 
 
-__all__ = ["WeightsSource", "resolve", "describe", "prepare", "load", "weight_files", "cache_root", "complete"]
+def load(model, path: str | None) -> None:
+    """The run's first weights into the plain GPTModel (before DeepSpeed wraps it); nothing for random init.
+    Collective; `path` comes from `ready`, which checked it."""
+    if path is not None:
+        from adapter.convert.ops import load_megatron_checkpoint
+
+        load_megatron_checkpoint(model, path, check=False)
+
+
+__all__ = ["WeightsSource", "resolve", "describe", "prepare", "ready", "load", "weight_files", "cache_root", "complete"]

@@ -157,6 +157,7 @@ class Trainer:
         self.sink = metrics.MetricsSink(rank, tensorboard_dir=cfg.logging.tensorboard,
                                         wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"))
         self.groups = mcore_groups.initialize(self.layout)
+        weights_dir = cache.ready(self.weights, cfg, rank=rank, log=self._say)  # converted and checked, before data
         self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
         self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                          has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
@@ -164,8 +165,7 @@ class Trainer:
         for line in schedule.describe(cfg, self.schedule):
             self._say(line)
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
-                                   load_weights=lambda model: cache.load(model, self.weights, cfg, rank=rank,
-                                                                         log=self._say))
+                                   load_weights=lambda model: cache.load(model, weights_dir))
         start = 0
         if resume:
             if not cfg.checkpoint.dir:

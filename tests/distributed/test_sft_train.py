@@ -19,11 +19,12 @@ SEQ, VOCAB, LR = 32, 512, 2e-3
 TRAINED = [1, 31, 2, 20, 0, 0, 0, 0, 5, 31, 3, 12]
 VAL = [7, 0, 30, 2, 11]  # 5 held-out samples: not a multiple of dp×micro_batch, one without trained tokens
 STEPS = [list(range(4 * k, 4 * k + 4)) for k in range(3)]
-LAYOUTS = {  # name: (dp_shard, cp, tp), micro_batch, grad_accum  -- every one a world of 2
-    "micro 4 x accum 1 (tp 2)": ((1, 1, 2), 4, 1),
-    "micro 1 x accum 4 (tp 2)": ((1, 1, 2), 1, 4),
-    "dp_shard 2 x micro 2": ((2, 1, 1), 2, 1),
-    "cp 2 x micro 2 x accum 2": ((1, 2, 1), 2, 2),
+LAYOUTS = {  # name: (dp_shard, cp, tp), micro_batch, grad_accum, overrides  -- every one a world of 2
+    "micro 4 x accum 1 (tp 2)": ((1, 1, 2), 4, 1, {}),
+    "micro 1 x accum 4 (tp 2)": ((1, 1, 2), 1, 4, {}),
+    "dp_shard 2 x micro 2": ((2, 1, 1), 2, 1, {}),
+    # also evaluates before the first step and every 2 steps, logged to TensorBoard too
+    "cp 2 x micro 2 x accum 2": ((1, 2, 1), 2, 2, {"eval.every": 2, "logging.tensorboard": "TB"}),
 }
 
 
@@ -67,8 +68,9 @@ def _normalisation_worker(rank, world, model_dir, root):
     init_distributed()
     _use_data(MaskedData(TRAINED, SEQ, VOCAB), MaskedData(VAL, SEQ, VOCAB, seed=1))
     out = {}
-    for name, (shape, mb, ga) in LAYOUTS.items():
-        r = run(sft_config(model_dir, root, shape, mb, ga), log=lambda s: None)
+    for name, (shape, mb, ga, over) in LAYOUTS.items():
+        over = {k: f"{root}/tb" if v == "TB" else v for k, v in over.items()}
+        r = run(sft_config(model_dir, root, shape, mb, ga, **over), log=lambda s: None)
         out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "tokens": r.trained_tokens,
                      "eval": r.eval_losses}
     return out
@@ -91,6 +93,7 @@ def test_loss_normalisation_matches_transformers_on_every_layout(model_dir, tmp_
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
         mean_of_means = sum(float(hf_loss(hf, batch_of(train, [i]))) for i in STEPS[0]) / 4
+        eval_at_start = float(hf_loss(hf, batch_of(val, range(len(val)))))
     assert rel(mean_of_means, ref["losses"][0]) > 0.02, (mean_of_means, ref["losses"][0])
 
     results = run_workers(_normalisation_worker, 2, str(model_dir), str(tmp_path), timeout=900)
@@ -101,9 +104,19 @@ def test_loss_normalisation_matches_transformers_on_every_layout(model_dir, tmp_
             assert rel(a, b) < 1e-5 if b else a == 0.0, (name, got["losses"], ref["losses"])
         for a, b in zip(got["grad_norms"], ref["grad_norms"]):
             assert (rel(a, b) < 1e-4) if b else a == 0.0, (name, got["grad_norms"], ref["grad_norms"])
-        (step, loss), = got["eval"]
+        *periodic, (step, loss) = got["eval"]
         assert step == 3 and rel(loss, ref["eval_loss"]) < 1e-5, (name, got["eval"], ref["eval_loss"])
+        if LAYOUTS[name][3]:
+            assert [s for s, _ in periodic] == [0, 2] and rel(periodic[0][1], eval_at_start) < 1e-5, got["eval"]
+        else:
+            assert not periodic, got["eval"]
     assert results[1] == results[0]  # every rank logs the same numbers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    logged = [(e.step, e.value) for e in tb.Scalars("eval_loss")]
+    assert [s for s, _ in logged] == [0, 2, 3] and rel(logged[-1][1], ref["eval_loss"]) < 1e-5, logged
 
 
 CHATML = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}<|end_of_text|>\n{% endfor %}"

@@ -8,11 +8,13 @@ import shutil
 from pathlib import Path
 
 
-def add_to_hub_cache(hf_home: Path, repo_id: str, src: Path, *, sparse_weights: int | None = None) -> Path:
+def add_to_hub_cache(hf_home: Path, repo_id: str, src: Path, *, sparse_weights: int | None = None,
+                     kind: str = "models") -> Path:
     """Put `src`'s files into HF_HOME/hub as the snapshot of `repo_id` (blobs + symlinks + refs/main), as a download
     would. `sparse_weights`: also add a sharded safetensors index whose two shards are sparse files of that many
-    bytes in all (plan reads only sizes), for real-sized models. Returns the snapshot directory."""
-    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    bytes in all (plan reads only sizes), for real-sized models. `kind="datasets"` for a dataset repo; files in
+    subdirectories of `src` keep their relative paths. Returns the snapshot directory."""
+    repo = hf_home / "hub" / f"{kind}--{repo_id.replace('/', '--')}"
     commit = hashlib.sha1(repo_id.encode()).hexdigest()
     snap, blobs = repo / "snapshots" / commit, repo / "blobs"
     snap.mkdir(parents=True, exist_ok=True)
@@ -30,12 +32,13 @@ def add_to_hub_cache(hf_home: Path, repo_id: str, src: Path, *, sparse_weights: 
             with open(blob, "wb") as f:
                 f.truncate(size)
         target = snap / name
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)
-        os.symlink(os.path.relpath(blob, snap), target)
+        os.symlink(os.path.relpath(blob, target.parent), target)
 
-    for f in sorted(src.iterdir()):
+    for f in sorted(src.rglob("*")):
         if f.is_file():
-            link(f.name, data_from=f)
+            link(str(f.relative_to(src)), data_from=f)
     if sparse_weights:
         shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
         index = {"metadata": {"total_size": sparse_weights}, "weight_map": {"model.embed_tokens.weight": shards[0],

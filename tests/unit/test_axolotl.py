@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adapter import config
 from adapter.cli import main
+from adapter.config import axolotl
 from adapter.errors import UserError
 from tests.helpers.hub import add_to_hub_cache
 
@@ -197,3 +200,19 @@ def test_init_pretrained_without_weights_is_one_line(tmp_path):
     cfg.write_text(yaml.safe_dump({"model": {"path": str(LLAMA8B)}}))  # auto: random init, and plan says so
     code, out, err = run_cli("plan", str(cfg), "--format", "json")
     assert code == 0 and json.loads(out)["weights"]["description"].startswith("weights: RANDOM initialisation")
+
+
+junk = st.one_of(st.none(), st.booleans(), st.integers(-2, 9), st.floats(allow_nan=True), st.text(max_size=8),
+                 st.lists(st.sampled_from(["full_shard", "offload", "x", 1]), max_size=3),
+                 st.dictionaries(st.sampled_from(["size", "backend", "ulysses_size", "reshard_after_forward",
+                                                  "offload_params", "load_balance", 1]),
+                                 st.one_of(st.integers(-1, 9), st.text(max_size=5), st.booleans()), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.dictionaries(st.sampled_from(sorted(axolotl.KEYS | {"context_parallel_size"})), junk, max_size=4))
+def test_any_value_of_these_keys_is_a_config_or_a_one_line_error(keys):
+    try:
+        build(world=None, **keys)
+    except UserError as e:
+        assert "\n" not in str(e) and "Fix:" in str(e), str(e)
