@@ -71,4 +71,8 @@ def main(args) -> int:
         p = cfg.parallelism
         print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
               f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}", flush=True)
+        from adapter.convert import cache
+
+        print(f"the run itself: {cache.describe(cache.resolve(cfg), cfg.seed)}; the rehearsal's tiny model starts "
+              "from random weights", flush=True)
         return spawn(cfg.world_size, worker, cpu=True)
