@@ -29,7 +29,7 @@ def looks_like_hub_id(text: str) -> bool:
     return bool(_HUB_ID.match(text)) and not text.endswith((".json", ".yaml", ".yml")) and ".." not in text
 
 
-def resolve_hub_id(repo_id: str, key: str = "model.path", revision: str | None = None) -> Path:
+def resolve_hub_id(repo_id: str, key: str = "model.path (base_model)", revision: str | None = None) -> Path:
     """The local snapshot directory of `repo_id`, or a one-line UserError naming the id and how to make it local."""
     cache = hub_cache_dir()
     fix = (f"download it where there is network (`hf download {repo_id}` with the same HF_HOME, or "

@@ -145,7 +145,11 @@ def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunCon
 
     path = fix(cfg.model.path)
     if not Path(path).exists() and looks_like_hub_id(path):
-        path = str(resolve_hub_id(path, key="base_model" if cfg.source == "axolotl" else "model.path"))
+        try:
+            path = str(resolve_hub_id(path))
+        except UserError:
+            pass  # not cached: said where the model is first needed (load_arch), so a config can name a model that
+            # does not exist yet (the demo's, before `make demo` builds it)
     model = cfg.model.model_copy(update={"path": path, "checkpoint": fix(cfg.model.checkpoint)})
     data = cfg.data.model_copy(update={"files": [fix(f) for f in cfg.data.files]})
     return cfg.model_copy(update={"model": model, "data": data})

@@ -152,12 +152,15 @@ class Trainer:
         for w in checks.check(cfg, self.arch):
             self._say(f"warning: {w}")
         self.weights = cache.resolve(cfg)
-        self._say(cache.describe(self.weights, cfg.seed))
+        resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
+        self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed" if resuming else
+                  cache.describe(self.weights, cfg.seed))
         # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
         self.sink = metrics.MetricsSink(rank, tensorboard_dir=cfg.logging.tensorboard,
                                         wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"))
         self.groups = mcore_groups.initialize(self.layout)
-        weights_dir = cache.ready(self.weights, cfg, rank=rank, log=self._say)  # converted and checked, before data
+        # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway
+        weights_dir = None if resuming else cache.ready(self.weights, cfg, rank=rank, log=self._say)
         self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
         self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                          has_val=self.val_dataset is not None and len(self.val_dataset) > 0)

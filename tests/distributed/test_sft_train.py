@@ -256,7 +256,7 @@ def test_weights_refusals_are_one_line_before_any_process(model_dir, tmp_path):
             ({"model": {"path": str(bare), "init": "pretrained"}, "data": {"synthetic": True}}, {},
              "model.init='pretrained': "),
             ({"base_model": "no-such-org/no-such-model", "max_steps": 1}, {"HF_HOME": str(tmp_path / "hf")},
-             "base_model='no-such-org/no-such-model': not a local directory, and not in the local Hugging Face cache"),
+             "base_model)='no-such-org/no-such-model': not a local directory, and not in the local Hugging Face cache"),
     ):
         (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
         p = _nd("train", "--config", "run.yaml", "--nproc", "1", cwd=tmp_path, env=env)

@@ -187,7 +187,7 @@ def test_hub_id_not_cached_is_one_line(tmp_path, monkeypatch):
     code, _, err = run_cli("plan", str(FIXTURES / "llama-3_1-8b-hsdp-tp.yaml"))
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
-    assert "base_model='meta-llama/Llama-3.1-8B': not a local directory, and not in the local Hugging Face cache" \
+    assert "base_model)='meta-llama/Llama-3.1-8B': not a local directory, and not in the local Hugging Face cache" \
         in lines[0] and "hf download meta-llama/Llama-3.1-8B" in lines[0]
 
 
