@@ -157,6 +157,15 @@ def _weights_worker(rank, world, model_dir, root):
         shutil.copyfile(Path(model_dir) / "config.json", bare / "config.json")
     dist.barrier()
     out["bare"] = one("bare", sft_config(bare, root, (2, 1, 1), 2, 1, steps=1))
+    # node-local caches: each rank plays a node of its own (local rank 0, its own disk), so each converts its copy
+    import os
+
+    os.environ["LOCAL_RANK"] = "0"
+    before = len(conversions)
+    node = one("node-local", sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=1, **{
+        "model.cache_dir": f"{root}/node{rank}", "model.cache_node_local": True}))
+    out["node_local"] = {"loss": node["loss"], "converted_here": len(conversions) - before}
+    os.environ["LOCAL_RANK"] = str(rank)
     # Axolotl's output_dir: checkpoints and the final HF model in one directory, exported twice
     od = f"{root}/output"
     over = {"checkpoint.dir": od, "checkpoint.export_hf": od, "checkpoint.save_every": 1}
@@ -175,7 +184,11 @@ def test_weights_from_base_model_cache_reuse_damage_and_export(model_dir, tmp_pa
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
         want = float(hf_loss(hf, batch_of(MaskedData(TRAINED, SEQ, VOCAB), STEPS[0])))
-    r = run_workers(_weights_worker, 2, str(model_dir), str(tmp_path), timeout=900)[0]
+    ranks = run_workers(_weights_worker, 2, str(model_dir), str(tmp_path), timeout=900)
+    r = ranks[0]
+    assert [x["node_local"]["converted_here"] for x in ranks] == [1, 1]  # every "node" built its own copy
+    assert r["node_local"]["loss"] == r["first"]["loss"]
+    assert (tmp_path / "node0").is_dir() and (tmp_path / "node1").is_dir()
     first, again, damaged, bare = r["first"], r["again"], r["after_damage"], r["bare"]
     # the first run converts once (rank 0 only), says so, and starts at the HF model's own loss
     assert first["conversions"] == 1 and rel(first["loss"], want) < 1e-6, (first["loss"], want)
