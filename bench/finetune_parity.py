@@ -3,6 +3,8 @@ against plain transformers trained on the very same batches (this project's toke
 
     python bench/finetune_parity.py --shape small --steps 25 --out /tmp/parity      # the GPU test's run
     python bench/finetune_parity.py --shape 1b --steps 3 --out /tmp/parity-1b       # step-1 loss on the 1B shape
+    python bench/finetune_parity.py --weights cache --steps 5 --out /tmp/parity-cache  # base_model's weights through
+                                                   # the training run's own conversion cache (converted in the worker)
 
 Why here and not only in CI: issue 19's converter wrote wrong tensors only where CUDA is visible, so the claim
 "a run starts from the user's weights" has to be proven on the GPU host's own torch. Writes RESULT {json} (curves,
@@ -47,9 +49,14 @@ def run_ours(out: Path, paths: dict, a) -> list[float]:
     """Convert on this machine, then train through the one entry point (torchrun, one process)."""
     from adapter.convert.ops import hf_to_megatron
 
-    meg = out / f"megatron-{a.shape}"
-    hf_to_megatron(paths["model"], meg, tp=1, overwrite=True, progress=False)
-    cfg = {"model": {"path": str(paths["model"]), "checkpoint": str(meg)}, "seq_len": a.seq, "precision": a.precision,
+    if a.weights == "convert":
+        meg = out / f"megatron-{a.shape}"
+        hf_to_megatron(paths["model"], meg, tp=1, overwrite=True, progress=False)
+        model = {"path": str(paths["model"]), "checkpoint": str(meg)}
+    else:  # no converted checkpoint named: the run converts base_model's weights into its cache itself
+        shutil.rmtree(out / "weights-cache", ignore_errors=True)
+        model = {"path": str(paths["model"]), "init": "pretrained", "cache_dir": str(out / "weights-cache")}
+    cfg = {"model": model, "seq_len": a.seq, "precision": a.precision,
            "batch": {"micro_batch_size": a.mbs, "gradient_accumulation_steps": 1},
            "optimizer": {"lr": a.lr, "schedule": "constant", "warmup_steps": 0, "max_steps": a.steps,
                          "weight_decay": 0.0, "clip_grad": 1.0},
@@ -109,6 +116,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--hf-modes", default="amp,bf16")
+    ap.add_argument("--weights", choices=("convert", "cache"), default="convert",
+                    help="convert here and name model.checkpoint, or let the run convert base_model itself")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     a = ap.parse_args(argv)

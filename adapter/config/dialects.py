@@ -1,13 +1,14 @@
 """The two foreign dialects mapped onto the native dict: an Axolotl YAML and an Accelerate launch config, unchanged.
 
-Each maps only what it can map exactly; every Axolotl key it does not use is reported once as ignored, and a key it
-cannot honour is refused rather than dropped.
+Each maps only what it can map exactly; every Axolotl key it does not use is reported once as ignored (in
+`RunConfig.notes`, which the run's first lines and `plan` print), and a key it cannot honour is refused rather than
+dropped. Axolotl's training, FSDP, context-parallel and kernel keys live in axolotl.py.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
+from adapter.config import axolotl
 from adapter.config.schema import SIZE_KEYS, DatasetEntry
 from adapter.errors import bad
 
@@ -23,7 +24,7 @@ AXOLOTL_KNOWN = AXOLOTL_MARKERS | {
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
     "deepspeed", "model_type", "tokenizer_type", "flash_attention",
     "sdp_attention", "strict", "load_in_8bit", "load_in_4bit",
-}
+} | axolotl.KEYS
 ACCELERATE_MARKERS = {"parallelism_config", "compute_environment", "distributed_type", "num_processes", "num_machines"}
 
 
@@ -65,10 +66,10 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     for key, target in mapping.items():
         if raw.get(key) is not None:
             set_dotted(out, target, raw[key])
+    notes: list[str] = []
     if raw.get("sequence_parallel_degree") is not None:
         if raw.get("context_parallel_size") is None:
-            warnings.warn("sequence_parallel_degree is deprecated (Axolotl); read as context_parallel_size",
-                          stacklevel=3)
+            notes.append("sequence_parallel_degree is deprecated (Axolotl); read as context_parallel_size")
             set_dotted(out, "parallelism.cp_size", raw["sequence_parallel_degree"])
         elif raw["sequence_parallel_degree"] != raw["context_parallel_size"]:
             raise bad("sequence_parallel_degree", raw["sequence_parallel_degree"],
@@ -83,13 +84,14 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
         set_dotted(out, "optimizer.schedule", "cosine" if sched == "cosine" else "constant")
     if raw.get("cosine_min_lr_ratio") is not None and raw.get("learning_rate") is not None:
         set_dotted(out, "optimizer.min_lr", raw["cosine_min_lr_ratio"] * raw["learning_rate"])
-    out["precision"] = "bf16" if raw.get("bf16") in (True, "auto", "true") else "fp16" if raw.get("fp16") else "bf16"
     if raw.get("gradient_checkpointing"):
         out["recompute"] = "full"
     _axolotl_data(raw, out)
-    ignored = sorted(k for k in raw if k not in AXOLOTL_KNOWN and k not in AXOLOTL_DATA)
-    if ignored:
-        warnings.warn(f"ignored Axolotl keys (not used by nd-adapter): {', '.join(ignored)}", stacklevel=3)
+    ignored = [k for k in raw if k not in AXOLOTL_KNOWN and k not in AXOLOTL_DATA]
+    axolotl.map_training(raw, out, notes, ignored)
+    if ignored:  # said once, by the run's first lines (and plan), never as a Python warning from every rank
+        notes.append(f"ignored Axolotl keys (not used by nd-adapter): {', '.join(sorted(ignored))}")
+    out["notes"] = notes
     return out
 
 

@@ -17,6 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from adapter.config.dialects import detect_dialect, from_accelerate, from_axolotl, set_dotted
+from adapter.config.hub import looks_like_hub_id, resolve_hub_id
 from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, RunConfig
 from adapter.errors import UserError, bad
 
@@ -132,18 +133,25 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunConfig:
-    """Relative model/data paths are relative to the config file, so configs/ works from any directory."""
-    if config_file is None:
-        return cfg
-    base = Path(config_file).resolve().parent
+    """Relative model/data paths are relative to the config file, so configs/ works from any directory. A model
+    path that exists nowhere but reads as a hub id (`meta-llama/Llama-3.1-8B`) is looked up in the local HF cache."""
+    base = Path(config_file).resolve().parent if config_file is not None else None
 
     def fix(p: str | None) -> str | None:
-        if not p or Path(p).is_absolute() or Path(p).exists():
+        if not p or base is None or Path(p).is_absolute() or Path(p).exists():
             return p
         cand = base / p
         return str(cand) if cand.exists() else p
 
-    model = cfg.model.model_copy(update={"path": fix(cfg.model.path), "checkpoint": fix(cfg.model.checkpoint)})
+    path = fix(cfg.model.path)
+    if not Path(path).exists() and looks_like_hub_id(path):
+        try:
+            path = str(resolve_hub_id(path))
+        except UserError:
+            pass  # not cached: said where the model is first needed (load_arch), so a config can name a model that
+            # does not exist yet (the demo's, before `make demo` builds it)
+    model = cfg.model.model_copy(update={"path": path, "checkpoint": fix(cfg.model.checkpoint)})
+
     def fix_jinja(t: str | None) -> str | None:  # a template string stays as it is; a file name is resolved
         return t if t is None or "{" in t else fix(t)
 

@@ -49,8 +49,15 @@ class ParallelismConfig(_Strict):
 
 
 class ModelSection(_Strict):
-    path: str = Field(description="HF checkpoint directory or its config.json (architecture source)")
+    path: str = Field(description="HF checkpoint directory, its config.json, or a hub id in the local HF cache")
     checkpoint: str | None = Field(None, description="converted Megatron checkpoint (nd-adapter convert) to train from")
+    # Where the run's first weights come from when no converted checkpoint is named: `auto` fine-tunes from the
+    # weights in `path` when it holds any (random init only for a bare config.json), `pretrained` insists on them,
+    # `random` ignores them. Pre-trained weights are converted once into `cache_dir` (adapter/convert/cache.py).
+    init: Literal["auto", "pretrained", "random"] = "auto"
+    cache_dir: str | None = Field(None, description="converted-weights cache; default $ND_ADAPTER_CACHE or "
+                                  "~/.cache/nd-adapter")
+    cache_node_local: bool = Field(False, description="the cache dir is local to each node (built by local rank 0)")
     attention: Literal["sdpa", "local", "te"] = "sdpa"
     vocab_divisible_by: StrictInt = Field(128, ge=1)
     fused_kernels: bool | None = Field(
@@ -74,9 +81,19 @@ class OptimizerSection(_Strict):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: StrictInt = Field(0, ge=0)
-    max_steps: StrictInt = Field(1000, ge=1)
+    # Schedule length: `max_steps` wins; else `num_epochs` over the training set (known at run start, see
+    # adapter/train/schedule.py); neither means DEFAULT_MAX_STEPS. Warm-up: `warmup_steps` or `warmup_ratio`.
+    warmup_steps: StrictInt | None = Field(None, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    max_steps: StrictInt | None = Field(None, ge=1)
+    num_epochs: float | None = Field(None, gt=0)
     clip_grad: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> OptimizerSection:
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("give optimizer.warmup_steps or optimizer.warmup_ratio, not both")
+        return self
 
 
 TRAIN_ON_EOS = Literal["turn", "all", "last", "none"]
@@ -150,11 +167,42 @@ class DataSection(_Strict):
         return self
 
 
+def _steps_or_fraction(value, key: str):
+    """A cadence: a whole number of steps, or a fraction in (0, 1) of the run's total steps (Axolotl, HF)."""
+    if value is None or isinstance(value, int) or 0 < value < 1:
+        return value
+    raise ValueError(f"{key} must be a whole number of steps or a fraction in (0, 1) of the total steps")
+
+
 class CheckpointSection(_Strict):
     dir: str | None = None
-    save_every: StrictInt = Field(0, ge=0, description="steps between saves; 0 saves only at the end")
+    save_every: StrictInt | float = Field(0, ge=0, description="steps between saves (or a fraction of the total "
+                                          "steps); 0 saves only at the end")
+    saves_per_epoch: StrictInt | None = Field(None, ge=1)
     keep_last: StrictInt = Field(2, ge=1)
-    export_hf: str | None = Field(None, description="write an HF checkpoint here at the end")
+    export_hf: str | None = Field(None, description="write an HF checkpoint here at the end (files are replaced, "
+                                  "anything else in the directory is kept)")
+
+    @model_validator(mode="after")
+    def _cadence(self) -> CheckpointSection:
+        _steps_or_fraction(self.save_every, "checkpoint.save_every")
+        if self.saves_per_epoch is not None and self.save_every:
+            raise ValueError("give checkpoint.save_every or checkpoint.saves_per_epoch, not both")
+        return self
+
+
+class EvalSection(_Strict):
+    """Loss over the whole held-out set (data side: `val_set_size`), same masking and normalisation as training.
+    Neither key: one evaluation at the end when there is a held-out set."""
+    every: StrictInt | float | None = Field(None, gt=0, description="steps between evaluations, or a fraction")
+    per_epoch: StrictInt | None = Field(None, ge=1, description="evaluations per epoch")
+
+    @model_validator(mode="after")
+    def _cadence(self) -> EvalSection:
+        _steps_or_fraction(self.every, "eval.every")
+        if self.every is not None and self.per_epoch is not None:
+            raise ValueError("give eval.every or eval.per_epoch, not both")
+        return self
 
 
 class DeepSpeedSection(_Strict):
@@ -212,11 +260,14 @@ class RunConfig(_Strict):
     optimizer: OptimizerSection = OptimizerSection()
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    eval: EvalSection = EvalSection()
     deepspeed: DeepSpeedSection = DeepSpeedSection()
     logging: LoggingSection = LoggingSection()
     hardware: HardwareSection = HardwareSection()
     seed: StrictInt = 1234
     source: str = Field("native", description="which dialect the file was written in")
+    notes: tuple[str, ...] = Field((), description="what the dialect mapping must tell the user at run start "
+                                   "(ignored keys, mapped keys); printed once, by global rank 0 (and by `plan`)")
 
     @model_validator(mode="after")
     def _lr_order(self) -> RunConfig:

@@ -43,7 +43,7 @@ from torch.futures import Future
 
 from adapter.convert.hf_io import pread_into
 from adapter.convert.rows import contiguous_strides
-from adapter.errors import bad
+from adapter.errors import UserError, bad
 from adapter.patches.dcp import DEFAULT_SUFFIX, create_file_view, storage_info
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -387,10 +387,15 @@ def check_checksums(root: str | Path, meta: dict, *, rank: int = 0, world: int =
     return True
 
 
+class DamagedCheckpoint(UserError):
+    """A converted checkpoint whose bytes no longer match its recorded checksums (the weights cache rebuilds it)."""
+
+
 def damaged(root: str | Path, chunk: str, key: str = "megatron") -> Exception:
-    return bad(key, str(root), f"tensor chunk {chunk} does not match the checksum recorded when it was written "
-               "(the file was damaged or changed after conversion)",
-               "re-convert it with `nd-adapter convert hf-to-megatron` (or restore an intact copy)")
+    err = bad(key, str(root), f"tensor chunk {chunk} does not match the checksum recorded when it was written "
+              "(the file was damaged or changed after conversion)",
+              "re-convert it with `nd-adapter convert hf-to-megatron` (or restore an intact copy)")
+    return DamagedCheckpoint(str(err))
 
 
 NO_CHECKSUMS = ("records no checksums: it was converted by an nd-adapter whose writer could silently corrupt "

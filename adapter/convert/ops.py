@@ -356,13 +356,14 @@ def _logit_diff(hf_dir: Path, root: Path, arch: ModelArch, meta: dict, seq_len: 
             dist.destroy_process_group()
 
 
-def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True) -> dict:
+def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True, check: bool = True) -> dict:
     """Load a converted (or Megatron-LM saved) torch_dist checkpoint into a GPTModel at the run's TP.
 
     Collective: call on every rank after parallel_state is initialised, on the plain GPTModel (before DeepSpeed
     partitions it, or inside zero.GatheredParameters). The model may pad its vocab differently from the checkpoint
     (Megatron's allow_shape_mismatch zero-fills or drops padding rows) as long as it covers the real vocab.
-    Returns the checkpoint's nd_adapter.json metadata ({} for checkpoints without it).
+    Returns the checkpoint's nd_adapter.json metadata ({} for checkpoints without it). `check=False` skips the
+    checksum check (the caller ran `check_checksums_collectively` already, e.g. before its data was prepared).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -371,7 +372,8 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True
     root = Path(ckpt_dir)
     path = mio.resolve_ckpt_dir(root)
     meta = json.loads((root / mio.META).read_text()) if (root / mio.META).exists() else {}
-    _check_checksums_collectively(root, meta)
+    if check:
+        _check_checksums_collectively(root, meta)
     if meta and getattr(model, "vocab_size", meta["vocab_size"]) < meta["vocab_size"]:
         raise bad("padded_vocab", model.vocab_size, f"smaller than the checkpoint's vocab {meta['vocab_size']}",
                   f"build the model with padded_vocab >= {meta['vocab_size']} (the converter used "
@@ -404,26 +406,34 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, strict: bool = True
     return meta
 
 
+def check_checksums_collectively(ckpt_dir: str | Path) -> None:
+    """Collective: every rank hashes its share of a converted checkpoint's chunks; all raise together
+    (`megatron_io.DamagedCheckpoint` naming the first damaged chunk)."""
+    root = Path(ckpt_dir)
+    meta = json.loads((root / mio.META).read_text()) if (root / mio.META).exists() else {}
+    _check_checksums_collectively(root, meta)
+
+
 def _check_checksums_collectively(root: Path, meta: dict) -> None:
     """Every rank hashes its share of the chunks; all ranks refuse together, naming the first damaged chunk."""
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    found: str | None = None
+    found: tuple[str, bool] | None = None
     try:
         recorded = mio.check_checksums(root, meta, rank=rank, world=world)
     except UserError as e:
-        found, recorded = str(e), True
+        found, recorded = (str(e), isinstance(e, mio.DamagedCheckpoint)), True
     if world > 1:
         every: list = [None] * world
         dist.all_gather_object(every, found)
         found = next((x for x in every if x is not None), None)
     if found is not None:
-        raise UserError(found)
+        raise (mio.DamagedCheckpoint if found[1] else UserError)(found[0])
     if not recorded and meta and rank == 0:
         import warnings
 
         warnings.warn(f"{root} {mio.NO_CHECKSUMS}", UserWarning, stacklevel=3)
 
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "verify", "load_megatron_checkpoint"]
+__all__ = ["hf_to_megatron", "megatron_to_hf", "verify", "load_megatron_checkpoint", "check_checksums_collectively"]

@@ -77,6 +77,10 @@ def load_arch(model: str | Path) -> ModelArch:
     """Read an HF checkpoint dir or config.json; refuse anything GPTModel cannot reproduce exactly."""
     path = config_path(model)
     if not path.exists():
+        from adapter.config.hub import looks_like_hub_id, resolve_hub_id
+
+        if not Path(model).exists() and looks_like_hub_id(str(model)):
+            resolve_hub_id(str(model), key="model.path (base_model)")  # raises the hub cache's one line
         raise bad("model", str(model), "no config.json found there",
                   "point `model` at an HF checkpoint directory (with config.json) or at a config.json file")
     return arch_from_hf_dict(_read_json(path), source=str(path))

@@ -76,12 +76,15 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     }
     if layout.dp_replicate > 1 and d.replicate_mode == "hpz":
         zero["zero_hpz_partition_size"] = layout.size("dp_shard_cp")
-    # DeepSpeed wants warmup_num_steps >= 1; "no warmup" is one step that starts at the full LR.
-    warm = max(1, o.warmup_steps)
-    start_ratio = 1.0 if o.warmup_steps == 0 else 0.0
+    # DeepSpeed wants warmup_num_steps >= 1; "no warmup" is one step that starts at the full LR. The run resolves
+    # max_steps and warm-up (adapter/train/schedule.py) before the engine exists; `plan` may not know them yet
+    # (num_epochs needs the data), and then shows total_num_steps as null.
+    warm = max(1, o.warmup_steps or 0)
+    start_ratio = 1.0 if not o.warmup_steps else 0.0
     if o.schedule == "cosine":
         scheduler = {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max(o.max_steps, warm), "warmup_num_steps": warm, "warmup_type": "linear",
+            "total_num_steps": None if o.max_steps is None else max(o.max_steps, warm), "warmup_num_steps": warm,
+            "warmup_type": "linear",
             "warmup_min_ratio": start_ratio, "cos_min_ratio": round(o.min_lr / o.lr, 12)}}
     else:
         scheduler = {"type": "WarmupLR", "params": {

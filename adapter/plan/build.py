@@ -18,7 +18,7 @@ from adapter.parallel import deepspeed_config, mcore_groups
 from adapter.parallel.layout import GROUPS, ORDER, Layout
 from adapter.plan import hardware, memory, timing, traffic
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: notes, weights
 
 
 class _Doc(BaseModel):
@@ -131,6 +131,16 @@ class Predicted(_Doc):
     profile: str
 
 
+class Weights(_Doc):
+    """Which weights the run starts from (adapter/convert/cache.resolve) and what conversion is still to do."""
+    source: str                # "checkpoint", "pretrained" or "random"
+    model_dir: str
+    checkpoint: str | None     # the converted directory the run loads (model.checkpoint or the cache entry)
+    to_convert: bool           # pre-trained weights not converted yet: the run's start converts them once
+    convert_bytes: int         # HF weight bytes the conversion reads (and about what it writes)
+    description: str
+
+
 class Launch(_Doc):
     deepspeed: str
     torchrun: str
@@ -140,6 +150,8 @@ class Plan(_Doc):
     schema_version: int
     config_path: str | None
     config_dialect: str
+    notes: list[str]
+    weights: Weights
     model: dict[str, Any]
     num_params: int
     mesh: Mesh
@@ -284,10 +296,19 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
     groups = [GroupInfo(name=n, axes=[a.value for a in axes], size=layout.size(n), count=len(layout.groups(n)),
                         crosses_nodes=layout.crosses_nodes(n), groups=[list(g) for g in layout.groups(n)])
               for n, axes in GROUPS.items()]
+    from adapter.convert import cache
+
+    w = cache.resolve(cfg)
+    if cfg.optimizer.max_steps is None and cfg.optimizer.num_epochs is not None:
+        warnings.append(f"optimizer steps come from num_epochs={cfg.optimizer.num_epochs:g} and the training set's "
+                        "size, known at run start: the DeepSpeed scheduler's total_num_steps is shown as null")
     return Plan(
         schema_version=SCHEMA_VERSION,
         config_path=config_path,
         config_dialect=cfg.source,
+        notes=list(cfg.notes),
+        weights=Weights(source=w.kind, model_dir=w.model_dir, checkpoint=w.checkpoint, to_convert=w.to_convert,
+                        convert_bytes=w.source_bytes if w.to_convert else 0, description=cache.describe(w, cfg.seed)),
         model=arch.to_dict(),
         num_params=arch.num_params,
         mesh=Mesh(order=[a.value for a in ORDER], dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,

@@ -5,6 +5,7 @@ import json
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from adapter.plan.build import Plan
@@ -35,6 +36,9 @@ def render(plan: Plan, console: Console | None = None) -> None:
     c.print(f"[bold]Model[/] {a['architecture']} ({a['family']}): {plan.num_params / 1e9:.2f}B params, "
             f"hidden {a['hidden_size']}, layers {a['num_layers']}, heads {a['num_heads']}/{a['num_kv_heads']} kv, "
             f"ffn {a['ffn_hidden_size']}, vocab {a['vocab_size']}, tied={a['tie_embeddings']}")
+    for note in plan.notes:
+        c.print(note, style="cyan", markup=False, highlight=False)
+    c.print("[bold]Weights[/] " + escape(plan.weights.description.removeprefix("weights: ")), highlight=False)
     c.print(f"[bold]Mesh[/] dp_replicate={m.dp_replicate} × dp_shard={m.dp_shard} × cp={m.cp} × tp={m.tp} "
             f"= {m.world} GPUs on {m.nodes} node(s) × {m.gpus_per_node}; order {' > '.join(m.order)} (tp fastest)")
     b = plan.batch

@@ -88,7 +88,10 @@ class Engine:
             average_over_replicas(self.ds, self.mpu.replica_group, self.layout.dp_replicate)
 
 
-def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups, device) -> Engine:
+def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups, device,
+                 load_weights=None) -> Engine:
+    """`load_weights(model)`: the run's first weights into the plain GPTModel (adapter/convert/cache.load: a
+    converted checkpoint or the converted pre-trained weights); None loads `model.checkpoint` if set."""
     import deepspeed
     import torch
 
@@ -110,7 +113,9 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                             cp_comm_type=cfg.parallelism.cp_comm_type,
                             fused_kernels=fused,
                             linear_ce=cfg.model.fused_linear_ce)
-    if cfg.model.checkpoint:
+    if load_weights is not None:
+        load_weights(model)
+    elif cfg.model.checkpoint:
         from adapter.convert.ops import load_megatron_checkpoint
 
         load_megatron_checkpoint(model, cfg.model.checkpoint)

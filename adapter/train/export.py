@@ -1,24 +1,81 @@
 """Trained ZeRO-3 engine -> HF directory, through the conversion code (one mapping table, both directions).
 
 All ranks gather their TP shard's full parameters and save one torch_dist checkpoint collectively (Megatron
-dedups replicas); rank 0 then converts it to HF like `nd-adapter convert megatron-to-hf`. The gathered model must
-fit per GPU for the moment of the save (a TP shard in training dtype).
+dedups replicas); rank 0 then converts it to HF like `nd-adapter convert megatron-to-hf`, with the source's
+config, generation config and tokenizer, and the run's chat template when it has one (`chat_template.jinja`, the
+file transformers reads). The gathered model must fit per GPU for the moment of the save (a TP shard in training
+dtype).
+
+The target may already hold other things: Axolotl's `output_dir` is also the checkpoint directory. A new target is
+published by one rename; into an existing one the export moves its files one by one (each replace atomic) and
+removes only weight files of an earlier export that this one does not write, so checkpoints and anything else
+there survive.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
+
+# files an earlier export may have left that this one would not overwrite (other shard counts, no chat template)
+_STALE = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+          "chat_template.jinja")
 
 
 def _source_hf_dir(cfg) -> Path:
     ckpt = cfg.model.checkpoint
     if ckpt and (Path(ckpt) / "hf" / "config.json").is_file():
         return Path(ckpt) / "hf"
-    return Path(cfg.model.path)
+    p = Path(cfg.model.path)
+    return p.parent if p.is_file() else p
 
 
-def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int) -> Path:
+def write_chat_template(hf_dir: Path, template: str) -> None:
+    """The template as transformers 5 saves it (chat_template.jinja); an inline copy in tokenizer_config.json would
+    otherwise compete with it."""
+    (hf_dir / "chat_template.jinja").write_text(template)
+    tc = hf_dir / "tokenizer_config.json"
+    if tc.is_file():
+        conf = json.loads(tc.read_text())
+        if conf.pop("chat_template", None) is not None:
+            tc.write_text(json.dumps(conf, indent=2) + "\n")
+
+
+def publish(built: Path, out: Path) -> None:
+    """Move the finished export `built` to `out`: one rename for a new target, file by file into an existing one."""
+    if not out.exists():
+        os.replace(built, out)
+        return
+    new = {p.name for p in built.iterdir()}
+    for pattern in _STALE:
+        for old in out.glob(pattern):
+            if old.is_file() and old.name not in new:
+                old.unlink()
+    for p in sorted(built.iterdir(), key=lambda p: p.name.endswith(".json")):  # weights first, index and config last
+        os.replace(p, out / p.name)
+    shutil.rmtree(built, ignore_errors=True)
+
+
+def write_special_tokens(hf_dir: Path, cfg, arch) -> None:
+    """The tokenizer as the data was prepared with it (the config's `special_tokens`), and its EOS among the ones
+    `generate` stops at: a chat model trained to end turns with <|im_end|> must stop there."""
+    from adapter.data.sft.prepare import load_tokenizer
+
+    tok = load_tokenizer(cfg, _source_hf_dir(cfg), arch.vocab_size)
+    tok.save_pretrained(str(hf_dir))
+    gen = hf_dir / "generation_config.json"
+    if tok.eos_token_id is not None and gen.is_file():
+        conf = json.loads(gen.read_text())
+        eos = conf.get("eos_token_id")
+        ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if tok.eos_token_id not in ids:
+            conf["eos_token_id"] = [*ids, tok.eos_token_id]
+            gen.write_text(json.dumps(conf, indent=2) + "\n")
+
+
+def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_template: str | None = None) -> Path:
     import deepspeed
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -38,6 +95,7 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int) -> Path:
         dist_checkpointing.save(model.sharded_state_dict(), str(stage / mio.RELEASE))
     dist.barrier()
     if rank == 0:
+        built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / "hf"
         try:
             dtype = next(p for p in model.parameters()).dtype
             meta = {"format": FORMAT, "format_version": 1, "family": arch.family, "architecture": arch.architecture,
@@ -46,10 +104,16 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int) -> Path:
                     "source_tp": cfg.parallelism.tp_size, "tag": mio.RELEASE, "hf_subdir": mio.HF_SUBDIR,
                     "arch": arch.to_dict()}
             meta["hf_files"] = hf_io.copy_side_files(_source_hf_dir(cfg), stage / mio.HF_SUBDIR, dtype)
+            if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
+                write_special_tokens(stage / mio.HF_SUBDIR, cfg, arch)
+            if chat_template:
+                write_chat_template(stage / mio.HF_SUBDIR, chat_template)
             (stage / mio.META).write_text(json.dumps(meta, indent=2) + "\n")
             mio.write_tracker(stage)
-            megatron_to_hf(stage, out, overwrite=True, progress=False, check=False)  # written just now
+            megatron_to_hf(stage, built, progress=False, check=False)  # written just now
+            publish(built, out)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+            shutil.rmtree(built.parent, ignore_errors=True)
     dist.barrier()
     return out

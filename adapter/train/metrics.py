@@ -137,13 +137,16 @@ def memory_summary() -> str:
 
 def format_step(step: int, *, loss: float, lr: float, grad_norm: float | None = None,
                 tokens_per_s_gpu: float | None = None, mfu: float | None = None, peak_mem: int | None = None,
-                total_steps: int | None = None) -> str:
+                total_steps: int | None = None, trained_tokens_per_s_gpu: float | None = None) -> str:
     """One grep-friendly line; fields that are unknown (e.g. MFU on CPU) are left out rather than shown as 0."""
     parts = [f"step {step}" + (f"/{total_steps}" if total_steps else ""), f"loss {loss:.4f}", f"lr {lr:.3e}"]
     if grad_norm is not None:
         parts.append(f"grad_norm {grad_norm:.3f}")
     if tokens_per_s_gpu is not None:
         parts.append(f"{tokens_per_s_gpu:,.0f} tok/s/GPU")
+    if trained_tokens_per_s_gpu is not None and tokens_per_s_gpu is not None \
+            and trained_tokens_per_s_gpu < tokens_per_s_gpu:  # said only when some tokens are not trained (SFT)
+        parts.append(f"{trained_tokens_per_s_gpu:,.0f} trained tok/s/GPU")
     if mfu is not None:
         parts.append(f"MFU {100 * mfu:.1f}%")
     if peak_mem is not None:

@@ -1,5 +1,5 @@
 """Checks a run can fail on before any process starts: architecture vs layout, the ZeRO stage, data files, checkpoint,
-tokenizer, metrics sinks."""
+the first weights (adapter/convert/cache.resolve), tokenizer, metrics sinks."""
 from __future__ import annotations
 
 import json
@@ -58,6 +58,9 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
     # e.g. model.compile or ZeRO-2 where they can't go
     deepspeed_config.zero_stage(cfg, Layout.from_config(cfg.parallelism))
     check_checkpoint(cfg, arch)
+    from adapter.convert import cache
+
+    cache.resolve(cfg)  # e.g. model.init: pretrained on a path without weights
     if cfg.data.datasets:  # SFT: types, keys and sources (hub ids in the local cache), nothing tokenised yet
         from adapter.data.sft import check as check_sft
 

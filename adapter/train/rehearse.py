@@ -46,9 +46,11 @@ def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: s
     upd = {
         "seq_len": rehearsal_seq_len(cfg, seq_len),
         "precision": "fp32",
-        "model": cfg.model.model_copy(update={"checkpoint": None}),
-        "optimizer": cfg.optimizer.model_copy(update={"max_steps": steps, "warmup_steps": min(1, steps)}),
-        "checkpoint": cfg.checkpoint.model_copy(update={"dir": ckdir, "save_every": half, "export_hf": None}),
+        "model": cfg.model.model_copy(update={"checkpoint": None, "init": "random"}),  # the tiny model's own
+        "optimizer": cfg.optimizer.model_copy(update={"max_steps": steps, "warmup_steps": min(1, steps),
+                                                      "warmup_ratio": None}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"dir": ckdir, "save_every": half, "saves_per_epoch": None,
+                                                        "export_hf": None}),
         "logging": cfg.logging.model_copy(update={"tensorboard": None, "wandb_project": None, "every": 1}),
         "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache",
                                             **_sft_rehearsal(cfg, ckdir)}),
@@ -78,4 +80,8 @@ def main(args) -> int:
         p = cfg.parallelism
         print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
               f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}", flush=True)
+        from adapter.convert import cache
+
+        print(f"the run itself: {cache.describe(cache.resolve(cfg), cfg.seed)}; the rehearsal's tiny model starts "
+              "from random weights", flush=True)
         return spawn(cfg.world_size, worker, cpu=True)

@@ -1,10 +1,16 @@
 """The one training path: groups -> GPTModel -> converted weights -> DeepSpeed ZeRO -> steps -> checkpoints.
 
 Runs in every process of a job (launched by `deepspeed`, `torchrun`, `nd-adapter train` or `nd-adapter rehearse`).
-Loss scaling, in one place: each micro-batch's loss is its token mean; DeepSpeed divides by grad-accum steps and
-averages gradients over its partition group (dp_shard×cp, or dp×cp with hpZ), so the loss is multiplied by cp
-(cp ranks hold disjoint token slices of one sample), and exact HSDP averages the gradient partitions over
-dp_replicate. The result is the mean over samples of the per-sample token-mean loss, on every layout.
+Loss normalisation, in one place: a step's loss is the sum of per-token losses over every trained token of the
+optimizer step (all micro-batches, DP and CP ranks) divided by the number of trained tokens of the whole step, on
+every layout and for every run; the logged loss is the same quantity. The step's grad-accum micro-batches are
+fetched first and their loss masks counted on the host (whole samples, before the CP split), the count is summed
+over DP on the device (no host wait), and each micro-batch's local loss sum is divided by it. DeepSpeed's own
+averaging is undone: backward runs without its 1/grad_accum (`scale_wrt_gas=False`) and the loss is multiplied by
+dp×cp, the ranks its gradient averages span (the partition group dp_shard×cp, or dp×cp with hpZ, and exact HSDP's
+average over dp_replicate). Weighting each micro-batch's token mean equally instead would count a one-word answer
+as much as a long one and make the result depend on grad-accum and DP size. A step without trained tokens has loss
+and gradients 0, not NaN.
 
 The host never waits for the GPU between steps: a step's numbers stay on the device until the next step's first
 micro-batch is queued (`PendingStep`), step times come from CUDA events, and the optimizer update and any checkpoint
@@ -27,6 +33,9 @@ from adapter.parallel.layout import Axis, Layout
 @dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)   # one per optimizer step, as logged
+    grad_norms: list[float | None] = field(default_factory=list)
+    trained_tokens: list[int] = field(default_factory=list)  # per step, the whole job's
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (after step, held-out loss)
     start_step: int = 0
     final_step: int = 0
     checkpoint: str | None = None
@@ -37,7 +46,8 @@ class RunResult:
 class StepStats:
     """One optimizer step's numbers, on the host."""
     step: int
-    loss: float                  # the step's loss, as logged
+    loss: float                  # the step's loss, as logged: Σ per-token loss / trained tokens of the step
+    trained_tokens: int          # the step's, over all micro-batches and ranks
     nonfinite_grad: bool         # the global grad norm was inf/NaN
     grad_norm: float | None      # None when DeepSpeed computed none (no clipping)
     lr: float
@@ -45,7 +55,7 @@ class StepStats:
 
 
 # The device-side vector a step's numbers travel in: one all-reduce and one host copy, read one micro-batch late.
-LOSS_SUM, MICRO_BATCHES, NONFINITE, GRAD_NORM, GRAD_NORM_ON_DEVICE = range(5)
+LOSS, NONFINITE, TRAINED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE = range(5)
 
 
 @dataclass
@@ -57,13 +67,13 @@ class PendingStep:
     lr: float
     clock: tuple                 # metrics.StepClock handle
 
-    def read(self, cp: int) -> StepStats:
+    def read(self) -> StepStats:
         from adapter.train.metrics import StepClock
 
         v = self.values.values()
         grad_norm = v[GRAD_NORM] if v[GRAD_NORM_ON_DEVICE] else (
             None if self.host_grad_norm is None else float(self.host_grad_norm))
-        return StepStats(self.step, v[LOSS_SUM] / (v[MICRO_BATCHES] / cp), v[NONFINITE] > 0, grad_norm, self.lr,
+        return StepStats(self.step, v[LOSS], int(v[TRAINED_TOKENS]), v[NONFINITE] > 0, grad_norm, self.lr,
                          StepClock.seconds(self.clock))
 
 
@@ -101,10 +111,14 @@ def _nonfinite(grad_norm, device):
     return (~torch.isfinite(g) | (g < 0)).double()
 
 
+_ANNOUNCED: set[str] = set()  # config notes already said by this process (a rehearsal runs twice)
+
+
 class Trainer:
-    """One run on the already-initialised torch.distributed world: `setup` (sinks, groups, engine, data, resume),
-    `train_step` (one optimizer step; reports the previous one after its first micro-batch), `report`, `save`,
-    `fit` (the loop, final save and export). `close` always runs."""
+    """One run on the already-initialised torch.distributed world: `setup` (sinks, groups, data, schedule, engine
+    with its first weights, resume), `train_step` (one optimizer step; reports the previous one after its first
+    micro-batch), `report`, `evaluate`, `save`, `fit` (the loop, evaluations, saves, final export). `close` always
+    runs. `_data` may also set `val_dataset` (held-out set) and `chat_template` (for the export)."""
 
     def __init__(self, cfg: RunConfig, *, arch: ModelArch | None = None, synthetic_data: bool = False, log=print):
         import torch
@@ -119,24 +133,45 @@ class Trainer:
                        else torch.device("cpu"))
         self.result = RunResult()
         self.sink = self.groups = self.engine = None
+        self.val_dataset = self.chat_template = None
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            self.log(line)
 
     # --- set-up ---------------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False) -> None:
+        from adapter.convert import cache
         from adapter.train import checkpoint as ckpt
-        from adapter.train import metrics
+        from adapter.train import metrics, schedule
         from adapter.train.engine import build_engine
         from adapter.train.profile import StepProfiler
 
         cfg, rank = self.cfg, self.rank
+        for note in cfg.notes:  # what the dialect mapping did, said once, first
+            if note not in _ANNOUNCED:
+                _ANNOUNCED.add(note)
+                self._say(note)
         for w in checks.check(cfg, self.arch):
-            if rank == 0:
-                self.log(f"warning: {w}")
+            self._say(f"warning: {w}")
+        self.weights = cache.resolve(cfg)
+        resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
+        self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed" if resuming else
+                  cache.describe(self.weights, cfg.seed))
         # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
         self.sink = metrics.MetricsSink(rank, tensorboard_dir=cfg.logging.tensorboard,
                                         wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"))
         self.groups = mcore_groups.initialize(self.layout)
-        self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device)
-        self.dataset, self.sampler = self._data()
+        # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway
+        weights_dir = None if resuming else cache.ready(self.weights, cfg, rank=rank, log=self._say)
+        self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
+        self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
+                                         has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
+        self.cfg = cfg = schedule.apply(cfg, self.schedule)
+        for line in schedule.describe(cfg, self.schedule):
+            self._say(line)
+        self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
+                                   load_weights=lambda model: cache.load(model, weights_dir))
         start = 0
         if resume:
             if not cfg.checkpoint.dir:
@@ -145,8 +180,9 @@ class Trainer:
             if loaded is not None:
                 start, state = loaded
                 self.sampler.load_state_dict(state["sampler"])
-            elif rank == 0:
-                self.log(f"no checkpoint in {cfg.checkpoint.dir}: starting from step 0")
+                self._say(f"resuming from {cfg.checkpoint.dir} at step {start} (its weights replace the start's)")
+            else:
+                self._say(f"no checkpoint in {cfg.checkpoint.dir}: starting from step 0")
         self.result.start_step = start
         self.cp_rank = self.layout.coords(rank)[Axis.CP]
         self.tokens_per_step = cfg.global_batch * cfg.seq_len
@@ -164,14 +200,14 @@ class Trainer:
         from adapter.data import DPSampler, PackedDataset, SyntheticData, build_token_cache
 
         cfg = self.cfg
-        self.val_dataset = self.sft = None
+        self.val_dataset = self.sft = self.chat_template = None
         if cfg.data.datasets and not self.synthetic:
             from adapter.data.sft import prepare
             from adapter.data.sft.report import stats_lines
 
             self.sft = prepare(cfg, tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
                                progress=self.rank == 0)
-            dataset, self.val_dataset = self.sft.train, self.sft.val
+            dataset, self.val_dataset, self.chat_template = self.sft.train, self.sft.val, self.sft.chat_template
             if self.rank == 0:
                 for line in stats_lines(self.sft):
                     self.log(line.strip())
@@ -188,16 +224,12 @@ class Trainer:
                             micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed)
         return dataset, sampler
 
-    def _next_batch(self, it):
-        """This rank's part of the next micro-batch and the FULL micro-batch's trained-token count. Documents
-        (cfg.document_attention) become one packed stream with its PackedDocs under "packed_seq_params"."""
-        import torch
-
+    def _on_device(self, b):
+        """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
+        (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params"."""
         from adapter.models.attention import split_for_cp
         from adapter.models.packed import local_multiple, pack_batch
 
-        b = next(it)
-        tokens_total = b["loss_mask"].sum()
         packed = None
         if self.cfg.document_attention:
             sp_tp = self.layout.tp if self.cfg.use_sequence_parallel else 1
@@ -205,11 +237,15 @@ class Trainer:
                                    multiple=local_multiple(self.cfg.seq_len, self.layout.cp, sp_tp))
         elif self.layout.cp > 1:
             b = {k: split_for_cp(v, self.layout.cp, self.cp_rank, seq_dim=1) for k, v in b.items()}
-        b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
         # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)
+        b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
         if packed is not None:
             b["packed_seq_params"] = packed.to(self.device)
-        return b, torch.clamp(tokens_total, min=1).to(self.device, non_blocking=True)
+        return b
+
+    def _loss_sum(self, batch):
+        """Σ per-token loss × loss_mask over this rank's slice of the micro-batch (fp32)."""
+        return masked_loss_sum(self.engine.ds, batch)
 
     # --- one step -------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batches, previous: PendingStep | None) -> PendingStep:
@@ -221,34 +257,40 @@ class Trainer:
 
         from adapter.train import metrics
 
-        engine, ds, device, cp = self.engine, self.engine.ds, self.device, self.layout.cp
+        engine, ds, device, layout = self.engine, self.engine.ds, self.device, self.layout
         self.profiler.begin(step)
         self.clock.begin()
-        # sum of micro-batch mean losses, their count, and whether the step's grad norm was inf/NaN
-        summed = torch.zeros(3, dtype=torch.float64, device=device)
-        for _ in range(self.cfg.grad_accum):
-            batch, ntok = self._next_batch(batches)
+        micro = [next(batches) for _ in range(self.cfg.grad_accum)]  # host tensors: counting them waits for nothing
+        tokens = torch.stack([b["loss_mask"].double().sum() for b in micro]).sum().reshape(1).to(device,
+                                                                                                  non_blocking=True)
+        dist.all_reduce(tokens, group=self.groups.dp)  # whole samples: tp/cp ranks of a dp rank count the same
+        denom = torch.clamp(tokens, min=1.0)[0]  # a step without trained tokens: loss and gradients 0, not NaN
+        # undo DeepSpeed's gradient averages over dp_shard×cp (or dp×cp) and exact HSDP's over dp_replicate
+        undo_average = layout.dp * layout.cp
+        summed = torch.zeros(2, dtype=torch.float64, device=device)  # the step's loss, grad norm inf/NaN
+        for b in micro:
+            batch = self._on_device(b)
             with record_function("nd.forward"):
-                local = masked_loss_sum(ds, batch) / ntok
+                local = self._loss_sum(batch) / denom.float()
             with record_function("nd.backward"):
-                ds.backward(local * cp)
+                ds.backward(local * undo_average, scale_wrt_gas=False)
                 engine.after_backward()
             if previous is not None:
                 self.report(previous)
                 previous = None
             with record_function("nd.step"):
                 ds.step()
-            summed[:2] += torch.stack([local.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
+            summed[LOSS] += local.detach().double()
         gn = ds.get_global_grad_norm()
         if engine.guard_grads:
             summed[NONFINITE] = _nonfinite(gn, device)
-        dist.all_reduce(summed, group=self.groups.dp_cp)  # cp ranks hold slices of one sample's mean: their sum is it
+        dist.all_reduce(summed, group=self.groups.dp_cp)  # dp and cp ranks hold disjoint tokens: their sum is it
         if isinstance(gn, torch.Tensor):  # already global: it joins the vector after the sum
             tail, gn = torch.cat([gn.detach().double().reshape(1), torch.ones(1, dtype=torch.float64,
                                                                               device=device)]), None
         else:
             tail = torch.zeros(2, dtype=torch.float64, device=device)
-        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed, tail])), gn,
+        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed, tokens, tail])), gn,
                               ds.optimizer.param_groups[0]["lr"], self.clock.end())
         if self.profiler.finish(step):
             self.clock.reset()  # writing the trace is not training time
@@ -260,7 +302,7 @@ class Trainer:
         before any checkpoint."""
         from adapter.train import metrics
 
-        s = pending.read(self.layout.cp)
+        s = pending.read()
         if not math.isfinite(s.loss):
             raise DivergedError(f"the loss is {s.loss} at step {s.step}; stopping before the next step or checkpoint. "
                                 "Lower optimizer.lr or raise optimizer.warmup_steps")
@@ -269,15 +311,61 @@ class Trainer:
                                 "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
                                 "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
         self.result.losses.append(s.loss)
+        self.result.grad_norms.append(s.grad_norm)
+        self.result.trained_tokens.append(s.trained_tokens)
         max_steps = self.cfg.optimizer.max_steps
         if s.step % self.cfg.logging.every == 0 or s.step == max_steps:
             tps = metrics.tokens_per_s_per_gpu(self.tokens_per_step, s.seconds, self.world)
+            trained = metrics.tokens_per_s_per_gpu(s.trained_tokens, s.seconds, self.world)
             m = metrics.mfu(tps, self.flops_per_token, self.peak_flops)
-            if self.rank == 0:
-                self.log(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
-                                             mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps))
+            self._say(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
+                                          mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps,
+                                          trained_tokens_per_s_gpu=trained))
             self.sink.log(s.step, {"loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm, "tokens_per_s_per_gpu": tps,
+                                   "trained_tokens_per_s_per_gpu": trained, "trained_tokens": s.trained_tokens,
                                    "mfu": m})
+
+    def evaluate(self) -> tuple[float | None, int]:
+        """(loss, trained tokens) over the whole held-out set: Σ per-token loss / trained tokens, the training
+        step's masking and normalisation, no gradients. Every DP rank runs the same number of micro-batches (ZeRO
+        gathers are collective); the last round is padded with fully masked copies of sample 0."""
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        val, mb, layout = self.val_dataset, self.cfg.batch.micro_batch_size, self.layout
+        n, per_round, dp_rank = len(val), layout.dp * mb, layout.data_rank(self.rank)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        ds = self.engine.ds
+        ds.eval()
+        try:
+            with torch.no_grad():
+                for r in range(-(-n // per_round)):
+                    items = []
+                    for i in range(r * per_round + dp_rank * mb, r * per_round + (dp_rank + 1) * mb):
+                        it = val[i] if i < n else dict(val[0])
+                        if i >= n:
+                            it["loss_mask"] = np.zeros_like(it["loss_mask"])
+                        items.append(it)
+                    batch = self._on_device({k: torch.from_numpy(np.stack([it[k] for it in items]))
+                                             for k in items[0]})
+                    sums += torch.stack([self._loss_sum(batch).double(), batch["loss_mask"].double().sum()])
+        finally:
+            ds.train()
+        dist.all_reduce(sums, group=self.groups.dp_cp)
+        total, count = sums.tolist()
+        self.clock.reset()  # evaluation is not training time
+        return (total / count if count else None), int(count)
+
+    def _eval(self, step: int) -> None:
+        loss, count = self.evaluate()
+        if loss is None:
+            self._say(f"eval after step {step}: the held-out set has no trained tokens")
+            return
+        self.result.eval_losses.append((step, loss))
+        self._say(f"eval after step {step} | eval_loss {loss:.4f} | {len(self.val_dataset)} held-out samples, "
+                  f"{count:,} trained tokens")
+        self.sink.log(step, {"eval_loss": loss})
 
     def save(self, step: int) -> str:
         from adapter.train import checkpoint as ckpt
@@ -294,31 +382,43 @@ class Trainer:
         from adapter.data import build_batches
         from adapter.train import metrics
 
-        cfg, result = self.cfg, self.result
+        cfg, result, sched = self.cfg, self.result, self.schedule
         start, max_steps = result.start_step, cfg.optimizer.max_steps
+        save_every, eval_every = cfg.checkpoint.save_every, sched.eval_every
         batches = build_batches(self.dataset, self.sampler)
         pending: PendingStep | None = None  # the last step, until its numbers are read on the host
         self.engine.ds.train()
+        if sched.eval_at_start and start == 0 and max_steps > 0:
+            self._eval(0)
+        evaluated = None
         for step in range(start + 1, max_steps + 1):
             pending = self.train_step(step, batches, pending)
-            if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            do_eval = bool(eval_every) and step % eval_every == 0
+            do_save = bool(cfg.checkpoint.dir and save_every) and step % save_every == 0
+            if do_eval or do_save:
                 self.report(pending)
                 pending = None
+            if do_eval:
+                self._eval(step)
+                evaluated = step
+            if do_save:
                 result.checkpoint = self.save(step)
         if pending is not None:
             self.report(pending)
+        if sched.eval_at_end and max_steps > start and evaluated != max_steps:
+            self._eval(max_steps)
         if self.device.type == "cuda" and self.rank == 0:
             self.log(metrics.memory_summary())
         result.final_step = max(start, max_steps)
-        if cfg.checkpoint.dir and max_steps > start and (not cfg.checkpoint.save_every
-                                                         or max_steps % cfg.checkpoint.save_every):
+        if cfg.checkpoint.dir and max_steps > start and (not save_every or max_steps % save_every):
             result.checkpoint = self.save(max_steps)
         if export and cfg.checkpoint.export_hf:
             from adapter.train.export import export_hf
 
-            result.exported = str(export_hf(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf, rank=self.rank))
-            if self.rank == 0:
-                self.log(f"exported HF checkpoint to {result.exported}")
+            result.exported = str(export_hf(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf, rank=self.rank,
+                                            chat_template=self.chat_template))
+            self._say(f"exported HF model to {result.exported} (tokenizer"
+                      f"{' and chat template' if self.chat_template else ''} included)")
         return result
 
     def close(self) -> None:

@@ -1,79 +1,277 @@
-"""The trainer on SFT data (gloo + DeepSpeed CPU, dp_shard=2): its first loss equals plain transformers' on the
-same packed samples with the same masks, both ranks read one prepared cache, and training goes on from there."""
+"""The fine-tuning path's training side on CPU (gloo, fp32), against plain transformers on the same batches: exact
+loss normalisation on every layout, held-out evaluation, weights from `base_model` through the conversion cache,
+and the export into Axolotl's output_dir."""
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
 import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.sft import MaskedData, hf_reference, make_model, rel
 
 pytestmark = pytest.mark.slow
 
+SEQ, VOCAB, LR = 32, 512, 2e-3
+# trained tokens per sample; one optimizer step = 4 consecutive samples (global batch 4, no shuffling): the
+# first step mixes 1 and 31 trained tokens, the second trains none at all, the third is uneven again
+TRAINED = [1, 31, 2, 20, 0, 0, 0, 0, 5, 31, 3, 12]
+VAL = [7, 0, 30, 2, 11]  # 5 held-out samples: not a multiple of dp×micro_batch, one without trained tokens
+STEPS = [list(range(4 * k, 4 * k + 4)) for k in range(3)]
+LAYOUTS = {  # name: (dp_shard, cp, tp), micro_batch, grad_accum, overrides  -- every one a world of 2
+    "micro 4 x accum 1 (tp 2)": ((1, 1, 2), 4, 1, {}),
+    "micro 1 x accum 4 (tp 2)": ((1, 1, 2), 1, 4, {}),
+    "dp_shard 2 x micro 2": ((2, 1, 1), 2, 1, {}),
+    # also evaluates before the first step and every 2 steps, logged to TensorBoard too
+    "cp 2 x micro 2 x accum 2": ((1, 2, 1), 2, 2, {"eval.every": 2, "logging.tensorboard": "TB"}),
+}
 
-def _cfg(root: str):
-    from adapter.demo.build import CHAT_DATA
 
-    raw = {"base_model": f"{root}/model", "sequence_len": 256, "sample_packing": True, "micro_batch_size": 1,
-           "gradient_accumulation_steps": 1, "dp_shard_size": 2, "learning_rate": 1e-3, "lr_scheduler": "constant",
-           "max_steps": 3, "special_tokens": {"eos_token": "<|im_end|>"}, "dataset_prepared_path": f"{root}/prep",
-           "val_set_size": 4, "datasets": [{"path": str(CHAT_DATA), "type": "chat_template",
-                                            "chat_template": "chatml"}]}
-    over = {"model.checkpoint": f"{root}/megatron", "precision": "fp32", "data.document_mask": True}
-    return config.with_grad_accum(config.build(raw, env={}, world_size=2, overrides=over))
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from adapter.demo.build import train_tokenizer
+
+    root = tmp_path_factory.mktemp("sft")
+    tok = train_tokenizer(out_dir=root / "tokenizer", vocab_size=VOCAB)
+    return make_model(root / "model", tok)
 
 
-def _worker(rank, world, root):
-    from adapter.train.engine import init_distributed
+def _use_data(train, val, chat_template=None):
+    """Replace the trainer's data with in-memory masked datasets (the SFT data side's item API)."""
+    from adapter.data import DPSampler
     from adapter.train.trainer import Trainer
 
+    def _data(self):
+        self.val_dataset, self.chat_template = val, chat_template
+        return train, DPSampler(len(train), dp_rank=self.layout.data_rank(self.rank), dp_size=self.layout.dp,
+                                micro_batch=self.cfg.batch.micro_batch_size, seed=0, shuffle=False)
+
+    Trainer._data = _data
+
+
+def sft_config(model_dir, root, shape, mb, ga, steps=3, **over):
+    s, c, t = shape
+    raw = {"model": {"path": str(model_dir), "cache_dir": f"{root}/cache"},
+           "parallelism": {"dp_shard_size": s, "cp_size": c, "tp_size": t},
+           "batch": {"micro_batch_size": mb, "gradient_accumulation_steps": ga}, "seq_len": SEQ, "precision": "fp32",
+           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12}}
+    for k, v in over.items():
+        config.set_dotted(raw, k, v)
+    return config.build(raw, env={}, world_size=2)
+
+
+def _normalisation_worker(rank, world, model_dir, root):
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
     init_distributed()
-    t = Trainer(_cfg(root), log=lambda s: None)
-    try:
-        t.setup()
-        first = next(iter(t.sampler.__class__(len(t.dataset), dp_rank=t.layout.data_rank(rank), dp_size=2,
-                                              micro_batch=1, seed=t.cfg.data.seed)))
-        res = t.fit(export=False)
-        return {"losses": res.losses, "first": first, "path": str(t.sft.path), "reused": t.sft.reused,
-                "val": len(t.val_dataset)}
-    finally:
-        t.close()
+    _use_data(MaskedData(TRAINED, SEQ, VOCAB), MaskedData(VAL, SEQ, VOCAB, seed=1))
+    out = {}
+    for name, (shape, mb, ga, over) in LAYOUTS.items():
+        over = {k: f"{root}/tb" if v == "TB" else v for k, v in over.items()}
+        r = run(sft_config(model_dir, root, shape, mb, ga, **over), log=lambda s: None)
+        out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "tokens": r.trained_tokens,
+                     "eval": r.eval_losses}
+    return out
 
 
-def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
+def test_loss_normalisation_matches_transformers_on_every_layout(model_dir, tmp_path):
+    """Σ loss / Σ trained tokens of the whole step, identical for (micro 4, accum 1), (1, 4), dp_shard 2 and cp 2,
+    and equal to the HF model trained on the same batches; the zero-token step gives 0, not NaN; the held-out loss
+    equals HF's over the whole set."""
     import torch
+
+    train, val = MaskedData(TRAINED, SEQ, VOCAB), MaskedData(VAL, SEQ, VOCAB, seed=1)
+    ref = hf_reference(model_dir, train, STEPS, lr=LR, val=val)
+    assert ref["losses"][1] == 0.0 and ref["grad_norms"][1] == 0.0
+    # the test can fail: the mean of per-micro-batch token means (grad-accum 4) differs from the step's token mean
     from transformers import AutoModelForCausalLM
 
-    from adapter.convert.ops import hf_to_megatron
-    from adapter.data.sft import prepare
-    from tests.helpers.sft import tiny_model
+    from tests.helpers.sft import batch_of, hf_loss
 
-    model_dir = tiny_model(tmp_path, weights=True)
-    hf_to_megatron(model_dir, tmp_path / "megatron", tp=1, dtype="fp32", progress=False)
-    out = run_workers(_worker, 2, str(tmp_path), timeout=600)
-    assert out[0]["path"] == out[1]["path"] and out[0]["losses"] == out[1]["losses"]
-    assert out[0]["val"] == out[1]["val"] >= 1
-    losses = out[0]["losses"]
-    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
-    # reference: each rank's first sample through plain transformers, example by example (attention stays inside
-    # an example either way), its token-mean loss; the step's loss is the mean over the two ranks' samples
-    data = prepare(_cfg(str(tmp_path)), model_dir, progress=False)
-    assert data.reused and str(data.path) == out[0]["path"]
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    means = []
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
-        for r in range(2):
-            (i,) = out[r]["first"]
-            s, bounds = data.train[i], data.train.examples(i)
-            total, count = 0.0, 0
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                ids = torch.as_tensor(s["tokens"][a:b])[None]
-                logits = hf(input_ids=ids).logits[0]
-                ce = torch.nn.functional.cross_entropy(logits, torch.as_tensor(s["labels"][a:b]), reduction="none")
-                total += float((ce * torch.as_tensor(s["loss_mask"][a:b])).sum())
-                count += int(s["loss_mask"][a:b].sum())
-            means.append(total / count)
-    ref = sum(means) / 2
-    assert ref > 5  # a random model on a 1024-token vocabulary: near ln(1024)
-    assert abs(losses[0] - ref) <= 1e-4 * ref, (losses[0], ref, json.dumps(out[0]))
+        mean_of_means = sum(float(hf_loss(hf, batch_of(train, [i]))) for i in STEPS[0]) / 4
+        eval_at_start = float(hf_loss(hf, batch_of(val, range(len(val)))))
+    assert rel(mean_of_means, ref["losses"][0]) > 0.02, (mean_of_means, ref["losses"][0])
+
+    results = run_workers(_normalisation_worker, 2, str(model_dir), str(tmp_path), timeout=900)
+    for name, got in results[0].items():
+        assert got["tokens"] == [54, 0, 51], (name, got["tokens"])
+        assert got["losses"][1] == 0.0 and got["grad_norms"][1] == 0.0, (name, got)
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert rel(a, b) < 1e-5 if b else a == 0.0, (name, got["losses"], ref["losses"])
+        for a, b in zip(got["grad_norms"], ref["grad_norms"]):
+            assert (rel(a, b) < 1e-4) if b else a == 0.0, (name, got["grad_norms"], ref["grad_norms"])
+        *periodic, (step, loss) = got["eval"]
+        assert step == 3 and rel(loss, ref["eval_loss"]) < 1e-5, (name, got["eval"], ref["eval_loss"])
+        if LAYOUTS[name][3]:
+            assert [s for s, _ in periodic] == [0, 2] and rel(periodic[0][1], eval_at_start) < 1e-5, got["eval"]
+        else:
+            assert not periodic, got["eval"]
+    assert results[1] == results[0]  # every rank logs the same numbers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    logged = [(e.step, e.value) for e in tb.Scalars("eval_loss")]
+    assert [s for s, _ in logged] == [0, 2, 3] and rel(logged[-1][1], ref["eval_loss"]) < 1e-5, logged
+
+
+CHATML = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}<|end_of_text|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|begin_of_text|>assistant\n{% endif %}")
+
+
+def _weights_worker(rank, world, model_dir, root):
+    import shutil
+
+    import torch.distributed as dist
+
+    from adapter.convert import cache, ops
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+    from tests.helpers.hf import flip_chunk
+
+    init_distributed()
+    _use_data(MaskedData(TRAINED, SEQ, VOCAB), None, chat_template=CHATML)
+    conversions = []
+    real = ops.hf_to_megatron
+    ops.hf_to_megatron = lambda *a, **k: conversions.append(a[1]) or real(*a, **k)
+
+    def one(name, cfg, **kw):
+        lines: list[str] = []
+        r = run(cfg, log=lines.append, **kw)
+        return {"loss": r.losses[0], "log": lines, "conversions": len(conversions), "exported": r.exported}
+
+    cfg = sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=1)
+    out = {"first": one("first", cfg), "again": one("again", cfg)}
+    entry = cache.resolve(cfg).checkpoint
+    if rank == 0:
+        out["damaged_chunk"] = flip_chunk(Path(entry), "linear_fc2.weight")
+    dist.barrier()
+    out["after_damage"] = one("after damage", cfg)
+    bare = Path(root) / "bare"
+    if rank == 0:
+        bare.mkdir()
+        shutil.copyfile(Path(model_dir) / "config.json", bare / "config.json")
+    dist.barrier()
+    out["bare"] = one("bare", sft_config(bare, root, (2, 1, 1), 2, 1, steps=1))
+    # node-local caches: each rank plays a node of its own (local rank 0, its own disk), so each converts its copy
+    import os
+
+    os.environ["LOCAL_RANK"] = "0"
+    before = len(conversions)
+    node = one("node-local", sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=1, **{
+        "model.cache_dir": f"{root}/node{rank}", "model.cache_node_local": True}))
+    out["node_local"] = {"loss": node["loss"], "converted_here": len(conversions) - before}
+    os.environ["LOCAL_RANK"] = str(rank)
+    # Axolotl's output_dir: checkpoints and the final HF model in one directory, exported twice
+    od = f"{root}/output"
+    over = {"checkpoint.dir": od, "checkpoint.export_hf": od, "checkpoint.save_every": 1}
+    out["export1"] = one("export 1", sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=2, **over))
+    out["export2"] = one("export 2", sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=3, **over), resume=True)
+    out["entry"] = entry
+    return out
+
+
+def test_weights_from_base_model_cache_reuse_damage_and_export(model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers.sft import batch_of, hf_loss
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        want = float(hf_loss(hf, batch_of(MaskedData(TRAINED, SEQ, VOCAB), STEPS[0])))
+    ranks = run_workers(_weights_worker, 2, str(model_dir), str(tmp_path), timeout=900)
+    r = ranks[0]
+    assert [x["node_local"]["converted_here"] for x in ranks] == [1, 1]  # every "node" built its own copy
+    assert r["node_local"]["loss"] == r["first"]["loss"]
+    assert (tmp_path / "node0").is_dir() and (tmp_path / "node1").is_dir()
+    first, again, damaged, bare = r["first"], r["again"], r["after_damage"], r["bare"]
+    # the first run converts once (rank 0 only), says so, and starts at the HF model's own loss
+    assert first["conversions"] == 1 and rel(first["loss"], want) < 1e-6, (first["loss"], want)
+    assert any(line.startswith("weights: fine-tuning from the pre-trained weights in") and "converting them once"
+               in line for line in first["log"]), first["log"][:5]
+    # the second reuses the cache entry: no conversion, the same start
+    assert again["conversions"] == 1 and again["loss"] == first["loss"]
+    assert any("converted once before; reusing " + r["entry"] in line for line in again["log"]), again["log"][:5]
+    # a flipped chunk is found by the load's checksums and the entry is converted again
+    assert damaged["conversions"] == 2 and damaged["loss"] == first["loss"]
+    assert any("is damaged" in line and r["damaged_chunk"] in line and "converting again" in line
+               for line in damaged["log"]), damaged["log"][:6]
+    # a bare config.json: random initialisation, said in words, and a start unlike the HF model's
+    assert any(line.startswith("weights: RANDOM initialisation (seed 1234)") and "no weights" in line
+               for line in bare["log"]), bare["log"][:3]
+    assert abs(bare["loss"] - want) > 0.1
+    # the export lands in output_dir beside the checkpoints, with tokenizer and chat template; both exports kept
+    # the checkpoints (the second resumed from the first's)
+    out = tmp_path / "output"
+    assert r["export2"]["exported"] == str(out)
+    assert (out / "latest").read_text() == "global_step3" and (out / "global_step2").is_dir()
+    assert (out / "chat_template.jinja").read_text() == CHATML
+    tok = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "In the beginning"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    gen = model.generate(**prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert gen.shape[1] == prompt["input_ids"].shape[1] + 5
+    start = dict(hf.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    assert not torch.equal(dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"], start)
+
+
+# --- through the CLI --------------------------------------------------------------------------------------------
+
+def _nd(*args: str, cwd: Path, env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-m", "adapter", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(root), **(env or {})})
+
+
+def test_axolotl_yaml_through_nd_adapter_train(model_dir, tmp_path):
+    """An Axolotl YAML unchanged: every note is said once (by rank 0, not as a warning per process), fp32 without
+    bf16/fp16, FSDP's reshard_after_forward: false runs ZeRO-2, the model lands in output_dir beside checkpoints."""
+    import yaml
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "base_model": str(model_dir), "dp_shard_size": 2, "sequence_len": SEQ, "micro_batch_size": 2,
+        "max_steps": 2, "learning_rate": 1e-3, "bf16": False, "output_dir": "./outputs/run",
+        "fsdp_version": 2, "fsdp_config": {"reshard_after_forward": False, "offload_params": False},
+        "plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"], "flash_attention": True,
+        "wandb_watch": "gradients", "logging_steps": 1}))
+    p = _nd("train", "--config", "run.yaml", "--set", "data.synthetic=true", "--set", "model.cache_dir=cache",
+            cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr and "ignored" not in p.stderr and "warning" not in p.stderr
+    once = ("ignored Axolotl keys (not used by nd-adapter): wandb_watch", "precision: fp32 (neither bf16 nor fp16",
+            "FSDP -> DeepSpeed: fsdp_config.reshard_after_forward: false -> deepspeed.zero_stage 2",
+            "kernels: nd-adapter's own are used", "weights: fine-tuning from the pre-trained weights in",
+            "schedule: 2 optimizer steps")
+    for needle in once:
+        assert p.stdout.count(needle) == 1, (needle, p.stdout[:3000])
+    out = tmp_path / "outputs/run"
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").is_file() and (out / "latest").read_text() == "global_step2"
+
+
+def test_weights_refusals_are_one_line_before_any_process(model_dir, tmp_path):
+    import yaml
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((Path(model_dir) / "config.json").read_text())
+    for raw, env, needle in (
+            ({"model": {"path": str(bare), "init": "pretrained"}, "data": {"synthetic": True}}, {},
+             "model.init='pretrained': "),
+            ({"base_model": "no-such-org/no-such-model", "max_steps": 1}, {"HF_HOME": str(tmp_path / "hf")},
+             "base_model)='no-such-org/no-such-model': not a local directory, and not in the local Hugging Face cache"),
+    ):
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+        p = _nd("train", "--config", "run.yaml", "--nproc", "1", cwd=tmp_path, env=env)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Fix:" in lines[0], p.stderr[-2000:]

@@ -96,7 +96,7 @@ def _grad_norm_worker(rank, world, demo):
         lines = []
         run(run_config(demo, shape, steps=2, precision="bf16", **{"optimizer.clip_grad": 100.0,
                                                                   "deepspeed.zero_stage": stage}), log=lines.append)
-        norms[name] = [float(line.split("grad_norm ")[1].split()[0]) for line in lines]
+        norms[name] = [float(line.split("grad_norm ")[1].split()[0]) for line in lines if line.startswith("step ")]
     return norms
 
 

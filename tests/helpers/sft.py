@@ -1,53 +1,101 @@
-"""A tiny model directory for the SFT data tests: the demo's byte-level BPE tokenizer (BOS, EOS and chatml's
-markers as specials) beside a config.json; weights only where a test runs the model."""
+"""Masked training data with PackedDataset's item API, and the plain-transformers reference the training path is
+checked against: Σ per-token loss / Σ trained tokens of each optimizer step, torch AdamW, fp32 on CPU."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from adapter import config
-
-VOCAB = 1024  # enough merges that words and their leading space become one token (the boundary cases)
+import numpy as np
 
 
-def tiny_model(root: Path, vocab: int = VOCAB, weights: bool = False) -> Path:
-    from adapter.demo.build import DEMO_TEXT, make_tiny_llama, train_tokenizer
+class MaskedData:
+    """One document per sample; sample i trains on `trained[i]` label positions (a contiguous "answer" span whose
+    place also varies), so micro-batches' trained-token counts differ a lot."""
 
-    tok = train_tokenizer([DEMO_TEXT], root / "tok", vocab_size=vocab)
-    if weights:
-        return make_tiny_llama(root / "model", tokenizer_dir=tok, hidden=32, layers=1, heads=4, kv_heads=2, seed=0)
-    from transformers import LlamaConfig
+    def __init__(self, trained: list[int], seq_len: int, vocab: int, seed: int = 0):
+        self.trained, self.seq_len, self.vocab, self.seed = list(trained), seq_len, vocab, seed
 
-    LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, architectures=["LlamaForCausalLM"]).save_pretrained(tok)
-    return tok
+    def __len__(self) -> int:
+        return len(self.trained)
 
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def axolotl_cfg(model: Path, datasets: list[dict], root: Path, **top: Any):
-    """An Axolotl-dialect RunConfig (as a user's YAML would give it), prepared data under root/prepared."""
-    raw = {"base_model": str(model), "sequence_len": 128, "datasets": datasets,
-           "dataset_prepared_path": str(root / "prepared"), **top}
-    return config.build(raw, env={})
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        rng = np.random.default_rng([self.seed, i])
+        window = rng.integers(0, self.vocab, self.seq_len + 1)
+        k = self.trained[i]
+        start = int(rng.integers(0, self.seq_len - k + 1))
+        mask = np.zeros(self.seq_len, np.float32)
+        mask[start:start + k] = 1.0
+        return {"tokens": window[:-1], "labels": window[1:], "loss_mask": mask,
+                "position_ids": np.arange(self.seq_len), "segment_ids": np.zeros(self.seq_len, np.int64)}
 
 
-def runs(ids, labels, tok) -> list[tuple[str, bool]]:
-    """Decoded runs of consecutive tokens that are all trained or all not: the readable form of a mask."""
-    out: list[tuple[str, bool]] = []
-    group: list[int] = []
-    flag = None
-    for t, lab in zip(ids, labels):
-        trained = lab != -100
-        if flag is not None and trained != flag:
-            out.append((tok.decode(group), flag))
-            group = []
-        group.append(int(t))
-        flag = trained
-    if group:
-        out.append((tok.decode(group), flag))
+def batch_of(data, indices) -> dict:
+    import torch
+
+    items = [data[i] for i in indices]
+    return {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
+
+
+def hf_loss(model, batch):
+    """Σ per-token cross-entropy over trained tokens / their number (at least 1): the step's loss."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits.float()
+    ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    mask = batch["loss_mask"].flatten()
+    return (ce * mask).sum() / mask.sum().clamp(min=1)
+
+
+def hf_reference(hf_dir: str | Path, data, steps: list[list[int]], *, lr: float, betas=(0.9, 0.95), eps=1e-8,
+                 val=None) -> dict:
+    """Train the HF model itself on `steps` (each the sample indices of one optimizer step): losses, grad norms,
+    and (with `val`) the held-out loss after the last step, over all of `val` at once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+    losses, norms = [], []
+    for idx in steps:
+        loss = hf_loss(model, batch_of(data, idx))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e12)))
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    out = {"losses": losses, "grad_norms": norms}
+    if val is not None:
+        with torch.no_grad():
+            out["eval_loss"] = float(hf_loss(model, batch_of(val, range(len(val)))))
+    return out
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def make_model(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               seed: int = 0) -> Path:
+    """A tiny Llama whose weights are spread wide enough (unlike HF's 0.02 init) that per-token losses differ a lot:
+    then weighting micro-batches wrongly changes the loss and the test can see it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adapter.demo.build import make_tiny_llama
+
+    make_tiny_llama(out, tokenizer_dir=tokenizer_dir, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                    ffn=2 * hidden, max_positions=128, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    # no pad token in the config (as Llama-3's): HF's embedding would otherwise never train the pad row
+    # (nn.Embedding padding_idx), which Megatron's embedding does, and the gradients would differ by that row
+    model.config.pad_token_id = None
+    model.model.embed_tokens.padding_idx = None
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    model.save_pretrained(out)
     return out

@@ -10,7 +10,7 @@ from adapter.config.schema import DatasetEntry
 from adapter.data.sft import formats, templates
 from adapter.data.sft.prepare import load_tokenizer
 from adapter.demo.build import CHAT_DATA
-from tests.helpers.sft import VOCAB, axolotl_cfg, runs, tiny_model
+from tests.helpers.sft_data import VOCAB, axolotl_cfg, runs, tiny_model
 
 BOS, EOS, IMS, IME = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 

@@ -81,7 +81,7 @@ def test_items_give_transformers_loss_with_its_own_assistant_mask(tmp_path):
 
     from adapter.data.sft import prepare
     from adapter.demo.build import CHAT_DATA
-    from tests.helpers.sft import axolotl_cfg, tiny_model
+    from tests.helpers.sft_data import axolotl_cfg, tiny_model
 
     model_dir = tiny_model(tmp_path, weights=True)
     marked = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"

@@ -13,7 +13,7 @@ from adapter import cli
 from adapter.data.sft import prepare
 from adapter.demo.build import ALPACA_DATA, CHAT_DATA
 from adapter.errors import UserError
-from tests.helpers.sft import axolotl_cfg, tiny_model, write_jsonl
+from tests.helpers.sft_data import axolotl_cfg, tiny_model, write_jsonl
 
 prep_mod = importlib.import_module("adapter.data.sft.prepare")  # the module (the package exports the function)
 CHAT = {"path": str(CHAT_DATA), "type": "chat_template", "chat_template": "chatml"}

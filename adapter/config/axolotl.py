@@ -1,0 +1,217 @@
+"""Axolotl's training keys mapped onto the native dict: precision, schedule, evaluation and saves, output, context
+parallelism (the flat `context_parallel_size` keys and the ring-master plugin's `context_parallel:` block), FSDP
+(onto its DeepSpeed equivalent) and the keys that name a peer's kernels.
+
+Each function maps what corresponds exactly, refuses in one line what cannot be honoured, and appends to `notes`
+what the run's first lines must say (a mapping the user should know about, a key that has no effect here).
+`from_axolotl` (dialects.py) calls `map_training`; the keys handled here are `KEYS`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from adapter.errors import bad
+
+# Keys that choose a peer's kernels: nd-adapter always runs its own (adapter/models: SDPA attention, fused RoPE,
+# SwiGLU and vocab-parallel cross-entropy), so they get one line saying so.
+KERNEL_KEYS = {"attn_implementation", "flash_attention", "sdp_attention", "xformers_attention", "flex_attention",
+               "sage_attention", "eager_attention", "flash_attn_cross_entropy", "flash_attn_fuse_mlp",
+               "flash_attn_rms_norm", "flash_optimum", "cut_cross_entropy", "liger_rope", "liger_rms_norm",
+               "liger_rms_norm_gated", "liger_layer_norm", "liger_swiglu", "liger_glu_activation",
+               "liger_cross_entropy", "liger_fused_linear_cross_entropy"}
+KERNEL_PLUGINS = ("cut_cross_entropy", "liger", "integrations.kernels")
+CP_PLUGIN = "integrations.context_parallel"
+SCHEDULE_KEYS = {"bf16", "fp16", "num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",
+                 "optimizer", "output_dir", "save_steps", "save_total_limit", "max_steps", "warmup_steps"}
+PARALLEL_KEYS = {"context_parallel", "ring_attn_func", "heads_k_stride", "fsdp", "fsdp_config", "fsdp_version"}
+KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins"}
+
+ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+# ring-flash-attn's implementations (Axolotl's ring_attn_func) -> cp_comm_type. Any of them computes exact
+# attention; what differs is how K/V travel: all-gathered (Llama 3's "varlen_llama3") or passed around a ring.
+RING_ATTN = {"varlen_llama3": "all_gather", "batch_ring": "p2p", "batch_zigzag": "p2p", "varlen_ring": "p2p",
+             "varlen_zigzag": "p2p"}
+ROTATE = {"allgather": "all_gather", "alltoall": "p2p"}  # the ring-master block's rotate_method (torch's names)
+FSDP_STAGE = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2, "_hybrid_shard_zero2": 2, "hybrid_shard_zero2": 2}
+FSDP_USED = {"reshard_after_forward", "offload_params", "activation_checkpointing", "state_dict_type",
+             "final_state_dict_type", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "version"}
+
+
+def _on(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() in ("true", "auto", "full"))
+
+
+def _set(out: dict[str, Any], dotted: str, value: Any) -> None:
+    from adapter.config.dialects import set_dotted
+
+    set_dotted(out, dotted, value)
+
+
+def map_precision(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """Axolotl: `bf16: true|auto|full` -> bf16, `fp16: true` -> fp16, neither -> fp32 (full precision)."""
+    bf16, fp16 = raw.get("bf16"), raw.get("fp16")
+    if _on(bf16) and fp16 is True:
+        raise bad("fp16", fp16, f"conflicts with bf16={bf16!r}", "set only one of bf16 / fp16")
+    if _on(bf16):
+        out["precision"], why = "bf16", f"bf16: {str(bf16).lower()}"
+    elif fp16 is True:
+        out["precision"], why = "fp16", "fp16: true"
+    else:
+        out["precision"], why = "fp32", "neither bf16 nor fp16 is on"
+    notes.append(f"precision: {out['precision']} ({why})")
+
+
+def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    pairs = (("warmup_steps", "warmup_ratio"), ("eval_steps", "evals_per_epoch"), ("save_steps", "saves_per_epoch"))
+    for a, b in pairs:
+        if raw.get(a) is not None and raw.get(b) is not None:
+            raise bad(b, raw[b], f"Axolotl takes {a} or {b}, not both (here {a}={raw[a]!r})", "drop one of them")
+    if raw.get("optimizer") is not None and (not isinstance(raw["optimizer"], str) or raw["optimizer"] not in ADAMW):
+        raise bad("optimizer", raw["optimizer"], "nd-adapter trains with torch AdamW only",
+                  f"use one of {', '.join(ADAMW)}, or remove the key")
+    for key, target in (("num_epochs", "optimizer.num_epochs"), ("warmup_ratio", "optimizer.warmup_ratio"),
+                        ("eval_steps", "eval.every"), ("evals_per_epoch", "eval.per_epoch"),
+                        ("saves_per_epoch", "checkpoint.saves_per_epoch")):
+        if raw.get(key) is not None:
+            _set(out, target, raw[key])
+    if raw.get("max_steps") is None and raw.get("num_epochs") is None:
+        _set(out, "optimizer.num_epochs", 1.0)
+        notes.append("num_epochs: 1 (Axolotl's default: neither num_epochs nor max_steps is set)")
+    if raw.get("save_steps") is None and raw.get("saves_per_epoch") is None and raw.get("datasets"):
+        _set(out, "checkpoint.saves_per_epoch", 1)  # Axolotl's save_strategy "epoch"
+    if raw.get("save_total_limit") is None:
+        _set(out, "checkpoint.keep_last", 4)  # Axolotl's default save_total_limit
+    if raw.get("output_dir") is not None:  # Axolotl's convention: checkpoints and the final model in output_dir
+        _set(out, "checkpoint.export_hf", raw["output_dir"])
+
+
+def _comm(out: dict[str, Any], comm: str, why: str, notes: list[str]) -> None:
+    _set(out, "parallelism.cp_comm_type", comm)
+    notes.append(f"context parallel: {why} -> parallelism.cp_comm_type {comm} "
+                 f"({'K/V all-gathered' if comm == 'all_gather' else 'K/V passed around a ring'})")
+
+
+def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """Both spellings: flat `context_parallel_size` (+ `ring_attn_func`, `heads_k_stride`) and the block."""
+    func = raw.get("ring_attn_func")
+    if func is not None:
+        if not isinstance(func, str) or func not in RING_ATTN:
+            raise bad("ring_attn_func", func, "no nd-adapter counterpart (its stripe layout is not implemented)",
+                      f"use one of {', '.join(RING_ATTN)}, or remove it")
+        _comm(out, RING_ATTN[func], f"ring_attn_func {func}", notes)
+    if raw.get("heads_k_stride") is not None:
+        notes.append(f"heads_k_stride {raw['heads_k_stride']} has no effect: nd-adapter moves all K/V heads at once")
+    block = raw.get("context_parallel")
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise bad("context_parallel", block, "must be a mapping (size, backend, rotate_method, load_balance, ...)",
+                  "write `context_parallel:` with `size: N` indented below it")
+    known = {"size", "backend", "ulysses_size", "ring_size", "rotate_method", "load_balance", "ring_impl"}
+    for k in block:
+        if not isinstance(k, str) or k not in known:
+            raise bad(f"context_parallel.{k}", block[k], "unknown key", f"use {', '.join(sorted(known))}")
+    for k in ("size", "ulysses_size", "ring_size"):
+        if block.get(k) is not None and (isinstance(block[k], bool) or not isinstance(block[k], int) or block[k] < 1):
+            raise bad(f"context_parallel.{k}", block[k], "must be a positive integer", "give e.g. 8")
+    size = block.get("size", 1)
+    flat = raw.get("context_parallel_size") or raw.get("sequence_parallel_degree")
+    if flat is not None and flat != size:
+        raise bad("context_parallel.size", size, f"conflicts with context_parallel_size={flat}", "give the size once")
+    backend = block.get("backend", "auto")
+    balance = block.get("load_balance", "head_tail")
+    rotate = block.get("rotate_method", "allgather")
+    for k, v in (("backend", backend), ("load_balance", balance), ("rotate_method", rotate)):
+        if not isinstance(v, str):
+            raise bad(f"context_parallel.{k}", v, "must be a name", "see Axolotl's context_parallel block")
+    if backend in ("ulysses", "usp") or (block.get("ulysses_size") or 1) > 1:
+        key, value = (("context_parallel.backend", backend) if backend in ("ulysses", "usp") else
+                      ("context_parallel.ulysses_size", block["ulysses_size"]))
+        raise bad(key, value, "Ulysses (all-to-all over attention heads) has no nd-adapter counterpart; its "
+                  "context parallelism splits the sequence and moves K/V",
+                  "use backend: ring (or auto), without ulysses_size")
+    if backend not in ("auto", "ring"):
+        raise bad("context_parallel.backend", backend, "unknown backend", "use auto or ring")
+    if block.get("ring_size") not in (None, size):
+        raise bad("context_parallel.ring_size", block["ring_size"], f"must equal size={size} (a pure ring)",
+                  "remove ring_size")
+    if balance not in ("head_tail", "auto"):
+        raise bad("context_parallel.load_balance", balance, "nd-adapter always splits each sequence into 2·cp "
+                  "chunks and gives rank r chunks r and 2·cp−1−r (head_tail)", "use load_balance: head_tail")
+    if rotate not in ROTATE:
+        raise bad("context_parallel.rotate_method", rotate, "unknown", "use allgather or alltoall")
+    _set(out, "parallelism.cp_size", size)
+    if size > 1:
+        _comm(out, ROTATE[rotate], f"size {size}, backend {backend}, rotate_method {rotate}", notes)
+
+
+def _fsdp_block(raw: dict[str, Any]) -> dict[str, Any]:
+    block = raw.get("fsdp_config") or {}
+    if not isinstance(block, dict):
+        raise bad("fsdp_config", block, "must be a mapping", "write `fsdp_config:` with its keys indented below it")
+    return {str(k).removeprefix("fsdp_"): v for k, v in block.items()}
+
+
+def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
+    """FSDP's sharding onto DeepSpeed ZeRO: reshard_after_forward true (FULL_SHARD) = ZeRO-3, false = ZeRO-2."""
+    block = _fsdp_block(raw)
+    legacy = raw.get("fsdp")
+    if not block and not legacy:
+        return
+    stage, why = 3, "FSDP's default (reshard after forward)"
+    if legacy:
+        if not isinstance(legacy, (str, list)):
+            raise bad("fsdp", legacy, "must be a list of FSDP options", "write e.g. fsdp: [full_shard, auto_wrap]")
+        opts = legacy.split() if isinstance(legacy, str) else [str(o) for o in legacy]
+        if "offload" in opts:
+            raise bad("fsdp", legacy, "CPU offload is not supported", "remove `offload`")
+        for o in opts:
+            if o in FSDP_STAGE:
+                stage, why = FSDP_STAGE[o], f"fsdp: {o}"
+            elif o not in ("auto_wrap",):
+                raise bad("fsdp", legacy, f"{o!r} has no DeepSpeed counterpart here", "use full_shard or shard_grad_op")
+    if block.get("offload_params"):
+        raise bad("fsdp_config.offload_params", True, "CPU offload of parameters is not supported by nd-adapter's "
+                  "ZeRO path", "set offload_params: false (add GPUs, tp or dp_shard to fit)")
+    if block.get("reshard_after_forward") is not None:
+        stage = 3 if block["reshard_after_forward"] else 2
+        why = f"fsdp_config.reshard_after_forward: {str(block['reshard_after_forward']).lower()}"
+    if block.get("activation_checkpointing"):
+        out["recompute"] = "full"
+    _set(out, "deepspeed.zero_stage", stage)
+    what = ("ZeRO-3: weights, gradients and optimizer states sharded, each transformer layer gathered for its "
+            "forward and backward (FSDP FULL_SHARD)" if stage == 3 else
+            "ZeRO-2: whole 16-bit weights on every GPU, gradients and optimizer states sharded (FSDP SHARD_GRAD_OP)")
+    notes.append(f"FSDP -> DeepSpeed: {why} -> deepspeed.zero_stage {stage} ({what}); checkpoints are DeepSpeed's, "
+                 "the final model a full HF export")
+    ignored += [f"fsdp_config.{k}" for k in block if k not in FSDP_USED]
+
+
+def kernel_note(raw: dict[str, Any], ignored: list[str]) -> str | None:
+    """One line for every key that picks a peer's kernels; plugins that are neither kernels nor context parallelism
+    join the ignored keys."""
+    named = [f"{k}: {str(raw[k]).lower() if isinstance(raw[k], bool) else raw[k]}" for k in sorted(KERNEL_KEYS)
+             if k in raw and raw[k] not in (None, False)]
+    plugins = raw.get("plugins") or []
+    for p in plugins if isinstance(plugins, list) else [plugins]:
+        if any(tag in str(p) for tag in KERNEL_PLUGINS):
+            named.append(f"plugin {str(p).rsplit('.', 1)[-1]}")
+        elif CP_PLUGIN not in str(p):
+            ignored.append(f"plugins[{p}]")
+    if not named:
+        return None
+    return ("kernels: nd-adapter's own are used (SDPA attention, fused RoPE, SwiGLU and vocab-parallel cross-entropy)"
+            f", not the ones named by {', '.join(named)}")
+
+
+def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
+    map_precision(raw, out, notes)
+    map_schedule(raw, out, notes)
+    map_context_parallel(raw, out, notes)
+    map_fsdp(raw, out, notes, ignored)
+    note = kernel_note(raw, ignored)
+    if note:
+        notes.append(note)
+
+
+__all__ = ["KEYS", "map_training"]

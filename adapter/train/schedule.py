@@ -1,0 +1,134 @@
+"""How long a run is and when it evaluates and saves, from the config and the training set's size.
+
+Pure arithmetic (no torch), so unit tests check it against hand-computed values. An epoch is what the sampler
+(adapter/data/sampler.DPSampler) makes of the data: rounds of dp·micro_batch samples, the tail that cannot fill a
+round dropped; an optimizer step takes grad_accum rounds. `num_epochs` therefore means
+floor(num_epochs · rounds_per_epoch / grad_accum) optimizer steps (at least one): the LR schedule ends with the data,
+never after it. `max_steps` wins when given (Axolotl and HF do the same). Cadences given as a fraction in (0, 1) are
+that share of the total steps, rounded up (HF's rule); `*_per_epoch` cadences are steps_per_epoch / n, rounded up.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from adapter.config import RunConfig
+from adapter.errors import bad
+
+DEFAULT_MAX_STEPS = 1000  # a native config that gives neither max_steps nor num_epochs (pre-training, benchmarks)
+AXOLOTL_WARMUP = (0.03, 100)  # Axolotl's warm-up when neither warmup_steps nor warmup_ratio is set: min(3%, 100)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    total_steps: int
+    warmup_steps: int
+    length_from: str                 # "max_steps", "num_epochs" or "default"
+    warmup_from: str                 # "warmup_steps", "warmup_ratio", "axolotl default" or "none"
+    samples: int | None = None       # training samples (None: synthetic data, no epochs)
+    samples_per_epoch: int | None = None
+    steps_per_epoch: float | None = None
+    eval_every: int | None = None    # periodic evaluation every N steps (None: none)
+    eval_at_start: bool = False      # Axolotl evaluates before the first step when a cadence is set
+    eval_at_end: bool = False
+    save_every: int = 0              # 0: only the final save
+
+    @property
+    def epochs(self) -> float | None:
+        return None if not self.steps_per_epoch else self.total_steps / self.steps_per_epoch
+
+
+def _cadence(every, per_epoch: int | None, total: int, steps_per_epoch: float | None, key: str) -> int | None:
+    if per_epoch is not None:
+        if not steps_per_epoch:
+            raise bad(key, per_epoch, "a per-epoch cadence needs a dataset of known size (synthetic data has no "
+                      "epochs)", "give the cadence in steps instead")
+        return max(1, math.ceil(steps_per_epoch / per_epoch))
+    if not every:
+        return None
+    if isinstance(every, float):
+        return max(1, math.ceil(every * total))
+    return every
+
+
+def resolve(cfg: RunConfig, samples: int | None, *, has_val: bool = False) -> Schedule:
+    """The run's schedule. `samples`: the training set's size (None for synthetic data); `has_val`: a held-out set
+    exists (evaluation is then on, at least once at the end)."""
+    o, b = cfg.optimizer, cfg.batch
+    per_round = b.micro_batch_size * cfg.dp_size
+    samples_per_epoch = steps_per_epoch = None
+    if samples is not None:
+        rounds = samples // per_round
+        samples_per_epoch = rounds * per_round
+        steps_per_epoch = rounds / cfg.grad_accum
+    if o.max_steps is not None:
+        total, length_from = o.max_steps, "max_steps"
+    elif o.num_epochs is not None:
+        if samples is None:
+            raise bad("optimizer.num_epochs", o.num_epochs, "epochs need a dataset (this run uses synthetic tokens)",
+                      "set optimizer.max_steps (Axolotl: max_steps)")
+        total, length_from = max(1, math.floor(o.num_epochs * steps_per_epoch)), "num_epochs"
+    else:
+        total, length_from = DEFAULT_MAX_STEPS, "default"
+    if o.warmup_steps is not None:
+        warmup, warmup_from = o.warmup_steps, "warmup_steps"
+    elif o.warmup_ratio is not None:
+        warmup, warmup_from = int(o.warmup_ratio * total), "warmup_ratio"
+    elif cfg.source == "axolotl":
+        warmup, warmup_from = min(int(AXOLOTL_WARMUP[0] * total), AXOLOTL_WARMUP[1]), "axolotl default"
+    else:
+        warmup, warmup_from = 0, "none"
+    e, c = cfg.eval, cfg.checkpoint
+    eval_every = _cadence(e.every, e.per_epoch, total, steps_per_epoch, "eval.per_epoch") if has_val else None
+    save_every = _cadence(c.save_every, c.saves_per_epoch, total, steps_per_epoch, "checkpoint.saves_per_epoch") or 0
+    return Schedule(total_steps=total, warmup_steps=min(warmup, total), length_from=length_from,
+                    warmup_from=warmup_from, samples=samples, samples_per_epoch=samples_per_epoch,
+                    steps_per_epoch=steps_per_epoch, eval_every=eval_every, eval_at_start=eval_every is not None,
+                    eval_at_end=has_val, save_every=save_every if c.dir else 0)
+
+
+def apply(cfg: RunConfig, s: Schedule) -> RunConfig:
+    """The config with the schedule's numbers written in (what the engine and the loop read)."""
+    opt = cfg.optimizer.model_copy(update={"max_steps": s.total_steps, "warmup_steps": s.warmup_steps,
+                                           "warmup_ratio": None})
+    ck = cfg.checkpoint.model_copy(update={"save_every": s.save_every, "saves_per_epoch": None})
+    ev = cfg.eval.model_copy(update={"every": s.eval_every, "per_epoch": None})
+    return cfg.model_copy(update={"optimizer": opt, "checkpoint": ck, "eval": ev})
+
+
+def describe(cfg: RunConfig, s: Schedule) -> list[str]:
+    """The run's first lines about its length, warm-up and cadences (numbers derived from the config are said)."""
+    lines = []
+    gb = cfg.global_batch
+    if s.samples is not None:
+        dropped = s.samples - s.samples_per_epoch
+        epoch = (f"{s.samples:,} training samples; an epoch is {s.samples_per_epoch:,} of them in "
+                 f"{s.steps_per_epoch:g} steps of {gb} (global batch)" +
+                 (f", {dropped} dropped (they do not fill a round of dp×micro_batch = "
+                  f"{cfg.dp_size * cfg.batch.micro_batch_size})" if dropped else ""))
+        lines.append(f"data: {epoch}")
+    if s.length_from == "num_epochs":
+        length = f"num_epochs {cfg.optimizer.num_epochs:g} × {s.steps_per_epoch:g} steps per epoch, rounded down"
+    else:
+        length = {"max_steps": "from max_steps",
+                  "default": f"no max_steps or num_epochs given: {DEFAULT_MAX_STEPS}"}[s.length_from]
+    if s.length_from == "max_steps" and s.epochs is not None:
+        length += f" (= {s.epochs:.2f} epochs)"
+    warm = {"warmup_steps": "warmup_steps", "warmup_ratio": f"warmup_ratio {cfg.optimizer.warmup_ratio}",
+            "axolotl default": "Axolotl's default, min(3% of the steps, 100)", "none": "none"}[s.warmup_from]
+    lines.append(f"schedule: {s.total_steps:,} optimizer steps ({length}); warm-up {s.warmup_steps:,} steps "
+                 f"({warm}), then {cfg.optimizer.schedule}")
+    if s.eval_every is not None:
+        lines.append(f"eval: loss over the whole held-out set before the first step, every {s.eval_every:,} steps "
+                     "and at the end")
+    elif s.eval_at_end:
+        lines.append("eval: loss over the whole held-out set at the end (eval.every / eval.per_epoch add more)")
+    elif cfg.eval.every is not None or cfg.eval.per_epoch is not None:
+        lines.append("eval: none: an eval cadence is set but there is no held-out set (val_set_size)")
+    if cfg.checkpoint.dir:
+        cadence = f"every {s.save_every:,} steps and at the end" if s.save_every else "at the end"
+        lines.append(f"checkpoints: {cfg.checkpoint.dir}, {cadence}, keeping the last {cfg.checkpoint.keep_last}")
+    return lines
+
+
+__all__ = ["DEFAULT_MAX_STEPS", "Schedule", "resolve", "apply", "describe"]

@@ -1,0 +1,218 @@
+"""Axolotl keys: precision, context parallelism (block and flat keys), FSDP -> ZeRO, kernel notes, refusals, and
+Axolotl's own ND-parallel example configs passing `plan` unchanged with their hub ids in a local HF cache."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapter import config
+from adapter.cli import main
+from adapter.config import axolotl
+from adapter.errors import UserError
+from tests.helpers.hub import add_to_hub_cache
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests/fixtures/axolotl"
+LLAMA8B = ROOT / "configs/models/llama-3.1-8b"
+BASE = {"base_model": str(LLAMA8B), "sequence_len": 2048, "max_steps": 10}
+
+
+def build(world=1, **keys):
+    return config.build({**BASE, **keys}, env={}, world_size=world)
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("keys, want", [({"bf16": True}, "bf16"), ({"bf16": "auto"}, "bf16"),
+                                        ({"bf16": "full"}, "bf16"), ({"fp16": True}, "fp16"),
+                                        ({"bf16": False}, "fp32"), ({}, "fp32"),
+                                        ({"bf16": False, "fp16": False}, "fp32")])
+def test_precision(keys, want):
+    cfg = build(**keys)
+    assert cfg.precision == want and any(n.startswith(f"precision: {want}") for n in cfg.notes)
+
+
+def test_schedule_keys_and_output_dir():
+    cfg = build(num_epochs=2, warmup_ratio=0.1, evals_per_epoch=4, saves_per_epoch=2, output_dir="out",
+                **{"max_steps": None})
+    o = cfg.optimizer
+    assert (o.num_epochs, o.warmup_ratio, o.max_steps, o.warmup_steps) == (2.0, 0.1, None, None)
+    assert cfg.eval.per_epoch == 4 and cfg.checkpoint.saves_per_epoch == 2
+    assert cfg.checkpoint.dir == "out" and cfg.checkpoint.export_hf == "out" and cfg.checkpoint.keep_last == 4
+    cfg = build(max_steps=None)  # neither max_steps nor num_epochs: Axolotl's one epoch, said
+    assert cfg.optimizer.num_epochs == 1.0 and any("Axolotl's default" in n for n in cfg.notes)
+    assert build(eval_steps=0.25).eval.every == 0.25 and build(save_steps=50).checkpoint.save_every == 50
+
+
+def test_context_parallel_block_and_flat_keys():
+    cfg = build(world=8, context_parallel={"size": 8, "backend": "auto", "rotate_method": "allgather",
+                                           "load_balance": "head_tail", "ring_impl": "auto"})
+    assert cfg.parallelism.cp_size == 8 and cfg.parallelism.cp_comm_type == "all_gather"
+    assert any(n.startswith("context parallel: size 8") for n in cfg.notes)
+    cfg = build(world=4, context_parallel={"size": 4, "backend": "ring", "rotate_method": "alltoall"})
+    assert cfg.parallelism.cp_comm_type == "p2p"
+    for func, comm in (("varlen_llama3", "all_gather"), ("batch_ring", "p2p"), ("batch_zigzag", "p2p")):
+        cfg = build(world=2, context_parallel_size=2, ring_attn_func=func)
+        assert cfg.parallelism.cp_size == 2 and cfg.parallelism.cp_comm_type == comm
+    cfg = build(world=2, context_parallel_size=2, heads_k_stride=1)
+    assert any("heads_k_stride 1 has no effect" in n for n in cfg.notes)
+
+
+@pytest.mark.parametrize("keys, needle", [
+    ({"context_parallel": {"size": 8, "backend": "ulysses"}}, "context_parallel.backend='ulysses': Ulysses"),
+    ({"context_parallel": {"size": 8, "backend": "usp"}}, "context_parallel.backend='usp'"),
+    ({"context_parallel": {"size": 8, "ulysses_size": 2, "ring_size": 4}}, "context_parallel.ulysses_size=2: Ulysses"),
+    ({"context_parallel": {"size": 8, "load_balance": "ptrr"}}, "context_parallel.load_balance='ptrr'"),
+    ({"context_parallel": {"size": 8, "sizee": 2}}, "context_parallel.sizee=2: unknown key"),
+    ({"context_parallel": {"size": 8}, "context_parallel_size": 4}, "conflicts with context_parallel_size=4"),
+    ({"context_parallel": 8}, "context_parallel=8: must be a mapping"),
+    ({"context_parallel_size": 2, "ring_attn_func": "batch_stripe"}, "ring_attn_func='batch_stripe'"),
+    ({"fsdp_config": {"offload_params": True}}, "fsdp_config.offload_params=True: CPU offload"),
+    ({"fsdp": ["full_shard", "offload"]}, "fsdp=['full_shard', 'offload']: CPU offload"),
+    ({"optimizer": "adamw_bnb_8bit"}, "optimizer='adamw_bnb_8bit': nd-adapter trains with torch AdamW only"),
+    ({"bf16": True, "fp16": True}, "fp16=True: conflicts with bf16=True"),
+    ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_ratio=0.1: Axolotl takes warmup_steps or warmup_ratio"),
+    ({"evals_per_epoch": 2, "eval_steps": 10}, "evals_per_epoch=2: Axolotl takes eval_steps or evals_per_epoch"),
+])
+def test_refusals_are_one_line(keys, needle):
+    with pytest.raises(UserError) as e:
+        build(world=8, **keys)
+    assert needle in str(e.value) and "Fix:" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_fsdp_maps_onto_zero_stages():
+    cfg = build(world=2, dp_shard_size=2, fsdp_version=2, fsdp_config={
+        "reshard_after_forward": False, "offload_params": False, "state_dict_type": "FULL_STATE_DICT",
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+        "activation_checkpointing": True, "sync_module_states": True})
+    assert cfg.deepspeed.zero_stage == 2 and cfg.recompute == "full"
+    note = next(n for n in cfg.notes if n.startswith("FSDP -> DeepSpeed"))
+    assert "reshard_after_forward: false -> deepspeed.zero_stage 2" in note
+    assert any("fsdp_config.sync_module_states" in n for n in cfg.notes if n.startswith("ignored"))
+    assert build(world=2, fsdp_config={"fsdp_reshard_after_forward": True}).deepspeed.zero_stage == 3  # old prefix
+    assert build(world=2, fsdp=["shard_grad_op", "auto_wrap"]).deepspeed.zero_stage == 2
+    assert not any(n.startswith("FSDP") for n in build().notes)  # no FSDP keys: nothing said
+
+
+def test_kernel_keys_get_one_line_and_other_plugins_are_ignored():
+    cfg = build(plugins=["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin",
+                         "axolotl.integrations.liger.LigerPlugin", "axolotl.integrations.kd.KDPlugin",
+                         "axolotl.integrations.context_parallel.ContextParallelPlugin"],
+                attn_implementation="flash_attention_2", liger_rms_norm=True, flash_attention=False)
+    kernels = [n for n in cfg.notes if n.startswith("kernels:")]
+    assert len(kernels) == 1 and "nd-adapter's own are used" in kernels[0]
+    for name in ("CutCrossEntropyPlugin", "LigerPlugin", "attn_implementation: flash_attention_2", "liger_rms_norm"):
+        assert name in kernels[0], kernels
+    assert "flash_attention:" not in kernels[0]  # false selects nothing
+    ignored = [n for n in cfg.notes if n.startswith("ignored")]
+    assert len(ignored) == 1 and "KDPlugin" in ignored[0] and "ContextParallel" not in ignored[0]
+
+
+# --- Axolotl's own ND-parallel examples, unchanged ----------------------------------------------------------------
+
+@pytest.fixture()
+def hf_home(tmp_path, monkeypatch):
+    """The three examples' base models in a local HF cache: Llama-3.1-8B with a (sparse) 16 GB of weights, the
+    other two as bare configs; the run must not look anywhere else."""
+    home = tmp_path / "hf"
+    add_to_hub_cache(home, "meta-llama/Llama-3.1-8B", LLAMA8B, sparse_weights=16_060_522_496)
+    add_to_hub_cache(home, "Qwen/Qwen3-8B", ROOT / "configs/models/qwen3-8b")
+    add_to_hub_cache(home, "NousResearch/Meta-Llama-3.1-8B", LLAMA8B)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("ND_ADAPTER_CACHE", str(tmp_path / "nd-cache"))
+    return home
+
+
+EXAMPLES = {  # file: (layout dp_replicate, dp_shard, cp, tp; cp_comm_type; weights source)
+    "llama-3_1-8b-hsdp-tp.yaml": ((2, 4, 1, 2), "all_gather", "pretrained"),
+    "qwen3-8b-fsdp-tp-cp.yaml": ((1, 2, 2, 2), "all_gather", "random"),
+    "llama3-8b-ringmaster-cp.yaml": ((1, 1, 8, 1), "all_gather", "random"),
+}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_axolotl_nd_parallel_examples_pass_plan_unchanged(hf_home, name):
+    raw = yaml.safe_load((FIXTURES / name).read_text())
+    assert "/" in raw["base_model"] and not Path(raw["base_model"]).exists()  # a hub id, as written
+    code, out, err = run_cli("plan", str(FIXTURES / name), "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    layout, comm, source = EXAMPLES[name]
+    m = doc["mesh"]
+    assert (m["dp_replicate"], m["dp_shard"], m["cp"], m["tp"]) == layout
+    assert doc["deepspeed"]["config"]["zero_optimization"]["stage"] == 3 and doc["precision"] == "bf16"
+    assert doc["weights"]["source"] == source and doc["weights"]["model_dir"].startswith(str(hf_home))
+    notes = "\n".join(doc["notes"])
+    assert "reshard_after_forward: true -> deepspeed.zero_stage 3" in notes and "nd-adapter's own are used" in notes
+    if source == "pretrained":
+        assert doc["weights"]["to_convert"] and doc["weights"]["convert_bytes"] == 16_060_522_496
+        assert "converting them once" in doc["weights"]["description"]
+    if m["cp"] > 1:
+        assert any(t["group"] == "cp" for t in doc["traffic"])
+    code, table, err = run_cli("plan", str(FIXTURES / name))
+    assert code == 0 and table.count("ignored Axolotl keys") <= 1, err
+    assert "Weights " in table
+
+
+def test_example_plan_in_a_real_process_says_each_note_once(hf_home):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "300"}
+    p = subprocess.run([sys.executable, "-m", "adapter", "plan", str(FIXTURES / "llama-3_1-8b-hsdp-tp.yaml")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and not p.stderr.strip(), p.stderr
+    assert p.stdout.count("ignored Axolotl keys (not used by nd-adapter): dataset_prepared_path") == 1
+    assert p.stdout.count("kernels: nd-adapter's own are used") == 1
+    assert "16.06 GB" in p.stdout and "converting them once" in p.stdout
+
+
+def test_hub_id_not_cached_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    code, _, err = run_cli("plan", str(FIXTURES / "llama-3_1-8b-hsdp-tp.yaml"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "base_model)='meta-llama/Llama-3.1-8B': not a local directory, and not in the local Hugging Face cache" \
+        in lines[0] and "hf download meta-llama/Llama-3.1-8B" in lines[0]
+
+
+def test_init_pretrained_without_weights_is_one_line(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(LLAMA8B), "init": "pretrained"}}))
+    code, _, err = run_cli("plan", str(cfg))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "model.init='pretrained': " in lines[0] and "holds no weights" in lines[0]
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(LLAMA8B)}}))  # auto: random init, and plan says so
+    code, out, err = run_cli("plan", str(cfg), "--format", "json")
+    assert code == 0 and json.loads(out)["weights"]["description"].startswith("weights: RANDOM initialisation")
+
+
+junk = st.one_of(st.none(), st.booleans(), st.integers(-2, 9), st.floats(allow_nan=True), st.text(max_size=8),
+                 st.lists(st.sampled_from(["full_shard", "offload", "x", 1]), max_size=3),
+                 st.dictionaries(st.sampled_from(["size", "backend", "ulysses_size", "reshard_after_forward",
+                                                  "offload_params", "load_balance", 1]),
+                                 st.one_of(st.integers(-1, 9), st.text(max_size=5), st.booleans()), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.dictionaries(st.sampled_from(sorted(axolotl.KEYS | {"context_parallel_size"})), junk, max_size=4))
+def test_any_value_of_these_keys_is_a_config_or_a_one_line_error(keys):
+    try:
+        build(world=None, **keys)
+    except UserError as e:
+        assert "\n" not in str(e) and "Fix:" in str(e), str(e)

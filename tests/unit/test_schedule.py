@@ -1,0 +1,92 @@
+"""Epoch arithmetic, warm-up and eval/save cadences (adapter/train/schedule.py) against hand-computed values."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adapter import config
+from adapter.errors import UserError
+from adapter.train import schedule
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = str(ROOT / "configs/models/llama-3.2-1b")
+
+
+def cfg(world=4, source=None, **over):
+    raw = {"model": {"path": LLAMA}, "parallelism": {"dp_shard_size": world},
+           "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 3}, "checkpoint": {"dir": "ck"}}
+    for k, v in over.items():
+        config.set_dotted(raw, k, v)
+    c = config.build(raw, env={}, world_size=world)
+    return c.model_copy(update={"source": source}) if source else c
+
+
+def test_epochs_from_the_samplers_rounds():
+    # 103 samples, rounds of dp 4 × micro 2 = 8: 12 rounds (96 samples, 7 dropped); 3 rounds per step: 4 steps/epoch
+    c = cfg(**{"optimizer.num_epochs": 2.5, "optimizer.warmup_ratio": 0.1, "eval.per_epoch": 3,
+               "checkpoint.saves_per_epoch": 1})
+    s = schedule.resolve(c, 103, has_val=True)
+    assert (s.samples_per_epoch, s.steps_per_epoch, s.total_steps) == (96, 4.0, 10)  # floor(2.5 × 4)
+    assert s.warmup_steps == 1 and s.warmup_from == "warmup_ratio"  # int(0.1 × 10)
+    assert s.eval_every == 2 and s.eval_at_start and s.eval_at_end  # ceil(4 / 3)
+    assert s.save_every == 4
+    applied = schedule.apply(c, s)
+    o = applied.optimizer
+    assert (o.max_steps, o.warmup_steps, o.warmup_ratio) == (10, 1, None)
+    assert applied.checkpoint.save_every == 4 and applied.checkpoint.saves_per_epoch is None
+    lines = "\n".join(schedule.describe(c, s))
+    for needle in ("103 training samples", "96 of them in 4 steps of 24", "7 dropped", "10 optimizer steps",
+                   "num_epochs 2.5 × 4 steps per epoch", "warm-up 1 steps (warmup_ratio 0.1)", "every 2 steps",
+                   "every 4 steps and at the end"):
+        assert needle in lines, (needle, lines)
+
+
+def test_max_steps_wins_and_fractions_round_up():
+    c = cfg(**{"optimizer.num_epochs": 2, "optimizer.max_steps": 10, "eval.every": 0.25,
+               "checkpoint.save_every": 0.5})
+    s = schedule.resolve(c, 103, has_val=True)
+    assert (s.total_steps, s.length_from) == (10, "max_steps") and s.epochs == 2.5
+    assert (s.eval_every, s.save_every) == (3, 5)  # ceil(0.25 × 10), ceil(0.5 × 10)
+
+
+def test_defaults_native_and_axolotl():
+    s = schedule.resolve(cfg(), None)
+    assert (s.total_steps, s.warmup_steps, s.length_from, s.eval_every, s.save_every) == (1000, 0, "default", None, 0)
+    s = schedule.resolve(cfg(source="axolotl"), None)
+    assert s.warmup_steps == 30 and s.warmup_from == "axolotl default"  # min(int(0.03 × 1000), 100)
+    s = schedule.resolve(cfg(source="axolotl", **{"optimizer.max_steps": 5000}), None)
+    assert s.warmup_steps == 100
+    s = schedule.resolve(cfg(**{"optimizer.warmup_steps": 7, "optimizer.max_steps": 5}), None)
+    assert s.warmup_steps == 5  # never longer than the run
+
+
+def test_fewer_rounds_than_one_step_still_trains_one_step():
+    c = cfg(world=1, **{"batch.micro_batch_size": 1, "batch.gradient_accumulation_steps": 16,
+                        "optimizer.num_epochs": 1})
+    s = schedule.resolve(c, 8)
+    assert s.steps_per_epoch == 0.5 and s.total_steps == 1
+
+
+def test_eval_needs_a_held_out_set_and_cadences_need_epochs():
+    c = cfg(**{"optimizer.max_steps": 10, "eval.per_epoch": 2})
+    s = schedule.resolve(c, 103, has_val=False)
+    assert s.eval_every is None and not s.eval_at_end and not s.eval_at_start
+    assert any("no held-out set" in line for line in schedule.describe(c, s))
+    s = schedule.resolve(cfg(**{"optimizer.max_steps": 10}), 103, has_val=True)
+    assert s.eval_every is None and s.eval_at_end and not s.eval_at_start  # once, at the end
+    with pytest.raises(UserError, match="optimizer.num_epochs=2.0: epochs need a dataset"):
+        schedule.resolve(cfg(**{"optimizer.num_epochs": 2}), None)
+    with pytest.raises(UserError, match="checkpoint.saves_per_epoch=1: a per-epoch cadence needs a dataset"):
+        schedule.resolve(cfg(**{"optimizer.max_steps": 10, "checkpoint.saves_per_epoch": 1}), None)
+
+
+def test_schema_rules():
+    for over, needle in (({"optimizer.warmup_steps": 3, "optimizer.warmup_ratio": 0.1}, "not both"),
+                         ({"checkpoint.save_every": 2.0}, "whole number of steps or a fraction"),
+                         ({"eval.every": 3, "eval.per_epoch": 1}, "not both"),
+                         ({"checkpoint.save_every": 3, "checkpoint.saves_per_epoch": 1}, "not both"),
+                         ({"optimizer.num_epochs": 0}, "optimizer.num_epochs"),
+                         ({"optimizer.warmup_ratio": 1.5}, "optimizer.warmup_ratio")):
+        with pytest.raises(UserError, match=needle):
+            cfg(**over)
