@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from adapter import config
 from adapter.errors import bad
 from adapter.osutil import free_port
 from adapter.train.preflight import preflight
+from adapter.train.worker import ERROR_DIR
 
 
 def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
@@ -23,9 +26,11 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
         raise bad("--nproc", nproc, "must be at least 1", "pass the number of processes to start")
     port = str(free_port())
     procs = []
+    errors = tempfile.TemporaryDirectory(prefix="nd-adapter-errors-")
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               ERROR_DIR: errors.name}
         env.setdefault("OMP_NUM_THREADS", "1")
         if cpu:
             env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
@@ -35,11 +40,15 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
+                first = next(r for r, c in enumerate(codes) if c not in (None, 0))
                 for p in procs:
                     if p.poll() is None:
                         p.terminate()
                 for p in procs:
                     p.wait()
+                left = Path(errors.name, f"rank{first}.txt")
+                if first != 0 and left.is_file():  # rank 0 was stopped before it could say why
+                    print(left.read_text(), file=sys.stderr, flush=True)
                 return 2 if 2 in failed else failed[0]
             if all(c == 0 for c in codes):
                 return 0
@@ -48,6 +57,8 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
         for p in procs:
             p.terminate()
         raise
+    finally:
+        errors.cleanup()
 
 
 def main(args) -> int:

@@ -371,7 +371,10 @@ class Trainer:
         from adapter.train import checkpoint as ckpt
 
         layout = self.layout
-        save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if layout.dp_replicate > 1 else None
+        # exact HSDP's replicas hold the same shards under the same file names: one replica writes. hpZ's ranks
+        # each hold their own (its partition is all of dp×cp), so all of them write.
+        hsdp = layout.dp_replicate > 1 and self.cfg.deepspeed.replicate_mode == "hsdp"
+        save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if hsdp else None
         path = str(ckpt.save(self.engine.ds, self.cfg.checkpoint.dir, step, {"sampler": self.sampler.state_dict()},
                              keep_last=self.cfg.checkpoint.keep_last, save_ranks=save_ranks))
         self.clock.reset()  # the save is not training time

@@ -8,6 +8,8 @@ import warnings
 
 from adapter.errors import EXIT_USAGE, DivergedError, UserError
 
+ERROR_DIR = "ND_ADAPTER_ERROR_DIR"  # where non-zero ranks leave their one-line error for the local launcher
+
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launch/train.py", description="nd-adapter training process")
@@ -81,13 +83,22 @@ def main(argv=None) -> int:
                   f"saved at step {half} and resumed, losses {[round(x, 4) for x in a.losses + b.losses]}", flush=True)
         return 0
     except UserError as e:
-        if rank == 0:
-            print(f"nd-adapter: error: {e}", file=sys.stderr, flush=True)
+        _report(rank, f"nd-adapter: error: {e}")
         return EXIT_USAGE
     except DivergedError as e:
-        if rank == 0:
-            print(f"nd-adapter: training stopped: {e}", file=sys.stderr, flush=True)
+        _report(rank, f"nd-adapter: training stopped: {e}")
         return EXIT_USAGE
+
+
+def _report(rank: int, line: str) -> None:
+    """One line for the user. Rank 0 prints it; another rank leaves it for `nd-adapter train`'s local launcher,
+    which prints it when that rank failed first (so an error only one rank sees still reaches the user, once)."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    elif os.environ.get(ERROR_DIR):
+        from pathlib import Path
+
+        Path(os.environ[ERROR_DIR], f"rank{rank}.txt").write_text(line)
 
 
 if __name__ == "__main__":
