@@ -1,5 +1,7 @@
 """The whole nd-adapter path on CPU, as a user would type it: build a tiny Llama -> plan -> convert -> train (tp=2 ×
-ZeRO-3 dp=2, four gloo processes) -> resume -> export to HF -> load and generate with transformers.
+ZeRO-3 dp=2, four gloo processes) -> resume -> export to HF -> load and generate with transformers -> fine-tune
+that model on a chat dataset from an Axolotl-style YAML (its weights converted once into a cache; a held-out eval
+loss) -> answer a question through the exported model's chat template.
 
 Every stage that has a CLI runs it as a subprocess (`python -m adapter ...`, i.e. `nd-adapter ...`) from inside the
 output directory, so the config's relative paths are the ones a user would write and a fresh clone needs nothing but
@@ -49,10 +51,17 @@ class Settings:
     min_drop: float = 1.5   # required fall (nats) from step 1 to the mean of the last 5 steps
     new_tokens: int = 24
     verify: bool = True     # `nd-adapter convert verify` (loads both models: ~10 s of imports on 2 cores)
+    ft_epochs: int = 12     # the fine-tuning leg: epochs over adapter/demo/data/chat_genesis.jsonl
+    ft_seq_len: int = 256
+    ft_lr: float = 1e-3
 
 
 QUICK = Settings(vocab=512, hidden=64, layers=2, ffn=128, max_positions=256, seq_len=64, micro_batch=2,
-                 warmup=2, first_steps=6, total_steps=12, save_every=3, min_drop=0.3, new_tokens=8, verify=False)
+                 warmup=2, first_steps=6, total_steps=12, save_every=3, min_drop=0.3, new_tokens=8, verify=False,
+                 ft_epochs=2, ft_seq_len=256)
+FINETUNE_NAME = "finetune.yaml"
+QUESTION = "Who created the heaven and the earth?"
+EVAL_LINE = re.compile(r"^eval after step (\d+) \| eval_loss ([0-9.]+)")
 
 
 class DemoFailure(Exception):
@@ -130,6 +139,65 @@ def _env() -> dict[str, str]:
     env.setdefault("COLUMNS", str(shutil.get_terminal_size((120, 40)).columns))
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def render_finetune(s: Settings) -> str:
+    """The fine-tuning leg's config: Axolotl's own keys, as an Axolotl user writes them (nothing nd-adapter-only)."""
+    return _align(f"""\
+# nd-adapter CPU demo, fine-tuning leg: an Axolotl-style YAML, unchanged. Written by `python -m adapter.demo`.
+base_model: hf-export              # the model the pre-training leg exported (its weights are converted once)
+tensor_parallel_size: 2
+dp_shard_size: 2
+sequence_len: {s.ft_seq_len}
+micro_batch_size: 2
+gradient_accumulation_steps: 1
+num_epochs: {s.ft_epochs}
+learning_rate: {s.ft_lr}
+lr_scheduler: cosine
+warmup_ratio: 0.1
+datasets:
+  - path: data/chat_genesis.jsonl  # conversations about Genesis (adapter/demo/data)
+    type: chat_template
+chat_template: chatml
+special_tokens:
+  eos_token: "<|im_end|>"         # end of a turn: trained, and where generate stops
+train_on_inputs: false             # system and user turns are masked
+sample_packing: true
+val_set_size: 0.1
+evals_per_epoch: 2
+output_dir: finetuned
+seed: 42
+""")
+
+
+def stage_finetune(out: Path, s: Settings) -> dict:
+    """Fine-tune the exported model on the chat set through `nd-adapter train`; its held-out loss must fall, and
+    the exported model must answer through its chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adapter.demo.build import ASSETS
+
+    shutil.copyfile(ASSETS / "chat_genesis.jsonl", out / "data" / "chat_genesis.jsonl")
+    (out / FINETUNE_NAME).write_text(render_finetune(s))
+    lines = nd_adapter(["train", "--config", FINETUNE_NAME], out, out / "logs/finetune.log",
+                       lambda x: not _noise(x) and not STEP_LINE.match(x) or x.startswith("step 1/"))
+    evals = [(int(m.group(1)), float(m.group(2))) for m in map(EVAL_LINE.match, lines) if m]
+    if len(evals) < 2 or not evals[-1][1] < evals[0][1]:
+        raise DemoFailure(f"the held-out loss did not fall over the fine-tuning run: {evals}")
+    print(f"  held-out loss {evals[0][1]:.3f} before fine-tuning -> {evals[-1][1]:.3f} after {evals[-1][0]} steps")
+    model_dir = out / "finetuned"
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=48, do_sample=False, pad_token_id=tok.eos_token_id)
+    answer = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    print(f"  {QUESTION!r} -> {answer!r}")
+    if not answer:
+        raise DemoFailure("the fine-tuned model answered nothing through its chat template")
+    return {"finetune_eval_losses": evals, "answer": answer}
 
 
 def nd_adapter(args: list[str], cwd: Path, log: Path, show: Callable[[str], bool] = lambda line: True) -> list[str]:
@@ -303,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         out = Path(args.out).absolute()
         _prepare_out(out)
+        os.environ["ND_ADAPTER_CACHE"] = str(out / "cache")  # converted weights stay in the demo's directory
     except UserError as e:
         print(f"nd-adapter demo: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -317,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("4. convert HF -> Megatron (tp 2)" + (" and verify" if s.verify else ""), lambda: _convert(out, s.verify)),
         ("5. train, then resume", lambda: stage_train(out, s)),
         ("6. load the exported HF checkpoint and generate", lambda: stage_export(out, s)),
+        ("7. fine-tune it on a chat set (Axolotl YAML), then ask it a question", lambda: stage_finetune(out, s)),
     ]
     t_all = time.perf_counter()
     for title, fn in stages:
@@ -337,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n== done in {summary['total_s']:.0f} s: loss {summary['first_loss']:.2f} -> {summary['last_loss']:.2f}, "
           f"resumed at step {summary['resumed_from']}, exported to {out.name}/hf-export ==")
     print(f"  generated: {summary['generated']!r}")
+    print(f"  fine-tuned, asked {QUESTION!r}: {summary['answer']!r}")
     return 0
 
 

@@ -33,7 +33,8 @@ def tiny_arch(arch: ModelArch, tp: int, real_vocab: bool) -> ModelArch:
 def rehearsal_seq_len(cfg: RunConfig, seq_len: int | None) -> int:
     p = cfg.parallelism
     unit = math.lcm(2 * p.cp_size if p.cp_size > 1 else 1, p.cp_size * p.tp_size)
-    want = seq_len or min(cfg.seq_len, 64)
+    # SFT examples carry their prompt (Alpaca's preamble alone is ~50 tokens): room for whole examples
+    want = seq_len or min(cfg.seq_len, 512 if cfg.data.datasets else 64)
     return max(unit, want // unit * unit)
 
 

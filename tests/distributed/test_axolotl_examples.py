@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,20 @@ def hf_home(tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from adapter.demo.build import train_tokenizer
+
     root = tmp_path_factory.mktemp("hf")
     home = root / "home"
+    tok = train_tokenizer(out_dir=root / "tokenizer", vocab_size=1024)  # a real snapshot ships its tokenizer
     for repo, model in (("meta-llama/Llama-3.1-8B", "llama-3.1-8b"), ("Qwen/Qwen3-8B", "qwen3-8b"),
                         ("NousResearch/Meta-Llama-3.1-8B", "llama-3.1-8b")):
-        add_to_hub_cache(home, repo, ROOT / "configs/models" / model)
+        src = root / "src" / model
+        if not src.exists():
+            src.mkdir(parents=True)
+            shutil.copyfile(ROOT / "configs/models" / model / "config.json", src / "config.json")
+            for f in tok.iterdir():
+                shutil.copyfile(f, src / f.name)
+        add_to_hub_cache(home, repo, src)
     rows = [{"instruction": f"Name the number after {i}.", "input": "" if i % 2 else f"{i}",
              "output": f"The number after {i} is {i + 1}." * (1 + i % 5)} for i in range(96)]
     data = root / "alpaca" / "data"

@@ -57,11 +57,11 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
     losses = out[0]["losses"]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     # reference: each rank's first sample through plain transformers, example by example (attention stays inside
-    # an example either way), its token-mean loss; the step's loss is the mean over the two ranks' samples
+    # an example either way); the step's loss is Σ loss / Σ trained tokens over both ranks' samples (issue 14)
     data = prepare(_cfg(str(tmp_path)), model_dir, progress=False)
     assert data.reused and str(data.path) == out[0]["path"]
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    means = []
+    totals, counts = [], []
     with torch.no_grad():
         for r in range(2):
             (i,) = out[r]["first"]
@@ -73,7 +73,8 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
                 ce = torch.nn.functional.cross_entropy(logits, torch.as_tensor(s["labels"][a:b]), reduction="none")
                 total += float((ce * torch.as_tensor(s["loss_mask"][a:b])).sum())
                 count += int(s["loss_mask"][a:b].sum())
-            means.append(total / count)
-    ref = sum(means) / 2
+            totals.append(total)
+            counts.append(count)
+    ref = sum(totals) / sum(counts)
     assert ref > 5  # a random model on a 1024-token vocabulary: near ln(1024)
     assert abs(losses[0] - ref) <= 1e-4 * ref, (losses[0], ref, json.dumps(out[0]))
