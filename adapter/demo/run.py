@@ -51,14 +51,14 @@ class Settings:
     min_drop: float = 1.5   # required fall (nats) from step 1 to the mean of the last 5 steps
     new_tokens: int = 24
     verify: bool = True     # `nd-adapter convert verify` (loads both models: ~10 s of imports on 2 cores)
-    ft_epochs: int = 12     # the fine-tuning leg: epochs over adapter/demo/data/chat_genesis.jsonl
+    ft_epochs: int = 16     # the fine-tuning leg: epochs over adapter/demo/data/chat_genesis.jsonl (2 steps each)
     ft_seq_len: int = 256
     ft_lr: float = 1e-3
 
 
 QUICK = Settings(vocab=512, hidden=64, layers=2, ffn=128, max_positions=256, seq_len=64, micro_batch=2,
                  warmup=2, first_steps=6, total_steps=12, save_every=3, min_drop=0.3, new_tokens=8, verify=False,
-                 ft_epochs=2, ft_seq_len=256)
+                 ft_epochs=4, ft_seq_len=256, ft_lr=3e-3)
 FINETUNE_NAME = "finetune.yaml"
 QUESTION = "Who created the heaven and the earth?"
 EVAL_LINE = re.compile(r"^eval after step (\d+) \| eval_loss ([0-9.]+)")
@@ -141,11 +141,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def render_finetune(s: Settings) -> str:
-    """The fine-tuning leg's config: Axolotl's own keys, as an Axolotl user writes them (nothing nd-adapter-only)."""
+def render_finetune(s: Settings, prefix: str = "") -> str:
+    """The fine-tuning leg's config: Axolotl's own keys, as an Axolotl user writes them (nothing nd-adapter-only).
+    `prefix` as for render_config ("demo-out/" for the copy shipped in configs/)."""
+    p = prefix
+    where = ("Paths are relative to this directory." if not p else
+             "Paths are relative to the repository root, after `make demo`.")
     return _align(f"""\
 # nd-adapter CPU demo, fine-tuning leg: an Axolotl-style YAML, unchanged. Written by `python -m adapter.demo`.
-base_model: hf-export              # the model the pre-training leg exported (its weights are converted once)
+# {where}
+base_model: {p}hf-export              # the model the pre-training leg exported (its weights are converted once)
 tensor_parallel_size: 2
 dp_shard_size: 2
 sequence_len: {s.ft_seq_len}
@@ -156,7 +161,7 @@ learning_rate: {s.ft_lr}
 lr_scheduler: cosine
 warmup_ratio: 0.1
 datasets:
-  - path: data/chat_genesis.jsonl  # conversations about Genesis (adapter/demo/data)
+  - path: {p}data/chat_genesis.jsonl  # conversations about Genesis (adapter/demo/data)
     type: chat_template
 chat_template: chatml
 special_tokens:
@@ -164,8 +169,8 @@ special_tokens:
 train_on_inputs: false             # system and user turns are masked
 sample_packing: true
 val_set_size: 0.1
-evals_per_epoch: 2
-output_dir: finetuned
+evals_per_epoch: 1
+output_dir: {p}finetuned
 seed: 42
 """)
 

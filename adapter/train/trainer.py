@@ -167,9 +167,9 @@ class Trainer:
         self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
         self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                          has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
-        self.cfg = cfg = schedule.apply(cfg, self.schedule)
-        for line in schedule.describe(cfg, self.schedule):
+        for line in schedule.describe(cfg, self.schedule):  # before apply: it names the keys the numbers came from
             self._say(line)
+        self.cfg = cfg = schedule.apply(cfg, self.schedule)
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
         start = 0

@@ -22,6 +22,11 @@ SHIPPED = ROOT / "configs" / "demo-llama-tiny.yaml"
 def test_shipped_config_is_what_the_demo_writes():
     assert SHIPPED.read_text() == demo_run.render_config(demo_run.Settings(), prefix="demo-out/"), (
         "regenerate it: python -m adapter.demo --print-config > configs/demo-llama-tiny.yaml")
+    finetune = SHIPPED.with_name("demo-finetune-axolotl.yaml")
+    assert finetune.read_text() == demo_run.render_finetune(demo_run.Settings(), prefix="demo-out/"), (
+        "regenerate configs/demo-finetune-axolotl.yaml from adapter.demo.run.render_finetune")
+    ft = config.build(config.read_yaml(finetune), env={})  # Axolotl's keys only, and what the demo promises
+    assert ft.source == "axolotl" and (ft.world_size, ft.precision, ft.data.sample_packing) == (4, "fp32", True)
     cfg = config.load(SHIPPED, env={})  # schema-valid, and the layout is what the demo promises
     assert (cfg.world_size, cfg.parallelism.tp_size, cfg.parallelism.dp_shard_size, cfg.precision) == (4, 2, 2, "fp32")
     assert cfg.model.path == "demo-out/model" and cfg.checkpoint.export_hf == "demo-out/hf-export"
