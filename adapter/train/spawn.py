@@ -20,6 +20,8 @@ from adapter.osutil import free_port
 from adapter.train.preflight import preflight
 from adapter.train.worker import ERROR_DIR
 
+GRACE_S = 3.0  # how long the other ranks may take to end on their own after the first one failed
+
 
 def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
     if nproc < 1:
@@ -41,13 +43,17 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 first = next(r for r, c in enumerate(codes) if c not in (None, 0))
+                deadline = time.monotonic() + GRACE_S  # a collective stop (divergence) ends every rank by itself
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
                 for p in procs:
                     if p.poll() is None:
                         p.terminate()
                 for p in procs:
                     p.wait()
                 left = Path(errors.name, f"rank{first}.txt")
-                if first != 0 and left.is_file():  # rank 0 was stopped before it could say why
+                said = Path(errors.name, "rank0.txt").is_file()  # rank 0 prints its line and leaves this mark
+                if not said and left.is_file():  # rank 0 was stopped before it could say why
                     print(left.read_text(), file=sys.stderr, flush=True)
                 return 2 if 2 in failed else failed[0]
             if all(c == 0 for c in codes):

@@ -91,11 +91,12 @@ def main(argv=None) -> int:
 
 
 def _report(rank: int, line: str) -> None:
-    """One line for the user. Rank 0 prints it; another rank leaves it for `nd-adapter train`'s local launcher,
-    which prints it when that rank failed first (so an error only one rank sees still reaches the user, once)."""
+    """One line for the user. Rank 0 prints it; every rank also leaves it for `nd-adapter train`'s local launcher,
+    which prints the first failed rank's line only when rank 0 left none (so an error only one rank sees still
+    reaches the user, and a collective one is said once)."""
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
-    elif os.environ.get(ERROR_DIR):
+    if os.environ.get(ERROR_DIR):
         from pathlib import Path
 
         Path(os.environ[ERROR_DIR], f"rank{rank}.txt").write_text(line)
