@@ -79,34 +79,59 @@ def _ce_grad(logits, target, lse, grad_loss, vocab_start):
     return ((torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)).to(logits.dtype)
 
 
+def _row_max(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 max over this rank's real columns; −inf where it holds none (only padding), so the TP max ignores it."""
+    if logits.size(-1) == 0:
+        return torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+    return logits.amax(-1).float()
+
+
+def _partials(logits, target, row_max, start):
+    if logits.size(-1) == 0:
+        return torch.zeros(2, logits.size(0), device=logits.device)
+    return _ce_partials(logits, target, row_max, start)
+
+
 class _VocabParallelCE(torch.autograd.Function):
+    """Only this rank's first `real` columns take part (the rest is vocabulary padding: never in the softmax, zero
+    gradient), so the loss is the HF model's whatever the padding."""
+
     @staticmethod
-    def forward(ctx, logits, target, group):
+    def forward(ctx, logits, target, group, real):
         shape = target.shape
         logits2, target1 = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
         rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
         start = rank * logits2.size(-1)
-        row_max = logits2.amax(-1).float()
+        x = logits2[:, :real]
+        row_max = _row_max(x)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        partials = _ce_partials(logits2, target1, row_max, start)
+        partials = _partials(x, target1, row_max, start)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(partials, group=group)
         lse = row_max + partials[0].log()
         ctx.save_for_backward(logits2, target1, lse)
-        ctx.start, ctx.shape = start, logits.shape
+        ctx.start, ctx.shape, ctx.real = start, logits.shape, real
         return (lse - partials[1]).view(shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits2, target1, lse = ctx.saved_tensors
-        grad = _ce_grad(logits2, target1, lse, grad_loss.reshape(-1).float(), ctx.start)
-        return grad.view(ctx.shape), None, None
+        real = ctx.real
+        if real == logits2.size(-1):
+            grad = _ce_grad(logits2, target1, lse, grad_loss.reshape(-1).float(), ctx.start)
+        else:
+            grad = torch.zeros_like(logits2)
+            if real:
+                grad[:, :real] = _ce_grad(logits2[:, :real], target1, lse, grad_loss.reshape(-1).float(), ctx.start)
+        return grad.view(ctx.shape), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None) -> torch.Tensor:
-    """Per-token loss for logits split over `group` along the vocabulary (rank r holds slice r); fp32 result."""
-    return _VocabParallelCE.apply(logits, target, group)
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
+                                 real: int | None = None) -> torch.Tensor:
+    """Per-token loss for logits split over `group` along the vocabulary (rank r holds slice r); fp32 result.
+    `real`: how many of this rank's columns are real vocabulary (default all)."""
+    return _VocabParallelCE.apply(logits, target, group, logits.size(-1) if real is None else real)
 
 
 # ---- linear + cross-entropy ---------------------------------------------------------------------------------------
@@ -133,33 +158,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
     its gradient over TP, as for the output layer's own input)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, weights, group, chunk):
+    def forward(ctx, hidden, weight, target, weights, group, chunk, real):
         tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         start = (dist.get_rank(group) if tp > 1 else 0) * weight.size(0)
-        grad_h = torch.empty_like(hidden)
+        grad_h = torch.zeros_like(hidden) if real == 0 else torch.empty_like(hidden)
         grad_w = torch.zeros_like(weight)
+        w_real, g_real = weight[:real], grad_w[:real]  # the padding rows: no logits, no gradient
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for lo in range(0, hidden.size(0), chunk):
             h, y, w = hidden[lo:lo + chunk], target[lo:lo + chunk], weights[lo:lo + chunk].float()
-            logits = h @ weight.t()
-            row_max = logits.amax(-1).float()
+            logits = h @ w_real.t()
+            row_max = _row_max(logits)
             if tp > 1:
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            partials = _ce_partials(logits, y, row_max, start)  # Σ exp(x − max), the target's logit where held
+            partials = _partials(logits, y, row_max, start)  # Σ exp(x − max), the target's logit where held
             if tp > 1:
                 dist.all_reduce(partials, group=group)
             lse = row_max + partials[0].log()
             total += ((lse - partials[1]) * w).sum()
-            d = _chunk_grad(logits, y, lse, w, start)
-            grad_h[lo:lo + chunk] = d @ weight
-            grad_w.addmm_(d.t(), h)
+            if real:
+                d = _chunk_grad(logits, y, lse, w, start)
+                grad_h[lo:lo + chunk] = d @ w_real
+                g_real.addmm_(d.t(), h)
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None
+        return (grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype),
+                None, None, None, None, None)
 
 
 def _liger_linear_cross_entropy():
@@ -172,17 +200,19 @@ def _liger_linear_cross_entropy():
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor,
-                         group=None, chunk: int | None = None) -> torch.Tensor:
+                         group=None, chunk: int | None = None, real: int | None = None) -> torch.Tensor:
     """Σ over tokens of loss_mask · CE(hidden · weightᵀ, target), fp32 scalar; hidden [t, h], weight [v/tp, h] (this
-    rank's vocabulary slice), target and loss_mask [t]. loss_mask is 0/1 (untrained tokens), as the loop's data is."""
+    rank's vocabulary slice), target and loss_mask [t]. loss_mask is 0/1 (untrained tokens), as the loop's data is.
+    `real`: how many of the slice's rows are real vocabulary (the rest is padding, left out; default all)."""
     tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    real = weight.size(0) if real is None else real
     if tp == 1 and hidden.is_cuda and chunk is None:
         liger = _liger_linear_cross_entropy()
         if liger is not None:
             masked = torch.where(loss_mask > 0, target, torch.full_like(target, -100))
-            return liger(hidden, weight, masked, ignore_index=-100, reduction="sum").float()
+            return liger(hidden, weight[:real], masked, ignore_index=-100, reduction="sum").float()
     chunk = chunk or max(MIN_CHUNK, CHUNK_BYTES // (4 * weight.size(0)))
-    return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk)
+    return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk, real)
 
 
 __all__ = ["fused_rope", "install_rope_fusion", "vocab_parallel_cross_entropy", "linear_cross_entropy"]

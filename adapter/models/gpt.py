@@ -124,6 +124,26 @@ class PackedGPTModel(GPTModel):
     whole document. Megatron's own THD path finds positions from cu_seqlens in every layer with host syncs, and has
     no per-document CP split without TransformerEngine; a per-token angle table costs one gather per forward."""
 
+    def __init__(self, *args, real_vocab_size: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.real_vocab_size = real_vocab_size or self.vocab_size  # the rows past it are padding (128·tp multiple)
+
+    def local_real_vocab(self, local: int) -> int:
+        """How many of this TP rank's `local` vocabulary columns are real (the padding sits at the end); `local` is
+        the whole padded vocabulary when the logits were gathered (parallel_output=False)."""
+        if local == self.vocab_size:
+            return self.real_vocab_size
+        tp_rank = self.pg_collection.tp.rank()
+        return max(0, min(local, self.real_vocab_size - tp_rank * local))
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Megatron's cross-entropy with the padding columns at −inf: zero-initialised padding rows give logit 0, which
+        would enter every softmax (a loss and gradients unlike the HF model's). In place: nothing saved the logits."""
+        valid = self.local_real_vocab(logits.size(-1))
+        if valid < logits.size(-1):
+            logits[..., valid:] = float("-inf")
+        return super().compute_language_model_loss(labels, logits)
+
     def _preprocess(self, *args, packed_seq_params=None, **kwargs):
         if not isinstance(packed_seq_params, PackedDocs):
             return super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
@@ -144,7 +164,8 @@ class FusedLossGPTModel(PackedGPTModel):
             require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused linear cross-entropy (GPTModel._postprocess)")
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)  # logits [s, b, v]
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp,  # logits [s, b, v]
+                                            real=self.local_real_vocab(logits.size(-1)))
         return loss.transpose(0, 1).contiguous()
 
     def _postprocess(self, **kw):
@@ -160,7 +181,8 @@ class FusedLossGPTModel(PackedGPTModel):
         weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
                   else self.output_layer.weight)
         return linear_cross_entropy(h.reshape(-1, h.size(-1)), weight, labels.t().reshape(-1),
-                                    loss_mask.t().reshape(-1).float(), group if tp > 1 else None)
+                                    loss_mask.t().reshape(-1).float(), group if tp > 1 else None,
+                                    real=self.local_real_vocab(weight.size(0)))
 
 
 def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: int | None = None,
@@ -192,7 +214,7 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        **(fused or {}),
+        real_vocab_size=arch.vocab_size, **(fused or {}),
     )
 
 

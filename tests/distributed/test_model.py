@@ -370,3 +370,71 @@ def test_fused_linear_cross_entropy_matches_unfused():
         assert set(r) == {"tp1", "tp1_tied", "tp2", "tp2_sp_tied"}, r
         for key, (loss_rel, grad_diff, ndim) in r.items():
             assert ndim == 0 and loss_rel <= TOL and grad_diff <= TOL, (key, r[key])
+
+
+def _padded_vocab_worker(rank, world):
+    """The vocabulary is padded to a multiple of 128·tp (200 → 256 rows here, all padding on the last rank's tail):
+    the padding rows' logits must never enter the softmax, or the loss and every gradient differ from HF's. Masked
+    loss sum and the final norm's gradient against HF, for Megatron's cross-entropy, ours, and the fused linear CE."""
+    import torch.nn.functional as F
+
+    from adapter.models.arch import arch_from_hf_dict
+    from adapter.models.gpt import build_gpt_model
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+    mask = (torch.rand(2, SEQ, generator=g) > 0.3).float()
+    out = {}
+    for tie in (False, True):
+        hf = hf_model("llama", tie_word_embeddings=tie)
+        logits = hf(ids[:, :-1]).logits
+        ref = (F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none") * mask.flatten()).sum()
+        ref.backward()
+        ref_grad = hf.model.norm.weight.grad
+        arch = arch_from_hf_dict(hf.config.to_dict())
+        for tp in (1, 2):
+            init_megatron(tp=tp)
+            for name, build in (("megatron_ce", {}), ("fused_ce", {"fused_kernels": True}),
+                                ("linear_ce", {"fused_kernels": True, "linear_ce": True})):
+                model = build_gpt_model(arch, tp=tp, **build)
+                assert model.vocab_size == 256
+                copy_hf_to_megatron(hf, model, arch, tp, rank % tp)
+                got = model(ids[:, :-1], None, None, labels=ids[:, 1:], loss_mask=mask)
+                got = got if got.dim() == 0 else (got.float() * mask).sum()
+                got.backward()
+                grad = model.decoder.final_layernorm.weight.grad
+                out[f"tp{tp}_{name}{'_tied' if tie else ''}"] = (abs(got.item() - ref.item()) / ref.item(),
+                                                                  (grad - ref_grad).abs().max().item())
+    # a rank holding only padding (vocab 40 in 2 × 50 columns: rank 1 has none): the kernels on their own
+    from megatron.core import parallel_state
+
+    from adapter.models.fusions import linear_cross_entropy, vocab_parallel_cross_entropy
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    hidden = torch.randn(12, 8, generator=g)
+    weight = torch.randn(100, 8, generator=g)
+    target = torch.randint(0, 40, (12,), generator=g)
+    full = (hidden @ weight[:40].t()).requires_grad_()
+    ref = F.cross_entropy(full, target, reduction="none")
+    ref.sum().backward()
+    real = 40 if rank == 0 else 0
+    x = (hidden @ weight.chunk(2)[rank].t()).requires_grad_()
+    loss = vocab_parallel_cross_entropy(x, target, group, real=real)
+    loss.sum().backward()
+    cols = slice(0, 40) if rank == 0 else slice(0, 0)
+    out["only_padding_ce"] = ((loss - ref).abs().max().item(),
+                              max((x.grad[:, cols] - full.grad[:, cols]).abs().max().item() if rank == 0 else 0.0,
+                                  x.grad[:, real:].abs().max().item() if real < 50 else 0.0))
+    h = hidden.clone().requires_grad_()
+    wl = weight.chunk(2)[rank].clone().requires_grad_()
+    total = linear_cross_entropy(h, wl, target, torch.ones(12), group, chunk=5, real=real)
+    total.backward()
+    out["only_padding_linear_ce"] = (abs(total.item() - ref.sum().item()) / ref.sum().item(),
+                                     wl.grad[real:].abs().max().item())
+    return out
+
+
+def test_padded_vocab_rows_never_enter_the_loss():
+    for r in run_workers(_padded_vocab_worker, 2, timeout=300):
+        assert len(r) == 14, r
+        assert all(loss <= TOL and grad <= TOL for loss, grad in r.values()), r

@@ -1,0 +1,52 @@
+"""GPU host only (`pytest -m gpu`): the cross-entropy kernels as they run there (torch.compile'd on CUDA; Liger's
+fused linear CE at tp=1) with a padded vocabulary: the padding columns never enter the softmax. fp32, against
+F.cross_entropy over the real columns; the CPU suite checks the eager kernels (tests/distributed/test_model.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+REAL, PADDED, HIDDEN, TOKENS = 1000, 1024, 64, 300
+
+
+def _case():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, device="cuda", generator=g)
+    weight = torch.randn(PADDED, HIDDEN, device="cuda", generator=g) * 0.1
+    weight[REAL:] = 0.0  # zero padding rows, as conversion writes them: logit 0 would enter an unmasked softmax
+    target = torch.randint(0, REAL, (TOKENS,), device="cuda", generator=g)
+    return hidden, weight, target
+
+
+def test_vocab_parallel_ce_leaves_out_padding_on_cuda():
+    import torch.nn.functional as F
+
+    from adapter.models.fusions import vocab_parallel_cross_entropy
+
+    hidden, weight, target = _case()
+    logits = (hidden @ weight.t()).requires_grad_()
+    ref_logits = logits.detach()[:, :REAL].clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits, target, reduction="none")
+    ref.sum().backward()
+    got = vocab_parallel_cross_entropy(logits, target, real=REAL)
+    got.sum().backward()
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert (logits.grad[:, :REAL] - ref_logits.grad).abs().max().item() <= 1e-5
+    assert logits.grad[:, REAL:].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("chunk", [None, 128])  # None: Liger's kernel where installed; 128: ours, in chunks
+def test_linear_ce_leaves_out_padding_on_cuda(chunk):
+    import torch.nn.functional as F
+
+    from adapter.models.fusions import linear_cross_entropy
+
+    hidden, weight, target = _case()
+    mask = (torch.arange(TOKENS, device="cuda") % 3 != 0).float()
+    ref = (F.cross_entropy(hidden @ weight[:REAL].t(), target, reduction="none") * mask).sum()
+    w = weight.clone().requires_grad_()
+    got = linear_cross_entropy(hidden, w, target, mask, chunk=chunk, real=REAL)
+    got.backward()
+    assert abs(got.item() - ref.item()) / ref.item() <= 1e-5
+    assert w.grad[REAL:].abs().max().item() == 0.0
