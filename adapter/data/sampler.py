@@ -20,14 +20,15 @@ class DPSampler:
     """
 
     def __init__(self, num_samples: int, *, dp_rank: int, dp_size: int, micro_batch: int, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, data_key: str = "data.files"):
         if micro_batch < 1:
             raise bad("micro_batch_size", micro_batch, "must be at least 1", "set a positive micro-batch size")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
         if num_samples < dp_size * micro_batch:
-            raise bad("data.files", num_samples, f"only that many samples, fewer than one round of dp_size×micro_batch"
+            raise bad(data_key, num_samples, f"only that many samples, fewer than one round of dp_size×micro_batch"
                       f" = {dp_size * micro_batch}", "add data, or lower seq_len or micro_batch_size")
+        self.data_key = data_key  # the config key that names the data, for errors
         self.num_samples, self.dp_rank, self.dp_size, self.micro_batch = num_samples, dp_rank, dp_size, micro_batch
         self.seed, self.shuffle = seed, shuffle
         self.epoch = self.offset = 0
@@ -60,8 +61,8 @@ class DPSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != self.num_samples:
-            raise bad("data.files", self.num_samples, f"the checkpoint was trained on {state['num_samples']} samples,"
-                      " this data gives a different count", "resume with the same data files and seq_len, or start a"
+            raise bad(self.data_key, self.num_samples, f"the checkpoint was trained on {state['num_samples']} samples,"
+                      " this data gives a different count", "resume with the same data and seq_len, or start a"
                       " fresh run in an empty checkpoint directory")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self.seed, self.shuffle = state["seed"], state["shuffle"]  # the checkpoint's order wins, for exact resume

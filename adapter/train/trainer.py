@@ -221,7 +221,8 @@ class Trainer:
                                     builder=self.rank == 0, barrier=dist.barrier, progress=self.rank == 0)
             dataset = PackedDataset(tok, cfg.seq_len)
         sampler = DPSampler(len(dataset), dp_rank=self.layout.data_rank(self.rank), dp_size=self.layout.dp,
-                            micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed)
+                            micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed,
+                            data_key="datasets" if self.sft else "data.files")
         return dataset, sampler
 
     def _on_device(self, b):
