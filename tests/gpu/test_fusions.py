@@ -44,9 +44,13 @@ def test_linear_ce_leaves_out_padding_on_cuda(chunk):
 
     hidden, weight, target = _case()
     mask = (torch.arange(TOKENS, device="cuda") % 3 != 0).float()
-    ref = (F.cross_entropy(hidden @ weight[:REAL].t(), target, reduction="none") * mask).sum()
-    w = weight.clone().requires_grad_()
-    got = linear_cross_entropy(hidden, w, target, mask, chunk=chunk, real=REAL)
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight[:REAL].clone().requires_grad_()
+    ref = (F.cross_entropy(h_ref @ w_ref.t(), target, reduction="none") * mask).sum()
+    ref.backward()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = linear_cross_entropy(h, w, target, mask, chunk=chunk, real=REAL)
     got.backward()
     assert abs(got.item() - ref.item()) / ref.item() <= 1e-5
+    assert (h.grad - h_ref.grad).abs().max().item() <= 1e-5 * h_ref.grad.abs().max().item() + 1e-7
+    assert (w.grad[:REAL] - w_ref.grad).abs().max().item() <= 1e-5 * w_ref.grad.abs().max().item() + 1e-7
     assert w.grad[REAL:].abs().max().item() == 0.0
