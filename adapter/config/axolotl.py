@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from adapter.config import axolotl_scope
 from adapter.errors import bad
 
 # Keys that choose a peer's kernels: nd-adapter always runs its own (adapter/models: SDPA attention, fused RoPE,
@@ -19,12 +20,12 @@ KERNEL_KEYS = {"attn_implementation", "flash_attention", "sdp_attention", "xform
                "flash_attn_rms_norm", "flash_optimum", "cut_cross_entropy", "liger_rope", "liger_rms_norm",
                "liger_rms_norm_gated", "liger_layer_norm", "liger_swiglu", "liger_glu_activation",
                "liger_cross_entropy", "liger_fused_linear_cross_entropy"}
-KERNEL_PLUGINS = ("cut_cross_entropy", "liger", "integrations.kernels")
-CP_PLUGIN = "integrations.context_parallel"
 SCHEDULE_KEYS = {"bf16", "fp16", "num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",
-                 "optimizer", "output_dir", "save_steps", "save_total_limit", "max_steps", "warmup_steps"}
-PARALLEL_KEYS = {"context_parallel", "ring_attn_func", "heads_k_stride", "fsdp", "fsdp_config", "fsdp_version"}
-KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins"}
+                 "optimizer", "output_dir", "save_steps", "save_total_limit", "max_steps", "warmup_steps", "batch_size",
+                 "float32", "default_system_message"}
+PARALLEL_KEYS = {"context_parallel", "ring_attn_func", "heads_k_stride", "fsdp", "fsdp_config", "fsdp_version",
+                 "deepspeed"}
+KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins"} | axolotl_scope.KEYS
 
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 # ring-flash-attn's implementations (Axolotl's ring_attn_func) -> cp_comm_type. Any of them computes exact
@@ -194,9 +195,10 @@ def kernel_note(raw: dict[str, Any], ignored: list[str]) -> str | None:
              if k in raw and raw[k] not in (None, False)]
     plugins = raw.get("plugins") or []
     for p in plugins if isinstance(plugins, list) else [plugins]:
-        if any(tag in str(p) for tag in KERNEL_PLUGINS):
+        kind = axolotl_scope.plugin_kind(p)
+        if kind == "kernel":
             named.append(f"plugin {str(p).rsplit('.', 1)[-1]}")
-        elif CP_PLUGIN not in str(p):
+        elif kind == "harmless":
             ignored.append(f"plugins[{p}]")
     if not named:
         return None
@@ -204,11 +206,109 @@ def kernel_note(raw: dict[str, Any], ignored: list[str]) -> str | None:
             f", not the ones named by {', '.join(named)}")
 
 
+def map_batch(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """Axolotl's `batch_size`: gradient_accumulation_steps = batch_size // micro_batch_size (per process, as Axolotl
+    computes it: every data-parallel rank adds its own micro-batches on top)."""
+    bs = raw.get("batch_size")
+    if bs is None:
+        return
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise bad("batch_size", bs, "must be a positive whole number",
+                  "give e.g. 32, or use gradient_accumulation_steps")
+    if raw.get("gradient_accumulation_steps") is not None:
+        raise bad("batch_size", bs, "Axolotl takes gradient_accumulation_steps or batch_size, not both "
+                  f"(here gradient_accumulation_steps={raw['gradient_accumulation_steps']!r})", "drop one of them")
+    mbs = raw.get("micro_batch_size")
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+        raise bad("batch_size", bs, "needs a positive micro_batch_size (Axolotl sets gradient_accumulation_steps = "
+                  "batch_size // micro_batch_size)", "add micro_batch_size")
+    if bs < mbs:
+        raise bad("batch_size", bs, f"smaller than micro_batch_size={mbs}",
+                  "raise batch_size or lower micro_batch_size")
+    _set(out, "batch.gradient_accumulation_steps", bs // mbs)
+    notes.append(f"batch_size {bs}: gradient_accumulation_steps = {bs} // micro_batch_size {mbs} = {bs // mbs} "
+                 "(Axolotl's rule, per data-parallel rank)")
+
+
+def _ds_json(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    value = raw["deepspeed"]
+    if isinstance(value, dict):
+        return value, "the deepspeed block"
+    if not isinstance(value, str) or not value:
+        raise bad("deepspeed", value, "must be the path of a DeepSpeed JSON (or a mapping)",
+                  "give e.g. deepspeed_configs/zero3_bf16.json, or remove the key")
+    import json
+    from pathlib import Path
+
+    path = Path(value)
+    if not path.is_file():
+        raise bad("deepspeed", value, "no such file (read relative to the working directory, then the config file's)",
+                  "give the path of the DeepSpeed JSON (Axolotl's deepspeed_configs/zero*.json), or remove the key")
+    try:
+        doc = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise bad("deepspeed", value, "not valid JSON", "fix the file, or remove the key")
+    if not isinstance(doc, dict):
+        raise bad("deepspeed", value, "not a JSON object", "give a DeepSpeed config file")
+    return doc, path.name
+
+
+def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """Axolotl's `deepspeed:` JSON: its ZeRO stage and precision are honoured; offload (memory placement, same math)
+    is not used and said; batch and clipping numbers must agree with the YAML's; the rest is nd-adapter's own."""
+    if raw.get("deepspeed") is None:
+        return
+    if raw.get("fsdp_config") or raw.get("fsdp"):
+        raise bad("deepspeed", raw["deepspeed"], "conflicts with the FSDP keys (fsdp / fsdp_config)",
+                  "give one of deepspeed or fsdp_config")
+    doc, name = _ds_json(raw)
+    zero = doc.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise bad("deepspeed", name, "zero_optimization must be a mapping", "fix the DeepSpeed JSON")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise bad("deepspeed", name, f"zero_optimization.stage={stage!r} is not 0-3", "fix the DeepSpeed JSON")
+    mapped = 3 if stage == 3 else 2
+    _set(out, "deepspeed.zero_stage", mapped)
+    said = f"deepspeed {name}: zero_optimization.stage {stage} -> deepspeed.zero_stage {mapped}"
+    if stage < 2:
+        said += " (the same maths; stage 2 also shards the gradients)"
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if isinstance(zero.get(k), dict) and zero[k].get("device") not in (None, "none")]
+    if offload:
+        said += f"; {' and '.join(offload)} not used (memory placement only: `nd-adapter plan` says whether it fits)"
+    for section, prec in (("bf16", "bf16"), ("fp16", "fp16")):
+        block = doc.get(section)
+        if isinstance(block, dict) and block.get("enabled") is True:
+            if out.get("precision") not in (prec, None) and (raw.get("bf16") is not None or raw.get("fp16")):
+                raise bad("deepspeed", name, f"{section}.enabled true conflicts with the YAML's precision "
+                          f"({out['precision']})", f"make them agree (e.g. {section}: true in the YAML)")
+            out["precision"] = prec
+            said += f"; {section}.enabled -> precision {prec}"
+            notes[:] = [f"precision: {prec} ({name}: {section}.enabled true)" if n.startswith("precision:") else n
+                        for n in notes]
+    for key, yaml_key, default in (("train_micro_batch_size_per_gpu", "micro_batch_size", 1),
+                                   ("gradient_accumulation_steps", "gradient_accumulation_steps", 1),
+                                   ("gradient_clipping", "max_grad_norm", None)):
+        v = doc.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            mine = raw.get(yaml_key, default)
+            if mine is not None and v != mine:
+                raise bad("deepspeed", name, f"{key}={v} disagrees with {yaml_key}={mine}",
+                          f'set "{key}": "auto" in the JSON, or make them agree')
+    notes.append(said + "; its other settings are nd-adapter's own (`nd-adapter plan --format json` shows the JSON)")
+
+
 def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
     map_precision(raw, out, notes)
+    map_batch(raw, out, notes)
     map_schedule(raw, out, notes)
     map_context_parallel(raw, out, notes)
     map_fsdp(raw, out, notes, ignored)
+    map_deepspeed(raw, out, notes)
+    if raw.get("default_system_message") is not None:
+        notes.append("default_system_message has no effect, as in Axolotl (its chatml template names no default "
+                     "system message); give the system turn in the data, or a field_system column")
     note = kernel_note(raw, ignored)
     if note:
         notes.append(note)

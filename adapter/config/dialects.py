@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapter.config import axolotl
+from adapter.config import axolotl, axolotl_scope
 from adapter.config.schema import SIZE_KEYS, DatasetEntry
 from adapter.errors import bad
 
@@ -22,8 +22,7 @@ AXOLOTL_KNOWN = AXOLOTL_MARKERS | {
     "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "output_dir", "save_steps", "save_total_limit",
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
-    "deepspeed", "model_type", "tokenizer_type", "flash_attention",
-    "sdp_attention", "strict", "load_in_8bit", "load_in_4bit",
+    "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict",
 } | axolotl.KEYS
 ACCELERATE_MARKERS = {"parallelism_config", "compute_environment", "distributed_type", "num_processes", "num_machines"}
 
@@ -51,6 +50,7 @@ def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
+    axolotl_scope.check_scope(raw)  # first: a LoRA or DPO config is refused before anything else is said of it
     out: dict[str, Any] = {"source": "axolotl"}
     mapping = {
         "base_model": "model.path", "dp_shard_size": "parallelism.dp_shard_size",
@@ -137,13 +137,14 @@ AXOLOTL_DATA = {
     "val_set_size": "val_set_size", "shuffle_merged_datasets": "shuffle_merged_datasets",
     "chat_template": "chat_template", "chat_template_jinja": "chat_template_jinja",
     "special_tokens": "special_tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
+    "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)
 ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings
 
 
-def _axolotl_entry(i: int, entry: Any) -> dict[str, Any]:
-    where = f"datasets[{i}]"
+def _axolotl_entry(i: int, entry: Any, key: str = "datasets") -> dict[str, Any]:
+    where = f"{key}[{i}]"
     if not isinstance(entry, dict):
         raise bad(where, entry, "must be a mapping", "write each entry as `- path: ...` with `type: ...` below it")
     out: dict[str, Any] = {}
@@ -165,14 +166,17 @@ def _axolotl_entry(i: int, entry: Any) -> dict[str, Any]:
 
 
 def _axolotl_data(raw: dict[str, Any], out: dict[str, Any]) -> None:
+    if raw.get("test_datasets") and raw.get("val_set_size"):
+        raise bad("val_set_size", raw["val_set_size"], "Axolotl takes test_datasets or val_set_size, not both",
+                  "drop val_set_size (the test datasets are the eval set)")
     for key, target in AXOLOTL_DATA.items():
         value = raw.get(key)
         if value is None:
             continue
-        if key == "datasets":
+        if key in ("datasets", "test_datasets"):
             if not isinstance(value, list):
-                raise bad("datasets", value, "must be a list", "write `datasets:` with `- path: ...` entries below it")
-            value = [_axolotl_entry(i, e) for i, e in enumerate(value)]
+                raise bad(key, value, "must be a list", f"write `{key}:` with `- path: ...` entries below it")
+            value = [_axolotl_entry(i, e, key) for i, e in enumerate(value)]
         set_dotted(out, f"data.{target}", value)
     if raw.get("seed") is not None:
         set_dotted(out, "data.seed", raw["seed"])  # Axolotl's seed also shuffles and splits the data

@@ -155,9 +155,13 @@ def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunCon
     def fix_jinja(t: str | None) -> str | None:  # a template string stays as it is; a file name is resolved
         return t if t is None or "{" in t else fix(t)
 
-    entries = [e.model_copy(update={"path": fix(e.path), "chat_template_jinja": fix_jinja(e.chat_template_jinja)})
-               for e in cfg.data.datasets]
-    data = cfg.data.model_copy(update={"files": [fix(f) for f in cfg.data.files], "datasets": entries,
+    def entries(es):
+        return [e.model_copy(update={"path": fix(e.path), "chat_template_jinja": fix_jinja(e.chat_template_jinja)})
+                for e in es]
+
+    data = cfg.data.model_copy(update={"files": [fix(f) for f in cfg.data.files],
+                                       "datasets": entries(cfg.data.datasets),
+                                       "test_datasets": entries(cfg.data.test_datasets),
                                        "chat_template_jinja": fix_jinja(cfg.data.chat_template_jinja)})
     return cfg.model_copy(update={"model": model, "data": data})
 
@@ -176,5 +180,17 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _files_beside(raw: Any, path: str | Path) -> Any:
+    """Axolotl's `deepspeed: some.json`, read before the config is built: relative to the working directory (as
+    Axolotl reads it), else to the config file's directory."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("deepspeed"), str) or detect_dialect(raw) != "axolotl":
+        return raw
+    ds = Path(raw["deepspeed"])
+    beside = Path(path).resolve().parent / ds
+    if not ds.is_absolute() and not ds.is_file() and beside.is_file():
+        return {**raw, "deepspeed": str(beside)}
+    return raw
+
+
 def load(path: str | Path, **kw: Any) -> RunConfig:
-    return with_grad_accum(resolve_model_path(build(read_yaml(path), **kw), path))
+    return with_grad_accum(resolve_model_path(build(_files_beside(read_yaml(path), path), **kw), path))

@@ -159,11 +159,22 @@ class DataSection(_Strict):
     chat_template_jinja: str | None = None
     special_tokens: SpecialTokens = SpecialTokens()
     num_proc: StrictInt | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
+    test_datasets: list[DatasetEntry] = Field(
+        default_factory=list, description="evaluated instead of a held-out part of datasets (Axolotl's test_datasets)")
+    min_sample_len: StrictInt | None = Field(
+        None, ge=1, description="examples with fewer tokens are dropped, counted (Axolotl's min_sample_len)")
+    deduplicate: bool = Field(False, description="identical examples kept once, train and test each on its own "
+                                                 "(Axolotl's dataset_exact_deduplication)")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSection:
         if self.datasets and (self.files or self.synthetic):
             raise ValueError("data.datasets (SFT) cannot be combined with data.files or data.synthetic: give one")
+        if self.test_datasets and not self.datasets:
+            raise ValueError("data.test_datasets needs data.datasets to train on: list the training data too")
+        if self.test_datasets and self.val_set_size:
+            raise ValueError("data.test_datasets and data.val_set_size both choose the eval set: give one "
+                             "(Axolotl refuses both too)")
         return self
 
 
@@ -192,8 +203,8 @@ class CheckpointSection(_Strict):
 
 
 class EvalSection(_Strict):
-    """Loss over the whole held-out set (data side: `val_set_size`), same masking and normalisation as training.
-    Neither key: one evaluation at the end when there is a held-out set."""
+    """Loss over the whole eval set (data side: `val_set_size` or `test_datasets`), same masking and normalisation as
+    training. Neither key: one evaluation at the end when there is an eval set."""
     every: StrictInt | float | None = Field(None, gt=0, description="steps between evaluations, or a fraction")
     per_epoch: StrictInt | None = Field(None, ge=1, description="evaluations per epoch")
 

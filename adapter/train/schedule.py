@@ -119,12 +119,12 @@ def describe(cfg: RunConfig, s: Schedule) -> list[str]:
     lines.append(f"schedule: {s.total_steps:,} optimizer steps ({length}); warm-up {s.warmup_steps:,} steps "
                  f"({warm}), then {cfg.optimizer.schedule}")
     if s.eval_every is not None:
-        lines.append(f"eval: loss over the whole held-out set before the first step, every {s.eval_every:,} steps "
+        lines.append(f"eval: loss over the whole eval set before the first step, every {s.eval_every:,} steps "
                      "and at the end")
     elif s.eval_at_end:
-        lines.append("eval: loss over the whole held-out set at the end (eval.every / eval.per_epoch add more)")
+        lines.append("eval: loss over the whole eval set at the end (eval.every / eval.per_epoch add more)")
     elif cfg.eval.every is not None or cfg.eval.per_epoch is not None:
-        lines.append("eval: none: an eval cadence is set but there is no held-out set (val_set_size)")
+        lines.append("eval: none: an eval cadence is set but there is no eval set (val_set_size or test_datasets)")
     if cfg.checkpoint.dir:
         cadence = f"every {s.save_every:,} steps and at the end" if s.save_every else "at the end"
         lines.append(f"checkpoints: {cfg.checkpoint.dir}, {cadence}, keeping the last {cfg.checkpoint.keep_last}")

@@ -364,7 +364,7 @@ class Trainer:
             self._say(f"eval after step {step}: the held-out set has no trained tokens")
             return
         self.result.eval_losses.append((step, loss))
-        self._say(f"eval after step {step} | eval_loss {loss:.4f} | {len(self.val_dataset)} held-out samples, "
+        self._say(f"eval after step {step} | eval_loss {loss:.4f} | {len(self.val_dataset)} eval samples, "
                   f"{count:,} trained tokens")
         self.sink.log(step, {"eval_loss": loss})
 

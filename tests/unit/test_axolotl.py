@@ -109,9 +109,9 @@ def test_fsdp_maps_onto_zero_stages():
     assert not any(n.startswith("FSDP") for n in build().notes)  # no FSDP keys: nothing said
 
 
-def test_kernel_keys_get_one_line_and_other_plugins_are_ignored():
+def test_kernel_keys_get_one_line_and_other_plugins_are_ignored_or_refused():
     cfg = build(plugins=["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin",
-                         "axolotl.integrations.liger.LigerPlugin", "axolotl.integrations.kd.KDPlugin",
+                         "axolotl.integrations.liger.LigerPlugin", "axolotl.integrations.lm_eval.LMEvalPlugin",
                          "axolotl.integrations.context_parallel.ContextParallelPlugin"],
                 attn_implementation="flash_attention_2", liger_rms_norm=True, flash_attention=False)
     kernels = [n for n in cfg.notes if n.startswith("kernels:")]
@@ -120,7 +120,81 @@ def test_kernel_keys_get_one_line_and_other_plugins_are_ignored():
         assert name in kernels[0], kernels
     assert "flash_attention:" not in kernels[0]  # false selects nothing
     ignored = [n for n in cfg.notes if n.startswith("ignored")]
-    assert len(ignored) == 1 and "KDPlugin" in ignored[0] and "ContextParallel" not in ignored[0]
+    assert len(ignored) == 1 and "LMEvalPlugin" in ignored[0] and "ContextParallel" not in ignored[0]
+    for plugin in ("axolotl.integrations.kd.KDPlugin", "axolotl.integrations.spectrum.SpectrumPlugin",
+                   "my_company.plugins.Custom"):  # distillation, freezing, unknown: they may change what is trained
+        with pytest.raises(UserError, match="may change what is trained"):
+            build(plugins=[plugin])
+
+
+# --- keys that change what is trained: honoured, or refused in one line (never dropped) -------------------------
+
+@pytest.mark.parametrize("keys, needle", [
+    ({"adapter": "lora", "lora_r": 16, "lora_alpha": 32}, "adapter='lora': LoRA/QLoRA adapters are not supported"),
+    ({"adapter": "qlora", "load_in_4bit": True}, "adapter='qlora'"),
+    ({"load_in_8bit": True}, "load_in_8bit=True: 8-bit quantised"),
+    ({"rl": "dpo"}, "rl='dpo': preference / RL training"),
+    ({"unfrozen_parameters": ["^lm_head.weight$"]}, "unfrozen_parameters"),
+    ({"neftune_noise_alpha": 5}, "neftune_noise_alpha=5: NEFTune"),
+    ({"tokens": ["<|new|>"]}, "tokens=['<|new|>']: adding tokens needs new embedding rows"),
+    ({"pretraining_dataset": [{"path": "c4"}]}, "pretraining_dataset"),
+    ({"embedding_lr_scale": 0.5}, "embedding_lr_scale=0.5"),
+    ({"early_stopping_patience": 3}, "early_stopping_patience=3"),
+    ({"resume_from_checkpoint": "out/checkpoint-100"}, "resume_from_checkpoint"),
+    ({"auto_resume_from_checkpoints": False}, "auto_resume_from_checkpoints=False"),
+    ({"tokenizer_config": "other/tokenizer"}, "tokenizer_config='other/tokenizer'"),
+    ({"batch_size": 16, "gradient_accumulation_steps": 2}, "batch_size=16: Axolotl takes"),
+    ({"batch_size": 1, "micro_batch_size": 2}, "batch_size=1: smaller than micro_batch_size=2"),
+    ({"deepspeed": "no/such/zero3.json"}, "deepspeed='no/such/zero3.json': no such file"),
+    ({"test_datasets": [{"path": "t.jsonl", "type": "completion"}], "val_set_size": 0.1,
+      "datasets": [{"path": "d.jsonl", "type": "completion"}]}, "val_set_size=0.1: Axolotl takes test_datasets"),
+])
+def test_keys_that_change_what_is_trained_are_refused_in_one_line(keys, needle):
+    with pytest.raises(UserError) as e:
+        build(**keys)
+    assert needle in str(e.value) and "Fix:" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_off_values_and_keys_without_effect_pass():
+    cfg = build(adapter=None, lora_r=16, load_in_4bit=False, rl=None, neftune_noise_alpha=0, tokens=[],
+                auto_resume_from_checkpoints=True, model_revision="main", tokenizer_config=str(LLAMA8B))
+    ignored = next(n for n in cfg.notes if n.startswith("ignored"))
+    assert "lora_r" in ignored  # Axolotl ignores lora_* without an adapter too
+    cfg = build(default_system_message="You are terse.", chat_template="chatml")
+    assert any(n.startswith("default_system_message has no effect") for n in cfg.notes)
+
+
+def test_batch_size_sets_gradient_accumulation_as_axolotl_does():
+    cfg = build(batch_size=32, micro_batch_size=4)
+    assert cfg.batch.gradient_accumulation_steps == 8
+    assert any("gradient_accumulation_steps = 32 // micro_batch_size 4 = 8" in n for n in cfg.notes)
+
+
+def test_deepspeed_json_stage_precision_and_offload(tmp_path):
+    z3 = tmp_path / "zero3_bf16.json"
+    z3.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True}, "bf16": {"enabled": True},
+                              "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}))
+    cfg = build(world=2, dp_shard_size=2, deepspeed=str(z3))
+    assert cfg.deepspeed.zero_stage == 3 and cfg.precision == "bf16"
+    assert any(n == "precision: bf16 (zero3_bf16.json: bf16.enabled true)" for n in cfg.notes), cfg.notes
+    z2 = tmp_path / "zero2.json"
+    z2.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    cfg = build(world=2, dp_shard_size=2, deepspeed=str(z2), bf16=True)
+    note = next(n for n in cfg.notes if n.startswith("deepspeed zero2.json"))
+    assert cfg.deepspeed.zero_stage == 2 and "offload_optimizer not used" in note
+    z1 = tmp_path / "zero1.json"
+    z1.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4}))
+    assert build(world=2, deepspeed=str(z1), gradient_accumulation_steps=4).deepspeed.zero_stage == 2
+    with pytest.raises(UserError, match="gradient_accumulation_steps=4 disagrees"):
+        build(world=2, deepspeed=str(z1), gradient_accumulation_steps=2)
+    with pytest.raises(UserError, match="bf16.enabled true conflicts"):
+        build(world=2, deepspeed=str(z3), bf16=False)
+    with pytest.raises(UserError, match="conflicts with the FSDP keys"):
+        build(world=2, deepspeed=str(z3), fsdp_config={"reshard_after_forward": True})
+    # read beside the config file when the working directory has no such file
+    yml = tmp_path / "run.yaml"
+    yml.write_text(yaml.safe_dump({**BASE, "deepspeed": "zero3_bf16.json", "dp_shard_size": 2}))
+    assert config.load(yml, env={}, world_size=2).deepspeed.zero_stage == 3
 
 
 # --- Axolotl's own ND-parallel examples, unchanged ----------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_eval_needs_a_held_out_set_and_cadences_need_epochs():
     c = cfg(**{"optimizer.max_steps": 10, "eval.per_epoch": 2})
     s = schedule.resolve(c, 103, has_val=False)
     assert s.eval_every is None and not s.eval_at_end and not s.eval_at_start
-    assert any("no held-out set" in line for line in schedule.describe(c, s))
+    assert any("no eval set" in line for line in schedule.describe(c, s))
     s = schedule.resolve(cfg(**{"optimizer.max_steps": 10}), 103, has_val=True)
     assert s.eval_every is None and s.eval_at_end and not s.eval_at_start  # once, at the end
     with pytest.raises(UserError, match="optimizer.num_epochs=2.0: epochs need a dataset"):

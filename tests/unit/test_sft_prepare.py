@@ -31,8 +31,8 @@ def test_two_datasets_packed_with_stats_and_template(model, tmp_path):
     chat, alp = data.stats["datasets"]
     assert (chat["rows"], chat["kept"], alp["rows"], alp["kept"]) == (52, 52, 12, 12)
     assert data.stats["total"] == {"rows": 64, "examples": 64, "dropped_too_long": 0, "truncated": 0,
-                                   "no_trained_token": 0, "kept": 64, "trained_tokens": data.stats["train"][
-                                       "trained_tokens"]}
+                                   "too_short": 0, "no_trained_token": 0, "kept": 64, "duplicates": 0,
+                                   "trained_tokens": data.stats["train"]["trained_tokens"]}
     t = data.stats["train"]
     assert t["examples"] == 64 and t["bins"] == len(data.train) < 64 and data.val is None
     assert t["packing_efficiency"] == round(t["tokens"] / (t["bins"] * 256), 4) > 0.8
@@ -92,6 +92,37 @@ def test_val_split_is_deterministic_disjoint_and_counted(model, tmp_path):
     assert len(val) == 3 and len(train) == 9 and not set(train) & set(val)
     assert split(1, 3) == (train, val) and split(2, 3)[1] != val
     assert len(split(1, 0.25)[1]) == 3  # ceil(0.25 * 12)
+
+
+def test_test_datasets_deduplication_and_min_sample_len(model, tmp_path):
+    """Axolotl's test_datasets are the eval set (nothing held out of datasets); dataset_exact_deduplication keeps
+    one of identical examples, train and test each on its own; min_sample_len drops shorter examples, counted."""
+    hi = {"instruction": "Say hi.", "output": "Hi."}
+    src = write_jsonl(tmp_path / "a.jsonl", [hi] * 3 + [{"instruction": "Name the first day.",
+                                                         "output": "The day God made the light."},
+                                                        {"instruction": "Who?", "output": "God."}])
+    test = write_jsonl(tmp_path / "t.jsonl", [hi, hi, {"instruction": "What came first?", "output": "Light."}])
+    entries = [{"path": str(src), "type": "alpaca"}]
+    tests = [{"path": str(test), "type": "alpaca"}]
+    plain = prepare(axolotl_cfg(model, entries, tmp_path, test_datasets=tests), model, progress=False)
+    assert (plain.stats["train"]["examples"], plain.stats["val"]["examples"]) == (5, 3)  # all of datasets trains
+    assert any("eval set: 3 examples from test_datasets" in n for n in plain.notes)
+    assert [d["dataset"] for d in plain.stats["datasets"]] == ["datasets[0]", "test_datasets[0]"]
+    dedup = prepare(axolotl_cfg(model, entries, tmp_path, test_datasets=tests, dataset_exact_deduplication=True),
+                    model, progress=False)
+    assert (dedup.stats["train"]["examples"], dedup.stats["val"]["examples"]) == (3, 2)
+    assert dedup.stats["total"]["duplicates"] == 3 and dedup.path != plain.path
+    assert any("dataset_exact_deduplication: 2 duplicate training examples dropped, 1 in the test datasets" in n
+               for n in dedup.notes)
+    lengths = sorted(int(b - a) for i in range(len(plain.train)) for a, b in zip(plain.train.examples(i)[:-1],
+                                                                                plain.train.examples(i)[1:]))
+    shortest = lengths.count(lengths[0])
+    short = prepare(axolotl_cfg(model, entries, tmp_path, test_datasets=tests, min_sample_len=lengths[0] + 1),
+                    model, progress=False)
+    assert short.stats["train"]["examples"] == 5 - shortest and short.stats["datasets"][0]["too_short"] == shortest
+    assert any(f"{shortest} examples shorter than min_sample_len={lengths[0] + 1} dropped" in n for n in short.notes)
+    with pytest.raises(UserError, match=r"^test_datasets\[0\]\.typo="):
+        axolotl_cfg(model, entries, tmp_path, test_datasets=[{"path": str(test), "type": "alpaca", "typo": 1}])
 
 
 def test_over_long_dropped_or_truncated_and_untrained_skipped(model, tmp_path):

@@ -33,7 +33,8 @@ from adapter.osutil import atomic_write_text
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
 TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
 RESULT_KEYS = ("train_on_inputs", "sample_packing", "eval_sample_packing", "excess_length_strategy", "val_set_size",
-               "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed")
+               "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed",
+               "min_sample_len", "deduplicate")
 PARALLEL_ROWS = 20_000  # below this, one process tokenises faster than starting workers
 
 
@@ -59,19 +60,23 @@ def top_prefix(cfg) -> str:
     return "" if cfg.source == "axolotl" else "data."
 
 
-def resolve_all(cfg) -> list[tuple[Any, str, str, sources.Source]]:
-    """(entry, where, kind, source) per dataset: types, keys and paths checked, nothing loaded (cheap, every rank)."""
-    where, _ = names(cfg)
+def resolve_all(cfg, test: bool = False) -> list[tuple[Any, str, str, sources.Source]]:
+    """(entry, where, kind, source) per dataset (of test_datasets with `test`): types, keys and paths checked,
+    nothing loaded (cheap, every rank)."""
+    where, key = names(cfg)
+    entries = cfg.data.test_datasets if test else cfg.data.datasets
     out = []
-    for i, entry in enumerate(cfg.data.datasets):
-        kind = formats.kind_of(entry, where(i))
-        out.append((entry, where(i), kind, sources.resolve(entry, where(i))))
+    for i, entry in enumerate(entries):
+        at = f"{key('test_datasets')}[{i}]" if test else where(i)
+        kind = formats.kind_of(entry, at)
+        out.append((entry, at, kind, sources.resolve(entry, at)))
     return out
 
 
 def check(cfg) -> None:
     """Preflight: every entry's type, keys and source, before any process starts."""
     resolve_all(cfg)
+    resolve_all(cfg, test=True)
     val_fraction(cfg, None)
 
 
@@ -80,7 +85,7 @@ def prepared_root(cfg) -> Path:
     return Path(d.prepared_path or d.cache_dir or Path(cfg.checkpoint.dir or ".") / "token-cache")
 
 
-def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int) -> str:
+def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int, test=()) -> str:
     tok_files = [tokenizer_dir / n for n in TOKENIZER_KEY_FILES if (tokenizer_dir / n).is_file()]
     if not tok_files:
         raise bad("model.path", str(tokenizer_dir), "no tokenizer files there (tokenizer.json, tokenizer.model, ...)",
@@ -88,11 +93,12 @@ def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int) -> str:
     d = cfg.data
     knobs = {k: getattr(d, k) for k in RESULT_KEYS}
     knobs["special_tokens"] = d.special_tokens.model_dump()
-    for jinja in [d.chat_template_jinja] + [e.chat_template_jinja for e, *_ in resolved]:
+    for jinja in [d.chat_template_jinja] + [e.chat_template_jinja for e, *_ in [*resolved, *test]]:
         if jinja and "{" not in jinja and Path(jinja).is_file():  # a template file: its contents count
             knobs.setdefault("jinja_files", []).append(hashlib.sha256(Path(jinja).read_bytes()).hexdigest())
     doc = {"v": CACHE_VERSION, "seq_len": cfg.seq_len, "vocab": vocab_size, "knobs": knobs,
-           "entries": [[e.model_dump(), src.identity()] for e, _, _, src in resolved]}
+           "entries": [[e.model_dump(), src.identity()] for e, _, _, src in resolved],
+           "test": [[e.model_dump(), src.identity()] for e, _, _, src in test]}
     h = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode())
     for f in tok_files:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -208,8 +214,11 @@ def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict)
         i = int(np.flatnonzero(over)[0])
         raise bad(key("excess_length_strategy"), "raise", f"{where} example {i} has {int(lengths[i])} tokens, more "
                   f"than sequence_len={s}", "raise sequence_len, or set excess_length_strategy: drop or truncate")
-    keep = np.flatnonzero(~over & (lengths > 0)) if strategy == "drop" else np.flatnonzero(lengths > 0)
+    short = lengths < (cfg.data.min_sample_len or 1)  # Axolotl keeps min_sample_len <= length
+    keep = np.flatnonzero(~over & ~short) if strategy == "drop" else np.flatnonzero(~short)
     stats["dropped_too_long" if strategy == "drop" else "truncated"] = int(over.sum())
+    if cfg.data.min_sample_len:
+        stats["too_short"] = int((short & (lengths > 0)).sum())
     idx, offsets = ragged_take(offsets, keep, np.minimum(lengths[keep], s))
     ids, labels = ids[idx], labels[idx]
     tgt = targets(labels, offsets)
@@ -223,22 +232,95 @@ def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict)
 
 # --- build ---------------------------------------------------------------------------------------------------------
 
-def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:
+def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool, test=()) -> dict:
     import datasets
 
     was_on = datasets.is_progress_bar_enabled()
     (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
     try:
-        return _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out, progress)
+        return _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out, progress, test)
     finally:
         (datasets.enable_progress_bars if was_on else datasets.disable_progress_bars)()
 
 
-def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: bool) -> dict:
+def _dedupe(ids, tgt, offsets) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Identical examples (tokens and trained targets) kept once, the first; Axolotl hashes the raw rows instead,
+    which differs only for rows that differ in columns the format does not read."""
+    seen, keep = set(), []
+    for i in range(len(offsets) - 1):
+        a, b = offsets[i], offsets[i + 1]
+        h = hashlib.blake2b(ids[a:b].tobytes() + b"\0" + tgt[a:b].tobytes(), digest_size=16).digest()
+        if h not in seen:
+            seen.add(h)
+            keep.append(i)
+    idx, off = ragged_take(offsets, np.asarray(keep, dtype=np.int64))
+    return ids[idx], tgt[idx], off, len(offsets) - 1 - len(keep)
+
+
+def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: bool, test=()) -> dict:
     tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
     work = out / "work"
+    ids, tgt, offsets, per_dataset, used_templates, eos_missing = _examples(cfg, tok, resolved, work, vocab_size,
+                                                                             progress, first=0)
+    n = len(offsets) - 1
+    if n == 0:
+        dropped = sum(s.get("dropped_too_long", 0) for s in per_dataset)
+        none = sum(s["no_trained_token"] for s in per_dataset)
+        raise bad("datasets", [s["path"] for s in per_dataset], f"no example left after filtering ({dropped} longer "
+                  f"than sequence_len={cfg.seq_len} dropped, {none} without a trained token)",
+                  "raise sequence_len or set excess_length_strategy: truncate, and check roles_to_train / "
+                  "train_on_inputs and the data's fields")
+    d = cfg.data
+    duplicates = {}
+    if d.deduplicate:  # before the split, as Axolotl does it
+        ids, tgt, offsets, duplicates["train"] = _dedupe(ids, tgt, offsets)
+        n = len(offsets) - 1
+    test_parts = None
+    if test:
+        t_ids, t_tgt, t_off, t_stats, _, _ = _examples(cfg, tok, test, work, vocab_size, progress, first=len(resolved))
+        if len(t_off) == 1:
+            _, key = names(cfg)
+            raise bad(key("test_datasets"), [st["path"] for st in t_stats], "no example left after filtering",
+                      "check the test data's fields, sequence_len and roles_to_train")
+        if d.deduplicate:
+            t_ids, t_tgt, t_off, duplicates["test"] = _dedupe(t_ids, t_tgt, t_off)
+        per_dataset += t_stats
+        test_parts = (t_ids, t_tgt, t_off)
+    shutil.rmtree(work, ignore_errors=True)
+    order = (np.random.default_rng(d.seed).permutation(n) if d.shuffle_merged_datasets else np.arange(n))
+    n_val = val_fraction(cfg, n)
+    split = {"train": order[:n - n_val], "val": order[n - n_val:]}
+    total = {k: sum(st.get(k, 0) for st in per_dataset) for k in
+             ("rows", "examples", "dropped_too_long", "truncated", "too_short", "no_trained_token", "kept",
+              "trained_tokens")}
+    total["duplicates"] = sum(duplicates.values())
+    result = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "datasets": per_dataset, "total": total,
+              "pad_id": pad_id(tok), "eos_token": tok.eos_token, "eos_missing": eos_missing,
+              "duplicates": duplicates, "val_source": "test_datasets" if test else "val_set_size"}
+    eval_pack = d.sample_packing if d.eval_sample_packing is None else d.eval_sample_packing
+    for name, pick in split.items():
+        if name == "val" and not len(pick):
+            continue
+        idx, off = ragged_take(offsets, pick)
+        result[name] = write_split(out / name, ids[idx], tgt[idx], off, cfg.seq_len,
+                                   d.sample_packing if name == "train" else eval_pack)
+    if test_parts is not None:
+        result["val"] = write_split(out / "val", *test_parts, cfg.seq_len, eval_pack)
+    chosen = None
+    if used_templates:
+        chosen = used_templates[0]
+        if d.chat_template is not None or d.chat_template_jinja is not None:  # the top-level one is the model's
+            chosen = templates.resolve_template(d.chat_template, d.chat_template_jinja, tok, top_prefix(cfg))
+    result["chat_template"] = chosen
+    result["chat_templates_used"] = len(set(used_templates))
+    return result
+
+
+def _examples(cfg, tok, resolved, work: Path, vocab_size: int, progress: bool, first: int):
+    """Every entry tokenised, masked and filtered, concatenated: ids, targets, offsets, per-entry stats, the chat
+    templates used and how many conversations lack an EOS after a trained turn."""
     parts, per_dataset, used_templates, eos_missing = [], [], [], 0
-    for n, (entry, where, kind, src) in enumerate(resolved):
+    for n, (entry, where, kind, src) in enumerate(resolved, start=first):
         ids, labels, offsets, missing, rows, template = _entry_examples(cfg, tok, entry, where, kind, src, work, n,
                                                                          progress)
         st = {"dataset": where, "path": src.location, "type": kind, "rows": rows, "examples": len(offsets) - 1}
@@ -251,42 +333,11 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
             used_templates.append(template)
         if progress:
             print(f"{where}: {rows} rows -> {st['kept']} examples kept of {st['examples']}", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
     ids = np.concatenate([p[0] for p in parts])
     tgt = np.concatenate([p[1] for p in parts])
     base = np.cumsum([0] + [len(p[0]) for p in parts])
     offsets = np.concatenate([[0]] + [p[2][1:] + b for p, b in zip(parts, base)]).astype(np.int64)
-    n = len(offsets) - 1
-    if n == 0:
-        dropped = sum(s.get("dropped_too_long", 0) for s in per_dataset)
-        none = sum(s["no_trained_token"] for s in per_dataset)
-        raise bad("datasets", [s["path"] for s in per_dataset], f"no example left after filtering ({dropped} longer "
-                  f"than sequence_len={cfg.seq_len} dropped, {none} without a trained token)",
-                  "raise sequence_len or set excess_length_strategy: truncate, and check roles_to_train / "
-                  "train_on_inputs and the data's fields")
-    d = cfg.data
-    order = (np.random.default_rng(d.seed).permutation(n) if d.shuffle_merged_datasets else np.arange(n))
-    n_val = val_fraction(cfg, n)
-    split = {"train": order[:n - n_val], "val": order[n - n_val:]}
-    total = {k: sum(st.get(k, 0) for st in per_dataset) for k in
-             ("rows", "examples", "dropped_too_long", "truncated", "no_trained_token", "kept", "trained_tokens")}
-    result = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "datasets": per_dataset, "total": total,
-              "pad_id": pad_id(tok), "eos_token": tok.eos_token, "eos_missing": eos_missing}
-    eval_pack = d.sample_packing if d.eval_sample_packing is None else d.eval_sample_packing
-    for name, pick in split.items():
-        if name == "val" and not len(pick):
-            continue
-        idx, off = ragged_take(offsets, pick)
-        result[name] = write_split(out / name, ids[idx], tgt[idx], off, cfg.seq_len,
-                                   d.sample_packing if name == "train" else eval_pack)
-    chosen = None
-    if used_templates:
-        chosen = used_templates[0]
-        if d.chat_template is not None or d.chat_template_jinja is not None:  # the top-level one is the model's
-            chosen = templates.resolve_template(d.chat_template, d.chat_template_jinja, tok, top_prefix(cfg))
-    result["chat_template"] = chosen
-    result["chat_templates_used"] = len(set(used_templates))
-    return result
+    return ids, tgt, offsets, per_dataset, used_templates, eos_missing
 
 
 def pad_id(tok) -> int:
@@ -322,7 +373,17 @@ def notes_for(cfg, result: dict) -> list[str]:
     if d.pad_to_sequence_len is False:
         out.append(f"every sample is padded to sequence_len={cfg.seq_len} (fixed shapes): pad_to_sequence_len: "
                    "false is not applied")
-    if result.get("val"):
+    short = sum(s.get("too_short", 0) for s in result["datasets"])
+    if short:
+        out.append(f"{short} examples shorter than {key('min_sample_len')}={d.min_sample_len} dropped")
+    dup = result.get("duplicates") or {}
+    if dup:
+        name = "dataset_exact_deduplication" if cfg.source == "axolotl" else "data.deduplicate"
+        out.append(f"{name}: {dup.get('train', 0)} duplicate training examples dropped"
+                   + (f", {dup['test']} in the test datasets" if "test" in dup else ""))
+    if result.get("val") and result.get("val_source") == "test_datasets":
+        out.append(f"eval set: {result['val']['examples']} examples from {key('test_datasets')}")
+    elif result.get("val"):
         how = f"shuffled with seed {d.seed}" if d.shuffle_merged_datasets else "unshuffled"
         out.append(f"{key('val_set_size')}={d.val_set_size:g}: {result['val']['examples']} examples held out "
                    f"(the tail of the merged data, {how})")
@@ -358,10 +419,10 @@ def prepare(cfg, tokenizer_dir, *, builder: bool = True, barrier: Callable[[], N
         raise bad("data.datasets", [], "no SFT datasets given", "list them under datasets:")
     tokenizer_dir = Path(tokenizer_dir)
     vocab_size = load_arch(cfg.model.path).vocab_size
-    resolved = resolve_all(cfg)
+    resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     val_fraction(cfg, None)
     root = prepared_root(cfg)
-    key = cache_key(cfg, resolved, tokenizer_dir, vocab_size)
+    key = cache_key(cfg, resolved, tokenizer_dir, vocab_size, test)
     final, failed = root / f"sft-{key}", root / f"sft-{key}.error"
     error: Exception | None = None
     reused = (final / "manifest.json").is_file()
@@ -370,7 +431,7 @@ def prepare(cfg, tokenizer_dir, *, builder: bool = True, barrier: Callable[[], N
         failed.unlink(missing_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".sft-{key}.tmp-", dir=root))
         try:
-            manifest = _build(cfg, resolved, tokenizer_dir, vocab_size, tmp, progress)
+            manifest = _build(cfg, resolved, tokenizer_dir, vocab_size, tmp, progress, test)
             atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=1) + "\n")
             try:
                 os.rename(tmp, final)  # atomic publish; a concurrent identical build may have won

@@ -17,7 +17,8 @@ def stats_lines(data) -> list[str]:
         over = (f"{d['dropped_too_long']} over-long dropped" if "dropped_too_long" in d
                 else f"{d['truncated']} over-long truncated")
         out.append(f"  {d['dataset']} {d['type']:<13} {d['path']}: {d['rows']} rows -> {d['examples']} examples, "
-                   f"{over}, {d['no_trained_token']} without a trained token skipped, {d['kept']} kept "
+                   f"{over}, " + (f"{d['too_short']} too short dropped, " if d.get("too_short") else "")
+                   + f"{d['no_trained_token']} without a trained token skipped, {d['kept']} kept "
                    f"({d['trained_tokens']:,} trained of {d['tokens']:,} tokens)")
     for name in ("train", "val"):
         if name in s:

@@ -1,0 +1,140 @@
+"""Axolotl keys that change what is trained and that nd-adapter does not do: refused in one line when they are on.
+
+An Axolotl YAML must do here what it says. A LoRA config run as a full fine-tune, a DPO config run as SFT, or a
+run that ignores `unfrozen_parameters` would all finish and export a model, only not the one the user asked for.
+So each key here is refused when set, naming the key and what to do instead. Keys that only touch speed, logging,
+the hub or memory placement are not listed: they are mapped or reported as ignored in dialects.py / axolotl.py.
+Checked against Axolotl's config reference and schemas (axolotl-ai-cloud/axolotl, 2025-06 and main of 2026-11).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from adapter.errors import bad
+
+_FULL = "remove it for a full fine-tune of every weight, or run this config with Axolotl"
+_SFT = "remove it and give an SFT dataset (e.g. type: chat_template), or run this config with Axolotl"
+_ONE_LR = "remove it: nd-adapter trains every weight with one learning_rate and its schedule"
+_16BIT = "set it to false: nd-adapter loads and trains 16/32-bit weights (bf16 with fp32 master weights)"
+_VOCAB = "use tokens the vocabulary already has (special_tokens may name them); resizing embeddings is later work"
+
+# key -> (why it cannot be honoured, the fix)
+UNSUPPORTED: dict[str, tuple[str, str]] = {
+    # adapters, freezing
+    "adapter": ("LoRA/QLoRA adapters are not supported: nd-adapter trains every weight",
+                "remove adapter (its lora_* keys then do nothing) for a full fine-tune, or run this config with "
+                "Axolotl"),
+    "lora_model_dir": ("starts from a trained LoRA adapter, which nd-adapter cannot load",
+                       "merge the adapter into the base model first (peft merge_and_unload), point base_model at the "
+                       "result and remove lora_model_dir"),
+    "unfrozen_parameters": ("training only the parameters that match these patterns is not supported", _FULL),
+    "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
+    "relora_steps": ("ReLoRA is not supported (no adapters)", _FULL),
+    "peft_layer_replication": ("duplicating layers changes the architecture; not supported", _FULL),
+    # quantised weights
+    "load_in_8bit": ("8-bit quantised base weights are not supported", _16BIT),
+    "load_in_4bit": ("4-bit quantised base weights (QLoRA) are not supported", _16BIT),
+    "gptq": ("GPTQ-quantised base weights are not supported", _16BIT),
+    "qat": ("quantisation-aware training is not supported", "remove qat"),
+    "fp8": ("FP8 training is not supported yet", "use bf16: true"),
+    "bfloat16": ("pure bf16 training (bf16 weights and optimizer states) is not supported",
+                 "use bf16: true (bf16 compute, fp32 master weights and optimizer states)"),
+    "float16": ("pure fp16 training is not supported", "use fp16: true (fp16 compute, fp32 master weights)"),
+    # other objectives
+    "rl": ("preference / RL training (dpo, ipo, kto, orpo, simpo, grpo) is not supported: nd-adapter runs "
+           "supervised fine-tuning", _SFT),
+    "reward_model": ("reward-model training (a scalar head) is not supported", _SFT),
+    "process_reward_model": ("process-reward-model training is not supported", _SFT),
+    "kd_trainer": ("knowledge distillation is not supported", "remove the KD plugin and its kd_* keys"),
+    # data and tokens
+    "pretraining_dataset": ("streamed pretraining datasets are not read",
+                            "list the data under datasets: with type: completion (or native data.files)"),
+    "tokens": ("adding tokens needs new embedding rows", _VOCAB),
+    "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),
+    "fix_untrained_tokens": ("rewriting the embeddings of untrained tokens is not supported", "remove it"),
+    "resize_token_embeddings_to_32x": ("resizing the embeddings is not supported",
+                                       "remove it (the vocabulary is padded for TP on its own; the export keeps the "
+                                       "model's vocabulary size)"),
+    "shrink_embeddings": ("resizing the embeddings is not supported", "remove it"),
+    "mean_resizing_embeddings": ("resizing the embeddings is not supported", "remove it"),
+    "eot_tokens": ("custom end-of-turn tokens are not supported: the end of each turn is read from the rendered "
+                   "template", "remove eot_tokens (train_on_eos / train_on_eot per dataset choose what is trained)"),
+    "dataset_shard_num": ("training on one shard of the data is not supported",
+                          "shard the files yourself, or remove dataset_shard_num / dataset_shard_idx"),
+    "curriculum_sampling": ("curriculum (unshuffled) order is not supported: the sampler shuffles every epoch",
+                            "remove curriculum_sampling"),
+    "use_pose": ("PoSE position ids are not supported", "remove use_pose"),
+    "s2_attention": ("shifted-sparse attention is not supported (attention here is exact and causal)",
+                     "remove s2_attention"),
+    "model_config": ("overriding the model's config changes the model", "edit config.json in a copy of the model"),
+    # optimisation and schedule
+    "optim_args": ("optimizer arguments beyond adam_beta1/2, adam_epsilon and weight_decay are not supported",
+                   "remove it"),
+    "optim_target_modules": ("per-module optimizers are not supported", _ONE_LR),
+    "lr_groups": ("per-module learning rates are not supported", _ONE_LR),
+    "embedding_lr": ("a separate embedding learning rate is not supported", _ONE_LR),
+    "embedding_lr_scale": ("a separate embedding learning rate is not supported", _ONE_LR),
+    "lr_quadratic_warmup": ("quadratic warm-up is not supported (it is linear)", "remove it"),
+    "cosine_constant_lr_ratio": ("a constant phase inside the cosine schedule is not supported",
+                                 "remove it (cosine_min_lr_ratio sets the floor)"),
+    "lr_scheduler_kwargs": ("scheduler arguments are not supported", "remove it"),
+    "neftune_noise_alpha": ("NEFTune embedding noise is not implemented", "remove it"),
+    "noisy_embedding_alpha": ("NEFTune embedding noise is not implemented", "remove it"),
+    "early_stopping_patience": ("stopping early on the eval loss is not supported: every step is trained",
+                                "remove it; pick a checkpoint by the eval loss in the log"),
+    "load_best_model_at_end": ("reloading the best checkpoint is not supported: the last model is exported",
+                               "remove it; pick a checkpoint by the eval loss in the log"),
+    "auto_find_batch_size": ("searching the batch size at run time is not supported",
+                             "set micro_batch_size (`nd-adapter plan` says what fits)"),
+    # resume
+    "resume_from_checkpoint": ("nd-adapter resumes only from its own checkpoints, which it finds in output_dir",
+                               "remove it (a run restarted with the same output_dir continues from its newest "
+                               "checkpoint)"),
+}
+
+# plugins: (tag in the module path, what it is); anything else is refused (distillation, freezing, gradient filters,
+# other objectives or adapters all change what is trained)
+KERNEL_PLUGINS = ("cut_cross_entropy", "liger", "integrations.kernels")
+CP_PLUGIN = "integrations.context_parallel"
+HARMLESS_PLUGINS = ("integrations.lm_eval", "integrations.swanlab")  # evaluation / logging only: ignored
+
+
+def is_on(value: Any) -> bool:
+    """Set to something that does anything: not None/False/0/''/[]/{}."""
+    return value is not None and value is not False and value != 0 and value != "" and value != [] and value != {}
+
+
+def check_scope(raw: dict[str, Any]) -> None:
+    """Refuse the first key that asks for training nd-adapter does not do (the order above: the weightiest first)."""
+    for key, (why, fix) in UNSUPPORTED.items():
+        if key in raw and is_on(raw[key]):
+            raise bad(key, raw[key], why, fix)
+    if raw.get("auto_resume_from_checkpoints") is False:
+        raise bad("auto_resume_from_checkpoints", False, "nd-adapter always resumes from the newest checkpoint in "
+                  "output_dir", "remove it, and give an empty output_dir for a fresh start")
+    rev = raw.get("model_revision")
+    if rev not in (None, "main"):
+        raise bad("model_revision", rev, "only the cached default revision of base_model is read",
+                  "remove it, or point base_model at that revision's snapshot directory")
+    tok = raw.get("tokenizer_config")
+    if tok not in (None, raw.get("base_model"), raw.get("base_model_config")):
+        raise bad("tokenizer_config", tok, "a tokenizer other than base_model's is not supported",
+                  "remove it, or copy that tokenizer's files into the model directory")
+
+
+def plugin_kind(plugin: Any) -> str:
+    """'kernel', 'cp', 'harmless', or refused in one line."""
+    name = str(plugin)
+    if any(tag in name for tag in KERNEL_PLUGINS):
+        return "kernel"
+    if CP_PLUGIN in name:
+        return "cp"
+    if any(tag in name for tag in HARMLESS_PLUGINS):
+        return "harmless"
+    raise bad("plugins", name, "this plugin may change what is trained (distillation, freezing, gradient filters, "
+              "other objectives) and has no nd-adapter counterpart", "remove it, or run this config with Axolotl")
+
+
+KEYS = set(UNSUPPORTED) | {"auto_resume_from_checkpoints", "model_revision", "tokenizer_config"}
+
+__all__ = ["UNSUPPORTED", "KEYS", "check_scope", "plugin_kind", "is_on"]
