@@ -2,6 +2,7 @@
 spans (found without `{% generation %}` markers) against transformers' own assistant mask on a marked template."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -185,7 +186,43 @@ def test_template_choices_and_refusals(model, tmp_path):
     assert templates.resolve_template("tokenizer_default_fallback_chatml", None, tok, "") == templates.CHATML
     with pytest.raises(Exception, match=r"^chat_template='tokenizer_default': the tokenizer has no chat template"):
         templates.resolve_template(None, None, tok, "")
-    with pytest.raises(Exception, match=r"^data\.chat_template='llama3': not a chat template nd-adapter ships"):
-        templates.resolve_template("llama3", None, tok, "data.")
+    with pytest.raises(Exception, match=r"^data\.chat_template='mistral_v7_tekken': not a chat template nd-adapter"):
+        templates.resolve_template("mistral_v7_tekken", None, tok, "data.")
+    with pytest.raises(Exception, match=r"^data\.chat_template='llama3': the template writes <\|end_header_id\|>"):
+        templates.resolve_template("llama3", None, tok, "data.")  # shipped, but this vocabulary lacks its tokens
     with pytest.raises(Exception, match=r"writes <\|eot_id\|>, which is not one token"):
         templates.resolve_template(None, "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}", tok, "")
+
+
+@pytest.mark.parametrize("name, head, mid, end", [
+    ("llama3", "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user"
+               "<|end_header_id|>\n\nWho was first?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+     "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nAnd then?<|eot_id|><|start_header_id|>assistant"
+     "<|end_header_id|>\n\n", "<|eot_id|>"),
+    ("gemma", "<start_of_turn>user\nWho was first?<end_of_turn>\n<start_of_turn>model\n",
+     "<end_of_turn>\n<start_of_turn>user\nAnd then?<end_of_turn>\n<start_of_turn>model\n", "<end_of_turn>\n"),
+])
+def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, end):
+    """Axolotl's `chat_template: llama3` / `gemma` on a tokenizer that has their markers (rendered text checked
+    once against Axolotl's own templates: identical on these conversations, with and without a generation
+    prompt); only the assistant contents are trained, and with the end-of-turn marker as EOS it is trained too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"additional_special_tokens": [IMS, IME, "<|start_header_id|>", "<|end_header_id|>",
+                                                          "<|eot_id|>", "<start_of_turn>", "<end_of_turn>"]})
+    template = templates.resolve_template(name, None, tok, "")
+    conv = CONV if name == "llama3" else {"messages": CONV["messages"][1:]}  # Gemma has no system role
+    for eos, option, want in ((None, "turn", [(BOS + head, False), ("Adam.", True), (mid, False), ("Eve.", True),
+                                              (end, False)]),
+                              (end.strip(), "turn", [(BOS + head, False), ("Adam." + end.strip(), True),
+                                                     (mid[len(end.strip()):], False), ("Eve." + end.strip(), True)]
+                               + ([("\n", False)] if end.endswith("\n") else []))):
+        if eos:
+            tok.eos_token = eos
+        e = DatasetEntry(path="x", type="chat_template", chat_template=name, train_on_eos=option)
+        ids, labels, _ = templates.ChatFormatter(e, tok, template, train_on_inputs=False, where="d")(conv, 0)
+        assert runs(ids, labels, tok) == want, (eos, runs(ids, labels, tok))
+    with pytest.raises(Exception, match="System role not supported") if name == "gemma" else contextlib.nullcontext():
+        templates.ChatFormatter(DatasetEntry(path="x", type="chat_template"), tok, template, train_on_inputs=False,
+                                where="d")(CONV, 0)

@@ -26,8 +26,20 @@ IGNORE = -100
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
-BUILTIN = {"chatml": CHATML}
-CHOICES = ("tokenizer_default", "tokenizer_default_fallback_chatml", "chatml", "jinja")
+# Llama 3 (Instruct's format, as Axolotl's `llama3`): BOS once, a header per message, content trimmed, <|eot_id|>.
+LLAMA3 = ("{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}{{ '<|start_header_id|>' + "
+          "message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+# Gemma (as Axolotl's `gemma`): no system role, user/model alternate, content trimmed.
+GEMMA = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+         "{{ raise_exception('System role not supported') }}{% endif %}"
+         "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+         "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + "
+         "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+BUILTIN = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA}
+CHOICES = ("tokenizer_default", "tokenizer_default_fallback_<name>", *BUILTIN, "jinja")
 SENTINELS = ("\x01", "\x02")  # one character each: they differ in their first and in their last character
 EOS_WINDOW = 4  # the EOS must be among the first 4 tokens after the content (Axolotl: |eos - end| <= 3)
 DEFAULT_ROLES = {"human": "user", "user": "user", "assistant": "assistant", "gpt": "assistant", "system": "system",
