@@ -48,14 +48,16 @@ class StepStats:
     step: int
     loss: float                  # the step's loss, as logged: Σ per-token loss / trained tokens of the step
     trained_tokens: int          # the step's, over all micro-batches and ranks
+    computed_tokens: int         # positions the step ran (all of seq_len, or less where unpacked SFT is trimmed)
     nonfinite_grad: bool         # the global grad norm was inf/NaN
     grad_norm: float | None      # None when DeepSpeed computed none (no clipping)
     lr: float
     seconds: float
 
 
+TRIM_MULTIPLE = 64  # unpacked SFT micro-batches are cut to a multiple of this (and of 2·cp·tp for CP and SP)
 # The device-side vector a step's numbers travel in: one all-reduce and one host copy, read one micro-batch late.
-LOSS, NONFINITE, TRAINED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE = range(5)
+LOSS, NONFINITE, TRAINED_TOKENS, COMPUTED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE = range(6)
 
 
 @dataclass
@@ -73,8 +75,8 @@ class PendingStep:
         v = self.values.values()
         grad_norm = v[GRAD_NORM] if v[GRAD_NORM_ON_DEVICE] else (
             None if self.host_grad_norm is None else float(self.host_grad_norm))
-        return StepStats(self.step, v[LOSS], int(v[TRAINED_TOKENS]), v[NONFINITE] > 0, grad_norm, self.lr,
-                         StepClock.seconds(self.clock))
+        return StepStats(self.step, v[LOSS], int(v[TRAINED_TOKENS]), int(v[COMPUTED_TOKENS]), v[NONFINITE] > 0,
+                         grad_norm, self.lr, StepClock.seconds(self.clock))
 
 
 def arch_for(cfg: RunConfig) -> ModelArch:
@@ -225,6 +227,18 @@ class Trainer:
                             data_key="datasets" if self.sft else "data.files")
         return dataset, sampler
 
+    def _trim(self, b, eval: bool = False):
+        """Unpacked SFT micro-batches lose their untrained tail (adapter.data.sft.packing.trim_tail); packed or
+        pretraining batches (documents, fixed THD streams) are kept whole."""
+        from adapter.data.sft.packing import trim_tail
+
+        d = self.cfg.data
+        packed = (d.eval_sample_packing if eval and d.eval_sample_packing is not None else d.sample_packing)
+        if getattr(self, "sft", None) is None or packed or self.cfg.document_attention:
+            return b
+        sp_tp = self.layout.tp if self.cfg.use_sequence_parallel else 1
+        return trim_tail(b, math.lcm(TRIM_MULTIPLE, 2 * self.layout.cp * sp_tp))
+
     def _on_device(self, b):
         """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
         (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params"."""
@@ -261,8 +275,9 @@ class Trainer:
         engine, ds, device, layout = self.engine, self.engine.ds, self.device, self.layout
         self.profiler.begin(step)
         self.clock.begin()
-        micro = [next(batches) for _ in range(self.cfg.grad_accum)]  # host tensors: counting them waits for nothing
-        tokens = torch.stack([b["loss_mask"].double().sum() for b in micro]).sum().reshape(1).to(device,
+        micro = [self._trim(next(batches)) for _ in range(self.cfg.grad_accum)]  # host tensors: counting them
+        tokens = torch.tensor([sum(float(b["loss_mask"].sum()) for b in micro),  # waits for nothing
+                               sum(b["loss_mask"].numel() for b in micro)], dtype=torch.float64).to(device,
                                                                                                   non_blocking=True)
         dist.all_reduce(tokens, group=self.groups.dp)  # whole samples: tp/cp ranks of a dp rank count the same
         denom = torch.clamp(tokens, min=1.0)[0]  # a step without trained tokens: loss and gradients 0, not NaN
@@ -316,9 +331,12 @@ class Trainer:
         self.result.trained_tokens.append(s.trained_tokens)
         max_steps = self.cfg.optimizer.max_steps
         if s.step % self.cfg.logging.every == 0 or s.step == max_steps:
-            tps = metrics.tokens_per_s_per_gpu(self.tokens_per_step, s.seconds, self.world)
+            tps = metrics.tokens_per_s_per_gpu(s.computed_tokens, s.seconds, self.world)
             trained = metrics.tokens_per_s_per_gpu(s.trained_tokens, s.seconds, self.world)
-            m = metrics.mfu(tps, self.flops_per_token, self.peak_flops)
+            flops = self.flops_per_token
+            if s.computed_tokens != self.tokens_per_step:  # trimmed: attention's share follows the length run
+                flops = metrics.flops_per_token_for(self.arch, max(1, s.computed_tokens // self.cfg.global_batch))
+            m = metrics.mfu(tps, flops, self.peak_flops)
             self._say(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
                                           mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps,
                                           trained_tokens_per_s_gpu=trained))
@@ -348,8 +366,8 @@ class Trainer:
                         if i >= n:
                             it["loss_mask"] = np.zeros_like(it["loss_mask"])
                         items.append(it)
-                    batch = self._on_device({k: torch.from_numpy(np.stack([it[k] for it in items]))
-                                             for k in items[0]})
+                    batch = self._on_device(self._trim({k: torch.from_numpy(np.stack([it[k] for it in items]))
+                                                        for k in items[0]}, eval=True))
                     sums += torch.stack([self._loss_sum(batch).double(), batch["loss_mask"].double().sum()])
         finally:
             ds.train()

@@ -1,7 +1,8 @@
 """Issue 14's reference parity: a chat_template dataset with turns of very different lengths, packed, trained by
-nd-adapter at tp=2 and at dp_shard=2 for several steps, against plain transformers trained on the same prepared
-samples (each example attended on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of
-the step), torch AdamW, fp32 on CPU."""
+nd-adapter at tp=2 and at dp_shard=2 for several steps (and unpacked at cp=2, where each micro-batch is cut after
+its last trained position), against plain transformers trained on the same prepared samples (each example attended
+on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32
+on CPU."""
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,12 @@ from tests.helpers.sft import make_model, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS = 128, 2e-3, 3
-LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2), "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1)}
+LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2, True),
+           "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1, True),
+           "unpacked cp=2": ({"cp_size": 2, "dp_shard_size": 1}, 2, False)}
 
 
-def _cfg(model_dir: str, root: str, parallelism: dict, micro: int):
+def _cfg(model_dir: str, root: str, parallelism: dict, micro: int, pack: bool = True):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache"}, "parallelism": parallelism,
@@ -23,7 +26,7 @@ def _cfg(model_dir: str, root: str, parallelism: dict, micro: int):
            "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12},
            "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
-                    "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"}}
+                    "chat_template": "chatml", "sample_packing": pack, "prepared_path": f"{root}/prep"}}
     return config.build(raw, env={}, world_size=2)
 
 
@@ -32,7 +35,8 @@ def _worker(rank, world, model_dir, root):
     from adapter.train.trainer import run
 
     init_distributed()
-    return {name: run(_cfg(model_dir, root, par, mb), log=lambda s: None).losses for name, (par, mb) in LAYOUTS.items()}
+    return {name: run(_cfg(model_dir, root, par, mb, pack), log=lambda s: None).losses
+            for name, (par, mb, pack) in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +48,36 @@ def model_dir(tmp_path_factory):
     return make_model(root / "model", tok)
 
 
-def test_packed_chat_sft_matches_transformers_at_tp2_and_dp2(model_dir, tmp_path):
+def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(model_dir, tmp_path):
+
+    from adapter.data.sft import prepare
+
+    got = run_workers(_worker, 2, str(model_dir), str(tmp_path), timeout=900)[0]
+    refs = {}
+    for pack in (True, False):
+        cfg = _cfg(str(model_dir), str(tmp_path), LAYOUTS["tp=2"][0], 2, pack)
+        data = prepare(cfg, model_dir, builder=True, barrier=None, progress=False)
+        assert data.reused  # the runs' own prepared samples
+        lengths = [b - a for i in range(len(data.train)) for a, b in zip(data.train.examples(i)[:-1],
+                                                                         data.train.examples(i)[1:])]
+        assert max(lengths) > 3 * min(lengths)  # turns (and so examples) of very different lengths
+        if not pack:  # the cut is real: most samples end well before seq_len
+            assert sorted(lengths)[len(lengths) // 2] < SEQ // 2
+        refs[pack] = _reference(model_dir, data, cfg)
+    assert refs[True][-1] < refs[True][0] and refs[False][-1] < refs[False][0]
+    for name, losses in got.items():
+        ref = refs[LAYOUTS[name][2]]
+        assert len(losses) == STEPS and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)
+
+
+def _reference(model_dir, data, cfg) -> list[float]:
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     from adapter.data import DPSampler
-    from adapter.data.sft import prepare
 
-    got = run_workers(_worker, 2, str(model_dir), str(tmp_path), timeout=900)[0]
-    cfg = _cfg(str(model_dir), str(tmp_path), LAYOUTS["tp=2"][0], 2)
-    data = prepare(cfg, model_dir, builder=True, barrier=None, progress=False)
-    assert data.reused  # the runs' own prepared samples
-    lengths = [b - a for i in range(len(data.train)) for a, b in zip(data.train.examples(i)[:-1],
-                                                                     data.train.examples(i)[1:])]
-    assert max(lengths) > 3 * min(lengths)  # turns (and so examples) of very different lengths
-    # both layouts read the same 2 samples per step (one round of dp × micro-batch = 2 of the sampler's order)
+    # every layout reads the same 2 samples per step (one round of dp × micro-batch = 2 of the sampler's order)
     order = iter(DPSampler(len(data.train), dp_rank=0, dp_size=1, micro_batch=2, seed=cfg.data.seed))
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -79,6 +97,4 @@ def test_packed_chat_sft_matches_transformers_at_tp2_and_dp2(model_dir, tmp_path
         opt.step()
         opt.zero_grad()
         ref.append(float(loss.detach()))
-    assert ref[-1] < ref[0]
-    for name, losses in got.items():
-        assert len(losses) == STEPS and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)
+    return ref

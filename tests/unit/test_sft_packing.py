@@ -128,3 +128,19 @@ def test_unpacked_samples_hold_one_example_each(tmp_path, pack):
         assert ds[1]["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
         # labels of 200, 201, 202 are (trained, not, trained): position 1 predicts 202; the last position nothing
         assert ds[1]["loss_mask"].tolist() == [0, 1, 0, 0, 0, 0, 0, 0] and ds[1]["labels"][1] == 202
+
+
+def test_trim_tail_keeps_every_trained_position_in_whole_multiples():
+    import torch
+
+    from adapter.data.sft.packing import trim_tail
+
+    mask = torch.zeros(3, 256)
+    mask[0, 3:10] = 1
+    mask[2, 100:131] = 1  # the micro-batch's last trained position: 130
+    batch = {"tokens": torch.arange(768).reshape(3, 256), "loss_mask": mask, "labels": torch.ones(3, 256)}
+    cut = trim_tail(batch, 64)
+    assert {k: tuple(v.shape) for k, v in cut.items()} == {k: (3, 192) for k in batch}
+    assert cut["loss_mask"].sum() == mask.sum() and torch.equal(cut["tokens"], batch["tokens"][:, :192])
+    assert trim_tail(batch, 200)["tokens"].shape == (3, 200) and trim_tail(batch, 256) is batch  # whole: as is
+    assert trim_tail({**batch, "loss_mask": torch.zeros(3, 256)}, 64)["tokens"].shape == (3, 64)  # nothing trained

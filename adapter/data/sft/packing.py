@@ -126,4 +126,17 @@ class SFTDataset:
                 "position_ids": position, "segment_ids": segment}
 
 
-__all__ = ["SFTDataset", "best_fit", "targets", "ragged_take", "write_split"]
+def trim_tail(batch: dict, multiple: int) -> dict:
+    """A host micro-batch of unpacked examples cut after its last trained position, rounded up to `multiple` (at
+    most the full length). Exact under causal attention: no kept position attends to the cut tail, and the tail
+    is never trained. Unpacked SFT samples are one example padded to seq_len, so this is Axolotl's pad-to-longest
+    without giving up fixed multiples (CP's 2·cp chunks, SP's tp shards, kernel-friendly lengths)."""
+    mask = batch["loss_mask"]
+    s = mask.shape[1]
+    trained = mask.reshape(-1, s).any(0).nonzero()
+    used = int(trained.max()) + 1 if trained.numel() else 1
+    keep = min(s, -(-used // multiple) * multiple)
+    return batch if keep == s else {k: v[:, :keep] for k, v in batch.items()}
+
+
+__all__ = ["SFTDataset", "best_fit", "targets", "ragged_take", "write_split", "trim_tail"]
