@@ -222,7 +222,9 @@ def attention_cost(cfg: RunConfig, arch: ModelArch) -> AttentionCost:
         source = "data.synthetic_doc_len" if cfg.data.synthetic_doc_len else "synthetic: one document per sequence"
     else:
         ell = cfg.seq_len
-        source = "seq_len (upper bound: plan does not read the data)" if packed else "seq_len (no document mask)"
+        source = ("seq_len (upper bound: plan does not read the data)" if packed else
+                  "seq_len (upper bound: unpacked SFT micro-batches are cut after their last trained token)"
+                  if cfg.data.datasets else "seq_len (no document mask)")
     if packed:
         kernel = "varlen over cu_seqlens (FlashAttention-2 on GPUs)" + (
             f", each document split over cp={p.cp_size} ({p.cp_comm_type})" if p.cp_size > 1 else "")
