@@ -276,7 +276,7 @@ class Trainer:
         self.profiler.begin(step)
         self.clock.begin()
         micro = [self._trim(next(batches)) for _ in range(self.cfg.grad_accum)]  # host tensors: counting them
-        tokens = torch.tensor([sum(float(b["loss_mask"].sum()) for b in micro),  # waits for nothing
+        tokens = torch.tensor([sum(float(b["loss_mask"].double().sum()) for b in micro),  # waits for nothing
                                sum(b["loss_mask"].numel() for b in micro)], dtype=torch.float64).to(device,
                                                                                                   non_blocking=True)
         dist.all_reduce(tokens, group=self.groups.dp)  # whole samples: tp/cp ranks of a dp rank count the same
