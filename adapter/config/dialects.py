@@ -24,6 +24,7 @@ AXOLOTL_KNOWN = AXOLOTL_MARKERS | {
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
     "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict",
 } | axolotl.KEYS
+AXOLOTL_SEQUENCE_LEN, AXOLOTL_SEED = 512, 42  # its schema's defaults
 ACCELERATE_MARKERS = {"parallelism_config", "compute_environment", "distributed_type", "num_processes", "num_machines"}
 
 
@@ -75,8 +76,18 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
             raise bad("sequence_parallel_degree", raw["sequence_parallel_degree"],
                       f"conflicts with context_parallel_size={raw['context_parallel_size']}",
                       "drop the deprecated sequence_parallel_degree")
-    if "adam_beta1" in raw or "adam_beta2" in raw:
-        set_dotted(out, "optimizer.betas", (raw.get("adam_beta1", 0.9), raw.get("adam_beta2", 0.95)))
+    # Axolotl's defaults where nd-adapter's own differ (HF TrainingArguments' betas; its schema's sequence_len, seed)
+    betas = tuple(raw.get(k) if raw.get(k) is not None else d for k, d in (("adam_beta1", 0.9), ("adam_beta2", 0.999)))
+    set_dotted(out, "optimizer.betas", betas)
+    if raw.get("sequence_len") is None:
+        set_dotted(out, "seq_len", AXOLOTL_SEQUENCE_LEN)
+        notes.append(f"sequence_len: {AXOLOTL_SEQUENCE_LEN} (Axolotl's default)")
+    if raw.get("seed") is None:
+        set_dotted(out, "seed", AXOLOTL_SEED)
+        set_dotted(out, "data.seed", AXOLOTL_SEED)
+    if raw.get("learning_rate") is None:
+        raise bad("learning_rate", None, "missing: Axolotl requires it",
+                  "set learning_rate (e.g. 2e-5 for a full fine-tune of a 7-8B model)")
     if raw.get("lr_scheduler") is not None:
         sched = raw["lr_scheduler"]
         if sched not in ("cosine", "constant", "constant_with_warmup"):

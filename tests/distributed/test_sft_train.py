@@ -268,7 +268,8 @@ def test_weights_refusals_are_one_line_before_any_process(model_dir, tmp_path):
     for raw, env, needle in (
             ({"model": {"path": str(bare), "init": "pretrained"}, "data": {"synthetic": True}}, {},
              "model.init='pretrained': "),
-            ({"base_model": "no-such-org/no-such-model", "max_steps": 1}, {"HF_HOME": str(tmp_path / "hf")},
+            ({"base_model": "no-such-org/no-such-model", "max_steps": 1, "learning_rate": 1e-5},
+             {"HF_HOME": str(tmp_path / "hf")},
              "base_model)='no-such-org/no-such-model': not a local directory, and not in the local Hugging Face cache"),
     ):
         (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))

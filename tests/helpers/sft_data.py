@@ -31,7 +31,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def axolotl_cfg(model: Path, datasets: list[dict], root: Path, **top: Any):
     """An Axolotl-dialect RunConfig (as a user's YAML would give it), prepared data under root/prepared."""
-    raw = {"base_model": str(model), "sequence_len": 128, "datasets": datasets,
+    raw = {"base_model": str(model), "sequence_len": 128, "datasets": datasets, "learning_rate": 1e-5,
            "dataset_prepared_path": str(root / "prepared"), **top}
     return config.build(raw, env={})
 

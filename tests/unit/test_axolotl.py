@@ -24,7 +24,7 @@ from tests.helpers.hub import add_to_hub_cache
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests/fixtures/axolotl"
 LLAMA8B = ROOT / "configs/models/llama-3.1-8b"
-BASE = {"base_model": str(LLAMA8B), "sequence_len": 2048, "max_steps": 10}
+BASE = {"base_model": str(LLAMA8B), "sequence_len": 2048, "max_steps": 10, "learning_rate": 2e-5}
 
 
 def build(world=1, **keys):
@@ -290,3 +290,14 @@ def test_any_value_of_these_keys_is_a_config_or_a_one_line_error(keys):
         build(world=None, **keys)
     except UserError as e:
         assert "\n" not in str(e) and "Fix:" in str(e), str(e)
+
+
+def test_axolotl_defaults_where_ours_differ():
+    """An Axolotl YAML that leaves them out gets Axolotl's betas (HF's 0.9/0.999), sequence_len 512 and seed 42;
+    without learning_rate (Axolotl requires it) it is refused rather than trained at some default."""
+    cfg = config.build({"base_model": str(LLAMA8B), "learning_rate": 1e-5, "max_steps": 1}, env={}, world_size=1)
+    assert cfg.optimizer.betas == (0.9, 0.999) and cfg.seq_len == 512 and cfg.seed == cfg.data.seed == 42
+    assert any(n == "sequence_len: 512 (Axolotl's default)" for n in cfg.notes)
+    assert build(adam_beta2=0.95).optimizer.betas == (0.9, 0.95) and build(seed=3).data.seed == 3
+    with pytest.raises(UserError, match=r"^learning_rate=None: missing: Axolotl requires it\. Fix: "):
+        config.build({"base_model": str(LLAMA8B), "max_steps": 1}, env={}, world_size=1)

@@ -50,7 +50,7 @@ def test_axolotl_yaml_unchanged(recwarn):
 
 
 def test_axolotl_dataset_keys_map_onto_data(recwarn):
-    raw = {"base_model": str(LLAMA8B), "sequence_len": 512, "seed": 7, "train_on_inputs": True,
+    raw = {"base_model": str(LLAMA8B), "sequence_len": 512, "seed": 7, "train_on_inputs": True, "learning_rate": 1e-5,
            "sample_packing": True, "pad_to_sequence_len": True, "excess_length_strategy": "truncate",
            "dataset_prepared_path": "last_run_prepared", "val_set_size": 0.05, "shuffle_merged_datasets": False,
            "chat_template": "chatml", "special_tokens": None, "dataset_processes": 4, "datasets": [
@@ -78,7 +78,7 @@ def test_axolotl_dataset_keys_map_onto_data(recwarn):
 
 
 def test_axolotl_sequence_parallel_degree_alias():
-    raw = {"base_model": str(LLAMA8B), "sequence_parallel_degree": 2, "sequence_len": 64}
+    raw = {"base_model": str(LLAMA8B), "sequence_parallel_degree": 2, "sequence_len": 64, "learning_rate": 1e-5}
     cfg = config.build(raw, env={}, world_size=4)
     assert any("sequence_parallel_degree is deprecated" in n for n in cfg.notes)
     assert cfg.parallelism.cp_size == 2 and cfg.parallelism.dp_shard_size == 2

@@ -207,7 +207,7 @@ def test_bad_input_is_one_line_status_2_and_nothing_written(model, tmp_path, cap
     ds = {"path": str(ALPACA_DATA), "type": "alpaca", **entry}
     if ds["path"] == "CONVS":
         ds["path"] = str(CHAT_DATA)
-    raw = {"base_model": str(model), "sequence_len": 256, "datasets": [ds],
+    raw = {"base_model": str(model), "sequence_len": 256, "datasets": [ds], "learning_rate": 1e-5,
            "dataset_prepared_path": str(tmp_path / "prepared"), **top}
     (tmp_path / "run.yaml").write_text(json.dumps(raw))
     assert cli.main(["preprocess", "--config", str(tmp_path / "run.yaml")]) == 2
@@ -220,6 +220,7 @@ def test_bad_input_is_one_line_status_2_and_nothing_written(model, tmp_path, cap
 
 def test_preprocess_cli_prints_stats_and_debug_pairs(model, tmp_path, capsys):
     raw = {"base_model": str(model), "sequence_len": 256, "sample_packing": True, "val_set_size": 0.1,
+           "learning_rate": 1e-5,
            "special_tokens": {"eos_token": "<|im_end|>"}, "datasets": [CHAT],
            "dataset_prepared_path": str(tmp_path / "prepared")}
     (tmp_path / "run.yaml").write_text(json.dumps(raw))
@@ -241,6 +242,7 @@ def test_relative_dataset_paths_are_read_from_the_config_directory(model, tmp_pa
     shutil.copy(ALPACA_DATA, tmp_path / "cfg" / "rows.jsonl")
     (tmp_path / "cfg" / "run.yaml").write_text(json.dumps({
         "base_model": str(model), "sequence_len": 256, "datasets": [{"path": "rows.jsonl", "type": "alpaca"}],
+        "learning_rate": 1e-5,
         "dataset_prepared_path": str(tmp_path / "prepared")}))
     monkeypatch.chdir(tmp_path)
     assert cli.main(["preprocess", "--config", "cfg/run.yaml", "--set", "data.val_set_size=2"]) == 0
