@@ -76,20 +76,6 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     }
     if layout.dp_replicate > 1 and d.replicate_mode == "hpz":
         zero["zero_hpz_partition_size"] = layout.size("dp_shard_cp")
-    # DeepSpeed wants warmup_num_steps >= 1; "no warmup" is one step that starts at the full LR. The run resolves
-    # max_steps and warm-up (adapter/train/schedule.py) before the engine exists; `plan` may not know them yet
-    # (num_epochs needs the data), and then shows total_num_steps as null.
-    warm = max(1, o.warmup_steps or 0)
-    start_ratio = 1.0 if not o.warmup_steps else 0.0
-    if o.schedule == "cosine":
-        scheduler = {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": None if o.max_steps is None else max(o.max_steps, warm), "warmup_num_steps": warm,
-            "warmup_type": "linear",
-            "warmup_min_ratio": start_ratio, "cos_min_ratio": round(o.min_lr / o.lr, 12)}}
-    else:
-        scheduler = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": o.lr * start_ratio, "warmup_max_lr": o.lr, "warmup_num_steps": warm,
-            "warmup_type": "linear"}}
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -99,7 +85,8 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {
             "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True,
             "fused": True}},
-        "scheduler": scheduler,
+        # no "scheduler": the run hands DeepSpeed its own (adapter/train/engine.py: transformers' schedules exactly;
+        # DeepSpeed's WarmupCosineLR runs the first step at lr 0 and the warm-up one step late)
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         # its throughput timer synchronises the device at every forward and step (~3 ms/step of idle GPU on the 1B

@@ -303,7 +303,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
     w = cache.resolve(cfg)
     if cfg.optimizer.max_steps is None and cfg.optimizer.num_epochs is not None:
         warnings.append(f"optimizer steps come from num_epochs={cfg.optimizer.num_epochs:g} and the training set's "
-                        "size, known at run start: the DeepSpeed scheduler's total_num_steps is shown as null")
+                        "size, known at run start (the run's first lines give the total and the warm-up)")
     return Plan(
         schema_version=SCHEMA_VERSION,
         config_path=config_path,

@@ -88,6 +88,25 @@ class Engine:
             average_over_replicas(self.ds, self.mpu.replica_group, self.layout.dp_replicate)
 
 
+def lr_scheduler_for(cfg: RunConfig):
+    """DeepSpeed calls this with its optimizer; the LambdaLR it returns is stepped after every optimizer step and
+    saved/restored with the checkpoints (its state is the step count)."""
+    from functools import partial
+
+    from adapter.train.schedule import lr_factor
+
+    o = cfg.optimizer
+    factor = partial(lr_factor, schedule=o.schedule, warmup_steps=o.warmup_steps or 0,
+                     total_steps=o.max_steps or 1, min_ratio=o.min_lr / o.lr)
+
+    def make(optimizer):
+        import torch
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    return make
+
+
 def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups, device,
                  load_weights=None) -> Engine:
     """`load_weights(model)`: the run's first weights into the plain GPTModel (adapter/convert/cache.load: a
@@ -140,7 +159,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
 
         set_z3_leaf_modules(model, [Layer])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
-                                      config=conf, mpu=mpu)
+                                      config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
     if conf["zero_optimization"]["stage"] in (1, 2):
         from adapter.patches.zero import install_zero12_step
 

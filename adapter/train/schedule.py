@@ -19,6 +19,18 @@ DEFAULT_MAX_STEPS = 1000  # a native config that gives neither max_steps nor num
 AXOLOTL_WARMUP = (0.03, 100)  # Axolotl's warm-up when neither warmup_steps nor warmup_ratio is set: min(3%, 100)
 
 
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
+    """The learning rate of optimizer step `step` (0-based) over the peak, exactly as transformers' schedulers
+    (get_cosine_schedule_with_warmup / get_constant_schedule_with_warmup, the ones Axolotl and HF Trainer run):
+    linear warm-up from 0 over warmup_steps, then constant or a half cosine down to min_ratio at total_steps."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 @dataclass(frozen=True)
 class Schedule:
     total_steps: int
@@ -131,4 +143,4 @@ def describe(cfg: RunConfig, s: Schedule) -> list[str]:
     return lines
 
 
-__all__ = ["DEFAULT_MAX_STEPS", "Schedule", "resolve", "apply", "describe"]
+__all__ = ["lr_factor", "DEFAULT_MAX_STEPS", "Schedule", "resolve", "apply", "describe"]

@@ -273,6 +273,7 @@ class Trainer:
         from adapter.train import metrics
 
         engine, ds, device, layout = self.engine, self.engine.ds, self.device, self.layout
+        lr = ds.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on inside its last ds.step()
         self.profiler.begin(step)
         self.clock.begin()
         micro = [self._trim(next(batches)) for _ in range(self.cfg.grad_accum)]  # host tensors: counting them
@@ -306,8 +307,8 @@ class Trainer:
                                                                               device=device)]), None
         else:
             tail = torch.zeros(2, dtype=torch.float64, device=device)
-        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed, tokens, tail])), gn,
-                              ds.optimizer.param_groups[0]["lr"], self.clock.end())
+        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed, tokens, tail])), gn, lr,
+                              self.clock.end())
         if self.profiler.finish(step):
             self.clock.reset()  # writing the trace is not training time
         return pending
