@@ -90,9 +90,9 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
                   "set learning_rate (e.g. 2e-5 for a full fine-tune of a 7-8B model)")
     if raw.get("lr_scheduler") is not None:
         sched = raw["lr_scheduler"]
-        if sched not in ("cosine", "constant", "constant_with_warmup"):
-            raise bad("lr_scheduler", sched, "not supported", "use cosine or constant")
-        set_dotted(out, "optimizer.schedule", "cosine" if sched == "cosine" else "constant")
+        if sched not in ("cosine", "constant", "constant_with_warmup", "linear"):
+            raise bad("lr_scheduler", sched, "not supported", "use cosine, linear or constant")
+        set_dotted(out, "optimizer.schedule", "constant" if sched.startswith("constant") else sched)
     if raw.get("cosine_min_lr_ratio") is not None and raw.get("learning_rate") is not None:
         set_dotted(out, "optimizer.min_lr", raw["cosine_min_lr_ratio"] * raw["learning_rate"])
     if raw.get("gradient_checkpointing"):

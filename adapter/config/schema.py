@@ -80,7 +80,7 @@ class OptimizerSection(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
     # Schedule length: `max_steps` wins; else `num_epochs` over the training set (known at run start, see
     # adapter/train/schedule.py); neither means DEFAULT_MAX_STEPS. Warm-up: `warmup_steps` or `warmup_ratio`.
     warmup_steps: StrictInt | None = Field(None, ge=0)

@@ -22,11 +22,14 @@ AXOLOTL_WARMUP = (0.03, 100)  # Axolotl's warm-up when neither warmup_steps nor 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
     """The learning rate of optimizer step `step` (0-based) over the peak, exactly as transformers' schedulers
     (get_cosine_schedule_with_warmup / get_constant_schedule_with_warmup, the ones Axolotl and HF Trainer run):
-    linear warm-up from 0 over warmup_steps, then constant or a half cosine down to min_ratio at total_steps."""
+    linear warm-up from 0 over warmup_steps, then constant, linear down to 0, or a half cosine down to min_ratio,
+    reached at total_steps."""
     if step < warmup_steps:
         return step / max(1, warmup_steps)
     if schedule == "constant":
         return 1.0
+    if schedule == "linear":  # get_linear_schedule_with_warmup: down to 0 at total_steps
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

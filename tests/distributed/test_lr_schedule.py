@@ -1,6 +1,7 @@
 """The learning rate each optimizer step runs at, through DeepSpeed's engine with the run's scheduler, equals
 transformers' schedulers (the ones Axolotl and HF Trainer use): linear warm-up from 0, then constant, a half cosine
-to 0, or to min_lr. DeepSpeed's own WarmupCosineLR ran the first step at lr 0 and the warm-up one step late."""
+to 0 or to min_lr, or linear to 0. DeepSpeed's own WarmupCosineLR ran the first step at lr 0 and the warm-up one
+step late."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,8 @@ from tests.helpers.dist import run_workers
 MODEL = str(Path(__file__).resolve().parents[2] / "configs/models/llama-3.1-8b")
 
 STEPS, LR = 12, 1e-3
-CASES = [("cosine", 0, 0.0), ("cosine", 3, 0.0), ("cosine", 3, 1e-4), ("constant", 0, 0.0), ("constant", 4, 0.0)]
+CASES = [("cosine", 0, 0.0), ("cosine", 3, 0.0), ("cosine", 3, 1e-4), ("constant", 0, 0.0), ("constant", 4, 0.0),
+         ("linear", 0, 0.0), ("linear", 3, 0.0)]
 
 
 def _worker(rank, world):
@@ -21,6 +23,7 @@ def _worker(rank, world):
         get_constant_schedule_with_warmup,
         get_cosine_schedule_with_warmup,
         get_cosine_with_min_lr_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
     )
 
     from adapter import config
@@ -46,6 +49,7 @@ def _worker(rank, world):
         p = torch.nn.Parameter(torch.zeros(1))
         opt = torch.optim.AdamW([p], lr=LR)
         ref_sched = (get_constant_schedule_with_warmup(opt, warm) if schedule == "constant" else
+                     get_linear_schedule_with_warmup(opt, warm, STEPS) if schedule == "linear" else
                      get_cosine_with_min_lr_schedule_with_warmup(opt, warm, STEPS, min_lr=min_lr) if min_lr else
                      get_cosine_schedule_with_warmup(opt, warm, STEPS))
         ref = []
