@@ -1,8 +1,8 @@
 """Issue 14's reference parity: a chat_template dataset with turns of very different lengths, packed, trained by
 nd-adapter at tp=2 and at dp_shard=2 for several steps (and unpacked at cp=2, where each micro-batch is cut after
 its last trained position), against plain transformers trained on the same prepared samples (each example attended
-on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32
-on CPU."""
+on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of the step), torch AdamW under
+transformers' cosine schedule with warm-up, fp32 on CPU."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,7 @@ from tests.helpers.dist import run_workers
 from tests.helpers.sft import make_model, rel
 
 pytestmark = pytest.mark.slow
-SEQ, LR, STEPS = 128, 2e-3, 3
+SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
 LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2, True),
            "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1, True),
            "unpacked cp=2": ({"cp_size": 2, "dp_shard_size": 1}, 2, False)}
@@ -24,7 +24,8 @@ def _cfg(model_dir: str, root: str, parallelism: dict, micro: int, pack: bool = 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache"}, "parallelism": parallelism,
            "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": 1}, "seq_len": SEQ,
            "precision": "fp32",
-           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12},
+           "optimizer": {"lr": LR, "schedule": "cosine", "warmup_steps": WARMUP, "max_steps": STEPS,
+                         "clip_grad": 1e12},
            "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
                     "chat_template": "chatml", "sample_packing": pack, "prepared_path": f"{root}/prep"}}
     return config.build(raw, env={}, world_size=2)
@@ -73,7 +74,7 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
 def _reference(model_dir, data, cfg) -> list[float]:
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     from adapter.data import DPSampler
 
@@ -82,6 +83,7 @@ def _reference(model_dir, data, cfg) -> list[float]:
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    sched = get_cosine_schedule_with_warmup(opt, WARMUP, STEPS)  # what HF Trainer / Axolotl run for cosine
     ref = []
     for _ in range(STEPS):
         total, count = 0.0, 0.0
@@ -95,6 +97,7 @@ def _reference(model_dir, data, cfg) -> list[float]:
         loss = total / count
         loss.backward()
         opt.step()
+        sched.step()
         opt.zero_grad()
         ref.append(float(loss.detach()))
     return ref
