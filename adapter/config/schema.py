@@ -268,6 +268,9 @@ class RunConfig(_Strict):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism; default: on when tp > 1")
     recompute: Literal["none", "selective", "full"] = "none"
+    # How long a collective may wait: the other ranks wait in one while rank 0 prepares SFT data or converts
+    # weights. HF Trainer's and Axolotl's ddp_timeout default; DeepSpeed's own is 10 min ($DEEPSPEED_TIMEOUT).
+    dist_timeout_s: StrictInt = Field(1800, ge=1, description="process-group timeout in seconds (ddp_timeout)")
     optimizer: OptimizerSection = OptimizerSection()
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()

@@ -18,8 +18,9 @@ from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
 
 
-def init_distributed() -> tuple[int, int]:
-    """NCCL on GPUs, gloo (and DeepSpeed's CPU accelerator) otherwise; env from any launcher."""
+def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
+    """NCCL on GPUs, gloo (and DeepSpeed's CPU accelerator) otherwise; env from any launcher. `timeout_s`: the
+    process-group timeout (None: DeepSpeed's default)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -33,7 +34,12 @@ def init_distributed() -> tuple[int, int]:
 
     deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        from datetime import timedelta
+
+        from deepspeed.constants import default_pg_timeout
+
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
+                                   timeout=default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -64,7 +64,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if cfg.parallelism.tp_size > 1:  # Megatron's TP/SP comm is issued in order with compute; without TP it would
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # only serialise ZeRO's side-stream collectives
-        init_distributed()
+        timeout = cfg.dist_timeout_s  # an explicit $DEEPSPEED_TIMEOUT (minutes) wins over the default
+        if "dist_timeout_s" not in cfg.model_fields_set and os.environ.get("DEEPSPEED_TIMEOUT"):
+            timeout = None
+        init_distributed(timeout)
         log = lambda s: print(s, flush=True)  # noqa: E731
         if not args.rehearse:
             run(cfg, resume=args.resume, arch=arch, log=log)

@@ -299,5 +299,6 @@ def test_axolotl_defaults_where_ours_differ():
     assert cfg.optimizer.betas == (0.9, 0.999) and cfg.seq_len == 512 and cfg.seed == cfg.data.seed == 42
     assert any(n == "sequence_len: 512 (Axolotl's default)" for n in cfg.notes)
     assert build(adam_beta2=0.95).optimizer.betas == (0.9, 0.95) and build(seed=3).data.seed == 3
+    assert cfg.dist_timeout_s == 1800 and build(ddp_timeout=7200).dist_timeout_s == 7200  # HF's / Axolotl's
     with pytest.raises(UserError, match=r"^learning_rate=None: missing: Axolotl requires it\. Fix: "):
         config.build({"base_model": str(LLAMA8B), "max_steps": 1}, env={}, world_size=1)
