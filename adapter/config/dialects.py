@@ -22,7 +22,8 @@ AXOLOTL_KNOWN = AXOLOTL_MARKERS | {
     "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "output_dir", "save_steps", "save_total_limit",
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
-    "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout",
+    "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
+    "wandb_entity", "wandb_mode",
 } | axolotl.KEYS
 AXOLOTL_SEQUENCE_LEN, AXOLOTL_SEED = 512, 42  # its schema's defaults
 ACCELERATE_MARKERS = {"parallelism_config", "compute_environment", "distributed_type", "num_processes", "num_machines"}
@@ -62,7 +63,8 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
         "optimizer.warmup_steps", "max_steps": "optimizer.max_steps", "max_grad_norm": "optimizer.clip_grad",
         "adam_epsilon": "optimizer.eps", "output_dir": "checkpoint.dir", "save_steps": "checkpoint.save_every",
         "save_total_limit": "checkpoint.keep_last", "seed": "seed", "logging_steps": "logging.every",
-        "wandb_project": "logging.wandb_project", "ddp_timeout": "dist_timeout_s",
+        "wandb_project": "logging.wandb_project", "wandb_name": "logging.wandb_name",
+        "wandb_entity": "logging.wandb_entity", "wandb_mode": "logging.wandb_mode", "ddp_timeout": "dist_timeout_s",
     }
     for key, target in mapping.items():
         if raw.get(key) is not None:

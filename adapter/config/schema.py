@@ -237,6 +237,10 @@ class LoggingSection(_Strict):
     every: StrictInt = Field(1, ge=1)
     tensorboard: str | None = None
     wandb_project: str | None = None
+    wandb_name: str | None = Field(None, description="the W&B run's name (Axolotl's wandb_name)")
+    wandb_entity: str | None = Field(None, description="W&B team or user (Axolotl's wandb_entity)")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (Axolotl's wandb_mode); default: W&B's own ($WANDB_MODE)")
     profile_steps: tuple[StrictInt, StrictInt] | None = Field(
         None, description="[first, last] step (inclusive) to record with the torch profiler")
     profile_dir: str = Field("profile", description="where profiler traces and op tables go")

@@ -182,7 +182,8 @@ class MetricsSink:
     """
 
     def __init__(self, rank: int, *, tensorboard_dir: str | None = None, wandb_project: str | None = None,
-                 run_name: str | None = None, config: dict[str, Any] | None = None):
+                 run_name: str | None = None, config: dict[str, Any] | None = None, wandb_entity: str | None = None,
+                 wandb_mode: str | None = None):
         self._tb = self._wandb = None
         check_sinks(tensorboard_dir, wandb_project)  # on every rank, so no rank trains on alone
         if rank != 0:
@@ -194,7 +195,8 @@ class MetricsSink:
         if wandb_project:
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config or {})
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config or {}, entity=wandb_entity,
+                                     mode=wandb_mode)
 
     @property
     def active(self) -> bool:

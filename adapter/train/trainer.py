@@ -161,8 +161,10 @@ class Trainer:
         self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed" if resuming else
                   cache.describe(self.weights, cfg.seed))
         # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
-        self.sink = metrics.MetricsSink(rank, tensorboard_dir=cfg.logging.tensorboard,
-                                        wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"))
+        lg = cfg.logging
+        self.sink = metrics.MetricsSink(rank, tensorboard_dir=lg.tensorboard, wandb_project=lg.wandb_project,
+                                        run_name=lg.wandb_name, wandb_entity=lg.wandb_entity, wandb_mode=lg.wandb_mode,
+                                        config=cfg.model_dump(mode="json"))
         self.groups = mcore_groups.initialize(self.layout)
         # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway
         weights_dir = None if resuming else cache.ready(self.weights, cfg, rank=rank, log=self._say)

@@ -300,5 +300,7 @@ def test_axolotl_defaults_where_ours_differ():
     assert any(n == "sequence_len: 512 (Axolotl's default)" for n in cfg.notes)
     assert build(adam_beta2=0.95).optimizer.betas == (0.9, 0.95) and build(seed=3).data.seed == 3
     assert cfg.dist_timeout_s == 1800 and build(ddp_timeout=7200).dist_timeout_s == 7200  # HF's / Axolotl's
+    lg = build(wandb_project="p", wandb_name="run-1", wandb_entity="team", wandb_mode="offline").logging
+    assert (lg.wandb_project, lg.wandb_name, lg.wandb_entity, lg.wandb_mode) == ("p", "run-1", "team", "offline")
     with pytest.raises(UserError, match=r"^learning_rate=None: missing: Axolotl requires it\. Fix: "):
         config.build({"base_model": str(LLAMA8B), "max_steps": 1}, env={}, world_size=1)

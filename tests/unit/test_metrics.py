@@ -119,10 +119,12 @@ def test_a_missing_sink_package_is_a_one_line_config_error(tmp_path, monkeypatch
 def test_wandb_sink_sends_project_config_and_steps(monkeypatch):
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    sink = m.MetricsSink(0, wandb_project="nd", run_name="r1", config={"seq_len": 64})
+    sink = m.MetricsSink(0, wandb_project="nd", run_name="r1", config={"seq_len": 64}, wandb_entity="team",
+                         wandb_mode="offline")
     sink.log(3, {"loss": 2.5, "mfu": None})
     sink.close()
-    assert fake.calls == [("init", {"project": "nd", "name": "r1", "config": {"seq_len": 64}}),
+    assert fake.calls == [("init", {"project": "nd", "name": "r1", "config": {"seq_len": 64}, "entity": "team",
+                                    "mode": "offline"}),
                           ("log", {"loss": 2.5}, 3), ("finish",)]
 
 
