@@ -81,12 +81,15 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     # Axolotl's defaults where nd-adapter's own differ (HF TrainingArguments' betas; its schema's sequence_len, seed)
     betas = tuple(raw.get(k) if raw.get(k) is not None else d for k, d in (("adam_beta1", 0.9), ("adam_beta2", 0.999)))
     set_dotted(out, "optimizer.betas", betas)
+    if raw.get("adam_beta1") is None or raw.get("adam_beta2") is None:
+        notes.append(f"adam betas {betas[0]:g}/{betas[1]:g} (Axolotl's default, HF's, for the unset adam_beta1/2)")
     if raw.get("sequence_len") is None:
         set_dotted(out, "seq_len", AXOLOTL_SEQUENCE_LEN)
         notes.append(f"sequence_len: {AXOLOTL_SEQUENCE_LEN} (Axolotl's default)")
     if raw.get("seed") is None:
         set_dotted(out, "seed", AXOLOTL_SEED)
         set_dotted(out, "data.seed", AXOLOTL_SEED)
+        notes.append(f"seed: {AXOLOTL_SEED} (Axolotl's default): the data order and any held-out split follow it")
     if raw.get("learning_rate") is None:
         raise bad("learning_rate", None, "missing: Axolotl requires it",
                   "set learning_rate (e.g. 2e-5 for a full fine-tune of a 7-8B model)")

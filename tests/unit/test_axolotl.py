@@ -298,6 +298,8 @@ def test_axolotl_defaults_where_ours_differ():
     cfg = config.build({"base_model": str(LLAMA8B), "learning_rate": 1e-5, "max_steps": 1}, env={}, world_size=1)
     assert cfg.optimizer.betas == (0.9, 0.999) and cfg.seq_len == 512 and cfg.seed == cfg.data.seed == 42
     assert any(n == "sequence_len: 512 (Axolotl's default)" for n in cfg.notes)
+    assert any(n.startswith("adam betas 0.9/0.999 (Axolotl's default") for n in cfg.notes)
+    assert any(n.startswith("seed: 42 (Axolotl's default)") for n in cfg.notes)
     assert build(adam_beta2=0.95).optimizer.betas == (0.9, 0.95) and build(seed=3).data.seed == 3
     assert cfg.dist_timeout_s == 1800 and build(ddp_timeout=7200).dist_timeout_s == 7200  # HF's / Axolotl's
     lg = build(wandb_project="p", wandb_name="run-1", wandb_entity="team", wandb_mode="offline").logging
