@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -19,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from adapter.data.documents import expand_files, iter_documents
-from adapter.errors import UserError, bad
-from adapter.osutil import atomic_write_text
+from adapter.errors import bad
+from adapter.osutil import build_once
 
 CACHE_VERSION = 1  # bump when tokenisation or file layout changes: old caches are then simply not found
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -102,33 +99,8 @@ def build_token_cache(files: str | Path | Sequence[str | Path], tokenizer_dir: s
     paths = expand_files(files)
     root = Path(cache_dir)
     key = cache_key(paths, tokenizer_dir, text_key)
-    final, failed = root / f"tokens-{key}", root / f"tokens-{key}.error"
-    error: Exception | None = None
-    if builder and not (final / "manifest.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        failed.unlink(missing_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tokens-{key}.tmp-", dir=root))
-        try:
-            manifest = _tokenize_into(tmp, paths, tokenizer_dir, text_key, progress)
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-            try:
-                os.rename(tmp, final)  # atomic publish; a concurrent identical build may have won
-            except OSError:
-                if not (final / "manifest.json").is_file():
-                    raise
-        except Exception as e:
-            error = e  # tell the waiting ranks why, instead of leaving them hanging or without a cache
-            atomic_write_text(failed, json.dumps({"user": isinstance(e, UserError), "message": str(e)}))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if barrier is not None:
-        barrier()
-    if error is not None:
-        raise error
-    if (final / "manifest.json").is_file():
-        return _open_cache(final)
-    if failed.is_file():
-        why = json.loads(failed.read_text())
-        raise (UserError if why["user"] else RuntimeError)(why["message"])
-    raise bad("data.cache_dir", str(root), f"the token cache {final.name} made by the builder rank is not visible here",
-              "put data.cache_dir on storage shared with the builder rank, or build with local rank 0 per node")
+    final = build_once(root, f"tokens-{key}", lambda tmp: _tokenize_into(tmp, paths, tokenizer_dir, text_key, progress),
+                       builder=builder, barrier=barrier,
+                       unseen=("data.cache_dir", "the token cache", "put data.cache_dir on storage shared with the "
+                               "builder rank, or build with local rank 0 per node"))
+    return _open_cache(final)

@@ -140,16 +140,6 @@ CHUNK_BYTES = 1 << 29  # fp32 bytes of one chunk's logits: ~1k tokens of a 128k 
 MIN_CHUNK = 256        # tokens: below this the chunk's GEMMs get inefficient
 
 
-@_compiled_on_cuda
-def _chunk_grad(logits, target, lse, weights, vocab_start):
-    """d(Σ w·CE)/d logits = (softmax − one_hot(target)) · w, in the logits' dtype."""
-    x = logits.float()
-    local = target - vocab_start
-    cols = torch.arange(x.size(-1), device=x.device)
-    one_hot = (cols == local.unsqueeze(-1)).float()
-    return ((torch.exp(x - lse.unsqueeze(-1)) - one_hot) * weights.unsqueeze(-1)).to(logits.dtype)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Σ_t w_t · CE(h_t · Wᵀ, y_t) with W's rows (the vocabulary) split over `group`, token chunk by token chunk.
 
@@ -177,7 +167,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = row_max + partials[0].log()
             total += ((lse - partials[1]) * w).sum()
             if real:
-                d = _chunk_grad(logits, y, lse, w, start)
+                d = _ce_grad(logits, y, lse, w, start)  # (softmax − one_hot) · w
                 grad_h[lo:lo + chunk] = d @ w_real
                 g_real.addmm_(d.t(), h)
         ctx.save_for_backward(grad_h, grad_w)

@@ -20,11 +20,11 @@ document, late half L = chunk 2·cp−1−r):
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from adapter.errors import bad
+from adapter.models.attention import _ring_shift, _wait  # the dense ring's K/V hand-off, shared
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -194,20 +194,6 @@ def ring_tasks(step: int, r: int, cp: int) -> tuple[tuple[int, int, bool], ...]:
     return (L, E, False), (L, L, False)  # both of the block's chunks lie between the local ones
 
 
-def _shift(tensor, group):
-    """Send `tensor` to the next CP rank, receive the previous rank's: (receive buffer, requests)."""
-    r, n = group.rank(), group.size()
-    recv = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % n), group),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)]
-    return recv, dist.batch_isend_irecv(ops)
-
-
-def _wait(reqs):
-    for req in reqs:
-        req.wait()
-
-
 class _Ring(torch.autograd.Function):
     """q [2t, hq, d], k/v [2t, hk, d] in the [E | L] layout -> [2t, hq, d]."""
 
@@ -220,7 +206,7 @@ class _Ring(torch.autograd.Function):
         seen = [False, False]
         for step in range(cp):
             if step + 1 < cp:
-                nxt, reqs = _shift(kv, group)
+                nxt, reqs = _ring_shift(kv, group)
             for hq, hk, causal in ring_tasks(step, r, cp):
                 rows = slice(hq * t, (hq + 1) * t)
                 kb, vb = kv[hk * t:(hk + 1) * t].split(d, -1)
@@ -252,7 +238,7 @@ class _Ring(torch.autograd.Function):
         dkv = dkv_next = dkv_reqs = None
         for step in range(cp):
             if step + 1 < cp:
-                kv_next, kv_reqs = _shift(kv, group)
+                kv_next, kv_reqs = _ring_shift(kv, group)
             grads = []
             for hq, hk, causal in ring_tasks(step, r, cp):
                 rows, keys = slice(hq * t, (hq + 1) * t), slice(hk * t, (hk + 1) * t)
@@ -268,7 +254,7 @@ class _Ring(torch.autograd.Function):
                 dkv = dkv_next
             for keys, g in grads:
                 dkv[keys] += g.float()
-            dkv_next, dkv_reqs = _shift(dkv, group)
+            dkv_next, dkv_reqs = _ring_shift(dkv, group)
             if step + 1 < cp:
                 _wait(kv_reqs)
                 kv = kv_next

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +26,8 @@ import numpy as np
 from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.packing import SFTDataset, ragged_take, targets, write_split
 from adapter.data.token_cache import TOKENIZER_FILES
-from adapter.errors import UserError, bad
-from adapter.osutil import atomic_write_text
+from adapter.errors import bad
+from adapter.osutil import build_once
 
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
 TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
@@ -423,38 +422,14 @@ def prepare(cfg, tokenizer_dir, *, builder: bool = True, barrier: Callable[[], N
     val_fraction(cfg, None)
     root = prepared_root(cfg)
     key = cache_key(cfg, resolved, tokenizer_dir, vocab_size, test)
-    final, failed = root / f"sft-{key}", root / f"sft-{key}.error"
-    error: Exception | None = None
-    reused = (final / "manifest.json").is_file()
-    if builder and not reused:
-        root.mkdir(parents=True, exist_ok=True)
-        failed.unlink(missing_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".sft-{key}.tmp-", dir=root))
-        try:
-            manifest = _build(cfg, resolved, tokenizer_dir, vocab_size, tmp, progress, test)
-            atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=1) + "\n")
-            try:
-                os.rename(tmp, final)  # atomic publish; a concurrent identical build may have won
-            except OSError:
-                if not (final / "manifest.json").is_file():
-                    raise
-        except Exception as e:
-            error = e
-            atomic_write_text(failed, json.dumps({"user": isinstance(e, UserError), "message": str(e)}))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if barrier is not None:
-        barrier()
-    if error is not None:
-        raise error
-    if (final / "manifest.json").is_file():
-        return _open(cfg, final, reused)
-    if failed.is_file():
-        why = json.loads(failed.read_text())
-        raise (UserError if why["user"] else RuntimeError)(why["message"])
+    reused = (root / f"sft-{key}" / "manifest.json").is_file()
     _, k = names(cfg)
-    raise bad(k("prepared_path"), str(root), f"the prepared data {final.name} made by the builder rank is not "
-              "visible here", "put it on storage shared with the builder rank, or build with local rank 0 per node")
+    final = build_once(root, f"sft-{key}", lambda tmp: _build(cfg, resolved, tokenizer_dir, vocab_size, tmp, progress,
+                                                               test),
+                       builder=builder, barrier=barrier,
+                       unseen=(k("prepared_path"), "the prepared data", "put it on storage shared with the builder "
+                               "rank, or build with local rank 0 per node"))
+    return _open(cfg, final, reused)
 
 
 __all__ = ["SFTData", "prepare", "check", "prepared_root", "cache_key", "load_tokenizer"]
