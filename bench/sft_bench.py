@@ -61,21 +61,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--name", default="train", help="the run's log is <out>/<name>.log")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to the entry point")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     model, data = build(a.out, a.conversations)
     yaml = {"base_model": str(model), "datasets": [{"path": str(data), "type": "chat_template"}],
             "chat_template": "chatml", "special_tokens": {"eos_token": "<|im_end|>"}, "sample_packing": True,
             "sequence_len": a.seq, "micro_batch_size": a.micro_batch, "gradient_accumulation_steps": 1,
-            "learning_rate": 1e-5, "max_steps": a.steps, "bf16": True, "dataset_prepared_path": str(a.out / "prep"),
+            "learning_rate": a.lr, "seed": a.seed, "max_steps": a.steps, "bf16": True, "dataset_prepared_path": str(a.out / "prep"),
             "dp_shard_size": 1}
     cfg = a.out / "sft.yaml"
     cfg.write_text(json.dumps(yaml, indent=1))  # JSON is YAML
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run(["deepspeed", "--num_gpus", "1", str(ROOT / "launch/train.py"), "--config", str(cfg)],
+    sets = [x for kv in a.set for x in ("--set", kv)]
+    p = subprocess.run(["deepspeed", "--num_gpus", "1", str(ROOT / "launch/train.py"), "--config", str(cfg), *sets],
                        capture_output=True, text=True, env=env, timeout=1500)
     log = p.stdout + p.stderr
-    (a.out / "train.log").write_text(log)
+    (a.out / f"{a.name}.log").write_text(log)
     steps = [m.groups() for m in map(STEP.match, log.splitlines()) if m]
     train = next((m.groups() for m in map(TRAIN.search, log.splitlines()) if m), None)
     if p.returncode or not steps or train is None:

@@ -36,7 +36,8 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "load_in_4bit": ("4-bit quantised base weights (QLoRA) are not supported", _16BIT),
     "gptq": ("GPTQ-quantised base weights are not supported", _16BIT),
     "qat": ("quantisation-aware training is not supported", "remove qat"),
-    "fp8": ("FP8 training is not supported yet", "use bf16: true"),
+    "fp8": ("Axolotl's FP8 (torchao float8 on every linear) is not what nd-adapter runs", "use bf16: true, or "
+            "--set precision=fp8 (nd-adapter's: the MLP matmuls in fp8, tp = 1)"),
     "bfloat16": ("pure bf16 training (bf16 weights and optimizer states) is not supported",
                  "use bf16: true (bf16 compute, fp32 master weights and optimizer states)"),
     "float16": ("pure fp16 training is not supported", "use fp16: true (fp16 compute, fp32 master weights)"),

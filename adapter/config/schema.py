@@ -66,6 +66,17 @@ class ModelSection(_Strict):
         False, description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits): less "
                            "memory, slower on one H200 (docs/BENCHMARKS.md)")
     compile: bool = Field(False, description="torch.compile each transformer layer (not with ZeRO-3)")
+    compile_memory_budget: float | None = Field(
+        None, gt=0, le=1, description="compiled layers keep this fraction of their activations and recompute the "
+        "rest in backward (AOTAutograd's activation_memory_budget; 1 or unset: keep all). One H200, 1B shape: 0.5 "
+        "cut activations from 11.7 to 6.2 GiB at -9% tokens/s (docs/BENCHMARKS.md)")
+
+    @model_validator(mode="after")
+    def _budget_needs_compile(self):
+        if self.compile_memory_budget is not None and not self.compile:
+            raise ValueError("model.compile_memory_budget applies to compiled layers only: set model.compile: true "
+                             "or remove it")
+        return self
 
 
 class BatchSection(_Strict):
@@ -88,6 +99,9 @@ class OptimizerSection(_Strict):
     max_steps: StrictInt | None = Field(None, ge=1)
     num_epochs: float | None = Field(None, gt=0)
     clip_grad: float = Field(1.0, ge=0)
+    # "flat": nd-adapter's AdamW over flat buffers (adapter/train/optim.py), for layouts with nothing to shard (no
+    # dp or cp: one GPU, or tp alone); "deepspeed": DeepSpeed's ZeRO optimizer; "auto": flat where it applies.
+    impl: Literal["auto", "flat", "deepspeed"] = "auto"
 
     @model_validator(mode="after")
     def _one_warmup(self) -> OptimizerSection:
@@ -269,7 +283,9 @@ class RunConfig(_Strict):
     parallelism: ParallelismConfig = ParallelismConfig()
     batch: BatchSection = BatchSection()
     seq_len: StrictInt = Field(2048, ge=1)
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # fp8: bf16 training whose MLP matmuls run in fp8 (adapter/models/fp8.py; tp = 1, GPUs of compute capability
+    # 8.9+, or emulated on CPU)
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism; default: on when tp > 1")
     recompute: Literal["none", "selective", "full"] = "none"
     # How long a collective may wait: the other ranks wait in one while rank 0 prepares SFT data or converts
@@ -307,6 +323,11 @@ class RunConfig(_Strict):
         eval; harmless on unpacked samples, whose one example comes before its padding)."""
         d = self.data
         return d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing))
+
+    @property
+    def param_precision(self) -> str:
+        """The weights' and activations' precision: fp8 runs keep bf16 everywhere outside the fp8 matmuls."""
+        return "bf16" if self.precision == "fp8" else self.precision
 
     @property
     def use_sequence_parallel(self) -> bool:

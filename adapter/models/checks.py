@@ -20,7 +20,13 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     if cfg.document_attention and cfg.model.attention != "sdpa":
         raise bad("model.attention", cfg.model.attention, "packed documents (data.document_mask) run nd-adapter's "
                   "varlen attention", "set model.attention: sdpa (the default)")
+    if cfg.precision == "fp8" and tp > 1:
+        raise bad("precision", "fp8", "fp8 matmuls are wired for tp_size = 1 only (measured on one GPU; "
+                  "docs/BENCHMARKS.md)", "use precision: bf16 with tensor parallelism")
     warnings = []
+    if cfg.precision == "fp8" and not cfg.model.compile:
+        warnings.append("precision fp8 without model.compile: the fp8 casts run unfused and cost more than the "
+                        "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
     return warnings

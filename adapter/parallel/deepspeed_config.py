@@ -39,6 +39,37 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
     return cfg.deepspeed.zero_stage
 
 
+_DS_OPTIMIZER_KEYS = ("zero_optimization", "optimizer", "bf16", "fp16")
+
+
+def _flat_refused(cfg: RunConfig, nothing_to_shard: bool) -> str | None:
+    if cfg.optimizer.impl == "deepspeed":
+        return "optimizer.impl is deepspeed"
+    if not nothing_to_shard:
+        return "it needs a layout with nothing to shard (dp_shard, dp_replicate and cp all 1)"
+    if cfg.precision == "fp16":
+        return "fp16 needs DeepSpeed's loss scaling"
+    if any(k in cfg.deepspeed.overrides for k in _DS_OPTIMIZER_KEYS):
+        return f"deepspeed.overrides set {', '.join(k for k in _DS_OPTIMIZER_KEYS if k in cfg.deepspeed.overrides)}"
+    return None
+
+
+def flat_optimizer(cfg: RunConfig, layout: Layout) -> bool:
+    """Whether the run uses nd-adapter's flat AdamW (adapter/train/optim.py) instead of DeepSpeed's ZeRO optimizer:
+    only where ZeRO would have nothing to partition (stage 1 on a shard group of one), in bf16 or fp32, and when
+    the DeepSpeed overrides do not configure the optimizer themselves. `optimizer.impl: flat` where it cannot
+    apply is refused."""
+    why = _flat_refused(cfg, zero_stage(cfg, layout) == 1)
+    if why and cfg.optimizer.impl == "flat":
+        raise bad("optimizer.impl", "flat", why, "use optimizer.impl: auto (or deepspeed)")
+    return why is None
+
+
+def flat_at_stage(cfg: RunConfig, stage: int) -> bool:
+    """`flat_optimizer` for plan's models, which know the ZeRO stage (1 = nothing to shard); never raises."""
+    return _flat_refused(cfg, stage == 1) is None
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.overrides") -> dict[str, Any]:
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
@@ -58,6 +89,7 @@ def skips_nonfinite_steps(conf: dict[str, Any]) -> bool:
 def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     o, d = cfg.optimizer, cfg.deepspeed
     stage = zero_stage(cfg, layout)
+    flat = flat_optimizer(cfg, layout)
     zero: dict[str, Any] = {"stage": stage} if stage == 1 else {
         "stage": 2,
         "overlap_comm": d.overlap_comm,
@@ -93,7 +125,12 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         # shape, BENCHMARKS); the loop times steps with CUDA events instead
         "timers": {"throughput": {"enabled": False}},
     }
-    if cfg.precision == "bf16":
+    if flat:
+        # the client optimizer (FlatAdamW) owns precision, clipping and the step; DeepSpeed runs the loop's
+        # bookkeeping (accumulation, the schedule, checkpoints) around it, with nothing to reduce
+        conf.update(zero_optimization={"stage": 0}, gradient_clipping=0.0)
+        del conf["optimizer"]
+    elif cfg.param_precision == "bf16":
         # DeepSpeed's bf16 default scans every gradient for inf/NaN before each step (hundreds of small kernels and
         # host syncs: ~13 ms of idle GPU per step on the 1B shape, BENCHMARKS). bf16 has no loss scale to adjust, so
         # the loop stops on a non-finite grad norm instead, as Megatron-LM does.

@@ -3,7 +3,8 @@
 * CPU shims (`install_cpu_shims`), so GPTModel and dist_checkpointing run without CUDA (tests, CI, laptops);
 * RowParallelLinear's group lookup without its per-forward warning (`quiet_row_parallel_group`, for torch.compile);
 * our fused RoPE plugged into the extension point TransformerEngine would fill (`install_rope_fusion`);
-* GPTModel's preprocessing result with per-token RoPE angles for packed documents (`with_rotary`).
+* GPTModel's preprocessing result with per-token RoPE angles for packed documents (`with_rotary`);
+* a linear layer's matmul implementation (`set_linear_impl`: plain `F.linear` at tp = 1 under torch.compile, fp8).
 
 CPU shims.
 
@@ -146,6 +147,17 @@ def install_rope_fusion(fused_rope) -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
+def set_linear_impl(linear, impl) -> None:
+    """Replace a Column/RowParallelLinear's `_forward_impl` (Megatron's autograd Function with its TP communication
+    and gradient-accumulation fusion) with `impl`, called with the same keyword arguments."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+        raise TypeError(f"not a Megatron parallel linear: {type(linear).__name__}")
+    require("megatron-core", TESTED_MEGATRON_VERSIONS, "linear matmul implementation (adapter/patches/mcore.py)")
+    linear._forward_impl = impl
+
+
 def check_preprocess() -> None:
     """`with_rotary` knows GPTModel._preprocess's result layout of the tested versions only."""
     require("megatron-core", TESTED_MEGATRON_VERSIONS, "per-token RoPE for packed documents (adapter/patches/mcore.py)")
@@ -158,4 +170,4 @@ def with_rotary(preprocessed: tuple, rotary_pos_emb: torch.Tensor) -> tuple:
 
 
 __all__ = ["TESTED_MEGATRON_VERSIONS", "install_cpu_shims", "check", "megatron_version", "quiet_row_parallel_group",
-           "install_rope_fusion", "check_preprocess", "with_rotary"]
+           "install_rope_fusion", "check_preprocess", "with_rotary", "set_linear_impl"]

@@ -4,7 +4,8 @@ others:
 * the ZeRO-1/2 gradient epilogue and optimizer step, minus their host waits (`install_zero12_step`);
 * the hpZ secondary-partition group, which DeepSpeed would otherwise build from consecutive global ranks, mixing TP
   ranks (`set_hpz_group`);
-* exact HSDP's replica all-reduce of ZeRO-3's flat gradient partition buffer (`average_over_replicas`).
+* exact HSDP's replica all-reduce of ZeRO-3's flat gradient partition buffer (`average_over_replicas`);
+* the engine around nd-adapter's flat AdamW: no data-parallel all-reduce (`drive_flat_optimizer`).
 
 The ZeRO-1/2 step. Why: DeepSpeed 0.19.8's stage-1/2 optimizer makes the host wait for the GPU several times per
 step: a device-wide synchronize at the end of every backward (with `overlap_comm`), a scalar built with
@@ -83,6 +84,16 @@ def install_zero12_step(optimizer) -> None:
     optimizer.independent_gradient_partition_epilogue = _epilogue_ordered_on_device(optimizer)
 
 
+def drive_flat_optimizer(engine, optimizer) -> None:
+    """DeepSpeed around nd-adapter's FlatAdamW (stage 0, no DeepSpeed precision): there is nothing to all-reduce
+    over a data-parallel group of one, and its bucketed fallback would copy every gradient into a flat buffer and
+    back."""
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "DeepSpeed driving the flat AdamW (adapter/patches/zero.py)")
+    if engine.optimizer is not optimizer:
+        raise RuntimeError(f"DeepSpeed wrapped the flat AdamW in {type(engine.optimizer).__name__}")
+    engine.enable_backward_allreduce = False
+
+
 def set_hpz_group(group) -> None:
     """ZeRO++ hpZ partitions its secondary parameter copy inside this group (ours: dp_shard×cp); None resets it."""
     from deepspeed.utils import groups
@@ -103,5 +114,5 @@ def average_over_replicas(engine, replica_group, replicas: int) -> None:
     buf.div_(replicas)
 
 
-__all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "unscale_and_clip_grads", "mask_nonfinite_",
+__all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "drive_flat_optimizer", "unscale_and_clip_grads", "mask_nonfinite_",
            "set_hpz_group", "average_over_replicas"]

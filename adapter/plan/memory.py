@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.parallel import deepspeed_config
 
 GIB = 2**30
 CHUNK_BYTES = 1 << 29  # adapter/models/fusions.py's token chunk of the fused linear cross-entropy (fp32 logits bytes)
@@ -121,7 +122,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     """`stage` 3 shards the 16-bit weights over the partition; 1 and 2 keep them whole (nothing is gathered)."""
     p = cfg.parallelism
     tp, cp, L = p.tp_size, p.cp_size, arch.num_layers
-    half = cfg.precision in ("bf16", "fp16")
+    half = cfg.param_precision in ("bf16", "fp16")
     pb = 2 if half else 4
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
     P = lp.total(L)
@@ -139,7 +140,10 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     # copy of it: measured on one H200 with a Mistral-7B shape, 16.0 bytes/param resident before the fp32 copy at
     # step 1 and 18.0 at step 2, then the 27 GiB fp32 copy that the run died allocating (issue 19). Neither
     # outlives the step (a 1B run peaked 2.3 GiB below what they would add to forward/backward).
-    if stage == 3:
+    # nd-adapter's flat AdamW (nothing to shard) updates everything in place, one parameter at a time: nothing.
+    if deepspeed_config.flat_at_stage(cfg, stage):
+        step_transient = 0
+    elif stage == 3:
         step_transient = 4 * min(shard, SUB_GROUP) if half else 0
     else:
         step_transient = pb * shard + (4 * shard if half else 0)

@@ -18,7 +18,7 @@ from math import ceil
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.parallel.deepspeed_config import skips_nonfinite_steps
+from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_steps
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
@@ -29,6 +29,9 @@ ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: 
 LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414 (issue 5)
 OPT_BYTES_PER_PARAM = 56    # fp32 grad copy (6), AdamW r/w of param, m, v + grad read (28), 16-bit write-back (6),
 #                             grad norm and clip (16): what one optimizer step streams per local parameter
+FLAT_OPT_BYTES_PER_PARAM = 30  # flat AdamW: 16-bit grad read for the norm (2) and the update (2), master, m, v
+#                               read and written (24), 16-bit weight written (2); streamed at the device copy rate
+#                               (1B, one H200: the step's share fell from ~29 to ~9 ms, issue 16 in BENCHMARKS)
 COMPILED_HIDDEN = 0.6       # compiled layers fuse each residual add with the next norm: 12 of the 20 bytes/element
 COMPILE_BREAKS = 1.2        # ...but at tp > 1 (a graph break at every Megatron linear), cp > 1 or selective recompute
 #                             nothing fuses and each break costs host time: -8% measured at tp=2 (1B, session 4)
@@ -219,8 +222,12 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     mb_time = max(gpu_mb, host_mb) + stall_mb
 
     shard = -(-P // z) if stage >= 2 else P
-    optimizer = OPT_BYTES_PER_PARAM * shard / prof.optimizer_bytes_per_s
-    host_step = max(0.0, hw.step_s + tensors * hw.step_per_tensor_s - optimizer - dp_step)
+    if flat_at_stage(cfg, stage):  # adapter/train/optim.py: one fused pass per parameter at the copy rate
+        optimizer = FLAT_OPT_BYTES_PER_PARAM * P / prof.hbm_bytes_per_s
+        host_step = 0.0
+    else:
+        optimizer = OPT_BYTES_PER_PARAM * shard / prof.optimizer_bytes_per_s
+        host_step = max(0.0, hw.step_s + tensors * hw.step_per_tensor_s - optimizer - dp_step)
     scan = {"fp16": {}} if cfg.precision == "fp16" else {"bf16": ds.overrides.get("bf16", {})}
     host_step += tensors * hw.overflow_scan_per_tensor_s if skips_nonfinite_steps(scan) else 0.0
 

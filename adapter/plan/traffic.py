@@ -34,7 +34,7 @@ class GroupTraffic:
 def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraffic]:
     p = cfg.parallelism
     tp, cp, ga, L = p.tp_size, p.cp_size, cfg.grad_accum, arch.num_layers
-    pb = 2 if cfg.precision in ("bf16", "fp16") else 4
+    pb = 2 if cfg.param_precision in ("bf16", "fp16") else 4
     P = local_params(arch, tp, cfg.model.vocab_divisible_by).total(L)
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     rows: list[GroupTraffic] = []

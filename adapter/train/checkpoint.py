@@ -213,12 +213,21 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None,
 def _check_match(engine, model_states: Path, key: str, value: str) -> None:
     import torch
 
-    meta = torch.load(model_states, map_location="cpu", weights_only=False)
+    meta = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)  # no need to read it all
     here_dp, here_mp = engine.seq_dp_world_size, engine.mp_world_size
     if (meta.get("dp_world_size"), meta.get("mp_world_size")) != (here_dp, here_mp):
         raise bad(key, value, f"saved with data-parallel size {meta.get('dp_world_size')} and model-parallel size "
                   f"{meta.get('mp_world_size')}, this run has {here_dp} and {here_mp}",
                   "resume with the layout it was saved with")
+    from adapter.train.optim import FORMAT
+
+    saved_flat = isinstance(meta.get("optimizer"), dict) and meta["optimizer"].get("format") == FORMAT
+    here_flat = type(engine.optimizer).__name__ == "FlatAdamW"
+    if saved_flat != here_flat:
+        said = ("nd-adapter's flat AdamW", "DeepSpeed's ZeRO optimizer")
+        there, here = (said if saved_flat else said[::-1])
+        raise bad(key, value, f"its optimizer state was written by {there}; this run uses {here}",
+                  f"resume with optimizer.impl: {'flat' if saved_flat else 'deepspeed'} (as it was saved)")
     if meta.get("param_shapes") is not None:
         saved = {k: tuple(v) for group in meta["param_shapes"] for k, v in group.items()}
         here = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}

@@ -122,7 +122,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
 
     from adapter.models.gpt import build_gpt_model, padded_vocab_size
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.param_precision]
     tp = layout.tp
     fused = torch.cuda.is_available() if cfg.model.fused_kernels is None else cfg.model.fused_kernels
     torch.manual_seed(cfg.seed)  # same init on every dp rank when there is no checkpoint
@@ -145,10 +145,14 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
 
         load_megatron_checkpoint(model, cfg.model.checkpoint)
     model.to(device)
+    if cfg.precision == "fp8":
+        from adapter.models.fp8 import install_fp8_mlp
+
+        install_fp8_mlp(model)
     if cfg.model.compile:
         from adapter.models.compile import compile_layers
 
-        compile_layers(model)
+        compile_layers(model, cfg.model.compile_memory_budget)
     add_tp_grad_hooks(model, groups.tp)
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
@@ -164,8 +168,20 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         from adapter.models.gpt import Layer
 
         set_z3_leaf_modules(model, [Layer])
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
-                                      config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
+    if deepspeed_config.flat_optimizer(cfg, layout):
+        from adapter.train.optim import FlatAdamW
+
+        o = cfg.optimizer
+        opt = FlatAdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
+                        clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
+                                          lr_scheduler=lr_scheduler_for(cfg))
+        from adapter.patches.zero import drive_flat_optimizer
+
+        drive_flat_optimizer(engine, opt)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+                                          config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
     if conf["zero_optimization"]["stage"] in (1, 2):
         from adapter.patches.zero import install_zero12_step
 

@@ -55,8 +55,8 @@ def check_data(cfg: RunConfig) -> None:
 def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
     arch = load_arch(cfg.model.path)
     checks.check(cfg, arch)
-    # e.g. model.compile or ZeRO-2 where they can't go
-    deepspeed_config.zero_stage(cfg, Layout.from_config(cfg.parallelism))
+    # e.g. model.compile, ZeRO-2 or the flat AdamW where they can't go
+    deepspeed_config.flat_optimizer(cfg, Layout.from_config(cfg.parallelism))
     check_checkpoint(cfg, arch)
     from adapter.convert import cache
 

@@ -147,6 +147,36 @@ def test_zero2_resumes_exactly_and_exports(demo, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(r["exported"]).num_parameters() > 0
 
 
+def _flat_resume_worker(rank, world, demo, root):
+    """tp=4 (the flat AdamW): save at step 3, resume in a fresh engine; its checkpoint refused under DeepSpeed's."""
+    from adapter.errors import UserError
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    over = {"checkpoint.save_every": 3, "precision": "bf16", "optimizer.weight_decay": 0.1}
+    whole = run(run_config(demo, (1, 1, 1, 4), steps=6, **over, **{"checkpoint.dir": f"{root}/whole"}),
+                log=lambda s: None)
+    cut = f"{root}/cut"
+    first = run(run_config(demo, (1, 1, 1, 4), steps=3, **over, **{"checkpoint.dir": cut}), log=lambda s: None)
+    second = run(run_config(demo, (1, 1, 1, 4), steps=6, **over, **{"checkpoint.dir": cut}), resume=True,
+                 log=lambda s: None)
+    try:
+        run(run_config(demo, (1, 1, 1, 4), steps=9, **over, **{"checkpoint.dir": cut, "optimizer.impl": "deepspeed"}),
+            resume=True, log=lambda s: None)
+        refused = None
+    except UserError as e:
+        refused = str(e)
+    return {"whole": whole.losses, "cut": first.losses + second.losses, "start": second.start_step,
+            "refused": refused}
+
+
+def test_flat_optimizer_resumes_exactly_and_refuses_zero(demo, tmp_path):
+    r = run_workers(_flat_resume_worker, 4, demo, str(tmp_path), timeout=600)[0]
+    assert r["start"] == 3 and r["cut"] == r["whole"], r   # bit-identical on CPU (bf16 weights, fp32 master)
+    assert r["refused"] and "optimizer.impl" in r["refused"] and "flat AdamW" in r["refused"], r
+
+
 def _nan_grad_worker(rank, world, demo, root):
     """Poison one weight's gradient with NaN under bf16 (DeepSpeed's own overflow check is off by default)."""
     import torch
@@ -164,11 +194,13 @@ def _nan_grad_worker(rank, world, demo, root):
 
     engine_mod.build_engine = poisoned
     out = {}
-    for stage in (2, 3):
+    for stage in (2, 3, "flat"):  # flat: tp=4, nothing to shard (the flat AdamW)
+        shape = (1, 1, 1, 4) if stage == "flat" else (1, 4, 1, 1)
         try:
-            trainer.run(run_config(demo, (1, 4, 1, 1), steps=3, precision="bf16",
-                                **{"deepspeed.zero_stage": stage, "checkpoint.dir": f"{root}/z{stage}",
-                                   "checkpoint.save_every": 1}), log=lambda s: None)
+            trainer.run(run_config(demo, shape, steps=3, precision="bf16",
+                                **{"deepspeed.zero_stage": 2 if stage == "flat" else stage,
+                                   "checkpoint.dir": f"{root}/z{stage}", "checkpoint.save_every": 1}),
+                        log=lambda s: None)
             out[stage] = "finished"
         except RuntimeError as e:
             out[stage] = str(e)
@@ -179,7 +211,7 @@ def test_nonfinite_grad_norm_stops_before_any_checkpoint(demo, tmp_path):
     from pathlib import Path
 
     out = run_workers(_nan_grad_worker, 4, demo, str(tmp_path), timeout=600)
-    for stage in (2, 3):
+    for stage in (2, 3, "flat"):
         assert all(r[stage].startswith("the gradient norm is inf/NaN at step 1") for r in out), out
         assert "\n" not in out[0][stage] and "check_grad_overflow" in out[0][stage]
         assert not list(Path(tmp_path, f"z{stage}").glob("*step*")), f"ZeRO-{stage} wrote a checkpoint"
@@ -212,3 +244,28 @@ def test_replicas_resume_exactly_hsdp_and_hpz(demo, tmp_path):
     for mode in ("hsdp", "hpz"):
         assert r[mode]["start"] == 2 and r[mode]["cut"] == r[mode]["whole"], (mode, r[mode])
     assert r["hsdp"]["whole"] == pytest.approx(r["hpz"]["whole"], abs=1e-5)  # both are ZeRO-3 over dp, exactly
+
+
+def _fp8_worker(rank, world, demo):
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    out = {}
+    for precision in ("bf16", "fp8"):
+        raw = {"model": {"path": demo["model"], "checkpoint": demo["megatron"]},
+               "parallelism": {"dp_shard_size": 1}, "batch": {"micro_batch_size": 2, "global_batch_size": 2},
+               "seq_len": 64, "precision": precision,
+               "optimizer": {"lr": 3e-3, "schedule": "constant", "warmup_steps": 0, "max_steps": 8},
+               "data": {"files": [demo["data"]], "cache_dir": f"{demo['root']}/cache"}}
+        out[precision] = run(config.with_grad_accum(config.build(raw, env={}, world_size=1)), log=lambda s: None).losses
+    return out
+
+
+def test_fp8_mlp_trains_like_bf16(demo):
+    """precision fp8 (emulated on CPU): the MLP's matmuls through torch._scaled_mm; the curve follows bf16's."""
+    r = run_workers(_fp8_worker, 1, demo, timeout=300)[0]
+    bf16, fp8 = r["bf16"], r["fp8"]
+    assert fp8[-1] < fp8[0] - 0.1, fp8                                   # it learns
+    assert max(abs(a - b) / b for a, b in zip(bf16, fp8)) < 0.02, (bf16, fp8)
+    assert fp8 != bf16                                                   # and it did run in fp8

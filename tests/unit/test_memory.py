@@ -70,21 +70,28 @@ def test_zero_stage_only_when_there_is_something_to_shard():
     from adapter.parallel import deepspeed_config
 
     tp_only = cfg(**{"parallelism.dp_shard_size": 1})
-    assert deepspeed_config.build(tp_only, Layout(1, 1, 1, 2))["zero_optimization"] == {"stage": 1}
+    assert deepspeed_config.build(tp_only, Layout(1, 1, 1, 2))["zero_optimization"] == {"stage": 0}  # flat AdamW
+    ds = cfg(**{"parallelism.dp_shard_size": 1, "optimizer.impl": "deepspeed"})
+    assert deepspeed_config.build(ds, Layout(1, 1, 1, 2))["zero_optimization"] == {"stage": 1}
     assert deepspeed_config.build(cfg(), Layout(1, 2, 1, 2))["zero_optimization"]["stage"] == 3
 
 
 def test_optimizer_step_transients_by_stage():
     """ZeRO-1/2 step: flat 16-bit partition copy + fp32 copy of the whole partition (2 + 4 bytes/param on top of the
     16 of model states); ZeRO-3: one fp32 sub_group. The Mistral-7B shape on one H200 (issue 19) peaks there and
-    ran out of memory at every micro-batch size; plan must say so."""
+    ran out of memory at every micro-batch size under DeepSpeed's step; plan must say so. The flat AdamW (the
+    default with nothing to shard) has no step transient."""
     from pathlib import Path
 
     from adapter.models.arch import load_arch
 
     mistral = load_arch(Path(__file__).resolve().parents[2] / "configs/models/mistral-7b")
-    one = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full"})
+    one = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full",
+                 "optimizer.impl": "deepspeed"})
     P = memory.local_params(mistral, 1).total(mistral.num_layers)
+    flat = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full"})
+    est = memory.estimate(flat, mistral, partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
+    assert est.comm_buffers == 0 and est.peak_phase == "forward_backward" and est.fits  # the flat AdamW: in place
     est = memory.estimate(one, mistral, partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
     assert est.comm_buffers == (2 + 4) * P and est.peak == 22 * P and est.peak_phase == "optimizer_step"
     assert not est.fits and 22 * P / memory.GIB > 148

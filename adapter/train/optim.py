@@ -1,0 +1,170 @@
+"""AdamW with fp32 master weights in flat buffers, for layouts with nothing to shard (`optimizer.impl`: one GPU, or TP
+without DP/CP).
+
+Why: DeepSpeed's ZeRO-1 on one rank still pays its partition bookkeeping. On the Llama-3.2-1B shape its step took
+29.7 ms of GPU time per step, of which the Adam kernel was 10 ms; the rest was copies of every gradient to fp32 and
+back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, issue 16). Here:
+
+* the fp32 master weights and both moments are flat fp32 buffers (12 bytes/param, as in DeepSpeed's bf16 training;
+  fp32 runs update the weights themselves, with no master copy);
+* one fused pass per parameter reads its 16-bit gradient, applies clipping and AdamW (torch.optim.AdamW's
+  arithmetic) to the master and moments, and writes the 16-bit weight (compiled on CUDA);
+* the gradient norm is one multi-tensor kernel; clipping never leaves the device;
+* gradients stay autograd's own tensors, freed after each step (`zero_grad` sets them to None), so they are not
+  resident while the forward's activations peak.
+
+Gradient clipping under TP follows Megatron: tensor-parallel parameters count on every TP rank, the rest (norms:
+equal on every rank) once; the squares are summed over the TP group. A non-finite norm clips to zero gradients
+(DeepSpeed clips with an infinite norm) and the loop stops on it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from adapter.errors import bad
+
+
+def _adamw_update(master, exp_avg, exp_avg_sq, grad, low, hyper):
+    """hyper: [clip coef, 1 − lr·wd, 1 − β1, β2, 1 − β2, lr / bc1, √bc2, eps] (fp32, on the device)."""
+    g = torch.where(hyper[0] > 0, grad.float() * hyper[0], 0.0)  # a non-finite norm: zeros, even for NaNs
+    master.mul_(hyper[1])
+    exp_avg.lerp_(g, hyper[2])
+    exp_avg_sq.mul_(hyper[3]).add_(g * g * hyper[4])
+    master.sub_(hyper[5] * (exp_avg / (exp_avg_sq.sqrt() / hyper[6] + hyper[7])))
+    if low is not None:
+        low.copy_(master)
+
+
+_compiled = None
+
+
+def _step_fn(device: torch.device):
+    global _compiled
+    if device.type != "cuda":
+        return _adamw_update
+    if _compiled is None:
+        _compiled = torch.compile(_adamw_update, dynamic=True)
+    return _compiled
+
+
+@dataclass
+class _Flat:
+    params: list                 # the group's parameters
+    offsets: list                # where each starts in the flat buffers
+    master: torch.Tensor | None  # fp32 copies of 16-bit weights, flat (None: fp32 weights are their own master)
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class FlatAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, torch's bias correction) with gradient clipping and fp32 master weights.
+
+    DeepSpeed drives it as a plain client optimizer (`step()`, `zero_grad()`, `state_dict()`); it exposes the step's
+    gradient norm as `_global_grad_norm` (a device tensor), which DeepSpeed's engine reports."""
+
+    def __init__(self, param_groups, *, lr: float, betas: tuple[float, float], eps: float, clip_grad: float,
+                 tp_group=None):
+        super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
+        self.clip_grad, self.tp_group = clip_grad, tp_group
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
+        self.steps = 0
+        self._global_grad_norm = None
+        self.flats = [self._flatten(g["params"]) for g in self.param_groups]
+
+    @staticmethod
+    def _flatten(params) -> _Flat:
+        device = params[0].device
+        if any(p.device != device for p in params):
+            raise ValueError("FlatAdamW: a parameter group must be on one device")
+        offsets, n = [], 0
+        for p in params:
+            offsets.append(n)
+            n += p.numel()
+        master = None
+        if any(p.dtype != torch.float32 for p in params):
+            master = torch.empty(n, dtype=torch.float32, device=device)
+            for p, off in zip(params, offsets):
+                master[off:off + p.numel()].copy_(p.data.reshape(-1))
+        zeros = torch.zeros(n, dtype=torch.float32, device=device)
+        return _Flat(list(params), offsets, master, zeros, zeros.clone())
+
+    def _master(self, f: _Flat, i: int) -> torch.Tensor:
+        p, off = f.params[i], f.offsets[i]
+        return p.data.view(-1) if f.master is None else f.master[off:off + p.numel()]
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients (fp32, on the device), Megatron's TP rule."""
+        counted = [p.grad for f in self.flats for p in f.params
+                   if p.grad is not None and (self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+        device = self.flats[0].exp_avg.device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        if counted:
+            sq = torch.stack(torch._foreach_norm(counted, 2.0, dtype=torch.float32)).square().sum()
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("FlatAdamW.step takes no closure")
+        norm = self.grad_norm()
+        self._global_grad_norm = norm
+        if self.clip_grad > 0:
+            coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+        else:
+            coef = torch.ones_like(norm)
+        coef = torch.where(torch.isfinite(norm), coef, torch.zeros_like(coef))
+        self.steps += 1
+        for group, f in zip(self.param_groups, self.flats):
+            b1, b2 = group["betas"]
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            bc1, bc2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
+            host = torch.tensor([0.0, 1 - lr * wd, 1 - b1, b2, 1 - b2, lr / bc1, math.sqrt(bc2), group["eps"]],
+                                dtype=torch.float32)
+            device = f.exp_avg.device
+            hyper = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+            hyper[0] = coef
+            fn = _step_fn(device)
+            for i, p in enumerate(f.params):
+                off, n = f.offsets[i], p.numel()
+                grad = p.grad.reshape(-1) if p.grad is not None else torch.zeros(n, dtype=p.dtype, device=device)
+                fn(self._master(f, i), f.exp_avg[off:off + n], f.exp_avg_sq[off:off + n], grad,
+                   None if f.master is None else p.data.view(-1), hyper)
+        return None
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def state_dict(self):
+        return {"format": FORMAT, "steps": self.steps,
+                "groups": [{"numel": f.exp_avg.numel(), "master": f.master, "exp_avg": f.exp_avg,
+                            "exp_avg_sq": f.exp_avg_sq} for f in self.flats],
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state):
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise bad("optimizer.impl", "flat", "the checkpoint's optimizer state was written by DeepSpeed's ZeRO "
+                      "optimizer, not by the flat AdamW this run uses", "resume with optimizer.impl: deepspeed")
+        groups = state["groups"]
+        if [g["numel"] for g in groups] != [f.exp_avg.numel() for f in self.flats]:
+            raise bad("optimizer.impl", "flat", "the checkpoint's optimizer state is for another model",
+                      "resume with the model it was trained from")
+        for f, g in zip(self.flats, groups):
+            f.exp_avg.copy_(g["exp_avg"])
+            f.exp_avg_sq.copy_(g["exp_avg_sq"])
+            if f.master is not None:  # the master is the truth; the 16-bit weights are its rounding
+                f.master.copy_(g["master"])
+                for i, p in enumerate(f.params):
+                    p.data.view(-1).copy_(self._master(f, i))
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        self.steps = int(state["steps"])
+
+
+FORMAT = "nd-adapter.FlatAdamW/1"
+
+__all__ = ["FlatAdamW"]

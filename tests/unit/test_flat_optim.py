@@ -1,0 +1,100 @@
+"""FlatAdamW (adapter/train/optim.py) against torch.optim.AdamW + clip_grad_norm_ on the same gradients; its resume."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from adapter.errors import UserError
+from adapter.train.optim import FlatAdamW
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4, bias=False))
+    return m.to(dtype)
+
+
+def _groups(model):
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _backward(model, step, micro=2):
+    for k in range(micro):  # accumulation into the flat gradient views
+        g = torch.Generator().manual_seed(100 * step + k)
+        x = torch.randn(5, 8, generator=g).to(next(model.parameters()).dtype)
+        (model(x).float().square().mean() * (30 if step == 1 else 1)).backward()  # step 1 is clipped
+
+
+def _lambda(step):
+    return min(1.0, (step + 1) / 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_adamw_matches_torch_adamw(dtype):
+    ours = _model(dtype)
+    ref = copy.deepcopy(ours).float()  # the reference keeps fp32 weights: our master weights
+    opt = FlatAdamW(_groups(ours), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.5)
+    torch_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
+    torch_sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, _lambda)
+    for step in range(1, 6):
+        _backward(ours, step)
+        for p_ref, p in zip(ref.parameters(), ours.parameters()):
+            p_ref.grad = p.grad.detach().float().clone()  # the same gradients (bf16: as backward rounded them)
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        torch_opt.step()
+        sched.step()
+        torch_sched.step()
+        assert torch.allclose(opt._global_grad_norm, norm, rtol=1e-5), (step, opt._global_grad_norm, norm)
+        for f, group in zip(opt.flats, torch_opt.param_groups):
+            want = torch.cat([p.detach().reshape(-1) for p in group["params"]])
+            master = torch.cat([opt._master(f, i) for i in range(len(f.params))])
+            assert torch.allclose(master, want, rtol=1e-5, atol=1e-7), step
+            weights = torch.cat([p.detach().reshape(-1) for p in f.params])
+            assert torch.equal(weights, master.to(dtype))  # the 16-bit weights are the master's rounding
+        opt.zero_grad()
+
+
+def test_flat_adamw_resumes_exactly(tmp_path):
+    models, opts = [], []
+    for _ in range(2):
+        models.append(_model(torch.bfloat16))
+        opts.append(FlatAdamW(_groups(models[-1]), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0))
+    model, opt = models[0], opts[0]
+    for step in (2, 3):
+        _backward(model, step)
+        opt.step()
+        opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())  # freed between steps
+    torch.save({"opt": opt.state_dict(), "model": model.state_dict()}, tmp_path / "ck.pt")
+
+    again, opt2 = models[1], opts[1]
+    saved = torch.load(tmp_path / "ck.pt", weights_only=False)
+    again.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    for m, o in zip(models, opts):
+        _backward(m, 4)
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert all(torch.equal(a.master, b.master) for a, b in zip(opt.flats, opt2.flats))
+
+    with pytest.raises(UserError, match="optimizer.impl"):  # a ZeRO checkpoint's optimizer state
+        opt2.load_state_dict(None)
+
+
+def test_nonfinite_gradient_norm_leaves_weights_finite():
+    model = _model(torch.float32)
+    opt = FlatAdamW([{"params": list(model.parameters()), "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.99),
+                    eps=1e-8, clip_grad=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(model, 2)
+    next(model.parameters()).grad[0, 0] = float("nan")
+    opt.step()
+    assert not torch.isfinite(opt._global_grad_norm)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # clipped to zero gradients

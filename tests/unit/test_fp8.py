@@ -1,0 +1,39 @@
+"""adapter/models/fp8.py on CPU: the casts, and each of the three fp8 GEMMs against the same GEMM on the dequantized
+operands (fp64), which it must equal up to accumulation rounding."""
+from __future__ import annotations
+
+import torch
+
+from adapter.models.fp8 import E4M3_MAX, fp8_linear, quantize_rows
+
+
+def _deq(t: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_rows(t)
+    return q.double() * s.double()
+
+
+def test_row_casts_use_power_of_two_scales_within_e4m3_range():
+    x = torch.randn(8, 64) * torch.logspace(-3, 3, 8).unsqueeze(1)
+    q, s = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (8, 1)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)                  # powers of two
+    assert (q.float().abs().amax(1) <= E4M3_MAX).all() and (q.float().abs().amax(1) > E4M3_MAX / 2).all()
+    assert ((q.float() * s - x).abs() <= x.abs() * 2 ** -4 + s * 2 ** -9).all()  # e4m3: 3 mantissa bits
+
+
+def test_fp8_linear_is_the_gemm_of_its_cast_operands():
+    torch.manual_seed(0)
+    x = torch.randn(32, 48, requires_grad=True)
+    w = torch.randn(24, 48, requires_grad=True)
+    g = torch.randn(32, 24)
+    y = fp8_linear(x, w)
+    y.backward(g)
+    assert torch.allclose(y.double(), _deq(x.detach()) @ _deq(w.detach()).t(), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(x.grad.double(), _deq(g) @ _deq(w.detach().t()).t(), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(w.grad.double(), _deq(g.t()) @ _deq(x.detach().t()).t(), rtol=1e-5, atol=1e-4)
+    exact = x.detach() @ w.detach().t()
+    assert ((y - exact).norm() / exact.norm()) < 0.08                          # and close to the bf16/fp32 GEMM
+
+    x.grad = w.grad = None
+    fp8_linear(x, w, wgrad_fp8=False).backward(g)                             # the weight gradient in full precision
+    assert torch.allclose(w.grad, g.t() @ x.detach(), rtol=1e-5, atol=1e-4)
