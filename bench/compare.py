@@ -62,13 +62,20 @@ def parse_result(log: str) -> dict | None:
 
 
 def ours(a) -> dict[str, str]:
-    if a.gpus == 1:
-        return {f"nd-adapter 1 GPU ({a.shape})": f"bench/configs/{ONE_GPU[a.shape]}-1gpu.yaml"}
+    if a.gpus == 1:  # the default (flat AdamW), with recompute to a memory budget, and DeepSpeed's ZeRO-1 step
+        cfg = f"bench/configs/{ONE_GPU[a.shape]}-1gpu.yaml"
+        return {f"nd-adapter 1 GPU ({a.shape})": cfg, f"nd-adapter 1 GPU ({a.shape}, activation budget 0.6)": cfg,
+                f"nd-adapter 1 GPU ({a.shape}, DeepSpeed ZeRO-1 step)": cfg}
     return OURS
 
 
+ROW_SETS = {"DeepSpeed ZeRO-1 step": ["--set", "optimizer.impl=deepspeed"],
+            "activation budget 0.6": ["--set", "model.compile_memory_budget=0.6"]}
+
+
 def commands(a) -> dict[str, list[str]]:
-    cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg]
+    cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg,
+                   *next((v for k, v in ROW_SETS.items() if k in name), [])]
             for name, cfg in ours(a).items()}
     model = f"configs/models/{ONE_GPU[a.shape]}/config.json"
     for mode in ONE_GPU_PEERS if a.gpus == 1 else PEERS:
