@@ -61,22 +61,27 @@ def parse_result(log: str) -> dict | None:
     return json.loads(lines[-1][7:]) if lines else None
 
 
-def ours(a) -> dict[str, str]:
-    if a.gpus == 1:  # the default (flat AdamW), with recompute to a memory budget, and DeepSpeed's ZeRO-1 step
+ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget recompute, fp8, DeepSpeed's step
+    "": [],
+    "activation budget 0.6": ["--set", "model.compile_memory_budget=0.6"],
+    "fp8": ["--set", "precision=fp8"],
+    "fp8, activation budget 0.6": ["--set", "precision=fp8", "--set", "model.compile_memory_budget=0.6"],
+    "DeepSpeed ZeRO-1 step": ["--set", "optimizer.impl=deepspeed"],
+}
+
+
+def ours(a) -> dict[str, tuple[str, list[str]]]:
+    """Row name -> (config, extra arguments)."""
+    if a.gpus == 1:
         cfg = f"bench/configs/{ONE_GPU[a.shape]}-1gpu.yaml"
-        return {f"nd-adapter 1 GPU ({a.shape})": cfg, f"nd-adapter 1 GPU ({a.shape}, activation budget 0.6)": cfg,
-                f"nd-adapter 1 GPU ({a.shape}, DeepSpeed ZeRO-1 step)": cfg}
-    return OURS
-
-
-ROW_SETS = {"DeepSpeed ZeRO-1 step": ["--set", "optimizer.impl=deepspeed"],
-            "activation budget 0.6": ["--set", "model.compile_memory_budget=0.6"]}
+        return {f"nd-adapter 1 GPU ({a.shape}{', ' + v if v else ''})": (cfg, sets)
+                for v, sets in ONE_GPU_VARIANTS.items()}
+    return {name: (cfg, []) for name, cfg in OURS.items()}
 
 
 def commands(a) -> dict[str, list[str]]:
-    cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg,
-                   *next((v for k, v in ROW_SETS.items() if k in name), [])]
-            for name, cfg in ours(a).items()}
+    cmds = {name: ["deepspeed", f"--num_gpus={a.gpus}", "launch/train.py", "--config", cfg, *sets]
+            for name, (cfg, sets) in ours(a).items()}
     model = f"configs/models/{ONE_GPU[a.shape]}/config.json"
     for mode in ONE_GPU_PEERS if a.gpus == 1 else PEERS:
         cmds[mode] = ["torchrun", f"--nproc-per-node={a.gpus}", "bench/peers.py", mode, "--model-config", model,
@@ -142,7 +147,7 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         (Path(a.log_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log").write_text(out)
-        ours_cfg = ours(a).get(name)
+        ours_cfg = ours(a).get(name, (None,))[0]
         rows[name] = parse_steps(out) if ours_cfg else parse_result(out)
         if ours_cfg and rows[name]:
             from adapter.models.arch import load_arch

@@ -46,6 +46,8 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
     ("1B one GPU, flat AdamW, compiled", "llama-3.2-1b-1gpu", {}, 1, 59296, "issue 16 s3 compare", "current"),
     ("3B one GPU, flat AdamW, compiled", "llama-3.2-3b-1gpu", {"model.compile": True}, 1, 23970,
      "issue 16 s3 compare", "current"),
+    ("1B one GPU, precision fp8 (MLP), compiled", "llama-3.2-1b-1gpu", {"precision": "fp8"}, 1, 65221,
+     "issue 16 s3 last call", "current"),
     ("1B one GPU, DeepSpeed ZeRO-1 step, compiled", "llama-3.2-1b-1gpu", DS, 1, 51796, "issue 16 s3 compare",
      "current"),
     ("3B one GPU, DeepSpeed ZeRO-1 step, compiled", "llama-3.2-3b-1gpu", {"model.compile": True, **DS}, 1, 20763,

@@ -32,6 +32,8 @@ OPT_BYTES_PER_PARAM = 56    # fp32 grad copy (6), AdamW r/w of param, m, v + gra
 FLAT_OPT_BYTES_PER_PARAM = 30  # flat AdamW: 16-bit grad read for the norm (2) and the update (2), master, m, v
 #                               read and written (24), 16-bit weight written (2); streamed at the device copy rate
 #                               (1B, one H200: the step's share fell from ~29 to ~9 ms, issue 16 in BENCHMARKS)
+FP8_MLP_SPEEDUP = 1.25        # precision fp8: the MLP GEMMs' fwd+bwd time, casts included, over bf16's; fitted to
+#                               one H200's 1B run (+8.3% end to end; the kernel bench gave 1.19× fc1, 1.01× fc2)
 COMPILED_HIDDEN = 0.6       # compiled layers fuse each residual add with the next norm: 12 of the 20 bytes/element
 COMPILE_BREAKS = 1.2        # ...but at tp > 1 (a graph break at every Megatron linear), cp > 1 or selective recompute
 #                             nothing fuses and each break costs host time: -8% measured at tp=2 (1B, session 4)
@@ -169,7 +171,10 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     vol = {r.group: r.bytes_per_step for r in rows}
 
     # GPU compute per micro-batch
-    g_fwd = L * gemm_seconds(layer_gemms(arch, tokens, tp), prof)
+    shapes = layer_gemms(arch, tokens, tp)
+    g_fwd = L * gemm_seconds(shapes, prof)
+    if cfg.precision == "fp8":  # the MLP's two GEMMs (the last two shapes) in fp8, casts included
+        g_fwd -= L * gemm_seconds(shapes[2:], prof) * (1 - 1 / FP8_MLP_SPEEDUP)
     g_head = gemm_seconds([(tokens, vocab // tp, arch.hidden_size)], prof)
     gemm = 3 * (g_fwd + g_head)
     attn = L * attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
