@@ -48,7 +48,6 @@ def main():
             w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16).requires_grad_()
             nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
             g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            ref = {}
             xs, ws = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
             y = F.linear(F.rms_norm(xs, (k,), nw.float()), ws)
             y.backward(g.float())
@@ -56,9 +55,9 @@ def main():
             row = []
             for kind, lin in kinds:
                 torch._dynamo.reset()  # one graph per shape and kind (else the recompile limit falls back to eager)
-                f = torch.compile(lambda x, w, lin=lin: lin(F.rms_norm(x, (k,), nw), w), dynamic=False)
+                f = torch.compile(lambda x, w, lin=lin, k=k, nw=nw: lin(F.rms_norm(x, (k,), nw), w), dynamic=False)
 
-                def step():
+                def step(f=f, x=x, w=w, g=g):
                     x.grad = w.grad = None
                     f(x, w).backward(g)
                 ms = timed(step)
@@ -72,8 +71,9 @@ def main():
             print(f"{model}-{name:7s} {f'{k}→{n}':>12s} " + " ".join(
                 f"{row[2 * i]:16.3f} {row[0] / row[2 * i]:5.2f} {row[2 * i + 1]:8.1e}" for i in range(len(kinds))))
     for kind in total:
-        print(f"1b layer linears (norm+linear, fwd+bwd), {kind}: {total[kind]:.3f} ms, × {total['bf16'] / total[kind]:.2f}"
-              f"; ×16 layers: saves {16 * (total['bf16'] - total[kind]):.1f} ms/step")
+        print(f"1b layer linears (norm+linear, fwd+bwd), {kind}: {total[kind]:.3f} ms, "
+              f"× {total['bf16'] / total[kind]:.2f}; ×16 layers: saves "
+              f"{16 * (total['bf16'] - total[kind]):.1f} ms/step")
 
 
 if __name__ == "__main__":

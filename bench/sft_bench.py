@@ -71,7 +71,8 @@ def main(argv=None) -> dict:
     yaml = {"base_model": str(model), "datasets": [{"path": str(data), "type": "chat_template"}],
             "chat_template": "chatml", "special_tokens": {"eos_token": "<|im_end|>"}, "sample_packing": True,
             "sequence_len": a.seq, "micro_batch_size": a.micro_batch, "gradient_accumulation_steps": 1,
-            "learning_rate": a.lr, "seed": a.seed, "max_steps": a.steps, "bf16": True, "dataset_prepared_path": str(a.out / "prep"),
+            "learning_rate": a.lr, "seed": a.seed, "max_steps": a.steps, "bf16": True,
+            "dataset_prepared_path": str(a.out / "prep"),
             "dp_shard_size": 1}
     cfg = a.out / "sft.yaml"
     cfg.write_text(json.dumps(yaml, indent=1))  # JSON is YAML

@@ -114,5 +114,6 @@ def average_over_replicas(engine, replica_group, replicas: int) -> None:
     buf.div_(replicas)
 
 
-__all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "drive_flat_optimizer", "unscale_and_clip_grads", "mask_nonfinite_",
+__all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "drive_flat_optimizer", "unscale_and_clip_grads",
+           "mask_nonfinite_",
            "set_hpz_group", "average_over_replicas"]
