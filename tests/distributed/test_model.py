@@ -317,13 +317,32 @@ def _compile_worker(rank, world):
             name = f"tp{tp}_packed{i}" if i else f"tp{tp}"
             out[f"{name}_loss"] = abs(l0 - l1)
             out[f"{name}_grad"] = max((g0[n] - g1[n]).abs().max().item() for n in g0)
+        if tp == 1:  # model.compile_memory_budget: the partitioner recomputes instead of saving; same maths
+            saved = {}
+            for budget in (None, 0.3):
+                torch.manual_seed(0)
+                model = build_gpt_model(arch, tp=1)
+                torch._dynamo.reset()
+                compile_layers(model, memory_budget=budget)
+                nbytes = []
+                with torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: (nbytes.append(t.numel() * t.element_size()), t)[1], lambda t: t):
+                    loss = model(ids[:, :-1], None, None, labels=ids[:, 1:]).float().mean()
+                loss.backward()
+                saved[budget] = sum(nbytes)
+            torch._functorch.config.activation_memory_budget = 1.0
+            (l0, g0) = runs[0][0]
+            out["tp1_budget_loss"] = abs(loss.item() - l0)
+            out["tp1_budget_grad"] = max((g0[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
+            out["saved_bytes"] = saved
     return out
 
 
 def test_compiled_layers_match_eager():
     for r in run_workers(_compile_worker, 2, timeout=600):
         assert all(v <= TOL for k, v in r.items() if k.endswith(("_loss", "_grad"))), r
-        assert {"tp1_loss", "tp2_grad", "tp1_packed1_grad", "tp1_packed2_grad"} <= r.keys(), r
+        assert {"tp1_loss", "tp2_grad", "tp1_packed1_grad", "tp1_packed2_grad", "tp1_budget_grad"} <= r.keys(), r
+        assert r["saved_bytes"][0.3] < r["saved_bytes"][None], r   # the budget made the layers keep less
         assert r["graph_breaks"] == 0, r  # e.g. Megatron's tp_group=None warning (adapter/patches/mcore.py) would
         assert r["graphs"] == 1, r        # four layers, one compiled graph
         # packed documents: no graph break, and a new document count needs no new graph (cu_seqlens are dynamic)

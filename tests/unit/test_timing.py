@@ -264,3 +264,19 @@ def test_hsdp_replica_all_reduce_is_exposed_once_per_step():
             zero3 = 2 * (edge + max(0.0, t - edge - st.breakdown["compute"] / 2))
         assert st.breakdown["dp_comm"] == pytest.approx(zero3 + rows["dp_replicate"] / 1e10 + 2e-5)
         assert st.breakdown["host"] == pytest.approx(2 * 2 * 3 * 1e-3)   # ZeRO-3's hooks, 2 micro-batches
+
+
+def test_flat_adamw_and_fp8_by_hand():
+    """Nothing to shard (tp=2 alone): the flat AdamW streams 30 bytes/param at the copy rate and has no ZeRO host
+    step; DeepSpeed's ZeRO-1 step streams 56 at the fitted optimizer rate. fp8: the MLP GEMMs at 1/1.25."""
+    layout, p = Layout(1, 1, 1, 2), profile(host={"step_s": 5e-3})
+    P = memory.local_params(TINY, 2).total(2)
+    flat = _predict(cfg(**{"parallelism.dp_shard_size": 1}), layout, p, 1)
+    ds = _predict(cfg(**{"parallelism.dp_shard_size": 1, "optimizer.impl": "deepspeed"}), layout, p, 1)
+    assert flat.breakdown["optimizer"] == pytest.approx(30 * P / 2e12)
+    assert ds.breakdown["optimizer"] == pytest.approx(56 * P / 1e12)
+    assert ds.breakdown["host"] - flat.breakdown["host"] == pytest.approx(5e-3 - ds.breakdown["optimizer"])
+    one, c1 = Layout(1, 1, 1, 1), {"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1}
+    bf16, fp8 = (_predict(cfg(**c1, precision=x), one, p, 1) for x in ("bf16", "fp8"))
+    mlp = 3 * 2 * timing.gemm_seconds(timing.layer_gemms(TINY, 64, 1)[2:], p)   # 2 layers, fwd + bwd
+    assert bf16.compute_detail["gemm"] - fp8.compute_detail["gemm"] == pytest.approx(mlp * (1 - 1 / 1.25))
