@@ -326,7 +326,7 @@ def _compile_worker(rank, world):
                 compile_layers(model, memory_budget=budget)
                 nbytes = []
                 with torch.autograd.graph.saved_tensors_hooks(
-                        lambda t: (nbytes.append(t.numel() * t.element_size()), t)[1], lambda t: t):
+                        lambda t, nbytes=nbytes: (nbytes.append(t.numel() * t.element_size()), t)[1], lambda t: t):
                     loss = model(ids[:, :-1], None, None, labels=ids[:, 1:]).float().mean()
                 loss.backward()
                 saved[budget] = sum(nbytes)
