@@ -7,7 +7,7 @@ issues them (docs/BENCHMARKS.md, session 4). One compiled graph per layer fuses 
 RoPE into a few kernels and replaces the per-op Python with one guarded call; the 16 identical layers share one
 graph (torch inlines nn.Module attributes as graph inputs), so it compiles once.
 
-At tp = 1 the linears' matmuls are plain `F.linear` inside the graph (`plain_linear`), not Megatron's autograd
+At tp = 1 the linears' matmuls are plain `F.linear` inside the graph (`set_linear_impl`), not Megatron's autograd
 Function: a Function's saved tensors are fixed outputs of its forward, so AOTAutograd's partitioner could not choose
 to recompute the SwiGLU product or the norms' outputs in backward instead of saving them (measured: issue 16 in
 docs/BENCHMARKS.md). With nothing to communicate, the Function adds nothing else.
@@ -25,14 +25,6 @@ import torch.nn.functional as F
 from adapter.patches.mcore import quiet_row_parallel_group, set_linear_impl
 
 
-def plain_linear(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-                 sequence_parallel=False, grad_output_buffer=None, **_):
-    """Megatron's linear `_forward_impl` when there is nothing to communicate or fuse: the matmul alone."""
-    if gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or grad_output_buffer:
-        raise NotImplementedError("plain_linear is for tp = 1 without gradient-accumulation fusion")
-    return F.linear(input, weight, bias)
-
-
 def compile_layers(model: torch.nn.Module, memory_budget: float | None = None) -> int:
     """Compile every decoder layer in place (forward only: module hooks stay eager). Returns how many.
 
@@ -47,7 +39,7 @@ def compile_layers(model: torch.nn.Module, memory_budget: float | None = None) -
         for layer in layers:
             for m in layer.modules():
                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and "_forward_impl" not in vars(m):
-                    set_linear_impl(m, plain_linear)
+                    set_linear_impl(m, F.linear)
     if memory_budget is not None:
         torch._functorch.config.activation_memory_budget = memory_budget
     for layer in layers:
@@ -55,4 +47,4 @@ def compile_layers(model: torch.nn.Module, memory_budget: float | None = None) -
     return len(layers)
 
 
-__all__ = ["compile_layers", "plain_linear"]
+__all__ = ["compile_layers"]

@@ -67,15 +67,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, wgrad_fp8: bool = True) ->
     return _Fp8Linear.apply(x, weight, wgrad_fp8)
 
 
-def fp8_linear_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-                    sequence_parallel=False, grad_output_buffer=None, **_):
-    """A Megatron linear's `_forward_impl` at tp = 1 (nothing to communicate): the fp8 matmul."""
-    if gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or grad_output_buffer:
-        raise NotImplementedError("fp8 linears are for tp = 1 without gradient-accumulation fusion")
-    out = fp8_linear(input, weight)
-    return out if bias is None else out + bias
-
-
 def install_fp8_mlp(model) -> int:
     """Every decoder layer's MLP linears (fc1, fc2) on fp8 matmuls; returns how many. Refuses GPUs without fp8."""
     from adapter.errors import bad
@@ -88,9 +79,9 @@ def install_fp8_mlp(model) -> int:
     n = 0
     for layer in model.decoder.layers:
         for linear in (layer.mlp.linear_fc1, layer.mlp.linear_fc2):
-            set_linear_impl(linear, fp8_linear_impl)
+            set_linear_impl(linear, fp8_linear)
             n += 1
     return n
 
 
-__all__ = ["fp8_linear", "fp8_linear_impl", "install_fp8_mlp", "quantize_rows"]
+__all__ = ["fp8_linear", "install_fp8_mlp", "quantize_rows"]

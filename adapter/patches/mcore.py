@@ -147,14 +147,24 @@ def install_rope_fusion(fused_rope) -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
-def set_linear_impl(linear, impl) -> None:
-    """Replace a Column/RowParallelLinear's `_forward_impl` (Megatron's autograd Function with its TP communication
-    and gradient-accumulation fusion) with `impl`, called with the same keyword arguments."""
+def set_linear_impl(linear, matmul) -> None:
+    """Run a Column/RowParallelLinear's matmul as `matmul(input, weight)` (e.g. `F.linear`, fp8) instead of its
+    `_forward_impl`, Megatron's autograd Function with its TP communication and gradient-accumulation fusion: only
+    where there is neither (tp = 1), which each call checks."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
         raise TypeError(f"not a Megatron parallel linear: {type(linear).__name__}")
     require("megatron-core", TESTED_MEGATRON_VERSIONS, "linear matmul implementation (adapter/patches/mcore.py)")
+
+    def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+             sequence_parallel=False, grad_output_buffer=None, **_):
+        if gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or grad_output_buffer:
+            raise NotImplementedError(f"{getattr(matmul, '__name__', matmul)} in a Megatron linear is for tp = 1 "
+                                      "without gradient-accumulation fusion")
+        out = matmul(input, weight)
+        return out if bias is None else out + bias
+
     linear._forward_impl = impl
 
 

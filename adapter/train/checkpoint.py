@@ -219,10 +219,10 @@ def _check_match(engine, model_states: Path, key: str, value: str) -> None:
         raise bad(key, value, f"saved with data-parallel size {meta.get('dp_world_size')} and model-parallel size "
                   f"{meta.get('mp_world_size')}, this run has {here_dp} and {here_mp}",
                   "resume with the layout it was saved with")
-    from adapter.train.optim import FORMAT
+    from adapter.train.optim import FORMAT, FlatAdamW
 
     saved_flat = isinstance(meta.get("optimizer"), dict) and meta["optimizer"].get("format") == FORMAT
-    here_flat = type(engine.optimizer).__name__ == "FlatAdamW"
+    here_flat = isinstance(engine.optimizer, FlatAdamW)
     if saved_flat != here_flat:
         said = ("nd-adapter's flat AdamW", "DeepSpeed's ZeRO optimizer")
         there, here = (said if saved_flat else said[::-1])

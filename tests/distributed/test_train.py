@@ -109,12 +109,26 @@ def test_bf16_grad_norm_counts_tp_shards_once(demo):
         assert all(abs(a - b) / a < 0.01 for a, b in zip(ref, other)), norms
 
 
+def _whole_then_cut(demo, shape, steps, cut_at, prefix, over, resume_over=None):
+    """The same run whole, and cut: `cut_at` steps, then resumed in a fresh engine up to `steps`. Checkpoints go to
+    `prefix`-whole and `prefix`-cut."""
+    from adapter.train.trainer import run
+
+    def quiet(line):
+        pass
+
+    whole = run(run_config(demo, shape, steps=steps, **over, **{"checkpoint.dir": f"{prefix}-whole"}), log=quiet)
+    cut = {"checkpoint.dir": f"{prefix}-cut"}
+    first = run(run_config(demo, shape, steps=cut_at, **over, **cut), log=quiet)
+    second = run(run_config(demo, shape, steps=steps, **over, **cut, **(resume_over or {})), resume=True, log=quiet)
+    return whole, first, second
+
+
 def _zero2_resume_worker(rank, world, demo, root):
     """ZeRO-2 (tp=2 × dp_shard=2): save at step 3, resume in a fresh engine, export HF at the end."""
     from adapter.patches import zero
     from adapter.train import engine as engine_mod
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
 
     init_distributed()
     build, ours = engine_mod.build_engine, []
@@ -127,13 +141,8 @@ def _zero2_resume_worker(rank, world, demo, root):
 
     engine_mod.build_engine = spy
     over = {"deepspeed.zero_stage": 2, "checkpoint.save_every": 3}
-    whole = run(run_config(demo, (1, 2, 1, 2), steps=6, **over, **{"checkpoint.dir": f"{root}/whole"}),
-                log=lambda s: None)
-    cut = f"{root}/cut"
-    first = run(run_config(demo, (1, 2, 1, 2), steps=3, **over, **{"checkpoint.dir": cut}), log=lambda s: None)
-    second = run(run_config(demo, (1, 2, 1, 2), steps=6, **over, **{"checkpoint.dir": cut,
-                                                                     "checkpoint.export_hf": f"{root}/hf"}),
-                 resume=True, log=lambda s: None)
+    whole, first, second = _whole_then_cut(demo, (1, 2, 1, 2), 6, 3, f"{root}/z2", over,
+                                           {"checkpoint.export_hf": f"{root}/hf"})
     return {"whole": whole.losses, "first": first.losses, "second": second.losses, "start": second.start_step,
             "exported": second.exported, "patched": ours}
 
@@ -155,14 +164,10 @@ def _flat_resume_worker(rank, world, demo, root):
 
     init_distributed()
     over = {"checkpoint.save_every": 3, "precision": "bf16", "optimizer.weight_decay": 0.1}
-    whole = run(run_config(demo, (1, 1, 1, 4), steps=6, **over, **{"checkpoint.dir": f"{root}/whole"}),
-                log=lambda s: None)
-    cut = f"{root}/cut"
-    first = run(run_config(demo, (1, 1, 1, 4), steps=3, **over, **{"checkpoint.dir": cut}), log=lambda s: None)
-    second = run(run_config(demo, (1, 1, 1, 4), steps=6, **over, **{"checkpoint.dir": cut}), resume=True,
-                 log=lambda s: None)
+    whole, first, second = _whole_then_cut(demo, (1, 1, 1, 4), 6, 3, f"{root}/flat", over)
     try:
-        run(run_config(demo, (1, 1, 1, 4), steps=9, **over, **{"checkpoint.dir": cut, "optimizer.impl": "deepspeed"}),
+        run(run_config(demo, (1, 1, 1, 4), steps=9, **over, **{"checkpoint.dir": f"{root}/flat-cut",
+                                                               "optimizer.impl": "deepspeed"}),
             resume=True, log=lambda s: None)
         refused = None
     except UserError as e:
@@ -220,18 +225,12 @@ def test_nonfinite_grad_norm_stops_before_any_checkpoint(demo, tmp_path):
 def _replica_resume_worker(rank, world, demo, root):
     """dp_replicate=2 × dp_shard=2, exact HSDP and hpZ: save at step 2, resume in a fresh engine, go on to step 4."""
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
 
     init_distributed()
     out = {}
     for mode in ("hsdp", "hpz"):
         over = {"deepspeed.replicate_mode": mode, "checkpoint.save_every": 2}
-        whole = run(run_config(demo, (2, 2, 1, 1), steps=4, **over, **{"checkpoint.dir": f"{root}/{mode}-whole"}),
-                    log=lambda s: None)
-        cut = f"{root}/{mode}-cut"
-        first = run(run_config(demo, (2, 2, 1, 1), steps=2, **over, **{"checkpoint.dir": cut}), log=lambda s: None)
-        second = run(run_config(demo, (2, 2, 1, 1), steps=4, **over, **{"checkpoint.dir": cut}), resume=True,
-                     log=lambda s: None)
+        whole, first, second = _whole_then_cut(demo, (2, 2, 1, 1), 4, 2, f"{root}/{mode}", over)
         out[mode] = {"whole": whole.losses, "cut": first.losses + second.losses, "start": second.start_step}
     return out
 
