@@ -61,11 +61,17 @@ def parse_result(log: str) -> dict | None:
     return json.loads(lines[-1][7:]) if lines else None
 
 
+FP8 = ["--set", "precision=fp8"]
+LINEAR_CE = ["--set", "model.fused_linear_ce=true", "--set", "model.fused_linear_ce_chunk=2048"]
 ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget recompute, fp8, DeepSpeed's step
     "": [],
     "activation budget 0.6": ["--set", "model.compile_memory_budget=0.6"],
-    "fp8": ["--set", "precision=fp8"],
-    "fp8, activation budget 0.6": ["--set", "precision=fp8", "--set", "model.compile_memory_budget=0.6"],
+    "linear CE": LINEAR_CE,
+    "fp8": FP8,
+    "fp8 rowwise": [*FP8, "--set", "model.fp8_recipe=rowwise"],
+    "fp8 all linears": [*FP8, "--set", "model.fp8_linears=[qkv,proj,fc1,fc2]"],
+    "fp8, linear CE": [*FP8, *LINEAR_CE],
+    "fp8, activation budget 0.6": [*FP8, "--set", "model.compile_memory_budget=0.6"],
     "DeepSpeed ZeRO-1 step": ["--set", "optimizer.impl=deepspeed"],
 }
 

@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from adapter.models.fp8 import fp8_linear  # noqa: E402
+from adapter.models.fp8 import RECIPES, fp8_linear  # noqa: E402
 
 SHAPES = {"1b": {"qkv": (2048, 3072), "proj": (2048, 2048), "fc1": (2048, 16384), "fc2": (8192, 2048)},
           "3b": {"qkv": (3072, 5120), "proj": (3072, 3072), "fc1": (3072, 16384), "fc2": (8192, 3072)}}
+
+LAYERS = {"1b": 16, "3b": 28}
 
 
 def timed(fn, iters=20):
@@ -39,9 +41,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     args = ap.parse_args()
     m = args.tokens
-    kinds = (("bf16", F.linear), ("fp8", fp8_linear), ("fp8, bf16 wgrad", lambda x, w: fp8_linear(x, w, False)))
-    print(f"{'shape':10s} {'k→n':>12s} " + " ".join(f"{k + ' ms':>16s} {'×':>5s} {'err':>8s}" for k, _ in kinds))
-    total = {k: 0.0 for k, _ in kinds}
+    kinds = (("bf16", F.linear), *((r, lambda x, w, r=r: fp8_linear(x, w, r)) for r in RECIPES))
+    print(f"{'shape':10s} {'k→n':>12s} " + " ".join(f"{k[:13] + ' ms':>16s} {'×':>5s} {'err':>8s}" for k, _ in kinds))
+    total = {(mdl, k): 0.0 for mdl in SHAPES for k, _ in kinds}
     for model, shapes in SHAPES.items():
         for name, (k, n) in shapes.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -66,14 +68,14 @@ def main():
                 y.backward(g)
                 err = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip((y, x.grad, w.grad), ref))
                 row += [ms, err]
-                if model == "1b":
-                    total[kind] += ms
+                total[model, kind] += ms
             print(f"{model}-{name:7s} {f'{k}→{n}':>12s} " + " ".join(
                 f"{row[2 * i]:16.3f} {row[0] / row[2 * i]:5.2f} {row[2 * i + 1]:8.1e}" for i in range(len(kinds))))
-    for kind in total:
-        print(f"1b layer linears (norm+linear, fwd+bwd), {kind}: {total[kind]:.3f} ms, "
-              f"× {total['bf16'] / total[kind]:.2f}; ×16 layers: saves "
-              f"{16 * (total['bf16'] - total[kind]):.1f} ms/step")
+    for (model, kind), ms in total.items():
+        layers = LAYERS[model]
+        print(f"{model} layer linears (norm+linear, fwd+bwd), {kind}: {ms:.3f} ms, "
+              f"× {total[model, 'bf16'] / ms:.2f}; ×{layers} layers: saves "
+              f"{layers * (total[model, 'bf16'] - ms):.1f} ms/step")
 
 
 if __name__ == "__main__":

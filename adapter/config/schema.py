@@ -65,7 +65,14 @@ class ModelSection(_Strict):
     fused_linear_ce: bool = Field(
         False, description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits): less "
                            "memory, slower on one H200 (docs/BENCHMARKS.md)")
+    fused_linear_ce_chunk: StrictInt | None = Field(
+        None, ge=16, description="tokens per chunk of the fused linear CE (then nd-adapter's kernel, also at tp = 1); "
+        "unset: Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
     compile: bool = Field(False, description="torch.compile each transformer layer (not with ZeRO-3)")
+    # precision: fp8 only (adapter/models/fp8.py): how the fp8 operands are scaled (torchao's recipe names), and
+    # which of each layer's linears run in fp8
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    fp8_linears: tuple[Literal["qkv", "proj", "fc1", "fc2"], ...] = Field(("fc1", "fc2"), min_length=1)
     compile_memory_budget: float | None = Field(
         None, gt=0, le=1, description="compiled layers keep this fraction of their activations and recompute the "
         "rest in backward (AOTAutograd's activation_memory_budget; 1 or unset: keep all). One H200, 1B shape: 0.5 "
@@ -76,6 +83,9 @@ class ModelSection(_Strict):
         if self.compile_memory_budget is not None and not self.compile:
             raise ValueError("model.compile_memory_budget applies to compiled layers only: set model.compile: true "
                              "or remove it")
+        if self.fused_linear_ce_chunk is not None and not self.fused_linear_ce:
+            raise ValueError("model.fused_linear_ce_chunk applies to the fused linear CE only: set "
+                             "model.fused_linear_ce: true or remove it")
         return self
 
 

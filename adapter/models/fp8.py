@@ -22,6 +22,7 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+E5M2 = torch.float8_e5m2
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +33,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
+def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (fp8 x, fp32 0-dim scale) with x ≈ q · scale; one power-of-two scale for the whole tensor."""
+    top = torch.finfo(dtype).max
+    amax = x.abs().amax().float().clamp(min=1e-12)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / top)))
+    return (x.float() / scale).clamp(-top, top).to(dtype), scale
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:
     """a [m, k] @ b[n, k]ᵀ with both cast row-wise along k: the layout torch._scaled_mm wants (a row-major, the
     second operand column-major, scales [m, 1] and [1, n])."""
@@ -40,9 +49,14 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, fast: bool) ->
     return torch._scaled_mm(qa, qb.t(), sa, sb.t(), out_dtype=out_dtype, use_fast_accum=fast)
 
 
-class _Fp8Linear(torch.autograd.Function):
+def _col_major(q: torch.Tensor) -> torch.Tensor:
+    """The same [r, c] matrix stored column-major (torch._scaled_mm's second operand): an fp8 transpose copy."""
+    return q.t().contiguous().t()
+
+
+class _Fp8LinearRowwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wgrad_fp8: bool = True) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.wgrad_fp8 = wgrad_fp8
         x2 = x.reshape(-1, x.size(-1))
@@ -61,14 +75,56 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, wgrad_fp8: bool = True) -> torch.Tensor:
-    """x [..., k] @ weight[n, k]ᵀ in fp8 (forward and input gradient; the weight gradient too unless
-    `wgrad_fp8=False`, torchao's "rowwise_with_gw_hp"); out in x's dtype."""
-    return _Fp8Linear.apply(x, weight, wgrad_fp8)
+class _Fp8LinearTensorwise(torch.autograd.Function):
+    """One scale per tensor (torchao's "tensorwise" recipe: e4m3 input and weight, e5m2 gradient): each operand is
+    cast once and serves both of its GEMMs (a transpose copy of fp8 bytes instead of a second amax-and-cast of bf16),
+    cuBLAS's fp8 GEMM instead of the row-scaled one, and the input is saved for backward in fp8 (half the bytes)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.size(-1))
+        qx, sx = quantize_tensor(x2)
+        qw, sw = quantize_tensor(weight)
+        ctx.save_for_backward(qx, sx, weight)
+        ctx.x_shape = x.shape
+        out = torch._scaled_mm(qx, qw.t(), sx, sw, out_dtype=x.dtype, use_fast_accum=True)
+        return out.view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        qx, sx, weight = ctx.saved_tensors
+        qg, sg = quantize_tensor(grad.reshape(-1, grad.size(-1)), E5M2)         # [m, n]
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:                                            # g [m, n] @ W [n, k]
+            qw, sw = quantize_tensor(weight)
+            grad_x = torch._scaled_mm(qg, _col_major(qw), sg, sw, out_dtype=grad.dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:                                            # gᵀ [n, m] @ x [m, k]
+            grad_w = torch._scaled_mm(qg.t().contiguous(), _col_major(qx), sg, sx, out_dtype=weight.dtype)
+        return grad_x, grad_w
 
 
-def install_fp8_mlp(model) -> int:
-    """Every decoder layer's MLP linears (fc1, fc2) on fp8 matmuls; returns how many. Refuses GPUs without fp8."""
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str = "tensorwise") -> torch.Tensor:
+    """x [..., k] @ weight[n, k]ᵀ with its three GEMMs (output, input gradient, weight gradient) in fp8; out in x's
+    dtype. Recipes (torchao's names): "tensorwise" (one scale per operand), "rowwise" (one scale per row of each
+    GEMM's contraction), "rowwise_with_gw_hp" (rowwise, the weight gradient in bf16)."""
+    if recipe == "tensorwise":
+        return _Fp8LinearTensorwise.apply(x, weight)
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe {recipe!r}: one of {RECIPES}")
+    return _Fp8LinearRowwise.apply(x, weight, recipe == "rowwise")
+
+
+LINEARS = ("qkv", "proj", "fc1", "fc2")
+
+
+def install_fp8(model, recipe: str = "tensorwise", linears=("fc1", "fc2")) -> int:
+    """Every decoder layer's named linears (qkv, proj: attention; fc1, fc2: MLP) on fp8 matmuls; returns how many.
+    Refuses GPUs without fp8."""
+    import functools
+
     from adapter.errors import bad
     from adapter.patches.mcore import set_linear_impl
 
@@ -76,12 +132,16 @@ def install_fp8_mlp(model) -> int:
         name = torch.cuda.get_device_name()
         raise bad("precision", "fp8", f"{name} has no fp8 matmuls (compute capability 8.9+: H100, H200, L40S, B200)",
                   "use precision: bf16")
+    matmul = functools.partial(fp8_linear, recipe=recipe)
+    matmul.__name__ = f"fp8 ({recipe})"
     n = 0
     for layer in model.decoder.layers:
-        for linear in (layer.mlp.linear_fc1, layer.mlp.linear_fc2):
-            set_linear_impl(linear, fp8_linear)
+        modules = {"qkv": layer.self_attention.linear_qkv, "proj": layer.self_attention.linear_proj,
+                   "fc1": layer.mlp.linear_fc1, "fc2": layer.mlp.linear_fc2}
+        for name in linears:
+            set_linear_impl(modules[name], matmul)
             n += 1
     return n
 
 
-__all__ = ["fp8_linear", "install_fp8_mlp", "quantize_rows"]
+__all__ = ["fp8_linear", "install_fp8", "quantize_rows", "quantize_tensor", "RECIPES", "LINEARS"]

@@ -157,9 +157,9 @@ class FusedLossGPTModel(PackedGPTModel):
     logits). Called with `labels` and `loss_mask` (and `linear_ce`), it returns Σ loss_mask · loss as one fp32 scalar
     computed by the fused linear + cross-entropy, so the [tokens × vocab] logits are never built."""
 
-    def __init__(self, *args, linear_ce: bool = False, **kwargs):
+    def __init__(self, *args, linear_ce: bool = False, linear_ce_chunk: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.linear_ce = linear_ce
+        self.linear_ce, self.linear_ce_chunk = linear_ce, linear_ce_chunk
         if linear_ce:  # the override below replaces Megatron's private _postprocess for training batches
             require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused linear cross-entropy (GPTModel._postprocess)")
 
@@ -182,18 +182,20 @@ class FusedLossGPTModel(PackedGPTModel):
                   else self.output_layer.weight)
         return linear_cross_entropy(h.reshape(-1, h.size(-1)), weight, labels.t().reshape(-1),
                                     loss_mask.t().reshape(-1).float(), group if tp > 1 else None,
-                                    real=self.local_real_vocab(weight.size(0)))
+                                    chunk=self.linear_ce_chunk, real=self.local_real_vocab(weight.size(0)))
 
 
 def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: int | None = None,
                     sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                     attention: Attention = "sdpa", max_sequence_length: int | None = None,
                     parallel_output: bool = True, config: TransformerConfig | None = None,
-                    fused_kernels: bool = False, linear_ce: bool = False, **config_kw) -> GPTModel:
+                    fused_kernels: bool = False, linear_ce: bool = False, linear_ce_chunk: int | None = None,
+                    **config_kw) -> GPTModel:
     """GPTModel for `arch` on the current parallel_state (tp/cp must match it). Weights are random: load them after.
 
     `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel).
-    `linear_ce`: training calls that pass a loss_mask get the fused linear + cross-entropy's masked loss sum."""
+    `linear_ce`: training calls that pass a loss_mask get the fused linear + cross-entropy's masked loss sum;
+    `linear_ce_chunk`: its tokens per chunk (ours then, also where Liger's would run)."""
     install_cpu_shims()
     check_preprocess()
     if attention == "local" and cp > 1:
@@ -205,7 +207,7 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
     spec = layer_spec(arch, attention)
     if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
         spec = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
-    fused = {"linear_ce": linear_ce} if fused_kernels or linear_ce else None
+    fused = {"linear_ce": linear_ce, "linear_ce_chunk": linear_ce_chunk} if fused_kernels or linear_ce else None
     return (PackedGPTModel if fused is None else FusedLossGPTModel)(
         config, spec,
         vocab_size=padded_vocab or padded_vocab_size(arch.vocab_size, tp),

@@ -166,7 +166,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     if cfg.model.fused_linear_ce:
         # linear + CE in token chunks: the output weight's gradient and the hidden states' gradient, computed in the
         # forward, wait for backward; one chunk's logits (+ fp32 working copy) exist at a time
-        chunk = min(s * b, max(256, CHUNK_BYTES // (4 * (vp // tp))))
+        chunk = min(s * b, cfg.model.fused_linear_ce_chunk or max(256, CHUNK_BYTES // (4 * (vp // tp))))
         logits = pb * (vp // tp) * h + pb * s * b * h + chunk * (vp // tp) * (pb + 4)
     elif not fused:                                                     # Megatron's CE: fp32 copy + saved exp
         logits = s * b * (vp // tp) * (pb + 4 + 4)

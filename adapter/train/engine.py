@@ -137,7 +137,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                             recompute=None if cfg.recompute == "none" else cfg.recompute,
                             cp_comm_type=cfg.parallelism.cp_comm_type,
                             fused_kernels=fused,
-                            linear_ce=cfg.model.fused_linear_ce)
+                            linear_ce=cfg.model.fused_linear_ce, linear_ce_chunk=cfg.model.fused_linear_ce_chunk)
     if load_weights is not None:
         load_weights(model)
     elif cfg.model.checkpoint:
@@ -146,9 +146,9 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         load_megatron_checkpoint(model, cfg.model.checkpoint)
     model.to(device)
     if cfg.precision == "fp8":
-        from adapter.models.fp8 import install_fp8_mlp
+        from adapter.models.fp8 import install_fp8
 
-        install_fp8_mlp(model)
+        install_fp8(model, cfg.model.fp8_recipe, cfg.model.fp8_linears)
     if cfg.model.compile:
         from adapter.models.compile import compile_layers
 

@@ -251,20 +251,29 @@ def _fp8_worker(rank, world, demo):
 
     init_distributed()
     out = {}
-    for precision in ("bf16", "fp8"):
+    every = {"model.fp8_linears": ["qkv", "proj", "fc1", "fc2"], "model.fp8_recipe": "rowwise",
+             "model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 48}
+    for name, precision, over in (("bf16", "bf16", {}), ("fp8", "fp8", {}), ("fp8 every linear", "fp8", every)):
         raw = {"model": {"path": demo["model"], "checkpoint": demo["megatron"]},
                "parallelism": {"dp_shard_size": 1}, "batch": {"micro_batch_size": 2, "global_batch_size": 2},
                "seq_len": 64, "precision": precision,
                "optimizer": {"lr": 3e-3, "schedule": "constant", "warmup_steps": 0, "max_steps": 8},
                "data": {"files": [demo["data"]], "cache_dir": f"{demo['root']}/cache"}}
-        out[precision] = run(config.with_grad_accum(config.build(raw, env={}, world_size=1)), log=lambda s: None).losses
+        for k, v in over.items():
+            config.set_dotted(raw, k, v)
+        out[name] = run(config.with_grad_accum(config.build(raw, env={}, world_size=1)), log=lambda s: None).losses
     return out
 
 
-def test_fp8_mlp_trains_like_bf16(demo):
-    """precision fp8 (emulated on CPU): the MLP's matmuls through torch._scaled_mm; the curve follows bf16's."""
+def test_fp8_trains_like_bf16(demo):
+    """precision fp8 (emulated on CPU): the MLP's matmuls through torch._scaled_mm (tensorwise), then every linear
+    (rowwise) with the fused linear CE in 48-token chunks (3 per micro-batch of 2 × 64 tokens, the last one short);
+    each curve follows bf16's."""
     r = run_workers(_fp8_worker, 1, demo, timeout=300)[0]
-    bf16, fp8 = r["bf16"], r["fp8"]
-    assert fp8[-1] < fp8[0] - 0.1, fp8                                   # it learns
-    assert max(abs(a - b) / b for a, b in zip(bf16, fp8)) < 0.02, (bf16, fp8)
-    assert fp8 != bf16                                                   # and it did run in fp8
+    bf16 = r["bf16"]
+    for name in ("fp8", "fp8 every linear"):
+        fp8 = r[name]
+        assert fp8[-1] < fp8[0] - 0.1, (name, fp8)                      # it learns
+        assert max(abs(a - b) / b for a, b in zip(bf16, fp8)) < 0.02, (name, bf16, fp8)
+        assert fp8 != bf16                                               # and it did run in fp8
+    assert r["fp8"] != r["fp8 every linear"]

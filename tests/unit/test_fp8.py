@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from adapter.models.fp8 import E4M3_MAX, fp8_linear, quantize_rows
+from adapter.models.fp8 import E4M3_MAX, fp8_linear, quantize_rows, quantize_tensor
 
 
 def _deq(t: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ def test_fp8_linear_is_the_gemm_of_its_cast_operands():
     x = torch.randn(32, 48, requires_grad=True)
     w = torch.randn(24, 48, requires_grad=True)
     g = torch.randn(32, 24)
-    y = fp8_linear(x, w)
+    y = fp8_linear(x, w, "rowwise")
     y.backward(g)
     assert torch.allclose(y.double(), _deq(x.detach()) @ _deq(w.detach()).t(), rtol=1e-5, atol=1e-4)
     assert torch.allclose(x.grad.double(), _deq(g) @ _deq(w.detach().t()).t(), rtol=1e-5, atol=1e-4)
@@ -38,8 +38,41 @@ def test_fp8_linear_is_the_gemm_of_its_cast_operands():
     assert ((y - exact).norm() / exact.norm()) < 0.08                          # and close to the bf16/fp32 GEMM
 
     x.grad = w.grad = None
-    fp8_linear(x, w, wgrad_fp8=False).backward(g)                             # the weight gradient in full precision
+    fp8_linear(x, w, "rowwise_with_gw_hp").backward(g)                        # the weight gradient in full precision
     assert torch.allclose(w.grad, g.t() @ x.detach(), rtol=1e-5, atol=1e-4)
+
+
+def test_tensor_casts_use_one_power_of_two_scale():
+    torch.manual_seed(0)
+    x = torch.randn(16, 32) * 1e-3
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q, s = quantize_tensor(x, dtype)
+        top = torch.finfo(dtype).max
+        assert q.dtype == dtype and s.dim() == 0 and torch.equal(torch.exp2(torch.log2(s).round()), s)
+        assert top / 2 <= q.float().abs().max() <= top
+
+
+def test_tensorwise_fp8_linear_is_the_gemm_of_its_cast_operands():
+    """Input and weight in e4m3, the gradient in e5m2, each cast once (one scale each) and used by both its GEMMs."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 48, requires_grad=True)                             # [..., k]: a leading batch dim
+    w = torch.randn(32, 48, requires_grad=True)
+    g = torch.randn(2, 16, 32)
+
+    def deq(t, dtype=torch.float8_e4m3fn):
+        q, s = quantize_tensor(t, dtype)
+        return q.double() * s.double()
+
+    y = fp8_linear(x, w)
+    y.backward(g)
+    x2, g2 = x.detach().reshape(-1, 48), g.reshape(-1, 32)
+    assert torch.allclose(y.reshape(-1, 32).double(), deq(x2) @ deq(w.detach()).t(), rtol=1e-5, atol=1e-4)
+    dg = deq(g2, torch.float8_e5m2)
+    assert torch.allclose(x.grad.reshape(-1, 48).double(), dg @ deq(w.detach()), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(w.grad.double(), dg.t() @ deq(x2), rtol=1e-5, atol=1e-4)
+    exact = x.detach() @ w.detach().t()
+    assert ((y - exact).norm() / exact.norm()) < 0.08
+    assert ((x.grad - g @ w.detach()).norm() / (g @ w.detach()).norm()) < 0.15   # e5m2: 2 mantissa bits
 
 
 def test_fp8_refused_with_tensor_parallelism_in_one_line():

@@ -45,6 +45,9 @@ def test_model_states_and_activations_by_hand():
     # × 64), bf16, plus one chunk of logits: all 64 tokens (< 256) × 512 × (2 + 4)
     chunked = memory.estimate(cfg(**{"model.fused_linear_ce": True}), TINY, partition_size=2, gpu_capacity=1)
     assert chunked.logits == 2 * 512 * 64 + 2 * 32 * 2 * 64 + 64 * 512 * (2 + 4) == 270336
+    small = memory.estimate(cfg(**{"model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 16}), TINY,
+                            partition_size=2, gpu_capacity=1)
+    assert small.logits == 2 * 512 * 64 + 2 * 32 * 2 * 64 + 16 * 512 * (2 + 4)   # the chunk asked for
     unfused = memory.estimate(cfg(**{"model.fused_kernels": False}), TINY, partition_size=2, gpu_capacity=1)
     assert unfused.logits == 32 * 2 * 512 * (2 + 4 + 4) == 327680      # Megatron's CE: + fp32 copy + saved exp
     assert est.activations == est.activations_no_recompute

@@ -1,0 +1,83 @@
+"""Output layer + cross-entropy on one GPU at the Llama-3.2 vocabulary (128,256) and 8,192 tokens: the unfused path
+(bf16 logits, adapter/models/fusions.py's cross-entropy), Liger's fused linear cross-entropy, and ours in token
+chunks of several sizes; forward + backward time and the memory each holds above its inputs.
+
+    python bench/linear_ce_bench.py [--tokens 8192]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from adapter.models.fusions import (  # noqa: E402
+    _liger_linear_cross_entropy,
+    linear_cross_entropy,
+    vocab_parallel_cross_entropy,
+)
+
+VOCAB = 128256
+HIDDEN = {"1b": 2048, "3b": 3072}
+
+
+def unfused(h, w, y, mask):
+    return (vocab_parallel_cross_entropy(h @ w.t(), y) * mask).sum()
+
+
+def kinds():
+    out = {"unfused (bf16 logits)": unfused}
+    liger = _liger_linear_cross_entropy()
+    if liger is not None:
+        out["liger"] = lambda h, w, y, mask: liger(h, w, torch.where(mask > 0, y, -100), ignore_index=-100,
+                                                   reduction="sum")
+    for chunk in (1024, 2048, 4096):
+        out[f"ours, chunk {chunk}"] = lambda h, w, y, mask, c=chunk: linear_cross_entropy(h, w, y, mask, chunk=c)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    a = ap.parse_args()
+    for shape, hid in HIDDEN.items():
+        torch.manual_seed(0)
+        h = torch.randn(a.tokens, hid, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(VOCAB, hid, device="cuda") / hid ** 0.5).to(torch.bfloat16).requires_grad_()
+        y = torch.randint(0, VOCAB, (a.tokens,), device="cuda")
+        mask = torch.ones(a.tokens, device="cuda")
+        ref = None
+        for name, fn in kinds().items():
+            def step(fn=fn, h=h, w=w, y=y, mask=mask):
+                h.grad = w.grad = None
+                loss = fn(h, w, y, mask)
+                loss.backward()
+                return loss
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            h.grad = w.grad = None
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = step()
+            torch.cuda.synchronize()
+            extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+            grads = (h.grad.float().clone(), w.grad.float().clone())
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / 10
+            if ref is None:
+                ref = (loss.item(), *grads)
+            err = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, ref[1:]))
+            print(f"{shape} {name:24s} {ms:7.2f} ms  peak +{extra:5.2f} GiB  loss {loss.item():.4f} "
+                  f"(ref {ref[0]:.4f})  grad rel err {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
