@@ -8,7 +8,8 @@ back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, issue 16). Here:
 * the fp32 master weights and both moments are flat fp32 buffers (12 bytes/param, as in DeepSpeed's bf16 training;
   fp32 runs update the weights themselves, with no master copy);
 * one fused pass per parameter reads its 16-bit gradient, applies clipping and AdamW (torch.optim.AdamW's
-  arithmetic) to the master and moments, and writes the 16-bit weight (compiled on CUDA);
+  arithmetic) to the master and moments, and writes the 16-bit weight; on CUDA one Triton launch does it for a
+  whole parameter group (adapter/train/adamw_kernel.py: per-parameter launches left the GPU waiting on the host);
 * the gradient norm is one multi-tensor kernel; clipping never leaves the device;
 * gradients stay autograd's own tensors, freed after each step (`zero_grad` sets them to None), so they are not
   resident while the forward's activations peak.
@@ -58,6 +59,7 @@ class _Flat:
     master: torch.Tensor | None  # fp32 copies of 16-bit weights, flat (None: fp32 weights are their own master)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    table: object = None         # adamw_kernel.ChunkTable where the one-launch step applies
 
 
 class FlatAdamW(torch.optim.Optimizer):
@@ -90,7 +92,15 @@ class FlatAdamW(torch.optim.Optimizer):
             for p, off in zip(params, offsets):
                 master[off:off + p.numel()].copy_(p.data.reshape(-1))
         zeros = torch.zeros(n, dtype=torch.float32, device=device)
-        return _Flat(list(params), offsets, master, zeros, zeros.clone())
+        table = None
+        if master is not None and device.type == "cuda":
+            try:
+                from adapter.train import adamw_kernel
+            except ImportError:  # no Triton (torch's CUDA wheels ship it): the per-parameter step
+                adamw_kernel = None
+            if adamw_kernel is not None and adamw_kernel.supported(params):
+                table = adamw_kernel.ChunkTable(params, offsets, device)
+        return _Flat(list(params), offsets, master, zeros, zeros.clone(), table)
 
     def _master(self, f: _Flat, i: int) -> torch.Tensor:
         p, off = f.params[i], f.offsets[i]
@@ -129,6 +139,11 @@ class FlatAdamW(torch.optim.Optimizer):
             device = f.exp_avg.device
             hyper = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
             hyper[0] = coef
+            if f.table is not None:
+                from adapter.train import adamw_kernel
+
+                adamw_kernel.step(f.table, f.params, f.master, f.exp_avg, f.exp_avg_sq, hyper)
+                continue
             fn = _step_fn(device)
             for i, p in enumerate(f.params):
                 off, n = f.offsets[i], p.numel()

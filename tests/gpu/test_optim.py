@@ -1,0 +1,50 @@
+"""GPU host only (`pytest -m gpu`): the flat AdamW's one-launch Triton step (adapter/train/adamw_kernel.py) against
+its per-parameter update (the arithmetic the CPU suite checks against torch.optim.AdamW), on bf16 weights whose
+sizes are not multiples of the kernel's chunk, with clipping, weight decay, a parameter without a gradient and a
+non-finite step."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from adapter.train.optim import FlatAdamW
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _params():
+    torch.manual_seed(0)
+    shapes = [(1000, 77), (4096,), (3, 5), (8192, 9)]
+    return [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in shapes]
+
+
+def _run(params, kernel: bool, steps: int = 6):
+    opt = FlatAdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+                    lr=1e-2, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
+    assert all(f.table is not None for f in opt.flats)
+    if not kernel:
+        for f in opt.flats:
+            f.table = None
+    for step in range(steps):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        for i, p in enumerate(params):
+            p.grad = None if i == 2 and step % 2 else (torch.randn(p.shape, device="cuda", generator=g) * 3).to(p.dtype)
+        if step == 4:
+            params[0].grad[0, 0] = float("nan")  # this step's norm is NaN: no update of the gradients
+        opt.step()
+    return opt
+
+
+def test_one_launch_step_equals_the_per_parameter_step():
+    base = _params()
+    ref_params, got_params = copy.deepcopy(base), copy.deepcopy(base)
+    ref, got = _run(ref_params, kernel=False), _run(got_params, kernel=True)
+    for fr, fg in zip(ref.flats, got.flats):
+        for a, b in ((fr.master, fg.master), (fr.exp_avg, fg.exp_avg), (fr.exp_avg_sq, fg.exp_avg_sq)):
+            assert torch.isfinite(b).all()
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()  # FMA-level
+    for start, a, b in zip(base, ref_params, got_params):
+        assert (a.float() - b.float()).abs().max() <= a.float().abs().max() * 2 ** -7  # at most a bf16 rounding
+        assert not torch.equal(b, start)                                               # it did update
