@@ -93,6 +93,18 @@ class Engine:
 
             average_over_replicas(self.ds, self.mpu.replica_group, self.layout.dp_replicate)
 
+    def describe_optimizer(self) -> str:
+        """The run's first lines say which optimizer implementation runs (`optimizer.impl`)."""
+        from adapter.train.optim import FlatAdamW
+
+        opt = self.ds.optimizer
+        if isinstance(opt, FlatAdamW):
+            how = "one launch per parameter group" if all(f.table is not None for f in opt.flats) else \
+                "one fused pass per parameter"
+            return (f"optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights and moments, {how}; "
+                    "optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)")
+        return f"optimizer: DeepSpeed's ZeRO-{self.conf['zero_optimization']['stage']} AdamW"
+
 
 def lr_scheduler_for(cfg: RunConfig):
     """DeepSpeed calls this with its optimizer; the LambdaLR it returns is stepped after every optimizer step and

@@ -176,6 +176,7 @@ class Trainer:
         self.cfg = cfg = schedule.apply(cfg, self.schedule)
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
+        self._say(self.engine.describe_optimizer())
         start = 0
         if resume:
             if not cfg.checkpoint.dir:

@@ -251,7 +251,7 @@ def test_axolotl_yaml_through_nd_adapter_train(model_dir, tmp_path):
     once = ("ignored Axolotl keys (not used by nd-adapter): wandb_watch", "precision: fp32 (neither bf16 nor fp16",
             "FSDP -> DeepSpeed: fsdp_config.reshard_after_forward: false -> deepspeed.zero_stage 2",
             "kernels: nd-adapter's own are used", "weights: fine-tuning from the pre-trained weights in",
-            "schedule: 2 optimizer steps")
+            "schedule: 2 optimizer steps", "optimizer: DeepSpeed's ZeRO-2 AdamW")
     for needle in once:
         assert p.stdout.count(needle) == 1, (needle, p.stdout[:3000])
     out = tmp_path / "outputs/run"

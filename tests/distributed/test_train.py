@@ -261,7 +261,9 @@ def _fp8_worker(rank, world, demo):
                "data": {"files": [demo["data"]], "cache_dir": f"{demo['root']}/cache"}}
         for k, v in over.items():
             config.set_dotted(raw, k, v)
-        out[name] = run(config.with_grad_accum(config.build(raw, env={}, world_size=1)), log=lambda s: None).losses
+        lines = []
+        out[name] = run(config.with_grad_accum(config.build(raw, env={}, world_size=1)), log=lines.append).losses
+        out[f"{name} log"] = lines
     return out
 
 
@@ -277,3 +279,6 @@ def test_fp8_trains_like_bf16(demo):
         assert max(abs(a - b) / b for a, b in zip(bf16, fp8)) < 0.02, (name, bf16, fp8)
         assert fp8 != bf16                                               # and it did run in fp8
     assert r["fp8"] != r["fp8 every linear"]
+    said = [ln for ln in r["bf16 log"] if ln.startswith("optimizer: ")]  # the run names its optimizer, once
+    assert said == ["optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights and moments, one fused "
+                    "pass per parameter; optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)"], said
