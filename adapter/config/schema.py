@@ -293,8 +293,8 @@ class RunConfig(_Strict):
     parallelism: ParallelismConfig = ParallelismConfig()
     batch: BatchSection = BatchSection()
     seq_len: StrictInt = Field(2048, ge=1)
-    # fp8: bf16 training whose MLP matmuls run in fp8 (adapter/models/fp8.py; tp = 1, GPUs of compute capability
-    # 8.9+, or emulated on CPU)
+    # fp8: bf16 training whose matmuls in model.fp8_linears (default the MLP's) run in fp8 (adapter/models/fp8.py;
+    # tp = 1, GPUs of compute capability 8.9+, or emulated on CPU)
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism; default: on when tp > 1")
     recompute: Literal["none", "selective", "full"] = "none"

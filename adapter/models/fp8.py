@@ -1,20 +1,23 @@
-"""`precision: fp8`: the MLP's matmuls in fp8, without TransformerEngine.
+"""`precision: fp8`: a layer's matmuls in fp8, without TransformerEngine (by default the MLP's: `model.fp8_linears`).
 
-Why only the MLP: on one H200 at the Llama-3.2-1B/3B layer shapes (`bench/fp8_bench.py`: norm + linear, forward and
-both gradients, compiled), fp8 ran the FFN's up-projection at 1.19× / 1.34× bf16 and the down-projection at
-1.01× / 1.10×, but the attention's QKV and output projections at 0.59-0.93×: below K·N ≈ 3072², the casts (an amax
-pass and a transposed copy per operand per GEMM) cost what the fp8 GEMMs save (docs/BENCHMARKS.md). End to end the
-MLP in fp8 gave 1.08× tokens/s on the 1B shape.
+Why the MLP by default: on one H200 at the Llama-3.2-1B/3B layer shapes (`bench/fp8_bench.py`: norm + linear,
+forward and both gradients, compiled), the FFN's linears gained (tensorwise: up-projection 1.21× / 1.37× bf16,
+down-projection 1.12× / 1.24×), the attention's QKV and output projections did not (0.66-1.04× in every recipe):
+at their sizes the casts cost what the fp8 GEMMs save (docs/BENCHMARKS.md).
 
 Why not torchao: its float8 training swaps `nn.Linear` modules, and Megatron's Column/RowParallelLinear are not
 `nn.Linear`. So the three GEMMs of a linear layer (output, input gradient, weight gradient) call torch's scaled
-matmul here directly, each operand cast to e4m3 with one scale per row of the contraction (torchao's "rowwise"
-recipe: scales along the axis each GEMM sums over, rounded up to powers of two so scaling itself is exact).
+matmul here directly, in one of torchao's recipes (`model.fp8_recipe`), every scale a power of two so that scaling
+itself is exact:
 
-What is kept in high precision: the saved activations and weights (bf16; re-cast along the other axis in backward),
-the output layer and the embedding, the norms, attention and the loss. Master weights and optimizer states are
-fp32 as in bf16 training. Inside a compiled layer (`model.compile`) Inductor fuses each cast with its amax and with
-the op before it; eager it is correct but slow.
+* "tensorwise" (default): one scale per operand; input and weight e4m3, the gradient e5m2. Each operand is cast once
+  and serves both of its GEMMs (the second layout is a transpose of fp8 bytes), and the input is saved in fp8.
+* "rowwise": one scale per row of each GEMM's contraction, all e4m3; each operand is cast again along the other
+  axis in backward (the input is saved in bf16). "rowwise_with_gw_hp": the weight gradient in bf16.
+
+What is kept in high precision: the output layer and the embedding, the norms, attention and the loss. Master
+weights and optimizer states are fp32 as in bf16 training. Inside a compiled layer (`model.compile`) Inductor fuses
+each cast with its amax and with the op before it; eager it is correct but slow.
 """
 from __future__ import annotations
 
