@@ -25,7 +25,7 @@ SCHEDULE_KEYS = {"bf16", "fp16", "num_epochs", "warmup_ratio", "eval_steps", "ev
                  "float32", "default_system_message"}
 PARALLEL_KEYS = {"context_parallel", "ring_attn_func", "heads_k_stride", "fsdp", "fsdp_config", "fsdp_version",
                  "deepspeed"}
-KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins"} | axolotl_scope.KEYS
+KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins", "torch_compile"} | axolotl_scope.KEYS
 
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 # ring-flash-attn's implementations (Axolotl's ring_attn_func) -> cp_comm_type. Any of them computes exact
@@ -309,6 +309,8 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
     if raw.get("default_system_message") is not None:
         notes.append("default_system_message has no effect, as in Axolotl (its chatml template names no default "
                      "system message); give the system turn in the data, or a field_system column")
+    if _on(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
+        _set(out, "model.compile", "auto")
     note = kernel_note(raw, ignored)
     if note:
         notes.append(note)

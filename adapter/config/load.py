@@ -84,7 +84,26 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
     par_resolved = cfg.parallelism.resolve(world_size)
     cfg = cfg.model_copy(update={"parallelism": par_resolved})
     _check_world_and_batch(cfg, world_size)
-    return cfg
+    return _resolve_auto_compile(cfg) if cfg.model.compile == "auto" else cfg
+
+
+def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
+    """`model.compile: auto` (what Axolotl's `torch_compile: true` maps to) compiles the layers where the layout lets
+    it: not under ZeRO-3, whose parameter gathers compiled layers cannot follow. ZeRO-3 runs when anything is
+    sharded (dp or cp > 1) and deepspeed.zero_stage is 3 (adapter/parallel/deepspeed_config.zero_stage)."""
+    p = cfg.parallelism
+    sharded = p.dp_replicate_size * (p.dp_shard_size or 1) * p.cp_size > 1
+    on = not sharded or cfg.deepspeed.zero_stage == 2
+    if not on and cfg.model.compile_memory_budget is not None:
+        raise bad("model.compile_memory_budget", cfg.model.compile_memory_budget, "model.compile: auto is off "
+                  "under ZeRO-3 (compiled layers cannot follow its parameter gathers), so there is nothing to budget",
+                  "remove it, or set deepspeed.zero_stage: 2")
+    key = "torch_compile: true -> model.compile" if cfg.source == "axolotl" else "model.compile: auto"
+    note = (f"{key}: on (each transformer layer compiled)" if on else
+            f"{key}: off: ZeRO-3's parameter gathers run the layers eagerly (deepspeed.zero_stage: 2 would compile "
+            "them)")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": on}),
+                                  "notes": (*cfg.notes, note)})
 
 
 def _check_world_and_batch(cfg: RunConfig, world_size: int | None) -> None:

@@ -68,7 +68,9 @@ class ModelSection(_Strict):
     fused_linear_ce_chunk: StrictInt | None = Field(
         None, ge=16, description="tokens per chunk of the fused linear CE (then nd-adapter's kernel, also at tp = 1); "
         "unset: Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
-    compile: bool = Field(False, description="torch.compile each transformer layer (not with ZeRO-3)")
+    compile: bool | Literal["auto"] = Field(
+        False, description="torch.compile each transformer layer (not with ZeRO-3); auto (Axolotl's torch_compile: "
+        "true): where the layout allows it, said at run start")
     # precision: fp8 only (adapter/models/fp8.py): how the fp8 operands are scaled (torchao's recipe names), and
     # which of each layer's linears run in fp8
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"

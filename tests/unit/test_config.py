@@ -211,3 +211,18 @@ def test_rule_fp8_and_linear_ce_keys():
     cfg = config.build(native(**{"precision": "fp8", "model.fp8_linears": ["qkv", "fc1"],
                                  "model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 2048}), env={})
     assert cfg.model.fp8_linears == ("qkv", "fc1") and cfg.model.fused_linear_ce_chunk == 2048
+
+
+def test_axolotl_torch_compile_compiles_where_the_layout_allows():
+    base = {"base_model": str(LLAMA8B), "torch_compile": True, "micro_batch_size": 1, "learning_rate": 1e-5}
+    for world, extra, on in ((1, {}, True), (2, {"tensor_parallel_size": 2}, True), (2, {}, False),
+                             (2, {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": False}}, True)):
+        cfg = config.build({**base, **extra}, env={}, world_size=world)
+        assert cfg.model.compile is on, (world, extra)
+        said = [n for n in cfg.notes if n.startswith("torch_compile: true -> model.compile")]
+        assert said == [f"torch_compile: true -> model.compile: {'on' if on else 'off'}" + (
+            " (each transformer layer compiled)" if on else ": ZeRO-3's parameter gathers run the layers eagerly "
+            "(deepspeed.zero_stage: 2 would compile them)")], cfg.notes
+        assert not any("ignored" in n and "torch_compile," in n + "," for n in cfg.notes)
+    with pytest.raises(UserError, match=r"model.compile_memory_budget=0.5: model.compile: auto is off under ZeRO-3"):
+        config.build(native(**{"model.compile": "auto", "model.compile_memory_budget": 0.5}), env={}, world_size=2)
