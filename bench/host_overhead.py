@@ -74,11 +74,21 @@ def main(argv=None) -> int:
         init_distributed()
         lines: list[str] = []
         prof = cProfile.Profile() if a.profile else None
-        if prof:
-            prof.enable()
+        if prof:  # steady-state steps only: after the first third (compilation, warm-up)
+            from adapter.train.trainer import Trainer
+
+            plain = Trainer.train_step
+
+            def profiled(self, step, *args, **kw):
+                if step <= a.steps // 3:
+                    return plain(self, step, *args, **kw)
+                prof.enable()
+                try:
+                    return plain(self, step, *args, **kw)
+                finally:
+                    prof.disable()
+            Trainer.train_step = profiled
         run(config.with_grad_accum(cfg), synthetic_data=True, log=lines.append, export=False)
-        if prof:
-            prof.disable()
     tps = [float(m.group(2).replace(",", "")) for m in map(STEP.match, lines) if m]
     steady = sorted(tps[len(tps) // 3:])  # after compilation and warm-up
     tokens = 2 * a.seq
