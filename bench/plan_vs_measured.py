@@ -25,6 +25,7 @@ UNFUSED = {"model.fused_kernels": False}                                        
 MODULE = {"deepspeed.gather_granularity": "module"}                             # before lever 10
 ONE_GPU = {"parallelism.dp_shard_size": 1, "hardware.gpus_per_node": 1}
 B3 = {"model.path": str(ROOT / "configs/models/llama-3.2-3b")}
+FP8_LCE = {"precision": "fp8", "model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 2048}
 DS = {"optimizer.impl": "deepspeed"}  # runs with nothing to shard, measured before the flat AdamW (2026-12-01 s3)
 
 # (label, config, overrides, GPUs, measured tokens/s/GPU, source, code)
@@ -53,6 +54,14 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
      "current"),
     ("3B one GPU, DeepSpeed ZeRO-1 step, compiled", "llama-3.2-3b-1gpu", {"model.compile": True, **DS}, 1, 20763,
      "issue 16 s3 compare", "current"),
+    ("1B one GPU, fp8 (tensorwise), compiled", "llama-3.2-1b-1gpu", {"precision": "fp8"}, 1, 65188,
+     "issue 16 s4 call 2 (machine B)", "current, with the side-stream step since removed (+0.2%)"),
+    ("1B one GPU, fp8 + linear CE chunk 2048", "llama-3.2-1b-1gpu", FP8_LCE, 1, 64710,
+     "issue 16 s4 call 2 (machine B)", "current, with the side-stream step since removed (+0.2%)"),
+    ("3B one GPU, fp8 (tensorwise), compiled", "llama-3.2-3b-1gpu", {"model.compile": True, "precision": "fp8"}, 1,
+     27584, "issue 16 s4 call 3 (machine B)", "current, with the side-stream step since removed (+0.35%)"),
+    ("3B one GPU, fp8 + linear CE chunk 2048", "llama-3.2-3b-1gpu", {"model.compile": True, **FP8_LCE}, 1, 27382,
+     "issue 16 s4 call 3 (machine B)", "current, with the side-stream step since removed (+0.35%)"),
     # older code paths
     ("1B dp_shard=2 ZeRO-2, compiled", "llama-3.2-1b-dp2", {"deepspeed.reduce_bucket_size": 500_000_000}, 2, 50223,
      "s4 final table", "before s5 (host waits, bucket 5e8)"),
