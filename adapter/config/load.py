@@ -91,9 +91,7 @@ def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
     """`model.compile: auto` (what Axolotl's `torch_compile: true` maps to) compiles the layers where the layout lets
     it: not under ZeRO-3, whose parameter gathers compiled layers cannot follow. ZeRO-3 runs when anything is
     sharded (dp or cp > 1) and deepspeed.zero_stage is 3 (adapter/parallel/deepspeed_config.zero_stage)."""
-    p = cfg.parallelism
-    sharded = p.dp_replicate_size * (p.dp_shard_size or 1) * p.cp_size > 1
-    on = not sharded or cfg.deepspeed.zero_stage == 2
+    on = cfg.dp_size * cfg.parallelism.cp_size == 1 or cfg.deepspeed.zero_stage == 2
     if not on and cfg.model.compile_memory_budget is not None:
         raise bad("model.compile_memory_budget", cfg.model.compile_memory_budget, "model.compile: auto is off "
                   "under ZeRO-3 (compiled layers cannot follow its parameter gathers), so there is nothing to budget",

@@ -28,20 +28,22 @@ E4M3_MAX = 448.0
 E5M2 = torch.float8_e5m2
 
 
+def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (fp8 x, fp32 scale) with x ≈ q · scale; the scale is the power of two that maps amax into range."""
+    top = torch.finfo(dtype).max
+    scale = torch.exp2(torch.ceil(torch.log2(amax.float().clamp(min=1e-12) / top)))
+    return (x.float() / scale).clamp(-top, top).to(dtype), scale
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [r, c] -> (e4m3 [r, c] row-major, fp32 scale [r, 1]) with x ≈ q · scale; one power-of-two scale per row."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
-    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    """x [r, c] -> (e4m3 [r, c] row-major, fp32 scale [r, 1]); one scale per row."""
+    q, scale = _cast(x, x.abs().amax(dim=-1, keepdim=True), E4M3)
     return q.contiguous(), scale
 
 
 def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """x -> (fp8 x, fp32 0-dim scale) with x ≈ q · scale; one power-of-two scale for the whole tensor."""
-    top = torch.finfo(dtype).max
-    amax = x.abs().amax().float().clamp(min=1e-12)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / top)))
-    return (x.float() / scale).clamp(-top, top).to(dtype), scale
+    """x -> (fp8 x, fp32 0-dim scale); one scale for the whole tensor."""
+    return _cast(x, x.abs().amax(), dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:
@@ -120,9 +122,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str = "tensorwise"
     return _Fp8LinearRowwise.apply(x, weight, recipe == "rowwise")
 
 
-LINEARS = ("qkv", "proj", "fc1", "fc2")
-
-
 def install_fp8(model, recipe: str = "tensorwise", linears=("fc1", "fc2")) -> int:
     """Every decoder layer's named linears (qkv, proj: attention; fc1, fc2: MLP) on fp8 matmuls; returns how many.
     Refuses GPUs without fp8."""
@@ -147,4 +146,4 @@ def install_fp8(model, recipe: str = "tensorwise", linears=("fc1", "fc2")) -> in
     return n
 
 
-__all__ = ["fp8_linear", "install_fp8", "quantize_rows", "quantize_tensor", "RECIPES", "LINEARS"]
+__all__ = ["fp8_linear", "install_fp8", "quantize_rows", "quantize_tensor", "RECIPES"]

@@ -329,7 +329,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                             "optimizer states sharded over dp_shard×cp"
                             if stage == 2 else
                             "nothing to shard (dp_shard×cp = 1): nd-adapter's flat AdamW (fp32 master weights, "
-                            "one fused pass per parameter, clipping across TP on the device) under DeepSpeed's loop "
+                            "one fused update per parameter group on GPUs, clipping across TP on the device) under "
+                            "DeepSpeed's loop "
                             "at stage 0 (optimizer.impl)" if deepspeed_config.flat_at_stage(cfg, stage) else
                             "nothing to shard (dp_shard×cp = 1): ZeRO stage 1 over a group of one, which skips "
                             "ZeRO-3's gather hooks; gradient clipping across TP",

@@ -227,7 +227,7 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     mb_time = max(gpu_mb, host_mb) + stall_mb
 
     shard = -(-P // z) if stage >= 2 else P
-    if flat_at_stage(cfg, stage):  # adapter/train/optim.py: one fused pass per parameter at the copy rate
+    if flat_at_stage(cfg, stage):  # adapter/train/optim.py: one fused pass over the states at the copy rate
         optimizer = FLAT_OPT_BYTES_PER_PARAM * P / prof.hbm_bytes_per_s
         host_step = 0.0
     else:
