@@ -177,6 +177,9 @@ class Trainer:
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
         self._say(self.engine.describe_optimizer())
+        if cfg.precision == "fp8":  # the recipe and the linears change the arithmetic: say them
+            self._say(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
+                      "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")
         start = 0
         if resume:
             if not cfg.checkpoint.dir:

@@ -279,6 +279,10 @@ def test_fp8_trains_like_bf16(demo):
         assert max(abs(a - b) / b for a, b in zip(bf16, fp8)) < 0.02, (name, bf16, fp8)
         assert fp8 != bf16                                               # and it did run in fp8
     assert r["fp8"] != r["fp8 every linear"]
+    assert [ln for ln in r["fp8 every linear log"] if ln.startswith("precision: fp8")] == [
+        "precision: fp8 (rowwise scaling) for the qkv, proj, fc1, fc2 matmuls of every layer; weights, other "
+        "matmuls, attention and the loss in bf16"]
+    assert not [ln for ln in r["bf16 log"] if ln.startswith("precision: fp8")]
     said = [ln for ln in r["bf16 log"] if ln.startswith("optimizer: ")]  # the run names its optimizer, once
     assert said == ["optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights and moments, one fused "
                     "pass per parameter; optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)"], said
