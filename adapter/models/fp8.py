@@ -41,9 +41,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the whole tensor, as the maximum of row maxima (the same value: a maximum rounds nothing).
+
+    Why two stages: a row reduction iterates like the kernel that produces x, so Inductor can compute it inside that
+    kernel, where a whole-tensor reduction is a separate split reduction that reads x again (the 1B MLP's input
+    gradient: ~200 µs per layer, docs/BENCHMARKS.md). `bench/fp8_mlp_bench.py` times both."""
+    return x.abs().amax(dim=-1).amax() if AMAX_ROWS and x.dim() > 1 else x.abs().amax()
+
+
+AMAX_ROWS = True  # bench/fp8_mlp_bench.py flips it to compare
+
+
 def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """x -> (fp8 x, fp32 0-dim scale); one scale for the whole tensor."""
-    return _cast(x, x.abs().amax(), dtype)
+    return _cast(x, amax(x), dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:

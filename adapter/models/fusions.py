@@ -35,12 +35,25 @@ def _compiled_on_cuda(fn):
 
 @_compiled_on_cuda
 def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """t [s, b, h, d], freqs [s, 1, 1, rot] (fp32 angles): rotate-half RoPE in fp32, one rounding to t's dtype."""
+    """t [s, b, h, d], freqs [s, 1, 1, rot] (fp32 angles) or `rope_tables` [s, 2, 1, rot]: rotate-half RoPE in fp32,
+    one rounding to t's dtype."""
     rot = freqs.shape[-1]
+    cos, sin = (freqs[:, :1], freqs[:, 1:]) if freqs.size(1) == 2 else (freqs.cos(), freqs.sin())
     x, rest = t[..., :rot].float(), t[..., rot:]
     x1, x2 = x.chunk(2, dim=-1)
-    out = x * freqs.cos() + torch.cat((-x2, x1), dim=-1) * freqs.sin()
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((out.to(t.dtype), rest), dim=-1)
+
+
+def rope_tables(freqs: torch.Tensor) -> torch.Tensor:
+    """Angles [s, 1, 1, rot] -> [s, 2, 1, rot] fp32, cos at [:, 0] and sin at [:, 1], for `fused_rope`.
+
+    Why: given angles, each RoPE kernel (q and k, forward and backward, every layer) evaluates cos and sin for every
+    element of every head; computed once per forward, the kernels only read them (1B shape: ~20% less RoPE time,
+    bench/rope_bench.py). Megatron's angle tensors are [s, 1, 1, rot] (mRoPE's per-sample angles never reach the
+    fused RoPE), so dim 1 of size 2 tells the two apart. The model makes them (`PackedGPTModel`) only where ours is
+    the fused RoPE Megatron calls."""
+    return torch.cat((freqs.cos(), freqs.sin()), dim=1)
 
 
 def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -205,4 +218,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk, real)
 
 
-__all__ = ["fused_rope", "install_rope_fusion", "vocab_parallel_cross_entropy", "linear_cross_entropy"]
+__all__ = ["fused_rope", "install_rope_fusion", "rope_tables", "vocab_parallel_cross_entropy", "linear_cross_entropy"]

@@ -26,10 +26,22 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from adapter.errors import bad
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.attention import SDPAttention, normalize_cp_comm_type
-from adapter.models.fusions import install_rope_fusion, linear_cross_entropy, vocab_parallel_cross_entropy
+from adapter.models.fusions import (
+    fused_rope,
+    install_rope_fusion,
+    linear_cross_entropy,
+    rope_tables,
+    vocab_parallel_cross_entropy,
+)
 from adapter.models.packed import PackedDocs
 from adapter.patches import require
-from adapter.patches.mcore import TESTED_MEGATRON_VERSIONS, check_preprocess, install_cpu_shims, with_rotary
+from adapter.patches.mcore import (
+    TESTED_MEGATRON_VERSIONS,
+    check_preprocess,
+    fused_rope_is,
+    install_cpu_shims,
+    with_rotary,
+)
 
 Attention = Literal["sdpa", "local", "te"]
 
@@ -127,6 +139,9 @@ class PackedGPTModel(GPTModel):
     def __init__(self, *args, real_vocab_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.real_vocab_size = real_vocab_size or self.vocab_size  # the rows past it are padding (128·tp multiple)
+        c = self.config  # cos/sin once per forward for every layer's RoPE (fusions.rope_tables), where ours runs
+        self.rope_tables = bool(c.apply_rope_fusion and fused_rope_is(fused_rope) and c.mrope_section is None
+                                and not c.rotary_interleaved)
 
     def local_real_vocab(self, local: int) -> int:
         """How many of this TP rank's `local` vocabulary columns are real (the padding sits at the end); `local` is
@@ -145,11 +160,16 @@ class PackedGPTModel(GPTModel):
         return super().compute_language_model_loss(labels, logits)
 
     def _preprocess(self, *args, packed_seq_params=None, **kwargs):
-        if not isinstance(packed_seq_params, PackedDocs):
-            return super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
-        out = super()._preprocess(*args, packed_seq_params=None, **kwargs)
-        table = self.rotary_pos_emb(packed_seq_params.rope_len, packed_seq=True)  # [rope_len, 1, 1, d], cached
-        return with_rotary(out, table.index_select(0, packed_seq_params.positions))
+        if isinstance(packed_seq_params, PackedDocs):
+            out = super()._preprocess(*args, packed_seq_params=None, **kwargs)
+            table = self.rotary_pos_emb(packed_seq_params.rope_len, packed_seq=True)  # [rope_len, 1, 1, d], cached
+            table = table.index_select(0, packed_seq_params.positions)
+        else:
+            out = super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
+            table = out[1]
+        if self.rope_tables and isinstance(table, torch.Tensor):
+            table = rope_tables(table)
+        return out if table is out[1] else with_rotary(out, table)
 
 
 class FusedLossGPTModel(PackedGPTModel):

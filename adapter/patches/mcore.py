@@ -147,6 +147,13 @@ def install_rope_fusion(fused_rope) -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
+def fused_rope_is(fused_rope) -> bool:
+    """Whether `fused_rope` is the fused RoPE Megatron calls (not TE's)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is fused_rope
+
+
 def set_linear_impl(linear, matmul) -> None:
     """Run a Column/RowParallelLinear's matmul as `matmul(input, weight)` (e.g. `F.linear`, fp8) instead of its
     `_forward_impl`, Megatron's autograd Function with its TP communication and gradient-accumulation fusion: only
@@ -180,4 +187,4 @@ def with_rotary(preprocessed: tuple, rotary_pos_emb: torch.Tensor) -> tuple:
 
 
 __all__ = ["TESTED_MEGATRON_VERSIONS", "install_cpu_shims", "check", "megatron_version", "quiet_row_parallel_group",
-           "install_rope_fusion", "check_preprocess", "with_rotary", "set_linear_impl"]
+           "install_rope_fusion", "fused_rope_is", "check_preprocess", "with_rotary", "set_linear_impl"]

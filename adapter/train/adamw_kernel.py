@@ -7,6 +7,12 @@ chunk -> (parameter, offset); the master weights and moments are the flat buffer
 weights are reached through per-step pointer tables, so autograd's gradients stay where autograd put them.
 
 Same arithmetic as `adapter.train.optim._adamw_update` (IEEE square root and division).
+
+Alignment: Triton vectorises a load (16 bytes per thread) only when it can prove the address is aligned, and an
+address read from a table proves nothing, so the first version issued scalar loads and ran at ~1.35 TB/s: 25.7 ms
+per 1B step, 18% of the GPU time (docs/BENCHMARKS.md, fifth session). When every size is a multiple of 16 elements
+and every pointer is 16-byte aligned (the usual case: autograd's gradients come from the caching allocator), ALIGN
+tells the compiler so; otherwise the same kernel runs without the hints.
 """
 from __future__ import annotations
 
@@ -15,18 +21,24 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096
+ALIGN = 16  # elements: sizes and offsets divisible by this, and 16-byte aligned pointers, get the vectorised kernel
 
 
 @triton.jit
 def _adamw_chunks(master, exp_avg, exp_avg_sq, ptrs, chunk_param, chunk_start, offsets, numels, hyper, n_params,
-                  LOW: tl.constexpr, BLOCK: tl.constexpr):
+                  LOW: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     pid = tl.program_id(0)
     p = tl.load(chunk_param + pid)
-    start = tl.load(chunk_start + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)
     n = tl.load(numels + p)
     base = tl.load(offsets + p)
     grad_ptr = tl.load(ptrs + p).to(tl.pointer_type(LOW))
     low_ptr = tl.load(ptrs + n_params + p).to(tl.pointer_type(LOW))
+    if ALIGN > 1:  # what the host checked (`step`): lets every load and store below be a 16-byte vector
+        n = tl.multiple_of(n, ALIGN)
+        base = tl.multiple_of(base, ALIGN)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        low_ptr = tl.multiple_of(low_ptr, 16)
     idx = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = idx < n
     coef = tl.load(hyper)
@@ -64,6 +76,7 @@ class ChunkTable:
         self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
         self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
         self.low = tl.bfloat16 if params[0].dtype == torch.bfloat16 else tl.float16
+        self.sizes_aligned = all(n % ALIGN == 0 for n in numels)  # then every offset is too
 
 
 def supported(params) -> bool:
@@ -73,8 +86,9 @@ def supported(params) -> bool:
             and all(p.is_contiguous() for p in params))
 
 
-def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> None:
-    """One update of every parameter of the group; the gradients may be anywhere (None: zero)."""
+def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> int:
+    """One update of every parameter of the group; the gradients may be anywhere (None: zero). Returns the
+    alignment the kernel was told (ALIGN or 1)."""
     keep, grads = [], []
     for p in params:
         g = p.grad
@@ -84,9 +98,11 @@ def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> None:
             g = g.to(p.dtype).contiguous()
         keep.append(g)  # alive until the launch is queued; stream order protects the memory after that
         grads.append(g.data_ptr())
-    host = torch.tensor(grads + [p.data_ptr() for p in params], dtype=torch.int64).pin_memory()
-    ptrs = host.to(master.device, non_blocking=True)
+    addresses = grads + [p.data_ptr() for p in params]
+    align = ALIGN if table.sizes_aligned and all(a % 16 == 0 for a in addresses) else 1
+    ptrs = torch.tensor(addresses, dtype=torch.int64).pin_memory().to(master.device, non_blocking=True)
     grid = (table.chunk_param.numel(),)
     _adamw_chunks[grid](master, exp_avg, exp_avg_sq, ptrs, table.chunk_param, table.chunk_start, table.offsets,
-                        table.numels, hyper, len(params), LOW=table.low, BLOCK=BLOCK)
+                        table.numels, hyper, len(params), LOW=table.low, BLOCK=BLOCK, ALIGN=align, num_warps=8)
     del keep
+    return align

@@ -229,7 +229,7 @@ def _fused_worker(rank, world):
         torch.manual_seed(0)
         model = build_gpt_model(arch, params_dtype=torch.bfloat16, fused_kernels=fused)
         flags.append((model.config.bias_activation_fusion, model.config.apply_rope_fusion,
-                      isinstance(model, FusedLossGPTModel)))
+                      isinstance(model, FusedLossGPTModel), model.rope_tables))
         loss = model(ids[:, :-1], None, None, labels=ids[:, 1:]).float().mean()
         loss.backward()
         losses.append(loss.item())
@@ -257,7 +257,7 @@ def _fused_worker(rank, world):
 
 def test_fused_kernels_match_unfused():
     for r in run_workers(_fused_worker, 2, timeout=300):
-        assert r["flags"] == [(False, False, False), (True, True, True)], r
+        assert r["flags"] == [(False, False, False, False), (True, True, True, True)], r
         assert r["fp32_vs_hf"] <= TOL and r["tp2_ce_loss"] <= TOL and r["tp2_ce_grad"] <= TOL, r
         assert r["bf16_loss_rel"] <= 2e-3 and r["bf16_grad_rel"] <= 3e-2, r  # bf16 eps is 7.8e-3
 

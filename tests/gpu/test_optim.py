@@ -14,19 +14,24 @@ from adapter.train.optim import FlatAdamW
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _params():
+UNALIGNED = [(1000, 77), (4096,), (3, 5), (8192, 9)]  # sizes not multiples of 16: the kernel without hints
+ALIGNED = [(1024, 48), (4096,), (16,), (8192, 16)]   # the vectorised kernel (every size a multiple of 16)
+
+
+def _params(shapes):
     torch.manual_seed(0)
-    shapes = [(1000, 77), (4096,), (3, 5), (8192, 9)]
     return [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in shapes]
 
 
-def _run(params, kernel: bool, steps: int = 6):
+def _run(params, kernel: bool, steps: int = 6, align: int = 1):
     opt = FlatAdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
                     lr=1e-2, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
     assert all(f.table is not None for f in opt.flats)
     if not kernel:
         for f in opt.flats:
             f.table = None
+    else:
+        assert all(f.table.sizes_aligned == (align > 1) for f in opt.flats)
     for step in range(steps):
         g = torch.Generator(device="cuda").manual_seed(step)
         for i, p in enumerate(params):
@@ -37,10 +42,16 @@ def _run(params, kernel: bool, steps: int = 6):
     return opt
 
 
-def test_one_launch_step_equals_the_per_parameter_step():
-    base = _params()
+@pytest.mark.parametrize("shapes,align", [(UNALIGNED, 1), (ALIGNED, 16)], ids=["unaligned", "aligned"])
+def test_one_launch_step_equals_the_per_parameter_step(shapes, align, monkeypatch):
+    from adapter.train import adamw_kernel
+
+    told, plain = [], adamw_kernel.step
+    monkeypatch.setattr(adamw_kernel, "step", lambda *a: told.append(plain(*a)))
+    base = _params(shapes)
     ref_params, got_params = copy.deepcopy(base), copy.deepcopy(base)
-    ref, got = _run(ref_params, kernel=False), _run(got_params, kernel=True)
+    ref, got = _run(ref_params, kernel=False), _run(got_params, kernel=True, align=align)
+    assert told and set(told) == {align}
     for fr, fg in zip(ref.flats, got.flats):
         for a, b in ((fr.master, fg.master), (fr.exp_avg, fg.exp_avg), (fr.exp_avg_sq, fg.exp_avg_sq)):
             assert torch.isfinite(b).all()

@@ -92,3 +92,11 @@ def test_fp8_refused_with_tensor_parallelism_in_one_line():
         checks.check(config.build(raw, env={}, world_size=2), load_arch(model))
     raw["parallelism"]["tp_size"] = 1
     assert checks.check(config.build(raw, env={}, world_size=1), load_arch(model)) == []
+
+
+def test_amax_by_rows_is_the_whole_tensor_amax():
+    from adapter.models import fp8
+
+    x = torch.randn(33, 70, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[17, 5] = -40.0
+    assert fp8.AMAX_ROWS and torch.equal(fp8.amax(x), x.abs().amax()) and fp8.amax(x).item() == 40.0

@@ -1,0 +1,114 @@
+"""The optimizer step alone on one GPU: the flat AdamW's one-launch kernel against torch's fused AdamW, on a model
+shape's parameter list (GPU host only).
+
+    python bench/adamw_bench.py                 # Llama-3.2-1B shape
+    python bench/adamw_bench.py --shape 3b
+
+Both move the same 28 bytes per parameter (ours: fp32 master and moments read and written, bf16 gradient read,
+bf16 weight written; torch fused on fp32 parameters and gradients: the same), so GB/s compares the kernels, and
+torch's fused AdamW is the peer. Why it exists: in the profile of the 1B step the first kernel took 25.7 ms of a
+~142 ms step for what should be ~8 ms of memory traffic (docs/BENCHMARKS.md, fifth session).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHAPES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
+BYTES_PER_PARAM = 28
+
+
+def param_shapes(cfg: dict) -> list[tuple[int, ...]]:
+    """Megatron's parameter list for a Llama config: fused QKV, fused gate/up, two norms per layer, tied head."""
+    h, ffn = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * hd
+    layer = [(qkv, h), (h, cfg["num_attention_heads"] * hd), (2 * ffn, h), (h, ffn), (h,), (h,)]
+    return [(cfg["vocab_size"], h), *layer * cfg["num_hidden_layers"], (h,)]
+
+
+def timed(fn, iters: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return median(times)
+
+
+def vector_loads() -> str:
+    """How many 16-byte vector loads the compiled kernels have (0: the scalar version)."""
+    from adapter.train import adamw_kernel
+
+    out = []
+    for cache in getattr(adamw_kernel._adamw_chunks, "device_caches", {}).values():
+        kernels = cache[0] if isinstance(cache, tuple) else cache
+        for k in kernels.values():
+            ptx = getattr(k, "asm", {}).get("ptx", "")
+            out.append(f"ALIGN={k.constants.get('ALIGN', '?') if hasattr(k, 'constants') else '?'}: "
+                       f"{ptx.count('ld.global.v4') + ptx.count('ld.global.nc.v4')} v4 loads")
+    return "; ".join(out) or "n/a"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args(argv)
+    import torch
+
+    from adapter.train.optim import FlatAdamW
+
+    cfg = json.loads((ROOT / f"configs/models/{SHAPES[a.shape]}/config.json").read_text())
+    shapes = param_shapes(cfg)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    rows = {}
+
+    def groups(params):
+        return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = FlatAdamW(groups(params), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
+    tables = [f.table for f in opt.flats]
+    rows["ours, one launch"] = timed(opt.step, a.iters)
+    for t in tables:
+        t.sizes_aligned = False
+    rows["ours, one launch, no alignment hints"] = timed(opt.step, a.iters)
+    for f in opt.flats:
+        f.table = None
+    rows["ours, per-parameter calls"] = timed(opt.step, max(3, a.iters // 4))
+    print("compiled:", vector_loads())
+    del opt, params, tables
+    torch.cuda.empty_cache()
+
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    peer = torch.optim.AdamW(groups(params), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    rows["torch AdamW fused (fp32)"] = timed(peer.step, a.iters)
+
+    ref = rows["torch AdamW fused (fp32)"]
+    print(f"{SHAPES[a.shape]}: {n / 1e9:.3f} B parameters, {BYTES_PER_PARAM} bytes each,",
+          torch.cuda.get_device_name())
+    for name, ms in rows.items():
+        print(f"{name:40s} {ms:8.2f} ms  {BYTES_PER_PARAM * n / ms / 1e6:7.0f} GB/s  {ref / ms:5.2f}x torch fused")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
