@@ -55,10 +55,9 @@ def vector_loads() -> str:
     out = []
     for cache in getattr(adamw_kernel._adamw_chunks, "device_caches", {}).values():
         kernels = cache[0] if isinstance(cache, tuple) else cache
-        for k in kernels.values():
+        for i, k in enumerate(kernels.values(), 1):  # in compilation order: aligned first (see main)
             ptx = getattr(k, "asm", {}).get("ptx", "")
-            out.append(f"ALIGN={k.constants.get('ALIGN', '?') if hasattr(k, 'constants') else '?'}: "
-                       f"{ptx.count('ld.global.v4') + ptx.count('ld.global.nc.v4')} v4 loads")
+            out.append(f"kernel {i}: {ptx.count('ld.global.v4') + ptx.count('ld.global.nc.v4')} v4 loads")
     return "; ".join(out) or "n/a"
 
 
