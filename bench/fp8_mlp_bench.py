@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import ms_per_call  # noqa: E402 (bench/ is on the path)
+
 from adapter.models import fp8  # noqa: E402
 
 SHAPES = {"1b": (2048, 8192), "3b": (3072, 8192)}  # hidden, FFN
@@ -30,18 +32,6 @@ def mlp(x, w1, w2, norm):
 def fwd_bwd(step, x, w1, w2, norm, g) -> None:
     x.grad = w1.grad = w2.grad = None
     step(x, w1, w2, norm).backward(g)
-
-
-def ms_per_step(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 def main(argv=None) -> int:
@@ -60,7 +50,7 @@ def main(argv=None) -> int:
             fp8.AMAX_ROWS = rows
             torch._dynamo.reset()
             step = torch.compile(mlp, dynamic=False)
-            ms = ms_per_step(lambda: fwd_bwd(step, x, w1, w2, norm, g), a.iters)  # noqa: B023 (called at once)
+            ms = ms_per_call(lambda: fwd_bwd(step, x, w1, w2, norm, g), a.iters)  # noqa: B023 (called at once)
             grads[rows] = (x.grad.clone(), w1.grad.clone(), w2.grad.clone())
             print(f"{shape} amax {'row maxima first' if rows else 'one reduction':17s} {ms:7.3f} ms per MLP fwd+bwd")
         diffs = [((p.float() - q.float()).abs().max() / p.float().abs().max()).item()

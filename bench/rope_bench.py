@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cuda_timing import ms_per_call  # bench/ is on the path
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,15 +45,7 @@ def main(argv=None) -> int:
     fa, ft = torch.compile(angles, dynamic=False), torch.compile(tables, dynamic=False)
     for name, run in (("angles in (now)", lambda: (fa(q, freqs).sum() + fa(k, freqs).sum()).backward()),
                       ("cos/sin tables", lambda: (ft(q, cos, sin).sum() + ft(k, cos, sin).sum()).backward())):
-        for _ in range(3):
-            run()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(a.iters):
-            run()
-        e1.record()
-        e1.synchronize()
-        print(f"{name:18s} {e0.elapsed_time(e1) / a.iters * 1e3:8.1f} µs per q+k forward+backward (incl. sums)")
+        print(f"{name:18s} {ms_per_call(run, a.iters) * 1e3:8.1f} µs per q+k forward+backward (incl. sums)")
     print("equal:", torch.equal(fa(q, freqs), ft(q, cos, sin)))
     return 0
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cuda_timing import ms_per_call  # bench/ is on the path
+
 SHAPES = {"1b": (32, 8, 64), "3b": (24, 8, 128)}
 
 
@@ -20,20 +22,6 @@ def fwd_bwd(q, k, v, gqa: bool) -> None:
         rep = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).sum().backward()
-
-
-def ms_per_call(fn, iters: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 def main(argv=None) -> int:

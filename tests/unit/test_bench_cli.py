@@ -83,3 +83,22 @@ def test_packed_attention_bench_runs_on_cpu(capsys):
     result = compare.parse_result(capsys.readouterr().out)
     diffs = {r["variant"]: r["max_diff_vs_varlen"] for r in result["rows"]}
     assert diffs["dense causal"] is None and diffs["dense doc mask"] < 1e-5 and diffs["varlen, max=seq"] == 0.0
+
+
+def test_kernel_benches_parse_their_arguments_and_adamw_bench_lists_the_models_parameters():
+    """The GPU-only kernel benches start on CPU (imports, --help); adamw_bench's parameter list is the model's."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    for name in ("adamw_bench", "fp8_mlp_bench", "rope_bench", "sdpa_backends"):
+        out = subprocess.run([sys.executable, str(ROOT / f"bench/{name}.py"), "--help"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and "usage" in out.stdout, (name, out.stderr[-500:])
+    spec = importlib.util.spec_from_file_location("adamw_bench", ROOT / "bench/adamw_bench.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    for shape, params in (("1b", 1_235_814_400), ("3b", 3_212_749_824)):  # num_params of the compare runs' logs
+        cfg = json.loads((ROOT / f"configs/models/{ab.SHAPES[shape]}/config.json").read_text())
+        assert sum(math.prod(s) for s in ab.param_shapes(cfg)) == params
