@@ -47,10 +47,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     Why two stages: a row reduction iterates like the kernel that produces x, so Inductor can compute it inside that
     kernel, where a whole-tensor reduction is a separate split reduction that reads x again (the 1B MLP's input
     gradient: ~200 µs per layer, docs/BENCHMARKS.md). `bench/fp8_mlp_bench.py` times both."""
-    return x.abs().amax(dim=-1).amax() if AMAX_ROWS and x.dim() > 1 else x.abs().amax()
-
-
-AMAX_ROWS = True  # bench/fp8_mlp_bench.py flips it to compare
+    return x.abs().amax(dim=-1).amax() if x.dim() > 1 else x.abs().amax()
 
 
 def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
