@@ -155,3 +155,21 @@ def test_plan_attention_cost():
     assert syn.packed_documents and syn.doc_len == 8 and syn.flops_per_gpu_step == dense.flops_per_gpu_step / 4
     real = attention_cost(cfg(**{"data.document_mask": True, "parallelism.cp_size": 2}), TINY)
     assert real.doc_len == 32 and "upper bound" in real.doc_len_source and "split over cp=2" in real.kernel
+
+
+def test_compiled_fp8_layers_keep_less():
+    """precision fp8 in compiled layers: each fp8 MLP linear's bf16 input is not kept (fitted to H200 peaks: 2 bytes
+    × tokens × (hidden for fc1 + FFN for fc2) per layer); eager fp8 is not modelled."""
+    one_gpu = {"parallelism.tp_size": 1, "parallelism.dp_shard_size": 1}
+    base = memory.estimate(cfg(**one_gpu, **{"model.compile": True}), TINY, partition_size=1, gpu_capacity=1)
+    fp8 = memory.estimate(cfg(**one_gpu, **{"model.compile": True, "precision": "fp8"}), TINY, partition_size=1,
+                          gpu_capacity=1)
+    fc1 = memory.estimate(cfg(**one_gpu, **{"model.compile": True, "precision": "fp8", "model.fp8_linears": ["fc1"]}),
+                          TINY, partition_size=1, gpu_capacity=1)
+    eager = memory.estimate(cfg(**one_gpu, **{"model.compile": False, "precision": "fp8"}), TINY, partition_size=1,
+                            gpu_capacity=1)
+    tokens = 32 * 2
+    assert base.activations - fp8.activations == 2 * 2 * tokens * (64 + 128)    # 2 layers
+    assert base.activations - fc1.activations == 2 * 2 * tokens * 64
+    assert base.activations_full_recompute - fp8.activations_full_recompute == 2 * tokens * (64 + 128)  # one layer
+    assert eager.activations == base.activations

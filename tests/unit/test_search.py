@@ -150,19 +150,17 @@ def test_pins_and_the_configs_own_world():
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
-def test_search_over_64_gpus_is_fast_and_imports_no_torch():
-    script = ("import sys, time, io, contextlib\n"
+def test_search_over_64_gpus_imports_no_torch():
+    """Its speed (issue 17: under 2 s) is measured by bench/search_time.py, not asserted here."""
+    script = ("import sys, io, contextlib\n"
               "from adapter.cli import main\n"
-              "t = time.perf_counter()\n"
               "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
               f"    code = main(['plan', {CFG16!r}, '--nodes', '8', '--gpus-per-node', '8', '--search', "
               "'--format', 'json'])\n"
-              "dt = time.perf_counter() - t\n"
               "assert code == 0\n"
-              "print(dt, 'torch' in sys.modules, len(out.getvalue()))\n")
+              "print('torch' in sys.modules, len(out.getvalue()))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
-    dt, torch_loaded, _ = res.stdout.split()
-    assert torch_loaded == "False"
-    assert float(dt) < 2.0, f"--search over 64 GPUs took {dt} s"
+    torch_loaded, size = res.stdout.split()
+    assert torch_loaded == "False" and int(size) > 1000
