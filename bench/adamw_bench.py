@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,22 +29,6 @@ def param_shapes(cfg: dict) -> list[tuple[int, ...]]:
     qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * hd
     layer = [(qkv, h), (h, cfg["num_attention_heads"] * hd), (2 * ffn, h), (h, ffn), (h,), (h,)]
     return [(cfg["vocab_size"], h), *layer * cfg["num_hidden_layers"], (h,)]
-
-
-def timed(fn, iters: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return median(times)
 
 
 def vector_loads() -> str:
@@ -67,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     a = ap.parse_args(argv)
     import torch
+    from cuda_timing import ms_per_call  # bench/ is on the path when run as a script
 
     from adapter.train.optim import FlatAdamW
 
@@ -84,13 +68,13 @@ def main(argv=None) -> int:
         p.grad = torch.randn_like(p) * 1e-3
     opt = FlatAdamW(groups(params), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
     tables = [f.table for f in opt.flats]
-    rows["ours, one launch"] = timed(opt.step, a.iters)
+    rows["ours, one launch"] = ms_per_call(opt.step, a.iters)
     for t in tables:
         t.sizes_aligned = False
-    rows["ours, one launch, no alignment hints"] = timed(opt.step, a.iters)
+    rows["ours, one launch, no alignment hints"] = ms_per_call(opt.step, a.iters)
     for f in opt.flats:
         f.table = None
-    rows["ours, per-parameter calls"] = timed(opt.step, max(3, a.iters // 4))
+    rows["ours, per-parameter calls"] = ms_per_call(opt.step, max(3, a.iters // 4))
     print("compiled:", vector_loads())
     del opt, params, tables
     torch.cuda.empty_cache()
@@ -99,7 +83,7 @@ def main(argv=None) -> int:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     peer = torch.optim.AdamW(groups(params), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    rows["torch AdamW fused (fp32)"] = timed(peer.step, a.iters)
+    rows["torch AdamW fused (fp32)"] = ms_per_call(peer.step, a.iters)
 
     ref = rows["torch AdamW fused (fp32)"]
     print(f"{SHAPES[a.shape]}: {n / 1e9:.3f} B parameters, {BYTES_PER_PARAM} bytes each,",

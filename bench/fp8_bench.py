@@ -15,25 +15,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import ms_per_call  # noqa: E402 (bench/ is on the path)
+
 from adapter.models.fp8 import RECIPES, fp8_linear  # noqa: E402
 
 SHAPES = {"1b": {"qkv": (2048, 3072), "proj": (2048, 2048), "fc1": (2048, 16384), "fc2": (8192, 2048)},
           "3b": {"qkv": (3072, 5120), "proj": (3072, 3072), "fc1": (3072, 16384), "fc2": (8192, 3072)}}
 
 LAYERS = {"1b": 16, "3b": 28}
-
-
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
@@ -62,7 +51,7 @@ def main():
                 def step(f=f, x=x, w=w, g=g):
                     x.grad = w.grad = None
                     f(x, w).backward(g)
-                ms = timed(step)
+                ms = ms_per_call(step)
                 x.grad = w.grad = None
                 y = f(x, w)
                 y.backward(g)

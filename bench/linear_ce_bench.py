@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import ms_per_call  # noqa: E402 (bench/ is on the path)
+
 from adapter.models.fusions import (  # noqa: E402
     _liger_linear_cross_entropy,
     linear_cross_entropy,
@@ -65,13 +67,7 @@ def main():
             torch.cuda.synchronize()
             extra = (torch.cuda.max_memory_allocated() - base) / 2**30
             grads = (h.grad.float().clone(), w.grad.float().clone())
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / 10
+            ms = ms_per_call(step, iters=10, warmup=0)  # warmed up above
             if ref is None:
                 ref = (loss.item(), *grads)
             err = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, ref[1:]))

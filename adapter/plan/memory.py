@@ -108,6 +108,13 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     return norm_side + attn + mlp
 
 
+def whole_layer_graphs(cfg: RunConfig) -> bool:
+    """`model.compile` gives one whole graph per layer only at tp = cp = 1 without selective recompute (elsewhere the
+    graph breaks at Megatron's linears, the CP attention or the recompute boundary: adapter/models/compile.py)."""
+    p = cfg.parallelism
+    return bool(cfg.model.compile) and p.tp_size == 1 and p.cp_size == 1 and cfg.recompute != "selective"
+
+
 def fp8_freed(cfg: RunConfig, arch: ModelArch, *, tokens: int) -> int:
     """Bytes per layer that compiled layers with `precision: fp8` do not keep: the bf16 input of each fp8 MLP linear
     (fc1: the norm's output, fc2: the SwiGLU output), measured, not derived. One H200, compiled, tp = 1 (issue 16):
@@ -115,7 +122,7 @@ def fp8_freed(cfg: RunConfig, arch: ModelArch, *, tokens: int) -> int:
     bf16 with linear CE's share taken out), i.e. 2·tokens·(hidden + FFN) per layer both times. The fp8 copies the
     matmuls keep do not show in those peaks; why is not pinned down (no memory snapshot was taken). Not modelled:
     eager fp8, and fp8 attention projections (not measured)."""
-    if cfg.precision != "fp8" or not cfg.model.compile or cfg.parallelism.tp_size > 1 or cfg.parallelism.cp_size > 1:
+    if cfg.precision != "fp8" or not whole_layer_graphs(cfg):
         return 0
     linears = set(cfg.model.fp8_linears)
     return 2 * tokens * ((arch.hidden_size if "fc1" in linears else 0) + (arch.ffn_hidden_size if "fc2" in linears

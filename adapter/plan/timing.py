@@ -22,7 +22,7 @@ from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_ste
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import local_params
+from adapter.plan.memory import local_params, whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: fwd+bwd = 3.5 × the forward
@@ -165,7 +165,7 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     P = lp.total(L)
     vocab = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     full, selective = cfg.recompute == "full", cfg.recompute == "selective"
-    compiled = cfg.model.compile and tp == 1 and cp == 1 and not selective     # one whole graph per layer
+    compiled = whole_layer_graphs(cfg)
     broken = cfg.model.compile and not compiled
     rows = traffic.estimate(cfg, arch, layout) if rows is None else rows
     vol = {r.group: r.bytes_per_step for r in rows}
