@@ -1,6 +1,8 @@
 """`nd-adapter` command line. Every user mistake ends as one line on stderr and exit status 2.
 
-Subcommands import their heavy dependencies (torch, megatron, deepspeed) lazily, so `plan` stays fast on a laptop.
+Everything imported here is torch-free (tests/unit/test_structure.py checks it): `plan`, `--help` and the config
+checks before `train` starts its processes run on a laptop in well under a second. Conversion and training import
+torch, Megatron-Core and DeepSpeed in the commands that run them (adapter/convert/cli.py, adapter/train/worker.py).
 """
 from __future__ import annotations
 
@@ -10,8 +12,14 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from adapter import __version__
+from adapter import __version__, config
+from adapter.convert.cli import add_parser as add_convert_parser
+from adapter.data.sft import report
 from adapter.errors import EXIT_USAGE, UserError
+from adapter.plan import calibrate, search
+from adapter.plan.build import build_plan
+from adapter.plan.render import render, render_search
+from adapter.train import rehearse, spawn
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,10 +41,6 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args) -> int:
-    from adapter import config
-    from adapter.plan.build import build_plan
-    from adapter.plan.render import render
-
     if args.nodes is not None and args.gpus_per_node is None:
         raise UserError("--nodes given without --gpus-per-node. Fix: pass both, e.g. --nodes 2 --gpus-per-node 8")
     world = args.nodes * args.gpus_per_node if args.gpus_per_node is not None and args.nodes is not None else None
@@ -44,12 +48,9 @@ def cmd_plan(args) -> int:
         world = args.gpus_per_node
     flags = {k: v for k, v in _world_overrides(args).items() if v is not None}  # an absent flag keeps a --set
     if args.search:
-        from adapter.plan.render import render_search
-        from adapter.plan.search import run
-
         if args.top < 1:
             raise UserError(f"--top={args.top}: must be at least 1. Fix: e.g. --top 10")
-        found = run(args.config, config.parse_sets(args.set), flags, world, gpu_mem_gib=args.gpu_mem_gib)
+        found = search.run(args.config, config.parse_sets(args.set), flags, world, gpu_mem_gib=args.gpu_mem_gib)
         print(found.model_dump_json(indent=2)) if args.format == "json" else render_search(found, top=args.top)
         return 0
     cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
@@ -62,27 +63,19 @@ def cmd_plan(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from adapter.plan.calibrate import main as calibrate_main
-
-    return calibrate_main(args, {k: v for k, v in _world_overrides(args).items() if v is not None})
+    return calibrate.main(args, {k: v for k, v in _world_overrides(args).items() if v is not None})
 
 
 def cmd_train(args) -> int:
-    from adapter.train.spawn import main as train_main
-
-    return train_main(args)
+    return spawn.main(args)
 
 
 def cmd_rehearse(args) -> int:
-    from adapter.train.rehearse import main as rehearse_main
-
-    return rehearse_main(args)
+    return rehearse.main(args)
 
 
 def cmd_preprocess(args) -> int:
-    from adapter.data.sft.report import main as preprocess_main
-
-    return preprocess_main(args)
+    return report.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,12 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per measurement")
     p.set_defaults(func=cmd_calibrate)
 
-    try:
-        from adapter.convert.cli import add_parser as add_convert
-    except ImportError:  # conversion not installed in this build
-        add_convert = None
-    if add_convert is not None:
-        add_convert(sub)
+    add_convert_parser(sub)
 
     for name, func, text in (("train", cmd_train, "train on this machine's GPUs (single node; or use launch/)"),
                              ("rehearse", cmd_rehearse, "run the config's layout on CPU processes with a tiny model")):

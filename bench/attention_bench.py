@@ -32,9 +32,9 @@ def main() -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
+    from adapter.kernels.attention import SDPAttention
+    from adapter.modeling.gpt import transformer_config
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.attention import SDPAttention
-    from adapter.models.gpt import transformer_config
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")

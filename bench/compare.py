@@ -157,9 +157,10 @@ def main(argv=None) -> int:
         rows[name] = parse_steps(out) if ours_cfg else parse_result(out)
         if ours_cfg and rows[name]:
             from adapter.models.arch import load_arch
+            from adapter.models.counts import num_params
 
             model = (ROOT / ours_cfg).parent / yaml_model_path(ROOT / ours_cfg)
-            rows[name].update(num_params=load_arch(model).num_params, model_state_bytes_per_param=OUR_STATE_BYTES)
+            rows[name].update(num_params=num_params(load_arch(model)), model_state_bytes_per_param=OUR_STATE_BYTES)
         print(name, json.dumps(rows[name]), flush=True)
     if a.gpus == 1:
         print(render(rows, "hf-liger", f"{ONE_GPU[a.shape]} shape, seq {a.seq}, micro-batch {a.micro_batch}, bf16, "

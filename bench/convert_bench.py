@@ -100,7 +100,9 @@ def copy_tree(src: Path, dst: Path, sync: bool) -> None:
 def child(code: str) -> tuple[float, float, int]:
     """Run `code` in a fresh interpreter: (wall seconds incl. interpreter start and imports, seconds of `code`
     alone, peak RSS in bytes). VmHWM, not ru_maxrss: that one keeps the parent's high-water mark across exec."""
-    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\nfrom adapter.convert import ops\n"
+    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+              "from adapter.convert.to_hf import megatron_to_hf\n"
+              "from adapter.convert.to_megatron import hf_to_megatron\n"
               f"t = time.perf_counter()\n{code}\nprint('TIME', time.perf_counter() - t)\n"
               "print('RSS', next(ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')))")
     t = time.perf_counter()
@@ -173,8 +175,8 @@ def main() -> None:
                                                                round(med(walls) / med(sync), 2)],
                     "peak_rss_gb": round(rss / 1e9, 2)}
 
-        fwd = direction(src, meg, f"ops.hf_to_megatron({str(src)!r}, {str(meg)!r}, tp={args.tp}, progress=False)")
-        bwd = direction(meg, back, f"ops.megatron_to_hf({str(meg)!r}, {str(back)!r}, progress=False)")
+        fwd = direction(src, meg, f"hf_to_megatron({str(src)!r}, {str(meg)!r}, tp={args.tp}, progress=False)")
+        bwd = direction(meg, back, f"megatron_to_hf({str(meg)!r}, {str(back)!r}, progress=False)")
         exact = None if args.no_check else tensor_digests(src) == tensor_digests(back)
         res = {"gb": round(gb, 2), "params_b": round(nbytes / 2 / 1e9, 3), "tp": args.tp, "scale": args.scale,
                "cpus": os.cpu_count(), "load_avg_start_end": [round(load0, 1), round(os.getloadavg()[0], 1)],

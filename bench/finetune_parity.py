@@ -47,7 +47,7 @@ def build(out: Path, shape: str, device: str) -> dict[str, Path]:
 
 def run_ours(out: Path, paths: dict, a) -> list[float]:
     """Convert on this machine, then train through the one entry point (torchrun, one process)."""
-    from adapter.convert.ops import hf_to_megatron
+    from adapter.convert.to_megatron import hf_to_megatron
 
     if a.weights == "convert":
         meg = out / f"megatron-{a.shape}"

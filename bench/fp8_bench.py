@@ -1,4 +1,4 @@
-"""FP8 linear (adapter/models/fp8.py) against a bf16 linear at the Llama-3.2-1B/3B layer shapes, on one GPU: forward +
+"""FP8 linear (adapter/kernels/fp8.py) against a bf16 linear at the Llama-3.2-1B/3B layer shapes, on one GPU: forward +
 both gradients of `linear(rms_norm(x))` compiled as one graph (so the casts fuse as they do in a compiled layer).
 
     python bench/fp8_bench.py [--tokens 8192]
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cuda_timing import ms_per_call  # noqa: E402 (bench/ is on the path)
 
-from adapter.models.fp8 import RECIPES, fp8_linear  # noqa: E402
+from adapter.kernels.fp8 import RECIPES, fp8_linear  # noqa: E402
 
 SHAPES = {"1b": {"qkv": (2048, 3072), "proj": (2048, 2048), "fc1": (2048, 16384), "fc2": (8192, 2048)},
           "3b": {"qkv": (3072, 5120), "proj": (3072, 3072), "fc1": (3072, 16384), "fc2": (8192, 3072)}}

@@ -1,5 +1,5 @@
 """The MLP of one layer in fp8 (tensorwise), forward + backward compiled as one graph, with the whole-tensor amax
-taken in one reduction or as row maxima first (`adapter.models.fp8.amax`); GPU host only.
+taken in one reduction or as row maxima first (`adapter.kernels.fp8.amax`); GPU host only.
 
     python bench/fp8_mlp_bench.py                # 1B and 3B shapes, 8192 tokens
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cuda_timing import ms_per_call  # noqa: E402 (bench/ is on the path)
 
-from adapter.models import fp8  # noqa: E402
+from adapter.kernels import fp8  # noqa: E402
 
 SHAPES = {"1b": (2048, 8192), "3b": (3072, 8192)}  # hidden, FFN
 ROWS_FIRST = fp8.amax  # what training uses

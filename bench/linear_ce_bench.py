@@ -1,5 +1,5 @@
 """Output layer + cross-entropy on one GPU at the Llama-3.2 vocabulary (128,256) and 8,192 tokens: the unfused path
-(bf16 logits, adapter/models/fusions.py's cross-entropy), Liger's fused linear cross-entropy, and ours in token
+(bf16 logits, adapter/kernels/fusions.py's cross-entropy), Liger's fused linear cross-entropy, and ours in token
 chunks of several sizes; forward + backward time and the memory each holds above its inputs.
 
     python bench/linear_ce_bench.py [--tokens 8192]
@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cuda_timing import ms_per_call  # noqa: E402 (bench/ is on the path)
 
-from adapter.models.fusions import (  # noqa: E402
+from adapter.kernels.fusions import (  # noqa: E402
     _liger_linear_cross_entropy,
     linear_cross_entropy,
     vocab_parallel_cross_entropy,

@@ -6,7 +6,7 @@
 Variants, on the same q/k/v (Llama-3.2-1B heads: 32 query, 8 KV, head_dim 64, bf16):
   dense causal        SDPA is_causal over whole sequences (documents ignored: the speed to match)
   dense doc mask      SDPA with a [b, 1, s, s] bool document mask (what data.document_mask did before)
-  varlen (ours)       adapter.models.varlen over cu_seqlens: FlashAttention-2 varlen, GQA without repeating K/V
+  varlen (ours)       adapter.kernels.varlen over cu_seqlens: FlashAttention-2 varlen, GQA without repeating K/V
   flex + BlockMask    compiled flex_attention with a causal & same-document BlockMask
 plus "varlen, max=seq" (the same kernel told every document may be a whole sequence long: the cost of a static
 bound). Document lengths vary (uniform in [L/2, 3L/2], scaled to fill each sequence). Prints a table, then one
@@ -55,9 +55,8 @@ def bench_shape(b: int, s: int, n: int, a) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from adapter.data import document_attention_mask
-    from adapter.models.packed import pack_batch
-    from adapter.models.varlen import varlen_attention
+    from adapter.kernels.thd import document_attention_mask, pack_batch
+    from adapter.kernels.varlen import varlen_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
     dev = a.device

@@ -37,7 +37,8 @@ def main(argv=None) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from adapter.models.arch import load_arch
-    from adapter.train.metrics import flops_per_token_for, mfu
+    from adapter.models.counts import flops_per_token
+    from adapter.train.metrics import mfu
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
     if rank == 0:
         print("RESULT " + json.dumps({
             "system": a.mode, "tokens_per_s_per_gpu": round(tps),
-            "mfu": mfu(tps, flops_per_token_for(arch, a.seq), 989e12),
+            "mfu": mfu(tps, flops_per_token(arch, a.seq), 989e12),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(float(loss), 4),
             # bf16 weights, bf16 gradients, bf16 AdamW moments (torch keeps them in the parameters' dtype)
             "num_params": sum(p.numel() for p in model.parameters()) * (world if a.mode == "accelerate-fsdp2" else 1),

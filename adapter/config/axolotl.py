@@ -1,19 +1,24 @@
-"""Axolotl's training keys mapped onto the native dict: precision, schedule, evaluation and saves, output, context
-parallelism (the flat `context_parallel_size` keys and the ring-master plugin's `context_parallel:` block), FSDP
-(onto its DeepSpeed equivalent) and the keys that name a peer's kernels.
+"""An Axolotl YAML, unchanged, mapped onto the native dict: its model, batch, optimizer and schedule keys, datasets,
+precision, evaluation and saves, output, context parallelism (the flat `context_parallel_size` keys and the
+ring-master plugin's `context_parallel:` block), FSDP (onto its DeepSpeed equivalent) and the keys that name a
+peer's kernels.
 
-Each function maps what corresponds exactly, refuses in one line what cannot be honoured, and appends to `notes`
-what the run's first lines must say (a mapping the user should know about, a key that has no effect here).
-`from_axolotl` (dialects.py) calls `map_training`; the keys handled here are `KEYS`.
+Each mapping takes what corresponds exactly, refuses in one line what cannot be honoured (keys that change what is
+trained: axolotl_scope.py), and appends to `notes` what the run's first lines must say (a mapping the user should
+know about, an Axolotl default that differs from nd-adapter's, a key that has no effect here). Every Axolotl key it
+does not use is reported once as ignored.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from adapter.config import axolotl_scope
+from adapter.config.schema import DatasetEntry, set_dotted
 from adapter.errors import bad
 
-# Keys that choose a peer's kernels: nd-adapter always runs its own (adapter/models: SDPA attention, fused RoPE,
+# Keys that choose a peer's kernels: nd-adapter always runs its own (adapter/kernels: SDPA attention, fused RoPE,
 # SwiGLU and vocab-parallel cross-entropy), so they get one line saying so.
 KERNEL_KEYS = {"attn_implementation", "flash_attention", "sdp_attention", "xformers_attention", "flex_attention",
                "sage_attention", "eager_attention", "flash_attn_cross_entropy", "flash_attn_fuse_mlp",
@@ -36,16 +41,97 @@ ROTATE = {"allgather": "all_gather", "alltoall": "p2p"}  # the ring-master block
 FSDP_STAGE = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2, "_hybrid_shard_zero2": 2, "hybrid_shard_zero2": 2}
 FSDP_USED = {"reshard_after_forward", "offload_params", "activation_checkpointing", "state_dict_type",
              "final_state_dict_type", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "version"}
+MARKERS = {"base_model", "sequence_len", "tensor_parallel_size", "context_parallel_size", "datasets",
+                   "sequence_parallel_degree", "micro_batch_size", "learning_rate", "num_epochs"}
+# Axolotl keys we understand; every other Axolotl key is reported once as ignored.
+KNOWN = MARKERS | {
+    "dp_shard_size", "dp_replicate_size", "gradient_accumulation_steps", "bf16", "fp16", "tf32", "max_steps",
+    "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "output_dir", "save_steps", "save_total_limit",
+    "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
+    "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
+    "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
+    "wandb_entity", "wandb_mode",
+} | KEYS
+SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
+# Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.
+DATA_KEYS = {
+    "datasets": "datasets", "train_on_inputs": "train_on_inputs", "sample_packing": "sample_packing",
+    "eval_sample_packing": "eval_sample_packing", "pad_to_sequence_len": "pad_to_sequence_len",
+    "excess_length_strategy": "excess_length_strategy", "dataset_prepared_path": "prepared_path",
+    "val_set_size": "val_set_size", "shuffle_merged_datasets": "shuffle_merged_datasets",
+    "chat_template": "chat_template", "chat_template_jinja": "chat_template_jinja",
+    "special_tokens": "special_tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
+    "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
+}
+ENTRY_KEYS = set(DatasetEntry.model_fields)
+ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings
 
+
+def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
+    axolotl_scope.check_scope(raw)  # first: a LoRA or DPO config is refused before anything else is said of it
+    out: dict[str, Any] = {"source": "axolotl"}
+    mapping = {
+        "base_model": "model.path", "dp_shard_size": "parallelism.dp_shard_size",
+        "dp_replicate_size": "parallelism.dp_replicate_size", "tensor_parallel_size": "parallelism.tp_size",
+        "context_parallel_size": "parallelism.cp_size", "micro_batch_size": "batch.micro_batch_size",
+        "gradient_accumulation_steps": "batch.gradient_accumulation_steps", "sequence_len": "seq_len",
+        "learning_rate": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "warmup_steps":
+        "optimizer.warmup_steps", "max_steps": "optimizer.max_steps", "max_grad_norm": "optimizer.clip_grad",
+        "adam_epsilon": "optimizer.eps", "output_dir": "checkpoint.dir", "save_steps": "checkpoint.save_every",
+        "save_total_limit": "checkpoint.keep_last", "seed": "seed", "logging_steps": "logging.every",
+        "wandb_project": "logging.wandb_project", "wandb_name": "logging.wandb_name",
+        "wandb_entity": "logging.wandb_entity", "wandb_mode": "logging.wandb_mode", "ddp_timeout": "dist_timeout_s",
+    }
+    for key, target in mapping.items():
+        if raw.get(key) is not None:
+            set_dotted(out, target, raw[key])
+    notes: list[str] = []
+    if raw.get("sequence_parallel_degree") is not None:
+        if raw.get("context_parallel_size") is None:
+            notes.append("sequence_parallel_degree is deprecated (Axolotl); read as context_parallel_size")
+            set_dotted(out, "parallelism.cp_size", raw["sequence_parallel_degree"])
+        elif raw["sequence_parallel_degree"] != raw["context_parallel_size"]:
+            raise bad("sequence_parallel_degree", raw["sequence_parallel_degree"],
+                      f"conflicts with context_parallel_size={raw['context_parallel_size']}",
+                      "drop the deprecated sequence_parallel_degree")
+    # Axolotl's defaults where nd-adapter's own differ (HF TrainingArguments' betas; its schema's sequence_len, seed)
+    betas = tuple(raw.get(k) if raw.get(k) is not None else d for k, d in (("adam_beta1", 0.9), ("adam_beta2", 0.999)))
+    set_dotted(out, "optimizer.betas", betas)
+    if raw.get("adam_beta1") is None or raw.get("adam_beta2") is None:
+        notes.append(f"adam betas {betas[0]:g}/{betas[1]:g} (Axolotl's default, HF's, for the unset adam_beta1/2)")
+    if raw.get("sequence_len") is None:
+        set_dotted(out, "seq_len", SEQUENCE_LEN)
+        notes.append(f"sequence_len: {SEQUENCE_LEN} (Axolotl's default)")
+    if raw.get("seed") is None:
+        set_dotted(out, "seed", SEED)
+        set_dotted(out, "data.seed", SEED)
+        notes.append(f"seed: {SEED} (Axolotl's default): the data order and any held-out split follow it")
+    if raw.get("learning_rate") is None:
+        raise bad("learning_rate", None, "missing: Axolotl requires it",
+                  "set learning_rate (e.g. 2e-5 for a full fine-tune of a 7-8B model)")
+    if raw.get("lr_scheduler") is not None:
+        sched = raw["lr_scheduler"]
+        if sched not in ("cosine", "constant", "constant_with_warmup", "linear"):
+            raise bad("lr_scheduler", sched, "not supported", "use cosine, linear or constant")
+        set_dotted(out, "optimizer.schedule", "constant" if sched.startswith("constant") else sched)
+    if raw.get("cosine_min_lr_ratio") is not None and raw.get("learning_rate") is not None:
+        set_dotted(out, "optimizer.min_lr", raw["cosine_min_lr_ratio"] * raw["learning_rate"])
+    if raw.get("gradient_checkpointing"):
+        out["recompute"] = "full"
+    _axolotl_data(raw, out)
+    ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]
+    map_training(raw, out, notes, ignored)
+    if ignored:  # said once, by the run's first lines (and plan), never as a Python warning from every rank
+        notes.append(f"ignored Axolotl keys (not used by nd-adapter): {', '.join(sorted(ignored))}")
+    out["notes"] = notes
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Training, precision, schedule, parallelism and kernel keys
 
 def _on(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.lower() in ("true", "auto", "full"))
-
-
-def _set(out: dict[str, Any], dotted: str, value: Any) -> None:
-    from adapter.config.dialects import set_dotted
-
-    set_dotted(out, dotted, value)
 
 
 def map_precision(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
@@ -74,20 +160,20 @@ def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> 
                         ("eval_steps", "eval.every"), ("evals_per_epoch", "eval.per_epoch"),
                         ("saves_per_epoch", "checkpoint.saves_per_epoch")):
         if raw.get(key) is not None:
-            _set(out, target, raw[key])
+            set_dotted(out, target, raw[key])
     if raw.get("max_steps") is None and raw.get("num_epochs") is None:
-        _set(out, "optimizer.num_epochs", 1.0)
+        set_dotted(out, "optimizer.num_epochs", 1.0)
         notes.append("num_epochs: 1 (Axolotl's default: neither num_epochs nor max_steps is set)")
     if raw.get("save_steps") is None and raw.get("saves_per_epoch") is None and raw.get("datasets"):
-        _set(out, "checkpoint.saves_per_epoch", 1)  # Axolotl's save_strategy "epoch"
+        set_dotted(out, "checkpoint.saves_per_epoch", 1)  # Axolotl's save_strategy "epoch"
     if raw.get("save_total_limit") is None:
-        _set(out, "checkpoint.keep_last", 4)  # Axolotl's default save_total_limit
+        set_dotted(out, "checkpoint.keep_last", 4)  # Axolotl's default save_total_limit
     if raw.get("output_dir") is not None:  # Axolotl's convention: checkpoints and the final model in output_dir
-        _set(out, "checkpoint.export_hf", raw["output_dir"])
+        set_dotted(out, "checkpoint.export_hf", raw["output_dir"])
 
 
 def _comm(out: dict[str, Any], comm: str, why: str, notes: list[str]) -> None:
-    _set(out, "parallelism.cp_comm_type", comm)
+    set_dotted(out, "parallelism.cp_comm_type", comm)
     notes.append(f"context parallel: {why} -> parallelism.cp_comm_type {comm} "
                  f"({'K/V all-gathered' if comm == 'all_gather' else 'K/V passed around a ring'})")
 
@@ -141,7 +227,7 @@ def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[s
                   "chunks and gives rank r chunks r and 2·cp−1−r (head_tail)", "use load_balance: head_tail")
     if rotate not in ROTATE:
         raise bad("context_parallel.rotate_method", rotate, "unknown", "use allgather or alltoall")
-    _set(out, "parallelism.cp_size", size)
+    set_dotted(out, "parallelism.cp_size", size)
     if size > 1:
         _comm(out, ROTATE[rotate], f"size {size}, backend {backend}, rotate_method {rotate}", notes)
 
@@ -179,7 +265,7 @@ def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored
         why = f"fsdp_config.reshard_after_forward: {str(block['reshard_after_forward']).lower()}"
     if block.get("activation_checkpointing"):
         out["recompute"] = "full"
-    _set(out, "deepspeed.zero_stage", stage)
+    set_dotted(out, "deepspeed.zero_stage", stage)
     what = ("ZeRO-3: weights, gradients and optimizer states sharded, each transformer layer gathered for its "
             "forward and backward (FSDP FULL_SHARD)" if stage == 3 else
             "ZeRO-2: whole 16-bit weights on every GPU, gradients and optimizer states sharded (FSDP SHARD_GRAD_OP)")
@@ -225,7 +311,7 @@ def map_batch(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> Non
     if bs < mbs:
         raise bad("batch_size", bs, f"smaller than micro_batch_size={mbs}",
                   "raise batch_size or lower micro_batch_size")
-    _set(out, "batch.gradient_accumulation_steps", bs // mbs)
+    set_dotted(out, "batch.gradient_accumulation_steps", bs // mbs)
     notes.append(f"batch_size {bs}: gradient_accumulation_steps = {bs} // micro_batch_size {mbs} = {bs // mbs} "
                  "(Axolotl's rule, per data-parallel rank)")
 
@@ -237,9 +323,6 @@ def _ds_json(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if not isinstance(value, str) or not value:
         raise bad("deepspeed", value, "must be the path of a DeepSpeed JSON (or a mapping)",
                   "give e.g. deepspeed_configs/zero3_bf16.json, or remove the key")
-    import json
-    from pathlib import Path
-
     path = Path(value)
     if not path.is_file():
         raise bad("deepspeed", value, "no such file (read relative to the working directory, then the config file's)",
@@ -269,7 +352,7 @@ def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
     if stage not in (0, 1, 2, 3):
         raise bad("deepspeed", name, f"zero_optimization.stage={stage!r} is not 0-3", "fix the DeepSpeed JSON")
     mapped = 3 if stage == 3 else 2
-    _set(out, "deepspeed.zero_stage", mapped)
+    set_dotted(out, "deepspeed.zero_stage", mapped)
     said = f"deepspeed {name}: zero_optimization.stage {stage} -> deepspeed.zero_stage {mapped}"
     if stage < 2:
         said += " (the same maths; stage 2 also shards the gradients)"
@@ -310,10 +393,52 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
         notes.append("default_system_message has no effect, as in Axolotl (its chatml template names no default "
                      "system message); give the system turn in the data, or a field_system column")
     if _on(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
-        _set(out, "model.compile", "auto")
+        set_dotted(out, "model.compile", "auto")
     note = kernel_note(raw, ignored)
     if note:
         notes.append(note)
 
 
-__all__ = ["KEYS", "map_training"]
+# ------------------------------------------------------------------------------------------------------------------
+# Datasets
+
+def _axolotl_entry(i: int, entry: Any, key: str = "datasets") -> dict[str, Any]:
+    where = f"{key}[{i}]"
+    if not isinstance(entry, dict):
+        raise bad(where, entry, "must be a mapping", "write each entry as `- path: ...` with `type: ...` below it")
+    out: dict[str, Any] = {}
+    legacy: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key in ENTRY_ALIASES:
+            legacy[ENTRY_ALIASES[key]] = value
+        elif key not in ENTRY_KEYS:
+            raise bad(f"{where}.{key}", value, "a dataset key nd-adapter does not support",
+                      "remove it; the supported keys are listed in docs/config.md (SFT datasets)")
+        elif key == "type" and isinstance(value, dict):
+            raise bad(f"{where}.type", value, "user-defined prompt formats are not supported",
+                      "use type: input_output (segments with labels) or pre-tokenised rows")
+        elif value is not None:
+            out[key] = value
+    if legacy:
+        out["message_property_mappings"] = {**legacy, **(out.get("message_property_mappings") or {})}
+    return out
+
+
+def _axolotl_data(raw: dict[str, Any], out: dict[str, Any]) -> None:
+    if raw.get("test_datasets") and raw.get("val_set_size"):
+        raise bad("val_set_size", raw["val_set_size"], "Axolotl takes test_datasets or val_set_size, not both",
+                  "drop val_set_size (the test datasets are the eval set)")
+    for key, target in DATA_KEYS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        if key in ("datasets", "test_datasets"):
+            if not isinstance(value, list):
+                raise bad(key, value, "must be a list", f"write `{key}:` with `- path: ...` entries below it")
+            value = [_axolotl_entry(i, e, key) for i, e in enumerate(value)]
+        set_dotted(out, f"data.{target}", value)
+    if raw.get("seed") is not None:
+        set_dotted(out, "data.seed", raw["seed"])  # Axolotl's seed also shuffles and splits the data
+
+
+__all__ = ["MARKERS", "KEYS", "from_axolotl", "map_training"]

@@ -3,7 +3,7 @@
 An Axolotl YAML must do here what it says. A LoRA config run as a full fine-tune, a DPO config run as SFT, or a
 run that ignores `unfrozen_parameters` would all finish and export a model, only not the one the user asked for.
 So each key here is refused when set, naming the key and what to do instead. Keys that only touch speed, logging,
-the hub or memory placement are not listed: they are mapped or reported as ignored in dialects.py / axolotl.py.
+the hub or memory placement are not listed: they are mapped or reported as ignored in axolotl.py.
 Checked against Axolotl's config reference and schemas (axolotl-ai-cloud/axolotl, 2025-06 and main of 2026-11).
 """
 from __future__ import annotations

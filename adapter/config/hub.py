@@ -35,7 +35,7 @@ def resolve_hub_id(repo_id: str, key: str = "model.path (base_model)", revision:
     fix = (f"download it where there is network (`hf download {repo_id}` with the same HF_HOME, or "
            "`huggingface-cli download`), or point it at a local checkpoint directory")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # only for hub ids; config checks stay light
     except ImportError:
         raise bad(key, repo_id, "not a local path, and huggingface_hub (to look it up in the HF cache) is not "
                   "installed", "pip install huggingface_hub, or give a local checkpoint directory")

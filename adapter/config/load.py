@@ -16,12 +16,21 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from adapter.config.dialects import detect_dialect, from_accelerate, from_axolotl, set_dotted
+from adapter.config import accelerate, axolotl
 from adapter.config.hub import looks_like_hub_id, resolve_hub_id
-from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, RunConfig
+from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, RunConfig, set_dotted
 from adapter.errors import UserError, bad
 
-# ----------------------------------------------------------------------------------------------------------------
+
+def detect_dialect(raw: dict[str, Any]) -> str:
+    if "model" in raw and isinstance(raw.get("model"), dict):
+        return "native"
+    if raw.keys() & accelerate.MARKERS:
+        return "accelerate"
+    if raw.keys() & axolotl.MARKERS:
+        return "axolotl"
+    return "native"
+
 
 def _env_sizes(env: dict[str, str]) -> dict[str, int]:
     out = {}
@@ -63,7 +72,7 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
     if not isinstance(raw, dict):
         raise bad("config", type(raw).__name__, "the YAML top level must be a mapping", "write `key: value` lines")
     dialect = detect_dialect(raw)
-    native = {"native": lambda r: dict(r), "axolotl": from_axolotl, "accelerate": from_accelerate}[dialect](raw)
+    native = {"native": dict, "axolotl": axolotl.from_axolotl, "accelerate": accelerate.from_accelerate}[dialect](raw)
     par = native.setdefault("parallelism", {})
     if not isinstance(par, dict):
         raise bad("parallelism", par, "must be a mapping", "write the sizes under `parallelism:`")

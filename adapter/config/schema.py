@@ -15,6 +15,20 @@ SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
 ENV_PREFIX = "PARALLELISM_CONFIG_"
 
 
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """Write `value` at a dotted key (`optimizer.lr`) of a native config dict: what every dialect mapping and `--set`
+    build before validation."""
+    keys = dotted.split(".")
+    for i, k in enumerate(keys[:-1]):
+        if d.get(k) is None:
+            d[k] = {}
+        if not isinstance(d[k], dict):
+            where = ".".join(keys[: i + 1])
+            raise bad(where, d[k], "must be a mapping", f"write `{where}:` with its keys indented below it")
+        d = d[k]
+    d[keys[-1]] = value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -71,7 +85,7 @@ class ModelSection(_Strict):
     compile: bool | Literal["auto"] = Field(
         False, description="torch.compile each transformer layer (not with ZeRO-3); auto (Axolotl's torch_compile: "
         "true): where the layout allows it, said at run start")
-    # precision: fp8 only (adapter/models/fp8.py): how the fp8 operands are scaled (torchao's recipe names), and
+    # precision: fp8 only (adapter/kernels/fp8.py): how the fp8 operands are scaled (torchao's recipe names), and
     # which of each layer's linears run in fp8
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     fp8_linears: tuple[Literal["qkv", "proj", "fc1", "fc2"], ...] = Field(("fc1", "fc2"), min_length=1)
@@ -295,7 +309,7 @@ class RunConfig(_Strict):
     parallelism: ParallelismConfig = ParallelismConfig()
     batch: BatchSection = BatchSection()
     seq_len: StrictInt = Field(2048, ge=1)
-    # fp8: bf16 training whose matmuls in model.fp8_linears (default the MLP's) run in fp8 (adapter/models/fp8.py;
+    # fp8: bf16 training whose matmuls in model.fp8_linears (default the MLP's) run in fp8 (adapter/kernels/fp8.py;
     # tp = 1, GPUs of compute capability 8.9+, or emulated on CPU)
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism; default: on when tp > 1")

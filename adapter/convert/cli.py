@@ -1,4 +1,7 @@
-"""`nd-adapter convert {hf-to-megatron, megatron-to-hf, verify}`; heavy imports happen only when a verb runs."""
+"""`nd-adapter convert {hf-to-megatron, megatron-to-hf, verify}`.
+
+The parser is built for every `nd-adapter` command (its --help included), so torch and Megatron are imported only
+when a verb runs."""
 from __future__ import annotations
 
 import argparse
@@ -41,20 +44,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from adapter.convert import ops
-
     if args.verb == "hf-to-megatron":
-        out = ops.hf_to_megatron(args.hf, args.out, tp=args.tp, dtype=args.dtype,
-                                 vocab_divisible_by=args.vocab_divisible_by, overwrite=args.overwrite,
-                                 progress=not args.no_progress)
+        from adapter.convert.to_megatron import hf_to_megatron
+
+        out = hf_to_megatron(args.hf, args.out, tp=args.tp, dtype=args.dtype,
+                             vocab_divisible_by=args.vocab_divisible_by, overwrite=args.overwrite,
+                             progress=not args.no_progress)
         print(f"wrote Megatron checkpoint {out} (loads at any tp that divides its padded vocab)")
         return 0
     if args.verb == "megatron-to-hf":
-        out = ops.megatron_to_hf(args.megatron, args.out, dtype=args.dtype, shard_size=args.shard_size,
-                                 overwrite=args.overwrite, progress=not args.no_progress)
+        from adapter.convert.to_hf import megatron_to_hf
+
+        out = megatron_to_hf(args.megatron, args.out, dtype=args.dtype, shard_size=args.shard_size,
+                             overwrite=args.overwrite, progress=not args.no_progress)
         print(f"wrote HF checkpoint {out}")
         return 0
-    report = ops.verify(args.hf, args.megatron, logits=not args.no_logits, seq_len=args.seq_len, atol=args.atol)
+    from adapter.convert.verify import verify
+
+    report = verify(args.hf, args.megatron, logits=not args.no_logits, seq_len=args.seq_len, atol=args.atol)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()

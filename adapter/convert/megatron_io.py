@@ -40,16 +40,15 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+from torch.utils.serialization import config as serialization_config
 
-from adapter.convert.hf_io import pread_into
+from adapter.convert.hf_io import dtype_name, pread_into
 from adapter.convert.rows import contiguous_strides
 from adapter.errors import UserError, bad
+from adapter.models.source import HF_SUBDIR, META, RELEASE, TRACKER
 from adapter.patches.dcp import DEFAULT_SUFFIX, create_file_view, storage_info
 
-TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"  # Megatron-LM's tag for converted checkpoints (it refuses iteration 0 in the tracker)
-META = "nd_adapter.json"
-HF_SUBDIR = "hf"
+FORMAT = "nd-adapter/megatron-torch_dist"
 MCORE_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                 "common_backend": "torch", "common_backend_version": 1}
 CHECKSUM = "crc32"  # of each chunk's raw bytes (C order); ~7 GB/s here, against ~1 GB/s for the whole conversion
@@ -202,9 +201,7 @@ def write_dist_checkpoint(ckpt_dir: Path, specs: list[TensorSpec], objects: dict
 
 
 def _crc32_enabled() -> bool:
-    from torch.utils.serialization import config
-
-    return bool(config.save.compute_crc32)
+    return bool(serialization_config.save.compute_crc32)
 
 
 _STORAGE_DTYPES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
@@ -408,6 +405,15 @@ def read_meta(root: str | Path) -> dict:
         raise bad("megatron", str(root), f"no {META} beside the checkpoint",
                   "convert with `nd-adapter convert hf-to-megatron`, which records architecture and vocab there")
     return json.loads(p.read_text())
+
+
+def converted_meta(arch, *, padded_vocab: int, vocab_divisible_by: int, dtype: torch.dtype, source_tp: int) -> dict:
+    """nd_adapter.json of a converted checkpoint (the converter's and training's export write the same document);
+    `checksums` and `hf_files` are added by the writer."""
+    return {"format": FORMAT, "format_version": 1, "family": arch.family, "architecture": arch.architecture,
+            "vocab_size": arch.vocab_size, "padded_vocab_size": padded_vocab, "vocab_divisible_by": vocab_divisible_by,
+            "dtype": dtype_name(dtype), "source_tp": source_tp, "tag": RELEASE,
+            "hf_subdir": HF_SUBDIR, "arch": arch.to_dict()}
 
 
 def megatron_lm_args(arch, meta: dict) -> Namespace:

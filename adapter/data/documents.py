@@ -79,7 +79,7 @@ def _paragraphs(lines: Iterable[str]) -> Iterator[str]:
 
 def _parquet_docs(path: Path, text_key: str) -> Iterator[str]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # only for parquet files, and an optional dependency
     except ImportError:
         raise bad("data.files", str(path), "reading parquet needs pyarrow, which is not installed",
                   "pip install pyarrow, or convert the file to jsonl")

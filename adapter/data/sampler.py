@@ -72,7 +72,7 @@ def build_batches(dataset, sampler: DPSampler) -> Iterator[dict[str, Any]]:
     """Endless dicts of [micro_batch, seq_len] tensors from `dataset[i]` (e.g. a PackedDataset): tokens, labels,
     position_ids, segment_ids (int64) and
     loss_mask (float32). Take `sampler.state_dict()` between steps: it counts exactly the batches yielded so far."""
-    import torch
+    import torch  # only in training processes (adapter/data/__init__.py)
 
     for idx in sampler:
         items = [dataset[i] for i in idx]

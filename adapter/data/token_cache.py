@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from tqdm import tqdm
 
 from adapter.data.documents import expand_files, iter_documents
 from adapter.errors import bad
@@ -50,8 +51,7 @@ def _open_cache(d: Path) -> TokenCache:
 
 
 def _tokenize_into(d: Path, files: Sequence[Path], tokenizer_dir: str | Path, text_key: str, progress: bool) -> dict:
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only where the cache is built (adapter/data/__init__.py)
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     eos = tok.eos_token_id

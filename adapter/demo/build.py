@@ -14,6 +14,10 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 from adapter.errors import bad
 
 ASSETS = Path(__file__).with_name("data")
@@ -45,9 +49,6 @@ def train_tokenizer(text_files: Iterable[str | Path] = (DEMO_TEXT,), out_dir: st
     """Byte-level BPE (GPT-2/Llama-3 style: no unknown tokens), BOS added by the post-processor, EOS left to the
     data pipeline, which appends it once per document. chatml's <|im_start|>/<|im_end|> are special tokens too, so
     `chat_template: chatml` works on the demo model (the tokenizer ships no chat template of its own)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     files = [str(f) for f in text_files]
     for f in files:
         if not Path(f).is_file():
@@ -88,9 +89,6 @@ def make_tiny_llama(out_dir: str | Path, vocab_size: int | None = None, *, token
 
     GQA (kv_heads < heads) and an untied head by default so the demo exercises the converter's harder paths.
     """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None
     if vocab_size is None:
         if tok is None:

@@ -22,6 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from adapter.demo.build import ASSETS, build_demo, chapters
 from adapter.errors import EXIT_USAGE, UserError, bad
 
 MARKER = ".nd-adapter-demo"  # only a directory holding it is ever wiped by a rerun
@@ -178,11 +183,6 @@ seed: 42
 def stage_finetune(out: Path, s: Settings) -> dict:
     """Fine-tune the exported model on the chat set through `nd-adapter train`; its held-out loss must fall, and
     the exported model must answer through its chat template."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from adapter.demo.build import ASSETS
-
     shutil.copyfile(ASSETS / "chat_genesis.jsonl", out / "data" / "chat_genesis.jsonl")
     (out / FINETUNE_NAME).write_text(render_finetune(s))
     lines = nd_adapter(["train", "--config", FINETUNE_NAME], out, out / "logs/finetune.log",
@@ -259,8 +259,6 @@ def _prepare_out(out: Path) -> None:
 
 
 def stage_build(out: Path, s: Settings) -> dict:
-    from adapter.demo.build import build_demo
-
     paths = build_demo(out, vocab_size=s.vocab, hidden=s.hidden, layers=s.layers, heads=s.heads,
                        kv_heads=s.kv_heads, ffn=s.ffn, max_positions=s.max_positions, seed=0)
     cfg = json.loads((paths["model"] / "config.json").read_text())
@@ -302,8 +300,6 @@ def stage_train(out: Path, s: Settings) -> dict:
 
 
 def _eval_loss(model, ids, seq_len: int) -> float:
-    import torch
-
     n = (ids.numel() // seq_len) * seq_len
     batch = ids[:n].view(-1, seq_len)
     with torch.no_grad():
@@ -312,11 +308,6 @@ def _eval_loss(model, ids, seq_len: int) -> float:
 
 def stage_export(out: Path, s: Settings) -> dict:
     """Load what training exported with plain transformers; it must beat the random start and generate."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from adapter.demo.build import chapters
-
     export = out / "hf-export"
     tok = AutoTokenizer.from_pretrained(str(export))
     model = AutoModelForCausalLM.from_pretrained(str(export)).eval()  # fp32 on disk, as trained
@@ -381,8 +372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nd-adapter demo: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     summary: dict = {"settings": asdict(s), "stages": {}}
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # this process's load/save bars; the subprocesses' output is filtered
     stages: list[tuple[str, Callable[[], object]]] = [
         ("1. build a tiny Llama HF checkpoint", lambda: stage_build(out, s)),

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from adapter.config.hub import looks_like_hub_id, resolve_hub_id
 from adapter.errors import UserError, bad
 from adapter.models import families
 
@@ -36,17 +37,6 @@ class ModelArch:
     qkv_bias: bool
     qk_norm: bool
     torch_dtype: str
-
-    @property
-    def num_params(self) -> int:
-        """Exact parameter count of the HF model (norms and biases included)."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
-        mlp = 3 * h * self.ffn_hidden_size
-        layer = attn + mlp + 2 * h
-        emb = self.vocab_size * h
-        return self.num_layers * layer + emb * (1 if self.tie_embeddings else 2) + h
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,8 +67,6 @@ def load_arch(model: str | Path) -> ModelArch:
     """Read an HF checkpoint dir or config.json; refuse anything GPTModel cannot reproduce exactly."""
     path = config_path(model)
     if not path.exists():
-        from adapter.config.hub import looks_like_hub_id, resolve_hub_id
-
         if not Path(model).exists() and looks_like_hub_id(str(model)):
             resolve_hub_id(str(model), key="model.path (base_model)")  # raises the hub cache's one line
         raise bad("model", str(model), "no config.json found there",

@@ -62,8 +62,14 @@ def find(architecture: str | None, model_type: str | None) -> Family | None:
     return next((f for f in FAMILIES if key in getattr(f, attr)), None)
 
 
+def table_for(arch, table: tuple[Rule, ...] | list[Rule] | None = None) -> list[Rule]:
+    """The rules that apply to this architecture: its family's table (or `table`, for tests' negative controls)."""
+    return [r for r in (family(arch.family).table if table is None else table) if r.applies(arch)]
+
+
 def supported_architectures() -> list[str]:
     return sorted(a for f in FAMILIES for a in f.architectures)
 
 
-__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "family", "find", "supported_architectures"]
+__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "family", "find", "table_for",
+           "supported_architectures"]

@@ -77,7 +77,7 @@ class Vocab(Rule):
     """Embedding or output rows, zero-padded to the padded vocab (GPTModel does not pad; Megatron-LM converters do)."""
 
     def to_megatron(self, ts, c):
-        import torch
+        import torch  # models/ is torch-free at import: plan reads the tables
 
         (t,) = ts
         extra = c.padded_vocab - t.shape[0]
@@ -92,7 +92,7 @@ class FusedQKV(Rule):
     the rows gives whole groups (and nkv < tp is all-gathered by Megatron in forward)."""
 
     def to_megatron(self, ts, c):
-        import torch
+        import torch  # models/ is torch-free at import: plan reads the tables
 
         q, k, v = ts
         ng, d, rest = c.arch.num_kv_heads, c.arch.head_dim, q.shape[1:]
@@ -109,11 +109,11 @@ class FusedQKV(Rule):
 
 class GatedMLP(Rule):
     """gate and up into linear_fc1 = [gate; up]. Split independently under TP (rank r holds [gate_r; up_r]);
-    a naive chunk of [gate; up] is wrong (tests/test_convert_parity.py keeps that negative control)."""
+    a naive chunk of [gate; up] is wrong (tests/distributed/test_convert_parity.py keeps that negative control)."""
     parts: ClassVar[int] = 2
 
     def to_megatron(self, ts, c):
-        import torch
+        import torch  # models/ is torch-free at import: plan reads the tables
 
         return torch.cat(list(ts))
 

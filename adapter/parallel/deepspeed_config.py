@@ -2,8 +2,8 @@
 
 Batch keys are written consistently with how DeepSpeed counts the data-parallel world when our MPU is given
 (dp_replicate·dp_shard; cp ranks share samples). torch's AdamW is chosen over DeepSpeed's JIT-built fused Adam,
-which fails to build on some hosts (NOTES). `gradient_clipping` is always explicit: DeepSpeed's silent default
-is 1.0. The LR schedule is DeepSpeed's own, so it is saved in and restored from its checkpoints.
+which fails to build on some hosts (docs/internals.md). `gradient_clipping` is always explicit: DeepSpeed's silent
+default is 1.0. The LR schedule is DeepSpeed's own, so it is saved in and restored from its checkpoints.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
         return 1
     if cfg.deepspeed.zero_stage == 3 and cfg.model.compile:
         raise bad("model.compile", True,
-                  "compiled layers cannot follow ZeRO-3's parameter gathers (adapter/models/compile.py)",
+                  "compiled layers cannot follow ZeRO-3's parameter gathers (adapter/modeling/compile.py)",
                   "set deepspeed.zero_stage: 2 (whole bf16 weights per GPU), or model.compile: false")
     if cfg.deepspeed.zero_stage == 2 and layout.dp_replicate > 1:
         raise bad("deepspeed.zero_stage", 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages ZeRO-3's "

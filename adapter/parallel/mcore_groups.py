@@ -1,31 +1,18 @@
-"""Layout -> Megatron-Core parallel_state, and a check that what Megatron built is what the layout says.
-
-Megatron-Core builds tp, cp, dp and dp-with-cp itself (its default order "tp-cp-ep-dp-pp" is our mesh order), and
-with `num_distributed_optimizer_instances = dp_replicate` also the dp_shard×cp group that ZeRO-3 partitions over.
-It has no dp_shard-alone or dp_replicate group, so those two are created here, from the same layout.
+"""Layout -> Megatron-Core parallel_state (the call: adapter/parallel/mcore_call.py), and a check that what Megatron
+built is what the layout says. Megatron has no dp_shard-alone or dp_replicate group, so those two are created here,
+from the same layout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from adapter.errors import bad
 from adapter.parallel.layout import Layout
-
-
-def initialize_kwargs(layout: Layout) -> dict[str, Any]:
-    return {
-        "tensor_model_parallel_size": layout.tp,
-        "pipeline_model_parallel_size": 1,
-        "context_parallel_size": layout.cp,
-        "num_distributed_optimizer_instances": layout.dp_replicate,
-        "order": "tp-cp-ep-dp-pp",
-        "create_gloo_process_groups": False,
-    }
-
-
-def call_string(layout: Layout) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in initialize_kwargs(layout).items())
-    return f"megatron.core.parallel_state.initialize_model_parallel({args})"
+from adapter.parallel.mcore_call import initialize_kwargs
 
 
 @dataclass
@@ -43,8 +30,6 @@ class Groups:
 
 def _new_groups(layout: Layout, name: str, rank: int):
     """Every rank must create every group, in the same order (torch.distributed rule)."""
-    import torch.distributed as dist
-
     mine = None
     for members in layout.groups(name):
         g = dist.new_group(list(members))
@@ -55,12 +40,7 @@ def _new_groups(layout: Layout, name: str, rank: int):
 
 def initialize(layout: Layout) -> Groups:
     """Build Megatron's groups for `layout` (torch.distributed must be up) and verify them against it."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     if dist.get_world_size() != layout.world:
-        from adapter.errors import bad
-
         raise bad("world_size", dist.get_world_size(),
                   f"the layout needs {layout.world} processes ({layout.describe()})",
                   f"launch {layout.world} processes or change the parallelism sizes")
@@ -81,8 +61,6 @@ def initialize(layout: Layout) -> Groups:
 
 def verify(layout: Layout, groups: Groups, rank: int) -> None:
     """Fail fast if Megatron's rank order ever drifts from the layout (e.g. after a megatron-core upgrade)."""
-    import torch.distributed as dist
-
     for name in ("tp", "cp", "dp", "dp_cp", "dp_shard_cp", "dp_shard", "dp_replicate"):
         got = tuple(dist.get_process_group_ranks(getattr(groups, name)))
         want = layout.group_of(name, rank)
@@ -92,6 +70,4 @@ def verify(layout: Layout, groups: Groups, rank: int) -> None:
 
 
 def destroy() -> None:
-    from megatron.core import parallel_state as ps
-
     ps.destroy_model_parallel()

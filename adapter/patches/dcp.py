@@ -3,23 +3,22 @@
 DCP's public API has no way to write one item before the next is resolved, nor to read one chunk without loading
 a whole state dict, so both use `filesystem._StorageInfo` (the per-item index entry in `.metadata`),
 `utils._create_file_view` (a bounded view of one item's bytes) and `filesystem.DEFAULT_SUFFIX`. Checked against
-torch 2.11 (the GPU host) and 2.13 (CI); another version must pass tests/test_convert.py before it is listed.
+torch 2.11 (the GPU host) and 2.13 (CI); another version must pass tests/unit/test_convert.py before it is listed.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from adapter.errors import UserError
+from adapter.patches import ALLOW_UNTESTED
 
 TESTED_TORCH = ("2.11", "2.13")  # major.minor: the private names below are the same in every patch release
 
 
 def check_version() -> None:
     """Refuse (one line) a torch whose DCP internals the writer was not checked against."""
-    import os
-
-    from adapter.patches import ALLOW_UNTESTED
-
     minor = ".".join(torch.__version__.split(".")[:2])
     if minor not in TESTED_TORCH and os.environ.get(ALLOW_UNTESTED) != "1":
         raise UserError(f"torch {torch.__version__}: nd-adapter's checkpoint writer uses private names of "

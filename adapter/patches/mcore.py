@@ -14,7 +14,7 @@ before checkpoint I/O. Each shim below replaces exactly one such symbol with its
 when CUDA is unavailable, so GPU runs execute Megatron's own code untouched.
 
 The shims name private Megatron symbols, so they are pinned: installing refuses (one line) a megatron-core version
-not listed in TESTED_MEGATRON_VERSIONS and raises if a symbol is gone (tests/test_cpu_shims.py fails there too).
+not listed in TESTED_MEGATRON_VERSIONS and raises if a symbol is gone (tests/unit/test_cpu_shims.py fails there too).
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ import contextlib
 import importlib
 
 import torch
+from megatron.core import package_info, parallel_state
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.tensor_parallel import layers
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from adapter.patches import require
 
@@ -80,8 +84,6 @@ def _owner(module: str, attr: str):
 
 
 def megatron_version() -> str:
-    from megatron.core import package_info
-
     return package_info.__version__
 
 
@@ -118,10 +120,7 @@ def install_cpu_shims(force: bool = False) -> bool:
 def quiet_row_parallel_group() -> None:
     """Megatron 0.16's RowParallelLinear passes tp_group=None on every forward; the lookup then warns (on rank 0),
     and `warnings.warn` is a graph break under torch.compile. Resolve None to the TP group without the warning: same
-    group, same math (adapter/models/compile.py)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import layers
-
+    group, same math (adapter/modeling/compile.py)."""
     original = layers.get_tensor_model_parallel_group_if_none
     if getattr(original, "_nd_quiet", False):
         return
@@ -139,8 +138,6 @@ def quiet_row_parallel_group() -> None:
 def install_rope_fusion(fused_rope) -> bool:
     """Plug `fused_rope` into Megatron where TransformerEngine's would go (`rope_utils.fused_apply_rotary_pos_emb`,
     None without TE); True if ours (or TE's) is in place."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     if rope_utils.fused_apply_rotary_pos_emb is None:
         require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused-RoPE hook (adapter/patches/mcore.py)")
         rope_utils.fused_apply_rotary_pos_emb = fused_rope
@@ -149,8 +146,6 @@ def install_rope_fusion(fused_rope) -> bool:
 
 def fused_rope_is(fused_rope) -> bool:
     """Whether `fused_rope` is the fused RoPE Megatron calls (not TE's)."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     return rope_utils.fused_apply_rotary_pos_emb is fused_rope
 
 
@@ -158,8 +153,6 @@ def set_linear_impl(linear, matmul) -> None:
     """Run a Column/RowParallelLinear's matmul as `matmul(input, weight)` (e.g. `F.linear`, fp8) instead of its
     `_forward_impl`, Megatron's autograd Function with its TP communication and gradient-accumulation fusion: only
     where there is neither (tp = 1), which each call checks."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
         raise TypeError(f"not a Megatron parallel linear: {type(linear).__name__}")
     require("megatron-core", TESTED_MEGATRON_VERSIONS, "linear matmul implementation (adapter/patches/mcore.py)")

@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero import stage_1_and_2
+from deepspeed.utils import groups
 
 from adapter.patches import require
 
@@ -54,8 +58,6 @@ def _epilogue_ordered_on_device(optimizer):
     """The end-of-backward epilogue synchronises the device so that the host may drop the buckets the side-stream
     reduction read. Making the compute stream wait for the reduction stream instead orders every later kernel (and
     every reuse of that memory, all on the compute stream) after the reduction, without stopping the host."""
-    from deepspeed.accelerator import get_accelerator
-
     original = type(optimizer).independent_gradient_partition_epilogue
     acc = get_accelerator()
 
@@ -74,8 +76,6 @@ def _epilogue_ordered_on_device(optimizer):
 def install_zero12_step(optimizer) -> None:
     """Patch a stage-1/2 `DeepSpeedZeroOptimizer` (the instance, and the one module-level helper it calls); any other
     optimizer DeepSpeed chose is left as it is."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
     if not isinstance(optimizer, stage_1_and_2.DeepSpeedZeroOptimizer):
         return
     require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "ZeRO-1/2 step without host waits (adapter/patches/zero.py)")
@@ -96,8 +96,6 @@ def drive_flat_optimizer(engine, optimizer) -> None:
 
 def set_hpz_group(group) -> None:
     """ZeRO++ hpZ partitions its secondary parameter copy inside this group (ours: dp_shard×cp); None resets it."""
-    from deepspeed.utils import groups
-
     if group is not None:
         require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "hpZ group set-up (adapter/patches/zero.py)")
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group
@@ -105,9 +103,8 @@ def set_hpz_group(group) -> None:
 
 def average_over_replicas(engine, replica_group, replicas: int) -> None:
     """Exact HSDP: average ZeRO-3's flat gradient partitions over dp_replicate, once per optimizer step, after the
-    last backward (NOTES: matched plain ZeRO-3 to 3e-8 with clipping). Relies on ZeRO-3's internal flat buffer."""
-    import torch.distributed as dist
-
+    last backward (docs/internals.md: matched plain ZeRO-3 to 3e-8 with clipping). Relies on ZeRO-3's internal flat
+    buffer."""
     require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "exact HSDP replica averaging (adapter/patches/zero.py)")
     buf = engine.optimizer.grad_partitions_flat_buffer
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=replica_group)

@@ -12,9 +12,9 @@ from pydantic import BaseModel, ConfigDict
 
 from adapter.config import RunConfig
 from adapter.errors import bad
-from adapter.models import checks
+from adapter.models import checks, counts, source
 from adapter.models.arch import ModelArch, load_arch
-from adapter.parallel import deepspeed_config, mcore_groups
+from adapter.parallel import deepspeed_config, mcore_call
 from adapter.parallel.layout import GROUPS, ORDER, Layout
 from adapter.plan import hardware, memory, timing, traffic
 
@@ -132,7 +132,7 @@ class Predicted(_Doc):
 
 
 class Weights(_Doc):
-    """Which weights the run starts from (adapter/convert/cache.resolve) and what conversion is still to do."""
+    """Which weights the run starts from (adapter/models/source.resolve) and what conversion is still to do."""
     source: str                # "checkpoint", "pretrained" or "random"
     model_dir: str
     checkpoint: str | None     # the converted directory the run loads (model.checkpoint or the cache entry)
@@ -298,9 +298,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
     groups = [GroupInfo(name=n, axes=[a.value for a in axes], size=layout.size(n), count=len(layout.groups(n)),
                         crosses_nodes=layout.crosses_nodes(n), groups=[list(g) for g in layout.groups(n)])
               for n, axes in GROUPS.items()]
-    from adapter.convert import cache
-
-    w = cache.resolve(cfg)
+    w = source.resolve(cfg)
     if cfg.optimizer.max_steps is None and cfg.optimizer.num_epochs is not None:
         warnings.append(f"optimizer steps come from num_epochs={cfg.optimizer.num_epochs:g} and the training set's "
                         "size, known at run start (the run's first lines give the total and the warm-up)")
@@ -310,15 +308,15 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         config_dialect=cfg.source,
         notes=list(cfg.notes),
         weights=Weights(source=w.kind, model_dir=w.model_dir, checkpoint=w.checkpoint, to_convert=w.to_convert,
-                        convert_bytes=w.source_bytes if w.to_convert else 0, description=cache.describe(w, cfg.seed)),
+                        convert_bytes=w.source_bytes if w.to_convert else 0, description=source.describe(w, cfg.seed)),
         model=arch.to_dict(),
-        num_params=arch.num_params,
+        num_params=counts.num_params(arch),
         mesh=Mesh(order=[a.value for a in ORDER], dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
                   cp=layout.cp, tp=layout.tp, world=layout.world, nodes=layout.nodes,
                   gpus_per_node=layout.gpus_per_node or layout.world),
         ranks=[RankRow(**r) for r in layout.rank_table()],
         groups=groups,
-        megatron=Megatron(call=mcore_groups.call_string(layout), kwargs=mcore_groups.initialize_kwargs(layout)),
+        megatron=Megatron(call=mcore_call.call_string(layout), kwargs=mcore_call.initialize_kwargs(layout)),
         deepspeed=DeepSpeed(replicate_mode=cfg.deepspeed.replicate_mode if layout.dp_replicate > 1 else "none",
                             partition_group=zgroup, partition_size=layout.size(zgroup),
                             explanation=EXPLAIN[cfg.deepspeed.replicate_mode] if layout.dp_replicate > 1 else

@@ -11,6 +11,9 @@ the run moves (one layer's parameters, one micro-batch's activations, 1 GB), fit
 host's costs, and the in-training efficiency of memory-bound kernels and of the optimizer step (a micro-benchmark
 has no launch gaps); those two are scaled by the measured/base copy bandwidth. Every raw point goes into
 `measurements`. The benchmark backend is injectable (`Bench`), so all of this runs in CPU tests with a fake.
+
+Only the real backend (`TorchBench`) imports torch, when it is made: plan/ is torch-free, and this module is
+imported with the rest of the command line.
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from adapter import config
 from adapter.errors import bad
-from adapter.models.arch import padded_vocab_size
+from adapter.models.arch import load_arch, padded_vocab_size
+from adapter.models.counts import layer_gemms, local_params
 from adapter.plan import hardware, timing
 from adapter.plan.hardware import Attention, Gemm, Link, Network, Profile
-from adapter.plan.memory import local_params
 
 COLLECTIVES = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}   # bytes sent = factor·(n-1)/n·size
 
@@ -74,7 +78,7 @@ def calibrate(cfg, arch, bench: Bench, base: Profile, iters: int = 10) -> Profil
     vocab = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     shapes = []
     for m in sorted({max(256, tokens // 4), tokens}):
-        shapes += timing.layer_gemms(arch, m, tp) + [(m, vocab // tp, arch.hidden_size)]
+        shapes += layer_gemms(arch, m, tp) + [(m, vocab // tp, arch.hidden_size)]
     shapes.append((8192, 8192, 8192))
     gemms = [{"m": m, "n": n, "k": k, "seconds": bench.gemm(m, n, k, iters)} for m, n, k in shapes]
     for g in gemms:
@@ -158,7 +162,9 @@ class TorchBench:
     """The real backend: CUDA events around bf16 work; NCCL over WORLD when started by torchrun."""
 
     def __init__(self) -> None:
-        import torch
+        import torch  # the real bench only (module docstring)
+        import torch.distributed
+        import torch.nn.functional
 
         if not torch.cuda.is_available():
             raise bad("calibrate", "no CUDA", "it measures this machine's GPUs", "run it on the GPU machine")
@@ -169,10 +175,8 @@ class TorchBench:
         self.device = torch.cuda.get_device_name()
         self.nodes = max(1, self.world // int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world))))
         if self.world > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group("nccl")
-            self.dist = dist
+            torch.distributed.init_process_group("nccl")
+            self.dist = torch.distributed
 
     def _time(self, fn, iters: int) -> float:
         t = self.torch
@@ -196,15 +200,14 @@ class TorchBench:
 
     def attention(self, batch, seq, heads, kv_heads, head_dim, iters):
         t = self.torch
-        import torch.nn.functional as F
-
         q = t.randn(batch, heads, seq, head_dim, device="cuda", dtype=t.bfloat16, requires_grad=True)
         k, v = (t.randn(batch, kv_heads, seq, head_dim, device="cuda", dtype=t.bfloat16, requires_grad=True)
                 for _ in range(2))
         g = t.randn_like(q)
 
         def step():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads).backward(g)
+            sdpa = t.nn.functional.scaled_dot_product_attention
+            sdpa(q, k, v, is_causal=True, enable_gqa=kv_heads != heads).backward(g)
         return self._time(step, iters)
 
     def copy(self, nbytes, iters):
@@ -225,9 +228,6 @@ class TorchBench:
 
 def main(args, flags: dict, bench: Bench | None = None) -> int:
     """`flags`: the command line's world and GPU overrides (cli.py's, as for plan)."""
-    from adapter import config
-    from adapter.models.arch import load_arch
-
     if args.iters < 1:
         raise bad("--iters", args.iters, "must be at least 1", "e.g. --iters 10")
     cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **flags})

@@ -12,10 +12,11 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.counts import local_params
 from adapter.parallel import deepspeed_config
 
 GIB = 2**30
-CHUNK_BYTES = 1 << 29  # adapter/models/fusions.py's token chunk of the fused linear cross-entropy (fp32 logits bytes)
+CHUNK_BYTES = 1 << 29  # adapter/kernels/fusions.py's token chunk of the fused linear cross-entropy (fp32 logits bytes)
 SUB_GROUP = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (ZeRO-3 steps that many at a time)
 
 # name -> (device memory as torch reports it (`mem_get_info` total), dense bf16 peak FLOP/s). H200: measured on the
@@ -34,31 +35,6 @@ RUNTIME_RESERVE = int(1.5 * GIB)
 # (ran, 92% of capacity) and at micro-batch 9 ran out of memory where the bare prediction said 99%. "Fits" keeps
 # this much headroom rather than promise a run that dies at its first step.
 MARGIN = 0.03
-
-
-@dataclass(frozen=True)
-class LocalParams:
-    """Parameters one tp rank holds (before ZeRO sharding)."""
-
-    layer: int          # one transformer layer
-    embedding: int      # input embedding (vocab-parallel, padded)
-    output: int         # output layer (0 when tied to the embedding)
-    final_norm: int
-
-    def total(self, layers: int) -> int:
-        return layers * self.layer + self.embedding + self.output + self.final_norm
-
-
-def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128) -> LocalParams:
-    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
-    q, kv = arch.num_heads * d, arch.num_kv_heads * d
-    linear = h * (q + 2 * kv) + q * h + 3 * h * f       # qkv, proj, fc1 (gate+up), fc2
-    bias = (q + 2 * kv) if arch.qkv_bias else 0
-    norms = 2 * h + (2 * d if arch.qk_norm else 0)      # replicated across tp
-    vp = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
-    emb = vp * h // tp
-    return LocalParams(layer=(linear + bias) // tp + norms, embedding=emb,
-                       output=0 if arch.tie_embeddings else emb, final_norm=h)
 
 
 @dataclass(frozen=True)
@@ -90,7 +66,7 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
                       cp_comm: str = "all_gather", bytes_per: int = 2, packed: bool = False) -> int:
     """Bytes one layer keeps for backward, for one micro-batch on one rank.
 
-    `packed`: packed documents (adapter/models/varlen.py): the same per-token terms, no s×s mask; under all-gather
+    `packed`: packed documents (adapter/kernels/varlen.py): the same per-token terms, no s×s mask; under all-gather
     CP the saved K,V are every local query chunk's causal key prefix, (2·cp+1)/(2·cp) of the sequence. The
     per-document CP padding (< 2·cp tokens per document) is not counted."""
     s, b, h = seq // cp, micro, arch.hidden_size
@@ -110,7 +86,7 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
 
 def whole_layer_graphs(cfg: RunConfig) -> bool:
     """`model.compile` gives one whole graph per layer only at tp = cp = 1 without selective recompute (elsewhere the
-    graph breaks at Megatron's linears, the CP attention or the recompute boundary: adapter/models/compile.py)."""
+    graph breaks at Megatron's linears, the CP attention or the recompute boundary: adapter/modeling/compile.py)."""
     p = cfg.parallelism
     return bool(cfg.model.compile) and p.tp_size == 1 and p.cp_size == 1 and cfg.recompute != "selective"
 
@@ -192,7 +168,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
         logits = pb * (vp // tp) * h + pb * s * b * h + chunk * (vp // tp) * (pb + 4)
     elif not fused:                                                     # Megatron's CE: fp32 copy + saved exp
         logits = s * b * (vp // tp) * (pb + 4 + 4)
-    else:                                                               # adapter.models.fusions: logits + their grad
+    else:                                                               # adapter.kernels.fusions: logits + their grad
         logits = s * b * (vp // tp) * 2 * pb
 
     during_step = weights + grads + optim + step_transient

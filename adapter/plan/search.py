@@ -12,17 +12,20 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from itertools import product
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from adapter import config
 from adapter.config import RunConfig
-from adapter.errors import UserError
+from adapter.errors import UserError, bad
 from adapter.models import checks
-from adapter.models.arch import ModelArch
+from adapter.models.arch import ModelArch, load_arch
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
-from adapter.plan import memory, timing, traffic
+from adapter.plan import hardware, memory, timing, traffic
+from adapter.plan.build import gpu_capacity
 from adapter.plan.hardware import Profile
 
 SCHEMA_VERSION = 1
@@ -231,8 +234,6 @@ PIN_VALUES = {"deepspeed.zero_stage": (2, 3), "deepspeed.replicate_mode": ("hsdp
 
 
 def check_pins(pins: dict[str, Any]) -> None:
-    from adapter.errors import bad
-
     for key, value in pins.items():
         if key in PIN_VALUES:
             if value not in PIN_VALUES[key] or isinstance(value, bool) != isinstance(PIN_VALUES[key][0], bool):
@@ -246,14 +247,6 @@ def run(config_path: str, sets: dict[str, Any], flags: dict[str, Any], world: in
         gpu_mem_gib: float | None = None) -> Search:
     """`plan --search`: load the config (its global batch is kept), then search the world the flags give. A
     config whose own layout is for another world is loaded as written and its batch carried over, said once."""
-    from pathlib import Path
-
-    from adapter import config
-    from adapter.errors import bad
-    from adapter.models.arch import load_arch
-    from adapter.plan import hardware
-    from adapter.plan.build import gpu_capacity
-
     pins = {k: v for k, v in sets.items() if k in SEARCH_KEYS}
     rest = {k: v for k, v in sets.items() if k not in SEARCH_KEYS}
     notes: list[str] = []

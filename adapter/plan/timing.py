@@ -18,11 +18,12 @@ from math import ceil
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.counts import flops_per_token, layer_gemms, local_params, param_tensors
 from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_steps
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import local_params, whole_layer_graphs
+from adapter.plan.memory import whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: fwd+bwd = 3.5 × the forward
@@ -56,14 +57,6 @@ class StepTime:
 
 
 # ---- compute ------------------------------------------------------------------------------------------------------
-
-def layer_gemms(arch: ModelArch, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """The forward GEMMs of one layer on one tp rank, (m, n, k): qkv, proj, fc1 (gate+up), fc2."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return [(tokens, (qd + 2 * kvd) // tp, h), (tokens, h, qd // tp), (tokens, 2 * f // tp, h),
-            (tokens, h, f // tp)]
-
 
 def gemm_seconds(shapes: list[tuple[int, int, int]], prof: Profile) -> float:
     """Forward time; backward is two GEMMs of the same three dimensions each (dgrad, wgrad), so fwd+bwd = 3×."""
@@ -137,19 +130,6 @@ def collective_seconds(nbytes: float, calls: float, bw_lat: tuple[float, float])
 
 
 # ---- the step -----------------------------------------------------------------------------------------------------
-
-def param_tensors(arch: ModelArch) -> tuple[int, int]:
-    """(per layer, total): the tensors DeepSpeed's hooks, the optimizer and ZeRO-3's module gathers walk."""
-    per_layer = 6 + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0)
-    return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
-
-
-def flops_per_token(arch: ModelArch, seq: int) -> int:
-    """MFU's model FLOPs, the formula of adapter/train/metrics.py (a test keeps the two equal)."""
-    h, kv, heads, L = arch.hidden_size, arch.num_kv_heads, arch.num_heads, arch.num_layers
-    n = L * (h * (h + 2 * h * kv // heads + h) + 3 * h * arch.ffn_hidden_size) + h * arch.vocab_size
-    return 6 * n + 12 * L * h * seq
-
 
 def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, stage: int,
             rows: list[traffic.GroupTraffic] | None = None, doc_len: int | None = None) -> StepTime:

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch
+from adapter.models.counts import local_params
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
-from adapter.plan.memory import local_params
 
 
 def _ring(n: int) -> float:

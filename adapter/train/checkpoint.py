@@ -22,8 +22,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from deepspeed import comm as dist
+
 from adapter.errors import bad
 from adapter.osutil import atomic_write_text
+from adapter.train.optim import FORMAT, FlatAdamW
 
 LATEST = "latest"
 TMP = "tmp-"
@@ -35,9 +40,6 @@ _OURS = "nd_adapter"  # our key in DeepSpeed's client_state: step and this rank'
 
 def capture_rng() -> dict[str, Any]:
     """This rank's RNG states: python, numpy, torch CPU, CUDA, and Megatron's TP tracker when loaded."""
-    import numpy as np
-    import torch
-
     state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -49,9 +51,6 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -140,8 +139,6 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
     RNG states. `keep_last`: keep that many newest checkpoints (None/0 keeps all). `save_ranks(global_rank)`
     says which ranks write files (default: all). Saving the step `latest` already names does nothing.
     """
-    from deepspeed import comm as dist
-
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
         raise bad("checkpoint.keep_last", keep_last, "must be a non-negative integer", "use e.g. 3, or 0 to keep all")
     if getattr(engine.checkpoint_engine, "is_decoupled", lambda: False)():
@@ -211,16 +208,12 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None,
 
 
 def _check_match(engine, model_states: Path, key: str, value: str) -> None:
-    import torch
-
     meta = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)  # no need to read it all
     here_dp, here_mp = engine.seq_dp_world_size, engine.mp_world_size
     if (meta.get("dp_world_size"), meta.get("mp_world_size")) != (here_dp, here_mp):
         raise bad(key, value, f"saved with data-parallel size {meta.get('dp_world_size')} and model-parallel size "
                   f"{meta.get('mp_world_size')}, this run has {here_dp} and {here_mp}",
                   "resume with the layout it was saved with")
-    from adapter.train.optim import FORMAT, FlatAdamW
-
     saved_flat = isinstance(meta.get("optimizer"), dict) and meta["optimizer"].get("format") == FORMAT
     here_flat = isinstance(engine.optimizer, FlatAdamW)
     if saved_flat != here_flat:

@@ -2,42 +2,47 @@
 the hooks DeepSpeed does not provide (TP sums of partial gradients, replica averaging for exact HSDP).
 
 Kept apart from the loop (adapter/train/trainer.py) so the loop only ever sees an `Engine`: the model to call, the
-step to take, and the two per-step duties (`after_backward`, `grad_norm_is_host_value`) that depend on the layout.
+step to take, and what depends on the layout (`after_backward`, `guard_grads`).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
 from typing import Any
 
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.constants import default_pg_timeout
+from deepspeed.utils import set_z3_leaf_modules
+from megatron.core import tensor_parallel
+
 from adapter.config import RunConfig
+from adapter.convert.load import load_megatron_checkpoint
+from adapter.kernels.fp8 import install_fp8
+from adapter.modeling.compile import compile_layers
+from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.models.arch import ModelArch
 from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
+from adapter.patches.zero import average_over_replicas, drive_flat_optimizer, install_zero12_step, set_hpz_group
+from adapter.train.optim import FlatAdamW
+from adapter.train.schedule import lr_factor
 
 
 def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
     """NCCL on GPUs, gloo (and DeepSpeed's CPU accelerator) otherwise; env from any launcher. `timeout_s`: the
-    process-group timeout (None: DeepSpeed's default)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import torch.distributed as dist
-
+    process-group timeout (None: DeepSpeed's default). DS_ACCELERATOR=cpu must be set before deepspeed is first
+    imported on a machine without CUDA (adapter/train/worker.py does it), or DeepSpeed warns that it guessed."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    import logging
-
     deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
     if not dist.is_initialized():
-        from datetime import timedelta
-
-        from deepspeed.constants import default_pg_timeout
-
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
                                    timeout=default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
@@ -58,9 +63,6 @@ def add_tp_grad_hooks(model, tp_group) -> None:
 
     A tensor hook runs before the grad is accumulated, so ZeRO-3's reduce-scatter sees the summed gradient.
     """
-    import torch.distributed as dist
-
-    from adapter.models.gpt import tp_grad_sum_params
 
     def hook(grad):
         grad = grad.clone()
@@ -89,14 +91,10 @@ class Engine:
         """Exact HSDP: average the gradient partitions over dp_replicate once per optimizer step."""
         if self.ds.is_gradient_accumulation_boundary() and self.layout.dp_replicate > 1 \
                 and self.mpu.replica_group is not None:
-            from adapter.patches.zero import average_over_replicas
-
             average_over_replicas(self.ds, self.mpu.replica_group, self.layout.dp_replicate)
 
     def describe_optimizer(self) -> str:
         """The run's first lines say which optimizer implementation runs (`optimizer.impl`)."""
-        from adapter.train.optim import FlatAdamW
-
         opt = self.ds.optimizer
         if isinstance(opt, FlatAdamW):
             how = "one launch per parameter group" if all(f.table is not None for f in opt.flats) else \
@@ -109,17 +107,11 @@ class Engine:
 def lr_scheduler_for(cfg: RunConfig):
     """DeepSpeed calls this with its optimizer; the LambdaLR it returns is stepped after every optimizer step and
     saved/restored with the checkpoints (its state is the step count)."""
-    from functools import partial
-
-    from adapter.train.schedule import lr_factor
-
     o = cfg.optimizer
     factor = partial(lr_factor, schedule=o.schedule, warmup_steps=o.warmup_steps or 0,
                      total_steps=o.max_steps or 1, min_ratio=o.min_lr / o.lr)
 
     def make(optimizer):
-        import torch
-
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     return make
@@ -129,18 +121,11 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                  load_weights=None) -> Engine:
     """`load_weights(model)`: the run's first weights into the plain GPTModel (adapter/convert/cache.load: a
     converted checkpoint or the converted pre-trained weights); None loads `model.checkpoint` if set."""
-    import deepspeed
-    import torch
-
-    from adapter.models.gpt import build_gpt_model, padded_vocab_size
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.param_precision]
     tp = layout.tp
     fused = torch.cuda.is_available() if cfg.model.fused_kernels is None else cfg.model.fused_kernels
     torch.manual_seed(cfg.seed)  # same init on every dp rank when there is no checkpoint
     if torch.cuda.is_available():  # Megatron's GPU init draws TP-sharded weights from its CUDA RNG tracker
-        from megatron.core import tensor_parallel
-
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     model = build_gpt_model(arch, tp=tp, cp=layout.cp, sequence_parallel=cfg.use_sequence_parallel and tp > 1,
                             padded_vocab=padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by),
@@ -153,50 +138,33 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
     if load_weights is not None:
         load_weights(model)
     elif cfg.model.checkpoint:
-        from adapter.convert.ops import load_megatron_checkpoint
-
         load_megatron_checkpoint(model, cfg.model.checkpoint)
     model.to(device)
     if cfg.precision == "fp8":
-        from adapter.models.fp8 import install_fp8
-
         install_fp8(model, cfg.model.fp8_recipe, cfg.model.fp8_linears)
     if cfg.model.compile:
-        from adapter.models.compile import compile_layers
-
         compile_layers(model, cfg.model.compile_memory_budget)
     add_tp_grad_hooks(model, groups.tp)
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
                        dp_world_size=layout.dp, replica_group=groups.dp_replicate if hsdp else None)
     if not hsdp:  # hpZ: DeepSpeed would group consecutive global ranks, mixing TP ranks; give it dp_shard×cp
-        from adapter.patches.zero import set_hpz_group
-
         set_hpz_group(groups.dp_shard_cp)
     conf = deepspeed_config.build(cfg, layout)
     if conf["zero_optimization"]["stage"] == 3 and cfg.deepspeed.gather_granularity == "layer":
-        from deepspeed.utils import set_z3_leaf_modules
-
-        from adapter.models.gpt import Layer
-
         set_z3_leaf_modules(model, [Layer])
     if deepspeed_config.flat_optimizer(cfg, layout):
-        from adapter.train.optim import FlatAdamW
-
         o = cfg.optimizer
         opt = FlatAdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
                         clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
                                           lr_scheduler=lr_scheduler_for(cfg))
-        from adapter.patches.zero import drive_flat_optimizer
 
         drive_flat_optimizer(engine, opt)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
                                           config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
     if conf["zero_optimization"]["stage"] in (1, 2):
-        from adapter.patches.zero import install_zero12_step
-
         install_zero12_step(engine.optimizer)
     return Engine(engine, mpu, conf, layout)
 

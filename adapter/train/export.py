@@ -19,17 +19,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import deepspeed
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from adapter.convert import hf_io
+from adapter.convert import megatron_io as mio
+from adapter.convert.to_hf import megatron_to_hf
+from adapter.data.sft.prepare import load_tokenizer
+from adapter.models.source import hf_dir, tokenizer_dir
+
 # files an earlier export may have left that this one would not overwrite (other shard counts, no chat template)
 _STALE = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
           "chat_template.jinja")
-
-
-def _source_hf_dir(cfg) -> Path:
-    ckpt = cfg.model.checkpoint
-    if ckpt and (Path(ckpt) / "hf" / "config.json").is_file():
-        return Path(ckpt) / "hf"
-    p = Path(cfg.model.path)
-    return p.parent if p.is_file() else p
 
 
 def write_chat_template(hf_dir: Path, template: str) -> None:
@@ -61,9 +63,7 @@ def publish(built: Path, out: Path) -> None:
 def write_special_tokens(hf_dir: Path, cfg, arch) -> None:
     """The tokenizer as the data was prepared with it (the config's `special_tokens`), and its EOS among the ones
     `generate` stops at: a chat model trained to end turns with <|im_end|> must stop there."""
-    from adapter.data.sft.prepare import load_tokenizer
-
-    tok = load_tokenizer(cfg, _source_hf_dir(cfg), arch.vocab_size)
+    tok = load_tokenizer(cfg, tokenizer_dir(cfg), arch.vocab_size)
     tok.save_pretrained(str(hf_dir))
     gen = hf_dir / "generation_config.json"
     if tok.eos_token_id is not None and gen.is_file():
@@ -76,14 +76,6 @@ def write_special_tokens(hf_dir: Path, cfg, arch) -> None:
 
 
 def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_template: str | None = None) -> Path:
-    import deepspeed
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    from adapter.convert import hf_io
-    from adapter.convert import megatron_io as mio
-    from adapter.convert.ops import FORMAT, megatron_to_hf
-
     out = Path(out_dir).absolute()
     stage = out.parent / f".{out.name}.megatron-stage"
     if rank == 0:
@@ -98,12 +90,10 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_templat
         built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / "hf"
         try:
             dtype = next(p for p in model.parameters()).dtype
-            meta = {"format": FORMAT, "format_version": 1, "family": arch.family, "architecture": arch.architecture,
-                    "vocab_size": arch.vocab_size, "padded_vocab_size": model.vocab_size,
-                    "vocab_divisible_by": cfg.model.vocab_divisible_by, "dtype": hf_io.dtype_name(dtype),
-                    "source_tp": cfg.parallelism.tp_size, "tag": mio.RELEASE, "hf_subdir": mio.HF_SUBDIR,
-                    "arch": arch.to_dict()}
-            meta["hf_files"] = hf_io.copy_side_files(_source_hf_dir(cfg), stage / mio.HF_SUBDIR, dtype)
+            meta = mio.converted_meta(arch, padded_vocab=model.vocab_size,
+                                      vocab_divisible_by=cfg.model.vocab_divisible_by, dtype=dtype,
+                                      source_tp=cfg.parallelism.tp_size)
+            meta["hf_files"] = hf_io.copy_side_files(hf_dir(cfg), stage / mio.HF_SUBDIR, dtype)
             if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
                 write_special_tokens(stage / mio.HF_SUBDIR, cfg, arch)
             if chat_template:

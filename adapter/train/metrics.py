@@ -1,14 +1,7 @@
 """Throughput, MFU and memory, printed one line per step and optionally sent to TensorBoard / Weights & Biases.
 
-MFU uses the one formula every number in this project (bench, peer anchors in NOTES.md) is computed with, so they
-stay comparable:
-
-    N               = L·(H·(H + 2·H·kv/heads + H) + 3·H·FFN) + H·V    (attention + SwiGLU MLP per layer, LM head)
-    flops_per_token = 6·N + 12·L·H·S                                    (fwd+bwd matmuls, attention scores)
-    MFU             = tokens/s/GPU · flops_per_token / peak_flops
-
-with L layers, H hidden, FFN the MLP width, V the vocabulary and S the sequence length. Norms and the input
-embedding (a lookup) are left out; activation recomputation is not counted (it is "model" FLOPs, not hardware).
+MFU = tokens/s/GPU · model FLOPs per token / the GPU's dense bf16 peak; the FLOPs are adapter/models/counts.py's
+(`flops_per_token`), the one formula every number in this project is computed with.
 """
 from __future__ import annotations
 
@@ -16,28 +9,17 @@ import resource
 import time
 from typing import Any
 
+import torch
+
+from adapter.train.preflight import check_sinks
+
 # Dense bf16 tensor-core peaks (no sparsity). Matched as substrings of torch.cuda.get_device_name().
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
-
-
-def flops_per_token(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
-                    seq_len: int) -> int:
-    n = layers * (hidden * (hidden + 2 * hidden * kv_heads // heads + hidden) + 3 * hidden * ffn) + hidden * vocab
-    return 6 * n + 12 * layers * hidden * seq_len
-
-
-def flops_per_token_for(arch, seq_len: int) -> int:
-    """Same formula from an adapter.models.arch.ModelArch."""
-    return flops_per_token(layers=arch.num_layers, hidden=arch.hidden_size, heads=arch.num_heads,
-                           kv_heads=arch.num_kv_heads, ffn=arch.ffn_hidden_size, vocab=arch.vocab_size,
-                           seq_len=seq_len)
 
 
 def peak_flops(device_name: str | None = None) -> float | None:
     """Peak bf16 FLOP/s of this GPU (or of `device_name`); None on CPU or an unlisted GPU, and then no MFU is shown."""
     if device_name is None:
-        import torch
-
         if not torch.cuda.is_available():
             return None
         device_name = torch.cuda.get_device_name()
@@ -65,8 +47,6 @@ class StepClock:
     def _mark(self):
         if not self.cuda:
             return time.perf_counter()
-        import torch
-
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
@@ -98,8 +78,6 @@ class HostReadback:
     (`.item()` or `float(tensor)` would wait for the whole stream, i.e. for everything queued since)."""
 
     def __init__(self, tensor):
-        import torch
-
         self._event = None
         if tensor.device.type == "cuda":
             self._host = tensor.detach().to("cpu", non_blocking=True)  # pinned destination: an async copy
@@ -116,8 +94,6 @@ class HostReadback:
 
 def peak_memory_bytes() -> int:
     """Peak allocated GPU memory on CUDA (what the memory model predicts); peak RSS of this process on CPU."""
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -126,8 +102,6 @@ def peak_memory_bytes() -> int:
 def memory_summary() -> str:
     """What the memory model is checked against: the allocator's peaks and what the device has in use in all
     (CUDA context, NCCL and cuBLAS workspaces are outside the allocator)."""
-    import torch
-
     free, total = torch.cuda.mem_get_info()
     g = 2**30
     return (f"memory: peak allocated {torch.cuda.max_memory_allocated() / g:.2f} GiB, peak reserved "
@@ -154,27 +128,6 @@ def format_step(step: int, *, loss: float, lr: float, grad_norm: float | None = 
     return " | ".join(parts)
 
 
-def _importable(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
-
-
-def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
-    """A sink that is asked for but not installed is a config error, found before training starts (HF Trainer's
-    `report_to` refuses the same), not a run that silently logs nowhere."""
-    from adapter.errors import bad
-
-    if tensorboard_dir and not _importable("torch.utils.tensorboard"):
-        raise bad("logging.tensorboard", tensorboard_dir, "the tensorboard package is not installed",
-                  "pip install tensorboard (or nd-adapter[logging]), or remove logging.tensorboard")
-    if wandb_project and not _importable("wandb"):
-        raise bad("logging.wandb_project", wandb_project, "the wandb package is not installed",
-                  "pip install wandb (or nd-adapter[logging]), or remove logging.wandb_project")
-
-
 class MetricsSink:
     """TensorBoard and/or W&B on global rank 0; a no-op elsewhere or when not asked for.
 
@@ -188,7 +141,7 @@ class MetricsSink:
         check_sinks(tensorboard_dir, wandb_project)  # on every rank, so no rank trains on alone
         if rank != 0:
             return
-        if tensorboard_dir:
+        if tensorboard_dir:  # optional packages (nd-adapter[logging]): imported only when asked for
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
@@ -218,5 +171,5 @@ class MetricsSink:
         self._tb = self._wandb = None
 
 
-__all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "flops_per_token_for", "peak_flops", "mfu", "tokens_per_s_per_gpu",
+__all__ = ["PEAK_BF16_FLOPS", "peak_flops", "mfu", "tokens_per_s_per_gpu",
            "StepClock", "HostReadback", "peak_memory_bytes", "memory_summary", "format_step", "MetricsSink"]

@@ -28,6 +28,11 @@ import torch.distributed as dist
 
 from adapter.errors import bad
 
+try:  # Triton comes with torch's CUDA wheels, not its CPU ones; without it the per-parameter step runs
+    from adapter.train import adamw_kernel
+except ImportError:
+    adamw_kernel = None
+
 
 def _adamw_update(master, exp_avg, exp_avg_sq, grad, low, hyper):
     """hyper: [clip coef, 1 − lr·wd, 1 − β1, β2, 1 − β2, lr / bc1, √bc2, eps] (fp32, on the device)."""
@@ -94,10 +99,6 @@ class FlatAdamW(torch.optim.Optimizer):
         zeros = torch.zeros(n, dtype=torch.float32, device=device)
         table = None
         if master is not None and device.type == "cuda":
-            try:
-                from adapter.train import adamw_kernel
-            except ImportError:  # no Triton (torch's CUDA wheels ship it): the per-parameter step
-                adamw_kernel = None
             if adamw_kernel is not None and adamw_kernel.supported(params):
                 table = adamw_kernel.ChunkTable(params, offsets, device)
         return _Flat(list(params), offsets, master, zeros, zeros.clone(), table)
@@ -140,8 +141,6 @@ class FlatAdamW(torch.optim.Optimizer):
             hyper = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
             hyper[0] = coef
             if f.table is not None:
-                from adapter.train import adamw_kernel
-
                 adamw_kernel.step(f.table, f.params, f.master, f.exp_avg, f.exp_avg_sq, hyper)
                 continue
             fn = _step_fn(device)

@@ -1,13 +1,16 @@
 """Checks a run can fail on before any process starts: architecture vs layout, the ZeRO stage, data files, checkpoint,
-the first weights (adapter/convert/cache.resolve), tokenizer, metrics sinks."""
+the first weights (adapter/models/source.resolve), tokenizer, metrics sinks. Torch-free: `nd-adapter train` and
+`rehearse` run them in the launching process, which starts the training processes only when they pass."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from adapter.config import RunConfig
+from adapter.data import TEXT_SUFFIXES, expand_files, iter_documents
+from adapter.data.sft import check as check_sft
 from adapter.errors import bad
-from adapter.models import checks
+from adapter.models import checks, source
 from adapter.models.arch import ModelArch, load_arch
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
@@ -22,10 +25,10 @@ def check_checkpoint(cfg: RunConfig, arch: ModelArch) -> None:
     if not ckpt:
         return
     root = Path(ckpt)
-    meta_file = root / "nd_adapter.json"
-    if not root.is_dir() or not (root / "latest_checkpointed_iteration.txt").is_file():
+    meta_file = root / source.META
+    if not root.is_dir() or not (root / source.TRACKER).is_file():
         raise bad("model.checkpoint", ckpt,
-                  "not a converted Megatron checkpoint (no latest_checkpointed_iteration.txt)",
+                  f"not a converted Megatron checkpoint (no {source.TRACKER})",
                   "convert first: nd-adapter convert hf-to-megatron --hf MODEL --out DIR")
     if meta_file.is_file():
         stored = json.loads(meta_file.read_text()).get("arch", {})
@@ -40,8 +43,6 @@ def check_checkpoint(cfg: RunConfig, arch: ModelArch) -> None:
 def check_data(cfg: RunConfig) -> None:
     """Read each file's first document: a wrong data.text_key or a non-JSON line is otherwise found by the workers,
     after every process has started, and only once the token cache is being built inside checkpoint.dir."""
-    from adapter.data import TEXT_SUFFIXES, expand_files, iter_documents
-
     for path in expand_files(cfg.data.files):
         if path.suffix.lower() in TEXT_SUFFIXES:  # no key to get wrong; a first paragraph can be the whole file
             continue
@@ -52,25 +53,38 @@ def check_data(cfg: RunConfig) -> None:
             docs.close()
 
 
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)  # what the sink will import (torch's writer: only when TensorBoard is asked for)
+    except ImportError:
+        return False
+    return True
+
+
+def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
+    """A sink that is asked for but not installed is a config error, found before training starts (HF Trainer's
+    `report_to` refuses the same), not a run that silently logs nowhere."""
+    if tensorboard_dir and not _importable("torch.utils.tensorboard"):
+        raise bad("logging.tensorboard", tensorboard_dir, "the tensorboard package is not installed",
+                  "pip install tensorboard (or nd-adapter[logging]), or remove logging.tensorboard")
+    if wandb_project and not _importable("wandb"):
+        raise bad("logging.wandb_project", wandb_project, "the wandb package is not installed",
+                  "pip install wandb (or nd-adapter[logging]), or remove logging.wandb_project")
+
+
 def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
     arch = load_arch(cfg.model.path)
     checks.check(cfg, arch)
     # e.g. model.compile, ZeRO-2 or the flat AdamW where they can't go
     deepspeed_config.flat_optimizer(cfg, Layout.from_config(cfg.parallelism))
     check_checkpoint(cfg, arch)
-    from adapter.convert import cache
-
-    cache.resolve(cfg)  # e.g. model.init: pretrained on a path without weights
+    source.resolve(cfg)  # e.g. model.init: pretrained on a path without weights
     if cfg.data.datasets:  # SFT: types, keys and sources (hub ids in the local cache), nothing tokenised yet
-        from adapter.data.sft import check as check_sft
-
         check_sft(cfg)
     elif need_data and not cfg.data.synthetic:
         if not cfg.data.files:
             raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
         check_data(cfg)
-    from adapter.train.metrics import check_sinks
-
     check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")

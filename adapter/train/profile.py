@@ -6,7 +6,11 @@ Nothing is imported or recorded unless `logging.profile_steps` is set.
 """
 from __future__ import annotations
 
+import gzip
+import shutil
 from pathlib import Path
+
+import torch
 
 
 class StepProfiler:
@@ -19,8 +23,6 @@ class StepProfiler:
 
     def begin(self, step: int) -> None:
         if self.active and step == self.start:
-            import torch
-
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -33,11 +35,6 @@ class StepProfiler:
         """Stop and write the trace after the window's last step; True if it did (that took time off the step)."""
         if self._prof is None or step != self.end:
             return False
-        import gzip
-        import shutil
-
-        import torch
-
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof, self._prof = self._prof, None

@@ -5,6 +5,9 @@ head_dim, width and depth; precision becomes fp32 (CPU). One process per rank, g
 It trains a few steps, saves, resumes from that checkpoint and trains on: config, layout, data and checkpoint
 mistakes surface here instead of on the GPUs. Data files are tokenised when the config has them (with the real
 tokenizer and vocab); otherwise synthetic tokens are used.
+
+`main` runs in the launching process (torch-free, like `plan`); `in_process` is the procedure every spawned
+training process runs (adapter/train/worker.py).
 """
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ import dataclasses
 import math
 import tempfile
 
+from adapter import config
 from adapter.config import RunConfig
 from adapter.errors import bad
+from adapter.models import source
 from adapter.models.arch import ModelArch, load_arch
 from adapter.train.preflight import preflight
 from adapter.train.spawn import spawn
@@ -67,9 +72,26 @@ def _sft_rehearsal(cfg: RunConfig, workdir: str) -> dict:
     return {"excess_length_strategy": "truncate", "prepared_path": f"{workdir}/sft"}
 
 
-def main(args) -> int:
-    from adapter import config
+def in_process(cfg: RunConfig, rank: int, *, steps: int, seq_len: int | None, workdir: str, log=print) -> None:
+    """One training process's part of a rehearsal: train half, save; resume from that checkpoint in a fresh engine;
+    train to the end."""
+    from adapter.train.trainer import run  # the launching side of this module stays torch-free
 
+    cfg, arch = rehearsal_config(cfg, steps, seq_len, workdir)
+    synthetic = not cfg.data.files and not cfg.data.datasets
+    half = cfg.checkpoint.save_every
+    first = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"max_steps": half})})
+    a = run(first, synthetic_data=synthetic, arch=arch, log=log)
+    b = run(cfg, resume=True, synthetic_data=synthetic, arch=arch, log=log)
+    if b.start_step != half:
+        raise RuntimeError(f"rehearsal resumed at step {b.start_step}, expected {half}")
+    if rank == 0:
+        p = cfg.parallelism
+        log(f"rehearsal ok: {cfg.world_size} processes, layout {p.dp_replicate_size}x{p.dp_shard_size}x{p.cp_size}x"
+            f"{p.tp_size}, saved at step {half} and resumed, losses {[round(x, 4) for x in a.losses + b.losses]}")
+
+
+def main(args) -> int:
     cfg = config.load(args.config)
     preflight(cfg, need_data=False)  # data files are checked (and tokenised) inside, when given
     if args.steps < 2:
@@ -81,8 +103,6 @@ def main(args) -> int:
         p = cfg.parallelism
         print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
               f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}", flush=True)
-        from adapter.convert import cache
-
-        print(f"the run itself: {cache.describe(cache.resolve(cfg), cfg.seed)}; the rehearsal's tiny model starts "
+        print(f"the run itself: {source.describe(source.resolve(cfg), cfg.seed)}; the rehearsal's tiny model starts "
               "from random weights", flush=True)
         return spawn(cfg.world_size, worker, cpu=True)

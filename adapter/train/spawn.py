@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 from adapter import config
-from adapter.errors import bad
+from adapter.errors import ERROR_DIR, bad
 from adapter.osutil import free_port
 from adapter.train.preflight import preflight
-from adapter.train.worker import ERROR_DIR
 
 GRACE_S = 3.0  # how long the other ranks may take to end on their own after the first one failed
 

@@ -22,12 +22,31 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
 from adapter.config import RunConfig
+from adapter.convert import cache
+from adapter.data import DPSampler, PackedDataset, SyntheticData, build_batches, build_token_cache
+from adapter.data.sft import prepare
+from adapter.data.sft.bins import trim_tail
+from adapter.data.sft.report import stats_lines
 from adapter.errors import DivergedError, UserError, bad
-from adapter.models import checks
-from adapter.models.arch import ModelArch, load_arch
+from adapter.kernels.attention import split_for_cp
+from adapter.kernels.thd import local_multiple, pack_batch
+from adapter.models import checks, source
+from adapter.models.arch import ModelArch
+from adapter.models.counts import flops_per_token
 from adapter.parallel import mcore_groups
 from adapter.parallel.layout import Axis, Layout
+from adapter.patches.zero import set_hpz_group
+from adapter.train import checkpoint as ckpt
+from adapter.train import metrics, schedule
+from adapter.train.engine import build_engine
+from adapter.train.export import export_hf
+from adapter.train.profile import StepProfiler
 
 
 @dataclass
@@ -70,34 +89,17 @@ class PendingStep:
     clock: tuple                 # metrics.StepClock handle
 
     def read(self) -> StepStats:
-        from adapter.train.metrics import StepClock
-
         v = self.values.values()
         grad_norm = v[GRAD_NORM] if v[GRAD_NORM_ON_DEVICE] else (
             None if self.host_grad_norm is None else float(self.host_grad_norm))
         return StepStats(self.step, v[LOSS], int(v[TRAINED_TOKENS]), int(v[COMPUTED_TOKENS]), v[NONFINITE] > 0,
-                         grad_norm, self.lr, StepClock.seconds(self.clock))
-
-
-def arch_for(cfg: RunConfig) -> ModelArch:
-    ckpt = cfg.model.checkpoint
-    if ckpt and (Path(ckpt) / "hf" / "config.json").is_file():
-        return load_arch(Path(ckpt) / "hf")
-    return load_arch(cfg.model.path)
-
-
-def tokenizer_dir(cfg: RunConfig) -> Path:
-    for cand in (Path(cfg.model.checkpoint) / "hf" if cfg.model.checkpoint else None, Path(cfg.model.path)):
-        if cand is not None and cand.is_dir() and any(cand.glob("tokenizer*")):
-            return cand
-    raise bad("model.path", cfg.model.path, "no tokenizer files found there (or in the checkpoint's hf/)",
-              "point model.path at the HF checkpoint directory that holds the tokenizer")
+                         grad_norm, self.lr, metrics.StepClock.seconds(self.clock))
 
 
 def masked_loss_sum(model, batch):
     """Σ loss_mask · per-token loss of one micro-batch (fp32 scalar). A model built with the fused linear
     cross-entropy returns that sum itself when handed the loss_mask (no [tokens × vocab] logits); others return
-    per-token losses, summed here. Packed documents travel as `packed_seq_params` (adapter/models/packed.py)."""
+    per-token losses, summed here. Packed documents travel as `packed_seq_params` (adapter/kernels/thd.py)."""
     out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
                 packed_seq_params=batch.get("packed_seq_params"))
     return out.float() if out.dim() == 0 else (out.float() * batch["loss_mask"]).sum()
@@ -105,8 +107,6 @@ def masked_loss_sum(model, batch):
 
 def _nonfinite(grad_norm, device):
     """1.0 on the device when DeepSpeed's grad norm is inf/NaN (ZeRO-1/2 mask it to -1), else 0.0; no host sync."""
-    import torch
-
     if grad_norm is None:  # no clipping: DeepSpeed computed no norm
         return torch.zeros((), dtype=torch.float64, device=device)
     g = torch.as_tensor(grad_norm, dtype=torch.float64, device=device)
@@ -123,13 +123,10 @@ class Trainer:
     runs. `_data` may also set `val_dataset` (held-out set) and `chat_template` (for the export)."""
 
     def __init__(self, cfg: RunConfig, *, arch: ModelArch | None = None, synthetic_data: bool = False, log=print):
-        import torch
-        import torch.distributed as dist
-
         self.cfg, self.log = cfg, log
         self.synthetic = synthetic_data or cfg.data.synthetic
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.arch = arch or arch_for(cfg)
+        self.arch = arch or source.arch_for(cfg)
         self.layout = Layout.from_config(cfg.parallelism)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
@@ -143,12 +140,6 @@ class Trainer:
 
     # --- set-up ---------------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False) -> None:
-        from adapter.convert import cache
-        from adapter.train import checkpoint as ckpt
-        from adapter.train import metrics, schedule
-        from adapter.train.engine import build_engine
-        from adapter.train.profile import StepProfiler
-
         cfg, rank = self.cfg, self.rank
         for note in cfg.notes:  # what the dialect mapping did, said once, first
             if note not in _ANNOUNCED:
@@ -156,10 +147,10 @@ class Trainer:
                 self._say(note)
         for w in checks.check(cfg, self.arch):
             self._say(f"warning: {w}")
-        self.weights = cache.resolve(cfg)
+        self.weights = source.resolve(cfg)
         resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
         self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed" if resuming else
-                  cache.describe(self.weights, cfg.seed))
+                  source.describe(self.weights, cfg.seed))
         # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
         lg = cfg.logging
         self.sink = metrics.MetricsSink(rank, tensorboard_dir=lg.tensorboard, wandb_project=lg.wandb_project,
@@ -194,7 +185,7 @@ class Trainer:
         self.result.start_step = start
         self.cp_rank = self.layout.coords(rank)[Axis.CP]
         self.tokens_per_step = cfg.global_batch * cfg.seq_len
-        self.flops_per_token = metrics.flops_per_token_for(self.arch, cfg.seq_len)
+        self.flops_per_token = flops_per_token(self.arch, cfg.seq_len)
         self.peak_flops = metrics.peak_flops()
         lg = cfg.logging
         self.profiler = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
@@ -203,17 +194,10 @@ class Trainer:
     def _data(self):
         """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, `self.val_dataset`
         held out), pretraining text, or synthetic tokens when the run has no data."""
-        import torch.distributed as dist
-
-        from adapter.data import DPSampler, PackedDataset, SyntheticData, build_token_cache
-
         cfg = self.cfg
         self.val_dataset = self.sft = self.chat_template = None
         if cfg.data.datasets and not self.synthetic:
-            from adapter.data.sft import prepare
-            from adapter.data.sft.report import stats_lines
-
-            self.sft = prepare(cfg, tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
+            self.sft = prepare(cfg, source.tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
                                progress=self.rank == 0)
             dataset, self.val_dataset, self.chat_template = self.sft.train, self.sft.val, self.sft.chat_template
             if self.rank == 0:
@@ -224,8 +208,8 @@ class Trainer:
         else:
             if not cfg.data.files:
                 raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
-            cache = cfg.data.cache_dir or str(Path(cfg.checkpoint.dir or ".") / "token-cache")
-            tok = build_token_cache(cfg.data.files, tokenizer_dir(cfg), cache, text_key=cfg.data.text_key,
+            cache_dir = cfg.data.cache_dir or str(Path(cfg.checkpoint.dir or ".") / "token-cache")
+            tok = build_token_cache(cfg.data.files, source.tokenizer_dir(cfg), cache_dir, text_key=cfg.data.text_key,
                                     builder=self.rank == 0, barrier=dist.barrier, progress=self.rank == 0)
             dataset = PackedDataset(tok, cfg.seq_len)
         sampler = DPSampler(len(dataset), dp_rank=self.layout.data_rank(self.rank), dp_size=self.layout.dp,
@@ -234,10 +218,8 @@ class Trainer:
         return dataset, sampler
 
     def _trim(self, b, eval: bool = False):
-        """Unpacked SFT micro-batches lose their untrained tail (adapter.data.sft.packing.trim_tail); packed or
+        """Unpacked SFT micro-batches lose their untrained tail (adapter.data.sft.bins.trim_tail); packed or
         pretraining batches (documents, fixed THD streams) are kept whole."""
-        from adapter.data.sft.packing import trim_tail
-
         d = self.cfg.data
         packed = (d.eval_sample_packing if eval and d.eval_sample_packing is not None else d.sample_packing)
         if getattr(self, "sft", None) is None or packed or self.cfg.document_attention:
@@ -248,9 +230,6 @@ class Trainer:
     def _on_device(self, b):
         """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
         (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params"."""
-        from adapter.models.attention import split_for_cp
-        from adapter.models.packed import local_multiple, pack_batch
-
         packed = None
         if self.cfg.document_attention:
             sp_tp = self.layout.tp if self.cfg.use_sequence_parallel else 1
@@ -272,12 +251,6 @@ class Trainer:
     def train_step(self, step: int, batches, previous: PendingStep | None) -> PendingStep:
         """One optimizer step over grad-accum micro-batches from `batches`. The previous step's numbers are read
         (`report`) after this step's first micro-batch is queued, before its optimizer update."""
-        import torch
-        import torch.distributed as dist
-        from torch.profiler import record_function
-
-        from adapter.train import metrics
-
         engine, ds, device, layout = self.engine, self.engine.ds, self.device, self.layout
         lr = ds.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on inside its last ds.step()
         self.profiler.begin(step)
@@ -323,8 +296,6 @@ class Trainer:
         """Read a step's numbers on the host: divergence check, loss, log line. Runs while the next step's first
         micro-batch is already queued (so the GPU never drains), always before that step's optimizer update and
         before any checkpoint."""
-        from adapter.train import metrics
-
         s = pending.read()
         if not math.isfinite(s.loss):
             raise DivergedError(f"the loss is {s.loss} at step {s.step}; stopping before the next step or checkpoint. "
@@ -342,7 +313,7 @@ class Trainer:
             trained = metrics.tokens_per_s_per_gpu(s.trained_tokens, s.seconds, self.world)
             flops = self.flops_per_token
             if s.computed_tokens != self.tokens_per_step:  # trimmed: attention's share follows the length run
-                flops = metrics.flops_per_token_for(self.arch, max(1, s.computed_tokens // self.cfg.global_batch))
+                flops = flops_per_token(self.arch, max(1, s.computed_tokens // self.cfg.global_batch))
             m = metrics.mfu(tps, flops, self.peak_flops)
             self._say(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
                                           mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps,
@@ -355,10 +326,6 @@ class Trainer:
         """(loss, trained tokens) over the whole held-out set: Σ per-token loss / trained tokens, the training
         step's masking and normalisation, no gradients. Every DP rank runs the same number of micro-batches (ZeRO
         gathers are collective); the last round is padded with fully masked copies of sample 0."""
-        import numpy as np
-        import torch
-        import torch.distributed as dist
-
         val, mb, layout = self.val_dataset, self.cfg.batch.micro_batch_size, self.layout
         n, per_round, dp_rank = len(val), layout.dp * mb, layout.data_rank(self.rank)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -394,8 +361,6 @@ class Trainer:
         self.sink.log(step, {"eval_loss": loss})
 
     def save(self, step: int) -> str:
-        from adapter.train import checkpoint as ckpt
-
         layout = self.layout
         # exact HSDP's replicas hold the same shards under the same file names: one replica writes. hpZ's ranks
         # each hold their own (its partition is all of dp×cp), so all of them write.
@@ -408,9 +373,6 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def fit(self, export: bool = True) -> RunResult:
-        from adapter.data import build_batches
-        from adapter.train import metrics
-
         cfg, result, sched = self.cfg, self.result, self.schedule
         start, max_steps = result.start_step, cfg.optimizer.max_steps
         save_every, eval_every = cfg.checkpoint.save_every, sched.eval_every
@@ -442,8 +404,6 @@ class Trainer:
         if cfg.checkpoint.dir and max_steps > start and (not save_every or max_steps % save_every):
             result.checkpoint = self.save(max_steps)
         if export and cfg.checkpoint.export_hf:
-            from adapter.train.export import export_hf
-
             result.exported = str(export_hf(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf, rank=self.rank,
                                             chat_template=self.chat_template))
             self._say(f"exported HF model to {result.exported} (tokenizer"
@@ -451,8 +411,6 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        from adapter.patches.zero import set_hpz_group
-
         if self.sink is not None:
             self.sink.close()  # also when training stops early: the events written so far are flushed
         if self.groups is not None:

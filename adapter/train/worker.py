@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
-from adapter.errors import EXIT_USAGE, DivergedError, UserError
-
-ERROR_DIR = "ND_ADAPTER_ERROR_DIR"  # where non-zero ranks leave their one-line error for the local launcher
+from adapter import config
+from adapter.errors import ERROR_DIR, EXIT_USAGE, DivergedError, UserError
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -28,8 +29,6 @@ def parse(argv=None) -> argparse.Namespace:
 def quiet_third_party() -> None:
     """Megatron, DeepSpeed and torch warn about optional kernels and deprecations at every rank: keep the log
     readable."""
-    import logging
-
     for category in (FutureWarning, UserWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=r"(torch|megatron|deepspeed)\.")
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|CUDA_DEVICE_MAX_CONNECTIONS|cuda_graph).*")
@@ -44,46 +43,33 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     quiet_third_party()
     try:
-        from adapter import config
-        from adapter.train.engine import init_distributed
-        from adapter.train.trainer import run
-
         world = int(os.environ.get("WORLD_SIZE", 1))
         overrides = config.parse_sets(args.set)
         if args.max_steps is not None:
             overrides["optimizer.max_steps"] = args.max_steps
-        if args.rehearse:
-            from adapter.train.rehearse import rehearsal_config
-
-            cfg, arch = rehearsal_config(config.load(args.config, world_size=world), args.steps, args.seq_len,
-                                         args.workdir)
-        else:
-            cfg, arch = config.load(args.config, world_size=world, overrides=overrides), None
+        cfg = config.load(args.config, world_size=world, overrides=None if args.rehearse else overrides)
         # Large one-off allocations (the optimizer step's fp32 gradient partition) otherwise fail on fragmentation
         # with memory free in total (issue 19); torchtitan sets the same. Read at CUDA's first allocation, so here.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if cfg.parallelism.tp_size > 1:  # Megatron's TP/SP comm is issued in order with compute; without TP it would
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # only serialise ZeRO's side-stream collectives
+        import torch  # after the allocator's setting; and DeepSpeed picks its accelerator when it is first imported
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from adapter.train import rehearse
+        from adapter.train.engine import init_distributed
+        from adapter.train.trainer import run
+
         timeout = cfg.dist_timeout_s  # an explicit $DEEPSPEED_TIMEOUT (minutes) wins over the default
         if "dist_timeout_s" not in cfg.model_fields_set and os.environ.get("DEEPSPEED_TIMEOUT"):
             timeout = None
         init_distributed(timeout)
         log = lambda s: print(s, flush=True)  # noqa: E731
-        if not args.rehearse:
-            run(cfg, resume=args.resume, arch=arch, log=log)
-            return 0
-        # rehearsal: train half, save; resume from that checkpoint in a fresh engine; train to the end
-        synthetic = not cfg.data.files and not cfg.data.datasets
-        half = cfg.checkpoint.save_every
-        first = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"max_steps": half})})
-        a = run(first, synthetic_data=synthetic, arch=arch, log=log)
-        b = run(cfg, resume=True, synthetic_data=synthetic, arch=arch, log=log)
-        if b.start_step != half:
-            raise RuntimeError(f"rehearsal resumed at step {b.start_step}, expected {half}")
-        if rank == 0:
-            print(f"rehearsal ok: {cfg.world_size} processes, layout {cfg.parallelism.dp_replicate_size}x"
-                  f"{cfg.parallelism.dp_shard_size}x{cfg.parallelism.cp_size}x{cfg.parallelism.tp_size}, "
-                  f"saved at step {half} and resumed, losses {[round(x, 4) for x in a.losses + b.losses]}", flush=True)
+        if args.rehearse:
+            rehearse.in_process(cfg, rank, steps=args.steps, seq_len=args.seq_len, workdir=args.workdir, log=log)
+        else:
+            run(cfg, resume=args.resume, log=log)
         return 0
     except UserError as e:
         _report(rank, f"nd-adapter: error: {e}")
@@ -100,8 +86,6 @@ def _report(rank: int, line: str) -> None:
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
     if os.environ.get(ERROR_DIR):
-        from pathlib import Path
-
         Path(os.environ[ERROR_DIR], f"rank{rank}.txt").write_text(line)
 
 

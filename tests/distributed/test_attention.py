@@ -30,7 +30,7 @@ def _reference(q, k, v, dout):
 
 def _cp_diffs(rank, cp, comm, group, dtype=torch.float32, device="cpu", **shape):
     """Max |Δ| of this rank's output and q/k/v grads against the split cp=1 fp32 reference; plus a negative control."""
-    from adapter.models.attention import context_parallel_attention, split_for_cp
+    from adapter.kernels.attention import context_parallel_attention, split_for_cp
 
     q, k, v, dout = (t.to(device) for t in _qkv_dout(**shape))
     ref_out, *ref_grads = _reference(q, k, v, dout)
@@ -65,9 +65,9 @@ def _gpt_cp_vs_no_cp(rank):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from adapter.kernels.attention import split_for_cp
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.attention import split_for_cp
-    from adapter.models.gpt import build_gpt_model
 
     arch = arch_from_hf_dict(dict(architectures=["Qwen3ForCausalLM"], hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -115,7 +115,7 @@ def test_cp2_cp4_and_gpt_tp2_cp2_match_cp1():
 
 
 def test_split_for_cp_is_megatrons_chunk_order():
-    from adapter.models.attention import split_for_cp
+    from adapter.kernels.attention import split_for_cp
 
     x = torch.arange(16).view(1, 16)
     assert split_for_cp(x, 2, 0).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
@@ -127,13 +127,13 @@ def test_split_for_cp_is_megatrons_chunk_order():
 @pytest.mark.parametrize("name,want", [("allgather", "all_gather"), ("alltoall", "p2p"), ("p2p", "p2p"),
                                        (None, "all_gather")])
 def test_cp_comm_type_names(name, want):
-    from adapter.models.attention import normalize_cp_comm_type
+    from adapter.kernels.attention import normalize_cp_comm_type
 
     assert normalize_cp_comm_type(name) == want
 
 
 def test_cp_comm_type_refuses_ulysses():
-    from adapter.models.attention import normalize_cp_comm_type
+    from adapter.kernels.attention import normalize_cp_comm_type
 
     with pytest.raises(UserError, match="cp_comm_type='a2a'"):
         normalize_cp_comm_type("a2a")

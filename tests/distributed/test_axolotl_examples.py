@@ -1,13 +1,9 @@
 """Axolotl's three ND-parallel example configs, unchanged, through `nd-adapter rehearse` (their exact layouts on CPU
 processes with a tiny model of the same family), with their hub model and hub dataset (`tatsu-lab/alpaca`) in a
 local HF cache. `plan` for the same files is tested in tests/unit/test_axolotl.py.
-
-Waits for the SFT data side (adapter/data/sft.py: `datasets:` with `type: alpaca` from a hub dataset on local
-disk); skipped until it is there, then it runs as is.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -21,8 +17,7 @@ from tests.helpers.hub import add_to_hub_cache
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests/fixtures/axolotl"
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("adapter.data.sft") is None,
-                                                   reason="waits for the SFT data side (adapter.data.sft)")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

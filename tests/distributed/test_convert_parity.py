@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapter.convert import ops
+from adapter.convert.to_hf import megatron_to_hf
+from adapter.convert.to_megatron import hf_to_megatron
 from adapter.models import mapping as rules
 from adapter.models.families import LLAMA_TABLE
 from tests.helpers.dist import run_workers
@@ -70,7 +71,7 @@ def converted(tmp_path_factory):
         hf = root / f"hf_{case}"
         if not hf.exists():
             make_hf(case, hf)
-        ckpt = ops.hf_to_megatron(hf, root / f"meg_{name}", tp=tp, progress=False, table=table)
+        ckpt = hf_to_megatron(hf, root / f"meg_{name}", tp=tp, progress=False, table=table)
         if case not in refs:
             with torch.no_grad():
                 refs[case] = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)(tokens).logits
@@ -90,9 +91,9 @@ def _worker(rank: int, world: int, cases, tokens, save_dir):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from adapter.convert import load_megatron_checkpoint
+    from adapter.convert.load import load_megatron_checkpoint
+    from adapter.modeling.gpt import build_gpt_model, forward_logits
     from adapter.models.arch import ModelArch
-    from adapter.models.gpt import build_gpt_model, forward_logits
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
@@ -145,6 +146,6 @@ def test_logits_match_hf_at_tp_1_2_4_and_format_matches_megatron_save(converted)
     saved = root / "mcore_root"
     shutil.copytree(root / "meg_llama", saved, ignore=shutil.ignore_patterns("release"))
     shutil.move(str(save_dir), saved / "release")
-    back = ops.megatron_to_hf(saved, root / "hf_from_mcore_save", progress=False)
+    back = megatron_to_hf(saved, root / "hf_from_mcore_save", progress=False)
     a, b = tensors(root / "hf_llama"), tensors(back)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -9,9 +9,9 @@ def _worker(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from adapter.data import document_attention_mask
+    from adapter.kernels.thd import document_attention_mask
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ps.initialize_model_parallel()

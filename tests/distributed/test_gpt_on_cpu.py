@@ -16,8 +16,8 @@ def _gpt_worker(rank, world, ckpt_dir):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model
 
     assert not torch.cuda.is_available()
     dist.init_process_group("gloo")

@@ -1,7 +1,8 @@
-"""GPTModel built by adapter.models.gpt reproduces HF models: random tiny HF checkpoints, copied with NOTES' mapping.
+"""GPTModel built by adapter.modeling.gpt reproduces HF models: random tiny HF checkpoints, copied with the mapping of
+docs/internals.md.
 
 The copy helper is deliberately local (the real tables live in adapter/convert), so this test pins the model
-builder, not the converter. Each distributed case runs in fresh gloo processes (tests/_dist.py).
+builder, not the converter. Each distributed case runs in fresh gloo processes (tests/helpers/dist.py).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def hf_model(family: str, **over):
 
 
 def copy_hf_to_megatron(hf, model, arch, tp: int, rank: int) -> None:
-    """NOTES' HF->GPTModel mapping, sliced for TP rank `rank` (local helper; adapter/convert owns the real one)."""
+    """The HF->GPTModel mapping of docs/internals.md, sliced for TP rank `rank` (local helper; adapter/convert owns
+    the real one)."""
     sd = hf.state_dict()
     d, ng = arch.head_dim, arch.num_kv_heads
     hpg = arch.num_heads // ng
@@ -95,8 +97,8 @@ def init_megatron(tp: int = 1, cp: int = 1) -> None:
 
 
 def max_logit_diff(family: str, tp: int, rank: int, **build) -> float:
+    from adapter.modeling.gpt import build_gpt_model, forward_logits
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model, forward_logits
 
     hf = hf_model(family)
     arch = arch_from_hf_dict(hf.config.to_dict())
@@ -114,9 +116,9 @@ def sdpa_vs_local() -> float:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
+    from adapter.kernels.attention import SDPAttention
+    from adapter.modeling.gpt import transformer_config
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.attention import SDPAttention
-    from adapter.models.gpt import transformer_config
 
     cfg = transformer_config(arch_from_hf_dict(hf_config("llama").to_dict()))
     g = torch.Generator().manual_seed(0)
@@ -128,12 +130,12 @@ def sdpa_vs_local() -> float:
 
 def packed_diff() -> float:
     """Packed documents equal the HF model run on each document separately: Megatron's THD PackedSeqParams (two
-    documents in one row), and our packed batches (adapter.models.packed: two samples, five documents)."""
+    documents in one row), and our packed batches (adapter.kernels.thd: two samples, five documents)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from adapter.kernels.thd import pack_batch
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model
-    from adapter.models.packed import pack_batch
 
     hf = hf_model("qwen3")
     arch = arch_from_hf_dict(hf.config.to_dict())
@@ -157,13 +159,13 @@ def packed_diff() -> float:
 
 def tp_grad_diff(rank: int) -> float:
     """tp=2 with SP and Qwen3 q/k norms: after summing `tp_grad_sum_params` grads over TP, every replicated norm
-    weight has HF's gradient (the training loop's duty, NOTES)."""
+    weight has HF's gradient (the training loop's duty, docs/internals.md)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from megatron.core import parallel_state
 
+    from adapter.modeling.gpt import build_gpt_model, tp_grad_sum_params
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model, tp_grad_sum_params
 
     hf = hf_model("qwen3")
     arch = arch_from_hf_dict(hf.config.to_dict())
@@ -212,13 +214,13 @@ def test_matches_hf_at_tp1_tp2_and_sequence_parallel():
 
 
 def _fused_worker(rank, world):
-    """Fused kernels (adapter/models/fusions.py eager on CPU; Megatron's SwiGLU via torch.compile): fp32 logits match
+    """Fused kernels (adapter/kernels/fusions.py eager on CPU; Megatron's SwiGLU via torch.compile): fp32 logits match
     HF; bf16 agrees with the unfused model to bf16 rounding; the cross-entropy equals Megatron's at tp=2."""
     from megatron.core import parallel_state, tensor_parallel
 
+    from adapter.kernels.fusions import vocab_parallel_cross_entropy
+    from adapter.modeling.gpt import FusedLossGPTModel, build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.fusions import vocab_parallel_cross_entropy
-    from adapter.models.gpt import FusedLossGPTModel, build_gpt_model
 
     init_megatron(tp=1)
     out = {"fp32_vs_hf": max_logit_diff("llama", 1, 0, fused_kernels=True)}
@@ -268,10 +270,10 @@ def _compile_worker(rank, world):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from adapter.kernels.thd import pack_batch
+    from adapter.modeling.compile import compile_layers
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.compile import compile_layers
-    from adapter.models.gpt import build_gpt_model
-    from adapter.models.packed import pack_batch
 
     out = {}
     arch = arch_from_hf_dict(hf_config("llama", num_hidden_layers=4).to_dict())
@@ -355,9 +357,9 @@ def _linear_ce_worker(rank, world):
     sequence parallelism), tied and untied, with an uneven 0/1 loss mask and chunks that do not divide the tokens."""
     from unittest import mock
 
-    from adapter.models import fusions
+    from adapter.kernels import fusions
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model
 
     out = {}
     g = torch.Generator().manual_seed(3)
@@ -397,8 +399,8 @@ def _padded_vocab_worker(rank, world):
     loss sum and the final norm's gradient against HF, for Megatron's cross-entropy, ours, and the fused linear CE."""
     import torch.nn.functional as F
 
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model
 
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
@@ -427,7 +429,7 @@ def _padded_vocab_worker(rank, world):
     # a rank holding only padding (vocab 40 in 2 × 50 columns: rank 1 has none): the kernels on their own
     from megatron.core import parallel_state
 
-    from adapter.models.fusions import linear_cross_entropy, vocab_parallel_cross_entropy
+    from adapter.kernels.fusions import linear_cross_entropy, vocab_parallel_cross_entropy
 
     group = parallel_state.get_tensor_model_parallel_group()
     hidden = torch.randn(12, 8, generator=g)

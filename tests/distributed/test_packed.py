@@ -33,9 +33,9 @@ def _full_qkv(n, seed=1):
 def _attention_diffs(rank, cp, comm, group):
     """Max |Δ| of this rank's real rows (out, dq, dk, dv) against cp = 1; the padding's K/V gradients (nothing may
     attend to it); and a negative control (the dense CP scheme on the same stream ignores the documents)."""
-    from adapter.models.attention import context_parallel_attention
-    from adapter.models.packed import pack_batch
-    from adapter.models.varlen import packed_attention
+    from adapter.kernels.attention import context_parallel_attention
+    from adapter.kernels.thd import pack_batch
+    from adapter.kernels.varlen import packed_attention
 
     full = batch()
     n = full["tokens"].numel()
@@ -68,9 +68,9 @@ def _gpt_steps(rank, cp, comm, steps=3, stream_rope=False, recompute=None):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from adapter.kernels.thd import local_multiple, pack_batch
+    from adapter.modeling.gpt import build_gpt_model, tp_grad_sum_params
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.gpt import build_gpt_model, tp_grad_sum_params
-    from adapter.models.packed import local_multiple, pack_batch
 
     arch = arch_from_hf_dict(dict(architectures=["Qwen3ForCausalLM"], hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -45,7 +45,7 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from adapter.convert.ops import hf_to_megatron
+    from adapter.convert.to_megatron import hf_to_megatron
     from adapter.data.sft import prepare
     from tests.helpers.sft_data import tiny_model
 

@@ -128,7 +128,8 @@ def _weights_worker(rank, world, model_dir, root):
 
     import torch.distributed as dist
 
-    from adapter.convert import cache, ops
+    from adapter.convert import cache
+    from adapter.models import source
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run
     from tests.helpers.hf import flip_chunk
@@ -136,8 +137,8 @@ def _weights_worker(rank, world, model_dir, root):
     init_distributed()
     _use_data(MaskedData(TRAINED, SEQ, VOCAB), None, chat_template=CHATML)
     conversions = []
-    real = ops.hf_to_megatron
-    ops.hf_to_megatron = lambda *a, **k: conversions.append(a[1]) or real(*a, **k)
+    real = cache.hf_to_megatron
+    cache.hf_to_megatron = lambda *a, **k: conversions.append(a[1]) or real(*a, **k)
 
     def one(name, cfg, **kw):
         lines: list[str] = []
@@ -146,7 +147,7 @@ def _weights_worker(rank, world, model_dir, root):
 
     cfg = sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=1)
     out = {"first": one("first", cfg), "again": one("again", cfg)}
-    entry = cache.resolve(cfg).checkpoint
+    entry = source.resolve(cfg).checkpoint
     if rank == 0:
         out["damaged_chunk"] = flip_chunk(Path(entry), "linear_fc2.weight")
     dist.barrier()

@@ -26,7 +26,7 @@ LAYOUTS = {"dp_shard=4": ((1, 4, 1, 1), {}), "tp=2,dp_shard=2": ((1, 2, 1, 2), {
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from adapter.convert.ops import hf_to_megatron
+    from adapter.convert.to_megatron import hf_to_megatron
     from adapter.demo.build import build_demo
 
     root = tmp_path_factory.mktemp("demo")
@@ -128,6 +128,7 @@ def _zero2_resume_worker(rank, world, demo, root):
     """ZeRO-2 (tp=2 × dp_shard=2): save at step 3, resume in a fresh engine, export HF at the end."""
     from adapter.patches import zero
     from adapter.train import engine as engine_mod
+    from adapter.train import trainer
     from adapter.train.engine import init_distributed
 
     init_distributed()
@@ -139,7 +140,7 @@ def _zero2_resume_worker(rank, world, demo, root):
         ours.append(clip is zero.unscale_and_clip_grads)
         return engine
 
-    engine_mod.build_engine = spy
+    trainer.build_engine = spy  # the name the trainer calls
     over = {"deepspeed.zero_stage": 2, "checkpoint.save_every": 3}
     whole, first, second = _whole_then_cut(demo, (1, 2, 1, 2), 6, 3, f"{root}/z2", over,
                                            {"checkpoint.export_hf": f"{root}/hf"})
@@ -197,7 +198,7 @@ def _nan_grad_worker(rank, world, demo, root):
         next(engine.ds.module.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
         return engine
 
-    engine_mod.build_engine = poisoned
+    trainer.build_engine = poisoned  # the name the trainer calls
     out = {}
     for stage in (2, 3, "flat"):  # flat: tp=4, nothing to shard (the flat AdamW)
         shape = (1, 1, 1, 4) if stage == "flat" else (1, 4, 1, 1)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Tiny Llama + data + its tp=2 conversion, and the conversion of a narrower model (the wrong checkpoint)."""
-    from adapter.convert.ops import hf_to_megatron
+    from adapter.convert.to_megatron import hf_to_megatron
     from adapter.demo.build import build_demo, make_tiny_llama
 
     root = tmp_path_factory.mktemp("tiny")

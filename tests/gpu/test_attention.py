@@ -15,7 +15,7 @@ def _cuda_worker(rank, world):
 
     import torch.distributed as dist
 
-    from adapter.models.attention import context_parallel_attention
+    from adapter.kernels.attention import context_parallel_attention
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))

@@ -22,7 +22,7 @@ def _case():
 def test_vocab_parallel_ce_leaves_out_padding_on_cuda():
     import torch.nn.functional as F
 
-    from adapter.models.fusions import vocab_parallel_cross_entropy
+    from adapter.kernels.fusions import vocab_parallel_cross_entropy
 
     hidden, weight, target = _case()
     logits = (hidden @ weight.t()).requires_grad_()
@@ -40,7 +40,7 @@ def test_vocab_parallel_ce_leaves_out_padding_on_cuda():
 def test_linear_ce_leaves_out_padding_on_cuda(chunk):
     import torch.nn.functional as F
 
-    from adapter.models.fusions import linear_cross_entropy
+    from adapter.kernels.fusions import linear_cross_entropy
 
     hidden, weight, target = _case()
     mask = (torch.arange(TOKENS, device="cuda") % 3 != 0).float()

@@ -42,7 +42,7 @@ def _stream_qkv(n, device):
 
 
 def _lens():
-    from adapter.models.packed import document_lengths
+    from adapter.kernels.thd import document_lengths
 
     return document_lengths(_batch()["segment_ids"]).tolist()
 
@@ -50,8 +50,8 @@ def _lens():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_varlen_on_cuda_matches_per_document_sdpa():
     from adapter.errors import UserError
-    from adapter.models.packed import pack_batch
-    from adapter.models.varlen import packed_attention
+    from adapter.kernels.thd import pack_batch
+    from adapter.kernels.varlen import packed_attention
 
     _, params = pack_batch(_batch())
     params = params.to("cuda")
@@ -72,8 +72,8 @@ def test_varlen_on_cuda_matches_per_document_sdpa():
 def _cp_worker(rank, world):
     import torch.distributed as dist
 
-    from adapter.models.packed import pack_batch
-    from adapter.models.varlen import packed_attention
+    from adapter.kernels.thd import pack_batch
+    from adapter.kernels.varlen import packed_attention
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -118,10 +118,10 @@ def _compile_worker(rank, world):
     from megatron.core import tensor_parallel
     from torch._dynamo.utils import counters
 
+    from adapter.kernels.thd import pack_batch
+    from adapter.modeling.compile import compile_layers
+    from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from adapter.models.compile import compile_layers
-    from adapter.models.gpt import build_gpt_model
-    from adapter.models.packed import pack_batch
     from tests.distributed.test_model import hf_config, init_megatron
 
     torch.cuda.set_device(0)

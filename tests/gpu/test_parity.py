@@ -25,15 +25,16 @@ def test_convert_here_then_verify_on_the_gpu(tmp_path):
     """Issue 19's case: hidden 256, 4 layers, 8/4 heads, tied, bf16, converted with CUDA visible."""
     import torch
 
-    from adapter.convert import ops
+    from adapter.convert.to_megatron import hf_to_megatron
+    from adapter.convert.verify import verify
     from adapter.demo.build import make_tiny_llama, train_tokenizer
 
     assert torch.cuda.is_available()
     tok = train_tokenizer(out_dir=tmp_path / "tok", vocab_size=512)
     src = make_tiny_llama(tmp_path / "hf", tokenizer_dir=tok, hidden=256, layers=4, heads=8, kv_heads=4, tie=True,
                           dtype="bfloat16")
-    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=1, progress=False)
-    report = ops.verify(src, out, seq_len=64)  # fp32 logits on the GPU (TF32 off)
+    out = hf_to_megatron(src, tmp_path / "meg", tp=1, progress=False)
+    report = verify(src, out, seq_len=64)  # fp32 logits on the GPU (TF32 off)
     assert report["exact"] == report["tensors"], report["mismatched"]
     assert report["ok"], report
 

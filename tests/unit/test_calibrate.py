@@ -14,6 +14,7 @@ import pytest
 from adapter import config
 from adapter.cli import main as cli_main
 from adapter.errors import UserError
+from adapter.models import counts
 from adapter.models.arch import load_arch
 from adapter.plan import calibrate, hardware, timing
 
@@ -66,7 +67,7 @@ def test_fits_recover_the_rates_and_the_model_shapes():
     assert prof.inter_node == h200.inter_node and prof.host == h200.host           # not measured: kept
     # the model's GEMMs (micro-batch 2 × seq 4096 = 8192 tokens, tp 1) and its heads were what got measured
     gemms = {c[1:] for c in bench.calls if c[0] == "gemm"}
-    assert set(timing.layer_gemms(arch, 8192, 1)) <= gemms and (8192, 128256, 2048) in gemms
+    assert set(counts.layer_gemms(arch, 8192, 1)) <= gemms and (8192, 128256, 2048) in gemms
     assert {c[2] for c in bench.calls if c[0] == "attention"} == {1024, 2048, 4096}
     assert {c[3:] for c in bench.calls if c[0] == "attention"} == {(32, 8)}
     assert {c[0] for c in bench.calls} >= {"all_gather", "reduce_scatter", "all_reduce"}

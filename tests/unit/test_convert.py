@@ -11,10 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapter.convert import hf_io, ops
+from adapter.convert import hf_io, to_hf, to_megatron
 from adapter.convert import megatron_io as mio
+from adapter.convert.load import load_megatron_checkpoint
+from adapter.convert.to_hf import megatron_to_hf
+from adapter.convert.to_megatron import hf_to_megatron
+from adapter.convert.verify import verify
 from adapter.errors import UserError
 from adapter.models import mapping as rules
+from adapter.models.arch import load_arch
 from adapter.models.families import FAMILIES, LLAMA_TABLE
 from tests.helpers.hf import flip_chunk, make_hf, tensors
 
@@ -23,10 +28,10 @@ from tests.helpers.hf import flip_chunk, make_hf, tensors
 def test_round_trip_bit_exact_and_loads_in_transformers(tmp_path, monkeypatch, case):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(ops, "BLOCK", 1000)  # export in many row blocks, as it does for big tensors
+    monkeypatch.setattr(to_hf, "BLOCK", 1000)  # export in many row blocks, as it does for big tensors
     src = make_hf(case, tmp_path / "hf", dtype=torch.bfloat16)
-    ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
-    back = ops.megatron_to_hf(tmp_path / "meg", tmp_path / "back", shard_size="30KB", progress=False)
+    hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    back = megatron_to_hf(tmp_path / "meg", tmp_path / "back", shard_size="30KB", progress=False)
     a, b = tensors(src), tensors(back)
     assert a.keys() == b.keys()
     for k in a:
@@ -41,7 +46,7 @@ def test_round_trip_bit_exact_and_loads_in_transformers(tmp_path, monkeypatch, c
 
 def test_layout_metadata_and_megatron_lm_tracker(tmp_path):
     src = make_hf("llama", tmp_path / "hf", dtype=torch.bfloat16)
-    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    out = hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
     assert (out / mio.TRACKER).read_text() == "release"
     ck = out / "release"
     assert json.loads((ck / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
@@ -65,7 +70,7 @@ def test_layout_metadata_and_megatron_lm_tracker(tmp_path):
 def test_streaming_reads_every_byte_once_into_one_buffer(tmp_path, monkeypatch):
     src = make_hf("llama", tmp_path / "hf")
     read, producers = [0], []
-    orig_read, orig_init = hf_io.HFCheckpoint.read_rows, ops._Producer.__init__
+    orig_read, orig_init = hf_io.HFCheckpoint.read_rows, to_megatron._Producer.__init__
 
     def read_rows(self, name, row0, n, out):
         read[0] += out.nbytes
@@ -76,8 +81,8 @@ def test_streaming_reads_every_byte_once_into_one_buffer(tmp_path, monkeypatch):
         producers.append(self)
 
     monkeypatch.setattr(hf_io.HFCheckpoint, "read_rows", read_rows)
-    monkeypatch.setattr(ops._Producer, "__init__", init)
-    ops.hf_to_megatron(src, tmp_path / "meg", tp=4, progress=False)
+    monkeypatch.setattr(to_megatron._Producer, "__init__", init)
+    hf_to_megatron(src, tmp_path / "meg", tp=4, progress=False)
     assert read[0] == sum(t.nbytes for t in tensors(src).values())  # each HF byte read once, straight to its chunk
     p = producers[0]
     assert p.builds == 2 * 2  # only row-parallel o_proj/down_proj are staged, once per layer (not per TP chunk)
@@ -88,23 +93,23 @@ def test_streaming_reads_every_byte_once_into_one_buffer(tmp_path, monkeypatch):
 def test_dtype_cast_and_bin_input(tmp_path):
     src = make_hf("qwen2", tmp_path / "hf", dtype=torch.float32, safe=False, shard=None)
     assert (src / "pytorch_model.bin").exists()
-    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=1, dtype="bf16", progress=False)
+    out = hf_to_megatron(src, tmp_path / "meg", tp=1, dtype="bf16", progress=False)
     assert json.loads((out / mio.META).read_text())["dtype"] == "bfloat16"
     assert json.loads((out / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
-    back = ops.megatron_to_hf(out, tmp_path / "back", dtype="fp32", progress=False)
+    back = megatron_to_hf(out, tmp_path / "back", dtype="fp32", progress=False)
     a, b = tensors(src), tensors(back)
     for k in a:
         assert b[k].dtype == torch.float32 and torch.equal(b[k], a[k].to(torch.bfloat16).float()), k
-    report = ops.verify(src, out, logits=False)
+    report = verify(src, out, logits=False)
     assert report["tensors"] == len(a) and report["ok"]  # cast on purpose: reported, not failed
 
 
 def test_verify_weights_reports_mismatch(tmp_path):
     src = make_hf("llama", tmp_path / "hf")
-    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
-    assert ops.verify(src, out, logits=False)["exact"] == len(tensors(src))
+    out = hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    assert verify(src, out, logits=False)["exact"] == len(tensors(src))
     other = make_hf("llama", tmp_path / "hf2", seed=1)
-    report = ops.verify(other, out, logits=False)
+    report = verify(other, out, logits=False)
     assert not report["ok"] and report["exact"] == 0
 
 
@@ -116,7 +121,7 @@ def _leftovers(parent: Path, name: str) -> list[str]:
 
 def _refused(src, out: Path, match: str, **kw):
     with pytest.raises(UserError, match=match) as e:
-        ops.hf_to_megatron(src, out, progress=False, **kw)
+        hf_to_megatron(src, out, progress=False, **kw)
     assert "\n" not in str(e.value) and "Fix:" in str(e.value)
     assert _leftovers(out.parent, out.name) == []
 
@@ -171,13 +176,13 @@ def test_existing_output_refused_unless_overwrite(tmp_path):
     out.mkdir()
     (out / "keep").write_text("x")
     with pytest.raises(UserError, match="already exists.*--overwrite"):
-        ops.hf_to_megatron(src, out, progress=False)
+        hf_to_megatron(src, out, progress=False)
     assert [p.name for p in out.iterdir()] == ["keep"]
-    ops.hf_to_megatron(src, out, overwrite=True, progress=False)
+    hf_to_megatron(src, out, overwrite=True, progress=False)
     assert (out / mio.TRACKER).exists() and not (out / "keep").exists()
     assert _leftovers(tmp_path, "meg") == ["meg"]
     with pytest.raises(UserError, match="overlaps the input"):
-        ops.hf_to_megatron(src, src / "sub", progress=False)
+        hf_to_megatron(src, src / "sub", progress=False)
 
 
 def test_bad_tp_and_failure_midway_leaves_nothing(tmp_path, monkeypatch):
@@ -189,20 +194,20 @@ def test_bad_tp_and_failure_midway_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hf_io.HFCheckpoint, "read_rows", boom)
     with pytest.raises(KeyboardInterrupt):
-        ops.hf_to_megatron(src, tmp_path / "meg", progress=False)
+        hf_to_megatron(src, tmp_path / "meg", progress=False)
     assert _leftovers(tmp_path, "meg") == []
 
 
 def test_export_refuses_non_converted_dir_and_existing_out(tmp_path):
     src = make_hf("llama", tmp_path / "hf")
     with pytest.raises(UserError, match="latest_checkpointed_iteration.txt|nd_adapter.json"):
-        ops.megatron_to_hf(src, tmp_path / "back", progress=False)
-    out = ops.hf_to_megatron(src, tmp_path / "meg", progress=False)
+        megatron_to_hf(src, tmp_path / "back", progress=False)
+    out = hf_to_megatron(src, tmp_path / "meg", progress=False)
     (tmp_path / "back").mkdir()
     with pytest.raises(UserError, match="already exists"):
-        ops.megatron_to_hf(out, tmp_path / "back", progress=False)
+        megatron_to_hf(out, tmp_path / "back", progress=False)
     with pytest.raises(UserError, match="shard_size='lots': not a size"):
-        ops.megatron_to_hf(out, tmp_path / "back2", shard_size="lots", progress=False)
+        megatron_to_hf(out, tmp_path / "back2", shard_size="lots", progress=False)
 
 
 def test_cli_exit_status(tmp_path, capsys):
@@ -245,28 +250,28 @@ def test_verify_logits_in_process_and_load_refuses_wrong_model(tmp_path):
     if dist.is_initialized():
         pytest.skip("needs a process without a default process group")
     src = make_hf("qwen3", tmp_path / "hf")
-    good = ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
-    report = ops.verify(src, good, seq_len=8)
+    good = hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    report = verify(src, good, seq_len=8)
     assert report["ok"] and report["max_abs_logit_diff"] <= 1e-5 and report["exact"] == report["tensors"]
 
     from dataclasses import replace
 
     from megatron.core import parallel_state as ps
 
-    from adapter.models.gpt import build_gpt_model
+    from adapter.modeling.gpt import build_gpt_model
     from tests.helpers.dist import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         ps.initialize_model_parallel(1)
-        arch = ops.load_arch(src)
+        arch = load_arch(src)
         with pytest.raises(UserError, match="checkpoint shape differs from the model's"):
-            ops.load_megatron_checkpoint(build_gpt_model(replace(arch, ffn_hidden_size=128), padded_vocab=512), good)
+            load_megatron_checkpoint(build_gpt_model(replace(arch, ffn_hidden_size=128), padded_vocab=512), good)
         with pytest.raises(UserError, match="smaller than the checkpoint's vocab 300"):
-            ops.load_megatron_checkpoint(build_gpt_model(arch, padded_vocab=256), good)
+            load_megatron_checkpoint(build_gpt_model(arch, padded_vocab=256), good)
         with pytest.raises(UserError, match="checkpoint lacks decoder.layers.self_attention.linear_qkv.bias"):
-            ops.load_megatron_checkpoint(build_gpt_model(replace(arch, qkv_bias=True), padded_vocab=512), good)
+            load_megatron_checkpoint(build_gpt_model(replace(arch, qkv_bias=True), padded_vocab=512), good)
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -288,8 +293,8 @@ def test_writer_exact_when_dcp_resolves_ahead(tmp_path, monkeypatch):
     monkeypatch.setattr(fs, "_SerialCpuLoader", ResolveAll)
     monkeypatch.setattr(fs, "_OverlappingCpuLoader", lambda resolve_fun, **kw: ResolveAll(resolve_fun))
     src = make_hf("llama", tmp_path / "hf", dtype=torch.bfloat16)
-    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
-    report = ops.verify(src, out, logits=False)
+    out = hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    report = verify(src, out, logits=False)
     assert report["ok"] and report["exact"] == report["tensors"] == len(tensors(src)), report["mismatched"]
     meta = json.loads((out / mio.META).read_text())
     reader = mio.DistCheckpointReader(mio.resolve_ckpt_dir(out))
@@ -321,7 +326,7 @@ def test_damaged_checkpoint_is_refused_by_verify_export_and_load(tmp_path, capsy
     from adapter.cli import main
 
     src = make_hf("llama", tmp_path / "hf")
-    out = ops.hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    out = hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
     chunk = flip_chunk(out, "linear_fc1.weight")
     capsys.readouterr()  # transformers' save_pretrained progress bar
     for argv in (["convert", "verify", "--hf", str(src), "--megatron", str(out), "--no-logits"],
@@ -336,7 +341,7 @@ def test_damaged_checkpoint_is_refused_by_verify_export_and_load(tmp_path, capsy
         pytest.skip("the load check needs a process without a default process group")
     from megatron.core import parallel_state as ps
 
-    from adapter.models.gpt import build_gpt_model
+    from adapter.modeling.gpt import build_gpt_model
     from tests.helpers.dist import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -344,7 +349,7 @@ def test_damaged_checkpoint_is_refused_by_verify_export_and_load(tmp_path, capsy
     try:
         ps.initialize_model_parallel(1)
         with pytest.raises(UserError, match=f"tensor chunk {chunk}"):
-            ops.load_megatron_checkpoint(build_gpt_model(ops.load_arch(src), padded_vocab=512), out)
+            load_megatron_checkpoint(build_gpt_model(load_arch(src), padded_vocab=512), out)
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -352,9 +357,9 @@ def test_damaged_checkpoint_is_refused_by_verify_export_and_load(tmp_path, capsy
 
 def test_checkpoint_without_checksums_still_loads_with_a_warning(tmp_path):
     src = make_hf("llama", tmp_path / "hf")
-    out = ops.hf_to_megatron(src, tmp_path / "meg", progress=False)
+    out = hf_to_megatron(src, tmp_path / "meg", progress=False)
     meta = json.loads((out / mio.META).read_text())
     del meta["checksums"]
     (out / mio.META).write_text(json.dumps(meta))
     with pytest.warns(UserWarning, match="records no checksums"):
-        assert ops.verify(src, out, logits=False)["ok"]
+        assert verify(src, out, logits=False)["ok"]

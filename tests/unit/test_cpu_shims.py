@@ -18,7 +18,7 @@ def test_patched_symbols_still_exist():
 
 
 def test_cp_rotary_shim_selects_megatrons_chunks():
-    from adapter.models.attention import split_for_cp
+    from adapter.kernels.attention import split_for_cp
 
     pos = torch.arange(16.0)[:, None, None, None]  # [s, 1, 1, d] like RotaryEmbedding's table
     for r in range(4):

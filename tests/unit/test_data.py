@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from adapter import data as D
 from adapter.data import token_cache
 from adapter.errors import UserError
+from adapter.kernels import thd
 
 
 def _cache(doc_lens):
@@ -105,8 +106,8 @@ def test_build_batches_shapes_and_masks():
     assert {k: (tuple(v.shape), v.dtype) for k, v in batch.items()} == {
         "tokens": ((2, 4), torch.int64), "labels": ((2, 4), torch.int64), "loss_mask": ((2, 4), torch.float32),
         "position_ids": ((2, 4), torch.int64), "segment_ids": ((2, 4), torch.int64)}
-    assert D.cu_seqlens(batch["segment_ids"]).tolist() == [0, 3, 4, 8]  # [0,0,0,1] [0,0,0,0]
-    mask = D.document_attention_mask(batch["segment_ids"])
+    assert thd.cu_seqlens(batch["segment_ids"]).tolist() == [0, 3, 4, 8]  # [0,0,0,1] [0,0,0,0]
+    mask = thd.document_attention_mask(batch["segment_ids"])
     assert mask.shape == (2, 1, 4, 4)
     assert mask[0, 0].tolist() == [[False, True, True, True], [False, False, True, True],
                                    [False, False, False, True], [True, True, True, False]]

@@ -1,10 +1,10 @@
-"""adapter/models/fp8.py on CPU: the casts, and each of the three fp8 GEMMs against the same GEMM on the dequantized
+"""adapter/kernels/fp8.py on CPU: the casts, and each of the three fp8 GEMMs against the same GEMM on the dequantized
 operands (fp64), which it must equal up to accumulation rounding."""
 from __future__ import annotations
 
 import torch
 
-from adapter.models.fp8 import E4M3_MAX, fp8_linear, quantize_rows, quantize_tensor
+from adapter.kernels.fp8 import E4M3_MAX, fp8_linear, quantize_rows, quantize_tensor
 
 
 def _deq(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ def test_fp8_refused_with_tensor_parallelism_in_one_line():
 
 
 def test_amax_by_rows_is_the_whole_tensor_amax():
-    from adapter.models import fp8
+    from adapter.kernels import fp8
 
     x = torch.randn(33, 70, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     x[17, 5] = -40.0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from adapter import config
+from adapter.models import counts
 from adapter.models.arch import arch_from_hf_dict, padded_vocab_size
 from adapter.parallel.layout import Layout
 from adapter.plan import memory, traffic
@@ -23,7 +24,7 @@ def cfg(**over):
 def test_padded_vocab_and_local_params():
     assert padded_vocab_size(1000, 2, 128) == 1024          # multiple of 128·2
     assert padded_vocab_size(128256, 8, 128) == 129024
-    lp = memory.local_params(TINY, tp=2)
+    lp = counts.local_params(TINY, tp=2)
     # linear per layer: 64·(64+2·32) + 64·64 + 3·64·128 = 36864 -> /tp = 18432, + 2 norms of 64 = 18560
     assert lp.layer == 18560
     assert lp.embedding == lp.output == 1024 * 64 // 2 == 32768
@@ -91,7 +92,7 @@ def test_optimizer_step_transients_by_stage():
     mistral = load_arch(Path(__file__).resolve().parents[2] / "configs/models/mistral-7b")
     one = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full",
                  "optimizer.impl": "deepspeed"})
-    P = memory.local_params(mistral, 1).total(mistral.num_layers)
+    P = counts.local_params(mistral, 1).total(mistral.num_layers)
     flat = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full"})
     est = memory.estimate(flat, mistral, partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
     assert est.comm_buffers == 0 and est.peak_phase == "forward_backward" and est.fits  # the flat AdamW: in place

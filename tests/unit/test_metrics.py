@@ -1,4 +1,4 @@
-"""The project's MFU formula against hand-computed numbers and the peer anchors in NOTES.md."""
+"""The project's MFU formula against hand-computed numbers and the peer anchors in docs/internals.md."""
 from __future__ import annotations
 
 import sys
@@ -6,37 +6,22 @@ import sys
 import pytest
 
 from adapter.models.arch import arch_from_hf_dict
+from adapter.models.counts import flops_per_token
 from adapter.train import metrics as m
 
-LLAMA_1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq_len=4096)
-
-
-def test_flops_per_token_tiny_by_hand():
-    # N = 1·(4·(4 + 2·4·1/2 + 4) + 3·4·8) + 4·10 = 48 + 96 + 40 = 184;  6N + 12·1·4·3 = 1104 + 144
-    assert m.flops_per_token(layers=1, hidden=4, heads=2, kv_heads=1, ffn=8, vocab=10, seq_len=3) == 1248
-
-
-def test_flops_per_token_llama_1b_shape():
-    # per layer 2048·5120 + 3·2048·8192 = 60,817,408; ×16 + 2048·128,256 = 1,235,746,816 = N
-    # 6N = 7,414,480,896; 12·16·2048·4096 = 1,610,612,736
-    assert m.flops_per_token(**LLAMA_1B) == 9_025_093_632
+LLAMA_1B = arch_from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16,
+                              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
+                              "vocab_size": 128256})
 
 
 def test_mfu_reproduces_peer_anchors():
-    fpt = m.flops_per_token(**LLAMA_1B)
+    fpt = flops_per_token(LLAMA_1B, 4096)
     peak = m.peak_flops("NVIDIA H200")
     assert peak == 989e12 and m.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert m.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert round(m.mfu(39_700, fpt, peak), 3) == 0.362  # NOTES: FSDP2 39.7k tok/s/GPU, 36% MFU
-    assert round(m.mfu(36_700, fpt, peak), 3) == 0.335  # NOTES: tp=2 with SDPA, 33.5%
+    assert round(m.mfu(39_700, fpt, peak), 3) == 0.362  # docs/internals.md: FSDP2 39.7k tok/s/GPU, 36% MFU
+    assert round(m.mfu(36_700, fpt, peak), 3) == 0.335  # docs/internals.md: tp=2 with SDPA, 33.5%
     assert m.mfu(1e5, fpt, None) is None and m.peak_flops("Tesla T4") is None
-
-
-def test_flops_from_arch_matches_keywords():
-    arch = arch_from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16,
-                              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
-                              "vocab_size": 128256})
-    assert m.flops_per_token_for(arch, 4096) == m.flops_per_token(**LLAMA_1B)
 
 
 def test_cpu_has_no_peak_and_reports_rss():

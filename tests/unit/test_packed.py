@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adapter.data import document_attention_mask
-from adapter.models.packed import document_lengths, local_multiple, pack_batch
-from adapter.models.varlen import block_bwd, ring_tasks, varlen, varlen_attention
+from adapter.kernels.thd import document_attention_mask, document_lengths, local_multiple, pack_batch
+from adapter.kernels.varlen import block_bwd, ring_tasks, varlen, varlen_attention
 
 TOL = 1e-5
 HQ, HK, D = 4, 2, 8
@@ -89,7 +88,7 @@ def test_bottom_right_causal_and_explicit_backward():
                                              enable_gqa=True)[0].transpose(0, 1)
         assert (out[a:b] - ref).abs().max() <= TOL
 
-    from adapter.models.varlen import _ref_fwd
+    from adapter.kernels.varlen import _ref_fwd
 
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     o, lse = _ref_fwd(qs, ks, vs, cu_q, cu_k, True, 0.3)

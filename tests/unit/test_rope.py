@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from adapter.models.fusions import fused_rope, rope_tables
+from adapter.kernels.fusions import fused_rope, rope_tables
 
 
 def test_tables_equal_angles():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapter.data.sft.packing import SFTDataset, best_fit, targets, write_split
+from adapter.data.sft.bins import SFTDataset, best_fit, targets, write_split
 
 
 def test_targets_shift_inside_examples_only():
@@ -133,7 +133,7 @@ def test_unpacked_samples_hold_one_example_each(tmp_path, pack):
 def test_trim_tail_keeps_every_trained_position_in_whole_multiples():
     import torch
 
-    from adapter.data.sft.packing import trim_tail
+    from adapter.data.sft.bins import trim_tail
 
     mask = torch.zeros(3, 256)
     mask[0, 3:10] = 1

@@ -10,6 +10,7 @@ import pytest
 
 from adapter import config
 from adapter.errors import UserError
+from adapter.models import counts
 from adapter.models.arch import arch_from_hf_dict, padded_vocab_size
 from adapter.parallel.layout import Layout
 from adapter.plan import hardware, memory, timing, traffic
@@ -49,7 +50,7 @@ def test_gemm_rate_and_seconds():
     assert g.rate(8192, 8192, 8192) == pytest.approx(8e14 * (8192 / 8256) ** 3)
     assert timing.gemm_seconds([(2, 3, 4), (10, 10, 10)], profile()) == pytest.approx((2 * 24 + 2 * 1000) / 1e14)
     # TINY at tp=2, 64 tokens: qkv (64+2·32)/2 = 64 out, proj 64 in /2, fc1 2·128/2, fc2 128/2 in
-    assert timing.layer_gemms(TINY, 64, 2) == [(64, 64, 64), (64, 64, 32), (64, 128, 64), (64, 64, 64)]
+    assert counts.layer_gemms(TINY, 64, 2) == [(64, 64, 64), (64, 64, 32), (64, 128, 64), (64, 64, 64)]
 
 
 def test_attention_causal_varlen_and_cp():
@@ -102,8 +103,8 @@ def test_step_adds_up_and_compute_is_its_terms():
     st = _predict(c, layout, p, 3)
     assert sum(st.breakdown.values()) == pytest.approx(st.step_time_s)
     tokens, vocab = 2 * 32, padded_vocab_size(1000, 2)
-    P = memory.local_params(TINY, 2).total(2)
-    gemm = 3 * (2 * timing.gemm_seconds(timing.layer_gemms(TINY, tokens, 2), p) +
+    P = counts.local_params(TINY, 2).total(2)
+    gemm = 3 * (2 * timing.gemm_seconds(counts.layer_gemms(TINY, tokens, 2), p) +
                 timing.gemm_seconds([(tokens, vocab // 2, 64)], p))
     attn = 2 * timing.attention_seconds(TINY, micro=2, seq=32, cp=1, tp=2, prof=p)
     mem = (2 * timing.layer_memory_bytes(TINY, tokens=tokens, tp=2, sp=True, fused=True) +
@@ -122,7 +123,7 @@ def test_step_adds_up_and_compute_is_its_terms():
 
 def test_zero3_gathers_hide_behind_compute_except_the_edges():
     c, layout = cfg(**{"parallelism.tp_size": 1, "parallelism.dp_shard_size": 2}), Layout(1, 2, 1, 1)
-    lp = memory.local_params(TINY, 1)
+    lp = counts.local_params(TINY, 1)
     P = lp.total(2)
     vol = {r.group: r.bytes_per_step for r in traffic.estimate(c, TINY, layout)}["dp_shard_cp"]
     fast = _predict(c, layout, profile(), 3)
@@ -145,7 +146,7 @@ def test_zero2_last_bucket_and_post_step_gather_are_exposed():
     c = cfg(**{"parallelism.tp_size": 1, "deepspeed.zero_stage": 2, "deepspeed.reduce_bucket_size": 1000,
                "deepspeed.prefetch_bucket_size": 10**9})
     layout, p = Layout(1, 2, 1, 1), profile()
-    P = memory.local_params(TINY, 1).total(2)
+    P = counts.local_params(TINY, 1).total(2)
     one = 2 * P / 2                                            # one pass of bf16 grads (or params) over 2 ranks
     st = _predict(c, layout, p, 2)
     last = 2 * one * 1000 / P / 1e11 + 1e-5                    # the last bucket, all-reduced after backward
@@ -162,7 +163,7 @@ def test_host_bound_micro_batches_and_the_overflow_scan():
     assert slow.step_time_s == pytest.approx(2.0 + slow.breakdown["optimizer"])
     assert slow.breakdown["host"] == pytest.approx(2.0 - gpu.breakdown["compute"])
     assert slow.bottleneck.startswith("host-bound")
-    _, tensors = timing.param_tensors(TINY)
+    _, tensors = counts.param_tensors(TINY)
     scan = _predict(cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1,
                            "deepspeed.overrides": {"bf16": {"check_grad_overflow": True}}}), layout,
                     profile(host={"overflow_scan_per_tensor_s": 1e-3}), 1)
@@ -178,19 +179,6 @@ def test_recompute_replays_the_forward():
     g = none.compute_detail["gemm"]
     assert g / 3 < full.compute_detail["recompute"] < g / 3 + none.compute_detail["attention"] + \
         none.compute_detail["memory_bound"]
-
-
-def test_mfu_formula_is_metrics_one():
-    from adapter.train import metrics
-
-    for arch in (TINY, hardware_arch("llama-3.1-8b"), hardware_arch("qwen3-8b")):
-        assert timing.flops_per_token(arch, 4096) == metrics.flops_per_token_for(arch, 4096)
-
-
-def hardware_arch(name):
-    from adapter.models.arch import load_arch
-
-    return load_arch(ROOT / "configs/models" / name)
 
 
 def test_shipped_profiles_load_and_say_where_each_number_comes_from():
@@ -259,7 +247,7 @@ def test_hsdp_replica_all_reduce_is_exposed_once_per_step():
         zero3 = 0.0
         if shard > 1:
             t = rows["dp_shard_cp"] / 2 / 1e11 + 9 * 1e-5
-            lp = memory.local_params(TINY, 1)
+            lp = counts.local_params(TINY, 1)
             edge = t * (2 * (lp.embedding + lp.output) + lp.layer) / (3 * lp.total(2))
             zero3 = 2 * (edge + max(0.0, t - edge - st.breakdown["compute"] / 2))
         assert st.breakdown["dp_comm"] == pytest.approx(zero3 + rows["dp_replicate"] / 1e10 + 2e-5)
@@ -270,7 +258,7 @@ def test_flat_adamw_and_fp8_by_hand():
     """Nothing to shard (tp=2 alone): the flat AdamW streams 30 bytes/param at the copy rate and has no ZeRO host
     step; DeepSpeed's ZeRO-1 step streams 56 at the fitted optimizer rate. fp8: the MLP GEMMs at 1/1.25."""
     layout, p = Layout(1, 1, 1, 2), profile(host={"step_s": 5e-3})
-    P = memory.local_params(TINY, 2).total(2)
+    P = counts.local_params(TINY, 2).total(2)
     flat = _predict(cfg(**{"parallelism.dp_shard_size": 1}), layout, p, 1)
     ds = _predict(cfg(**{"parallelism.dp_shard_size": 1, "optimizer.impl": "deepspeed"}), layout, p, 1)
     assert flat.breakdown["optimizer"] == pytest.approx(30 * P / 2e12)
@@ -278,5 +266,5 @@ def test_flat_adamw_and_fp8_by_hand():
     assert ds.breakdown["host"] - flat.breakdown["host"] == pytest.approx(5e-3 - ds.breakdown["optimizer"])
     one, c1 = Layout(1, 1, 1, 1), {"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1}
     bf16, fp8 = (_predict(cfg(**c1, precision=x), one, p, 1) for x in ("bf16", "fp8"))
-    mlp = 3 * 2 * timing.gemm_seconds(timing.layer_gemms(TINY, 64, 1)[2:], p)   # 2 layers, fwd + bwd
+    mlp = 3 * 2 * timing.gemm_seconds(counts.layer_gemms(TINY, 64, 1)[2:], p)   # 2 layers, fwd + bwd
     assert bf16.compute_detail["gemm"] - fp8.compute_detail["gemm"] == pytest.approx(mlp * (1 - 1 / 1.25))

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from adapter.data.sft import formats, sources, templates
-from adapter.data.sft.packing import SFTDataset, ragged_take, targets, write_split
+from adapter.data.sft.bins import SFTDataset, ragged_take, targets, write_split
 from adapter.data.token_cache import TOKENIZER_FILES
 from adapter.errors import bad
+from adapter.models import source
 from adapter.osutil import build_once
 
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
@@ -123,7 +124,7 @@ def val_fraction(cfg, n: int | None) -> int:
 
 def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
     """The checkpoint's tokenizer with the config's `special_tokens` set; ones not in the vocabulary are refused."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: imported where used (adapter/data/__init__.py)
 
     _, key = names(cfg)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -152,7 +153,7 @@ def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
 # --- one entry -----------------------------------------------------------------------------------------------------
 
 def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
     col = ds.with_format("arrow")[:][column].combine_chunks()
     lens = np.asarray(pc.list_value_length(col).fill_null(0), dtype=np.int64)
@@ -163,7 +164,7 @@ def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
 
 def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, n: int, progress: bool):
     """Tokenise and mask one entry; returns flat ids, labels, offsets, eos_missing flags and its row count."""
-    import datasets
+    import datasets  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
     datasets.disable_progress_bars()  # reading a split is quick: its bars would only clutter a one-line error
     try:
@@ -232,7 +233,7 @@ def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict)
 # --- build ---------------------------------------------------------------------------------------------------------
 
 def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool, test=()) -> dict:
-    import datasets
+    import datasets  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
     was_on = datasets.is_progress_bar_enabled()
     (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
@@ -412,12 +413,10 @@ def prepare(cfg, tokenizer_dir, *, builder: bool = True, barrier: Callable[[], N
     the builder finished). Pick the builder as global rank 0 for a shared prepared_path, or local rank 0 per node
     for node-local disks. A data error found by the builder is raised on every rank.
     """
-    from adapter.models.arch import load_arch
-
     if not cfg.data.datasets:
         raise bad("data.datasets", [], "no SFT datasets given", "list them under datasets:")
     tokenizer_dir = Path(tokenizer_dir)
-    vocab_size = load_arch(cfg.model.path).vocab_size
+    vocab_size = source.arch_for(cfg).vocab_size
     resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     val_fraction(cfg, None)
     root = prepared_root(cfg)

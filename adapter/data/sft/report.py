@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from adapter import config
+from adapter.data.sft.prepare import load_tokenizer, prepare
 from adapter.errors import bad
+from adapter.models import source
 
 IGNORE = -100
 
@@ -46,22 +49,15 @@ def debug_lines(data, tok, samples: int = 3) -> list[str]:
 
 
 def main(args) -> int:
-    from adapter import config
-    from adapter.data.sft import prepare
-    from adapter.train.trainer import tokenizer_dir
-
     cfg = config.load(args.config, overrides=config.parse_sets(args.set))
     if not cfg.data.datasets:
         raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
                   "list them under datasets: (Axolotl) or data.datasets (native)")
-    tok_dir = tokenizer_dir(cfg)
+    tok_dir = source.tokenizer_dir(cfg)
     data = prepare(cfg, tok_dir, builder=True, barrier=None, progress=True)
     print("\n".join(stats_lines(data)))
     if args.debug:
-        from adapter.data.sft.prepare import load_tokenizer
-        from adapter.models.arch import load_arch
-
-        tok = load_tokenizer(cfg, tok_dir, load_arch(cfg.model.path).vocab_size)
+        tok = load_tokenizer(cfg, tok_dir, source.arch_for(cfg).vocab_size)
         print("\n".join(debug_lines(data, tok, args.samples)))
     return 0
 

@@ -106,7 +106,7 @@ def _directory(d: Path, entry, where: str, location: str, hub_id: str | None = N
 
 
 def _hub(entry, where: str) -> Source:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # only for hub ids
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = hub_cache_dir()
@@ -129,7 +129,7 @@ def _hub(entry, where: str) -> Source:
 def load(src: Source, entry, cache_dir: Path):
     """The entry's split as a `datasets.Dataset`. Converted arrow files go to `cache_dir` (the build's own temp
     directory): nothing is written next to the user's data or into their HF cache."""
-    import datasets
+    import datasets  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
     try:
         if src.kind == "saved":

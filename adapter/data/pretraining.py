@@ -1,10 +1,9 @@
-"""The token stream -> fixed-length training samples, and the attention masks / varlen boundaries of their documents.
+"""Pretraining samples: the token stream of `data.files` (adapter/data/token_cache.py) cut into fixed-length samples.
 
-Packing follows Megatron: sample i is tokens [i·S, i·S + S], inputs [:-1], labels [1:]. Documents do not leak into
+As Megatron's GPTDataset: sample i is tokens [i·S, i·S + S], inputs [:-1], labels [1:]. Documents do not leak into
 each other's loss: the label after a document's last token (the next document's first token) has loss_mask 0, and
 position_ids restart at 0 at each document start (and at the sample start, as attention cannot see further back).
-`segment_ids` number the documents inside a sample, for a block-diagonal mask (`document_attention_mask`) or a
-varlen kernel (`cu_seqlens`).
+`segment_ids` number the documents inside a sample, for attention within documents (adapter/kernels/thd.py).
 """
 from __future__ import annotations
 
@@ -54,23 +53,3 @@ class PackedDataset:
 def open_dataset(files: str | Path | Sequence[str | Path], tokenizer_dir: str | Path, cache_dir: str | Path,
                  seq_len: int, **cache_kwargs: Any) -> PackedDataset:
     return PackedDataset(build_token_cache(files, tokenizer_dir, cache_dir, **cache_kwargs), seq_len)
-
-
-def document_attention_mask(segment_ids):
-    """[b, 1, s, s] bool, True = masked (Megatron's convention): causal and within one document."""
-    import torch
-
-    s = segment_ids.shape[-1]
-    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=segment_ids.device), 1)
-    return (causal | (segment_ids[:, :, None] != segment_ids[:, None, :]))[:, None]
-
-
-def cu_seqlens(segment_ids):
-    """int32 cumulative document lengths over the flattened [b·s] batch (the THD / varlen-attention format)."""
-    import torch
-
-    b, s = segment_ids.shape
-    new = torch.ones(b, s, dtype=torch.bool, device=segment_ids.device)
-    new[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    starts = new.flatten().nonzero().flatten()
-    return torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)

@@ -21,7 +21,12 @@ each cast with its amax and with the op before it; eager it is correct but slow.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from adapter.errors import bad
+from adapter.patches.mcore import set_linear_impl
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -134,11 +139,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str = "tensorwise"
 def install_fp8(model, recipe: str = "tensorwise", linears=("fc1", "fc2")) -> int:
     """Every decoder layer's named linears (qkv, proj: attention; fc1, fc2: MLP) on fp8 matmuls; returns how many.
     Refuses GPUs without fp8."""
-    import functools
-
-    from adapter.errors import bad
-    from adapter.patches.mcore import set_linear_impl
-
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         name = torch.cuda.get_device_name()
         raise bad("precision", "fp8", f"{name} has no fp8 matmuls (compute capability 8.9+: H100, H200, L40S, B200)",

@@ -1,7 +1,7 @@
 """ModelArch -> Megatron-Core GPTModel that reproduces the HF model exactly (Llama, Mistral, Qwen2, Qwen3).
 
-Weights come from adapter/convert (NOTES has the key mapping); this module only builds the right empty model.
-The caller initialises megatron's parallel_state first. On CPU, the CPU shims (adapter/patches/mcore.py) are
+Weights come from adapter/convert (docs/internals.md has the key mapping); this module only builds the right empty
+model. The caller initialises megatron's parallel_state first. On CPU, the CPU shims (adapter/patches/mcore.py) are
 applied here.
 """
 from __future__ import annotations
@@ -24,16 +24,16 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from adapter.errors import bad
-from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.attention import SDPAttention, normalize_cp_comm_type
-from adapter.models.fusions import (
+from adapter.kernels.attention import SDPAttention, normalize_cp_comm_type
+from adapter.kernels.fusions import (
     fused_rope,
     install_rope_fusion,
     linear_cross_entropy,
     rope_tables,
     vocab_parallel_cross_entropy,
 )
-from adapter.models.packed import PackedDocs
+from adapter.kernels.thd import PackedDocs
+from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.patches import require
 from adapter.patches.mcore import (
     TESTED_MEGATRON_VERSIONS,
@@ -81,7 +81,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
     """TransformerConfig for `arch` at this run's tp/cp. `overrides` go straight to TransformerConfig.
 
     `fused_kernels`: Megatron's SwiGLU fusion (needs no TransformerEngine; Megatron builds it with torch.compile)
-    and our fused RoPE, installed where TE's would go (adapter/models/fusions.py). The cross-entropy half lives in
+    and our fused RoPE, installed where TE's would go (adapter/kernels/fusions.py). The cross-entropy half lives in
     `FusedLossGPTModel`."""
     if sequence_parallel and tp == 1:
         sequence_parallel = False  # Megatron refuses SP without TP; it would be a no-op anyway
@@ -112,7 +112,10 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
     """Megatron-Core layer spec; "sdpa" (default) is Megatron's local spec with our SDPAttention and RMSNorm."""
     if attention == "te":
         try:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            from megatron.core.models.gpt.gpt_layer_specs import (  # needs TransformerEngine, an optional package
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+
             spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
             spec.module = Layer
             return spec
@@ -131,7 +134,7 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
 
 
 class PackedGPTModel(GPTModel):
-    """GPTModel that also takes packed documents (`packed_seq_params=adapter.models.packed.PackedDocs`): one RoPE
+    """GPTModel that also takes packed documents (`packed_seq_params=adapter.kernels.thd.PackedDocs`): one RoPE
     angle per token, its position inside its document, so a CP rank's chunks of every document rotate as in the
     whole document. Megatron's own THD path finds positions from cu_seqlens in every layer with host syncs, and has
     no per-document CP split without TransformerEngine; a per-token angle table costs one gather per forward."""
@@ -173,7 +176,7 @@ class PackedGPTModel(GPTModel):
 
 
 class FusedLossGPTModel(PackedGPTModel):
-    """GPTModel whose training loss is adapter.models.fusions' vocab-parallel cross-entropy (no fp32 copy of the
+    """GPTModel whose training loss is adapter.kernels.fusions' vocab-parallel cross-entropy (no fp32 copy of the
     logits). Called with `labels` and `loss_mask` (and `linear_ce`), it returns Σ loss_mask · loss as one fp32 scalar
     computed by the fused linear + cross-entropy, so the [tokens × vocab] logits are never built."""
 

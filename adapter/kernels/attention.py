@@ -1,7 +1,7 @@
 """Core attention for Megatron-Core's layer spec: torch SDPA, with context parallelism, without TransformerEngine.
 
 Megatron's local `DotProductAttention` materialises the S×S scores (≈3× slower and ≈4× the memory of SDPA on H200,
-see NOTES) and refuses CP; TransformerEngine is not installed on our hosts. `SDPAttention` keeps the
+docs/internals.md) and refuses CP; TransformerEngine is not installed on our hosts. `SDPAttention` keeps the
 DotProductAttention constructor/forward contract so a ModuleSpec can swap it in, and is the default for every run.
 
 Context parallelism follows Megatron's load-balanced layout: the sequence is cut into 2·cp chunks and CP rank r holds
@@ -13,8 +13,8 @@ chunks r and 2·cp−1−r (`split_for_cp`), so every rank does the same causal 
     K/V gradients around the ring with them (as in ring-flash-attention). Memory per rank stays O(S/cp).
     CPU only for now (see _block_fwd); refused on GPUs at model construction.
 
-Packed documents (`packed_seq_params`, built by adapter/models/packed.py) take their own path: varlen attention
-within each document, both CP schemes included (adapter/models/varlen.py).
+Packed documents (`packed_seq_params`, built by adapter/kernels/thd.py) take their own path: varlen attention
+within each document, both CP schemes included (adapter/kernels/varlen.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -32,6 +31,9 @@ from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention.bias import causal_lower_right
 
 from adapter.errors import bad
+from adapter.kernels import ring
+from adapter.kernels.thd import PackedDocs
+from adapter.kernels.varlen import packed_attention, varlen_attention
 
 CP_COMM_TYPES = ("all_gather", "p2p")
 # Accelerate/torch names (`cp_comm_strategy`, torch's set_rotate_method). torch's "alltoall" rotates whole K/V
@@ -118,20 +120,6 @@ def _block_bwd(dout, q, k, v, out, lse, causal, scale):
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _ring_shift(tensor, group):
-    """Start sending `tensor` to the next CP rank and receiving the previous rank's; returns (recv buffer, requests)."""
-    r, n = group.rank(), group.size()
-    recv = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % n), group),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)]
-    return recv, dist.batch_isend_irecv(ops)
-
-
-def _wait(reqs):
-    for req in reqs:
-        req.wait()
-
-
 def _ring_step(step, r, cp, c):
     """Which rows/keys a ring step touches: (query rows, key slice, causal). Load-balanced chunk layout."""
     j = (r - step) % cp  # owner of the K/V block held at this step
@@ -148,25 +136,23 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, group):
         cp, r, c = group.size(), group.rank(), q.size(2) // 2
-        kv = torch.cat([k, v], -1).contiguous()
-        out = lse = None
-        for step in range(cp):
-            if step + 1 < cp:
-                nxt, reqs = _ring_shift(kv, group)
+        acc = {}  # "out", "lse": fp32, merged block by block
+
+        def visit(step, kv):
             rows, keys, causal = _ring_step(step, r, cp, c)
             kb, vb = kv[:, :, keys].split(k.size(-1), -1)
             o, lse_b = _block_fwd(q[:, :, rows].contiguous(), kb.contiguous(), vb.contiguous(), causal, scale)
             o, lse_b = o.float(), lse_b.float()
-            if out is None:  # step 0 covers every row
-                out, lse = o, lse_b
-            else:  # stable merge (ring-flash-attention #34): out -= σ(l − lse)(out − o); lse −= logσ(lse − l)
-                lse_r = lse[:, :, rows]
-                out[:, :, rows] -= torch.sigmoid(lse_b - lse_r).unsqueeze(-1) * (out[:, :, rows] - o)
-                lse[:, :, rows] = lse_r - F.logsigmoid(lse_r - lse_b)
-            if step + 1 < cp:
-                _wait(reqs)
-                kv = nxt
-        out = out.to(q.dtype)
+            if not acc:  # step 0 covers every row
+                acc["out"], acc["lse"] = o, lse_b
+                return
+            out, lse = acc["out"], acc["lse"]  # stable merge (ring-flash-attention #34):
+            lse_r = lse[:, :, rows]            # out -= σ(l − lse)(out − o); lse −= logσ(lse − l)
+            out[:, :, rows] -= torch.sigmoid(lse_b - lse_r).unsqueeze(-1) * (out[:, :, rows] - o)
+            lse[:, :, rows] = lse_r - F.logsigmoid(lse_r - lse_b)
+
+        ring.forward(torch.cat([k, v], -1).contiguous(), group, visit)
+        out, lse = acc["out"].to(q.dtype), acc["lse"]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.group = scale, group
         return out
@@ -178,31 +164,16 @@ class _RingAttention(torch.autograd.Function):
         cp, r, c, d = group.size(), group.rank(), q.size(2) // 2, k.size(-1)
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = torch.cat([k, v], -1).contiguous()
-        # The gradient of the K/V block held at a step travels one rank ahead with it; after cp hops it is home.
-        # Buffers are rebound only after their sends completed (NCCL may still read a send buffer until wait()).
-        dkv = dkv_next = dkv_reqs = None
-        for step in range(cp):
-            if step + 1 < cp:
-                kv_next, kv_reqs = _ring_shift(kv, group)
+
+        def block_grads(step, kv):
             rows, keys, causal = _ring_step(step, r, cp, c)
             kb, vb = kv[:, :, keys].split(d, -1)
             g = _block_bwd(*(t.contiguous() for t in (dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
                                                       lse[:, :, rows])), causal, scale)
             dq[:, :, rows] += g[0].float()
-            if dkv_reqs is None:
-                dkv = torch.zeros_like(kv, dtype=torch.float32)
-            else:
-                _wait(dkv_reqs)
-                dkv = dkv_next
-            dkv[:, :, keys] += torch.cat([g[1], g[2]], -1).float()
-            dkv_next, dkv_reqs = _ring_shift(dkv, group)
-            if step + 1 < cp:
-                _wait(kv_reqs)
-                kv = kv_next
-        _wait(dkv_reqs)
-        dkv = dkv_next
-        dk, dv = dkv.split(d, -1)
+            return [((slice(None), slice(None), keys), torch.cat([g[1], g[2]], -1))]
+
+        dk, dv = ring.backward(torch.cat([k, v], -1).contiguous(), group, block_grads).split(d, -1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -281,11 +252,8 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
 
     def _packed(self, q, k, v, params, p):
-        """Packed documents (adapter/models/varlen.py): our PackedDocs ([t, 1, heads, d], any cp) or Megatron's own
+        """Packed documents (adapter/kernels/varlen.py): our PackedDocs ([t, 1, heads, d], any cp) or Megatron's own
         THD PackedSeqParams ([t, heads, d], cp = 1). Returns q's shape."""
-        from adapter.models.packed import PackedDocs
-        from adapter.models.varlen import packed_attention, varlen_attention
-
         if p:
             raise bad("attention_dropout", p, "not supported with packed documents", "set attention_dropout to 0")
         if isinstance(params, PackedDocs):
@@ -294,7 +262,7 @@ class SDPAttention(MegatronModule):
             return out.unsqueeze(1)
         if self.cp_size > 1:
             raise bad("packed sequences", "Megatron THD format", "not split for context parallelism here",
-                      "pack batches with adapter.models.packed.pack_batch (data.document_mask: true)")
+                      "pack batches with adapter.kernels.thd.pack_batch (data.document_mask: true)")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         max_len = params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
         return varlen_attention(q, k, v, cu.to(torch.int32), max_len, self.scale)

@@ -8,7 +8,7 @@ Causal masks are aligned bottom-right when a query sequence is shorter than its 
     bf16/fp16 only.
   * CPU (tests, CI): the same maths in fp32 with a block-diagonal mask built from cu_seqlens; fine for small shapes.
 
-Schemes, on the stream adapter/models/packed.py lays out (chunk lengths c_i; early half E = chunk r of every
+Schemes, on the stream adapter/kernels/thd.py lays out (chunk lengths c_i; early half E = chunk r of every
 document, late half L = chunk 2·cp−1−r):
   * cp = 1: one causal call over the document boundaries.
   * "all_gather": K|V all-gathered once (reduce-scattered in backward); each query chunk's causal key prefix is
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from adapter.errors import bad
-from adapter.models.attention import _ring_shift, _wait  # the dense ring's K/V hand-off, shared
+from adapter.kernels import ring
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -200,13 +200,11 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu, max_c, scale, group):
         cp, r, t, d = group.size(), group.rank(), q.size(0) // 2, k.size(-1)
-        kv = torch.cat([k, v], -1).contiguous()
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.size(1), q.size(0), dtype=torch.float32, device=q.device)
         seen = [False, False]
-        for step in range(cp):
-            if step + 1 < cp:
-                nxt, reqs = _ring_shift(kv, group)
+
+        def visit(step, kv):
             for hq, hk, causal in ring_tasks(step, r, cp):
                 rows = slice(hq * t, (hq + 1) * t)
                 kb, vb = kv[hk * t:(hk + 1) * t].split(d, -1)
@@ -217,9 +215,8 @@ class _Ring(torch.autograd.Function):
                     l_r = lse[:, rows]
                     out[rows] -= torch.sigmoid(l_b - l_r).t().unsqueeze(-1) * (out[rows] - o.float())
                     lse[:, rows] = l_r - F.logsigmoid(l_r - l_b)
-            if step + 1 < cp:
-                _wait(reqs)
-                kv = nxt
+
+        ring.forward(torch.cat([k, v], -1).contiguous(), group, visit)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, cu)
         ctx.max_c, ctx.scale, ctx.group = max_c, scale, group
@@ -232,13 +229,8 @@ class _Ring(torch.autograd.Function):
         cp, r, t, d = group.size(), group.rank(), q.size(0) // 2, k.size(-1)
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = torch.cat([k, v], -1).contiguous()
-        # The gradient of the block held at a step travels one rank ahead with it; after cp hops it is home.
-        # Buffers are rebound only after their sends completed (NCCL may read a send buffer until wait()).
-        dkv = dkv_next = dkv_reqs = None
-        for step in range(cp):
-            if step + 1 < cp:
-                kv_next, kv_reqs = _ring_shift(kv, group)
+
+        def block_grads(step, kv):
             grads = []
             for hq, hk, causal in ring_tasks(step, r, cp):
                 rows, keys = slice(hq * t, (hq + 1) * t), slice(hk * t, (hk + 1) * t)
@@ -247,26 +239,16 @@ class _Ring(torch.autograd.Function):
                               lse[:, rows].contiguous(), cu, cu, max_c, max_c, causal, scale)
                 dq[rows] += g[0].float()
                 grads.append((keys, torch.cat([g[1], g[2]], -1)))
-            if dkv_reqs is None:
-                dkv = torch.zeros_like(kv, dtype=torch.float32)
-            else:
-                _wait(dkv_reqs)
-                dkv = dkv_next
-            for keys, g in grads:
-                dkv[keys] += g.float()
-            dkv_next, dkv_reqs = _ring_shift(dkv, group)
-            if step + 1 < cp:
-                _wait(kv_reqs)
-                kv = kv_next
-        _wait(dkv_reqs)
-        dk, dv = dkv_next.split(d, -1)
+            return grads
+
+        dk, dv = ring.backward(torch.cat([k, v], -1).contiguous(), group, block_grads).split(d, -1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def packed_attention(q, k, v, params, *, scale, group=None, comm="all_gather"):
     """This rank's packed stream: q [t, hq, d], k/v [t, hk, d] -> [t, hq, d], causal within each document.
 
-    `params`: adapter.models.packed.PackedDocs for this rank (its cp_size must match `group`)."""
+    `params`: adapter.kernels.thd.PackedDocs for this rank (its cp_size must match `group`)."""
     if q.is_cuda and q.dtype not in HALF:
         raise dtype_error(q.dtype)
     if params.cp_size == 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from adapter.patches.mcore import quiet_row_parallel_group, set_linear_impl
 
@@ -31,8 +32,6 @@ def compile_layers(model: torch.nn.Module, memory_budget: float | None = None) -
     `memory_budget` (0-1]: AOTAutograd's activation memory budget for the layers' backward graphs: below 1 its
     partitioner recomputes the cheapest activations (pointwise ops first) instead of saving them. It is a process-wide
     setting of torch, read when the graphs compile (at the first step)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     quiet_row_parallel_group()
     layers = list(model.decoder.layers)
     if model.config.tensor_model_parallel_size == 1 and not model.config.gradient_accumulation_fusion:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from adapter.patches import mcore
+
 
 def _compiled_on_cuda(fn):
     compiled = torch.compile(fn, dynamic=False)
@@ -64,9 +66,7 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
 
 def install_rope_fusion() -> bool:
     """Our fused RoPE where TransformerEngine's would go; True if a fused RoPE (ours or TE's) is in place."""
-    from adapter.patches.mcore import install_rope_fusion as hook
-
-    return hook(fused_rope)
+    return mcore.install_rope_fusion(fused_rope)
 
 
 # ---- vocab-parallel cross-entropy ---------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _liger_linear_cross_entropy():
     """Liger's fused linear cross-entropy, where it runs (CUDA and the package installed), else None."""
     try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # optional package
     except ImportError:  # not installed, or no triton (CPU builds)
         return None
     return liger_fused_linear_cross_entropy

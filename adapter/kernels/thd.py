@@ -1,7 +1,7 @@
 """Packed documents -> this rank's THD stream and the attention parameters for it (a pure, host-side function).
 
 Why one stream: a `[b, s]` micro-batch is flattened into one token stream with boundaries over every document of
-every sample (`cu_seqlens`), so attention runs per document through varlen kernels (adapter/models/varlen.py),
+every sample (`cu_seqlens`), so attention runs per document through varlen kernels (adapter/kernels/varlen.py),
 whatever the batch size, and no s×s mask exists anywhere.
 
 Context parallelism splits each document, not the sequence: document i is padded to a multiple of 2·cp and cut
@@ -86,6 +86,19 @@ def document_lengths(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.diff(torch.cat([starts, starts.new_tensor([b * s])]))
 
 
+def cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative document lengths over the flattened [b·s] batch (the THD / varlen-attention format)."""
+    return _cu(document_lengths(segment_ids))
+
+
+def document_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] bool, True = masked (Megatron's convention): causal and within one document. The dense reference
+    for what the varlen kernels compute (tests, benches); training never builds it."""
+    s = segment_ids.shape[-1]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=segment_ids.device), 1)
+    return (causal | (segment_ids[:, :, None] != segment_ids[:, None, :]))[:, None]
+
+
 def pack_batch(batch: dict[str, torch.Tensor], *, cp_size: int = 1, cp_rank: int = 0,
                multiple: int = 1) -> tuple[dict[str, torch.Tensor], PackedDocs]:
     """The FULL micro-batch ([b, s] tensors on the host: tokens, labels, loss_mask, segment_ids) -> this CP rank's
@@ -146,4 +159,4 @@ def _all_gather_plan(params: PackedDocs, c: torch.Tensor, cp: int, r: int) -> No
     params.ag_max_k = int(k_lens.max())
 
 
-__all__ = ["PackedDocs", "pack_batch", "document_lengths", "local_multiple"]
+__all__ = ["PackedDocs", "pack_batch", "document_lengths", "local_multiple", "cu_seqlens", "document_attention_mask"]

@@ -91,7 +91,7 @@ def write_split(d: Path, ids: np.ndarray, tgt: np.ndarray, offsets: np.ndarray, 
 class SFTDataset:
     """Bins on disk as training samples: `ds[i]` -> tokens, labels (0 where untrained), loss_mask, position_ids
     (restarting at 0 per example and for the padding), segment_ids (examples numbered in the bin; padding the
-    next number) -- the item API of adapter.data.packing.PackedDataset."""
+    next number) -- the item API of adapter.data.pretraining.PackedDataset."""
 
     def __init__(self, d: Path, seq_len: int, pad_id: int):
         self.path, self.seq_len, self.pad_id = Path(d), seq_len, pad_id

@@ -1,0 +1,118 @@
+"""A model's linears, parameter counts and FLOPs, from its `ModelArch` alone (torch-free).
+
+The one home of this arithmetic: plan's memory, traffic and step-time models, the layout search, the training log's
+MFU and the benches all read it, so they cannot drift apart. Everything derives from `linears` (one row per HF
+linear of a layer, with the Megatron linear it is fused into and the axis tensor parallelism splits), so it holds
+for any head_dim (Qwen3-4B: 32 heads × 128 = 4096 ≠ hidden 2560) and extends with the layer description.
+
+MFU's model FLOPs, the convention every number in this project is computed with (bench, peer anchors):
+
+    N               = L · Σ(linear weights of a layer) + H·V       (matmul weights; the LM head, tied or not)
+    flops_per_token = 6·N + 12·L·(heads·head_dim)·S                (fwd+bwd matmuls, attention scores and values)
+
+Norms, biases and the input embedding (a lookup) are left out; activation recomputation is not counted (it is
+"model" FLOPs, not hardware FLOPs), and the attention term counts the full S×S, as PaLM's and Megatron's do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapter.models.arch import ModelArch, padded_vocab_size
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One HF linear of a transformer layer."""
+    name: str     # HF module name (q_proj, ..., down_proj)
+    out: int      # output features
+    inp: int      # input features
+    fused: str    # the Megatron linear holding it (linear_qkv, linear_proj, linear_fc1, linear_fc2)
+    tp_axis: int  # what tensor parallelism splits: 0 the outputs (column-parallel), 1 the inputs (row-parallel)
+    bias: bool = False
+
+    @property
+    def weights(self) -> int:
+        return self.out * self.inp
+
+
+def linears(arch: ModelArch) -> tuple[Linear, ...]:
+    """The linears of one layer, in HF order."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q, kv, b = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.qkv_bias
+    return (Linear("q_proj", q, h, "linear_qkv", 0, b), Linear("k_proj", kv, h, "linear_qkv", 0, b),
+            Linear("v_proj", kv, h, "linear_qkv", 0, b), Linear("o_proj", h, q, "linear_proj", 1),
+            Linear("gate_proj", f, h, "linear_fc1", 0), Linear("up_proj", f, h, "linear_fc1", 0),
+            Linear("down_proj", h, f, "linear_fc2", 1))
+
+
+def fused_linears(arch: ModelArch) -> list[tuple[str, int, int, int]]:
+    """Megatron's linears of one layer, (name, out, in, tp_axis), in forward order: the HF linears that read the
+    same input share one GEMM."""
+    out: dict[str, list[int]] = {}
+    for lin in linears(arch):
+        o = out.setdefault(lin.fused, [0, lin.inp, lin.tp_axis])
+        o[0] += lin.out
+    return [(name, o, i, ax) for name, (o, i, ax) in out.items()]
+
+
+def layer_norm_params(arch: ModelArch) -> int:
+    """Norm weights of one layer (replicated across tp): the two RMSNorms and, with qk-norm, one per q and k head
+    dimension."""
+    return 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
+
+
+def layer_params(arch: ModelArch) -> int:
+    return sum(lin.weights + (lin.out if lin.bias else 0) for lin in linears(arch)) + layer_norm_params(arch)
+
+
+def num_params(arch: ModelArch) -> int:
+    """Exact parameter count of the HF model (norms and biases included)."""
+    emb = arch.vocab_size * arch.hidden_size
+    return arch.num_layers * layer_params(arch) + emb * (1 if arch.tie_embeddings else 2) + arch.hidden_size
+
+
+@dataclass(frozen=True)
+class LocalParams:
+    """Parameters one tp rank holds (before ZeRO sharding)."""
+    layer: int          # one transformer layer
+    embedding: int      # input embedding (vocab-parallel, padded)
+    output: int         # output layer (0 when tied to the embedding)
+    final_norm: int
+
+    def total(self, layers: int) -> int:
+        return layers * self.layer + self.embedding + self.output + self.final_norm
+
+
+def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128) -> LocalParams:
+    sharded = sum(lin.weights + (lin.out if lin.bias else 0) for lin in linears(arch))
+    vp = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
+    emb = vp * arch.hidden_size // tp
+    return LocalParams(layer=sharded // tp + layer_norm_params(arch), embedding=emb,
+                       output=0 if arch.tie_embeddings else emb, final_norm=arch.hidden_size)
+
+
+def param_tensors(arch: ModelArch) -> tuple[int, int]:
+    """(per layer, total): the parameter tensors of Megatron's model, which DeepSpeed's hooks, the optimizer and
+    ZeRO-3's module gathers walk."""
+    per_layer = len(fused_linears(arch)) + 2 + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0)
+    return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
+
+
+def layer_gemms(arch: ModelArch, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """The forward GEMMs of one layer on one tp rank, (m, n, k), in Megatron's fused linears: qkv, proj, fc1
+    (gate+up), fc2."""
+    return [(tokens, o // tp, i) if ax == 0 else (tokens, o, i // tp) for _, o, i, ax in fused_linears(arch)]
+
+
+def matmul_params(arch: ModelArch) -> int:
+    """N of the MFU formula: every layer's linear weights and the LM head."""
+    return arch.num_layers * sum(lin.weights for lin in linears(arch)) + arch.hidden_size * arch.vocab_size
+
+
+def flops_per_token(arch: ModelArch, seq_len: int) -> int:
+    """MFU's model FLOPs per token (module docstring)."""
+    return 6 * matmul_params(arch) + 12 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len
+
+
+__all__ = ["Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params", "LocalParams",
+           "local_params", "param_tensors", "layer_gemms", "matmul_params", "flops_per_token"]

@@ -1,0 +1,185 @@
+"""Where a run's model comes from: the HF folder it reads, and the weights it starts from. Torch-free: `plan`,
+preflight, training and export all ask here, so the answer cannot differ between them.
+
+The HF folder (config.json, tokenizer, generation config) is `model.checkpoint`'s `hf/` when a converted checkpoint
+names one, else `model.path` (Axolotl's `base_model`). The first weights are a converted checkpoint
+(`model.checkpoint`), the HF weights in `model.path` -- converted once into a cache entry (adapter/convert/cache.py
+builds it) -- or random: only when that path holds no weights (a bare config.json, as the bench configs) or
+`model.init: random` says so. A cache entry is named by the checkpoint's identity: config.json and the weight index
+as text, every weight and side file's name, size and mtime, the vocab padding and CACHE_VERSION; computing it reads
+no weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapter.errors import bad
+from adapter.models.arch import ModelArch, load_arch
+
+# A converted checkpoint's layout (Megatron-LM's for a converted model); adapter/convert writes and reads it.
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # Megatron-LM's tag for converted checkpoints (it refuses iteration 0 in the tracker)
+META = "nd_adapter.json"
+HF_SUBDIR = "hf"
+
+CACHE_VERSION = 1  # bump when the conversion's output changes: old entries are then simply not found
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+def model_dir(path: str | Path) -> Path:
+    """The directory of `model.path` (which may name its config.json)."""
+    p = Path(path)
+    return p.parent if p.is_file() else p
+
+
+def hf_dir(cfg) -> Path:
+    """The HF folder the run reads: the converted checkpoint's hf/ when it has a config.json, else model.path's."""
+    ckpt = cfg.model.checkpoint
+    if ckpt and (Path(ckpt) / HF_SUBDIR / "config.json").is_file():
+        return Path(ckpt) / HF_SUBDIR
+    return model_dir(cfg.model.path)
+
+
+def arch_for(cfg) -> ModelArch:
+    """The architecture the run trains (from `hf_dir`)."""
+    return load_arch(hf_dir(cfg))
+
+
+def tokenizer_dir(cfg) -> Path:
+    """The first of (the converted checkpoint's hf/, model.path) that holds tokenizer files."""
+    for cand in (Path(cfg.model.checkpoint) / HF_SUBDIR if cfg.model.checkpoint else None, model_dir(cfg.model.path)):
+        if cand is not None and cand.is_dir() and any(cand.glob("tokenizer*")):
+            return cand
+    raise bad("model.path", cfg.model.path, "no tokenizer files found there (or in the checkpoint's hf/)",
+              "point model.path at the HF checkpoint directory that holds the tokenizer")
+
+
+def weight_files(directory: Path) -> tuple[Path | None, list[Path]]:
+    """(index file or None, weight files) as HF loads them; (None, []) for a directory without weights."""
+    for name in INDEXES:
+        index = directory / name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                raise bad("model.path", str(index), "not a valid weight index (no weight_map)",
+                          "re-download the checkpoint")
+            return index, [directory / s for s in shards]
+    for name in SINGLE:
+        if (directory / name).is_file():
+            return None, [directory / name]
+    return None, sorted(directory.glob("*.safetensors"))
+
+
+def cache_root(cfg) -> Path:
+    root = cfg.model.cache_dir or os.environ.get("ND_ADAPTER_CACHE") or "~/.cache/nd-adapter"
+    return Path(root).expanduser()
+
+
+def file_stat(p: Path) -> tuple[str, int, int]:
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise bad("model.path", str(p.parent), f"missing weight file {p.name} (the index lists it)",
+                  "download the complete checkpoint")
+    return p.name, st.st_size, st.st_mtime_ns
+
+
+def identity(directory: Path, index: Path | None, files: list[Path], vocab_divisible_by: int) -> str:
+    """The cache key: cheap (stat and two small files), so every rank and `plan` compute it without reading weights."""
+    side = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)
+            and not p.name.startswith(".")]
+    doc = {"v": CACHE_VERSION, "config": (directory / "config.json").read_text(),
+           "index": index.read_text() if index else None, "weights": [file_stat(f) for f in files],
+           "side": [file_stat(p) for p in side], "vocab_divisible_by": vocab_divisible_by, "dtype": "as stored"}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _label(directory: Path) -> str:
+    """A readable entry name: the model's directory name, or `org--name` for an HF hub cache snapshot."""
+    parts = directory.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        name = parts[-3].removeprefix("models--")
+    else:
+        name = directory.resolve().name
+    return re.sub(r"[^\w.\-]+", "_", name)[:60] or "model"
+
+
+def complete(entry: Path) -> bool:
+    """A converted directory is published by one rename, so present means complete; damage is found by the load's
+    checksums."""
+    return (entry / META).is_file() and (entry / TRACKER).is_file() and (entry / RELEASE / "metadata.json").is_file()
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    kind: str                      # "checkpoint" (model.checkpoint), "pretrained" (model.path's weights), "random"
+    model_dir: str
+    checkpoint: str | None = None  # the converted directory loaded: model.checkpoint or the cache entry
+    cached: bool = False           # pretrained: the cache entry exists (no conversion to do)
+    source_bytes: int = 0          # pretrained: bytes of HF weights (what a conversion reads and about what it writes)
+    dtype: str | None = None
+    reason: str = ""               # random: why
+    node_local: bool = False
+
+    @property
+    def to_convert(self) -> bool:
+        return self.kind == "pretrained" and not self.cached
+
+
+def resolve(cfg) -> WeightsSource:
+    """Decide, from the config and the file system alone, which weights the run starts from."""
+    m = cfg.model
+    directory = model_dir(m.path)
+    if m.checkpoint:
+        if m.init == "random":
+            raise bad("model.init", "random", f"conflicts with model.checkpoint={m.checkpoint!r}",
+                      "drop one of them")
+        return WeightsSource("checkpoint", str(directory), checkpoint=m.checkpoint)
+    if m.init == "random":
+        return WeightsSource("random", str(directory), reason="model.init: random")
+    index, files = weight_files(directory)
+    if not files:
+        if m.init == "pretrained":
+            raise bad("model.init", "pretrained", f"{directory} holds no weights (no *.safetensors or "
+                      "pytorch_model*.bin, only a config)", "point model.path (base_model) at a checkpoint with its "
+                      "weights, name a converted one in model.checkpoint, or set model.init: random")
+        return WeightsSource("random", str(directory), reason=f"{directory} holds a config.json but no weights")
+    key = identity(directory, index, files, m.vocab_divisible_by)
+    entry = cache_root(cfg) / "weights" / f"{_label(directory)}-{key}"
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        hf = {}
+    return WeightsSource("pretrained", str(directory), checkpoint=str(entry), cached=complete(entry),
+                         source_bytes=sum(file_stat(f)[1] for f in files),
+                         dtype=hf.get("dtype") or hf.get("torch_dtype"), node_local=m.cache_node_local)
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def describe(w: WeightsSource, seed: int) -> str:
+    """The run's first line, in words: which weights it starts from (and whether it converts them first)."""
+    if w.kind == "checkpoint":
+        return f"weights: from the converted checkpoint {w.checkpoint} (model.checkpoint)"
+    if w.kind == "random":
+        return (f"weights: RANDOM initialisation (seed {seed}), not pre-trained weights: {w.reason}")
+    what = f"the pre-trained weights in {w.model_dir} ({gb(w.source_bytes)}{', ' + w.dtype if w.dtype else ''})"
+    where = f"{w.checkpoint}{' on every node' if w.node_local else ''}"
+    if w.cached:
+        return f"weights: fine-tuning from {what}, converted once before; reusing {where}"
+    return (f"weights: fine-tuning from {what}; converting them once for Megatron-Core into {where} "
+            "(later runs and every rank reuse it)")
+
+
+__all__ = ["TRACKER", "RELEASE", "META", "HF_SUBDIR", "WeightsSource", "hf_dir", "arch_for", "tokenizer_dir",
+           "model_dir", "weight_files", "cache_root", "complete", "resolve", "describe"]
