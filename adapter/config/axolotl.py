@@ -33,6 +33,7 @@ PARALLEL_KEYS = {"context_parallel", "ring_attn_func", "heads_k_stride", "fsdp",
 KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins", "torch_compile"} | axolotl_scope.KEYS
 
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+ADAMW_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")  # bitsandbytes', torchao's
 # ring-flash-attn's implementations (Axolotl's ring_attn_func) -> cp_comm_type. Any of them computes exact
 # attention; what differs is how K/V travel: all-gathered (Llama 3's "varlen_llama3") or passed around a ring.
 RING_ATTN = {"varlen_llama3": "all_gather", "batch_ring": "p2p", "batch_zigzag": "p2p", "varlen_ring": "p2p",
@@ -153,9 +154,7 @@ def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> 
     for a, b in pairs:
         if raw.get(a) is not None and raw.get(b) is not None:
             raise bad(b, raw[b], f"Axolotl takes {a} or {b}, not both (here {a}={raw[a]!r})", "drop one of them")
-    if raw.get("optimizer") is not None and (not isinstance(raw["optimizer"], str) or raw["optimizer"] not in ADAMW):
-        raise bad("optimizer", raw["optimizer"], "nd-adapter trains with torch AdamW only",
-                  f"use one of {', '.join(ADAMW)}, or remove the key")
+    map_optimizer(raw.get("optimizer"), out, notes)
     for key, target in (("num_epochs", "optimizer.num_epochs"), ("warmup_ratio", "optimizer.warmup_ratio"),
                         ("eval_steps", "eval.every"), ("evals_per_epoch", "eval.per_epoch"),
                         ("saves_per_epoch", "checkpoint.saves_per_epoch")):
@@ -170,6 +169,20 @@ def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> 
         set_dotted(out, "checkpoint.keep_last", 4)  # Axolotl's default save_total_limit
     if raw.get("output_dir") is not None:  # Axolotl's convention: checkpoints and the final model in output_dir
         set_dotted(out, "checkpoint.export_hf", raw["output_dir"])
+
+
+def map_optimizer(name: Any, out: dict[str, Any], notes: list[str]) -> None:
+    """AdamW, with fp32 or 8-bit moments; any other optimizer is refused (it would train differently)."""
+    if name is None or (isinstance(name, str) and name in ADAMW):
+        return
+    if not isinstance(name, str) or name not in ADAMW_8BIT:
+        raise bad("optimizer", name, "nd-adapter trains with AdamW (fp32 or 8-bit moments) only",
+                  f"use one of {', '.join(ADAMW + ADAMW_8BIT)}, or remove the key")
+    set_dotted(out, "optimizer.name", "adamw_8bit")
+    paged = ("; paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)"
+             if name.startswith("paged_") else "")
+    notes.append(f"optimizer: {name} -> bitsandbytes' AdamW8bit (block-wise 8-bit moments, fp32 master weights)"
+                 f"{paged}")
 
 
 def _comm(out: dict[str, Any], comm: str, why: str, notes: list[str]) -> None:

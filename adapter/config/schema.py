@@ -128,6 +128,9 @@ class OptimizerSection(_Strict):
     # "flat": nd-adapter's AdamW over flat buffers (adapter/train/optim.py), for layouts with nothing to shard (no
     # dp or cp: one GPU, or tp alone); "deepspeed": DeepSpeed's ZeRO optimizer; "auto": flat where it applies.
     impl: Literal["auto", "flat", "deepspeed"] = "auto"
+    # AdamW's moments in fp32 (8 bytes of state per parameter) or 8 bits (2 bytes: bitsandbytes' AdamW8bit; Axolotl's
+    # adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit), on every layout (adapter/train/optim.py)
+    name: Literal["adamw", "adamw_8bit"] = "adamw"
 
     @model_validator(mode="after")
     def _one_warmup(self) -> OptimizerSection:

@@ -35,6 +35,9 @@ RUNTIME_RESERVE = int(1.5 * GIB)
 # (ran, 92% of capacity) and at micro-batch 9 ran out of memory where the bare prediction said 99%. "Fits" keeps
 # this much headroom rather than promise a run that dies at its first step.
 MARGIN = 0.03
+# AdamW's two moments, bytes per parameter: fp32, or 8-bit codes with one fp32 absmax per block of 256 (bitsandbytes'
+# AdamW8bit, adapter/train/optim.py; tensors under 4096 elements keep fp32 moments, not counted here)
+STATE_BYTES = {"adamw": 8, "adamw_8bit": 2 + 2 * 4 / 256}
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     Z = partition_size
     shard = -(-P // Z)
     weights, grads = pb * (shard if stage == 3 else P), pb * shard
-    optim = (12 if half else 8) * shard
+    optim = int(((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * shard)  # fp32 master (16-bit) + moments
     ds = cfg.deepspeed
     big = max(lp.layer, lp.embedding)
     prefetched = lp.layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, lp.layer)

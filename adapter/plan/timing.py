@@ -207,11 +207,12 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     mb_time = max(gpu_mb, host_mb) + stall_mb
 
     shard = -(-P // z) if stage >= 2 else P
+    moments_saved = 12 if cfg.optimizer.name == "adamw_8bit" else 0  # m and v read and written: 1 byte, not 4
     if flat_at_stage(cfg, stage):  # adapter/train/optim.py: one fused pass over the states at the copy rate
-        optimizer = FLAT_OPT_BYTES_PER_PARAM * P / prof.hbm_bytes_per_s
+        optimizer = (FLAT_OPT_BYTES_PER_PARAM - moments_saved) * P / prof.hbm_bytes_per_s
         host_step = 0.0
     else:
-        optimizer = OPT_BYTES_PER_PARAM * shard / prof.optimizer_bytes_per_s
+        optimizer = (OPT_BYTES_PER_PARAM - moments_saved) * shard / prof.optimizer_bytes_per_s
         host_step = max(0.0, hw.step_s + tensors * hw.step_per_tensor_s - optimizer - dp_step)
     scan = {"fp16": {}} if cfg.precision == "fp16" else {"bf16": ds.overrides.get("bf16", {})}
     host_step += tensors * hw.overflow_scan_per_tensor_s if skips_nonfinite_steps(scan) else 0.0

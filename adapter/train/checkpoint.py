@@ -154,7 +154,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
     dist.barrier()
     if latest_tag(root) == tag:
         return root / tag
-    state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng()}}
+    state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng(), "optimizer": optimizer_name(engine)}}
     with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
         engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False)  # ends in a barrier
     if fs_leader:
@@ -165,6 +165,15 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
         _prune(root, keep_last)
     dist.barrier()
     return root / tag
+
+
+def optimizer_name(engine) -> str:
+    """`optimizer.name` of the engine's optimizer: the flat AdamW, or what ZeRO steps (its `optimizer`)."""
+    opt = engine.optimizer
+    if isinstance(opt, FlatAdamW):
+        return "adamw_8bit" if opt.state_bits == 8 else "adamw"
+    inner = type(getattr(opt, "optimizer", opt))
+    return "adamw_8bit" if inner.__module__.startswith("bitsandbytes") else "adamw"
 
 
 def _node_local(engine) -> bool:
@@ -221,6 +230,10 @@ def _check_match(engine, model_states: Path, key: str, value: str) -> None:
         there, here = (said if saved_flat else said[::-1])
         raise bad(key, value, f"its optimizer state was written by {there}; this run uses {here}",
                   f"resume with optimizer.impl: {'flat' if saved_flat else 'deepspeed'} (as it was saved)")
+    there, here = (meta.get(_OURS) or {}).get("optimizer", "adamw"), optimizer_name(engine)
+    if there != here:
+        raise bad(key, value, f"its optimizer state is {there}'s; this run uses {here}",
+                  f"resume with optimizer.name: {there} (as it was saved)")
     if meta.get("param_shapes") is not None:
         saved = {k: tuple(v) for group in meta["param_shapes"] for k, v in group.items()}
         here = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}

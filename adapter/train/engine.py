@@ -31,7 +31,7 @@ from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
 from adapter.patches.zero import average_over_replicas, drive_flat_optimizer, install_zero12_step, set_hpz_group
-from adapter.train.optim import FlatAdamW
+from adapter.train.optim import FlatAdamW, adamw_8bit
 from adapter.train.schedule import lr_factor
 
 
@@ -97,11 +97,19 @@ class Engine:
         """The run's first lines say which optimizer implementation runs (`optimizer.impl`)."""
         opt = self.ds.optimizer
         if isinstance(opt, FlatAdamW):
-            how = "one launch per parameter group" if all(f.table is not None for f in opt.flats) else \
-                "one fused pass per parameter"
-            return (f"optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights and moments, {how}; "
-                    "optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)")
-        return f"optimizer: DeepSpeed's ZeRO-{self.conf['zero_optimization']['stage']} AdamW"
+            if opt.state_bits == 8:
+                how = "fp32 master weights, 8-bit moments (bitsandbytes' AdamW8bit)"
+            else:
+                how = "fp32 master weights and moments, " + (
+                    "one launch per parameter group" if all(f.table is not None for f in opt.flats) else
+                    "one fused pass per parameter")
+            return (f"optimizer: nd-adapter's flat AdamW (nothing to shard; {how}; optimizer.impl: deepspeed for "
+                    "DeepSpeed's ZeRO-1)")
+        stage = self.conf["zero_optimization"]["stage"]
+        if self.conf.get("zero_allow_untested_optimizer"):  # deepspeed_config.build: the 8-bit AdamW
+            return (f"optimizer: DeepSpeed's ZeRO-{stage} stepping bitsandbytes' AdamW8bit (fp32 master partitions, "
+                    "8-bit moments)")
+        return f"optimizer: DeepSpeed's ZeRO-{stage} AdamW"
 
 
 def lr_scheduler_for(cfg: RunConfig):
@@ -156,11 +164,17 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
     if deepspeed_config.flat_optimizer(cfg, layout):
         o = cfg.optimizer
         opt = FlatAdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
-                        clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None)
+                        clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None,
+                        state_bits=8 if o.name == "adamw_8bit" else 32)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
                                           lr_scheduler=lr_scheduler_for(cfg))
 
         drive_flat_optimizer(engine, opt)
+    elif cfg.optimizer.name == "adamw_8bit":  # ZeRO steps bitsandbytes' AdamW8bit on its fp32 partitions
+        o = cfg.optimizer
+        opt = adamw_8bit(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
+                                          lr_scheduler=lr_scheduler_for(cfg))
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
                                           config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))

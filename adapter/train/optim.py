@@ -17,9 +17,18 @@ back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, issue 16). Here:
 Gradient clipping under TP follows Megatron: tensor-parallel parameters count on every TP rank, the rest (norms:
 equal on every rank) once; the squares are summed over the TP group. A non-finite norm clips to zero gradients
 (DeepSpeed clips with an infinite norm) and the loop stops on it.
+
+`optimizer.name: adamw_8bit` (Axolotl's adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit) keeps the
+moments in 8 bits: bitsandbytes' AdamW8bit (block-wise dynamic quantisation, 256 elements a block; tensors under 4096
+elements keep fp32 moments), 2 bytes of state per parameter instead of 8. bitsandbytes because it is what Axolotl
+runs for these names, its update is the reference the 8-bit names mean, it takes tensors of any size (DeepSpeed's
+flat partitions are not whole blocks) and it runs on CPUs too (tests, rehearsals). Under DeepSpeed's ZeRO it is the
+client optimizer stepping ZeRO's fp32 partitions (clipping stays ZeRO's); the flat AdamW runs it on its fp32
+masters after its own clipping.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -62,9 +71,14 @@ class _Flat:
     params: list                 # the group's parameters
     offsets: list                # where each starts in the flat buffers
     master: torch.Tensor | None  # fp32 copies of 16-bit weights, flat (None: fp32 weights are their own master)
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None     # fp32 moments, flat (None with 8-bit states)
+    exp_avg_sq: torch.Tensor | None
     table: object = None         # adamw_kernel.ChunkTable where the one-launch step applies
+    masters: list | None = None  # 8-bit: each parameter's fp32 master as a leaf tensor (a view of `master`)
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
 
 
 class FlatAdamW(torch.optim.Optimizer):
@@ -74,16 +88,20 @@ class FlatAdamW(torch.optim.Optimizer):
     gradient norm as `_global_grad_norm` (a device tensor), which DeepSpeed's engine reports."""
 
     def __init__(self, param_groups, *, lr: float, betas: tuple[float, float], eps: float, clip_grad: float,
-                 tp_group=None):
+                 tp_group=None, state_bits: int = 32):
         super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
-        self.clip_grad, self.tp_group = clip_grad, tp_group
+        self.clip_grad, self.tp_group, self.state_bits = clip_grad, tp_group, state_bits
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
         self.steps = 0
         self._global_grad_norm = None
-        self.flats = [self._flatten(g["params"]) for g in self.param_groups]
+        self.flats = [self._flatten(g["params"], state_bits) for g in self.param_groups]
+        self.inner = None  # 8-bit: bitsandbytes' AdamW8bit over the fp32 masters, one group per group here
+        if state_bits == 8:
+            self.inner = adamw_8bit([{"params": f.masters, "weight_decay": g["weight_decay"]}
+                                     for f, g in zip(self.flats, self.param_groups)], lr=lr, betas=betas, eps=eps)
 
     @staticmethod
-    def _flatten(params) -> _Flat:
+    def _flatten(params, state_bits: int = 32) -> _Flat:
         device = params[0].device
         if any(p.device != device for p in params):
             raise ValueError("FlatAdamW: a parameter group must be on one device")
@@ -96,6 +114,10 @@ class FlatAdamW(torch.optim.Optimizer):
             master = torch.empty(n, dtype=torch.float32, device=device)
             for p, off in zip(params, offsets):
                 master[off:off + p.numel()].copy_(p.data.reshape(-1))
+        if state_bits == 8:  # leaf tensors sharing the master's (or fp32 weights') storage, for bitsandbytes
+            masters = [torch.nn.Parameter(p.data if master is None else master[o:o + p.numel()].view(p.shape),
+                                          requires_grad=False) for p, o in zip(params, offsets)]
+            return _Flat(list(params), offsets, master, None, None, masters=masters)
         zeros = torch.zeros(n, dtype=torch.float32, device=device)
         table = None
         if master is not None and device.type == "cuda":
@@ -111,7 +133,7 @@ class FlatAdamW(torch.optim.Optimizer):
         """Global L2 norm of the gradients (fp32, on the device), Megatron's TP rule."""
         counted = [p.grad for f in self.flats for p in f.params
                    if p.grad is not None and (self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
-        device = self.flats[0].exp_avg.device
+        device = self.flats[0].device
         sq = torch.zeros((), dtype=torch.float32, device=device)
         if counted:
             sq = torch.stack(torch._foreach_norm(counted, 2.0, dtype=torch.float32)).square().sum()
@@ -131,13 +153,16 @@ class FlatAdamW(torch.optim.Optimizer):
             coef = torch.ones_like(norm)
         coef = torch.where(torch.isfinite(norm), coef, torch.zeros_like(coef))
         self.steps += 1
+        if self.inner is not None:
+            self._step_8bit(coef)
+            return None
         for group, f in zip(self.param_groups, self.flats):
             b1, b2 = group["betas"]
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             bc1, bc2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
             host = torch.tensor([0.0, 1 - lr * wd, 1 - b1, b2, 1 - b2, lr / bc1, math.sqrt(bc2), group["eps"]],
                                 dtype=torch.float32)
-            device = f.exp_avg.device
+            device = f.device
             hyper = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
             hyper[0] = coef
             if f.table is not None:
@@ -151,11 +176,26 @@ class FlatAdamW(torch.optim.Optimizer):
                    None if f.master is None else p.data.view(-1), hyper)
         return None
 
+    def _step_8bit(self, coef: torch.Tensor) -> None:
+        """bitsandbytes' 8-bit AdamW on the fp32 masters, with the clipped gradients; then the 16-bit weights."""
+        for group, inner, f in zip(self.param_groups, self.inner.param_groups, self.flats):
+            inner["lr"], inner["betas"], inner["eps"] = group["lr"], group["betas"], group["eps"]
+            for p, m in zip(f.params, f.masters):  # a non-finite norm clips to zeros, even NaNs (as the fp32 path)
+                m.grad = (torch.zeros_like(m) if p.grad is None else
+                          torch.where(coef > 0, p.grad.float() * coef, 0.0))
+        self.inner.step()
+        for f in self.flats:
+            for p, m in zip(f.params, f.masters):
+                m.grad = None
+                if f.master is not None:
+                    p.data.copy_(m)
+
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self):
-        return {"format": FORMAT, "steps": self.steps,
-                "groups": [{"numel": f.exp_avg.numel(), "master": f.master, "exp_avg": f.exp_avg,
+        return {"format": FORMAT, "steps": self.steps, "state_bits": self.state_bits,
+                "inner": None if self.inner is None else self.inner.state_dict(),
+                "groups": [{"numel": sum(p.numel() for p in f.params), "master": f.master, "exp_avg": f.exp_avg,
                             "exp_avg_sq": f.exp_avg_sq} for f in self.flats],
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
 
@@ -164,12 +204,19 @@ class FlatAdamW(torch.optim.Optimizer):
             raise bad("optimizer.impl", "flat", "the checkpoint's optimizer state was written by DeepSpeed's ZeRO "
                       "optimizer, not by the flat AdamW this run uses", "resume with optimizer.impl: deepspeed")
         groups = state["groups"]
-        if [g["numel"] for g in groups] != [f.exp_avg.numel() for f in self.flats]:
+        if [g["numel"] for g in groups] != [sum(p.numel() for p in f.params) for f in self.flats]:
             raise bad("optimizer.impl", "flat", "the checkpoint's optimizer state is for another model",
                       "resume with the model it was trained from")
+        if state.get("state_bits", 32) != self.state_bits:
+            raise bad("optimizer.name", _NAMES[self.state_bits], f"the checkpoint's optimizer is "
+                      f"{_NAMES[state.get('state_bits', 32)]}", f"resume with optimizer.name: "
+                      f"{_NAMES[state.get('state_bits', 32)]} (as it was saved)")
+        if self.inner is not None:
+            self.inner.load_state_dict(state["inner"])
         for f, g in zip(self.flats, groups):
-            f.exp_avg.copy_(g["exp_avg"])
-            f.exp_avg_sq.copy_(g["exp_avg_sq"])
+            if self.inner is None:
+                f.exp_avg.copy_(g["exp_avg"])
+                f.exp_avg_sq.copy_(g["exp_avg_sq"])
             if f.master is not None:  # the master is the truth; the 16-bit weights are its rounding
                 f.master.copy_(g["master"])
                 for i, p in enumerate(f.params):
@@ -179,6 +226,19 @@ class FlatAdamW(torch.optim.Optimizer):
         self.steps = int(state["steps"])
 
 
-FORMAT = "nd-adapter.FlatAdamW/1"
+def adamw_8bit(param_groups, *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW8bit (the module docstring says why), imported here: only runs that ask for it pay for the
+    import, and its note about an optional CPU kernel package is kept out of the run's log."""
+    level = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        import bitsandbytes as bnb
+    finally:
+        logging.disable(level)
+    return bnb.optim.AdamW8bit(param_groups, lr=lr, betas=tuple(betas), eps=eps)
 
-__all__ = ["FlatAdamW"]
+
+FORMAT = "nd-adapter.FlatAdamW/1"
+_NAMES = {32: "adamw", 8: "adamw_8bit"}
+
+__all__ = ["FlatAdamW", "adamw_8bit"]

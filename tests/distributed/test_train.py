@@ -287,3 +287,44 @@ def test_fp8_trains_like_bf16(demo):
     said = [ln for ln in r["bf16 log"] if ln.startswith("optimizer: ")]  # the run names its optimizer, once
     assert said == ["optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights and moments, one fused "
                     "pass per parameter; optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)"], said
+
+
+def _eight_bit_worker(rank, world, demo, root):
+    """bitsandbytes' AdamW8bit under ZeRO-3, ZeRO-2 (tp=2 × dp_shard=2) and the flat AdamW (tp=4): 4 steps whole, and
+    cut at 2 and resumed in a fresh engine; fp32 AdamW on the same batches."""
+    from adapter.errors import UserError
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    out = {}
+    for name, shape, over in (("zero3", (1, 2, 1, 2), {}), ("zero2", (1, 2, 1, 2), {"deepspeed.zero_stage": 2}),
+                              ("flat", (1, 1, 1, 4), {})):
+        said: list[str] = []
+        over = {**over, "optimizer.name": "adamw_8bit", "checkpoint.save_every": 2}
+        whole, first, second = _whole_then_cut(demo, shape, 4, 2, f"{root}/{name}", over)
+        run(run_config(demo, shape, steps=1, **over, **{"checkpoint.dir": None}), log=said.append)
+        out[name] = {"whole": whole.losses, "cut": first.losses + second.losses, "start": second.start_step,
+                     "said": [ln for ln in said if ln.startswith("optimizer: ")]}
+    out["fp32"] = run(run_config(demo, (1, 2, 1, 2), steps=4), log=lambda s: None).losses
+    try:  # the 8-bit run's ZeRO-3 checkpoint resumed with fp32 moments
+        run(run_config(demo, (1, 2, 1, 2), steps=6, **{"checkpoint.dir": f"{root}/zero3-whole"}), resume=True,
+            log=lambda s: None)
+        out["refused"] = None
+    except UserError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_8bit_adamw_on_every_optimizer_path_resumes_exactly_and_tracks_fp32(demo, tmp_path):
+    r = run_workers(_eight_bit_worker, 4, demo, str(tmp_path), timeout=900)[0]
+    for name in ("zero3", "zero2", "flat"):
+        got = r[name]
+        assert got["start"] == 2 and got["cut"] == got["whole"], (name, got)  # bit-identical on CPU
+        assert got["whole"][0] == r["fp32"][0] and got["whole"] != r["fp32"], (name, got, r["fp32"])
+        assert max(abs(a - b) / b for a, b in zip(got["whole"], r["fp32"])) < 2e-3, (name, got, r["fp32"])
+    assert r["zero3"]["said"] == ["optimizer: DeepSpeed's ZeRO-3 stepping bitsandbytes' AdamW8bit (fp32 master "
+                                  "partitions, 8-bit moments)"]
+    assert "optimizer.name: adamw_8bit" in r["refused"] and "\n" not in r["refused"], r["refused"]
+    assert r["flat"]["said"] == ["optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights, 8-bit "
+                                 "moments (bitsandbytes' AdamW8bit); optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)"]

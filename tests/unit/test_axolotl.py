@@ -84,7 +84,7 @@ def test_context_parallel_block_and_flat_keys():
     ({"context_parallel_size": 2, "ring_attn_func": "batch_stripe"}, "ring_attn_func='batch_stripe'"),
     ({"fsdp_config": {"offload_params": True}}, "fsdp_config.offload_params=True: CPU offload"),
     ({"fsdp": ["full_shard", "offload"]}, "fsdp=['full_shard', 'offload']: CPU offload"),
-    ({"optimizer": "adamw_bnb_8bit"}, "optimizer='adamw_bnb_8bit': nd-adapter trains with torch AdamW only"),
+    ({"optimizer": "lion_8bit"}, "optimizer='lion_8bit': nd-adapter trains with AdamW (fp32 or 8-bit moments) only"),
     ({"bf16": True, "fp16": True}, "fp16=True: conflicts with bf16=True"),
     ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_ratio=0.1: Axolotl takes warmup_steps or warmup_ratio"),
     ({"evals_per_epoch": 2, "eval_steps": 10}, "evals_per_epoch=2: Axolotl takes eval_steps or evals_per_epoch"),
@@ -93,6 +93,17 @@ def test_refusals_are_one_line(keys, needle):
     with pytest.raises(UserError) as e:
         build(world=8, **keys)
     assert needle in str(e.value) and "Fix:" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit"])
+def test_8bit_optimizer_names_run_bitsandbytes_adamw8bit(name):
+    cfg = build(world=8, optimizer=name)
+    said = [n for n in cfg.notes if n.startswith("optimizer:")]
+    assert cfg.optimizer.name == "adamw_8bit" and said == [
+        f"optimizer: {name} -> bitsandbytes' AdamW8bit (block-wise 8-bit moments, fp32 master weights)"
+        + ("; paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)"
+           if name.startswith("paged") else "")]
+    assert build(world=8, optimizer="adamw_torch_fused").optimizer.name == "adamw"
 
 
 def test_fsdp_maps_onto_zero_stages():

@@ -55,6 +55,15 @@ def test_model_states_and_activations_by_hand():
     assert memory.estimate(cfg(recompute="full"), TINY, partition_size=2, gpu_capacity=1).activations == 74240
 
 
+def test_8bit_adamw_keeps_two_bytes_of_moments_per_parameter():
+    shard = 102720 // 2
+    est = memory.estimate(cfg(**{"optimizer.name": "adamw_8bit"}), TINY, partition_size=2, gpu_capacity=10**9)
+    assert est.optimizer == int((4 + 2 + 2 * 4 / 256) * shard)  # fp32 master + uint8 m, v + an fp32 absmax per 256
+    fp32 = memory.estimate(cfg(**{"optimizer.name": "adamw_8bit", "precision": "fp32"}), TINY, partition_size=2,
+                           gpu_capacity=10**9)
+    assert fp32.optimizer == int((2 + 2 * 4 / 256) * shard)     # fp32 weights are their own master
+
+
 def test_local_attention_adds_the_score_matrix():
     sdpa = memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="sdpa")
     local = memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="local")
