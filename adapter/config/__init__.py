@@ -1,8 +1,17 @@
 """The run configuration: the schema (`schema.py`), the Axolotl (`axolotl.py`, refusals in `axolotl_scope.py`) and
 Accelerate (`accelerate.py`) dialects, hub ids (`hub.py`), loading with env and CLI overrides (`load.py`).
 Everything downstream reads a validated, frozen `RunConfig`."""
-from adapter.config.load import build, load, parse_sets, read_yaml, resolve_model_path, with_grad_accum
+from adapter.config.load import (
+    build,
+    load,
+    parse_sets,
+    read_yaml,
+    resolve_model_path,
+    setting,
+    spell,
+    with_grad_accum,
+)
 from adapter.config.schema import RunConfig, set_dotted
 
-__all__ = ["RunConfig", "build", "load", "parse_sets", "read_yaml", "resolve_model_path", "set_dotted",
-           "with_grad_accum"]
+__all__ = ["RunConfig", "build", "load", "parse_sets", "read_yaml", "resolve_model_path", "set_dotted", "setting",
+           "spell", "with_grad_accum"]

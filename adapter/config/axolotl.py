@@ -68,22 +68,72 @@ ENTRY_KEYS = set(DatasetEntry.model_fields)
 ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings
 
 
+# Axolotl key -> native key, where the value carries over as it is
+MAP = {
+    "base_model": "model.path", "dp_shard_size": "parallelism.dp_shard_size",
+    "dp_replicate_size": "parallelism.dp_replicate_size", "tensor_parallel_size": "parallelism.tp_size",
+    "context_parallel_size": "parallelism.cp_size", "micro_batch_size": "batch.micro_batch_size",
+    "gradient_accumulation_steps": "batch.gradient_accumulation_steps", "sequence_len": "seq_len",
+    "learning_rate": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "warmup_steps":
+    "optimizer.warmup_steps", "max_steps": "optimizer.max_steps", "max_grad_norm": "optimizer.clip_grad",
+    "adam_epsilon": "optimizer.eps", "output_dir": "checkpoint.dir", "save_steps": "checkpoint.save_every",
+    "save_total_limit": "checkpoint.keep_last", "seed": "seed", "logging_steps": "logging.every",
+    "wandb_project": "logging.wandb_project", "wandb_name": "logging.wandb_name",
+    "wandb_entity": "logging.wandb_entity", "wandb_mode": "logging.wandb_mode", "ddp_timeout": "dist_timeout_s",
+    "num_epochs": "optimizer.num_epochs", "warmup_ratio": "optimizer.warmup_ratio", "eval_steps": "eval.every",
+    "evals_per_epoch": "eval.per_epoch", "saves_per_epoch": "checkpoint.saves_per_epoch",
+    "gradient_checkpointing": "recompute", "torch_compile": "model.compile", "optimizer": "optimizer.name",
+    "lr_scheduler": "optimizer.schedule", "cosine_min_lr_ratio": "optimizer.min_lr",
+}
+# Axolotl's numeric keys: YAML 1.1 reads `2e-5` (no dot) as a string, and Axolotl's schema turns it into a number
+FLOATS = {"learning_rate", "weight_decay", "warmup_ratio", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon",
+          "cosine_min_lr_ratio", "val_set_size", "num_epochs", "eval_steps", "save_steps", "lora_dropout",
+          "lora_alpha"}
+INTS = {"micro_batch_size", "gradient_accumulation_steps", "batch_size", "sequence_len", "max_steps", "warmup_steps",
+        "evals_per_epoch", "saves_per_epoch", "save_total_limit", "logging_steps", "seed", "min_sample_len",
+        "dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size",
+        "sequence_parallel_degree", "ddp_timeout", "dataset_processes", "dataset_num_proc", "heads_k_stride", "lora_r"}
+
+
+def _number(key: str, value: Any) -> Any:
+    """A numeric key's string (`2e-5`, `500_000`) as the number Axolotl reads; anything else as it is (the schema
+    then names the key). Steps keys may be fractions of the run (eval_steps: 0.25)."""
+    if not isinstance(value, str) or isinstance(value, bool):
+        return value
+    text = value.strip().replace("_", "")
+    try:
+        number = float(text)
+    except ValueError:
+        return value
+    if key in INTS or (key in ("eval_steps", "save_steps") and number.is_integer() and number >= 1):
+        return int(number) if number.is_integer() else value
+    return number
+
+
+def numbers(raw: dict[str, Any]) -> dict[str, Any]:
+    return {k: _number(k, v) if k in FLOATS | INTS else v for k, v in raw.items()}
+
+
+def spelled(native: str) -> str:
+    """How an Axolotl file spells a native key (for messages in the file's own words): `eval.per_epoch` ->
+    `evals_per_epoch`, `data.datasets.0.type` -> `datasets.0.type`; the native key where it has no counterpart."""
+    parts = native.split(".")
+    for i in range(len(parts), 0, -1):
+        head = ".".join(parts[:i])
+        if head in _SPELLED:
+            return ".".join([_SPELLED[head], *parts[i:]])
+    return native
+
+
 def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     axolotl_scope.check_scope(raw)  # first: a LoRA or DPO config is refused before anything else is said of it
+    raw = numbers(raw)
     out: dict[str, Any] = {"source": "axolotl"}
-    mapping = {
-        "base_model": "model.path", "dp_shard_size": "parallelism.dp_shard_size",
-        "dp_replicate_size": "parallelism.dp_replicate_size", "tensor_parallel_size": "parallelism.tp_size",
-        "context_parallel_size": "parallelism.cp_size", "micro_batch_size": "batch.micro_batch_size",
-        "gradient_accumulation_steps": "batch.gradient_accumulation_steps", "sequence_len": "seq_len",
-        "learning_rate": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "warmup_steps":
-        "optimizer.warmup_steps", "max_steps": "optimizer.max_steps", "max_grad_norm": "optimizer.clip_grad",
-        "adam_epsilon": "optimizer.eps", "output_dir": "checkpoint.dir", "save_steps": "checkpoint.save_every",
-        "save_total_limit": "checkpoint.keep_last", "seed": "seed", "logging_steps": "logging.every",
-        "wandb_project": "logging.wandb_project", "wandb_name": "logging.wandb_name",
-        "wandb_entity": "logging.wandb_entity", "wandb_mode": "logging.wandb_mode", "ddp_timeout": "dist_timeout_s",
-    }
-    for key, target in mapping.items():
+    for key, target in MAP.items():
+        if key in ("num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",
+                   "gradient_checkpointing", "torch_compile", "optimizer", "lr_scheduler", "cosine_min_lr_ratio"):
+            continue  # mapped below, not as they are
+
         if raw.get(key) is not None:
             set_dotted(out, target, raw[key])
     notes: list[str] = []
@@ -128,6 +178,10 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_SPELLED = {native: key for key, native in MAP.items()} | {f"data.{v}": k for k, v in DATA_KEYS.items()} | {
+    "optimizer.betas": "adam_beta1 / adam_beta2", "precision": "bf16 / fp16"}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Training, precision, schedule, parallelism and kernel keys
 
@@ -155,11 +209,9 @@ def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> 
         if raw.get(a) is not None and raw.get(b) is not None:
             raise bad(b, raw[b], f"Axolotl takes {a} or {b}, not both (here {a}={raw[a]!r})", "drop one of them")
     map_optimizer(raw.get("optimizer"), out, notes)
-    for key, target in (("num_epochs", "optimizer.num_epochs"), ("warmup_ratio", "optimizer.warmup_ratio"),
-                        ("eval_steps", "eval.every"), ("evals_per_epoch", "eval.per_epoch"),
-                        ("saves_per_epoch", "checkpoint.saves_per_epoch")):
+    for key in ("num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch"):
         if raw.get(key) is not None:
-            set_dotted(out, target, raw[key])
+            set_dotted(out, MAP[key], raw[key])
     if raw.get("max_steps") is None and raw.get("num_epochs") is None:
         set_dotted(out, "optimizer.num_epochs", 1.0)
         notes.append("num_epochs: 1 (Axolotl's default: neither num_epochs nor max_steps is set)")
@@ -245,16 +297,18 @@ def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[s
         _comm(out, ROTATE[rotate], f"size {size}, backend {backend}, rotate_method {rotate}", notes)
 
 
-def _fsdp_block(raw: dict[str, Any]) -> dict[str, Any]:
+def _fsdp_block(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """fsdp_config's keys without Axolotl's optional `fsdp_` prefix, and how the file spells each."""
     block = raw.get("fsdp_config") or {}
     if not isinstance(block, dict):
         raise bad("fsdp_config", block, "must be a mapping", "write `fsdp_config:` with its keys indented below it")
-    return {str(k).removeprefix("fsdp_"): v for k, v in block.items()}
+    names = {str(k).removeprefix("fsdp_"): f"fsdp_config.{k}" for k in block}
+    return {str(k).removeprefix("fsdp_"): v for k, v in block.items()}, names
 
 
 def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
     """FSDP's sharding onto DeepSpeed ZeRO: reshard_after_forward true (FULL_SHARD) = ZeRO-3, false = ZeRO-2."""
-    block = _fsdp_block(raw)
+    block, names = _fsdp_block(raw)
     legacy = raw.get("fsdp")
     if not block and not legacy:
         return
@@ -271,11 +325,11 @@ def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored
             elif o not in ("auto_wrap",):
                 raise bad("fsdp", legacy, f"{o!r} has no DeepSpeed counterpart here", "use full_shard or shard_grad_op")
     if block.get("offload_params"):
-        raise bad("fsdp_config.offload_params", True, "CPU offload of parameters is not supported by nd-adapter's "
+        raise bad(names["offload_params"], True, "CPU offload of parameters is not supported by nd-adapter's "
                   "ZeRO path", "set offload_params: false (add GPUs, tp or dp_shard to fit)")
     if block.get("reshard_after_forward") is not None:
         stage = 3 if block["reshard_after_forward"] else 2
-        why = f"fsdp_config.reshard_after_forward: {str(block['reshard_after_forward']).lower()}"
+        why = f"{names['reshard_after_forward']}: {str(block['reshard_after_forward']).lower()}"
     if block.get("activation_checkpointing"):
         out["recompute"] = "full"
     set_dotted(out, "deepspeed.zero_stage", stage)
@@ -284,7 +338,7 @@ def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored
             "ZeRO-2: whole 16-bit weights on every GPU, gradients and optimizer states sharded (FSDP SHARD_GRAD_OP)")
     notes.append(f"FSDP -> DeepSpeed: {why} -> deepspeed.zero_stage {stage} ({what}); checkpoints are DeepSpeed's, "
                  "the final model a full HF export")
-    ignored += [f"fsdp_config.{k}" for k in block if k not in FSDP_USED]
+    ignored += [names[k] for k in block if k not in FSDP_USED]
 
 
 def kernel_note(raw: dict[str, Any], ignored: list[str]) -> str | None:

@@ -113,6 +113,11 @@ def check_scope(raw: dict[str, Any]) -> None:
     if raw.get("auto_resume_from_checkpoints") is False:
         raise bad("auto_resume_from_checkpoints", False, "nd-adapter always resumes from the newest checkpoint in "
                   "output_dir", "remove it, and give an empty output_dir for a fresh start")
+    kind = raw.get("model_type")
+    if kind is not None and not (isinstance(kind, str) and kind.endswith("ForCausalLM")):
+        raise bad("model_type", kind, "nd-adapter trains causal language models (next-token loss on the model's "
+                  "LM head); another head (sequence classification, reward, ...) is not what it trains",
+                  "remove it (or use AutoModelForCausalLM), or run this config with Axolotl")
     rev = raw.get("model_revision")
     if rev not in (None, "main"):
         raise bad("model_revision", rev, "only the cached default revision of base_model is read",
@@ -136,6 +141,6 @@ def plugin_kind(plugin: Any) -> str:
               "other objectives) and has no nd-adapter counterpart", "remove it, or run this config with Axolotl")
 
 
-KEYS = set(UNSUPPORTED) | {"auto_resume_from_checkpoints", "model_revision", "tokenizer_config"}
+KEYS = set(UNSUPPORTED) | {"auto_resume_from_checkpoints", "model_revision", "tokenizer_config", "model_type"}
 
 __all__ = ["UNSUPPORTED", "KEYS", "check_scope", "plugin_kind", "is_on"]

@@ -44,9 +44,31 @@ def _env_sizes(env: dict[str, str]) -> dict[str, int]:
     return out
 
 
-def _first_error(err: ValidationError) -> UserError:
+def spell(cfg: RunConfig, native: str) -> str:
+    """A native key as the run's config file spells it (Axolotl's name in an Axolotl file)."""
+    return axolotl.spelled(native) if cfg.source == "axolotl" else native
+
+
+# (native key, value) -> how an Axolotl file says the same
+_AXOLOTL_SETTINGS = {("deepspeed.zero_stage", 2): "fsdp_config.reshard_after_forward: false",
+                     ("deepspeed.zero_stage", 3): "fsdp_config.reshard_after_forward: true",
+                     ("recompute", "full"): "gradient_checkpointing: true",
+                     ("model.compile", False): "torch_compile: false", ("model.compile", True): "torch_compile: true"}
+
+
+def setting(cfg: RunConfig, native: str, value: Any) -> str:
+    """`key: value` as the run's config file would write it, for a fix in a message."""
+    if cfg.source == "axolotl" and (native, value) in _AXOLOTL_SETTINGS:
+        return _AXOLOTL_SETTINGS[(native, value)]
+    shown = str(value).lower() if isinstance(value, bool) else value
+    return f"{spell(cfg, native)}: {shown}"
+
+
+def _first_error(err: ValidationError, dialect: str = "native") -> UserError:
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"]) or "config"
+    if dialect == "axolotl":
+        key = axolotl.spelled(key)
     value = e.get("input")
     kind = e["type"]
     if kind == "extra_forbidden":
@@ -84,7 +106,7 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
     try:
         cfg = RunConfig.model_validate(native)
     except ValidationError as err:
-        raise _first_error(err) from None
+        raise _first_error(err, dialect) from None
     if not cfg.model.path:
         raise UserError("model.path: missing. Fix: set model.path (or base_model) to an HF checkpoint dir, "
                         "or pass --model")
@@ -104,11 +126,11 @@ def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
     if not on and cfg.model.compile_memory_budget is not None:
         raise bad("model.compile_memory_budget", cfg.model.compile_memory_budget, "model.compile: auto is off "
                   "under ZeRO-3 (compiled layers cannot follow its parameter gathers), so there is nothing to budget",
-                  "remove it, or set deepspeed.zero_stage: 2")
+                  f"remove it, or set {setting(cfg, 'deepspeed.zero_stage', 2)}")
     key = "torch_compile: true -> model.compile" if cfg.source == "axolotl" else "model.compile: auto"
     note = (f"{key}: on (each transformer layer compiled)" if on else
-            f"{key}: off: ZeRO-3's parameter gathers run the layers eagerly (deepspeed.zero_stage: 2 would compile "
-            "them)")
+            f"{key}: off: ZeRO-3's parameter gathers run the layers eagerly "
+            f"({setting(cfg, 'deepspeed.zero_stage', 2)} would compile them)")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": on}),
                                   "notes": (*cfg.notes, note)})
 

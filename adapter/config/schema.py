@@ -249,7 +249,7 @@ class EvalSection(_Strict):
     """Loss over the whole eval set (data side: `val_set_size` or `test_datasets`), same masking and normalisation as
     training. Neither key: one evaluation at the end when there is an eval set."""
     every: StrictInt | float | None = Field(None, gt=0, description="steps between evaluations, or a fraction")
-    per_epoch: StrictInt | None = Field(None, ge=1, description="evaluations per epoch")
+    per_epoch: StrictInt | None = Field(None, ge=0, description="evaluations per epoch; 0: none at all (Axolotl)")
 
     @model_validator(mode="after")
     def _cadence(self) -> EvalSection:

@@ -37,6 +37,7 @@ class ModelArch:
     qkv_bias: bool
     qk_norm: bool
     torch_dtype: str
+    sliding_window: int | None = None  # attention sees only this many tokens back (Mistral v0.1); None: all of them
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,13 +108,14 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     if act != "silu":
         raise bad("hidden_act", act, "only SwiGLU (silu) MLPs are supported", "use a silu-gated model")
 
-    # Sliding-window attention would be computed as full attention by GPTModel: refuse rather than be silently wrong.
+    # A window shorter than the model's context: exact only for sequences no longer than it (models/checks.py), as
+    # GPTModel computes full causal attention
     window = cfg.get("sliding_window")
     uses_window = cfg.get("use_sliding_window", fam.sliding_window_default)
-    if window is not None and uses_window and window < cfg.get("max_position_embeddings", 0):
-        raise bad("sliding_window", window, "sliding-window attention is not supported",
-                  "use a checkpoint without sliding window (e.g. Mistral v0.2+), or set sliding_window to null "
-                  "if unused")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise bad("sliding_window", window, f"must be a positive integer in {source}", "fix the model's config.json")
+    if not (window is not None and uses_window and window < cfg.get("max_position_embeddings", 0)):
+        window = None
 
     rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling together here
     scaling = cfg.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
@@ -149,6 +151,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         qkv_bias=fam.qkv_bias if fam.qkv_bias is not None else bool(cfg.get("attention_bias", False)),
         qk_norm=fam.qk_norm,
         torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
+        sliding_window=window,
     )
 
 

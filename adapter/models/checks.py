@@ -1,7 +1,7 @@
 """Checks that need both the run config and the model's architecture (the config alone cannot know head counts)."""
 from __future__ import annotations
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.errors import bad
 from adapter.models.arch import ModelArch, check_tp
 
@@ -9,12 +9,19 @@ from adapter.models.arch import ModelArch, check_tp
 def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
-    check_tp(arch, tp, key="parallelism.tp_size")
+    check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
+    if arch.sliding_window is not None and seq > arch.sliding_window:
+        raise bad(spell(cfg, "seq_len"), seq, f"longer than the sliding_window={arch.sliding_window} of "
+                  f"{arch.architecture}: sequences past the window need sliding-window attention, which nd-adapter "
+                  "does not run yet (within it, full causal attention is the same)",
+                  f"use {spell(cfg, 'seq_len')} <= {arch.sliding_window}, or a checkpoint without a sliding window "
+                  "(e.g. Mistral v0.2+)")
     if cp > 1 and seq % (2 * cp):
-        raise bad("seq_len", seq, f"not divisible by 2·cp_size = {2 * cp} (load-balanced context-parallel chunks)",
+        raise bad(spell(cfg, "seq_len"), seq, f"not divisible by 2·cp_size = {2 * cp} (load-balanced context-parallel "
+                  "chunks)",
                   f"use a seq_len that is a multiple of {2 * cp}")
     if cfg.use_sequence_parallel and tp > 1 and (seq // cp) % tp:
-        raise bad("seq_len", seq, f"the per-cp-rank sequence {seq // cp} is not divisible by tp_size={tp} "
+        raise bad(spell(cfg, "seq_len"), seq, f"the per-cp-rank sequence {seq // cp} is not divisible by tp_size={tp} "
                   "(sequence parallelism splits it)", f"use a seq_len that is a multiple of {cp * tp}, "
                   "or set sequence_parallel: false")
     if cfg.document_attention and cfg.model.attention != "sdpa":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, setting, spell
 from adapter.errors import bad
 from adapter.parallel.layout import Layout
 
@@ -29,13 +29,14 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
     if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
         return 1
     if cfg.deepspeed.zero_stage == 3 and cfg.model.compile:
-        raise bad("model.compile", True,
+        raise bad(spell(cfg, "model.compile"), True,
                   "compiled layers cannot follow ZeRO-3's parameter gathers (adapter/modeling/compile.py)",
-                  "set deepspeed.zero_stage: 2 (whole bf16 weights per GPU), or model.compile: false")
+                  f"set {setting(cfg, 'deepspeed.zero_stage', 2)} (whole bf16 weights per GPU), or "
+                  f"{setting(cfg, 'model.compile', False)}")
     if cfg.deepspeed.zero_stage == 2 and layout.dp_replicate > 1:
-        raise bad("deepspeed.zero_stage", 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages ZeRO-3's "
-                  "gradient partitions over replicas; hpZ is a ZeRO-3 feature)",
-                  "set deepspeed.zero_stage: 3, or fold dp_replicate into dp_shard")
+        raise bad(spell(cfg, "deepspeed.zero_stage"), 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages "
+                  "ZeRO-3's gradient partitions over replicas; hpZ is a ZeRO-3 feature)",
+                  f"set {setting(cfg, 'deepspeed.zero_stage', 3)}, or fold dp_replicate into dp_shard")
     return cfg.deepspeed.zero_stage
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, setting, spell
 from adapter.errors import bad
 from adapter.models import checks, counts, source
 from adapter.models.arch import ModelArch, load_arch
@@ -282,12 +282,18 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         z2 = memory.estimate(cfg, arch, partition_size=z, gpu_capacity=capacity, stage=2)
         if z2.peak <= 0.8 * capacity:
             warnings.append(f"hint: whole 16-bit weights fit here (ZeRO-2 peak {z2.peak / memory.GIB:.1f} of "
-                            f"{capacity / memory.GIB:.1f} GiB): deepspeed.zero_stage: 2 skips ZeRO-3's per-layer "
-                            "gathers (1.04-1.2x tokens/s at dp_shard=2 on 2xH200, docs/BENCHMARKS.md)")
+                            f"{capacity / memory.GIB:.1f} GiB): {setting(cfg, 'deepspeed.zero_stage', 2)} skips "
+                            "ZeRO-3's per-layer gathers (1.04-1.2x tokens/s at dp_shard=2 on 2xH200, "
+                            "docs/BENCHMARKS.md)")
     if not mem.fits:
-        fix = ("the optimizer step peaks (model states and its gradient copies): shard them over more GPUs "
-               "(dp_shard, tp)" if mem.peak_phase == "optimizer_step" else
-               "raise tp/dp_shard, lower micro_batch_size, or set recompute: full")
+        sizes = f"{spell(cfg, 'parallelism.tp_size')}/{spell(cfg, 'parallelism.dp_shard_size')}"
+        if mem.peak_phase == "optimizer_step":
+            fix = (f"the optimizer step peaks (model states and its gradient copies): shard them over more GPUs "
+                   f"({sizes})" + ("" if cfg.optimizer.name == "adamw_8bit" else
+                                   f", or keep 8-bit moments ({setting(cfg, 'optimizer.name', 'adamw_8bit')})"))
+        else:
+            fix = f"raise {sizes}, lower {spell(cfg, 'batch.micro_batch_size')}" + (
+                "" if cfg.recompute == "full" else f", or set {setting(cfg, 'recompute', 'full')}")
         warnings.append(f"predicted peak {mem.peak / memory.GIB:.1f} GiB (+{100 * memory.MARGIN:.0f}% model margin) + "
                         f"{mem.runtime_reserve / memory.GIB:.1f} GiB runtime reserve exceeds the GPU's "
                         f"{capacity / memory.GIB:.1f} GiB: {fix}")

@@ -93,6 +93,20 @@ class Engine:
                 and self.mpu.replica_group is not None:
             average_over_replicas(self.ds, self.mpu.replica_group, self.layout.dp_replicate)
 
+    def follow_schedule(self, cfg: RunConfig) -> tuple[float, float]:
+        """After a resume: the learning rate of the next step from this run's schedule, not the checkpoint's. The
+        scheduler's state restores only its step count (its lambdas are this run's), but the optimizer's learning
+        rates and the scheduler's base rates come back as the checkpoint saved them, so a run whose length or peak
+        changed would take its first step at the old schedule's rate. Returns (old, new) rate."""
+        sched = self.ds.lr_scheduler
+        groups = sched.optimizer.param_groups  # the groups it writes (ZeRO's wrapper hands on the same list)
+        old = float(groups[0]["lr"])
+        sched.base_lrs = [cfg.optimizer.lr] * len(groups)
+        for group, factor in zip(groups, sched.lr_lambdas):
+            group["lr"] = cfg.optimizer.lr * factor(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in groups]
+        return old, float(groups[0]["lr"])
+
     def describe_optimizer(self) -> str:
         """The run's first lines say which optimizer implementation runs (`optimizer.impl`)."""
         opt = self.ds.optimizer

@@ -49,8 +49,12 @@ def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: s
     tiny = tiny_arch(arch, cfg.parallelism.tp_size, real_vocab=bool(cfg.data.files or cfg.data.datasets))
     ckdir = workdir
     half = max(1, steps // 2)
+    seq = rehearsal_seq_len(cfg, seq_len)
+    said = [n for n in cfg.notes if not n.startswith("precision:")]  # the run's own precision is not this one's
+    said.append(f"precision: fp32 (the rehearsal's, on CPU; the run itself: {cfg.precision})")
     upd = {
-        "seq_len": rehearsal_seq_len(cfg, seq_len),
+        "notes": tuple(said),
+        "seq_len": seq,
         "precision": "fp32",
         "model": cfg.model.model_copy(update={"checkpoint": None, "init": "random"}),  # the tiny model's own
         "optimizer": cfg.optimizer.model_copy(update={"max_steps": steps, "warmup_steps": min(1, steps),
@@ -59,17 +63,19 @@ def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: s
                                                         "export_hf": None}),
         "logging": cfg.logging.model_copy(update={"tensorboard": None, "wandb_project": None, "every": 1}),
         "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache",
-                                            **_sft_rehearsal(cfg, ckdir)}),
+                                            **_sft_rehearsal(cfg, ckdir, seq)}),
     }
     return cfg.model_copy(update=upd), tiny
 
 
-def _sft_rehearsal(cfg: RunConfig, workdir: str) -> dict:
-    """SFT data at the rehearsal's short sequence: truncated rather than dropped (else little may be left), and
-    prepared in the rehearsal's own directory, not beside the real run's."""
+def _sft_rehearsal(cfg: RunConfig, workdir: str, seq: int) -> dict:
+    """SFT data at the rehearsal's short sequence: truncated rather than dropped (else little may be left), a
+    min_sample_len no longer than that sequence (a truncated example must stay), and prepared in the rehearsal's own
+    directory, not beside the real run's."""
     if not cfg.data.datasets:
         return {}
-    return {"excess_length_strategy": "truncate", "prepared_path": f"{workdir}/sft"}
+    shortest = cfg.data.min_sample_len and min(cfg.data.min_sample_len, seq)
+    return {"excess_length_strategy": "truncate", "prepared_path": f"{workdir}/sft", "min_sample_len": shortest}
 
 
 def in_process(cfg: RunConfig, rank: int, *, steps: int, seq_len: int | None, workdir: str, log=print) -> None:

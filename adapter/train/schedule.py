@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.errors import bad
 
 DEFAULT_MAX_STEPS = 1000  # a native config that gives neither max_steps nor num_epochs (pre-training, benchmarks)
@@ -80,8 +80,8 @@ def resolve(cfg: RunConfig, samples: int | None, *, has_val: bool = False) -> Sc
         total, length_from = o.max_steps, "max_steps"
     elif o.num_epochs is not None:
         if samples is None:
-            raise bad("optimizer.num_epochs", o.num_epochs, "epochs need a dataset (this run uses synthetic tokens)",
-                      "set optimizer.max_steps (Axolotl: max_steps)")
+            raise bad(spell(cfg, "optimizer.num_epochs"), o.num_epochs, "epochs need a dataset (this run uses "
+                      "synthetic tokens)", f"set {spell(cfg, 'optimizer.max_steps')}")
         total, length_from = max(1, math.floor(o.num_epochs * steps_per_epoch)), "num_epochs"
     else:
         total, length_from = DEFAULT_MAX_STEPS, "default"
@@ -94,7 +94,9 @@ def resolve(cfg: RunConfig, samples: int | None, *, has_val: bool = False) -> Sc
     else:
         warmup, warmup_from = 0, "none"
     e, c = cfg.eval, cfg.checkpoint
-    eval_every = _cadence(e.every, e.per_epoch, total, steps_per_epoch, "eval.per_epoch") if has_val else None
+    has_val = has_val and e.per_epoch != 0  # evaluations switched off (Axolotl's evals_per_epoch: 0)
+    eval_every = _cadence(e.every, e.per_epoch, total, steps_per_epoch, spell(cfg, "eval.per_epoch")) \
+        if has_val else None
     save_every = _cadence(c.save_every, c.saves_per_epoch, total, steps_per_epoch, "checkpoint.saves_per_epoch") or 0
     return Schedule(total_steps=total, warmup_steps=min(warmup, total), length_from=length_from,
                     warmup_from=warmup_from, samples=samples, samples_per_epoch=samples_per_epoch,
@@ -138,6 +140,8 @@ def describe(cfg: RunConfig, s: Schedule) -> list[str]:
                      "and at the end")
     elif s.eval_at_end:
         lines.append("eval: loss over the whole eval set at the end (eval.every / eval.per_epoch add more)")
+    elif cfg.eval.per_epoch == 0:
+        lines.append(f"eval: none ({spell(cfg, 'eval.per_epoch')}: 0)")
     elif cfg.eval.every is not None or cfg.eval.per_epoch is not None:
         lines.append("eval: none: an eval cadence is set but there is no eval set (val_set_size or test_datasets)")
     if cfg.checkpoint.dir:

@@ -145,6 +145,8 @@ class Trainer:
             if note not in _ANNOUNCED:
                 _ANNOUNCED.add(note)
                 self._say(note)
+        if self.device.type == "cpu":  # a GPU run started where no GPU is visible must not pass unnoticed
+            self._say("device: CPU (no GPU is visible to this process): training on the CPU with gloo")
         for w in checks.check(cfg, self.arch):
             self._say(f"warning: {w}")
         self.weights = source.resolve(cfg)
@@ -180,6 +182,10 @@ class Trainer:
                 start, state = loaded
                 self.sampler.load_state_dict(state["sampler"])
                 self._say(f"resuming from {cfg.checkpoint.dir} at step {start} (its weights replace the start's)")
+                old, new = self.engine.follow_schedule(cfg)
+                self._say(f"schedule: step {start + 1} of {cfg.optimizer.max_steps} runs at learning rate {new:.3e} "
+                          f"from this run's schedule" + ("" if math.isclose(old, new, rel_tol=1e-6, abs_tol=1e-12) else
+                                                         f" (the checkpoint's run was at {old:.3e})"))
             else:
                 self._say(f"no checkpoint in {cfg.checkpoint.dir}: starting from step 0")
         self.result.start_step = start

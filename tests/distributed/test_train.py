@@ -328,3 +328,35 @@ def test_8bit_adamw_on_every_optimizer_path_resumes_exactly_and_tracks_fp32(demo
     assert "optimizer.name: adamw_8bit" in r["refused"] and "\n" not in r["refused"], r["refused"]
     assert r["flat"]["said"] == ["optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights, 8-bit "
                                  "moments (bitsandbytes' AdamW8bit); optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)"]
+
+
+def _new_schedule_worker(rank, world, demo, root):
+    """2 steps of a 2-step cosine run, saved; resumed as a 4-step run (issue 26: Axolotl's example resumed with a
+    longer max_steps took its next step at the old schedule's final rate, 0)."""
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    over = {"optimizer.schedule": "cosine", "checkpoint.dir": f"{root}/ck", "checkpoint.save_every": 2}
+    run(run_config(demo, (1, 4, 1, 1), steps=2, **over), log=lambda s: None)
+    lines: list[str] = []
+    run(run_config(demo, (1, 4, 1, 1), steps=4, **over), resume=True, log=lines.append)
+    return lines
+
+
+def test_resume_follows_the_new_schedule_as_transformers_does(demo, tmp_path):
+    import torch
+    from transformers.optimization import get_cosine_schedule_with_warmup
+
+    lines = run_workers(_new_schedule_worker, 4, demo, str(tmp_path), timeout=600)[0]
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    ref = get_cosine_schedule_with_warmup(opt, 0, 4)
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    want = opt.param_groups[0]["lr"]  # the rate of step 3 of a 4-step schedule
+    step3 = next(ln for ln in lines if ln.startswith("step 3/4"))
+    assert f"lr {want:.3e}" in step3, (want, step3)
+    assert f"schedule: step 3 of 4 runs at learning rate {want:.3e} from this run's schedule (the checkpoint's " \
+           "run was at 0.000e+00)" in lines, lines
+    assert "device: CPU (no GPU is visible to this process): training on the CPU with gloo" in lines

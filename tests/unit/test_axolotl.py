@@ -317,3 +317,70 @@ def test_axolotl_defaults_where_ours_differ():
     assert (lg.wandb_project, lg.wandb_name, lg.wandb_entity, lg.wandb_mode) == ("p", "run-1", "team", "offline")
     with pytest.raises(UserError, match=r"^learning_rate=None: missing: Axolotl requires it\. Fix: "):
         config.build({"base_model": str(LLAMA8B), "max_steps": 1}, env={}, world_size=1)
+
+
+def test_numbers_as_axolotl_reads_them():
+    """YAML 1.1 reads `2e-5` (no dot) as a string; Axolotl's schema turns it into a number, and so does this (it
+    crashed with cosine_min_lr_ratio: issue 26)."""
+    cfg = build(learning_rate="2e-5", cosine_min_lr_ratio="0.1", lr_scheduler="cosine", micro_batch_size="2",
+                sequence_len="4_096", weight_decay="1e-2", warmup_steps="10")
+    assert cfg.optimizer.lr == 2e-5 and abs(cfg.optimizer.min_lr - 2e-6) < 1e-18 and cfg.batch.micro_batch_size == 2
+    assert cfg.seq_len == 4096 and cfg.optimizer.weight_decay == 0.01 and cfg.optimizer.warmup_steps == 10
+    with pytest.raises(UserError, match=r"^learning_rate='fast': .* Fix:"):
+        build(learning_rate="fast")
+
+
+def test_evals_per_epoch_zero_means_no_evaluation():
+    from adapter.train import schedule
+
+    cfg = build(evals_per_epoch=0, max_steps=None, num_epochs=1, val_set_size=0.1)
+    s = schedule.resolve(cfg, 1000, has_val=True)
+    assert s.eval_every is None and not s.eval_at_start and not s.eval_at_end
+    assert "eval: none (evals_per_epoch: 0)" in schedule.describe(cfg, s)
+
+
+@pytest.mark.parametrize("keys, needle", [
+    ({"warmup_steps": 0.1}, "warmup_steps=0.1: "),
+    ({"evals_per_epoch": -1}, "evals_per_epoch=-1: "),
+    ({"micro_batch_size": 0}, "micro_batch_size=0: "),
+    ({"fsdp_version": 2, "fsdp_config": {"fsdp_offload_params": True}}, "fsdp_config.fsdp_offload_params=True: "),
+    ({"fsdp_config": {"offload_params": True}}, "fsdp_config.offload_params=True: "),
+])
+def test_errors_name_the_key_as_the_file_spells_it(keys, needle):
+    with pytest.raises(UserError) as e:
+        build(world=8, **keys)
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value), str(e.value)
+
+
+def test_memory_advice_in_the_file_s_words_and_only_what_applies():
+    from adapter.plan.build import build_plan
+
+    big = {"base_model": str(LLAMA8B), "learning_rate": 1e-5, "max_steps": 1, "sequence_len": 8192,
+           "micro_batch_size": 8}
+    warn = [w for w in build_plan(config.build(big, env={}, world_size=1)).warnings if "exceeds" in w]
+    assert warn and "gradient_checkpointing: true" in warn[0] and "recompute" not in warn[0], warn
+    assert "tensor_parallel_size/dp_shard_size" in warn[0] and "micro_batch_size" in warn[0]
+    warn = [w for w in build_plan(config.build({**big, "gradient_checkpointing": True, "micro_batch_size": 64},
+                                               env={}, world_size=1)).warnings if "exceeds" in w]
+    assert warn and "gradient_checkpointing" not in warn[0] and "recompute" not in warn[0], warn
+
+
+def test_model_type_must_be_a_causal_lm():
+    assert build(model_type="AutoModelForCausalLM").model.path and build(model_type="LlamaForCausalLM")
+    with pytest.raises(UserError, match=r"^model_type='AutoModelForSequenceClassification': nd-adapter trains causal"):
+        build(model_type="AutoModelForSequenceClassification")
+
+
+def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
+    """ALST's min_sample_len 200000 against the rehearsal's 512-token sequences dropped every example; the first
+    lines said bf16 while the rehearsal runs fp32 (issue 26)."""
+    from adapter.train.rehearse import rehearsal_config
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    cfg = build(bf16="auto", sequence_len=500_000, min_sample_len=200_000, context_parallel_size=8, world=8,
+                datasets=[{"path": str(data), "type": "completion"}])
+    small, _ = rehearsal_config(cfg, 4, None, str(tmp_path / "w"))
+    assert small.seq_len == 512 and small.data.min_sample_len == 512 and small.data.excess_length_strategy == "truncate"
+    assert [n for n in small.notes if n.startswith("precision")] == [
+        "precision: fp32 (the rehearsal's, on CPU; the run itself: bf16)"]

@@ -181,9 +181,24 @@ def test_rule_unknown_architecture(tmp_path):
 
 
 def test_rule_sliding_window_and_rope(tmp_path):
+    """Mistral v0.1's window (4096 of 32768 positions) changes nothing for sequences no longer than it: such runs are
+    allowed, longer ones refused in one line naming the file's key (issue 26)."""
+    from adapter.models import checks
+
     hf = json.loads((LLAMA8B / "config.json").read_text())
-    with pytest.raises(UserError, match="sliding_window=4096"):
-        arch_from_hf_dict({**hf, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    v01 = {**hf, "architectures": ["MistralForCausalLM"], "sliding_window": 4096, "max_position_embeddings": 32768}
+    arch = arch_from_hf_dict(v01)
+    assert arch.sliding_window == 4096
+    assert arch_from_hf_dict({**v01, "sliding_window": None}).sliding_window is None
+    assert arch_from_hf_dict({**v01, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
+                             ).sliding_window is None
+    axolotl = {"base_model": str(LLAMA8B), "learning_rate": 1e-5, "max_steps": 1}
+    assert checks.check(config.build({**axolotl, "sequence_len": 4096}, env={}), arch) == []
+    with pytest.raises(UserError, match=r"^sequence_len=8192: longer than the sliding_window=4096 of "
+                       r"MistralForCausalLM.*Fix: use sequence_len <= 4096"):
+        checks.check(config.build({**axolotl, "sequence_len": 8192}, env={}), arch)
+    with pytest.raises(UserError, match=r"^seq_len=8192: longer than the sliding_window"):
+        checks.check(config.build({"model": {"path": str(LLAMA8B)}, "seq_len": 8192}, env={}), arch)
     with pytest.raises(UserError, match="rope_scaling.rope_type='yarn'"):
         arch_from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
@@ -222,7 +237,7 @@ def test_axolotl_torch_compile_compiles_where_the_layout_allows():
         said = [n for n in cfg.notes if n.startswith("torch_compile: true -> model.compile")]
         assert said == [f"torch_compile: true -> model.compile: {'on' if on else 'off'}" + (
             " (each transformer layer compiled)" if on else ": ZeRO-3's parameter gathers run the layers eagerly "
-            "(deepspeed.zero_stage: 2 would compile them)")], cfg.notes
+            "(fsdp_config.reshard_after_forward: false would compile them)")], cfg.notes  # the file's own words
         assert not any("ignored" in n and "torch_compile," in n + "," for n in cfg.notes)
     with pytest.raises(UserError, match=r"model.compile_memory_budget=0.5: model.compile: auto is off under ZeRO-3"):
         config.build(native(**{"model.compile": "auto", "model.compile_memory_budget": 0.5}), env={}, world_size=2)

@@ -25,9 +25,9 @@ def _dequantized(state: dict, name: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape", [(1024, 64), (1000, 67)])  # whole 256-element blocks; a part block
 def test_8bit_adamw_tracks_fp32_adamw_within_bitsandbytes_band(shape):
-    """bitsandbytes' own test_optimizer8bit (its optimizer tests), fp32: p = randn·0.1, grads randn·0.01, 50 steps against
-    torch's fp32 AdamW; after each step the reference takes the 8-bit run's weights and (dequantised) moments, so each
-    step's error is measured alone: mean |Δp| < 6e-5, mean relative |Δp| < 6e-4, fewer than 20 moments off."""
+    """bitsandbytes' own test_optimizer8bit, fp32: p = randn·0.1, grads randn·0.01, 50 steps against torch's fp32
+    AdamW; after each step the reference takes the 8-bit run's weights and (dequantised) moments, so each step's
+    error is measured alone: mean |Δp| < 6e-5, mean relative |Δp| < 6e-4, fewer than 20 moments off."""
     torch.manual_seed(0)
     ref = torch.nn.Parameter(torch.randn(shape) * 0.1)
     ours = torch.nn.Parameter(ref.detach().clone())

@@ -248,3 +248,23 @@ def test_relative_dataset_paths_are_read_from_the_config_directory(model, tmp_pa
     assert cli.main(["preprocess", "--config", "cfg/run.yaml", "--set", "data.val_set_size=2"]) == 0
     out = capsys.readouterr().out
     assert str(tmp_path / "cfg" / "rows.jsonl") in out and "val: 2 examples" in out
+
+
+def test_pretokenised_labels_note_only_when_the_column_is_missing(model, tmp_path):
+    """Rows with a labels column keep their masks; only rows without one train every token, and only those are
+    named in the note (it was said of both: issue 26)."""
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    with_labels = write_jsonl(tmp_path / "l.jsonl", [{"input_ids": i, "labels": [-100] + i[1:]} for i in ids])
+    bare = write_jsonl(tmp_path / "b.jsonl", [{"input_ids": i} for i in ids])
+    data = prepare(axolotl_cfg(model, [{"path": str(with_labels)}], tmp_path / "one"), model, progress=False)
+    assert not any("labels column" in n for n in data.notes), data.notes
+    both = prepare(axolotl_cfg(model, [{"path": str(with_labels)}, {"path": str(bare)}], tmp_path / "two"), model,
+                   progress=False)
+    assert [n for n in both.notes if "labels column" in n] == [
+        "pre-tokenised rows without a labels column train every token (datasets[1])"]
+
+
+def test_min_sample_len_names_itself_when_it_drops_everything(model, tmp_path):
+    cfg = axolotl_cfg(model, [ALPACA], tmp_path, min_sample_len=4000, sequence_len=4096)
+    with pytest.raises(UserError, match=r"12 shorter than min_sample_len=4000 dropped.*Fix: lower min_sample_len"):
+        prepare(cfg, model, progress=False)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from adapter.config import spell
 from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.bins import SFTDataset, ragged_take, targets, write_split
 from adapter.data.token_cache import TOKENIZER_FILES
@@ -51,9 +52,8 @@ class SFTData:
 
 def names(cfg) -> tuple[Callable[[int], str], Callable[[str], str]]:
     """How keys are spelled in messages: as the user wrote them (Axolotl top level, or native data.*)."""
-    if cfg.source == "axolotl":
-        return (lambda i: f"datasets[{i}]"), (lambda k: "dataset_prepared_path" if k == "prepared_path" else k)
-    return (lambda i: f"data.datasets[{i}]"), (lambda k: f"data.{k}")
+    where = (lambda i: f"datasets[{i}]") if cfg.source == "axolotl" else (lambda i: f"data.datasets[{i}]")
+    return where, (lambda k: spell(cfg, f"data.{k}"))
 
 
 def top_prefix(cfg) -> str:
@@ -163,7 +163,8 @@ def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, n: int, progress: bool):
-    """Tokenise and mask one entry; returns flat ids, labels, offsets, eos_missing flags and its row count."""
+    """Tokenise and mask one entry; returns flat ids, labels, offsets, eos_missing flags, its row count, the chat
+    template used and whether the rows had a labels column."""
     import datasets  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
     datasets.disable_progress_bars()  # reading a split is quick: its bars would only clutter a one-line error
@@ -196,7 +197,7 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
     labels, _ = _flat(mapped, "labels", np.int32)
     eos_missing = np.asarray(mapped.with_format("arrow")[:]["eos_missing"].combine_chunks()
                              .to_numpy(zero_copy_only=False), dtype=bool)
-    return ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None)
+    return ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None), "labels" in ds.column_names
 
 
 def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict):
@@ -264,12 +265,18 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
                                                                              progress, first=0)
     n = len(offsets) - 1
     if n == 0:
+        _, key = names(cfg)
         dropped = sum(s.get("dropped_too_long", 0) for s in per_dataset)
+        short = sum(s.get("too_short", 0) for s in per_dataset)
         none = sum(s["no_trained_token"] for s in per_dataset)
-        raise bad("datasets", [s["path"] for s in per_dataset], f"no example left after filtering ({dropped} longer "
-                  f"than sequence_len={cfg.seq_len} dropped, {none} without a trained token)",
-                  "raise sequence_len or set excess_length_strategy: truncate, and check roles_to_train / "
-                  "train_on_inputs and the data's fields")
+        seq, min_len = spell(cfg, "seq_len"), key("min_sample_len")
+        why = [f"{dropped} longer than {seq}={cfg.seq_len} dropped"]
+        why += [f"{short} shorter than {min_len}={cfg.data.min_sample_len} dropped"] if short else []
+        fix = [f"lower {min_len}"] if short else []
+        fix += [f"raise {seq} or set {key('excess_length_strategy')}: truncate",
+                "check roles_to_train / train_on_inputs and the data's fields"]
+        raise bad("datasets", [s["path"] for s in per_dataset], f"no example left after filtering "
+                  f"({', '.join(why)}, {none} without a trained token)", "; ".join(fix))
     d = cfg.data
     duplicates = {}
     if d.deduplicate:  # before the split, as Axolotl does it
@@ -321,9 +328,10 @@ def _examples(cfg, tok, resolved, work: Path, vocab_size: int, progress: bool, f
     templates used and how many conversations lack an EOS after a trained turn."""
     parts, per_dataset, used_templates, eos_missing = [], [], [], 0
     for n, (entry, where, kind, src) in enumerate(resolved, start=first):
-        ids, labels, offsets, missing, rows, template = _entry_examples(cfg, tok, entry, where, kind, src, work, n,
-                                                                         progress)
-        st = {"dataset": where, "path": src.location, "type": kind, "rows": rows, "examples": len(offsets) - 1}
+        ids, labels, offsets, missing, rows, template, has_labels = _entry_examples(cfg, tok, entry, where, kind, src,
+                                                                                    work, n, progress)
+        st = {"dataset": where, "path": src.location, "type": kind, "rows": rows, "examples": len(offsets) - 1,
+              "labels_column": has_labels}
         ids, tgt, offsets = _filter(cfg, ids, labels, offsets, where, vocab_size, st)
         st.update(kept=len(offsets) - 1, tokens=int(len(ids)), trained_tokens=int((tgt >= 0).sum()))
         per_dataset.append(st)
@@ -368,8 +376,10 @@ def notes_for(cfg, result: dict) -> list[str]:
         out.append(f"{result['eos_missing']} conversations have a trained turn with no EOS "
                    f"({result['eos_token']}) right after it: the model is not taught to stop there; set "
                    f"{key('special_tokens')}.eos_token to the template's end-of-turn token (e.g. <|im_end|>)")
-    if "pretokenised" in kinds:
-        out.append("pre-tokenised rows without a labels column train every token")
+    unlabelled = [s["dataset"] for s in result["datasets"]
+                  if s["type"] == "pretokenised" and not s.get("labels_column")]
+    if unlabelled:
+        out.append(f"pre-tokenised rows without a labels column train every token ({', '.join(unlabelled)})")
     if d.pad_to_sequence_len is False:
         out.append(f"every sample is padded to sequence_len={cfg.seq_len} (fixed shapes): pad_to_sequence_len: "
                    "false is not applied")
