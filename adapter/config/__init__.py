@@ -4,6 +4,7 @@ Everything downstream reads a validated, frozen `RunConfig`."""
 from adapter.config.load import (
     build,
     load,
+    model_path_of,
     parse_sets,
     read_yaml,
     resolve_model_path,
@@ -13,5 +14,5 @@ from adapter.config.load import (
 )
 from adapter.config.schema import RunConfig, set_dotted
 
-__all__ = ["RunConfig", "build", "load", "parse_sets", "read_yaml", "resolve_model_path", "set_dotted", "setting",
-           "spell", "with_grad_accum"]
+__all__ = ["RunConfig", "build", "load", "model_path_of", "parse_sets", "read_yaml", "resolve_model_path",
+           "set_dotted", "setting", "spell", "with_grad_accum"]

@@ -51,7 +51,7 @@ KNOWN = MARKERS | {
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
     "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
-    "wandb_entity", "wandb_mode",
+    "wandb_entity", "wandb_mode", "unfrozen_parameters",
 } | KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 # Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.
@@ -84,6 +84,7 @@ MAP = {
     "evals_per_epoch": "eval.per_epoch", "saves_per_epoch": "checkpoint.saves_per_epoch",
     "gradient_checkpointing": "recompute", "torch_compile": "model.compile", "optimizer": "optimizer.name",
     "lr_scheduler": "optimizer.schedule", "cosine_min_lr_ratio": "optimizer.min_lr",
+    "unfrozen_parameters": "model.unfrozen_parameters",
 }
 # Axolotl's numeric keys: YAML 1.1 reads `2e-5` (no dot) as a string, and Axolotl's schema turns it into a number
 FLOATS = {"learning_rate", "weight_decay", "warmup_ratio", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon",
@@ -128,6 +129,8 @@ def spelled(native: str) -> str:
 def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     axolotl_scope.check_scope(raw)  # first: a LoRA or DPO config is refused before anything else is said of it
     raw = numbers(raw)
+    if isinstance(raw.get("unfrozen_parameters"), str):  # Axolotl takes one pattern as a string too
+        raw = {**raw, "unfrozen_parameters": [raw["unfrozen_parameters"]]}
     out: dict[str, Any] = {"source": "axolotl"}
     for key, target in MAP.items():
         if key in ("num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",

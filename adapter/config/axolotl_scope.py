@@ -27,7 +27,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "lora_model_dir": ("starts from a trained LoRA adapter, which nd-adapter cannot load",
                        "merge the adapter into the base model first (peft merge_and_unload), point base_model at the "
                        "result and remove lora_model_dir"),
-    "unfrozen_parameters": ("training only the parameters that match these patterns is not supported", _FULL),
     "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
     "relora_steps": ("ReLoRA is not supported (no adapters)", _FULL),
     "peft_layer_replication": ("duplicating layers changes the architecture; not supported", _FULL),

@@ -240,5 +240,29 @@ def _files_beside(raw: Any, path: str | Path) -> Any:
     return raw
 
 
+def model_path_of(path: str | Path, overrides: dict[str, Any] | None = None) -> Path | None:
+    """The model directory (or config.json) a config file names, read from the raw YAML in any dialect, before
+    anything else of it is checked; None when it names none that exists here."""
+    raw = read_yaml(path)
+    if not isinstance(raw, dict):
+        return None
+    named = (overrides or {}).get("model.path")
+    if named is None:
+        dialect, model = detect_dialect(raw), raw.get("model")
+        named = {"native": model.get("path") if isinstance(model, dict) else None, "axolotl": raw.get("base_model"),
+                 "accelerate": model}[dialect]
+    if not isinstance(named, str) or not named:
+        return None
+    for cand in (Path(named), Path(path).resolve().parent / named):
+        if cand.exists():
+            return cand
+    if looks_like_hub_id(named):
+        try:
+            return resolve_hub_id(named)
+        except UserError:
+            return None  # said where the model is first needed, with the rest of the config's checks
+    return None
+
+
 def load(path: str | Path, **kw: Any) -> RunConfig:
     return with_grad_accum(resolve_model_path(build(_files_beside(read_yaml(path), path), **kw), path))

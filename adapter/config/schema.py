@@ -89,6 +89,10 @@ class ModelSection(_Strict):
     # which of each layer's linears run in fp8
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     fp8_linears: tuple[Literal["qkv", "proj", "fc1", "fc2"], ...] = Field(("fc1", "fc2"), min_length=1)
+    unfrozen_parameters: list[str] | None = Field(
+        None, description="train only the parameters whose HF names these regexes match (Axolotl's "
+        "unfrozen_parameters; `[start:end]` rows on embed_tokens / lm_head); the rest frozen: no gradients, no "
+        "optimizer states (adapter/models/freeze.py). Unset: every parameter", min_length=1)
     compile_memory_budget: float | None = Field(
         None, gt=0, le=1, description="compiled layers keep this fraction of their activations and recompute the "
         "rest in backward (AOTAutograd's activation_memory_budget; 1 or unset: keep all). One H200, 1B shape: 0.5 "

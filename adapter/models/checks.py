@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from adapter.config import RunConfig, spell
 from adapter.errors import bad
+from adapter.models import freeze
 from adapter.models.arch import ModelArch, check_tp
 
 
@@ -10,6 +11,8 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
+    if cfg.model.unfrozen_parameters is not None:  # patterns that split a tensor or match nothing: refused here
+        freeze.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"))
     if arch.sliding_window is not None and seq > arch.sliding_window:
         raise bad(spell(cfg, "seq_len"), seq, f"longer than the sliding_window={arch.sliding_window} of "
                   f"{arch.architecture}: sequences past the window need sliding-window attention, which nd-adapter "

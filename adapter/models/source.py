@@ -17,9 +17,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from adapter import config
+from adapter.config import RunConfig
 from adapter.errors import bad
-from adapter.models.arch import ModelArch, load_arch
+from adapter.models.arch import ModelArch, config_path, load_arch
 
 # A converted checkpoint's layout (Megatron-LM's for a converted model); adapter/convert writes and reads it.
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -31,6 +34,16 @@ CACHE_VERSION = 1  # bump when the conversion's output changes: old entries are 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+def load_config(path: str | Path, **kw: Any) -> RunConfig:
+    """`config.load`, with the model the file names checked first: a model nd-adapter cannot train (an unknown
+    architecture, a feature it cannot reproduce) is said before any key of the file, so following the config's
+    refusals one by one never ends at "unknown model architecture"."""
+    model = config.model_path_of(path, kw.get("overrides"))
+    if model is not None and config_path(model).is_file():
+        load_arch(model)
+    return config.load(path, **kw)
 
 
 def model_dir(path: str | Path) -> Path:

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from adapter import config
 from adapter.errors import bad
+from adapter.models import source
 from adapter.models.arch import load_arch, padded_vocab_size
 from adapter.models.counts import layer_gemms, local_params
 from adapter.plan import hardware, timing
@@ -230,7 +231,7 @@ def main(args, flags: dict, bench: Bench | None = None) -> int:
     """`flags`: the command line's world and GPU overrides (cli.py's, as for plan)."""
     if args.iters < 1:
         raise bad("--iters", args.iters, "must be at least 1", "e.g. --iters 10")
-    cfg = config.load(args.config, overrides={**config.parse_sets(args.set), **flags})
+    cfg = source.load_config(args.config, overrides={**config.parse_sets(args.set), **flags})
     arch = load_arch(cfg.model.path)
     base = hardware.read(args.base, key="--base") if args.base else hardware.resolve(cfg.hardware,
                                                                                       Path(args.config).parent)

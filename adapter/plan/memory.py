@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
+from adapter.models import freeze
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import local_params
 from adapter.parallel import deepspeed_config
@@ -128,8 +129,12 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     P = lp.total(L)
     Z = partition_size
     shard = -(-P // Z)
-    weights, grads = pb * (shard if stage == 3 else P), pb * shard
-    optim = int(((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * shard)  # fp32 master (16-bit) + moments
+    # gradients and optimizer states only for the trained parameters (model.unfrozen_parameters)
+    trained = P if cfg.model.unfrozen_parameters is None else freeze.trained_local_params(
+        arch, cfg.model.unfrozen_parameters, tp, vocab_divisible_by=cfg.model.vocab_divisible_by)
+    trained_shard = -(-trained // Z)
+    weights, grads = pb * (shard if stage == 3 else P), pb * trained_shard
+    optim = int(((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * trained_shard)  # fp32 master + moments
     ds = cfg.deepspeed
     big = max(lp.layer, lp.embedding)
     prefetched = lp.layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, lp.layer)
@@ -144,9 +149,9 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     if deepspeed_config.flat_at_stage(cfg, stage):
         step_transient = 0
     elif stage == 3:
-        step_transient = 4 * min(shard, SUB_GROUP) if half else 0
+        step_transient = 4 * min(trained_shard, SUB_GROUP) if half else 0
     else:
-        step_transient = pb * shard + (4 * shard if half else 0)
+        step_transient = pb * trained_shard + (4 * trained_shard if half else 0)
     # ZeRO-3's reduce buckets count at the peak; ZeRO-2's did not (measured: the same peak at bucket sizes 5e7-5e8)
     buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0
 

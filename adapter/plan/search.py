@@ -17,10 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from adapter import config
 from adapter.config import RunConfig
 from adapter.errors import UserError, bad
-from adapter.models import checks
+from adapter.models import checks, source
 from adapter.models.arch import ModelArch, load_arch
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
@@ -251,11 +250,11 @@ def run(config_path: str, sets: dict[str, Any], flags: dict[str, Any], world: in
     rest = {k: v for k, v in sets.items() if k not in SEARCH_KEYS}
     notes: list[str] = []
     try:
-        cfg = config.load(config_path, overrides={**rest, **flags}, world_size=world)
+        cfg = source.load_config(config_path, overrides={**rest, **flags}, world_size=world)
     except UserError as first:
         own = {k: v for k, v in flags.items() if k not in ("hardware.nodes", "hardware.gpus_per_node")}
         try:
-            cfg = config.load(config_path, overrides={**rest, **own})
+            cfg = source.load_config(config_path, overrides={**rest, **own})
         except UserError:
             raise first from None
         notes.append(f"the config's layout is for {cfg.world_size} GPUs; searching {world} at its global batch of "

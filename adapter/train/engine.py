@@ -20,11 +20,12 @@ from deepspeed.constants import default_pg_timeout
 from deepspeed.utils import set_z3_leaf_modules
 from megatron.core import tensor_parallel
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.convert.load import load_megatron_checkpoint
 from adapter.kernels.fp8 import install_fp8
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
+from adapter.models import freeze as freeze_facts
 from adapter.models.arch import ModelArch
 from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
@@ -70,7 +71,26 @@ def add_tp_grad_hooks(model, tp_group) -> None:
         return grad
 
     for p in tp_grad_sum_params(model):
-        p.register_hook(hook)
+        if p.requires_grad:  # a frozen norm has no gradient to sum
+            p.register_hook(hook)
+
+
+def freeze(model, tensors: list[freeze_facts.Tensor], tp_rank: int, tp: int) -> None:
+    """`model.unfrozen_parameters` applied to the built GPTModel (before DeepSpeed sees it): frozen tensors stop
+    requiring gradients, so no rank keeps a gradient, a master copy or optimizer state for them; a trained row range
+    (vocabulary rows) zeroes the other rows' gradient, as Axolotl's hook does."""
+    by_name = {t.name: t for t in tensors}
+    for name, p in model.named_parameters():
+        t = by_name.get(name)
+        if t is None:
+            raise RuntimeError(f"{name}: no HF parameter maps to it (adapter/models/freeze.py's names are stale)")
+        if not t.trained:
+            p.requires_grad_(False)
+        elif t.rows is not None:  # vocab-parallel: this rank holds rows [tp_rank·local, (tp_rank + 1)·local)
+            local = p.shape[0]
+            rows = torch.arange(tp_rank * local, (tp_rank + 1) * local, device=p.device)
+            keep = ((rows >= t.rows[0]) & (rows < t.rows[1])).to(p.dtype).unsqueeze(1)
+            p.register_hook(lambda grad, keep=keep: grad * keep)
 
 
 @dataclass
@@ -162,6 +182,10 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
     elif cfg.model.checkpoint:
         load_megatron_checkpoint(model, cfg.model.checkpoint)
     model.to(device)
+    if cfg.model.unfrozen_parameters is not None:
+        freeze(model, freeze_facts.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"),
+                                           vocab_divisible_by=cfg.model.vocab_divisible_by),
+               dist.get_rank(groups.tp), tp)
     if cfg.precision == "fp8":
         install_fp8(model, cfg.model.fp8_recipe, cfg.model.fp8_linears)
     if cfg.model.compile:

@@ -15,7 +15,6 @@ import dataclasses
 import math
 import tempfile
 
-from adapter import config
 from adapter.config import RunConfig
 from adapter.errors import bad
 from adapter.models import source
@@ -98,7 +97,7 @@ def in_process(cfg: RunConfig, rank: int, *, steps: int, seq_len: int | None, wo
 
 
 def main(args) -> int:
-    cfg = config.load(args.config)
+    cfg = source.load_config(args.config)
     preflight(cfg, need_data=False)  # data files are checked (and tokenised) inside, when given
     if args.steps < 2:
         raise bad("--steps", args.steps, "a rehearsal saves half-way and resumes", "use --steps 2 or more")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from adapter import config
 from adapter.errors import ERROR_DIR, bad
+from adapter.models import source
 from adapter.osutil import free_port
 from adapter.train.preflight import preflight
 
@@ -67,7 +68,7 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
 
 
 def main(args) -> int:
-    cfg = config.load(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
+    cfg = source.load_config(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
     preflight(cfg, resume=args.resume)
     worker_args = ["--config", args.config] + (["--resume"] if args.resume else [])
     for item in args.set or []:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.convert import cache
 from adapter.data import DPSampler, PackedDataset, SyntheticData, build_batches, build_token_cache
 from adapter.data.sft import prepare
@@ -36,7 +36,7 @@ from adapter.data.sft.report import stats_lines
 from adapter.errors import DivergedError, UserError, bad
 from adapter.kernels.attention import split_for_cp
 from adapter.kernels.thd import local_multiple, pack_batch
-from adapter.models import checks, source
+from adapter.models import checks, freeze, source
 from adapter.models.arch import ModelArch
 from adapter.models.counts import flops_per_token
 from adapter.parallel import mcore_groups
@@ -149,6 +149,9 @@ class Trainer:
             self._say("device: CPU (no GPU is visible to this process): training on the CPU with gloo")
         for w in checks.check(cfg, self.arch):
             self._say(f"warning: {w}")
+        if cfg.model.unfrozen_parameters is not None:
+            key = spell(cfg, "model.unfrozen_parameters")
+            self._say(freeze.describe(freeze.resolve(self.arch, cfg.model.unfrozen_parameters, key), self.arch, key))
         self.weights = source.resolve(cfg)
         resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
         self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed" if resuming else

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from adapter import config
 from adapter.errors import ERROR_DIR, EXIT_USAGE, DivergedError, UserError
+from adapter.models import source
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
         overrides = config.parse_sets(args.set)
         if args.max_steps is not None:
             overrides["optimizer.max_steps"] = args.max_steps
-        cfg = config.load(args.config, world_size=world, overrides=None if args.rehearse else overrides)
+        cfg = source.load_config(args.config, world_size=world, overrides=None if args.rehearse else overrides)
         # Large one-off allocations (the optimizer step's fp32 gradient partition) otherwise fail on fragmentation
         # with memory free in total (issue 19); torchtitan sets the same. Read at CUDA's first allocation, so here.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -47,21 +47,46 @@ def hf_loss(model, batch):
     return (ce * mask).sum() / mask.sum().clamp(min=1)
 
 
+def axolotl_freeze(model, patterns: list[str]) -> None:
+    """Axolotl's `unfrozen_parameters` on an HF model, as its utils/freeze.py does it: `re.match` on each parameter
+    name with literal dots, the rest frozen; a trailing [start:end] zeroes the other rows' gradient."""
+    import re
+
+    import torch
+
+    for name, p in model.named_parameters():
+        p.requires_grad_(False)
+        for pattern in patterns:
+            m = re.match(r"^(.+)\[([0-9]*):([0-9]*)\]$", pattern)
+            base, rows = (m.group(1), (int(m.group(2) or 0), int(m.group(3)) if m.group(3) else None)) if m \
+                else (pattern, None)
+            if re.match(re.sub(r"\.(?!\+)", "\\.", base), name):
+                p.requires_grad_(True)
+                if rows is not None:
+                    keep = torch.zeros(p.shape[0], 1)
+                    keep[rows[0]:rows[1]] = 1.0
+                    p.register_hook(lambda g, keep=keep: g * keep)
+
+
 def hf_reference(hf_dir: str | Path, data, steps: list[list[int]], *, lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 val=None) -> dict:
+                 val=None, unfrozen: list[str] | None = None) -> dict:
     """Train the HF model itself on `steps` (each the sample indices of one optimizer step): losses, grad norms,
-    and (with `val`) the held-out loss after the last step, over all of `val` at once."""
+    and (with `val`) the held-out loss after the last step, over all of `val` at once. `unfrozen`: Axolotl's
+    unfrozen_parameters (`axolotl_freeze`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+    if unfrozen is not None:
+        axolotl_freeze(model, unfrozen)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, eps=eps,
+                            weight_decay=0.0)
     losses, norms = [], []
     for idx in steps:
         loss = hf_loss(model, batch_of(data, idx))
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e12)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e12)))
         losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()

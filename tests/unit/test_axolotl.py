@@ -145,7 +145,6 @@ def test_kernel_keys_get_one_line_and_other_plugins_are_ignored_or_refused():
     ({"adapter": "qlora", "load_in_4bit": True}, "adapter='qlora'"),
     ({"load_in_8bit": True}, "load_in_8bit=True: 8-bit quantised"),
     ({"rl": "dpo"}, "rl='dpo': preference / RL training"),
-    ({"unfrozen_parameters": ["^lm_head.weight$"]}, "unfrozen_parameters"),
     ({"neftune_noise_alpha": 5}, "neftune_noise_alpha=5: NEFTune"),
     ({"tokens": ["<|new|>"]}, "tokens=['<|new|>']: adding tokens needs new embedding rows"),
     ({"pretraining_dataset": [{"path": "c4"}]}, "pretraining_dataset"),
@@ -384,3 +383,34 @@ def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
     assert small.seq_len == 512 and small.data.min_sample_len == 512 and small.data.excess_length_strategy == "truncate"
     assert [n for n in small.notes if n.startswith("precision")] == [
         "precision: fp32 (the rehearsal's, on CPU; the run itself: bf16)"]
+
+
+def test_an_unknown_architecture_is_said_first(tmp_path):
+    """A Gemma-3 QLoRA example took five rounds of fixes before `unknown model architecture` (issue 26): the model is
+    checked before any key of the file."""
+    model = tmp_path / "gemma"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3"}))
+    cfg = tmp_path / "qlora.yaml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(model), "adapter": "qlora", "load_in_4bit": True,
+                                   "optimizer": "paged_adamw_8bit", "learning_rate": "2e-4", "lora_r": 32,
+                                   "unfrozen_parameters": ["^lm_head.weight$"], "sequence_len": 2048}))
+    for argv in (["plan", str(cfg)], ["plan", str(cfg), "--search", "--gpus-per-node", "8"],
+                 ["preprocess", "--config", str(cfg)]):
+        code, _, err = run_cli(*argv)
+        assert code == 2 and err.startswith("nd-adapter: error: architectures='Gemma3ForCausalLM': unknown model "
+                                            "architecture"), (argv, err)
+
+
+def test_unfrozen_parameters_map_and_bad_patterns_are_refused_at_plan(tmp_path):
+    assert build(unfrozen_parameters="^lm_head.weight$").model.unfrozen_parameters == ["^lm_head.weight$"]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BASE, "unfrozen_parameters": ["^model.layers.0.self_attn.q_proj.weight$"]}))
+    code, _, err = run_cli("plan", str(cfg))
+    assert code == 2 and err.startswith("nd-adapter: error: unfrozen_parameters='^model.layers.0.self_attn.q_proj"
+                                        ".weight$': trains model.layers.0.self_attn.q_proj.weight but not"), err
+    cfg.write_text(yaml.safe_dump({**BASE, "unfrozen_parameters": ["^model.layers.3[01].", "^lm_head.weight$"]}))
+    code, out, err = run_cli("plan", str(cfg), "--format", "json")
+    notes = json.loads(out)["notes"]
+    said = "unfrozen_parameters: 13 of 195 tensors trained (961.56 M of 8030.26 M"  # 2 layers + lm_head of 8B
+    assert code == 0 and any(n.startswith(said) for n in notes), notes

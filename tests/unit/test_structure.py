@@ -29,7 +29,7 @@ FLOW: dict[str, set[str]] = {
     "plan": {"config", "parallel", "models"},
     "train": {"config", "parallel", "models", "kernels", "modeling", "patches", "data", "convert"},
     "demo": set(),
-    "cli": {"config", "convert", "data", "plan", "train"},
+    "cli": {"config", "models", "convert", "data", "plan", "train"},
     "__main__": {"cli"},
 }
 # Modules that must load without torch: what `plan`, `--help` and the config checks before `train` import.
