@@ -51,7 +51,7 @@ KNOWN = MARKERS | {
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
     "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
-    "wandb_entity", "wandb_mode", "unfrozen_parameters",
+    "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights",
 } | KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 # Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.
@@ -172,7 +172,12 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
         set_dotted(out, "optimizer.min_lr", raw["cosine_min_lr_ratio"] * raw["learning_rate"])
     if raw.get("gradient_checkpointing"):
         out["recompute"] = "full"
+    if raw.get("reinit_weights"):  # Axolotl's pretraining from scratch in base_model's shape
+        set_dotted(out, "model.init", "random")
+        notes.append("reinit_weights: true -> model.init: random (random weights in base_model's shape, not its "
+                     "pre-trained ones)")
     _axolotl_data(raw, out)
+    map_pretraining(raw.get("pretraining_dataset"), out, notes, has_sft=bool(raw.get("datasets")))
     ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]
     map_training(raw, out, notes, ignored)
     if ignored:  # said once, by the run's first lines (and plan), never as a Python warning from every rank
@@ -471,6 +476,50 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
 
 # ------------------------------------------------------------------------------------------------------------------
 # Datasets
+
+PRETRAIN_USED = {"path", "type", "text_column", "field", "split", "name", "data_files", "skip", "trust_remote_code"}
+
+
+def map_pretraining(value: Any, out: dict[str, Any], notes: list[str], *, has_sft: bool) -> None:
+    """Axolotl's continued pretraining (`pretraining_dataset`, streamed from the hub there) from local files onto
+    nd-adapter's pretraining data (data.files): documents tokenised once into a cache, joined with EOS and cut into
+    sequence_len samples, every token trained. Axolotl reads only the first entry; hub names are refused."""
+    if value is None:
+        return
+    entries = [value] if isinstance(value, str) else value
+    if not isinstance(entries, list) or not entries:
+        raise bad("pretraining_dataset", value, "must be a list of datasets (or one path)",
+                  "write `- path: data/corpus.jsonl` below it")
+    if has_sft:
+        raise bad("pretraining_dataset", value, "given with datasets: Axolotl then pretrains and drops the SFT "
+                  "datasets", "give one of pretraining_dataset or datasets")
+    entry = entries[0] if isinstance(entries[0], dict) else {"path": entries[0]}
+    unknown = sorted(set(entry) - PRETRAIN_USED)
+    if unknown:
+        raise bad(f"pretraining_dataset[0].{unknown[0]}", entry[unknown[0]], "a key nd-adapter does not support",
+                  f"use {', '.join(sorted(PRETRAIN_USED))}")
+    path = entry.get("path")
+    if not isinstance(path, str) or not path:
+        raise bad("pretraining_dataset[0].path", path, "missing", "give the local file or directory of the corpus")
+    if entry.get("type", "pretrain") not in ("pretrain", "completion"):
+        raise bad("pretraining_dataset[0].type", entry["type"], "pretraining reads raw text",
+                  "use type: pretrain (or completion)")
+    if entry.get("skip"):
+        raise bad("pretraining_dataset[0].skip", entry["skip"], "skipping rows of the corpus is not supported",
+                  "remove it (drop the rows from the files instead)")
+    root = Path(path)
+    if not root.exists():
+        raise bad("pretraining_dataset[0].path", path, "not a local file or directory: nd-adapter does not stream "
+                  "hub datasets (clusters are often offline)", f"download it (`hf download {path} --repo-type "
+                  "dataset`) and point path at its jsonl/txt/parquet files")
+    files = entry.get("data_files")
+    files = [str(root / f) for f in ([files] if isinstance(files, str) else files)] if files else [str(root)]
+    set_dotted(out, "data.files", files)
+    set_dotted(out, "data.text_key", entry.get("text_column") or entry.get("field") or "text")
+    notes.append(f"pretraining_dataset: {path} -> data.files (documents joined with EOS and cut into sequence_len "
+                 "samples, every token trained; Axolotl truncates each document to sequence_len instead)"
+                 + ("; only the first entry is read, as in Axolotl" if len(entries) > 1 else ""))
+
 
 def _axolotl_entry(i: int, entry: Any, key: str = "datasets") -> dict[str, Any]:
     where = f"{key}[{i}]"

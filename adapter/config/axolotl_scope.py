@@ -47,8 +47,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "process_reward_model": ("process-reward-model training is not supported", _SFT),
     "kd_trainer": ("knowledge distillation is not supported", "remove the KD plugin and its kd_* keys"),
     # data and tokens
-    "pretraining_dataset": ("streamed pretraining datasets are not read",
-                            "list the data under datasets: with type: completion (or native data.files)"),
     "tokens": ("adding tokens needs new embedding rows", _VOCAB),
     "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),
     "fix_untrained_tokens": ("rewriting the embeddings of untrained tokens is not supported", "remove it"),

@@ -228,16 +228,30 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _beside(name: Any, path: str | Path) -> Any:
+    """A file an Axolotl key names: relative to the working directory (as Axolotl reads it), else to the config
+    file's directory."""
+    if not isinstance(name, str) or not name:
+        return name
+    p = Path(name)
+    beside = Path(path).resolve().parent / p
+    return str(beside) if not p.is_absolute() and not p.exists() and beside.exists() else name
+
+
 def _files_beside(raw: Any, path: str | Path) -> Any:
-    """Axolotl's `deepspeed: some.json`, read before the config is built: relative to the working directory (as
-    Axolotl reads it), else to the config file's directory."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("deepspeed"), str) or detect_dialect(raw) != "axolotl":
+    """Axolotl's files read before the config is built (its `deepspeed:` JSON, a local `pretraining_dataset`)."""
+    if not isinstance(raw, dict) or detect_dialect(raw) != "axolotl":
         return raw
-    ds = Path(raw["deepspeed"])
-    beside = Path(path).resolve().parent / ds
-    if not ds.is_absolute() and not ds.is_file() and beside.is_file():
-        return {**raw, "deepspeed": str(beside)}
-    return raw
+    out = dict(raw)
+    if isinstance(raw.get("deepspeed"), str):
+        out["deepspeed"] = _beside(raw["deepspeed"], path)
+    pre = raw.get("pretraining_dataset")
+    if isinstance(pre, str):
+        out["pretraining_dataset"] = _beside(pre, path)
+    elif isinstance(pre, list):
+        out["pretraining_dataset"] = [{**e, "path": _beside(e.get("path"), path)} if isinstance(e, dict) else
+                                      _beside(e, path) for e in pre]
+    return out
 
 
 def model_path_of(path: str | Path, overrides: dict[str, Any] | None = None) -> Path | None:

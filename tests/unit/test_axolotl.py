@@ -147,7 +147,8 @@ def test_kernel_keys_get_one_line_and_other_plugins_are_ignored_or_refused():
     ({"rl": "dpo"}, "rl='dpo': preference / RL training"),
     ({"neftune_noise_alpha": 5}, "neftune_noise_alpha=5: NEFTune"),
     ({"tokens": ["<|new|>"]}, "tokens=['<|new|>']: adding tokens needs new embedding rows"),
-    ({"pretraining_dataset": [{"path": "c4"}]}, "pretraining_dataset"),
+    ({"pretraining_dataset": [{"path": "allenai/c4", "name": "en", "type": "pretrain"}]},
+     "pretraining_dataset[0].path='allenai/c4': not a local file or directory: nd-adapter does not stream hub"),
     ({"embedding_lr_scale": 0.5}, "embedding_lr_scale=0.5"),
     ({"early_stopping_patience": 3}, "early_stopping_patience=3"),
     ({"resume_from_checkpoint": "out/checkpoint-100"}, "resume_from_checkpoint"),
@@ -414,3 +415,23 @@ def test_unfrozen_parameters_map_and_bad_patterns_are_refused_at_plan(tmp_path):
     notes = json.loads(out)["notes"]
     said = "unfrozen_parameters: 13 of 195 tensors trained (961.56 M of 8030.26 M"  # 2 layers + lm_head of 8B
     assert code == 0 and any(n.startswith(said) for n in notes), notes
+
+
+def test_pretraining_dataset_from_local_files(tmp_path):
+    """Axolotl's continued pretraining (its examples' `pretraining_dataset`, type pretrain) from local files, read
+    relative to the config file, onto the pretraining data path."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "part-0.jsonl").write_text(json.dumps({"content": "In the beginning."}) + "\n")
+    cfg_file = tmp_path / "pretrain.yaml"
+    cfg_file.write_text(yaml.safe_dump({**BASE, "pretraining_dataset": [
+        {"path": "corpus", "name": "en", "type": "pretrain", "split": "train", "text_column": "content"},
+        {"path": "other"}]}))
+    cfg = config.load(cfg_file)
+    assert cfg.data.files == [str(corpus)] and cfg.data.text_key == "content" and not cfg.data.datasets
+    assert any(n.startswith("pretraining_dataset: ") and n.endswith("only the first entry is read, as in Axolotl")
+               for n in cfg.notes), cfg.notes
+    with pytest.raises(UserError, match=r"^pretraining_dataset=.*given with datasets"):
+        build(pretraining_dataset=str(corpus), datasets=[{"path": "x", "type": "alpaca"}])
+    with pytest.raises(UserError, match=r"^pretraining_dataset\[0\]\.skip=10: skipping rows"):
+        build(pretraining_dataset=[{"path": str(corpus), "skip": 10}])

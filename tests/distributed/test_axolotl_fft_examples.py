@@ -1,0 +1,81 @@
+"""Axolotl's own full fine-tune examples (tests/fixtures/axolotl: fft-8b.yaml with its paged 8-bit AdamW, the two
+ALST files with adamw_torch_8bit, `sequence_len: 500_000`, `min_sample_len: 200_000`, cp 8 and a ZeRO-3 offload
+JSON, and Llama-2's fft_optimized.yml with adamw_bnb_8bit), unchanged but for local dataset paths: `plan` and
+`preprocess` pass; `rehearse` passes on fft-8b.yaml and on the DeepSpeed ALST file (issue 26's proof)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.axolotl_home import alpaca_rows, localised, long_rows, make_home, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests/fixtures/axolotl"
+EXAMPLES = {"fft-8b.yaml": 1, "llama3-8b-deepspeed-alst.yaml": 8, "llama3-8b-fsdp2-alst.yaml": 8,
+            "fft_optimized.yml": 1}  # name -> GPUs of one node
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """HF_HOME with the examples' base models; local copies of their datasets; each example localised in its own
+    working directory (beside it the DeepSpeed JSON the ALST file names, as Axolotl's checkout has it)."""
+    root = tmp_path_factory.mktemp("axolotl")
+    home = make_home(root, models=("NousResearch/Meta-Llama-3.1-8B", "meta-llama/Llama-3.1-8B",
+                                   "NousResearch/Llama-2-7b-hf"))
+    alpaca = write_jsonl(root / "data/alpaca.jsonl", alpaca_rows())
+    # ALST keeps documents of 200k tokens or more: three of ~250k tokens each (a word is ~3 tokens here)
+    long_text = write_jsonl(root / "data/rp_sub.jsonl", long_rows(2, 85_000, "text"))
+    chapters = write_jsonl(root / "data/chapters.jsonl", long_rows(1, 85_000, "chapter"))
+    data = {"fft-8b.yaml": {0: alpaca}, "fft_optimized.yml": {0: alpaca},
+            "llama3-8b-deepspeed-alst.yaml": {0: long_text, 1: chapters},
+            "llama3-8b-fsdp2-alst.yaml": {0: long_text, 1: chapters}}
+    out = {}
+    for name in EXAMPLES:
+        work = root / name.split(".")[0]
+        work.mkdir()
+        out[name] = localised(FIXTURES / name, work / name, data[name])
+        if "deepspeed-alst" in name:
+            (work / "deepspeed_configs").mkdir()
+            shutil.copyfile(FIXTURES / "zero3_bf16_cpuoffload_all.json",
+                            work / "deepspeed_configs/zero3_bf16_cpuoffload_all.json")
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
+    return out, env
+
+
+def _cli(argv, env, cwd) -> tuple[int, str, str]:
+    p = subprocess.run([sys.executable, "-m", "adapter", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=1500)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_plan_and_preprocess_pass_unchanged(setup, name):
+    files, env = setup
+    cfg = files[name]
+    code, out, err = _cli(["plan", str(cfg), "--gpus-per-node", str(EXAMPLES[name]), "--gpu", "h200"], env,
+                          cfg.parent)
+    assert code == 0, err
+    assert "8-bit" in out or "AdamW8bit" in out, out  # the example's 8-bit optimizer is honoured, and said
+    code, out, err = _cli(["preprocess", "--config", str(cfg)], env, cfg.parent)
+    assert code == 0 and "prepared data:" in out, (out[-2000:], err[-2000:])
+    if "alst" in name:
+        assert " 3 kept " in out.replace("\n", " ") or "3 examples" in out, out  # every ~250k-token document
+
+
+@pytest.mark.parametrize("name", ["fft-8b.yaml", "llama3-8b-deepspeed-alst.yaml"])
+def test_rehearse_passes_unchanged(setup, name):
+    files, env = setup
+    cfg = files[name]
+    code, out, err = _cli(["rehearse", "--config", str(cfg), "--steps", "2"], env, cfg.parent)
+    assert code == 0 and "rehearsal ok" in out, (out[-3000:], err[-3000:])
+    assert "precision: fp32 (the rehearsal's, on CPU; the run itself: bf16)" in out
+    resumed = next(ln for ln in out.splitlines() if ln.startswith("step 2/2"))
+    assert "lr 0.000e+00" not in resumed, resumed  # the resumed step runs at its schedule's rate

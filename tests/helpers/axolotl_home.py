@@ -1,0 +1,104 @@
+"""A Hugging Face home for Axolotl's example configs without network: the base models they name (each model's real
+config.json and a small byte-level tokenizer carrying the special tokens the examples ask for) in the local hub
+cache, and small local datasets with the columns each example reads."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from tests.helpers.hub import add_to_hub_cache
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "configs/models"
+_LLAMA2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+           "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+           "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float16"}
+_MISTRAL_V01 = {**_LLAMA2, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                "sliding_window": 4096, "torch_dtype": "bfloat16"}
+_QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "rope_theta": 1e6,
+           "use_sliding_window": False, "sliding_window": 32768, "torch_dtype": "bfloat16"}
+# hub id -> a shipped config directory or a config.json's content (published shapes)
+MODELS: dict[str, str | dict] = {
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b", "NousResearch/Meta-Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b", "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
+    "Qwen/Qwen3-8B": "qwen3-8b", "NousResearch/Llama-2-7b-hf": _LLAMA2, "mistralai/Mistral-7B-v0.1": _MISTRAL_V01,
+    "Qwen/Qwen2.5-0.5B": {**_QWEN25, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                          "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                          "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-72B": {**_QWEN25, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+                         "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 152064,
+                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+}
+# the special tokens Axolotl's examples name (special_tokens:, chat templates)
+SPECIAL = ["<|eot_id|>", "<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<s>", "</s>",
+           "<unk>", "<|endoftext|>"]
+
+
+def tokenizer(root: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from adapter.demo.build import train_tokenizer
+
+    out = train_tokenizer(out_dir=root / "tokenizer", vocab_size=1024)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_tokens(SPECIAL, special_tokens=True)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def make_home(root: Path, models=tuple(MODELS)) -> Path:
+    """HF_HOME with `models` cached (config.json + the small tokenizer)."""
+    home, tok = root / "home", tokenizer(root)
+    for repo in models:
+        src = root / "src" / repo.replace("/", "--")
+        src.mkdir(parents=True, exist_ok=True)
+        spec = MODELS[repo]
+        conf = json.loads((SHIPPED / spec / "config.json").read_text()) if isinstance(spec, str) else spec
+        (src / "config.json").write_text(json.dumps(conf))
+        for f in tok.iterdir():
+            (src / f.name).write_bytes(f.read_bytes())
+        add_to_hub_cache(home, repo, src)
+    return home
+
+
+def alpaca_rows(n: int = 64) -> list[dict]:
+    return [{"instruction": f"Name the number after {i}.", "input": "" if i % 2 else f"{i}",
+             "output": f"The number after {i} is {i + 1}. " * (1 + i % 4)} for i in range(n)]
+
+
+def long_rows(n: int, words: int, field: str) -> list[dict]:
+    """Documents of about `words` words (each word a few tokens of the small tokenizer)."""
+    return [{field: " ".join(f"word{(i * 7919 + j) % 9973}" for j in range(words))} for i in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def localised(example: Path, out: Path, data: dict[int, Path]) -> Path:
+    """The example's YAML, unchanged but for `datasets[i].path` -> data[i] (and the hub-only `data_files`)."""
+    raw = yaml.safe_load(example.read_text())
+    for i, path in data.items():
+        entry = raw["datasets"][i]
+        entry["path"] = str(path)
+        entry.pop("data_files", None)
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
+def deepspeed_configs_beside(example: Path, out_dir: Path) -> None:
+    """Axolotl's deepspeed_configs/ where an example names one (it reads them relative to the working directory)."""
+    raw = example.read_text()
+    m = re.search(r"^deepspeed:\s*(\S+\.json)", raw, re.M)
+    if m:
+        src = ROOT / "tests/fixtures/axolotl" / Path(m.group(1)).name
+        dst = out_dir / m.group(1)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(src.read_text())
