@@ -59,3 +59,32 @@ def test_one_launch_step_equals_the_per_parameter_step(shapes, align, monkeypatc
     for start, a, b in zip(base, ref_params, got_params):
         assert (a.float() - b.float()).abs().max() <= a.float().abs().max() * 2 ** -7  # at most a bf16 rounding
         assert not torch.equal(b, start)                                               # it did update
+
+
+def test_flat_8bit_on_cuda_takes_bitsandbytes_cuda_steps():
+    """optimizer.name: adamw_8bit on one GPU: the flat AdamW's 8-bit mode (bf16 weights, fp32 master views, its own
+    norm) steps bitsandbytes' CUDA AdamW8bit exactly as that optimizer steps fp32 copies of the weights. Clipping is
+    off: a last-bit difference in a clipped gradient can move a moment to the next 8-bit code (CPU tests clipping)."""
+    from adapter.train.optim import adamw_8bit
+
+    base = _params(ALIGNED)
+    ours = copy.deepcopy(base)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in base]
+    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]  # noqa: E731
+    flat = FlatAdamW(groups(ours), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.0, state_bits=8)
+    bnb = adamw_8bit(groups(ref), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(5):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        for a, b in zip(ours, ref):
+            a.grad = (torch.randn(a.shape, device="cuda", generator=g) * 3).to(a.dtype)
+            b.grad = a.grad.float()
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ref]))
+        flat.step()
+        bnb.step()
+        assert torch.allclose(flat._global_grad_norm, norm, rtol=1e-4)
+    state = flat.inner.state[flat.flats[0].masters[0]]
+    assert state["state1"].dtype == torch.uint8 and state["state1"].is_cuda
+    for f, group in zip(flat.flats, bnb.param_groups):
+        for m, p, w in zip(f.masters, group["params"], f.params):
+            assert torch.equal(m, p), (m - p).abs().max()
+            assert torch.equal(w, m.to(w.dtype))
