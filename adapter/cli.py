@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Sequence
 
 from adapter import __version__, config
+from adapter.convert.cli import add_merge_parser
 from adapter.convert.cli import add_parser as add_convert_parser
 from adapter.data.sft import report
 from adapter.errors import EXIT_USAGE, UserError
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     add_convert_parser(sub)
+    add_merge_parser(sub)
 
     for name, func, text in (("train", cmd_train, "train on this machine's GPUs (single node; or use launch/)"),
                              ("rehearse", cmd_rehearse, "run the config's layout on CPU processes with a tiny model")):

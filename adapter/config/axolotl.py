@@ -24,7 +24,8 @@ KERNEL_KEYS = {"attn_implementation", "flash_attention", "sdp_attention", "xform
                "sage_attention", "eager_attention", "flash_attn_cross_entropy", "flash_attn_fuse_mlp",
                "flash_attn_rms_norm", "flash_optimum", "cut_cross_entropy", "liger_rope", "liger_rms_norm",
                "liger_rms_norm_gated", "liger_layer_norm", "liger_swiglu", "liger_glu_activation",
-               "liger_cross_entropy", "liger_fused_linear_cross_entropy"}
+               "liger_cross_entropy", "liger_fused_linear_cross_entropy", "lora_mlp_kernel", "lora_qkv_kernel",
+               "lora_o_kernel", "lora_embedding_kernel"}
 SCHEDULE_KEYS = {"bf16", "fp16", "num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",
                  "optimizer", "output_dir", "save_steps", "save_total_limit", "max_steps", "warmup_steps", "batch_size",
                  "float32", "default_system_message"}
@@ -44,6 +45,13 @@ FSDP_USED = {"reshard_after_forward", "offload_params", "activation_checkpointin
              "final_state_dict_type", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "version"}
 MARKERS = {"base_model", "sequence_len", "tensor_parallel_size", "context_parallel_size", "datasets",
                    "sequence_parallel_degree", "micro_batch_size", "learning_rate", "num_epochs"}
+# LoRA's keys (map_lora): carried over only with `adapter: lora|qlora`, a LoRA key without it is refused
+LORA_MAP = {"lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+            "lora_target_modules": "lora.target_modules", "lora_target_linear": "lora.target_linear",
+            "lora_modules_to_save": "lora.modules_to_save", "peft_layers_to_transform": "lora.layers",
+            "peft_use_rslora": "lora.rslora", "lora_model_dir": "lora.init_from", "load_in_4bit": "lora.quantize_base"}
+LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_pattern", "peft_init_lora_weights",
+                             "load_in_8bit"}
 # Axolotl keys we understand; every other Axolotl key is reported once as ignored.
 KNOWN = MARKERS | {
     "dp_shard_size", "dp_replicate_size", "gradient_accumulation_steps", "bf16", "fp16", "tf32", "max_steps",
@@ -52,7 +60,7 @@ KNOWN = MARKERS | {
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
     "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights",
-} | KEYS
+} | KEYS | LORA_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 # Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.
 DATA_KEYS = {
@@ -176,6 +184,7 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
         set_dotted(out, "model.init", "random")
         notes.append("reinit_weights: true -> model.init: random (random weights in base_model's shape, not its "
                      "pre-trained ones)")
+    map_lora(raw, out, notes)
     _axolotl_data(raw, out)
     map_pretraining(raw.get("pretraining_dataset"), out, notes, has_sft=bool(raw.get("datasets")))
     ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]
@@ -186,8 +195,64 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_SPELLED = {native: key for key, native in MAP.items()} | {f"data.{v}": k for k, v in DATA_KEYS.items()} | {
-    "optimizer.betas": "adam_beta1 / adam_beta2", "precision": "bf16 / fp16"}
+_SPELLED = {native: key for key, native in (MAP | LORA_MAP).items()} | {
+    f"data.{v}": k for k, v in DATA_KEYS.items()} | {"optimizer.betas": "adam_beta1 / adam_beta2",
+                                                      "precision": "bf16 / fp16", "lora": "adapter"}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Adapters
+
+def map_lora(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """`adapter: lora|qlora` and the lora_* keys -> the `lora:` section, with PEFT's defaults where Axolotl passes
+    None on (lora_r 8, lora_alpha 8). A LoRA key without `adapter`, a QLoRA without `load_in_4bit`, or 4-bit weights
+    without an adapter are refused, as Axolotl refuses or ignores them: a run must do what its file says."""
+    adapter = raw.get("adapter")
+    given = [k for k in (*LORA_MAP, "load_in_8bit") if axolotl_scope.is_on(raw.get(k))]
+    if not adapter:
+        if given:
+            raise bad(given[0], raw[given[0]], "a LoRA setting without `adapter` would train every weight",
+                      f"set adapter: lora (or qlora with load_in_4bit: true), or remove {given[0]}")
+        return
+    if adapter not in ("lora", "qlora"):
+        raise bad("adapter", adapter, "only LoRA and QLoRA adapters are supported",
+                  "use adapter: lora (or qlora), or remove it for a full fine-tune")
+    four_bit = axolotl_scope.is_on(raw.get("load_in_4bit"))
+    eight_bit = axolotl_scope.is_on(raw.get("load_in_8bit"))
+    if four_bit and eight_bit:
+        raise bad("load_in_8bit", raw["load_in_8bit"], "conflicts with load_in_4bit: true",
+                  "set one of them (4-bit for QLoRA)")
+    if adapter == "qlora" and not four_bit:
+        raise bad("adapter", adapter, "QLoRA trains adapters on a 4-bit base: it needs load_in_4bit: true (Axolotl "
+                  "requires it too)", "set load_in_4bit: true, or use adapter: lora for a 16-bit base")
+    for key, native in LORA_MAP.items():
+        if raw.get(key) is not None and key != "load_in_4bit":
+            set_dotted(out, native, raw[key])
+    lora = out.setdefault("lora", {})
+    for key, default in (("lora_r", 8), ("lora_alpha", 8)):
+        if raw.get(key) is None:
+            set_dotted(out, LORA_MAP[key], default)
+            notes.append(f"{key}: {default} (PEFT's default, which Axolotl passes on for the unset key)")
+    init = raw.get("peft_init_lora_weights")
+    if init is not None and init is not True:
+        raise bad("peft_init_lora_weights", init, "only PEFT's default initialisation is supported (A Kaiming-"
+                  "uniform, B zero)", "remove it")
+    pattern = raw.get("peft_layers_pattern")
+    if pattern is not None and pattern not in ("layers", ["layers"]):
+        raise bad("peft_layers_pattern", pattern, "these models' layers are `model.layers`", "remove it")
+    if four_bit:
+        kw = raw.get("bnb_config_kwargs") or {}
+        for k, want in (("bnb_4bit_quant_type", "nf4"), ("bnb_4bit_use_double_quant", True)):
+            if kw.get(k, want) != want:
+                raise bad(f"bnb_config_kwargs.{k}", kw[k], f"the 4-bit base is {want} (QLoRA's) here",
+                          f"set it to {want}, or remove it")
+        lora["quantize_base"] = "nf4"
+        notes.append(f"adapter: {adapter} with load_in_4bit: the frozen base in NF4 with double quantisation, bf16 "
+                     "compute (bitsandbytes' format, as Axolotl loads it)")
+    if eight_bit:
+        lora["quantize_base"] = "int8"
+        notes.append("load_in_8bit: the frozen base's linears stored in int8 as bitsandbytes quantises them (row-wise "
+                     "absmax), each GEMM on the dequantised weight; LLM.int8's activation quantisation is not run")
 
 
 # ------------------------------------------------------------------------------------------------------------------

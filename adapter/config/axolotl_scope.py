@@ -16,23 +16,32 @@ _FULL = "remove it for a full fine-tune of every weight, or run this config with
 _SFT = "remove it and give an SFT dataset (e.g. type: chat_template), or run this config with Axolotl"
 _ONE_LR = "remove it: nd-adapter trains every weight with one learning_rate and its schedule"
 _16BIT = "set it to false: nd-adapter loads and trains 16/32-bit weights (bf16 with fp32 master weights)"
+_LORA = "remove it for plain LoRA (adapter: lora), or run this config with Axolotl"
 _VOCAB = "use tokens the vocabulary already has (special_tokens may name them); resizing embeddings is later work"
 
 # key -> (why it cannot be honoured, the fix)
 UNSUPPORTED: dict[str, tuple[str, str]] = {
-    # adapters, freezing
-    "adapter": ("LoRA/QLoRA adapters are not supported: nd-adapter trains every weight",
-                "remove adapter (its lora_* keys then do nothing) for a full fine-tune, or run this config with "
-                "Axolotl"),
-    "lora_model_dir": ("starts from a trained LoRA adapter, which nd-adapter cannot load",
-                       "merge the adapter into the base model first (peft merge_and_unload), point base_model at the "
-                       "result and remove lora_model_dir"),
+    # adapters, freezing (adapter: lora|qlora and their keys are mapped in axolotl.py's map_lora)
     "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
-    "relora_steps": ("ReLoRA is not supported (no adapters)", _FULL),
+    "relora_steps": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
+    "relora": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
+    "peft_use_dora": ("DoRA is not supported", "set it to false (LoRA)"),
+    "lora_rank_pattern": ("per-module LoRA ranks are not supported", "remove it: lora_r applies to every adapter"),
+    "lora_alpha_pattern": ("per-module LoRA alphas are not supported",
+                           "remove it: lora_alpha applies to every adapter"),
+    "loraplus_lr_ratio": ("LoRA+ (a larger learning rate for B) is not supported", _ONE_LR),
+    "peft_trainable_token_indices": ("training single token rows beside LoRA is not supported",
+                                     "remove it, or list embed_tokens under lora_modules_to_save (all rows)"),
+    "lora_target_parameters": ("LoRA on expert parameters (mixture-of-experts) is not supported",
+                               "remove it and target the layers' linears with lora_target_modules"),
+    "lora_fan_in_fan_out": ("fan_in_fan_out adapters (GPT-2's Conv1D layout) do not fit these models' linears",
+                            "set it to false"),
+    "peft_ensure_weight_tying": ("tying trained copies of tied embeddings is not supported (each trains alone, as "
+                                 "PEFT's default does)", "remove it"),
+    "loftq_config": ("LoftQ initialisation is not supported", "remove it (adapters start as PEFT's default)"),
+    "peft": ("LoftQ initialisation (peft.loftq_config) is not supported", "remove it"),
     "peft_layer_replication": ("duplicating layers changes the architecture; not supported", _FULL),
     # quantised weights
-    "load_in_8bit": ("8-bit quantised base weights are not supported", _16BIT),
-    "load_in_4bit": ("4-bit quantised base weights (QLoRA) are not supported", _16BIT),
     "gptq": ("GPTQ-quantised base weights are not supported", _16BIT),
     "qat": ("quantisation-aware training is not supported", "remove qat"),
     "fp8": ("Axolotl's FP8 (torchao float8 on every linear) is not what nd-adapter runs", "use bf16: true, or "

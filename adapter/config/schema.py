@@ -311,8 +311,28 @@ class HardwareSection(_Strict):
     inter_node_gb_per_s: float | None = Field(None, gt=0, description="network bandwidth per GPU between nodes")
 
 
+class LoraSection(_Strict):
+    """Train LoRA adapters on a frozen base instead of every weight (Axolotl's `adapter: lora|qlora` and `lora_*`
+    keys; PEFT's semantics: adapter/models/lora.py). Ranges are checked there, naming the key as the file spells it."""
+    r: int = Field(8, description="adapter rank (lora_r); PEFT's defaults: r 8, alpha 8")
+    alpha: float = Field(8.0, description="scale numerator: s = alpha / r, or alpha / sqrt(r) with rslora")
+    dropout: float = Field(0.0, description="dropout on the adapters' input (lora_dropout)")
+    target_modules: list[str] | str | None = Field(
+        None, description="HF linear names (q_proj, ..., down_proj), a regex over module names, or 'all-linear'; "
+        "unset: PEFT's default (q_proj, v_proj)")
+    target_linear: bool = Field(False, description="every linear of the layers (lora_target_linear)")
+    modules_to_save: list[str] = Field(default_factory=list, description="embed_tokens / lm_head, trained in full")
+    layers: list[int] | None = Field(None, description="only these layer indices (peft_layers_to_transform)")
+    rslora: bool = Field(False, description="rank-stabilised scale alpha / sqrt(r) (peft_use_rslora)")
+    init_from: str | None = Field(None, description="a PEFT adapter directory to start from (lora_model_dir)")
+    quantize_base: Literal["nf4", "int8"] | None = Field(
+        None, description="the frozen base's decoder linears quantised: nf4 (QLoRA, Axolotl's load_in_4bit) or int8 "
+                          "(load_in_8bit); null keeps them 16-bit")
+
+
 class RunConfig(_Strict):
     model: ModelSection
+    lora: LoraSection | None = Field(None, description="LoRA adapters on a frozen base; unset: every weight trains")
     parallelism: ParallelismConfig = ParallelismConfig()
     batch: BatchSection = BatchSection()
     seq_len: StrictInt = Field(2048, ge=1)

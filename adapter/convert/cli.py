@@ -1,4 +1,4 @@
-"""`nd-adapter convert {hf-to-megatron, megatron-to-hf, verify}`.
+"""`nd-adapter convert {hf-to-megatron, megatron-to-hf, verify}` and `nd-adapter merge-lora`.
 
 The parser is built for every `nd-adapter` command (its --help included), so torch and Megatron are imported only
 when a verb runs."""
@@ -7,6 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from adapter.config import parse_sets, spell
+from adapter.errors import bad
+from adapter.models import lora, source
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -41,6 +46,45 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
     return p
+
+
+def add_merge_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("merge-lora", help="base HF model + a LoRA adapter (PEFT format) -> one merged HF model "
+                              "(like `axolotl merge-lora`)")
+    p.add_argument("--config", required=True, help="the LoRA run's YAML (base model, lora settings, output_dir)")
+    p.add_argument("--adapter", help="adapter directory (default: the config's lora_model_dir, else its output_dir)")
+    p.add_argument("--out", help="merged model directory (default: <output_dir>/merged, as Axolotl writes it)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="stored dtype (default: the base's); the "
+                   "merge itself runs in fp32")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.set_defaults(func=run_merge)
+    return p
+
+
+def run_merge(args) -> int:
+    # merging runs in one process whatever layout the run trained at
+    cfg = source.load_config(args.config, overrides=parse_sets(args.set), world_size=None)
+    spec = lora.from_config(cfg, source.arch_for(cfg))
+    if spec is None:
+        raise bad("adapter", None, "the config trains every weight: there is no adapter to merge",
+                  "pass the LoRA run's config (adapter: lora)")
+    out_dir = cfg.checkpoint.export_hf or cfg.checkpoint.dir
+    adapter_dir = args.adapter or spec.init_from or out_dir
+    if adapter_dir is None:
+        raise bad("--adapter", None, "no adapter directory: the config has neither lora_model_dir nor output_dir",
+                  "pass --adapter DIR")
+    out = args.out or (str(Path(out_dir) / "merged") if out_dir else None)
+    if out is None:
+        raise bad("--out", None, "no output directory", "pass --out DIR")
+    from adapter.convert import peft  # torch: imported when the verb runs (module docstring)
+    from adapter.convert.hf_io import parse_dtype  # torch, likewise
+
+    done = peft.merge(source.hf_dir(cfg), adapter_dir, out, spec, source.arch_for(cfg),
+                      key="--adapter" if args.adapter else spell(cfg, "lora.init_from"),
+                      dtype=parse_dtype(args.dtype))
+    print(f"merged {adapter_dir} into {source.hf_dir(cfg)}: wrote {done} (in fp32, stored as "
+          f"{args.dtype or 'the base'}'s dtype)")
+    return 0
 
 
 def run(args) -> int:

@@ -1,7 +1,8 @@
 """The whole nd-adapter path on CPU, as a user would type it: build a tiny Llama -> plan -> convert -> train (tp=2 ×
 ZeRO-3 dp=2, four gloo processes) -> resume -> export to HF -> load and generate with transformers -> fine-tune
 that model on a chat dataset from an Axolotl-style YAML (its weights converted once into a cache; a held-out eval
-loss) -> answer a question through the exported model's chat template.
+loss) -> answer a question through the exported model's chat template -> train LoRA adapters on the same set from
+an Axolotl LoRA YAML, load them with PEFT and answer, merge them with `nd-adapter merge-lora`.
 
 Every stage that has a CLI runs it as a subprocess (`python -m adapter ...`, i.e. `nd-adapter ...`) from inside the
 output directory, so the config's relative paths are the ones a user would write and a fresh clone needs nothing but
@@ -59,12 +60,15 @@ class Settings:
     ft_epochs: int = 16     # the fine-tuning leg: epochs over adapter/demo/data/chat_genesis.jsonl (2 steps each)
     ft_seq_len: int = 256
     ft_lr: float = 1e-3
+    lora_epochs: int = 16   # the LoRA leg: the same chat set, adapters on the pre-trained export
+    lora_lr: float = 1e-2
 
 
 QUICK = Settings(vocab=512, hidden=64, layers=2, ffn=128, max_positions=256, seq_len=64, micro_batch=2,
                  warmup=2, first_steps=6, total_steps=12, save_every=3, min_drop=0.3, new_tokens=8, verify=False,
-                 ft_epochs=4, ft_seq_len=256, ft_lr=3e-3)
+                 ft_epochs=4, ft_seq_len=256, ft_lr=3e-3, lora_epochs=4, lora_lr=1e-2)
 FINETUNE_NAME = "finetune.yaml"
+LORA_NAME = "lora.yaml"
 QUESTION = "Who created the heaven and the earth?"
 EVAL_LINE = re.compile(r"^eval after step (\d+) \| eval_loss ([0-9.]+)")
 
@@ -178,6 +182,75 @@ evals_per_epoch: 1
 output_dir: {p}finetuned
 seed: 42
 """)
+
+
+def render_lora(s: Settings, prefix: str = "") -> str:
+    """The LoRA leg's config: Axolotl's LoRA keys on the same chat set (`prefix` as for render_config)."""
+    p = prefix
+    where = ("Paths are relative to this directory." if not p else
+             "Paths are relative to the repository root, after `make demo`.")
+    return _align(f"""\
+# nd-adapter CPU demo, LoRA leg: an Axolotl-style LoRA YAML, unchanged. Written by `python -m adapter.demo`.
+# {where}
+base_model: {p}hf-export              # frozen: only the adapters train
+adapter: lora
+lora_r: 16
+lora_alpha: 32
+lora_dropout: 0.0
+lora_target_linear: true           # q, k, v, o, gate, up and down of every layer
+tensor_parallel_size: 2
+dp_shard_size: 2
+sequence_len: {s.ft_seq_len}
+micro_batch_size: 2
+num_epochs: {s.lora_epochs}
+learning_rate: {s.lora_lr}
+lr_scheduler: cosine
+warmup_ratio: 0.1
+datasets:
+  - path: {p}data/chat_genesis.jsonl
+    type: chat_template
+chat_template: chatml
+special_tokens:
+  eos_token: "<|im_end|>"
+train_on_inputs: false
+sample_packing: true
+val_set_size: 0.1
+evals_per_epoch: 1
+output_dir: {p}lora-out               # the adapter, in PEFT's format
+seed: 42
+""")
+
+
+def stage_lora(out: Path, s: Settings) -> dict:
+    """Train LoRA adapters on the frozen export through `nd-adapter train` (the held-out loss must fall), load them
+    with PEFT on the base and ask the question; `nd-adapter merge-lora` must give the same logits."""
+    from peft import PeftModel  # the reference and export format for adapters
+
+    (out / LORA_NAME).write_text(render_lora(s))
+    lines = nd_adapter(["train", "--config", LORA_NAME], out, out / "logs/lora.log",
+                       lambda x: not _noise(x) and not STEP_LINE.match(x) or x.startswith("step 1/"))
+    evals = [(int(m.group(1)), float(m.group(2))) for m in map(EVAL_LINE.match, lines) if m]
+    if len(evals) < 2 or not evals[-1][1] < evals[0][1]:
+        raise DemoFailure(f"the held-out loss did not fall over the LoRA run: {evals}")
+    print(f"  held-out loss {evals[0][1]:.3f} before -> {evals[-1][1]:.3f} after {evals[-1][0]} steps (adapters only)")
+    tok = AutoTokenizer.from_pretrained(str(out / "lora-out"))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(out / "hf-export")),
+                                      str(out / "lora-out")).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=48, do_sample=False, pad_token_id=tok.eos_token_id)
+        logits = model(**ids).logits
+    answer = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    print(f"  PEFT, base + lora-out: {QUESTION!r} -> {answer!r}")
+    nd_adapter(["merge-lora", "--config", LORA_NAME], out, out / "logs/merge.log")
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "lora-out" / "merged")).eval()
+    with torch.no_grad():
+        gap = (merged(**ids).logits - logits).abs().max().item()
+    print(f"  merged model (lora-out/merged) against PEFT: max |Δ logit| {gap:.1e}")
+    if not answer or gap > 1e-4:
+        raise DemoFailure(f"the adapter answered {answer!r}; merged vs PEFT logits differ by {gap}")
+    return {"lora_eval_losses": evals, "lora_answer": answer}
 
 
 def stage_finetune(out: Path, s: Settings) -> dict:
@@ -381,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("5. train, then resume", lambda: stage_train(out, s)),
         ("6. load the exported HF checkpoint and generate", lambda: stage_export(out, s)),
         ("7. fine-tune it on a chat set (Axolotl YAML), then ask it a question", lambda: stage_finetune(out, s)),
+        ("8. train LoRA adapters on it (Axolotl LoRA YAML), load them with PEFT, merge", lambda: stage_lora(out, s)),
     ]
     t_all = time.perf_counter()
     for title, fn in stages:
@@ -402,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"resumed at step {summary['resumed_from']}, exported to {out.name}/hf-export ==")
     print(f"  generated: {summary['generated']!r}")
     print(f"  fine-tuned, asked {QUESTION!r}: {summary['answer']!r}")
+    print(f"  LoRA adapter (PEFT), asked the same: {summary['lora_answer']!r}")
     return 0
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from adapter.config import RunConfig, spell
 from adapter.errors import bad
-from adapter.models import freeze
+from adapter.models import freeze, lora
 from adapter.models.arch import ModelArch, check_tp
+from adapter.models.counts import linears
 
 
 def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
@@ -13,7 +14,34 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     if cfg.model.unfrozen_parameters is not None:  # patterns that split a tensor or match nothing: refused here
         freeze.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"))
-    if arch.sliding_window is not None and seq > arch.sliding_window:
+    if cfg.lora is not None:  # targets, rank, modules_to_save, the adapter to start from: before any process starts
+        spec = lora.from_config(cfg, arch)
+        if tp > arch.num_kv_heads and any(t.linear.fused == "linear_qkv" for t in spec.targets):
+            raise bad(spell(cfg, "parallelism.tp_size"), tp, f"exceeds num_key_value_heads={arch.num_kv_heads}: a "
+                      "query group then spans several TP ranks, where LoRA on q/k/v is not built yet",
+                      f"use a tp_size of at most {arch.num_kv_heads}, or leave q_proj, k_proj and v_proj out of "
+                      f"{spell(cfg, 'lora.target_modules')}")
+        if spec.init_from:
+            key = spell(cfg, "lora.init_from")
+            lora.check_adapter(*lora.read_adapter_meta(spec.init_from, key), spec, arch, key)
+        if cfg.model.unfrozen_parameters is not None:
+            raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
+                      "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "
+                      "too", f"remove it, or list embed_tokens / lm_head under {spell(cfg, 'lora.modules_to_save')}")
+        if cfg.precision == "fp8":
+            raise bad("precision", "fp8", "fp8 matmuls are not wired into LoRA runs yet", "use precision: bf16")
+        if spec.quantize_base == "nf4" and tp > arch.num_kv_heads:
+            raise bad(spell(cfg, "parallelism.tp_size"), tp, f"exceeds num_key_value_heads={arch.num_kv_heads}: "
+                      "the 4-bit base quantises each rank's q, k and v rows of whole query groups",
+                      f"use a tp_size of at most {arch.num_kv_heads}")
+        if spec.quantize_base == "nf4":  # blocks of 64 inside one row of every rank's shard (modeling/quant.py)
+            for lin in linears(arch):
+                width = lin.inp // (tp if lin.tp_axis == 1 else 1)
+                if width % lora.NF4_BLOCK:
+                    raise bad(spell(cfg, "lora.quantize_base"), "nf4", f"{lin.name}'s input width per TP rank "
+                              f"({width}) is not a multiple of NF4's block of {lora.NF4_BLOCK}",
+                              "use a tp_size that keeps it a multiple of 64, or a 16-bit base")
+    if arch.sliding_window is not None and seq > arch.sliding_window and not cfg.document_attention:
         raise bad(spell(cfg, "seq_len"), seq, f"longer than the sliding_window={arch.sliding_window} of "
                   f"{arch.architecture}: sequences past the window need sliding-window attention, which nd-adapter "
                   "does not run yet (within it, full causal attention is the same)",
@@ -34,9 +62,24 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
         raise bad("precision", "fp8", "fp8 matmuls are wired for tp_size = 1 only (measured on one GPU; "
                   "docs/BENCHMARKS.md)", "use precision: bf16 with tensor parallelism")
     warnings = []
+    if arch.sliding_window is not None and seq > arch.sliding_window and cfg.document_attention:
+        warnings.append(f"{spell(cfg, 'seq_len')} {seq} exceeds the sliding_window={arch.sliding_window} of "
+                        f"{arch.architecture}: attention stays inside each packed example, so each example must fit "
+                        "the window (checked when the data is prepared)")
     if cfg.precision == "fp8" and not cfg.model.compile:
         warnings.append("precision fp8 without model.compile: the fp8 casts run unfused and cost more than the "
                         "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
     return warnings
+
+
+def check_window(cfg: RunConfig, arch: ModelArch, longest: int) -> None:
+    """Packed examples attend only within themselves: with a sliding window the longest must fit it (beyond it the
+    model needs sliding-window attention, which nd-adapter does not run yet)."""
+    if arch.sliding_window is not None and longest > arch.sliding_window:
+        raise bad(spell(cfg, "seq_len"), cfg.seq_len, f"the data holds an example of {longest} tokens, longer than "
+                  f"the sliding_window={arch.sliding_window} of {arch.architecture}: past the window it needs "
+                  "sliding-window attention, which nd-adapter does not run yet",
+                  f"use {spell(cfg, 'seq_len')} <= {arch.sliding_window} (longer examples are then "
+                  "dropped or truncated), or a checkpoint without a sliding window (e.g. Mistral v0.2+)")

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from adapter.config import RunConfig, setting, spell
 from adapter.errors import bad
-from adapter.models import checks, counts, freeze, source
+from adapter.models import checks, counts, freeze, lora, source
 from adapter.models.arch import ModelArch, load_arch
 from adapter.parallel import deepspeed_config, mcore_call
 from adapter.parallel.layout import GROUPS, ORDER, Layout
@@ -314,7 +314,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         config_dialect=cfg.source,
         notes=list(cfg.notes) + ([freeze.describe(freeze.resolve(arch, cfg.model.unfrozen_parameters), arch,
                                                   spell(cfg, "model.unfrozen_parameters"))]
-                                 if cfg.model.unfrozen_parameters is not None else []),
+                                 if cfg.model.unfrozen_parameters is not None else [])
+        + ([lora.describe(lora.from_config(cfg, arch), arch, spell(cfg, "lora"))] if cfg.lora is not None else []),
         weights=Weights(source=w.kind, model_dir=w.model_dir, checkpoint=w.checkpoint, to_convert=w.to_convert,
                         convert_bytes=w.source_bytes if w.to_convert else 0, description=source.describe(w, cfg.seed)),
         model=arch.to_dict(),

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
-from adapter.models import freeze
+from adapter.models import freeze, lora
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.counts import local_params
+from adapter.models.counts import linears, local_params
 from adapter.parallel import deepspeed_config
 
 GIB = 2**30
@@ -64,6 +64,51 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, int | bool | str]:
         return {**asdict(self), "fits": self.fits}
+
+
+def held_and_trained(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, int]:
+    """(parameters one TP rank holds, those it trains): plan's one view of adapters and freezing. A LoRA run holds
+    its frozen base, the adapters and (for a tied model whose embedding or LM head is trained) the untied copy, and
+    trains the adapters and modules_to_save; `unfrozen_parameters` trains what its patterns match."""
+    vdb = cfg.model.vocab_divisible_by
+    lp = local_params(arch, tp, vdb)
+    held = lp.total(arch.num_layers)
+    spec = lora.from_config(cfg, arch)
+    if spec is not None:
+        untied = lp.embedding if spec.modules_to_save and arch.tie_embeddings else 0
+        return (held + spec.params(tp) + untied,
+                lora.trained_params(spec, arch, tp, padded_vocab_size(arch.vocab_size, tp, vdb)))
+    if cfg.model.unfrozen_parameters is not None:
+        return held, freeze.trained_local_params(arch, cfg.model.unfrozen_parameters, tp, vocab_divisible_by=vdb)
+    return held, held
+
+
+def quantized_base(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, float, int]:
+    """(decoder-linear weights one TP rank holds quantised, bytes each, the largest one linear's local count) for a
+    LoRA run on a 4- or 8-bit base (adapter/modeling/quant.py); (0, 0, 0) otherwise. Those weights are buffers:
+    neither ZeRO-sharded nor gathered, and dequantised one linear at a time."""
+    spec = lora.from_config(cfg, arch)
+    if spec is None or not spec.quantize_base:
+        return 0, 0.0, 0
+    per_layer = [lin.weights // tp for lin in linears(arch)]
+    return arch.num_layers * sum(per_layer), lora.BASE_FORMATS[spec.quantize_base][0], max(per_layer)
+
+
+def lora_activations(spec: lora.LoraSpec, arch: ModelArch, *, seq: int, micro: int, tp: int, sp: bool,
+                     bytes_per: int) -> list[int]:
+    """Bytes each layer's adapters keep for backward (adapter/modeling/lora.py): the r-wide z of every adapter
+    (column-parallel: over the whole sequence after SP's gather; row-parallel: this rank's tokens) and, with
+    dropout, each adapter's dropped input and its mask. Their inputs themselves are the layer's own activations."""
+    out = [0] * arch.num_layers
+    sp_div = tp if sp else 1
+    for t in spec.targets:
+        lin, col = t.linear, t.linear.tp_axis == 0
+        keep = bytes_per * seq * micro * spec.r // (1 if col else sp_div)
+        if spec.dropout:
+            tokens_in = seq * micro // (sp_div if col else 1)
+            keep += (bytes_per + 1) * tokens_in * (lin.inp if col else lin.inp // tp)
+        out[t.layer] += keep
+    return out
 
 
 def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, sp: bool, attention: str,
@@ -126,19 +171,20 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     half = cfg.param_precision in ("bf16", "fp16")
     pb = 2 if half else 4
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
-    P = lp.total(L)
+    # gradients and optimizer states only for the trained parameters (LoRA's adapters, unfrozen_parameters)
+    P, trained = held_and_trained(cfg, arch, tp)
+    Q, q_bytes, q_one = quantized_base(cfg, arch, tp)  # a 4/8-bit base: whole on every rank, outside ZeRO
     Z = partition_size
-    shard = -(-P // Z)
-    # gradients and optimizer states only for the trained parameters (model.unfrozen_parameters)
-    trained = P if cfg.model.unfrozen_parameters is None else freeze.trained_local_params(
-        arch, cfg.model.unfrozen_parameters, tp, vocab_divisible_by=cfg.model.vocab_divisible_by)
+    shard = -(-(P - Q) // Z)
     trained_shard = -(-trained // Z)
-    weights, grads = pb * (shard if stage == 3 else P), pb * trained_shard
+    weights = pb * (shard if stage == 3 else P - Q) + int(q_bytes * Q)
+    grads = pb * trained_shard
     optim = int(((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * trained_shard)  # fp32 master + moments
     ds = cfg.deepspeed
-    big = max(lp.layer, lp.embedding)
-    prefetched = lp.layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, lp.layer)
-    gathered = pb * (big + prefetched) if Z > 1 and stage == 3 else 0
+    layer = lp.layer - Q // arch.num_layers  # what ZeRO-3 gathers of a layer
+    prefetched = layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, layer)
+    gathered = pb * (max(layer, lp.embedding) + prefetched) if Z > 1 and stage == 3 else 0
+    gathered += pb * q_one  # one linear's weight dequantised for its GEMM (forward and backward)
     # The optimizer step's transients on top of the model states (DeepSpeed 0.19.8). ZeRO-3 turns its 16-bit gradient
     # partition into fp32 one sub_group (1e9 elements) at a time. ZeRO-1/2 turn the whole partition at once
     # (stage_1_and_2.step, `flat_grad_partition.to(fp32)`) and, from the second step on, also hold a flat 16-bit
@@ -153,7 +199,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     else:
         step_transient = pb * trained_shard + (4 * trained_shard if half else 0)
     # ZeRO-3's reduce buckets count at the peak; ZeRO-2's did not (measured: the same peak at bucket sizes 5e7-5e8)
-    buckets = pb * min(ds.reduce_bucket_size, P) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0
+    buckets = pb * min(ds.reduce_bucket_size, trained) * (2 if ds.overlap_comm else 1) if Z > 1 and stage == 3 else 0
 
     sp = cfg.use_sequence_parallel and tp > 1
     packed = cfg.document_attention
@@ -162,10 +208,12 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     one = layer_activations(arch, **kw)
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     one -= fp8_freed(cfg, arch, tokens=s * b)
+    spec = lora.from_config(cfg, arch)
+    adapters = [0] * L if spec is None else lora_activations(spec, arch, seq=s, micro=b, tp=tp, sp=sp, bytes_per=pb)
     layer_input = pb * s * b * h // (tp if sp else 1)
     rope = 4 * s * b * arch.head_dim if packed else 0                    # packed: one fp32 RoPE angle row per token
-    no_rc = L * one + 3 * layer_input + rope                             # + embedding out, final norm in/out
-    full_rc = L * layer_input + one + 3 * layer_input + rope              # inputs kept, one layer recomputed
+    no_rc = L * one + sum(adapters) + 3 * layer_input + rope             # + embedding out, final norm in/out
+    full_rc = L * layer_input + one + max(adapters) + 3 * layer_input + rope  # inputs kept, one layer recomputed
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)

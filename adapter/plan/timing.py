@@ -17,13 +17,14 @@ from functools import lru_cache
 from math import ceil
 
 from adapter.config import RunConfig
+from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import flops_per_token, layer_gemms, local_params, param_tensors
 from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_steps
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import whole_layer_graphs
+from adapter.plan.memory import held_and_trained, quantized_base, whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: fwd+bwd = 3.5 × the forward
@@ -101,6 +102,26 @@ def head_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused:
     return ce + emb + norm + 4 * local_params
 
 
+def lora_gemms(spec: lora.LoraSpec, *, tokens: int, tp: int, sp: bool) -> list[tuple[int, int, int]]:
+    """The adapters' forward GEMMs on one rank, all layers: x·Aᵀ (this rank's tokens under SP for column-parallel
+    linears) and z·Bᵀ (adapter/modeling/lora.py's order)."""
+    out = []
+    for t in spec.targets:
+        (ra, ia), (ob, rb) = t.a_shape(spec.r, tp), t.b_shape(spec.r, tp)
+        col = t.linear.tp_axis == 0
+        out += [(tokens // (tp if sp and col else 1), ra, ia), (tokens // (1 if col or not sp else tp), ob, rb)]
+    return out
+
+
+def lora_memory_bytes(spec: lora.LoraSpec, *, tokens: int, tp: int, sp: bool) -> float:
+    """Bytes the adapters' elementwise work moves: in backward, each fused linear's input gradient from the
+    adapters added to the base's (read, read, write; 2-byte elements). The output side runs inside the GEMMs (the
+    adapters' z·Bᵀ accumulates into the base output: adapter/modeling/lora.py), timed with `lora_gemms`."""
+    fused = {(t.layer, t.linear.fused): t for t in spec.targets}
+    return sum(6 * tokens // (tp if sp and t.linear.tp_axis == 0 else 1) * t.a_shape(spec.r, tp)[1]
+               for t in fused.values())
+
+
 # ---- communication ------------------------------------------------------------------------------------------------
 
 def link(layout: Layout, group: str, prof: Profile) -> tuple[float, float]:
@@ -142,7 +163,8 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     fused = cfg.model.fused_kernels is not False
     tokens = b * cfg.seq_len // cp
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
-    P = lp.total(L)
+    P, trained = held_and_trained(cfg, arch, tp)
+    spec = lora.from_config(cfg, arch)
     vocab = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     full, selective = cfg.recompute == "full", cfg.recompute == "selective"
     compiled = whole_layer_graphs(cfg)
@@ -156,12 +178,21 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     if cfg.precision == "fp8":  # the MLP's two GEMMs (the last two shapes) in fp8, casts included
         g_fwd -= L * gemm_seconds(shapes[2:], prof) * (1 - 1 / FP8_MLP_SPEEDUP)
     g_head = gemm_seconds([(tokens, vocab // tp, arch.hidden_size)], prof)
-    gemm = 3 * (g_fwd + g_head)
+    if spec is None:
+        gemm = 3 * (g_fwd + g_head)
+    else:  # frozen weights: forward and input gradient only; the adapters (and a trained LM head) all three
+        g_adapters = gemm_seconds(lora_gemms(spec, tokens=tokens, tp=tp, sp=sp), prof)
+        gemm = 2 * g_fwd + (3 if "lm_head" in spec.modules_to_save else 2) * g_head + 3 * g_adapters
+        g_fwd += g_adapters  # what full recompute runs again
     attn = L * attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
                                  kind=cfg.model.attention)
     layer_bytes = L * layer_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, compiled=compiled)
+    if spec is not None:
+        layer_bytes += lora_memory_bytes(spec, tokens=tokens, tp=tp, sp=sp)
+    Q, q_bytes, _ = quantized_base(cfg, arch, tp)  # a 4/8-bit base: each linear dequantised in forward and backward
+    layer_bytes += 2 * Q * (q_bytes + (2 if cfg.param_precision in ("bf16", "fp16") else 4))
     mem = (layer_bytes + head_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, vocab=vocab,
-                                           local_params=P)) / prof.elementwise_bytes_per_s
+                                           local_params=trained)) / prof.elementwise_bytes_per_s
     recompute = (g_fwd + attn / ATTN_FWD_BWD + layer_bytes / 3 / prof.elementwise_bytes_per_s) if full else \
         attn / ATTN_FWD_BWD if selective else 0.0
     compute_mb = gemm + attn + mem + recompute
@@ -188,12 +219,12 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
         edge = t * (2 * edge_params + lp.layer) / (3 * P)      # first gather, last reduce: nothing to hide behind
         dp_mb = edge + max(0.0, t - edge - compute_mb)
     elif stage == 2 and z > 1:
-        one = vol.get(zgroup, 0) / (ga + 1)                    # one full-model pass of grads or params
+        one = vol.get(zgroup, 0) / (ga + 1)                    # one pass over the trained grads or params
         bw_lat = link(layout, zgroup, prof)
-        last = collective_seconds(2 * one * min(ds.reduce_bucket_size, P) / P, 1, bw_lat)
-        grads = collective_seconds(one, ceil(P / ds.reduce_bucket_size), bw_lat)
+        last = collective_seconds(2 * one * min(ds.reduce_bucket_size, trained) / trained, 1, bw_lat)
+        grads = collective_seconds(one, ceil(trained / ds.reduce_bucket_size), bw_lat)
         dp_mb = last + max(0.0, grads - last - compute_mb * 2 / 3)  # reduced bucket by bucket during backward
-        dp_step += collective_seconds(one, ceil(P / ds.prefetch_bucket_size), bw_lat)  # after the step, exposed
+        dp_step += collective_seconds(one, ceil(trained / ds.prefetch_bucket_size), bw_lat)  # after the step
     if stage == 3 and hsdp and layout.dp_replicate > 1:       # after the whole backward, before the step
         dp_step += collective_seconds(vol.get("dp_replicate", 0), 1, link(layout, "dp_replicate", prof))
 
@@ -206,10 +237,10 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     gpu_mb = compute_mb + tp_mb + cp_mb + dp_mb
     mb_time = max(gpu_mb, host_mb) + stall_mb
 
-    shard = -(-P // z) if stage >= 2 else P
+    shard = -(-trained // z) if stage >= 2 else trained
     moments_saved = 12 if cfg.optimizer.name == "adamw_8bit" else 0  # m and v read and written: 1 byte, not 4
     if flat_at_stage(cfg, stage):  # adapter/train/optim.py: one fused pass over the states at the copy rate
-        optimizer = (FLAT_OPT_BYTES_PER_PARAM - moments_saved) * P / prof.hbm_bytes_per_s
+        optimizer = (FLAT_OPT_BYTES_PER_PARAM - moments_saved) * trained / prof.hbm_bytes_per_s
         host_step = 0.0
     else:
         optimizer = (OPT_BYTES_PER_PARAM - moments_saved) * shard / prof.optimizer_bytes_per_s
@@ -222,8 +253,9 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
                  "cp_comm": ga * cp_mb, "optimizer": optimizer, "host": ga * (mb_time - gpu_mb) + host_step}
     detail = {"gemm": ga * gemm, "attention": ga * attn, "memory_bound": ga * mem, "recompute": ga * recompute}
     tok = cfg.global_batch * cfg.seq_len / layout.world / step
-    return StepTime(step_time_s=step, tokens_per_s_per_gpu=tok,
-                    mfu=tok * flops_per_token(arch, cfg.seq_len) / prof.peak_flops, breakdown=breakdown,
+    flops = flops_per_token(arch, cfg.seq_len) if spec is None else lora.flops_per_token(spec, arch, cfg.seq_len)
+    return StepTime(step_time_s=step, tokens_per_s_per_gpu=tok, mfu=tok * flops / prof.peak_flops,
+                    breakdown=breakdown,
                     compute_detail=detail, bottleneck=bottleneck(breakdown, detail, layout),
                     profile=prof.source_path or prof.name)
 

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch
-from adapter.models.counts import local_params
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
+from adapter.plan.memory import held_and_trained, quantized_base
 
 
 def _ring(n: int) -> float:
@@ -35,7 +35,8 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
     p = cfg.parallelism
     tp, cp, ga, L = p.tp_size, p.cp_size, cfg.grad_accum, arch.num_layers
     pb = 2 if cfg.param_precision in ("bf16", "fp16") else 4
-    P = local_params(arch, tp, cfg.model.vocab_divisible_by).total(L)
+    P, trained = held_and_trained(cfg, arch, tp)  # gathers move every held parameter, reductions the trained
+    P -= quantized_base(cfg, arch, tp)[0]  # a 4/8-bit base is not ZeRO's: never gathered
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     rows: list[GroupTraffic] = []
 
@@ -46,18 +47,19 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     zgroup = "dp_shard_cp" if hsdp else "dp_cp"
     z = layout.size(zgroup)
-    gather = pb * P * _ring(z)
+    gather, reduce = pb * P * _ring(z), pb * trained * _ring(z)
     if deepspeed_config.zero_stage(cfg, layout) == 2:
         add(zgroup, "ZeRO-2 grad reduce-scatter per micro-batch, updated-param all-gather once per step",
-            gather * (ga + 1))
+            reduce * (ga + 1))
     elif hsdp:
-        add(zgroup, "ZeRO-3 param all-gather (fwd + bwd) and grad reduce-scatter, per micro-batch", 3 * gather * ga)
+        add(zgroup, "ZeRO-3 param all-gather (fwd + bwd) and grad reduce-scatter, per micro-batch",
+            (2 * gather + reduce) * ga)
         add("dp_replicate", "HSDP grad-partition all-reduce, once per step",
-            2 * pb * (P / z) * _ring(layout.dp_replicate))
+            2 * pb * (trained / z) * _ring(layout.dp_replicate))
     else:
         k = layout.size("dp_shard_cp")
         add("dp_cp", "ZeRO-3 fwd param all-gather + grad reduce-scatter (hpZ primary), per micro-batch",
-            2 * gather * ga)
+            (gather + reduce) * ga)
         add("dp_shard_cp", "hpZ secondary param all-gather in backward, per micro-batch", pb * P * _ring(k) * ga)
 
     act = pb * s * b * h

@@ -132,11 +132,13 @@ def _writes(engine, enabled: bool) -> Iterator[None]:
 # --- save / load ------------------------------------------------------------------------------------------------
 
 def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] | None = None, *,
-         keep_last: int | None = None, save_ranks: Callable[[int], bool] | None = None) -> Path:
+         keep_last: int | None = None, save_ranks: Callable[[int], bool] | None = None,
+         trained_only: bool = False) -> Path:
     """Collective: every rank calls it. Returns the published checkpoint directory.
 
     `client_state` (e.g. {"sampler": sampler.state_dict()}) is stored per rank along with `step` and this rank's
-    RNG states. `keep_last`: keep that many newest checkpoints (None/0 keeps all). `save_ranks(global_rank)`
+    RNG states. `trained_only`: leave out frozen parameters (a LoRA run's base, which it reloads from the converted
+    weights). `keep_last`: keep that many newest checkpoints (None/0 keeps all). `save_ranks(global_rank)`
     says which ranks write files (default: all). Saving the step `latest` already names does nothing.
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
@@ -156,7 +158,8 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
         return root / tag
     state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng(), "optimizer": optimizer_name(engine)}}
     with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
-        engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False)  # ends in a barrier
+        engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False,  # ends in a barrier
+                               exclude_frozen_parameters=trained_only)
     if fs_leader:
         if (root / tag).exists():  # an older branch of history reused this step number
             _remove(root / tag)
@@ -181,8 +184,8 @@ def _node_local(engine) -> bool:
     return bool(fn()) if callable(fn) else False
 
 
-def load(engine, load_dir: str | Path, *, tag: str | None = None,
-         restore_rng_state: bool = True) -> tuple[int, dict[str, Any]] | None:
+def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_state: bool = True,
+         trained_only: bool = False) -> tuple[int, dict[str, Any]] | None:
     """Collective. Load `tag` (default: what `latest` names) into a freshly built engine.
 
     Returns (step, client_state) or None when the directory has no checkpoint. Restores this rank's RNG states
@@ -204,8 +207,8 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None,
         found = sorted(p.name for p in ckpt.glob("*model_states.pt"))
         raise bad(key, value, f"no {mine.name} for this rank; the checkpoint holds {len(found)} model-state file(s),"
                   " so it was saved with another parallel layout", "resume with the layout it was saved with")
-    _check_match(engine, mine, key, value)
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True)
+    _check_match(engine, mine, key, value, trained_only)
+    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not trained_only)
     if path is None:
         raise RuntimeError(f"DeepSpeed did not load {ckpt}")
     ours = client.pop(_OURS, None)
@@ -216,7 +219,7 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None,
     return int(ours["step"]), client
 
 
-def _check_match(engine, model_states: Path, key: str, value: str) -> None:
+def _check_match(engine, model_states: Path, key: str, value: str, trained_only: bool = False) -> None:
     meta = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)  # no need to read it all
     here_dp, here_mp = engine.seq_dp_world_size, engine.mp_world_size
     if (meta.get("dp_world_size"), meta.get("mp_world_size")) != (here_dp, here_mp):
@@ -240,6 +243,9 @@ def _check_match(engine, model_states: Path, key: str, value: str) -> None:
     else:
         saved = {k: tuple(v.shape) for k, v in (meta.get("module") or {}).items() if hasattr(v, "shape")}
         here = {k: tuple(v.shape) for k, v in engine.module.state_dict().items() if hasattr(v, "shape")}
+        if trained_only:
+            trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+            here = {k: v for k, v in here.items() if k in trained}
     diffs = [f"{k}: {saved.get(k, 'missing')} there, {here.get(k, 'missing')} here"
              for k in sorted(saved.keys() | here.keys()) if saved.get(k) != here.get(k)]
     if diffs:

@@ -21,11 +21,15 @@ from deepspeed.utils import set_z3_leaf_modules
 from megatron.core import tensor_parallel
 
 from adapter.config import RunConfig, spell
+from adapter.convert import peft as peft_io
 from adapter.convert.load import load_megatron_checkpoint
 from adapter.kernels.fp8 import install_fp8
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
+from adapter.modeling.lora import add_adapters, load_state
+from adapter.modeling.quant import quantize_base
 from adapter.models import freeze as freeze_facts
+from adapter.models import lora as lora_facts
 from adapter.models.arch import ModelArch
 from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
@@ -50,13 +54,15 @@ def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
 
 
 def param_groups(model, weight_decay: float):
-    """No weight decay on norms and biases (the usual LLM recipe)."""
+    """No weight decay on norms and biases (the usual LLM recipe). Only trained parameters; an empty group (a LoRA
+    run has no trained norms) is left out."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
 
 
 def add_tp_grad_hooks(model, tp_group) -> None:
@@ -100,6 +106,7 @@ class Engine:
     mpu: DeepSpeedMPU
     conf: dict
     layout: Layout
+    lora: lora_facts.LoraSpec | None = None  # the adapters trained on a frozen base; None: every weight trains
 
     @property
     def guard_grads(self) -> bool:
@@ -181,6 +188,17 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         load_weights(model)
     elif cfg.model.checkpoint:
         load_megatron_checkpoint(model, cfg.model.checkpoint)
+    spec = lora_facts.from_config(cfg, arch)
+    if spec is not None:  # the base frozen, the adapters beside its linears (started from an adapter if given)
+        tp_rank = dist.get_rank(groups.tp)
+        if spec.quantize_base:  # on the device: bitsandbytes' kernels there quantise as Axolotl's load does
+            quantize_base(model, arch, spec.quantize_base, tp_rank=tp_rank, tp_group=groups.tp, device=device)
+        add_adapters(model, spec, arch, seed=cfg.seed, tp_rank=tp_rank, tp_group=groups.tp)
+        if spec.init_from:
+            key = spell(cfg, "lora.init_from")
+            conf, tensors = peft_io.read_adapter(spec.init_from, key)
+            lora_facts.check_adapter(conf, {k: tuple(v.shape) for k, v in tensors.items()}, spec, arch, key)
+            load_state(model, spec, arch, tensors, tp_rank)
     model.to(device)
     if cfg.model.unfrozen_parameters is not None:
         freeze(model, freeze_facts.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"),
@@ -218,7 +236,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                                           config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
     if conf["zero_optimization"]["stage"] in (1, 2):
         install_zero12_step(engine.optimizer)
-    return Engine(engine, mpu, conf, layout)
+    return Engine(engine, mpu, conf, layout, spec)
 
 
 __all__ = ["Engine", "build_engine", "init_distributed", "param_groups", "add_tp_grad_hooks"]

@@ -25,8 +25,10 @@ from megatron.core import dist_checkpointing
 
 from adapter.convert import hf_io
 from adapter.convert import megatron_io as mio
+from adapter.convert import peft as peft_io
 from adapter.convert.to_hf import megatron_to_hf
 from adapter.data.sft.prepare import load_tokenizer
+from adapter.modeling.lora import full_state
 from adapter.models.source import hf_dir, tokenizer_dir
 
 # files an earlier export may have left that this one would not overwrite (other shard counts, no chat template)
@@ -105,5 +107,26 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_templat
         finally:
             shutil.rmtree(stage, ignore_errors=True)
             shutil.rmtree(built.parent, ignore_errors=True)
+    dist.barrier()
+    return out
+
+
+def export_lora(engine, spec, arch, cfg, out_dir: str | Path, *, rank: int, tp_group,
+                chat_template: str | None = None) -> Path:
+    """A LoRA run's result in PEFT's format (adapter/convert/peft.py): the adapters and modules_to_save gathered
+    over TP (and out of ZeRO-3's partitions) under HF names, with the tokenizer as the data was prepared with it.
+    Collective; rank 0 writes."""
+    out = Path(out_dir).absolute()
+    model = engine.module
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(trained, modifier_rank=None):
+        tensors = full_state(model, spec, arch, tp_group)
+    if rank == 0:
+        def side_files(d: Path) -> None:
+            write_special_tokens(d, cfg, arch)
+            if chat_template:
+                write_chat_template(d, chat_template)
+
+        peft_io.write_adapter(out, tensors, spec, base_model=str(hf_dir(cfg)), side_files=side_files)
     dist.barrier()
     return out

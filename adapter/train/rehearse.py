@@ -4,7 +4,8 @@ The model keeps the family, head and KV-head counts (so every tp/cp divisibility
 head_dim, width and depth; precision becomes fp32 (CPU). One process per rank, gloo + DeepSpeed's CPU accelerator.
 It trains a few steps, saves, resumes from that checkpoint and trains on: config, layout, data and checkpoint
 mistakes surface here instead of on the GPUs. Data files are tokenised when the config has them (with the real
-tokenizer and vocab); otherwise synthetic tokens are used.
+tokenizer; the tiny model's vocabulary is every id that tokenizer can produce, so a test tokenizer of a thousand
+tokens does not pay for config.json's 128k-row LM head); otherwise synthetic tokens are used.
 
 `main` runs in the launching process (torch-free, like `plan`); `in_process` is the procedure every spawned
 training process runs (adapter/train/worker.py).
@@ -16,7 +17,7 @@ import math
 import tempfile
 
 from adapter.config import RunConfig
-from adapter.errors import bad
+from adapter.errors import UserError, bad
 from adapter.models import source
 from adapter.models.arch import ModelArch, load_arch
 from adapter.train.preflight import preflight
@@ -27,11 +28,24 @@ TINY_LAYERS = 2
 SYNTHETIC_VOCAB = 1024
 
 
-def tiny_arch(arch: ModelArch, tp: int, real_vocab: bool) -> ModelArch:
+def tiny_arch(arch: ModelArch, tp: int, vocab: int | None) -> ModelArch:
+    """`vocab`: the tokenizer's (ids it can produce), None for synthetic tokens."""
     hidden = arch.num_heads * TINY_HEAD_DIM
     return dataclasses.replace(arch, hidden_size=hidden, head_dim=TINY_HEAD_DIM, num_layers=TINY_LAYERS,
                                ffn_hidden_size=2 * hidden * tp, max_position_embeddings=4096,
-                               vocab_size=arch.vocab_size if real_vocab else SYNTHETIC_VOCAB)
+                               vocab_size=SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size, vocab))
+
+
+def tokenizer_vocab(cfg: RunConfig) -> int | None:
+    """One more than the largest id the run's tokenizer (with its added tokens) produces; None where no tokenizer is
+    found (the data preparation then says so in its own words)."""
+    from transformers import AutoTokenizer  # heavy; the launching side of this module stays torch-free
+
+    try:
+        tok_dir = source.tokenizer_dir(cfg)
+    except UserError:
+        return None
+    return max(AutoTokenizer.from_pretrained(str(tok_dir)).get_vocab().values()) + 1
 
 
 def rehearsal_seq_len(cfg: RunConfig, seq_len: int | None) -> int:
@@ -45,7 +59,8 @@ def rehearsal_seq_len(cfg: RunConfig, seq_len: int | None) -> int:
 def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: str):
     """The rehearsal's config; `workdir` (shared by all ranks) takes its checkpoints and token cache."""
     arch = load_arch(cfg.model.path)
-    tiny = tiny_arch(arch, cfg.parallelism.tp_size, real_vocab=bool(cfg.data.files or cfg.data.datasets))
+    vocab = (tokenizer_vocab(cfg) or arch.vocab_size) if cfg.data.files or cfg.data.datasets else None
+    tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab)
     ckdir = workdir
     half = max(1, steps // 2)
     seq = rehearsal_seq_len(cfg, seq_len)

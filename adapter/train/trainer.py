@@ -36,7 +36,7 @@ from adapter.data.sft.report import stats_lines
 from adapter.errors import DivergedError, UserError, bad
 from adapter.kernels.attention import split_for_cp
 from adapter.kernels.thd import local_multiple, pack_batch
-from adapter.models import checks, freeze, source
+from adapter.models import checks, freeze, lora, source
 from adapter.models.arch import ModelArch
 from adapter.models.counts import flops_per_token
 from adapter.parallel import mcore_groups
@@ -45,7 +45,7 @@ from adapter.patches.zero import set_hpz_group
 from adapter.train import checkpoint as ckpt
 from adapter.train import metrics, schedule
 from adapter.train.engine import build_engine
-from adapter.train.export import export_hf
+from adapter.train.export import export_hf, export_lora
 from adapter.train.profile import StepProfiler
 
 
@@ -134,6 +134,11 @@ class Trainer:
         self.sink = self.groups = self.engine = None
         self.val_dataset = self.chat_template = None
 
+    def _flops(self, seq_len: int) -> int:
+        """MFU's model FLOPs per token; a LoRA run skips the frozen weights' gradients."""
+        return (flops_per_token(self.arch, seq_len) if self.lora is None else
+                lora.flops_per_token(self.lora, self.arch, seq_len))
+
     def _say(self, line: str) -> None:
         if self.rank == 0:
             self.log(line)
@@ -152,9 +157,14 @@ class Trainer:
         if cfg.model.unfrozen_parameters is not None:
             key = spell(cfg, "model.unfrozen_parameters")
             self._say(freeze.describe(freeze.resolve(self.arch, cfg.model.unfrozen_parameters, key), self.arch, key))
+        self.lora = lora.from_config(cfg, self.arch)
+        if self.lora is not None:
+            self._say(lora.describe(self.lora, self.arch, spell(cfg, "lora")))
         self.weights = source.resolve(cfg)
         resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
-        self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed" if resuming else
+        # a LoRA checkpoint holds only what is trained: its frozen base comes from the converted weights again
+        self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed"
+                  + (", the frozen base from the converted weights" if self.lora else "") if resuming else
                   source.describe(self.weights, cfg.seed))
         # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
         lg = cfg.logging
@@ -163,7 +173,7 @@ class Trainer:
                                         config=cfg.model_dump(mode="json"))
         self.groups = mcore_groups.initialize(self.layout)
         # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway
-        weights_dir = None if resuming else cache.ready(self.weights, cfg, rank=rank, log=self._say)
+        weights_dir = None if resuming and not self.lora else cache.ready(self.weights, cfg, rank=rank, log=self._say)
         self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
         self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                          has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
@@ -180,7 +190,7 @@ class Trainer:
         if resume:
             if not cfg.checkpoint.dir:
                 raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir")
-            loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir)
+            loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None)
             if loaded is not None:
                 start, state = loaded
                 self.sampler.load_state_dict(state["sampler"])
@@ -194,7 +204,7 @@ class Trainer:
         self.result.start_step = start
         self.cp_rank = self.layout.coords(rank)[Axis.CP]
         self.tokens_per_step = cfg.global_batch * cfg.seq_len
-        self.flops_per_token = flops_per_token(self.arch, cfg.seq_len)
+        self.flops_per_token = self._flops(cfg.seq_len)
         self.peak_flops = metrics.peak_flops()
         lg = cfg.logging
         self.profiler = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
@@ -209,6 +219,9 @@ class Trainer:
             self.sft = prepare(cfg, source.tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
                                progress=self.rank == 0)
             dataset, self.val_dataset, self.chat_template = self.sft.train, self.sft.val, self.sft.chat_template
+            for part in (dataset, self.val_dataset):
+                if part is not None:
+                    checks.check_window(cfg, self.arch, part.longest())
             if self.rank == 0:
                 for line in stats_lines(self.sft):
                     self.log(line.strip())
@@ -322,7 +335,7 @@ class Trainer:
             trained = metrics.tokens_per_s_per_gpu(s.trained_tokens, s.seconds, self.world)
             flops = self.flops_per_token
             if s.computed_tokens != self.tokens_per_step:  # trimmed: attention's share follows the length run
-                flops = flops_per_token(self.arch, max(1, s.computed_tokens // self.cfg.global_batch))
+                flops = self._flops(max(1, s.computed_tokens // self.cfg.global_batch))
             m = metrics.mfu(tps, flops, self.peak_flops)
             self._say(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
                                           mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps,
@@ -376,7 +389,8 @@ class Trainer:
         hsdp = layout.dp_replicate > 1 and self.cfg.deepspeed.replicate_mode == "hsdp"
         save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if hsdp else None
         path = str(ckpt.save(self.engine.ds, self.cfg.checkpoint.dir, step, {"sampler": self.sampler.state_dict()},
-                             keep_last=self.cfg.checkpoint.keep_last, save_ranks=save_ranks))
+                             keep_last=self.cfg.checkpoint.keep_last, save_ranks=save_ranks,
+                             trained_only=self.lora is not None))
         self.clock.reset()  # the save is not training time
         return path
 
@@ -412,7 +426,14 @@ class Trainer:
         result.final_step = max(start, max_steps)
         if cfg.checkpoint.dir and max_steps > start and (not save_every or max_steps % save_every):
             result.checkpoint = self.save(max_steps)
-        if export and cfg.checkpoint.export_hf:
+        if export and cfg.checkpoint.export_hf and self.lora is not None:
+            result.exported = str(export_lora(self.engine.ds, self.lora, self.arch, cfg, cfg.checkpoint.export_hf,
+                                              rank=self.rank, tp_group=self.groups.tp,
+                                              chat_template=self.chat_template))
+            self._say(f"exported the LoRA adapter to {result.exported} (PEFT's format, HF module names; tokenizer"
+                      f"{' and chat template' if self.chat_template else ''} included; `nd-adapter merge-lora` "
+                      "merges it into the base)")
+        elif export and cfg.checkpoint.export_hf:
             result.exported = str(export_hf(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf, rank=self.rank,
                                             chat_template=self.chat_template))
             self._say(f"exported HF model to {result.exported} (tokenizer"

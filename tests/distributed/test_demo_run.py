@@ -25,6 +25,11 @@ def test_shipped_config_is_what_the_demo_writes():
     finetune = SHIPPED.with_name("demo-finetune-axolotl.yaml")
     assert finetune.read_text() == demo_run.render_finetune(demo_run.Settings(), prefix="demo-out/"), (
         "regenerate configs/demo-finetune-axolotl.yaml from adapter.demo.run.render_finetune")
+    lora = SHIPPED.with_name("demo-lora-axolotl.yaml")
+    assert lora.read_text() == demo_run.render_lora(demo_run.Settings(), prefix="demo-out/"), (
+        "regenerate configs/demo-lora-axolotl.yaml from adapter.demo.run.render_lora")
+    lo = config.build(config.read_yaml(lora), env={})
+    assert lo.source == "axolotl" and lo.lora.target_linear and (lo.lora.r, lo.world_size) == (16, 4)
     ft = config.build(config.read_yaml(finetune), env={})  # Axolotl's keys only, and what the demo promises
     assert ft.source == "axolotl" and (ft.world_size, ft.precision, ft.data.sample_packing) == (4, "fp32", True)
     cfg = config.load(SHIPPED, env={})  # schema-valid, and the layout is what the demo promises
@@ -76,6 +81,9 @@ def test_quick_demo_trains_resumes_and_exports(quick):
     assert min(resumed) == q.first_steps + 1 and max(resumed) == q.total_steps
     assert (out / "checkpoints/latest").read_text() == f"global_step{q.total_steps}"
     assert s["export_loss"] < s["initial_loss"] - q.min_drop / 2
+    # the LoRA leg: held-out loss fell with the base frozen; PEFT loaded the adapter; merge-lora matched it
+    assert s["lora_eval_losses"][-1][1] < s["lora_eval_losses"][0][1] and s["lora_answer"], s
+    assert (out / "lora-out/adapter_config.json").is_file() and (out / "lora-out/merged/config.json").is_file()
 
 
 @pytest.mark.slow

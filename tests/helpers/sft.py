@@ -102,7 +102,7 @@ def rel(a: float, b: float) -> float:
 
 
 def make_model(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               seed: int = 0) -> Path:
+               seed: int = 0, tie: bool = False) -> Path:
     """A tiny Llama whose weights are spread wide enough (unlike HF's 0.02 init) that per-token losses differ a lot:
     then weighting micro-batches wrongly changes the loss and the test can see it."""
     import torch
@@ -111,7 +111,7 @@ def make_model(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int 
     from adapter.demo.build import make_tiny_llama
 
     make_tiny_llama(out, tokenizer_dir=tokenizer_dir, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                    ffn=2 * hidden, max_positions=128, seed=seed)
+                    ffn=2 * hidden, max_positions=128, seed=seed, tie=tie)
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     # no pad token in the config (as Llama-3's): HF's embedding would otherwise never train the pad row
     # (nn.Embedding padding_idx), which Megatron's embedding does, and the gradients would differ by that row

@@ -182,7 +182,8 @@ def test_rule_unknown_architecture(tmp_path):
 
 def test_rule_sliding_window_and_rope(tmp_path):
     """Mistral v0.1's window (4096 of 32768 positions) changes nothing for sequences no longer than it: such runs are
-    allowed, longer ones refused in one line naming the file's key (issue 26)."""
+    allowed, longer ones refused in one line naming the file's key (issue 26); packed examples each within the window
+    are allowed (Axolotl's Mistral LoRA examples: sequence_len 8192, sample_packing)."""
     from adapter.models import checks
 
     hf = json.loads((LLAMA8B / "config.json").read_text())
@@ -199,6 +200,14 @@ def test_rule_sliding_window_and_rope(tmp_path):
         checks.check(config.build({**axolotl, "sequence_len": 8192}, env={}), arch)
     with pytest.raises(UserError, match=r"^seq_len=8192: longer than the sliding_window"):
         checks.check(config.build({"model": {"path": str(LLAMA8B)}, "seq_len": 8192}, env={}), arch)
+    # packed examples attend only within themselves: allowed at 8192, each example checked against the window
+    packed = config.build({**axolotl, "sequence_len": 8192, "sample_packing": True,
+                           "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}, env={})
+    assert any("each example must fit the window" in w for w in checks.check(packed, arch))
+    checks.check_window(packed, arch, 4096)
+    with pytest.raises(UserError, match=r"^sequence_len=8192: the data holds an example of 4097 tokens, longer than "
+                       r"the sliding_window=4096"):
+        checks.check_window(packed, arch, 4097)
     with pytest.raises(UserError, match="rope_scaling.rope_type='yarn'"):
         arch_from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 

@@ -106,6 +106,10 @@ class SFTDataset:
         ex = np.asarray(self.ex[e0:e1 + 1], dtype=np.int64)
         return ex - ex[0]
 
+    def longest(self) -> int:
+        """Tokens of the longest example (what a sliding attention window must cover)."""
+        return int(np.diff(np.asarray(self.ex, dtype=np.int64)).max()) if len(self.ex) > 1 else 0
+
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if not 0 <= i < len(self):
             raise IndexError(i)

@@ -1,0 +1,193 @@
+"""LoRA's record (adapter/models/lora.py): PEFT's target matching, the placement of each HF linear's rows in
+Megatron's fused outputs, PEFT's names and config; Axolotl's LoRA keys and their one-line refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapter import config
+from adapter.errors import UserError
+from adapter.models import lora
+from adapter.models.arch import arch_from_hf_dict
+from adapter.models.families import table_for
+from adapter.models.mapping import Ctx, FusedQKV, GatedMLP
+
+TINY = arch_from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 8,
+                          "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 3,
+                          "vocab_size": 500, "tie_word_embeddings": True})
+
+
+def spec(**kw):
+    return lora.resolve(TINY, **{"r": 4, "alpha": 8, **kw})
+
+
+def names(s):
+    return {(t.layer, t.linear.name) for t in s.targets}
+
+
+def test_peft_target_matching():
+    assert names(spec()) == {(i, n) for i in range(3) for n in ("q_proj", "v_proj")}  # PEFT's default
+    every = {(i, n) for i in range(3) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj")}
+    assert names(spec(target_linear=True)) == names(spec(target_modules="all-linear")) == every
+    assert names(spec(target_modules=["self_attn.o_proj", "down_proj"])) == {(i, n) for i in range(3)
+                                                                               for n in ("o_proj", "down_proj")}
+    # a string is a regex over the whole module name (re.fullmatch)
+    s = spec(target_modules=r"model\.layers\.[02]\.mlp\.(gate|up)_proj")
+    assert names(s) == {(0, "gate_proj"), (0, "up_proj"), (2, "gate_proj"), (2, "up_proj")}
+    assert lora.peft_config(s, None)["target_modules"] == r"model\.layers\.[02]\.mlp\.(gate|up)_proj"
+    assert names(spec(target_modules=["q_proj"], layers=[1])) == {(1, "q_proj")}
+    assert spec(target_modules=["q_proj"]).targets[0].hf_module == "model.layers.0.self_attn.q_proj"
+
+
+def test_scale_shapes_and_tp_split():
+    s = spec(target_linear=True, rslora=True, r=16, alpha=32)
+    assert s.scale == 32 / 4
+    assert spec(r=16, alpha=32).scale == 2
+    q = next(t for t in s.targets if t.linear.name == "q_proj")
+    o = next(t for t in s.targets if t.linear.name == "o_proj")
+    assert (q.a_shape(16, 2), q.b_shape(16, 2)) == ((16, 64), (32, 16))   # column-parallel: B's rows split
+    assert (o.a_shape(16, 2), o.b_shape(16, 2)) == ((16, 32), (64, 16))   # row-parallel: A's columns split
+    assert s.params(1) == 3 * 16 * sum(t.linear.inp + t.linear.out for t in s.targets[:7])
+    assert s.params(2) < s.params(1)
+
+
+def test_placement_is_where_the_converter_puts_each_hf_linear():
+    """Fuse distinct HF weights with the converter's own rules and read them back through `placement`, per TP
+    rank: the rows each placement names must be that HF linear's rows of this rank."""
+    ctx = Ctx(TINY, 512, 2)
+    rules = {type(r): r for r in table_for(TINY) if isinstance(r, (FusedQKV, GatedMLP)) and r.megatron.endswith(
+        "weight")}
+    q, k, v = (torch.arange(n * 64, dtype=torch.float32).view(n, 64) + 1e4 * i
+               for i, n in enumerate((64, 16, 16)))
+    gate, up = (torch.arange(96 * 64, dtype=torch.float32).view(96, 64) + 1e5 * (i + 1) for i in range(2))
+    for tp in (1, 2):
+        fused = {"linear_qkv": rules[FusedQKV].to_megatron([q, k, v], ctx),
+                 "linear_fc1": rules[GatedMLP].to_megatron([gate, up], ctx)}
+        for rank in range(tp):
+            for name, hf, parts in (("linear_qkv", {"q_proj": q, "k_proj": k, "v_proj": v}, 1),
+                                    ("linear_fc1", {"gate_proj": gate, "up_proj": up}, 2)):
+                w = fused[name]
+                local = (w.chunk(tp)[rank] if parts == 1 else
+                         torch.cat([c.chunk(tp)[rank] for c in w.chunk(2)]))
+                p = lora.placement(TINY, name, tp)
+                assert local.shape[0] == p.groups * p.width
+                grouped = local.view(p.groups, p.width, 64)
+                for piece, (start, size) in ((n, p.piece(n)) for n in hf):
+                    got = grouped[:, start:start + size].reshape(-1, 64)
+                    assert torch.equal(got, hf[piece].chunk(tp)[rank]), (name, tp, rank, piece)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"r": 0}, r"lora.r=0: the adapter rank must be a positive integer"),
+    ({"target_modules": ["q_proj", "c_attn"]}, r"c_attn.*matches no linear.*use names it has: q_proj, k_proj"),
+    ({"target_modules": ["lm_head"]}, r"LoRA on lm_head is not supported.*lora.modules_to_save"),
+    ({"target_modules": "nothing.*here"}, r"matches no linear"),
+    ({"modules_to_save": ["norm"]}, r"only embed_tokens and lm_head"),
+    ({"layers": [3]}, r"layer indices run from 0 to 2"),
+    ({"dropout": 1.0}, r"lora.dropout"),
+])
+def test_refusals_are_one_line(kw, match):
+    with pytest.raises(UserError, match=match) as e:
+        spec(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_peft_names_and_config():
+    s = spec(target_modules=["q_proj"], modules_to_save=["lm_head", "embed_tokens"])
+    assert lora.peft_key(s.targets[0], "A") == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert lora.saved_key(TINY, "lm_head") == "base_model.model.lm_head.weight"
+    assert lora.saved_key(TINY, "embed_tokens") == "base_model.model.model.embed_tokens.weight"
+    c = lora.peft_config(s, "/m")
+    assert (c["peft_type"], c["r"], c["lora_alpha"], c["target_modules"], c["modules_to_save"]) == (
+        "LORA", 4, 8.0, ["q_proj"], ["lm_head", "embed_tokens"])
+
+
+AXOLOTL = {"base_model": "configs/models/llama-3.2-1b", "learning_rate": 2e-4, "micro_batch_size": 1,
+           "sequence_len": 128, "max_steps": 2}
+
+
+def build(extra):
+    return config.build({**AXOLOTL, **extra}, env={}, world_size=1)
+
+
+def test_axolotl_lora_keys():
+    cfg = build({"adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_linear": True,
+                 "lora_modules_to_save": ["embed_tokens"], "peft_use_rslora": True, "lora_mlp_kernel": True})
+    assert cfg.lora.model_dump(exclude_defaults=True) == {"r": 16, "alpha": 32, "dropout": 0.05,
+                                                          "target_linear": True, "modules_to_save": ["embed_tokens"],
+                                                          "rslora": True}
+    assert any("nd-adapter's own" in n and "lora_mlp_kernel" in n for n in cfg.notes)
+    assert config.spell(cfg, "lora.r") == "lora_r"
+    q = build({"adapter": "qlora", "load_in_4bit": True, "lora_target_modules": ["q_proj"]})
+    assert (q.lora.quantize_base, q.lora.r, q.lora.alpha) == ("nf4", 8, 8)
+    assert any("lora_alpha: 8 (PEFT's default" in n for n in q.notes)
+    assert build({"adapter": "lora", "load_in_8bit": True, "load_in_4bit": False}).lora.quantize_base == "int8"
+    assert build({}).lora is None
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"lora_r": 16}, r"lora_r=16: a LoRA setting without `adapter`.*set adapter: lora"),
+    ({"adapter": "qlora"}, r"adapter='qlora': .*needs load_in_4bit: true"),
+    ({"load_in_4bit": True}, r"load_in_4bit.*without `adapter`"),
+    ({"load_in_8bit": True}, r"load_in_8bit=True: a LoRA setting without `adapter`"),
+    ({"adapter": "qlora", "load_in_4bit": True, "load_in_8bit": True}, r"load_in_8bit=True: conflicts"),
+    ({"adapter": "lora", "peft_use_dora": True}, r"peft_use_dora=True: DoRA is not supported"),
+    ({"adapter": "ia3"}, r"adapter='ia3': only LoRA and QLoRA"),
+    ({"adapter": "lora", "peft_init_lora_weights": "gaussian"}, r"peft_init_lora_weights"),
+    ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
+     r"bnb_4bit_quant_type='fp4'"),
+])
+def test_axolotl_lora_refusals(extra, match):
+    with pytest.raises(UserError, match=match) as e:
+        build(extra)
+    assert "\n" not in str(e.value)
+
+
+def test_plan_counts_what_a_lora_run_holds_and_trains():
+    """plan's memory for LoRA, QLoRA (NF4) and the 8-bit base on the 8B shape: the base holds no gradient or optimizer
+    state; a quantised base costs its bytes per weight on every rank (ZeRO neither shards nor gathers it); LoRA's
+    step skips the frozen weight gradients and a quantised base pays its dequantisation."""
+    from pathlib import Path
+
+    from adapter.models.arch import load_arch
+    from adapter.models.counts import linears, num_params
+    from adapter.plan import memory, traffic
+    from adapter.plan.build import build_plan
+
+    model = Path(__file__).resolve().parents[2] / "configs/models/llama-3.1-8b"
+    arch = load_arch(model)
+    base = {"model": {"path": str(model)}, "seq_len": 4096, "precision": "bf16", "data": {"synthetic": True},
+            "batch": {"micro_batch_size": 1}, "optimizer": {"max_steps": 10}}
+
+    def cfg(fmt=None, lora_on=True, shard=1):
+        raw = {**base, "parallelism": {"dp_shard_size": shard}, "deepspeed": {"zero_stage": 3}}
+        if lora_on:
+            raw["lora"] = {"r": 16, "alpha": 32, "target_linear": True, "quantize_base": fmt}
+        return config.build(raw, env={}, world_size=shard)
+
+    s = lora.resolve(arch, r=16, alpha=32, target_linear=True)
+    adapters = s.params()
+    assert adapters == 16 * sum(t.linear.inp + t.linear.out for t in s.targets) == 41_943_040
+    held, trained = memory.held_and_trained(cfg(), arch, 1)
+    assert (held, trained) == (num_params(arch) + adapters, adapters)
+    q_count = arch.num_layers * sum(lin.weights for lin in linears(arch))
+    assert memory.quantized_base(cfg("nf4"), arch, 1)[:2] == (q_count, 0.5625)
+    assert memory.quantized_base(cfg("int8"), arch, 1)[:2] == (q_count, 1.0)
+    assert memory.quantized_base(cfg(), arch, 1)[0] == 0
+    est = {f: memory.estimate(cfg(f), arch, partition_size=1, gpu_capacity=1 << 40, stage=3)
+           for f in (None, "nf4", "int8")}
+    assert est[None].weights == 2 * held and est[None].gradients == 2 * trained
+    assert est[None].optimizer == (4 + 8) * trained
+    assert est["nf4"].weights == 2 * (held - q_count) + int(0.5625 * q_count)
+    assert est["int8"].weights == 2 * (held - q_count) + q_count
+    two = memory.estimate(cfg("nf4", shard=2), arch, partition_size=2, gpu_capacity=1 << 40, stage=3)
+    assert two.weights == 2 * -(-(held - q_count) // 2) + int(0.5625 * q_count)  # only the 16-bit part sharded
+    from adapter.parallel.layout import Layout
+
+    moved = {f: sum(r.bytes_per_step for r in traffic.estimate(cfg(f, shard=2), arch, Layout.from_config(
+        cfg(f, shard=2).parallelism, 8))) for f in (None, "nf4")}
+    assert moved["nf4"] < 0.3 * moved[None]  # ZeRO-3 gathers the 16-bit rest, not the 4-bit linears
+    steps = {name: build_plan(c, arch=arch).predicted.step_time_s
+             for name, c in (("full", cfg(lora_on=False)), ("lora", cfg()), ("qlora", cfg("nf4")))}
+    assert steps["lora"] < 0.8 * steps["full"] and steps["lora"] < steps["qlora"] < 1.3 * steps["lora"]
