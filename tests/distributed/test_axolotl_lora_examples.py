@@ -1,0 +1,91 @@
+"""Axolotl's own LoRA and QLoRA examples of the supported families (tests/fixtures/axolotl, copied unchanged from
+axolotl-ai-cloud/axolotl at 067b021: llama-3's lora-1b.yml, instruct-lora-8b.yml (8-bit base), qlora-1b.yml; Mistral's
+lora.yml (8-bit) and qlora.yml, both at sequence_len 8192 over Mistral v0.1's 4096 window with sample_packing; Qwen3's
+8b-lora-fused-attn-compile.yaml), unchanged but for local dataset paths: `plan` and `preprocess` pass, and plan
+says what is trained and how the base is stored (issue 27's proof). Two Qwen QLoRA examples are refused in one line
+for what nd-adapter does not run: qwen2/qlora-fsdp.yaml (FSDP CPU offload of parameters) and qwen3/32b-qlora.yaml
+(torchao's 4-bit AdamW)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.axolotl_home import alpaca_rows, localised, make_home, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests/fixtures/axolotl"
+# example -> (what plan must say about the adapters, about the base)
+PASS = {"lora-1b.yml": ("LoRA r 16, alpha 32 (scale 2), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                        "up_proj, down_proj of all 16 layers", "the base frozen, 16-bit"),
+        "instruct-lora-8b.yml": ("LoRA r 32, alpha 16 (scale 0.5)", "the base frozen, int8"),
+        "qlora-1b.yml": ("LoRA r 32, alpha 16", "the base frozen, NF4"),
+        "mistral-lora.yml": ("LoRA r 32, alpha 16", "the base frozen, int8"),
+        "mistral-qlora.yml": ("LoRA r 32, alpha 16", "the base frozen, NF4"),
+        "qwen3-8b-lora-fused-attn-compile.yaml": ("LoRA r 32, alpha 64 (scale 2) on q_proj", "16-bit")}
+REFUSED = {"qwen2-qlora-fsdp.yaml": "fsdp_config.fsdp_offload_params=True: CPU offload of parameters",
+           "qwen3-32b-qlora.yaml": "optimizer='adamw_torch_4bit'"}
+MODELS = ("NousResearch/Llama-3.2-1B", "NousResearch/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-v0.1",
+          "Qwen/Qwen3-8B", "Qwen/Qwen2-7B", "Qwen/Qwen3-32B")
+DRIVER = """
+import contextlib, io, json, os, sys
+from adapter.cli import main
+out = []
+for cwd, argv in json.loads(sys.argv[1]):
+    os.chdir(cwd)
+    o, e = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+        code = main(argv)
+    out.append([code, o.getvalue(), e.getvalue()])
+print("RESULTS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every example's `plan` and `preprocess`, in one process (each in its own working directory, as a user runs
+    them from a checkout), with the base models' configs in a local HF cache."""
+    root = tmp_path_factory.mktemp("axolotl-lora")
+    home = make_home(root, models=MODELS)
+    alpaca = write_jsonl(root / "data/alpaca.jsonl", alpaca_rows())
+    chat = [{"messages": [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}]}
+            for r in alpaca_rows()]
+    data = {"instruct-lora-8b.yml": write_jsonl(root / "data/messages.jsonl", chat)}
+    runs = []
+    for name in [*PASS, *REFUSED]:
+        work = root / name.split(".")[0]
+        work.mkdir()
+        cfg = localised(FIXTURES / name, work / name, {0: data.get(name, alpaca)})
+        runs += [(str(work), ["plan", str(cfg), "--gpu", "h200"]), (str(work), ["preprocess", "--config", str(cfg)])]
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
+    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], env=env, capture_output=True, text=True,
+                       timeout=1200)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert line, p.stderr[-3000:]
+    got = json.loads(line[8:])
+    return {(next(Path(a).name for a in argv if a.endswith((".yml", ".yaml"))), argv[0]): r
+            for (_, argv), r in zip(runs, got)}
+
+
+@pytest.mark.parametrize("name", list(PASS))
+def test_lora_examples_plan_and_preprocess_unchanged(results, name):
+    code, out, err = results[(name, "plan")]
+    assert code == 0, err
+    said = " ".join(out.split())  # rich wraps long lines at spaces
+    adapters, base = PASS[name]
+    assert f"adapter: {adapters}" in said and base in said[said.index("adapter: LoRA"):], out[:3000]
+    assert "predicted peak" in out
+    code, out, err = results[(name, "preprocess")]
+    assert code == 0 and "prepared data:" in out, (out[-2000:], err[-2000:])
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_is_not_run_is_refused_in_one_line(results, name):
+    for cmd in ("plan", "preprocess"):
+        code, out, err = results[(name, cmd)]
+        assert code == 2 and err.startswith("nd-adapter: error: " + REFUSED[name]) and err.count("\n") == 1, err
