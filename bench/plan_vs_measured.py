@@ -115,6 +115,12 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
      "issue 5", "issue 5 (ZeRO-3 per-module over cp)"),
     ("1B cp=1 seq 16k, one GPU, unfused", "llama-3.2-1b-cp1-16k", {**SCAN, **UNFUSED, **DS}, 1, 35000, "issue 5",
      "issue 5 (ZeRO-3 over a group of one then; now ZeRO-1)"),
+    ("8B LoRA r16 all linears, one GPU, compiled", "llama-3.1-8b-lora-1gpu", {}, 1, 15585, "issue 27 lora_bench",
+     "current"),
+    ("8B QLoRA (NF4) r16, one GPU, compiled", "llama-3.1-8b-lora-1gpu", {"lora.quantize_base": "nf4"}, 1, 13382,
+     "issue 27 lora_bench (quant_linear op)", "current"),
+    ("8B QLoRA (NF4) r16, one GPU, eager", "llama-3.1-8b-lora-1gpu",
+     {"lora.quantize_base": "nf4", "model.compile": False}, 1, 14248, "issue 27 lora_bench", "current"),
 ]
 # Recorded but not predictable: their code path is gone (ZeRO-3 over a group of one, DeepSpeed stage 0, unfused
 # AdamW), or the run forced a stage through `deepspeed.overrides` that plan does not model, or used a model shape
