@@ -1,7 +1,8 @@
 """QLoRA and the 8-bit base against bitsandbytes and PEFT (issue 27's proof, CPU, fp32): the base nd-adapter
 quantises per TP shard equals, code for code and scale for scale, bitsandbytes' quantisation of each whole HF tensor
 (NF4 with double quantisation: `quantize_4bit(compress_statistics=True)`; int8: `int8_vectorwise_quant`), and the
-losses equal transformers + PEFT's on those dequantised weights, from the same adapter on the same samples."""
+losses equal transformers + PEFT's on those dequantised weights, from the same adapter on the same samples; a resumed
+QLoRA run continues exactly, from a checkpoint that holds no base weight (the base is quantised again)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -151,3 +152,32 @@ def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
         assert any(".lora." in n for n in params) and not any(n.endswith(("linear_qkv.weight", "linear_proj.weight",
                                                                          "linear_fc1.weight", "linear_fc2.weight"))
                                                               for n in params), params
+
+
+def _resume_worker(rank, world, model_dir, adapter, root):
+    import torch
+
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    lora = lora_section(KW, adapter) | {"quantize_base": "nf4"}
+
+    def cfg(steps, ckpt):
+        return lora_cfg(model_dir, root, (1, 1, 2), 2, lora, steps=steps, **{"checkpoint.dir": f"{root}/{ckpt}"})
+
+    whole = run(cfg(4, "q-whole"), log=lambda s: None)
+    first = run(cfg(2, "q-cut"), log=lambda s: None)
+    second = run(cfg(4, "q-cut"), resume=True, log=lambda s: None)
+    latest = Path(f"{root}/q-cut/latest").read_text().strip()
+    states = torch.load(sorted(Path(f"{root}/q-cut/{latest}").glob("*model_states.pt"))[0], map_location="cpu",
+                        weights_only=False)
+    return {"whole": whole.losses, "first": first.losses, "second": second.losses,
+            "module": sorted((states.get("module") or {}).keys())}
+
+
+def test_qlora_resumes_exactly_from_adapters_only(setup):
+    root, model, adapter, _ = setup
+    r = run_workers(_resume_worker, 2, model, adapter, str(root), timeout=900)[0]
+    assert r["first"] + r["second"] == r["whole"], r  # bit-identical on CPU
+    assert r["module"] and all(".lora." in k or k.endswith("_extra_state") for k in r["module"]), r["module"]
