@@ -127,6 +127,18 @@ def render(rows: dict[str, dict | None], reference: str = "accelerate-fsdp2",
     return buf.getvalue()
 
 
+def run_logged(name: str, cmd: list[str], log_dir: str, timeout: int) -> str:
+    """One row's command from the project root: its stdout + stderr (what it printed before a timeout), kept as
+    `<log_dir>/<name>.log`."""
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        out = p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    (Path(log_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log").write_text(out)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(1, 2))
@@ -147,12 +159,7 @@ def main(argv=None) -> int:
     Path(a.log_dir).mkdir(parents=True, exist_ok=True)
     rows = {}
     for name, cmd in cmds.items():
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
-            out = p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        (Path(a.log_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log").write_text(out)
+        out = run_logged(name, cmd, a.log_dir, a.timeout)
         ours_cfg = ours(a).get(name, (None,))[0]
         rows[name] = parse_steps(out) if ours_cfg else parse_result(out)
         if ours_cfg and rows[name]:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.compare import parse_result, parse_steps  # noqa: E402
+from bench.compare import parse_result, parse_steps, run_logged  # noqa: E402
 
 CONFIG = "bench/configs/llama-3.1-8b-lora-1gpu.yaml"
 MODEL = "configs/models/llama-3.1-8b/config.json"
@@ -71,12 +69,7 @@ def main(argv=None) -> int:
     Path(a.log_dir).mkdir(parents=True, exist_ok=True)
     rows = {}
     for name, cmd in cmds.items():
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
-            out = p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        (Path(a.log_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log").write_text(out)
+        out = run_logged(name, cmd, a.log_dir, a.timeout)
         rows[name] = parse_steps(out) if name in OURS else parse_result(out)
         if name in plans and rows[name]:
             rows[name]["plan"] = plans[name]

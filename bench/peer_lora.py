@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +33,7 @@ def main(argv=None) -> None:
     from adapter.models import lora
     from adapter.models.arch import load_arch
     from adapter.train.metrics import mfu
+    from bench.peers import timed
 
     src = os.path.dirname(os.path.abspath(a.model_config))
     cfg = AutoConfig.from_pretrained(src)
@@ -77,15 +77,8 @@ def main(argv=None) -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    tps = a.micro_batch * a.seq * a.steps / (time.perf_counter() - t)
+    dt, loss = timed(step, a.warmup, a.steps)
+    tps = a.micro_batch * a.seq / dt
     spec = lora.resolve(arch, r=a.r, alpha=2 * a.r, target_linear=True)
     print("RESULT " + json.dumps({
         "system": "transformers + PEFT" + (" + bitsandbytes NF4" if a.qlora else "") + ("" if a.no_liger else

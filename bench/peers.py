@@ -30,6 +30,21 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+def timed(step, warmup: int, steps: int):
+    """(seconds per step, the last step's loss) after `warmup` untimed steps; the peak memory counts the timed ones."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps, loss
+
+
 def main(argv=None) -> None:
     a = parse(argv)
     import torch
@@ -117,15 +132,7 @@ def main(argv=None) -> None:
             opt.zero_grad()
         return loss
 
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / a.steps
+    dt, loss = timed(step, a.warmup, a.steps)
     tps = a.micro_batch * a.seq * dp / dt / world
     if rank == 0:
         print("RESULT " + json.dumps({

@@ -20,7 +20,17 @@ from safetensors.torch import load_file, save_file
 from adapter.convert import hf_io
 from adapter.errors import bad
 from adapter.models.arch import ModelArch
-from adapter.models.lora import CONFIG, WEIGHTS, LoraSpec, check_adapter, hf_modules, peft_config, peft_key, saved_key
+from adapter.models.lora import (
+    CONFIG,
+    WEIGHTS,
+    LoraSpec,
+    check_adapter,
+    hf_modules,
+    peft_config,
+    peft_key,
+    read_adapter_meta,
+    saved_key,
+)
 
 
 def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: LoraSpec,
@@ -48,14 +58,10 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: L
 
 def read_adapter(path: str | Path, key: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json, tensors) of a PEFT adapter directory; `key` names the setting that pointed here."""
-    root = Path(path)
-    if not (root / CONFIG).is_file() or not (root / WEIGHTS).is_file():
-        raise bad(key, str(path), f"not a PEFT adapter directory (needs {CONFIG} and {WEIGHTS})",
-                  "point it at a directory PEFT's save_pretrained (or nd-adapter) wrote")
+    conf, _ = read_adapter_meta(str(path), key)  # the directory's checks, one line each
     try:
-        conf = json.loads((root / CONFIG).read_text())
-        tensors = load_file(str(root / WEIGHTS))
-    except (json.JSONDecodeError, OSError, ValueError) as e:
+        tensors = load_file(str(Path(path) / WEIGHTS))
+    except (OSError, ValueError) as e:
         raise bad(key, str(path), f"unreadable adapter ({e.__class__.__name__}: {e})", "re-create the adapter")
     return conf, tensors
 
