@@ -390,14 +390,18 @@ def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored
         if not isinstance(legacy, (str, list)):
             raise bad("fsdp", legacy, "must be a list of FSDP options", "write e.g. fsdp: [full_shard, auto_wrap]")
         opts = legacy.split() if isinstance(legacy, str) else [str(o) for o in legacy]
-        if "offload" in opts:
+        if "offload" in opts and not raw.get("adapter"):
             raise bad("fsdp", legacy, "CPU offload is not supported", "remove `offload`")
         for o in opts:
             if o in FSDP_STAGE:
                 stage, why = FSDP_STAGE[o], f"fsdp: {o}"
             elif o not in ("auto_wrap",):
                 raise bad("fsdp", legacy, f"{o!r} has no DeepSpeed counterpart here", "use full_shard or shard_grad_op")
-    if block.get("offload_params"):
+    offload = block.get("offload_params") or (legacy and "offload" in str(legacy))
+    if offload and raw.get("adapter"):  # what FSDP would move: adapters and a frozen (often 4-bit) base
+        notes.append(f"{names.get('offload_params', 'fsdp: offload')}: not used: an adapter run keeps its frozen "
+                     "base and its adapters on the GPU (`plan` says whether they fit)")
+    elif block.get("offload_params"):
         raise bad(names["offload_params"], True, "CPU offload of parameters is not supported by nd-adapter's "
                   "ZeRO path", "set offload_params: false (add GPUs, tp or dp_shard to fit)")
     if block.get("reshard_after_forward") is not None:

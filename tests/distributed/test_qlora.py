@@ -18,7 +18,38 @@ KW = {"r": 8, "lora_alpha": 16, "target_modules": ALL7}
 # name: base format, (dp_shard, cp, tp), micro-batch, overrides -- each a world of 2
 RUNS = {"nf4, tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
         "nf4, dp_shard=2 (ZeRO-3)": ("nf4", (2, 1, 1), 1, {}),
-        "int8, tp=2, no SP": ("int8", (1, 1, 2), 2, {"sequence_parallel": False})}
+        "int8, tp=2, no SP": ("int8", (1, 1, 2), 2, {"sequence_parallel": False}),
+        "nf4, Qwen2 (q/k/v biases), tp=2 +SP": ("nf4", (1, 1, 2), 2, {})}
+QWEN = "nf4, Qwen2 (q/k/v biases), tp=2 +SP"
+
+
+def _qwen2(llama_dir: str, out: Path) -> str:
+    """The Llama with Qwen2's architecture: the same weights plus random q/k/v biases (the quantised linear adds
+    them as Megatron's would)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    c = llama.config
+    cfg = Qwen2Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                      rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False, use_sliding_window=False,
+                      bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+    model = Qwen2ForCausalLM(cfg)
+    missing, _ = model.load_state_dict(llama.state_dict(), strict=False)
+    assert missing and all(k.endswith("proj.bias") for k in missing), missing
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias"):
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    for f in Path(llama_dir).glob("*token*"):
+        shutil.copy(f, out / f.name)
+    return str(out)
 
 
 def _worker(rank, world, model_dir, adapter, root):
@@ -31,7 +62,9 @@ def _worker(rank, world, model_dir, adapter, root):
     init_distributed()
     out = {}
     for name, (fmt, shape, micro, over) in RUNS.items():
-        t = Trainer(lora_cfg(model_dir, root, shape, micro, lora_section(KW, adapter) | {"quantize_base": fmt},
+        kind = "qwen2" if name == QWEN else "llama"
+        model, start = model_dir[kind], adapter[kind]
+        t = Trainer(lora_cfg(model, root, shape, micro, lora_section(KW, start) | {"quantize_base": fmt},
                              **over), log=lambda s: None)
         try:
             t.setup()
@@ -112,9 +145,11 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
     tok = tiny_model(root / "tok")
     model = str(make_model(root / "model", tok, hidden=128))
-    adapter = str(_peft_adapter(model, KW, root / "adapter"))
+    models = {"llama": model, "qwen2": _qwen2(model, root / "qwen2")}
+    adapters = {k: str(_peft_adapter(m, KW, root / f"adapter-{k}")) for k, m in models.items()}
     refs = {fmt: _bnb_reference(model, fmt, root / f"deq-{fmt}") for fmt in ("nf4", "int8")}
-    return root, model, adapter, refs
+    refs["qwen2"] = _bnb_reference(models["qwen2"], "nf4", root / "deq-qwen2")
+    return root, models, adapters, refs
 
 
 def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
@@ -124,10 +159,12 @@ def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
     from adapter.models.arch import load_arch
     from adapter.models.lora import hf_modules
 
-    root, model, adapter, refs = setup
-    got = run_workers(_worker, 2, model, adapter, str(root), timeout=1200)
-    arch = load_arch(model)
+    root, models, adapters, refs = setup
+    got = run_workers(_worker, 2, models, adapters, str(root), timeout=1200)
+    arch = load_arch(models["llama"])
     for name, (fmt, shape, _, _) in RUNS.items():
+        if name == QWEN:
+            continue  # the same shapes: its codes are checked through its losses
         per_rank = [g[name] for g in got]
         if shape[2] == 1:  # dp_shard: each rank holds the whole base, quantised alike
             per_rank = per_rank[:1]
@@ -138,14 +175,15 @@ def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
                     assert np.array_equal(codes, want_codes), (name, layer, hf)
                     assert np.array_equal(scales.reshape(want_scales.shape), want_scales), (name, layer, hf)
     ref_losses = {}
-    for fmt in ("nf4", "int8"):
-        cfg = lora_cfg(model, root, (1, 1, 2), 2, lora_section(KW, adapter) | {"quantize_base": fmt})
-        data = prepare(cfg, Path(model), builder=True, barrier=None, progress=False)
-        ref_losses[fmt] = _peft_reference(str(refs[fmt][0]), adapter, data, cfg)["losses"]
+    for key, kind in (("nf4", "llama"), ("int8", "llama"), ("qwen2", "qwen2")):
+        cfg = lora_cfg(models[kind], root, (1, 1, 2), 2, lora_section(KW, adapters[kind]) | {"quantize_base": "nf4"})
+        data = prepare(cfg, Path(models[kind]), builder=True, barrier=None, progress=False)
+        ref_losses[key] = _peft_reference(str(refs[key][0]), adapters[kind], data, cfg)["losses"]
     assert rel(ref_losses["nf4"][0], ref_losses["int8"][0]) > 1e-4  # the formats differ: the test can fail
+    assert rel(ref_losses["nf4"][0], ref_losses["qwen2"][0]) > 1e-4  # so do the biases
     for name, (fmt, *_), in RUNS.items():
-        losses = got[0][name]["losses"]
-        assert all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref_losses[fmt])), (name, losses, ref_losses[fmt])
+        losses, want = got[0][name]["losses"], ref_losses["qwen2" if name == QWEN else fmt]
+        assert all(rel(a, b) <= 1e-4 for a, b in zip(losses, want)), (name, losses, want)
     # no decoder linear keeps a 16-bit weight: embeddings, norms, the LM head and the adapters are the parameters
     for name in RUNS:
         params = got[0][name]["params"]
@@ -177,7 +215,7 @@ def _resume_worker(rank, world, model_dir, adapter, root):
 
 
 def test_qlora_resumes_exactly_from_adapters_only(setup):
-    root, model, adapter, _ = setup
-    r = run_workers(_resume_worker, 2, model, adapter, str(root), timeout=900)[0]
+    root, models, adapters, _ = setup
+    r = run_workers(_resume_worker, 2, models["llama"], adapters["llama"], str(root), timeout=900)[0]
     assert r["first"] + r["second"] == r["whole"], r  # bit-identical on CPU
     assert r["module"] and all(".lora." in k or k.endswith("_extra_state") for k in r["module"]), r["module"]

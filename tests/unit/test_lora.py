@@ -123,6 +123,9 @@ def test_axolotl_lora_keys():
     assert (q.lora.quantize_base, q.lora.r, q.lora.alpha) == ("nf4", 8, 8)
     assert any("lora_alpha: 8 (PEFT's default" in n for n in q.notes)
     assert build({"adapter": "lora", "load_in_8bit": True, "load_in_4bit": False}).lora.quantize_base == "int8"
+    # FSDP's parameter offload (Axolotl's qwen2/qlora-fsdp.yaml): an adapter run does not need it, and says so
+    off = build({"adapter": "qlora", "load_in_4bit": True, "fsdp_config": {"fsdp_offload_params": True}})
+    assert any(n.startswith("fsdp_config.fsdp_offload_params: not used: an adapter run") for n in off.notes)
     assert build({}).lora is None
 
 
