@@ -5,6 +5,7 @@ keys are refused (`extra="forbid"`), so a typo never silently changes a run. Ref
 """
 from __future__ import annotations
 
+import signal
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -240,10 +241,17 @@ class CheckpointSection(_Strict):
     keep_last: StrictInt = Field(2, ge=1)
     export_hf: str | None = Field(None, description="write an HF checkpoint here at the end (files are replaced, "
                                   "anything else in the directory is kept)")
+    exit_signals: list[str] = Field(["SIGTERM", "SIGUSR1"], description="signals that end the run at the end of the "
+                                    "current step with a checkpoint and exit status 75 (requeue); [] for none")
 
     @model_validator(mode="after")
     def _cadence(self) -> CheckpointSection:
         _steps_or_fraction(self.save_every, "checkpoint.save_every")
+        for name in self.exit_signals:
+            n = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+            if n not in signal.Signals.__members__ or n in ("SIGKILL", "SIGSTOP"):
+                raise ValueError(f"checkpoint.exit_signals: {name!r} is not a signal a process can handle (use e.g. "
+                                 "SIGTERM, SIGUSR1, SIGUSR2)")
         if self.saves_per_epoch is not None and self.save_every:
             raise ValueError("give checkpoint.save_every or checkpoint.saves_per_epoch, not both")
         return self

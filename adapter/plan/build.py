@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from adapter.config import RunConfig, setting, spell
 from adapter.errors import bad
-from adapter.models import checks, counts, freeze, lora, source
+from adapter.models import checks, counts, footprint, freeze, lora, source
 from adapter.models.arch import ModelArch, load_arch
 from adapter.parallel import deepspeed_config, mcore_call
 from adapter.parallel.layout import GROUPS, ORDER, Layout
@@ -237,6 +237,14 @@ def attention_cost(cfg: RunConfig, arch: ModelArch) -> AttentionCost:
                          flops_per_gpu_step=flops)
 
 
+def _saves(cfg: RunConfig) -> int:
+    """Checkpoints the run writes, as far as the config says (epochs: the data decides; assume the retention)."""
+    c, total = cfg.checkpoint, cfg.optimizer.max_steps
+    if total is None or not isinstance(c.save_every, int) or c.saves_per_epoch:
+        return c.keep_last + 1
+    return (total // c.save_every if c.save_every else 0) + (1 if not c.save_every or total % c.save_every else 0)
+
+
 def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArch | None = None,
                gpu_mem_gib: float | None = None) -> Plan:
     arch = arch or load_arch(cfg.model.path)
@@ -315,7 +323,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         notes=list(cfg.notes) + ([freeze.describe(freeze.resolve(arch, cfg.model.unfrozen_parameters), arch,
                                                   spell(cfg, "model.unfrozen_parameters"))]
                                  if cfg.model.unfrozen_parameters is not None else [])
-        + ([lora.describe(lora.from_config(cfg, arch), arch, spell(cfg, "lora"))] if cfg.lora is not None else []),
+        + ([lora.describe(lora.from_config(cfg, arch), arch, spell(cfg, "lora"))] if cfg.lora is not None else [])
+        + [line for line in [footprint.check_disk(cfg, arch, stage=stage, saves=_saves(cfg), refuse=False)] if line],
         weights=Weights(source=w.kind, model_dir=w.model_dir, checkpoint=w.checkpoint, to_convert=w.to_convert,
                         convert_bytes=w.source_bytes if w.to_convert else 0, description=source.describe(w, cfg.seed)),
         model=arch.to_dict(),

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
-from adapter.models import freeze, lora
+from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.counts import linears, local_params
+from adapter.models.counts import local_params
+from adapter.models.footprint import STATE_BYTES, held_and_trained, quantized_base
 from adapter.parallel import deepspeed_config
 
 GIB = 2**30
@@ -36,9 +37,6 @@ RUNTIME_RESERVE = int(1.5 * GIB)
 # (ran, 92% of capacity) and at micro-batch 9 ran out of memory where the bare prediction said 99%. "Fits" keeps
 # this much headroom rather than promise a run that dies at its first step.
 MARGIN = 0.03
-# AdamW's two moments, bytes per parameter: fp32, or 8-bit codes with one fp32 absmax per block of 256 (bitsandbytes'
-# AdamW8bit, adapter/train/optim.py; tensors under 4096 elements keep fp32 moments, not counted here)
-STATE_BYTES = {"adamw": 8, "adamw_8bit": 2 + 2 * 4 / 256}
 
 
 @dataclass(frozen=True)
@@ -64,34 +62,6 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, int | bool | str]:
         return {**asdict(self), "fits": self.fits}
-
-
-def held_and_trained(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, int]:
-    """(parameters one TP rank holds, those it trains): plan's one view of adapters and freezing. A LoRA run holds
-    its frozen base, the adapters and (for a tied model whose embedding or LM head is trained) the untied copy, and
-    trains the adapters and modules_to_save; `unfrozen_parameters` trains what its patterns match."""
-    vdb = cfg.model.vocab_divisible_by
-    lp = local_params(arch, tp, vdb)
-    held = lp.total(arch.num_layers)
-    spec = lora.from_config(cfg, arch)
-    if spec is not None:
-        untied = lp.embedding if spec.modules_to_save and arch.tie_embeddings else 0
-        return (held + spec.params(tp) + untied,
-                lora.trained_params(spec, arch, tp, padded_vocab_size(arch.vocab_size, tp, vdb)))
-    if cfg.model.unfrozen_parameters is not None:
-        return held, freeze.trained_local_params(arch, cfg.model.unfrozen_parameters, tp, vocab_divisible_by=vdb)
-    return held, held
-
-
-def quantized_base(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, float, int]:
-    """(decoder-linear weights one TP rank holds quantised, bytes each, the largest one linear's local count) for a
-    LoRA run on a 4- or 8-bit base (adapter/modeling/quant.py); (0, 0, 0) otherwise. Those weights are buffers:
-    neither ZeRO-sharded nor gathered, and dequantised one linear at a time."""
-    spec = lora.from_config(cfg, arch)
-    if spec is None or not spec.quantize_base:
-        return 0, 0.0, 0
-    per_layer = [lin.weights // tp for lin in linears(arch)]
-    return arch.num_layers * sum(per_layer), lora.BASE_FORMATS[spec.quantize_base][0], max(per_layer)
 
 
 def lora_activations(spec: lora.LoraSpec, arch: ModelArch, *, seq: int, micro: int, tp: int, sp: bool,

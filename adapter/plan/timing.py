@@ -20,11 +20,12 @@ from adapter.config import RunConfig
 from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import flops_per_token, layer_gemms, local_params, param_tensors
+from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_steps
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import held_and_trained, quantized_base, whole_layer_graphs
+from adapter.plan.memory import whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: fwd+bwd = 3.5 × the forward

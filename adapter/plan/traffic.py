@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch
+from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
-from adapter.plan.memory import held_and_trained, quantized_base
 
 
 def _ring(n: int) -> float:

@@ -157,9 +157,18 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
     if latest_tag(root) == tag:
         return root / tag
     state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng(), "optimizer": optimizer_name(engine)}}
-    with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
-        engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False,  # ends in a barrier
-                               exclude_frozen_parameters=trained_only)
+    try:
+        with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
+            engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False,  # ends in a barrier
+                                   exclude_frozen_parameters=trained_only)
+    except (OSError, RuntimeError) as e:  # ENOSPC, EIO, a vanished mount; torch.save's stream errors are RuntimeErrors
+        shutil.rmtree(root / (TMP + tag), ignore_errors=True)
+        kept = latest_tag(root)
+        raise bad("checkpoint.dir", str(root), f"writing the checkpoint of step {step} failed "
+                  f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); the partial one is removed, "
+                  + (f"{kept} is the last complete checkpoint (--resume continues from it)" if kept else
+                     "no earlier checkpoint exists"),
+                  "free space there (lower checkpoint.keep_last, save less often) or use another directory") from e
     if fs_leader:
         if (root / tag).exists():  # an older branch of history reused this step number
             _remove(root / tag)

@@ -3,11 +3,13 @@ launch/train.py runs under `deepspeed` or `torchrun`.
 
 Checks that need no processes run first (config, architecture, data files, checkpoint), so most mistakes end as
 one line and exit status 2 before anything starts. If a worker still fails, the others are stopped and the job
-returns that worker's status (2 for a UserError, which the worker prints as one line).
+returns that worker's status (2 for a UserError, which the worker prints as one line). The run's exit signals
+(SIGTERM, SIGUSR1) are passed on to every rank, which stop together after a checkpoint: status 75 (requeue).
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,12 +20,13 @@ from adapter import config
 from adapter.errors import ERROR_DIR, bad
 from adapter.models import source
 from adapter.osutil import free_port
+from adapter.train.preempt import EXIT_REQUEUE, parse
 from adapter.train.preflight import preflight
 
 GRACE_S = 3.0  # how long the other ranks may take to end on their own after the first one failed
 
 
-def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
+def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals: list[str] = ()) -> int:
     if nproc < 1:
         raise bad("--nproc", nproc, "must be at least 1", "pass the number of processes to start")
     port = str(free_port())
@@ -37,9 +40,16 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
         if cpu:
             env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
         procs.append(subprocess.Popen([sys.executable, "-m", "adapter.train.worker", *worker_args], env=env))
+    forwarded = _forward(exit_signals, procs)
     try:
         while True:
             codes = [p.poll() for p in procs]
+            if EXIT_REQUEUE in codes:  # stopping on a signal: every rank saves and ends at the same step
+                for p in procs:
+                    p.wait()
+                codes = [p.returncode for p in procs]
+                if all(c == EXIT_REQUEUE for c in codes):
+                    return EXIT_REQUEUE
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 first = next(r for r, c in enumerate(codes) if c not in (None, 0))
@@ -64,7 +74,20 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False) -> int:
             p.terminate()
         raise
     finally:
+        for sig, previous in forwarded.items():
+            signal.signal(sig, previous)
         errors.cleanup()
+
+
+def _forward(names: list[str], procs: list[subprocess.Popen]) -> dict:
+    """The exit signals sent to this launcher go on to every rank, which then stop cleanly (adapter/train/preempt.py)
+    instead of this process dying and leaving them running."""
+    def send(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    return {sig: signal.signal(sig, send) for sig in parse(names)}
 
 
 def main(args) -> int:
@@ -75,4 +98,4 @@ def main(args) -> int:
         worker_args += ["--set", item]
     if args.max_steps is not None:
         worker_args += ["--max-steps", str(args.max_steps)]
-    return spawn(args.nproc or cfg.world_size, worker_args)
+    return spawn(args.nproc or cfg.world_size, worker_args, exit_signals=cfg.checkpoint.exit_signals)

@@ -36,16 +36,17 @@ from adapter.data.sft.report import stats_lines
 from adapter.errors import DivergedError, UserError, bad
 from adapter.kernels.attention import split_for_cp
 from adapter.kernels.thd import local_multiple, pack_batch
-from adapter.models import checks, freeze, lora, source
+from adapter.models import checks, footprint, freeze, lora, source
 from adapter.models.arch import ModelArch
 from adapter.models.counts import flops_per_token
-from adapter.parallel import mcore_groups
+from adapter.parallel import deepspeed_config, mcore_groups
 from adapter.parallel.layout import Axis, Layout
 from adapter.patches.zero import set_hpz_group
 from adapter.train import checkpoint as ckpt
 from adapter.train import metrics, schedule
 from adapter.train.engine import build_engine
 from adapter.train.export import export_hf, export_lora
+from adapter.train.preempt import Preemption
 from adapter.train.profile import StepProfiler
 
 
@@ -59,6 +60,7 @@ class RunResult:
     final_step: int = 0
     checkpoint: str | None = None
     exported: str | None = None
+    preempted: str | None = None  # the signal that ended the run early (adapter/train/preempt.py)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class StepStats:
 
 TRIM_MULTIPLE = 64  # unpacked SFT micro-batches are cut to a multiple of this (and of 2·cp·tp for CP and SP)
 # The device-side vector a step's numbers travel in: one all-reduce and one host copy, read one micro-batch late.
-LOSS, NONFINITE, TRAINED_TOKENS, COMPUTED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE = range(6)
+LOSS, NONFINITE, TRAINED_TOKENS, COMPUTED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE, STOP = range(7)
 
 
 @dataclass
@@ -131,8 +133,9 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.result = RunResult()
-        self.sink = self.groups = self.engine = None
+        self.sink = self.groups = self.engine = self.preempt = None
         self.val_dataset = self.chat_template = None
+        self.stopping: str | None = None  # the signal the run stops on, once every rank knows it
 
     def _flops(self, seq_len: int) -> int:
         """MFU's model FLOPs per token; a LoRA run skips the frozen weights' gradients."""
@@ -160,6 +163,9 @@ class Trainer:
         self.lora = lora.from_config(cfg, self.arch)
         if self.lora is not None:
             self._say(lora.describe(self.lora, self.arch, spell(cfg, "lora")))
+        self.preempt = Preemption(cfg.checkpoint.exit_signals)
+        if cfg.checkpoint.exit_signals:
+            self._say(self.preempt.describe(cfg.checkpoint.dir))
         self.weights = source.resolve(cfg)
         resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
         # a LoRA checkpoint holds only what is trained: its frozen base comes from the converted weights again
@@ -180,6 +186,7 @@ class Trainer:
         for line in schedule.describe(cfg, self.schedule):  # before apply: it names the keys the numbers came from
             self._say(line)
         self.cfg = cfg = schedule.apply(cfg, self.schedule)
+        self._check_disk(cfg)
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
         self._say(self.engine.describe_optimizer())
@@ -209,6 +216,16 @@ class Trainer:
         lg = cfg.logging
         self.profiler = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
         self.clock = metrics.StepClock(self.device.type == "cuda")
+
+    def _check_disk(self, cfg: RunConfig) -> None:
+        """Before the model is built: the checkpoints this run will keep must fit where they go (one line if not)."""
+        every, total = self.schedule.save_every, cfg.optimizer.max_steps
+        saves = (total // every if every else 0) + (1 if not every or total % every else 0)
+        existing = len(list(Path(cfg.checkpoint.dir).glob("global_step*"))) if cfg.checkpoint.dir else 0
+        said = footprint.check_disk(cfg, self.arch, stage=deepspeed_config.zero_stage(cfg, self.layout),
+                                    saves=saves if cfg.checkpoint.dir else 0, existing=existing)
+        if said:
+            self._say(said)
 
     def _data(self):
         """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, `self.val_dataset`
@@ -308,7 +325,11 @@ class Trainer:
                                                                               device=device)]), None
         else:
             tail = torch.zeros(2, dtype=torch.float64, device=device)
-        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed, tokens, tail])), gn, lr,
+        # a preemption signal noted on any rank reaches all of them here, with the step's numbers
+        stop = torch.tensor([1.0 if self.preempt.received else 0.0], dtype=torch.float64).to(device,
+                                                                                            non_blocking=True)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed, tokens, tail, stop])), gn, lr,
                               self.clock.end())
         if self.profiler.finish(step):
             self.clock.reset()  # writing the trace is not training time
@@ -319,6 +340,8 @@ class Trainer:
         micro-batch is already queued (so the GPU never drains), always before that step's optimizer update and
         before any checkpoint."""
         s = pending.read()
+        if pending.values.values()[STOP] > 0 and self.stopping is None:
+            self.stopping = self.preempt.received or "a signal to another rank"
         if not math.isfinite(s.loss):
             raise DivergedError(f"the loss is {s.loss} at step {s.step}; stopping before the next step or checkpoint. "
                                 "Lower optimizer.lr or raise optimizer.warmup_steps")
@@ -417,6 +440,13 @@ class Trainer:
                 evaluated = step
             if do_save:
                 result.checkpoint = self.save(step)
+            if self.stopping is not None and step < max_steps:  # every rank sees it at the same step
+                if pending is not None:
+                    self.report(pending)
+                if cfg.checkpoint.dir and not do_save:
+                    result.checkpoint = self.save(step)
+                result.final_step, result.preempted = step, self.stopping
+                return result
         if pending is not None:
             self.report(pending)
         if sched.eval_at_end and max_steps > start and evaluated != max_steps:
@@ -441,6 +471,8 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        if self.preempt is not None:
+            self.preempt.restore()
         if self.sink is not None:
             self.sink.close()  # also when training stops early: the events written so far are flushed
         if self.groups is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from adapter import config
 from adapter.errors import ERROR_DIR, EXIT_USAGE, DivergedError, UserError
 from adapter.models import source
+from adapter.train.preempt import EXIT_REQUEUE
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -70,7 +71,13 @@ def main(argv=None) -> int:
         if args.rehearse:
             rehearse.in_process(cfg, rank, steps=args.steps, seq_len=args.seq_len, workdir=args.workdir, log=log)
         else:
-            run(cfg, resume=args.resume, log=log)
+            result = run(cfg, resume=args.resume, log=log)
+            if result.preempted:
+                where = (f"checkpoint {result.checkpoint} saved; continue with --resume" if result.checkpoint else
+                         "no checkpoint.dir, nothing saved")
+                _report(rank, f"nd-adapter: stopped by {result.preempted} after step {result.final_step}: {where} "
+                              f"(exit status {EXIT_REQUEUE}: requeue)")
+                return EXIT_REQUEUE
         return 0
     except UserError as e:
         _report(rank, f"nd-adapter: error: {e}")

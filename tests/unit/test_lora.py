@@ -153,6 +153,7 @@ def test_plan_counts_what_a_lora_run_holds_and_trains():
     step skips the frozen weight gradients and a quantised base pays its dequantisation."""
     from pathlib import Path
 
+    from adapter.models import footprint
     from adapter.models.arch import load_arch
     from adapter.models.counts import linears, num_params
     from adapter.plan import memory, traffic
@@ -172,12 +173,12 @@ def test_plan_counts_what_a_lora_run_holds_and_trains():
     s = lora.resolve(arch, r=16, alpha=32, target_linear=True)
     adapters = s.params()
     assert adapters == 16 * sum(t.linear.inp + t.linear.out for t in s.targets) == 41_943_040
-    held, trained = memory.held_and_trained(cfg(), arch, 1)
+    held, trained = footprint.held_and_trained(cfg(), arch, 1)
     assert (held, trained) == (num_params(arch) + adapters, adapters)
     q_count = arch.num_layers * sum(lin.weights for lin in linears(arch))
-    assert memory.quantized_base(cfg("nf4"), arch, 1)[:2] == (q_count, 0.5625)
-    assert memory.quantized_base(cfg("int8"), arch, 1)[:2] == (q_count, 1.0)
-    assert memory.quantized_base(cfg(), arch, 1)[0] == 0
+    assert footprint.quantized_base(cfg("nf4"), arch, 1)[:2] == (q_count, 0.5625)
+    assert footprint.quantized_base(cfg("int8"), arch, 1)[:2] == (q_count, 1.0)
+    assert footprint.quantized_base(cfg(), arch, 1)[0] == 0
     est = {f: memory.estimate(cfg(f), arch, partition_size=1, gpu_capacity=1 << 40, stage=3)
            for f in (None, "nf4", "int8")}
     assert est[None].weights == 2 * held and est[None].gradients == 2 * trained

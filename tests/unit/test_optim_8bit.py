@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adapter.errors import UserError
-from adapter.plan import memory
+from adapter.models import footprint
 from adapter.train.optim import FlatAdamW, adamw_8bit
 
 BNB_BLOCK = 256
@@ -115,4 +115,4 @@ def test_plan_counts_the_8bit_states_as_bitsandbytes_holds_them():
     p.grad = torch.zeros_like(p)
     opt.step()
     per_param = [v.nbytes for k, v in opt.state[p].items() if k.startswith(("state", "absmax"))]
-    assert sum(per_param) / p.numel() == memory.STATE_BYTES["adamw_8bit"]  # the 256-entry maps are shared
+    assert sum(per_param) / p.numel() == footprint.STATE_BYTES["adamw_8bit"]  # the 256-entry maps are shared

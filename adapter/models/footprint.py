@@ -1,0 +1,104 @@
+"""What a run holds, trains and writes (torch-free, config × architecture): parameters held and trained per TP rank,
+the 4/8-bit base, the size of a checkpoint and of the final export, and whether the configured retention fits the
+disk. `plan` prints these; the trainer checks the disk with them before its first step (issue 28: a run died at
+step 15 inside torch.save with a traceback, after choosing to keep four 15 GB checkpoints on a 64 GB disk)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from adapter.config import RunConfig, spell
+from adapter.errors import bad
+from adapter.models import freeze, lora
+from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.counts import linears, local_params, num_params
+
+# AdamW's two moments, bytes per parameter: fp32, or 8-bit codes with one fp32 absmax per block of 256 (bitsandbytes'
+# AdamW8bit, adapter/train/optim.py; tensors under 4096 elements keep fp32 moments, not counted here)
+STATE_BYTES = {"adamw": 8, "adamw_8bit": 2 + 2 * 4 / 256}
+GB = 1e9
+
+
+def held_and_trained(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, int]:
+    """(parameters one TP rank holds, those it trains): the one view of adapters and freezing (plan's memory,
+    traffic and step time; the checkpoint sizes here). A LoRA run holds its frozen base, the adapters and (for a tied
+    model whose embedding or LM head is trained) the untied copy, and trains the adapters and modules_to_save;
+    `unfrozen_parameters` trains what its patterns match."""
+    vdb = cfg.model.vocab_divisible_by
+    lp = local_params(arch, tp, vdb)
+    held = lp.total(arch.num_layers)
+    spec = lora.from_config(cfg, arch)
+    if spec is not None:
+        untied = lp.embedding if spec.modules_to_save and arch.tie_embeddings else 0
+        return (held + spec.params(tp) + untied,
+                lora.trained_params(spec, arch, tp, padded_vocab_size(arch.vocab_size, tp, vdb)))
+    if cfg.model.unfrozen_parameters is not None:
+        return held, freeze.trained_local_params(arch, cfg.model.unfrozen_parameters, tp, vocab_divisible_by=vdb)
+    return held, held
+
+
+def quantized_base(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, float, int]:
+    """(decoder-linear weights one TP rank holds quantised, bytes each, the largest one linear's local count) for a
+    LoRA run on a 4- or 8-bit base (adapter/modeling/quant.py); (0, 0, 0) otherwise. Those weights are buffers:
+    neither ZeRO-sharded nor gathered, and dequantised one linear at a time."""
+    spec = lora.from_config(cfg, arch)
+    if spec is None or not spec.quantize_base:
+        return 0, 0.0, 0
+    per_layer = [lin.weights // tp for lin in linears(arch)]
+    return arch.num_layers * sum(per_layer), lora.BASE_FORMATS[spec.quantize_base][0], max(per_layer)
+
+
+def checkpoint_bytes(cfg: RunConfig, arch: ModelArch, stage: int) -> int:
+    """Bytes one checkpoint writes, all ranks together (exact HSDP's replicas write one copy): the fp32 master
+    weights and AdamW's moments of what is trained, and the 16-bit weights DeepSpeed stores beside them (ZeRO-1/2
+    and the flat AdamW: every held weight; ZeRO-3: its partitions live in the optimizer's files; a LoRA run: only
+    what it trains, its base comes from the converted weights again)."""
+    held, trained = held_and_trained(cfg, arch, 1)
+    held -= quantized_base(cfg, arch, 1)[0]  # buffers: not in the module's state
+    half = cfg.param_precision in ("bf16", "fp16")
+    pb = 2 if half else 4
+    weights = pb * trained if cfg.lora is not None else (0 if stage == 3 else pb * held)
+    return int(weights + ((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * trained)
+
+
+def export_bytes(cfg: RunConfig, arch: ModelArch) -> int:
+    """The final export: the HF model in the training dtype, or a LoRA run's PEFT adapter."""
+    if not cfg.checkpoint.export_hf:
+        return 0
+    pb = 2 if cfg.param_precision in ("bf16", "fp16") else 4
+    return pb * (held_and_trained(cfg, arch, 1)[1] if cfg.lora is not None else num_params(arch))
+
+
+def _existing_dir(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk(cfg: RunConfig, arch: ModelArch, *, stage: int, saves: int, existing: int = 0,
+               free: int | None = None, refuse: bool = True) -> str | None:
+    """The line the first lines say about the checkpoints' disk use; a one-line refusal (UserError) when the
+    retention cannot fit the free space of `checkpoint.dir`. `saves`: checkpoints the run will write; `existing`:
+    those already in the directory (counted in the used space, pruned as the run goes). `refuse=False` (plan): the
+    line says that they will not fit instead."""
+    c = cfg.checkpoint
+    if not c.dir or saves < 1:
+        return None
+    size = checkpoint_bytes(cfg, arch, stage)
+    at_once = min(saves + existing, c.keep_last + 1)  # a new one is written before the oldest is pruned
+    need = max(1, at_once - existing) * size + export_bytes(cfg, arch)
+    free = shutil.disk_usage(_existing_dir(Path(c.dir))).free if free is None else free
+    said = (f"checkpoints: {size / GB:.1f} GB each, up to {at_once} at once "
+            f"({spell(cfg, 'checkpoint.keep_last')}={c.keep_last} + the one being written); {need / GB:.1f} GB more "
+            f"with the export, {free / GB:.1f} GB free in {c.dir}")
+    if need > free and not refuse:  # plan: said as a warning
+        return f"{said}: the checkpoints will NOT fit"
+    if need > free:
+        raise bad(spell(cfg, "checkpoint.keep_last"), c.keep_last, f"the run's checkpoints will not fit: {said}",
+                  f"lower {spell(cfg, 'checkpoint.keep_last')}, save less often ({spell(cfg, 'checkpoint.save_every')}"
+                  f" / {spell(cfg, 'checkpoint.saves_per_epoch')}), or point {spell(cfg, 'checkpoint.dir')} at a "
+                  "larger disk")
+    return said
+
+
+__all__ = ["STATE_BYTES", "held_and_trained", "quantized_base", "checkpoint_bytes", "export_bytes", "check_disk"]

@@ -1,0 +1,61 @@
+"""Preemption: the signals a cluster sends before it kills a job (SLURM's `--signal`, Kubernetes' SIGTERM) end the run
+at a step boundary with a complete checkpoint and a status a launcher can requeue on, as Megatron-LM's
+`--exit-signal-handler` does.
+
+A handler only notes the signal. Each step carries the note to every rank inside its own all-reduce (a MAX over
+the world, read one step late with the step's other numbers: no extra host wait), so all ranks see it at the same
+step, whichever of them the signal reached first; they finish the step they are in, save, and exit with
+`EXIT_REQUEUE`. A second signal changes nothing: the save goes on, and the checkpoint's atomic rename
+(adapter/train/checkpoint.py) keeps the last complete one if the job is killed during it.
+"""
+from __future__ import annotations
+
+import signal
+
+from adapter.errors import bad
+
+EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL ("try again later"): stopped on a signal, resumable with --resume
+
+
+def parse(names: list[str], key: str = "checkpoint.exit_signals") -> list[signal.Signals]:
+    out = []
+    for name in names:
+        n = str(name).upper()
+        n = n if n.startswith("SIG") else "SIG" + n
+        sig = getattr(signal.Signals, n, None)
+        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise bad(key, name, "not a signal a process can handle", "use e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
+        out.append(sig)
+    return out
+
+
+class Preemption:
+    """Installs the handlers (main thread only); `received` is the first signal's name, or None."""
+
+    def __init__(self, names: list[str]):
+        self.signals = parse(names)
+        self.received: str | None = None
+        self._previous = {}
+        for sig in self.signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self._note)
+            except ValueError:  # not the main thread (an in-process test harness): nothing to install
+                pass
+
+    def _note(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def describe(self, save_dir: str | None) -> str:
+        names = ", ".join(s.name for s in self.signals)
+        then = (f"save a checkpoint in {save_dir}" if save_dir else "stop (no checkpoint.dir: nothing is saved)")
+        return (f"signals: {names} finish the current step on every rank, {then} and exit with status "
+                f"{EXIT_REQUEUE} (requeue; continue with --resume)")
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+__all__ = ["EXIT_REQUEUE", "Preemption", "parse"]

@@ -1,0 +1,137 @@
+"""Runs that survive a cluster (issue 28), as a user runs them: `nd-adapter train`, 4 CPU processes (tp=2 ×
+dp_shard=2, fp32), against the same run nobody disturbed.
+- SIGTERM sent to the launcher mid-run: every rank finishes its step, the checkpoint is complete, the status is 75
+  (requeue), one line says so, and `--resume` continues with the undisturbed run's losses.
+- A disk that refuses the writes of a save (the files' size limit, RLIMIT_FSIZE: EFBIG where ENOSPC would come):
+  one line, exit 2, the partial checkpoint removed, `latest` still naming the last complete one, which resumes.
+- Retention that cannot fit the disk: refused in one line before step 1, with the numbers."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.sft import make_model, rel
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 24
+STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+)")
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in map(STEP.match, text.splitlines()) if m}
+
+
+def _train(cfg: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "adapter", "train", "--config", str(cfg), *extra], cwd=cfg.parent,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _cfg(path: Path, raw: dict, ckpt: Path, **checkpoint) -> Path:
+    path.write_text(yaml.safe_dump({**raw, "checkpoint": {"dir": str(ckpt), **checkpoint}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The tiny model, the run's settings, and the undisturbed run's losses (its converted weights then cached)."""
+    from tests.helpers.sft_data import tiny_model
+
+    root = tmp_path_factory.mktemp("resilience")
+    model = make_model(root / "model", tiny_model(root / "tok"))
+    raw = {"model": {"path": str(model), "cache_dir": str(root / "cache")},
+           "parallelism": {"dp_shard_size": 2, "tp_size": 2}, "batch": {"micro_batch_size": 2}, "seq_len": 64,
+           "precision": "fp32", "data": {"synthetic": True},
+           "optimizer": {"lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS},
+           "hardware": {"gpus_per_node": 4}}
+    out, err = _train(_cfg(root / "whole.yaml", raw, root / "ck-whole")).communicate(timeout=600)
+    reference = _losses(out)
+    assert len(reference) == STEPS, err[-2000:]
+    return root, raw, reference
+
+
+def test_sigterm_saves_exits_75_and_resumes_exactly(base):
+    root, raw, reference = base
+    tmp_path = root
+    cut = _cfg(root / "cut.yaml", raw, root / "ck-cut")
+    p = _train(cut)
+    seen = []
+    for line in p.stdout:  # the run is training: stop it as a cluster would
+        seen.append(line)
+        if line.startswith("signals: SIGTERM, SIGUSR1 finish the current step"):
+            said = line
+        if line.startswith("step 3/"):
+            time.sleep(0.3)
+            p.send_signal(signal.SIGTERM)
+            break
+    rest, err = p.communicate(timeout=600)
+    out = "".join(seen) + rest
+    assert p.returncode == 75, (out[-2000:], err[-2000:])
+    assert "status 75 (requeue" in said
+    m = re.search(r"nd-adapter: stopped by SIGTERM after step (\d+): checkpoint (\S+) saved; continue with --resume",
+                  err)
+    assert m, err[-2000:]
+    stopped = int(m.group(1))
+    assert 3 <= stopped < STEPS and max(_losses(out)) == stopped, out[-2000:]
+    assert (tmp_path / "ck-cut/latest").read_text().strip() == f"global_step{stopped}"
+    assert not list((tmp_path / "ck-cut").glob("tmp-*"))  # complete, published
+    assert all(_losses(out)[k] == reference[k] for k in range(1, stopped + 1))
+
+    out, err = _train(cut, "--resume").communicate(timeout=600)
+    resumed = _losses(out)
+    assert sorted(resumed) == list(range(stopped + 1, STEPS + 1)), (out[-2000:], err[-2000:])
+    assert all(rel(resumed[k], reference[k]) <= 1e-5 for k in resumed), (resumed, reference)
+
+
+def test_a_failed_save_is_one_line_and_the_last_checkpoint_resumes(base):
+    import resource
+
+    root, raw, reference = base
+    first = _cfg(root / "disk-1.yaml", {**raw, "optimizer": {**raw["optimizer"], "max_steps": 4}}, root / "ck-disk")
+    out, err = _train(first).communicate(timeout=600)
+    assert (root / "ck-disk/latest").read_text().strip() == "global_step4", err[-2000:]
+    cfg = _cfg(root / "disk.yaml", raw, root / "ck-disk", save_every=4)
+
+    def small_files():  # every checkpoint file of this model is larger: the save's writes fail (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16_384, 16_384))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    p = subprocess.run([sys.executable, "-m", "adapter", "train", "--config", str(cfg), "--resume"], cwd=root,
+                       env=env, capture_output=True, text=True, timeout=600, preexec_fn=small_files)
+    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-2000:])
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("nd-adapter:")]
+    assert len(lines) == 1 and "writing the checkpoint of step 8 failed" in lines[0], p.stderr[-3000:]
+    assert "global_step4 is the last complete checkpoint" in lines[0] and "Traceback" not in p.stderr
+    assert (root / "ck-disk/latest").read_text().strip() == "global_step4"
+    assert not list((root / "ck-disk").glob("tmp-*")) and not (root / "ck-disk/global_step8").exists()
+    out, err = _train(cfg, "--resume").communicate(timeout=600)  # room again: it continues from step 4
+    resumed = _losses(out)
+    assert sorted(resumed) == list(range(5, STEPS + 1)), (out[-2000:], err[-2000:])
+    assert all(rel(resumed[k], reference[k]) <= 1e-5 for k in resumed)
+
+
+def test_retention_that_cannot_fit_is_refused_before_step_one(tmp_path):
+    """Issue 28's full-disk case in the large: an 8B model's checkpoints (ZeRO-3 over 2 ranks here, 96 GB each),
+    a hundred kept, cannot fit this disk; the run says so before it builds anything."""
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"path": str(ROOT / "configs/models/llama-3.1-8b")}, "parallelism": {"dp_shard_size": 2},
+        "seq_len": 128, "precision": "bf16", "data": {"synthetic": True}, "optimizer": {"max_steps": 120},
+        "checkpoint": {"dir": str(tmp_path / "ck"), "save_every": 1, "keep_last": 100}}))
+    p = _train(cfg)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 2, (out[-2000:], err[-2000:])
+    line = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
+    assert len(line) == 1 and line[0].startswith("nd-adapter: error: checkpoint.keep_last=100: the run's "
+                                                 "checkpoints will not fit: checkpoints: 96.4 GB each, up to 101 at "
+                                                 "once"), err
+    assert "Fix: lower checkpoint.keep_last" in line[0] and not (tmp_path / "ck").exists()
