@@ -56,27 +56,42 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals
                 deadline = time.monotonic() + GRACE_S  # a collective stop (divergence) ends every rank by itself
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
-                for p in procs:
-                    p.wait()
+                _stop(procs)
                 left = Path(errors.name, f"rank{first}.txt")
                 said = Path(errors.name, "rank0.txt").is_file()  # rank 0 prints its line and leaves this mark
                 if not said and left.is_file():  # rank 0 was stopped before it could say why
                     print(left.read_text(), file=sys.stderr, flush=True)
-                return 2 if 2 in failed else failed[0]
+                elif not left.is_file():  # it died without a word: killed, out of memory, a crash in native code
+                    how = (f"was killed by {signal.Signals(-codes[first]).name}" if codes[first] < 0 else
+                           f"ended with status {codes[first]}")
+                    print(f"nd-adapter: error: rank {first} {how} (out of memory, or killed from outside?); the other "
+                          f"ranks were stopped", file=sys.stderr, flush=True)
+                return 2 if 2 in failed else (failed[0] if failed[0] > 0 else 1)
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.2)
     except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
+        _stop(procs)
         raise
     finally:
         for sig, previous in forwarded.items():
             signal.signal(sig, previous)
         errors.cleanup()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """End the ranks still running. SIGTERM first, though it is an exit signal that asks a rank to finish its step
+    (adapter/train/preempt.py): one waiting in a collective on a dead rank never will, so SIGKILL follows."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 def _forward(names: list[str], procs: list[subprocess.Popen]) -> dict:

@@ -135,3 +135,26 @@ def test_retention_that_cannot_fit_is_refused_before_step_one(tmp_path):
                                                  "checkpoints will not fit: checkpoints: 96.4 GB each, up to 101 at "
                                                  "once"), err
     assert "Fix: lower checkpoint.keep_last" in line[0] and not (tmp_path / "ck").exists()
+
+
+def test_a_killed_rank_ends_the_run_in_one_line(base):
+    """A rank killed from outside (the OOM killer, a node failure) while the others wait for it in a collective: the
+    run ends at once, not at the process-group timeout, with one line naming the rank."""
+    import psutil
+
+    root, raw, _ = base
+    p = _train(_cfg(root / "kill.yaml", raw, root / "ck-kill"))
+    for line in p.stdout:
+        if line.startswith("step 2/"):
+            victim = sorted(psutil.Process(p.pid).children(), key=lambda c: c.pid)[1]  # rank 1
+            victim.kill()
+            t = time.monotonic()
+            break
+    out, err = p.communicate(timeout=300)
+    assert time.monotonic() - t < 60  # the launcher stops the others; nobody waits for the dist timeout (1800 s)
+    assert p.returncode == 1, (out[-2000:], err[-2000:])
+    lines = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
+    assert lines == ["nd-adapter: error: rank 1 was killed by SIGKILL (out of memory, or killed from outside?); the "
+                     "other ranks were stopped"], err[-2000:]
+    assert not [c for c in psutil.Process().children(recursive=True) if "adapter.train.worker" in " ".join(
+        c.cmdline())]  # no rank left behind
