@@ -21,7 +21,7 @@ from adapter.models import source
 from adapter.plan import calibrate, search
 from adapter.plan.build import build_plan
 from adapter.plan.render import render, render_search
-from adapter.train import rehearse, spawn
+from adapter.train import ckpt_info, rehearse, spawn
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,11 +57,22 @@ def cmd_plan(args) -> int:
         return 0
     cfg = source.load_config(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
     doc = build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
+    doc.notes.extend(_resume_note(cfg, doc.model["architecture"]))
     if args.format == "json":
         print(doc.model_dump_json(indent=2))
     else:
         render(doc)
     return 0
+
+
+def _resume_note(cfg, architecture: str) -> list[str]:
+    """Whether this layout can resume the checkpoint the config's checkpoint.dir already holds."""
+    if not cfg.checkpoint.dir or not os.path.isfile(os.path.join(cfg.checkpoint.dir, ckpt_info.LATEST)):
+        return []
+    info = ckpt_info.read(cfg.checkpoint.dir, key=config.spell(cfg, "checkpoint.dir"))
+    why = ckpt_info.resumable(info, cfg, architecture)
+    return [f"--resume would continue {info.path} (step {(info.record or {}).get('step', '?')}, {info.layout_text()})"
+            + (f": NOT at this layout: {why}" if why else ": resumable by this layout")]
 
 
 def cmd_calibrate(args) -> int:
@@ -74,6 +85,10 @@ def cmd_train(args) -> int:
 
 def cmd_rehearse(args) -> int:
     return rehearse.main(args)
+
+
+def cmd_checkpoint(args) -> int:
+    return ckpt_info.main(args)
 
 
 def cmd_preprocess(args) -> int:
@@ -120,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--steps", type=int, default=4, help="steps to rehearse")
             p.add_argument("--seq-len", type=int, help="shorter sequence for the rehearsal")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("checkpoint", help="what a training checkpoint holds: `checkpoint info DIR`")
+    p.add_argument("verb", choices=("info",))
+    p.add_argument("dir", help="a run's checkpoint.dir (Axolotl: output_dir)")
+    p.add_argument("--tag", help="global_stepN (default: what `latest` names)")
+    p.add_argument("--checksums", action="store_true", help="CRC-32 of every file (reads them all)")
+    p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("preprocess", help="tokenise, mask and pack the SFT datasets once (the run's cache); stats")
     p.add_argument("--config", required=True)

@@ -12,6 +12,7 @@ replica writes and the others only join the collectives.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -32,6 +33,7 @@ from adapter.train.optim import FORMAT, FlatAdamW
 
 LATEST = "latest"
 TMP = "tmp-"
+RECORD = "nd_adapter.json"  # the run's own record of a checkpoint: step, layout, model
 _TAG = re.compile(r"global_step(\d+)$")
 _OURS = "nd_adapter"  # our key in DeepSpeed's client_state: step and this rank's RNG states
 
@@ -133,13 +135,15 @@ def _writes(engine, enabled: bool) -> Iterator[None]:
 
 def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] | None = None, *,
          keep_last: int | None = None, save_ranks: Callable[[int], bool] | None = None,
-         trained_only: bool = False) -> Path:
+         trained_only: bool = False, record: dict[str, Any] | None = None) -> Path:
     """Collective: every rank calls it. Returns the published checkpoint directory.
 
     `client_state` (e.g. {"sampler": sampler.state_dict()}) is stored per rank along with `step` and this rank's
-    RNG states. `trained_only`: leave out frozen parameters (a LoRA run's base, which it reloads from the converted
-    weights). `keep_last`: keep that many newest checkpoints (None/0 keeps all). `save_ranks(global_rank)`
-    says which ranks write files (default: all). Saving the step `latest` already names does nothing.
+    RNG states. `record`: what the run says of itself (layout, model; adapter/train/ckpt_info.py reads it without
+    torch), written beside the files as `nd_adapter.json`. `trained_only`: leave out frozen parameters (a LoRA
+    run's base, which it reloads from the converted weights). `keep_last`: keep that many newest checkpoints
+    (None/0 keeps all). `save_ranks(global_rank)` says which ranks write files (default: all). Saving the step
+    `latest` already names does nothing.
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
         raise bad("checkpoint.keep_last", keep_last, "must be a non-negative integer", "use e.g. 3, or 0 to keep all")
@@ -170,6 +174,10 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
                      "no earlier checkpoint exists"),
                   "free space there (lower checkpoint.keep_last, save less often) or use another directory") from e
     if fs_leader:
+        if record is not None:
+            (root / (TMP + tag)).mkdir(parents=True, exist_ok=True)
+            atomic_write_text(root / (TMP + tag) / RECORD, json.dumps({**record, "step": step}, indent=1) + "\n",
+                              tmp_prefix=TMP)
         if (root / tag).exists():  # an older branch of history reused this step number
             _remove(root / tag)
         os.rename(root / (TMP + tag), root / tag)

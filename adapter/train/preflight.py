@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.data import TEXT_SUFFIXES, expand_files, iter_documents
 from adapter.data.sft import check as check_sft
 from adapter.errors import bad
@@ -14,6 +14,7 @@ from adapter.models import checks, source
 from adapter.models.arch import ModelArch, load_arch
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
+from adapter.train import ckpt_info
 
 # Fields of ModelArch that must agree between the config's model and the converted checkpoint.
 ARCH_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
@@ -88,4 +89,12 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
     check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
+    if resume and (Path(cfg.checkpoint.dir) / ckpt_info.LATEST).is_file():  # before any process starts
+        key = spell(cfg, "checkpoint.dir")
+        info = ckpt_info.read(cfg.checkpoint.dir, key=key)
+        why = ckpt_info.resumable(info, cfg, arch.architecture)
+        if why:
+            raise bad(key, cfg.checkpoint.dir, f"cannot resume {info.tag}: {why}",
+                      f"resume with the layout it was saved with (`nd-adapter checkpoint info {cfg.checkpoint.dir}`)"
+                      ", or train into another directory")
     return arch

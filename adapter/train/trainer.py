@@ -38,7 +38,7 @@ from adapter.kernels.attention import split_for_cp
 from adapter.kernels.thd import local_multiple, pack_batch
 from adapter.models import checks, footprint, freeze, lora, source
 from adapter.models.arch import ModelArch
-from adapter.models.counts import flops_per_token
+from adapter.models.counts import flops_per_token, num_params
 from adapter.parallel import deepspeed_config, mcore_groups
 from adapter.parallel.layout import Axis, Layout
 from adapter.patches.zero import set_hpz_group
@@ -411,9 +411,16 @@ class Trainer:
         # each hold their own (its partition is all of dp×cp), so all of them write.
         hsdp = layout.dp_replicate > 1 and self.cfg.deepspeed.replicate_mode == "hsdp"
         save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if hsdp else None
+        p = self.cfg.parallelism
+        record = {"layout": {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size,
+                             "tp": p.tp_size}, "world_size": self.world,
+                  "zero_stage": deepspeed_config.zero_stage(self.cfg, layout),
+                  "model": {"architecture": self.arch.architecture, "params": num_params(self.arch)},
+                  "holds": "adapters" if self.lora is not None else "all trained parameters",
+                  "optimizer": self.cfg.optimizer.name}
         path = str(ckpt.save(self.engine.ds, self.cfg.checkpoint.dir, step, {"sampler": self.sampler.state_dict()},
                              keep_last=self.cfg.checkpoint.keep_last, save_ranks=save_ranks,
-                             trained_only=self.lora is not None))
+                             trained_only=self.lora is not None, record=record))
         self.clock.reset()  # the save is not training time
         return path
 

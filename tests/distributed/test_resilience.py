@@ -90,6 +90,33 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(base):
     resumed = _losses(out)
     assert sorted(resumed) == list(range(stopped + 1, STEPS + 1)), (out[-2000:], err[-2000:])
     assert all(rel(resumed[k], reference[k]) <= 1e-5 for k in resumed), (resumed, reference)
+    _says_what_it_holds(root, cut)
+
+
+def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "adapter", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _says_what_it_holds(root: Path, cfg: Path) -> None:
+    """`checkpoint info`, plan's word on resuming it, and a resume at another layout refused before any process."""
+    p = _cli("checkpoint", "info", str(root / "ck-cut"), "--checksums", cwd=root)
+    assert p.returncode == 0, p.stderr
+    assert f"({'global_step' + str(STEPS)})" in p.stdout.splitlines()[0]
+    assert f"  step      {STEPS}" in p.stdout and "LlamaForCausalLM" in p.stdout
+    assert "layout    dp_replicate=1 × dp_shard=2 × cp=1 × tp=2 (4 ranks, ZeRO stage 3)" in p.stdout
+    assert re.search(r"model_states\.pt  [\d,]+ B  crc32 [0-9a-f]{8}", p.stdout), p.stdout
+    p = _cli("plan", str(cfg), cwd=root)
+    assert "resumable by this layout" in " ".join(p.stdout.split()), p.stdout[-3000:]
+    p = _cli("train", "--config", str(cfg), "--resume", "--set", "parallelism.tp_size=1",
+             "--set", "parallelism.dp_shard_size=4", cwd=root)
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("nd-adapter:")]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
+    assert f"cannot resume global_step{STEPS}: saved at another layout (dp_shard 2 there, 4 here, tp 2 there, 1 here)" \
+        in lines[0], lines
+    p = _cli("checkpoint", "info", str(root / "nowhere"), cwd=root)
+    assert p.returncode == 2 and p.stderr.startswith("nd-adapter: error: DIR=") and "no checkpoint here" in p.stderr
 
 
 def test_a_failed_save_is_one_line_and_the_last_checkpoint_resumes(base):

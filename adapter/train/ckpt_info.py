@@ -1,0 +1,103 @@
+"""What a checkpoint holds, without torch: `nd-adapter checkpoint info DIR`, `plan`'s word on resuming, and the
+pre-flight refusal of a resume the layout cannot take (issue 28). Reads the run's own record (`nd_adapter.json`,
+written by adapter/train/checkpoint.py beside DeepSpeed's files) and the files' sizes; `--checksums` adds a CRC-32
+of every file (a full read)."""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapter.config import RunConfig
+from adapter.errors import bad
+
+LATEST, RECORD = "latest", "nd_adapter.json"  # adapter/train/checkpoint.py's names
+LAYOUT = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    tag: str
+    record: dict | None          # None: saved before nd-adapter wrote its record
+    files: dict[str, int] = field(default_factory=dict)  # name -> bytes
+
+    @property
+    def size(self) -> int:
+        return sum(self.files.values())
+
+    def layout_text(self) -> str:
+        if not self.record:
+            return "unknown (no nd_adapter.json: an older checkpoint)"
+        lay = self.record["layout"]
+        return (" × ".join(f"{k}={lay[k]}" for k in LAYOUT) + f" ({self.record['world_size']} ranks, ZeRO stage "
+                f"{self.record['zero_stage']})")
+
+
+def read(directory: str | Path, tag: str | None = None, key: str = "DIR") -> CheckpointInfo:
+    root = Path(directory)
+    if tag is None:
+        try:
+            tag = (root / LATEST).read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            raise bad(key, str(directory), f"no checkpoint here (no `{LATEST}` file)",
+                      "point it at a run's checkpoint.dir (Axolotl: output_dir)") from None
+    ckpt = root / tag
+    if not ckpt.is_dir():
+        raise bad(key, str(directory), f"`{LATEST}` names {tag}, which does not exist",
+                  "restore the directory or pass --tag global_stepN of one that exists")
+    record = None
+    if (ckpt / RECORD).is_file():
+        try:
+            record = json.loads((ckpt / RECORD).read_text())
+        except json.JSONDecodeError as e:
+            raise bad(key, str(ckpt / RECORD), f"unreadable ({e})", "the checkpoint is damaged; use an older one")
+    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    return CheckpointInfo(ckpt, tag, record, files)
+
+
+def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> str | None:
+    """None when `cfg` can resume `info`, else why not (resuming at another layout is not built yet)."""
+    r = info.record
+    if not r:
+        return None  # an older checkpoint: the load's own checks decide
+    if r["model"]["architecture"] != architecture:
+        return f"it holds a {r['model']['architecture']} model, this run trains {architecture}"
+    p = cfg.parallelism
+    here = {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size, "tp": p.tp_size}
+    if here != r["layout"]:
+        diff = ", ".join(f"{k} {r['layout'][k]} there, {here[k]} here" for k in LAYOUT if here[k] != r["layout"][k])
+        return f"saved at another layout ({diff}); resuming at another layout is not built yet"
+    return None
+
+
+def crc32(path: Path, chunk: int = 1 << 24) -> str:
+    c = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            c = zlib.crc32(block, c)
+    return f"{c:08x}"
+
+
+def describe(info: CheckpointInfo, checksums: bool = False) -> list[str]:
+    r = info.record or {}
+    lines = [f"checkpoint {info.path} ({info.tag})",
+             f"  step      {r.get('step', info.tag.removeprefix('global_step'))}",
+             f"  model     {r['model']['architecture']}, {r['model']['params']:,} parameters" if r else
+             "  model     unknown (no nd_adapter.json)",
+             f"  layout    {info.layout_text()}",
+             f"  holds     {r.get('holds', '?')}; optimizer {r.get('optimizer', '?')}",
+             f"  size      {info.size / 1e9:.3f} GB in {len(info.files)} files"]
+    for name, nbytes in info.files.items():
+        lines.append(f"    {name}  {nbytes:,} B" + (f"  crc32 {crc32(info.path / name)}" if checksums else ""))
+    return lines
+
+
+def main(args) -> int:
+    info = read(args.dir, args.tag)
+    print("\n".join(describe(info, args.checksums)))
+    return 0
+
+
+__all__ = ["CheckpointInfo", "read", "resumable", "describe", "main"]
