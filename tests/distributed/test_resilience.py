@@ -4,6 +4,7 @@ dp_shard=2, fp32), against the same run nobody disturbed.
   (requeue), one line says so, and `--resume` continues with the undisturbed run's losses.
 - A disk that refuses the writes of a save (the files' size limit, RLIMIT_FSIZE: EFBIG where ENOSPC would come):
   one line, exit 2, the partial checkpoint removed, `latest` still naming the last complete one, which resumes.
+- A rank killed from outside: the run ends at once with one line naming it (these two on 2 processes).
 - Retention that cannot fit the disk: refused in one line before step 1, with the numbers."""
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.helpers.sft import make_model, rel
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 24
+STEPS = 16
 STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+)")
 
 
@@ -119,14 +120,19 @@ def _says_what_it_holds(root: Path, cfg: Path) -> None:
     assert p.returncode == 2 and p.stderr.startswith("nd-adapter: error: DIR=") and "no checkpoint here" in p.stderr
 
 
+def _two(raw: dict, max_steps: int) -> dict:
+    """The same run on 2 processes (dp_shard=2): what the fault tests need, at half the start-up cost."""
+    return {**raw, "parallelism": {"dp_shard_size": 2}, "hardware": {"gpus_per_node": 2},
+            "optimizer": {**raw["optimizer"], "max_steps": max_steps}}
+
+
 def test_a_failed_save_is_one_line_and_the_last_checkpoint_resumes(base):
     import resource
 
-    root, raw, reference = base
-    first = _cfg(root / "disk-1.yaml", {**raw, "optimizer": {**raw["optimizer"], "max_steps": 4}}, root / "ck-disk")
-    out, err = _train(first).communicate(timeout=600)
-    assert (root / "ck-disk/latest").read_text().strip() == "global_step4", err[-2000:]
-    cfg = _cfg(root / "disk.yaml", raw, root / "ck-disk", save_every=4)
+    root, raw, _ = base
+    out, err = _train(_cfg(root / "disk-1.yaml", _two(raw, 2), root / "ck-disk")).communicate(timeout=600)
+    assert (root / "ck-disk/latest").read_text().strip() == "global_step2", err[-2000:]
+    cfg = _cfg(root / "disk.yaml", _two(raw, 6), root / "ck-disk", save_every=2)
 
     def small_files():  # every checkpoint file of this model is larger: the save's writes fail (EFBIG)
         resource.setrlimit(resource.RLIMIT_FSIZE, (16_384, 16_384))
@@ -136,14 +142,13 @@ def test_a_failed_save_is_one_line_and_the_last_checkpoint_resumes(base):
                        env=env, capture_output=True, text=True, timeout=600, preexec_fn=small_files)
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-2000:])
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("nd-adapter:")]
-    assert len(lines) == 1 and "writing the checkpoint of step 8 failed" in lines[0], p.stderr[-3000:]
-    assert "global_step4 is the last complete checkpoint" in lines[0] and "Traceback" not in p.stderr
-    assert (root / "ck-disk/latest").read_text().strip() == "global_step4"
-    assert not list((root / "ck-disk").glob("tmp-*")) and not (root / "ck-disk/global_step8").exists()
-    out, err = _train(cfg, "--resume").communicate(timeout=600)  # room again: it continues from step 4
-    resumed = _losses(out)
-    assert sorted(resumed) == list(range(5, STEPS + 1)), (out[-2000:], err[-2000:])
-    assert all(rel(resumed[k], reference[k]) <= 1e-5 for k in resumed)
+    assert len(lines) == 1 and "writing the checkpoint of step 4 failed" in lines[0], p.stderr[-3000:]
+    assert "global_step2 is the last complete checkpoint" in lines[0] and "Traceback" not in p.stderr
+    assert (root / "ck-disk/latest").read_text().strip() == "global_step2"
+    assert not list((root / "ck-disk").glob("tmp-*")) and not (root / "ck-disk/global_step4").exists()
+    p = _train(cfg, "--resume")  # room again: it continues from step 2
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0 and sorted(_losses(out)) == [3, 4, 5, 6], (out[-2000:], err[-2000:])
 
 
 def test_retention_that_cannot_fit_is_refused_before_step_one(tmp_path):
@@ -170,7 +175,7 @@ def test_a_killed_rank_ends_the_run_in_one_line(base):
     import psutil
 
     root, raw, _ = base
-    p = _train(_cfg(root / "kill.yaml", raw, root / "ck-kill"))
+    p = _train(_cfg(root / "kill.yaml", _two(raw, 500), root / "ck-kill"))
     for line in p.stdout:
         if line.startswith("step 2/"):
             victim = sorted(psutil.Process(p.pid).children(), key=lambda c: c.pid)[1]  # rank 1
