@@ -17,6 +17,7 @@ from adapter.models.counts import linears, local_params, num_params
 # AdamW8bit, adapter/train/optim.py; tensors under 4096 elements keep fp32 moments, not counted here)
 STATE_BYTES = {"adamw": 8, "adamw_8bit": 2 + 2 * 4 / 256}
 GB = 1e9
+FREQUENT_SAVES, LARGE_CHECKPOINT = 100, 10 * GB  # cadence_warning's thresholds: steps between saves, bytes
 
 
 def held_and_trained(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, int]:
@@ -101,4 +102,14 @@ def check_disk(cfg: RunConfig, arch: ModelArch, *, stage: int, saves: int, exist
     return said
 
 
-__all__ = ["STATE_BYTES", "held_and_trained", "quantized_base", "checkpoint_bytes", "export_bytes", "check_disk"]
+def cadence_warning(cfg: RunConfig, arch: ModelArch, *, stage: int, every: int) -> str | None:
+    """A save every few steps of a large checkpoint spends much of the run writing: said in the first lines."""
+    size = checkpoint_bytes(cfg, arch, stage)
+    if not cfg.checkpoint.dir or not every or every >= FREQUENT_SAVES or size < LARGE_CHECKPOINT:
+        return None
+    return (f"a {size / GB:.0f} GB checkpoint every {every} steps: writing them may take much of the run; "
+            f"{spell(cfg, 'checkpoint.save_every')} of a few hundred steps is usual")
+
+
+__all__ = ["STATE_BYTES", "cadence_warning", "held_and_trained", "quantized_base", "checkpoint_bytes", "export_bytes",
+           "check_disk"]

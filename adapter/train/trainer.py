@@ -226,6 +226,10 @@ class Trainer:
                                     saves=saves if cfg.checkpoint.dir else 0, existing=existing)
         if said:
             self._say(said)
+        often = footprint.cadence_warning(cfg, self.arch, stage=deepspeed_config.zero_stage(cfg, self.layout),
+                                          every=every)
+        if often:
+            self._say(f"warning: {often}")
 
     def _data(self):
         """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, `self.val_dataset`

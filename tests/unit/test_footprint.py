@@ -55,3 +55,11 @@ def test_disk_check_says_the_numbers_or_refuses_in_one_line():
     with pytest.raises(UserError, match=r"^save_total_limit=2: .* Fix: lower save_total_limit, save less often "
                        r"\(save_steps / saves_per_epoch\), or point output_dir"):
         footprint.check_disk(axolotl, arch, stage=1, saves=40, free=1)
+
+
+def test_saving_a_large_checkpoint_often_is_said():
+    arch = load_arch(MODEL)  # 1.24B: a 17 GB checkpoint at 14 bytes a parameter
+    said = footprint.cadence_warning(cfg(), arch, stage=1, every=3)
+    assert said.startswith("a 17 GB checkpoint every 3 steps") and "checkpoint.save_every" in said
+    assert footprint.cadence_warning(cfg(), arch, stage=1, every=500) is None
+    assert footprint.cadence_warning(cfg(lora={"r": 8}), arch, stage=1, every=3) is None  # adapters: small
