@@ -57,12 +57,15 @@ MASKED = {"dp_shard=4 +document_mask": ((1, 4, 1, 1), {"data.document_mask": Tru
               "data.document_mask": True, "deepspeed.zero_stage": 2, "recompute": "full"})}
 
 
+PARITY_STEPS = 6  # 17 layouts in one world: each step more is ~17 × 4 rank-steps of CI time
+
+
 def _parity_worker(rank, world, demo):
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run
 
     init_distributed()
-    return {name: run(run_config(demo, shape, **over), log=lambda s: None).losses
+    return {name: run(run_config(demo, shape, steps=PARITY_STEPS, **over), log=lambda s: None).losses
             for name, (shape, over) in (LAYOUTS | MASKED).items()}
 
 
@@ -70,7 +73,7 @@ def test_loss_parity_across_layouts(demo):
     results = run_workers(_parity_worker, 4, demo, timeout=900)
     curves = dict(results[0])
     ref = curves["dp_shard=4"]
-    assert len(ref) == 10 and ref[-1] < ref[0] - 0.05, ref  # it learns
+    assert len(ref) == PARITY_STEPS and ref[-1] < ref[0] - 0.05, ref  # it learns
     masked = [curves.pop(name) for name in MASKED]
     for other in masked[1:]:  # document masking is layout-independent too
         assert max(abs(a - b) for a, b in zip(masked[0], other)) < 2e-5, masked
