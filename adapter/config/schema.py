@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from adapter.errors import bad
 
@@ -244,14 +244,23 @@ class CheckpointSection(_Strict):
     exit_signals: list[str] = Field(["SIGTERM", "SIGUSR1"], description="signals that end the run at the end of the "
                                     "current step with a checkpoint and exit status 75 (requeue); [] for none")
 
+    @field_validator("exit_signals")
+    @classmethod
+    def _signals(cls, value: list[str]) -> list[str]:
+        """Spelled once, as the signal module names them (TERM, sigterm -> SIGTERM)."""
+        names = []
+        for name in value:
+            n = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+            if n not in signal.Signals.__members__ or n in ("SIGKILL", "SIGSTOP"):
+                raise ValueError(f"{name!r} is not a signal a process can handle (use e.g. "
+                                 "SIGTERM, SIGUSR1, SIGUSR2)")
+            names.append(n)
+        return names
+
     @model_validator(mode="after")
     def _cadence(self) -> CheckpointSection:
         _steps_or_fraction(self.save_every, "checkpoint.save_every")
-        for name in self.exit_signals:
-            n = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
-            if n not in signal.Signals.__members__ or n in ("SIGKILL", "SIGSTOP"):
-                raise ValueError(f"checkpoint.exit_signals: {name!r} is not a signal a process can handle (use e.g. "
-                                 "SIGTERM, SIGUSR1, SIGUSR2)")
+
         if self.saves_per_epoch is not None and self.save_every:
             raise ValueError("give checkpoint.save_every or checkpoint.saves_per_epoch, not both")
         return self

@@ -187,7 +187,8 @@ def adapters(model) -> dict[tuple[int, str], tuple[torch.nn.Parameter, torch.nn.
 
 
 
-def _gather(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
+def gather(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
+    """`t` of every rank of `tp_group`, concatenated along `dim` (collective)."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(parts, t.contiguous(), group=tp_group)
     return torch.cat(parts, dim)
@@ -202,11 +203,11 @@ def full_state(model, spec: LoraSpec, arch: ModelArch, tp_group=None) -> dict[st
     for t in spec.targets:
         a, b = (p.detach() for p in ads[(t.layer, t.linear.name)])
         if tp > 1:
-            a, b = (a, _gather(b, 0, tp_group)) if t.linear.tp_axis == 0 else (_gather(a, 1, tp_group), b)
+            a, b = (a, gather(b, 0, tp_group)) if t.linear.tp_axis == 0 else (gather(a, 1, tp_group), b)
         out[peft_key(t, "A")], out[peft_key(t, "B")] = a.cpu(), b.cpu()
     for name, w in _saved_weights(model, spec).items():
         w = w.detach()
-        out[saved_key(arch, name)] = (_gather(w, 0, tp_group) if tp > 1 else w)[:arch.vocab_size].cpu()
+        out[saved_key(arch, name)] = (gather(w, 0, tp_group) if tp > 1 else w)[:arch.vocab_size].cpu()
     return out
 
 
@@ -232,4 +233,5 @@ def load_state(model, spec: LoraSpec, arch: ModelArch, tensors: dict[str, torch.
         w.copy_(shard(padded, 0, tp, tp_rank))
 
 
-__all__ = ["LoraAdapters", "add_adapters", "adapters", "init_a", "shard", "full_state", "load_state", "LINEARS"]
+__all__ = ["LoraAdapters", "add_adapters", "gather", "adapters", "init_a", "shard", "full_state", "load_state",
+           "LINEARS"]

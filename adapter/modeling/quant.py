@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from adapter.modeling.lora import LINEARS
+from adapter.modeling.lora import LINEARS, gather
 from adapter.models.arch import ModelArch
 from adapter.models.lora import NF4_BLOCK, placement
 
@@ -48,14 +48,6 @@ def _bnb():
     import bitsandbytes.functional as bnbf
 
     return bnbf
-
-
-def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    if group is None or dist.get_world_size(group) == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim)
 
 
 def hf_row_sets(arch: ModelArch, fused: str, tp: int, rows: int) -> list[torch.Tensor]:
@@ -84,10 +76,10 @@ def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank:
 
     if fused in COLUMN:
         for rows in hf_row_sets(arch, fused, tp, out_rows):
-            whole = second_level(_gather(absmax[rows], 0, tp_group if tp > 1 else None))
+            whole = second_level(gather(absmax[rows], 0, tp_group) if tp > 1 else absmax[rows])
             scales[rows] = whole.view(tp, len(rows), -1)[tp_rank] if tp > 1 else whole
     else:
-        whole = second_level(_gather(absmax, 1, tp_group if tp > 1 else None))
+        whole = second_level(gather(absmax, 1, tp_group) if tp > 1 else absmax)
         scales.copy_(whole.view(out_rows, tp, -1)[:, tp_rank] if tp > 1 else whole)
     return codes.reshape(-1), scales.reshape(-1)
 

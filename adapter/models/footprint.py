@@ -49,6 +49,11 @@ def quantized_base(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, float
     return arch.num_layers * sum(per_layer), lora.BASE_FORMATS[spec.quantize_base][0], max(per_layer)
 
 
+def saves(total_steps: int, every: int) -> int:
+    """Checkpoints a run of `total_steps` writes saving every `every` steps (0: only at the end), the end included."""
+    return (total_steps // every if every else 0) + (1 if not every or total_steps % every else 0)
+
+
 def checkpoint_bytes(cfg: RunConfig, arch: ModelArch, stage: int) -> int:
     """Bytes one checkpoint writes, all ranks together (exact HSDP's replicas write one copy): the fp32 master
     weights and AdamW's moments of what is trained, and the 16-bit weights DeepSpeed stores beside them (ZeRO-1/2
@@ -111,5 +116,5 @@ def cadence_warning(cfg: RunConfig, arch: ModelArch, *, stage: int, every: int) 
             f"{spell(cfg, 'checkpoint.save_every')} of a few hundred steps is usual")
 
 
-__all__ = ["STATE_BYTES", "cadence_warning", "held_and_trained", "quantized_base", "checkpoint_bytes", "export_bytes",
-           "check_disk"]
+__all__ = ["STATE_BYTES", "cadence_warning", "saves", "held_and_trained", "quantized_base", "checkpoint_bytes",
+           "export_bytes", "check_disk"]

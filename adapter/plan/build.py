@@ -242,7 +242,7 @@ def _saves(cfg: RunConfig) -> int:
     c, total = cfg.checkpoint, cfg.optimizer.max_steps
     if total is None or not isinstance(c.save_every, int) or c.saves_per_epoch:
         return c.keep_last + 1
-    return (total // c.save_every if c.save_every else 0) + (1 if not c.save_every or total % c.save_every else 0)
+    return footprint.saves(total, c.save_every)
 
 
 def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArch | None = None,

@@ -29,11 +29,10 @@ from deepspeed import comm as dist
 
 from adapter.errors import bad
 from adapter.osutil import atomic_write_text
+from adapter.train.ckpt_info import LATEST, RECORD
 from adapter.train.optim import FORMAT, FlatAdamW
 
-LATEST = "latest"
 TMP = "tmp-"
-RECORD = "nd_adapter.json"  # the run's own record of a checkpoint: step, layout, model
 _TAG = re.compile(r"global_step(\d+)$")
 _OURS = "nd_adapter"  # our key in DeepSpeed's client_state: step and this rank's RNG states
 

@@ -12,8 +12,15 @@ from pathlib import Path
 from adapter.config import RunConfig
 from adapter.errors import bad
 
-LATEST, RECORD = "latest", "nd_adapter.json"  # adapter/train/checkpoint.py's names
+LATEST = "latest"  # DeepSpeed's pointer to the newest complete checkpoint (a text file holding its tag)
+RECORD = "nd_adapter.json"  # the run's own record of a checkpoint: step, layout, model
 LAYOUT = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def layout_of(cfg: RunConfig) -> dict[str, int]:
+    """The layout as a checkpoint's record keeps it."""
+    p = cfg.parallelism
+    return {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size, "tp": p.tp_size}
 
 
 @dataclass
@@ -64,8 +71,7 @@ def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> str | 
         return None  # an older checkpoint: the load's own checks decide
     if r["model"]["architecture"] != architecture:
         return f"it holds a {r['model']['architecture']} model, this run trains {architecture}"
-    p = cfg.parallelism
-    here = {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size, "tp": p.tp_size}
+    here = layout_of(cfg)
     if here != r["layout"]:
         diff = ", ".join(f"{k} {r['layout'][k]} there, {here[k]} here" for k in LAYOUT if here[k] != r["layout"][k])
         return f"saved at another layout ({diff}); resuming at another layout is not built yet"
@@ -100,4 +106,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["CheckpointInfo", "read", "resumable", "describe", "main"]
+__all__ = ["CheckpointInfo", "read", "resumable", "describe", "layout_of", "main", "LATEST", "RECORD"]

@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import signal
 
-from adapter.errors import bad
-
 EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL ("try again later"): stopped on a signal, resumable with --resume
 
 
-def parse(names: list[str], key: str = "checkpoint.exit_signals") -> list[signal.Signals]:
-    out = []
-    for name in names:
-        n = str(name).upper()
-        n = n if n.startswith("SIG") else "SIG" + n
-        sig = getattr(signal.Signals, n, None)
-        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise bad(key, name, "not a signal a process can handle", "use e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
-        out.append(sig)
-    return out
+def parse(names: list[str]) -> list[signal.Signals]:
+    """`checkpoint.exit_signals` (the config has checked and spelled them) as signals."""
+    return [signal.Signals[n] for n in names]
 
 
 class Preemption:

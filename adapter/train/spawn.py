@@ -62,10 +62,11 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals
                 if not said and left.is_file():  # rank 0 was stopped before it could say why
                     print(left.read_text(), file=sys.stderr, flush=True)
                 elif not left.is_file():  # it died without a word: killed, out of memory, a crash in native code
-                    how = (f"was killed by {signal.Signals(-codes[first]).name}" if codes[first] < 0 else
-                           f"ended with status {codes[first]}")
-                    print(f"nd-adapter: error: rank {first} {how} (out of memory, or killed from outside?); the other "
-                          f"ranks were stopped", file=sys.stderr, flush=True)
+                    how = (f"was killed by {signal.Signals(-codes[first]).name} (out of memory, or killed from "
+                           "outside?)" if codes[first] < 0 else f"ended with status {codes[first]} (its output above "
+                           "says why)")
+                    print(f"nd-adapter: error: rank {first} {how}; the other ranks were stopped", file=sys.stderr,
+                          flush=True)
                 return 2 if 2 in failed else (failed[0] if failed[0] > 0 else 1)
             if all(c == 0 for c in codes):
                 return 0

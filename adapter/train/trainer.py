@@ -43,7 +43,7 @@ from adapter.parallel import deepspeed_config, mcore_groups
 from adapter.parallel.layout import Axis, Layout
 from adapter.patches.zero import set_hpz_group
 from adapter.train import checkpoint as ckpt
-from adapter.train import metrics, schedule
+from adapter.train import ckpt_info, metrics, schedule
 from adapter.train.engine import build_engine
 from adapter.train.export import export_hf, export_lora
 from adapter.train.preempt import Preemption
@@ -219,15 +219,13 @@ class Trainer:
 
     def _check_disk(self, cfg: RunConfig) -> None:
         """Before the model is built: the checkpoints this run will keep must fit where they go (one line if not)."""
-        every, total = self.schedule.save_every, cfg.optimizer.max_steps
-        saves = (total // every if every else 0) + (1 if not every or total % every else 0)
+        every, stage = self.schedule.save_every, deepspeed_config.zero_stage(cfg, self.layout)
         existing = len(list(Path(cfg.checkpoint.dir).glob("global_step*"))) if cfg.checkpoint.dir else 0
-        said = footprint.check_disk(cfg, self.arch, stage=deepspeed_config.zero_stage(cfg, self.layout),
-                                    saves=saves if cfg.checkpoint.dir else 0, existing=existing)
+        said = footprint.check_disk(cfg, self.arch, stage=stage, existing=existing,
+                                    saves=footprint.saves(cfg.optimizer.max_steps, every) if cfg.checkpoint.dir else 0)
         if said:
             self._say(said)
-        often = footprint.cadence_warning(cfg, self.arch, stage=deepspeed_config.zero_stage(cfg, self.layout),
-                                          every=every)
+        often = footprint.cadence_warning(cfg, self.arch, stage=stage, every=every)
         if often:
             self._say(f"warning: {often}")
 
@@ -240,9 +238,7 @@ class Trainer:
             self.sft = prepare(cfg, source.tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
                                progress=self.rank == 0)
             dataset, self.val_dataset, self.chat_template = self.sft.train, self.sft.val, self.sft.chat_template
-            for part in (dataset, self.val_dataset):
-                if part is not None:
-                    checks.check_window(cfg, self.arch, part.longest())
+            checks.check_window(cfg, self.arch, self.sft.longest())
             if self.rank == 0:
                 for line in stats_lines(self.sft):
                     self.log(line.strip())
@@ -415,9 +411,7 @@ class Trainer:
         # each hold their own (its partition is all of dp×cp), so all of them write.
         hsdp = layout.dp_replicate > 1 and self.cfg.deepspeed.replicate_mode == "hsdp"
         save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if hsdp else None
-        p = self.cfg.parallelism
-        record = {"layout": {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size,
-                             "tp": p.tp_size}, "world_size": self.world,
+        record = {"layout": ckpt_info.layout_of(self.cfg), "world_size": self.world,
                   "zero_stage": deepspeed_config.zero_stage(self.cfg, layout),
                   "model": {"architecture": self.arch.architecture, "params": num_params(self.arch)},
                   "holds": "adapters" if self.lora is not None else "all trained parameters",

@@ -49,6 +49,10 @@ class SFTData:
     notes: list[str] = field(default_factory=list)  # what changes what is trained, for the run's first lines
     reused: bool = False
 
+    def longest(self) -> int:
+        """Tokens of the longest example, training and held-out (what a sliding attention window must cover)."""
+        return max(part.longest() for part in (self.train, self.val) if part is not None)
+
 
 def names(cfg) -> tuple[Callable[[int], str], Callable[[str], str]]:
     """How keys are spelled in messages: as the user wrote them (Axolotl top level, or native data.*)."""

@@ -56,9 +56,7 @@ def main(args) -> int:
     tok_dir = source.tokenizer_dir(cfg)
     data = prepare(cfg, tok_dir, builder=True, barrier=None, progress=True)
     print("\n".join(stats_lines(data)))
-    for part in (data.train, data.val):
-        if part is not None:
-            checks.check_window(cfg, source.arch_for(cfg), part.longest())
+    checks.check_window(cfg, source.arch_for(cfg), data.longest())
     if args.debug:
         tok = load_tokenizer(cfg, tok_dir, source.arch_for(cfg).vocab_size)
         print("\n".join(debug_lines(data, tok, args.samples)))
