@@ -70,9 +70,9 @@ def _resume_note(cfg, architecture: str) -> list[str]:
     if not cfg.checkpoint.dir or not os.path.isfile(os.path.join(cfg.checkpoint.dir, ckpt_info.LATEST)):
         return []
     info = ckpt_info.read(cfg.checkpoint.dir, key=config.spell(cfg, "checkpoint.dir"))
-    why = ckpt_info.resumable(info, cfg, architecture)
+    why, how = ckpt_info.resumable(info, cfg, architecture)
     return [f"--resume would continue {info.path} (step {(info.record or {}).get('step', '?')}, {info.layout_text()})"
-            + (f": NOT at this layout: {why}" if why else ": resumable by this layout")]
+            + (f": NOT by this run: {why}" if why else f": resumable by this layout, {how}")]
 
 
 def cmd_calibrate(args) -> int:

@@ -5,7 +5,8 @@ others:
 * the hpZ secondary-partition group, which DeepSpeed would otherwise build from consecutive global ranks, mixing TP
   ranks (`set_hpz_group`);
 * exact HSDP's replica all-reduce of ZeRO-3's flat gradient partition buffer (`average_over_replicas`);
-* the engine around nd-adapter's flat AdamW: no data-parallel all-reduce (`drive_flat_optimizer`).
+* the engine around nd-adapter's flat AdamW: no data-parallel all-reduce (`drive_flat_optimizer`);
+* AdamW's state created before the first step, so a resharded resume can place its moments (`adam_states`).
 
 The ZeRO-1/2 step. Why: DeepSpeed 0.19.8's stage-1/2 optimizer makes the host wait for the GPU several times per
 step: a device-wide synchronize at the end of every backward (with `overlap_comm`), a scalar built with
@@ -111,6 +112,25 @@ def average_over_replicas(engine, replica_group, replicas: int) -> None:
     buf.div_(replicas)
 
 
+def adam_states(zero_optimizer, step: int) -> None:
+    """Give ZeRO's AdamW its state before its first step (torch creates it lazily in `step`), at step count `step`
+    with zero moments, and link each parameter's fragment to it, so that DeepSpeed's `safe_set_full_optimizer_state`
+    can place moments resharded from a checkpoint of another layout (adapter/train/reshard.py)."""
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "AdamW state set-up for resharding (adapter/patches/zero.py)")
+    base = zero_optimizer.optimizer
+    zero12 = isinstance(zero_optimizer, stage_1_and_2.DeepSpeedZeroOptimizer)
+    flats = zero_optimizer.single_partition_of_fp32_groups if zero12 else zero_optimizer.fp32_partitioned_groups_flat
+    on_device = any(g.get("fused") or g.get("capturable") for g in base.param_groups)  # as torch's AdamW keeps it
+    for flat in flats:
+        state = base.state[flat]
+        state["step"] = torch.tensor(float(step), dtype=torch.float32, device=flat.device if on_device else "cpu")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+    if zero12:  # ZeRO-3 reads the state through its flats
+        zero_optimizer._hp_optimizer_states_linked = False
+        zero_optimizer._lazy_init_hp_params_optimizer_state()
+
+
 __all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "drive_flat_optimizer", "unscale_and_clip_grads",
-           "mask_nonfinite_",
-           "set_hpz_group", "average_over_replicas"]
+           "mask_nonfinite_", "set_hpz_group", "average_over_replicas", "adam_states"]

@@ -201,12 +201,14 @@ def _node_local(engine) -> bool:
 
 
 def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_state: bool = True,
-         trained_only: bool = False) -> tuple[int, dict[str, Any]] | None:
+         trained_only: bool = False, arch=None, tp_rank: int = 0, tp: int = 1) -> tuple[int, dict[str, Any]] | None:
     """Collective. Load `tag` (default: what `latest` names) into a freshly built engine.
 
-    Returns (step, client_state) or None when the directory has no checkpoint. Restores this rank's RNG states
-    unless told not to. A checkpoint of another model or parallel layout is refused before DeepSpeed touches the
-    engine, with a UserError naming the first differences.
+    Returns (step, client_state) or None when the directory has no checkpoint. At the layout it was saved with,
+    DeepSpeed loads its own files and this rank's RNG states come back (unless told not to). At another layout
+    (another world size, tp, partitioning or optimizer), given the model's `arch` and this rank's place in TP,
+    adapter/train/reshard.py places the saved weights and moments; the RNG streams then start afresh. Another
+    model is refused before anything is loaded, with a UserError naming the first difference.
     """
     root = Path(load_dir)
     explicit = tag is not None
@@ -219,11 +221,10 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
         raise bad(key, value, f"checkpoint directory {ckpt} does not exist",
                   "pass a tag that exists (global_stepN) or restore the directory `latest` points to")
     mine = Path(engine._get_ckpt_name(str(root), tag))
-    if not mine.is_file():
-        found = sorted(p.name for p in ckpt.glob("*model_states.pt"))
-        raise bad(key, value, f"no {mine.name} for this rank; the checkpoint holds {len(found)} model-state file(s),"
-                  " so it was saved with another parallel layout", "resume with the layout it was saved with")
-    _check_match(engine, mine, key, value, trained_only)
+    meta = torch.load(mine, map_location="cpu", weights_only=False, mmap=True) if mine.is_file() else None
+    if meta is None or not _same_layout(engine, meta):
+        return _load_resharded(engine, ckpt, key, value, arch, tp_rank, tp, meta)
+    _check_match(engine, meta, key, value, trained_only)
     path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not trained_only)
     if path is None:
         raise RuntimeError(f"DeepSpeed did not load {ckpt}")
@@ -235,20 +236,34 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
     return int(ours["step"]), client
 
 
-def _check_match(engine, model_states: Path, key: str, value: str, trained_only: bool = False) -> None:
-    meta = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)  # no need to read it all
-    here_dp, here_mp = engine.seq_dp_world_size, engine.mp_world_size
-    if (meta.get("dp_world_size"), meta.get("mp_world_size")) != (here_dp, here_mp):
-        raise bad(key, value, f"saved with data-parallel size {meta.get('dp_world_size')} and model-parallel size "
-                  f"{meta.get('mp_world_size')}, this run has {here_dp} and {here_mp}",
-                  "resume with the layout it was saved with")
+def _same_layout(engine, meta: dict) -> bool:
+    """Whether DeepSpeed's own load fits: this rank's files exist with the same partitioning and optimizer kind."""
     saved_flat = isinstance(meta.get("optimizer"), dict) and meta["optimizer"].get("format") == FORMAT
-    here_flat = isinstance(engine.optimizer, FlatAdamW)
-    if saved_flat != here_flat:
-        said = ("nd-adapter's flat AdamW", "DeepSpeed's ZeRO optimizer")
-        there, here = (said if saved_flat else said[::-1])
-        raise bad(key, value, f"its optimizer state was written by {there}; this run uses {here}",
-                  f"resume with optimizer.impl: {'flat' if saved_flat else 'deepspeed'} (as it was saved)")
+    return ((meta.get("dp_world_size"), meta.get("mp_world_size")) == (engine.seq_dp_world_size, engine.mp_world_size)
+            and saved_flat == isinstance(engine.optimizer, FlatAdamW))
+
+
+def _load_resharded(engine, ckpt: Path, key: str, value: str, arch, tp_rank: int, tp: int,
+                    meta: dict | None) -> tuple[int, dict[str, Any]]:
+    from adapter.train import reshard  # only a resume at another layout needs it
+
+    record = json.loads((ckpt / RECORD).read_text()) if (ckpt / RECORD).is_file() else None
+    if record is None or arch is None:
+        found = len(list(ckpt.glob("*model_states.pt")))
+        raise bad(key, value, f"saved with another parallel layout ({found} model-state file(s)) by a version of "
+                  "nd-adapter that did not record it, so it cannot be resharded", "resume with the layout it was "
+                  "saved with")
+    if record["model"]["architecture"] != arch.architecture:
+        raise bad(key, value, f"it holds a {record['model']['architecture']} model, this run trains "
+                  f"{arch.architecture}", "resume with the model it was saved with, or save into a new directory")
+    client = reshard.load(engine, ckpt, arch, tp_rank=tp_rank, tp=tp, key=key, value=value)
+    ours = client.pop(_OURS, None)
+    if ours is None:
+        raise bad(key, value, "not saved by nd-adapter (no step record)", "load it with DeepSpeed directly")
+    return int(ours["step"]), client
+
+
+def _check_match(engine, meta: dict, key: str, value: str, trained_only: bool = False) -> None:
     there, here = (meta.get(_OURS) or {}).get("optimizer", "adamw"), optimizer_name(engine)
     if there != here:
         raise bad(key, value, f"its optimizer state is {there}'s; this run uses {here}",

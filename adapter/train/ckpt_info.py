@@ -64,18 +64,22 @@ def read(directory: str | Path, tag: str | None = None, key: str = "DIR") -> Che
     return CheckpointInfo(ckpt, tag, record, files)
 
 
-def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> str | None:
-    """None when `cfg` can resume `info`, else why not (resuming at another layout is not built yet)."""
+def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> tuple[str | None, str]:
+    """(why `cfg` cannot resume `info`, or None; how it would: "at the same layout" or "resharded from ...")."""
     r = info.record
     if not r:
-        return None  # an older checkpoint: the load's own checks decide
+        return None, "at the layout it was saved with (an older checkpoint: the load's own checks decide)"
     if r["model"]["architecture"] != architecture:
-        return f"it holds a {r['model']['architecture']} model, this run trains {architecture}"
+        return f"it holds a {r['model']['architecture']} model, this run trains {architecture}", ""
     here = layout_of(cfg)
-    if here != r["layout"]:
-        diff = ", ".join(f"{k} {r['layout'][k]} there, {here[k]} here" for k in LAYOUT if here[k] != r["layout"][k])
-        return f"saved at another layout ({diff}); resuming at another layout is not built yet"
-    return None
+    if here == r["layout"]:
+        return None, "at the same layout"
+    eight = "adamw_8bit" in (r.get("optimizer"), cfg.optimizer.name)
+    if eight:
+        return ("8-bit optimizer moments are quantised in blocks of the layout's own partitions, so they cannot "
+                "move to another layout exactly", "")
+    diff = ", ".join(f"{k} {r['layout'][k]} there, {here[k]} here" for k in LAYOUT if here[k] != r["layout"][k])
+    return None, f"resharded from another layout ({diff})"
 
 
 def crc32(path: Path, chunk: int = 1 << 24) -> str:

@@ -53,16 +53,18 @@ def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def param_groups(model, weight_decay: float):
+def param_groups(model, weight_decay: float, names: bool = False):
     """No weight decay on norms and biases (the usual LLM recipe). Only trained parameters; an empty group (a LoRA
-    run has no trained norms) is left out."""
+    run has no trained norms) is left out. `names`: each group also lists its parameters' names (the flat AdamW
+    saves them, so a checkpoint can be resharded)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-            if g["params"]]
+        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append((name, p))
+    groups = [{"params": [p for _, p in ps], "weight_decay": wd} | ({"names": [n for n, _ in ps]} if names else {})
+              for ps, wd in ((decay, weight_decay), (no_decay, 0.0))]
+    return [g for g in groups if g["params"]]
 
 
 def add_tp_grad_hooks(model, tp_group) -> None:
@@ -219,7 +221,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         set_z3_leaf_modules(model, [Layer])
     if deepspeed_config.flat_optimizer(cfg, layout):
         o = cfg.optimizer
-        opt = FlatAdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
+        opt = FlatAdamW(param_groups(model, o.weight_decay, names=True), lr=o.lr, betas=o.betas, eps=o.eps,
                         clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None,
                         state_bits=8 if o.name == "adamw_8bit" else 32)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,

@@ -225,6 +225,23 @@ class FlatAdamW(torch.optim.Optimizer):
             group.update(saved)
         self.steps = int(state["steps"])
 
+    def set_state(self, param, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """One parameter's fp32 master weight and moments, from a checkpoint of another layout
+        (adapter/train/reshard.py); its 16-bit weight is the master's rounding, as after a step."""
+        if self.inner is not None:
+            raise ValueError("FlatAdamW.set_state: 8-bit moments cannot be set from fp32 ones exactly")
+        for f in self.flats:
+            for i, p in enumerate(f.params):
+                if p is param:
+                    off, n = f.offsets[i], p.numel()
+                    self._master(f, i).copy_(master.reshape(-1))
+                    f.exp_avg[off:off + n].copy_(exp_avg.reshape(-1))
+                    f.exp_avg_sq[off:off + n].copy_(exp_avg_sq.reshape(-1))
+                    if f.master is not None:
+                        p.data.view(-1).copy_(self._master(f, i))
+                    return
+        raise KeyError("FlatAdamW.set_state: the parameter is not one this optimizer steps")
+
 
 def adamw_8bit(param_groups, *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW8bit (the module docstring says why), imported here: only runs that ask for it pay for the

@@ -92,9 +92,9 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
     if resume and (Path(cfg.checkpoint.dir) / ckpt_info.LATEST).is_file():  # before any process starts
         key = spell(cfg, "checkpoint.dir")
         info = ckpt_info.read(cfg.checkpoint.dir, key=key)
-        why = ckpt_info.resumable(info, cfg, arch.architecture)
+        why, _ = ckpt_info.resumable(info, cfg, arch.architecture)
         if why:
             raise bad(key, cfg.checkpoint.dir, f"cannot resume {info.tag}: {why}",
-                      f"resume with the layout it was saved with (`nd-adapter checkpoint info {cfg.checkpoint.dir}`)"
-                      ", or train into another directory")
+                      f"resume with the model and optimizer it was saved with (`nd-adapter checkpoint info "
+                      f"{cfg.checkpoint.dir}`), or train into another directory")
     return arch

@@ -168,8 +168,12 @@ class Trainer:
             self._say(self.preempt.describe(cfg.checkpoint.dir))
         self.weights = source.resolve(cfg)
         resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
-        # a LoRA checkpoint holds only what is trained: its frozen base comes from the converted weights again
+        moved = resuming and self._saved_elsewhere(cfg.checkpoint.dir)
+        # a LoRA checkpoint holds only what is trained, and one resharded brings only that: what is frozen comes
+        # from the converted weights again
+        needs_base = not resuming or self.lora is not None or moved
         self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed"
+                  + (f" (saved at another layout: {moved}; resharded)" if moved else "")
                   + (", the frozen base from the converted weights" if self.lora else "") if resuming else
                   source.describe(self.weights, cfg.seed))
         # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
@@ -179,7 +183,7 @@ class Trainer:
                                         config=cfg.model_dump(mode="json"))
         self.groups = mcore_groups.initialize(self.layout)
         # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway
-        weights_dir = None if resuming and not self.lora else cache.ready(self.weights, cfg, rank=rank, log=self._say)
+        weights_dir = cache.ready(self.weights, cfg, rank=rank, log=self._say) if needs_base else None
         self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
         self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                          has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
@@ -197,7 +201,8 @@ class Trainer:
         if resume:
             if not cfg.checkpoint.dir:
                 raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir")
-            loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None)
+            loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None, arch=self.arch,
+                               tp_rank=self.layout.coords(rank)[Axis.TP], tp=self.layout.tp)
             if loaded is not None:
                 start, state = loaded
                 self.sampler.load_state_dict(state["sampler"])
@@ -216,6 +221,15 @@ class Trainer:
         lg = cfg.logging
         self.profiler = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
         self.clock = metrics.StepClock(self.device.type == "cuda")
+
+    def _saved_elsewhere(self, directory: str) -> str | None:
+        """How the newest checkpoint's layout differs from this run's (None: the same, or not recorded)."""
+        record = ckpt_info.read(directory).record
+        if not record:
+            return None
+        here = ckpt_info.layout_of(self.cfg)
+        diff = [f"{k} {record['layout'][k]}" for k in ckpt_info.LAYOUT if record["layout"][k] != here[k]]
+        return ", ".join(diff) or None
 
     def _check_disk(self, cfg: RunConfig) -> None:
         """Before the model is built: the checkpoints this run will keep must fit where they go (one line if not)."""

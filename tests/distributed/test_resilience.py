@@ -101,7 +101,8 @@ def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _says_what_it_holds(root: Path, cfg: Path) -> None:
-    """`checkpoint info`, plan's word on resuming it, and a resume at another layout refused before any process."""
+    """`checkpoint info`, plan's word on resuming it (here and at another layout), and a resume that cannot move
+    (8-bit moments) refused before any process."""
     p = _cli("checkpoint", "info", str(root / "ck-cut"), "--checksums", cwd=root)
     assert p.returncode == 0, p.stderr
     assert f"({'global_step' + str(STEPS)})" in p.stdout.splitlines()[0]
@@ -109,13 +110,15 @@ def _says_what_it_holds(root: Path, cfg: Path) -> None:
     assert "layout    dp_replicate=1 × dp_shard=2 × cp=1 × tp=2 (4 ranks, ZeRO stage 3)" in p.stdout
     assert re.search(r"model_states\.pt  [\d,]+ B  crc32 [0-9a-f]{8}", p.stdout), p.stdout
     p = _cli("plan", str(cfg), cwd=root)
-    assert "resumable by this layout" in " ".join(p.stdout.split()), p.stdout[-3000:]
-    p = _cli("train", "--config", str(cfg), "--resume", "--set", "parallelism.tp_size=1",
-             "--set", "parallelism.dp_shard_size=4", cwd=root)
+    assert "resumable by this layout, at the same layout" in " ".join(p.stdout.split()), p.stdout[-3000:]
+    moved = ("--set", "parallelism.tp_size=1", "--set", "parallelism.dp_shard_size=4")
+    p = _cli("plan", str(cfg), *moved, cwd=root)
+    assert "resumable by this layout, resharded from another layout (dp_shard 2 there, 4 here, tp 2 there, 1 here)" \
+        in " ".join(p.stdout.split()), p.stdout[-3000:]
+    p = _cli("train", "--config", str(cfg), "--resume", *moved, "--set", "optimizer.name=adamw_8bit", cwd=root)
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("nd-adapter:")]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
-    assert f"cannot resume global_step{STEPS}: saved at another layout (dp_shard 2 there, 4 here, tp 2 there, 1 here)" \
-        in lines[0], lines
+    assert f"cannot resume global_step{STEPS}: 8-bit optimizer moments" in lines[0], lines
     p = _cli("checkpoint", "info", str(root / "nowhere"), cwd=root)
     assert p.returncode == 2 and p.stderr.startswith("nd-adapter: error: DIR=") and "no checkpoint here" in p.stderr
 

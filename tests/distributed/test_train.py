@@ -35,7 +35,7 @@ def demo(tmp_path_factory):
     return {k: str(v) for k, v in paths.items()} | {"megatron": str(root / "megatron"), "root": str(root)}
 
 
-def run_config(demo, shape, steps=10, **over):
+def run_config(demo, shape, steps=10, world=4, **over):
     r, s, c, t = shape
     raw = {"model": {"path": demo["model"], "checkpoint": demo["megatron"]},
            "parallelism": {"dp_replicate_size": r, "dp_shard_size": s, "cp_size": c, "tp_size": t},
@@ -44,7 +44,7 @@ def run_config(demo, shape, steps=10, **over):
            "data": {"files": [demo["data"]], "cache_dir": f"{demo['root']}/cache"}}
     for k, v in over.items():
         config.set_dotted(raw, k, v)
-    return config.with_grad_accum(config.build(raw, env={}, world_size=4))
+    return config.with_grad_accum(config.build(raw, env={}, world_size=world))
 
 
 MASKED = {"dp_shard=4 +document_mask": ((1, 4, 1, 1), {"data.document_mask": True}),
@@ -161,29 +161,19 @@ def test_zero2_resumes_exactly_and_exports(demo, tmp_path):
 
 
 def _flat_resume_worker(rank, world, demo, root):
-    """tp=4 (the flat AdamW): save at step 3, resume in a fresh engine; its checkpoint refused under DeepSpeed's."""
-    from adapter.errors import UserError
+    """tp=4 (the flat AdamW): save at step 3, resume in a fresh engine (tests/distributed/test_reshard.py moves its
+    checkpoints to ZeRO and back)."""
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
 
     init_distributed()
     over = {"checkpoint.save_every": 3, "precision": "bf16", "optimizer.weight_decay": 0.1}
     whole, first, second = _whole_then_cut(demo, (1, 1, 1, 4), 6, 3, f"{root}/flat", over)
-    try:
-        run(run_config(demo, (1, 1, 1, 4), steps=9, **over, **{"checkpoint.dir": f"{root}/flat-cut",
-                                                               "optimizer.impl": "deepspeed"}),
-            resume=True, log=lambda s: None)
-        refused = None
-    except UserError as e:
-        refused = str(e)
-    return {"whole": whole.losses, "cut": first.losses + second.losses, "start": second.start_step,
-            "refused": refused}
+    return {"whole": whole.losses, "cut": first.losses + second.losses, "start": second.start_step}
 
 
-def test_flat_optimizer_resumes_exactly_and_refuses_zero(demo, tmp_path):
+def test_flat_optimizer_resumes_exactly(demo, tmp_path):
     r = run_workers(_flat_resume_worker, 4, demo, str(tmp_path), timeout=600)[0]
     assert r["start"] == 3 and r["cut"] == r["whole"], r   # bit-identical on CPU (bf16 weights, fp32 master)
-    assert r["refused"] and "optimizer.impl" in r["refused"] and "flat AdamW" in r["refused"], r
 
 
 def _nan_grad_worker(rank, world, demo, root):
