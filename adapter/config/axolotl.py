@@ -59,7 +59,7 @@ KNOWN = MARKERS | {
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
     "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
-    "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights",
+    "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
 } | KEYS | LORA_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 # Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.
@@ -536,6 +536,10 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
     if raw.get("default_system_message") is not None:
         notes.append("default_system_message has no effect, as in Axolotl (its chatml template names no default "
                      "system message); give the system turn in the data, or a field_system column")
+    if _on(raw.get("save_only_model")):  # HF Trainer's: checkpoints without optimizer state, which cannot resume
+        notes.append("save_only_model: checkpoints still keep the optimizer state, so that --resume (at any layout) "
+                     "continues exactly; their size and the disk they need are in the first lines. The trained model "
+                     "alone is what output_dir gets at the end")
     if _on(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
         set_dotted(out, "model.compile", "auto")
     note = kernel_note(raw, ignored)

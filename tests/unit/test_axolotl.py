@@ -434,3 +434,13 @@ def test_pretraining_dataset_from_local_files(tmp_path):
         build(pretraining_dataset=str(corpus), datasets=[{"path": "x", "type": "alpaca"}])
     with pytest.raises(UserError, match=r"^pretraining_dataset\[0\]\.skip=10: skipping rows"):
         build(pretraining_dataset=[{"path": str(corpus), "skip": 10}])
+
+
+def test_save_only_model_is_said_not_silently_dropped():
+    """HF Trainer's save_only_model writes checkpoints that cannot resume; ours keep the optimizer state (any layout
+    resumes them), and the first lines say so instead of listing the key as ignored."""
+    notes = build(save_only_model=True).notes
+    said = [n for n in notes if n.startswith("save_only_model:")]
+    assert len(said) == 1 and "optimizer state" in said[0] and "--resume" in said[0], notes
+    assert not any("save_only_model" in n for n in notes if n.startswith("ignored")), notes
+    assert not any(n.startswith("save_only_model:") for n in build(save_only_model=False).notes)
