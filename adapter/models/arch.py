@@ -108,6 +108,15 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     if act != "silu":
         raise bad("hidden_act", act, "only SwiGLU (silu) MLPs are supported", "use a silu-gated model")
 
+    partial = cfg.get("partial_rotary_factor", 1.0)
+    if partial is not None and float(partial) != 1.0:  # Phi-4-mini, GLM-4: RoPE on part of each head
+        raise bad("partial_rotary_factor", partial, f"rotary embeddings on part of each head ({name}) are not built "
+                  "yet", "use a checkpoint with RoPE on whole heads (partial_rotary_factor 1.0)")
+    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
+        if float(cfg.get(key) or 0.0) != 0.0:  # training would drop out where nd-adapter's model does not
+            raise bad(key, cfg[key], "dropout in training is not built (nd-adapter's layers run without it)",
+                      f"set {key}: 0.0 in the model's config.json (fine-tunes usually do)")
+
     # A window shorter than the model's context: exact only for sequences no longer than it (models/checks.py), as
     # GPTModel computes full causal attention
     window = cfg.get("sliding_window")

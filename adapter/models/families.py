@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adapter.models.mapping import LAYER, Rule, copy, fused_qkv, gated_mlp, has_qkv_bias, untied, vocab
+from adapter.models.mapping import (
+    LAYER,
+    Rule,
+    copy,
+    fused_qkv,
+    gated_mlp,
+    has_qkv_bias,
+    packed_gate_up,
+    packed_qkv,
+    untied,
+    vocab,
+)
 
 
 @dataclass(frozen=True)
@@ -43,11 +54,18 @@ QWEN3_TABLE = LLAMA_TABLE + (
     copy(LAYER + "self_attention.k_layernorm.weight", _L + "self_attn.k_norm.weight", "d"),
 )
 
+# Phi-3 / Phi-4 (Phi3ForCausalLM): Llama's layer with q, k, v in one HF tensor and gate, up in another
+PHI3_TABLE = tuple(
+    packed_qkv(r.megatron, _L + "self_attn.qkv_proj.weight") if r.megatron == LAYER + "self_attention.linear_qkv.weight"
+    else packed_gate_up(r.megatron, _L + "mlp.gate_up_proj.weight") if r.megatron == LAYER + "mlp.linear_fc1.weight"
+    else r for r in LLAMA_TABLE if r.megatron != LAYER + "self_attention.linear_qkv.bias")
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), ("llama",), LLAMA_TABLE),
     Family("mistral", ("MistralForCausalLM",), ("mistral",), LLAMA_TABLE, sliding_window_default=True),
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), LLAMA_TABLE, qkv_bias=True),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), QWEN3_TABLE, qk_norm=True),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), PHI3_TABLE, qkv_bias=False, sliding_window_default=True),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -71,5 +89,5 @@ def supported_architectures() -> list[str]:
     return sorted(a for f in FAMILIES for a in f.architectures)
 
 
-__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "family", "find", "table_for",
+__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "family", "find", "table_for",
            "supported_architectures"]

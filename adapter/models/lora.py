@@ -31,7 +31,7 @@ from adapter.errors import bad
 from adapter.models.arch import ModelArch
 from adapter.models.counts import Linear, linears, num_params
 from adapter.models.families import family
-from adapter.models.mapping import Vocab
+from adapter.models.mapping import PackedGateUp, PackedQKV, Vocab
 
 SAVABLE = ("embed_tokens", "lm_head")  # modules_to_save nd-adapter trains in full
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the llama/mistral/qwen families
@@ -154,6 +154,11 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
         raise bad(spell("lora.r"), r, "the adapter rank must be a positive integer", "use e.g. 8, 16 or 32")
     if not 0 <= dropout < 1:
         raise bad(spell("lora.dropout"), dropout, "must be in [0, 1)", "use e.g. 0.05, or 0")
+    packed = [r.hf[0][0].rpartition(".")[0].rpartition(".")[2] for r in family(arch.family).table
+              if isinstance(r, (PackedQKV, PackedGateUp))]
+    if packed:  # one HF linear spread over Megatron's per-group layout: its adapters' placement is not built
+        raise bad(spell("lora"), arch.architecture, f"adapters on its packed linears ({', '.join(packed)}) are not "
+                  "built yet", "fine-tune it fully (remove the adapter keys)")
     mods = hf_modules(arch)
     per_layer = {lin.name: lin for lin in linears(arch)}
     layer_ids = range(arch.num_layers)

@@ -121,6 +121,32 @@ class GatedMLP(Rule):
         return [x.contiguous() for x in t.chunk(2)]
 
 
+class PackedQKV(FusedQKV):
+    """One HF tensor holding [q; k; v] (Phi-3's qkv_proj) into Megatron's per-group linear_qkv, and back."""
+
+    def to_megatron(self, ts, c):
+        (t,) = ts
+        q, kv = c.arch.num_heads * c.arch.head_dim, c.arch.num_kv_heads * c.arch.head_dim
+        return super().to_megatron(list(t.split([q, kv, kv])), c)
+
+    def to_hf(self, t, c):
+        import torch  # models/ is torch-free at import: plan reads the tables
+
+        return [torch.cat(super().to_hf(t, c))]
+
+
+class PackedGateUp(Rule):
+    """One HF tensor holding [gate; up] (Phi-3's gate_up_proj): Megatron's linear_fc1 as it is, split under TP as
+    two blocks (rank r holds [gate_r; up_r])."""
+    parts: ClassVar[int] = 2
+
+    def to_megatron(self, ts, c):
+        return ts[0]
+
+    def to_hf(self, t, c):
+        return [t]
+
+
 # -- constructors: what a family table is written with ----------------------------------------------------------
 
 def copy(megatron: str, hf: str, shape: str, *, tp_axis: int | None = None, when=None) -> Copy:
@@ -140,6 +166,14 @@ def gated_mlp(megatron: str, gate: str, up: str) -> GatedMLP:
     return GatedMLP(megatron, ((gate, "f h"), (up, "f h")), 0)
 
 
+def packed_qkv(megatron: str, qkv: str) -> PackedQKV:
+    return PackedQKV(megatron, ((qkv, "qkv h"),), 0)
+
+
+def packed_gate_up(megatron: str, gate_up: str) -> PackedGateUp:
+    return PackedGateUp(megatron, ((gate_up, "ff h"),), 0)
+
+
 def untied(arch: Arch) -> bool:
     """The output layer is its own tensor (not the embedding's)."""
     return not arch.tie_embeddings
@@ -151,9 +185,11 @@ def has_qkv_bias(arch: Arch) -> bool:
 
 def hf_shape(spec: str, arch: Arch) -> tuple[int, ...]:
     sym = {"h": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
-           "f": arch.ffn_hidden_size, "v": arch.vocab_size, "d": arch.head_dim}
+           "f": arch.ffn_hidden_size, "v": arch.vocab_size, "d": arch.head_dim,
+           "qkv": (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, "ff": 2 * arch.ffn_hidden_size}
     return tuple(sym[s] for s in spec.split())
 
 
-__all__ = ["LAYER", "EXTRA_STATE", "IGNORED_HF", "Ctx", "Rule", "Copy", "Vocab", "FusedQKV", "GatedMLP", "copy",
-           "vocab", "fused_qkv", "gated_mlp", "untied", "has_qkv_bias", "hf_shape"]
+__all__ = ["LAYER", "EXTRA_STATE", "IGNORED_HF", "Ctx", "Rule", "Copy", "Vocab", "FusedQKV", "GatedMLP", "PackedQKV",
+           "PackedGateUp", "copy", "vocab", "fused_qkv", "gated_mlp", "packed_qkv", "packed_gate_up", "untied",
+           "has_qkv_bias", "hf_shape"]

@@ -57,6 +57,11 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
                 _stop(procs)
+                # every rank's own end: a rank that said why (status 2) wins over one that crashed on its way out
+                # (a native thread torn down at exit can abort a rank that was already ending)
+                codes = [p.returncode for p in procs]
+                failed = [c for c in codes if c not in (None, 0)]
+                first = codes.index(2) if 2 in codes else first
                 left = Path(errors.name, f"rank{first}.txt")
                 said = Path(errors.name, "rank0.txt").is_file()  # rank 0 prints its line and leaves this mark
                 if not said and left.is_file():  # rank 0 was stopped before it could say why

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_train import demo as _demo_fixture  # noqa: F401  (registers the `demo` fixture)
-from tests.distributed.test_train import run_config
+from tests.distributed.test_train import demo, run_config  # noqa: F401  (demo: the module's fixture)
 from tests.helpers.dist import run_workers
 
 pytestmark = pytest.mark.slow
@@ -25,34 +24,34 @@ def _quiet(line):
     pass
 
 
-def _four(rank, world, demo, root):
+def _four(rank, world, paths, root):
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run
 
     init_distributed()
-    whole = run(run_config(demo, (1, 4, 1, 1), steps=STEPS), log=_quiet).losses
+    whole = run(run_config(paths, (1, 4, 1, 1), steps=STEPS), log=_quiet).losses
     ck = {"checkpoint.dir": f"{root}/moving"}
-    run(run_config(demo, (1, 4, 1, 1), steps=2, **ck), log=_quiet)
+    run(run_config(paths, (1, 4, 1, 1), steps=2, **ck), log=_quiet)
     legs, said = {}, []
     for name, shape, over, upto in CHAIN:
         lines = []
-        r = run(run_config(demo, shape, steps=upto, **over, **ck), resume=True, log=lines.append)
+        r = run(run_config(paths, shape, steps=upto, **over, **ck), resume=True, log=lines.append)
         legs[name] = (r.start_step, r.losses)
         said += [ln for ln in lines if "resharded" in ln]
     return {"whole": whole, "legs": legs, "said": said}
 
 
-def _two(rank, world, demo, root):
+def _two(rank, world, paths, root):
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run
 
     init_distributed()
     ck = {"checkpoint.dir": f"{root}/moving"}
-    last = run(run_config(demo, (1, 2, 1, 1), steps=STEPS, world=2, **ck), resume=True, log=_quiet)
-    lora_whole = run(run_config(demo, (1, 2, 1, 1), steps=4, world=2, **LORA), log=_quiet).losses
+    last = run(run_config(paths, (1, 2, 1, 1), steps=STEPS, world=2, **ck), resume=True, log=_quiet)
+    lora_whole = run(run_config(paths, (1, 2, 1, 1), steps=4, world=2, **LORA), log=_quiet).losses
     lk = {"checkpoint.dir": f"{root}/lora"}
-    run(run_config(demo, (1, 1, 1, 2), steps=2, world=2, **LORA, **lk), log=_quiet)
-    lora_moved = run(run_config(demo, (1, 2, 1, 1), steps=4, world=2, **LORA, **lk), resume=True, log=_quiet)
+    run(run_config(paths, (1, 1, 1, 2), steps=2, world=2, **LORA, **lk), log=_quiet)
+    lora_moved = run(run_config(paths, (1, 2, 1, 1), steps=4, world=2, **LORA, **lk), resume=True, log=_quiet)
     return {"last": (last.start_step, last.losses), "lora_whole": lora_whole,
             "lora_moved": (lora_moved.start_step, lora_moved.losses)}
 
@@ -63,7 +62,7 @@ def _close(got, want, what):
     assert worst <= 1e-5, f"{what}: {got} vs {want} (rel {worst:.2e})"
 
 
-def test_resume_moves_across_layouts_world_sizes_and_optimizers(demo, tmp_path):
+def test_resume_moves_across_layouts_world_sizes_and_optimizers(demo, tmp_path):  # noqa: F811
     four = run_workers(_four, 4, demo, str(tmp_path), timeout=900)[0]
     whole = four["whole"]
     assert len(whole) == STEPS and whole[-1] < whole[0] - 0.05, whole  # it learns: the comparison can fail

@@ -27,6 +27,8 @@ CASES = {  # name -> (config class, overrides)
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "use_sliding_window": False}),  # head_dim != hidden / heads
+    # q, k, v and gate, up packed in one HF tensor each; no pad row (Phi-3's pad id is past this vocab)
+    "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),
 }
 
 
