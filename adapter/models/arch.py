@@ -38,6 +38,9 @@ class ModelArch:
     qk_norm: bool
     torch_dtype: str
     sliding_window: int | None = None  # attention sees only this many tokens back (Mistral v0.1); None: all of them
+    # HF builds the embedding with padding_idx = pad_token_id: that row gets no gradient from lookups (Phi-3/4's pad
+    # is their EOS, which packed SFT inputs are full of); None: no such row
+    pad_token_id: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +164,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         qk_norm=fam.qk_norm,
         torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
         sliding_window=window,
+        pad_token_id=pad if isinstance(pad := cfg.get("pad_token_id"), int) and 0 <= pad < cfg["vocab_size"] else None,
     )
 
 

@@ -2,14 +2,18 @@
 nd-adapter at tp=2 and at dp_shard=2 for several steps (and unpacked at cp=2, where each micro-batch is cut after
 its last trained position), against plain transformers trained on the same prepared samples (each example attended
 on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of the step), torch AdamW under
-transformers' cosine schedule with warm-up, fp32 on CPU."""
+transformers' cosine schedule with warm-up, fp32 on CPU. Issue 29: a Phi-3 (packed HF linears, its pad token its EOS)
+the same way, packed, at tp=2 and dp_shard=2."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_model, rel
+from tests.helpers.sft import make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
@@ -31,13 +35,20 @@ def _cfg(model_dir: str, root: str, parallelism: dict, micro: int, pack: bool = 
     return config.build(raw, env={}, world_size=2)
 
 
-def _worker(rank, world, model_dir, root):
+PHI3 = ("tp=2", "dp_shard=2")
+
+
+def _worker(rank, world, models, root):
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run
 
     init_distributed()
-    return {name: run(_cfg(model_dir, root, par, mb, pack), log=lambda s: None).losses
-            for name, (par, mb, pack) in LAYOUTS.items()}
+    out = {name: run(_cfg(models["llama"], root, par, mb, pack), log=lambda s: None).losses
+           for name, (par, mb, pack) in LAYOUTS.items()}
+    for name in PHI3:
+        par, mb, pack = LAYOUTS[name]
+        out["phi3 " + name] = run(_cfg(models["phi3"], f"{root}/phi3", par, mb, pack), log=lambda s: None).losses
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +57,34 @@ def model_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sft-parity")
     tok = tiny_model(root / "tok")  # the demo tokenizer with chatml's markers as specials
-    return make_model(root / "model", tok)
+    return {"llama": str(make_model(root / "model", tok)), "phi3": str(make_phi3(root / "phi3", tok))}
 
 
 def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(model_dir, tmp_path):
 
     from adapter.data.sft import prepare
 
-    got = run_workers(_worker, 2, str(model_dir), str(tmp_path), timeout=900)[0]
+    got = run_workers(_worker, 2, model_dir, str(tmp_path), timeout=900)[0]
     refs = {}
     for pack in (True, False):
-        cfg = _cfg(str(model_dir), str(tmp_path), LAYOUTS["tp=2"][0], 2, pack)
-        data = prepare(cfg, model_dir, builder=True, barrier=None, progress=False)
+        cfg = _cfg(model_dir["llama"], str(tmp_path), LAYOUTS["tp=2"][0], 2, pack)
+        data = prepare(cfg, model_dir["llama"], builder=True, barrier=None, progress=False)
         assert data.reused  # the runs' own prepared samples
         lengths = [b - a for i in range(len(data.train)) for a, b in zip(data.train.examples(i)[:-1],
                                                                          data.train.examples(i)[1:])]
         assert max(lengths) > 3 * min(lengths)  # turns (and so examples) of very different lengths
         if not pack:  # the cut is real: most samples end well before seq_len
             assert sorted(lengths)[len(lengths) // 2] < SEQ // 2
-        refs[pack] = _reference(model_dir, data, cfg)
+        refs[pack] = _reference(model_dir["llama"], data, cfg)
     assert refs[True][-1] < refs[True][0] and refs[False][-1] < refs[False][0]
+    cfg = _cfg(model_dir["phi3"], f"{tmp_path}/phi3", LAYOUTS["tp=2"][0], 2, True)
+    data = prepare(cfg, model_dir["phi3"], builder=True, barrier=None, progress=False)
+    pad = json.loads((Path(model_dir["phi3"]) / "config.json").read_text())["pad_token_id"]
+    assert pad is not None and sum(int((data.train[i]["tokens"] == pad).sum()) for i in range(len(data.train)))
+    phi3 = _reference(model_dir["phi3"], data, cfg)  # the pad row above is fed, and HF never trains it
+    assert phi3[-1] < phi3[0] and {"phi3 tp=2", "phi3 dp_shard=2"} <= got.keys()
     for name, losses in got.items():
-        ref = refs[LAYOUTS[name][2]]
+        ref = phi3 if name.startswith("phi3") else refs[LAYOUTS[name][2]]
         assert len(losses) == STEPS and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)
 
 

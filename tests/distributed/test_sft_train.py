@@ -332,3 +332,46 @@ def test_unfrozen_parameters_train_as_axolotl_does_on_every_optimizer_path(model
                                               "self_attention.linear_qkv.weight")], (name, got["frozen"])
         assert got["leaked"] == [], (name, got["leaked"])
         assert len(got["said"]) == 1 and "the rest frozen: no gradients, no optimizer states" in got["said"][0]
+
+
+class PadInside(MaskedData):
+    """MaskedData with the pad token fed as input inside every sample (where later tokens see it): the case where
+    HF's padding_idx keeps the pad row of the embedding and a plain Megatron embedding would train it."""
+
+    def __init__(self, *a, pad: int, **k):
+        super().__init__(*a, **k)
+        self.pad = pad
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        item["tokens"] = item["tokens"].copy()
+        item["tokens"][1::6] = self.pad
+        return item
+
+
+def _phi3_worker(rank, world, model_dir, root, pad):
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    _use_data(PadInside(TRAINED, SEQ, VOCAB, pad=pad), None)
+    return {name: run(sft_config(model_dir, f"{root}/{i}", shape, mb, 1), log=lambda s: None).losses
+            for i, (name, shape, mb) in enumerate((("tp 2", (1, 1, 2), 4), ("dp_shard 2", (2, 1, 1), 2)))}
+
+
+def test_phi3_matches_transformers_with_its_pad_row_held(tmp_path):
+    """Issue 29: a Phi-3 (q, k, v and gate, up packed in one HF tensor each; its pad token is its EOS) trains as
+    transformers trains it, at tp=2 and dp_shard=2, with the pad token inside the samples."""
+    import json
+
+    from adapter.demo.build import train_tokenizer
+    from tests.helpers.sft import make_phi3
+
+    tok = train_tokenizer(out_dir=tmp_path / "tokenizer", vocab_size=VOCAB)
+    model_dir = make_phi3(tmp_path / "phi3", tok)
+    pad = json.loads((model_dir / "config.json").read_text())["pad_token_id"]
+    train = PadInside(TRAINED, SEQ, VOCAB, pad=pad)
+    ref = hf_reference(model_dir, train, STEPS, lr=LR)["losses"]
+    got = run_workers(_phi3_worker, 2, str(model_dir), str(tmp_path), pad, timeout=600)[0]
+    for name, losses in got.items():
+        assert len(losses) == 3 and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)

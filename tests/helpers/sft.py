@@ -124,3 +124,32 @@ def make_model(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int 
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
     model.save_pretrained(out)
     return out
+
+
+def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+              seed: int = 0) -> Path:
+    """A tiny Phi-3 (q, k, v and gate, up packed in one HF tensor each) whose pad token is its EOS, as Phi-3/4's
+    are: transformers never trains that embedding row from lookups (nn.Embedding padding_idx), and packed chat
+    samples are full of it. Weights spread as make_model's."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Phi3Config
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = Phi3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                     original_max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    model.save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copyfile(f, out / f.name)
+    return out
