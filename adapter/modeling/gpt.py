@@ -237,7 +237,7 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_embeddings,
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+        position_embedding_type="rope", rotary_percent=arch.rotary_fraction, rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         real_vocab_size=arch.vocab_size, **(fused or {}),
     )

@@ -41,6 +41,7 @@ class ModelArch:
     # HF builds the embedding with padding_idx = pad_token_id: that row gets no gradient from lookups (Phi-3/4's pad
     # is their EOS, which packed SFT inputs are full of); None: no such row
     pad_token_id: int | None = None
+    rotary_fraction: float = 1.0  # RoPE on the first int(head_dim · this) dims of each head, the rest pass (Phi-4-mini)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,10 +112,12 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     if act != "silu":
         raise bad("hidden_act", act, "only SwiGLU (silu) MLPs are supported", "use a silu-gated model")
 
-    partial = cfg.get("partial_rotary_factor", 1.0)
-    if partial is not None and float(partial) != 1.0:  # Phi-4-mini, GLM-4: RoPE on part of each head
-        raise bad("partial_rotary_factor", partial, f"rotary embeddings on part of each head ({name}) are not built "
-                  "yet", "use a checkpoint with RoPE on whole heads (partial_rotary_factor 1.0)")
+    partial = cfg.get("partial_rotary_factor")
+    partial = 1.0 if partial is None else partial
+    rotary_dim = int(int(head_dim) * float(partial)) if isinstance(partial, (int, float)) else 0
+    if isinstance(partial, bool) or not 0 < float(partial) <= 1 or rotary_dim % 2:  # Phi-4-mini: 0.75 of each head
+        raise bad("partial_rotary_factor", partial, f"must be in (0, 1] and give an even number of rotated dims "
+                  f"of head_dim {head_dim}", "fix the model's config.json")
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
         if float(cfg.get(key) or 0.0) != 0.0:  # training would drop out where nd-adapter's model does not
             raise bad(key, cfg[key], "dropout in training is not built (nd-adapter's layers run without it)",
@@ -165,6 +168,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
         sliding_window=window,
         pad_token_id=pad if isinstance(pad := cfg.get("pad_token_id"), int) and 0 <= pad < cfg["vocab_size"] else None,
+        rotary_fraction=float(partial),
     )
 
 

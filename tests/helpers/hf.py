@@ -29,6 +29,9 @@ CASES = {  # name -> (config class, overrides)
     "qwen3": ("Qwen3Config", {"head_dim": 32, "use_sliding_window": False}),  # head_dim != hidden / heads
     # q, k, v and gate, up packed in one HF tensor each; no pad row (Phi-3's pad id is past this vocab)
     "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),
+    # RoPE on 3/4 of each head (Phi-4-mini's 0.75): the rest of the head passes unrotated
+    "phi3_partial": ("Phi3Config", {"sliding_window": None, "pad_token_id": None, "bos_token_id": 1,
+                                    "eos_token_id": 2, "partial_rotary_factor": 0.75}),
 }
 
 

@@ -127,10 +127,10 @@ def make_model(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int 
 
 
 def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-              seed: int = 0) -> Path:
+              seed: int = 0, partial_rotary: float = 0.75) -> Path:
     """A tiny Phi-3 (q, k, v and gate, up packed in one HF tensor each) whose pad token is its EOS, as Phi-3/4's
-    are: transformers never trains that embedding row from lookups (nn.Embedding padding_idx), and packed chat
-    samples are full of it. Weights spread as make_model's."""
+    are (transformers never trains that embedding row from lookups: nn.Embedding padding_idx), with RoPE on 3/4 of
+    each head as Phi-4-mini's. Weights spread as make_model's."""
     import shutil
 
     import torch
@@ -140,7 +140,8 @@ def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
     cfg = Phi3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
                      original_max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                     partial_rotary_factor=partial_rotary)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     g = torch.Generator().manual_seed(seed)
