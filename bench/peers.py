@@ -62,11 +62,13 @@ def main(argv=None) -> None:
     arch = load_arch(a.model_config)
     ckpt = f"/tmp/peer-{os.path.basename(os.path.dirname(os.path.abspath(a.model_config)))}"
     single = a.mode in ("hf", "hf-compile", "hf-liger")
-    if a.mode == "hf-liger":  # before the model is built: it patches transformers' Llama modules
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    if a.mode == "hf-liger":  # before the model is built: it patches transformers' modules of the model's family
+        import liger_kernel.transformers as liger
 
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
+        patch = {"llama": liger.apply_liger_kernel_to_llama, "phi3": liger.apply_liger_kernel_to_phi3}[cfg.model_type]
+        # Liger's RoPE rotates whole heads: a partial-rotary model (Phi-4-mini) keeps transformers' own
+        patch(rope=getattr(cfg, "partial_rotary_factor", 1.0) in (None, 1.0), rms_norm=True, swiglu=True,
+              cross_entropy=False, fused_linear_cross_entropy=True)
     if a.mode == "deepspeed-hf":
         import deepspeed
 
