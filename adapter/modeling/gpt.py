@@ -92,7 +92,9 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        bias_activation_fusion=fused_kernels, apply_rope_fusion=fused_kernels and install_rope_fusion(),
+        bias_activation_fusion=fused_kernels,
+        # LongRoPE's scaled cos/sin tables run only in our fused RoPE (PackedGPTModel), so it is on for them
+        apply_rope_fusion=(fused_kernels or arch.rope_short_factor is not None) and install_rope_fusion(),
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
         cp_comm_type=normalize_cp_comm_type(cp_comm_type) if cp > 1 else None,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=bf16,
@@ -139,12 +141,16 @@ class PackedGPTModel(GPTModel):
     whole document. Megatron's own THD path finds positions from cu_seqlens in every layer with host syncs, and has
     no per-document CP split without TransformerEngine; a per-token angle table costs one gather per forward."""
 
-    def __init__(self, *args, real_vocab_size: int | None = None, **kwargs):
+    def __init__(self, *args, real_vocab_size: int | None = None, rope_scale: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.real_vocab_size = real_vocab_size or self.vocab_size  # the rows past it are padding (128·tp multiple)
         c = self.config  # cos/sin once per forward for every layer's RoPE (fusions.rope_tables), where ours runs
         self.rope_tables = bool(c.apply_rope_fusion and fused_rope_is(fused_rope) and c.mrope_section is None
                                 and not c.rotary_interleaved)
+        self.rope_scale = rope_scale  # LongRoPE's attention factor on cos and sin
+        if rope_scale != 1.0 and not self.rope_tables:
+            raise bad("attention", "te", "LongRoPE's scaled rotary tables need nd-adapter's fused RoPE, not "
+                      "TransformerEngine's", "use attention='sdpa' (the default)")
 
     def local_real_vocab(self, local: int) -> int:
         """How many of this TP rank's `local` vocabulary columns are real (the padding sits at the end); `local` is
@@ -172,6 +178,8 @@ class PackedGPTModel(GPTModel):
             table = out[1]
         if self.rope_tables and isinstance(table, torch.Tensor):
             table = rope_tables(table)
+            if self.rope_scale != 1.0:
+                table = table * self.rope_scale
         return out if table is out[1] else with_rotary(out, table)
 
 
@@ -231,7 +239,7 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
     if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
         spec = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
     fused = {"linear_ce": linear_ce, "linear_ce_chunk": linear_ce_chunk} if fused_kernels or linear_ce else None
-    return (PackedGPTModel if fused is None else FusedLossGPTModel)(
+    model = (PackedGPTModel if fused is None else FusedLossGPTModel)(
         config, spec,
         vocab_size=padded_vocab or padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
@@ -239,8 +247,13 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope", rotary_percent=arch.rotary_fraction, rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        real_vocab_size=arch.vocab_size, **(fused or {}),
+        real_vocab_size=arch.vocab_size, rope_scale=arch.rope_attention_factor, **(fused or {}),
     )
+    if arch.rope_short_factor is not None:  # LongRoPE's frequencies, as transformers computes them (fp32)
+        dim = int(arch.head_dim * arch.rotary_fraction)
+        base = arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        model.rotary_pos_emb.inv_freq = 1.0 / (torch.tensor(arch.rope_short_factor, dtype=torch.float32) * base)
+    return model
 
 
 def forward_logits(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,

@@ -42,6 +42,11 @@ class ModelArch:
     # is their EOS, which packed SFT inputs are full of); None: no such row
     pad_token_id: int | None = None
     rotary_fraction: float = 1.0  # RoPE on the first int(head_dim · this) dims of each head, the rest pass (Phi-4-mini)
+    # LongRoPE (Phi-3.5-mini, Phi-4-mini): per-frequency divisors of the rotary frequencies for sequences up to
+    # `rope_original_max` (its short factors), and the factor cos and sin are scaled by; None: plain RoPE
+    rope_short_factor: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0
+    rope_original_max: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,12 +141,15 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     scaling = cfg.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     factor = None
+    longrope: dict[str, Any] = {}
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in (None, "default"):
+        if kind == "longrope":
+            longrope = _longrope(cfg, scaling, rope, int(head_dim), float(partial), source)
+        elif kind not in (None, "default"):
             if kind != "llama3":
-                raise bad("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3') rope scaling is supported",
-                          "use a checkpoint with rope_type 'llama3' or none")
+                raise bad("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3') and LongRoPE ('longrope') rope "
+                          "scaling are supported", "use a checkpoint with one of them or none")
             for k, want in LLAMA3_ROPE_FIXED.items():
                 if float(scaling.get(k, want)) != float(want):
                     raise bad(f"rope_scaling.{k}", scaling.get(k), f"Megatron-Core fixes it at {want}",
@@ -169,7 +177,32 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         sliding_window=window,
         pad_token_id=pad if isinstance(pad := cfg.get("pad_token_id"), int) and 0 <= pad < cfg["vocab_size"] else None,
         rotary_fraction=float(partial),
+        **longrope,
     )
+
+
+def _longrope(cfg: dict[str, Any], scaling: dict[str, Any], rope: dict[str, Any], head_dim: int, partial: float,
+              source: str) -> dict[str, Any]:
+    """LongRoPE as transformers computes it (modeling_rope_utils._compute_longrope_parameters): the short factors
+    apply up to `original_max_position_embeddings` (longer sequences would switch to the long ones per batch, which
+    models/checks.py refuses), cos and sin are scaled by the attention factor, by default
+    sqrt(1 + ln(max_position_embeddings / original) / ln(original))."""
+    import math
+
+    half = int(head_dim * partial) // 2
+    short = scaling.get("short_factor")
+    if not isinstance(short, list) or len(short) != half or not all(isinstance(x, (int, float)) and x > 0
+                                                                     for x in short):
+        raise bad("rope_scaling.short_factor", short, f"LongRoPE needs {half} positive factors (one per rotary "
+                  "frequency) in " + source, "fix the model's config.json")
+    original = int(cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                   or rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096))
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_short_factor": tuple(float(x) for x in short), "rope_attention_factor": float(attention),
+            "rope_original_max": original}
 
 
 def _divisors(n: int) -> str:

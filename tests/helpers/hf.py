@@ -32,6 +32,12 @@ CASES = {  # name -> (config class, overrides)
     # RoPE on 3/4 of each head (Phi-4-mini's 0.75): the rest of the head passes unrotated
     "phi3_partial": ("Phi3Config", {"sliding_window": None, "pad_token_id": None, "bos_token_id": 1,
                                     "eos_token_id": 2, "partial_rotary_factor": 0.75}),
+    # Phi-4-mini's LongRoPE (short factors up to the original length, cos/sin scaled by its attention factor)
+    "phi3_longrope": ("Phi3Config", {
+        "sliding_window": None, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+        "partial_rotary_factor": 0.75, "max_position_embeddings": 1024, "original_max_position_embeddings": 128,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                         "long_factor": [2.0, 3.0, 4.0, 6.0, 9.0, 14.0]}}),
 }
 
 

@@ -130,16 +130,20 @@ def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
               seed: int = 0, partial_rotary: float = 0.75) -> Path:
     """A tiny Phi-3 (q, k, v and gate, up packed in one HF tensor each) whose pad token is its EOS, as Phi-3/4's
     are (transformers never trains that embedding row from lookups: nn.Embedding padding_idx), with RoPE on 3/4 of
-    each head as Phi-4-mini's. Weights spread as make_model's."""
+    each head and LongRoPE (short factors, scaled cos/sin) as Phi-4-mini's. Weights spread as make_model's."""
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Phi3Config
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    half = int(hidden // heads * partial_rotary) // 2
+    longrope = {"type": "longrope", "short_factor": [1.0 + 0.5 * i for i in range(half)],
+                "long_factor": [4.0 + i for i in range(half)]}
     cfg = Phi3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
-                     original_max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                     original_max_position_embeddings=128, rope_scaling=longrope, sliding_window=None,
+                     tie_word_embeddings=False,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
                      partial_rotary_factor=partial_rotary)
     torch.manual_seed(seed)

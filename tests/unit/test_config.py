@@ -250,3 +250,29 @@ def test_axolotl_torch_compile_compiles_where_the_layout_allows():
         assert not any("ignored" in n and "torch_compile," in n + "," for n in cfg.notes)
     with pytest.raises(UserError, match=r"model.compile_memory_budget=0.5: model.compile: auto is off under ZeRO-3"):
         config.build(native(**{"model.compile": "auto", "model.compile_memory_budget": 0.5}), env={}, world_size=2)
+
+
+def test_longrope_is_read_as_transformers_reads_it_and_refused_past_its_original_length():
+    """Phi-3.5-mini / Phi-4-mini: the short factors, the default attention factor sqrt(1 + ln(max/orig) / ln(orig)),
+    and a seq_len past original_max_position_embeddings (where transformers switches to the long factors per batch)
+    refused in one line; a factor list of the wrong length is refused too."""
+    import math
+
+    from adapter.models import checks
+
+    phi = json.loads((ROOT / "configs/models/phi-3-mini-4k/config.json").read_text())
+    short = [1.0 + i / 48 for i in range(48)]  # 96 / 2 frequencies
+    hf = {**phi, "max_position_embeddings": 131072, "sliding_window": 262144,
+          "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": [2.0] * 48}}
+    arch = arch_from_hf_dict(hf)
+    assert arch.rope_short_factor == tuple(short) and arch.rope_original_max == 4096
+    assert arch.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert arch_from_hf_dict({**hf, "rope_scaling": {**hf["rope_scaling"], "attention_factor": 1.5}}
+                             ).rope_attention_factor == 1.5
+    run = {"model": {"path": str(ROOT / "configs/models/phi-3-mini-4k")}}
+    assert checks.check(config.build({**run, "seq_len": 4096}, env={}), arch) == []
+    with pytest.raises(UserError, match=r"^seq_len=8192: exceeds Phi3ForCausalLM's original_max_position_embeddings"
+                       r"=4096.*Fix: use a seq_len of at most 4096"):
+        checks.check(config.build({**run, "seq_len": 8192}, env={}), arch)
+    with pytest.raises(UserError, match=r"rope_scaling.short_factor=.*needs 48 positive factors"):
+        arch_from_hf_dict({**hf, "rope_scaling": {**hf["rope_scaling"], "short_factor": short[:4]}})
