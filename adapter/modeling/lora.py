@@ -33,7 +33,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from adapter.models.arch import ModelArch
-from adapter.models.lora import LoraSpec, Placement, Target, peft_key, placement, saved_key
+from adapter.models.lora import LoraSpec, Placement, Target, packed_rule, peft_key, placement, saved_key
+from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
 LINEARS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
@@ -41,7 +42,7 @@ LINEARS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "lin
 def init_a(target: Target, r: int, seed: int) -> torch.Tensor:
     """PEFT's A for the whole matrix, U(−1/√in, 1/√in) (Kaiming-uniform, a = √5), drawn from the run's seed, the
     layer and the linear alone, so every TP layout starts from the same adapters."""
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
     idx = names.index(target.linear.name) if target.linear.name in names else len(names)
     g = torch.Generator().manual_seed((seed * 1_000_003 + target.layer * 101 + idx) % (2**63))
     bound = 1.0 / math.sqrt(target.linear.inp)
@@ -187,11 +188,16 @@ def adapters(model) -> dict[tuple[int, str], tuple[torch.nn.Parameter, torch.nn.
 
 
 
-def gather(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
-    """`t` of every rank of `tp_group`, concatenated along `dim` (collective)."""
+def gather_list(t: torch.Tensor, tp_group) -> list[torch.Tensor]:
+    """`t` of every rank of `tp_group`, in rank order (collective)."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(parts, t.contiguous(), group=tp_group)
-    return torch.cat(parts, dim)
+    return parts
+
+
+def gather(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
+    """`t` of every rank of `tp_group`, concatenated along `dim` (collective)."""
+    return torch.cat(gather_list(t, tp_group), dim)
 
 
 def full_state(model, spec: LoraSpec, arch: ModelArch, tp_group=None) -> dict[str, torch.Tensor]:
@@ -202,8 +208,14 @@ def full_state(model, spec: LoraSpec, arch: ModelArch, tp_group=None) -> dict[st
     ads = adapters(model)
     for t in spec.targets:
         a, b = (p.detach() for p in ads[(t.layer, t.linear.name)])
+        packed = packed_rule(arch, t.linear.name)
         if tp > 1:
-            a, b = (a, gather(b, 0, tp_group)) if t.linear.tp_axis == 0 else (gather(a, 1, tp_group), b)
+            if packed is not None:  # Megatron's order: rank r holds [block_r of each part]
+                b = merge_blocks(gather_list(b, tp_group), 0, packed.parts)
+            else:
+                a, b = (a, gather(b, 0, tp_group)) if t.linear.tp_axis == 0 else (gather(a, 1, tp_group), b)
+        if packed is not None:  # back to the HF tensor's row order, as PEFT keeps B
+            b = packed.to_hf(b, Ctx(arch, 0))[0]
         out[peft_key(t, "A")], out[peft_key(t, "B")] = a.cpu(), b.cpu()
     for name, w in _saved_weights(model, spec).items():
         w = w.detach()
@@ -225,6 +237,11 @@ def load_state(model, spec: LoraSpec, arch: ModelArch, tensors: dict[str, torch.
         a, b = ads[(t.layer, t.linear.name)]
         col = t.linear.tp_axis == 0
         a.copy_(shard(tensors[peft_key(t, "A")], 1, 1 if col else tp, tp_rank))
+        packed = packed_rule(arch, t.linear.name)
+        if packed is not None:  # HF row order -> Megatron's, then this rank's block of each part
+            whole = packed.to_megatron([tensors[peft_key(t, "B")]], Ctx(arch, 0))
+            b.copy_(cut_blocks(whole, 0, packed.parts, tp, tp_rank))
+            continue
         b.copy_(shard(tensors[peft_key(t, "B")], 0, tp if col else 1, tp_rank))
     for name, w in _saved_weights(model, spec).items():
         full = tensors[saved_key(arch, name)]

@@ -31,7 +31,7 @@ from adapter.errors import bad
 from adapter.models.arch import ModelArch
 from adapter.models.counts import Linear, linears, num_params
 from adapter.models.families import family
-from adapter.models.mapping import PackedGateUp, PackedQKV, Vocab
+from adapter.models.mapping import PackedGateUp, PackedQKV, Rule, Vocab
 
 SAVABLE = ("embed_tokens", "lm_head")  # modules_to_save nd-adapter trains in full
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the llama/mistral/qwen families
@@ -74,9 +74,23 @@ class Placement:
         return next((s, n) for p, s, n in self.pieces if p == name)
 
 
+def packed_rule(arch: ModelArch, name: str) -> Rule | None:
+    """The family's rule for an HF linear that packs several of Megatron's blocks into one tensor (Phi-3's qkv_proj,
+    gate_up_proj), or None. Its adapter's B is kept in Megatron's row order (the rule's own transform), so B's
+    output lands in the fused output as it is, and it is turned back to HF order for PEFT."""
+    for rule in family(arch.family).table:
+        if isinstance(rule, (PackedQKV, PackedGateUp)) and rule.hf[0][0].endswith(f".{name}.weight"):
+            return rule
+    return None
+
+
 def placement(arch: ModelArch, fused: str, tp: int) -> Placement:
     """Megatron's local output layout (adapter/models/mapping.py writes the same order into checkpoints): linear_qkv
-    is, per query group, [its q heads; k; v]; linear_fc1 is [gate; up] of this rank's FFN columns."""
+    is, per query group, [its q heads; k; v]; linear_fc1 is [gate; up] of this rank's FFN columns. A packed HF
+    linear covers the whole local output (its B is in that order already)."""
+    whole = [lin for lin in linears(arch) if lin.fused == fused]
+    if len(whole) == 1 and packed_rule(arch, whole[0].name) is not None:
+        return Placement(1, whole[0].out // tp, ((whole[0].name, 0, whole[0].out // tp),))
     if fused == "linear_qkv":
         d, hpg = arch.head_dim, arch.num_heads // arch.num_kv_heads
         return Placement(arch.num_kv_heads // tp, (hpg + 2) * d,
@@ -154,11 +168,6 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
         raise bad(spell("lora.r"), r, "the adapter rank must be a positive integer", "use e.g. 8, 16 or 32")
     if not 0 <= dropout < 1:
         raise bad(spell("lora.dropout"), dropout, "must be in [0, 1)", "use e.g. 0.05, or 0")
-    packed = [r.hf[0][0].rpartition(".")[0].rpartition(".")[2] for r in family(arch.family).table
-              if isinstance(r, (PackedQKV, PackedGateUp))]
-    if packed:  # one HF linear spread over Megatron's per-group layout: its adapters' placement is not built
-        raise bad(spell("lora"), arch.architecture, f"adapters on its packed linears ({', '.join(packed)}) are not "
-                  "built yet", "fine-tune it fully (remove the adapter keys)")
     mods = hf_modules(arch)
     per_layer = {lin.name: lin for lin in linears(arch)}
     layer_ids = range(arch.num_layers)
@@ -170,6 +179,9 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
         layer_ids = sorted(set(layers))
     names = list(per_layer)
     if target_modules is None and not target_linear:
+        if not set(PEFT_DEFAULT_TARGETS) <= set(names):  # PEFT itself has no default for e.g. phi3
+            raise bad(spell("lora.target_modules"), None, f"PEFT has no default target modules for {arch.family}",
+                      f"list some of {', '.join(names)}, or set {spell('lora.target_linear')}: true")
         target_modules = list(PEFT_DEFAULT_TARGETS)  # PEFT's default for these families
     if isinstance(target_modules, str) and target_modules == ALL_LINEAR:
         target_modules, target_linear = None, True
@@ -210,6 +222,11 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
     if quantize_base is not None and quantize_base not in BASE_FORMATS:
         raise bad(spell("lora.quantize_base"), quantize_base, "unknown base format",
                   "use nf4 (QLoRA), int8, or null (16-bit)")
+    packs = [n for n in names if packed_rule(arch, n) is not None]
+    if quantize_base is not None and packs:  # bitsandbytes quantises the packed HF tensor in its own row order
+        raise bad(spell("lora.quantize_base"), quantize_base, f"a quantised base for {arch.family}'s packed linears "
+                  f"({', '.join(packs)}) is not built yet", "train the adapters on the 16-bit base (remove "
+                  "load_in_4bit / load_in_8bit)")
     hit_names = tuple(n for n in names if any(t.linear.name == n for t in targets))
     regex = isinstance(target_modules, str) and not target_linear
     return LoraSpec(r=r, alpha=float(alpha), dropout=float(dropout), rslora=bool(rslora), targets=tuple(targets),
@@ -339,5 +356,5 @@ def peft_config(spec: LoraSpec, base_model: str | None) -> dict:
 
 __all__ = ["Target", "Placement", "LoraSpec", "placement", "hf_modules", "resolve", "from_config", "trained_params",
            "flops_per_token", "describe", "peft_key", "saved_key", "peft_config", "check_adapter", "read_adapter_meta",
-           "SAVABLE", "PEFT_DEFAULT_TARGETS", "NF4_BLOCK", "BASE_FORMATS", "PEFT_PREFIX", "ALL_LINEAR", "CONFIG",
-           "WEIGHTS"]
+           "SAVABLE", "PEFT_DEFAULT_TARGETS", "packed_rule", "NF4_BLOCK", "BASE_FORMATS", "PEFT_PREFIX", "ALL_LINEAR",
+           "CONFIG", "WEIGHTS"]

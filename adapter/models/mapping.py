@@ -147,6 +147,28 @@ class PackedGateUp(Rule):
         return [t]
 
 
+# -- TP pieces of a Megatron tensor ------------------------------------------------------------------------------
+
+def merge_blocks(pieces: Sequence[torch.Tensor], axis: int | None, parts: int = 1) -> torch.Tensor:
+    """The whole tensor from its TP pieces (rank order), where each rank holds its block of each of `parts` blocks
+    along `axis` (rank r of [gate; up] holds [gate_r; up_r]); axis None: replicated, the first piece."""
+    import torch  # models/ is torch-free at import: plan reads the tables
+
+    if axis is None or len(pieces) == 1:
+        return pieces[0]
+    blocks = [p.chunk(parts, axis) for p in pieces]
+    return torch.cat([torch.cat([b[i] for b in blocks], axis) for i in range(parts)], axis)
+
+
+def cut_blocks(whole: torch.Tensor, axis: int | None, parts: int, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s piece of the whole tensor (`merge_blocks`' inverse)."""
+    import torch  # models/ is torch-free at import: plan reads the tables
+
+    if axis is None or tp == 1:
+        return whole
+    return torch.cat([b.chunk(tp, axis)[rank] for b in whole.chunk(parts, axis)], axis)
+
+
 # -- constructors: what a family table is written with ----------------------------------------------------------
 
 def copy(megatron: str, hf: str, shape: str, *, tp_axis: int | None = None, when=None) -> Copy:
@@ -192,4 +214,4 @@ def hf_shape(spec: str, arch: Arch) -> tuple[int, ...]:
 
 __all__ = ["LAYER", "EXTRA_STATE", "IGNORED_HF", "Ctx", "Rule", "Copy", "Vocab", "FusedQKV", "GatedMLP", "PackedQKV",
            "PackedGateUp", "copy", "vocab", "fused_qkv", "gated_mlp", "packed_qkv", "packed_gate_up", "untied",
-           "has_qkv_bias", "hf_shape"]
+           "has_qkv_bias", "hf_shape", "merge_blocks", "cut_blocks"]

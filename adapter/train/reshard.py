@@ -28,7 +28,7 @@ from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_st
 
 from adapter.errors import bad
 from adapter.models.families import family
-from adapter.models.mapping import LAYER, Vocab
+from adapter.models.mapping import LAYER, Vocab, cut_blocks, merge_blocks
 from adapter.patches.zero import adam_states
 from adapter.patches.zero_files import MOMENTS, ZeroFiles
 from adapter.train.optim import FORMAT, FlatAdamW
@@ -112,21 +112,6 @@ def vocab_names(arch) -> set[str]:
     return {r.megatron for r in family(arch.family).table if isinstance(r, Vocab)}
 
 
-def merge(pieces: list[torch.Tensor], axis: int | None, parts: int) -> torch.Tensor:
-    """The layout-free tensor from its TP pieces (rank order): block b of the whole is the ranks' blocks b in turn."""
-    if axis is None or len(pieces) == 1:
-        return pieces[0]
-    blocks = [p.chunk(parts, axis) for p in pieces]
-    return torch.cat([torch.cat([b[i] for b in blocks], axis) for i in range(parts)], axis)
-
-
-def cut(whole: torch.Tensor, axis: int | None, parts: int, tp: int, rank: int) -> torch.Tensor:
-    """This TP rank's piece of the layout-free tensor (`merge`'s inverse)."""
-    if axis is None or tp == 1:
-        return whole
-    return torch.cat([b.chunk(tp, axis)[rank] for b in whole.chunk(parts, axis)], axis)
-
-
 def repad(t: torch.Tensor, rows: int, real: int, name: str, key: str, value: str) -> torch.Tensor:
     """Vocabulary rows padded for the saved tp, re-padded for this one: the rows past the real vocabulary never
     train (the loss leaves them out), so they must be zero to be dropped."""
@@ -172,10 +157,10 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
         shape = _local_shape(p)
         values = {}
         for what in WHAT:
-            whole = merge([saved.read(m, name, what) for m in range(saved.tp)], axis, parts)
+            whole = merge_blocks([saved.read(m, name, what) for m in range(saved.tp)], axis, parts)
             if name in vocab:
                 whole = repad(whole, shape[0] * tp, arch.vocab_size, name, key, value)
-            values[what] = cut(whole, axis, parts, tp, tp_rank).contiguous()
+            values[what] = cut_blocks(whole, axis, parts, tp, tp_rank).contiguous()
         if values["fp32"].shape != shape:
             raise bad(key, value, f"another model: {name} is {tuple(values['fp32'].shape)} there (for this tp), "
                       f"{tuple(shape)} here", "resume with the model it was saved with")
@@ -203,4 +188,4 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
     return {k: v for k, v in state.items() if k not in _DS_KEYS}
 
 
-__all__ = ["load", "open_saved", "merge", "cut", "repad", "tp_split", "FlatFiles"]
+__all__ = ["load", "open_saved", "repad", "tp_split", "FlatFiles"]

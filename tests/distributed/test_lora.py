@@ -15,7 +15,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_model, rel
+from tests.helpers.sft import make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,10 @@ ADAPTERS = {"all seven, r 8": ("untied", {"r": 8, "lora_alpha": 16, "target_modu
             "q/v, rslora": ("untied", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
                                        "use_rslora": True}),
             "lm_head saved, tied": ("tied", {"r": 4, "lora_alpha": 8, "target_modules": ALL7,
-                                             "modules_to_save": ["lm_head"]})}
+                                             "modules_to_save": ["lm_head"]}),
+            # Phi-3's packed linears (issue 29): B in the HF tensor's row order for PEFT, Megatron's inside
+            "phi3 packed": ("phi3", {"r": 8, "lora_alpha": 16,
+                                     "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]})}
 # name: adapter, (dp_shard, cp, tp), micro-batch, overrides -- each a world of 2
 RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "tp=2, no SP": ("all seven, r 8", (1, 1, 2), 2, {"sequence_parallel": False}),
@@ -37,7 +40,12 @@ RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "q/v rslora, tp=2 +SP": ("q/v, rslora", (1, 1, 2), 2, {}),
         "q/v rslora, dp_shard=2": ("q/v, rslora", (2, 1, 1), 1, {}),
         "lm_head, tp=2 +SP": ("lm_head saved, tied", (1, 1, 2), 2, {}),
-        "lm_head, dp_shard=2": ("lm_head saved, tied", (2, 1, 1), 1, {})}
+        "lm_head, dp_shard=2": ("lm_head saved, tied", (2, 1, 1), 1, {}),
+        "phi3, tp=2 +SP": ("phi3 packed", (1, 1, 2), 2, {}),
+        "phi3, dp_shard=2": ("phi3 packed", (2, 1, 1), 1, {})}
+
+
+EXPORTS = {"tp=2 +SP (flat AdamW)": "export", "phi3, tp=2 +SP": "export-phi3"}  # run -> its PEFT export's dir
 
 
 def lora_section(peft_kw: dict, init_from: str | None) -> dict:
@@ -84,7 +92,7 @@ def _parity_worker(rank, world, models, adapters, root):
     out = {"init": _default_init(models["untied"], root)}
     for name, (adapter, shape, micro, over) in RUNS.items():
         model, peft_kw = ADAPTERS[adapter]
-        export = {"checkpoint.export_hf": f"{root}/export"} if name == "tp=2 +SP (flat AdamW)" else {}
+        export = {"checkpoint.export_hf": f"{root}/{EXPORTS[name]}"} if name in EXPORTS else {}
         lines: list[str] = []
         t = Trainer(lora_cfg(models[model], root, shape, micro, lora_section(peft_kw, adapters[adapter]),
                              **over, **export), log=lines.append)
@@ -133,7 +141,8 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora")
     tok = tiny_model(root / "tok")
-    models = {"untied": str(make_model(root / "untied", tok)), "tied": str(make_model(root / "tied", tok, tie=True))}
+    models = {"untied": str(make_model(root / "untied", tok)), "tied": str(make_model(root / "tied", tok, tie=True)),
+              "phi3": str(make_phi3(root / "phi3", tok))}
     adapters = {name: str(_peft_adapter(models[model], kw, root / f"adapter-{i}"))
                 for i, (name, (model, kw)) in enumerate(ADAPTERS.items())}
     return root, models, adapters
@@ -248,6 +257,12 @@ def test_lora_matches_peft_on_every_layout(setup):
     with torch.no_grad():
         logits = peft(input_ids=torch.tensor(PROBE)).logits.float()
     ours = torch.as_tensor(got["tp=2 +SP (flat AdamW)"]["after"])
+    assert (logits - ours).abs().max() <= 1e-5 * logits.abs().max(), (logits - ours).abs().max()
+    phi3 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["phi3"], dtype=torch.float32),
+                                     str(root / "export-phi3"))  # packed B back in HF row order
+    with torch.no_grad():
+        logits = phi3(input_ids=torch.tensor(PROBE)).logits.float()
+    ours = torch.as_tensor(got["phi3, tp=2 +SP"]["after"])
     assert (logits - ours).abs().max() <= 1e-5 * logits.abs().max(), (logits - ours).abs().max()
     # merge-lora: equal to PEFT's merge_and_unload, in a fresh process, as a user runs it
     import yaml

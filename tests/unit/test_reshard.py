@@ -1,4 +1,5 @@
-"""The layout-free form of a TP-split parameter (adapter/train/reshard.py): merging the pieces of one tp and cutting
+"""The layout-free form of a TP-split parameter (adapter/models/mapping.py's merge_blocks / cut_blocks, which
+adapter/train/reshard.py and the packed LoRA adapters use): merging the pieces of one tp and cutting
 for another gives what the other tp's build holds, for plain, [gate; up] and vocabulary-padded tensors."""
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 from adapter.errors import UserError
-from adapter.train.reshard import cut, merge, repad
+from adapter.models.mapping import cut_blocks as cut
+from adapter.models.mapping import merge_blocks as merge
+from adapter.train.reshard import repad
 
 
 def _pieces(whole, axis, parts, tp):
