@@ -70,6 +70,7 @@ DATA_KEYS = {
     "val_set_size": "val_set_size", "shuffle_merged_datasets": "shuffle_merged_datasets",
     "chat_template": "chat_template", "chat_template_jinja": "chat_template_jinja",
     "special_tokens": "special_tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
+    "resize_token_embeddings_to_32x": "resize_vocab_to_32x",
     "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)

@@ -59,9 +59,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "tokens": ("adding tokens needs new embedding rows", _VOCAB),
     "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),
     "fix_untrained_tokens": ("rewriting the embeddings of untrained tokens is not supported", "remove it"),
-    "resize_token_embeddings_to_32x": ("resizing the embeddings is not supported",
-                                       "remove it (the vocabulary is padded for TP on its own; the export keeps the "
-                                       "model's vocabulary size)"),
     "shrink_embeddings": ("resizing the embeddings is not supported", "remove it"),
     "mean_resizing_embeddings": ("resizing the embeddings is not supported", "remove it"),
     "eot_tokens": ("custom end-of-turn tokens are not supported: the end of each turn is read from the rendered "

@@ -206,6 +206,9 @@ class DataSection(_Strict):
     chat_template: str | None = None
     chat_template_jinja: str | None = None
     special_tokens: SpecialTokens = SpecialTokens()
+    resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: the embedding must "
+                                      "hold the tokenizer rounded up to 32 rows; nd-adapter adds no rows, so a model "
+                                      "that already does trains as it is and one that does not is refused")
     num_proc: StrictInt | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
     test_datasets: list[DatasetEntry] = Field(
         default_factory=list, description="evaluated instead of a held-out part of datasets (Axolotl's test_datasets)")

@@ -143,6 +143,11 @@ def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
                           f"its id {tid} is outside the model's {vocab_size} embedding rows",
                           "use a token the vocabulary has (e.g. the EOS for pad_token); adding tokens needs new "
                           "embedding rows, which nd-adapter does not do yet")
+    rows = -(-len(tok) // 32) * 32
+    if cfg.data.resize_vocab_to_32x and rows > vocab_size:  # Axolotl would add rows; the model then differs
+        raise bad(key("resize_vocab_to_32x"), True, f"the tokenizer's {len(tok)} tokens rounded up to 32 are {rows} "
+                  f"rows, more than the model's {vocab_size}; adding embedding rows is not supported",
+                  "remove it, or use a checkpoint whose vocabulary already holds them")
     if given:
         before = len(tok)
         tok.add_special_tokens(given)
