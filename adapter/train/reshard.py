@@ -28,6 +28,7 @@ from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_st
 
 from adapter.errors import bad
 from adapter.models.families import family
+from adapter.models.lora import packed_rule
 from adapter.models.mapping import LAYER, Vocab, cut_blocks, merge_blocks
 from adapter.patches.zero import adam_states
 from adapter.patches.zero_files import MOMENTS, ZeroFiles
@@ -35,6 +36,7 @@ from adapter.train.optim import FORMAT, FlatAdamW
 
 WHAT = ("fp32", *MOMENTS)
 _LAYER = re.compile(r"^" + re.escape(LAYER) + r"\d+\.")
+_LORA_B = re.compile(r"\.lora\.B\.(\w+)$")  # adapter/modeling/lora.py names an adapter's B <linear>.lora.B.<hf name>
 # what DeepSpeed keeps in a model-states file for itself; the rest is the client state the run saved
 _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
             "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
@@ -105,7 +107,10 @@ def tp_split(name: str, p, arch) -> tuple[int | None, int]:
         if rule.megatron == key:
             return rule.tp_axis, rule.parts
     dim = getattr(p, "partition_dim", -1)
-    return (dim if dim is not None and dim >= 0 else None), 1
+    axis = dim if dim is not None and dim >= 0 else None
+    adapter = _LORA_B.search(name)  # a packed HF linear's B is in Megatron's order: its rule's blocks
+    packed = packed_rule(arch, adapter.group(1)) if adapter else None
+    return axis, packed.parts if packed is not None and axis == 0 else 1
 
 
 def vocab_names(arch) -> set[str]:

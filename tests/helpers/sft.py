@@ -154,7 +154,7 @@ def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
     model.save_pretrained(out)
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file() and f.name != "config.json":
+    for f in Path(tokenizer_dir).iterdir():  # the tokenizer's files only (the directory may hold a model)
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
             shutil.copyfile(f, out / f.name)
     return out
