@@ -31,9 +31,14 @@ SYNTHETIC_VOCAB = 1024
 def tiny_arch(arch: ModelArch, tp: int, vocab: int | None) -> ModelArch:
     """`vocab`: the tokenizer's (ids it can produce), None for synthetic tokens."""
     hidden = arch.num_heads * TINY_HEAD_DIM
+    rot = int(TINY_HEAD_DIM * arch.rotary_fraction) // 2 * 2  # partial rotary: an even number of rotated dims
+    short = arch.rope_short_factor
+    if short is not None:  # LongRoPE: as many of its factors as the tiny head rotates frequencies, spread evenly
+        short = tuple(short[round(i * (len(short) - 1) / max(rot // 2 - 1, 1))] for i in range(rot // 2))
     return dataclasses.replace(arch, hidden_size=hidden, head_dim=TINY_HEAD_DIM, num_layers=TINY_LAYERS,
                                ffn_hidden_size=2 * hidden * tp, max_position_embeddings=4096,
-                               vocab_size=SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size, vocab))
+                               vocab_size=SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size, vocab),
+                               rotary_fraction=rot / TINY_HEAD_DIM, rope_short_factor=short)
 
 
 def tokenizer_vocab(cfg: RunConfig) -> int | None:

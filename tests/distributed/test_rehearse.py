@@ -32,3 +32,24 @@ def test_rehearse_refuses_a_bad_layout_before_starting(tmp_path):
     p = rehearse(str(cfg), timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("nd-adapter: error: parallelism")
+
+
+@pytest.mark.slow
+def test_rehearse_phi4_mini_with_longrope_at_tp2(tmp_path):
+    """Issue 29: the tiny stand-in of a Phi-4-mini (packed linears, RoPE on 3/4 of each head, LongRoPE with 48
+    factors) keeps those switches at its tiny head size and trains, saves and resumes at tp=2."""
+    import json
+
+    model = tmp_path / "phi-4-mini"
+    model.mkdir()
+    conf = json.loads((ROOT / "configs/models/phi-4-mini-shape/config.json").read_text())
+    conf.update(max_position_embeddings=131072, rope_scaling={
+        "type": "longrope", "short_factor": [1.0 + i / 20 for i in range(48)],
+        "long_factor": [2.0 + i / 10 for i in range(48)]})
+    (model / "config.json").write_text(json.dumps(conf))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\nparallelism: {{tp_size: 2}}\nseq_len: 4096\nprecision: bf16\n"
+                   "data: {synthetic: true}\noptimizer: {max_steps: 10}\nhardware: {gpus_per_node: 2}\n")
+    p = rehearse(str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rehearsal ok: 2 processes, layout 1x1x1x2, saved at step 1 and resumed" in p.stdout
