@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -60,6 +61,20 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class PostNormed(RowParallelLinear):
+    """A sub-layer's output linear (linear_proj, linear_fc2) whose output is RMS-normed before the residual add, as
+    GLM-4's post_self_attn_layernorm / post_mlp_layernorm do. The norm runs on the reduced (under sequence
+    parallelism, reduce-scattered) output, per token, so it is exact at any tp; its weight is `<linear>.post_norm`."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_norm = RMSNorm(config, output_size, eps=config.layernorm_epsilon)
+
+    def forward(self, input_, *args, **kwargs):
+        out, bias = super().forward(input_, *args, **kwargs)
+        return self.post_norm(out), bias
+
+
 class Layer(TransformerLayer):
     """Megatron's TransformerLayer, called with its hidden states as a positional argument.
 
@@ -94,7 +109,9 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         bias_activation_fusion=fused_kernels,
         # LongRoPE's scaled cos/sin tables run only in our fused RoPE (PackedGPTModel), so it is on for them
-        apply_rope_fusion=(fused_kernels or arch.rope_short_factor is not None) and install_rope_fusion(),
+        apply_rope_fusion=(fused_kernels or arch.rope_short_factor is not None) and not arch.rotary_interleaved
+        and install_rope_fusion(),  # our fused RoPE rotates halves; an interleaved one runs Megatron's own
+        rotary_interleaved=arch.rotary_interleaved,
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
         cp_comm_type=normalize_cp_comm_type(cp_comm_type) if cp > 1 else None,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=bf16,
@@ -130,6 +147,8 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
     attn.core_attention = SDPAttention if attention == "sdpa" else DotProductAttention
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if arch.post_norms:
+        attn.linear_proj = layer.mlp.submodules.linear_fc2 = PostNormed
     if arch.qk_norm:
         attn.q_layernorm = attn.k_layernorm = RMSNorm
     return spec

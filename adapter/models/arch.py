@@ -47,6 +47,8 @@ class ModelArch:
     rope_short_factor: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0
     rope_original_max: int | None = None
+    post_norms: bool = False  # an RMSNorm on each sub-layer's output before its residual add (GLM-4)
+    rotary_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) of the rotated dims (GLM), not halves
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,7 +119,8 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     if act != "silu":
         raise bad("hidden_act", act, "only SwiGLU (silu) MLPs are supported", "use a silu-gated model")
 
-    partial = cfg.get("partial_rotary_factor")
+    rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta, scaling and partial rotary here
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
     partial = 1.0 if partial is None else partial
     rotary_dim = int(int(head_dim) * float(partial)) if isinstance(partial, (int, float)) else 0
     if isinstance(partial, bool) or not 0 < float(partial) <= 1 or rotary_dim % 2:  # Phi-4-mini: 0.75 of each head
@@ -137,7 +140,6 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     if not (window is not None and uses_window and window < cfg.get("max_position_embeddings", 0)):
         window = None
 
-    rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling together here
     scaling = cfg.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     factor = None
@@ -177,6 +179,8 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         sliding_window=window,
         pad_token_id=pad if isinstance(pad := cfg.get("pad_token_id"), int) and 0 <= pad < cfg["vocab_size"] else None,
         rotary_fraction=float(partial),
+        post_norms=fam.post_norms,
+        rotary_interleaved=fam.rotary_interleaved,
         **longrope,
     )
 

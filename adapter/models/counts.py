@@ -61,9 +61,9 @@ def fused_linears(arch: ModelArch) -> list[tuple[str, int, int, int]]:
 
 
 def layer_norm_params(arch: ModelArch) -> int:
-    """Norm weights of one layer (replicated across tp): the two RMSNorms and, with qk-norm, one per q and k head
-    dimension."""
-    return 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
+    """Norm weights of one layer (replicated across tp): the two RMSNorms (four with post-norms) and, with qk-norm,
+    one per q and k head dimension."""
+    return (4 if arch.post_norms else 2) * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
 
 
 def layer_params(arch: ModelArch) -> int:

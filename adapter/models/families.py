@@ -32,6 +32,8 @@ class Family:
     qkv_bias: bool | None = None         # True: always (Qwen2); None: the config's `attention_bias`
     qk_norm: bool = False                # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window_default: bool = False  # `use_sliding_window` when the config omits it (Mistral v0.1 has one)
+    post_norms: bool = False             # an RMSNorm on the attention's and the MLP's outputs before each residual add
+    rotary_interleaved: bool = False     # RoPE rotates pairs (2i, 2i+1), not halves (GLM)
 
 
 _L = "model.layers.{i}."
@@ -60,12 +62,22 @@ PHI3_TABLE = tuple(
     else packed_gate_up(r.megatron, _L + "mlp.gate_up_proj.weight") if r.megatron == LAYER + "mlp.linear_fc1.weight"
     else r for r in LLAMA_TABLE if r.megatron != LAYER + "self_attention.linear_qkv.bias")
 
+# GLM-4 (Glm4ForCausalLM): Llama's attention (q, k, v biases as its config says), gate and up packed in one HF
+# tensor, and "sandwich" norms: each sub-layer's output normed again before its residual add
+GLM4_TABLE = tuple(
+    packed_gate_up(r.megatron, _L + "mlp.gate_up_proj.weight") if r.megatron == LAYER + "mlp.linear_fc1.weight"
+    else r for r in LLAMA_TABLE) + (
+    copy(LAYER + "self_attention.linear_proj.post_norm.weight", _L + "post_self_attn_layernorm.weight", "h"),
+    copy(LAYER + "mlp.linear_fc2.post_norm.weight", _L + "post_mlp_layernorm.weight", "h"),
+)
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), ("llama",), LLAMA_TABLE),
     Family("mistral", ("MistralForCausalLM",), ("mistral",), LLAMA_TABLE, sliding_window_default=True),
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), LLAMA_TABLE, qkv_bias=True),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), QWEN3_TABLE, qk_norm=True),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), PHI3_TABLE, qkv_bias=False, sliding_window_default=True),
+    Family("glm4", ("Glm4ForCausalLM",), ("glm4",), GLM4_TABLE, post_norms=True, rotary_interleaved=True),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -89,5 +101,5 @@ def supported_architectures() -> list[str]:
     return sorted(a for f in FAMILIES for a in f.architectures)
 
 
-__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "family", "find", "table_for",
-           "supported_architectures"]
+__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "GLM4_TABLE", "family", "find",
+           "table_for", "supported_architectures"]

@@ -33,6 +33,9 @@ CASES = {  # name -> (config class, overrides)
     "phi3_partial": ("Phi3Config", {"sliding_window": None, "pad_token_id": None, "bos_token_id": 1,
                                     "eos_token_id": 2, "partial_rotary_factor": 0.75}),
     # Phi-4-mini's LongRoPE (short factors up to the original length, cos/sin scaled by its attention factor)
+    # GLM-4: q/k/v biases, gate/up packed, post-norms on both sub-layers, interleaved RoPE on half of each head
+    "glm4": ("Glm4Config", {"attention_bias": True, "partial_rotary_factor": 0.5, "pad_token_id": None,
+                            "bos_token_id": 1, "eos_token_id": 2, "head_dim": 16}),
     "phi3_longrope": ("Phi3Config", {
         "sliding_window": None, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
         "partial_rotary_factor": 0.75, "max_position_embeddings": 1024, "original_max_position_embeddings": 128,
