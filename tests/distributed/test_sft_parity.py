@@ -2,8 +2,9 @@
 nd-adapter at tp=2 and at dp_shard=2 for several steps (and unpacked at cp=2, where each micro-batch is cut after
 its last trained position), against plain transformers trained on the same prepared samples (each example attended
 on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of the step), torch AdamW under
-transformers' cosine schedule with warm-up, fp32 on CPU. Issue 29: a Phi-3 (packed HF linears, its pad token its EOS)
-the same way, packed, at tp=2 and dp_shard=2."""
+transformers' cosine schedule with warm-up, fp32 on CPU. Issue 29: a Phi-3 (packed HF linears, its pad token its EOS,
+partial rotary, LongRoPE) and a GLM-4 (post-norms, interleaved partial rotary, q/k/v biases) the same way, packed, at
+tp=2 (+SP) and dp_shard=2."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_model, make_phi3, rel
+from tests.helpers.sft import make_glm4, make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
@@ -35,7 +36,8 @@ def _cfg(model_dir: str, root: str, parallelism: dict, micro: int, pack: bool = 
     return config.build(raw, env={}, world_size=2)
 
 
-PHI3 = ("tp=2", "dp_shard=2")
+FAMILIES = ("phi3", "glm4")  # issue 29's families, packed at tp=2 (+SP) and dp_shard=2
+PACKED = ("tp=2", "dp_shard=2")
 
 
 def _worker(rank, world, models, root):
@@ -45,9 +47,10 @@ def _worker(rank, world, models, root):
     init_distributed()
     out = {name: run(_cfg(models["llama"], root, par, mb, pack), log=lambda s: None).losses
            for name, (par, mb, pack) in LAYOUTS.items()}
-    for name in PHI3:
-        par, mb, pack = LAYOUTS[name]
-        out["phi3 " + name] = run(_cfg(models["phi3"], f"{root}/phi3", par, mb, pack), log=lambda s: None).losses
+    for fam in FAMILIES:
+        for name in PACKED:
+            par, mb, pack = LAYOUTS[name]
+            out[f"{fam} {name}"] = run(_cfg(models[fam], f"{root}/{fam}", par, mb, pack), log=lambda s: None).losses
     return out
 
 
@@ -57,7 +60,8 @@ def model_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sft-parity")
     tok = tiny_model(root / "tok")  # the demo tokenizer with chatml's markers as specials
-    return {"llama": str(make_model(root / "model", tok)), "phi3": str(make_phi3(root / "phi3", tok))}
+    return {"llama": str(make_model(root / "model", tok)), "phi3": str(make_phi3(root / "phi3", tok)),
+            "glm4": str(make_glm4(root / "glm4", tok))}
 
 
 def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(model_dir, tmp_path):
@@ -81,10 +85,14 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
     data = prepare(cfg, model_dir["phi3"], builder=True, barrier=None, progress=False)
     pad = json.loads((Path(model_dir["phi3"]) / "config.json").read_text())["pad_token_id"]
     assert pad is not None and sum(int((data.train[i]["tokens"] == pad).sum()) for i in range(len(data.train)))
-    phi3 = _reference(model_dir["phi3"], data, cfg)  # the pad token is fed (each example ends with it)
-    assert phi3[-1] != phi3[0] and {"phi3 tp=2", "phi3 dp_shard=2"} <= got.keys()  # the steps move it
+    refs["phi3"] = _reference(model_dir["phi3"], data, cfg)  # the pad token is fed (each example ends with it)
+    cfg = _cfg(model_dir["glm4"], f"{tmp_path}/glm4", LAYOUTS["tp=2"][0], 2, True)
+    refs["glm4"] = _reference(model_dir["glm4"], prepare(cfg, model_dir["glm4"], builder=True, barrier=None,
+                                                         progress=False), cfg)
+    assert {f"{f} {n}" for f in FAMILIES for n in PACKED} <= got.keys()
     for name, losses in got.items():
-        ref = phi3 if name.startswith("phi3") else refs[LAYOUTS[name][2]]
+        fam = name.split()[0]
+        ref = refs[fam] if fam in FAMILIES else refs[LAYOUTS[name][2]]
         assert len(losses) == STEPS and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)
 
 

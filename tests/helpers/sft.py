@@ -158,3 +158,32 @@ def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
         if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
             shutil.copyfile(f, out / f.name)
     return out
+
+
+def make_glm4(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+              seed: int = 0) -> Path:
+    """A tiny GLM-4 (q/k/v biases, gate/up packed, post-norms on both sub-layers, interleaved RoPE on half of each
+    head), weights spread as make_model's (the post-norms' too, so a missing one shows)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Glm4Config
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = Glm4Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                     max_position_embeddings=128, attention_bias=True, partial_rotary_factor=0.5,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                     eos_token_id=tok.eos_token_id, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    model.save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():  # the tokenizer's files only
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
+            shutil.copyfile(f, out / f.name)
+    return out
