@@ -93,7 +93,9 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
     for name, losses in got.items():
         fam = name.split()[0]
         ref = refs[fam] if fam in FAMILIES else refs[LAYOUTS[name][2]]
-        assert len(losses) == STEPS and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)
+        # fp32 reduction-order noise is ~2e-7 here; 2e-6 still sees a post-norm whose gradient is not summed over
+        # TP under sequence parallelism (6e-6 after 4 steps), which the 1e-4 would not
+        assert len(losses) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), (name, losses, ref)
 
 
 def _reference(model_dir, data, cfg) -> list[float]:
