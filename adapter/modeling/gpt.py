@@ -71,8 +71,12 @@ class PostNormed(RowParallelLinear):
         self.post_norm = RMSNorm(config, output_size, eps=config.layernorm_epsilon)
 
     def forward(self, input_, *args, **kwargs):
-        out, bias = super().forward(input_, *args, **kwargs)
+        out, bias = self.linear_output(input_, *args, **kwargs)
         return self.post_norm(out), bias
+
+    def linear_output(self, input_, *args, **kwargs):
+        """The linear's own output, before the norm (LoRA's adapters add theirs here: adapter/modeling/lora.py)."""
+        return super().forward(input_, *args, **kwargs)
 
 
 class Layer(TransformerLayer):

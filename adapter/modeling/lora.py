@@ -113,10 +113,17 @@ class LoraAdapters(torch.nn.Module):
 
 
 class _WithLora:
-    """Mixed into a Megatron linear's class: its output plus its adapters' (`self.lora`)."""
+    """Mixed into a Megatron linear's class: its output plus its adapters' (`self.lora`). A post-normed linear
+    (GLM-4's output linears, adapter/modeling/gpt.PostNormed) takes the adapters' output before its norm."""
 
     def forward(self, input_, *args, **kwargs):
+        if hasattr(self, "post_norm"):  # its forward norms what linear_output (below) returns
+            return super().forward(input_, *args, **kwargs)
         out, bias = super().forward(input_, *args, **kwargs)
+        return self.lora(input_, out), bias
+
+    def linear_output(self, input_, *args, **kwargs):
+        out, bias = super().linear_output(input_, *args, **kwargs)
         return self.lora(input_, out), bias
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_model, make_phi3, rel
+from tests.helpers.sft import make_glm4, make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,11 @@ ADAPTERS = {"all seven, r 8": ("untied", {"r": 8, "lora_alpha": 16, "target_modu
                                              "modules_to_save": ["lm_head"]}),
             # Phi-3's packed linears (issue 29): B in the HF tensor's row order for PEFT, Megatron's inside
             "phi3 packed": ("phi3", {"r": 8, "lora_alpha": 16,
-                                     "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]})}
+                                     "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}),
+            # GLM-4: q, k, v apart (with biases) and gate, up packed, beside its post-norms
+            "glm4 mixed": ("glm4", {"r": 8, "lora_alpha": 16,
+                                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                                       "down_proj"]})}
 # name: adapter, (dp_shard, cp, tp), micro-batch, overrides -- each a world of 2
 RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "tp=2, no SP": ("all seven, r 8", (1, 1, 2), 2, {"sequence_parallel": False}),
@@ -42,7 +46,9 @@ RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "lm_head, tp=2 +SP": ("lm_head saved, tied", (1, 1, 2), 2, {}),
         "lm_head, dp_shard=2": ("lm_head saved, tied", (2, 1, 1), 1, {}),
         "phi3, tp=2 +SP": ("phi3 packed", (1, 1, 2), 2, {}),
-        "phi3, dp_shard=2": ("phi3 packed", (2, 1, 1), 1, {})}
+        "phi3, dp_shard=2": ("phi3 packed", (2, 1, 1), 1, {}),
+        "glm4, tp=2 +SP": ("glm4 mixed", (1, 1, 2), 2, {}),
+        "glm4, dp_shard=2": ("glm4 mixed", (2, 1, 1), 1, {})}
 
 
 EXPORTS = {"tp=2 +SP (flat AdamW)": "export", "phi3, tp=2 +SP": "export-phi3"}  # run -> its PEFT export's dir
@@ -142,7 +148,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     tok = tiny_model(root / "tok")
     models = {"untied": str(make_model(root / "untied", tok)), "tied": str(make_model(root / "tied", tok, tie=True)),
-              "phi3": str(make_phi3(root / "phi3", tok))}
+              "phi3": str(make_phi3(root / "phi3", tok)), "glm4": str(make_glm4(root / "glm4", tok))}
     adapters = {name: str(_peft_adapter(models[model], kw, root / f"adapter-{i}"))
                 for i, (name, (model, kw)) in enumerate(ADAPTERS.items())}
     return root, models, adapters
