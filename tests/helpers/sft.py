@@ -117,12 +117,38 @@ def make_model(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int 
     # (nn.Embedding padding_idx), which Megatron's embedding does, and the gradients would differ by that row
     model.config.pad_token_id = None
     model.model.embed_tokens.padding_idx = None
+    _spread(model, seed)
+    model.save_pretrained(out)
+    return out
+
+
+def _spread(model, seed: int) -> None:
+    """make_model's weights: spread wide (norms around 1), so per-token losses differ a lot and a missing weight
+    shows."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+
+
+def _save_with_tokenizer(cfg, out: Path, tokenizer_dir: Path, seed: int) -> Path:
+    """A random model of `cfg` (spread weights, fp32) and the tokenizer's files beside it (only those: the
+    directory may hold a model too)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    _spread(model, seed)
     model.save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
+            shutil.copyfile(f, out / f.name)
     return out
 
 
@@ -130,11 +156,8 @@ def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
               seed: int = 0, partial_rotary: float = 0.75) -> Path:
     """A tiny Phi-3 (q, k, v and gate, up packed in one HF tensor each) whose pad token is its EOS, as Phi-3/4's
     are (transformers never trains that embedding row from lookups: nn.Embedding padding_idx), with RoPE on 3/4 of
-    each head and LongRoPE (short factors, scaled cos/sin) as Phi-4-mini's. Weights spread as make_model's."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Phi3Config
+    each head and LongRoPE (short factors, scaled cos/sin) as Phi-4-mini's."""
+    from transformers import AutoTokenizer, Phi3Config
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     half = int(hidden // heads * partial_rotary) // 2
@@ -143,31 +166,16 @@ def make_phi3(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
     cfg = Phi3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                      original_max_position_embeddings=128, rope_scaling=longrope, sliding_window=None,
-                     tie_word_embeddings=False,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                     partial_rotary_factor=partial_rotary)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    model.save_pretrained(out)
-    for f in Path(tokenizer_dir).iterdir():  # the tokenizer's files only (the directory may hold a model)
-        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
-            shutil.copyfile(f, out / f.name)
-    return out
+                     tie_word_embeddings=False, partial_rotary_factor=partial_rotary,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
 
 
 def make_glm4(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
               seed: int = 0) -> Path:
     """A tiny GLM-4 (q/k/v biases, gate/up packed, post-norms on both sub-layers, interleaved RoPE on half of each
-    head), weights spread as make_model's (the post-norms' too, so a missing one shows)."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Glm4Config
+    head)."""
+    from transformers import AutoTokenizer, Glm4Config
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     cfg = Glm4Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -175,15 +183,4 @@ def make_glm4(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
                      max_position_embeddings=128, attention_bias=True, partial_rotary_factor=0.5,
                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                      eos_token_id=tok.eos_token_id, pad_token_id=None)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    model.save_pretrained(out)
-    for f in Path(tokenizer_dir).iterdir():  # the tokenizer's files only
-        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
-            shutil.copyfile(f, out / f.name)
-    return out
+    return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
