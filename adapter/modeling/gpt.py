@@ -172,8 +172,9 @@ class PackedGPTModel(GPTModel):
                                 and not c.rotary_interleaved)
         self.rope_scale = rope_scale  # LongRoPE's attention factor on cos and sin
         if rope_scale != 1.0 and not self.rope_tables:
-            raise bad("attention", "te", "LongRoPE's scaled rotary tables need nd-adapter's fused RoPE, not "
-                      "TransformerEngine's", "use attention='sdpa' (the default)")
+            raise bad("rope_scaling.rope_type", "longrope", "LongRoPE's scaled rotary tables need nd-adapter's "
+                      "fused rotate-half RoPE (not TransformerEngine's, not an interleaved one)",
+                      "use attention: sdpa (the default); interleaved RoPE with LongRoPE is not built")
 
     def local_real_vocab(self, local: int) -> int:
         """How many of this TP rank's `local` vocabulary columns are real (the padding sits at the end); `local` is

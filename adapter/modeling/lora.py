@@ -33,7 +33,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from adapter.models.arch import ModelArch
-from adapter.models.lora import LoraSpec, Placement, Target, packed_rule, peft_key, placement, saved_key
+from adapter.models.families import packed_rule
+from adapter.models.lora import LoraSpec, Placement, Target, peft_key, placement, saved_key
 from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
 LINEARS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.families import family
+from adapter.models.families import packed_rule
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,10 @@ def linears(arch: ModelArch) -> tuple[Linear, ...]:
     qkv_proj, gate_up_proj; its table says so) has one linear there."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
     q, kv, b = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.qkv_bias
-    packed = {type(r).__name__ for r in family(arch.family).table}
-    qkv = ((Linear("qkv_proj", q + 2 * kv, h, "linear_qkv", 0, b),) if "PackedQKV" in packed else
+    qkv = ((Linear("qkv_proj", q + 2 * kv, h, "linear_qkv", 0, b),) if packed_rule(arch, "qkv_proj") else
            (Linear("q_proj", q, h, "linear_qkv", 0, b), Linear("k_proj", kv, h, "linear_qkv", 0, b),
             Linear("v_proj", kv, h, "linear_qkv", 0, b)))
-    mlp = ((Linear("gate_up_proj", 2 * f, h, "linear_fc1", 0),) if "PackedGateUp" in packed else
+    mlp = ((Linear("gate_up_proj", 2 * f, h, "linear_fc1", 0),) if packed_rule(arch, "gate_up_proj") else
            (Linear("gate_proj", f, h, "linear_fc1", 0), Linear("up_proj", f, h, "linear_fc1", 0)))
     return (*qkv, Linear("o_proj", h, q, "linear_proj", 1), *mlp, Linear("down_proj", h, f, "linear_fc2", 1))
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from adapter.models.mapping import (
     LAYER,
+    PackedGateUp,
+    PackedQKV,
     Rule,
     copy,
     fused_qkv,
@@ -97,9 +99,19 @@ def table_for(arch, table: tuple[Rule, ...] | list[Rule] | None = None) -> list[
     return [r for r in (family(arch.family).table if table is None else table) if r.applies(arch)]
 
 
+def packed_rule(arch, name: str) -> Rule | None:
+    """The family's rule for an HF linear that packs several of Megatron's blocks into one tensor (Phi-3's qkv_proj,
+    gate_up_proj; GLM-4's gate_up_proj), or None. Such a linear is one Linear in models/counts.py, and one adapter
+    whose B is kept in Megatron's row order (the rule's own transform) for LoRA."""
+    for rule in family(arch.family).table:
+        if isinstance(rule, (PackedQKV, PackedGateUp)) and rule.hf[0][0].endswith(f".{name}.weight"):
+            return rule
+    return None
+
+
 def supported_architectures() -> list[str]:
     return sorted(a for f in FAMILIES for a in f.architectures)
 
 
 __all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "GLM4_TABLE", "family", "find",
-           "table_for", "supported_architectures"]
+           "table_for", "packed_rule", "supported_architectures"]

@@ -30,8 +30,8 @@ from adapter.config import spell
 from adapter.errors import bad
 from adapter.models.arch import ModelArch
 from adapter.models.counts import Linear, linears, num_params
-from adapter.models.families import family
-from adapter.models.mapping import PackedGateUp, PackedQKV, Rule, Vocab
+from adapter.models.families import family, packed_rule
+from adapter.models.mapping import Vocab
 
 SAVABLE = ("embed_tokens", "lm_head")  # modules_to_save nd-adapter trains in full
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the llama/mistral/qwen families
@@ -72,16 +72,6 @@ class Placement:
 
     def piece(self, name: str) -> tuple[int, int]:
         return next((s, n) for p, s, n in self.pieces if p == name)
-
-
-def packed_rule(arch: ModelArch, name: str) -> Rule | None:
-    """The family's rule for an HF linear that packs several of Megatron's blocks into one tensor (Phi-3's qkv_proj,
-    gate_up_proj), or None. Its adapter's B is kept in Megatron's row order (the rule's own transform), so B's
-    output lands in the fused output as it is, and it is turned back to HF order for PEFT."""
-    for rule in family(arch.family).table:
-        if isinstance(rule, (PackedQKV, PackedGateUp)) and rule.hf[0][0].endswith(f".{name}.weight"):
-            return rule
-    return None
 
 
 def placement(arch: ModelArch, fused: str, tp: int) -> Placement:
@@ -356,5 +346,5 @@ def peft_config(spec: LoraSpec, base_model: str | None) -> dict:
 
 __all__ = ["Target", "Placement", "LoraSpec", "placement", "hf_modules", "resolve", "from_config", "trained_params",
            "flops_per_token", "describe", "peft_key", "saved_key", "peft_config", "check_adapter", "read_adapter_meta",
-           "SAVABLE", "PEFT_DEFAULT_TARGETS", "packed_rule", "NF4_BLOCK", "BASE_FORMATS", "PEFT_PREFIX", "ALL_LINEAR",
+           "SAVABLE", "PEFT_DEFAULT_TARGETS", "NF4_BLOCK", "BASE_FORMATS", "PEFT_PREFIX", "ALL_LINEAR",
            "CONFIG", "WEIGHTS"]

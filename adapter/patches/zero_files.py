@@ -27,6 +27,21 @@ from adapter.patches.zero import TESTED_DEEPSPEED_VERSIONS
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # bf16_: bf16 runs
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# what DeepSpeed keeps in a model-states file for itself; the rest is the client state the run saved
+_DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+            "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+            "ds_version", "checkpoint_parallel_dimensions"}
+
+
+def written_by_zero(ckpt: Path) -> bool:
+    """Whether the tag holds ZeRO optimizer files (else: the flat AdamW's, inside its model-states files)."""
+    return any(_OPTIM.match(p.name) for p in ckpt.iterdir())
+
+
+def client_state(model_states: dict) -> dict:
+    """The client state a run saved in a model-states file (DeepSpeed's load_checkpoint returns the same)."""
+    return {k: v for k, v in model_states.items() if k not in _DS_KEYS}
 
 
 def _load(path: Path) -> dict:
@@ -158,4 +173,4 @@ class ZeroFiles:
         return self.model[0]
 
 
-__all__ = ["ZeroFiles", "MOMENTS"]
+__all__ = ["ZeroFiles", "MOMENTS", "written_by_zero", "client_state"]

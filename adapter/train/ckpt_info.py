@@ -23,6 +23,11 @@ def layout_of(cfg: RunConfig) -> dict[str, int]:
     return {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size, "tp": p.tp_size}
 
 
+def layout_diff(saved: dict[str, int], here: dict[str, int]) -> list[tuple[str, int, int]]:
+    """(axis, size there, size here) for every axis where a checkpoint's layout and this run's differ."""
+    return [(k, saved[k], here[k]) for k in LAYOUT if saved[k] != here[k]]
+
+
 @dataclass
 class CheckpointInfo:
     path: Path
@@ -78,7 +83,7 @@ def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> tuple[
     if eight:
         return ("8-bit optimizer moments are quantised in blocks of the layout's own partitions, so they cannot "
                 "move to another layout exactly", "")
-    diff = ", ".join(f"{k} {r['layout'][k]} there, {here[k]} here" for k in LAYOUT if here[k] != r["layout"][k])
+    diff = ", ".join(f"{k} {there} there, {now} here" for k, there, now in layout_diff(r["layout"], here))
     return None, f"resharded from another layout ({diff})"
 
 
@@ -110,4 +115,5 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["CheckpointInfo", "read", "resumable", "describe", "layout_of", "main", "LATEST", "RECORD"]
+__all__ = ["CheckpointInfo", "read", "resumable", "describe", "layout_of", "layout_diff", "main", "LATEST",
+           "RECORD"]

@@ -27,23 +27,15 @@ import torch
 from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
 from adapter.errors import bad
-from adapter.models.families import family
-from adapter.models.lora import packed_rule
+from adapter.models.families import family, packed_rule
 from adapter.models.mapping import LAYER, Vocab, cut_blocks, merge_blocks
 from adapter.patches.zero import adam_states
-from adapter.patches.zero_files import MOMENTS, ZeroFiles
+from adapter.patches.zero_files import MOMENTS, ZeroFiles, client_state, written_by_zero
 from adapter.train.optim import FORMAT, FlatAdamW
 
 WHAT = ("fp32", *MOMENTS)
 _LAYER = re.compile(r"^" + re.escape(LAYER) + r"\d+\.")
 _LORA_B = re.compile(r"\.lora\.B\.(\w+)$")  # adapter/modeling/lora.py names an adapter's B <linear>.lora.B.<hf name>
-# what DeepSpeed keeps in a model-states file for itself; the rest is the client state the run saved
-_DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
-            "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-            "ds_version", "checkpoint_parallel_dimensions"}
-
-
 class FlatFiles:
     """A checkpoint of nd-adapter's flat AdamW (`mp_rank_{m:02d}_model_states.pt`: the module and the optimizer's
     flat masters and moments, with each group's parameter names)."""
@@ -94,7 +86,7 @@ class FlatFiles:
 
 
 def open_saved(ckpt: Path, key: str, value: str):
-    if any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")):
+    if written_by_zero(ckpt):
         return ZeroFiles(ckpt, key, value)
     return FlatFiles(ckpt, key, value)
 
@@ -190,7 +182,7 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
     engine.global_steps = int(state.get("global_steps", 0))
     engine.global_samples = int(state.get("global_samples", 0))
     engine.skipped_steps = int(state.get("skipped_steps", 0))
-    return {k: v for k, v in state.items() if k not in _DS_KEYS}
+    return client_state(state)
 
 
 __all__ = ["load", "open_saved", "repad", "tp_split", "FlatFiles"]

@@ -227,9 +227,8 @@ class Trainer:
         record = ckpt_info.read(directory).record
         if not record:
             return None
-        here = ckpt_info.layout_of(self.cfg)
-        diff = [f"{k} {record['layout'][k]}" for k in ckpt_info.LAYOUT if record["layout"][k] != here[k]]
-        return ", ".join(diff) or None
+        diff = ckpt_info.layout_diff(record["layout"], ckpt_info.layout_of(self.cfg))
+        return ", ".join(f"{k} {there}" for k, there, _ in diff) or None
 
     def _check_disk(self, cfg: RunConfig) -> None:
         """Before the model is built: the checkpoints this run will keep must fit where they go (one line if not)."""
