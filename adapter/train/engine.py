@@ -101,19 +101,21 @@ def freeze(model, tensors: list[freeze_facts.Tensor], tp_rank: int, tp: int) -> 
             p.register_hook(lambda grad, keep=keep: grad * keep)
 
 
-def hold_pad_row(model, arch: ModelArch, tp_rank: int) -> None:
+def hold_pad_row(model, arch: ModelArch, tp_rank: int) -> int | None:
     """HF's nn.Embedding(padding_idx=pad_token_id): the pad row gets no gradient from lookups, so a model whose pad
     is its EOS (Phi-3/4) keeps that row in a transformers fine-tune. Untied models only: there the embedding's
-    gradient is all lookups (a tied one also gets the output layer's, which HF keeps)."""
+    gradient is all lookups (a tied one also gets the output layer's, which HF keeps). Returns the held row's id,
+    None where nothing is held."""
     w = model.embedding.word_embeddings.weight
     if arch.pad_token_id is None or arch.tie_embeddings or not w.requires_grad:
-        return
+        return None
     local = w.shape[0]
     row = arch.pad_token_id - tp_rank * local
     if 0 <= row < local:  # vocab-parallel: only the rank holding the row
         keep = torch.ones(local, 1, dtype=w.dtype, device=w.device)
         keep[row] = 0
         w.register_hook(lambda grad: grad * keep)
+    return arch.pad_token_id
 
 
 @dataclass
@@ -124,6 +126,7 @@ class Engine:
     conf: dict
     layout: Layout
     lora: lora_facts.LoraSpec | None = None  # the adapters trained on a frozen base; None: every weight trains
+    pad_row: int | None = None  # the embedding row held as HF's padding_idx holds it (hold_pad_row)
 
     @property
     def guard_grads(self) -> bool:
@@ -221,7 +224,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         freeze(model, freeze_facts.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"),
                                            vocab_divisible_by=cfg.model.vocab_divisible_by),
                dist.get_rank(groups.tp), tp)
-    hold_pad_row(model, arch, dist.get_rank(groups.tp))
+    pad_row = hold_pad_row(model, arch, dist.get_rank(groups.tp))
     if cfg.precision == "fp8":
         install_fp8(model, cfg.model.fp8_recipe, cfg.model.fp8_linears)
     if cfg.model.compile:
@@ -254,7 +257,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                                           config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
     if conf["zero_optimization"]["stage"] in (1, 2):
         install_zero12_step(engine.optimizer)
-    return Engine(engine, mpu, conf, layout, spec)
+    return Engine(engine, mpu, conf, layout, spec, pad_row)
 
 
 __all__ = ["Engine", "build_engine", "init_distributed", "param_groups", "add_tp_grad_hooks"]

@@ -194,6 +194,9 @@ class Trainer:
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
         self._say(self.engine.describe_optimizer())
+        if self.engine.pad_row is not None:  # it changes what is trained: said, as every such default
+            self._say(f"embedding: row {self.engine.pad_row} (the pad token, pad_token_id in config.json) gets no "
+                      "gradient from lookups, as transformers' nn.Embedding(padding_idx) keeps it")
         if cfg.precision == "fp8":  # the recipe and the linears change the arithmetic: say them
             self._say(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
                       "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")

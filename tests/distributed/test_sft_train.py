@@ -355,8 +355,10 @@ def _phi3_worker(rank, world, model_dir, root, pad):
 
     init_distributed()
     _use_data(PadInside(TRAINED, SEQ, VOCAB, pad=pad), None)
-    return {name: run(sft_config(model_dir, f"{root}/{i}", shape, mb, 1), log=lambda s: None).losses
-            for i, (name, shape, mb) in enumerate((("tp 2", (1, 1, 2), 4), ("dp_shard 2", (2, 1, 1), 2)))}
+    lines: list[str] = []
+    out = {name: run(sft_config(model_dir, f"{root}/{i}", shape, mb, 1), log=lines.append).losses
+           for i, (name, shape, mb) in enumerate((("tp 2", (1, 1, 2), 4), ("dp_shard 2", (2, 1, 1), 2)))}
+    return out, [ln for ln in lines if ln.startswith("embedding:")]
 
 
 def test_phi3_matches_transformers_with_its_pad_row_held(tmp_path):
@@ -372,6 +374,7 @@ def test_phi3_matches_transformers_with_its_pad_row_held(tmp_path):
     pad = json.loads((model_dir / "config.json").read_text())["pad_token_id"]
     train = PadInside(TRAINED, SEQ, VOCAB, pad=pad)
     ref = hf_reference(model_dir, train, STEPS, lr=LR)["losses"]
-    got = run_workers(_phi3_worker, 2, str(model_dir), str(tmp_path), pad, timeout=600)[0]
+    got, said = run_workers(_phi3_worker, 2, str(model_dir), str(tmp_path), pad, timeout=600)[0]
+    assert len(said) == 2 and f"row {pad} (the pad token" in said[0], said  # said in each run's first lines
     for name, losses in got.items():
         assert len(losses) == 3 and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)
