@@ -33,7 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from adapter.errors import bad
 from adapter.kernels import ring
 from adapter.kernels.thd import PackedDocs
-from adapter.kernels.varlen import packed_attention, varlen_attention
+from adapter.kernels.varlen import math_attention, packed_attention, varlen, varlen_attention, window_mask
 
 CP_COMM_TYPES = ("all_gather", "p2p")
 # Accelerate/torch names (`cp_comm_strategy`, torch's set_rotate_method). torch's "alltoall" rotates whole K/V
@@ -77,7 +77,7 @@ def _sdpa(q, k, v, **kw):
     return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw)
 
 
-def _all_gather_attention(q, k, v, scale, group, dropout_p):
+def _all_gather_attention(q, k, v, scale, group, dropout_p, window=None):
     """q/k/v: [s_local, b, heads, d] (Megatron layout). Returns [b, heads, s_local, d]."""
     cp, r = group.size(), group.rank()
     c, d = q.size(0) // 2, k.size(-1)
@@ -89,8 +89,10 @@ def _all_gather_attention(q, k, v, scale, group, dropout_p):
     outs = []
     for i, chunk in enumerate((r, 2 * cp - 1 - r)):
         n = (chunk + 1) * c  # causal prefix of this query chunk
-        outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, :n], v_all[:, :, :n],
-                          attn_mask=causal_lower_right(c, n), scale=scale, dropout_p=dropout_p))
+        first = 0 if window is None else max(0, chunk * c - window + 1)  # keys before it are outside every window
+        mask = causal_lower_right(c, n - first) if window is None else window_mask(c, n - first, window, q.device)
+        outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, first:n], v_all[:, :, first:n],
+                          attn_mask=mask, scale=scale, dropout_p=dropout_p))
     return torch.cat(outs, dim=2)
 
 
@@ -194,11 +196,11 @@ def _p2p_attention(q, k, v, scale, group):
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, group)
 
 
-def context_parallel_attention(q, k, v, *, scale, group, comm="all_gather", dropout_p=0.0):
+def context_parallel_attention(q, k, v, *, scale, group, comm="all_gather", dropout_p=0.0, window=None):
     """Causal attention over a CP-split sequence: q [s_local, b, np, d], k/v [s_local, b, ng, d]
-    -> [b, np, s_local, d]."""
+    -> [b, np, s_local, d]. A sliding `window` runs with "all_gather" only (SDPAttention refuses the ring)."""
     if comm == "all_gather":
-        return _all_gather_attention(q, k, v, scale, group, dropout_p)
+        return _all_gather_attention(q, k, v, scale, group, dropout_p, window)
     if dropout_p:
         raise bad("attention_dropout", dropout_p, "not supported with cp_comm_type='p2p'",
                   "set attention_dropout to 0 or use cp_comm_type='all_gather'")
@@ -209,10 +211,14 @@ class SDPAttention(MegatronModule):
     """Drop-in for Megatron's DotProductAttention (same constructor and forward signature)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, window=None, softcap=None):
+        """`window`: this layer's sliding window (a query sees itself and window − 1 keys before it), None: all;
+        `softcap`: scores soft-capped to c·tanh(s/c) (Gemma 2). Both come from the layer spec
+        (adapter/modeling/gpt.py layer_spec), per layer."""
         super().__init__(config=config)
         if config.softmax_type != "vanilla" or config.window_size is not None:
-            raise NotImplementedError("SDPAttention supports vanilla softmax without sliding window only")
+            raise NotImplementedError("SDPAttention supports vanilla softmax; windows come from its layer spec")
+        self.window, self.softcap = window, softcap
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = getattr(pg_collection, "cp", None)
@@ -221,6 +227,10 @@ class SDPAttention(MegatronModule):
         if (self.cp_size > 1 and self.cp_comm_type == "p2p" and torch.cuda.is_available()
                 and config.params_dtype not in (torch.bfloat16, torch.float16)):
             raise _p2p_dtype_error(config.params_dtype)  # fail at build time, not at the first step
+        if self.cp_size > 1 and (softcap is not None or (window is not None and self.cp_comm_type == "p2p")):
+            what = "attention soft-capping" if softcap is not None else "a sliding window with cp_comm_type p2p"
+            raise bad("context_parallel_size", self.cp_size, f"{what} under context parallelism is not built",
+                      "use context_parallel_size: 1" if softcap is not None else "use cp_comm_type: all_gather")
         self.attn_mask_type = attn_mask_type
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -242,14 +252,37 @@ class SDPAttention(MegatronModule):
                     raise bad("attention_mask", "given", "explicit masks are not supported with context parallelism",
                               "drop the mask (causal is implied) or run with context_parallel_size=1")
                 out = context_parallel_attention(query, key, value, scale=self.scale, group=self.cp_group,
-                                                 comm=self.cp_comm_type, dropout_p=p)
+                                                 comm=self.cp_comm_type, dropout_p=p, window=self.window)
             else:
                 q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
                 mask_type = attn_mask_type or self.attn_mask_type
                 causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
                 mask = None if attention_mask is None else ~attention_mask
-                out = _sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, dropout_p=p)
+                window = self.window if self.window is not None and self.window < k.size(2) else None
+                if window is not None or self.softcap is not None:
+                    out = self._windowed(q, k, v, mask, causal, window, p)
+                else:
+                    out = _sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, dropout_p=p)
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+    def _windowed(self, q, k, v, mask, causal, window, p):
+        """[b, h, s, d] attention with a sliding window and/or soft-capped scores (cp = 1, no packing). A window
+        alone on a GPU runs FlashAttention's windowed kernel (each sample one sequence of a varlen call); the rest
+        builds the mask (and, with soft-capping, the scores)."""
+        if not causal and mask is None:
+            raise bad("attention_mask", "none (not causal)", "sliding windows are causal here", "use causal masks")
+        allowed = window_mask(q.size(2), k.size(2), window, q.device) if causal else mask
+        if causal and mask is not None:
+            allowed = allowed & mask
+        if self.softcap is not None:
+            return math_attention(q, k, v, self.scale, allowed, self.softcap, p)
+        if q.is_cuda and mask is None and not p and q.dtype in (torch.bfloat16, torch.float16):
+            b, s = q.size(0), q.size(2)
+            cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+            flat = [t.transpose(1, 2).reshape(b * s, t.size(1), t.size(3)) for t in (q, k, v)]
+            out = varlen(*flat, cu, cu, (s, s), True, self.scale, window)
+            return out.view(b, s, *out.shape[1:]).transpose(1, 2)
+        return _sdpa(q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=p)
 
     def _packed(self, q, k, v, params, p):
         """Packed documents (adapter/kernels/varlen.py): our PackedDocs ([t, 1, heads, d], any cp) or Megatron's own
@@ -258,8 +291,12 @@ class SDPAttention(MegatronModule):
             raise bad("attention_dropout", p, "not supported with packed documents", "set attention_dropout to 0")
         if isinstance(params, PackedDocs):
             out = packed_attention(q.squeeze(1), k.squeeze(1), v.squeeze(1), params, scale=self.scale,
-                                   group=self.cp_group if self.cp_size > 1 else None, comm=self.cp_comm_type)
+                                   group=self.cp_group if self.cp_size > 1 else None, comm=self.cp_comm_type,
+                                   window=self.window, softcap=self.softcap)
             return out.unsqueeze(1)
+        if self.window is not None or self.softcap is not None:
+            raise bad("packed sequences", "Megatron THD format", "sliding windows and soft-capping run on "
+                      "nd-adapter's packed batches", "pack with adapter.kernels.thd.pack_batch (data.document_mask)")
         if self.cp_size > 1:
             raise bad("packed sequences", "Megatron THD format", "not split for context parallelism here",
                       "pack batches with adapter.kernels.thd.pack_batch (data.document_mask: true)")
@@ -268,4 +305,4 @@ class SDPAttention(MegatronModule):
         return varlen_attention(q, k, v, cu.to(torch.int32), max_len, self.scale)
 
 
-__all__ = ["SDPAttention", "split_for_cp", "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]
+__all__ = ["SDPAttention", "window_mask", "math_attention", "split_for_cp", "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]

@@ -19,6 +19,8 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -41,6 +43,7 @@ from adapter.patches.mcore import (
     check_preprocess,
     fused_rope_is,
     install_cpu_shims,
+    with_decoder_input,
     with_rotary,
 )
 
@@ -59,6 +62,17 @@ class RMSNorm(torch.nn.RMSNorm):
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
+        # Gemma's norm (Megatron's zero-centred gamma): scale by 1 + w, so its checkpoints store w centred on zero
+        self.offset = config.layernorm_zero_centered_gamma
+        if self.offset:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.offset:
+            return super().forward(x)
+        # as transformers' Gemma3RMSNorm: normed and scaled in fp32, then cast ((x·w) rounded once, not x and w)
+        y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps) * (1.0 + self.weight.float())
+        return y.type_as(x)
 
 
 class PostNormed(RowParallelLinear):
@@ -77,6 +91,26 @@ class PostNormed(RowParallelLinear):
     def linear_output(self, input_, *args, **kwargs):
         """The linear's own output, before the norm (LoRA's adapters add theirs here: adapter/modeling/lora.py)."""
         return super().forward(input_, *args, **kwargs)
+
+
+class LayerRopeAttention(SelfAttention):
+    """Megatron's SelfAttention for a model whose layers rotate with different RoPE bases (Gemma 3: its sliding
+    layers with rope_local_base_freq, the others with rope_theta): the model passes {"global": t, "local": t}
+    (PackedGPTModel._preprocess) and this layer takes its own (`rope`, from its layer spec)."""
+
+    def __init__(self, *args, rope: str = "global", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rope = rope
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        if isinstance(rotary_pos_emb, dict):
+            rotary_pos_emb = rotary_pos_emb[self.rope]
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's activation (transformers' gelu_pytorch_tanh, Gemma)."""
+    return F.gelu(x, approximate="tanh")
 
 
 class Layer(TransformerLayer):
@@ -107,11 +141,13 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
     kw = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True,
+        activation_func=F.silu if arch.activation == "silu" else gelu_tanh,
+        layernorm_zero_centered_gamma=arch.norm_offset, softmax_scale=arch.softmax_scale,
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        bias_activation_fusion=fused_kernels,
+        bias_activation_fusion=fused_kernels and arch.activation == "silu",  # Megatron fuses SwiGLU, not tanh GeGLU
         # LongRoPE's scaled cos/sin tables run only in our fused RoPE (PackedGPTModel), so it is on for them
         apply_rope_fusion=(fused_kernels or arch.rope_short_factor is not None) and not arch.rotary_interleaved
         and install_rope_fusion(),  # our fused RoPE rotates halves; an interleaved one runs Megatron's own
@@ -131,8 +167,19 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
     return TransformerConfig(**kw)
 
 
-def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
-    """Megatron-Core layer spec; "sdpa" (default) is Megatron's local spec with our SDPAttention and RMSNorm."""
+def _layer_options(arch: ModelArch) -> bool:
+    """Whether the layers differ from Llama's attention (windows per layer, soft-capping, per-layer RoPE), which only
+    nd-adapter's SDPAttention runs."""
+    return arch.sliding_window is not None or arch.attn_softcap is not None or arch.local_rope_theta is not None
+
+
+def layer_spec(arch: ModelArch, attention: Attention = "sdpa", index: int = 0) -> ModuleSpec:
+    """Megatron-Core spec of layer `index` (0-based); "sdpa" (default) is Megatron's local spec with our
+    SDPAttention and RMSNorm. The layer description the record gives (adapter/models/families.py) decides: its
+    attention window, soft-cap and RoPE table (Gemma's local and global layers), norm placement and type."""
+    if attention != "sdpa" and _layer_options(arch):
+        raise bad("attention", attention, f"{arch.architecture}'s sliding windows, soft-capping or per-layer RoPE "
+                  "run in nd-adapter's attention only", "use attention: sdpa (the default)")
     if attention == "te":
         try:
             from megatron.core.models.gpt.gpt_layer_specs import (  # needs TransformerEngine, an optional package
@@ -150,6 +197,14 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa") -> ModuleSpec:
     spec.module = Layer
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
     attn.core_attention = SDPAttention if attention == "sdpa" else DotProductAttention
+    if _layer_options(arch):
+        attn.core_attention = ModuleSpec(module=SDPAttention, params={"window": arch.window(index),
+                                                                      "softcap": arch.attn_softcap})
+    if arch.local_rope_theta is not None:
+        spec.submodules.self_attention = ModuleSpec(
+            module=LayerRopeAttention, params={**spec.submodules.self_attention.params,
+                                               "rope": "local" if arch.local_rope(index) else "global"},
+            submodules=attn)
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if arch.post_norms:
         attn.linear_proj = layer.mlp.submodules.linear_fc2 = PostNormed
@@ -164,9 +219,22 @@ class PackedGPTModel(GPTModel):
     whole document. Megatron's own THD path finds positions from cu_seqlens in every layer with host syncs, and has
     no per-document CP split without TransformerEngine; a per-token angle table costs one gather per forward."""
 
-    def __init__(self, *args, real_vocab_size: int | None = None, rope_scale: float = 1.0, **kwargs):
+    def __init__(self, *args, real_vocab_size: int | None = None, rope_scale: float = 1.0,
+                 local_rope_base: float | None = None, embed_scale: float | None = None,
+                 final_softcap: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.real_vocab_size = real_vocab_size or self.vocab_size  # the rows past it are padding (128·tp multiple)
+        self.embed_scale = embed_scale  # Gemma: embeddings × √hidden
+        self.local_rotary_pos_emb = None  # Gemma 3's sliding layers: a second RoPE table (LayerRopeAttention)
+        if local_rope_base is not None:
+            self.local_rotary_pos_emb = RotaryEmbedding(
+                kv_channels=self.config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
+                rotary_interleaved=self.config.rotary_interleaved, rotary_base=local_rope_base,
+                use_cpu_initialization=self.config.use_cpu_initialization, cp_group=self.pg_collection.cp)
+        self.final_softcap = final_softcap
+        if final_softcap is not None:  # Gemma 2: logits = c·tanh(logits / c), before every loss and every reader
+            self.output_layer.register_forward_hook(
+                lambda _m, _i, out: (torch.tanh(out[0] / final_softcap) * final_softcap, *out[1:]))
         c = self.config  # cos/sin once per forward for every layer's RoPE (fusions.rope_tables), where ours runs
         self.rope_tables = bool(c.apply_rope_fusion and fused_rope_is(fused_rope) and c.mrope_section is None
                                 and not c.rotary_interleaved)
@@ -195,16 +263,30 @@ class PackedGPTModel(GPTModel):
     def _preprocess(self, *args, packed_seq_params=None, **kwargs):
         if isinstance(packed_seq_params, PackedDocs):
             out = super()._preprocess(*args, packed_seq_params=None, **kwargs)
-            table = self.rotary_pos_emb(packed_seq_params.rope_len, packed_seq=True)  # [rope_len, 1, 1, d], cached
-            table = table.index_select(0, packed_seq_params.positions)
+            table = {name: emb(packed_seq_params.rope_len, packed_seq=True)  # [rope_len, 1, 1, d], cached
+                     .index_select(0, packed_seq_params.positions) for name, emb in self._ropes()}
         else:
             out = super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
-            table = out[1]
-        if self.rope_tables and isinstance(table, torch.Tensor):
-            table = rope_tables(table)
-            if self.rope_scale != 1.0:
-                table = table * self.rope_scale
-        return out if table is out[1] else with_rotary(out, table)
+            table = {"global": out[1]}
+            if self.local_rotary_pos_emb is not None and out[1] is not None:  # as GPTModel builds its own table
+                n = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, out[0], self.config, packed_seq_params)
+                thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+                table["local"] = self.local_rotary_pos_emb(n, packed_seq=thd)
+        for name, t in table.items():
+            if self.rope_tables and isinstance(t, torch.Tensor):
+                t = rope_tables(t)
+                table[name] = t * self.rope_scale if self.rope_scale != 1.0 else t
+        table = table if len(table) > 1 else table["global"]
+        out = out if table is out[1] else with_rotary(out, table)
+        if self.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype first
+            emb = out[0]
+            out = with_decoder_input(out, emb * torch.tensor(self.embed_scale, dtype=emb.dtype, device=emb.device))
+        return out
+
+    def _ropes(self):
+        yield "global", self.rotary_pos_emb
+        if self.local_rotary_pos_emb is not None:
+            yield "local", self.local_rotary_pos_emb
 
 
 class FusedLossGPTModel(PackedGPTModel):
@@ -215,6 +297,9 @@ class FusedLossGPTModel(PackedGPTModel):
     def __init__(self, *args, linear_ce: bool = False, linear_ce_chunk: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.linear_ce, self.linear_ce_chunk = linear_ce, linear_ce_chunk
+        if linear_ce and self.final_softcap is not None:
+            raise bad("model.fused_linear_ce", True, "the fused linear cross-entropy has no final-logit soft-capping "
+                      "(Gemma 2's final_logit_softcapping)", "set model.fused_linear_ce: false for this model")
         if linear_ce:  # the override below replaces Megatron's private _postprocess for training batches
             require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused linear cross-entropy (GPTModel._postprocess)")
 
@@ -261,7 +346,9 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
                                           fused_kernels=fused_kernels, **config_kw)
     spec = layer_spec(arch, attention)
     if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
+        specs = [layer_spec(arch, attention, i) for i in range(arch.num_layers)] if _layer_options(arch) else \
+            [spec] * arch.num_layers
+        spec = TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
     fused = {"linear_ce": linear_ce, "linear_ce_chunk": linear_ce_chunk} if fused_kernels or linear_ce else None
     model = (PackedGPTModel if fused is None else FusedLossGPTModel)(
         config, spec,
@@ -271,8 +358,11 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope", rotary_percent=arch.rotary_fraction, rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        real_vocab_size=arch.vocab_size, rope_scale=arch.rope_attention_factor, **(fused or {}),
+        real_vocab_size=arch.vocab_size, rope_scale=arch.rope_attention_factor, local_rope_base=arch.local_rope_theta,
+        embed_scale=arch.embed_scale, final_softcap=arch.final_softcap, **(fused or {}),
     )
+    if arch.rope_linear_factor is not None:  # linear RoPE scaling (Gemma 3's global layers): frequencies / factor
+        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
     if arch.rope_short_factor is not None:  # LongRoPE's frequencies, as transformers computes them (fp32)
         dim = int(arch.head_dim * arch.rotary_fraction)
         base = arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)

@@ -16,6 +16,7 @@ from adapter.models import families
 
 # Megatron-Core hard-codes these for Llama-3.1 rope scaling; other values would silently change the model.
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> the gated MLP's activation here
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,33 @@ class ModelArch:
     rope_original_max: int | None = None
     post_norms: bool = False  # an RMSNorm on each sub-layer's output before its residual add (GLM-4)
     rotary_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) of the rotated dims (GLM), not halves
+    # Gemma's layer: RMSNorm scales by (1 + weight) (weights stored centred on zero), embeddings are multiplied by
+    # √hidden (rounded to the weights' dtype, as transformers does), a GeGLU MLP (tanh GELU), scores scaled by
+    # query_pre_attn_scalar^-½
+    norm_offset: bool = False
+    embed_scale: float | None = None
+    activation: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    softmax_scale: float | None = None  # None: 1/√head_dim
+    # which layers attend through `sliding_window` (Gemma's local layers); None: every layer (Mistral v0.1)
+    window_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3: 10k); None: rope_theta
+    rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor) of the other layers (Gemma 3)
+    attn_softcap: float | None = None  # attention scores soft-capped, c·tanh(s/c), before the mask (Gemma 2)
+    final_softcap: float | None = None  # the output logits soft-capped the same way (Gemma 2)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s (0-based) attention window: a query sees itself and window − 1 keys before it (HF's
+        sliding-window mask); None: the whole causal prefix."""
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with the local RoPE base (Gemma 3's sliding layers)."""
+        return self.local_rope_theta is not None and bool(self.window_layers and self.window_layers[layer])
 
 
 def padded_vocab_size(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
@@ -105,6 +130,17 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
                   f"use one of {', '.join(families.supported_architectures())} (adding a family: "
                   "docs/adding-a-model.md)")
     name = name or fam.architectures[0]
+    if fam.text_config:  # an image-text checkpoint (Gemma3ForConditionalGeneration): its language model's config
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise bad("text_config", text, f"{name} keeps its language model's config there; it is missing in "
+                      f"{source}", "give the checkpoint's complete config.json")
+        cfg = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+    cfg = {**dict(fam.defaults), **cfg}  # what the family's HF config class fills in where config.json is silent
+    if cfg.get("use_bidirectional_attention"):
+        raise bad("use_bidirectional_attention", True, "bidirectional attention (an embedding model) is not a causal "
+                  "language model", "fine-tune the causal checkpoint")
 
     hidden = _int(cfg, "hidden_size", source)
     heads = _int(cfg, "num_attention_heads", source)
@@ -115,11 +151,19 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     head_dim = cfg.get("head_dim") or hidden // heads
     if not cfg.get("head_dim") and hidden % heads:
         raise bad("hidden_size", hidden, f"not divisible by num_attention_heads={heads}", "set head_dim in config.json")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise bad("hidden_act", act, "only SwiGLU (silu) MLPs are supported", "use a silu-gated model")
+    act_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    act = cfg.get(act_key, "silu")
+    if act not in ACTIVATIONS:
+        raise bad(act_key, act, "only gated MLPs with silu (SwiGLU) or gelu_pytorch_tanh (GeGLU) are supported",
+                  "use a model with one of them")
 
+    if fam.qkv_bias is False and cfg.get("attention_bias"):  # q, k, v and o biases the family's table has no rule for
+        raise bad("attention_bias", True, f"{name} checkpoints with attention biases are not supported",
+                  "use a checkpoint without them (the published ones have none)")
     rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta, scaling and partial rotary here
+    local_rope = rope.pop("sliding_attention", None) or {}  # Gemma 3 (transformers 5): one dict per layer type
+    rope = dict(rope.pop("full_attention", None) or rope)
+    window_layers = _window_layers(cfg, fam, source)
     partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
     partial = 1.0 if partial is None else partial
     rotary_dim = int(int(head_dim) * float(partial)) if isinstance(partial, (int, float)) else 0
@@ -142,16 +186,18 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
 
     scaling = cfg.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    factor = None
+    factor = linear = None
     longrope: dict[str, Any] = {}
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "longrope":
             longrope = _longrope(cfg, scaling, rope, int(head_dim), float(partial), source)
+        elif kind == "linear":  # positions divided by the factor (Gemma 3 4B+ on its global layers)
+            linear = _positive(scaling.get("factor"), "rope_scaling.factor", source)
         elif kind not in (None, "default"):
             if kind != "llama3":
-                raise bad("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3') and LongRoPE ('longrope') rope "
-                          "scaling are supported", "use a checkpoint with one of them or none")
+                raise bad("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3'), LongRoPE ('longrope') and "
+                          "'linear' rope scaling are supported", "use a checkpoint with one of them or none")
             for k, want in LLAMA3_ROPE_FIXED.items():
                 if float(scaling.get(k, want)) != float(want):
                     raise bad(f"rope_scaling.{k}", scaling.get(k), f"Megatron-Core fixes it at {want}",
@@ -175,14 +221,52 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qkv_bias=fam.qkv_bias if fam.qkv_bias is not None else bool(cfg.get("attention_bias", False)),
         qk_norm=fam.qk_norm,
-        torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         sliding_window=window,
         pad_token_id=pad if isinstance(pad := cfg.get("pad_token_id"), int) and 0 <= pad < cfg["vocab_size"] else None,
         rotary_fraction=float(partial),
         post_norms=fam.post_norms,
         rotary_interleaved=fam.rotary_interleaved,
+        norm_offset=fam.norm_offset,
+        embed_scale=float(hidden) ** 0.5 if fam.embed_scale else None,
+        activation=ACTIVATIONS[act],
+        softmax_scale=None if (qpas := cfg.get("query_pre_attn_scalar")) is None
+        else _positive(qpas, "query_pre_attn_scalar", source) ** -0.5,
+        window_layers=window_layers,
+        local_rope_theta=float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+        if fam.local_rope else None,
+        rope_linear_factor=linear,
+        attn_softcap=_positive(cfg.get("attn_logit_softcapping"), "attn_logit_softcapping", source, none=True),
+        final_softcap=_positive(cfg.get("final_logit_softcapping"), "final_logit_softcapping", source, none=True),
         **longrope,
     )
+
+
+def _positive(v: Any, key: str, source: str, none: bool = False) -> float | None:
+    if v is None and none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise bad(key, v, f"must be a positive number in {source}", "fix the model's config.json")
+    return float(v)
+
+
+def _window_layers(cfg: dict[str, Any], fam, source: str) -> tuple[bool, ...] | None:
+    """Which layers are local (sliding-window) ones: the config's `layer_types`, else the family's pattern (every
+    n-th layer global; Gemma 3 reads n from `sliding_window_pattern`), else None (every layer alike)."""
+    n = cfg.get("num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None and fam.window_every:
+        every = cfg.get("sliding_window_pattern", fam.window_every)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise bad("sliding_window_pattern", every, f"must be a positive integer in {source}",
+                      "fix the model's config.json")
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n or 0)]
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise bad("layer_types", types, f"must list 'sliding_attention' or 'full_attention' for each of the {n} "
+                  f"layers in {source}", "fix the model's config.json")
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def _longrope(cfg: dict[str, Any], scaling: dict[str, Any], rope: dict[str, Any], head_dim: int, partial: float,

@@ -45,12 +45,21 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
                     raise bad(spell(cfg, "lora.quantize_base"), "nf4", f"{lin.name}'s input width per TP rank "
                               f"({width}) is not a multiple of NF4's block of {lora.NF4_BLOCK}",
                               "use a tp_size that keeps it a multiple of 64, or a 16-bit base")
-    if arch.sliding_window is not None and seq > arch.sliding_window and not cfg.document_attention:
-        raise bad(spell(cfg, "seq_len"), seq, f"longer than the sliding_window={arch.sliding_window} of "
-                  f"{arch.architecture}: sequences past the window need sliding-window attention, which nd-adapter "
-                  "does not run yet (within it, full causal attention is the same)",
-                  f"use {spell(cfg, 'seq_len')} <= {arch.sliding_window}, or a checkpoint without a sliding window "
-                  "(e.g. Mistral v0.2+)")
+    windowed = arch.sliding_window is not None and seq > arch.sliding_window  # some layer's window matters
+    if cp > 1 and arch.attn_softcap is not None:
+        raise bad(spell(cfg, "parallelism.cp_size"), cp, f"{arch.architecture}'s attention soft-capping "
+                  "(attn_logit_softcapping) runs with materialised scores, which are not built under context "
+                  "parallelism", f"use {spell(cfg, 'parallelism.cp_size')}: 1 for this model")
+    if cp > 1 and windowed and cfg.parallelism.cp_comm_type == "p2p":
+        raise bad("parallelism.cp_comm_type", "p2p", f"{arch.architecture}'s sliding window "
+                  f"({arch.sliding_window} tokens) on the ring is not built", "use cp_comm_type: all_gather")
+    if cfg.model.attention != "sdpa" and (arch.sliding_window is not None or arch.attn_softcap is not None
+                                          or arch.local_rope_theta is not None):
+        raise bad("model.attention", cfg.model.attention, f"{arch.architecture}'s sliding windows, soft-capping or "
+                  "per-layer RoPE run in nd-adapter's attention only", "set model.attention: sdpa (the default)")
+    if arch.final_softcap is not None and cfg.model.fused_linear_ce:
+        raise bad("model.fused_linear_ce", True, f"the fused linear cross-entropy does not soft-cap the logits "
+                  f"({arch.architecture}'s final_logit_softcapping)", "set model.fused_linear_ce: false")
     if cp > 1 and seq % (2 * cp):
         raise bad(spell(cfg, "seq_len"), seq, f"not divisible by 2·cp_size = {2 * cp} (load-balanced context-parallel "
                   "chunks)",
@@ -66,24 +75,9 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
         raise bad("precision", "fp8", "fp8 matmuls are wired for tp_size = 1 only (measured on one GPU; "
                   "docs/BENCHMARKS.md)", "use precision: bf16 with tensor parallelism")
     warnings = []
-    if arch.sliding_window is not None and seq > arch.sliding_window and cfg.document_attention:
-        warnings.append(f"{spell(cfg, 'seq_len')} {seq} exceeds the sliding_window={arch.sliding_window} of "
-                        f"{arch.architecture}: attention stays inside each packed example, so each example must fit "
-                        "the window (checked when the data is prepared)")
     if cfg.precision == "fp8" and not cfg.model.compile:
         warnings.append("precision fp8 without model.compile: the fp8 casts run unfused and cost more than the "
                         "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
     return warnings
-
-
-def check_window(cfg: RunConfig, arch: ModelArch, longest: int) -> None:
-    """Packed examples attend only within themselves: with a sliding window the longest must fit it (beyond it the
-    model needs sliding-window attention, which nd-adapter does not run yet)."""
-    if arch.sliding_window is not None and longest > arch.sliding_window:
-        raise bad(spell(cfg, "seq_len"), cfg.seq_len, f"the data holds an example of {longest} tokens, longer than "
-                  f"the sliding_window={arch.sliding_window} of {arch.architecture}: past the window it needs "
-                  "sliding-window attention, which nd-adapter does not run yet",
-                  f"use {spell(cfg, 'seq_len')} <= {arch.sliding_window} (longer examples are then "
-                  "dropped or truncated), or a checkpoint without a sliding window (e.g. Mistral v0.2+)")

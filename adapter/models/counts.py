@@ -10,6 +10,8 @@ MFU's model FLOPs, the convention every number in this project is computed with 
     N               = L · Σ(linear weights of a layer) + H·V       (matmul weights; the LM head, tied or not)
     flops_per_token = 6·N + 12·L·(heads·head_dim)·S                (fwd+bwd matmuls, attention scores and values)
 
+(S is min(S, window) for a sliding-window layer.)
+
 Norms, biases and the input embedding (a lookup) are left out; activation recomputation is not counted (it is
 "model" FLOPs, not hardware FLOPs), and the attention term counts the full S×S, as PaLM's and Megatron's do.
 """
@@ -98,7 +100,8 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128) -> Loc
 def param_tensors(arch: ModelArch) -> tuple[int, int]:
     """(per layer, total): the parameter tensors of Megatron's model, which DeepSpeed's hooks, the optimizer and
     ZeRO-3's module gathers walk."""
-    per_layer = len(fused_linears(arch)) + 2 + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0)
+    per_layer = (len(fused_linears(arch)) + (4 if arch.post_norms else 2) + (2 if arch.qk_norm else 0)
+                 + (1 if arch.qkv_bias else 0))
     return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
 
 
@@ -113,10 +116,16 @@ def matmul_params(arch: ModelArch) -> int:
     return arch.num_layers * sum(lin.weights for lin in linears(arch)) + arch.hidden_size * arch.vocab_size
 
 
+def attended(arch: ModelArch, seq_len: int) -> int:
+    """Σ over layers of the keys each layer's attention spans, at most seq_len: a sliding-window layer (Gemma's
+    local ones, Mistral v0.1) spans its window, the others the whole sequence."""
+    return sum(min(seq_len, arch.window(i) or seq_len) for i in range(arch.num_layers))
+
+
 def flops_per_token(arch: ModelArch, seq_len: int) -> int:
-    """MFU's model FLOPs per token (module docstring)."""
-    return 6 * matmul_params(arch) + 12 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len
+    """MFU's model FLOPs per token (module docstring); a windowed layer's attention term counts its window."""
+    return 6 * matmul_params(arch) + 12 * arch.num_heads * arch.head_dim * attended(arch, seq_len)
 
 
 __all__ = ["Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params", "LocalParams",
-           "local_params", "param_tensors", "layer_gemms", "matmul_params", "flops_per_token"]
+           "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended", "flops_per_token"]

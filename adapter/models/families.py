@@ -8,6 +8,7 @@ record's checks in one place. Declarative: `plan` imports this without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from adapter.models.mapping import (
     LAYER,
@@ -36,6 +37,14 @@ class Family:
     sliding_window_default: bool = False  # `use_sliding_window` when the config omits it (Mistral v0.1 has one)
     post_norms: bool = False             # an RMSNorm on the attention's and the MLP's outputs before each residual add
     rotary_interleaved: bool = False     # RoPE rotates pairs (2i, 2i+1), not halves (GLM)
+    norm_offset: bool = False            # RMSNorm scales by (1 + weight) (Gemma)
+    embed_scale: bool = False            # embeddings multiplied by √hidden (Gemma)
+    window_every: int | None = None      # without `layer_types`: every n-th layer global, the rest sliding (Gemma)
+    local_rope: bool = False             # sliding layers rotate with their own base, rope_local_base_freq (Gemma 3)
+    text_config: bool = False            # an image-text checkpoint: the language model's config is `text_config`
+    # the HF config class's defaults for keys a config.json may omit (Gemma 3's hub configs leave out most of its
+    # text model's): (key, value) pairs, checked against transformers' classes in tests/unit/test_families.py
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 _L = "model.layers.{i}."
@@ -73,6 +82,30 @@ GLM4_TABLE = tuple(
     copy(LAYER + "mlp.linear_fc2.post_norm.weight", _L + "post_mlp_layernorm.weight", "h"),
 )
 
+# Gemma 2 / Gemma 3: Llama's linears, "sandwich" norms (HF's post_attention_layernorm is the attention's post-norm;
+# the MLP has its own pre- and post-norm), Gemma 3 adds q/k norms. Norm weights are stored centred on zero (the
+# model scales by 1 + w), so they copy unchanged.
+GEMMA2_TABLE: tuple[Rule, ...] = tuple(r for r in LLAMA_TABLE if r.megatron != LAYER + "mlp.linear_fc1.layer_norm_weight") + (
+    copy(LAYER + "self_attention.linear_proj.post_norm.weight", _L + "post_attention_layernorm.weight", "h"),
+    copy(LAYER + "mlp.linear_fc1.layer_norm_weight", _L + "pre_feedforward_layernorm.weight", "h"),
+    copy(LAYER + "mlp.linear_fc2.post_norm.weight", _L + "post_feedforward_layernorm.weight", "h"),
+)
+GEMMA3_TABLE = GEMMA2_TABLE + QWEN3_TABLE[len(LLAMA_TABLE):]
+# Gemma3ForConditionalGeneration: the same language model under `model.language_model.` (transformers 5's names;
+# the hub's original files say `language_model.model.`, which adapter/convert/hf_io.py reads as these)
+GEMMA3_VL_TABLE = tuple(r.renamed("model.", "model.language_model.") for r in GEMMA3_TABLE)
+
+_GEMMA = dict(qkv_bias=False, post_norms=True, norm_offset=True, embed_scale=True, sliding_window_default=True)
+_GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256), ("num_attention_heads", 8),
+                   ("num_key_value_heads", 4), ("hidden_size", 2304), ("intermediate_size", 9216),
+                   ("num_hidden_layers", 26), ("rms_norm_eps", 1e-6), ("tie_word_embeddings", True),
+                   ("pad_token_id", 0), ("query_pre_attn_scalar", 256), ("sliding_window", 4096))
+GEMMA2_DEFAULTS = _GEMMA_DEFAULTS + (("vocab_size", 256000), ("max_position_embeddings", 8192),
+                                     ("rope_theta", 10000.0), ("attn_logit_softcapping", 50.0),
+                                     ("final_logit_softcapping", 30.0))
+GEMMA3_DEFAULTS = _GEMMA_DEFAULTS + (("vocab_size", 262208), ("max_position_embeddings", 131072),
+                                     ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10000.0))
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), ("llama",), LLAMA_TABLE),
     Family("mistral", ("MistralForCausalLM",), ("mistral",), LLAMA_TABLE, sliding_window_default=True),
@@ -80,6 +113,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), QWEN3_TABLE, qk_norm=True),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), PHI3_TABLE, qkv_bias=False, sliding_window_default=True),
     Family("glm4", ("Glm4ForCausalLM",), ("glm4",), GLM4_TABLE, post_norms=True, rotary_interleaved=True),
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), GEMMA2_TABLE, window_every=2, defaults=GEMMA2_DEFAULTS,
+           **_GEMMA),
+    Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), GEMMA3_TABLE, qk_norm=True, window_every=6,
+           local_rope=True, defaults=GEMMA3_DEFAULTS, **_GEMMA),
+    Family("gemma3_vl", ("Gemma3ForConditionalGeneration",), ("gemma3",), GEMMA3_VL_TABLE, qk_norm=True,
+           window_every=6, local_rope=True, text_config=True, defaults=GEMMA3_DEFAULTS, **_GEMMA),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -113,5 +152,6 @@ def supported_architectures() -> list[str]:
     return sorted(a for f in FAMILIES for a in f.architectures)
 
 
-__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "GLM4_TABLE", "family", "find",
+__all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "GLM4_TABLE", "GEMMA2_TABLE",
+           "GEMMA3_TABLE", "GEMMA3_VL_TABLE", "family", "find",
            "table_for", "packed_rule", "supported_architectures"]

@@ -56,6 +56,14 @@ class Rule:
     def hf_names(self, layer: int | None) -> list[str]:
         return [n.format(i=layer) for n, _ in self.hf]
 
+    def renamed(self, old: str, new: str) -> Rule:
+        """The same rule reading HF names that start with `new` where these start with `old` (a model nested in
+        another: Gemma 3's language model inside its image-text checkpoint)."""
+        import dataclasses
+
+        hf = tuple((new + n[len(old):] if n.startswith(old) else n, shape) for n, shape in self.hf)
+        return dataclasses.replace(self, hf=hf)
+
     def to_megatron(self, ts: Sequence[torch.Tensor], c: Ctx) -> torch.Tensor:
         raise NotImplementedError
 

@@ -179,5 +179,10 @@ def with_rotary(preprocessed: tuple, rotary_pos_emb: torch.Tensor) -> tuple:
     return (preprocessed[0], rotary_pos_emb, *preprocessed[2:])
 
 
-__all__ = ["TESTED_MEGATRON_VERSIONS", "install_cpu_shims", "check", "megatron_version", "quiet_row_parallel_group",
+def with_decoder_input(preprocessed: tuple, decoder_input: torch.Tensor) -> tuple:
+    """GPTModel._preprocess's result with its decoder input (the embeddings) replaced (Gemma scales them)."""
+    return (decoder_input, *preprocessed[1:])
+
+
+__all__ = ["with_decoder_input", "TESTED_MEGATRON_VERSIONS", "install_cpu_shims", "check", "megatron_version", "quiet_row_parallel_group",
            "install_rope_fusion", "fused_rope_is", "check_preprocess", "with_rotary", "set_linear_impl"]

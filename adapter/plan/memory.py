@@ -129,7 +129,11 @@ def attention_flops(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, 
     recomputed, are 2.5× the forward's two). Causal: a sequence of s tokens costs 4·(s²/2)·heads·head_dim forward.
     Packed documents of ℓ tokens (`doc_len`) cost s/ℓ · 4·(ℓ²/2)·heads·head_dim per sequence: s·ℓ instead of s²."""
     ell = min(doc_len or seq, seq)
-    forward = 4 * seq * ell / 2 * arch.num_heads * arch.head_dim * micro * arch.num_layers
+    pairs = 0.0  # query-key pairs per sequence, summed over layers (a sliding window w < ℓ: ℓ·w − w²/2 per document)
+    for i in range(arch.num_layers):
+        w = arch.window(i)
+        pairs += seq / ell * (ell * ell / 2 if w is None or w >= ell else ell * w - w * w / 2)
+    forward = 4 * pairs * arch.num_heads * arch.head_dim * micro
     return 3.5 * forward / (tp * cp)
 
 

@@ -66,13 +66,14 @@ def gemm_seconds(shapes: list[tuple[int, int, int]], prof: Profile) -> float:
 
 
 def attention_seconds(arch: ModelArch, *, micro: int, seq: int, cp: int, tp: int, prof: Profile,
-                      doc_len: int | None = None, kind: str = "sdpa") -> float:
+                      doc_len: int | None = None, kind: str = "sdpa", window: int | None = None) -> float:
     """Forward+backward of one layer's core attention on one rank. Causal: half the s² score matrix; packed
-    documents (varlen) attend only inside each document of `doc_len` tokens; cp ranks split the work evenly
-    (load-balanced chunks)."""
+    documents (varlen) attend only inside each document of `doc_len` tokens; a sliding `window` w < span leaves
+    span·w − w²/2 query-key pairs; cp ranks split the work evenly (load-balanced chunks)."""
     span = min(doc_len or seq, seq)
     heads = arch.num_heads // tp
-    fwd = 4 * micro * (seq / span) * span * span * heads * arch.head_dim / 2 / cp
+    pairs = span * span / 2 if window is None or window >= span else span * window - window * window / 2
+    fwd = 4 * micro * (seq / span) * pairs * heads * arch.head_dim / cp
     rate = prof.attention.rate(span / cp if doc_len is None else span)
     if kind == "local":
         rate *= LOCAL_ATTENTION
@@ -185,8 +186,8 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
         g_adapters = gemm_seconds(lora_gemms(spec, tokens=tokens, tp=tp, sp=sp), prof)
         gemm = 2 * g_fwd + (3 if "lm_head" in spec.modules_to_save else 2) * g_head + 3 * g_adapters
         g_fwd += g_adapters  # what full recompute runs again
-    attn = L * attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
-                                 kind=cfg.model.attention)
+    attn = sum(attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
+                                 kind=cfg.model.attention, window=arch.window(i)) for i in range(L))
     layer_bytes = L * layer_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, compiled=compiled)
     if spec is not None:
         layer_bytes += lora_memory_bytes(spec, tokens=tokens, tp=tp, sp=sp)

@@ -254,7 +254,6 @@ class Trainer:
             self.sft = prepare(cfg, source.tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
                                progress=self.rank == 0)
             dataset, self.val_dataset, self.chat_template = self.sft.train, self.sft.val, self.sft.chat_template
-            checks.check_window(cfg, self.arch, self.sft.longest())
             if self.rank == 0:
                 for line in stats_lines(self.sft):
                     self.log(line.strip())

@@ -36,6 +36,19 @@ CASES = {  # name -> (config class, overrides)
     # GLM-4: q/k/v biases, gate/up packed, post-norms on both sub-layers, interleaved RoPE on half of each head
     "glm4": ("Glm4Config", {"attention_bias": True, "partial_rotary_factor": 0.5, "pad_token_id": None,
                             "bos_token_id": 1, "eos_token_id": 2, "head_dim": 16}),
+    # Gemma 3: (1 + w) norms, sandwich and q/k norms, √hidden embeddings, GeGLU, query_pre_attn_scalar; a local
+    # layer (window 6 < the tests' sequences, RoPE base 10k) and a global one (1M, linear scaling ×8); tied
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": None, "bos_token_id": 1,
+        "eos_token_id": 2, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                               "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1000000.0}}}),
+    # Gemma 2: attention and final-logit soft-capping (small caps, so they bite on random weights), alternating
+    # windows from its default pattern; untied
+    "gemma2": ("Gemma2Config", {
+        "head_dim": 16, "query_pre_attn_scalar": 32, "sliding_window": 6, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3_longrope": ("Phi3Config", {
         "sliding_window": None, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
         "partial_rotary_factor": 0.75, "max_position_embeddings": 1024, "original_max_position_embeddings": 128,
@@ -52,6 +65,8 @@ def make_hf(case: str, path: Path, dtype=torch.float32, seed: int = 0, shard: st
 
     cls_name, extra = CASES[case]
     cfg = getattr(transformers, cls_name)(**{**TINY, "tie_word_embeddings": False, **extra})
+    if cls_name == "Gemma3TextConfig":  # AutoModelForCausalLM would build its Gemma3ForCausalLM, not the config's
+        cfg.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     with torch.no_grad():

@@ -181,33 +181,27 @@ def test_rule_unknown_architecture(tmp_path):
 
 
 def test_rule_sliding_window_and_rope(tmp_path):
-    """Mistral v0.1's window (4096 of 32768 positions) changes nothing for sequences no longer than it: such runs are
-    allowed, longer ones refused in one line naming the file's key (issue 26); packed examples each within the window
-    are allowed (Axolotl's Mistral LoRA examples: sequence_len 8192, sample_packing)."""
+    """Mistral v0.1's window (4096 of 32768 positions) is attention's own (adapter/kernels, issue 29): sequences
+    longer than it run, packed or not; the ring (cp_comm_type p2p) does not run windows and is refused in one line."""
     from adapter.models import checks
 
     hf = json.loads((LLAMA8B / "config.json").read_text())
     v01 = {**hf, "architectures": ["MistralForCausalLM"], "sliding_window": 4096, "max_position_embeddings": 32768}
     arch = arch_from_hf_dict(v01)
-    assert arch.sliding_window == 4096
+    assert arch.sliding_window == 4096 and arch.window(0) == 4096 and arch.window_layers is None
     assert arch_from_hf_dict({**v01, "sliding_window": None}).sliding_window is None
     assert arch_from_hf_dict({**v01, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
                              ).sliding_window is None
     axolotl = {"base_model": str(LLAMA8B), "learning_rate": 1e-5, "max_steps": 1}
-    assert checks.check(config.build({**axolotl, "sequence_len": 4096}, env={}), arch) == []
-    with pytest.raises(UserError, match=r"^sequence_len=8192: longer than the sliding_window=4096 of "
-                       r"MistralForCausalLM.*Fix: use sequence_len <= 4096"):
-        checks.check(config.build({**axolotl, "sequence_len": 8192}, env={}), arch)
-    with pytest.raises(UserError, match=r"^seq_len=8192: longer than the sliding_window"):
-        checks.check(config.build({"model": {"path": str(LLAMA8B)}, "seq_len": 8192}, env={}), arch)
-    # packed examples attend only within themselves: allowed at 8192, each example checked against the window
+    assert checks.check(config.build({**axolotl, "sequence_len": 8192}, env={}), arch) == []
     packed = config.build({**axolotl, "sequence_len": 8192, "sample_packing": True,
                            "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}, env={})
-    assert any("each example must fit the window" in w for w in checks.check(packed, arch))
-    checks.check_window(packed, arch, 4096)
-    with pytest.raises(UserError, match=r"^sequence_len=8192: the data holds an example of 4097 tokens, longer than "
-                       r"the sliding_window=4096"):
-        checks.check_window(packed, arch, 4097)
+    assert checks.check(packed, arch) == []
+    cp = config.build({"model": {"path": str(LLAMA8B)}, "seq_len": 8192,
+                       "parallelism": {"cp_size": 2, "cp_comm_type": "p2p"}}, env={})
+    with pytest.raises(UserError, match=r"^parallelism.cp_comm_type='p2p': MistralForCausalLM's sliding window "
+                       r"\(4096 tokens\) on the ring is not built.*Fix: use cp_comm_type: all_gather"):
+        checks.check(cp, arch)
     with pytest.raises(UserError, match="rope_scaling.rope_type='yarn'"):
         arch_from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 

@@ -24,7 +24,7 @@ from adapter.models.families import FAMILIES, LLAMA_TABLE
 from tests.helpers.hf import flip_chunk, make_hf, tensors
 
 
-@pytest.mark.parametrize("case", ["llama", "llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "llama_tied", "qwen2", "qwen3", "phi3", "glm4", "gemma3", "gemma2"])
 def test_round_trip_bit_exact_and_loads_in_transformers(tmp_path, monkeypatch, case):
     from transformers import AutoModelForCausalLM
 

@@ -8,7 +8,7 @@ import numpy as np
 from adapter import config
 from adapter.data.sft.prepare import load_tokenizer, prepare
 from adapter.errors import bad
-from adapter.models import checks, source
+from adapter.models import source
 
 IGNORE = -100
 
@@ -56,7 +56,6 @@ def main(args) -> int:
     tok_dir = source.tokenizer_dir(cfg)
     data = prepare(cfg, tok_dir, builder=True, barrier=None, progress=True)
     print("\n".join(stats_lines(data)))
-    checks.check_window(cfg, source.arch_for(cfg), data.longest())
     if args.debug:
         tok = load_tokenizer(cfg, tok_dir, source.arch_for(cfg).vocab_size)
         print("\n".join(debug_lines(data, tok, args.samples)))
