@@ -71,7 +71,8 @@ def make_hf(case: str, path: Path, dtype=torch.float32, seed: int = 0, shard: st
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+            centre = 0 if cls_name.startswith("Gemma") else 1  # Gemma's norms scale by 1 + w: w is stored near 0
+            p.copy_(centre + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path, max_shard_size=shard or "5GB")
     if not safe:  # transformers 5 writes only safetensors; make the legacy pytorch_model.bin layout by hand
         sd = {k: v.clone() for k, v in model.state_dict().items()
