@@ -14,7 +14,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_glm4, make_model, make_phi3, rel
+from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
@@ -36,7 +36,7 @@ def _cfg(model_dir: str, root: str, parallelism: dict, micro: int, pack: bool = 
     return config.build(raw, env={}, world_size=2)
 
 
-FAMILIES = ("phi3", "glm4")  # issue 29's families, packed at tp=2 (+SP) and dp_shard=2
+FAMILIES = ("phi3", "glm4", "gemma3", "gemma2")  # issue 29's families, packed at tp=2 (+SP) and dp_shard=2
 PACKED = ("tp=2", "dp_shard=2")
 
 
@@ -61,7 +61,8 @@ def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft-parity")
     tok = tiny_model(root / "tok")  # the demo tokenizer with chatml's markers as specials
     return {"llama": str(make_model(root / "model", tok)), "phi3": str(make_phi3(root / "phi3", tok)),
-            "glm4": str(make_glm4(root / "glm4", tok))}
+            "glm4": str(make_glm4(root / "glm4", tok)), "gemma3": str(make_gemma(root / "gemma3", tok, 3)),
+            "gemma2": str(make_gemma(root / "gemma2", tok, 2))}
 
 
 def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(model_dir, tmp_path):
@@ -86,9 +87,13 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
     pad = json.loads((Path(model_dir["phi3"]) / "config.json").read_text())["pad_token_id"]
     assert pad is not None and sum(int((data.train[i]["tokens"] == pad).sum()) for i in range(len(data.train)))
     refs["phi3"] = _reference(model_dir["phi3"], data, cfg)  # the pad token is fed (each example ends with it)
-    cfg = _cfg(model_dir["glm4"], f"{tmp_path}/glm4", LAYOUTS["tp=2"][0], 2, True)
-    refs["glm4"] = _reference(model_dir["glm4"], prepare(cfg, model_dir["glm4"], builder=True, barrier=None,
-                                                         progress=False), cfg)
+    for fam in ("glm4", "gemma3", "gemma2"):
+        cfg = _cfg(model_dir[fam], f"{tmp_path}/{fam}", LAYOUTS["tp=2"][0], 2, True)
+        data = prepare(cfg, model_dir[fam], builder=True, barrier=None, progress=False)
+        if fam.startswith("gemma"):  # examples longer than the window: the local layers' windows matter
+            assert max(b - a for i in range(len(data.train)) for a, b in zip(data.train.examples(i)[:-1],
+                                                                              data.train.examples(i)[1:])) > 16
+        refs[fam] = _reference(model_dir[fam], data, cfg)
     assert {f"{f} {n}" for f in FAMILIES for n in PACKED} <= got.keys()
     for name, losses in got.items():
         fam = name.split()[0]

@@ -123,15 +123,16 @@ def make_model(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int 
 
 
 def _spread(model, seed: int) -> None:
-    """make_model's weights: spread wide (norms around 1), so per-token losses differ a lot and a missing weight
-    shows."""
+    """make_model's weights: spread wide (norms around 1: Gemma's stored weights around 0, as it scales by 1 + w),
+    so per-token losses differ a lot and a missing weight shows."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    centre = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+            p.copy_(centre + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
 def _save_with_tokenizer(cfg, out: Path, tokenizer_dir: Path, seed: int) -> Path:
@@ -183,4 +184,29 @@ def make_glm4(out: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int =
                      max_position_embeddings=128, attention_bias=True, partial_rotary_factor=0.5,
                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                      eos_token_id=tok.eos_token_id, pad_token_id=None)
+    return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
+
+
+def make_gemma(out: Path, tokenizer_dir: Path, version: int = 3, *, hidden: int = 64, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, seed: int = 0, window: int = 16) -> Path:
+    """A tiny Gemma 3 (q/k norms; a local layer with its own RoPE base and a global one with linear RoPE scaling;
+    tied) or Gemma 2 (soft-capped scores and logits, small caps so they bite; untied), with a sliding window shorter
+    than the chat examples. No pad token: transformers would hold Gemma's pad row (id 0, a real token of the test
+    tokenizer) out of the lookups' gradient, which nd-adapter does for untied models only."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                  max_position_embeddings=256, sliding_window=window, pad_token_id=None,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  query_pre_attn_scalar=hidden // heads + 8)
+    if version == 3:
+        cfg = Gemma3TextConfig(**common, tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
+                               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                   "rope_theta": 1000000.0}})
+    else:
+        cfg = Gemma2Config(**common, tie_word_embeddings=False, attn_logit_softcapping=4.0,
+                           final_logit_softcapping=6.0)
     return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
