@@ -15,7 +15,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_glm4, make_model, make_phi3, rel
+from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,10 @@ ADAPTERS = {"all seven, r 8": ("untied", {"r": 8, "lora_alpha": 16, "target_modu
             # GLM-4: q, k, v apart (with biases) and gate, up packed, beside its post-norms
             "glm4 mixed": ("glm4", {"r": 8, "lora_alpha": 16,
                                     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
-                                                       "down_proj"]})}
+                                                       "down_proj"]}),
+            # Gemma 3: all seven beside its sandwich norms (o_proj's and down_proj's adapters add before the
+            # post-norm), windows shorter than the examples, tied embeddings
+            "gemma3 all seven": ("gemma3", {"r": 8, "lora_alpha": 16, "target_modules": ALL7})}
 # name: adapter, (dp_shard, cp, tp), micro-batch, overrides -- each a world of 2
 RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "tp=2, no SP": ("all seven, r 8", (1, 1, 2), 2, {"sequence_parallel": False}),
@@ -48,7 +51,9 @@ RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "phi3, tp=2 +SP": ("phi3 packed", (1, 1, 2), 2, {}),
         "phi3, dp_shard=2": ("phi3 packed", (2, 1, 1), 1, {}),
         "glm4, tp=2 +SP": ("glm4 mixed", (1, 1, 2), 2, {}),
-        "glm4, dp_shard=2": ("glm4 mixed", (2, 1, 1), 1, {})}
+        "glm4, dp_shard=2": ("glm4 mixed", (2, 1, 1), 1, {}),
+        "gemma3, tp=2 +SP": ("gemma3 all seven", (1, 1, 2), 2, {}),
+        "gemma3, dp_shard=2": ("gemma3 all seven", (2, 1, 1), 1, {})}
 
 
 EXPORTS = {"tp=2 +SP (flat AdamW)": "export", "phi3, tp=2 +SP": "export-phi3"}  # run -> its PEFT export's dir
@@ -148,7 +153,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     tok = tiny_model(root / "tok")
     models = {"untied": str(make_model(root / "untied", tok)), "tied": str(make_model(root / "tied", tok, tie=True)),
-              "phi3": str(make_phi3(root / "phi3", tok)), "glm4": str(make_glm4(root / "glm4", tok))}
+              "phi3": str(make_phi3(root / "phi3", tok)), "glm4": str(make_glm4(root / "glm4", tok)),
+              "gemma3": str(make_gemma(root / "gemma3", tok, 3))}
     adapters = {name: str(_peft_adapter(models[model], kw, root / f"adapter-{i}"))
                 for i, (name, (model, kw)) in enumerate(ADAPTERS.items())}
     return root, models, adapters
