@@ -65,10 +65,12 @@ def main(argv=None) -> None:
     if a.mode == "hf-liger":  # before the model is built: it patches transformers' modules of the model's family
         import liger_kernel.transformers as liger
 
-        patch = {"llama": liger.apply_liger_kernel_to_llama, "phi3": liger.apply_liger_kernel_to_phi3}[cfg.model_type]
+        patch = {"llama": liger.apply_liger_kernel_to_llama, "phi3": liger.apply_liger_kernel_to_phi3,
+                 "gemma3_text": liger.apply_liger_kernel_to_gemma3_text}[cfg.model_type]
         # Liger's RoPE rotates whole heads: a partial-rotary model (Phi-4-mini) keeps transformers' own
-        patch(rope=getattr(cfg, "partial_rotary_factor", 1.0) in (None, 1.0), rms_norm=True, swiglu=True,
-              cross_entropy=False, fused_linear_cross_entropy=True)
+        glu = {"geglu": True} if cfg.model_type.startswith("gemma") else {"swiglu": True}
+        patch(rope=getattr(cfg, "partial_rotary_factor", 1.0) in (None, 1.0), rms_norm=True, cross_entropy=False,
+              fused_linear_cross_entropy=True, **glu)
     if a.mode == "deepspeed-hf":
         import deepspeed
 

@@ -305,4 +305,4 @@ class SDPAttention(MegatronModule):
         return varlen_attention(q, k, v, cu.to(torch.int32), max_len, self.scale)
 
 
-__all__ = ["SDPAttention", "window_mask", "math_attention", "split_for_cp", "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]
+__all__ = ["SDPAttention", "split_for_cp", "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]

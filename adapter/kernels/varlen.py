@@ -324,4 +324,5 @@ def _cp_attention(q, k, v, params, scale, group, comm, window=None):
     return _Ring.apply(q, k, v, params.cu_local, params.max_local, scale, group)
 
 
-__all__ = ["window_mask", "math_attention", "softcapped_packed", "packed_attention", "varlen_attention", "varlen", "block_fwd", "block_bwd", "ring_tasks", "dtype_error"]
+__all__ = ["window_mask", "math_attention", "softcapped_packed", "packed_attention", "varlen_attention", "varlen",
+           "block_fwd", "block_bwd", "ring_tasks", "dtype_error"]

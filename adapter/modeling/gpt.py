@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -19,7 +20,6 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
 )
 from megatron.core.transformer import TransformerConfig
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec

@@ -85,7 +85,8 @@ GLM4_TABLE = tuple(
 # Gemma 2 / Gemma 3: Llama's linears, "sandwich" norms (HF's post_attention_layernorm is the attention's post-norm;
 # the MLP has its own pre- and post-norm), Gemma 3 adds q/k norms. Norm weights are stored centred on zero (the
 # model scales by 1 + w), so they copy unchanged.
-GEMMA2_TABLE: tuple[Rule, ...] = tuple(r for r in LLAMA_TABLE if r.megatron != LAYER + "mlp.linear_fc1.layer_norm_weight") + (
+GEMMA2_TABLE: tuple[Rule, ...] = tuple(
+    r for r in LLAMA_TABLE if r.megatron != LAYER + "mlp.linear_fc1.layer_norm_weight") + (
     copy(LAYER + "self_attention.linear_proj.post_norm.weight", _L + "post_attention_layernorm.weight", "h"),
     copy(LAYER + "mlp.linear_fc1.layer_norm_weight", _L + "pre_feedforward_layernorm.weight", "h"),
     copy(LAYER + "mlp.linear_fc2.post_norm.weight", _L + "post_feedforward_layernorm.weight", "h"),

@@ -184,5 +184,6 @@ def with_decoder_input(preprocessed: tuple, decoder_input: torch.Tensor) -> tupl
     return (decoder_input, *preprocessed[1:])
 
 
-__all__ = ["with_decoder_input", "TESTED_MEGATRON_VERSIONS", "install_cpu_shims", "check", "megatron_version", "quiet_row_parallel_group",
+__all__ = ["with_decoder_input", "TESTED_MEGATRON_VERSIONS", "install_cpu_shims",
+           "check", "megatron_version", "quiet_row_parallel_group",
            "install_rope_fusion", "fused_rope_is", "check_preprocess", "with_rotary", "set_linear_impl"]

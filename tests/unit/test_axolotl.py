@@ -386,8 +386,8 @@ def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
 
 
 def test_an_unknown_architecture_is_said_first(tmp_path):
-    """A QLoRA example (then Gemma 3) took five rounds of fixes before `unknown model architecture` (issue 26): the model is
-    checked before any key of the file."""
+    """A QLoRA example (then Gemma 3) took five rounds of fixes before `unknown model architecture` (issue 26): the
+    model is checked before any key of the file."""
     model = tmp_path / "gemma"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
