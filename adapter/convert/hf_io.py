@@ -82,13 +82,28 @@ def _read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+# Pre-transformers-5 names of image-text checkpoints (the hub's original Gemma 3 files), read as transformers 5 reads
+# them (its checkpoint conversion mapping for Gemma3ForConditionalGeneration): old prefix -> new prefix
+LEGACY_PREFIXES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                   ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def modern_name(name: str) -> str:
+    for old, new in LEGACY_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 class HFCheckpoint:
-    """Tensor names, shapes and dtypes of an HF checkpoint dir without loading it; `get` reads one tensor."""
+    """Tensor names, shapes and dtypes of an HF checkpoint dir without loading it; `get` reads one tensor. Names are
+    transformers 5's (`modern_name`)."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         self.meta: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}  # name -> file, dtype, shape, offset
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
+        self._stored: dict[str, str] = {}  # name -> its name in a .bin file, where they differ
         files = self._weight_files()
         for path in files:
             if not path.exists():
@@ -100,14 +115,16 @@ class HFCheckpoint:
                     if v["dtype"] not in ST_DTYPES:
                         raise bad(name, v["dtype"], f"unsupported safetensors dtype in {path.name}",
                                   "convert the checkpoint to bf16/fp16/fp32 first")
-                    self.meta[name] = (path, ST_DTYPES[v["dtype"]], tuple(v["shape"]), start + v["data_offsets"][0])
+                    self.meta[modern_name(name)] = (path, ST_DTYPES[v["dtype"]], tuple(v["shape"]),
+                                                    start + v["data_offsets"][0])
             else:
                 sd = self._load_bin(path)
                 for name, t in sd.items():
-                    self.meta[name] = (path, t.dtype, tuple(t.shape), -1)
+                    self.meta[modern_name(name)] = (path, t.dtype, tuple(t.shape), -1)
+                    self._stored[modern_name(name)] = name
         if self._index_map is not None:
             for name, fname in self._index_map.items():
-                if name not in self.meta:
+                if modern_name(name) not in self.meta:
                     raise bad("hf", str(self.dir / fname), f"index lists {name} but the shard does not contain it",
                               "re-download the checkpoint; the index and shards disagree")
 
@@ -156,7 +173,7 @@ class HFCheckpoint:
         """Rows [row0, row0+n) of `name` into `out` (contiguous, any float dtype: cast if it differs)."""
         path, dt, shape, offset = self.meta[name]
         if offset < 0:
-            return out.copy_(self._load_bin(path)[name][row0:row0 + n])
+            return out.copy_(self._load_bin(path)[self._stored.get(name, name)][row0:row0 + n])
         if out.dtype != dt:
             return out.copy_(self.read_rows(name, row0, n, torch.empty(out.shape, dtype=dt)))
         row_bytes = dt.itemsize * (torch.Size(shape[1:]).numel() if len(shape) > 1 else 1)

@@ -6,6 +6,7 @@ config, tokenizer and generation files of its hf/ dir. Bit-exact when the dtype 
 """
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from adapter.convert.outdir import atomic_dir, check_target
 from adapter.convert.rows import megatron_shape
 from adapter.errors import bad
 from adapter.models.arch import ModelArch, load_arch
-from adapter.models.families import table_for
+from adapter.models.families import family, table_for, text_config_json
 from adapter.models.mapping import Ctx, Rule, Vocab, hf_shape
 
 BLOCK = 256 << 20  # export reads and holds HF tensors in row blocks of at most this many bytes
@@ -74,6 +75,9 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, dtype: str 
     dt = hf_io.parse_dtype(dtype)
     size = hf_io.parse_size(shard_size)
     root, meta, arch, reader, rules, ctx = open_converted(megatron_dir, table, check)
+    text = family(arch.family).export_as  # an image-text checkpoint's language model exports as its text model
+    if text and table is None:  # same Megatron keys, the text model's HF names
+        rules = table_for(arch, family(text).table)
     target = check_target(out_dir, overwrite, (root,))
     order = hf_order(rules, arch)
     where, items = {}, []
@@ -120,7 +124,11 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, dtype: str 
             hf_io.write_safetensors_sharded(tmp, items, produce, size, bar.update)
         finally:
             prefetch.close()
-        hf_io.copy_side_files(root / meta.get("hf_subdir", mio.HF_SUBDIR), tmp, dt)
+        src = root / meta.get("hf_subdir", mio.HF_SUBDIR)
+        hf_io.copy_side_files(src, tmp, dt)
+        if text:  # its config.json: the text model's (the vision tower is not part of the export)
+            cfg = text_config_json(json.loads((tmp / "config.json").read_text()), family(arch.family))
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         mio.fsync_tree(tmp)
     return target
 

@@ -20,7 +20,7 @@ from adapter.convert.outdir import atomic_dir, check_target
 from adapter.convert.rows import megatron_shape
 from adapter.errors import bad
 from adapter.models.arch import ModelArch, check_tp, load_arch, padded_vocab_size
-from adapter.models.families import table_for
+from adapter.models.families import family, table_for
 from adapter.models.mapping import EXTRA_STATE, IGNORED_HF, Ctx, Rule, hf_shape
 from adapter.patches import dcp
 
@@ -59,7 +59,8 @@ def _check_hf(hf: hf_io.HFCheckpoint, arch: ModelArch, rules: list[Rule], dtype:
                           "re-save the checkpoint in a single dtype or pass --dtype")
             dtypes[rule.megatron] = dtype or next(iter(kinds))
     ignored = IGNORED_HF + (("lm_head.weight",) if arch.tie_embeddings else ())
-    extra = hf_io.unexpected_names(hf.names(), expected, ignored)
+    skip = family(arch.family).hf_skip  # an image-text checkpoint's other towers: not converted (not trained)
+    extra = hf_io.unexpected_names([n for n in hf.names() if not n.startswith(skip)], expected, ignored)
     if extra:
         raise bad("hf", extra[:3], f"{len(extra)} tensor(s) the {arch.family} mapping table does not cover",
                   "use a supported checkpoint, or add rules to its table in adapter/models/families.py")

@@ -42,6 +42,10 @@ class Family:
     window_every: int | None = None      # without `layer_types`: every n-th layer global, the rest sliding (Gemma)
     local_rope: bool = False             # sliding layers rotate with their own base, rope_local_base_freq (Gemma 3)
     text_config: bool = False            # an image-text checkpoint: the language model's config is `text_config`
+    # an image-text checkpoint's other towers (HF name prefixes): not converted, not trained; exports are the text
+    # family `export_as` (its own HF names and config), which transformers loads as a text model
+    hf_skip: tuple[str, ...] = ()
+    export_as: str | None = None
     # the HF config class's defaults for keys a config.json may omit (Gemma 3's hub configs leave out most of its
     # text model's): (key, value) pairs, checked against transformers' classes in tests/unit/test_families.py
     defaults: tuple[tuple[str, Any], ...] = ()
@@ -119,7 +123,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), GEMMA3_TABLE, qk_norm=True, window_every=6,
            local_rope=True, defaults=GEMMA3_DEFAULTS, **_GEMMA),
     Family("gemma3_vl", ("Gemma3ForConditionalGeneration",), ("gemma3",), GEMMA3_VL_TABLE, qk_norm=True,
-           window_every=6, local_rope=True, text_config=True, defaults=GEMMA3_DEFAULTS, **_GEMMA),
+           window_every=6, local_rope=True, text_config=True, defaults=GEMMA3_DEFAULTS,
+           hf_skip=("model.vision_tower.", "model.multi_modal_projector."), export_as="gemma3", **_GEMMA),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -149,10 +154,21 @@ def packed_rule(arch, name: str) -> Rule | None:
     return None
 
 
+def text_config_json(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """The config.json of the text model `fam` exports as (`export_as`): an image-text checkpoint's text_config
+    over the family's defaults, named as transformers' text-only class."""
+    text = family(fam.export_as)
+    out = {**dict(fam.defaults), **{k: v for k, v in (cfg.get("text_config") or {}).items() if v is not None}}
+    for key in ("torch_dtype", "dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return {**out, "architectures": [text.architectures[0]], "model_type": text.model_types[0]}
+
+
 def supported_architectures() -> list[str]:
     return sorted(a for f in FAMILIES for a in f.architectures)
 
 
 __all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "GLM4_TABLE", "GEMMA2_TABLE",
            "GEMMA3_TABLE", "GEMMA3_VL_TABLE", "family", "find",
-           "table_for", "packed_rule", "supported_architectures"]
+           "table_for", "packed_rule", "text_config_json", "supported_architectures"]

@@ -36,7 +36,7 @@ from adapter.data.sft.report import stats_lines
 from adapter.errors import DivergedError, UserError, bad
 from adapter.kernels.attention import split_for_cp
 from adapter.kernels.thd import local_multiple, pack_batch
-from adapter.models import checks, footprint, freeze, lora, source
+from adapter.models import checks, families, footprint, freeze, lora, source
 from adapter.models.arch import ModelArch
 from adapter.models.counts import flops_per_token, num_params
 from adapter.parallel import deepspeed_config, mcore_groups
@@ -194,6 +194,10 @@ class Trainer:
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
         self._say(self.engine.describe_optimizer())
+        text = families.family(self.arch.family).export_as
+        if text:  # an image-text checkpoint: what is trained and exported is its language model only
+            self._say(f"model: the language model of {self.arch.architecture} is trained (its vision tower is not "
+                      f"built); exports are {families.family(text).architectures[0]} (text only)")
         if self.engine.pad_row is not None:  # it changes what is trained: said, as every such default
             self._say(f"embedding: row {self.engine.pad_row} (the pad token, pad_token_id in config.json) gets no "
                       "gradient from lookups, as transformers' nn.Embedding(padding_idx) keeps it")

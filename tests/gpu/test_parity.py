@@ -53,7 +53,7 @@ def test_finetune_matches_transformers_on_the_same_batches(tmp_path):
     assert r["ours"][-1] < r["ours"][0] - 0.5  # it learned
 
 
-@pytest.mark.parametrize("case", ["phi3_longrope", "glm4"])
+@pytest.mark.parametrize("case", ["phi3_longrope", "glm4", "gemma3", "gemma2"])
 def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):
     """Issue 29's families on CUDA (fused kernels on): Phi-3 with partial rotary and LongRoPE (our RoPE tables,
     scaled), GLM-4 with post-norms and interleaved partial rotary (Megatron's own RoPE): conversion here, and the

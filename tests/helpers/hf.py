@@ -85,6 +85,32 @@ def make_hf(case: str, path: Path, dtype=torch.float32, seed: int = 0, shard: st
 
 
 
+def make_gemma3_vl(path: Path, modern_names: bool = False) -> Path:
+    """A tiny Gemma3ForConditionalGeneration (the "gemma3" case's language model, a one-layer SigLIP tower and its
+    projector), saved as transformers saves it (the hub's pre-v5 names, language_model.model.*), or with transformers
+    5's in-memory names (model.language_model.*)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    text = transformers.Gemma3TextConfig(**{**TINY, **CASES["gemma3"][1]})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                    image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if modern_names:
+        f = path / "model.safetensors"
+        sd = load_file(f)
+        save_file({hf_io.modern_name(k): v for k, v in sd.items()}, f, metadata={"format": "pt"})
+    (path / "tokenizer.json").write_text('{"version": "1.0", "model": {}}')
+    return path
+
+
 def tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     ck = hf_io.HFCheckpoint(hf_dir)
     return {n: ck.get(n) for n in ck.names()}

@@ -44,6 +44,35 @@ def test_round_trip_bit_exact_and_loads_in_transformers(tmp_path, monkeypatch, c
     assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+@pytest.mark.parametrize("modern", [False, True])
+def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path, modern):
+    """Gemma3ForConditionalGeneration (issue 29): its language model is converted (either naming), the vision tower
+    and projector are left out, the logits equal transformers' (text input) and the export is that language model as
+    Gemma3ForCausalLM, bit for bit."""
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+
+    from tests.helpers.hf import make_gemma3_vl
+
+    src = make_gemma3_vl(tmp_path / "hf", modern_names=modern)
+    names = hf_io.HFCheckpoint(src).names()
+    assert any(n.startswith("model.vision_tower.") for n in names)
+    out = hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)
+    report = verify(src, out, seq_len=16)
+    assert report["ok"] and report["exact"] == report["tensors"], report
+    back = megatron_to_hf(out, tmp_path / "back", progress=False)
+    cfg = json.loads((back / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["model_type"] == "gemma3_text"
+    text = tensors(back)
+    assert all(k.startswith("model.") and "vision" not in k for k in text)
+    full = tensors(src)
+    assert all(torch.equal(text[k], full[k.replace("model.", "model.language_model.", 1)]) for k in text)
+    ids = torch.randint(0, 296, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        got = Gemma3ForCausalLM.from_pretrained(back, dtype=torch.float32)(ids).logits
+    assert torch.equal(ref, got)
+
+
 def test_layout_metadata_and_megatron_lm_tracker(tmp_path):
     src = make_hf("llama", tmp_path / "hf", dtype=torch.bfloat16)
     out = hf_to_megatron(src, tmp_path / "meg", tp=2, progress=False)

@@ -51,7 +51,8 @@ def test_qwen3_4b_by_hand():
                                                     (64, 2560, 4864)]
 
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "mistral-7b", "phi-4", "phi-3-mini-4k"])
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "mistral-7b", "phi-4", "phi-3-mini-4k",
+                                  "phi-3.5-mini-instruct", "gemma-2-9b", "gemma-3-4b-shape"])
 def test_num_params_is_the_hf_model_s(name):
     """The parameter count transformers gives for the shipped configs (a meta-device model: no memory)."""
     import torch

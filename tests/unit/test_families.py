@@ -3,12 +3,16 @@ architecture read from a config (both of its formats) is the model transformers 
 the meta device, per-layer windows and RoPE bases)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from adapter.errors import UserError
 from adapter.models import counts, families
 from adapter.models.arch import arch_from_hf_dict
 
+ROOT = Path(__file__).resolve().parents[2]
 # the hub's Gemma-3-4B layout (config.json before transformers 5): most text keys left to the class defaults
 GEMMA3_4B_TEXT = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                   "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
@@ -36,13 +40,14 @@ def _meta_params(cfg) -> int:
 
 
 def test_gemma3_image_text_config_reads_its_language_model():
-    """Gemma3ForConditionalGeneration (the 4B+ checkpoints): the language model's config nests under text_config
-    and leaves most keys to Gemma3TextConfig's defaults; nd-adapter trains that language model (its parameter count
-    is Gemma3ForCausalLM's on the same text config; the vision tower is not built)."""
+    """Gemma3ForConditionalGeneration (the 4B+ checkpoints; configs/models/gemma-3-4b-it is the hub's file): the
+    language model's config nests under text_config and leaves most keys to Gemma3TextConfig's defaults; nd-adapter
+    trains that language model (its parameter count is Gemma3ForCausalLM's on the same text config; the vision
+    tower is not built)."""
     from transformers import Gemma3TextConfig
 
-    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-           "text_config": GEMMA3_4B_TEXT, "vision_config": {"model_type": "siglip_vision_model"}}
+    cfg = json.loads((ROOT / "configs/models/gemma-3-4b-it/config.json").read_text())
+    assert cfg["text_config"] == GEMMA3_4B_TEXT
     arch = arch_from_hf_dict(cfg)
     assert (arch.family, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size) == (
         "gemma3_vl", 8, 4, 256, 262208)
