@@ -61,8 +61,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "fix_untrained_tokens": ("rewriting the embeddings of untrained tokens is not supported", "remove it"),
     "shrink_embeddings": ("resizing the embeddings is not supported", "remove it"),
     "mean_resizing_embeddings": ("resizing the embeddings is not supported", "remove it"),
-    "eot_tokens": ("custom end-of-turn tokens are not supported: the end of each turn is read from the rendered "
-                   "template", "remove eot_tokens (train_on_eos / train_on_eot per dataset choose what is trained)"),
     "dataset_shard_num": ("training on one shard of the data is not supported",
                           "shard the files yourself, or remove dataset_shard_num / dataset_shard_idx"),
     "curriculum_sampling": ("curriculum (unshuffled) order is not supported: the sampler shuffles every epoch",

@@ -16,6 +16,10 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
         raise bad(spell(cfg, "seq_len"), seq, f"exceeds {arch.architecture}'s original_max_position_embeddings="
                   f"{arch.rope_original_max}: past it LongRoPE switches to its long factors per batch, which is not "
                   "built yet", f"use a {spell(cfg, 'seq_len')} of at most {arch.rope_original_max}")
+    if cfg.model.unfrozen_parameters is not None and cfg.lora is not None:
+        raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
+                  "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "
+                  "too", f"remove it, or list embed_tokens / lm_head under {spell(cfg, 'lora.modules_to_save')}")
     if cfg.model.unfrozen_parameters is not None:  # patterns that split a tensor or match nothing: refused here
         freeze.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"))
     if cfg.lora is not None:  # targets, rank, modules_to_save, the adapter to start from: before any process starts
@@ -28,10 +32,6 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
         if spec.init_from:
             key = spell(cfg, "lora.init_from")
             lora.check_adapter(*lora.read_adapter_meta(spec.init_from, key), spec, arch, key)
-        if cfg.model.unfrozen_parameters is not None:
-            raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
-                      "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "
-                      "too", f"remove it, or list embed_tokens / lm_head under {spell(cfg, 'lora.modules_to_save')}")
         if cfg.precision == "fp8":
             raise bad("precision", "fp8", "fp8 matmuls are not wired into LoRA runs yet", "use precision: bf16")
         if spec.quantize_base == "nf4" and tp > arch.num_kv_heads:

@@ -4,7 +4,8 @@ lora.yml (8-bit) and qlora.yml, both at sequence_len 8192 over Mistral v0.1's 40
 8b-lora-fused-attn-compile.yaml and Qwen2's qlora-fsdp.yaml, whose FSDP parameter offload an adapter run does not
 need, said in one line), unchanged but for local dataset paths: `plan` and `preprocess` pass, and plan says what is
 trained and how the base is stored (issue 27's proof). qwen3/32b-qlora.yaml is refused in one line for what
-nd-adapter does not run: torchao's 4-bit AdamW (`adamw_torch_4bit`)."""
+nd-adapter does not run: torchao's 4-bit AdamW (`adamw_torch_4bit`). Issue 29 adds gemma2/qlora.yml and
+gemma3/gemma-3-{1b,270m,4b}-qlora.yml (copied unchanged as gemma2-qlora.yml, gemma-3-*-qlora.yml)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers.axolotl_home import alpaca_rows, localised, make_home, write_jsonl
 
@@ -28,9 +30,18 @@ PASS = {"lora-1b.yml": ("LoRA r 16, alpha 32 (scale 2), dropout 0.05 on q_proj, 
         "mistral-qlora.yml": ("LoRA r 32, alpha 16", "the base frozen, NF4"),
         "qwen3-8b-lora-fused-attn-compile.yaml": ("LoRA r 32, alpha 64 (scale 2) on q_proj", "16-bit"),
         "qwen2-qlora-fsdp.yaml": ("LoRA r 32, alpha 64 (scale 2), dropout 0.05", "the base frozen, NF4")}
+# issue 29: Gemma 2 (QLoRA on all linears, soft-capping, eot_tokens <end_of_turn>, Axolotl's `gemma` template)
+PASS["gemma2-qlora.yml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
+                            "gate_proj, up_proj, down_proj of all 42 layers", "the base frozen, NF4")
 REFUSED = {"qwen3-32b-qlora.yaml": "optimizer='adamw_torch_4bit'"}
+# Gemma 3's QLoRA examples (1B, 270M text models; 4B image-text) also list unfrozen_parameters, which with an adapter
+# would train base weights (in Axolotl the patterns meet the PEFT model's base_model.model.* names): plan refuses it
+# in one line (preprocess has nothing to say about it), and without that key each plans unchanged
+GEMMA3 = ("gemma-3-1b-qlora.yml", "gemma-3-270m-qlora.yml", "gemma-3-4b-qlora.yml")
+WITHOUT_UNFROZEN = "-no-unfrozen"
 MODELS = ("NousResearch/Llama-3.2-1B", "NousResearch/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-v0.1",
-          "Qwen/Qwen3-8B", "Qwen/Qwen2-7B", "Qwen/Qwen3-32B")
+          "Qwen/Qwen3-8B", "Qwen/Qwen2-7B", "Qwen/Qwen3-32B", "google/gemma-2-9b", "google/gemma-3-1b-it",
+          "google/gemma-3-270m-it", "google/gemma-3-4b-it")
 DRIVER = """
 import contextlib, io, json, os, sys
 from adapter.cli import main
@@ -55,12 +66,22 @@ def results(tmp_path_factory):
     chat = [{"messages": [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}]}
             for r in alpaca_rows()]
     data = {"instruct-lora-8b.yml": write_jsonl(root / "data/messages.jsonl", chat)}
-    runs = []
-    for name in [*PASS, *REFUSED]:
-        work = root / name.split(".")[0]
+    orca = write_jsonl(root / "data/conversations.jsonl", [  # SlimOrca's columns, as the Gemma examples map them
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": r["instruction"]},
+                           {"from": "gpt", "value": r["output"]}]} for r in alpaca_rows()])
+    data.update({n: orca for n in ("gemma2-qlora.yml", *GEMMA3)})
+    runs, labels = [], []
+    for name in [*PASS, *REFUSED, *GEMMA3, *(n + WITHOUT_UNFROZEN for n in GEMMA3)]:
+        src = name.removesuffix(WITHOUT_UNFROZEN)
+        work = root / (src.split(".")[0] + name[len(src):])
         work.mkdir()
-        cfg = localised(FIXTURES / name, work / name, {0: data.get(name, alpaca)})
+        cfg = localised(FIXTURES / src, work / src, {0: data.get(src, alpaca)})
+        if name != src:
+            raw = yaml.safe_load(cfg.read_text())
+            del raw["unfrozen_parameters"]
+            cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
         runs += [(str(work), ["plan", str(cfg), "--gpu", "h200"]), (str(work), ["preprocess", "--config", str(cfg)])]
+        labels += [(name, "plan"), (name, "preprocess")]
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
     p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], env=env, capture_output=True, text=True,
@@ -68,8 +89,7 @@ def results(tmp_path_factory):
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS ")), None)
     assert line, p.stderr[-3000:]
     got = json.loads(line[8:])
-    return {(next(Path(a).name for a in argv if a.endswith((".yml", ".yaml"))), argv[0]): r
-            for (_, argv), r in zip(runs, got)}
+    return dict(zip(labels, got))
 
 
 @pytest.mark.parametrize("name", list(PASS))
@@ -91,3 +111,19 @@ def test_what_is_not_run_is_refused_in_one_line(results, name):
     for cmd in ("plan", "preprocess"):
         code, out, err = results[(name, cmd)]
         assert code == 2 and err.startswith("nd-adapter: error: " + REFUSED[name]) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("name", GEMMA3)
+def test_gemma3_examples_refuse_unfrozen_parameters_and_plan_without_it(results, name):
+    code, _, err = results[(name, "plan")]
+    assert code == 2 and err.count("\n") == 1 and err.startswith(
+        "nd-adapter: error: unfrozen_parameters=['^model.language_model.*', '^lm_head.*']: a LoRA run trains its "
+        "adapters"), err
+    code, out, err = results[(name, "preprocess")]
+    assert code == 0 and "prepared data:" in out, err[-2000:]
+    code, out, err = results[(name + WITHOUT_UNFROZEN, "plan")]
+    said = " ".join(out.split())
+    assert code == 0 and "adapter: LoRA r 32, alpha 16 (scale 0.5) on q_proj, k_proj, v_proj, o_proj, gate_proj, " \
+        "up_proj, down_proj" in said and "the base frozen, NF4" in said, (out[-3000:], err[-2000:])
+    if "4b" in name:  # the image-text checkpoint: its language model is what plans (and trains)
+        assert "Gemma3ForConditionalGeneration (gemma3_vl): 3.88B params" in said

@@ -22,6 +22,13 @@ _MISTRAL_V01 = {**_LLAMA2, "architectures": ["MistralForCausalLM"], "model_type"
                 "sliding_window": 4096, "torch_dtype": "bfloat16"}
 _QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "rope_theta": 1e6,
            "use_sliding_window": False, "sliding_window": 32768, "torch_dtype": "bfloat16"}
+# Gemma 3 text models: the 1B's hub config as copied in public repositories (not byte-checked; configs/models/
+# SOURCES.md), the 270M's published shape; stand-ins for planning, the weights are never read
+_GEMMA3_TEXT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 256,
+                "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768, "pad_token_id": 0,
+                "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_theta": 1000000,
+                "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144,
+                "bos_token_id": 2, "eos_token_id": [1, 106], "attention_bias": False}
 # hub id -> a shipped config directory or a config.json's content (published shapes)
 MODELS: dict[str, str | dict] = {
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b", "NousResearch/Meta-Llama-3.1-8B": "llama-3.1-8b",
@@ -42,13 +49,18 @@ MODELS: dict[str, str | dict] = {
                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
                        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
                        "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16"},
+    "google/gemma-2-9b": "gemma-2-9b", "google/gemma-3-4b-it": "gemma-3-4b-it",
+    "google/gemma-3-1b-it": {**_GEMMA3_TEXT, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+                             "num_attention_heads": 4, "num_key_value_heads": 1},
+    "google/gemma-3-270m-it": {**_GEMMA3_TEXT, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+                               "num_attention_heads": 4, "num_key_value_heads": 1},
     "Qwen/Qwen2.5-72B": {**_QWEN25, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
                          "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 152064,
                          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
 }
 # the special tokens Axolotl's examples name (special_tokens:, chat templates)
 SPECIAL = ["<|eot_id|>", "<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<s>", "</s>",
-           "<unk>", "<|endoftext|>"]
+           "<unk>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>"]
 
 
 def tokenizer(root: Path) -> Path:

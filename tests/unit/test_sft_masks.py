@@ -201,6 +201,9 @@ def test_template_choices_and_refusals(model, tmp_path):
      "<|end_header_id|>\n\n", "<|eot_id|>"),
     ("gemma", "<start_of_turn>user\nWho was first?<end_of_turn>\n<start_of_turn>model\n",
      "<end_of_turn>\n<start_of_turn>user\nAnd then?<end_of_turn>\n<start_of_turn>model\n", "<end_of_turn>\n"),
+    # Gemma 3: the system message opens the first user turn
+    ("gemma3", "<start_of_turn>user\nBe brief.\n\nWho was first?<end_of_turn>\n<start_of_turn>model\n",
+     "<end_of_turn>\n<start_of_turn>user\nAnd then?<end_of_turn>\n<start_of_turn>model\n", "<end_of_turn>\n"),
 ])
 def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, end):
     """Axolotl's `chat_template: llama3` / `gemma` on a tokenizer that has their markers (rendered text checked
@@ -212,7 +215,7 @@ def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, en
     tok.add_special_tokens({"additional_special_tokens": [IMS, IME, "<|start_header_id|>", "<|end_header_id|>",
                                                           "<|eot_id|>", "<start_of_turn>", "<end_of_turn>"]})
     template = templates.resolve_template(name, None, tok, "")
-    conv = CONV if name == "llama3" else {"messages": CONV["messages"][1:]}  # Gemma has no system role
+    conv = CONV if name != "gemma" else {"messages": CONV["messages"][1:]}  # Gemma has no system role
     for eos, option, want in ((None, "turn", [(BOS + head, False), ("Adam.", True), (mid, False), ("Eve.", True),
                                               (end, False)]),
                               (end.strip(), "turn", [(BOS + head, False), ("Adam." + end.strip(), True),
@@ -223,6 +226,19 @@ def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, en
         e = DatasetEntry(path="x", type="chat_template", chat_template=name, train_on_eos=option)
         ids, labels, _ = templates.ChatFormatter(e, tok, template, train_on_inputs=False, where="d")(conv, 0)
         assert runs(ids, labels, tok) == want, (eos, runs(ids, labels, tok))
+    if name != "llama3":  # Axolotl's eot_tokens (its Gemma examples name <end_of_turn>): the marker, not the EOS,
+        tok.eos_token = "<s>"  # ends each turn and is trained per train_on_eot (default: train_on_eos)
+        for option, trained in (("turn", True), ("none", False)):
+            e = DatasetEntry(path="x", type="chat_template", chat_template=name, train_on_eot=option)
+            ids, labels, _ = templates.ChatFormatter(e, tok, template, train_on_inputs=False, where="d",
+                                                     eot_tokens=["<end_of_turn>", "<unused>"])(conv, 0)
+            marker = end.strip() if trained else ""
+            assert runs(ids, labels, tok) == [(BOS + head, False), ("Adam." + marker, True),
+                                              (mid[len(marker):], False), ("Eve." + marker, True),
+                                              (end[len(marker):], False)], (option, runs(ids, labels, tok))
+        with pytest.raises(Exception, match=r"^d\.train_on_eot='none': the end-of-turn token is the EOS"):
+            tok.eos_token = end.strip()  # one token, two rules: refused as Axolotl does
+            templates.ChatFormatter(e, tok, template, train_on_inputs=False, where="d", eot_tokens=[end.strip()])
     with pytest.raises(Exception, match="System role not supported") if name == "gemma" else contextlib.nullcontext():
         templates.ChatFormatter(DatasetEntry(path="x", type="chat_template"), tok, template, train_on_inputs=False,
                                 where="d")(CONV, 0)

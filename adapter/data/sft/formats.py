@@ -55,9 +55,6 @@ def kind_of(entry, where: str) -> str:
         raise bad(f"{where}.{stray[0]}", getattr(entry, stray[0]), f"only applies to type "
                   f"{'completion' if stray[0] == 'field' else 'chat_template'}, not {t}",
                   "remove it or change the entry's type")
-    if kind == "chat_template" and entry.train_on_eot not in (None, entry.train_on_eos or "turn"):
-        raise bad(f"{where}.train_on_eot", entry.train_on_eot, "the end-of-turn token is the EOS here, so it cannot "
-                  f"differ from train_on_eos={entry.train_on_eos or 'turn'}", "drop train_on_eot or make them equal")
     return kind
 
 

@@ -34,7 +34,7 @@ from adapter.osutil import build_once
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
 TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
 RESULT_KEYS = ("train_on_inputs", "sample_packing", "eval_sample_packing", "excess_length_strategy", "val_set_size",
-               "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed",
+               "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed", "eot_tokens",
                "min_sample_len", "deduplicate")
 PARALLEL_ROWS = 20_000  # below this, one process tokenises faster than starting workers
 
@@ -189,7 +189,8 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
             template = templates.resolve_template(entry.chat_template, entry.chat_template_jinja, tok, f"{where}.")
         else:
             template = templates.resolve_template(top.chat_template, top.chat_template_jinja, tok, top_prefix(cfg))
-        chat = templates.ChatFormatter(entry, tok, template, train_on_inputs=cfg.data.train_on_inputs, where=where)
+        chat = templates.ChatFormatter(entry, tok, template, train_on_inputs=cfg.data.train_on_inputs, where=where,
+                                       eot_tokens=cfg.data.eot_tokens, eot_key=f"{top_prefix(cfg)}eot_tokens")
     fn = formats.make_formatter(kind, entry, tok, seq_len=cfg.seq_len, train_on_inputs=cfg.data.train_on_inputs,
                                 where=where, chat=chat)
     big = len(ds) >= PARALLEL_ROWS

@@ -10,6 +10,8 @@ rendering growing prefixes (Axolotl's `find_turn`), this never assumes a prefix 
 
 End of turn, as Axolotl's `train_on_eos`: the first EOS within the 4 tokens after a turn's content is that turn's
 EOS; `turn` trains it after trained turns, `all` after every turn, `last` only the last one found, `none` never.
+Axolotl's `eot_tokens` (e.g. Gemma's <end_of_turn>) are found the same way and trained per `train_on_eot` (default:
+train_on_eos); without them the EOS is the end-of-turn token.
 """
 from __future__ import annotations
 
@@ -38,7 +40,23 @@ GEMMA = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == '
          "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + "
          "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
          "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-BUILTIN = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA}
+# Gemma 3 (as Axolotl's `gemma3`, text only): a system message becomes the first user turn's prefix (then a blank
+# line), user/model alternate, content (a string, or a list of text parts) trimmed; image parts are refused.
+GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+          "{% set first = (messages[0]['content'] if messages[0]['content'] is string else "
+          "messages[0]['content'] | selectattr('text', 'defined') | map(attribute='text') | join('')) + '\n\n' %}"
+          "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+          "{% for message in turns %}"
+          "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + "
+          "(first if loop.first else '') }}"
+          "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+          "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] | trim }}"
+          "{% else %}{{ raise_exception('image parts are not supported: nd-adapter trains the language model') }}"
+          "{% endif %}{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+BUILTIN = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA, "gemma3": GEMMA3}
 CHOICES = ("tokenizer_default", "tokenizer_default_fallback_<name>", *BUILTIN, "jinja")
 SENTINELS = ("\x01", "\x02")  # one character each: they differ in their first and in their last character
 EOS_WINDOW = 4  # the EOS must be among the first 4 tokens after the content (Axolotl: |eos - end| <= 3)
@@ -137,7 +155,8 @@ def _lcs(a: str, b: str) -> int:
 class ChatFormatter:
     """Conversation rows -> (input_ids, labels with -100, whether a trained turn had no EOS after it)."""
 
-    def __init__(self, entry, tok, template: str, *, train_on_inputs: bool, where: str):
+    def __init__(self, entry, tok, template: str, *, train_on_inputs: bool, where: str,
+                 eot_tokens: list[str] | None = None, eot_key: str = "eot_tokens"):
         self.tok, self.template, self.where = tok, template, where
         self.field = entry.field_messages
         self.field_system, self.field_tools = entry.field_system, entry.field_tools
@@ -150,6 +169,23 @@ class ChatFormatter:
         self.train_on_inputs = train_on_inputs
         self.drop_system = entry.drop_system_message
         self.eos = tok.eos_token_id
+        train_on_eot = entry.train_on_eot or self.train_on_eos
+        eot = [t for t in (eot_tokens or []) if t in template]  # as Axolotl: tokens the template never writes drop
+        if tok.eos_token in eot or not eot_tokens:
+            if train_on_eot != self.train_on_eos:  # one token, two rules (Axolotl raises the same conflict)
+                raise bad(f"{where}.train_on_eot", train_on_eot, f"the end-of-turn token is the EOS "
+                          f"({tok.eos_token}) here, so it cannot differ from train_on_eos={self.train_on_eos}",
+                          "drop train_on_eot or make them equal")
+        self.eot: list[tuple[set[int], str]] = []  # (token ids, train option) of each end marker besides the EOS
+        ids = set()
+        for t in eot:
+            enc = tok.encode(t, add_special_tokens=False)
+            if len(enc) != 1:
+                raise bad(eot_key, eot_tokens, f"{t!r} is {len(enc)} tokens of this tokenizer, not one",
+                          "add it to the tokenizer as a special token (special_tokens) or name the one that is")
+            ids.add(enc[0])
+        if ids - {self.eos}:
+            self.eot.append((ids, train_on_eot))
 
     # --- rows -> turns ------------------------------------------------------------------------------------------
     def turns(self, row: dict[str, Any], idx: int) -> list[dict[str, Any]]:
@@ -211,10 +247,10 @@ class ChatFormatter:
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         starts, ends = offsets[:, 0], offsets[:, 1]
         labels = [IGNORE] * len(ids)
-        last_eos, eos_missing = -1, False
+        found, eos_missing = {}, False  # end marker -> its last index found (train option "last")
         for i, turn in enumerate(turns):
             trained = self.train_on_inputs or turn["role"] in self.train_roles
-            if not trained and self.train_on_eos != "all":
+            if not trained and "all" not in (self.train_on_eos, *(o for _, o in self.eot)):
                 continue
             s, e = self.content_span(turns, i, tools, text, idx)
             first = int(np.searchsorted(ends, s, side="right"))  # first token ending after s
@@ -227,15 +263,19 @@ class ChatFormatter:
             else:  # empty content: its EOS may still follow
                 after = int(np.searchsorted(starts, s, side="left"))
             window = ids[after:after + EOS_WINDOW]
-            if self.eos is not None and self.eos in window:
-                k = after + window.index(self.eos)
-                last_eos = k
-                if self.train_on_eos == "all" or (self.train_on_eos == "turn" and trained):
+            ended = False
+            for n, (marks, option) in enumerate(((({self.eos} if self.eos is not None else set()),
+                                                  self.train_on_eos), *self.eot)):
+                k = next((after + j for j, t in enumerate(window) if t in marks), -1)
+                if k < 0:
+                    continue
+                ended, found[n] = True, k
+                if option == "all" or (option == "turn" and trained):
                     labels[k] = ids[k]
-            elif trained:
-                eos_missing = True
-        if self.train_on_eos == "last" and last_eos >= 0:
-            labels[last_eos] = ids[last_eos]
+            eos_missing |= trained and not ended
+        for n, (_, option) in enumerate(((None, self.train_on_eos), *self.eot)):
+            if option == "last" and found.get(n, -1) >= 0:
+                labels[found[n]] = ids[found[n]]
         return ids, labels, eos_missing and self.train_on_eos != "none"
 
 
