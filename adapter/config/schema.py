@@ -205,8 +205,8 @@ class DataSection(_Strict):
     shuffle_merged_datasets: bool = True
     chat_template: str | None = None
     chat_template_jinja: str | None = None
-    eot_tokens: list[str] | None = Field(None, description="tokens that end a turn, trained per train_on_eot (Axolotl's "
-                                         "eot_tokens); unset: the EOS")
+    eot_tokens: list[str] | None = Field(
+        None, description="tokens that end a turn, trained per train_on_eot (Axolotl's eot_tokens); unset: the EOS")
     special_tokens: SpecialTokens = SpecialTokens()
     resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: the embedding must "
                                       "hold the tokenizer rounded up to 32 rows; nd-adapter adds no rows, so a model "

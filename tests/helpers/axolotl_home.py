@@ -26,7 +26,8 @@ _QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden
 # SOURCES.md), the 270M's published shape; stand-ins for planning, the weights are never read
 _GEMMA3_TEXT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 256,
                 "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768, "pad_token_id": 0,
-                "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_theta": 1000000,
+                "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+                "rope_theta": 1000000,
                 "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144,
                 "bos_token_id": 2, "eos_token_id": [1, 106], "attention_bias": False}
 # hub id -> a shipped config directory or a config.json's content (published shapes)

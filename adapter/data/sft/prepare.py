@@ -34,7 +34,8 @@ from adapter.osutil import build_once
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
 TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
 RESULT_KEYS = ("train_on_inputs", "sample_packing", "eval_sample_packing", "excess_length_strategy", "val_set_size",
-               "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed", "eot_tokens",
+               "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed",
+               "eot_tokens",
                "min_sample_len", "deduplicate")
 PARALLEL_ROWS = 20_000  # below this, one process tokenises faster than starting workers
 
