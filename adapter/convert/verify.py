@@ -80,7 +80,10 @@ def _logit_diff(hf_dir: Path, root: Path, arch: ModelArch, meta: dict, seq_len: 
         with torch.no_grad():
             ours = forward_logits(model, tokens, vocab_size=arch.vocab_size).float()
         del model
-        ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+        # soft-capped attention (Gemma 2) only in transformers' eager path: 5.17 runs Gemma 2 with SDPA by default,
+        # which drops the cap (|Δlogits| 1.45 on a tiny model, GPU host 2026-12-02)
+        eager = {"attn_implementation": "eager"} if arch.attn_softcap is not None else {}
+        ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **eager).to(device)
         with torch.no_grad():
             ref = ref_model(tokens).logits.float()
         return (ours - ref).abs().max().item()

@@ -217,4 +217,4 @@ def test_sliding_window_on_cuda_matches_masked_reference():
         got = run(fn)
         assert err(got, ref) <= 2 * err(bf16, ref) + 1e-3, (err(got, ref), err(bf16, ref))
         no_window = _per_doc_reference(q, k, v, dout, docs, torch.float32)  # what an ignored window would give
-        assert err(got[:1], no_window[:1]) > 100 * err(bf16, ref), err(got[:1], no_window[:1])
+        assert err(got[:1], no_window[:1]) > 10 * err(bf16[:1], ref[:1]), err(got[:1], no_window[:1])
