@@ -4,6 +4,7 @@ against plain transformers trained on the very same batches (this project's toke
     python bench/finetune_parity.py --shape small --steps 25 --out /tmp/parity      # the GPU test's run
     python bench/finetune_parity.py --shape 1b --steps 3 --out /tmp/parity-1b       # step-1 loss on the 1B shape
     python bench/finetune_parity.py --shape phi3-small --out /tmp/parity-phi3        # a Phi-3 (issue 29)
+    python bench/finetune_parity.py --shape gemma3-small --out /tmp/parity-gemma3    # a Gemma 3 (issue 29)
     python bench/finetune_parity.py --weights cache --steps 5 --out /tmp/parity-cache  # base_model's weights through
                                                    # the training run's own conversion cache (converted in the worker)
 
@@ -32,7 +33,31 @@ SHAPES = {  # make_tiny_llama keyword arguments
     # issue 29: Phi3ForCausalLM (packed qkv_proj / gate_up_proj, RoPE on 3/4 of each head, its pad token its EOS,
     # which the joined documents feed inside every sample), untied
     "phi3-small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=1024, tie=False, family="phi3"),
+    # Gemma 3: sandwich and q/k norms, GeGLU, a 256-token window on 3 of its 4 layers (FlashAttention's windowed
+    # kernel on the GPU), local and global RoPE bases, tied
+    "gemma3-small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=1024, tie=True, family="gemma3"),
 }
+
+
+def make_tiny_gemma3(out: Path, tokenizer_dir: Path, *, hidden, layers, heads, kv_heads, ffn, tie, device,
+                     max_positions=4096) -> Path:
+    """A random Gemma 3 text model with transformers' own init, in bf16, with the tokenizer beside it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                           query_pre_attn_scalar=hidden // heads, max_position_embeddings=max_positions,
+                           sliding_window=256, layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+                           tie_word_embeddings=tie, pad_token_id=None, bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(str(out))
+    return out
 
 
 def make_tiny_phi3(out: Path, tokenizer_dir: Path, *, hidden, layers, heads, kv_heads, ffn, tie, device,
@@ -65,8 +90,9 @@ def build(out: Path, shape: str, device: str) -> dict[str, Path]:
     model = out / f"hf-{shape}"
     if not (model / "config.json").exists():
         kw = dict(SHAPES[shape])
-        if kw.pop("family", "llama") == "phi3":
-            make_tiny_phi3(model, tok, device=device, **kw)
+        family = kw.pop("family", "llama")
+        if family in ("phi3", "gemma3"):
+            (make_tiny_phi3 if family == "phi3" else make_tiny_gemma3)(model, tok, device=device, **kw)
         else:
             make_tiny_llama(model, tokenizer_dir=tok, max_positions=4096, dtype="bfloat16", device=device, **kw)
     data = write_demo_jsonl(out / "data" / "genesis.jsonl")
