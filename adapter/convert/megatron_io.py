@@ -417,7 +417,9 @@ def converted_meta(arch, *, padded_vocab: int, vocab_divisible_by: int, dtype: t
 
 
 def megatron_lm_args(arch, meta: dict) -> Namespace:
-    """The `args` Megatron-LM reads from common.pt (tp/pp on load; the rest for --use-checkpoint-args)."""
+    """The `args` Megatron-LM reads from common.pt (tp/pp on load; the rest for --use-checkpoint-args). What its
+    arguments cannot say (Gemma's sandwich norms, scaled embeddings, soft-caps, per-layer windows and RoPE bases) is
+    in nd_adapter.json's arch."""
     dt = meta["dtype"]
     return Namespace(
         tensor_model_parallel_size=meta["source_tp"], pipeline_model_parallel_size=1, ckpt_format="torch_dist",
@@ -425,9 +427,11 @@ def megatron_lm_args(arch, meta: dict) -> Namespace:
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
         group_query_attention=arch.num_kv_heads != arch.num_heads, kv_channels=arch.head_dim,
         max_position_embeddings=arch.max_position_embeddings, position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta), rotary_interleaved=False, rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta), rotary_interleaved=arch.rotary_interleaved,
+        rotary_percent=arch.rotary_fraction,
         use_rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        normalization="RMSNorm", norm_epsilon=arch.norm_eps, swiglu=True, add_bias_linear=False,
+        normalization="RMSNorm", norm_epsilon=arch.norm_eps, swiglu=arch.activation == "silu",
+        apply_layernorm_1p=arch.norm_offset, add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         untie_embeddings_and_output_weights=not arch.tie_embeddings,
         padded_vocab_size=meta["padded_vocab_size"], make_vocab_size_divisible_by=meta["vocab_divisible_by"],

@@ -53,3 +53,18 @@ def test_rehearse_phi4_mini_with_longrope_at_tp2(tmp_path):
     p = rehearse(str(cfg))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rehearsal ok: 2 processes, layout 1x1x1x2, saved at step 1 and resumed" in p.stdout
+
+
+@pytest.mark.slow
+def test_rehearse_gemma3_image_text_at_cp2(tmp_path):
+    """Issue 29: Gemma-3-4B-it (its hub config.json: an image-text checkpoint whose language model is trained) keeps a
+    sliding layer (window shrunk below the rehearsal's sequence) and a global one with their own RoPE bases, and
+    trains, saves and resumes at cp=2 (the window on the all-gathered keys)."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{path: {ROOT / 'configs/models/gemma-3-4b-it'}}}\nparallelism: {{cp_size: 2}}\n"
+                   "seq_len: 4096\nprecision: bf16\ndata: {synthetic: true}\noptimizer: {max_steps: 10}\n"
+                   "hardware: {gpus_per_node: 2}\n")
+    p = rehearse(str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rehearsal ok: 2 processes, layout 1x1x2x1, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]
+    assert "model: the language model of Gemma3ForConditionalGeneration is trained" in p.stdout + p.stderr
