@@ -39,19 +39,24 @@ SHAPES = {  # make_tiny_llama keyword arguments
 }
 
 
-def make_tiny_gemma3(out: Path, tokenizer_dir: Path, *, hidden, layers, heads, kv_heads, ffn, tie, device,
-                     max_positions=4096) -> Path:
-    """A random Gemma 3 text model with transformers' own init, in bf16, with the tokenizer beside it."""
+def make_tiny(out: Path, tokenizer_dir: Path, family: str, *, hidden, layers, heads, kv_heads, ffn, tie, device,
+              max_positions=4096) -> Path:
+    """A random Phi-3 (packed linears, RoPE on 3/4 of each head, pad = EOS) or Gemma 3 (a 256-token window on all
+    but its last layer) with transformers' own init, in bf16, with the tokenizer beside it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, Phi3Config
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                           query_pre_attn_scalar=hidden // heads, max_position_embeddings=max_positions,
-                           sliding_window=256, layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
-                           tie_word_embeddings=tie, pad_token_id=None, bos_token_id=tok.bos_token_id,
-                           eos_token_id=tok.eos_token_id)
+    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                  tie_word_embeddings=tie, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if family == "phi3":
+        cfg = Phi3Config(**common, original_max_position_embeddings=max_positions, sliding_window=None,
+                         partial_rotary_factor=0.75, pad_token_id=tok.eos_token_id)
+    else:
+        cfg = Gemma3TextConfig(**common, head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads,
+                               sliding_window=256, pad_token_id=None,
+                               layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg)
@@ -60,24 +65,6 @@ def make_tiny_gemma3(out: Path, tokenizer_dir: Path, *, hidden, layers, heads, k
     return out
 
 
-def make_tiny_phi3(out: Path, tokenizer_dir: Path, *, hidden, layers, heads, kv_heads, ffn, tie, device,
-                   max_positions=4096) -> Path:
-    """A random Phi-3 with transformers' own init, in bf16, with the tokenizer beside it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Phi3Config
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = Phi3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                     original_max_position_embeddings=max_positions, sliding_window=None, tie_word_embeddings=tie,
-                     partial_rotary_factor=0.75, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg)
-    model.to(torch.bfloat16).save_pretrained(out)
-    tok.save_pretrained(str(out))
-    return out
 STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+)")
 
 
@@ -92,7 +79,7 @@ def build(out: Path, shape: str, device: str) -> dict[str, Path]:
         kw = dict(SHAPES[shape])
         family = kw.pop("family", "llama")
         if family in ("phi3", "gemma3"):
-            (make_tiny_phi3 if family == "phi3" else make_tiny_gemma3)(model, tok, device=device, **kw)
+            make_tiny(model, tok, family, device=device, **kw)
         else:
             make_tiny_llama(model, tokenizer_dir=tok, max_positions=4096, dtype="bfloat16", device=device, **kw)
     data = write_demo_jsonl(out / "data" / "genesis.jsonl")
