@@ -344,11 +344,12 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
     config = config or transformer_config(arch, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
                                           params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
                                           fused_kernels=fused_kernels, **config_kw)
-    spec = layer_spec(arch, attention)
-    if attention != "te":  # the final norm comes from the block spec; Megatron's default is WrappedTorchNorm
-        specs = [layer_spec(arch, attention, i) for i in range(arch.num_layers)] if _layer_options(arch) else \
-            [spec] * arch.num_layers
-        spec = TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
+    if attention == "te":
+        spec = layer_spec(arch, attention)
+    else:  # one spec per layer (windows, RoPE tables differ); the final norm from the block spec (Megatron's
+        # default is WrappedTorchNorm)
+        spec = TransformerBlockSubmodules(layer_specs=[layer_spec(arch, attention, i) for i in range(arch.num_layers)],
+                                          layer_norm=RMSNorm)
     fused = {"linear_ce": linear_ce, "linear_ce_chunk": linear_ce_chunk} if fused_kernels or linear_ce else None
     model = (PackedGPTModel if fused is None else FusedLossGPTModel)(
         config, spec,
