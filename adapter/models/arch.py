@@ -135,8 +135,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         if not isinstance(text, dict):
             raise bad("text_config", text, f"{name} keeps its language model's config there; it is missing in "
                       f"{source}", "give the checkpoint's complete config.json")
-        cfg = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
-        cfg = {k: v for k, v in cfg.items() if v is not None}
+        cfg = families.text_config_json(cfg, fam)  # the text model's config, as the export writes it
     cfg = {**dict(fam.defaults), **cfg}  # what the family's HF config class fills in where config.json is silent
     if cfg.get("use_bidirectional_attention"):
         raise bad("use_bidirectional_attention", True, "bidirectional attention (an embedding model) is not a causal "

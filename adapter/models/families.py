@@ -156,7 +156,7 @@ def packed_rule(arch, name: str) -> Rule | None:
 
 def text_config_json(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     """The config.json of the text model `fam` exports as (`export_as`): an image-text checkpoint's text_config
-    over the family's defaults, named as transformers' text-only class."""
+    over the family's defaults, named as transformers' text-only class. `load_arch` reads the same."""
     text = family(fam.export_as)
     out = {**dict(fam.defaults), **{k: v for k, v in (cfg.get("text_config") or {}).items() if v is not None}}
     for key in ("torch_dtype", "dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
