@@ -12,7 +12,11 @@ Why the result does not depend on the layout:
   blocks of 256 of the HF order: those vectors are gathered over TP into HF order, quantised there by bitsandbytes
   and the dequantised (effective) fp32 scales kept for this rank's blocks. The scales are stored in fp32 (4 bytes a
   block, where bitsandbytes keeps 1 byte plus a 256th): 0.5625 bytes per weight instead of 0.516.
-- int8: one absmax per HF row (a max over TP for row-parallel linears), then bitsandbytes' rounding.
+  A packed HF tensor (Phi-3's qkv_proj = [q; k; v], gate_up_proj = [gate; up]) is one vector of absmaxes for
+  bitsandbytes: its rows are gathered into Megatron's whole order, put in the HF tensor's order by the family's
+  own conversion rule, quantised there, and brought back.
+- int8: one absmax per HF row (a max over TP for row-parallel linears), then bitsandbytes' rounding; rows are
+  independent, so packing changes nothing.
 A quantised linear keeps only its codes for backward: its weight is dequantised again there (as bitsandbytes'
 MatMul4Bit does), so no bf16 copy of the base outlives one GEMM, compiled or not (`quant_linear`). The codes are
 buffers, not parameters: DeepSpeed neither shards nor checkpoints them (a resume quantises the base again from the
@@ -32,9 +36,12 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from adapter.modeling.lora import LINEARS, gather
+from adapter.modeling.lora import LINEARS, gather, gather_list
 from adapter.models.arch import ModelArch
+from adapter.models.counts import linears
+from adapter.models.families import packed_rule
 from adapter.models.lora import NF4_BLOCK, placement
+from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
 COLUMN = ("linear_qkv", "linear_fc1")
 
@@ -59,6 +66,14 @@ def hf_row_sets(arch: ModelArch, fused: str, tp: int, rows: int) -> list[torch.T
     return sets
 
 
+def packed_of(arch: ModelArch | None, fused: str):
+    """The family's rule when one HF tensor packs all of Megatron's `fused` linear (models/families.packed_rule)."""
+    if arch is None or fused not in COLUMN:
+        return None
+    whole = [lin for lin in linears(arch) if lin.fused == fused]
+    return packed_rule(arch, whole[0].name) if len(whole) == 1 else None
+
+
 def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank: int,
                  tp_group) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed NF4 codes, effective fp32 block scales) of this rank's shard `w` [out, in] of a Megatron linear."""
@@ -74,7 +89,12 @@ def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank:
         q, state = bnbf.quantize_blockwise(flat - offset, blocksize=256)
         return (bnbf.dequantize_blockwise(q, state) + offset).float().view_as(hf)
 
-    if fused in COLUMN:
+    packed = packed_of(arch, fused)
+    if packed is not None:  # one HF tensor: one second level over all of it, in its own row order
+        whole = merge_blocks(gather_list(absmax, tp_group), 0, packed.parts) if tp > 1 else absmax
+        hf = second_level(packed.to_hf(whole, Ctx(arch, 0))[0])
+        scales.copy_(cut_blocks(packed.to_megatron([hf], Ctx(arch, 0)), 0, packed.parts, tp, tp_rank))
+    elif fused in COLUMN:
         for rows in hf_row_sets(arch, fused, tp, out_rows):
             whole = second_level(gather(absmax[rows], 0, tp_group) if tp > 1 else absmax[rows])
             scales[rows] = whole.view(tp, len(rows), -1)[tp_rank] if tp > 1 else whole
@@ -212,4 +232,5 @@ def quantized_weights(model) -> dict[tuple[int, str], tuple[str, torch.Tensor, t
     return out
 
 
-__all__ = ["quantize_base", "quantized_weights", "nf4_quantize", "int8_quantize", "dequantize", "hf_row_sets", "COLUMN"]
+__all__ = ["packed_of", "quantize_base", "quantized_weights", "nf4_quantize", "int8_quantize", "dequantize",
+           "hf_row_sets", "COLUMN"]

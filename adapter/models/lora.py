@@ -212,11 +212,6 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
     if quantize_base is not None and quantize_base not in BASE_FORMATS:
         raise bad(spell("lora.quantize_base"), quantize_base, "unknown base format",
                   "use nf4 (QLoRA), int8, or null (16-bit)")
-    packs = [n for n in names if packed_rule(arch, n) is not None]
-    if quantize_base is not None and packs:  # bitsandbytes quantises the packed HF tensor in its own row order
-        raise bad(spell("lora.quantize_base"), quantize_base, f"a quantised base for {arch.family}'s packed linears "
-                  f"({', '.join(packs)}) is not built yet", "train the adapters on the 16-bit base (remove "
-                  "load_in_4bit / load_in_8bit)")
     hit_names = tuple(n for n in names if any(t.linear.name == n for t in targets))
     regex = isinstance(target_modules, str) and not target_linear
     return LoraSpec(r=r, alpha=float(alpha), dropout=float(dropout), rslora=bool(rslora), targets=tuple(targets),

@@ -11,7 +11,7 @@ import pytest
 
 from tests.distributed.test_lora import ALL7, _peft_adapter, _peft_reference, lora_cfg, lora_section
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_model, rel
+from tests.helpers.sft import make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
 KW = {"r": 8, "lora_alpha": 16, "target_modules": ALL7}
@@ -19,8 +19,16 @@ KW = {"r": 8, "lora_alpha": 16, "target_modules": ALL7}
 RUNS = {"nf4, tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
         "nf4, dp_shard=2 (ZeRO-3)": ("nf4", (2, 1, 1), 1, {}),
         "int8, tp=2, no SP": ("int8", (1, 1, 2), 2, {"sequence_parallel": False}),
-        "nf4, Qwen2 (q/k/v biases), tp=2 +SP": ("nf4", (1, 1, 2), 2, {})}
+        "nf4, Qwen2 (q/k/v biases), tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
+        # issue 29: Phi-3's packed qkv_proj / gate_up_proj, quantised by bitsandbytes as one tensor each
+        "nf4, Phi-3 (packed linears), tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
+        "int8, Phi-3 (packed linears), tp=2 +SP": ("int8", (1, 1, 2), 2, {})}
 QWEN = "nf4, Qwen2 (q/k/v biases), tp=2 +SP"
+PHI3 = {"r": 8, "lora_alpha": 16, "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+
+
+def _kind(name: str) -> str:
+    return "qwen2" if name == QWEN else "phi3" if "Phi-3" in name else "llama"
 
 
 def _qwen2(llama_dir: str, out: Path) -> str:
@@ -62,9 +70,10 @@ def _worker(rank, world, model_dir, adapter, root):
     init_distributed()
     out = {"resume": _resume(model_dir["llama"], adapter["llama"], root)}
     for name, (fmt, shape, micro, over) in RUNS.items():
-        kind = "qwen2" if name == QWEN else "llama"
+        kind = _kind(name)
         model, start = model_dir[kind], adapter[kind]
-        t = Trainer(lora_cfg(model, root, shape, micro, lora_section(KW, start) | {"quantize_base": fmt},
+        kw = PHI3 if kind == "phi3" else KW
+        t = Trainer(lora_cfg(model, root, shape, micro, lora_section(kw, start) | {"quantize_base": fmt},
                              **over), log=lambda s: None)
         try:
             t.setup()
@@ -109,22 +118,37 @@ def _bnb_reference(model_dir: str, fmt: str, out: Path) -> tuple[Path, dict]:
     return out, codes
 
 
+def _local(r, fmt, fused, layer):
+    """A rank's codes [rows, cols] and scales [rows, blocks] of one linear."""
+    import numpy as np
+
+    f, c, s, (rows, cols) = r["quant"][(layer, fused)]
+    assert f == fmt
+    return (np.stack([c >> 4, c & 15], 1).reshape(rows, cols) if fmt == "nf4" else c), s.reshape(rows, -1)
+
+
 def _hf_view(results, fmt, arch, layer: int, fused: str):
     """Every TP rank's local codes and scales of one Megatron linear, laid out as the HF tensors it fuses."""
     import numpy as np
+    import torch
 
-    from adapter.modeling.quant import COLUMN, hf_row_sets
+    from adapter.modeling.quant import COLUMN, hf_row_sets, packed_of
     from adapter.models.lora import placement
+    from adapter.models.mapping import Ctx, merge_blocks
 
     ranks = sorted(results, key=lambda r: r["tp_rank"])
     tp = len(ranks)
     names = [n for n, _, _ in placement(arch, fused, tp).pieces]
+    packed = packed_of(arch, fused)
+    if packed is not None:  # one HF tensor: the ranks' local rows in Megatron's order, then the family's own rule
+        def whole(i):
+            local = [torch.from_numpy(_local(r, fmt, fused, layer)[i]) for r in ranks]
+            return packed.to_hf(merge_blocks(local, 0, packed.parts), Ctx(arch, 0))[0].numpy()
+        return {names[0]: (whole(0), whole(1))}
     codes, scales = {}, {}
     for r in ranks:
-        f, c, s, (rows, cols) = r["quant"][(layer, fused)]
-        assert f == fmt
-        c = np.stack([c >> 4, c & 15], 1).reshape(rows, cols) if fmt == "nf4" else c
-        s = s.reshape(rows, -1)
+        c, s = _local(r, fmt, fused, layer)
+        rows = c.shape[0]
         sets = [x.numpy() for x in hf_row_sets(arch, fused, tp, rows)] if fused in COLUMN else [np.arange(rows)]
         for n, rows_of in zip(names, sets):
             codes.setdefault(n, []).append(c[rows_of])
@@ -145,10 +169,13 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
     tok = tiny_model(root / "tok")
     model = str(make_model(root / "model", tok, hidden=128))
-    models = {"llama": model, "qwen2": _qwen2(model, root / "qwen2")}
-    adapters = {k: str(_peft_adapter(m, KW, root / f"adapter-{k}")) for k, m in models.items()}
+    models = {"llama": model, "qwen2": _qwen2(model, root / "qwen2"),
+              "phi3": str(make_phi3(root / "phi3", tok, hidden=128))}
+    adapters = {k: str(_peft_adapter(m, PHI3 if k == "phi3" else KW, root / f"adapter-{k}")) for k, m in models.items()}
     refs = {fmt: _bnb_reference(model, fmt, root / f"deq-{fmt}") for fmt in ("nf4", "int8")}
     refs["qwen2"] = _bnb_reference(models["qwen2"], "nf4", root / "deq-qwen2")
+    refs.update({f"phi3-{fmt}": _bnb_reference(models["phi3"], fmt, root / f"deq-phi3-{fmt}")
+                 for fmt in ("nf4", "int8")})
     return root, models, adapters, refs
 
 
@@ -161,7 +188,7 @@ def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
 
     root, models, adapters, refs = setup
     got = run_workers(_worker, 2, models, adapters, str(root), timeout=1200)
-    arch = load_arch(models["llama"])
+    archs = {k: load_arch(m) for k, m in models.items()}
     r = got[0]["resume"]  # a resumed QLoRA run continues bit-exactly, from a checkpoint of adapters only
     assert r["first"] + r["second"] == r["whole"], r
     assert r["module"] and all(".lora." in k or k.endswith("_extra_state") for k in r["module"]), r["module"]
@@ -171,21 +198,26 @@ def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
         per_rank = [g[name] for g in got]
         if shape[2] == 1:  # dp_shard: each rank holds the whole base, quantised alike
             per_rank = per_rank[:1]
+        arch, ref = archs[_kind(name)], refs[fmt if _kind(name) == "llama" else f"phi3-{fmt}"][1]
         for layer in range(arch.num_layers):
             for fused in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
                 for hf, (codes, scales) in _hf_view(per_rank, fmt, arch, layer, fused).items():
-                    want_codes, want_scales = refs[fmt][1][hf_modules(arch)[hf].format(i=layer) + ".weight"]
+                    want_codes, want_scales = ref[hf_modules(arch)[hf].format(i=layer) + ".weight"]
                     assert np.array_equal(codes, want_codes), (name, layer, hf)
                     assert np.array_equal(scales.reshape(want_scales.shape), want_scales), (name, layer, hf)
     ref_losses = {}
-    for key, kind in (("nf4", "llama"), ("int8", "llama"), ("qwen2", "qwen2")):
-        cfg = lora_cfg(models[kind], root, (1, 1, 2), 2, lora_section(KW, adapters[kind]) | {"quantize_base": "nf4"})
+    for key, kind in (("nf4", "llama"), ("int8", "llama"), ("qwen2", "qwen2"), ("phi3-nf4", "phi3"),
+                      ("phi3-int8", "phi3")):
+        kw = PHI3 if kind == "phi3" else KW
+        cfg = lora_cfg(models[kind], root, (1, 1, 2), 2, lora_section(kw, adapters[kind]) | {"quantize_base": "nf4"})
         data = prepare(cfg, Path(models[kind]), builder=True, barrier=None, progress=False)
         ref_losses[key] = _peft_reference(str(refs[key][0]), adapters[kind], data, cfg)["losses"]
     assert rel(ref_losses["nf4"][0], ref_losses["int8"][0]) > 1e-4  # the formats differ: the test can fail
     assert rel(ref_losses["nf4"][0], ref_losses["qwen2"][0]) > 1e-4  # so do the biases
+    assert rel(ref_losses["phi3-nf4"][0], ref_losses["phi3-int8"][0]) > 1e-4
     for name, (fmt, *_), in RUNS.items():
-        losses, want = got[0][name]["losses"], ref_losses["qwen2" if name == QWEN else fmt]
+        kind = _kind(name)
+        losses, want = got[0][name]["losses"], ref_losses[{"llama": fmt, "qwen2": "qwen2"}.get(kind, f"phi3-{fmt}")]
         assert all(rel(a, b) <= 1e-4 for a, b in zip(losses, want)), (name, losses, want)
     # no decoder linear keeps a 16-bit weight: embeddings, norms, the LM head and the adapters are the parameters
     for name in RUNS:
