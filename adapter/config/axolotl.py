@@ -54,12 +54,14 @@ LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_patter
                              "load_in_8bit"}
 # Axolotl keys we understand; every other Axolotl key is reported once as ignored.
 KNOWN = MARKERS | {
-    "dp_shard_size", "dp_replicate_size", "gradient_accumulation_steps", "bf16", "fp16", "tf32", "max_steps",
+    "dp_shard_size", "dp_replicate_size", "gradient_accumulation_steps", "bf16", "bfloat16", "fp16", "tf32",
+    "max_steps",
     "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "output_dir", "save_steps", "save_total_limit",
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
     "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
+    "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
 } | KEYS | LORA_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 # Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.
@@ -93,7 +95,8 @@ MAP = {
     "evals_per_epoch": "eval.per_epoch", "saves_per_epoch": "checkpoint.saves_per_epoch",
     "gradient_checkpointing": "recompute", "torch_compile": "model.compile", "optimizer": "optimizer.name",
     "lr_scheduler": "optimizer.schedule", "cosine_min_lr_ratio": "optimizer.min_lr",
-    "unfrozen_parameters": "model.unfrozen_parameters",
+    "unfrozen_parameters": "model.unfrozen_parameters", "early_stopping_patience": "eval.early_stopping_patience",
+    "load_best_model_at_end": "checkpoint.load_best",
 }
 # Axolotl's numeric keys: YAML 1.1 reads `2e-5` (no dot) as a string, and Axolotl's schema turns it into a number
 FLOATS = {"learning_rate", "weight_decay", "warmup_ratio", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon",
@@ -143,7 +146,8 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"source": "axolotl"}
     for key, target in MAP.items():
         if key in ("num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",
-                   "gradient_checkpointing", "torch_compile", "optimizer", "lr_scheduler", "cosine_min_lr_ratio"):
+                   "load_best_model_at_end", "gradient_checkpointing", "torch_compile", "optimizer", "lr_scheduler",
+                   "cosine_min_lr_ratio"):
             continue  # mapped below, not as they are
 
         if raw.get(key) is not None:
@@ -264,11 +268,17 @@ def _on(value: Any) -> bool:
 
 
 def map_precision(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
-    """Axolotl: `bf16: true|auto|full` -> bf16, `fp16: true` -> fp16, neither -> fp32 (full precision)."""
+    """Axolotl: `bf16: true|auto|full` -> bf16, `fp16: true` -> fp16, neither -> fp32 (full precision).
+    `bfloat16: true` is bf16 too: its schema calls it "no AMP", but Axolotl's code passes `bf16 or bfloat16` to
+    TrainingArguments.bf16 and loads the weights in bf16 for either (core/builders/base.py, utils/config)."""
     bf16, fp16 = raw.get("bf16"), raw.get("fp16")
+    if not _on(bf16) and raw.get("bfloat16") is True:
+        bf16 = "bfloat16"
     if _on(bf16) and fp16 is True:
         raise bad("fp16", fp16, f"conflicts with bf16={bf16!r}", "set only one of bf16 / fp16")
-    if _on(bf16):
+    if bf16 == "bfloat16":
+        out["precision"], why = "bf16", "bfloat16: true, which Axolotl runs as bf16: true"
+    elif _on(bf16):
         out["precision"], why = "bf16", f"bf16: {str(bf16).lower()}"
     elif fp16 is True:
         out["precision"], why = "fp16", "fp16: true"
@@ -295,6 +305,51 @@ def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> 
         set_dotted(out, "checkpoint.keep_last", 4)  # Axolotl's default save_total_limit
     if raw.get("output_dir") is not None:  # Axolotl's convention: checkpoints and the final model in output_dir
         set_dotted(out, "checkpoint.export_hf", raw["output_dir"])
+    map_best(raw, out, notes)
+
+
+def map_best(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """HF's load_best_model_at_end as Axolotl sets it (core/builders/causal.py): on unless set to false, or with
+    early stopping, whenever there is an eval set and save_steps is a multiple of eval_steps, both in Axolotl's own
+    units (fractions of the run from saves/evals_per_epoch). Unset counts as on, so an Axolotl run with e.g.
+    evals_per_epoch 4 and saves_per_epoch 2 exports its best checkpoint, not its last: so does this one."""
+    metric = raw.get("metric_for_best_model")
+    if metric is not None and metric not in ("loss", "eval_loss"):
+        raise bad("metric_for_best_model", metric, "the best checkpoint is chosen by the eval loss here (no other "
+                  "metric is computed)", "remove it (or set eval_loss)")
+    if _on(raw.get("greater_is_better")):
+        raise bad("greater_is_better", raw["greater_is_better"], "with the eval loss it would keep the worst "
+                  "checkpoint", "remove it")
+    if raw.get("save_strategy") == "best":
+        raise bad("save_strategy", "best", "saving only on a new best eval loss is not supported",
+                  "remove it (load_best_model_at_end keeps and exports the best checkpoint)")
+    def num(key: str) -> float | None:  # a malformed value is the schema's to refuse, with its key
+        v = raw.get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v > 0 else None
+
+    asked, patience = raw.get("load_best_model_at_end"), raw.get("early_stopping_patience")
+    epochs = num("num_epochs") or 1.0
+    val, tests = num("val_set_size") or 0, raw.get("test_datasets")
+    has_eval = bool((not tests and val > 0) or (tests and val == 0))
+    save, every = num("save_steps"), num("eval_steps")
+    if save is None and num("saves_per_epoch"):
+        save = 1.0 / (num("saves_per_epoch") * epochs)
+        save = save if save < 1.0 else None
+    if every is None and (val or tests) and num("evals_per_epoch"):
+        every = 1.0 / (num("evals_per_epoch") * epochs)
+        every = every if every < 1.0 else None
+    on = bool((asked is not False or patience) and has_eval and save and every and save % every == 0)
+    set_dotted(out, "checkpoint.load_best", on)
+    if on:
+        notes.append("load_best_model_at_end: on (Axolotl's rule: " + ("set" if asked else
+                     "early stopping" if asked is False else "unset counts as on") +
+                     ", an eval set, save_steps a multiple of eval_steps): the saved checkpoint with the lowest eval "
+                     "loss is reloaded and exported at the end")
+    elif asked or patience:
+        why = ("there is no eval set" if not has_eval else "no save_steps (saves_per_epoch gives one save per epoch)"
+               if not save else "no eval_steps" if not every else f"save_steps {save:g} is not a multiple of "
+               f"eval_steps {every:g}")
+        notes.append(f"load_best_model_at_end: off, as Axolotl sets it ({why}): the last model is exported")
 
 
 def map_optimizer(name: Any, out: dict[str, Any], notes: list[str]) -> None:
@@ -391,20 +446,18 @@ def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored
         if not isinstance(legacy, (str, list)):
             raise bad("fsdp", legacy, "must be a list of FSDP options", "write e.g. fsdp: [full_shard, auto_wrap]")
         opts = legacy.split() if isinstance(legacy, str) else [str(o) for o in legacy]
-        if "offload" in opts and not raw.get("adapter"):
-            raise bad("fsdp", legacy, "CPU offload is not supported", "remove `offload`")
         for o in opts:
             if o in FSDP_STAGE:
                 stage, why = FSDP_STAGE[o], f"fsdp: {o}"
-            elif o not in ("auto_wrap",):
+            elif o not in ("auto_wrap", "offload"):
                 raise bad("fsdp", legacy, f"{o!r} has no DeepSpeed counterpart here", "use full_shard or shard_grad_op")
     offload = block.get("offload_params") or (legacy and "offload" in str(legacy))
     if offload and raw.get("adapter"):  # what FSDP would move: adapters and a frozen (often 4-bit) base
         notes.append(f"{names.get('offload_params', 'fsdp: offload')}: not used: an adapter run keeps its frozen "
                      "base and its adapters on the GPU (`plan` says whether they fit)")
-    elif block.get("offload_params"):
-        raise bad(names["offload_params"], True, "CPU offload of parameters is not supported by nd-adapter's "
-                  "ZeRO path", "set offload_params: false (add GPUs, tp or dp_shard to fit)")
+    elif offload:  # as an Axolotl DeepSpeed JSON's offload_param (map_deepspeed): where weights live, not the math
+        notes.append(f"{names.get('offload_params', 'fsdp: offload')}: not used (memory placement only: the ZeRO "
+                     "shards stay on the GPUs; `nd-adapter plan` says whether they fit, and `--search` what does)")
     if block.get("reshard_after_forward") is not None:
         stage = 3 if block["reshard_after_forward"] else 2
         why = f"{names['reshard_after_forward']}: {str(block['reshard_after_forward']).lower()}"

@@ -46,8 +46,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "qat": ("quantisation-aware training is not supported", "remove qat"),
     "fp8": ("Axolotl's FP8 (torchao float8 on every linear) is not what nd-adapter runs", "use bf16: true, or "
             "--set precision=fp8 (nd-adapter's: the MLP matmuls in fp8, tp = 1)"),
-    "bfloat16": ("pure bf16 training (bf16 weights and optimizer states) is not supported",
-                 "use bf16: true (bf16 compute, fp32 master weights and optimizer states)"),
     "float16": ("pure fp16 training is not supported", "use fp16: true (fp16 compute, fp32 master weights)"),
     # other objectives
     "rl": ("preference / RL training (dpo, ipo, kto, orpo, simpo, grpo) is not supported: nd-adapter runs "
@@ -82,10 +80,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "lr_scheduler_kwargs": ("scheduler arguments are not supported", "remove it"),
     "neftune_noise_alpha": ("NEFTune embedding noise is not implemented", "remove it"),
     "noisy_embedding_alpha": ("NEFTune embedding noise is not implemented", "remove it"),
-    "early_stopping_patience": ("stopping early on the eval loss is not supported: every step is trained",
-                                "remove it; pick a checkpoint by the eval loss in the log"),
-    "load_best_model_at_end": ("reloading the best checkpoint is not supported: the last model is exported",
-                               "remove it; pick a checkpoint by the eval loss in the log"),
     "auto_find_batch_size": ("searching the batch size at run time is not supported",
                              "set micro_batch_size (`nd-adapter plan` says what fits)"),
     # resume

@@ -244,6 +244,8 @@ class CheckpointSection(_Strict):
                                           "steps); 0 saves only at the end")
     saves_per_epoch: StrictInt | None = Field(None, ge=1)
     keep_last: StrictInt = Field(2, ge=1)
+    load_best: bool = Field(False, description="at the end, reload the saved checkpoint with the lowest eval loss "
+                            "and export that (HF's load_best_model_at_end); it is never pruned by keep_last")
     export_hf: str | None = Field(None, description="write an HF checkpoint here at the end (files are replaced, "
                                   "anything else in the directory is kept)")
     exit_signals: list[str] = Field(["SIGTERM", "SIGUSR1"], description="signals that end the run at the end of the "
@@ -276,6 +278,8 @@ class EvalSection(_Strict):
     training. Neither key: one evaluation at the end when there is an eval set."""
     every: StrictInt | float | None = Field(None, gt=0, description="steps between evaluations, or a fraction")
     per_epoch: StrictInt | None = Field(None, ge=0, description="evaluations per epoch; 0: none at all (Axolotl)")
+    early_stopping_patience: StrictInt | None = Field(None, ge=1, description="stop when this many evaluations in "
+                                                      "a row have not lowered the eval loss (HF's EarlyStopping)")
 
     @model_validator(mode="after")
     def _cadence(self) -> EvalSection:

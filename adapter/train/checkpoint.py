@@ -108,12 +108,16 @@ def _clean(save_dir: Path) -> None:
                 _remove(p)
 
 
-def _prune(save_dir: Path, keep_last: int | None) -> None:
+def _prune(save_dir: Path, keep_last: int | None, protect: int | None = None) -> None:
+    """Keep the newest `keep_last`; a protected step (the best checkpoint) counts among them and stays, as HF's
+    rotation keeps its best_model_checkpoint. The newest one (what `latest` names) always stays."""
     last = _step_of(latest_tag(save_dir))
     if not keep_last or last is None:
         return
     kept = sorted(s for s in _steps(save_dir) if s <= last)
-    for step in kept[:-keep_last]:
+    others = [s for s in kept if s != protect]
+    room = max(1, keep_last - (len(others) < len(kept)))
+    for step in others[:-room]:
         _remove(save_dir / tag_for(step))
 
 
@@ -134,15 +138,15 @@ def _writes(engine, enabled: bool) -> Iterator[None]:
 
 def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] | None = None, *,
          keep_last: int | None = None, save_ranks: Callable[[int], bool] | None = None,
-         trained_only: bool = False, record: dict[str, Any] | None = None) -> Path:
+         trained_only: bool = False, record: dict[str, Any] | None = None, protect: int | None = None) -> Path:
     """Collective: every rank calls it. Returns the published checkpoint directory.
 
     `client_state` (e.g. {"sampler": sampler.state_dict()}) is stored per rank along with `step` and this rank's
     RNG states. `record`: what the run says of itself (layout, model; adapter/train/ckpt_info.py reads it without
     torch), written beside the files as `nd_adapter.json`. `trained_only`: leave out frozen parameters (a LoRA
     run's base, which it reloads from the converted weights). `keep_last`: keep that many newest checkpoints
-    (None/0 keeps all). `save_ranks(global_rank)` says which ranks write files (default: all). Saving the step
-    `latest` already names does nothing.
+    (None/0 keeps all), and the step `protect` names among them (the best checkpoint). `save_ranks(global_rank)`
+    says which ranks write files (default: all). Saving the step `latest` already names does nothing.
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
         raise bad("checkpoint.keep_last", keep_last, "must be a non-negative integer", "use e.g. 3, or 0 to keep all")
@@ -181,7 +185,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
             _remove(root / tag)
         os.rename(root / (TMP + tag), root / tag)
         atomic_write_text(root / LATEST, tag, tmp_prefix=TMP)
-        _prune(root, keep_last)
+        _prune(root, keep_last, protect)
     dist.barrier()
     return root / tag
 

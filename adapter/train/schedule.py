@@ -47,6 +47,8 @@ class Schedule:
     eval_at_start: bool = False      # Axolotl evaluates before the first step when a cadence is set
     eval_at_end: bool = False
     save_every: int = 0              # 0: only the final save
+    load_best: bool = False          # reload and export the best checkpoint (adapter/train/best.py)
+    patience: int | None = None      # early stopping after this many evaluations without a new best
 
     @property
     def epochs(self) -> float | None:
@@ -98,10 +100,21 @@ def resolve(cfg: RunConfig, samples: int | None, *, has_val: bool = False) -> Sc
     eval_every = _cadence(e.every, e.per_epoch, total, steps_per_epoch, spell(cfg, "eval.per_epoch")) \
         if has_val else None
     save_every = _cadence(c.save_every, c.saves_per_epoch, total, steps_per_epoch, "checkpoint.saves_per_epoch") or 0
+    patience = e.early_stopping_patience
+    if patience is not None and eval_every is None:
+        raise bad(spell(cfg, "eval.early_stopping_patience"), patience, "early stopping needs evaluations during the "
+                  "run: an eval set and a cadence" if has_val else "early stopping needs an eval set",
+                  f"set {spell(cfg, 'eval.every')} (or {spell(cfg, 'eval.per_epoch')})" if has_val else
+                  "give val_set_size or test_datasets, or remove it")
+    if c.load_best and not (has_val and c.dir):
+        raise bad(spell(cfg, "checkpoint.load_best"), True, "the best checkpoint needs an eval set and saved "
+                  "checkpoints" + ("" if c.dir else f" ({spell(cfg, 'checkpoint.dir')} is not set)"),
+                  "give both, or remove it")
     return Schedule(total_steps=total, warmup_steps=min(warmup, total), length_from=length_from,
                     warmup_from=warmup_from, samples=samples, samples_per_epoch=samples_per_epoch,
                     steps_per_epoch=steps_per_epoch, eval_every=eval_every, eval_at_start=eval_every is not None,
-                    eval_at_end=has_val, save_every=save_every if c.dir else 0)
+                    eval_at_end=has_val, save_every=save_every if c.dir else 0, load_best=c.load_best,
+                    patience=patience)
 
 
 def apply(cfg: RunConfig, s: Schedule) -> RunConfig:
@@ -146,7 +159,14 @@ def describe(cfg: RunConfig, s: Schedule) -> list[str]:
         lines.append("eval: none: an eval cadence is set but there is no eval set (val_set_size or test_datasets)")
     if cfg.checkpoint.dir:
         cadence = f"every {s.save_every:,} steps and at the end" if s.save_every else "at the end"
-        lines.append(f"checkpoints: {cfg.checkpoint.dir}, {cadence}, keeping the last {cfg.checkpoint.keep_last}")
+        lines.append(f"checkpoints: {cfg.checkpoint.dir}, {cadence}, keeping the last {cfg.checkpoint.keep_last}"
+                     + (" and the best" if s.load_best else ""))
+    if s.patience is not None:
+        lines.append(f"early stopping: the run ends after {s.patience} evaluation(s) in a row without a lower eval "
+                     "loss (HF's EarlyStoppingCallback)")
+    if s.load_best:
+        lines.append("best checkpoint: the saved one with the lowest eval loss is reloaded and exported at the end "
+                     "(load_best_model_at_end)")
     return lines
 
 

@@ -44,6 +44,7 @@ from adapter.parallel.layout import Axis, Layout
 from adapter.patches.zero import set_hpz_group
 from adapter.train import checkpoint as ckpt
 from adapter.train import ckpt_info, metrics, schedule
+from adapter.train.best import Best
 from adapter.train.engine import build_engine
 from adapter.train.export import export_hf, export_lora
 from adapter.train.preempt import Preemption
@@ -61,6 +62,8 @@ class RunResult:
     checkpoint: str | None = None
     exported: str | None = None
     preempted: str | None = None  # the signal that ended the run early (adapter/train/preempt.py)
+    stopped_early: bool = False   # early stopping on the eval loss ended it
+    best_step: int | None = None  # the best checkpoint, when it was reloaded for the export
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.result = RunResult()
+        self.best = Best(cfg.eval.early_stopping_patience)
         self.sink = self.groups = self.engine = self.preempt = None
         self.val_dataset = self.chat_template = None
         self.stopping: str | None = None  # the signal the run stops on, once every rank knows it
@@ -213,6 +217,7 @@ class Trainer:
             if loaded is not None:
                 start, state = loaded
                 self.sampler.load_state_dict(state["sampler"])
+                self.best.load_state_dict(state.get("best", {}))
                 self._say(f"resuming from {cfg.checkpoint.dir} at step {start} (its weights replace the start's)")
                 old, new = self.engine.follow_schedule(cfg)
                 self._say(f"schedule: step {start + 1} of {cfg.optimizer.max_steps} runs at learning rate {new:.3e} "
@@ -414,15 +419,17 @@ class Trainer:
         self.clock.reset()  # evaluation is not training time
         return (total / count if count else None), int(count)
 
-    def _eval(self, step: int) -> None:
+    def _eval(self, step: int) -> bool:
+        """Evaluate after `step`; True when early stopping ends the run here."""
         loss, count = self.evaluate()
         if loss is None:
             self._say(f"eval after step {step}: the held-out set has no trained tokens")
-            return
+            return False
         self.result.eval_losses.append((step, loss))
         self._say(f"eval after step {step} | eval_loss {loss:.4f} | {len(self.val_dataset)} eval samples, "
                   f"{count:,} trained tokens")
         self.sink.log(step, {"eval_loss": loss})
+        return self.best.observe(step, loss)
 
     def save(self, step: int) -> str:
         layout = self.layout
@@ -435,9 +442,12 @@ class Trainer:
                   "model": {"architecture": self.arch.architecture, "params": num_params(self.arch)},
                   "holds": "adapters" if self.lora is not None else "all trained parameters",
                   "optimizer": self.cfg.optimizer.name}
-        path = str(ckpt.save(self.engine.ds, self.cfg.checkpoint.dir, step, {"sampler": self.sampler.state_dict()},
+        self.best.on_save(step)
+        state = {"sampler": self.sampler.state_dict(), "best": self.best.state_dict()}
+        path = str(ckpt.save(self.engine.ds, self.cfg.checkpoint.dir, step, state,
                              keep_last=self.cfg.checkpoint.keep_last, save_ranks=save_ranks,
-                             trained_only=self.lora is not None, record=record))
+                             trained_only=self.lora is not None, record=record,
+                             protect=self.best.saved if self.schedule.load_best else None))
         self.clock.reset()  # the save is not training time
         return path
 
@@ -451,7 +461,7 @@ class Trainer:
         self.engine.ds.train()
         if sched.eval_at_start and start == 0 and max_steps > 0:
             self._eval(0)
-        evaluated = None
+        evaluated, last = None, max_steps
         for step in range(start + 1, max_steps + 1):
             pending = self.train_step(step, batches, pending)
             do_eval = bool(eval_every) and step % eval_every == 0
@@ -459,11 +469,17 @@ class Trainer:
             if do_eval or do_save:
                 self.report(pending)
                 pending = None
+            stop = False
             if do_eval:
-                self._eval(step)
+                stop = self._eval(step)
                 evaluated = step
             if do_save:
                 result.checkpoint = self.save(step)
+            if stop and step < max_steps:  # as HF: no save at this step beyond the cadence's
+                self._say(f"early stopping after step {step}: {self.best.stale} evaluations in a row without an "
+                          f"eval loss below {self.best.loss:.4f} (step {self.best.step})")
+                last, result.stopped_early = step, True
+                break
             if self.stopping is not None and step < max_steps:  # every rank sees it at the same step
                 if pending is not None:
                     self.report(pending)
@@ -473,13 +489,15 @@ class Trainer:
                 return result
         if pending is not None:
             self.report(pending)
-        if sched.eval_at_end and max_steps > start and evaluated != max_steps:
-            self._eval(max_steps)
+        if sched.eval_at_end and last > start and evaluated != last:
+            self._eval(last)
         if self.device.type == "cuda" and self.rank == 0:
             self.log(metrics.memory_summary())
-        result.final_step = max(start, max_steps)
-        if cfg.checkpoint.dir and max_steps > start and (not save_every or max_steps % save_every):
+        result.final_step = max(start, last)
+        if cfg.checkpoint.dir and last == max_steps > start and (not save_every or max_steps % save_every):
             result.checkpoint = self.save(max_steps)
+        if sched.load_best:
+            self._load_best(result.final_step)
         if export and cfg.checkpoint.export_hf and self.lora is not None:
             result.exported = str(export_lora(self.engine.ds, self.lora, self.arch, cfg, cfg.checkpoint.export_hf,
                                               rank=self.rank, tp_group=self.groups.tp,
@@ -493,6 +511,22 @@ class Trainer:
             self._say(f"exported HF model to {result.exported} (tokenizer"
                       f"{' and chat template' if self.chat_template else ''} included)")
         return result
+
+    def _load_best(self, final: int) -> None:
+        """HF's load_best_model_at_end: the weights of the best checkpoint replace the last ones before the export."""
+        b = self.best
+        if b.saved is None:
+            self._say("best checkpoint: no saved step had a new best eval loss; the last model is exported")
+            return
+        self.result.best_step = b.saved
+        if b.saved == final:
+            self._say(f"best checkpoint: step {b.saved} (eval_loss {b.saved_loss:.4f}) is the last one")
+            return
+        ckpt.load(self.engine.ds, self.cfg.checkpoint.dir, tag=ckpt.tag_for(b.saved), restore_rng_state=False,
+                  trained_only=self.lora is not None, arch=self.arch, tp_rank=self.layout.coords(self.rank)[Axis.TP],
+                  tp=self.layout.tp)
+        self._say(f"best checkpoint: reloaded step {b.saved} (eval_loss {b.saved_loss:.4f}) in place of step "
+                  f"{final}'s weights (load_best_model_at_end)")
 
     def close(self) -> None:
         if self.preempt is not None:

@@ -5,7 +5,10 @@ lora.yml (8-bit) and qlora.yml, both at sequence_len 8192 over Mistral v0.1's 40
 need, said in one line), unchanged but for local dataset paths: `plan` and `preprocess` pass, and plan says what is
 trained and how the base is stored (issue 27's proof). qwen3/32b-qlora.yaml is refused in one line for what
 nd-adapter does not run: torchao's 4-bit AdamW (`adamw_torch_4bit`). Issue 29 adds gemma2/qlora.yml and
-gemma3/gemma-3-{1b,270m,4b}-qlora.yml (copied unchanged as gemma2-qlora.yml, gemma-3-*-qlora.yml)."""
+gemma3/gemma-3-{1b,270m,4b}-qlora.yml (copied unchanged as gemma2-qlora.yml, gemma-3-*-qlora.yml), and Phi's
+phi/phi3-ft.yml (LoRA, `alpaca:phi`, early stopping with the best checkpoint exported), phi/lora-3.5.yaml (copied as
+phi-lora-3.5.yaml: an 8-bit base under packed qkv/gate_up linears, `bfloat16: true`, the `phi_3` template) and the
+full fine-tune phi/phi3-ft-fsdp.yml (FSDP parameter offload named as memory placement, not used)."""
 from __future__ import annotations
 
 import json
@@ -33,6 +36,11 @@ PASS = {"lora-1b.yml": ("LoRA r 16, alpha 32 (scale 2), dropout 0.05 on q_proj, 
 # issue 29: Gemma 2 (QLoRA on all linears, soft-capping, eot_tokens <end_of_turn>, Axolotl's `gemma` template)
 PASS["gemma2-qlora.yml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
                             "gate_proj, up_proj, down_proj of all 42 layers", "the base frozen, NF4")
+PASS["phi3-ft.yml"] = ("LoRA r 64, alpha 32 (scale 0.5), dropout 0.05 on qkv_proj, o_proj, gate_up_proj, down_proj of "
+                       "all 32 layers", "the base frozen, 16-bit")
+PASS["phi-lora-3.5.yaml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on qkv_proj, o_proj, gate_up_proj, "
+                             "down_proj of all 32 layers", "the base frozen, int8")
+FULL = {"phi3-ft-fsdp.yml": "fsdp_config.fsdp_offload_params: not used (memory placement only"}
 REFUSED = {"qwen3-32b-qlora.yaml": "optimizer='adamw_torch_4bit'"}
 # Gemma 3's QLoRA examples (1B, 270M text models; 4B image-text) also list unfrozen_parameters, which with an adapter
 # would train base weights (in Axolotl the patterns meet the PEFT model's base_model.model.* names): plan refuses it
@@ -41,7 +49,8 @@ GEMMA3 = ("gemma-3-1b-qlora.yml", "gemma-3-270m-qlora.yml", "gemma-3-4b-qlora.ym
 WITHOUT_UNFROZEN = "-no-unfrozen"
 MODELS = ("NousResearch/Llama-3.2-1B", "NousResearch/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-v0.1",
           "Qwen/Qwen3-8B", "Qwen/Qwen2-7B", "Qwen/Qwen3-32B", "google/gemma-2-9b", "google/gemma-3-1b-it",
-          "google/gemma-3-270m-it", "google/gemma-3-4b-it")
+          "google/gemma-3-270m-it", "google/gemma-3-4b-it", "microsoft/Phi-3-mini-4k-instruct",
+          "microsoft/Phi-3.5-mini-instruct")
 DRIVER = """
 import contextlib, io, json, os, sys
 from adapter.cli import main
@@ -65,13 +74,14 @@ def results(tmp_path_factory):
     alpaca = write_jsonl(root / "data/alpaca.jsonl", alpaca_rows())
     chat = [{"messages": [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}]}
             for r in alpaca_rows()]
-    data = {"instruct-lora-8b.yml": write_jsonl(root / "data/messages.jsonl", chat)}
+    messages = write_jsonl(root / "data/messages.jsonl", chat)
+    data = {"instruct-lora-8b.yml": messages, "phi-lora-3.5.yaml": messages}
     orca = write_jsonl(root / "data/conversations.jsonl", [  # SlimOrca's columns, as the Gemma examples map them
         {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": r["instruction"]},
                            {"from": "gpt", "value": r["output"]}]} for r in alpaca_rows()])
     data.update({n: orca for n in ("gemma2-qlora.yml", *GEMMA3)})
     runs, labels = [], []
-    for name in [*PASS, *REFUSED, *GEMMA3, *(n + WITHOUT_UNFROZEN for n in GEMMA3)]:
+    for name in [*PASS, *FULL, *REFUSED, *GEMMA3, *(n + WITHOUT_UNFROZEN for n in GEMMA3)]:
         src = name.removesuffix(WITHOUT_UNFROZEN)
         work = root / (src.split(".")[0] + name[len(src):])
         work.mkdir()
@@ -102,6 +112,25 @@ def test_lora_examples_plan_and_preprocess_unchanged(results, name):
     adapters, base = PASS[name]
     assert f"adapter: {adapters}" in said and base in said[said.index("adapter: LoRA"):], out[:3000]
     assert "predicted peak" in out
+    code, out, err = results[(name, "preprocess")]
+    assert code == 0 and "prepared data:" in out, (out[-2000:], err[-2000:])
+
+
+def test_phi_examples_say_what_they_change(results):
+    """phi3-ft.yml: Axolotl's rule turns load_best_model_at_end on (an eval set, save_steps 5000 a multiple of
+    eval_steps 1000) beside its early stopping; phi-lora-3.5.yaml (`bf16: true` and `bfloat16: true`) trains in
+    bf16 as Axolotl does."""
+    said = " ".join(results[("phi3-ft.yml", "plan")][1].split())
+    assert "load_best_model_at_end: on (Axolotl's rule: unset counts as on, an eval set, save_steps a multiple of " \
+        "eval_steps)" in said, said[:3000]
+    assert "precision: bf16" in " ".join(results[("phi-lora-3.5.yaml", "plan")][1].split())
+
+
+@pytest.mark.parametrize("name", list(FULL))
+def test_full_fine_tune_examples_plan_and_preprocess_unchanged(results, name):
+    code, out, err = results[(name, "plan")]
+    said = " ".join(out.split())
+    assert code == 0 and FULL[name] in said and "predicted peak" in out, (out[-3000:], err[-2000:])
     code, out, err = results[(name, "preprocess")]
     assert code == 0 and "prepared data:" in out, (out[-2000:], err[-2000:])
 

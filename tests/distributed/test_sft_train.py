@@ -14,6 +14,7 @@ from tests.helpers.sft import MaskedData, hf_reference, make_model, rel
 pytestmark = pytest.mark.slow
 
 SEQ, VOCAB, LR = 32, 512, 2e-3
+BEST_LR = 2e-2
 # trained tokens per sample; one optimizer step = 4 consecutive samples (global batch 4, no shuffling): the
 # first step mixes 1 and 31 trained tokens, the second trains none at all, the third is uneven again
 TRAINED = [1, 31, 2, 20, 0, 0, 0, 0, 5, 31, 3, 12]
@@ -173,6 +174,16 @@ def _weights_worker(rank, world, model_dir, root):
     out["export1"] = one("export 1", sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=2, **over))
     out["export2"] = one("export 2", sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=3, **over), resume=True)
     out["entry"] = entry
+    # the best checkpoint and early stopping (Axolotl's load_best_model_at_end, early_stopping_patience): a learning
+    # rate high enough that the eval loss turns back up
+    _use_data(MaskedData(TRAINED, SEQ, VOCAB), MaskedData(VAL, SEQ, VOCAB, seed=1))
+    bd = f"{root}/best"
+    r = run(sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=8, **{
+        "checkpoint.dir": bd, "checkpoint.export_hf": f"{bd}/hf", "checkpoint.save_every": 2,
+        "checkpoint.keep_last": 1, "checkpoint.load_best": True, "eval.every": 1, "eval.early_stopping_patience": 3,
+        "optimizer.lr": BEST_LR}), log=lambda s: None)
+    out["best"] = {"eval": r.eval_losses, "best": r.best_step, "final": r.final_step, "early": r.stopped_early,
+                   "kept": sorted(p.name for p in Path(bd).glob("global_step*"))}
     return out
 
 
@@ -180,7 +191,7 @@ def test_weights_from_base_model_cache_reuse_damage_and_export(model_dir, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.helpers.sft import batch_of, hf_loss
+    from tests.helpers.sft import batch_of, hf_best, hf_loss
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
@@ -220,6 +231,20 @@ def test_weights_from_base_model_cache_reuse_damage_and_export(model_dir, tmp_pa
     assert gen.shape[1] == prompt["input_ids"].shape[1] + 5
     start = dict(hf.named_parameters())["model.layers.0.mlp.down_proj.weight"]
     assert not torch.equal(dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"], start)
+    # best checkpoint and early stopping: the steps transformers' own Trainer code picks from the same eval losses
+    # (saves every 2 steps), the best one kept beside the newest (keep_last 1), and the export is that checkpoint:
+    # its held-out loss in transformers is the one logged after its step
+    b = r["best"]
+    evals = {s: v for s, v in b["eval"] if s > 0}
+    best, stop = hf_best(evals, set(range(2, b["final"] + 1, 2)), patience=3)
+    assert (b["best"], b["final"] if b["early"] else None) == (best, stop), b
+    assert b["early"] and b["best"] != b["final"], b  # the case where the export is not the last model
+    assert b["kept"] == sorted({f"global_step{best}", f"global_step{max(range(2, b['final'] + 1, 2))}"}), b
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "best/hf"), dtype=torch.float32)
+    val = MaskedData(VAL, SEQ, VOCAB, seed=1)
+    with torch.no_grad():
+        got = float(hf_loss(exported, batch_of(val, range(len(val)))))
+    assert rel(got, evals[best]) < 1e-5, (got, evals)
 
 
 # --- through the CLI --------------------------------------------------------------------------------------------

@@ -210,3 +210,35 @@ def make_gemma(out: Path, tokenizer_dir: Path, version: int = 3, *, hidden: int 
         cfg = Gemma2Config(**common, tie_word_embeddings=False, attn_logit_softcapping=4.0,
                            final_logit_softcapping=6.0)
     return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
+
+
+def hf_best(evals: dict[int, float], saves: set[int], patience: int | None = None) -> tuple[int | None, int | None]:
+    """(best checkpoint step, early-stop step) as transformers' own code decides them: `EarlyStoppingCallback`
+    sees each evaluation first (inside `evaluate`), then `Trainer._determine_best_metric`, then a save at that step
+    names the best checkpoint when `checkpoint-{best_global_step}` exists. `evals`: step -> eval loss after steps
+    >= 1; `saves`: the steps HF saves."""
+    from types import SimpleNamespace
+
+    from transformers import EarlyStoppingCallback, Trainer, TrainerControl, TrainerState
+    from transformers.trainer_utils import SaveStrategy
+
+    args = SimpleNamespace(metric_for_best_model="eval_loss", greater_is_better=False,
+                           save_strategy=SaveStrategy.STEPS, load_best_model_at_end=True)
+    state, control = TrainerState(), TrainerControl()
+    trainer = SimpleNamespace(args=args, state=state)
+    stopper = EarlyStoppingCallback(patience) if patience else None
+    best, saved = None, set()
+    for step in sorted(set(evals) | saves):
+        state.global_step = step
+        if step in evals:
+            metrics = {"eval_loss": evals[step]}
+            if stopper is not None:
+                stopper.on_evaluate(args, state, control, metrics)
+            Trainer._determine_best_metric(trainer, metrics, None)
+        if step in saves:
+            saved.add(step)
+            if state.best_global_step and state.best_global_step in saved:
+                best = state.best_global_step
+        if control.should_training_stop:
+            return best, step
+    return best, None

@@ -82,8 +82,6 @@ def test_context_parallel_block_and_flat_keys():
     ({"context_parallel": {"size": 8}, "context_parallel_size": 4}, "conflicts with context_parallel_size=4"),
     ({"context_parallel": 8}, "context_parallel=8: must be a mapping"),
     ({"context_parallel_size": 2, "ring_attn_func": "batch_stripe"}, "ring_attn_func='batch_stripe'"),
-    ({"fsdp_config": {"offload_params": True}}, "fsdp_config.offload_params=True: CPU offload"),
-    ({"fsdp": ["full_shard", "offload"]}, "fsdp=['full_shard', 'offload']: CPU offload"),
     ({"optimizer": "lion_8bit"}, "optimizer='lion_8bit': nd-adapter trains with AdamW (fp32 or 8-bit moments) only"),
     ({"bf16": True, "fp16": True}, "fp16=True: conflicts with bf16=True"),
     ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_ratio=0.1: Axolotl takes warmup_steps or warmup_ratio"),
@@ -150,7 +148,6 @@ def test_kernel_keys_get_one_line_and_other_plugins_are_ignored_or_refused():
     ({"pretraining_dataset": [{"path": "allenai/c4", "name": "en", "type": "pretrain"}]},
      "pretraining_dataset[0].path='allenai/c4': not a local file or directory: nd-adapter does not stream hub"),
     ({"embedding_lr_scale": 0.5}, "embedding_lr_scale=0.5"),
-    ({"early_stopping_patience": 3}, "early_stopping_patience=3"),
     ({"resume_from_checkpoint": "out/checkpoint-100"}, "resume_from_checkpoint"),
     ({"auto_resume_from_checkpoints": False}, "auto_resume_from_checkpoints=False"),
     ({"tokenizer_config": "other/tokenizer"}, "tokenizer_config='other/tokenizer'"),
@@ -342,13 +339,23 @@ def test_evals_per_epoch_zero_means_no_evaluation():
     ({"warmup_steps": 0.1}, "warmup_steps=0.1: "),
     ({"evals_per_epoch": -1}, "evals_per_epoch=-1: "),
     ({"micro_batch_size": 0}, "micro_batch_size=0: "),
-    ({"fsdp_version": 2, "fsdp_config": {"fsdp_offload_params": True}}, "fsdp_config.fsdp_offload_params=True: "),
-    ({"fsdp_config": {"offload_params": True}}, "fsdp_config.offload_params=True: "),
 ])
 def test_errors_name_the_key_as_the_file_spells_it(keys, needle):
     with pytest.raises(UserError) as e:
         build(world=8, **keys)
     assert str(e.value).startswith(needle) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("keys, said", [
+    ({"fsdp_version": 2, "fsdp_config": {"fsdp_offload_params": True}}, "fsdp_config.fsdp_offload_params"),
+    ({"fsdp_config": {"offload_params": True}}, "fsdp_config.offload_params"),
+    ({"fsdp": ["full_shard", "offload"]}, "fsdp: offload"),
+])
+def test_fsdp_offload_is_memory_placement_said_in_one_line(keys, said):
+    """FSDP's CPU offload moves where shards live, not what is computed: as a DeepSpeed JSON's offload_param, it is
+    named as not used and `plan` says whether the run fits without it (Axolotl's phi/phi3-ft-fsdp.yml)."""
+    notes = [n for n in build(world=8, **keys).notes if "offload" in n]
+    assert len(notes) == 1 and notes[0].startswith(f"{said}: not used (memory placement only"), notes
 
 
 def test_memory_advice_in_the_file_s_words_and_only_what_applies():
@@ -444,3 +451,44 @@ def test_save_only_model_is_said_not_silently_dropped():
     assert len(said) == 1 and "optimizer state" in said[0] and "--resume" in said[0], notes
     assert not any("save_only_model" in n for n in notes if n.startswith("ignored")), notes
     assert not any(n.startswith("save_only_model:") for n in build(save_only_model=False).notes)
+
+
+@pytest.mark.parametrize("keys, on, said", [
+    # Axolotl's rule (core/builders/causal.py): unset counts as on, given an eval set and save_steps a multiple of
+    # eval_steps in its own units (fractions of the run from saves/evals_per_epoch)
+    ({"val_set_size": 0.1, "evals_per_epoch": 4, "saves_per_epoch": 2}, True, "unset counts as on"),
+    ({"val_set_size": 0.1, "eval_steps": 5, "save_steps": 10}, True, "unset counts as on"),
+    ({"val_set_size": 0.1, "eval_steps": 5, "save_steps": 10, "load_best_model_at_end": False}, False, None),
+    ({"val_set_size": 0.1, "evals_per_epoch": 4, "saves_per_epoch": 1}, False, None),  # one save per epoch
+    ({"val_set_size": 0.1, "evals_per_epoch": 4, "saves_per_epoch": 1, "early_stopping_patience": 3}, False,
+     "no save_steps"),
+    ({"val_set_size": 0.1, "eval_steps": 3, "save_steps": 10, "load_best_model_at_end": True}, False,
+     "save_steps 10 is not a multiple of eval_steps 3"),
+    ({"eval_steps": 5, "save_steps": 10, "load_best_model_at_end": True}, False, "there is no eval set"),
+    ({"val_set_size": 0.1, "eval_steps": 5, "save_steps": 10, "load_best_model_at_end": False,
+      "early_stopping_patience": 2}, True, "early stopping"),
+])
+def test_load_best_model_at_end_follows_axolotls_rule(keys, on, said):
+    cfg = build(**keys, output_dir="out")
+    assert cfg.checkpoint.load_best is on
+    notes = [n for n in cfg.notes if n.startswith("load_best_model_at_end")]
+    assert (said is None and not notes) or (said is not None and said in notes[0]), notes
+
+
+def test_early_stopping_and_best_checkpoint_refusals():
+    from adapter.train import schedule
+
+    cfg = build(early_stopping_patience=2, output_dir="out")
+    with pytest.raises(UserError, match=r"^early_stopping_patience=2: early stopping needs an eval set"):
+        schedule.resolve(cfg, 1000, has_val=False)
+    s = schedule.resolve(build(early_stopping_patience=2, val_set_size=0.1, eval_steps=2, output_dir="out"), 1000,
+                         has_val=True)
+    assert s.patience == 2 and s.eval_every == 2
+    for key, value, needle in (("metric_for_best_model", "accuracy", "chosen by the eval loss"),
+                               ("greater_is_better", True, "keep the worst checkpoint"),
+                               ("save_strategy", "best", "saving only on a new best")):
+        with pytest.raises(UserError, match=f"^{key}="):
+            build(**{key: value})
+        with pytest.raises(UserError, match=needle):
+            build(**{key: value})
+    assert build(metric_for_best_model="eval_loss").checkpoint.load_best is False

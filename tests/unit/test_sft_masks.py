@@ -11,6 +11,7 @@ from adapter.config.schema import DatasetEntry
 from adapter.data.sft import formats, templates
 from adapter.data.sft.prepare import load_tokenizer
 from adapter.demo.build import CHAT_DATA
+from adapter.errors import UserError
 from tests.helpers.sft_data import VOCAB, axolotl_cfg, runs, tiny_model
 
 BOS, EOS, IMS, IME = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -45,9 +46,9 @@ MID = f"{IME}\n{IMS}user\nAnd then?{IME}\n{IMS}assistant\n"
 
 # --- alpaca, input_output, completion, pre-tokenised ---------------------------------------------------------------
 
-def alpaca_rows(model, tmp_path, rows, train_on_inputs=False, seq_len=256):
+def alpaca_rows(model, tmp_path, rows, train_on_inputs=False, seq_len=256, type="alpaca"):
     tok = tokenizer(model, tmp_path)
-    fn = formats.make_formatter("alpaca", DatasetEntry(path="x", type="alpaca"), tok, seq_len=seq_len,
+    fn = formats.make_formatter("alpaca", DatasetEntry(path="x", type=type), tok, seq_len=seq_len,
                                 train_on_inputs=train_on_inputs, where="datasets[0]")
     cols = {k: [r.get(k) for r in rows] for k in ("instruction", "input", "output")}
     out = fn(cols, list(range(len(rows))))
@@ -75,6 +76,28 @@ def test_alpaca_prompt_masked_output_and_eos_trained(model, tmp_path):
     assert (BOS + formats.ALPACA_NO_INPUT).startswith(prompt)
     # an empty output gets no tokens and no EOS (Axolotl): nothing trained, so the example is skipped later
     assert alpaca_rows(model, tmp_path, [{"instruction": "Say nothing.", "output": ""}])[0][-1][1] is False
+
+
+def test_alpaca_prompt_styles_as_axolotls_prompter(model, tmp_path):
+    """`alpaca:phi` (Axolotl's examples/phi/phi3-ft.yml) and the other AlpacaPrompter styles, written out here as
+    axolotl/prompters.py at 067b021 renders them; an unknown style is one line."""
+    rows = [{"instruction": "Name the three sons of Noah.", "output": "Shem."},
+            {"instruction": "Name the wife.", "input": "Isaac", "output": "Rebekah."}]
+    got = alpaca_rows(model, tmp_path, rows, type="alpaca:phi")
+    assert got[0] == [(BOS + "<|system|>\nBelow is an instruction that describes a task. Write a response that "
+                       "appropriately completes the request.<|end|>\n<|user|>\nName the three sons of Noah.<|end|>\n"
+                       "<|assistant|>\n", False), ("Shem." + EOS, True)]
+    assert got[1][0] == (BOS + "<|system|>\nBelow is an instruction that describes a task, paired with an input that "
+                         "provides further context. Write a response that appropriately completes the request.<|end|>"
+                         "\n<|user|>\nName the wife.<|end|>Isaac<|assistant|>", False)
+    chat = alpaca_rows(model, tmp_path, rows[1:], type="alpaca:chat")[0][0][0]
+    assert chat.endswith("request.\nUSER: Name the wife.\nIsaac\nASSISTANT:") and chat.startswith(BOS + "SYSTEM: ")
+    chatml = alpaca_rows(model, tmp_path, rows[:1], type="alpaca:chatml")[0][0][0]
+    assert chatml.endswith("<|im_end|>\n<|im_start|>user\nName the three sons of Noah.<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    assert alpaca_rows(model, tmp_path, rows, type="alpaca:instruct") == alpaca_rows(model, tmp_path, rows)
+    with pytest.raises(UserError, match=r"^datasets\[0\]\.type='alpaca:vicuna': not one of Axolotl's alpaca"):
+        formats.kind_of(DatasetEntry(path="x", type="alpaca:vicuna"), "datasets[0]")
 
 
 def test_input_output_segments(model, tmp_path):
@@ -204,6 +227,9 @@ def test_template_choices_and_refusals(model, tmp_path):
     # Gemma 3: the system message opens the first user turn
     ("gemma3", "<start_of_turn>user\nBe brief.\n\nWho was first?<end_of_turn>\n<start_of_turn>model\n",
      "<end_of_turn>\n<start_of_turn>user\nAnd then?<end_of_turn>\n<start_of_turn>model\n", "<end_of_turn>\n"),
+    # Phi-3: the user turn opens the assistant's
+    ("phi_3", "<|system|>\nBe brief.<|end|>\n<|user|>\nWho was first?<|end|>\n<|assistant|>\n",
+     "<|end|>\n<|user|>\nAnd then?<|end|>\n<|assistant|>\n", "<|end|>\n"),
 ])
 def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, end):
     """Axolotl's `chat_template: llama3` / `gemma` on a tokenizer that has their markers (rendered text checked
@@ -213,7 +239,8 @@ def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, en
 
     tok = AutoTokenizer.from_pretrained(model)
     tok.add_special_tokens({"additional_special_tokens": [IMS, IME, "<|start_header_id|>", "<|end_header_id|>",
-                                                          "<|eot_id|>", "<start_of_turn>", "<end_of_turn>"]})
+                                                          "<|eot_id|>", "<start_of_turn>", "<end_of_turn>",
+                                                          "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
     template = templates.resolve_template(name, None, tok, "")
     conv = CONV if name != "gemma" else {"messages": CONV["messages"][1:]}  # Gemma has no system role
     for eos, option, want in ((None, "turn", [(BOS + head, False), ("Adam.", True), (mid, False), ("Eve.", True),
@@ -231,7 +258,7 @@ def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, en
         for option, trained in (("turn", True), ("none", False)):
             e = DatasetEntry(path="x", type="chat_template", chat_template=name, train_on_eot=option)
             ids, labels, _ = templates.ChatFormatter(e, tok, template, train_on_inputs=False, where="d",
-                                                     eot_tokens=["<end_of_turn>", "<unused>"])(conv, 0)
+                                                     eot_tokens=[end.strip(), "<unused>"])(conv, 0)
             marker = end.strip() if trained else ""
             assert runs(ids, labels, tok) == [(BOS + head, False), ("Adam." + marker, True),
                                               (mid[len(marker):], False), ("Eve." + marker, True),

@@ -2,9 +2,10 @@
 
   completion    text column (`field`, default text): tokenised with the tokenizer's own specials, EOS appended,
                 cut into consecutive chunks of seq_len; everything trained.
-  alpaca        instruction / input / output in Axolotl's instruct prompt; the prompt (BOS included) is masked
-                unless train_on_inputs, the output and the EOS after it are trained. Prompt and output are
-                tokenised apart and truncated to seq_len each, as Axolotl does.
+  alpaca        instruction / input / output in Axolotl's instruct prompt (`alpaca:chat|chatml|phi`: its other
+                AlpacaPrompter styles); the prompt (BOS included) is masked unless train_on_inputs, the output
+                and the EOS after it are trained. Prompt and output are tokenised apart and truncated to seq_len
+                each, as Axolotl does.
   chat_template messages rendered by a chat template (templates.py).
   input_output  `segments: [{label, text}]`, each tokenised without specials, trained where label is true.
   (no type)     pre-tokenised rows: input_ids, optional labels (-100 = masked; absent = all trained) and
@@ -19,11 +20,31 @@ from typing import Any
 from adapter.errors import bad
 
 IGNORE = -100
-ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
-                "Write a response that appropriately completes the request.\n\n"
-                "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
-                   "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+# Axolotl's AlpacaPrompter (its axolotl/prompters.py): the system line, then the turn, per prompt style (`alpaca:<style>`)
+ALPACA_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+                 "Write a response that appropriately completes the request.")
+ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately " \
+    "completes the request."
+ALPACA_STYLES = {  # style: (system format, turn with input, turn without input)
+    "instruct": ("{system}\n\n", "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+                 "### Instruction:\n{instruction}\n\n### Response:\n"),
+    "chat": ("SYSTEM: {system}\n", "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
+    "chatml": ("<|im_start|>system\n{system}<|im_end|>\n",
+               "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"),
+    "phi": ("<|system|>\n{system}<|end|>\n", "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+            "<|user|>\n{instruction}<|end|>\n<|assistant|>\n"),
+}
+
+
+def alpaca_prompt(style: str, instruction: str, input: str) -> str:
+    system, turn, bare = ALPACA_STYLES[style]
+    if input:
+        return system.format(system=ALPACA_SYSTEM) + turn.format(instruction=instruction, input=input)
+    return system.format(system=ALPACA_SYSTEM_NO_INPUT) + bare.format(instruction=instruction)
+
+
+ALPACA_NO_INPUT = alpaca_prompt("instruct", "{instruction}", "")
 TYPES = ("completion", "alpaca", "chat_template", "input_output")
 PRETOKENISED = "pretokenised"
 CHAT_KEYS = {"field_messages", "field_system", "field_tools", "message_property_mappings", "roles", "roles_to_train",
@@ -40,8 +61,10 @@ def kind_of(entry, where: str) -> str:
                   "use type: chat_template with message_property_mappings: {role: from, content: value} and "
                   "field_messages: conversations")
     elif t.startswith("alpaca:"):
-        raise bad(f"{where}.type", t, "only Axolotl's default alpaca prompt (instruct) is supported",
-                  "use type: alpaca, or chat_template for chat-style prompts")
+        if t.split(":", 1)[1] not in ALPACA_STYLES:
+            raise bad(f"{where}.type", t, "not one of Axolotl's alpaca prompt styles",
+                      f"use one of {', '.join('alpaca:' + s for s in ALPACA_STYLES)} (or alpaca: instruct)")
+        kind = "alpaca"
     elif t not in TYPES:
         raise bad(f"{where}.type", t, "unknown dataset type",
                   f"use one of {', '.join(TYPES)}, or leave type out for pre-tokenised rows (input_ids, labels)")
@@ -109,14 +132,15 @@ def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool
         return completion
 
     if kind == "alpaca":
+        style = entry.type.split(":", 1)[1] if ":" in entry.type else "instruct"
+
         def alpaca(batch, idx):
             inputs = batch.get("input") or [None] * len(idx)
             prompts, outputs = [], []
             for ins, inp, o, i in zip(batch["instruction"], inputs, batch["output"], idx):
                 ins, inp, o = (_text(ins, where, "instruction", i), _text(inp, where, "input", i, optional=True),
                                _text(o, where, "output", i))
-                prompts.append(ALPACA_INPUT.format(instruction=ins, input=inp) if inp else
-                               ALPACA_NO_INPUT.format(instruction=ins))
+                prompts.append(alpaca_prompt(style, ins, inp))
                 outputs.append(o)
             p_ids = tok(prompts, truncation=True, max_length=seq_len)["input_ids"]
             nonempty = [o for o in outputs if o]
@@ -180,5 +204,5 @@ def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool
     return pretokenised
 
 
-__all__ = ["TYPES", "PRETOKENISED", "ALPACA_INPUT", "ALPACA_NO_INPUT", "kind_of", "required_columns",
+__all__ = ["TYPES", "PRETOKENISED", "ALPACA_STYLES", "ALPACA_NO_INPUT", "alpaca_prompt", "kind_of", "required_columns",
            "check_columns", "make_formatter"]

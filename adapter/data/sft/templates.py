@@ -56,7 +56,12 @@ GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
           "{% else %}{{ raise_exception('image parts are not supported: nd-adapter trains the language model') }}"
           "{% endif %}{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-BUILTIN = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA, "gemma3": GEMMA3}
+# Phi-3 (as Axolotl's `phi_3`): BOS once; a user turn ends by opening the assistant's; no generation-prompt branch
+PHI_3 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+         "{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'user' %}"
+         "{{ '<|user|>\n' + message['content'] + '<|end|>\n<|assistant|>\n' }}"
+         "{% elif message['role'] == 'assistant' %}{{ message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}")
+BUILTIN = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA, "gemma3": GEMMA3, "phi_3": PHI_3}
 CHOICES = ("tokenizer_default", "tokenizer_default_fallback_<name>", *BUILTIN, "jinja")
 SENTINELS = ("\x01", "\x02")  # one character each: they differ in their first and in their last character
 EOS_WINDOW = 4  # the EOS must be among the first 4 tokens after the content (Axolotl: |eos - end| <= 3)
