@@ -37,6 +37,8 @@ SAVABLE = ("embed_tokens", "lm_head")  # modules_to_save nd-adapter trains in fu
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the llama/mistral/qwen families
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved keys start with (a PeftModel around a CausalLM)
 ALL_LINEAR = "all-linear"
+# names PEFT finds in Llama-shaped layers and not in families that pack them into one HF linear
+PACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT adapter directory
 NF4_BLOCK = 64  # bitsandbytes' QLoRA blocksize (Axolotl's and transformers' default)
 # The frozen base's formats (adapter/modeling/quant.py): bytes a decoder-linear weight takes, and the run's words.
@@ -105,6 +107,7 @@ class LoraSpec:
     layers: tuple[int, ...] | None     # layers_to_transform, or None for all
     init_from: str | None = None       # a PEFT adapter directory to start from (Axolotl's lora_model_dir)
     quantize_base: str | None = None   # of BASE_FORMATS: the frozen decoder linears quantised (None: 16-bit)
+    skipped: tuple[str, ...] = ()      # listed names this family packs into another linear: matched by nothing
 
     @property
     def scale(self) -> float:
@@ -192,9 +195,14 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
             module = mods[name].format(i=i)
             if target_linear or (target_modules and _matches(target_modules, module)):
                 targets.append(Target(i, per_layer[name], module))
+    packs = {part: packed for packed, parts in PACKED_PARTS.items() if packed in names for part in parts}
+    skipped = []
     if isinstance(target_modules, list):
         for t in target_modules:
             if not any(_matches([t], tg.hf_module) for tg in targets):
+                if t in packs and targets:  # PEFT (so Axolotl) adapts the other names and none of these
+                    skipped.append(t)
+                    continue
                 raise bad(key, t, f"matches no linear of this {arch.family} model's layers"
                           + ("" if layers is None else " among the chosen layers"),
                           f"use names it has: {', '.join(names)} ({spell('lora.target_linear')}: true takes all)")
@@ -218,7 +226,7 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
                     modules_to_save=tuple(save), target_names=hit_names,
                     peft_targets=target_modules if regex else hit_names,
                     layers=None if layers is None else tuple(layer_ids), init_from=init_from,
-                    quantize_base=quantize_base)
+                    quantize_base=quantize_base, skipped=tuple(skipped))
 
 
 def from_config(cfg, arch: ModelArch) -> LoraSpec | None:
@@ -261,7 +269,15 @@ def describe(spec: LoraSpec, arch: ModelArch, key: str = "lora") -> str:
     return (f"{key}: LoRA r {spec.r}, alpha {spec.alpha:g} (scale {spec.scale:g}{', rslora' if spec.rslora else ''})"
             f"{drop} on {', '.join(spec.target_names)} of {where}{saved}: {count(total)} trained parameters "
             f"({100 * total / max(1, n):.2f}% of {count(n)}); the base frozen, "
-            f"{base}" + (f"; adapters start from {spec.init_from}" if spec.init_from else ""))
+            f"{base}" + (f"; adapters start from {spec.init_from}" if spec.init_from else "") + _skipped(spec, arch))
+
+
+def _skipped(spec: LoraSpec, arch: ModelArch) -> str:
+    if not spec.skipped:
+        return ""
+    into = sorted({p for p, parts in PACKED_PARTS.items() for s in spec.skipped if s in parts})
+    return (f"; {', '.join(spec.skipped)} match no linear: {arch.family} packs them into {', '.join(into)}, which "
+            f"PEFT (and so Axolotl) leaves without an adapter for these names; list {', '.join(into)} to adapt it")
 
 
 def peft_key(target: Target, which: str) -> str:

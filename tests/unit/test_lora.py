@@ -93,6 +93,29 @@ def test_refusals_are_one_line(kw, match):
     assert "\n" not in str(e.value)
 
 
+def test_names_a_family_packs_are_skipped_as_peft_skips_them():
+    """Axolotl's glm4/qlora-32b.yaml lists gate_proj and up_proj, which GLM-4 packs into gate_up_proj: PEFT (what
+    Axolotl runs) adapts the names that exist and none of these; so does nd-adapter, and says so. A name no family
+    packs (a typo) is still refused, and so is a list that matches nothing (PEFT raises too)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    hf = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=256, pad_token_id=0)
+    arch = arch_from_hf_dict({"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", **hf})
+    listed = ["gate_proj", "down_proj", "up_proj", "q_proj"]
+    s = lora.resolve(arch, r=4, alpha=8, target_modules=listed)
+    peft = get_peft_model(Glm4ForCausalLM(Glm4Config(**hf)), LoraConfig(r=4, target_modules=listed))
+    adapted = {n.split(".")[-2] for n, _ in peft.named_modules() if n.endswith(".lora_A")}
+    assert adapted == {"down_proj", "q_proj"} and set(s.target_names) == adapted, (adapted, s.target_names)
+    assert s.skipped == ("gate_proj", "up_proj")
+    assert "; gate_proj, up_proj match no linear: glm4 packs them into gate_up_proj" in lora.describe(s, arch)
+    with pytest.raises(UserError, match=r"c_attn.*matches no linear"):
+        lora.resolve(arch, r=4, alpha=8, target_modules=["q_proj", "c_attn"])
+    with pytest.raises(UserError, match=r"matches no linear"):
+        lora.resolve(arch, r=4, alpha=8, target_modules=["gate_proj", "up_proj"])
+
+
 def test_peft_names_and_config():
     s = spec(target_modules=["q_proj"], modules_to_save=["lm_head", "embed_tokens"])
     assert lora.peft_key(s.targets[0], "A") == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"

@@ -20,7 +20,7 @@ from typing import Any
 from adapter.errors import bad
 
 IGNORE = -100
-# Axolotl's AlpacaPrompter (its axolotl/prompters.py): the system line, then the turn, per prompt style (`alpaca:<style>`)
+# Axolotl's AlpacaPrompter (axolotl/prompters.py): a system line, then the turn, per style (`alpaca:<style>`)
 ALPACA_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further context. "
                  "Write a response that appropriately completes the request.")
 ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately " \
