@@ -8,7 +8,9 @@ nd-adapter does not run: torchao's 4-bit AdamW (`adamw_torch_4bit`). Issue 29 ad
 gemma3/gemma-3-{1b,270m,4b}-qlora.yml (copied unchanged as gemma2-qlora.yml, gemma-3-*-qlora.yml), and Phi's
 phi/phi3-ft.yml (LoRA, `alpaca:phi`, early stopping with the best checkpoint exported), phi/lora-3.5.yaml (copied as
 phi-lora-3.5.yaml: an 8-bit base under packed qkv/gate_up linears, `bfloat16: true`, the `phi_3` template) and the
-full fine-tune phi/phi3-ft-fsdp.yml (FSDP parameter offload named as memory placement, not used)."""
+full fine-tune phi/phi3-ft-fsdp.yml (FSDP parameter offload named as memory placement, not used); glm4/qlora-32b.yaml
+(copied as glm4-qlora-32b.yaml) lists gate_proj and up_proj, which GLM-4 packs into gate_up_proj: skipped and said, as
+PEFT skips them."""
 from __future__ import annotations
 
 import json
@@ -40,6 +42,8 @@ PASS["phi3-ft.yml"] = ("LoRA r 64, alpha 32 (scale 0.5), dropout 0.05 on qkv_pro
                        "all 32 layers", "the base frozen, 16-bit")
 PASS["phi-lora-3.5.yaml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on qkv_proj, o_proj, gate_up_proj, "
                              "down_proj of all 32 layers", "the base frozen, int8")
+PASS["glm4-qlora-32b.yaml"] = ("LoRA r 16, alpha 32 (scale 2), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
+                                "down_proj of all 61 layers", "the base frozen, NF4")
 FULL = {"phi3-ft-fsdp.yml": "fsdp_config.fsdp_offload_params: not used (memory placement only"}
 REFUSED = {"qwen3-32b-qlora.yaml": "optimizer='adamw_torch_4bit'"}
 # Gemma 3's QLoRA examples (1B, 270M text models; 4B image-text) also list unfrozen_parameters, which with an adapter
@@ -50,7 +54,7 @@ WITHOUT_UNFROZEN = "-no-unfrozen"
 MODELS = ("NousResearch/Llama-3.2-1B", "NousResearch/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-v0.1",
           "Qwen/Qwen3-8B", "Qwen/Qwen2-7B", "Qwen/Qwen3-32B", "google/gemma-2-9b", "google/gemma-3-1b-it",
           "google/gemma-3-270m-it", "google/gemma-3-4b-it", "microsoft/Phi-3-mini-4k-instruct",
-          "microsoft/Phi-3.5-mini-instruct")
+          "microsoft/Phi-3.5-mini-instruct", "THUDM/GLM-4-32B-0414")
 DRIVER = """
 import contextlib, io, json, os, sys
 from adapter.cli import main
@@ -124,6 +128,8 @@ def test_phi_examples_say_what_they_change(results):
     assert "load_best_model_at_end: on (Axolotl's rule: unset counts as on, an eval set, save_steps a multiple of " \
         "eval_steps)" in said, said[:3000]
     assert "precision: bf16" in " ".join(results[("phi-lora-3.5.yaml", "plan")][1].split())
+    said = " ".join(results[("glm4-qlora-32b.yaml", "plan")][1].split())
+    assert "gate_proj, up_proj match no linear: glm4 packs them into gate_up_proj" in said, said[:3000]
 
 
 @pytest.mark.parametrize("name", list(FULL))

@@ -51,7 +51,7 @@ MODELS: dict[str, str | dict] = {
                        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
                        "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16"},
     "google/gemma-2-9b": "gemma-2-9b", "google/gemma-3-4b-it": "gemma-3-4b-it",
-    "microsoft/Phi-3.5-mini-instruct": "phi-3.5-mini-instruct",
+    "microsoft/Phi-3.5-mini-instruct": "phi-3.5-mini-instruct", "THUDM/GLM-4-32B-0414": "glm-4-32b-0414",
     "google/gemma-3-1b-it": {**_GEMMA3_TEXT, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
                              "num_attention_heads": 4, "num_key_value_heads": 1},
     "google/gemma-3-270m-it": {**_GEMMA3_TEXT, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,

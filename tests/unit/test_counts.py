@@ -52,7 +52,8 @@ def test_qwen3_4b_by_hand():
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "mistral-7b", "phi-4", "phi-3-mini-4k",
-                                  "phi-3.5-mini-instruct", "gemma-2-9b", "gemma-3-4b-shape"])
+                                  "phi-3.5-mini-instruct", "gemma-2-9b", "gemma-3-4b-shape", "glm-4-9b-0414",
+                                  "glm-4-32b-0414"])
 def test_num_params_is_the_hf_model_s(name):
     """The parameter count transformers gives for the shipped configs (a meta-device model: no memory)."""
     import torch
