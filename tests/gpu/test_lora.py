@@ -35,6 +35,32 @@ def test_quantised_base_on_cuda_equals_bitsandbytes_cuda():
     assert (cb != ref_cb).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("fused", ["linear_qkv", "linear_fc1"])
+def test_packed_phi3_base_on_cuda_equals_bitsandbytes_of_the_whole_hf_tensor(fused):
+    """Phi-3's qkv_proj / gate_up_proj: bitsandbytes quantises each as one tensor (one double-quantisation vector
+    in the HF row order); ours, in Megatron's row order, must give the same codes and scales row for row."""
+    import bitsandbytes.functional as bnbf
+    import torch
+
+    from adapter.modeling.quant import nf4_quantize, packed_of
+    from adapter.models.arch import arch_from_hf_dict
+    from adapter.models.mapping import Ctx
+
+    arch = arch_from_hf_dict({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 1024,
+                              "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 2048,
+                              "num_hidden_layers": 1, "vocab_size": 512})
+    rule, c = packed_of(arch, fused), Ctx(arch, 0)
+    rows = 1024 + 2 * 256 if fused == "linear_qkv" else 2 * 2048
+    hf = (torch.randn(rows, 1024, device="cuda") * 0.02).to(torch.bfloat16)
+    hf[: rows // 3] *= 4  # rows of another scale, so that mixing the parts' absmaxes would show
+    codes, scales = nf4_quantize(rule.to_megatron([hf], c), arch, fused, 1, 0, None)
+    q, state = bnbf.quantize_4bit(hf, blocksize=64, compress_statistics=True, quant_type="nf4")
+    want = (bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset).float().view(rows, -1)
+    assert torch.equal(scales.view(rows, -1), rule.to_megatron([want], c))
+    per = lambda p: torch.stack([p >> 4, p & 15], 1).reshape(rows, 1024)  # noqa: E731
+    assert torch.equal(per(codes), rule.to_megatron([per(q.reshape(-1))], c))
+
+
 SEQ, LR, STEPS, MICRO = 256, 2e-3, 4, 2
 
 
