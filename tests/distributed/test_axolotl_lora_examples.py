@@ -10,7 +10,8 @@ phi/phi3-ft.yml (LoRA, `alpaca:phi`, early stopping with the best checkpoint exp
 phi-lora-3.5.yaml: an 8-bit base under packed qkv/gate_up linears, `bfloat16: true`, the `phi_3` template) and the
 full fine-tune phi/phi3-ft-fsdp.yml (FSDP parameter offload named as memory placement, not used); glm4/qlora-32b.yaml
 (copied as glm4-qlora-32b.yaml) lists gate_proj and up_proj, which GLM-4 packs into gate_up_proj: skipped and said, as
-PEFT skips them."""
+PEFT skips them. llama-3/qlora.yml and llama-2/qlora.yml (copied as llama3-qlora.yml, llama2-qlora.yml) train with
+bitsandbytes' paged 32-bit AdamW: AdamW's update, paging named as not used."""
 from __future__ import annotations
 
 import json
@@ -44,6 +45,10 @@ PASS["phi-lora-3.5.yaml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q
                              "down_proj of all 32 layers", "the base frozen, int8")
 PASS["glm4-qlora-32b.yaml"] = ("LoRA r 16, alpha 32 (scale 2), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
                                 "down_proj of all 61 layers", "the base frozen, NF4")
+PASS["llama3-qlora.yml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
+                             "gate_proj, up_proj, down_proj of all 32 layers", "the base frozen, NF4")
+PASS["llama2-qlora.yml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
+                            "gate_proj, up_proj, down_proj of all 32 layers", "the base frozen, NF4")
 FULL = {"phi3-ft-fsdp.yml": "fsdp_config.fsdp_offload_params: not used (memory placement only"}
 REFUSED = {"qwen3-32b-qlora.yaml": "optimizer='adamw_torch_4bit'"}
 # Gemma 3's QLoRA examples (1B, 270M text models; 4B image-text) also list unfrozen_parameters, which with an adapter
@@ -54,7 +59,8 @@ WITHOUT_UNFROZEN = "-no-unfrozen"
 MODELS = ("NousResearch/Llama-3.2-1B", "NousResearch/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-v0.1",
           "Qwen/Qwen3-8B", "Qwen/Qwen2-7B", "Qwen/Qwen3-32B", "google/gemma-2-9b", "google/gemma-3-1b-it",
           "google/gemma-3-270m-it", "google/gemma-3-4b-it", "microsoft/Phi-3-mini-4k-instruct",
-          "microsoft/Phi-3.5-mini-instruct", "THUDM/GLM-4-32B-0414")
+          "microsoft/Phi-3.5-mini-instruct", "THUDM/GLM-4-32B-0414",
+          "NousResearch/Meta-Llama-3-8B", "NousResearch/Llama-2-7b-hf")
 DRIVER = """
 import contextlib, io, json, os, sys
 from adapter.cli import main

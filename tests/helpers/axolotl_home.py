@@ -39,6 +39,9 @@ MODELS: dict[str, str | dict] = {
                           "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
                           "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
     "NousResearch/Llama-3.2-1B": "llama-3.2-1b", "microsoft/Phi-3-mini-4k-instruct": "phi-3-mini-4k",
+    "NousResearch/Meta-Llama-3-8B": {
+        **json.loads((SHIPPED / "llama-3.1-8b/config.json").read_text()), "rope_scaling": None,
+        "max_position_embeddings": 8192},
     "NousResearch/Meta-Llama-3-8B-Instruct": {
         **json.loads((SHIPPED / "llama-3.1-8b/config.json").read_text()), "rope_scaling": None,
         "max_position_embeddings": 8192},

@@ -104,6 +104,28 @@ def test_8bit_optimizer_names_run_bitsandbytes_adamw8bit(name):
     assert build(world=8, optimizer="adamw_torch_fused").optimizer.name == "adamw"
 
 
+def test_paged_adamw_32bit_is_adamw_with_fp32_moments():
+    """Axolotl's llama-2/qlora.yml, llama-3/qlora.yml: bitsandbytes' paged 32-bit AdamW takes AdamW's update (checked
+    here against torch's AdamW on the same gradients); paging is where the states live, said and not used."""
+    import bitsandbytes as bnb
+    import torch
+
+    cfg = build(world=8, optimizer="paged_adamw_32bit")
+    assert cfg.optimizer.name == "adamw" and any(n.startswith("optimizer: paged_adamw_32bit -> AdamW with fp32 "
+                                                             "moments") for n in cfg.notes)
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(4096))
+    b = torch.nn.Parameter(a.detach().clone())
+    start = a.detach().clone()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours, theirs = torch.optim.AdamW([a], **kw), bnb.optim.AdamW32bit([b], **kw)
+    for _ in range(5):
+        a.grad = torch.randn(4096)
+        b.grad = a.grad.clone()
+        ours.step(), theirs.step()
+    assert (a - start).abs().max() > 1e-2 and (a - b).abs().max() < 1e-6
+
+
 def test_fsdp_maps_onto_zero_stages():
     cfg = build(world=2, dp_shard_size=2, fsdp_version=2, fsdp_config={
         "reshard_after_forward": False, "offload_params": False, "state_dict_type": "FULL_STATE_DICT",
