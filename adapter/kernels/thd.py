@@ -32,6 +32,7 @@ class PackedDocs(PackedSeqParams):
 
     positions: torch.Tensor = None   # [T] int64: each local token's position inside its padded document
     rope_len: int = None             # RoPE table rows (> every position; one value per run, so it caches)
+    longest: int = None              # the longest real document: max(position) + 1 (LongRoPE's switch)
     cu_local: torch.Tensor = None    # int32: cp=1 document boundaries of the stream; cp>1 cumulative c_i
     max_local: int = None            # longest sequence in cu_local
     cp_size: int = 1
@@ -136,7 +137,8 @@ def pack_batch(batch: dict[str, torch.Tensor], *, cp_size: int = 1, cp_rank: int
     params = PackedDocs(qkv_format="sbhd", cu_seqlens_q=_cu(lens), cu_seqlens_kv=_cu(lens),
                         cu_seqlens_q_padded=_cu(padded), cu_seqlens_kv_padded=_cu(padded),
                         max_seqlen_q=int(padded.max()), max_seqlen_kv=int(padded.max()), positions=pos,
-                        rope_len=rope_len, cu_local=cu_local, max_local=max_local, cp_size=cp_size, cp_rank=cp_rank)
+                        rope_len=rope_len, longest=int(lens.max()),
+                        cu_local=cu_local, max_local=max_local, cp_size=cp_size, cp_rank=cp_rank)
     if cp_size > 1:
         _all_gather_plan(params, c, cp_size, cp_rank)
         params.max_host = torch.tensor([max_local, params.ag_max_k])

@@ -226,6 +226,7 @@ class PackedGPTModel(GPTModel):
         self.real_vocab_size = real_vocab_size or self.vocab_size  # the rows past it are padding (128·tp multiple)
         self.embed_scale = embed_scale  # Gemma: embeddings × √hidden
         self.local_rotary_pos_emb = None  # Gemma 3's sliding layers: a second RoPE table (LayerRopeAttention)
+        self.long_rotary_pos_emb, self.rope_original_max = None, None  # LongRoPE's long factors (set_long_rope)
         if local_rope_base is not None:
             self.local_rotary_pos_emb = RotaryEmbedding(
                 kv_channels=self.config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
@@ -260,18 +261,33 @@ class PackedGPTModel(GPTModel):
             logits[..., valid:] = float("-inf")
         return super().compute_language_model_loss(labels, logits)
 
+    def set_long_rope(self, inv_freq: torch.Tensor, original_max: int) -> None:
+        """LongRoPE's long factors: a micro-batch whose positions go past `original_max` rotates with these
+        frequencies instead (transformers' longrope_frequency_update: max(position_ids) + 1 > original)."""
+        c = self.config  # the table's width comes from inv_freq alone (partial rotary: fewer frequencies)
+        self.long_rotary_pos_emb = RotaryEmbedding(
+            kv_channels=c.kv_channels, rotary_percent=1.0, rotary_interleaved=c.rotary_interleaved,
+            use_cpu_initialization=c.use_cpu_initialization, cp_group=self.pg_collection.cp)
+        self.long_rotary_pos_emb.inv_freq = inv_freq.to(self.rotary_pos_emb.inv_freq.device)
+        self.rope_original_max = original_max
+
     def _preprocess(self, *args, packed_seq_params=None, **kwargs):
         if isinstance(packed_seq_params, PackedDocs):
             out = super()._preprocess(*args, packed_seq_params=None, **kwargs)
+            long = self.rope_original_max is not None and packed_seq_params.longest > self.rope_original_max
             table = {name: emb(packed_seq_params.rope_len, packed_seq=True)  # [rope_len, 1, 1, d], cached
-                     .index_select(0, packed_seq_params.positions) for name, emb in self._ropes()}
+                     .index_select(0, packed_seq_params.positions) for name, emb in self._ropes(long)}
         else:
             out = super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
             table = {"global": out[1]}
-            if self.local_rotary_pos_emb is not None and out[1] is not None:  # as GPTModel builds its own table
+            if out[1] is not None and (self.local_rotary_pos_emb is not None or self.rope_original_max is not None):
+                # as GPTModel builds its own table: every position of the (CP-whole) sequence
                 n = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, out[0], self.config, packed_seq_params)
                 thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-                table["local"] = self.local_rotary_pos_emb(n, packed_seq=thd)
+                if self.local_rotary_pos_emb is not None:
+                    table["local"] = self.local_rotary_pos_emb(n, packed_seq=thd)
+                if self.rope_original_max is not None and n > self.rope_original_max:
+                    table["global"] = self.long_rotary_pos_emb(n, packed_seq=thd)
         for name, t in table.items():
             if self.rope_tables and isinstance(t, torch.Tensor):
                 t = rope_tables(t)
@@ -283,8 +299,8 @@ class PackedGPTModel(GPTModel):
             out = with_decoder_input(out, emb * torch.tensor(self.embed_scale, dtype=emb.dtype, device=emb.device))
         return out
 
-    def _ropes(self):
-        yield "global", self.rotary_pos_emb
+    def _ropes(self, long: bool = False):
+        yield "global", self.long_rotary_pos_emb if long else self.rotary_pos_emb
         if self.local_rotary_pos_emb is not None:
             yield "local", self.local_rotary_pos_emb
 
@@ -368,6 +384,9 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         dim = int(arch.head_dim * arch.rotary_fraction)
         base = arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         model.rotary_pos_emb.inv_freq = 1.0 / (torch.tensor(arch.rope_short_factor, dtype=torch.float32) * base)
+        if arch.rope_long_factor is not None:
+            model.set_long_rope(1.0 / (torch.tensor(arch.rope_long_factor, dtype=torch.float32) * base),
+                                arch.rope_original_max)
     return model
 
 

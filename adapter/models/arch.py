@@ -46,6 +46,7 @@ class ModelArch:
     # LongRoPE (Phi-3.5-mini, Phi-4-mini): per-frequency divisors of the rotary frequencies for sequences up to
     # `rope_original_max` (its short factors), and the factor cos and sin are scaled by; None: plain RoPE
     rope_short_factor: tuple[float, ...] | None = None
+    rope_long_factor: tuple[float, ...] | None = None  # past `rope_original_max` (per micro-batch, as transformers)
     rope_attention_factor: float = 1.0
     rope_original_max: int | None = None
     post_norms: bool = False  # an RMSNorm on each sub-layer's output before its residual add (GLM-4)
@@ -271,25 +272,27 @@ def _window_layers(cfg: dict[str, Any], fam, source: str) -> tuple[bool, ...] | 
 def _longrope(cfg: dict[str, Any], scaling: dict[str, Any], rope: dict[str, Any], head_dim: int, partial: float,
               source: str) -> dict[str, Any]:
     """LongRoPE as transformers computes it (modeling_rope_utils._compute_longrope_parameters): the short factors
-    apply up to `original_max_position_embeddings` (longer sequences would switch to the long ones per batch, which
-    models/checks.py refuses), cos and sin are scaled by the attention factor, by default
-    sqrt(1 + ln(max_position_embeddings / original) / ln(original))."""
+    apply while a micro-batch's positions stay within `original_max_position_embeddings`, the long ones when any goes
+    past it (its `longrope_frequency_update`: max(position_ids) + 1 > original); cos and sin are scaled by the
+    attention factor, by default sqrt(1 + ln(max_position_embeddings / original) / ln(original))."""
     import math
 
     half = int(head_dim * partial) // 2
-    short = scaling.get("short_factor")
-    if not isinstance(short, list) or len(short) != half or not all(isinstance(x, (int, float)) and x > 0
-                                                                     for x in short):
-        raise bad("rope_scaling.short_factor", short, f"LongRoPE needs {half} positive factors (one per rotary "
-                  "frequency) in " + source, "fix the model's config.json")
+    factors = {}
+    for kind in ("short_factor", "long_factor"):
+        f = scaling.get(kind)
+        if not isinstance(f, list) or len(f) != half or not all(isinstance(x, (int, float)) and x > 0 for x in f):
+            raise bad(f"rope_scaling.{kind}", f, f"LongRoPE needs {half} positive factors (one per rotary "
+                      "frequency) in " + source, "fix the model's config.json")
+        factors[kind] = tuple(float(x) for x in f)
     original = int(cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
                    or rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096))
     factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {"rope_short_factor": tuple(float(x) for x in short), "rope_attention_factor": float(attention),
-            "rope_original_max": original}
+    return {"rope_short_factor": factors["short_factor"], "rope_long_factor": factors["long_factor"],
+            "rope_attention_factor": float(attention), "rope_original_max": original}
 
 
 def _divisors(n: int) -> str:

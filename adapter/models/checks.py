@@ -12,10 +12,6 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
-    if arch.rope_original_max is not None and seq > arch.rope_original_max:
-        raise bad(spell(cfg, "seq_len"), seq, f"exceeds {arch.architecture}'s original_max_position_embeddings="
-                  f"{arch.rope_original_max}: past it LongRoPE switches to its long factors per batch, which is not "
-                  "built yet", f"use a {spell(cfg, 'seq_len')} of at most {arch.rope_original_max}")
     if cfg.model.unfrozen_parameters is not None and cfg.lora is not None:
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
                   "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "

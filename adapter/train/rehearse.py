@@ -32,16 +32,17 @@ def tiny_arch(arch: ModelArch, tp: int, vocab: int | None) -> ModelArch:
     """`vocab`: the tokenizer's (ids it can produce), None for synthetic tokens."""
     hidden = arch.num_heads * TINY_HEAD_DIM
     rot = int(TINY_HEAD_DIM * arch.rotary_fraction) // 2 * 2  # partial rotary: an even number of rotated dims
-    short = arch.rope_short_factor
-    if short is not None:  # LongRoPE: as many of its factors as the tiny head rotates frequencies, spread evenly
-        short = tuple(short[round(i * (len(short) - 1) / max(rot // 2 - 1, 1))] for i in range(rot // 2))
+    def spread(factors):  # LongRoPE: as many of its factors as the tiny head rotates frequencies, spread evenly
+        return None if factors is None else tuple(factors[round(i * (len(factors) - 1) / max(rot // 2 - 1, 1))]
+                                                  for i in range(rot // 2))
     kinds = arch.window_layers
     if kinds is not None:  # one layer of each kind the model has (Gemma: a sliding one and a global one)
         kinds = (True, False) if True in kinds and False in kinds else kinds[:TINY_LAYERS]
     return dataclasses.replace(arch, hidden_size=hidden, head_dim=TINY_HEAD_DIM, num_layers=TINY_LAYERS,
                                ffn_hidden_size=2 * hidden * tp, max_position_embeddings=4096,
                                vocab_size=SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size, vocab),
-                               rotary_fraction=rot / TINY_HEAD_DIM, rope_short_factor=short, window_layers=kinds,
+                               rotary_fraction=rot / TINY_HEAD_DIM, rope_short_factor=spread(arch.rope_short_factor),
+                               rope_long_factor=spread(arch.rope_long_factor), window_layers=kinds,
                                # a window shorter than the rehearsal's sequences, so windowed attention runs
                                sliding_window=None if arch.sliding_window is None else min(arch.sliding_window, 24),
                                embed_scale=None if arch.embed_scale is None else float(hidden) ** 0.5)
