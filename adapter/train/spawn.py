@@ -24,22 +24,40 @@ from adapter.train.preempt import EXIT_REQUEUE, parse
 from adapter.train.preflight import preflight
 
 GRACE_S = 3.0  # how long the other ranks may take to end on their own after the first one failed
+PORT_RETRY = "ND_ADAPTER_PORT_RETRY"  # set for the ranks: rank 0 may end with EXIT_PORT_TAKEN instead of failing
+EXIT_PORT_TAKEN = 98  # EADDRINUSE's number: another process took MASTER_PORT first; the ranks start again
+PORT_ATTEMPTS = 3
 
 
-def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals: list[str] = ()) -> int:
+def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals: list[str] = (),
+          module: str = "adapter.train.worker") -> int:
+    """Start `nproc` ranks of `module` on this host and wait for them. MASTER_PORT is a port free when chosen; if
+    another process binds it before rank 0 does (a busy shared node), rank 0 says so (EXIT_PORT_TAKEN) before any
+    work and every rank starts again on another port, up to PORT_ATTEMPTS times."""
     if nproc < 1:
         raise bad("--nproc", nproc, "must be at least 1", "pass the number of processes to start")
+    for attempt in range(PORT_ATTEMPTS):
+        code = _spawn_once(nproc, worker_args, cpu=cpu, exit_signals=exit_signals, module=module,
+                           retry=attempt + 1 < PORT_ATTEMPTS)
+        if code != EXIT_PORT_TAKEN:
+            return code
+        print(f"nd-adapter: MASTER_PORT was taken by another process before rank 0 bound it; starting the "
+              f"{nproc} rank(s) again on another port", file=sys.stderr, flush=True)
+    return code
+
+
+def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, module: str, retry: bool) -> int:
     port = str(free_port())
     procs = []
     errors = tempfile.TemporaryDirectory(prefix="nd-adapter-errors-")
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               ERROR_DIR: errors.name}
+               ERROR_DIR: errors.name, **({PORT_RETRY: "1"} if retry else {})}
         env.setdefault("OMP_NUM_THREADS", "1")
         if cpu:
             env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, "-m", "adapter.train.worker", *worker_args], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *worker_args], env=env))
     forwarded = _forward(exit_signals, procs)
     try:
         while True:
@@ -50,6 +68,9 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals
                 codes = [p.returncode for p in procs]
                 if all(c == EXIT_REQUEUE for c in codes):
                     return EXIT_REQUEUE
+            if codes[0] == EXIT_PORT_TAKEN and retry:  # the others wait on a store nobody serves: stop them
+                _stop(procs)
+                return EXIT_PORT_TAKEN
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 first = next(r for r, c in enumerate(codes) if c not in (None, 0))

@@ -12,6 +12,7 @@ from adapter import config
 from adapter.errors import ERROR_DIR, EXIT_USAGE, DivergedError, UserError
 from adapter.models import source
 from adapter.train.preempt import EXIT_REQUEUE
+from adapter.train.spawn import EXIT_PORT_TAKEN, PORT_RETRY
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -66,7 +67,12 @@ def main(argv=None) -> int:
         timeout = cfg.dist_timeout_s  # an explicit $DEEPSPEED_TIMEOUT (minutes) wins over the default
         if "dist_timeout_s" not in cfg.model_fields_set and os.environ.get("DEEPSPEED_TIMEOUT"):
             timeout = None
-        init_distributed(timeout)
+        try:
+            init_distributed(timeout)
+        except torch.distributed.DistNetworkError as e:  # MASTER_PORT taken between its choice and rank 0's bind
+            if rank == 0 and "EADDRINUSE" in str(e) and os.environ.get(PORT_RETRY):
+                return EXIT_PORT_TAKEN  # `nd-adapter train` starts every rank again on another port
+            raise
         log = lambda s: print(s, flush=True)  # noqa: E731
         if args.rehearse:
             rehearse.in_process(cfg, rank, steps=args.steps, seq_len=args.seq_len, workdir=args.workdir, log=log)
