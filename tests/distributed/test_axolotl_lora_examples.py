@@ -36,19 +36,24 @@ PASS = {"lora-1b.yml": ("LoRA r 16, alpha 32 (scale 2), dropout 0.05 on q_proj, 
         "mistral-qlora.yml": ("LoRA r 32, alpha 16", "the base frozen, NF4"),
         "qwen3-8b-lora-fused-attn-compile.yaml": ("LoRA r 32, alpha 64 (scale 2) on q_proj", "16-bit"),
         "qwen2-qlora-fsdp.yaml": ("LoRA r 32, alpha 64 (scale 2), dropout 0.05", "the base frozen, NF4")}
-# issue 29: Gemma 2 (QLoRA on all linears, soft-capping, eot_tokens <end_of_turn>, Axolotl's `gemma` template)
-PASS["gemma2-qlora.yml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
-                            "gate_proj, up_proj, down_proj of all 42 layers", "the base frozen, NF4")
-PASS["phi3-ft.yml"] = ("LoRA r 64, alpha 32 (scale 0.5), dropout 0.05 on qkv_proj, o_proj, gate_up_proj, down_proj of "
-                       "all 32 layers", "the base frozen, 16-bit")
-PASS["phi-lora-3.5.yaml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on qkv_proj, o_proj, gate_up_proj, "
-                             "down_proj of all 32 layers", "the base frozen, int8")
-PASS["glm4-qlora-32b.yaml"] = ("LoRA r 16, alpha 32 (scale 2), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
-                                "down_proj of all 61 layers", "the base frozen, NF4")
-PASS["llama3-qlora.yml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
-                             "gate_proj, up_proj, down_proj of all 32 layers", "the base frozen, NF4")
-PASS["llama2-qlora.yml"] = ("LoRA r 32, alpha 16 (scale 0.5), dropout 0.05 on q_proj, k_proj, v_proj, o_proj, "
-                            "gate_proj, up_proj, down_proj of all 32 layers", "the base frozen, NF4")
+ALL7 = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+PHI = "qkv_proj, o_proj, gate_up_proj, down_proj"
+
+
+def said(r: int, alpha: int, on: str, layers: int, base: str) -> tuple[str, str]:
+    """What plan says of an example's adapters (dropout 0.05 in all of these) and of its base."""
+    return f"LoRA r {r}, alpha {alpha} (scale {alpha / r:g}), dropout 0.05 on {on} of all {layers} layers", base
+
+
+# issue 29: Gemma 2 (QLoRA on all linears, soft-capping, eot_tokens <end_of_turn>, Axolotl's `gemma` template),
+# Phi-3 (packed linears; 16-bit and 8-bit bases), GLM-4 (gate/up packed: the two names skipped), Llama 2/3 QLoRA
+PASS.update({"gemma2-qlora.yml": said(32, 16, ALL7, 42, "the base frozen, NF4"),
+             "phi3-ft.yml": said(64, 32, PHI, 32, "the base frozen, 16-bit"),
+             "phi-lora-3.5.yaml": said(32, 16, PHI, 32, "the base frozen, int8"),
+             "glm4-qlora-32b.yaml": said(16, 32, "q_proj, k_proj, v_proj, o_proj, down_proj", 61,
+                                         "the base frozen, NF4"),
+             "llama3-qlora.yml": said(32, 16, ALL7, 32, "the base frozen, NF4"),
+             "llama2-qlora.yml": said(32, 16, ALL7, 32, "the base frozen, NF4")})
 FULL = {"phi3-ft-fsdp.yml": "fsdp_config.fsdp_offload_params: not used (memory placement only"}
 REFUSED = {"qwen3-32b-qlora.yaml": "optimizer='adamw_torch_4bit'"}
 # Gemma 3's QLoRA examples (1B, 270M text models; 4B image-text) also list unfrozen_parameters, which with an adapter
