@@ -53,11 +53,13 @@ def test_finetune_matches_transformers_on_the_same_batches(tmp_path):
     assert r["ours"][-1] < r["ours"][0] - 0.5  # it learned
 
 
-@pytest.mark.parametrize("case", ["phi3_longrope", "glm4", "gemma3", "gemma2"])
+@pytest.mark.parametrize("case", ["phi3_longrope", "phi3_longrope_past_original", "glm4", "gemma3", "gemma2"])
 def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):
     """Issue 29's families on CUDA (fused kernels on): Phi-3 with partial rotary and LongRoPE (our RoPE tables,
-    scaled), GLM-4 with post-norms and interleaved partial rotary (Megatron's own RoPE): conversion here, and the
-    model's fp32 logits against transformers'."""
+    scaled; and past its original context, where the long factors take over), GLM-4 with post-norms and interleaved
+    partial rotary (Megatron's own RoPE): conversion here, and the model's fp32 logits against transformers'."""
+    import json
+
     import torch
 
     from adapter.convert.to_megatron import hf_to_megatron
@@ -65,7 +67,10 @@ def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):
     from tests.helpers.hf import make_hf
 
     assert torch.cuda.is_available()
-    src = make_hf(case, tmp_path / "hf")
+    src = make_hf(case.removesuffix("_past_original"), tmp_path / "hf")
+    if case.endswith("_past_original"):  # verify's 64 tokens pass an original context of 16
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "original_max_position_embeddings": 16}))
     out = hf_to_megatron(src, tmp_path / "meg", tp=1, progress=False)
     report = verify(src, out, seq_len=64)
     assert report["exact"] == report["tensors"], report["mismatched"]
