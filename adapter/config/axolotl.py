@@ -36,6 +36,7 @@ KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins", "torch_compile"
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 ADAMW_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")  # bitsandbytes', torchao's
 ADAMW_PAGED = ("paged_adamw_32bit",)  # bitsandbytes' AdamW with fp32 states in paged memory: AdamW's update
+PAGING = "paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)"
 # ring-flash-attn's implementations (Axolotl's ring_attn_func) -> cp_comm_type. Any of them computes exact
 # attention; what differs is how K/V travel: all-gathered (Llama 3's "varlen_llama3") or passed around a ring.
 RING_ATTN = {"varlen_llama3": "all_gather", "batch_ring": "p2p", "batch_zigzag": "p2p", "varlen_ring": "p2p",
@@ -359,14 +360,13 @@ def map_optimizer(name: Any, out: dict[str, Any], notes: list[str]) -> None:
         return
     if isinstance(name, str) and name in ADAMW_PAGED:
         notes.append(f"optimizer: {name} -> AdamW with fp32 moments (bitsandbytes' 32-bit AdamW is the same update); "
-                     "paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)")
+                     + PAGING)
         return
     if not isinstance(name, str) or name not in ADAMW_8BIT:
         raise bad("optimizer", name, "nd-adapter trains with AdamW (fp32 or 8-bit moments) only",
                   f"use one of {', '.join(ADAMW + ADAMW_PAGED + ADAMW_8BIT)}, or remove the key")
     set_dotted(out, "optimizer.name", "adamw_8bit")
-    paged = ("; paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)"
-             if name.startswith("paged_") else "")
+    paged = f"; {PAGING}" if name.startswith("paged_") else ""
     notes.append(f"optimizer: {name} -> bitsandbytes' AdamW8bit (block-wise 8-bit moments, fp32 master weights)"
                  f"{paged}")
 

@@ -38,9 +38,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from adapter.modeling.lora import LINEARS, gather, gather_list
 from adapter.models.arch import ModelArch
-from adapter.models.counts import linears
-from adapter.models.families import packed_rule
-from adapter.models.lora import NF4_BLOCK, placement
+from adapter.models.lora import NF4_BLOCK, packed_of, placement
 from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
 COLUMN = ("linear_qkv", "linear_fc1")
@@ -64,14 +62,6 @@ def hf_row_sets(arch: ModelArch, fused: str, tp: int, rows: int) -> list[torch.T
     sets = [(base + torch.arange(start, start + size)).reshape(-1) for _, start, size in place.pieces]
     assert sum(len(s) for s in sets) == rows, (fused, rows)
     return sets
-
-
-def packed_of(arch: ModelArch | None, fused: str):
-    """The family's rule when one HF tensor packs all of Megatron's `fused` linear (models/families.packed_rule)."""
-    if arch is None or fused not in COLUMN:
-        return None
-    whole = [lin for lin in linears(arch) if lin.fused == fused]
-    return packed_rule(arch, whole[0].name) if len(whole) == 1 else None
 
 
 def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank: int,

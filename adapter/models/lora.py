@@ -76,13 +76,22 @@ class Placement:
         return next((s, n) for p, s, n in self.pieces if p == name)
 
 
+def packed_of(arch: ModelArch | None, fused: str):
+    """The family's rule when one HF tensor packs all of Megatron's `fused` linear (Phi-3's qkv_proj, gate_up_proj;
+    GLM-4's gate_up_proj), else None."""
+    if arch is None:
+        return None
+    whole = [lin for lin in linears(arch) if lin.fused == fused]
+    return packed_rule(arch, whole[0].name) if len(whole) == 1 else None
+
+
 def placement(arch: ModelArch, fused: str, tp: int) -> Placement:
     """Megatron's local output layout (adapter/models/mapping.py writes the same order into checkpoints): linear_qkv
     is, per query group, [its q heads; k; v]; linear_fc1 is [gate; up] of this rank's FFN columns. A packed HF
     linear covers the whole local output (its B is in that order already)."""
-    whole = [lin for lin in linears(arch) if lin.fused == fused]
-    if len(whole) == 1 and packed_rule(arch, whole[0].name) is not None:
-        return Placement(1, whole[0].out // tp, ((whole[0].name, 0, whole[0].out // tp),))
+    if packed_of(arch, fused) is not None:
+        (lin,) = [lin for lin in linears(arch) if lin.fused == fused]
+        return Placement(1, lin.out // tp, ((lin.name, 0, lin.out // tp),))
     if fused == "linear_qkv":
         d, hpg = arch.head_dim, arch.num_heads // arch.num_kv_heads
         return Placement(arch.num_kv_heads // tp, (hpg + 2) * d,
@@ -358,4 +367,4 @@ def peft_config(spec: LoraSpec, base_model: str | None) -> dict:
 __all__ = ["Target", "Placement", "LoraSpec", "placement", "hf_modules", "resolve", "from_config", "trained_params",
            "flops_per_token", "describe", "peft_key", "saved_key", "peft_config", "check_adapter", "read_adapter_meta",
            "SAVABLE", "PEFT_DEFAULT_TARGETS", "NF4_BLOCK", "BASE_FORMATS", "PEFT_PREFIX", "ALL_LINEAR",
-           "CONFIG", "WEIGHTS"]
+           "CONFIG", "WEIGHTS", "packed_of"]
