@@ -45,6 +45,7 @@ from torch.utils.serialization import config as serialization_config
 from adapter.convert.hf_io import dtype_name, pread_into
 from adapter.convert.rows import contiguous_strides
 from adapter.errors import UserError, bad
+from adapter.models.mapping import lead
 from adapter.models.source import HF_SUBDIR, META, RELEASE, TRACKER
 from adapter.patches.dcp import DEFAULT_SUFFIX, create_file_view, storage_info
 
@@ -73,20 +74,22 @@ class TensorSpec:
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (offsets, sizes)
 
 
-def grid_chunks(shape: tuple[int, ...], stacked: bool, axis: int | None, n: int) -> tuple:
-    """Chunks of a tp-sharded key: one per layer (if stacked) x n equal slices of `axis` (when it divides)."""
-    per = list(shape[1:] if stacked else shape)
+def grid_chunks(shape: tuple[int, ...], stacked: int, axis: int | None, n: int) -> tuple:
+    """Chunks of a tp-sharded key: one per unit of its `stacked` leading axes (a layer, or a layer's expert) x n
+    equal slices of `axis` of the rest (when it divides)."""
+    import itertools
+
+    per = list(shape[stacked:])
     ax = None if axis is None or n <= 1 or per[axis] % n else axis
     slices = n if ax is not None else 1
     out = []
-    for layer in range(shape[0] if stacked else 1):
+    for unit in itertools.product(*(range(d) for d in shape[:stacked])):
         for s in range(slices):
             off, size = [0] * len(per), list(per)
             if ax is not None:
                 size[ax] = per[ax] // n
                 off[ax] = s * size[ax]
-            lead = ((layer,), (1,)) if stacked else ((), ())
-            out.append((lead[0] + tuple(off), lead[1] + tuple(size)))
+            out.append((unit + tuple(off), (1,) * stacked + tuple(size)))
     return tuple(out)
 
 
@@ -283,21 +286,22 @@ class DistCheckpointReader:
         pread_into(raw[0], raw[1] + first * out.element_size(), out, key, key="megatron")
         return out
 
-    def read_rows(self, key: str, layer: int | None, row0: int, n: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows [row0, row0+n) of `key` (of one layer when stacked) into contiguous `out` (cast if dtypes differ)."""
+    def read_rows(self, key: str, unit, row0: int, n: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [row0, row0+n) of `key` (of one stacked unit: a layer, or a (layer, expert) pair) into contiguous
+        `out` (cast if dtypes differ)."""
         meta = self.md.state_dict_metadata[key]
-        lead = () if layer is None else (layer,)
-        full = tuple(meta.size)[len(lead):]
+        at = lead(unit)
+        full = tuple(meta.size)[len(at):]
         covered = 0
         for ch in meta.chunks:
             off, size = tuple(ch.offsets), tuple(ch.sizes)
-            if lead and not off[0] <= layer < off[0] + size[0]:
+            if not all(o <= u < o + z for u, o, z in zip(at, off, size)):
                 continue
-            o, s = off[len(lead):], size[len(lead):]
+            o, s = off[len(at):], size[len(at):]
             lo, hi = max(row0, o[0]), min(row0 + n, o[0] + s[0])
             if lo >= hi:
                 continue
-            local_lead = tuple(layer - off[0] for _ in lead)
+            local_lead = tuple(u - o for u, o in zip(at, off))
             dst = out[lo - row0:hi - row0]
             if all(a == 0 and b == f for a, b, f in zip(o[1:], s[1:], full[1:])) and dst.dtype == self.dtype(key):
                 raw = self._locate(key, ch)
@@ -314,10 +318,10 @@ class DistCheckpointReader:
             raise bad("megatron", str(self.dir), f"chunks of {key} do not cover it", "the checkpoint is incomplete")
         return out
 
-    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
+    def read(self, key: str, unit=None) -> torch.Tensor:
         meta = self.md.state_dict_metadata[key]
-        shape = tuple(meta.size)[0 if layer is None else 1:]
-        return self.read_rows(key, layer, 0, shape[0], torch.empty(shape, dtype=meta.properties.dtype))
+        shape = tuple(meta.size)[len(lead(unit)):]
+        return self.read_rows(key, unit, 0, shape[0], torch.empty(shape, dtype=meta.properties.dtype))
 
     def chunks(self) -> list[tuple[str, object]]:
         """Every stored tensor chunk, (key, ChunkStorageMetadata), in index order."""
@@ -436,6 +440,8 @@ def megatron_lm_args(arch, meta: dict) -> Namespace:
         untie_embeddings_and_output_weights=not arch.tie_embeddings,
         padded_vocab_size=meta["padded_vocab_size"], make_vocab_size_divisible_by=meta["vocab_divisible_by"],
         bf16=dt == "bfloat16", fp16=dt == "float16", iteration=0, consumed_train_samples=0,
+        num_experts=arch.num_experts, moe_router_topk=arch.experts_per_token or 2,
+        moe_ffn_hidden_size=arch.expert_ffn_hidden_size, moe_router_pre_softmax=arch.moe and not arch.norm_topk_prob,
     )
 
 

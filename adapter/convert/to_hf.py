@@ -39,8 +39,7 @@ def open_converted(megatron_dir: str | Path, table: Sequence[Rule] | None, check
     rules = table_for(arch, table)
     ctx = Ctx(arch, meta["padded_vocab_size"], meta.get("source_tp", 1))
     for rule in rules:
-        per = megatron_shape(rule, ctx)
-        want = (arch.num_layers, *per) if rule.per_layer else per
+        want = (*rule.stack(arch), *megatron_shape(rule, ctx))
         if rule.megatron not in reader.md.state_dict_metadata:
             raise bad("megatron", str(reader.dir), f"checkpoint lacks {rule.megatron}",
                       "the checkpoint does not match its hf/config.json; re-convert it")
@@ -53,12 +52,14 @@ def open_converted(megatron_dir: str | Path, table: Sequence[Rule] | None, check
     return root, meta, arch, reader, rules, ctx
 
 
-def hf_order(rules: list[Rule], arch: ModelArch) -> list[tuple[Rule, int | None]]:
-    """HF's natural order: embeddings, then layer by layer, then final norm and head."""
+def hf_order(rules: list[Rule], arch: ModelArch) -> list[tuple[Rule, object]]:
+    """HF's natural order: embeddings, then layer by layer (a layer's experts one after another), then final norm
+    and head. Each entry is (rule, unit): None, a layer, or (layer, expert)."""
     first = next(i for i, r in enumerate(rules) if r.per_layer)
     pre = [(r, None) for r in rules[:first] if not r.per_layer]
     post = [(r, None) for r in rules[first:] if not r.per_layer]
-    body = [(r, i) for i in range(arch.num_layers) for r in rules if r.per_layer]
+    body = [(r, (i, e) if r.per_expert else i) for i in range(arch.num_layers) for r in rules if r.per_layer
+            for e in (range(arch.num_experts) if r.per_expert else (None,))]
     return pre + body + post
 
 

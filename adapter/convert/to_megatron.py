@@ -33,16 +33,12 @@ def hf_checkpoint_dir(path: str | Path) -> Path:
     return p
 
 
-def _layers(rule: Rule, arch: ModelArch) -> Sequence[int | None]:
-    return range(arch.num_layers) if rule.per_layer else (None,)
-
-
 def _check_hf(hf: hf_io.HFCheckpoint, arch: ModelArch, rules: list[Rule], dtype: torch.dtype | None) -> dict:
     """Every tensor the table needs, with config.json's shape; nothing unmapped left over. Returns key -> dtype."""
     expected, dtypes = set(), {}
     for rule in rules:
-        for layer in _layers(rule, arch):
-            names = rule.hf_names(layer)
+        for unit in rule.units(arch):
+            names = rule.hf_names(unit)
             for name, (_, spec) in zip(names, rule.hf):
                 want = hf_shape(spec, arch)
                 if name not in hf.meta:
@@ -76,6 +72,7 @@ class _Producer:
     def __init__(self, hf, rules, ctx, dtypes, specs, bar):
         self.hf, self.ctx, self.dtypes, self.bar = hf, ctx, dtypes, bar
         self.by_key = {r.megatron: r for r in rules}
+        self.stacked = {r.megatron: len(r.stack(ctx.arch)) for r in rules}  # leading axes: layer (, expert)
         self.sizes = {(s.key, off): size for s in specs for off, size in s.chunks}
         self.pool, self.staged = rows.Pool(), None
         self.builds = 0  # staged tensors built (each once per layer, however many TP chunks cut from it)
@@ -84,9 +81,9 @@ class _Producer:
             self.pool.reserve(slot, biggest)
         self.prefetch = rows.Prefetch(list(self.sizes), self._make)
 
-    def _fill(self, rule: Rule, layer, row0: int, out: torch.Tensor) -> None:
+    def _fill(self, rule: Rule, unit, row0: int, out: torch.Tensor) -> None:
         sel, bounds = rows.row_map(rule, self.ctx)
-        names = rule.hf_names(layer)
+        names = rule.hf_names(unit)
         for dst, part, src, n in rows.runs(sel[row0:row0 + out.shape[0]], bounds):
             if part < 0:
                 out[dst:dst + n].zero_()
@@ -96,21 +93,21 @@ class _Producer:
     def _make(self, item, slot: str) -> torch.Tensor:
         key, off = item
         size, rule = self.sizes[item], self.by_key[key]
-        stacked = rule.per_layer
-        layer = off[0] if stacked else None
-        o, s = (off[1:], size[1:]) if stacked else (off, size)
+        n = self.stacked[key]
+        unit = None if n == 0 else off[0] if n == 1 else tuple(off[:n])
+        o, s = off[n:], size[n:]
         full = megatron_shape(rule, self.ctx)
         out = self.pool.tensor(slot, s, self.dtypes[key])
         if all(a == 0 and b == f for a, b, f in zip(o[1:], s[1:], full[1:])):
-            self._fill(rule, layer, o[0], out)  # whole rows: straight from the files
+            self._fill(rule, unit, o[0], out)  # whole rows: straight from the files
         else:
-            if self.staged is None or self.staged[0] != (key, layer):
+            if self.staged is None or self.staged[0] != (key, unit):
                 self.staged = None
                 t = self.pool.tensor("stage", full, self.dtypes[key])
-                self._fill(rule, layer, 0, t)
-                self.staged, self.builds = ((key, layer), t), self.builds + 1
+                self._fill(rule, unit, 0, t)
+                self.staged, self.builds = ((key, unit), t), self.builds + 1
             out.copy_(self.staged[1][tuple(slice(a, a + b) for a, b in zip(o, s))])
-        return out.unsqueeze(0) if stacked else out  # a view of the same storage: DCP writes it without a copy
+        return out.view((1,) * n + tuple(s))  # a view of the same storage: DCP writes it without a copy
 
     def __call__(self, key: str, off: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
         t = self.prefetch.get((key, tuple(off)))
@@ -143,10 +140,10 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, *, dtyp
 
     specs = []
     for rule in rules:
-        per = megatron_shape(rule, ctx)
-        shape = (arch.num_layers, *per) if rule.per_layer else per
+        stack = rule.stack(arch)
+        shape = (*stack, *megatron_shape(rule, ctx))
         specs.append(mio.TensorSpec(rule.megatron, shape, dtypes[rule.megatron],
-                                    mio.grid_chunks(shape, rule.per_layer, rule.tp_axis, tp * rule.parts)))
+                                    mio.grid_chunks(shape, len(stack), rule.tp_axis, tp * rule.parts)))
     L = arch.num_layers
     objects = {f"{k}/shard_{i}_{L}": None for k in EXTRA_STATE for i in range(L)}
     meta = mio.converted_meta(arch, padded_vocab=padded, vocab_divisible_by=vocab_divisible_by,

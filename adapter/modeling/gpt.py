@@ -36,6 +36,7 @@ from adapter.kernels.fusions import (
     vocab_parallel_cross_entropy,
 )
 from adapter.kernels.thd import PackedDocs
+from adapter.modeling.moe import AuxLoss, HFRouter, WholeRMSNorm
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.patches import require
 from adapter.patches.mcore import (
@@ -157,6 +158,12 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
+    if arch.moe:  # dropless top-k routing as transformers' (adapter/modeling/moe.py); no Megatron aux losses
+        kw.update(num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
+                  moe_router_topk=arch.experts_per_token, moe_router_pre_softmax=not arch.norm_topk_prob,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                  moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+                  moe_permute_fusion=False)
     if recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":
@@ -193,9 +200,11 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa", index: int = 0) -
             raise bad("attention", "te", f"TransformerEngine is not usable here ({e})", "use attention='sdpa'")
     if attention not in ("sdpa", "local"):
         raise bad("attention", attention, "unknown attention backend", "use 'sdpa' (default), 'local' or 'te'")
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     spec.module = Layer
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    if arch.moe:
+        layer.mlp.submodules.router = HFRouter
     attn.core_attention = SDPAttention if attention == "sdpa" else DotProductAttention
     if _layer_options(arch):
         attn.core_attention = ModuleSpec(module=SDPAttention, params={"window": arch.window(index),
@@ -208,7 +217,10 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa", index: int = 0) -
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if arch.post_norms:
         attn.linear_proj = layer.mlp.submodules.linear_fc2 = PostNormed
-    if arch.qk_norm:
+    if arch.qk_norm and arch.qk_norm_whole:  # OLMoE: over the whole q and k projections
+        attn.q_layernorm = ModuleSpec(module=WholeRMSNorm, params={"heads": arch.num_heads})
+        attn.k_layernorm = ModuleSpec(module=WholeRMSNorm, params={"heads": arch.num_kv_heads})
+    elif arch.qk_norm:
         attn.q_layernorm = attn.k_layernorm = RMSNorm
     return spec
 
@@ -378,6 +390,15 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         real_vocab_size=arch.vocab_size, rope_scale=arch.rope_attention_factor, local_rope_base=arch.local_rope_theta,
         embed_scale=arch.embed_scale, final_softcap=arch.final_softcap, **(fused or {}),
     )
+    if arch.moe:  # every layer's router records into one statistic (adapter/modeling/moe.py)
+        model.moe_aux = AuxLoss(arch.num_experts, arch.experts_per_token,
+                                arch.router_aux_loss_coef if arch.output_router_logits else 0.0)
+        # the ranks that split one micro-batch's tokens: TP under sequence parallelism, CP
+        model.moe_aux.groups = [g for g, on in ((model.pg_collection.tp, config.sequence_parallel),
+                                                (model.pg_collection.cp, cp > 1)) if on]
+        for m in model.modules():
+            if isinstance(m, HFRouter):
+                m.aux = model.moe_aux
     if arch.rope_linear_factor is not None:  # linear RoPE scaling (Gemma 3's global layers): frequencies / factor
         model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
     if arch.rope_short_factor is not None:  # LongRoPE's frequencies, as transformers computes them (fp32)
@@ -414,9 +435,10 @@ def tp_grad_sum_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     finalize_model_grads does: sequence-parallel norms, and q/k layernorms (each TP rank sees only its heads)."""
     if model.config.tensor_model_parallel_size == 1:
         return []
+    whole = {id(p) for m in model.modules() if isinstance(m, WholeRMSNorm) for p in m.parameters()}
     return [p for n, p in model.named_parameters()
             if (model.config.sequence_parallel and getattr(p, "sequence_parallel", False))
-            or "q_layernorm" in n or "k_layernorm" in n]
+            or (("q_layernorm" in n or "k_layernorm" in n) and id(p) not in whole)]
 
 
 __all__ = ["RMSNorm", "PackedGPTModel", "FusedLossGPTModel", "padded_vocab_size", "transformer_config", "layer_spec",

@@ -64,6 +64,26 @@ class ModelArch:
     rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor) of the other layers (Gemma 3)
     attn_softcap: float | None = None  # attention scores soft-capped, c·tanh(s/c), before the mask (Gemma 2)
     final_softcap: float | None = None  # the output logits soft-capped the same way (Gemma 2)
+    # Mixture of experts (Qwen3-MoE, Mixtral, OLMoE): every layer's MLP is `num_experts` gated MLPs of width
+    # `expert_ffn_hidden_size`, each token routed to `experts_per_token` of them by softmax over a linear router
+    # (renormalised over the chosen ones when `norm_topk_prob`), dropless; None: a dense model
+    num_experts: int | None = None
+    experts_per_token: int = 0
+    expert_ffn_hidden_size: int | None = None
+    norm_topk_prob: bool = False
+    # transformers adds router_aux_loss_coef · (its load-balancing loss) to the loss when output_router_logits is on
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not per head (OLMoE)
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def routed_ffn(self) -> int:
+        """The MLP width one token passes through: ffn_hidden_size, or top-k × an expert's (a mixture of experts)."""
+        return self.experts_per_token * self.expert_ffn_hidden_size if self.moe else self.ffn_hidden_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,7 +259,41 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         attn_softcap=_positive(cfg.get("attn_logit_softcapping"), "attn_logit_softcapping", source, none=True),
         final_softcap=_positive(cfg.get("final_logit_softcapping"), "final_logit_softcapping", source, none=True),
         **longrope,
+        **_moe(cfg, fam, source),
     )
+
+
+def _moe(cfg: dict[str, Any], fam, source: str) -> dict[str, Any]:
+    """A mixture-of-experts family's routing facts from its config (read as transformers' config class does)."""
+    if not fam.moe:
+        return {}
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    experts = _int({key: experts}, key, source)
+    k = _int(cfg, "num_experts_per_tok", source)
+    if k > experts:
+        raise bad("num_experts_per_tok", k, f"exceeds {key}={experts} in {source}", "fix the model's config.json")
+    step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    if step != 1 or dense:  # no published checkpoint of these families mixes dense and MoE layers
+        shown = ("mlp_only_layers", dense) if dense else ("decoder_sparse_step", step)
+        raise bad(shown[0], shown[1], "a model mixing dense and mixture-of-experts layers is not built",
+                  "use a checkpoint whose every layer is a mixture of experts (decoder_sparse_step 1, no "
+                  "mlp_only_layers)")
+    if cfg.get("router_jitter_noise"):  # Mixtral's training-time noise on the router's input
+        raise bad("router_jitter_noise", cfg["router_jitter_noise"], "router jitter is not built",
+                  "set router_jitter_noise: 0.0 in the model's config.json (the published configs do)")
+    if cfg.get("clip_qkv") is not None:
+        raise bad("clip_qkv", cfg["clip_qkv"], "clipping q, k and v is not built",
+                  "use a checkpoint without it (clip_qkv: null)")
+    coef = cfg.get("router_aux_loss_coef", 0.0)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise bad("router_aux_loss_coef", coef, f"must be a number >= 0 in {source}", "fix the model's config.json")
+    return {"num_experts": experts, "experts_per_token": k,
+            "expert_ffn_hidden_size": _int(cfg, fam.expert_ffn_key, source),
+            "norm_topk_prob": fam.norm_topk_prob if fam.norm_topk_prob is not None
+            else bool(cfg.get("norm_topk_prob", False)),
+            "router_aux_loss_coef": float(coef), "output_router_logits": bool(cfg.get("output_router_logits")),
+            "qk_norm_whole": fam.qk_norm_whole}
 
 
 def _positive(v: Any, key: str, source: str, none: bool = False) -> float | None:
@@ -312,7 +366,13 @@ def check_tp(arch: ModelArch, tp: int, key: str = "tp") -> None:
         raise bad(key, tp, f"is incompatible with num_key_value_heads={kv} of {name} "
                   "(KV heads must split evenly across tp ranks, or tp must be a multiple of them)",
                   f"use a tp_size that divides {kv} or is a multiple of it")
-    if arch.ffn_hidden_size % tp:
+    if arch.qk_norm_whole and kv % tp:  # each rank norms its own heads' slice of the whole k projection
+        raise bad(key, tp, f"does not divide num_key_value_heads={kv} of {name}, whose k norm spans all of them",
+                  f"use a tp_size that divides {kv}")
+    if arch.moe and arch.expert_ffn_hidden_size % tp:
+        raise bad(key, tp, f"does not divide an expert's MLP width {arch.expert_ffn_hidden_size} of {name}",
+                  "use a tp_size that divides it")
+    if not arch.moe and arch.ffn_hidden_size % tp:
         raise bad(key, tp, f"does not divide intermediate_size={arch.ffn_hidden_size} of {name}",
                   "use a tp_size that divides the MLP width")
 

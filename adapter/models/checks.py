@@ -8,10 +8,13 @@ from adapter.models.arch import ModelArch, check_tp
 from adapter.models.counts import linears
 
 
-def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
-    """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
+def check(cfg: RunConfig, arch: ModelArch, *, train: bool = False) -> list[str]:
+    """Raise UserError for a layout the model cannot run (`train`: for a training run, not only a plan); return
+    warnings for ones it can but should not."""
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
+    if arch.moe:
+        _check_moe(cfg, arch, train)
     if cfg.model.unfrozen_parameters is not None and cfg.lora is not None:
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
                   "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "
@@ -71,9 +74,34 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
         raise bad("precision", "fp8", "fp8 matmuls are wired for tp_size = 1 only (measured on one GPU; "
                   "docs/BENCHMARKS.md)", "use precision: bf16 with tensor parallelism")
     warnings = []
+    if arch.moe:
+        warnings.append(f"{arch.architecture} is a mixture of experts: the step time is Megatron's SequentialMLP "
+                        "(one GEMM per expert) modelled as one GEMM over the routed tokens, not yet measured")
     if cfg.precision == "fp8" and not cfg.model.compile:
         warnings.append("precision fp8 without model.compile: the fp8 casts run unfused and cost more than the "
                         "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
     return warnings
+
+
+def _check_moe(cfg: RunConfig, arch: ModelArch, train: bool) -> None:
+    """What a mixture-of-experts model cannot run yet, each in one line (issue 30 builds them)."""
+    name = arch.architecture
+    if cfg.lora is not None:
+        raise bad(spell(cfg, "lora"), "lora", f"LoRA on a mixture-of-experts model ({name}) is not built yet",
+                  "fine-tune it in full, or a dense model with LoRA")
+    if cfg.model.unfrozen_parameters is not None:
+        raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "
+                  f"mixture-of-experts model ({name}) is not built yet", "remove the key to train every parameter")
+    if cfg.precision == "fp8":
+        raise bad("precision", "fp8", f"fp8 experts ({name}) are not built", "use precision: bf16")
+    if cfg.parallelism.tp_size > 1 and not cfg.use_sequence_parallel:
+        raise bad(spell(cfg, "sequence_parallel"), False, "Megatron-Core's mixture-of-experts layer "
+                  "trains with tensor parallelism only beside sequence parallelism",
+                  "remove the key (it is on by default when tp_size > 1)")
+    if train:
+        raise bad("model.path", str(cfg.model.path), f"training a mixture-of-experts model ({name}) is not built "
+                  "yet: its layers, routing and load-balancing loss equal transformers' and it converts both ways, "
+                  "but the training loop's auxiliary-loss weighting and padding rows are not checked against it",
+                  "use `nd-adapter convert` and `nd-adapter plan` with it for now, or a dense model")

@@ -8,6 +8,8 @@ for any head_dim (Qwen3-4B: 32 heads × 128 = 4096 ≠ hidden 2560) and extends 
 MFU's model FLOPs, the convention every number in this project is computed with (bench, peer anchors):
 
     N               = L · Σ(linear weights of a layer) + H·V       (matmul weights; the LM head, tied or not)
+
+(a mixture of experts counts the weights a token passes through: its router and top-k experts, not all of them)
     flops_per_token = 6·N + 12·L·(heads·head_dim)·S                (fwd+bwd matmuls, attention scores and values)
 
 (S is min(S, window) for a sliding-window layer.)
@@ -29,13 +31,27 @@ class Linear:
     name: str     # HF module name (q_proj, ..., down_proj)
     out: int      # output features
     inp: int      # input features
-    fused: str    # the Megatron linear holding it (linear_qkv, linear_proj, linear_fc1, linear_fc2)
-    tp_axis: int  # what tensor parallelism splits: 0 the outputs (column-parallel), 1 the inputs (row-parallel)
+    fused: str    # the Megatron linear holding it (linear_qkv, linear_proj, linear_fc1, linear_fc2, router)
+    # what tensor parallelism splits: 0 the outputs (column-parallel), 1 the inputs (row-parallel), None nothing
+    # (the MoE router, replicated)
+    tp_axis: int | None
     bias: bool = False
+    copies: int = 1  # this linear exists once per expert (a mixture of experts' expert MLPs) or once
+    active: int = 1  # of those copies, how many each token passes through (top-k)
 
     @property
     def weights(self) -> int:
+        """One copy's weights."""
         return self.out * self.inp
+
+    @property
+    def params(self) -> int:
+        """All copies' weights and biases."""
+        return self.copies * (self.weights + (self.out if self.bias else 0))
+
+    def local(self, tp: int, ep: int = 1) -> int:
+        """Weights and biases one rank holds: split by tp where the linear is, its expert copies split by ep."""
+        return self.params // (tp if self.tp_axis is not None else 1) // (ep if self.copies > 1 else 1)
 
 
 def linears(arch: ModelArch) -> tuple[Linear, ...]:
@@ -46,29 +62,41 @@ def linears(arch: ModelArch) -> tuple[Linear, ...]:
     qkv = ((Linear("qkv_proj", q + 2 * kv, h, "linear_qkv", 0, b),) if packed_rule(arch, "qkv_proj") else
            (Linear("q_proj", q, h, "linear_qkv", 0, b), Linear("k_proj", kv, h, "linear_qkv", 0, b),
             Linear("v_proj", kv, h, "linear_qkv", 0, b)))
+    if arch.moe:  # the router and the experts' gated MLPs (HF's names of the Llama-like families)
+        g, n, k = arch.expert_ffn_hidden_size, arch.num_experts, arch.experts_per_token
+        return (*qkv, Linear("o_proj", h, q, "linear_proj", 1), Linear("gate", n, h, "router", None),
+                Linear("gate_proj", g, h, "linear_fc1", 0, copies=n, active=k),
+                Linear("up_proj", g, h, "linear_fc1", 0, copies=n, active=k),
+                Linear("down_proj", h, g, "linear_fc2", 1, copies=n, active=k))
     mlp = ((Linear("gate_up_proj", 2 * f, h, "linear_fc1", 0),) if packed_rule(arch, "gate_up_proj") else
            (Linear("gate_proj", f, h, "linear_fc1", 0), Linear("up_proj", f, h, "linear_fc1", 0)))
     return (*qkv, Linear("o_proj", h, q, "linear_proj", 1), *mlp, Linear("down_proj", h, f, "linear_fc2", 1))
 
 
-def fused_linears(arch: ModelArch) -> list[tuple[str, int, int, int]]:
+def fused_linears(arch: ModelArch) -> list[tuple[str, int, int, int | None]]:
     """Megatron's linears of one layer, (name, out, in, tp_axis), in forward order: the HF linears that read the
-    same input share one GEMM."""
-    out: dict[str, list[int]] = {}
+    same input share one GEMM (an expert's: one per expert)."""
+    out: dict[str, list] = {}
     for lin in linears(arch):
         o = out.setdefault(lin.fused, [0, lin.inp, lin.tp_axis])
         o[0] += lin.out
     return [(name, o, i, ax) for name, (o, i, ax) in out.items()]
 
 
+def _copies(arch: ModelArch) -> dict[str, tuple[int, int]]:
+    """Megatron linear -> (copies per layer, copies each token passes through)."""
+    return {lin.fused: (lin.copies, lin.active) for lin in linears(arch)}
+
+
 def layer_norm_params(arch: ModelArch) -> int:
     """Norm weights of one layer (replicated across tp): the two RMSNorms (four with post-norms) and, with qk-norm,
-    one per q and k head dimension."""
-    return (4 if arch.post_norms else 2) * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
+    one per q and k head dimension (over the whole q and k projections: OLMoE)."""
+    qk = ((arch.num_heads + arch.num_kv_heads) * arch.head_dim if arch.qk_norm_whole else 2 * arch.head_dim)
+    return (4 if arch.post_norms else 2) * arch.hidden_size + (qk if arch.qk_norm else 0)
 
 
 def layer_params(arch: ModelArch) -> int:
-    return sum(lin.weights + (lin.out if lin.bias else 0) for lin in linears(arch)) + layer_norm_params(arch)
+    return sum(lin.params for lin in linears(arch)) + layer_norm_params(arch)
 
 
 def num_params(arch: ModelArch) -> int:
@@ -90,30 +118,35 @@ class LocalParams:
 
 
 def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128) -> LocalParams:
-    sharded = sum(lin.weights + (lin.out if lin.bias else 0) for lin in linears(arch))
     vp = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
     emb = vp * arch.hidden_size // tp
-    return LocalParams(layer=sharded // tp + layer_norm_params(arch), embedding=emb,
+    return LocalParams(layer=sum(lin.local(tp) for lin in linears(arch)) + layer_norm_params(arch), embedding=emb,
                        output=0 if arch.tie_embeddings else emb, final_norm=arch.hidden_size)
 
 
 def param_tensors(arch: ModelArch) -> tuple[int, int]:
     """(per layer, total): the parameter tensors of Megatron's model, which DeepSpeed's hooks, the optimizer and
     ZeRO-3's module gathers walk."""
-    per_layer = (len(fused_linears(arch)) + (4 if arch.post_norms else 2) + (2 if arch.qk_norm else 0)
-                 + (1 if arch.qkv_bias else 0))
+    per_layer = (sum(n for n, _ in _copies(arch).values()) + (4 if arch.post_norms else 2)
+                 + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0))
     return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
 
 
 def layer_gemms(arch: ModelArch, tokens: int, tp: int) -> list[tuple[int, int, int]]:
     """The forward GEMMs of one layer on one tp rank, (m, n, k), in Megatron's fused linears: qkv, proj, fc1
-    (gate+up), fc2."""
-    return [(tokens, o // tp, i) if ax == 0 else (tokens, o, i // tp) for _, o, i, ax in fused_linears(arch)]
+    (gate+up), fc2 (a mixture of experts: the router, and each expert linear as one GEMM over the tokens·top-k rows
+    its experts receive together)."""
+    copies = _copies(arch)
+    out = []
+    for name, o, i, ax in fused_linears(arch):
+        m = tokens * copies[name][1]
+        out.append((m, o // tp, i) if ax == 0 else (m, o, i // tp) if ax == 1 else (m, o, i))
+    return out
 
 
 def matmul_params(arch: ModelArch) -> int:
-    """N of the MFU formula: every layer's linear weights and the LM head."""
-    return arch.num_layers * sum(lin.weights for lin in linears(arch)) + arch.hidden_size * arch.vocab_size
+    """N of the MFU formula: the linear weights a token passes through in every layer, and the LM head."""
+    return arch.num_layers * sum(lin.weights * lin.active for lin in linears(arch)) + arch.hidden_size * arch.vocab_size
 
 
 def attended(arch: ModelArch, seq_len: int) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapter.models.mapping import (
+    EXPERTS,
     LAYER,
     PackedGateUp,
     PackedQKV,
@@ -49,6 +50,12 @@ class Family:
     # the HF config class's defaults for keys a config.json may omit (Gemma 3's hub configs leave out most of its
     # text model's): (key, value) pairs, checked against transformers' classes in tests/unit/test_families.py
     defaults: tuple[tuple[str, Any], ...] = ()
+    # a mixture of experts: the config key of an expert's MLP width; whether routing renormalises the chosen experts'
+    # probabilities (None: the config's `norm_topk_prob`; Mixtral always does); q/k norms over the whole projection
+    moe: bool = False
+    expert_ffn_key: str = "intermediate_size"
+    norm_topk_prob: bool | None = None
+    qk_norm_whole: bool = False
 
 
 _L = "model.layers.{i}."
@@ -100,6 +107,27 @@ GEMMA3_TABLE = GEMMA2_TABLE + QWEN3_TABLE[len(LLAMA_TABLE):]
 # the hub's original files say `language_model.model.`, which adapter/convert/hf_io.py reads as these)
 GEMMA3_VL_TABLE = tuple(r.renamed("model.", "model.language_model.") for r in GEMMA3_TABLE)
 
+# Mixture of experts: Llama's attention (Qwen3-MoE's with q/k norms), each layer's MLP a router and per-expert gated
+# MLPs (HF names carry the expert index {e}); the pre-MLP norm keeps its dense name
+def _moe_table(attention: tuple[Rule, ...], mlp: str, gate: str, up: str, down: str, router: str = "gate"
+               ) -> tuple[Rule, ...]:
+    dense = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+    return tuple(r for r in attention if r.megatron not in tuple(LAYER + d for d in dense)) + (
+        copy(LAYER + "mlp.router.weight", _L + f"{mlp}.{router}.weight", "E h"),
+        gated_mlp(EXPERTS + "linear_fc1.weight", _L + f"{mlp}.experts.{{e}}.{gate}.weight",
+                  _L + f"{mlp}.experts.{{e}}.{up}.weight", ffn="g"),
+        copy(EXPERTS + "linear_fc2.weight", _L + f"{mlp}.experts.{{e}}.{down}.weight", "h g", tp_axis=1),
+    )
+
+
+QWEN3_MOE_TABLE = _moe_table(QWEN3_TABLE, "mlp", "gate_proj", "up_proj", "down_proj")
+MIXTRAL_TABLE = _moe_table(LLAMA_TABLE, "block_sparse_moe", "w1", "w3", "w2")
+# OLMoE: q_norm / k_norm over the whole q and k projections (all heads at once)
+OLMOE_TABLE = _moe_table(LLAMA_TABLE, "mlp", "gate_proj", "up_proj", "down_proj") + (
+    copy(LAYER + "self_attention.q_layernorm.weight", _L + "self_attn.q_norm.weight", "q"),
+    copy(LAYER + "self_attention.k_layernorm.weight", _L + "self_attn.k_norm.weight", "kv"),
+)
+
 _GEMMA = dict(qkv_bias=False, post_norms=True, norm_offset=True, embed_scale=True, sliding_window_default=True)
 _GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256), ("num_attention_heads", 8),
                    ("num_key_value_heads", 4), ("hidden_size", 2304), ("intermediate_size", 9216),
@@ -125,6 +153,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3_vl", ("Gemma3ForConditionalGeneration",), ("gemma3",), GEMMA3_VL_TABLE, qk_norm=True,
            window_every=6, local_rope=True, text_config=True, defaults=GEMMA3_DEFAULTS,
            hf_skip=("model.vision_tower.", "model.multi_modal_projector."), export_as="gemma3", **_GEMMA),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), QWEN3_MOE_TABLE, qk_norm=True, moe=True,
+           expert_ffn_key="moe_intermediate_size"),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), MIXTRAL_TABLE, qkv_bias=False, moe=True,
+           norm_topk_prob=True),
+    Family("olmoe", ("OlmoeForCausalLM",), ("olmoe",), OLMOE_TABLE, qk_norm=True, moe=True, qk_norm_whole=True,
+           defaults=(("rms_norm_eps", 1e-5),)),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -170,5 +204,5 @@ def supported_architectures() -> list[str]:
 
 
 __all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "GLM4_TABLE", "GEMMA2_TABLE",
-           "GEMMA3_TABLE", "GEMMA3_VL_TABLE", "family", "find",
+           "GEMMA3_TABLE", "GEMMA3_VL_TABLE", "QWEN3_MOE_TABLE", "MIXTRAL_TABLE", "OLMOE_TABLE", "family", "find",
            "table_for", "packed_rule", "text_config_json", "supported_architectures"]

@@ -19,8 +19,17 @@ if TYPE_CHECKING:
     import torch
 
 Arch = Any  # an adapter.models.arch.ModelArch; not imported, since arch.py reads the families built from these
+Unit = "int | tuple[int, int] | None"  # which stacked piece of a key: a layer, (layer, expert), None unstacked
+
+
+def lead(unit) -> tuple[int, ...]:
+    """A unit's index on the key's stacked axes."""
+    return () if unit is None else unit if isinstance(unit, tuple) else (unit,)
 
 LAYER = "decoder.layers."  # Megatron keys under this prefix are stacked: global shape (num_layers, *per_layer)
+# A mixture-of-experts layer's expert linears: stacked on (num_layers, num_experts), as Megatron-Core's SequentialMLP
+# names them in its sharded state dict (its local_experts.{e} renamed onto one expert axis)
+EXPERTS = LAYER + "mlp.experts.experts."
 # Linear layers whose (empty for the local spec) `_extra_state` GPTModel checkpoints as one ShardedObject per layer.
 EXTRA_STATE = tuple(LAYER + s + "._extra_state" for s in (
     "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
@@ -40,7 +49,7 @@ class Ctx:
 class Rule:
     """One Megatron key from HF tensors. Subclasses say how (`to_megatron`) and back (`to_hf`)."""
     megatron: str                      # sharded key in the torch_dist checkpoint
-    hf: tuple[tuple[str, str], ...]    # (HF name with {i} for the layer, shape in symbols h q kv f v d)
+    hf: tuple[tuple[str, str], ...]    # (HF name with {i} for the layer, {e} the expert; shape in symbols h q kv f v d)
     tp_axis: int | None = None         # axis TP splits (0 column-parallel / vocab, 1 row-parallel), None replicated
     when: Callable[[Arch], bool] | None = None  # the rule exists only for architectures where this holds
     parts: ClassVar[int] = 1           # independently TP-split blocks along tp_axis ([gate; up] has 2)
@@ -50,11 +59,31 @@ class Rule:
     def per_layer(self) -> bool:
         return self.megatron.startswith(LAYER)
 
+    @property
+    def per_expert(self) -> bool:
+        """One tensor per expert of each layer (HF names carry {e}): Megatron stacks them on (layers, experts)."""
+        return any("{e}" in n for n, _ in self.hf)
+
     def applies(self, arch: Arch) -> bool:
         return self.when is None or bool(self.when(arch))
 
-    def hf_names(self, layer: int | None) -> list[str]:
-        return [n.format(i=layer) for n, _ in self.hf]
+    def stack(self, arch: Arch) -> tuple[int, ...]:
+        """The leading axes of the Megatron key's global shape: (), (layers,) or (layers, experts)."""
+        if not self.per_layer:
+            return ()
+        return (arch.num_layers, arch.num_experts) if self.per_expert else (arch.num_layers,)
+
+    def units(self, arch: Arch) -> list[Unit]:
+        """Every stacked piece of the key: None (not stacked), a layer, or a (layer, expert) pair."""
+        if not self.per_layer:
+            return [None]
+        if self.per_expert:
+            return [(i, e) for i in range(arch.num_layers) for e in range(arch.num_experts)]
+        return list(range(arch.num_layers))
+
+    def hf_names(self, unit: Unit) -> list[str]:
+        i, e = unit if isinstance(unit, tuple) else (unit, None)
+        return [n.format(i=i, e=e) for n, _ in self.hf]
 
     def renamed(self, old: str, new: str) -> Rule:
         """The same rule reading HF names that start with `new` where these start with `old` (a model nested in
@@ -192,8 +221,8 @@ def fused_qkv(megatron: str, q: str, k: str, v: str, *, bias: bool = False, when
     return FusedQKV(megatron, tuple(zip((q, k, v), shapes)), 0, when)
 
 
-def gated_mlp(megatron: str, gate: str, up: str) -> GatedMLP:
-    return GatedMLP(megatron, ((gate, "f h"), (up, "f h")), 0)
+def gated_mlp(megatron: str, gate: str, up: str, *, ffn: str = "f") -> GatedMLP:
+    return GatedMLP(megatron, ((gate, f"{ffn} h"), (up, f"{ffn} h")), 0)
 
 
 def packed_qkv(megatron: str, qkv: str) -> PackedQKV:
@@ -216,10 +245,12 @@ def has_qkv_bias(arch: Arch) -> bool:
 def hf_shape(spec: str, arch: Arch) -> tuple[int, ...]:
     sym = {"h": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
            "f": arch.ffn_hidden_size, "v": arch.vocab_size, "d": arch.head_dim,
-           "qkv": (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, "ff": 2 * arch.ffn_hidden_size}
+           "qkv": (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, "ff": 2 * arch.ffn_hidden_size,
+           "E": arch.num_experts, "g": arch.expert_ffn_hidden_size, "gg": 2 * (arch.expert_ffn_hidden_size or 0)}
     return tuple(sym[s] for s in spec.split())
 
 
-__all__ = ["LAYER", "EXTRA_STATE", "IGNORED_HF", "Ctx", "Rule", "Copy", "Vocab", "FusedQKV", "GatedMLP", "PackedQKV",
+__all__ = ["LAYER", "EXPERTS", "lead", "EXTRA_STATE", "IGNORED_HF", "Ctx", "Rule", "Copy", "Vocab", "FusedQKV",
+           "GatedMLP", "PackedQKV",
            "PackedGateUp", "copy", "vocab", "fused_qkv", "gated_mlp", "packed_qkv", "packed_gate_up", "untied",
            "has_qkv_bias", "hf_shape", "merge_blocks", "cut_blocks"]

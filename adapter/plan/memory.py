@@ -89,7 +89,7 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     CP the saved K,V are every local query chunk's causal key prefix, (2·cp+1)/(2·cp) of the sequence. The
     per-document CP padding (< 2·cp tokens per document) is not counted."""
     s, b, h = seq // cp, micro, arch.hidden_size
-    qd, kvd, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.ffn_hidden_size
+    qd, kvd, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.routed_ffn
     norm_side = bytes_per * s * b * h * 4 // (tp if sp else 1)       # 2 norm inputs + qkv and fc1 inputs
     kv_len = seq if (cp > 1 and cp_comm == "all_gather") else s         # all-gather CP keeps the gathered K,V
     if packed and cp > 1 and cp_comm == "all_gather":
@@ -100,6 +100,8 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     if attention == "local":                                             # unfused: scores + softmax, S×S
         attn += 2 * bytes_per * s * kv_len * b * arch.num_heads // tp
     mlp = bytes_per * s * b * 3 * f // tp                                # fc1 out (gate, up) + swiglu out
+    if arch.moe:  # each token's k copies sent to its experts (fc1's input) and their outputs before the weighting
+        mlp += 2 * bytes_per * s * b * arch.experts_per_token * h // (tp if sp else 1)
     return norm_side + attn + mlp
 
 
@@ -120,7 +122,7 @@ def fp8_freed(cfg: RunConfig, arch: ModelArch, *, tokens: int) -> int:
     if cfg.precision != "fp8" or not whole_layer_graphs(cfg):
         return 0
     linears = set(cfg.model.fp8_linears)
-    return 2 * tokens * ((arch.hidden_size if "fc1" in linears else 0) + (arch.ffn_hidden_size if "fc2" in linears
+    return 2 * tokens * ((arch.hidden_size if "fc1" in linears else 0) + (arch.routed_ffn if "fc2" in linears
                                                                           else 0))
 
 

@@ -35,7 +35,9 @@ def render(plan: Plan, console: Console | None = None) -> None:
     a = plan.model
     c.print(f"[bold]Model[/] {a['architecture']} ({a['family']}): {plan.num_params / 1e9:.2f}B params, "
             f"hidden {a['hidden_size']}, layers {a['num_layers']}, heads {a['num_heads']}/{a['num_kv_heads']} kv, "
-            f"ffn {a['ffn_hidden_size']}, vocab {a['vocab_size']}, tied={a['tie_embeddings']}")
+            + (f"{a['num_experts']} experts of ffn {a['expert_ffn_hidden_size']}, top {a['experts_per_token']}, "
+               if a.get("num_experts") else f"ffn {a['ffn_hidden_size']}, ")
+            + f"vocab {a['vocab_size']}, tied={a['tie_embeddings']}")
     for note in plan.notes:
         c.print(note, style="cyan", markup=False, highlight=False)
     c.print("[bold]Weights[/] " + escape(plan.weights.description.removeprefix("weights: ")), highlight=False)

@@ -84,7 +84,7 @@ def layer_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused
                        compiled: bool = False) -> float:
     """Bytes one layer's memory-bound kernels move, fwd+bwd (backward ≈ 2× forward): two RMSNorms (r+w) and two
     residual adds (2r+w) on the hidden states, sharded over tp by sequence parallelism; RoPE on q and k; SwiGLU."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
+    h, f = arch.hidden_size, arch.routed_ffn
     qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     hidden = (2 * 4 + 2 * 6) * tokens * h / (tp if sp else 1) * (COMPILED_HIDDEN if compiled else 1)
     rope = 4 * tokens * (qd + kvd) / tp * (1 if fused else UNFUSED_ROPE)

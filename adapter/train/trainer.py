@@ -159,7 +159,7 @@ class Trainer:
                 self._say(note)
         if self.device.type == "cpu":  # a GPU run started where no GPU is visible must not pass unnoticed
             self._say("device: CPU (no GPU is visible to this process): training on the CPU with gloo")
-        for w in checks.check(cfg, self.arch):
+        for w in checks.check(cfg, self.arch, train=True):
             self._say(f"warning: {w}")
         if cfg.model.unfrozen_parameters is not None:
             key = spell(cfg, "model.unfrozen_parameters")

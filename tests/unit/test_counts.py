@@ -53,7 +53,8 @@ def test_qwen3_4b_by_hand():
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "mistral-7b", "phi-4", "phi-3-mini-4k",
                                   "phi-3.5-mini-instruct", "gemma-2-9b", "gemma-3-4b-shape", "glm-4-9b-0414",
-                                  "glm-4-32b-0414"])
+                                  "glm-4-32b-0414", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b-v0.1",
+                                  "olmoe-1b-7b-0924"])
 def test_num_params_is_the_hf_model_s(name):
     """The parameter count transformers gives for the shipped configs (a meta-device model: no memory)."""
     import torch
@@ -75,3 +76,20 @@ def test_local_params_split_linears_over_tp_and_keep_norms_whole():
     assert lp1.layer - norms == 2 * (lp2.layer - norms) and lp2.output == 0  # tied
     assert counts.param_tensors(a) == (8, 36 * 8 + 2)  # 4 linears, 2 norms, q and k norms; embedding, final norm
 
+
+
+def test_moe_counts_all_experts_and_flops_only_the_routed_ones():
+    """Qwen3-30B-A3B: 128 experts of width 768, top 8. Parameters hold every expert; MFU's N counts the router and
+    the 8 experts a token passes through (its "3B active": 3.04 B with the LM head); tp splits the experts' linears,
+    never the router."""
+    from adapter.models.arch import load_arch
+
+    a = load_arch(ROOT / "configs/models/qwen3-30b-a3b")
+    h, g, L = 2048, 768, 48
+    attention = 2 * h * 32 * 128 + 2 * h * 4 * 128
+    assert counts.matmul_params(a) == L * (attention + 128 * h + 8 * 3 * h * g) + h * 151936
+    lp1, lp2 = counts.local_params(a, 1), counts.local_params(a, 2)
+    norms = 2 * h + 2 * 128
+    assert lp1.layer - norms - 128 * h == 2 * (lp2.layer - norms - 128 * h)
+    assert counts.param_tensors(a)[0] == 2 + 1 + 2 * 128 + 2 + 2  # qkv, proj; router; 2 per expert; norms; q/k
+    assert counts.layer_gemms(a, 64, 1)[2:] == [(64, 128, h), (64 * 8, 2 * g, h), (64 * 8, h, g)]

@@ -1,0 +1,150 @@
+"""Mixture-of-experts pieces Megatron-Core's MoE layer needs to compute what transformers computes.
+
+Routing: transformers takes a softmax over every expert in fp32, picks the top k and (with `norm_topk_prob`)
+renormalises them; Megatron's TopKRouter does the same with `moe_router_pre_softmax` off (softmax over the top-k
+logits is that renormalisation) and, on, without renormalising (OLMoE). Its router's `gating` moves a CPU weight to
+a GPU and its aux losses are per layer, so `HFRouter` keeps its routing and replaces those two.
+
+The load-balancing loss is transformers' `load_balancing_loss_func`: ONE statistic over every layer of a forward,
+
+    aux = E · Σ_e (C_e / R) · (P_e / R),   C_e = Σ_layers (top-k picks of e),  P_e = Σ_layers Σ_rows softmax_e,
+
+R the routed rows of all layers. Its gradient reaches layer l's router only through P (C is a count), as
+coef · E · C_e / R² per row and expert: known when the last layer has routed, which is before any backward. So each
+router records its C and P (`AuxLoss`), and an identity on its output (`_InjectAuxGrad`) adds that gradient in
+backward, reading the totals then; a recomputed layer (activation recompute) records the same numbers again under its
+layer number, so recompute changes nothing.
+
+Counts and sums are over the tokens of one micro-batch: when sequence parallelism or context parallelism split them,
+they are all-reduced over those ranks (`reduce_groups`), so every rank computes the whole micro-batch's statistic.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.transformer.moe.router import TopKRouter
+
+
+class AuxLoss:
+    """One forward's routing statistics (per layer) and what backward needs from them."""
+
+    def __init__(self, num_experts: int, top_k: int, coef: float):
+        self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
+        self.groups: list = []       # process groups that split one micro-batch's tokens (SP's TP, CP)
+        self.scale = 1.0             # what the training loss multiplies coef · aux by (set by the caller)
+        self.enabled = coef > 0
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def reset(self) -> None:
+        self.layers.clear()
+
+    def record(self, layer: int, counts: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> None:
+        self.layers[layer] = (counts, probs, rows)
+
+    def totals(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(C, P, R) summed over the layers recorded (already reduced over the token-splitting groups)."""
+        c, p, r = zip(*self.layers.values())
+        return torch.stack(c).sum(0), torch.stack(p).sum(0), torch.stack(r).sum()
+
+    def value(self) -> torch.Tensor:
+        """transformers' load-balancing loss of the last forward (no coefficient), detached."""
+        c, p, r = self.totals()
+        return self.num_experts * (c * p).sum() / (r * r)
+
+    def row_grad(self) -> torch.Tensor:
+        """d(scale · coef · aux) / d(softmax_e of one row), one value per expert."""
+        c, _, r = self.totals()
+        return self.scale * self.coef * self.num_experts * c / (r * r)
+
+
+def _sum(t: torch.Tensor, groups) -> torch.Tensor:
+    for g in groups:
+        if g is not None and dist.get_world_size(g) > 1:
+            dist.all_reduce(t, group=g)
+    return t
+
+
+class _InjectAuxGrad(torch.autograd.Function):
+    """Identity on the router's output probs; backward also sends the load-balancing gradient to the softmax."""
+
+    @staticmethod
+    def forward(ctx, probs, scores, aux):
+        ctx.aux = aux
+        ctx.shape = scores.shape
+        return probs.view_as(probs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = ctx.aux.row_grad().to(grad.device, torch.float32)
+        return grad, g.expand(ctx.shape), None
+
+
+class HFRouter(TopKRouter):
+    """Megatron's top-k router with transformers' gating (the hidden states' dtype, on whatever device) and its
+    load-balancing loss (module docstring) in place of Megatron's per-layer ones (configured off)."""
+
+    aux: AuxLoss | None = None  # set by build_gpt_model, shared by every layer's router
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight.to(input.dtype))
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        probs, routing_map = super().routing(logits, padding_mask)
+        aux = self.aux
+        if aux is None or not aux.enabled:
+            return probs, routing_map
+        flat = logits.reshape(-1, self.config.num_moe_experts)
+        scores = torch.softmax(flat, dim=-1, dtype=torch.float32) if flat.dtype != torch.float32 else \
+            torch.softmax(flat, dim=-1)
+        # transformers' statistic picks the top k of its own softmax (the same set as the routing's)
+        # padding rows (padding_mask False) count nowhere, as transformers' attention-masked statistic
+        keep = (torch.ones_like(scores[:, :1]) if padding_mask is None
+                else padding_mask.reshape(-1, 1).to(scores.dtype))
+        with torch.no_grad():
+            picks = torch.zeros_like(scores).scatter_(1, scores.topk(aux.top_k, dim=-1).indices, 1.0)
+            stats = _sum(torch.cat([(picks * keep).sum(0), (scores * keep).sum(0), keep.sum().reshape(1)]),
+                         aux.groups)
+        e = self.config.num_moe_experts
+        aux.record(self.layer_number, stats[:e], stats[e:2 * e], stats[2 * e])
+        if torch.is_grad_enabled() and self.training:
+            probs = _InjectAuxGrad.apply(probs, scores * keep, aux)
+        return probs, routing_map
+
+
+class WholeRMSNorm(torch.nn.Module):
+    """RMSNorm over a whole q or k projection (every head at once), as OLMoE's q_norm / k_norm; Megatron's q/k norm
+    is per head. Under tensor parallelism a rank holds its heads' slice of the weight, and the mean square is summed
+    over the TP ranks (autograd-aware both ways)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, heads: int = 1, **_):
+        from megatron.core import parallel_state
+
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.width = hidden_size * heads  # the whole projection's width (hidden_size: one head's, as Megatron passes)
+        self.weight = torch.nn.Parameter(torch.ones(self.width // tp, device=device, dtype=config.params_dtype))
+        self.eps, self.tp = eps, tp
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The weight split over TP like the heads it scales (a rank's slice is its own: no TP gradient sum)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                                                   sharded_offsets)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, heads_local, d]
+        shape = x.shape
+        h = x.reshape(*shape[:-2], -1).float()
+        ss = h.pow(2).sum(-1, keepdim=True)
+        if self.tp > 1:
+            import torch.distributed.nn.functional as dnn
+
+            ss = dnn.all_reduce(ss, group=self.tp_group)
+        y = h * torch.rsqrt(ss / self.width + self.eps)
+        return (self.weight * y.to(x.dtype)).reshape(shape)
+
+
+__all__ = ["AuxLoss", "HFRouter", "WholeRMSNorm"]
