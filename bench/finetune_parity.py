@@ -5,6 +5,7 @@ against plain transformers trained on the very same batches (this project's toke
     python bench/finetune_parity.py --shape 1b --steps 3 --out /tmp/parity-1b       # step-1 loss on the 1B shape
     python bench/finetune_parity.py --shape phi3-small --out /tmp/parity-phi3        # a Phi-3 (issue 29)
     python bench/finetune_parity.py --shape gemma3-small --out /tmp/parity-gemma3    # a Gemma 3 (issue 29)
+    python bench/finetune_parity.py --shape qwen3moe-small --out /tmp/parity-moe    # a Qwen3-MoE (issue 30)
     python bench/finetune_parity.py --weights cache --steps 5 --out /tmp/parity-cache  # base_model's weights through
                                                    # the training run's own conversion cache (converted in the worker)
 
@@ -36,6 +37,9 @@ SHAPES = {  # make_tiny_llama keyword arguments
     # Gemma 3: sandwich and q/k norms, GeGLU, a 256-token window on 3 of its 4 layers (FlashAttention's windowed
     # kernel on the GPU), local and global RoPE bases, tied
     "gemma3-small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=1024, tie=True, family="gemma3"),
+    # issue 30: a Qwen3-MoE (8 experts of width 256, top 2, renormalised; q/k norms) with its load-balancing loss
+    # on (coefficient 0.01), which both sides add to every micro-batch's loss
+    "qwen3moe-small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=256, tie=False, family="qwen3_moe"),
 }
 
 
@@ -44,13 +48,18 @@ def make_tiny(out: Path, tokenizer_dir: Path, family: str, *, hidden, layers, he
     """A random Phi-3 (packed linears, RoPE on 3/4 of each head, pad = EOS) or Gemma 3 (a 256-token window on all
     but its last layer) with transformers' own init, in bf16, with the tokenizer beside it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, Phi3Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, Phi3Config, Qwen3MoeConfig
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                   tie_word_embeddings=tie, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    if family == "phi3":
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{**common, "intermediate_size": 4 * ffn}, head_dim=hidden // heads,
+                             moe_intermediate_size=ffn, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                             output_router_logits=True, router_aux_loss_coef=0.01, use_sliding_window=False,
+                             pad_token_id=None)
+    elif family == "phi3":
         cfg = Phi3Config(**common, original_max_position_embeddings=max_positions, sliding_window=None,
                          partial_rotary_factor=0.75, pad_token_id=tok.eos_token_id)
     else:
@@ -78,7 +87,7 @@ def build(out: Path, shape: str, device: str) -> dict[str, Path]:
     if not (model / "config.json").exists():
         kw = dict(SHAPES[shape])
         family = kw.pop("family", "llama")
-        if family in ("phi3", "gemma3"):
+        if family in ("phi3", "gemma3", "qwen3_moe"):
             make_tiny(model, tok, family, device=device, **kw)
         else:
             make_tiny_llama(model, tokenizer_dir=tok, max_positions=4096, dtype="bfloat16", device=device, **kw)
@@ -130,13 +139,15 @@ def run_hf(paths: dict, a, mode: str) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                             fused=device == "cuda")
     losses, batches = [], build_batches(dataset, sampler)
+    aux = bool(getattr(model.config, "output_router_logits", False))
     for _ in range(a.steps):
         b = {k: v.to(device) for k, v in next(batches).items()}
         with torch.autocast(device, dtype=torch.bfloat16, enabled=mode == "amp" and device == "cuda"):
-            logits = model(input_ids=b["tokens"]).logits
-        per_token = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), reduction="none")
+            out = model(input_ids=b["tokens"], **({"output_router_logits": True} if aux else {}))
+        per_token = F.cross_entropy(out.logits.float().flatten(0, 1), b["labels"].flatten(), reduction="none")
         loss = (per_token * b["loss_mask"].flatten()).sum() / b["loss_mask"].sum().clamp(min=1)
-        loss.backward()
+        # a mixture of experts adds coef × its load-balancing loss (the logged loss stays the LM loss, as ours)
+        (loss + model.config.router_aux_loss_coef * out.aux_loss if aux else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -66,7 +66,8 @@ def main(argv=None) -> None:
         import liger_kernel.transformers as liger
 
         patch = {"llama": liger.apply_liger_kernel_to_llama, "phi3": liger.apply_liger_kernel_to_phi3,
-                 "gemma3_text": liger.apply_liger_kernel_to_gemma3_text}[cfg.model_type]
+                 "gemma3_text": liger.apply_liger_kernel_to_gemma3_text,
+                 "qwen3_moe": getattr(liger, "apply_liger_kernel_to_qwen3_moe", None)}[cfg.model_type]
         # Liger's RoPE rotates whole heads: a partial-rotary model (Phi-4-mini) keeps transformers' own
         glu = {"geglu": True} if cfg.model_type.startswith("gemma") else {"swiglu": True}
         patch(rope=getattr(cfg, "partial_rotary_factor", 1.0) in (None, 1.0), rms_norm=True, cross_entropy=False,
@@ -95,6 +96,8 @@ def main(argv=None) -> None:
             AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).save_pretrained(ckpt)
     dist.barrier()
     extra = {"tp_plan": "auto", "device_mesh": acc.torch_device_mesh} if a.mode == "accelerate-tp" else {}
+    if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None):
+        extra["experts_implementation"] = "grouped_mm"  # transformers' fastest experts (NOTES.md: the MoE peer row)
     model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.bfloat16, attn_implementation="sdpa",
                                                  use_cache=False, **extra)
     model.train()  # from_pretrained returns eval mode; Liger's fused linear cross-entropy runs only in training mode

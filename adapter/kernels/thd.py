@@ -21,7 +21,9 @@ from dataclasses import dataclass, fields
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-KEYS = ("tokens", "labels", "loss_mask")  # per-token keys carried into the stream (position_ids are recomputed)
+# per-token keys carried into the stream when the batch has them (position_ids are recomputed); the stream's own
+# padding is 0 in each, so attention_mask (SFT's real tokens) marks it as padding too
+KEYS = ("tokens", "labels", "loss_mask", "attention_mask")
 
 
 @dataclass
@@ -107,7 +109,7 @@ def pack_batch(batch: dict[str, torch.Tensor], *, cp_size: int = 1, cp_rank: int
     but for its own chunks; the trained tokens over the group are exactly the batch's."""
     seg = batch["segment_ids"].cpu()
     b, s = seg.shape
-    flat = {k: batch[k].cpu().reshape(-1) for k in KEYS}
+    flat = {k: batch[k].cpu().reshape(-1) for k in KEYS if k in batch}
     lens = document_lengths(seg)
     starts = torch.cumsum(lens, 0) - lens
     g = 2 * cp_size if cp_size > 1 else 1

@@ -8,13 +8,12 @@ from adapter.models.arch import ModelArch, check_tp
 from adapter.models.counts import linears
 
 
-def check(cfg: RunConfig, arch: ModelArch, *, train: bool = False) -> list[str]:
-    """Raise UserError for a layout the model cannot run (`train`: for a training run, not only a plan); return
-    warnings for ones it can but should not."""
+def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
+    """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     if arch.moe:
-        _check_moe(cfg, arch, train)
+        _check_moe(cfg, arch)
     if cfg.model.unfrozen_parameters is not None and cfg.lora is not None:
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
                   "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "
@@ -85,7 +84,7 @@ def check(cfg: RunConfig, arch: ModelArch, *, train: bool = False) -> list[str]:
     return warnings
 
 
-def _check_moe(cfg: RunConfig, arch: ModelArch, train: bool) -> None:
+def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
     """What a mixture-of-experts model cannot run yet, each in one line (issue 30 builds them)."""
     name = arch.architecture
     if cfg.lora is not None:
@@ -100,8 +99,3 @@ def _check_moe(cfg: RunConfig, arch: ModelArch, train: bool) -> None:
         raise bad(spell(cfg, "sequence_parallel"), False, "Megatron-Core's mixture-of-experts layer "
                   "trains with tensor parallelism only beside sequence parallelism",
                   "remove the key (it is on by default when tp_size > 1)")
-    if train:
-        raise bad("model.path", str(cfg.model.path), f"training a mixture-of-experts model ({name}) is not built "
-                  "yet: its layers, routing and load-balancing loss equal transformers' and it converts both ways, "
-                  "but the training loop's auxiliary-loss weighting and padding rows are not checked against it",
-                  "use `nd-adapter convert` and `nd-adapter plan` with it for now, or a dense model")

@@ -35,6 +35,7 @@ from adapter.train.optim import FORMAT, FlatAdamW
 
 WHAT = ("fp32", *MOMENTS)
 _LAYER = re.compile(r"^" + re.escape(LAYER) + r"\d+\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.\d+\.")  # SequentialMLP's expert e: the table's expert key
 _LORA_B = re.compile(r"\.lora\.B\.(\w+)$")  # adapter/modeling/lora.py names an adapter's B <linear>.lora.B.<hf name>
 class FlatFiles:
     """A checkpoint of nd-adapter's flat AdamW (`mp_rank_{m:02d}_model_states.pt`: the module and the optimizer's
@@ -94,7 +95,7 @@ def open_saved(ckpt: Path, key: str, value: str):
 def tp_split(name: str, p, arch) -> tuple[int | None, int]:
     """(axis TP splits, independently split blocks along it) for one parameter: the family table's rule for its
     Megatron key, else (adapters) the TP attributes it was built with; None: replicated."""
-    key = _LAYER.sub(LAYER, name)
+    key = _EXPERT.sub(".mlp.experts.experts.", _LAYER.sub(LAYER, name))
     for rule in family(arch.family).table:
         if rule.megatron == key:
             return rule.tp_axis, rule.parts

@@ -55,6 +55,7 @@ from adapter.train.profile import StepProfiler
 class RunResult:
     losses: list[float] = field(default_factory=list)   # one per optimizer step, as logged
     grad_norms: list[float | None] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)  # a mixture of experts' load-balancing loss, per step
     trained_tokens: list[int] = field(default_factory=list)  # per step, the whole job's
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (after step, held-out loss)
     start_step: int = 0
@@ -77,11 +78,12 @@ class StepStats:
     grad_norm: float | None      # None when DeepSpeed computed none (no clipping)
     lr: float
     seconds: float
+    aux_loss: float = 0.0        # a mixture of experts' load-balancing loss (no coefficient), mean of the micro-batches
 
 
 TRIM_MULTIPLE = 64  # unpacked SFT micro-batches are cut to a multiple of this (and of 2·cp·tp for CP and SP)
 # The device-side vector a step's numbers travel in: one all-reduce and one host copy, read one micro-batch late.
-LOSS, NONFINITE, TRAINED_TOKENS, COMPUTED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE, STOP = range(7)
+LOSS, NONFINITE, TRAINED_TOKENS, COMPUTED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE, STOP, AUX = range(8)
 
 
 @dataclass
@@ -98,15 +100,18 @@ class PendingStep:
         grad_norm = v[GRAD_NORM] if v[GRAD_NORM_ON_DEVICE] else (
             None if self.host_grad_norm is None else float(self.host_grad_norm))
         return StepStats(self.step, v[LOSS], int(v[TRAINED_TOKENS]), int(v[COMPUTED_TOKENS]), v[NONFINITE] > 0,
-                         grad_norm, self.lr, metrics.StepClock.seconds(self.clock))
+                         grad_norm, self.lr, metrics.StepClock.seconds(self.clock), v[AUX])
 
 
-def masked_loss_sum(model, batch):
+def masked_loss_sum(model, batch, moe: bool = False):
     """Σ loss_mask · per-token loss of one micro-batch (fp32 scalar). A model built with the fused linear
     cross-entropy returns that sum itself when handed the loss_mask (no [tokens × vocab] logits); others return
-    per-token losses, summed here. Packed documents travel as `packed_seq_params` (adapter/kernels/thd.py)."""
+    per-token losses, summed here. Packed documents travel as `packed_seq_params` (adapter/kernels/thd.py). A
+    mixture of experts (`moe`) gets the batch's attention_mask as Megatron's padding_mask: padding is routed but
+    left out of the load-balancing statistic, as transformers leaves it out."""
+    extra = {"padding_mask": batch["attention_mask"].bool()} if moe and "attention_mask" in batch else {}
     out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                packed_seq_params=batch.get("packed_seq_params"))
+                packed_seq_params=batch.get("packed_seq_params"), **extra)
     return out.float() if out.dim() == 0 else (out.float() * batch["loss_mask"]).sum()
 
 
@@ -137,7 +142,7 @@ class Trainer:
                        else torch.device("cpu"))
         self.result = RunResult()
         self.best = Best(cfg.eval.early_stopping_patience)
-        self.sink = self.groups = self.engine = self.preempt = None
+        self.sink = self.groups = self.engine = self.preempt = self.moe_aux = None
         self.val_dataset = self.chat_template = None
         self.stopping: str | None = None  # the signal the run stops on, once every rank knows it
 
@@ -159,7 +164,7 @@ class Trainer:
                 self._say(note)
         if self.device.type == "cpu":  # a GPU run started where no GPU is visible must not pass unnoticed
             self._say("device: CPU (no GPU is visible to this process): training on the CPU with gloo")
-        for w in checks.check(cfg, self.arch, train=True):
+        for w in checks.check(cfg, self.arch):
             self._say(f"warning: {w}")
         if cfg.model.unfrozen_parameters is not None:
             key = spell(cfg, "model.unfrozen_parameters")
@@ -198,6 +203,13 @@ class Trainer:
         self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
         self._say(self.engine.describe_optimizer())
+        if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
+            aux = self.engine.ds.module.moe_aux
+            self.moe_aux = aux if aux.enabled else None
+            self._say(f"mixture of experts: {self.arch.num_experts} experts, top {self.arch.experts_per_token}, "
+                      + (f"load-balancing loss × router_aux_loss_coef {aux.coef:g} added to every micro-batch's loss"
+                         if aux.enabled else "no load-balancing loss (output_router_logits is off in config.json, "
+                         "as transformers then trains)"))
         text = families.family(self.arch.family).export_as
         if text:  # an image-text checkpoint: what is trained and exported is its language model only
             self._say(f"model: the language model of {self.arch.architecture} is trained (its vision tower is not "
@@ -308,7 +320,7 @@ class Trainer:
 
     def _loss_sum(self, batch):
         """Σ per-token loss × loss_mask over this rank's slice of the micro-batch (fp32)."""
-        return masked_loss_sum(self.engine.ds, batch)
+        return masked_loss_sum(self.engine.ds, batch, moe=self.arch.moe)
 
     # --- one step -------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batches, previous: PendingStep | None) -> PendingStep:
@@ -326,11 +338,17 @@ class Trainer:
         denom = torch.clamp(tokens, min=1.0)[0]  # a step without trained tokens: loss and gradients 0, not NaN
         # undo DeepSpeed's gradient averages over dp_shard×cp (or dp×cp) and exact HSDP's over dp_replicate
         undo_average = layout.dp * layout.cp
-        summed = torch.zeros(2, dtype=torch.float64, device=device)  # the step's loss, grad norm inf/NaN
+        # the step's loss, grad norm inf/NaN, a mixture of experts' load-balancing loss (Σ over micro-batches)
+        summed = torch.zeros(3, dtype=torch.float64, device=device)
+        aux = self.moe_aux
+        if aux is not None:  # transformers adds coef·aux to every micro-batch's loss of every DP process, unaveraged:
+            aux.scale = undo_average  # its gradient survives DeepSpeed's average over dp×cp as the CE's does
         for b in micro:
             batch = self._on_device(b)
             with record_function("nd.forward"):
                 local = self._loss_sum(batch) / denom.float()
+                if aux is not None:  # the same on every CP and TP rank of the micro-batch: counted once over CP
+                    summed[2] += aux.value().double() / layout.cp
             with record_function("nd.backward"):
                 ds.backward(local * undo_average, scale_wrt_gas=False)
                 engine.after_backward()
@@ -353,8 +371,9 @@ class Trainer:
         stop = torch.tensor([1.0 if self.preempt.received else 0.0], dtype=torch.float64).to(device,
                                                                                             non_blocking=True)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed, tokens, tail, stop])), gn, lr,
-                              self.clock.end())
+        aux_mean = summed[2:] / (layout.dp * self.cfg.grad_accum)
+        pending = PendingStep(step, metrics.HostReadback(torch.cat([summed[:2], tokens, tail, stop, aux_mean])), gn,
+                              lr, self.clock.end())
         if self.profiler.finish(step):
             self.clock.reset()  # writing the trace is not training time
         return pending
@@ -374,6 +393,8 @@ class Trainer:
                                 "the next step or checkpoint. Lower optimizer.lr or raise optimizer.warmup_steps; "
                                 "deepspeed.overrides: {bf16: {check_grad_overflow: true}} skips such steps instead")
         self.result.losses.append(s.loss)
+        if self.moe_aux is not None:
+            self.result.aux_losses.append(s.aux_loss)
         self.result.grad_norms.append(s.grad_norm)
         self.result.trained_tokens.append(s.trained_tokens)
         max_steps = self.cfg.optimizer.max_steps
@@ -387,9 +408,13 @@ class Trainer:
             self._say(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
                                           mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps,
                                           trained_tokens_per_s_gpu=trained))
+            extra = {"aux_loss": s.aux_loss} if self.moe_aux is not None else {}
+            if extra:
+                self._say(f"step {s.step}: load-balancing aux_loss {s.aux_loss:.4f} (× router_aux_loss_coef "
+                          f"{self.moe_aux.coef:g} added to every micro-batch's loss)")
             self.sink.log(s.step, {"loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm, "tokens_per_s_per_gpu": tps,
                                    "trained_tokens_per_s_per_gpu": trained, "trained_tokens": s.trained_tokens,
-                                   "mfu": m})
+                                   "mfu": m, **extra})
 
     def evaluate(self) -> tuple[float | None, int]:
         """(loss, trained tokens) over the whole held-out set: Σ per-token loss / trained tokens, the training

@@ -53,11 +53,13 @@ def test_finetune_matches_transformers_on_the_same_batches(tmp_path):
     assert r["ours"][-1] < r["ours"][0] - 0.5  # it learned
 
 
-@pytest.mark.parametrize("case", ["phi3_longrope", "phi3_longrope_past_original", "glm4", "gemma3", "gemma2"])
+@pytest.mark.parametrize("case", ["phi3_longrope", "phi3_longrope_past_original", "glm4", "gemma3", "gemma2",
+                                  "qwen3_moe", "mixtral", "olmoe"])
 def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):
     """Issue 29's families on CUDA (fused kernels on): Phi-3 with partial rotary and LongRoPE (our RoPE tables,
     scaled; and past its original context, where the long factors take over), GLM-4 with post-norms and interleaved
-    partial rotary (Megatron's own RoPE): conversion here, and the model's fp32 logits against transformers'."""
+    partial rotary (Megatron's own RoPE); issue 30's mixtures of experts (Megatron's MoE layer with the all-to-all
+    dispatcher the GPU runs): conversion here, and the model's fp32 logits against transformers'."""
     import json
 
     import torch
@@ -75,3 +77,16 @@ def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):
     report = verify(src, out, seq_len=64)
     assert report["exact"] == report["tensors"], report["mismatched"]
     assert report["ok"], report
+
+
+def test_moe_finetune_follows_transformers_amp(tmp_path):
+    """Issue 30: a Qwen3-MoE (8 experts, top 2, load-balancing loss 0.01) trained 10 steps by launch/train.py in
+    bf16 against transformers AMP on the same batches, both adding coef × aux to the loss: step 1 (before any
+    update) within bf16 rounding, the curve within what precision moves it."""
+    r = _parity_module().main(["--shape", "qwen3moe-small", "--steps", "10", "--out", str(tmp_path / "parity")])
+    if os.environ.get("ND_RESULTS_DIR"):
+        Path(os.environ["ND_RESULTS_DIR"], "parity-qwen3moe.json").write_text(json.dumps(r))
+    d = r["ours_vs_hf_amp_rel"]
+    assert len(r["ours"]) == 10, r
+    assert d[0] < 5e-3, (r["ours"][:3], r["hf_amp"][:3])
+    assert max(d) < 2e-2, list(zip(r["ours"], r["hf_amp"]))

@@ -212,6 +212,28 @@ def make_gemma(out: Path, tokenizer_dir: Path, version: int = 3, *, hidden: int 
     return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
 
 
+def make_moe(out: Path, tokenizer_dir: Path, family: str = "qwen3_moe", *, hidden: int = 64, layers: int = 2,
+             heads: int = 4, kv_heads: int = 2, experts: int = 4, top_k: int = 2, coef: float = 0.5,
+             seed: int = 0) -> Path:
+    """A tiny mixture of experts (Qwen3-MoE: q/k norms, renormalised top-k; OLMoE: whole-projection q/k norms,
+    no renormalisation) with the load-balancing loss on and a large coefficient, so its gradient shows in a few
+    steps."""
+    from transformers import AutoTokenizer, OlmoeConfig, Qwen3MoeConfig
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=256, num_experts=experts,
+                  num_experts_per_tok=top_k, output_router_logits=True, router_aux_loss_coef=coef,
+                  tie_word_embeddings=False, pad_token_id=None, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id)
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=hidden // heads, intermediate_size=2 * hidden,
+                             moe_intermediate_size=hidden // 2, norm_topk_prob=True, use_sliding_window=False)
+    else:
+        cfg = OlmoeConfig(**{**common, "num_key_value_heads": heads}, intermediate_size=hidden // 2)
+    return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
+
+
 def hf_best(evals: dict[int, float], saves: set[int], patience: int | None = None) -> tuple[int | None, int | None]:
     """(best checkpoint step, early-stop step) as transformers' own code decides them: `EarlyStoppingCallback`
     sees each evaluation first (inside `evaluate`), then `Trainer._determine_best_metric`, then a save at that step

@@ -52,10 +52,11 @@ def test_samples_keep_examples_whole_and_mask_boundaries(tmp_path_factory, lengt
         s = ds[i]
         assert {k: (v.shape, v.dtype.kind) for k, v in s.items()} == {
             "tokens": ((seq,), "i"), "labels": ((seq,), "i"), "loss_mask": ((seq,), "f"),
-            "position_ids": ((seq,), "i"), "segment_ids": ((seq,), "i")}
+            "position_ids": ((seq,), "i"), "segment_ids": ((seq,), "i"), "attention_mask": ((seq,), "i")}
         owner = np.where(s["tokens"] >= 100, s["tokens"] // 100 - 1, -1)  # -1: padding (token 7)
         n = int((owner >= 0).sum())
         assert (owner[:n] >= 0).all() and (s["tokens"][n:] == 7).all()  # examples first, then padding
+        assert (s["attention_mask"] == (owner >= 0)).all()  # the real tokens, as a collator's attention_mask
         starts = np.r_[True, owner[1:] != owner[:-1]]
         assert ((s["position_ids"] == 0) == starts).all() and (np.diff(s["position_ids"])[~starts[1:]] == 1).all()
         assert (s["segment_ids"] == np.cumsum(starts) - 1).all()

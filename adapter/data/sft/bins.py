@@ -91,7 +91,9 @@ def write_split(d: Path, ids: np.ndarray, tgt: np.ndarray, offsets: np.ndarray, 
 class SFTDataset:
     """Bins on disk as training samples: `ds[i]` -> tokens, labels (0 where untrained), loss_mask, position_ids
     (restarting at 0 per example and for the padding), segment_ids (examples numbered in the bin; padding the
-    next number) -- the item API of adapter.data.pretraining.PackedDataset."""
+    next number), attention_mask (1 for the examples' tokens, 0 for the padding, as transformers' collators: a
+    mixture of experts' load-balancing statistic leaves padding out) -- the item API of
+    adapter.data.pretraining.PackedDataset."""
 
     def __init__(self, d: Path, seq_len: int, pad_id: int):
         self.path, self.seq_len, self.pad_id = Path(d), seq_len, pad_id
@@ -126,8 +128,10 @@ class SFTDataset:
         position = np.arange(s, dtype=np.int64)
         position[:n] -= np.repeat(bounds[:-1], lens)
         position[n:] -= n
+        real = np.zeros(s, dtype=np.int64)
+        real[:n] = 1
         return {"tokens": tokens, "labels": np.maximum(tgt, 0), "loss_mask": (tgt >= 0).astype(np.float32),
-                "position_ids": position, "segment_ids": segment}
+                "position_ids": position, "segment_ids": segment, "attention_mask": real}
 
 
 def trim_tail(batch: dict, multiple: int) -> dict:

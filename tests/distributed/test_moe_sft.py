@@ -1,0 +1,145 @@
+"""Mixture-of-experts SFT against plain transformers (issue 30): a chat dataset, packed, trained by nd-adapter at
+tp=2 (+SP) and dp_shard=2 for 4 steps, against transformers on the same prepared samples (each example attended on
+its own), fp32 on CPU, with transformers' load-balancing loss in the objective as its Trainer has it: every forward
+(one micro-batch of one DP process) adds router_aux_loss_coef × its statistic over that micro-batch's real tokens,
+unaveraged over processes. So the two layouts train different objectives (one micro-batch of two samples against
+two of one), and the reference follows each. A reference without the auxiliary loss differs: the test sees it.
+
+Qwen3-MoE also saves after 2 steps at tp=2, resumes at dp_shard=2 (the experts' [gate; up] re-cut per TP rank)
+and exports: steps 3 and 4 equal the reference that switches objective there, and transformers loads the export
+(no missing or unexpected tensor) with the trained weights (its logits are the reference's)."""
+from __future__ import annotations
+
+import pytest
+
+from adapter import config
+from tests.helpers.dist import run_workers
+from tests.helpers.sft import make_moe, rel
+
+pytestmark = pytest.mark.slow
+SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
+LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2), "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1)}
+FAMILIES = ("qwen3_moe", "olmoe")
+
+
+def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: str = "cosine", **checkpoint):
+    from adapter.demo.build import ASSETS
+
+    parallelism, micro = LAYOUTS[layout]
+    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache"}, "parallelism": parallelism,
+           "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": 1}, "seq_len": SEQ,
+           "precision": "fp32",
+           "optimizer": {"lr": LR, "schedule": schedule, "warmup_steps": WARMUP if schedule == "cosine" else 0,
+                         "max_steps": steps, "clip_grad": 1e12},
+           "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
+                    "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"},
+           "checkpoint": checkpoint}
+    return config.build(raw, env={}, world_size=2)
+
+
+def _worker(rank, world, models, root):
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    out, quiet = {}, (lambda s: None)
+    for fam in FAMILIES:
+        for name in LAYOUTS:
+            res = run(_cfg(models[fam], f"{root}/{fam}", name), log=quiet)
+            out[f"{fam} {name}"] = (res.losses, res.aux_losses)
+    where = f"{root}/qwen3_moe"
+    ck = {"dir": f"{root}/moved", "save_every": 2}
+    run(_cfg(models["qwen3_moe"], where, "tp=2", steps=2, schedule="constant", **ck), log=quiet)
+    res = run(_cfg(models["qwen3_moe"], where, "dp_shard=2", schedule="constant", export_hf=f"{root}/export", **ck),
+              resume=True, log=quiet)
+    out["moved"] = (res.start_step, res.losses)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tests.helpers.sft_data import tiny_model
+
+    root = tmp_path_factory.mktemp("moe-sft")
+    tok = tiny_model(root / "tok")
+    return {fam: str(make_moe(root / fam, tok, fam)) for fam in FAMILIES}
+
+
+def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, schedule: str = "cosine"):
+    """(LM losses, mean aux per micro-batch, the model) of transformers trained on each step's 2 samples split into
+    `groups[step]` micro-batches (one per DP process)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, get_constant_schedule, get_cosine_schedule_with_warmup
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from adapter.data import DPSampler
+
+    order = iter(DPSampler(len(data.train), dp_rank=0, dp_size=1, micro_batch=2, seed=cfg.data.seed))
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    sched = get_cosine_schedule_with_warmup(opt, WARMUP, STEPS) if schedule == "cosine" else get_constant_schedule(opt)
+    c = hf.config
+    losses, auxes = [], []
+    for n in groups:
+        samples = next(order)
+        total, count, aux_total, aux_values = 0.0, 0.0, 0.0, []
+        for group in (samples[:1], samples[1:]) if n == 2 else (samples,):
+            router: list[list[torch.Tensor]] = [[] for _ in range(c.num_hidden_layers)]
+            for i in group:
+                s, bounds = data.train[i], data.train.examples(i)
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    out = hf(input_ids=torch.as_tensor(s["tokens"][a:b])[None], output_router_logits=True)
+                    ce = F.cross_entropy(out.logits[0].float(), torch.as_tensor(s["labels"][a:b]), reduction="none")
+                    mask = torch.as_tensor(s["loss_mask"][a:b])
+                    total, count = total + (ce * mask).sum(), count + float(mask.sum())
+                    for layer, logits in enumerate(out.router_logits):
+                        router[layer].append(logits)
+            aux = load_balancing_loss_func(tuple(torch.cat(r) for r in router), c.num_experts,
+                                           c.num_experts_per_tok)
+            aux_total, aux_values = aux_total + aux, aux_values + [float(aux)]
+        loss = total / count
+        (loss + (c.router_aux_loss_coef * aux_total if aux_on else 0.0)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        auxes.append(sum(aux_values) / len(aux_values))
+    return losses, auxes, hf
+
+
+def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(models, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adapter.data.sft import prepare
+
+    got = run_workers(_worker, 2, models, str(tmp_path), timeout=900)[0]
+    for fam in FAMILIES:
+        cfg = _cfg(models[fam], f"{tmp_path}/{fam}", "tp=2")
+        data = prepare(cfg, models[fam], builder=True, barrier=None, progress=False)
+        assert data.reused  # the runs' own prepared samples
+        for name, groups in (("tp=2", 1), ("dp_shard=2", 2)):
+            ref, ref_aux, _ = _reference(models[fam], data, cfg, [groups] * STEPS)
+            losses, auxes = got[f"{fam} {name}"]
+            assert len(losses) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), \
+                (fam, name, losses, ref)
+            assert len(auxes) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(auxes, ref_aux)), \
+                (fam, name, auxes, ref_aux)
+        without, _, _ = _reference(models[fam], data, cfg, [1] * STEPS, aux_on=False)
+        # the aux gradient matters: 5e-4 at step 3 (step 1 runs at the warm-up's zero learning rate)
+        assert max(rel(a, b) for a, b in zip(got[f"{fam} tp=2"][0], without)) > 1e-4
+    cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "tp=2")
+    data = prepare(cfg, models["qwen3_moe"], builder=True, barrier=None, progress=False)
+    ref, _, hf = _reference(models["qwen3_moe"], data, cfg, [1, 1, 2, 2], schedule="constant")
+    begun, losses = got["moved"]
+    assert begun == 2 and len(losses) == 2 and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref[2:])), \
+        (losses, ref)
+    exported, info = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export", dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.as_tensor(data.train[0]["tokens"][:64])[None]
+    with torch.no_grad():
+        diff = (exported(ids).logits - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-3, diff
