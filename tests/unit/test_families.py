@@ -63,6 +63,21 @@ def test_gemma3_image_text_config_reads_its_language_model():
                                                 "architecture": "Gemma3ForCausalLM"}
 
 
+@pytest.mark.parametrize("name,heads,head_dim,scalar,layers,params", [
+    ("gemma-3-12b-it", 16, 256, 256, 48, 11_766_034_176), ("gemma-3-27b-it", 32, 128, 168, 62, 27_009_346_304)])
+def test_gemma3_12b_and_27b_configs(name, heads, head_dim, scalar, layers, params):
+    """The two larger Gemma 3 checkpoints: 27B is the one whose query_pre_attn_scalar (168) is not head_dim. The
+    counts are Gemma3ForCausalLM's on the text config (meta device); 12B's also equals keras-hub's published
+    text-only count, 11,765,788,416, once its 262,144-row vocabulary is widened to the Hub's 262,208."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((ROOT / "configs/models" / name / "config.json").read_text())
+    arch = arch_from_hf_dict(cfg)
+    assert (arch.num_heads, arch.head_dim, arch.num_layers, arch.vocab_size) == (heads, head_dim, layers, 262208)
+    assert arch.softmax_scale == scalar ** -0.5 and arch.window_layers == tuple((i + 1) % 6 != 0 for i in range(layers))
+    assert counts.num_params(arch) == _meta_params(Gemma3TextConfig(**cfg["text_config"])) == params
+
+
 def test_gemma2_windows_caps_and_count():
     from transformers import Gemma2Config
 
