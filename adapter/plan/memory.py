@@ -99,6 +99,11 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     attn += 4 * s * b * arch.num_heads // tp                             # fp32 log-sum-exp of the fused kernel
     if attention == "local":                                             # unfused: scores + softmax, S×S
         attn += 2 * bytes_per * s * kv_len * b * arch.num_heads // tp
+    if arch.attn_softcap is not None:  # soft-capped scores are materialised (kernels/varlen.math_attention, cp = 1):
+        # tanh's output, the fp32 softmax and its 16-bit copy, S×S per head (a window masks them, it does not shrink
+        # them; packed, the worst case: one document the length of the sequence), and K, V repeated to every head
+        attn += (2 * bytes_per + 4) * s * kv_len * b * arch.num_heads // tp
+        attn += 2 * bytes_per * kv_len * b * (qd - kvd) // tp
     mlp = bytes_per * s * b * 3 * f // tp                                # fc1 out (gate, up) + swiglu out
     if arch.moe:  # each token's k copies sent to its experts (fc1's input) and their outputs before the weighting
         mlp += 2 * bytes_per * s * b * arch.experts_per_token * h // (tp if sp else 1)

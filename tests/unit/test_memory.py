@@ -70,6 +70,34 @@ def test_local_attention_adds_the_score_matrix():
     assert local - sdpa == 2 * 2 * 32 * 32 * 2 * 4 // 2     # scores + softmax, bf16, 4 heads / tp
 
 
+def test_soft_capped_attention_counts_what_autograd_keeps():
+    """Gemma 2's soft-capped scores run through math_attention: the bytes it saves for backward beyond q, k, v
+    (measured with saved-tensor hooks, deduplicated by storage) are what plan adds, plus the shared bool mask."""
+    import torch
+
+    from adapter.kernels.varlen import math_attention, window_mask
+
+    hf = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 1000}
+    capped, plain = (arch_from_hf_dict({**hf, "attn_logit_softcapping": c}) for c in (50.0, None))
+    kw = dict(seq=32, micro=2, tp=1, cp=1, sp=False, attention="sdpa")
+    added = memory.layer_activations(capped, **kw) - memory.layer_activations(plain, **kw)
+    q = torch.randn(2, 4, 32, 16, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    allowed = window_mask(32, 32, 8, q.device)
+    saved = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        math_attention(q, k, v, 0.25, allowed, 50.0)
+    inputs = sum(saved.pop(t.untyped_storage().data_ptr(), 0) for t in (q, k, v))
+    assert inputs == q.untyped_storage().nbytes()   # K and V are saved only as their repeated copies
+    assert sum(saved.values()) == added + 2 * 2 * 2 * 32 * 16 * 2 + allowed.numel()  # + K, V as counted already
+
+
 def test_zero3_traffic_by_hand():
     c = cfg()
     rows = {r.group: r for r in traffic.estimate(c, TINY, Layout(1, 2, 1, 2))}
