@@ -274,11 +274,11 @@ def map_precision(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
     `bfloat16: true` is bf16 too: its schema calls it "no AMP", but Axolotl's code passes `bf16 or bfloat16` to
     TrainingArguments.bf16 and loads the weights in bf16 for either (core/builders/base.py, utils/config)."""
     bf16, fp16 = raw.get("bf16"), raw.get("fp16")
-    if not _on(bf16) and raw.get("bfloat16") is True:
-        bf16 = "bfloat16"
-    if _on(bf16) and fp16 is True:
-        raise bad("fp16", fp16, f"conflicts with bf16={bf16!r}", "set only one of bf16 / fp16")
-    if bf16 == "bfloat16":
+    via_bfloat16 = not _on(bf16) and raw.get("bfloat16") is True
+    if (_on(bf16) or via_bfloat16) and fp16 is True:
+        raise bad("fp16", fp16, f"conflicts with {'bfloat16' if via_bfloat16 else 'bf16'}="
+                  f"{True if via_bfloat16 else bf16!r}", "set only one of bf16 / fp16")
+    if via_bfloat16:
         out["precision"], why = "bf16", "bfloat16: true, which Axolotl runs as bf16: true"
     elif _on(bf16):
         out["precision"], why = "bf16", f"bf16: {str(bf16).lower()}"

@@ -239,6 +239,7 @@ class PackedGPTModel(GPTModel):
         self.embed_scale = embed_scale  # Gemma: embeddings × √hidden
         self.local_rotary_pos_emb = None  # Gemma 3's sliding layers: a second RoPE table (LayerRopeAttention)
         self.long_rotary_pos_emb, self.rope_original_max = None, None  # LongRoPE's long factors (set_long_rope)
+        self.rope_padded_len = None  # unpacked batches: the length samples are padded to (set_long_rope)
         if local_rope_base is not None:
             self.local_rotary_pos_emb = RotaryEmbedding(
                 kv_channels=self.config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
@@ -275,7 +276,9 @@ class PackedGPTModel(GPTModel):
 
     def set_long_rope(self, inv_freq: torch.Tensor, original_max: int) -> None:
         """LongRoPE's long factors: a micro-batch whose positions go past `original_max` rotates with these
-        frequencies instead (transformers' longrope_frequency_update: max(position_ids) + 1 > original)."""
+        frequencies instead (transformers' longrope_frequency_update: max(position_ids) + 1 > original). Unpacked
+        batches decide by `rope_padded_len` when it is set: transformers sees the samples padded to that length
+        (Axolotl pads to sequence_len), while nd-adapter trims a micro-batch's untrained tail (data/sft/bins.py)."""
         c = self.config  # the table's width comes from inv_freq alone (partial rotary: fewer frequencies)
         self.long_rotary_pos_emb = RotaryEmbedding(
             kv_channels=c.kv_channels, rotary_percent=1.0, rotary_interleaved=c.rotary_interleaved,
@@ -298,7 +301,8 @@ class PackedGPTModel(GPTModel):
                 thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
                 if self.local_rotary_pos_emb is not None:
                     table["local"] = self.local_rotary_pos_emb(n, packed_seq=thd)
-                if self.rope_original_max is not None and n > self.rope_original_max:
+                padded = max(n, self.rope_padded_len or 0)  # the length transformers would see
+                if self.rope_original_max is not None and padded > self.rope_original_max:
                     table["global"] = self.long_rotary_pos_emb(n, packed_seq=thd)
         for name, t in table.items():
             if self.rope_tables and isinstance(t, torch.Tensor):

@@ -204,6 +204,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                             cp_comm_type=cfg.parallelism.cp_comm_type,
                             fused_kernels=fused,
                             linear_ce=cfg.model.fused_linear_ce, linear_ce_chunk=cfg.model.fused_linear_ce_chunk)
+    model.rope_padded_len = cfg.seq_len  # LongRoPE decides unpacked batches by the padded length, as transformers
     if load_weights is not None:
         load_weights(model)
     elif cfg.model.checkpoint:

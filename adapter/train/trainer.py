@@ -141,7 +141,7 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.result = RunResult()
-        self.best = Best(cfg.eval.early_stopping_patience)
+        self.best: Best | None = None  # set with the schedule (its patience)
         self.sink = self.groups = self.engine = self.preempt = self.moe_aux = None
         self.val_dataset = self.chat_template = None
         self.stopping: str | None = None  # the signal the run stops on, once every rank knows it
@@ -196,6 +196,7 @@ class Trainer:
         self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
         self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                          has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
+        self.best = Best(self.schedule.patience)
         for line in schedule.describe(cfg, self.schedule):  # before apply: it names the keys the numbers came from
             self._say(line)
         self.cfg = cfg = schedule.apply(cfg, self.schedule)

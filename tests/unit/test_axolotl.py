@@ -84,6 +84,7 @@ def test_context_parallel_block_and_flat_keys():
     ({"context_parallel_size": 2, "ring_attn_func": "batch_stripe"}, "ring_attn_func='batch_stripe'"),
     ({"optimizer": "lion_8bit"}, "optimizer='lion_8bit': nd-adapter trains with AdamW (fp32 or 8-bit moments) only"),
     ({"bf16": True, "fp16": True}, "fp16=True: conflicts with bf16=True"),
+    ({"bfloat16": True, "fp16": True}, "fp16=True: conflicts with bfloat16=True"),
     ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_ratio=0.1: Axolotl takes warmup_steps or warmup_ratio"),
     ({"evals_per_epoch": 2, "eval_steps": 10}, "evals_per_epoch=2: Axolotl takes eval_steps or evals_per_epoch"),
 ])
