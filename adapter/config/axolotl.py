@@ -204,7 +204,9 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
 
 _SPELLED = {native: key for key, native in (MAP | LORA_MAP).items()} | {
     f"data.{v}": k for k, v in DATA_KEYS.items()} | {"optimizer.betas": "adam_beta1 / adam_beta2",
-                                                      "precision": "bf16 / fp16", "lora": "adapter"}
+                                                      "precision": "bf16 / fp16", "lora": "adapter",
+                                                      "model.output_router_logits":
+                                                          "model_config.output_router_logits"}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -599,6 +601,9 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
         notes.append("save_only_model: checkpoints still keep the optimizer state, so that --resume (at any layout) "
                      "continues exactly; their size and the disk they need are in the first lines. The trained model "
                      "alone is what output_dir gets at the end")
+    over = raw.get("model_config", raw.get("overrides_of_model_config")) or {}
+    if "output_router_logits" in over:  # the only override mapped (axolotl_scope refuses the rest)
+        set_dotted(out, "model.output_router_logits", over["output_router_logits"])
     if _on(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
         set_dotted(out, "model.compile", "auto")
     note = kernel_note(raw, ignored)

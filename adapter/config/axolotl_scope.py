@@ -66,7 +66,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "use_pose": ("PoSE position ids are not supported", "remove use_pose"),
     "s2_attention": ("shifted-sparse attention is not supported (attention here is exact and causal)",
                      "remove s2_attention"),
-    "model_config": ("overriding the model's config changes the model", "edit config.json in a copy of the model"),
     # optimisation and schedule
     "optim_args": ("optimizer arguments beyond adam_beta1/2, adam_epsilon and weight_decay are not supported",
                    "remove it"),
@@ -117,6 +116,16 @@ def check_scope(raw: dict[str, Any]) -> None:
     if rev not in (None, "main"):
         raise bad("model_revision", rev, "only the cached default revision of base_model is read",
                   "remove it, or point base_model at that revision's snapshot directory")
+    over = raw.get("model_config", raw.get("overrides_of_model_config"))
+    if is_on(over):  # Axolotl sets each key on the HF config before loading: only the MoE loss switch is mapped
+        if not isinstance(over, dict):
+            raise bad("model_config", over, "must be a mapping of config.json keys", "write it as key: value lines")
+        for key, value in over.items():
+            if key != "output_router_logits":
+                raise bad(f"model_config.{key}", value, "overriding this config.json key changes the model and is "
+                          "not mapped (only output_router_logits is)", "edit config.json in a copy of the model")
+            if not isinstance(value, bool):
+                raise bad("model_config.output_router_logits", value, "must be true or false", "write true or false")
     tok = raw.get("tokenizer_config")
     if tok not in (None, raw.get("base_model"), raw.get("base_model_config")):
         raise bad("tokenizer_config", tok, "a tokenizer other than base_model's is not supported",

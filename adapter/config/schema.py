@@ -94,6 +94,10 @@ class ModelSection(_Strict):
         None, description="train only the parameters whose HF names these regexes match (Axolotl's "
         "unfrozen_parameters; `[start:end]` rows on embed_tokens / lm_head); the rest frozen: no gradients, no "
         "optimizer states (adapter/models/freeze.py). Unset: every parameter", min_length=1)
+    output_router_logits: bool | None = Field(
+        None, description="mixture of experts: add the load-balancing loss (router_aux_loss_coef x transformers' "
+        "load_balancing_loss_func) to every micro-batch's loss, or not, whatever config.json says (Axolotl's "
+        "model_config: {output_router_logits: ...}); unset: as config.json says")
     compile_memory_budget: float | None = Field(
         None, gt=0, le=1, description="compiled layers keep this fraction of their activations and recompute the "
         "rest in backward (AOTAutograd's activation_memory_budget; 1 or unset: keep all). One H200, 1B shape: 0.5 "

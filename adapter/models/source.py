@@ -11,6 +11,7 @@ no weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from adapter import config
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.errors import bad
 from adapter.models.arch import ModelArch, config_path, load_arch
 
@@ -61,8 +62,19 @@ def hf_dir(cfg) -> Path:
 
 
 def arch_for(cfg) -> ModelArch:
-    """The architecture the run trains (from `hf_dir`)."""
-    return load_arch(hf_dir(cfg))
+    """The architecture the run trains (from `hf_dir`), with the run's overrides of its config.json."""
+    return with_overrides(cfg, load_arch(hf_dir(cfg)))
+
+
+def with_overrides(cfg, arch: ModelArch) -> ModelArch:
+    """`model.output_router_logits` over config.json's (Axolotl's model_config); refused on a dense model."""
+    over = cfg.model.output_router_logits
+    if over is None:
+        return arch
+    if not arch.moe:
+        raise bad(spell(cfg, "model.output_router_logits"), over, f"{arch.architecture} is not a mixture of experts "
+                  "(no router, no load-balancing loss)", "remove the key")
+    return dataclasses.replace(arch, output_router_logits=over)
 
 
 def tokenizer_dir(cfg) -> Path:

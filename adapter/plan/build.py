@@ -247,7 +247,7 @@ def _saves(cfg: RunConfig) -> int:
 
 def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArch | None = None,
                gpu_mem_gib: float | None = None) -> Plan:
-    arch = arch or load_arch(cfg.model.path)
+    arch = arch or source.with_overrides(cfg, load_arch(cfg.model.path))
     warnings = checks.check(cfg, arch)
     layout = Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
     capacity = gpu_capacity(cfg.hardware.gpu, gpu_mem_gib)

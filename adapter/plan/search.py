@@ -263,7 +263,7 @@ def run(config_path: str, sets: dict[str, Any], flags: dict[str, Any], world: in
     nodes = flags.get("hardware.nodes", 1 if "hardware.gpus_per_node" in flags else cfg.hardware.nodes)
     if gpn is None:                      # no placement given: every rank on one node, as plain `plan` assumes
         nodes, gpn = 1, cfg.world_size
-    arch = load_arch(cfg.model.path)
+    arch = source.with_overrides(cfg, load_arch(cfg.model.path))
     prof = hardware.resolve(cfg.hardware, Path(config_path).resolve().parent)
     if prof is None:
         raise bad("hardware.profile", None, f"no hardware profile for gpu {cfg.hardware.gpu!r}, so no step time to "

@@ -96,6 +96,10 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_templat
                                       vocab_divisible_by=cfg.model.vocab_divisible_by, dtype=dtype,
                                       source_tp=cfg.parallelism.tp_size)
             meta["hf_files"] = hf_io.copy_side_files(hf_dir(cfg), stage / mio.HF_SUBDIR, dtype)
+            if cfg.model.output_router_logits is not None:  # as Axolotl's model_config leaves it in the saved config
+                conf = stage / mio.HF_SUBDIR / "config.json"
+                conf.write_text(json.dumps({**json.loads(conf.read_text()),
+                                            "output_router_logits": cfg.model.output_router_logits}, indent=2) + "\n")
             if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
                 write_special_tokens(stage / mio.HF_SUBDIR, cfg, arch)
             if chat_template:

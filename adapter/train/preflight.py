@@ -74,7 +74,7 @@ def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
 
 
 def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
-    arch = load_arch(cfg.model.path)
+    arch = source.with_overrides(cfg, load_arch(cfg.model.path))
     checks.check(cfg, arch)
     # e.g. model.compile, ZeRO-2 or the flat AdamW where they can't go
     deepspeed_config.flat_optimizer(cfg, Layout.from_config(cfg.parallelism))

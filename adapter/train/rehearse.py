@@ -70,7 +70,7 @@ def rehearsal_seq_len(cfg: RunConfig, seq_len: int | None) -> int:
 
 def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: str):
     """The rehearsal's config; `workdir` (shared by all ranks) takes its checkpoints and token cache."""
-    arch = load_arch(cfg.model.path)
+    arch = source.with_overrides(cfg, load_arch(cfg.model.path))
     vocab = (tokenizer_vocab(cfg) or arch.vocab_size) if cfg.data.files or cfg.data.datasets else None
     tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab)
     ckdir = workdir

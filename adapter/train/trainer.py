@@ -207,10 +207,12 @@ class Trainer:
         if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
             aux = self.engine.ds.module.moe_aux
             self.moe_aux = aux if aux.enabled else None
+            over = cfg.model.output_router_logits
+            why = (f"{spell(cfg, 'model.output_router_logits')}: {str(over).lower()}" if over is not None
+                   else f"output_router_logits: {str(self.arch.output_router_logits).lower()} in config.json")
             self._say(f"mixture of experts: {self.arch.num_experts} experts, top {self.arch.experts_per_token}, "
                       + (f"load-balancing loss × router_aux_loss_coef {aux.coef:g} added to every micro-batch's loss"
-                         if aux.enabled else "no load-balancing loss (output_router_logits is off in config.json, "
-                         "as transformers then trains)"))
+                         if aux.enabled else "no load-balancing loss, as transformers then trains") + f" ({why})")
         text = families.family(self.arch.family).export_as
         if text:  # an image-text checkpoint: what is trained and exported is its language model only
             self._say(f"model: the language model of {self.arch.architecture} is trained (its vision tower is not "

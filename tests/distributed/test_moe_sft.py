@@ -3,7 +3,8 @@ tp=2 (+SP) and dp_shard=2 for 4 steps, against transformers on the same prepared
 its own), fp32 on CPU, with transformers' load-balancing loss in the objective as its Trainer has it: every forward
 (one micro-batch of one DP process) adds router_aux_loss_coef × its statistic over that micro-batch's real tokens,
 unaveraged over processes. So the two layouts train different objectives (one micro-batch of two samples against
-two of one), and the reference follows each. A reference without the auxiliary loss differs: the test sees it.
+two of one), and the reference follows each. A reference without the auxiliary loss differs: the test sees it; a
+run with `model.output_router_logits: false` (Axolotl's model_config) over the config's true equals it.
 
 Qwen3-MoE also saves after 2 steps at tp=2, resumes at dp_shard=2 (the experts' [gate; up] re-cut per TP rank)
 and exports: steps 3 and 4 equal the reference that switches objective there, and transformers loads the export
@@ -22,7 +23,8 @@ LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2), "dp_shard=2": ({"tp_
 FAMILIES = ("qwen3_moe", "olmoe")
 
 
-def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: str = "cosine", **checkpoint):
+def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: str = "cosine", aux=None,
+         **checkpoint):
     from adapter.demo.build import ASSETS
 
     parallelism, micro = LAYOUTS[layout]
@@ -34,6 +36,8 @@ def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: s
            "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
                     "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"},
            "checkpoint": checkpoint}
+    if aux is not None:  # over config.json's output_router_logits (Axolotl's model_config)
+        raw["model"]["output_router_logits"] = aux
     return config.build(raw, env={}, world_size=2)
 
 
@@ -47,6 +51,7 @@ def _worker(rank, world, models, root):
         for name in LAYOUTS:
             res = run(_cfg(models[fam], f"{root}/{fam}", name), log=quiet)
             out[f"{fam} {name}"] = (res.losses, res.aux_losses)
+    out["aux off"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "tp=2", aux=False), log=quiet).losses
     where = f"{root}/qwen3_moe"
     ck = {"dir": f"{root}/moved", "save_every": 2}
     run(_cfg(models["qwen3_moe"], where, "tp=2", steps=2, schedule="constant", **ck), log=quiet)
@@ -130,6 +135,8 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
         without, _, _ = _reference(models[fam], data, cfg, [1] * STEPS, aux_on=False)
         # the aux gradient matters: 5e-4 at step 3 (step 1 runs at the warm-up's zero learning rate)
         assert max(rel(a, b) for a, b in zip(got[f"{fam} tp=2"][0], without)) > 1e-4
+        if fam == "qwen3_moe":  # model.output_router_logits: false over config.json's true trains without it
+            assert all(rel(a, b) <= 2e-6 for a, b in zip(got["aux off"], without)), (got["aux off"], without)
     cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "tp=2")
     data = prepare(cfg, models["qwen3_moe"], builder=True, barrier=None, progress=False)
     ref, _, hf = _reference(models["qwen3_moe"], data, cfg, [1, 1, 2, 2], schedule="constant")

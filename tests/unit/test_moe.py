@@ -56,3 +56,29 @@ def test_plan_prints_the_experts_and_refuses_what_is_not_built(tmp_path):
     code, _, err = run_cli("plan", _yaml(tmp_path, "lora:\n  r: 8\n"))
     assert code == 2 and "LoRA on a mixture-of-experts model (Qwen3MoeForCausalLM) is not built yet" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_axolotl_model_config_switches_the_load_balancing_loss(tmp_path):
+    """Every Axolotl Mixtral example sets `model_config: {output_router_logits: true}` (Axolotl sets it on the HF
+    config before loading): it maps to model.output_router_logits, which the architecture the run trains takes over
+    config.json's; any other model_config key, and the key on a dense model, is refused in one line."""
+    from adapter import config
+    from adapter.models import source
+
+    base = {"base_model": str(MODELS / "mixtral-8x7b-v0.1"), "sequence_len": 2048, "max_steps": 1,
+            "learning_rate": 1e-5}
+    cfg = config.build({**base, "model_config": {"output_router_logits": True}}, env={}, world_size=8)
+    assert cfg.model.output_router_logits is True
+    assert not load_arch(MODELS / "mixtral-8x7b-v0.1").output_router_logits
+    assert source.arch_for(cfg).output_router_logits
+    with pytest.raises(UserError, match=r"^model_config.rope_theta=1: overriding this config.json key changes"):
+        config.build({**base, "model_config": {"output_router_logits": True, "rope_theta": 1}}, env={}, world_size=8)
+    dense = config.build({**base, "base_model": str(MODELS / "qwen3-8b"), "model_config": {"output_router_logits":
+                                                                                          True}}, env={}, world_size=8)
+    with pytest.raises(UserError, match=r"^model_config.output_router_logits=True: Qwen3ForCausalLM is not a mixture"):
+        source.arch_for(dense)
+    yml = tmp_path / "dense.yml"
+    yml.write_text(f"base_model: {MODELS / 'qwen3-8b'}\nsequence_len: 2048\nmax_steps: 1\nmodel_config:\n"
+                   "  output_router_logits: true\nlearning_rate: 1e-5\n")
+    code, _, err = run_cli("plan", str(yml))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not a mixture of experts" in err
