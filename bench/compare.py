@@ -94,7 +94,8 @@ def commands(a) -> dict[str, list[str]]:
     for mode in ONE_GPU_PEERS if a.gpus == 1 else PEERS:
         cmds[mode] = ["torchrun", f"--nproc-per-node={a.gpus}", "bench/peers.py", mode, "--model-config", model,
                       "--seq", str(a.seq), "--micro-batch", str(a.micro_batch), "--steps", str(a.steps)]
-    return {k: v for k, v in cmds.items() if not a.only or any(o in k for o in a.only)}
+    return {k: v for k, v in cmds.items()
+            if not a.only or any(k == o[1:] if o.startswith("=") else o in k for o in a.only)}
 
 
 def activation_gib(r: dict) -> float | None:
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--only", nargs="*", help="substrings of the rows to run")
+    ap.add_argument("--only", nargs="*", help="substrings of the rows to run (=name: that row only)")
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp/compare"))

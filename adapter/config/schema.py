@@ -94,6 +94,10 @@ class ModelSection(_Strict):
         None, description="train only the parameters whose HF names these regexes match (Axolotl's "
         "unfrozen_parameters; `[start:end]` rows on embed_tokens / lm_head); the rest frozen: no gradients, no "
         "optimizer states (adapter/models/freeze.py). Unset: every parameter", min_length=1)
+    moe_grouped_gemm: bool = Field(
+        True, description="mixture of experts: each expert linear as one grouped GEMM over the local experts "
+        "(torch._grouped_mm: bf16 on Hopper or newer, and on CPU; adapter/modeling/moe.py), where it applies; false: "
+        "Megatron's per-expert loop (SequentialMLP). Same weights and checkpoints either way")
     output_router_logits: bool | None = Field(
         None, description="mixture of experts: add the load-balancing loss (router_aux_loss_coef x transformers' "
         "load_balancing_loss_func) to every micro-batch's loss, or not, whatever config.json says (Axolotl's "

@@ -36,7 +36,7 @@ from adapter.kernels.fusions import (
     vocab_parallel_cross_entropy,
 )
 from adapter.kernels.thd import PackedDocs
-from adapter.modeling.moe import AuxLoss, HFRouter, WholeRMSNorm
+from adapter.modeling.moe import AuxLoss, GroupedExperts, HFRouter, WholeRMSNorm
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.patches import require
 from adapter.patches.mcore import (
@@ -205,6 +205,7 @@ def layer_spec(arch: ModelArch, attention: Attention = "sdpa", index: int = 0) -
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
     if arch.moe:
         layer.mlp.submodules.router = HFRouter
+        layer.mlp.submodules.experts.module = GroupedExperts  # SequentialMLP's weights, grouped GEMMs
     attn.core_attention = SDPAttention if attention == "sdpa" else DotProductAttention
     if _layer_options(arch):
         attn.core_attention = ModuleSpec(module=SDPAttention, params={"window": arch.window(index),
@@ -362,12 +363,14 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
                     attention: Attention = "sdpa", max_sequence_length: int | None = None,
                     parallel_output: bool = True, config: TransformerConfig | None = None,
                     fused_kernels: bool = False, linear_ce: bool = False, linear_ce_chunk: int | None = None,
-                    **config_kw) -> GPTModel:
+                    moe_grouped_gemm: bool = True, **config_kw) -> GPTModel:
     """GPTModel for `arch` on the current parallel_state (tp/cp must match it). Weights are random: load them after.
 
     `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel).
     `linear_ce`: training calls that pass a loss_mask get the fused linear + cross-entropy's masked loss sum;
-    `linear_ce_chunk`: its tokens per chunk (ours then, also where Liger's would run)."""
+    `linear_ce_chunk`: its tokens per chunk (ours then, also where Liger's would run).
+    `moe_grouped_gemm`: experts as grouped GEMMs where they apply (adapter/modeling/moe.GroupedExperts), else
+    Megatron's per-expert loop."""
     install_cpu_shims()
     check_preprocess()
     if attention == "local" and cp > 1:
@@ -403,6 +406,8 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
         for m in model.modules():
             if isinstance(m, HFRouter):
                 m.aux = model.moe_aux
+            if isinstance(m, GroupedExperts):
+                m.grouped = moe_grouped_gemm
     if arch.rope_linear_factor is not None:  # linear RoPE scaling (Gemma 3's global layers): frequencies / factor
         model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
     if arch.rope_short_factor is not None:  # LongRoPE's frequencies, as transformers computes them (fp32)

@@ -17,12 +17,19 @@ layer number, so recompute changes nothing.
 
 Counts and sums are over the tokens of one micro-batch: when sequence parallelism or context parallelism split them,
 they are all-reduced over those ranks (`reduce_groups`), so every rank computes the whole micro-batch's statistic.
+
+The experts: Megatron's SequentialMLP runs two small GEMMs per expert in a Python loop (128 experts: ~256 launches
+a layer), and its grouped alternatives need TransformerEngine or the grouped_gemm package. `GroupedExperts` keeps
+SequentialMLP's parameters (so its checkpoints, conversion tables and resharding are unchanged) and runs each of the
+two linears as ONE `torch._grouped_mm` over every local expert, forward and backward, without a host sync.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
 
@@ -147,4 +154,62 @@ class WholeRMSNorm(torch.nn.Module):
         return (self.weight * y.to(x.dtype)).reshape(shape)
 
 
-__all__ = ["AuxLoss", "HFRouter", "WholeRMSNorm"]
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of e] · W_e^T for every local expert in one grouped GEMM (`offs`: the cumulative
+    row counts, on the device). The weights stay separate parameters: they are stacked for each GEMM (a transient
+    copy) and saved as they are, so backward keeps no stacked copy; each expert's gradient comes back on its own."""
+
+    @staticmethod
+    def forward(ctx, x, offs, *weights):
+        ctx.save_for_backward(x, offs, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, *weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, torch.stack(weights), offs=offs) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [experts, out, in]: the rows of each expert summed
+        return (dx, None, *dw.unbind(0))
+
+
+class GroupedExperts(SequentialMLP):
+    """SequentialMLP's experts and checkpoint layout, each linear run as one grouped GEMM (module docstring). Where
+    the grouped GEMM does not apply (a single local expert, biases, fp8, ZeRO-3's partitioned weights, a GPU before
+    Hopper or another dtype than bf16 there), Megatron's loop runs: the same arithmetic, expert by expert."""
+
+    grouped = True  # model.moe_grouped_gemm
+
+    def _can_group(self, x: torch.Tensor) -> bool:
+        c, w = self.config, self.local_experts[0].linear_fc1.weight
+        fused_ok = not c.bias_activation_fusion or (c.activation_func is F.silu and c.gated_linear_unit)
+        device_ok = not x.is_cuda or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)
+                                      >= (9, 0))
+        return (self.grouped and self.num_local_experts > 1 and hasattr(torch, "_grouped_mm") and device_ok
+                and fused_ok and not c.add_bias_linear and not (c.fp8 or c.fp4) and not c.moe_apply_probs_on_input
+                and not c.use_te_activation_func and c.activation_func_clamp_value is None
+                and not hasattr(w, "ds_id"))  # ZeRO-3 gathers a module's weights when that module runs
+
+    def _activate(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """MLP.forward's activation with its per-token scale (the routing weight), the same code path."""
+        c, scale = self.config, probs.unsqueeze(-1)
+        if c.bias_activation_fusion:
+            return weighted_bias_swiglu_impl(h, None, scale, c.activation_func_fp8_input_store)
+        if c.gated_linear_unit:
+            gate, lin = torch.chunk(h, 2, dim=-1)
+            out = c.activation_func(gate) * (lin + c.glu_linear_offset)
+        else:
+            out = c.activation_func(h)
+        return (out * scale).to(out.dtype)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        if not self._can_group(x):
+            return super().forward(x, tokens_per_expert, permuted_probs)
+        offs = tokens_per_expert.to(device=x.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
+        h = _GroupedLinear.apply(x, offs, *(e.linear_fc1.weight for e in self.local_experts))
+        h = self._activate(h, permuted_probs)
+        return _GroupedLinear.apply(h, offs, *(e.linear_fc2.weight for e in self.local_experts)), None
+
+
+__all__ = ["AuxLoss", "HFRouter", "WholeRMSNorm", "GroupedExperts"]

@@ -74,8 +74,9 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
                   "docs/BENCHMARKS.md)", "use precision: bf16 with tensor parallelism")
     warnings = []
     if arch.moe:
-        warnings.append(f"{arch.architecture} is a mixture of experts: the step time is Megatron's SequentialMLP "
-                        "(one GEMM per expert) modelled as one GEMM over the routed tokens, not yet measured")
+        warnings.append(f"{arch.architecture} is a mixture of experts: the step time models the experts as one "
+                        "GEMM over the routed tokens (grouped GEMMs, model.moe_grouped_gemm); not calibrated on a "
+                        "measured MoE run yet")
     if cfg.precision == "fp8" and not cfg.model.compile:
         warnings.append("precision fp8 without model.compile: the fp8 casts run unfused and cost more than the "
                         "fp8 matmuls save")

@@ -203,7 +203,8 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                             recompute=None if cfg.recompute == "none" else cfg.recompute,
                             cp_comm_type=cfg.parallelism.cp_comm_type,
                             fused_kernels=fused,
-                            linear_ce=cfg.model.fused_linear_ce, linear_ce_chunk=cfg.model.fused_linear_ce_chunk)
+                            linear_ce=cfg.model.fused_linear_ce, linear_ce_chunk=cfg.model.fused_linear_ce_chunk,
+                            moe_grouped_gemm=cfg.model.moe_grouped_gemm)
     model.rope_padded_len = cfg.seq_len  # LongRoPE decides unpacked batches by the padded length, as transformers
     if load_weights is not None:
         load_weights(model)

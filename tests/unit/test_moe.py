@@ -49,7 +49,7 @@ def test_plan_prints_the_experts_and_refuses_what_is_not_built(tmp_path):
     code, out, err = run_cli("plan", _yaml(tmp_path))
     assert code == 0, err
     assert "30.53B params" in out and "128 experts of ffn 768, top 8" in out
-    assert "mixture of experts: the step time is Megatron's SequentialMLP" in out + err
+    assert "mixture of experts: the step time models the experts" in out + err
     code, _, err = run_cli("plan", _yaml(tmp_path, "sequence_parallel: false\nparallelism:\n  tp_size: 2\n")
                            .replace("parallelism:\n  dp_shard_size: 8\n", ""))
     assert code == 2 and "sequence_parallel=False: Megatron-Core's mixture-of-experts layer" in err
