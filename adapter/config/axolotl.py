@@ -30,7 +30,9 @@ SCHEDULE_KEYS = {"bf16", "fp16", "num_epochs", "warmup_ratio", "eval_steps", "ev
                  "optimizer", "output_dir", "save_steps", "save_total_limit", "max_steps", "warmup_steps", "batch_size",
                  "float32", "default_system_message"}
 PARALLEL_KEYS = {"context_parallel", "ring_attn_func", "heads_k_stride", "fsdp", "fsdp_config", "fsdp_version",
-                 "deepspeed"}
+                 "deepspeed", "expert_parallel_size", "expert_parallel_backend", "expert_parallel_num_nvl_bytes",
+                 "expert_parallel_num_rdma_bytes", "expert_parallel_token_capacity",
+                 "expert_parallel_fallback_on_unsupported"}
 KEYS = SCHEDULE_KEYS | PARALLEL_KEYS | KERNEL_KEYS | {"plugins", "torch_compile"} | axolotl_scope.KEYS
 
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
@@ -85,6 +87,7 @@ ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content
 MAP = {
     "base_model": "model.path", "dp_shard_size": "parallelism.dp_shard_size",
     "dp_replicate_size": "parallelism.dp_replicate_size", "tensor_parallel_size": "parallelism.tp_size",
+    "expert_parallel_size": "parallelism.ep_size",
     "context_parallel_size": "parallelism.cp_size", "micro_batch_size": "batch.micro_batch_size",
     "gradient_accumulation_steps": "batch.gradient_accumulation_steps", "sequence_len": "seq_len",
     "learning_rate": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "warmup_steps":
@@ -433,6 +436,29 @@ def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[s
         _comm(out, ROTATE[rotate], f"size {size}, backend {backend}, rotate_method {rotate}", notes)
 
 
+def map_expert_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """Axolotl's expert_parallel_size (its expert_parallel plugin) -> parallelism.ep_size. Axolotl's ep is a mesh
+    axis beside dp_shard (ep × dp_shard = world): the dense weights are sharded over dp_shard and replicated over ep,
+    and every rank reads its own data. Megatron lays ep over the data-parallel ranks instead, so the data-parallel
+    size here is dp_shard × ep: the same arithmetic, the dense weights sharded over all of them."""
+    cap = raw.get("expert_parallel_token_capacity")
+    if cap is not None:
+        raise bad("expert_parallel_token_capacity", cap, "a per-expert token cap drops routed tokens; nd-adapter's "
+                  "experts are dropless, as transformers'", "remove it")
+    ep = raw.get("expert_parallel_size")
+    if ep is None or ep == 1:
+        return
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise bad("expert_parallel_size", ep, "must be a positive integer", "give e.g. 2 (1 disables it)")
+    set_dotted(out, "parallelism.ep_size", ep)
+    shard = raw.get("dp_shard_size")
+    if isinstance(shard, int) and not isinstance(shard, bool):
+        set_dotted(out, "parallelism.dp_shard_size", shard * ep)
+    notes.append(f"expert_parallel_size: {ep} -> parallelism.ep_size: {ep}, laid over the data-parallel ranks as in "
+                 "Megatron-Core" + (f" (dp_shard_size {shard} × ep {ep} = {shard * ep} data-parallel ranks: Axolotl's "
+                                    "ep axis reads its own data too)" if isinstance(shard, int) else ""))
+
+
 def _fsdp_block(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """fsdp_config's keys without Axolotl's optional `fsdp_` prefix, and how the file spells each."""
     block = raw.get("fsdp_config") or {}
@@ -592,6 +618,7 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
     map_batch(raw, out, notes)
     map_schedule(raw, out, notes)
     map_context_parallel(raw, out, notes)
+    map_expert_parallel(raw, out, notes)
     map_fsdp(raw, out, notes, ignored)
     map_deepspeed(raw, out, notes)
     if raw.get("default_system_message") is not None:

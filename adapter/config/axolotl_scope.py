@@ -91,6 +91,7 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
 # other objectives or adapters all change what is trained)
 KERNEL_PLUGINS = ("cut_cross_entropy", "liger", "integrations.kernels")
 CP_PLUGIN = "integrations.context_parallel"
+EP_PLUGIN = "integrations.expert_parallel"  # its expert_parallel_size is mapped (axolotl.map_expert_parallel)
 HARMLESS_PLUGINS = ("integrations.lm_eval", "integrations.swanlab")  # evaluation / logging only: ignored
 
 
@@ -133,12 +134,14 @@ def check_scope(raw: dict[str, Any]) -> None:
 
 
 def plugin_kind(plugin: Any) -> str:
-    """'kernel', 'cp', 'harmless', or refused in one line."""
+    """'kernel', 'cp', 'ep', 'harmless', or refused in one line."""
     name = str(plugin)
     if any(tag in name for tag in KERNEL_PLUGINS):
         return "kernel"
     if CP_PLUGIN in name:
         return "cp"
+    if EP_PLUGIN in name:
+        return "ep"
     if any(tag in name for tag in HARMLESS_PLUGINS):
         return "harmless"
     raise bad("plugins", name, "this plugin may change what is trained (distillation, freezing, gradient filters, "

@@ -42,6 +42,10 @@ class ParallelismConfig(_Strict):
     tp_size: StrictInt = Field(1, ge=1)
     cp_size: StrictInt = Field(1, ge=1)
     cp_comm_type: Literal["all_gather", "p2p"] = "all_gather"
+    # Expert parallelism (Megatron-Core's): a mixture of experts' experts split over ep_size ranks, laid over the
+    # data-parallel × cp ranks (not a fifth factor of the world size); tokens travel to their experts all-to-all
+    ep_size: StrictInt = Field(1, ge=1, description="expert-parallel ranks (mixtures of experts): each holds "
+                               "num_experts / ep_size experts; must divide dp_replicate × dp_shard × cp")
 
     @property
     def world_size(self) -> int:

@@ -12,6 +12,14 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
+    ep = cfg.parallelism.ep_size
+    if ep > 1 and not arch.moe:
+        raise bad(spell(cfg, "parallelism.ep_size"), ep, f"{arch.architecture} is not a mixture of experts (no "
+                  "experts to split)", "remove it")
+    if ep > 1 and arch.num_experts % ep:
+        raise bad(spell(cfg, "parallelism.ep_size"), ep, f"does not divide num_experts={arch.num_experts} (each "
+                  "expert-parallel rank holds whole experts)",
+                  f"use a divisor of {arch.num_experts} that divides dp_shard × cp")
     if arch.moe:
         _check_moe(cfg, arch)
     if cfg.model.unfrozen_parameters is not None and cfg.lora is not None:
@@ -83,6 +91,16 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
     return warnings
+
+
+def check_trainable(cfg: RunConfig, arch: ModelArch) -> None:
+    """What `plan` models but training does not run yet, refused before any process starts (and in-process)."""
+    ep = cfg.parallelism.ep_size
+    if ep > 1:
+        raise bad(spell(cfg, "parallelism.ep_size"), ep, "expert-parallel training is not built yet: the experts' "
+                  "gradients must be reduced over the ranks holding the same experts, which DeepSpeed's ZeRO does "
+                  "not do for Megatron's MoE layer (nd-adapter plan models the layout)",
+                  "use ep_size 1: every rank then holds every expert, partitioned by ZeRO")
 
 
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:

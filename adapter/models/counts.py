@@ -117,17 +117,18 @@ class LocalParams:
         return layers * self.layer + self.embedding + self.output + self.final_norm
 
 
-def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128) -> LocalParams:
+def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128, ep: int = 1) -> LocalParams:
+    """`ep`: a mixture of experts' experts split over that many expert-parallel ranks."""
     vp = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
     emb = vp * arch.hidden_size // tp
-    return LocalParams(layer=sum(lin.local(tp) for lin in linears(arch)) + layer_norm_params(arch), embedding=emb,
-                       output=0 if arch.tie_embeddings else emb, final_norm=arch.hidden_size)
+    return LocalParams(layer=sum(lin.local(tp, ep) for lin in linears(arch)) + layer_norm_params(arch),
+                       embedding=emb, output=0 if arch.tie_embeddings else emb, final_norm=arch.hidden_size)
 
 
-def param_tensors(arch: ModelArch) -> tuple[int, int]:
-    """(per layer, total): the parameter tensors of Megatron's model, which DeepSpeed's hooks, the optimizer and
-    ZeRO-3's module gathers walk."""
-    per_layer = (sum(n for n, _ in _copies(arch).values()) + (4 if arch.post_norms else 2)
+def param_tensors(arch: ModelArch, ep: int = 1) -> tuple[int, int]:
+    """(per layer, total): the parameter tensors of Megatron's model on one rank, which DeepSpeed's hooks, the
+    optimizer and ZeRO-3's module gathers walk (`ep`: a rank holds num_experts / ep experts)."""
+    per_layer = (sum(n // ep if n > 1 else n for n, _ in _copies(arch).values()) + (4 if arch.post_norms else 2)
                  + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0))
     return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
 

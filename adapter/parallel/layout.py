@@ -3,6 +3,10 @@
 The order is Accelerate's (replication outermost, tp innermost, row-major): rank = ((r·S + s)·C + c)·T + t. It is
 also what megatron-core's default order "tp-cp-ep-dp-pp" builds, so one table of groups serves Accelerate's
 DeviceMesh, Megatron's parallel_state and DeepSpeed's MPU alike (tests check all three on real process groups).
+
+Expert parallelism is not a fifth axis: as in Megatron-Core (expert order "tp-ep-dp-pp", expert tp = tp), the ep
+ranks are the innermost factor of the flattened data-parallel × cp index m = (r·S + s)·C + c. Expert group of a
+rank: the same t and m // ep; expert-data-parallel group (the ranks holding the same experts): the same t and m % ep.
 """
 from __future__ import annotations
 
@@ -35,6 +39,10 @@ GROUPS: dict[str, tuple[Axis, ...]] = {
     "dp_shard_cp": (Axis.DP_SHARD, Axis.CP),
 }
 
+# Expert parallelism's groups (laid over dp_cp, not mesh axes): the experts' ranks, and the ranks that hold the same
+# experts (their gradients' data-parallel group)
+EXPERT_GROUPS = ("ep", "expt_dp")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -45,12 +53,19 @@ class Layout:
     cp: int = 1
     tp: int = 1
     gpus_per_node: int | None = None
+    ep: int = 1  # expert-parallel ranks, laid over dp × cp (module docstring)
 
     def __post_init__(self) -> None:
         for axis in ORDER:
             n = getattr(self, axis.value)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise bad(f"{axis.value}_size", n, f"{axis.value}_size must be at least 1", "use an integer ≥ 1")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise bad("ep_size", self.ep, "ep_size must be at least 1", "use an integer ≥ 1")
+        if self.size("dp_shard_cp") % self.ep:  # within one replica: every replica holds every expert
+            raise bad("ep_size", self.ep, f"does not divide dp_shard × cp = {self.size('dp_shard_cp')}: the "
+                      "expert-parallel ranks are laid over the data-parallel and context-parallel ranks of one "
+                      "replica", "use an ep_size that divides it (or raise dp_shard_size)")
         g = self.gpus_per_node
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
             raise bad("gpus_per_node", g, "must be an integer ≥ 1", "pass --gpus-per-node N")
@@ -60,7 +75,8 @@ class Layout:
 
     @classmethod
     def from_config(cls, par, gpus_per_node: int | None = None) -> Layout:
-        return cls(par.dp_replicate_size, par.dp_shard_size or 1, par.cp_size, par.tp_size, gpus_per_node)
+        return cls(par.dp_replicate_size, par.dp_shard_size or 1, par.cp_size, par.tp_size, gpus_per_node,
+                   getattr(par, "ep_size", 1))
 
     # --- shape ---------------------------------------------------------------------------------------------------
     @property
@@ -76,6 +92,8 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def size(self, group: str) -> int:
+        if group in EXPERT_GROUPS:
+            return self.ep if group == "ep" else self.size("dp_cp") // self.ep
         return prod(getattr(self, a.value) for a in GROUPS[group])
 
     @property
@@ -109,7 +127,13 @@ class Layout:
     # --- groups --------------------------------------------------------------------------------------------------
     @cached_property
     def _groups(self) -> dict[str, tuple[tuple[int, ...], ...]]:
-        return {name: self._build(axes) for name, axes in GROUPS.items()}
+        out = {name: self._build(axes) for name, axes in GROUPS.items()}
+        ep, tp = self.ep, self.tp
+        m = self.size("dp_cp")
+        out["ep"] = tuple(sorted(tuple(i * tp + t for i in range(j * ep, (j + 1) * ep))
+                                 for j in range(m // ep) for t in range(tp)))
+        out["expt_dp"] = tuple(sorted(tuple(i * tp + t for i in range(e, m, ep)) for e in range(ep) for t in range(tp)))
+        return out
 
     def _build(self, axes: tuple[Axis, ...]) -> tuple[tuple[int, ...], ...]:
         fixed = [a for a in ORDER if a not in axes]
@@ -145,4 +169,5 @@ class Layout:
                  **{a.value: v for a, v in self.coords(r).items()}} for r in range(self.world)]
 
     def describe(self) -> str:
-        return " × ".join(f"{a.value}={getattr(self, a.value)}" for a in ORDER) + f" = {self.world}"
+        return (" × ".join(f"{a.value}={getattr(self, a.value)}" for a in ORDER) + f" = {self.world}"
+                + (f" (ep={self.ep} over dp × cp)" if self.ep > 1 else ""))

@@ -26,6 +26,8 @@ class Groups:
     dp_shard_cp: Any
     dp_shard: Any
     dp_replicate: Any
+    ep: Any = None       # expert-parallel ranks (mixtures of experts)
+    expt_dp: Any = None  # the ranks holding the same experts
 
 
 def _new_groups(layout: Layout, name: str, rank: int):
@@ -54,6 +56,8 @@ def initialize(layout: Layout) -> Groups:
         dp_shard_cp=ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
         dp_shard=_new_groups(layout, "dp_shard", rank),
         dp_replicate=_new_groups(layout, "dp_replicate", rank),
+        ep=ps.get_expert_model_parallel_group(),
+        expt_dp=ps.get_expert_data_parallel_group(),
     )
     verify(layout, groups, rank)
     return groups
@@ -61,7 +65,7 @@ def initialize(layout: Layout) -> Groups:
 
 def verify(layout: Layout, groups: Groups, rank: int) -> None:
     """Fail fast if Megatron's rank order ever drifts from the layout (e.g. after a megatron-core upgrade)."""
-    for name in ("tp", "cp", "dp", "dp_cp", "dp_shard_cp", "dp_shard", "dp_replicate"):
+    for name in ("tp", "cp", "dp", "dp_cp", "dp_shard_cp", "dp_shard", "dp_replicate", "ep", "expt_dp"):
         got = tuple(dist.get_process_group_ranks(getattr(groups, name)))
         want = layout.group_of(name, rank)
         if got != want:

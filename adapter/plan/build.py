@@ -312,6 +312,10 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
     groups = [GroupInfo(name=n, axes=[a.value for a in axes], size=layout.size(n), count=len(layout.groups(n)),
                         crosses_nodes=layout.crosses_nodes(n), groups=[list(g) for g in layout.groups(n)])
               for n, axes in GROUPS.items()]
+    if layout.ep > 1:  # laid over dp × cp (adapter/parallel/layout.py), not mesh axes of their own
+        groups += [GroupInfo(name=n, axes=[what], size=layout.size(n), count=len(layout.groups(n)),
+                             crosses_nodes=layout.crosses_nodes(n), groups=[list(g) for g in layout.groups(n)])
+                   for n, what in (("ep", "ep within dp×cp"), ("expt_dp", "dp×cp / ep"))]
     w = source.resolve(cfg)
     if cfg.optimizer.max_steps is None and cfg.optimizer.num_epochs is not None:
         warnings.append(f"optimizer steps come from num_epochs={cfg.optimizer.num_epochs:g} and the training set's "

@@ -158,10 +158,18 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     Z = partition_size
     shard = -(-(P - Q) // Z)
     trained_shard = -(-trained // Z)
-    weights = pb * (shard if stage == 3 else P - Q) + int(q_bytes * Q)
     grads = pb * trained_shard
     optim = int(((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * trained_shard)  # fp32 master + moments
     ds = cfg.deepspeed
+    # expert parallelism: a rank holds its experts only (each partitioned over the ranks holding the same experts,
+    # Z/ep of them: the same shard of the model states as without ep), so whole weights and a layer's gather shrink
+    ep = p.ep_size
+    if ep > 1:
+        held_ep = local_params(arch, tp, cfg.model.vocab_divisible_by, ep)
+        P_whole, lp = P - (lp.layer - held_ep.layer) * arch.num_layers, held_ep
+    else:
+        P_whole = P
+    weights = pb * (shard if stage == 3 else P_whole - Q) + int(q_bytes * Q)
     layer = lp.layer - Q // arch.num_layers  # what ZeRO-3 gathers of a layer
     prefetched = layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, layer)
     gathered = pb * (max(layer, lp.embedding) + prefetched) if Z > 1 and stage == 3 else 0

@@ -133,7 +133,7 @@ def _split(breakdown: dict[str, float], step: float) -> str:
                      for k, v in breakdown.items() if v > 0.0005 * step)
 
 
-PARTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
+PARTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "ep_comm", "optimizer", "host")
 
 
 def render_search(found: Search, top: int = 10, console: Console | None = None) -> None:
@@ -155,12 +155,13 @@ def render_search(found: Search, top: int = 10, console: Console | None = None) 
     over = [r for r in found.rows if not r.fits and r.tokens_per_s_per_gpu > best][:3]
     t = Table(title="Ranked by predicted tokens/s/GPU")
     for col in ("#", "dp_rep×dp_shard×cp×tp", "ZeRO", "recompute", "micro×accum", "SP", "compiled", "tokens/s/GPU",
-                "step", "compute / tp / dp / cp / optim / host", "peak", "fits", "bottleneck"):
+                "step", "compute / tp / dp / cp / ep / optim / host", "peak", "fits", "bottleneck"):
         t.add_column(col, overflow="fold")
     for r in fit + over:
         b = r.breakdown
         zero = f"{r.zero_stage}" + (f" {r.replicate_mode}" if r.replicate_mode else "")
-        t.add_row(str(r.rank), f"{r.dp_replicate}×{r.dp_shard}×{r.cp}×{r.tp}", zero, r.recompute,
+        mesh = f"{r.dp_replicate}×{r.dp_shard}×{r.cp}×{r.tp}" + (f" ep{r.ep}" if r.ep > 1 else "")
+        t.add_row(str(r.rank), mesh, zero, r.recompute,
                   f"{r.micro_batch_size}×{r.gradient_accumulation_steps}", "yes" if r.sequence_parallel else "no",
                   "yes" if r.compiled_layers else "no", f"{r.tokens_per_s_per_gpu:,.0f}",
                   f"{1e3 * r.step_time_s:.0f} ms", " / ".join(f"{100 * b[k] / r.step_time_s:.0f}" for k in PARTS) + "%",

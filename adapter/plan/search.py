@@ -1,6 +1,7 @@
 """`nd-adapter plan --search`: every valid layout for a world, ranked by predicted tokens/s/GPU.
 
-A layout is the four sizes (dp_replicate × dp_shard × cp × tp = world), the ZeRO stage (2 or 3; 1 where nothing is
+A layout is the four sizes (dp_replicate × dp_shard × cp × tp = world; for a mixture of experts also ep over
+dp_shard × cp), the ZeRO stage (2 or 3; 1 where nothing is
 sharded), hsdp or hpz when there are replicas, recompute, the micro-batch (with the gradient accumulation that
 keeps the config's global batch), sequence parallelism (tp > 1) and compiled layers. Validity is the project's
 own: models/checks (tp against the heads, seq against cp and SP), deepspeed_config.zero_stage's refusals; a
@@ -27,10 +28,11 @@ from adapter.plan import hardware, memory, timing, traffic
 from adapter.plan.build import gpu_capacity
 from adapter.plan.hardware import Profile
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rows carry ep (expert parallelism)
 SIZES = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
-SEARCH_KEYS = (*(f"parallelism.{k}" for k in SIZES), "deepspeed.zero_stage", "deepspeed.replicate_mode", "recompute",
-               "batch.micro_batch_size", "batch.gradient_accumulation_steps", "sequence_parallel", "model.compile")
+SEARCH_KEYS = (*(f"parallelism.{k}" for k in SIZES), "parallelism.ep_size", "deepspeed.zero_stage",
+               "deepspeed.replicate_mode", "recompute", "batch.micro_batch_size", "batch.gradient_accumulation_steps",
+               "sequence_parallel", "model.compile")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -44,6 +46,7 @@ class SearchRow(_Doc):
     dp_shard: int
     cp: int
     tp: int
+    ep: int
     zero_stage: int
     replicate_mode: str | None
     recompute: str
@@ -99,9 +102,12 @@ class Candidate:
     ga: int
     sp: bool | None            # None at tp = 1 (no sequence parallelism to choose)
     compile: bool
+    ep: int = 1                # expert-parallel ranks (mixtures of experts), over dp_shard × cp
 
     def sets(self) -> list[str]:
         out = [f"parallelism.{k}={v}" for k, v in zip(SIZES, (self.dp_replicate, self.dp_shard, self.cp, self.tp))]
+        if self.ep > 1:
+            out.append(f"parallelism.ep_size={self.ep}")
         out += [f"deepspeed.zero_stage={self.zero_stage}", f"recompute={self.recompute}",
                 f"batch.micro_batch_size={self.micro}", f"batch.gradient_accumulation_steps={self.ga}",
                 f"model.compile={str(self.compile).lower()}"]
@@ -130,9 +136,11 @@ def _allowed(pins: dict[str, Any], key: str, values: tuple) -> tuple:
     return tuple(v for v in values if v == pins[key]) if key in pins else values
 
 
-def enumerate_candidates(world: int, global_batch: int, pins: dict[str, Any]) -> tuple[list[Candidate], Counter]:
+def enumerate_candidates(world: int, global_batch: int, pins: dict[str, Any],
+                         experts: int = 0) -> tuple[list[Candidate], Counter]:
     """The search space before the model's own checks: every combination the knobs allow, with redundant ones
-    (a ZeRO stage where nothing is sharded, hsdp/hpz without replicas, SP at tp = 1) counted once."""
+    (a ZeRO stage where nothing is sharded, hsdp/hpz without replicas, SP at tp = 1) counted once. `experts`: a
+    mixture of experts' count; every expert-parallel size dividing it and dp_shard × cp is a candidate too."""
     skipped: Counter = Counter()
     out = []
     for r, s, c, t in meshes(world):
@@ -148,20 +156,23 @@ def enumerate_candidates(world: int, global_batch: int, pins: dict[str, Any]) ->
         modes = _allowed(pins, "deepspeed.replicate_mode", ("hsdp", "hpz")) if r > 1 else ("hsdp",)
         sps = _allowed(pins, "sequence_parallel", (True, False)) if t > 1 else (None,)
         micros = _allowed(pins, "batch.micro_batch_size", tuple(divisors(global_batch // dp)))
-        for m, stage, mode, rc, sp, comp in product(micros, stages, modes, _allowed(pins, "recompute", RECOMPUTE),
-                                                    sps, _allowed(pins, "model.compile", (False, True))):
+        eps = _allowed(pins, "parallelism.ep_size", tuple(e for e in divisors(s * c) if experts and experts % e == 0)
+                       or (1,))
+        for m, stage, mode, rc, sp, comp, e in product(micros, stages, modes, _allowed(pins, "recompute", RECOMPUTE),
+                                                       sps, _allowed(pins, "model.compile", (False, True)), eps):
             ga = global_batch // (dp * m)
             if "batch.gradient_accumulation_steps" in pins and pins["batch.gradient_accumulation_steps"] != ga:
                 continue
-            out.append(Candidate(r, s, c, t, stage, mode, rc, m, ga, sp, comp))
+            out.append(Candidate(r, s, c, t, stage, mode, rc, m, ga, sp, comp, e))
     return out, skipped
 
 
 def candidate_config(base: RunConfig, cand: Candidate, nodes: int, gpus_per_node: int) -> RunConfig:
     """`base` with the candidate's knobs; model_copy skips validation, the checks below are the project's own."""
     return base.model_copy(update={
-        "parallelism": base.parallelism.model_copy(update=dict(zip(SIZES, (cand.dp_replicate, cand.dp_shard,
-                                                                           cand.cp, cand.tp)))),
+        "parallelism": base.parallelism.model_copy(update={**dict(zip(SIZES, (cand.dp_replicate, cand.dp_shard,
+                                                                              cand.cp, cand.tp))),
+                                                           "ep_size": cand.ep}),
         "batch": base.batch.model_copy(update={"micro_batch_size": cand.micro, "gradient_accumulation_steps": cand.ga,
                                                "global_batch_size": None}),
         "deepspeed": base.deepspeed.model_copy(update={"zero_stage": cand.zero_stage,
@@ -180,7 +191,7 @@ def evaluate(base: RunConfig, arch: ModelArch, cand: Candidate, layout: Layout, 
     mem = memory.estimate(cfg, arch, partition_size=deepspeed_config.partition_size(cfg, layout),
                           gpu_capacity=capacity, stage=stage)
     st = timing.predict(cfg, arch, layout, prof, stage=stage, rows=traffic.estimate(cfg, arch, layout))
-    return SearchRow(rank=0, dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, cp=cand.cp, tp=cand.tp,
+    return SearchRow(rank=0, dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, cp=cand.cp, tp=cand.tp, ep=cand.ep,
                      zero_stage=stage, replicate_mode=cand.replicate_mode if cand.dp_replicate > 1 else None,
                      recompute=cand.recompute, micro_batch_size=cand.micro, gradient_accumulation_steps=cand.ga,
                      sequence_parallel=bool(cand.sp), compiled_layers=cand.compile,
@@ -193,14 +204,14 @@ def search(base: RunConfig, arch: ModelArch, prof: Profile, *, nodes: int, gpus_
            pins: dict[str, Any], config_path: str | None = None, warnings: list[str] | None = None) -> Search:
     world = nodes * gpus_per_node
     G = base.global_batch
-    cands, skipped = enumerate_candidates(world, G, pins)
+    cands, skipped = enumerate_candidates(world, G, pins, arch.num_experts if arch.moe else 0)
     total = len(cands) + sum(skipped.values())
-    layouts: dict[tuple[int, int, int, int], Layout] = {}
+    layouts: dict[tuple[int, int, int, int, int], Layout] = {}
     rows: list[SearchRow] = []
     for cand in cands:
-        key = (cand.dp_replicate, cand.dp_shard, cand.cp, cand.tp)
+        key = (cand.dp_replicate, cand.dp_shard, cand.cp, cand.tp, cand.ep)
         if key not in layouts:
-            layouts[key] = Layout(*key, gpus_per_node=gpus_per_node)
+            layouts[key] = Layout(*key[:4], gpus_per_node=gpus_per_node, ep=cand.ep)
         try:
             rows.append(evaluate(base, arch, cand, layouts[key], prof, capacity, nodes))
         except UserError as e:
@@ -211,8 +222,9 @@ def search(base: RunConfig, arch: ModelArch, prof: Profile, *, nodes: int, gpus_
     for i, r in enumerate(rows, 1):
         r.rank = i
     own = (base.parallelism.dp_replicate_size, base.parallelism.dp_shard_size, base.parallelism.cp_size,
-           base.parallelism.tp_size, base.recompute, base.batch.micro_batch_size, base.model.compile)
-    config_rank = next((r.rank for r in rows if (r.dp_replicate, r.dp_shard, r.cp, r.tp, r.recompute,
+           base.parallelism.tp_size, base.parallelism.ep_size, base.recompute, base.batch.micro_batch_size,
+           base.model.compile)
+    config_rank = next((r.rank for r in rows if (r.dp_replicate, r.dp_shard, r.cp, r.tp, r.ep, r.recompute,
                                                  r.micro_batch_size, r.compiled_layers) == own
                         and (r.sequence_parallel == base.use_sequence_parallel or r.tp == 1)
                         and (r.zero_stage == base.deepspeed.zero_stage or r.zero_stage == 1)

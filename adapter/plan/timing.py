@@ -206,6 +206,9 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     tp_mb = collective_seconds(vol.get("tp", 0) / ga, tp_calls if tp > 1 else 0, link(layout, "tp", prof))
     cp_calls = L * (2 if p.cp_comm_type == "all_gather" else 3 * (cp - 1)) * rc
     cp_mb = collective_seconds(vol.get("cp", 0) / ga, cp_calls if cp > 1 else 0, link(layout, "cp", prof))
+    # MoE token all-to-all (expert parallelism): dispatch and combine, forward and backward, on the critical path
+    ep_mb = collective_seconds(vol.get("ep", 0) / ga, 4 * L * rc if layout.ep > 1 else 0, link(layout, "ep", prof))
+    expt = collective_seconds(vol.get("expt_dp", 0) / ga, 3 * L if layout.ep > 1 else 0, link(layout, "expt_dp", prof))
 
     # ZeRO: side-stream traffic, exposed only where compute cannot hide it
     hsdp = ds.replicate_mode == "hsdp" or layout.dp_replicate == 1
@@ -213,30 +216,30 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     z = layout.size(zgroup)
     edge_params = lp.embedding + lp.output
     dp_mb = dp_step = 0.0
-    units = (L + 1) if ds.gather_granularity == "layer" else (L * param_tensors(arch)[0] + 2)
+    units = (L + 1) if ds.gather_granularity == "layer" else (L * param_tensors(arch, layout.ep)[0] + 2)
     if stage == 3 and z > 1:
         t = collective_seconds(vol.get(zgroup, 0) / ga, 3 * units if hsdp else 2 * units, link(layout, zgroup, prof))
         if not hsdp:   # hpZ: the secondary (intra-group) all-gather in backward
             t += collective_seconds(vol.get("dp_shard_cp", 0) / ga, units, link(layout, "dp_shard_cp", prof))
         edge = t * (2 * edge_params + lp.layer) / (3 * P)      # first gather, last reduce: nothing to hide behind
-        dp_mb = edge + max(0.0, t - edge - compute_mb)
+        dp_mb = edge + max(0.0, t + expt - edge - compute_mb)
     elif stage == 2 and z > 1:
         one = vol.get(zgroup, 0) / (ga + 1)                    # one pass over the trained grads or params
         bw_lat = link(layout, zgroup, prof)
         last = collective_seconds(2 * one * min(ds.reduce_bucket_size, trained) / trained, 1, bw_lat)
         grads = collective_seconds(one, ceil(trained / ds.reduce_bucket_size), bw_lat)
-        dp_mb = last + max(0.0, grads - last - compute_mb * 2 / 3)  # reduced bucket by bucket during backward
+        dp_mb = last + max(0.0, grads + expt - last - compute_mb * 2 / 3)  # bucket by bucket during backward
         dp_step += collective_seconds(one, ceil(trained / ds.prefetch_bucket_size), bw_lat)  # after the step
     if stage == 3 and hsdp and layout.dp_replicate > 1:       # after the whole backward, before the step
         dp_step += collective_seconds(vol.get("dp_replicate", 0), 1, link(layout, "dp_replicate", prof))
 
     # the host issuing it all
-    tensors = param_tensors(arch)[1]
+    tensors = param_tensors(arch, layout.ep)[1]
     layer_host = hw.compiled_layer_s if compiled else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
     host_mb = L * layer_host * rc + tensors * hw.param_s + \
         (tp_calls * hw.tp_collective_s if tp > 1 else 0.0)
     stall_mb = 2 * units * hw.zero3_unit_s * rc if stage == 3 else 0.0   # hooks run even over a group of one
-    gpu_mb = compute_mb + tp_mb + cp_mb + dp_mb
+    gpu_mb = compute_mb + tp_mb + cp_mb + ep_mb + dp_mb
     mb_time = max(gpu_mb, host_mb) + stall_mb
 
     shard = -(-trained // z) if stage >= 2 else trained
@@ -252,7 +255,8 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
 
     step = ga * mb_time + dp_step + optimizer + host_step
     breakdown = {"compute": ga * compute_mb, "tp_comm": ga * tp_mb, "dp_comm": ga * dp_mb + dp_step,
-                 "cp_comm": ga * cp_mb, "optimizer": optimizer, "host": ga * (mb_time - gpu_mb) + host_step}
+                 "cp_comm": ga * cp_mb, "ep_comm": ga * ep_mb, "optimizer": optimizer,
+                 "host": ga * (mb_time - gpu_mb) + host_step}
     detail = {"gemm": ga * gemm, "attention": ga * attn, "memory_bound": ga * mem, "recompute": ga * recompute}
     tok = cfg.global_batch * cfg.seq_len / layout.world / step
     flops = flops_per_token(arch, cfg.seq_len) if spec is None else lora.flops_per_token(spec, arch, cfg.seq_len)
@@ -281,8 +285,8 @@ def bottleneck(breakdown: dict[str, float], detail: dict[str, float], layout: La
         text = f"optimizer step, {pct} (few tokens per step for the parameters each GPU updates)"
     else:
         name = {"tp_comm": "TP collectives on the critical path", "dp_comm": "exposed data-parallel communication",
-                "cp_comm": "CP K/V exchange"}[top]
-        group = {"tp_comm": "tp", "cp_comm": "cp", "dp_comm": "dp_cp"}[top]
+                "cp_comm": "CP K/V exchange", "ep_comm": "MoE token all-to-all (expert parallelism)"}[top]
+        group = {"tp_comm": "tp", "cp_comm": "cp", "dp_comm": "dp_cp", "ep_comm": "ep"}[top]
         over = " (its groups cross nodes)" if layout.crosses_nodes(group) else ""
         text = f"{name}{over}, {pct}"
     return text

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch
+from adapter.models.counts import local_params
 from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
@@ -47,6 +48,12 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     zgroup = "dp_shard_cp" if hsdp else "dp_cp"
     z = layout.size(zgroup)
+    ep = layout.ep
+    experts = 0  # expert parallelism: a rank's experts are partitioned over the ranks holding the same experts
+    if ep > 1:
+        experts = (local_params(arch, tp, cfg.model.vocab_divisible_by).layer
+                   - local_params(arch, tp, cfg.model.vocab_divisible_by, ep).layer) * L * ep // (ep - 1)
+        P, trained = P - experts, trained - experts
     gather, reduce = pb * P * _ring(z), pb * trained * _ring(z)
     if deepspeed_config.zero_stage(cfg, layout) == 2:
         add(zgroup, "ZeRO-2 grad reduce-scatter per micro-batch, updated-param all-gather once per step",
@@ -62,8 +69,19 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
             (gather + reduce) * ga)
         add("dp_shard_cp", "hpZ secondary param all-gather in backward, per micro-batch", pb * P * _ring(k) * ga)
 
-    act = pb * s * b * h
     recompute = 1.5 if cfg.recompute == "full" else 1.0   # full recompute replays the forward's collectives
+    if ep > 1:
+        e, ze = experts // ep, layout.size("expt_dp")
+        if deepspeed_config.zero_stage(cfg, layout) == 3:
+            add("expt_dp", "ZeRO-3 experts' param all-gather (fwd + bwd) and grad reduce-scatter over the ranks "
+                "holding the same experts, per micro-batch", pb * e * (3 * _ring(ze)) * ga)
+        else:
+            add("expt_dp", "experts' grad reduce-scatter over the ranks holding the same experts, per micro-batch",
+                pb * e * _ring(ze) * (ga + 1))
+        tokens = s * b // (tp if cfg.use_sequence_parallel and tp > 1 else 1)
+        add("ep", "MoE token all-to-all: each token's top-k copies to their experts and back, fwd + bwd, per layer",
+            4 * L * tokens * arch.experts_per_token * h * pb * _ring(ep) * ga * recompute)
+    act = pb * s * b * h
     add("tp", "TP activations: 2 collectives fwd + 2 bwd per layer (all-reduce, or all-gather/reduce-scatter with SP)",
         (4 * L + 2) * 2 * act * _ring(tp) * ga * recompute)
     if cp > 1:

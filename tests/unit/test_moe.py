@@ -82,3 +82,115 @@ def test_axolotl_model_config_switches_the_load_balancing_loss(tmp_path):
                    "  output_router_logits: true\nlearning_rate: 1e-5\n")
     code, _, err = run_cli("plan", str(yml))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "not a mixture of experts" in err
+
+
+# ---- expert parallelism (issue 30, part 3): layout, plan, search; training refuses it in one line for now ----------
+
+def test_expert_groups_are_megatrons_over_dp_and_cp():
+    """ep is the innermost factor of the flattened dp × cp index (Megatron's expert order "tp-ep-dp-pp" with expert
+    tp = tp; tests/distributed/test_groups.py checks Megatron's own groups for every rank)."""
+    from adapter.parallel.layout import Layout
+
+    lay = Layout(1, 4, 1, 2, ep=2)   # ranks ((s)·1 + c)·2 + t
+    assert lay.groups("ep") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert lay.groups("expt_dp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    cp = Layout(1, 2, 2, 1, ep=2)    # cp innermost of dp × cp: the experts split over the CP pair
+    assert cp.groups("ep") == cp.groups("cp") and cp.size("expt_dp") == 2
+    with pytest.raises(UserError, match=r"^ep_size=4: does not divide dp_shard × cp = 2"):
+        Layout(2, 2, 1, 1, ep=4)     # within one replica only: every replica holds every expert
+
+
+def _ep_plan(tmp_path, world: int, ep: int, model: str = "qwen3-30b-a3b", extra: str = ""):
+    import json as _json
+
+    p = tmp_path / f"ep{world}-{ep}.yaml"
+    p.write_text(f"model:\n  path: {MODELS / model}\ndata:\n  synthetic: true\nseq_len: 4096\nprecision: bf16\n"
+                 f"parallelism:\n  dp_shard_size: {world}\n  ep_size: {ep}\n{extra}hardware:\n  gpus_per_node: 8\n"
+                 f"  gpu: h200\n  nodes: {world // 8}\n")
+    code, out, err = run_cli("plan", str(p), "--format", "json")
+    assert code == 0, err
+    return _json.loads(out)
+
+
+def test_plan_with_expert_parallelism_on_8_16_and_64_gpus(tmp_path):
+    """Qwen3-30B-A3B on 8 and 16 GPUs, Qwen3-235B-A22B on 64: the expert groups, the token all-to-all (by hand),
+    memory and a step time; ep shrinks what ZeRO-2 keeps whole (the experts) and what ZeRO-3 gathers per layer."""
+    from adapter.models.arch import load_arch as _load
+
+    q = _load(MODELS / "qwen3-30b-a3b")
+    one, eight = _ep_plan(tmp_path, 8, 1), _ep_plan(tmp_path, 8, 8)
+    groups = {g["name"]: g for g in eight["groups"]}
+    assert groups["ep"]["size"] == 8 and groups["expt_dp"]["size"] == 1 and "ep" not in {g["name"] for g in
+                                                                                         one["groups"]}
+    a2a = next(r for r in eight["traffic"] if r["group"] == "ep")
+    # 48 layers × 4 passes (dispatch, combine; fwd, bwd) × 4096 tokens × top 8 × 2048 × bf16 × 7/8
+    assert a2a["bytes_per_step"] == int(4 * 48 * 4096 * 8 * 2048 * 2 * 7 / 8)
+    assert eight["predicted"]["breakdown"]["ep_comm"] > 0 and eight["memory"]["fits"]
+    # ZeRO-3 gathers one layer with 16 of its 128 experts instead of all of them
+    assert eight["memory"]["gathered_params"] < one["memory"]["gathered_params"] / 2
+    z2 = [_ep_plan(tmp_path, 16, ep, extra="deepspeed:\n  zero_stage: 2\n") for ep in (1, 16)]
+    experts = 48 * 3 * 128 * 768 * 2048  # every expert's three matrices
+    assert z2[0]["memory"]["weights"] - z2[1]["memory"]["weights"] == 2 * experts * 15 // 16
+    big = _ep_plan(tmp_path, 64, 8, "qwen3-235b-a22b")
+    assert big["predicted"]["step_time_s"] > 0 and {"ep", "expt_dp"} <= {g["name"] for g in big["groups"]}
+    assert any("does not fit" in w or "exceeds the GPU" in w for w in
+               _ep_plan(tmp_path, 8, 8, "qwen3-235b-a22b")["warnings"])  # 235 B on 8 GPUs: said not to fit
+    assert q.num_experts == 128
+
+
+def test_search_tries_expert_parallel_sizes(tmp_path):
+    p = _yaml(tmp_path, "precision: bf16\n")
+    code, out, err = run_cli("plan", p, "--search", "--format", "json", "--set", "recompute=full", "--set",
+                             "model.compile=false", "--set", "parallelism.tp_size=1", "--set", "parallelism.cp_size=1")
+    assert code == 0, err
+    import json as _json
+
+    rows = _json.loads(out)["rows"]
+    assert {r["ep"] for r in rows} == {1, 2, 4, 8} and all("parallelism.ep_size=" in " ".join(r["sets"])
+                                                              for r in rows if r["ep"] > 1)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("  ep_size: 3\n  dp_shard_size: 8\n", "ep_size=3: does not divide num_experts=128"),
+    ("  ep_size: 16\n  dp_shard_size: 8\n", "ep_size=16: does not divide dp_shard × cp = 8"),
+    ("  ep_size: 16\n  dp_shard_size: 16\n", None),  # 128 experts over 16 of 2 nodes' GPUs
+])
+def test_expert_parallel_refusals(tmp_path, extra, needle):
+    p = tmp_path / "r.yaml"
+    p.write_text(f"model:\n  path: {MODELS / 'qwen3-30b-a3b'}\ndata:\n  synthetic: true\nseq_len: 4096\n"
+                 f"parallelism:\n{extra}hardware:\n  gpus_per_node: 8\n  nodes: {2 if 'dp_shard_size: 16' in extra else 1}\n")
+    code, _, err = run_cli("plan", str(p))
+    assert (code == 0) if needle is None else (code == 2 and needle in err and len(err.strip().splitlines()) == 1)
+
+
+def test_expert_parallelism_on_a_dense_model_or_uneven_experts_and_training_refused(tmp_path):
+    from adapter import config
+    from adapter.models import checks
+    from adapter.models.arch import load_arch as _load
+
+    def cfg(model, ep, world=8):
+        return config.build({"model": {"path": str(MODELS / model)}, "data": {"synthetic": True},
+                             "parallelism": {"dp_shard_size": world, "ep_size": ep}}, env={}, world_size=world)
+
+    with pytest.raises(UserError, match=r"^parallelism.ep_size=2: Qwen3ForCausalLM is not a mixture of experts"):
+        checks.check(cfg("qwen3-8b", 2), _load(MODELS / "qwen3-8b"))
+    mixtral = _load(MODELS / "mixtral-8x7b-v0.1")
+    with pytest.raises(UserError, match=r"^parallelism.ep_size=16: does not divide num_experts=8"):
+        checks.check(cfg("mixtral-8x7b-v0.1", 16, 16), mixtral)
+    with pytest.raises(UserError, match=r"^parallelism.ep_size=2: expert-parallel training is not built yet"):
+        checks.check_trainable(cfg("mixtral-8x7b-v0.1", 2), mixtral)
+
+
+def test_axolotl_expert_parallel_size(tmp_path):
+    """Axolotl's ep axis sits beside dp_shard (ep × dp_shard = world); here it lies within the data-parallel ranks:
+    dp_shard × ep of them. Its token cap (dropping routed tokens) is refused."""
+    from adapter import config
+
+    base = {"base_model": str(MODELS / "qwen3-30b-a3b"), "sequence_len": 2048, "max_steps": 1, "learning_rate": 1e-5,
+            "plugins": ["axolotl.integrations.expert_parallel.ExpertParallelPlugin"]}
+    cfg = config.build({**base, "expert_parallel_size": 2, "dp_shard_size": 2}, env={}, world_size=4)
+    assert (cfg.parallelism.ep_size, cfg.parallelism.dp_shard_size) == (2, 4)
+    assert any(n.startswith("expert_parallel_size: 2 -> parallelism.ep_size: 2") for n in cfg.notes)
+    with pytest.raises(UserError, match=r"^expert_parallel_token_capacity=1024: a per-expert token cap"):
+        config.build({**base, "expert_parallel_size": 2, "expert_parallel_token_capacity": 1024}, env={},
+                     world_size=4)

@@ -190,7 +190,7 @@ def test_every_plan_predicts_its_step_time():
     code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", "--format", "json")
     assert code == 0, err
     pr = json.loads(out)["predicted"]
-    assert set(pr["breakdown"]) == {"compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host"}
+    assert set(pr["breakdown"]) == {"compute", "tp_comm", "dp_comm", "cp_comm", "ep_comm", "optimizer", "host"}
     assert abs(sum(pr["breakdown"].values()) - pr["step_time_s"]) < 1e-9 and pr["profile"] == "h100"
     assert abs(pr["tokens_per_s_per_gpu"] * pr["step_time_s"] * 16 - 32 * 2048) < 1e-3 and pr["bottleneck"]
     code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8")
