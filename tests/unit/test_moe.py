@@ -156,9 +156,9 @@ def test_search_tries_expert_parallel_sizes(tmp_path):
     ("  ep_size: 16\n  dp_shard_size: 16\n", None),  # 128 experts over 16 of 2 nodes' GPUs
 ])
 def test_expert_parallel_refusals(tmp_path, extra, needle):
-    p = tmp_path / "r.yaml"
+    p, nodes = tmp_path / "r.yaml", 2 if "dp_shard_size: 16" in extra else 1
     p.write_text(f"model:\n  path: {MODELS / 'qwen3-30b-a3b'}\ndata:\n  synthetic: true\nseq_len: 4096\n"
-                 f"parallelism:\n{extra}hardware:\n  gpus_per_node: 8\n  nodes: {2 if 'dp_shard_size: 16' in extra else 1}\n")
+                 f"parallelism:\n{extra}hardware:\n  gpus_per_node: 8\n  nodes: {nodes}\n")
     code, _, err = run_cli("plan", str(p))
     assert (code == 0) if needle is None else (code == 2 and needle in err and len(err.strip().splitlines()) == 1)
 
