@@ -186,7 +186,7 @@ def adapters(model) -> dict[tuple[int, str], tuple[torch.nn.Parameter, torch.nn.
     out = {}
     for i, layer in enumerate(model.decoder.layers):
         for fused, parent in LINEARS.items():
-            mod = getattr(getattr(layer, parent), fused)
+            mod = getattr(getattr(layer, parent), fused, None)  # None: a mixture of experts' MLP
             lora = getattr(mod, "lora", None)
             if lora is not None:
                 for n in lora.names:

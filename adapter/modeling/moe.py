@@ -169,6 +169,8 @@ class _GroupedLinear(torch.autograd.Function):
         x, offs, *weights = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch._grouped_mm(dy, torch.stack(weights), offs=offs) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[2:]):  # frozen experts (a LoRA run): no weight gradients
+            return (dx, None, *(None for _ in weights))
         dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [experts, out, in]: the rows of each expert summed
         return (dx, None, *dw.unbind(0))
 

@@ -106,9 +106,9 @@ def check_trainable(cfg: RunConfig, arch: ModelArch) -> None:
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
     """What a mixture-of-experts model cannot run yet, each in one line (issue 30 builds them)."""
     name = arch.architecture
-    if cfg.lora is not None:
-        raise bad(spell(cfg, "lora"), "lora", f"LoRA on a mixture-of-experts model ({name}) is not built yet",
-                  "fine-tune it in full, or a dense model with LoRA")
+    if cfg.lora is not None and cfg.lora.quantize_base:
+        raise bad(spell(cfg, "lora.quantize_base"), cfg.lora.quantize_base, f"a quantised base under a "
+                  f"mixture-of-experts model ({name}) is not built yet", "use a 16-bit base (adapter: lora)")
     if cfg.model.unfrozen_parameters is not None:
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "
                   f"mixture-of-experts model ({name}) is not built yet", "remove the key to train every parameter")

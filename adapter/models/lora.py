@@ -171,7 +171,10 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
     if not 0 <= dropout < 1:
         raise bad(spell("lora.dropout"), dropout, "must be in [0, 1)", "use e.g. 0.05, or 0")
     mods = hf_modules(arch)
-    per_layer = {lin.name: lin for lin in linears(arch)}
+    # a mixture of experts' experts and router are not linears in transformers 5 (3-D parameters, a router module):
+    # PEFT's target_modules (and "all-linear") never reach them, so they are left out here too
+    per_layer = {lin.name: lin for lin in linears(arch) if lin.copies == 1 and lin.tp_axis is not None}
+    unreachable = [lin.name for lin in linears(arch) if lin.name not in per_layer]
     layer_ids = range(arch.num_layers)
     if layers is not None:
         wrong = [i for i in layers if not 0 <= i < arch.num_layers]
@@ -193,6 +196,15 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
             re.compile(target_modules)
         except re.error as e:
             raise bad(key, target_modules, f"not a valid regex ({e})", "fix the pattern, or list module names")
+    for name in unreachable:  # a mixture of experts' experts or router named: refused, not silently skipped
+        module = mods[name].format(i=0, e=0)
+        if target_modules and _matches(target_modules, module):
+            what = "router" if name == "gate" else "experts"
+            raise bad(key, target_modules, f"LoRA on the {what} of a mixture of experts ({name}) is not built: "
+                      "transformers keeps the experts as 3-D parameters and the router as its own module, not linear "
+                      "layers, so PEFT's target_modules do not reach them either",
+                      f"target the attention ({', '.join(per_layer)}; {spell('lora.target_linear')}: true takes "
+                      "them all)")
     for special in SAVABLE:  # LoRA on the embedding or the LM head: not built
         if target_modules and _matches(target_modules, mods[special]):
             raise bad(key, target_modules, f"LoRA on {special} is not supported",
@@ -278,7 +290,9 @@ def describe(spec: LoraSpec, arch: ModelArch, key: str = "lora") -> str:
     return (f"{key}: LoRA r {spec.r}, alpha {spec.alpha:g} (scale {spec.scale:g}{', rslora' if spec.rslora else ''})"
             f"{drop} on {', '.join(spec.target_names)} of {where}{saved}: {count(total)} trained parameters "
             f"({100 * total / max(1, n):.2f}% of {count(n)}); the base frozen, "
-            f"{base}" + (f"; adapters start from {spec.init_from}" if spec.init_from else "") + _skipped(spec, arch))
+            f"{base}" + (f"; adapters start from {spec.init_from}" if spec.init_from else "") + _skipped(spec, arch)
+            + ("; the experts and the router are not linear layers in transformers (no adapters there, as PEFT's)"
+               if arch.moe else ""))
 
 
 def _skipped(spec: LoraSpec, arch: ModelArch) -> str:

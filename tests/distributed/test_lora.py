@@ -15,7 +15,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, rel
+from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ def setup(tmp_path_factory):
     models = {"untied": str(make_model(root / "untied", tok)), "tied": str(make_model(root / "tied", tok, tie=True)),
               "phi3": str(make_phi3(root / "phi3", tok)), "glm4": str(make_glm4(root / "glm4", tok)),
               "gemma3": str(make_gemma(root / "gemma3", tok, 3))}
-    adapters = {name: str(_peft_adapter(models[model], kw, root / f"adapter-{i}"))
+    adapters = {name: str(peft_adapter(models[model], kw, root / f"adapter-{i}"))
                 for i, (name, (model, kw)) in enumerate(ADAPTERS.items())}
     return root, models, adapters
 
@@ -181,18 +181,6 @@ def _check_default_init(inits, model_dir):
         assert abs(tp2[a]).max() <= bound and abs(tp2[a]).max() > 0.9 * bound  # U(-1/sqrt(in), 1/sqrt(in))
     firsts = [tp2[lora.peft_key(t, "A")][0, 0] for t in spec.targets]
     assert len(set(firsts)) == len(firsts)  # each adapter its own draw
-
-
-def _peft_adapter(model_dir: str, kw: dict, out: Path) -> Path:
-    """A PEFT adapter whose B is not zero (PEFT's init_lora_weights=False), so the adapters act from step 1."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", init_lora_weights=False, **kw)).save_pretrained(out)
-    return out
 
 
 def _peft_reference(model_dir: str, adapter_dir: str, data, cfg, global_batch: int = 2, **load):

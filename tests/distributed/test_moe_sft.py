@@ -8,23 +8,25 @@ run with `model.output_router_logits: false` (Axolotl's model_config) over the c
 
 Qwen3-MoE also saves after 2 steps at tp=2, resumes at dp_shard=2 (the experts' [gate; up] re-cut per TP rank)
 and exports: steps 3 and 4 equal the reference that switches objective there, and transformers loads the export
-(no missing or unexpected tensor) with the trained weights (its logits are the reference's)."""
+(no missing or unexpected tensor) with the trained weights (its logits are the reference's). LoRA on the attention
+(q/k/v/o, from a PEFT adapter with non-zero B) at both layouts equals transformers + PEFT with the same objective."""
 from __future__ import annotations
 
 import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_moe, rel
+from tests.helpers.sft import make_moe, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
 LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2), "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1)}
 FAMILIES = ("qwen3_moe", "olmoe")
+ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
 def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: str = "cosine", aux=None,
-         **checkpoint):
+         lora=None, **checkpoint):
     from adapter.demo.build import ASSETS
 
     parallelism, micro = LAYOUTS[layout]
@@ -38,6 +40,9 @@ def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: s
            "checkpoint": checkpoint}
     if aux is not None:  # over config.json's output_router_logits (Axolotl's model_config)
         raw["model"]["output_router_logits"] = aux
+    if lora is not None:  # LoRA on the attention, from a PEFT adapter (lora.init_from)
+        raw["lora"] = {"r": ATTENTION["r"], "alpha": ATTENTION["lora_alpha"],
+                       "target_modules": ATTENTION["target_modules"], "init_from": lora}
     return config.build(raw, env={}, world_size=2)
 
 
@@ -52,6 +57,9 @@ def _worker(rank, world, models, root):
             res = run(_cfg(models[fam], f"{root}/{fam}", name), log=quiet)
             out[f"{fam} {name}"] = (res.losses, res.aux_losses)
     out["aux off"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "tp=2", aux=False), log=quiet).losses
+    for name in LAYOUTS:
+        out[f"lora {name}"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", name, schedule="constant",
+                                       lora=models["adapter"]), log=quiet).losses
     where = f"{root}/qwen3_moe"
     ck = {"dir": f"{root}/moved", "save_every": 2}
     run(_cfg(models["qwen3_moe"], where, "tp=2", steps=2, schedule="constant", **ck), log=quiet)
@@ -67,12 +75,15 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe-sft")
     tok = tiny_model(root / "tok")
-    return {fam: str(make_moe(root / fam, tok, fam)) for fam in FAMILIES}
+    models = {fam: str(make_moe(root / fam, tok, fam)) for fam in FAMILIES}
+    models["adapter"] = str(peft_adapter(models["qwen3_moe"], ATTENTION, root / "adapter"))
+    return models
 
 
-def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, schedule: str = "cosine"):
+def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, schedule: str = "cosine",
+               adapter: str | None = None):
     """(LM losses, mean aux per micro-batch, the model) of transformers trained on each step's 2 samples split into
-    `groups[step]` micro-batches (one per DP process)."""
+    `groups[step]` micro-batches (one per DP process); `adapter`: transformers + PEFT from that adapter."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, get_constant_schedule, get_cosine_schedule_with_warmup
@@ -83,9 +94,14 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
     order = iter(DPSampler(len(data.train), dp_rank=0, dp_size=1, micro_batch=2, seed=cfg.data.seed))
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    sched = get_cosine_schedule_with_warmup(opt, WARMUP, STEPS) if schedule == "cosine" else get_constant_schedule(opt)
     c = hf.config
+    if adapter is not None:
+        from peft import PeftModel
+
+        hf = PeftModel.from_pretrained(hf, adapter, is_trainable=True)
+    trained = [p for p in hf.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    sched = get_cosine_schedule_with_warmup(opt, WARMUP, STEPS) if schedule == "cosine" else get_constant_schedule(opt)
     losses, auxes = [], []
     for n in groups:
         samples = next(order)
@@ -139,6 +155,11 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
             assert all(rel(a, b) <= 2e-6 for a, b in zip(got["aux off"], without)), (got["aux off"], without)
     cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "tp=2")
     data = prepare(cfg, models["qwen3_moe"], builder=True, barrier=None, progress=False)
+    # LoRA on the attention of a mixture of experts, with the load-balancing loss: against transformers + PEFT
+    for name, groups in (("tp=2", 1), ("dp_shard=2", 2)):
+        ref, _, _ = _reference(models["qwen3_moe"], data, cfg, [groups] * STEPS, schedule="constant",
+                               adapter=models["adapter"])
+        assert all(rel(a, b) <= 2e-6 for a, b in zip(got[f"lora {name}"], ref)), (name, got[f"lora {name}"], ref)
     ref, _, hf = _reference(models["qwen3_moe"], data, cfg, [1, 1, 2, 2], schedule="constant")
     begun, losses = got["moved"]
     assert begun == 2 and len(losses) == 2 and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref[2:])), \

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_lora import ALL7, _peft_adapter, _peft_reference, lora_cfg, lora_section
+from tests.distributed.test_lora import ALL7, _peft_reference, lora_cfg, lora_section
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_model, make_phi3, rel
+from tests.helpers.sft import make_model, make_phi3, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
 KW = {"r": 8, "lora_alpha": 16, "target_modules": ALL7}
@@ -171,7 +171,7 @@ def setup(tmp_path_factory):
     model = str(make_model(root / "model", tok, hidden=128))
     models = {"llama": model, "qwen2": _qwen2(model, root / "qwen2"),
               "phi3": str(make_phi3(root / "phi3", tok, hidden=128))}
-    adapters = {k: str(_peft_adapter(m, PHI3 if k == "phi3" else KW, root / f"adapter-{k}")) for k, m in models.items()}
+    adapters = {k: str(peft_adapter(m, PHI3 if k == "phi3" else KW, root / f"adapter-{k}")) for k, m in models.items()}
     refs = {fmt: _bnb_reference(model, fmt, root / f"deq-{fmt}") for fmt in ("nf4", "int8")}
     refs["qwen2"] = _bnb_reference(models["qwen2"], "nf4", root / "deq-qwen2")
     refs.update({f"phi3-{fmt}": _bnb_reference(models["phi3"], fmt, root / f"deq-phi3-{fmt}")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.distributed.test_lora import ALL7, _peft_adapter, lora_section
+from tests.distributed.test_lora import ALL7, lora_section
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_model, rel
+from tests.helpers.sft import make_model, peft_adapter, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 KW = {"r": 8, "lora_alpha": 16, "target_modules": ALL7}
@@ -131,7 +131,7 @@ def test_lora_and_qlora_on_one_gpu_follow_peft(tmp_path):
 
     tok = tiny_model(tmp_path / "tok")
     model = str(make_model(tmp_path / "model", tok, hidden=256))
-    adapter = str(_peft_adapter(model, KW, tmp_path / "adapter"))
+    adapter = str(peft_adapter(model, KW, tmp_path / "adapter"))
     got = run_workers(_worker, 1, model, adapter, str(tmp_path), timeout=900)[0]
     cfg = _cfg(model, str(tmp_path), adapter, None)
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

@@ -234,6 +234,18 @@ def make_moe(out: Path, tokenizer_dir: Path, family: str = "qwen3_moe", *, hidde
     return _save_with_tokenizer(cfg, out, tokenizer_dir, seed)
 
 
+def peft_adapter(model_dir: str, kw: dict, out: Path) -> Path:
+    """A PEFT adapter whose B is not zero (PEFT's init_lora_weights=False), so the adapters act from step 1."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", init_lora_weights=False, **kw)).save_pretrained(out)
+    return out
+
+
 def hf_best(evals: dict[int, float], saves: set[int], patience: int | None = None) -> tuple[int | None, int | None]:
     """(best checkpoint step, early-stop step) as transformers' own code decides them: `EarlyStoppingCallback`
     sees each evaluation first (inside `evaluate`), then `Trainer._determine_best_metric`, then a save at that step

@@ -53,9 +53,18 @@ def test_plan_prints_the_experts_and_refuses_what_is_not_built(tmp_path):
     code, _, err = run_cli("plan", _yaml(tmp_path, "sequence_parallel: false\nparallelism:\n  tp_size: 2\n")
                            .replace("parallelism:\n  dp_shard_size: 8\n", ""))
     assert code == 2 and "sequence_parallel=False: Megatron-Core's mixture-of-experts layer" in err
-    code, _, err = run_cli("plan", _yaml(tmp_path, "lora:\n  r: 8\n"))
-    assert code == 2 and "LoRA on a mixture-of-experts model (Qwen3MoeForCausalLM) is not built yet" in err
-    assert len(err.strip().splitlines()) == 1
+    # LoRA: the attention (the experts and the router are not linears in transformers, so not PEFT's targets)
+    code, out, err = run_cli("plan", _yaml(tmp_path, "lora:\n  r: 8\n  target_linear: true\n"))
+    assert code == 0, err
+    assert "on q_proj, k_proj, v_proj, o_proj of all 48 layers" in out and "experts and the router are not" in out
+    for extra, needle in (("lora:\n  r: 8\n  target_modules: [q_proj, gate_proj]\n",
+                           "LoRA on the experts of a mixture of experts (gate_proj) is not built"),
+                          ("lora:\n  r: 8\n  target_modules: [gate]\n",
+                           "LoRA on the router of a mixture of experts (gate) is not built"),
+                          ("lora:\n  r: 8\n  quantize_base: nf4\n",
+                           "lora.quantize_base='nf4': a quantised base under a mixture-of-experts model")):
+        code, _, err = run_cli("plan", _yaml(tmp_path, extra))
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_axolotl_model_config_switches_the_load_balancing_loss(tmp_path):
