@@ -132,6 +132,10 @@ class WholeRMSNorm(torch.nn.Module):
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.width = hidden_size * heads  # the whole projection's width (hidden_size: one head's, as Megatron passes)
         self.weight = torch.nn.Parameter(torch.ones(self.width // tp, device=device, dtype=config.params_dtype))
+        # a slice per TP rank, like a linear's: the gradient norm (DeepSpeed's, for clipping) counts every rank's
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=tp > 1, dim=0, stride=1)
         self.eps, self.tp = eps, tp
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
 

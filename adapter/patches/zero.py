@@ -6,7 +6,13 @@ others:
   ranks (`set_hpz_group`);
 * exact HSDP's replica all-reduce of ZeRO-3's flat gradient partition buffer (`average_over_replicas`);
 * the engine around nd-adapter's flat AdamW: no data-parallel all-reduce (`drive_flat_optimizer`);
-* AdamW's state created before the first step, so a resharded resume can place its moments (`adam_states`).
+* AdamW's state created before the first step, so a resharded resume can place its moments (`adam_states`);
+* expert parallelism under ZeRO-3 (`place_experts`): DeepSpeed 0.19.8's ZeRO-3 partitions a parameter over
+  `ds_zero_partition_process_group` when it is set, groups parameters by that group, averages an "autoep_expert"
+  parameter's gradient over the whole data-parallel world and adds its norm over the expert-parallel group; that is
+  Megatron-Core's expert arithmetic, so the experts of its MoE layer are marked so, with Megatron's groups
+  registered under DeepSpeed's expert group name. Its norm skips the TP sum for such parameters (it assumes AutoEP's
+  experts span the TP ranks); Megatron's experts are TP-sharded like the dense linears, so that choice is undone.
 
 The ZeRO-1/2 step. Why: DeepSpeed 0.19.8's stage-1/2 optimizer makes the host wait for the GPU several times per
 step: a device-wide synchronize at the end of every backward (with `overlap_comm`), a scalar built with
@@ -132,5 +138,48 @@ def adam_states(zero_optimizer, step: int) -> None:
         zero_optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def expert_group_name(ep: int) -> str:
+    return f"ep_size_{ep}"  # DeepSpeed's naming of its expert groups
+
+
+def place_experts(model, ep_group, edp_group, ep: int) -> int:
+    """Before deepspeed.initialize (ZeRO-3): each local expert's weights partitioned over the ranks that hold the same
+    experts (`edp_group`), their gradients averaged over the whole data-parallel world, their norm summed over
+    `ep_group`. Returns how many parameters were marked."""
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "expert parallelism under ZeRO-3 (adapter/patches/zero.py)")
+    name = expert_group_name(ep)
+    groups._EXPERT_PARALLEL_GROUP[name] = ep_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(ep_group)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = edp_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(edp_group)
+    marked = 0
+    for pname, p in model.named_parameters():
+        if ".mlp.experts." in pname:
+            p.nd_expert = True
+            p.allreduce, p.group_name = False, name  # DeepSpeed's MoE mark: the engine's start-up broadcast of the
+            # weights then stays within the ranks holding the same experts (not rank 0's experts everywhere)
+            p.ds_zero_placement_family = "autoep_expert"
+            p.ds_zero_partition_group_name = name
+            p.ds_zero_partition_process_group = edp_group
+            p.ds_zero_partition_rank = dist.get_rank(edp_group)
+            p.ds_zero_partition_world_size = dist.get_world_size(edp_group)
+            marked += 1
+    return marked
+
+
+def expert_norm_with_tp(zero3_optimizer) -> None:
+    """ZeRO-3's norm of the experts' gradients: summed over TP as for any TP-sharded parameter (module docstring)."""
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "expert parallelism under ZeRO-3 (adapter/patches/zero.py)")
+    original = zero3_optimizer._grad_norm_counts_every_rank
+
+    def counts_every_rank(params, process_group):
+        if params and all(getattr(p, "nd_expert", False) for p in params):
+            return False  # each TP rank's shard counts, then the TP all-reduce; then DeepSpeed's EP all-reduce
+        return original(params, process_group)
+
+    zero3_optimizer._grad_norm_counts_every_rank = counts_every_rank
+
+
 __all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "drive_flat_optimizer", "unscale_and_clip_grads",
-           "mask_nonfinite_", "set_hpz_group", "average_over_replicas", "adam_states"]
+           "mask_nonfinite_", "set_hpz_group", "average_over_replicas", "adam_states", "place_experts",
+           "expert_norm_with_tp", "expert_group_name"]

@@ -20,12 +20,14 @@ LAYOUT = ("dp_replicate", "dp_shard", "cp", "tp")
 def layout_of(cfg: RunConfig) -> dict[str, int]:
     """The layout as a checkpoint's record keeps it."""
     p = cfg.parallelism
-    return {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size, "tp": p.tp_size}
+    return {"dp_replicate": p.dp_replicate_size, "dp_shard": p.dp_shard_size, "cp": p.cp_size, "tp": p.tp_size,
+            "ep": p.ep_size}
 
 
 def layout_diff(saved: dict[str, int], here: dict[str, int]) -> list[tuple[str, int, int]]:
-    """(axis, size there, size here) for every axis where a checkpoint's layout and this run's differ."""
-    return [(k, saved[k], here[k]) for k in LAYOUT if saved[k] != here[k]]
+    """(axis, size there, size here) for every axis where a checkpoint's layout and this run's differ (a record
+    without ep: saved without expert parallelism)."""
+    return [(k, saved.get(k, 1), here.get(k, 1)) for k in (*LAYOUT, "ep") if saved.get(k, 1) != here.get(k, 1)]
 
 
 @dataclass
@@ -43,7 +45,8 @@ class CheckpointInfo:
         if not self.record:
             return "unknown (no nd_adapter.json: an older checkpoint)"
         lay = self.record["layout"]
-        return (" × ".join(f"{k}={lay[k]}" for k in LAYOUT) + f" ({self.record['world_size']} ranks, ZeRO stage "
+        return (" × ".join(f"{k}={lay[k]}" for k in LAYOUT) + (f" (ep={lay['ep']})" if lay.get("ep", 1) > 1 else "")
+                + f" ({self.record['world_size']} ranks, ZeRO stage "
                 f"{self.record['zero_stage']})")
 
 
@@ -77,14 +80,34 @@ def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> tuple[
     if r["model"]["architecture"] != architecture:
         return f"it holds a {r['model']['architecture']} model, this run trains {architecture}", ""
     here = layout_of(cfg)
-    if here == r["layout"]:
+    diff = layout_diff(r["layout"], here)
+    if not diff:
         return None, "at the same layout"
+    if max(r["layout"].get("ep", 1), here["ep"]) > 1:
+        return ("its experts' ZeRO-3 partitions (expert parallelism) cannot move to another layout yet (that "
+                "resharding is not built)", "")
     eight = "adamw_8bit" in (r.get("optimizer"), cfg.optimizer.name)
     if eight:
         return ("8-bit optimizer moments are quantised in blocks of the layout's own partitions, so they cannot "
                 "move to another layout exactly", "")
-    diff = ", ".join(f"{k} {there} there, {now} here" for k, there, now in layout_diff(r["layout"], here))
-    return None, f"resharded from another layout ({diff})"
+    return None, "resharded from another layout ({})".format(
+        ", ".join(f"{k} {there} there, {now} here" for k, there, now in diff))
+
+
+def check_resumable(cfg: RunConfig, architecture: str) -> None:
+    """Refuse (one line) a --resume that the newest checkpoint in checkpoint.dir cannot take; nothing if none."""
+    from adapter.config import spell
+    from adapter.errors import bad
+
+    if not cfg.checkpoint.dir or not (Path(cfg.checkpoint.dir) / LATEST).is_file():
+        return
+    key = spell(cfg, "checkpoint.dir")
+    info = read(cfg.checkpoint.dir, key=key)
+    why, _ = resumable(info, cfg, architecture)
+    if why:
+        raise bad(key, cfg.checkpoint.dir, f"cannot resume {info.tag}: {why}",
+                  f"resume with the model, optimizer and layout it was saved with (`nd-adapter checkpoint info "
+                  f"{cfg.checkpoint.dir}`), or train into another directory")
 
 
 def crc32(path: Path, chunk: int = 1 << 24) -> str:

@@ -35,7 +35,14 @@ from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
-from adapter.patches.zero import average_over_replicas, drive_flat_optimizer, install_zero12_step, set_hpz_group
+from adapter.patches.zero import (
+    average_over_replicas,
+    drive_flat_optimizer,
+    expert_norm_with_tp,
+    install_zero12_step,
+    place_experts,
+    set_hpz_group,
+)
 from adapter.train.optim import FlatAdamW, adamw_8bit
 from adapter.train.schedule import lr_factor
 
@@ -238,6 +245,8 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
     if not hsdp:  # hpZ: DeepSpeed would group consecutive global ranks, mixing TP ranks; give it dp_shard×cp
         set_hpz_group(groups.dp_shard_cp)
     conf = deepspeed_config.build(cfg, layout)
+    if layout.ep > 1:  # ZeRO-3 (models/checks.check_trainable): experts partitioned over the ranks holding them
+        place_experts(model, groups.ep, groups.expt_dp, layout.ep)
     if conf["zero_optimization"]["stage"] == 3 and cfg.deepspeed.gather_granularity == "layer":
         set_z3_leaf_modules(model, [Layer])
     if deepspeed_config.flat_optimizer(cfg, layout):
@@ -259,6 +268,8 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                                           config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
     if conf["zero_optimization"]["stage"] in (1, 2):
         install_zero12_step(engine.optimizer)
+    if layout.ep > 1:
+        expert_norm_with_tp(engine.optimizer)
     return Engine(engine, mpu, conf, layout, spec, pad_row)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adapter.config import RunConfig, spell
+from adapter.config import RunConfig
 from adapter.data import TEXT_SUFFIXES, expand_files, iter_documents
 from adapter.data.sft import check as check_sft
 from adapter.errors import bad
@@ -90,12 +90,6 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
     check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
-    if resume and (Path(cfg.checkpoint.dir) / ckpt_info.LATEST).is_file():  # before any process starts
-        key = spell(cfg, "checkpoint.dir")
-        info = ckpt_info.read(cfg.checkpoint.dir, key=key)
-        why, _ = ckpt_info.resumable(info, cfg, arch.architecture)
-        if why:
-            raise bad(key, cfg.checkpoint.dir, f"cannot resume {info.tag}: {why}",
-                      f"resume with the model and optimizer it was saved with (`nd-adapter checkpoint info "
-                      f"{cfg.checkpoint.dir}`), or train into another directory")
+    if resume:  # before any process starts
+        ckpt_info.check_resumable(cfg, arch.architecture)
     return arch

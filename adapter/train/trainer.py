@@ -228,6 +228,7 @@ class Trainer:
         if resume:
             if not cfg.checkpoint.dir:
                 raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir")
+            ckpt_info.check_resumable(cfg, self.arch.architecture)  # in-process runs skip the preflight
             loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None, arch=self.arch,
                                tp_rank=self.layout.coords(rank)[Axis.TP], tp=self.layout.tp)
             if loaded is not None:

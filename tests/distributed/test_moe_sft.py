@@ -1,15 +1,18 @@
 """Mixture-of-experts SFT against plain transformers (issue 30): a chat dataset, packed, trained by nd-adapter at
-tp=2 (+SP) and dp_shard=2 for 4 steps, against transformers on the same prepared samples (each example attended on
-its own), fp32 on CPU, with transformers' load-balancing loss in the objective as its Trainer has it: every forward
-(one micro-batch of one DP process) adds router_aux_loss_coef × its statistic over that micro-batch's real tokens,
-unaveraged over processes. So the two layouts train different objectives (one micro-batch of two samples against
-two of one), and the reference follows each. A reference without the auxiliary loss differs: the test sees it; a
+tp=2 (+SP), dp_shard=2 and ep=2 (each rank holding half the experts) for 4 steps, against transformers on the same
+prepared samples (each example attended on its own), fp32 on CPU, with transformers' load-balancing loss in the
+objective as its Trainer has it: every forward (one micro-batch of one DP process) adds router_aux_loss_coef × its
+statistic over that micro-batch's real tokens, unaveraged over processes. So the layouts train different objectives
+(one micro-batch of two samples against two of one), and the reference follows each: losses, aux losses and the
+gradient norm (every expert counted once). A reference without the auxiliary loss differs: the test sees it; a
 run with `model.output_router_logits: false` (Axolotl's model_config) over the config's true equals it.
 
 Qwen3-MoE also saves after 2 steps at tp=2, resumes at dp_shard=2 (the experts' [gate; up] re-cut per TP rank)
 and exports: steps 3 and 4 equal the reference that switches objective there, and transformers loads the export
-(no missing or unexpected tensor) with the trained weights (its logits are the reference's). LoRA on the attention
-(q/k/v/o, from a PEFT adapter with non-zero B) at both layouts equals transformers + PEFT with the same objective."""
+(no missing or unexpected tensor) with the trained weights (its logits are the reference's). At ep=2 it saves,
+resumes at ep=2 and exports (every expert written by its holder); resuming it at another layout is refused in one
+line. LoRA on the attention (q/k/v/o, from a PEFT adapter with non-zero B) at tp=2 and dp_shard=2 equals
+transformers + PEFT with the same objective."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +23,9 @@ from tests.helpers.sft import make_moe, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
-LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2), "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1)}
+LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2), "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1),
+           "ep=2": ({"tp_size": 1, "dp_shard_size": 2, "ep_size": 2}, 1)}  # each rank 2 of the 4 experts
+GROUPS = {"tp=2": 1, "dp_shard=2": 2, "ep=2": 2}  # micro-batches per step (one per data-parallel process)
 FAMILIES = ("qwen3_moe", "olmoe")
 ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -47,6 +52,7 @@ def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: s
 
 
 def _worker(rank, world, models, root):
+    from adapter.errors import UserError
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run
 
@@ -55,9 +61,9 @@ def _worker(rank, world, models, root):
     for fam in FAMILIES:
         for name in LAYOUTS:
             res = run(_cfg(models[fam], f"{root}/{fam}", name), log=quiet)
-            out[f"{fam} {name}"] = (res.losses, res.aux_losses)
+            out[f"{fam} {name}"] = (res.losses, res.aux_losses, res.grad_norms)
     out["aux off"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "tp=2", aux=False), log=quiet).losses
-    for name in LAYOUTS:
+    for name in ("tp=2", "dp_shard=2"):
         out[f"lora {name}"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", name, schedule="constant",
                                        lora=models["adapter"]), log=quiet).losses
     where = f"{root}/qwen3_moe"
@@ -66,6 +72,17 @@ def _worker(rank, world, models, root):
     res = run(_cfg(models["qwen3_moe"], where, "dp_shard=2", schedule="constant", export_hf=f"{root}/export", **ck),
               resume=True, log=quiet)
     out["moved"] = (res.start_step, res.losses)
+    # expert parallelism: saved at ep=2, resumed at ep=2 (exported) and at tp=2 (every rank all the experts)
+    ck = {"dir": f"{root}/ep", "save_every": 2}
+    run(_cfg(models["qwen3_moe"], where, "ep=2", steps=2, schedule="constant", **ck), log=quiet)
+    res = run(_cfg(models["qwen3_moe"], where, "ep=2", schedule="constant", export_hf=f"{root}/export-ep", **ck),
+              resume=True, log=quiet)
+    out["ep resumed"] = (res.start_step, res.losses)
+    try:
+        run(_cfg(models["qwen3_moe"], where, "tp=2", schedule="constant", **ck), resume=True, log=quiet)
+        out["ep moved"] = None
+    except UserError as e:
+        out["ep moved"] = str(e)
     return out
 
 
@@ -102,7 +119,7 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
     trained = [p for p in hf.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(opt, WARMUP, STEPS) if schedule == "cosine" else get_constant_schedule(opt)
-    losses, auxes = [], []
+    losses, auxes, norms = [], [], []
     for n in groups:
         samples = next(order)
         total, count, aux_total, aux_values = 0.0, 0.0, 0.0, []
@@ -122,11 +139,13 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
             aux_total, aux_values = aux_total + aux, aux_values + [float(aux)]
         loss = total / count
         (loss + (c.router_aux_loss_coef * aux_total if aux_on else 0.0)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, 1e12)))  # the whole gradient's norm, unclipped
         opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
         auxes.append(sum(aux_values) / len(aux_values))
+    _reference.norms = norms  # the last call's, read by the test
     return losses, auxes, hf
 
 
@@ -141,13 +160,16 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
         cfg = _cfg(models[fam], f"{tmp_path}/{fam}", "tp=2")
         data = prepare(cfg, models[fam], builder=True, barrier=None, progress=False)
         assert data.reused  # the runs' own prepared samples
-        for name, groups in (("tp=2", 1), ("dp_shard=2", 2)):
+        for name, groups in GROUPS.items():
             ref, ref_aux, _ = _reference(models[fam], data, cfg, [groups] * STEPS)
-            losses, auxes = got[f"{fam} {name}"]
+            losses, auxes, norms = got[f"{fam} {name}"]
+            ref_norms = _reference.norms
             assert len(losses) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), \
                 (fam, name, losses, ref)
             assert len(auxes) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(auxes, ref_aux)), \
                 (fam, name, auxes, ref_aux)
+            # the gradient norm (what clipping reads): every expert counted once, over the ep ranks too
+            assert all(rel(a, b) <= 1e-5 for a, b in zip(norms, ref_norms)), (fam, name, norms, ref_norms)
         without, _, _ = _reference(models[fam], data, cfg, [1] * STEPS, aux_on=False)
         # the aux gradient matters: 5e-4 at step 3 (step 1 runs at the warm-up's zero learning rate)
         assert max(rel(a, b) for a, b in zip(got[f"{fam} tp=2"][0], without)) > 1e-4
@@ -171,3 +193,12 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
     with torch.no_grad():
         diff = (exported(ids).logits - hf(ids).logits).abs().max().item()
     assert diff <= 1e-3, diff
+    ref, _, hf = _reference(models["qwen3_moe"], data, cfg, [2, 2, 2, 2], schedule="constant")
+    begun, losses = got["ep resumed"]
+    assert begun == 2 and len(losses) == 2 and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref[2:])), (losses, ref)
+    said = got["ep moved"] or ""
+    assert "cannot resume global_step4: its experts' ZeRO-3 partitions (expert parallelism) cannot move" in said, said
+    exported = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export-ep", dtype=torch.float32)
+    with torch.no_grad():
+        diff = (exported(ids).logits - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-3, diff  # every expert written by the rank that holds it

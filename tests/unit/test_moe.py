@@ -172,7 +172,7 @@ def test_expert_parallel_refusals(tmp_path, extra, needle):
     assert (code == 0) if needle is None else (code == 2 and needle in err and len(err.strip().splitlines()) == 1)
 
 
-def test_expert_parallelism_on_a_dense_model_or_uneven_experts_and_training_refused(tmp_path):
+def test_expert_parallelism_on_a_dense_model_or_uneven_experts_and_zero2_refused(tmp_path):
     from adapter import config
     from adapter.models import checks
     from adapter.models.arch import load_arch as _load
@@ -186,8 +186,11 @@ def test_expert_parallelism_on_a_dense_model_or_uneven_experts_and_training_refu
     mixtral = _load(MODELS / "mixtral-8x7b-v0.1")
     with pytest.raises(UserError, match=r"^parallelism.ep_size=16: does not divide num_experts=8"):
         checks.check(cfg("mixtral-8x7b-v0.1", 16, 16), mixtral)
-    with pytest.raises(UserError, match=r"^parallelism.ep_size=2: expert-parallel training is not built yet"):
-        checks.check_trainable(cfg("mixtral-8x7b-v0.1", 2), mixtral)
+    checks.check_trainable(cfg("mixtral-8x7b-v0.1", 2), mixtral)  # ZeRO-3 over dp_shard: trains
+    zero2 = cfg("mixtral-8x7b-v0.1", 2).model_copy(update={"deepspeed": cfg("mixtral-8x7b-v0.1", 2).deepspeed
+                                                         .model_copy(update={"zero_stage": 2})})
+    with pytest.raises(UserError, match=r"^parallelism.ep_size=2: expert-parallel training runs under ZeRO-3"):
+        checks.check_trainable(zero2, mixtral)
 
 
 def test_axolotl_expert_parallel_size(tmp_path):
