@@ -72,7 +72,7 @@ def _run(rank, ids, ckpt, ref, tp, cp, sp, aux_grad=True, ep=1):
     model = build_gpt_model(arch, tp=tp, cp=cp, sequence_parallel=sp, padded_vocab=meta["padded_vocab_size"])
     load_megatron_checkpoint(model, ckpt)
     r = ps.get_context_parallel_rank()
-    if ep > 1 and rank % 2:  # the expert-parallel ranks read different data: the batch's rows swapped here
+    if ep > 1 and ps.get_data_parallel_rank() % 2:  # data-parallel ranks read different data: rows swapped here
         ids, ref = ids.flip(0), {**ref, "logits": ref["logits"].flip(0)}
     x, labels = ids[:, :-1], ids[:, 1:]
     model.eval()
@@ -148,6 +148,7 @@ def _worker(rank, world, ids, cases):
     res["control_no_aux_grad"] = _run(rank, ids, ckpt, ref, 2, 1, True, aux_grad=False)
     res["grouped_vs_loop"] = _grouped_vs_loop(ids, ckpt)
     res["qwen3_moe_ep2"] = _run(rank, ids, ckpt, ref, 1, 1, False, ep=2)  # each rank 2 of the 4 experts
+    res["olmoe_cp2_ep2"] = _run(rank, ids, *cases["olmoe"], 1, 2, False, ep=2)  # the experts over the CP pair
     return res
 
 
@@ -159,3 +160,26 @@ def test_moe_families_match_transformers_logits_aux_loss_and_router_grads(models
         for name, d in res.items():
             assert max(d.values()) <= TOL, (name, d)
         assert control["router"] > 1e-3, control  # without the auxiliary gradient the routers' gradients differ
+
+
+def _worker4(rank, world, ids, cases):
+    import torch.distributed as dist
+
+    from adapter.patches.mcore import install_cpu_shims
+
+    install_cpu_shims()
+    dist.init_process_group("gloo")
+    res = {}
+    for case in FAMILIES:  # one expert per rank (Megatron's single-local-expert path)
+        res[f"{case}_ep4"] = _run(rank, ids, *cases[case], 1, 1, False, ep=4)
+    res["mixtral_tp2_ep2"] = _run(rank, ids, *cases["mixtral"], 2, 1, True, ep=2)
+    return res
+
+
+def test_moe_expert_parallel_at_ep4_and_with_tp2(models):
+    """Expert parallelism on 4 gloo processes: ep=4 (each rank one of the 4 experts) for the three families, and
+    tp=2 × ep=2 (the experts TP-sharded too); the data-parallel ranks read different batches."""
+    ids, cases, _ = models
+    for res in run_workers(_worker4, 4, ids, cases, timeout=600):
+        for name, d in res.items():
+            assert max(d.values()) <= TOL, (name, d)
