@@ -181,6 +181,43 @@ class HFCheckpoint:
         return out
 
 
+def read_fused_experts(hf: HFCheckpoint, rules, arch) -> int:
+    """transformers 5's own layout of a mixture of experts (save_pretrained(save_original_format=False)): per layer
+    `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2F, h] (each expert's gate rows, then its up rows) and
+    `...down_proj` [E, h, F], the router as `model.layers.{i}.mlp.gate.weight`. They are read as the per-expert
+    tensors the family's table names (hub layout): expert e's gate, up and down matrices are contiguous slices of
+    the fused tensors, so they stay positioned reads. Returns the layers read so."""
+    if not getattr(arch, "moe", False):
+        return 0
+    fc1, fc2, router = (next(r for r in rules if r.per_layer and test(r)) for test in (
+        lambda r: r.per_expert and len(r.hf) == 2, lambda r: r.per_expert and len(r.hf) == 1,
+        lambda r: not r.per_expert and r.hf[0][0].endswith(".gate.weight")))
+    fused = 0
+    for i in range(arch.num_layers):
+        found = False
+        for name, rule in ((f"model.layers.{i}.mlp.experts.gate_up_proj", fc1),
+                           (f"model.layers.{i}.mlp.experts.down_proj", fc2)):
+            if name not in hf.meta:
+                continue
+            path, dt, shape, offset = hf.meta.pop(name)
+            parts = len(rule.hf)
+            if offset < 0 or len(shape) != 3 or shape[0] != arch.num_experts or shape[1] % parts:
+                raise bad("hf", str(path), f"{name} has shape {list(shape)} (or is not in a safetensors file): not "
+                          f"{arch.num_experts} experts' fused weights", "save the model with safetensors, or in the "
+                          "hub's per-expert layout (save_pretrained's default)")
+            rows = shape[1] // parts
+            for e in range(shape[0]):
+                for k, per_expert in enumerate(rule.hf_names((i, e))):
+                    at = offset + (e * shape[1] + k * rows) * shape[2] * dt.itemsize
+                    hf.meta[per_expert] = (path, dt, (rows, shape[2]), at)
+            found = True
+        own, modern = router.hf_names(i)[0], f"model.layers.{i}.mlp.gate.weight"
+        if found and own not in hf.meta and modern in hf.meta:  # Mixtral: block_sparse_moe.gate in the hub's layout
+            hf.meta[own] = hf.meta.pop(modern)
+        fused += found
+    return fused
+
+
 def pread_into(path: Path, pos: int, out: torch.Tensor, what: str, key: str = "hf") -> None:
     """Fill contiguous `out` from file bytes at `pos` (positioned reads: no mmap pages charged to our RSS)."""
     if not out.numel():

@@ -134,6 +134,7 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, *, dtyp
     target = check_target(out_dir, overwrite, (hf_dir,))
     hf = hf_io.HFCheckpoint(hf_dir)
     rules = table_for(arch, table)
+    hf_io.read_fused_experts(hf, rules, arch)  # transformers 5's 3-D expert tensors, read per expert
     dtypes = _check_hf(hf, arch, rules, dt)
     padded = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
     ctx = Ctx(arch, padded, tp)

@@ -69,8 +69,9 @@ CASES = {  # name -> (config class, overrides)
 
 
 def make_hf(case: str, path: Path, dtype=torch.float32, seed: int = 0, shard: str | None = "40KB",
-            safe: bool = True) -> Path:
-    """A tiny random HF checkpoint; every parameter (norms, biases too) random so a wrong mapping shows."""
+            safe: bool = True, fused: bool = False) -> Path:
+    """A tiny random HF checkpoint; every parameter (norms, biases too) random so a wrong mapping shows. `fused`: a
+    mixture of experts saved in transformers 5's own layout (3-D expert tensors: save_original_format=False)."""
     import transformers
 
     cls_name, extra = CASES[case]
@@ -83,7 +84,8 @@ def make_hf(case: str, path: Path, dtype=torch.float32, seed: int = 0, shard: st
         for name, p in model.named_parameters():
             centre = 0 if cls_name.startswith("Gemma") else 1  # Gemma's norms scale by 1 + w: w is stored near 0
             p.copy_(centre + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.to(dtype).save_pretrained(path, max_shard_size=shard or "5GB")
+    model.to(dtype).save_pretrained(path, max_shard_size=shard or "5GB", **({"save_original_format": False}
+                                                                             if fused else {}))
     if not safe:  # transformers 5 writes only safetensors; make the legacy pytorch_model.bin layout by hand
         sd = {k: v.clone() for k, v in model.state_dict().items()
               if k != "lm_head.weight" or not cfg.tie_word_embeddings}
