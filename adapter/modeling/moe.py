@@ -158,21 +158,35 @@ class WholeRMSNorm(torch.nn.Module):
         return (self.weight * y.to(x.dtype)).reshape(shape)
 
 
+def as_batch(weights) -> torch.Tensor:
+    """The experts' weights as one [experts, out, in] tensor: a strided view when they lie equally spaced in one
+    storage (GroupedExperts allocates them so; ZeRO-1/2's flat buffer interleaves fc1 and fc2 at a fixed step, which
+    qualifies too), else a stacked copy."""
+    w0 = weights[0]
+    if len(weights) > 1 and all(w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype for w in weights):
+        size, ptr = w0.element_size(), w0.untyped_storage().data_ptr()
+        step = weights[1].data_ptr() - w0.data_ptr()
+        if step > 0 and step % 16 == 0 and all(w.untyped_storage().data_ptr() == ptr and
+                                               w.data_ptr() - w0.data_ptr() == i * step for i, w in enumerate(weights)):
+            return w0.as_strided((len(weights), *w0.shape), (step // size, *w0.stride()))
+    return torch.stack(weights)
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of expert e] = x[rows of e] · W_e^T for every local expert in one grouped GEMM (`offs`: the cumulative
-    row counts, on the device). The weights stay separate parameters: they are stacked for each GEMM (a transient
-    copy) and saved as they are, so backward keeps no stacked copy; each expert's gradient comes back on its own."""
+    row counts, on the device). The weights stay separate parameters, read as one batch (`as_batch`: a view where
+    they share a buffer) and saved as they are; each expert's gradient comes back on its own."""
 
     @staticmethod
     def forward(ctx, x, offs, *weights):
         ctx.save_for_backward(x, offs, *weights)
-        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+        return torch._grouped_mm(x, as_batch(weights).transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, *weights = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = torch._grouped_mm(dy, torch.stack(weights), offs=offs) if ctx.needs_input_grad[0] else None
+        dx = torch._grouped_mm(dy, as_batch(weights), offs=offs) if ctx.needs_input_grad[0] else None
         if not any(ctx.needs_input_grad[2:]):  # frozen experts (a LoRA run): no weight gradients
             return (dx, None, *(None for _ in weights))
         dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [experts, out, in]: the rows of each expert summed
@@ -185,6 +199,15 @@ class GroupedExperts(SequentialMLP):
     Hopper or another dtype than bf16 there), Megatron's loop runs: the same arithmetic, expert by expert."""
 
     grouped = True  # model.moe_grouped_gemm
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with torch.no_grad():  # each linear's experts in one buffer: the grouped GEMM reads them in place
+            for name in ("linear_fc1", "linear_fc2"):
+                ws = [getattr(e, name).weight for e in self.local_experts]
+                buf = torch.stack([w.data for w in ws])
+                for w, row in zip(ws, buf):
+                    w.data = row
 
     def _can_group(self, x: torch.Tensor) -> bool:
         c, w = self.config, self.local_experts[0].linear_fc1.weight
@@ -218,4 +241,4 @@ class GroupedExperts(SequentialMLP):
         return _GroupedLinear.apply(h, offs, *(e.linear_fc2.weight for e in self.local_experts)), None
 
 
-__all__ = ["AuxLoss", "HFRouter", "WholeRMSNorm", "GroupedExperts"]
+__all__ = ["AuxLoss", "HFRouter", "WholeRMSNorm", "GroupedExperts", "as_batch"]

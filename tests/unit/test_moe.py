@@ -206,3 +206,21 @@ def test_axolotl_expert_parallel_size(tmp_path):
     with pytest.raises(UserError, match=r"^expert_parallel_token_capacity=1024: a per-expert token cap"):
         config.build({**base, "expert_parallel_size": 2, "expert_parallel_token_capacity": 1024}, env={},
                      world_size=4)
+
+
+def test_expert_weights_are_read_in_place_where_they_share_a_buffer():
+    """GroupedExperts' weights live in one buffer per linear (and ZeRO-1/2's flat buffer interleaves fc1 and fc2 at
+    a fixed step): the grouped GEMM reads them as a strided view, no copy; scattered weights are stacked."""
+    import torch
+
+    from adapter.modeling.moe import as_batch
+
+    flat = torch.randn(4 * (6 * 8 + 8 * 6))  # e0.fc1, e0.fc2, e1.fc1, ... as a flat optimizer buffer lays them out
+    fc1 = [flat[i * 96:i * 96 + 48].view(6, 8) for i in range(4)]
+    batch = as_batch(fc1)
+    assert batch.data_ptr() == fc1[0].data_ptr() and torch.equal(batch, torch.stack(fc1))
+    scattered = [torch.randn(6, 8) for _ in range(4)]
+    assert torch.equal(as_batch(scattered), torch.stack(scattered))
+    x, offs = torch.randn(10, 8), torch.tensor([3, 3, 7, 10], dtype=torch.int32)
+    got = torch._grouped_mm(x, as_batch(fc1).transpose(1, 2), offs=offs)
+    assert torch.allclose(got[3:7], x[3:7] @ fc1[2].t()) and torch.allclose(got[7:], x[7:] @ fc1[3].t())
