@@ -93,26 +93,6 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     return warnings
 
 
-def check_trainable(cfg: RunConfig, arch: ModelArch) -> None:
-    """What `plan` models but training does not run yet, refused before any process starts (and in-process)."""
-    from adapter.parallel import deepspeed_config
-    from adapter.parallel.layout import Layout
-
-    ep, key = cfg.parallelism.ep_size, spell(cfg, "parallelism.ep_size")
-    if ep == 1:
-        return
-    layout = Layout.from_config(cfg.parallelism)
-    if deepspeed_config.zero_stage(cfg, layout) != 3:
-        raise bad(key, ep, "expert-parallel training runs under ZeRO-3 (its experts partitioned over the ranks "
-                  "holding them)", f"set {spell(cfg, 'deepspeed.zero_stage')}: 3, or ep_size 1")
-    if layout.dp_replicate > 1:
-        raise bad(key, ep, "expert parallelism beside dp_replicate_size > 1 (exact HSDP) is not built yet",
-                  "fold dp_replicate into dp_shard, or use ep_size 1")
-    if cfg.lora is not None:
-        raise bad(key, ep, "LoRA with expert parallelism is not built yet (the experts are frozen there anyway)",
-                  "use ep_size 1 for a LoRA run")
-
-
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
     """What a mixture-of-experts model cannot run yet, each in one line (issue 30 builds them)."""
     name = arch.architecture

@@ -125,6 +125,11 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128, ep: in
                        embedding=emb, output=0 if arch.tie_embeddings else emb, final_norm=arch.hidden_size)
 
 
+def expert_params(arch: ModelArch, tp: int, ep: int = 1) -> int:
+    """The experts' weights one rank holds over all layers (split by tp and ep); 0 for a dense model."""
+    return arch.num_layers * sum(lin.local(tp, ep) for lin in linears(arch) if lin.copies > 1)
+
+
 def param_tensors(arch: ModelArch, ep: int = 1) -> tuple[int, int]:
     """(per layer, total): the parameter tensors of Megatron's model on one rank, which DeepSpeed's hooks, the
     optimizer and ZeRO-3's module gathers walk (`ep`: a rank holds num_experts / ep experts)."""

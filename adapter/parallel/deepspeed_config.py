@@ -37,6 +37,10 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
         raise bad(spell(cfg, "deepspeed.zero_stage"), 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages "
                   "ZeRO-3's gradient partitions over replicas; hpZ is a ZeRO-3 feature)",
                   f"set {setting(cfg, 'deepspeed.zero_stage', 3)}, or fold dp_replicate into dp_shard")
+    if layout.ep > 1 and layout.dp_replicate > 1 and cfg.deepspeed.replicate_mode == "hpz":
+        raise bad(spell(cfg, "parallelism.ep_size"), layout.ep, "expert parallelism beside hpZ's secondary "
+                  "partitions is not built (exact HSDP partitions the experts inside each replica)",
+                  "set deepspeed.replicate_mode: hsdp (the default), or ep_size 1")
     return cfg.deepspeed.zero_stage
 
 

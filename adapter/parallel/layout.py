@@ -6,7 +6,9 @@ DeviceMesh, Megatron's parallel_state and DeepSpeed's MPU alike (tests check all
 
 Expert parallelism is not a fifth axis: as in Megatron-Core (expert order "tp-ep-dp-pp", expert tp = tp), the ep
 ranks are the innermost factor of the flattened data-parallel × cp index m = (r·S + s)·C + c. Expert group of a
-rank: the same t and m // ep; expert-data-parallel group (the ranks holding the same experts): the same t and m % ep.
+rank: the same t and m // ep; expert-data-parallel group (the ranks holding the same experts): the same t and m % ep;
+its part inside one replica (`expt_dp_shard`, Megatron's intra-partial expert-data-parallel group) is what exact
+HSDP partitions the experts over.
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ GROUPS: dict[str, tuple[Axis, ...]] = {
     "dp_shard_cp": (Axis.DP_SHARD, Axis.CP),
 }
 
-# Expert parallelism's groups (laid over dp_cp, not mesh axes): the experts' ranks, and the ranks that hold the same
-# experts (their gradients' data-parallel group)
-EXPERT_GROUPS = ("ep", "expt_dp")
+# Expert parallelism's groups (laid over dp_cp, not mesh axes): the experts' ranks, the ranks that hold the same
+# experts (their gradients' data-parallel group), and those of them inside one replica
+EXPERT_GROUPS = ("ep", "expt_dp", "expt_dp_shard")
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ class Layout:
 
     def size(self, group: str) -> int:
         if group in EXPERT_GROUPS:
-            return self.ep if group == "ep" else self.size("dp_cp") // self.ep
+            return {"ep": self.ep, "expt_dp": self.size("dp_cp") // self.ep,
+                    "expt_dp_shard": self.size("dp_shard_cp") // self.ep}[group]
         return prod(getattr(self, a.value) for a in GROUPS[group])
 
     @property
@@ -133,6 +136,9 @@ class Layout:
         out["ep"] = tuple(sorted(tuple(i * tp + t for i in range(j * ep, (j + 1) * ep))
                                  for j in range(m // ep) for t in range(tp)))
         out["expt_dp"] = tuple(sorted(tuple(i * tp + t for i in range(e, m, ep)) for e in range(ep) for t in range(tp)))
+        r = self.size("dp_shard_cp")  # m's of one replica: [j·r, (j + 1)·r)
+        out["expt_dp_shard"] = tuple(sorted(tuple(i * tp + t for i in range(j * r + e, (j + 1) * r, ep))
+                                            for j in range(self.dp_replicate) for e in range(ep) for t in range(tp)))
         return out
 
     def _build(self, axes: tuple[Axis, ...]) -> tuple[tuple[int, ...], ...]:

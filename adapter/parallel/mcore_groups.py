@@ -28,6 +28,7 @@ class Groups:
     dp_replicate: Any
     ep: Any = None       # expert-parallel ranks (mixtures of experts)
     expt_dp: Any = None  # the ranks holding the same experts
+    expt_dp_shard: Any = None  # those of them in this rank's replica (what exact HSDP partitions experts over)
 
 
 def _new_groups(layout: Layout, name: str, rank: int):
@@ -58,6 +59,8 @@ def initialize(layout: Layout) -> Groups:
         dp_replicate=_new_groups(layout, "dp_replicate", rank),
         ep=ps.get_expert_model_parallel_group(),
         expt_dp=ps.get_expert_data_parallel_group(),
+        expt_dp_shard=(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)
+                       if layout.dp_replicate > 1 else ps.get_expert_data_parallel_group()),
     )
     verify(layout, groups, rank)
     return groups
@@ -65,7 +68,8 @@ def initialize(layout: Layout) -> Groups:
 
 def verify(layout: Layout, groups: Groups, rank: int) -> None:
     """Fail fast if Megatron's rank order ever drifts from the layout (e.g. after a megatron-core upgrade)."""
-    for name in ("tp", "cp", "dp", "dp_cp", "dp_shard_cp", "dp_shard", "dp_replicate", "ep", "expt_dp"):
+    for name in ("tp", "cp", "dp", "dp_cp", "dp_shard_cp", "dp_shard", "dp_replicate", "ep", "expt_dp",
+                 "expt_dp_shard"):
         got = tuple(dist.get_process_group_ranks(getattr(groups, name)))
         want = layout.group_of(name, rank)
         if got != want:

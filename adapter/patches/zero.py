@@ -7,6 +7,12 @@ others:
 * exact HSDP's replica all-reduce of ZeRO-3's flat gradient partition buffer (`average_over_replicas`);
 * the engine around nd-adapter's flat AdamW: no data-parallel all-reduce (`drive_flat_optimizer`);
 * AdamW's state created before the first step, so a resharded resume can place its moments (`adam_states`);
+* expert parallelism under ZeRO-1/2 (`zero12_expert_groups`): DeepSpeed's stage-1/2 optimizer partitions a
+  parameter group marked `moe` over its expert-data-parallel group, divides its gradients by the whole
+  data-parallel world like the others (Megatron's expert arithmetic too) and all-reduces the group's norm over the
+  ranks holding those experts; it is handed the expert groups only when the engine found one of DeepSpeed's own MoE
+  layers, so the engine's flag is raised for the optimizer's construction alone (raised for the whole run, the
+  engine would also save checkpoints in DeepSpeed-MoE's per-expert layout, which needs those layers);
 * expert parallelism under ZeRO-3 (`place_experts`): DeepSpeed 0.19.8's ZeRO-3 partitions a parameter over
   `ds_zero_partition_process_group` when it is set, groups parameters by that group, averages an "autoep_expert"
   parameter's gradient over the whole data-parallel world and adds its norm over the expert-parallel group; that is
@@ -25,10 +31,12 @@ become zeros, exactly as DeepSpeed does; the loop's own non-finite check then st
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import stage_1_and_2
 from deepspeed.utils import groups
 
@@ -142,11 +150,11 @@ def expert_group_name(ep: int) -> str:
     return f"ep_size_{ep}"  # DeepSpeed's naming of its expert groups
 
 
-def place_experts(model, ep_group, edp_group, ep: int) -> int:
-    """Before deepspeed.initialize (ZeRO-3): each local expert's weights partitioned over the ranks that hold the same
-    experts (`edp_group`), their gradients averaged over the whole data-parallel world, their norm summed over
-    `ep_group`. Returns how many parameters were marked."""
-    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "expert parallelism under ZeRO-3 (adapter/patches/zero.py)")
+def place_experts(model, ep_group, edp_group, ep: int, zero3: bool = True) -> int:
+    """Before deepspeed.initialize: each local expert's weights kept within the ranks that hold the same experts
+    (`edp_group`: the start-up broadcast; ZeRO-3 also partitions them there), their gradients averaged over the whole
+    data-parallel world, their norm summed over `ep_group`. Returns how many parameters were marked."""
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "expert parallelism under ZeRO (adapter/patches/zero.py)")
     name = expert_group_name(ep)
     groups._EXPERT_PARALLEL_GROUP[name] = ep_group
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(ep_group)
@@ -158,13 +166,59 @@ def place_experts(model, ep_group, edp_group, ep: int) -> int:
             p.nd_expert = True
             p.allreduce, p.group_name = False, name  # DeepSpeed's MoE mark: the engine's start-up broadcast of the
             # weights then stays within the ranks holding the same experts (not rank 0's experts everywhere)
+            marked += 1
+            if not zero3:
+                continue
             p.ds_zero_placement_family = "autoep_expert"
             p.ds_zero_partition_group_name = name
             p.ds_zero_partition_process_group = edp_group
             p.ds_zero_partition_rank = dist.get_rank(edp_group)
             p.ds_zero_partition_world_size = dist.get_world_size(edp_group)
-            marked += 1
     return marked
+
+
+def zero12_expert_groups(param_groups: list[dict], ep: int) -> list[dict]:
+    """ZeRO-1/2: each optimizer group's trained experts (marked by `place_experts`) moved into a group of their own
+    that DeepSpeed partitions over the ranks holding them (module docstring)."""
+    out, experts = [], []
+    for group in param_groups:
+        mine = [p for p in group["params"] if getattr(p, "nd_expert", False)]
+        rest = [p for p in group["params"] if not getattr(p, "nd_expert", False)]
+        out += [{**group, "params": rest}] if rest else []
+        experts += [{**group, "params": mine, "moe": True, "name": expert_group_name(ep)}] if mine else []
+    return out + experts
+
+
+def experts_from_master(zero_optimizer) -> None:
+    """After DeepSpeed loads a ZeRO-1/2 checkpoint with expert groups: its non-MoE save path writes the module's
+    weights from data-parallel rank 0 only, so every rank has just loaded rank 0's experts; the fp32 master partitions
+    each rank loaded are its own. The 16-bit weights are rebuilt from them, as the step builds them (bit-exact)."""
+    if isinstance(zero_optimizer, stage_1_and_2.DeepSpeedZeroOptimizer) and zero_optimizer.has_moe_layers:
+        require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "expert parallelism under ZeRO-1/2 (adapter/patches/zero.py)")
+        zero_optimizer.update_lp_params()
+
+
+@contextmanager
+def zero12_with_experts(enabled: bool = True):
+    """Around deepspeed.initialize: the ZeRO-1/2 optimizer is built with the expert groups (module docstring)."""
+    if not enabled:
+        yield
+        return
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "expert parallelism under ZeRO-1/2 (adapter/patches/zero.py)")
+    original = DeepSpeedEngine._configure_zero_optimizer
+
+    def configure(engine, optimizer):
+        engine.has_moe_layers = True
+        try:
+            return original(engine, optimizer)
+        finally:
+            engine.has_moe_layers = False
+
+    DeepSpeedEngine._configure_zero_optimizer = configure
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_zero_optimizer = original
 
 
 def expert_norm_with_tp(zero3_optimizer) -> None:
@@ -182,4 +236,5 @@ def expert_norm_with_tp(zero3_optimizer) -> None:
 
 __all__ = ["TESTED_DEEPSPEED_VERSIONS", "install_zero12_step", "drive_flat_optimizer", "unscale_and_clip_grads",
            "mask_nonfinite_", "set_hpz_group", "average_over_replicas", "adam_states", "place_experts",
-           "expert_norm_with_tp", "expert_group_name"]
+           "expert_norm_with_tp", "expert_group_name", "zero12_expert_groups", "zero12_with_experts",
+           "experts_from_master"]

@@ -275,7 +275,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                                                rows=rows, doc_len=attn.doc_len if attn.packed_documents else None
                                                ).to_dict())
     modes = {}
-    for mode in ("hsdp", "hpz") if layout.dp_replicate > 1 else (cfg.deepspeed.replicate_mode,):
+    both = layout.dp_replicate > 1 and layout.ep == 1  # expert parallelism runs beside exact HSDP only
+    for mode in ("hsdp", "hpz") if both else (cfg.deepspeed.replicate_mode,):
         m, r = cost(mode)
         t = _totals(r)
         modes[mode] = ModeCost(peak_memory=m.peak, model_states=m.weights + m.gradients + m.optimizer,
@@ -315,7 +316,9 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
     if layout.ep > 1:  # laid over dp × cp (adapter/parallel/layout.py), not mesh axes of their own
         groups += [GroupInfo(name=n, axes=[what], size=layout.size(n), count=len(layout.groups(n)),
                              crosses_nodes=layout.crosses_nodes(n), groups=[list(g) for g in layout.groups(n)])
-                   for n, what in (("ep", "ep within dp×cp"), ("expt_dp", "dp×cp / ep"))]
+                   for n, what in (("ep", "ep within dp×cp"), ("expt_dp", "dp×cp / ep"),
+                                   ("expt_dp_shard", "dp_shard×cp / ep (exact HSDP partitions experts there)"))
+                   if n != "expt_dp_shard" or layout.dp_replicate > 1]
     w = source.resolve(cfg)
     if cfg.optimizer.max_steps is None and cfg.optimizer.num_epochs is not None:
         warnings.append(f"optimizer steps come from num_epochs={cfg.optimizer.num_epochs:g} and the training set's "

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from adapter.config import RunConfig
 from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.counts import local_params
+from adapter.models.counts import expert_params, local_params
 from adapter.models.footprint import STATE_BYTES, held_and_trained, quantized_base
 from adapter.parallel import deepspeed_config
 
@@ -164,11 +164,9 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     # expert parallelism: a rank holds its experts only (each partitioned over the ranks holding the same experts,
     # Z/ep of them: the same shard of the model states as without ep), so whole weights and a layer's gather shrink
     ep = p.ep_size
+    P_whole = P - expert_params(arch, tp) + expert_params(arch, tp, ep)
     if ep > 1:
-        held_ep = local_params(arch, tp, cfg.model.vocab_divisible_by, ep)
-        P_whole, lp = P - (lp.layer - held_ep.layer) * arch.num_layers, held_ep
-    else:
-        P_whole = P
+        lp = local_params(arch, tp, cfg.model.vocab_divisible_by, ep)
     weights = pb * (shard if stage == 3 else P_whole - Q) + int(q_bytes * Q)
     layer = lp.layer - Q // arch.num_layers  # what ZeRO-3 gathers of a layer
     prefetched = layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, layer)

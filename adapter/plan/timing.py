@@ -208,7 +208,8 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     cp_mb = collective_seconds(vol.get("cp", 0) / ga, cp_calls if cp > 1 else 0, link(layout, "cp", prof))
     # MoE token all-to-all (expert parallelism): dispatch and combine, forward and backward, on the critical path
     ep_mb = collective_seconds(vol.get("ep", 0) / ga, 4 * L * rc if layout.ep > 1 else 0, link(layout, "ep", prof))
-    expt = collective_seconds(vol.get("expt_dp", 0) / ga, 3 * L if layout.ep > 1 else 0, link(layout, "expt_dp", prof))
+    eg = "expt_dp_shard" if "expt_dp_shard" in vol else "expt_dp"  # exact HSDP: the experts' group inside a replica
+    expt = collective_seconds(vol.get(eg, 0) / ga, 3 * L if layout.ep > 1 else 0, link(layout, eg, prof))
 
     # ZeRO: side-stream traffic, exposed only where compute cannot hide it
     hsdp = ds.replicate_mode == "hsdp" or layout.dp_replicate == 1

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models.arch import ModelArch
-from adapter.models.counts import local_params
+from adapter.models.counts import expert_params
 from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
@@ -51,8 +51,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
     ep = layout.ep
     experts = 0  # expert parallelism: a rank's experts are partitioned over the ranks holding the same experts
     if ep > 1:
-        experts = (local_params(arch, tp, cfg.model.vocab_divisible_by).layer
-                   - local_params(arch, tp, cfg.model.vocab_divisible_by, ep).layer) * L * ep // (ep - 1)
+        experts = expert_params(arch, tp)
         P, trained = P - experts, trained - experts
     gather, reduce = pb * P * _ring(z), pb * trained * _ring(z)
     if deepspeed_config.zero_stage(cfg, layout) == 2:
@@ -61,8 +60,9 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
     elif hsdp:
         add(zgroup, "ZeRO-3 param all-gather (fwd + bwd) and grad reduce-scatter, per micro-batch",
             (2 * gather + reduce) * ga)
+        held = trained / z + (experts / ep) / layout.size("expt_dp_shard") if ep > 1 else trained / z
         add("dp_replicate", "HSDP grad-partition all-reduce, once per step",
-            2 * pb * (trained / z) * _ring(layout.dp_replicate))
+            2 * pb * held * _ring(layout.dp_replicate))
     else:
         k = layout.size("dp_shard_cp")
         add("dp_cp", "ZeRO-3 fwd param all-gather + grad reduce-scatter (hpZ primary), per micro-batch",
@@ -71,13 +71,14 @@ def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraff
 
     recompute = 1.5 if cfg.recompute == "full" else 1.0   # full recompute replays the forward's collectives
     if ep > 1:
-        e, ze = experts // ep, layout.size("expt_dp")
+        egroup = "expt_dp_shard" if hsdp and layout.dp_replicate > 1 else "expt_dp"  # exact HSDP: inside a replica
+        e, ze = experts // ep, layout.size(egroup)
         if deepspeed_config.zero_stage(cfg, layout) == 3:
-            add("expt_dp", "ZeRO-3 experts' param all-gather (fwd + bwd) and grad reduce-scatter over the ranks "
+            add(egroup, "ZeRO-3 experts' param all-gather (fwd + bwd) and grad reduce-scatter over the ranks "
                 "holding the same experts, per micro-batch", pb * e * (3 * _ring(ze)) * ga)
         else:
-            add("expt_dp", "experts' grad reduce-scatter over the ranks holding the same experts, per micro-batch",
-                pb * e * _ring(ze) * (ga + 1))
+            add(egroup, "experts' grad reduce-scatter over the ranks holding the same experts, per micro-batch, "
+                "their updated weights' all-gather once per step", pb * e * _ring(ze) * (ga + 1))
         tokens = s * b // (tp if cfg.use_sequence_parallel and tp > 1 else 1)
         add("ep", "MoE token all-to-all: each token's top-k copies to their experts and back, fwd + bwd, per layer",
             4 * L * tokens * arch.experts_per_token * h * pb * _ring(ep) * ga * recompute)

@@ -29,6 +29,7 @@ from deepspeed import comm as dist
 
 from adapter.errors import bad
 from adapter.osutil import atomic_write_text
+from adapter.patches.zero import experts_from_master
 from adapter.train.ckpt_info import LATEST, RECORD
 from adapter.train.optim import FORMAT, FlatAdamW
 
@@ -232,6 +233,7 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
     path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not trained_only)
     if path is None:
         raise RuntimeError(f"DeepSpeed did not load {ckpt}")
+    experts_from_master(engine.optimizer)
     ours = client.pop(_OURS, None)
     if ours is None:
         raise bad(key, value, "not saved by nd-adapter (no step/RNG record)", "load it with DeepSpeed directly")

@@ -84,7 +84,7 @@ def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> tuple[
     if not diff:
         return None, "at the same layout"
     if max(r["layout"].get("ep", 1), here["ep"]) > 1:
-        return ("its experts' ZeRO-3 partitions (expert parallelism) cannot move to another layout yet (that "
+        return ("its experts' partitions (expert parallelism) cannot move to another layout yet (that "
                 "resharding is not built)", "")
     eight = "adamw_8bit" in (r.get("optimizer"), cfg.optimizer.name)
     if eight:

@@ -42,6 +42,8 @@ from adapter.patches.zero import (
     install_zero12_step,
     place_experts,
     set_hpz_group,
+    zero12_expert_groups,
+    zero12_with_experts,
 )
 from adapter.train.optim import FlatAdamW, adamw_8bit
 from adapter.train.schedule import lr_factor
@@ -245,8 +247,18 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
     if not hsdp:  # hpZ: DeepSpeed would group consecutive global ranks, mixing TP ranks; give it dp_shard×cp
         set_hpz_group(groups.dp_shard_cp)
     conf = deepspeed_config.build(cfg, layout)
-    if layout.ep > 1:  # ZeRO-3 (models/checks.check_trainable): experts partitioned over the ranks holding them
-        place_experts(model, groups.ep, groups.expt_dp, layout.ep)
+    stage = conf["zero_optimization"]["stage"]
+    experts12 = False  # ZeRO-1/2 with trained experts: their own optimizer groups (adapter/patches/zero.py)
+    if layout.ep > 1:  # experts kept within (ZeRO-3: partitioned over) the ranks holding them, in this replica
+        place_experts(model, groups.ep, groups.expt_dp_shard if hsdp else groups.expt_dp, layout.ep,
+                      zero3=stage == 3)
+        experts12 = stage in (1, 2) and any(getattr(p, "nd_expert", False) and p.requires_grad
+                                            for p in model.parameters())
+
+    def optimizer_groups(weight_decay: float) -> list[dict]:
+        found = param_groups(model, weight_decay)
+        return zero12_expert_groups(found, layout.ep) if experts12 else found
+
     if conf["zero_optimization"]["stage"] == 3 and cfg.deepspeed.gather_granularity == "layer":
         set_z3_leaf_modules(model, [Layer])
     if deepspeed_config.flat_optimizer(cfg, layout):
@@ -260,15 +272,17 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         drive_flat_optimizer(engine, opt)
     elif cfg.optimizer.name == "adamw_8bit":  # ZeRO steps bitsandbytes' AdamW8bit on its fp32 partitions
         o = cfg.optimizer
-        opt = adamw_8bit(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
-                                          lr_scheduler=lr_scheduler_for(cfg))
+        opt = adamw_8bit(optimizer_groups(o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+        with zero12_with_experts(experts12):
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
+                                              lr_scheduler=lr_scheduler_for(cfg))
     else:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
-                                          config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg))
-    if conf["zero_optimization"]["stage"] in (1, 2):
+        with zero12_with_experts(experts12):
+            engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=lr_scheduler_for(cfg),
+                                              model_parameters=optimizer_groups(cfg.optimizer.weight_decay))
+    if stage in (1, 2):
         install_zero12_step(engine.optimizer)
-    if layout.ep > 1:
+    if layout.ep > 1 and stage == 3:
         expert_norm_with_tp(engine.optimizer)
     return Engine(engine, mpu, conf, layout, spec, pad_row)
 

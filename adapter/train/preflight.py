@@ -76,7 +76,6 @@ def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
 def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
     arch = source.with_overrides(cfg, load_arch(cfg.model.path))
     checks.check(cfg, arch)
-    checks.check_trainable(cfg, arch)
     # e.g. model.compile, ZeRO-2 or the flat AdamW where they can't go
     deepspeed_config.flat_optimizer(cfg, Layout.from_config(cfg.parallelism))
     check_checkpoint(cfg, arch)

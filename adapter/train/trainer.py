@@ -166,7 +166,6 @@ class Trainer:
             self._say("device: CPU (no GPU is visible to this process): training on the CPU with gloo")
         for w in checks.check(cfg, self.arch):
             self._say(f"warning: {w}")
-        checks.check_trainable(cfg, self.arch)
         if cfg.model.unfrozen_parameters is not None:
             key = spell(cfg, "model.unfrozen_parameters")
             self._say(freeze.describe(freeze.resolve(self.arch, cfg.model.unfrozen_parameters, key), self.arch, key))

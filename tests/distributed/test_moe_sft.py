@@ -10,9 +10,12 @@ run with `model.output_router_logits: false` (Axolotl's model_config) over the c
 Qwen3-MoE also saves after 2 steps at tp=2, resumes at dp_shard=2 (the experts' [gate; up] re-cut per TP rank)
 and exports: steps 3 and 4 equal the reference that switches objective there, and transformers loads the export
 (no missing or unexpected tensor) with the trained weights (its logits are the reference's). At ep=2 it saves,
-resumes at ep=2 and exports (every expert written by its holder); resuming it at another layout is refused in one
-line. LoRA on the attention (q/k/v/o, from a PEFT adapter with non-zero B) at tp=2 and dp_shard=2 equals
-transformers + PEFT with the same objective."""
+resumes at ep=2 and exports (every expert written by its holder), under ZeRO-3 and ZeRO-2 (whose model file
+holds one rank's experts: the others come back from their fp32 partitions); resuming it at another layout is refused
+in one line. ZeRO-2 at ep=2 keeps each expert's optimizer partition among the ranks holding it. LoRA on the
+attention (q/k/v/o, from a PEFT adapter with non-zero B) at tp=2, dp_shard=2 and ep=2 (ZeRO-3 and ZeRO-2) equals
+transformers + PEFT with the same objective. With exact HSDP (4 ranks) the experts are partitioned inside each
+replica and the replicas' partitions averaged."""
 from __future__ import annotations
 
 import pytest
@@ -24,8 +27,12 @@ from tests.helpers.sft import make_moe, peft_adapter, rel
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
 LAYOUTS = {"tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2), "dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1),
-           "ep=2": ({"tp_size": 1, "dp_shard_size": 2, "ep_size": 2}, 1)}  # each rank 2 of the 4 experts
-GROUPS = {"tp=2": 1, "dp_shard=2": 2, "ep=2": 2}  # micro-batches per step (one per data-parallel process)
+           "ep=2": ({"tp_size": 1, "dp_shard_size": 2, "ep_size": 2}, 1),  # each rank 2 of the 4 experts
+           "ep=2 zero2": ({"tp_size": 1, "dp_shard_size": 2, "ep_size": 2}, 1)}
+ZERO = {"ep=2 zero2": 2}  # deepspeed.zero_stage (default: 3)
+HSDP = {"tp_size": 1, "dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}  # 4 ranks: experts inside replicas
+GROUPS = {"tp=2": 1, "dp_shard=2": 2, "ep=2": 2, "ep=2 zero2": 2}  # micro-batches per step (one per data-parallel
+# process)
 FAMILIES = ("qwen3_moe", "olmoe")
 ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -34,7 +41,7 @@ def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: s
          lora=None, **checkpoint):
     from adapter.demo.build import ASSETS
 
-    parallelism, micro = LAYOUTS[layout]
+    parallelism, micro = LAYOUTS[layout] if layout != "hsdp" else (HSDP, 1)
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache"}, "parallelism": parallelism,
            "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": 1}, "seq_len": SEQ,
            "precision": "fp32",
@@ -43,12 +50,14 @@ def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: s
            "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
                     "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"},
            "checkpoint": checkpoint}
+    if layout in ZERO:
+        raw["deepspeed"] = {"zero_stage": ZERO[layout]}
     if aux is not None:  # over config.json's output_router_logits (Axolotl's model_config)
         raw["model"]["output_router_logits"] = aux
     if lora is not None:  # LoRA on the attention, from a PEFT adapter (lora.init_from)
         raw["lora"] = {"r": ATTENTION["r"], "alpha": ATTENTION["lora_alpha"],
                        "target_modules": ATTENTION["target_modules"], "init_from": lora}
-    return config.build(raw, env={}, world_size=2)
+    return config.build(raw, env={}, world_size=4 if layout == "hsdp" else 2)
 
 
 def _worker(rank, world, models, root):
@@ -63,7 +72,7 @@ def _worker(rank, world, models, root):
             res = run(_cfg(models[fam], f"{root}/{fam}", name), log=quiet)
             out[f"{fam} {name}"] = (res.losses, res.aux_losses, res.grad_norms)
     out["aux off"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "tp=2", aux=False), log=quiet).losses
-    for name in ("tp=2", "dp_shard=2"):
+    for name in ("tp=2", "dp_shard=2", "ep=2", "ep=2 zero2"):
         out[f"lora {name}"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", name, schedule="constant",
                                        lora=models["adapter"]), log=quiet).losses
     where = f"{root}/qwen3_moe"
@@ -78,6 +87,11 @@ def _worker(rank, world, models, root):
     res = run(_cfg(models["qwen3_moe"], where, "ep=2", schedule="constant", export_hf=f"{root}/export-ep", **ck),
               resume=True, log=quiet)
     out["ep resumed"] = (res.start_step, res.losses)
+    ck2 = {"dir": f"{root}/ep-zero2", "save_every": 2}  # ZeRO-2: one rank's model file, every rank's partitions
+    run(_cfg(models["qwen3_moe"], where, "ep=2 zero2", steps=2, schedule="constant", **ck2), log=quiet)
+    res = run(_cfg(models["qwen3_moe"], where, "ep=2 zero2", schedule="constant", export_hf=f"{root}/export-ep2",
+                   **ck2), resume=True, log=quiet)
+    out["ep zero2 resumed"] = (res.start_step, res.losses)
     try:
         run(_cfg(models["qwen3_moe"], where, "tp=2", schedule="constant", **ck), resume=True, log=quiet)
         out["ep moved"] = None
@@ -98,9 +112,9 @@ def models(tmp_path_factory):
 
 
 def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, schedule: str = "cosine",
-               adapter: str | None = None):
-    """(LM losses, mean aux per micro-batch, the model) of transformers trained on each step's 2 samples split into
-    `groups[step]` micro-batches (one per DP process); `adapter`: transformers + PEFT from that adapter."""
+               adapter: str | None = None, per_step: int = 2):
+    """(LM losses, mean aux per micro-batch, the model) of transformers trained on each step's `per_step` samples split
+    into `groups[step]` micro-batches (one per DP process); `adapter`: transformers + PEFT from that adapter."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, get_constant_schedule, get_cosine_schedule_with_warmup
@@ -108,7 +122,7 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
 
     from adapter.data import DPSampler
 
-    order = iter(DPSampler(len(data.train), dp_rank=0, dp_size=1, micro_batch=2, seed=cfg.data.seed))
+    order = iter(DPSampler(len(data.train), dp_rank=0, dp_size=1, micro_batch=per_step, seed=cfg.data.seed))
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     c = hf.config
@@ -123,7 +137,7 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
     for n in groups:
         samples = next(order)
         total, count, aux_total, aux_values = 0.0, 0.0, 0.0, []
-        for group in (samples[:1], samples[1:]) if n == 2 else (samples,):
+        for group in (samples[j * len(samples) // n:(j + 1) * len(samples) // n] for j in range(n)):
             router: list[list[torch.Tensor]] = [[] for _ in range(c.num_hidden_layers)]
             for i in group:
                 s, bounds = data.train[i], data.train.examples(i)
@@ -178,7 +192,7 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
     cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "tp=2")
     data = prepare(cfg, models["qwen3_moe"], builder=True, barrier=None, progress=False)
     # LoRA on the attention of a mixture of experts, with the load-balancing loss: against transformers + PEFT
-    for name, groups in (("tp=2", 1), ("dp_shard=2", 2)):
+    for name, groups in (("tp=2", 1), ("dp_shard=2", 2), ("ep=2", 2), ("ep=2 zero2", 2)):
         ref, _, _ = _reference(models["qwen3_moe"], data, cfg, [groups] * STEPS, schedule="constant",
                                adapter=models["adapter"])
         assert all(rel(a, b) <= 2e-6 for a, b in zip(got[f"lora {name}"], ref)), (name, got[f"lora {name}"], ref)
@@ -196,9 +210,38 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
     ref, _, hf = _reference(models["qwen3_moe"], data, cfg, [2, 2, 2, 2], schedule="constant")
     begun, losses = got["ep resumed"]
     assert begun == 2 and len(losses) == 2 and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref[2:])), (losses, ref)
+    begun, losses = got["ep zero2 resumed"]
+    assert begun == 2 and len(losses) == 2 and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref[2:])), (losses, ref)
     said = got["ep moved"] or ""
-    assert "cannot resume global_step4: its experts' ZeRO-3 partitions (expert parallelism) cannot move" in said, said
+    assert "cannot resume global_step4: its experts' partitions (expert parallelism) cannot move" in said, said
     exported = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export-ep", dtype=torch.float32)
     with torch.no_grad():
         diff = (exported(ids).logits - hf(ids).logits).abs().max().item()
     assert diff <= 1e-3, diff  # every expert written by the rank that holds it
+    exported = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export-ep2", dtype=torch.float32)  # ZeRO-2's
+    with torch.no_grad():
+        diff = (exported(ids).logits - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-3, diff
+
+
+def _hsdp_worker(rank, world, models, root):
+    from adapter.train.engine import init_distributed
+    from adapter.train.trainer import run
+
+    init_distributed()
+    res = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "hsdp"), log=lambda s: None)
+    return res.losses, res.aux_losses, res.grad_norms
+
+
+def test_moe_sft_with_experts_inside_exact_hsdp_replicas(models, tmp_path):
+    """dp_replicate=2 × dp_shard=2 with ep=2: each replica holds every expert, partitioned over its own ranks holding
+    them; the replicas' gradient partitions averaged (exact HSDP). Equal to transformers on 4 micro-batches a step."""
+    from adapter.data.sft import prepare
+
+    losses, auxes, norms = run_workers(_hsdp_worker, 4, models, str(tmp_path), timeout=600)[0]
+    cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "hsdp")
+    data = prepare(cfg, models["qwen3_moe"], builder=True, barrier=None, progress=False)
+    ref, ref_aux, _ = _reference(models["qwen3_moe"], data, cfg, [4] * STEPS, per_step=4)
+    assert len(losses) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), (losses, ref)
+    assert all(rel(a, b) <= 2e-6 for a, b in zip(auxes, ref_aux)), (auxes, ref_aux)
+    assert all(rel(a, b) <= 1e-5 for a, b in zip(norms, _reference.norms)), (norms, _reference.norms)

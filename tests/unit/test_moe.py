@@ -105,6 +105,10 @@ def test_expert_groups_are_megatrons_over_dp_and_cp():
     assert lay.groups("expt_dp") == ((0, 4), (1, 5), (2, 6), (3, 7))
     cp = Layout(1, 2, 2, 1, ep=2)    # cp innermost of dp × cp: the experts split over the CP pair
     assert cp.groups("ep") == cp.groups("cp") and cp.size("expt_dp") == 2
+    hsdp = Layout(2, 2, 1, 1, ep=2)  # exact HSDP partitions experts inside a replica: m // 2 is the replica
+    assert hsdp.groups("expt_dp") == ((0, 2), (1, 3)) and hsdp.groups("expt_dp_shard") == ((0,), (1,), (2,), (3,))
+    assert Layout(2, 4, 1, 1, ep=2).groups("expt_dp_shard") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert lay.groups("expt_dp_shard") == lay.groups("expt_dp")  # one replica: the same ranks
     with pytest.raises(UserError, match=r"^ep_size=4: does not divide dp_shard × cp = 2"):
         Layout(2, 2, 1, 1, ep=4)     # within one replica only: every replica holds every expert
 
@@ -147,6 +151,27 @@ def test_plan_with_expert_parallelism_on_8_16_and_64_gpus(tmp_path):
     assert q.num_experts == 128
 
 
+def test_plan_experts_inside_exact_hsdp_replicas():
+    """dp_replicate=2 × dp_shard=4, ep=2: each replica's experts partitioned over its 2 ranks holding them
+    (expt_dp_shard), and the replicas' all-reduce carries those partitions beside the dense ones (by hand)."""
+    from adapter import config
+    from adapter.models.arch import load_arch as _load
+    from adapter.models.counts import expert_params, local_params
+    from adapter.parallel.layout import Layout
+    from adapter.plan import traffic
+
+    cfg = config.build({"model": {"path": str(MODELS / "qwen3-30b-a3b")}, "data": {"synthetic": True},
+                        "precision": "bf16", "parallelism": {"dp_replicate_size": 2, "dp_shard_size": 4,
+                                                             "ep_size": 2}}, env={}, world_size=8)
+    arch = _load(MODELS / "qwen3-30b-a3b")
+    rows = {r.group: r for r in traffic.estimate(cfg, arch, Layout.from_config(cfg.parallelism))}
+    experts = expert_params(arch, 1)
+    assert experts == 48 * 3 * 128 * 768 * 2048 and "expt_dp" not in rows
+    dense = local_params(arch, 1).total(48) - experts  # the padded vocabulary's rows included
+    assert rows["expt_dp_shard"].size == 2
+    assert rows["dp_replicate"].bytes_per_step == int(2 * 2 * (dense / 4 + experts / 2 / 2) * 0.5)
+
+
 def test_search_tries_expert_parallel_sizes(tmp_path):
     p = _yaml(tmp_path, "precision: bf16\n")
     code, out, err = run_cli("plan", p, "--search", "--format", "json", "--set", "recompute=full", "--set",
@@ -172,7 +197,7 @@ def test_expert_parallel_refusals(tmp_path, extra, needle):
     assert (code == 0) if needle is None else (code == 2 and needle in err and len(err.strip().splitlines()) == 1)
 
 
-def test_expert_parallelism_on_a_dense_model_or_uneven_experts_and_zero2_refused(tmp_path):
+def test_expert_parallelism_on_a_dense_model_or_uneven_experts_or_beside_hpz_refused(tmp_path):
     from adapter import config
     from adapter.models import checks
     from adapter.models.arch import load_arch as _load
@@ -186,11 +211,14 @@ def test_expert_parallelism_on_a_dense_model_or_uneven_experts_and_zero2_refused
     mixtral = _load(MODELS / "mixtral-8x7b-v0.1")
     with pytest.raises(UserError, match=r"^parallelism.ep_size=16: does not divide num_experts=8"):
         checks.check(cfg("mixtral-8x7b-v0.1", 16, 16), mixtral)
-    checks.check_trainable(cfg("mixtral-8x7b-v0.1", 2), mixtral)  # ZeRO-3 over dp_shard: trains
-    zero2 = cfg("mixtral-8x7b-v0.1", 2).model_copy(update={"deepspeed": cfg("mixtral-8x7b-v0.1", 2).deepspeed
-                                                         .model_copy(update={"zero_stage": 2})})
-    with pytest.raises(UserError, match=r"^parallelism.ep_size=2: expert-parallel training runs under ZeRO-3"):
-        checks.check_trainable(zero2, mixtral)
+    from adapter.parallel import deepspeed_config
+    from adapter.parallel.layout import Layout
+
+    hpz = config.build({"model": {"path": str(MODELS / "mixtral-8x7b-v0.1")}, "data": {"synthetic": True},
+                        "parallelism": {"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2},
+                        "deepspeed": {"replicate_mode": "hpz"}}, env={}, world_size=4)
+    with pytest.raises(UserError, match=r"^parallelism.ep_size=2: expert parallelism beside hpZ's secondary"):
+        deepspeed_config.zero_stage(hpz, Layout.from_config(hpz.parallelism))
 
 
 def test_axolotl_expert_parallel_size(tmp_path):
