@@ -27,6 +27,19 @@ def lead(unit) -> tuple[int, ...]:
     return () if unit is None else unit if isinstance(unit, tuple) else (unit,)
 
 LAYER = "decoder.layers."  # Megatron keys under this prefix are stacked: global shape (num_layers, *per_layer)
+LOCAL_EXPERT = "mlp.experts.local_experts."  # SequentialMLP's expert i of a rank: global expert ep_rank·local + i
+
+
+def global_expert_name(name: str, ep_rank: int, local: int) -> str:
+    """A rank's parameter name with its local expert index made global (the name every layout agrees on); other
+    names unchanged."""
+    head, sep, tail = name.partition(LOCAL_EXPERT)
+    if not sep:
+        return name
+    i, dot, rest = tail.partition(".")
+    return f"{head}{sep}{ep_rank * local + int(i)}{dot}{rest}"
+
+
 # A mixture-of-experts layer's expert linears: stacked on (num_layers, num_experts), as Megatron-Core's SequentialMLP
 # names them in its sharded state dict (its local_experts.{e} renamed onto one expert axis)
 EXPERTS = LAYER + "mlp.experts.experts."

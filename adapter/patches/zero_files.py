@@ -10,6 +10,11 @@ Per tensor-parallel rank m and ZeRO partition d, DeepSpeed writes `zero_pp_rank_
 * ZeRO-3: `fp32_flat_groups` (one flat per sub-group) and the moments by sub-group; every parameter is split alone
   into `ceil(numel / partitions)` elements per partition (the last padded), in the order of the model-states
   file's `param_shapes` (the same arithmetic as the zero_to_fp32 script DeepSpeed writes beside its checkpoints).
+
+With expert parallelism (ep > 1, adapter/patches/zero.py) the experts' names are a rank's local ones
+(`local_experts.{i}`), their partitions lie among the files of the ranks holding them (data-parallel rank d holds
+the experts of ep rank d % ep, as partition d // ep of ep's dp / ep), and ZeRO-1/2 keeps them in groups of their own.
+`trained` and `read` speak of global expert names (`expert_name`, from the caller: adapter/train/reshard.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import math
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,9 +80,12 @@ class ZeroFiles:
     """One checkpoint tag written by a ZeRO engine: `trained(m)` (name -> shape on TP rank m, the optimizer's order)
     and `read(m, name, what)` (the whole tensor on TP rank m: what = "fp32" master weights, or a moment)."""
 
-    def __init__(self, ckpt: Path, key: str, value: str):
+    def __init__(self, ckpt: Path, key: str, value: str, ep: int = 1,
+                 expert_name: Callable[[str, int], str | None] = lambda name, ep_rank: None):
+        """`ep`: the expert-parallel size it was saved with; `expert_name(name, ep_rank)`: an expert parameter's global
+        name when ep rank `ep_rank` saved it under `name`, None for a parameter that is no expert's."""
         require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "ZeRO checkpoint reader (adapter/patches/zero_files.py)")
-        self.key, self.value = key, value
+        self.key, self.value, self.ep, self._expert = key, value, ep, expert_name
         found = {}
         for p in ckpt.iterdir():
             if match := _OPTIM.match(p.name):
@@ -97,12 +106,17 @@ class ZeroFiles:
                       f"{ALLOW_UNTESTED}=1 to try")
         self.stage = 3 if "fp32_flat_groups" in first else 2
         self.model = [_load(self._model_file(ckpt, m)) for m in range(self.tp)]
-        self._shapes = []
+        if self.partitions % ep:
+            raise bad(key, value, f"its {self.partitions} partitions do not split over ep={ep}", "resume from a "
+                      "complete checkpoint")
+        self._local, self._shapes = [], []  # per TP rank: name -> shape as saved (local experts), and globally
         for m in range(self.tp):
             shapes: OrderedDict[str, torch.Size] = OrderedDict()
             for group in self.model[m]["param_shapes"]:
                 shapes.update((k, torch.Size(v)) for k, v in group.items())
-            self._shapes.append(shapes)
+            self._local.append(shapes)
+            self._shapes.append(OrderedDict((self._global(n, e), v) for n, v in shapes.items()
+                                            for e in range(ep if self._expert(n, 0) else 1)))
         base = self._base(first)
         states = list(base["state"].values())
         if any(k not in s for s in states for k in MOMENTS):
@@ -119,27 +133,36 @@ class ZeroFiles:
     def _base(self, osd: dict) -> dict:
         return osd["optimizer_state_dict"] if self.stage == 3 else osd["base_optimizer_state"]
 
+    def _global(self, name: str, ep_rank: int) -> str:
+        return self._expert(name, ep_rank) or name
+
     def trained(self, m: int) -> OrderedDict:
         return self._shapes[m]
 
     def _locate(self, m: int) -> dict:
         """name -> [(partition, start, numel)] of its pieces in the flats, in order."""
         where: dict[str, list[tuple[int, int, int]]] = {}
+        ep, parts = self.ep, self.partitions
         if self.stage == 3:
             off = 0
-            for name, shape in self._shapes[m].items():
-                per = math.ceil(shape.numel() / self.partitions)
-                where[name] = [(d, off, per) for d in range(self.partitions)]
+            for name, shape in self._local[m].items():
+                if self._expert(name, 0):  # partitioned over the ranks holding the same experts
+                    per = math.ceil(shape.numel() / (parts // ep))
+                    for e in range(ep):
+                        where[self._global(name, e)] = [(d, off, per) for d in range(e, parts, ep)]
+                else:
+                    per = math.ceil(shape.numel() / parts)
+                    where[name] = [(d, off, per) for d in range(parts)]
                 off += per
             have = sum(t.numel() for t in self.optim[0, m]["fp32_flat_groups"])
             if off != have:
                 raise bad(self.key, self.value, f"its ZeRO-3 partitions hold {have} elements, the parameters it lists "
                           f"need {off}", "resume at the layout it was saved with")
             return where
-        for d in range(self.partitions):
+        for d in range(parts):
             for g, mapping in enumerate(self.optim[d, m]["param_slice_mappings"]):
                 for name, frag in mapping.items():
-                    where.setdefault(name, []).append((d, g, frag.start, frag.numel))
+                    where.setdefault(self._global(name, d % ep), []).append((d, g, frag.start, frag.numel))
         return where
 
     def _flat(self, d: int, m: int, what: str, g: int | None = None):

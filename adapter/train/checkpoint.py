@@ -206,7 +206,8 @@ def _node_local(engine) -> bool:
 
 
 def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_state: bool = True,
-         trained_only: bool = False, arch=None, tp_rank: int = 0, tp: int = 1) -> tuple[int, dict[str, Any]] | None:
+         trained_only: bool = False, arch=None, tp_rank: int = 0, tp: int = 1, ep: int = 1,
+         ep_rank: int = 0) -> tuple[int, dict[str, Any]] | None:
     """Collective. Load `tag` (default: what `latest` names) into a freshly built engine.
 
     Returns (step, client_state) or None when the directory has no checkpoint. At the layout it was saved with,
@@ -227,8 +228,10 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
                   "pass a tag that exists (global_stepN) or restore the directory `latest` points to")
     mine = Path(engine._get_ckpt_name(str(root), tag))
     meta = torch.load(mine, map_location="cpu", weights_only=False, mmap=True) if mine.is_file() else None
-    if meta is None or not _same_layout(engine, meta):
-        return _load_resharded(engine, ckpt, key, value, arch, tp_rank, tp, meta)
+    record = json.loads((ckpt / RECORD).read_text()) if (ckpt / RECORD).is_file() else None
+    saved_ep = (record or {}).get("layout", {}).get("ep", 1)
+    if meta is None or not _same_layout(engine, meta) or saved_ep != ep:
+        return _load_resharded(engine, ckpt, key, value, arch, tp_rank, tp, record, ep, ep_rank)
     _check_match(engine, meta, key, value, trained_only)
     path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not trained_only)
     if path is None:
@@ -249,11 +252,10 @@ def _same_layout(engine, meta: dict) -> bool:
             and saved_flat == isinstance(engine.optimizer, FlatAdamW))
 
 
-def _load_resharded(engine, ckpt: Path, key: str, value: str, arch, tp_rank: int, tp: int,
-                    meta: dict | None) -> tuple[int, dict[str, Any]]:
+def _load_resharded(engine, ckpt: Path, key: str, value: str, arch, tp_rank: int, tp: int, record: dict | None,
+                    ep: int, ep_rank: int) -> tuple[int, dict[str, Any]]:
     from adapter.train import reshard  # only a resume at another layout needs it
 
-    record = json.loads((ckpt / RECORD).read_text()) if (ckpt / RECORD).is_file() else None
     if record is None or arch is None:
         found = len(list(ckpt.glob("*model_states.pt")))
         raise bad(key, value, f"saved with another parallel layout ({found} model-state file(s)) by a version of "
@@ -262,7 +264,8 @@ def _load_resharded(engine, ckpt: Path, key: str, value: str, arch, tp_rank: int
     if record["model"]["architecture"] != arch.architecture:
         raise bad(key, value, f"it holds a {record['model']['architecture']} model, this run trains "
                   f"{arch.architecture}", "resume with the model it was saved with, or save into a new directory")
-    client = reshard.load(engine, ckpt, arch, tp_rank=tp_rank, tp=tp, key=key, value=value)
+    client = reshard.load(engine, ckpt, arch, tp_rank=tp_rank, tp=tp, key=key, value=value, ep=ep, ep_rank=ep_rank,
+                          saved_ep=record["layout"].get("ep", 1))
     ours = client.pop(_OURS, None)
     if ours is None:
         raise bad(key, value, "not saved by nd-adapter (no step record)", "load it with DeepSpeed directly")

@@ -83,9 +83,6 @@ def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> tuple[
     diff = layout_diff(r["layout"], here)
     if not diff:
         return None, "at the same layout"
-    if max(r["layout"].get("ep", 1), here["ep"]) > 1:
-        return ("its experts' partitions (expert parallelism) cannot move to another layout yet (that "
-                "resharding is not built)", "")
     eight = "adamw_8bit" in (r.get("optimizer"), cfg.optimizer.name)
     if eight:
         return ("8-bit optimizer moments are quantised in blocks of the layout's own partitions, so they cannot "

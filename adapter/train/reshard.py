@@ -13,6 +13,7 @@ the converted weights, as at the start.
 
 The step counter, the optimizer's step count (bias correction), the LR scheduler and the data sampler (it counts
 samples globally) carry over; the RNG streams do not (they are per rank), which only matters with dropout.
+Experts (expert parallelism) are matched by their global index, whichever ranks held them.
 Refused in one line: 8-bit optimizer states (quantised in blocks of the saved partitions), another model (a
 trained parameter missing or of another size), vocabulary padding rows that are not zero.
 """
@@ -28,7 +29,7 @@ from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_st
 
 from adapter.errors import bad
 from adapter.models.families import family, packed_rule
-from adapter.models.mapping import LAYER, Vocab, cut_blocks, merge_blocks
+from adapter.models.mapping import LAYER, LOCAL_EXPERT, Vocab, cut_blocks, global_expert_name, merge_blocks
 from adapter.patches.zero import adam_states
 from adapter.patches.zero_files import MOMENTS, ZeroFiles, client_state, written_by_zero
 from adapter.train.optim import FORMAT, FlatAdamW
@@ -86,9 +87,16 @@ class FlatFiles:
         return self.model[0]
 
 
-def open_saved(ckpt: Path, key: str, value: str):
+def open_saved(ckpt: Path, key: str, value: str, ep: int = 1, experts: int = 0):
+    """`ep`: the expert-parallel size it was saved with (its record says; the flat AdamW never runs with ep), over
+    `experts` experts per layer."""
     if written_by_zero(ckpt):
-        return ZeroFiles(ckpt, key, value)
+        local = experts // ep
+
+        def expert_name(name: str, ep_rank: int) -> str | None:
+            return global_expert_name(name, ep_rank, local) if LOCAL_EXPERT in name else None
+
+        return ZeroFiles(ckpt, key, value, ep, expert_name)
     return FlatFiles(ckpt, key, value)
 
 
@@ -127,18 +135,33 @@ def _local_shape(p) -> torch.Size:
     return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
 
-def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: str) -> dict:
+def _per_group(sched_state: dict, groups: int) -> dict:
+    """The LR scheduler's per-group lists for this run's optimizer groups: another layout may group parameters
+    otherwise (ZeRO-2 keeps experts in groups of their own); every group follows the one schedule."""
+    out = dict(sched_state)
+    for key in ("lr_lambdas", "base_lrs", "_last_lr"):
+        if isinstance(out.get(key), list) and out[key] and len(out[key]) != groups:
+            out[key] = [out[key][0]] * groups
+    return out
+
+
+def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: str, ep: int = 1, ep_rank: int = 0,
+         saved_ep: int = 1) -> dict:
     """Collective. The checkpoint `ckpt` (any layout) into this freshly built engine; returns the client state
-    the run saved with it (as DeepSpeed's load_checkpoint does)."""
-    saved = open_saved(ckpt, key, value)
+    the run saved with it (as DeepSpeed's load_checkpoint does). Experts are matched by their global index: this
+    rank holds `num_experts / ep` of them from `ep_rank` on; the checkpoint was saved at `saved_ep`."""
+    saved = open_saved(ckpt, key, value, saved_ep, arch.num_experts if arch.moe else 0)
     opt = engine.optimizer
     if not isinstance(opt, FlatAdamW) and type(getattr(opt, "optimizer", opt)).__module__.startswith("bitsandbytes"):
         raise bad(key, value, "this run keeps 8-bit moments, quantised in blocks of its own partitions; a "
                   "checkpoint of another layout cannot be placed into them exactly", "resume at the layout it was "
                   "saved with, or with optimizer.name: adamw")
-    trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    local = arch.num_experts // ep if arch.moe else 0
+    trained = [(global_expert_name(n, ep_rank, local), p) for n, p in engine.module.named_parameters()
+               if p.requires_grad]
     saved_names = set(saved.trained(0))
-    here = {n for n, _ in trained}
+    here = {global_expert_name(n, r, local) for n, p in engine.module.named_parameters() if p.requires_grad
+            for r in range(ep)}  # what the run trains over its ep ranks
     if here != saved_names:
         diff = sorted(here - saved_names)[:1] or sorted(saved_names - here)[:1]
         where = "this run trains it, the checkpoint lacks it" if diff[0] in here else "the checkpoint holds it, " \
@@ -177,7 +200,7 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
     state = saved.engine_state()
     sched = engine.lr_scheduler
     if sched is not None and state.get("lr_scheduler") is not None:
-        sched.load_state_dict(state["lr_scheduler"])
+        sched.load_state_dict(_per_group(state["lr_scheduler"], len(sched.optimizer.param_groups)))
         for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr()):  # the rates it last set
             group["lr"] = lr
     engine.global_steps = int(state.get("global_steps", 0))

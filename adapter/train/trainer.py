@@ -151,6 +151,12 @@ class Trainer:
         return (flops_per_token(self.arch, seq_len) if self.lora is None else
                 lora.flops_per_token(self.lora, self.arch, seq_len))
 
+    def _where(self) -> dict:
+        """This rank's place for a checkpoint load: its TP rank (and size), its expert-parallel rank (and size)."""
+        lay = self.layout
+        return {"tp_rank": lay.coords(self.rank)[Axis.TP], "tp": lay.tp, "ep": lay.ep,
+                "ep_rank": lay.group_of("ep", self.rank).index(self.rank)}
+
     def _say(self, line: str) -> None:
         if self.rank == 0:
             self.log(line)
@@ -229,7 +235,7 @@ class Trainer:
                 raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir")
             ckpt_info.check_resumable(cfg, self.arch.architecture)  # in-process runs skip the preflight
             loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None, arch=self.arch,
-                               tp_rank=self.layout.coords(rank)[Axis.TP], tp=self.layout.tp)
+                               **self._where())
             if loaded is not None:
                 start, state = loaded
                 self.sampler.load_state_dict(state["sampler"])
@@ -552,8 +558,7 @@ class Trainer:
             self._say(f"best checkpoint: step {b.saved} (eval_loss {b.saved_loss:.4f}) is the last one")
             return
         ckpt.load(self.engine.ds, self.cfg.checkpoint.dir, tag=ckpt.tag_for(b.saved), restore_rng_state=False,
-                  trained_only=self.lora is not None, arch=self.arch, tp_rank=self.layout.coords(self.rank)[Axis.TP],
-                  tp=self.layout.tp)
+                  trained_only=self.lora is not None, arch=self.arch, **self._where())
         self._say(f"best checkpoint: reloaded step {b.saved} (eval_loss {b.saved_loss:.4f}) in place of step "
                   f"{final}'s weights (load_best_model_at_end)")
 
