@@ -1,7 +1,8 @@
 """`nd-adapter rehearse`: the config's exact layout and training path on CPU processes, with a tiny model.
 
-The model keeps the family, head and KV-head counts (so every tp/cp divisibility rule is exercised) but shrinks
-head_dim, width and depth; precision becomes fp32 (CPU). One process per rank, gloo + DeepSpeed's CPU accelerator.
+The model keeps the family, head and KV-head counts and a mixture of experts' expert count and top-k (so every
+tp/cp/ep divisibility rule is exercised) but shrinks head_dim, width, depth and each expert; precision becomes fp32
+(CPU). One process per rank, gloo + DeepSpeed's CPU accelerator.
 It trains a few steps, saves, resumes from that checkpoint and trains on: config, layout, data and checkpoint
 mistakes surface here instead of on the GPUs. Data files are tokenised when the config has them (with the real
 tokenizer; the tiny model's vocabulary is every id that tokenizer can produce, so a test tokenizer of a thousand
@@ -45,7 +46,10 @@ def tiny_arch(arch: ModelArch, tp: int, vocab: int | None) -> ModelArch:
                                rope_long_factor=spread(arch.rope_long_factor), window_layers=kinds,
                                # a window shorter than the rehearsal's sequences, so windowed attention runs
                                sliding_window=None if arch.sliding_window is None else min(arch.sliding_window, 24),
-                               embed_scale=None if arch.embed_scale is None else float(hidden) ** 0.5)
+                               embed_scale=None if arch.embed_scale is None else float(hidden) ** 0.5,
+                               # a mixture of experts keeps its expert count and top-k (ep's divisibility), each expert
+                               # narrow
+                               expert_ffn_hidden_size=2 * TINY_HEAD_DIM * tp if arch.moe else None)
 
 
 def tokenizer_vocab(cfg: RunConfig) -> int | None:
@@ -120,7 +124,8 @@ def in_process(cfg: RunConfig, rank: int, *, steps: int, seq_len: int | None, wo
     if rank == 0:
         p = cfg.parallelism
         log(f"rehearsal ok: {cfg.world_size} processes, layout {p.dp_replicate_size}x{p.dp_shard_size}x{p.cp_size}x"
-            f"{p.tp_size}, saved at step {half} and resumed, losses {[round(x, 4) for x in a.losses + b.losses]}")
+            f"{p.tp_size}{f' ep {p.ep_size}' if p.ep_size > 1 else ''}, saved at step {half} and resumed, losses "
+            f"{[round(x, 4) for x in a.losses + b.losses]}")
 
 
 def main(args) -> int:
@@ -134,7 +139,8 @@ def main(args) -> int:
             worker += ["--seq-len", str(args.seq_len)]
         p = cfg.parallelism
         print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
-              f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}", flush=True)
+              f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}" + (f" ep={p.ep_size}" if p.ep_size > 1 else ""),
+              flush=True)
         print(f"the run itself: {source.describe(source.resolve(cfg), cfg.seed)}; the rehearsal's tiny model starts "
               "from random weights", flush=True)
         return spawn(cfg.world_size, worker, cpu=True)

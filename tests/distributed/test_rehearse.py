@@ -68,3 +68,14 @@ def test_rehearse_gemma3_image_text_at_cp2(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rehearsal ok: 2 processes, layout 1x1x2x1, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]
     assert "model: the language model of Gemma3ForConditionalGeneration is trained" in p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_rehearse_olmoe_with_expert_parallelism_beside_tp():
+    """Issue 30: the shipped OLMoE config (tp 2 × dp_shard 2, ep 2) on 4 processes: a tiny OLMoE with all 64 experts
+    (each rank 32) trains with the load-balancing loss, saves and resumes."""
+    p = rehearse("configs/olmoe-1b-7b-ep.yaml")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rehearsing on 4 CPU processes: dp_replicate=1 dp_shard=2 cp=1 tp=2 ep=2" in p.stdout
+    assert "mixture of experts: 64 experts, top 8, load-balancing loss" in p.stdout
+    assert "layout 1x2x1x2 ep 2, saved at step 1 and resumed" in p.stdout and "Traceback" not in p.stdout + p.stderr
