@@ -377,4 +377,17 @@ def check_tp(arch: ModelArch, tp: int, key: str = "tp") -> None:
                   "use a tp_size that divides the MLP width")
 
 
-__all__ = ["ModelArch", "load_arch", "padded_vocab_size", "arch_from_hf_dict", "config_path", "check_tp", "UserError"]
+__all__ = ["ModelArch", "load_arch", "padded_vocab_size", "arch_from_hf_dict", "config_path", "check_tp", "UserError",
+           "longrope_note"]
+
+
+def longrope_note(arch: ModelArch, seq_len: int, packed: bool) -> str | None:
+    """The run's first lines on LongRoPE where its long factors can apply (seq_len past the original context): which
+    batches rotate with them, as transformers decides (max position + 1 > original), None where they cannot."""
+    orig = arch.rope_original_max
+    if arch.rope_long_factor is None or orig is None or seq_len <= orig:
+        return None
+    return (f"rope: LongRoPE's long factors past {orig} positions (original_max_position_embeddings), chosen per "
+            "batch as transformers does: " + ("by each micro-batch's longest packed document" if packed else
+                                              f"every batch, its samples padded to seq_len {seq_len} (as Axolotl "
+                                              "pads them for transformers)"))

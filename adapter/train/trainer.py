@@ -37,7 +37,7 @@ from adapter.errors import DivergedError, UserError, bad
 from adapter.kernels.attention import split_for_cp
 from adapter.kernels.thd import local_multiple, pack_batch
 from adapter.models import checks, families, footprint, freeze, lora, source
-from adapter.models.arch import ModelArch
+from adapter.models.arch import ModelArch, longrope_note
 from adapter.models.counts import flops_per_token, num_params
 from adapter.parallel import deepspeed_config, mcore_groups
 from adapter.parallel.layout import Axis, Layout
@@ -226,6 +226,9 @@ class Trainer:
         if self.engine.pad_row is not None:  # it changes what is trained: said, as every such default
             self._say(f"embedding: row {self.engine.pad_row} (the pad token, pad_token_id in config.json) gets no "
                       "gradient from lookups, as transformers' nn.Embedding(padding_idx) keeps it")
+        rope = longrope_note(self.arch, cfg.seq_len, cfg.document_attention)
+        if rope:  # which factors rotate changes what is trained: said
+            self._say(rope)
         if cfg.precision == "fp8":  # the recipe and the linears change the arithmetic: say them
             self._say(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
                       "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")

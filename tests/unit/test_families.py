@@ -103,3 +103,16 @@ def test_gemma_bad_configs_are_refused_in_one_line():
         arch_from_hf_dict({"architectures": ["Gemma3ForConditionalGeneration"]})
     with pytest.raises(UserError, match=r"^attn_logit_softcapping=-1"):
         arch_from_hf_dict({**base, "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1})
+
+
+def test_longrope_is_announced_where_its_long_factors_can_apply():
+    """Phi-3.5-mini (LongRoPE, original 4096): past it the first lines say which batches rotate with the long
+    factors (packed: per micro-batch; padded: every batch); within it, or for plain RoPE, nothing."""
+    from adapter.models.arch import load_arch, longrope_note
+
+    phi = load_arch(ROOT / "configs/models" / "phi-3.5-mini-instruct")
+    assert phi.rope_original_max == 4096
+    assert "by each micro-batch's longest packed document" in longrope_note(phi, 8192, packed=True)
+    assert "every batch, its samples padded to seq_len 8192" in longrope_note(phi, 8192, packed=False)
+    assert longrope_note(phi, 4096, packed=False) is None
+    assert longrope_note(load_arch(ROOT / "configs/models" / "qwen3-8b"), 32768, packed=True) is None
