@@ -67,6 +67,7 @@ FP8 = ["--set", "precision=fp8"]
 LINEAR_CE = ["--set", "model.fused_linear_ce=true", "--set", "model.fused_linear_ce_chunk=2048"]
 ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget recompute, fp8, DeepSpeed's step
     "": [],
+    "compiled layers": ["--set", "model.compile=true"],
     "activation budget 0.6": ["--set", "model.compile_memory_budget=0.6"],
     "linear CE": LINEAR_CE,
     "fp8": FP8,

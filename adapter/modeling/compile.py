@@ -42,7 +42,11 @@ def compile_layers(model: torch.nn.Module, memory_budget: float | None = None) -
     if memory_budget is not None:
         torch._functorch.config.activation_memory_budget = memory_budget
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=False)
+        if hasattr(layer.mlp, "router"):  # a mixture of experts: its attention half only (the token dispatcher's
+            # graph fails AOTAutograd: "Node ... was invalid, but is output", torch 2.13); the experts stay eager
+            layer._forward_attention = torch.compile(layer._forward_attention, dynamic=False)
+        else:
+            layer.forward = torch.compile(layer.forward, dynamic=False)
     return len(layers)
 
 

@@ -6,7 +6,8 @@ router_aux_loss_coef · aux), and the routers' gradients of that loss, at tp 2 (
 Megatron's MoE layer needs beside TP in training: the routers' statistics summed over TP) and cp 2 (summed over
 CP). A negative control drops the auxiliary gradient: the routers' gradients then differ. The conversion round trip
 at tp 2 is bit-exact. All of these run the experts as grouped GEMMs (GroupedExperts, CPU); the same model with
-Megatron's per-expert loop gives the same loss and every gradient.
+Megatron's per-expert loop gives the same loss and every gradient, and so does `model.compile` (each layer's
+attention compiled, the experts eager).
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def _grouped_vs_loop(ids, ckpt):
 
     from adapter.convert.load import load_megatron_checkpoint
     from adapter.modeling import moe
+    from adapter.modeling.compile import compile_layers
     from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import ModelArch
 
@@ -118,18 +120,23 @@ def _grouped_vs_loop(ids, ckpt):
     moe._GroupedLinear.apply = lambda *a: calls.append(1) or apply(*a)
     try:
         out = []
-        for grouped in (True, False):
+        for grouped, compiled in ((True, False), (False, False), (True, True)):
             model = build_gpt_model(arch, tp=2, sequence_parallel=True, padded_vocab=meta["padded_vocab_size"],
                                     moe_grouped_gemm=grouped)
             load_megatron_checkpoint(model, ckpt)
+            if compiled:  # model.compile: a MoE layer's attention half compiled, its experts eager
+                torch._dynamo.reset()
+                assert compile_layers(model) == arch.num_layers
             loss = model(ids[:, :-1], None, None, labels=ids[:, 1:]).sum()
             loss.backward()
             out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     finally:
         moe._GroupedLinear.apply = apply
-    (a, ga), (b, gb) = out
-    assert len(calls) == 2 * arch.num_layers and ga.keys() == gb.keys()  # fc1 and fc2 of every layer, grouped
-    return {"loss": (a - b).abs().item(), "grads": max((ga[n] - gb[n]).abs().max().item() for n in ga)}
+    (a, ga), (b, gb), (c, gc) = out
+    assert len(calls) == 4 * arch.num_layers and ga.keys() == gb.keys()  # fc1 and fc2 of every layer, grouped
+    return {"loss": (a - b).abs().item(), "grads": max((ga[n] - gb[n]).abs().max().item() for n in ga),
+            "compiled_loss": ((a - c).abs() / a.abs()).item(),  # a sum over every token: relative
+            "compiled_grads": max((ga[n] - gc[n]).abs().max().item() for n in ga)}
 
 
 def _worker(rank, world, ids, cases):
