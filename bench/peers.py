@@ -69,7 +69,9 @@ def main(argv=None) -> None:
                  "gemma3_text": liger.apply_liger_kernel_to_gemma3_text,
                  "qwen3_moe": getattr(liger, "apply_liger_kernel_to_qwen3_moe", None)}[cfg.model_type]
         # Liger's RoPE rotates whole heads: a partial-rotary model (Phi-4-mini) keeps transformers' own
-        glu = {"geglu": True} if cfg.model_type.startswith("gemma") else {"swiglu": True}
+        # a mixture of experts keeps transformers' grouped_mm experts (Liger's swiglu swaps in its own expert module)
+        moe = bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
+        glu = {"geglu": True} if cfg.model_type.startswith("gemma") else {"swiglu": not moe}
         patch(rope=getattr(cfg, "partial_rotary_factor", 1.0) in (None, 1.0), rms_norm=True, cross_entropy=False,
               fused_linear_cross_entropy=True, **glu)
     if a.mode == "deepspeed-hf":
