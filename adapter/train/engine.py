@@ -259,7 +259,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         found = param_groups(model, weight_decay)
         return zero12_expert_groups(found, layout.ep) if experts12 else found
 
-    if conf["zero_optimization"]["stage"] == 3 and cfg.deepspeed.gather_granularity == "layer":
+    if stage == 3 and cfg.deepspeed.gather_granularity == "layer":
         set_z3_leaf_modules(model, [Layer])
     if deepspeed_config.flat_optimizer(cfg, layout):
         o = cfg.optimizer

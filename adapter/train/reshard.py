@@ -36,7 +36,7 @@ from adapter.train.optim import FORMAT, FlatAdamW
 
 WHAT = ("fp32", *MOMENTS)
 _LAYER = re.compile(r"^" + re.escape(LAYER) + r"\d+\.")
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.\d+\.")  # SequentialMLP's expert e: the table's expert key
+_EXPERT = re.compile(r"\." + re.escape(LOCAL_EXPERT) + r"\d+\.")  # SequentialMLP's expert e: the table's expert key
 _LORA_B = re.compile(r"\.lora\.B\.(\w+)$")  # adapter/modeling/lora.py names an adapter's B <linear>.lora.B.<hf name>
 class FlatFiles:
     """A checkpoint of nd-adapter's flat AdamW (`mp_rank_{m:02d}_model_states.pt`: the module and the optimizer's
