@@ -36,7 +36,7 @@ ONE_GPU = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b",  # shape -> configs/model
            "phi4-mini": "phi-4-mini-shape", "gemma3-4b": "gemma-3-4b-shape",
            "qwen3-moe-8l": "qwen3-30b-a3b-8l-shape"}  # issue 30: its peers run transformers' grouped_mm experts
 ONE_GPU_PEERS = ("hf", "hf-compile", "hf-liger")
-OUR_STATE_BYTES = 16  # bf16 weights + bf16 grads + fp32 master + fp32 Adam moments
+OUR_STATE_BYTES = 16  # bf16 weights + bf16 grads + fp32 master + fp32 Adam moments (optimizer.state_dtype: bf16: 8)
 
 
 def parse_steps(log: str, skip: int = 2) -> dict | None:
@@ -76,6 +76,9 @@ ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget 
     "fp8, linear CE": [*FP8, *LINEAR_CE],
     "fp8, activation budget 0.6": [*FP8, "--set", "model.compile_memory_budget=0.6"],
     "DeepSpeed ZeRO-1 step": ["--set", "optimizer.impl=deepspeed"],
+    "bf16 states": ["--set", "optimizer.state_dtype=bf16"],  # the peers' precision: no fp32 master, bf16 moments
+    "bf16 states, fp8, linear CE": ["--set", "optimizer.state_dtype=bf16", *FP8, *LINEAR_CE],
+    "bf16 states, linear CE": ["--set", "optimizer.state_dtype=bf16", *LINEAR_CE],
 }
 
 
@@ -171,7 +174,8 @@ def main(argv=None) -> int:
             from adapter.models.counts import num_params
 
             model = (ROOT / ours_cfg).parent / yaml_model_path(ROOT / ours_cfg)
-            rows[name].update(num_params=num_params(load_arch(model)), model_state_bytes_per_param=OUR_STATE_BYTES)
+            states = 8 if "optimizer.state_dtype=bf16" in ours(a)[name][1] else OUR_STATE_BYTES
+            rows[name].update(num_params=num_params(load_arch(model)), model_state_bytes_per_param=states)
         print(name, json.dumps(rows[name]), flush=True)
     if a.gpus == 1:
         print(render(rows, "hf-liger", f"{ONE_GPU[a.shape]} shape, seq {a.seq}, micro-batch {a.micro_batch}, bf16, "

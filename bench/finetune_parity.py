@@ -109,7 +109,7 @@ def run_ours(out: Path, paths: dict, a) -> list[float]:
     cfg = {"model": model, "seq_len": a.seq, "precision": a.precision,
            "batch": {"micro_batch_size": a.mbs, "gradient_accumulation_steps": 1},
            "optimizer": {"lr": a.lr, "schedule": "constant", "warmup_steps": 0, "max_steps": a.steps,
-                         "weight_decay": 0.0, "clip_grad": 1.0},
+                         "weight_decay": 0.0, "clip_grad": 1.0, "state_dtype": a.state_dtype},
            "data": {"files": [str(paths["data"])], "cache_dir": str(out / "token-cache")}}
     (out / "run.yaml").write_text(json.dumps(cfg))  # JSON is YAML
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -168,6 +168,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--hf-modes", default="amp,bf16")
+    ap.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="our optimizer.state_dtype (bf16: compare with --hf-modes bf16, transformers' all-bf16 run)")
     ap.add_argument("--weights", choices=("convert", "cache"), default="convert",
                     help="convert here and name model.checkpoint, or let the run convert base_model itself")
     ap.add_argument("--out", type=Path, required=True)
@@ -188,7 +190,10 @@ def main(argv=None) -> dict:
     result["ours_vs_hf_amp_rel"] = rel(result["ours"], ref)
     if "hf_bf16" in result and "hf_amp" in result:
         result["hf_bf16_vs_hf_amp_rel"] = rel(result["hf_bf16"], result["hf_amp"])
-    for key in ("ours_vs_hf_amp_rel", "hf_bf16_vs_hf_amp_rel"):
+    if "hf_bf16" in result:
+        result["ours_vs_hf_bf16_rel"] = rel(result["ours"], result["hf_bf16"])
+    result["state_dtype"] = a.state_dtype
+    for key in ("ours_vs_hf_amp_rel", "hf_bf16_vs_hf_amp_rel", "ours_vs_hf_bf16_rel"):
         if key in result:
             print(f"{key}: step 1 {result[key][0]:.2e}, max {max(result[key]):.2e}")
     print("RESULT " + json.dumps(result), flush=True)

@@ -601,6 +601,7 @@ def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
             said += f"; {section}.enabled -> precision {prec}"
             notes[:] = [f"precision: {prec} ({name}: {section}.enabled true)" if n.startswith("precision:") else n
                         for n in notes]
+    said += _master_and_states(doc, name, out)
     for key, yaml_key, default in (("train_micro_batch_size_per_gpu", "micro_batch_size", 1),
                                    ("gradient_accumulation_steps", "gradient_accumulation_steps", 1),
                                    ("gradient_clipping", "max_grad_norm", None)):
@@ -611,6 +612,29 @@ def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
                 raise bad("deepspeed", name, f"{key}={v} disagrees with {yaml_key}={mine}",
                           f'set "{key}": "auto" in the JSON, or make them agree')
     notes.append(said + "; its other settings are nd-adapter's own (`nd-adapter plan --format json` shows the JSON)")
+
+
+def _master_and_states(doc: dict, name: str, out: dict[str, Any]) -> str:
+    """DeepSpeed's bf16.bf16_master_weights_and_grads + bf16_optimizer_states (no fp32 master, bf16 moments) change
+    what is trained: both -> optimizer.state_dtype bf16; one alone, or fp16 masters, is refused."""
+    bf16, fp16 = doc.get("bf16") or {}, doc.get("fp16") or {}
+    if isinstance(fp16, dict) and fp16.get("fp16_master_weights_and_grads") is True:
+        raise bad("deepspeed", name, "fp16.fp16_master_weights_and_grads (fp16 master weights) is not built",
+                  "remove it (fp32 master weights), or train in bf16 with bf16 master weights and states")
+    if not isinstance(bf16, dict):
+        return ""
+    master, states = (bf16.get(k) is True for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"))
+    if master and states:
+        set_dotted(out, "optimizer.state_dtype", "bf16")
+        return "; bf16.bf16_master_weights_and_grads + bf16_optimizer_states -> optimizer.state_dtype bf16"
+    if master:
+        raise bad("deepspeed", name, "bf16.bf16_master_weights_and_grads without bf16_optimizer_states (bf16 masters "
+                  "with fp32 moments) is not built", "set bf16_optimizer_states: true too (optimizer.state_dtype: "
+                  "bf16), or remove it")
+    if states:
+        raise bad("deepspeed", name, "bf16.bf16_optimizer_states needs bf16_master_weights_and_grads (DeepSpeed "
+                  "refuses it alone too)", "set both (optimizer.state_dtype: bf16), or neither")
+    return ""
 
 
 def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:

@@ -148,11 +148,21 @@ class OptimizerSection(_Strict):
     # AdamW's moments in fp32 (8 bytes of state per parameter) or 8 bits (2 bytes: bitsandbytes' AdamW8bit; Axolotl's
     # adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit), on every layout (adapter/train/optim.py)
     name: Literal["adamw", "adamw_8bit"] = "adamw"
+    # What the optimizer keeps of a 16-bit weight. fp32: an fp32 master copy and fp32 moments (12 bytes per trained
+    # parameter; DeepSpeed's and Megatron's mixed precision, the default). bf16: the bf16 weight is its own master
+    # and the moments are bf16 (4 bytes), the update computed in fp32 and rounded once: torch's AdamW on a bf16
+    # model, which is what transformers and Axolotl train without DeepSpeed (DeepSpeed's
+    # bf16_master_weights_and_grads + bf16_optimizer_states). Updates smaller than half a bf16 step of a weight are
+    # lost, so it trains differently from fp32; on the flat AdamW only (one GPU, or tp alone).
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
 
     @model_validator(mode="after")
     def _one_warmup(self) -> OptimizerSection:
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("give optimizer.warmup_steps or optimizer.warmup_ratio, not both")
+        if self.state_dtype == "bf16" and self.name == "adamw_8bit":
+            raise ValueError("optimizer.state_dtype: bf16 keeps bf16 moments, optimizer.name: adamw_8bit 8-bit ones: "
+                             "choose one")
         return self
 
 
@@ -398,6 +408,9 @@ class RunConfig(_Strict):
     def _lr_order(self) -> RunConfig:
         if self.optimizer.min_lr > self.optimizer.lr:
             raise ValueError("optimizer.min_lr must not exceed optimizer.lr")
+        if self.optimizer.state_dtype == "bf16" and self.param_precision != "bf16":
+            raise ValueError(f"optimizer.state_dtype: bf16 applies to bf16 weights, and precision is "
+                             f"{self.precision}: set precision: bf16, or optimizer.state_dtype: fp32")
         return self
 
     @property

@@ -20,6 +20,14 @@ GB = 1e9
 FREQUENT_SAVES, LARGE_CHECKPOINT = 100, 10 * GB  # cadence_warning's thresholds: steps between saves, bytes
 
 
+def optimizer_bytes(cfg: RunConfig) -> float:
+    """Bytes the optimizer keeps per trained parameter: a 16-bit weight's fp32 master and AdamW's two moments
+    (`optimizer.state_dtype: bf16`: no master, bf16 moments)."""
+    if cfg.optimizer.state_dtype == "bf16":
+        return 4
+    return (4 if cfg.param_precision in ("bf16", "fp16") else 0) + STATE_BYTES[cfg.optimizer.name]
+
+
 def held_and_trained(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, int]:
     """(parameters one TP rank holds, those it trains): the one view of adapters and freezing (plan's memory,
     traffic and step time; the checkpoint sizes here). A LoRA run holds its frozen base, the adapters and (for a tied
@@ -64,7 +72,7 @@ def checkpoint_bytes(cfg: RunConfig, arch: ModelArch, stage: int) -> int:
     half = cfg.param_precision in ("bf16", "fp16")
     pb = 2 if half else 4
     weights = pb * trained if cfg.lora is not None else (0 if stage == 3 else pb * held)
-    return int(weights + ((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * trained)
+    return int(weights + optimizer_bytes(cfg) * trained)
 
 
 def export_bytes(cfg: RunConfig, arch: ModelArch) -> int:
@@ -116,5 +124,5 @@ def cadence_warning(cfg: RunConfig, arch: ModelArch, *, stage: int, every: int) 
             f"{spell(cfg, 'checkpoint.save_every')} of a few hundred steps is usual")
 
 
-__all__ = ["STATE_BYTES", "cadence_warning", "saves", "held_and_trained", "quantized_base", "checkpoint_bytes",
-           "export_bytes", "check_disk"]
+__all__ = ["STATE_BYTES", "optimizer_bytes", "cadence_warning", "saves", "held_and_trained", "quantized_base",
+           "checkpoint_bytes", "export_bytes", "check_disk"]

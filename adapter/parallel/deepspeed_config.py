@@ -25,7 +25,17 @@ def partition_size(cfg: RunConfig, layout: Layout) -> int:
 def zero_stage(cfg: RunConfig, layout: Layout) -> int:
     """ZeRO-3 whenever there is something to shard. A shard group of one (tp-only layouts without replicas) would
     only pay ZeRO-3's gather hooks, so it runs stage 1 (nothing to partition either way). Not stage 0:
-    DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong."""
+    DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong.
+    Every consumer (train, preflight, plan, search) asks this first, so the layout refusals live here."""
+    stage = _zero_stage(cfg, layout)
+    if cfg.optimizer.state_dtype == "bf16" and (why := _flat_refused(cfg, stage == 1)):
+        raise bad(spell(cfg, "optimizer.state_dtype"), "bf16", f"bf16 master weights and moments run on the flat "
+                  f"AdamW only, and {why}", "use one GPU or tp alone, or optimizer.state_dtype: fp32 (ZeRO shards "
+                  "the fp32 states over the data-parallel ranks instead)")
+    return stage
+
+
+def _zero_stage(cfg: RunConfig, layout: Layout) -> int:
     if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
         return 1
     if cfg.deepspeed.zero_stage == 3 and cfg.model.compile:

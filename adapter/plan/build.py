@@ -351,7 +351,9 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                             "ZeRO-2: whole 16-bit weights on every rank (no gathers); grads and "
                             "optimizer states sharded over dp_shard×cp"
                             if stage == 2 else
-                            "nothing to shard (dp_shard×cp = 1): nd-adapter's flat AdamW (fp32 master weights, "
+                            "nothing to shard (dp_shard×cp = 1): nd-adapter's flat AdamW (" + (
+                                "bf16 weights as their own master, bf16 moments" if cfg.optimizer.state_dtype == "bf16"
+                                else "fp32 master weights") + ", "
                             "one fused update per parameter group on GPUs, clipping across TP on the device) under "
                             "DeepSpeed's loop "
                             "at stage 0 (optimizer.impl)" if deepspeed_config.flat_at_stage(cfg, stage) else

@@ -14,7 +14,7 @@ from adapter.config import RunConfig
 from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import expert_params, local_params
-from adapter.models.footprint import STATE_BYTES, held_and_trained, quantized_base
+from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
 from adapter.parallel import deepspeed_config
 
 GIB = 2**30
@@ -159,7 +159,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     shard = -(-(P - Q) // Z)
     trained_shard = -(-trained // Z)
     grads = pb * trained_shard
-    optim = int(((4 if half else 0) + STATE_BYTES[cfg.optimizer.name]) * trained_shard)  # fp32 master + moments
+    optim = int(optimizer_bytes(cfg) * trained_shard)  # master + moments
     ds = cfg.deepspeed
     # expert parallelism: a rank holds its experts only (each partitioned over the ranks holding the same experts,
     # Z/ep of them: the same shard of the model states as without ep), so whole weights and a layer's gather shrink

@@ -35,6 +35,8 @@ OPT_BYTES_PER_PARAM = 56    # fp32 grad copy (6), AdamW r/w of param, m, v + gra
 FLAT_OPT_BYTES_PER_PARAM = 30  # flat AdamW: 16-bit grad read for the norm (2) and the update (2), master, m, v
 #                               read and written (24), 16-bit weight written (2); streamed at the device copy rate
 #                               (1B, one H200: the step's share fell from ~29 to ~9 ms, issue 16 in BENCHMARKS)
+FLAT_BF16_OPT_BYTES_PER_PARAM = 16  # optimizer.state_dtype: bf16: the gradient read twice (4), the bf16 weight, m and
+#                                     v read and written (12), no master
 FP8_MLP_SPEEDUP = 1.25        # precision fp8: the MLP GEMMs' fwd+bwd time, casts included, over bf16's; fitted to
 #                               one H200's 1B run (+8.3% end to end; the kernel bench gave 1.19× fc1, 1.01× fc2)
 COMPILED_HIDDEN = 0.6       # compiled layers fuse each residual add with the next norm: 12 of the 20 bytes/element
@@ -246,7 +248,8 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     shard = -(-trained // z) if stage >= 2 else trained
     moments_saved = 12 if cfg.optimizer.name == "adamw_8bit" else 0  # m and v read and written: 1 byte, not 4
     if flat_at_stage(cfg, stage):  # adapter/train/optim.py: one fused pass over the states at the copy rate
-        optimizer = (FLAT_OPT_BYTES_PER_PARAM - moments_saved) * trained / prof.hbm_bytes_per_s
+        per = FLAT_BF16_OPT_BYTES_PER_PARAM if cfg.optimizer.state_dtype == "bf16" else FLAT_OPT_BYTES_PER_PARAM
+        optimizer = (per - moments_saved) * trained / prof.hbm_bytes_per_s
         host_step = 0.0
     else:
         optimizer = (OPT_BYTES_PER_PARAM - moments_saved) * shard / prof.optimizer_bytes_per_s

@@ -1,4 +1,5 @@
-"""The flat AdamW's step as one Triton launch per parameter group (CUDA, 16-bit weights with an fp32 master).
+"""The flat AdamW's step as one Triton launch per parameter group (CUDA, 16-bit weights with an fp32 master, or
+16-bit weights that are their own master with 16-bit moments: `optimizer.state_dtype: bf16`).
 
 Why: the step was ~147 calls of a compiled per-parameter update (1B shape); each call's host overhead (guards,
 wrapper, launch) made the step ~28 ms of CPU time for ~9 ms of GPU time, and the one-GPU runs are close to
@@ -26,7 +27,7 @@ ALIGN = 16  # elements: sizes and offsets divisible by this, and 16-byte aligned
 
 @triton.jit
 def _adamw_chunks(master, exp_avg, exp_avg_sq, ptrs, chunk_param, chunk_start, offsets, numels, hyper, n_params,
-                  LOW: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+                  LOW: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, MASTER: tl.constexpr):
     pid = tl.program_id(0)
     p = tl.load(chunk_param + pid)
     start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)
@@ -52,14 +53,19 @@ def _adamw_chunks(master, exp_avg, exp_avg_sq, ptrs, chunk_param, chunk_start, o
 
     g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     g = tl.where(coef > 0, g * coef, 0.0)  # a non-finite norm: zeros, even for NaN gradients
-    w = tl.load(master + base + idx, mask=mask, other=0.0) * decay
-    m = tl.load(exp_avg + base + idx, mask=mask, other=0.0)
+    if MASTER:
+        w = tl.load(master + base + idx, mask=mask, other=0.0)
+    else:  # the 16-bit weight is its own master
+        w = tl.load(low_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    w = w * decay
+    m = tl.load(exp_avg + base + idx, mask=mask, other=0.0).to(tl.float32)
     m = m + one_minus_b1 * (g - m)  # torch.lerp's formula for weights < 0.5
-    v = tl.load(exp_avg_sq + base + idx, mask=mask, other=0.0) * b2 + g * g * one_minus_b2
+    v = tl.load(exp_avg_sq + base + idx, mask=mask, other=0.0).to(tl.float32) * b2 + g * g * one_minus_b2
     w = w - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps)
-    tl.store(master + base + idx, w, mask=mask)
-    tl.store(exp_avg + base + idx, m, mask=mask)
-    tl.store(exp_avg_sq + base + idx, v, mask=mask)
+    if MASTER:
+        tl.store(master + base + idx, w, mask=mask)
+    tl.store(exp_avg + base + idx, m.to(exp_avg.dtype.element_ty), mask=mask)  # rounded once where 16-bit
+    tl.store(exp_avg_sq + base + idx, v.to(exp_avg_sq.dtype.element_ty), mask=mask)
     tl.store(low_ptr + idx, w.to(LOW), mask=mask)
 
 
@@ -87,8 +93,9 @@ def supported(params) -> bool:
 
 
 def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> int:
-    """One update of every parameter of the group; the gradients may be anywhere (None: zero). Returns the
-    alignment the kernel was told (ALIGN or 1)."""
+    """One update of every parameter of the group; the gradients may be anywhere (None: zero); `master` None: the
+    16-bit weights are their own master (the moments are 16-bit too). Returns the alignment the kernel was told
+    (ALIGN or 1)."""
     keep, grads = [], []
     for p in params:
         g = p.grad
@@ -100,9 +107,10 @@ def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> int:
         grads.append(g.data_ptr())
     addresses = grads + [p.data_ptr() for p in params]
     align = ALIGN if table.sizes_aligned and all(a % 16 == 0 for a in addresses) else 1
-    ptrs = torch.tensor(addresses, dtype=torch.int64).pin_memory().to(master.device, non_blocking=True)
+    ptrs = torch.tensor(addresses, dtype=torch.int64).pin_memory().to(exp_avg.device, non_blocking=True)
     grid = (table.chunk_param.numel(),)
-    _adamw_chunks[grid](master, exp_avg, exp_avg_sq, ptrs, table.chunk_param, table.chunk_start, table.offsets,
-                        table.numels, hyper, len(params), LOW=table.low, BLOCK=BLOCK, ALIGN=align, num_warps=8)
+    _adamw_chunks[grid](exp_avg if master is None else master, exp_avg, exp_avg_sq, ptrs, table.chunk_param,
+                        table.chunk_start, table.offsets, table.numels, hyper, len(params), LOW=table.low, BLOCK=BLOCK,
+                        ALIGN=align, MASTER=master is not None, num_warps=8)
     del keep
     return align

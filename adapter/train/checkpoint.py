@@ -164,7 +164,8 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
     dist.barrier()
     if latest_tag(root) == tag:
         return root / tag
-    state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng(), "optimizer": optimizer_name(engine)}}
+    state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng(), "optimizer": optimizer_name(engine),
+                                             "state_dtype": state_dtype(engine)}}
     try:
         with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
             engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False,  # ends in a barrier
@@ -198,6 +199,11 @@ def optimizer_name(engine) -> str:
         return "adamw_8bit" if opt.state_bits == 8 else "adamw"
     inner = type(getattr(opt, "optimizer", opt))
     return "adamw_8bit" if inner.__module__.startswith("bitsandbytes") else "adamw"
+
+
+def state_dtype(engine) -> str:
+    """`optimizer.state_dtype` of the engine's optimizer (only the flat AdamW keeps bf16 ones)."""
+    return getattr(engine.optimizer, "state_dtype", "fp32") if isinstance(engine.optimizer, FlatAdamW) else "fp32"
 
 
 def _node_local(engine) -> bool:
@@ -277,6 +283,10 @@ def _check_match(engine, meta: dict, key: str, value: str, trained_only: bool = 
     if there != here:
         raise bad(key, value, f"its optimizer state is {there}'s; this run uses {here}",
                   f"resume with optimizer.name: {there} (as it was saved)")
+    there, here = (meta.get(_OURS) or {}).get("state_dtype", "fp32"), state_dtype(engine)
+    if there != here:
+        raise bad(key, value, f"its optimizer states are {there}, this run keeps {here} ones",
+                  f"resume with optimizer.state_dtype: {there} (as it was saved)")
     if meta.get("param_shapes") is not None:
         saved = {k: tuple(v) for group in meta["param_shapes"] for k, v in group.items()}
         here = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}

@@ -169,6 +169,9 @@ class Engine:
         if isinstance(opt, FlatAdamW):
             if opt.state_bits == 8:
                 how = "fp32 master weights, 8-bit moments (bitsandbytes' AdamW8bit)"
+            elif opt.state_dtype == "bf16":
+                how = ("optimizer.state_dtype: bf16: no fp32 master, the bf16 weights updated in place with bf16 "
+                       "moments, as torch's AdamW on a bf16 model; updates under half a bf16 step are lost")
             else:
                 how = "fp32 master weights and moments, " + (
                     "one launch per parameter group" if all(f.table is not None for f in opt.flats) else
@@ -265,7 +268,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         o = cfg.optimizer
         opt = FlatAdamW(param_groups(model, o.weight_decay, names=True), lr=o.lr, betas=o.betas, eps=o.eps,
                         clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None,
-                        state_bits=8 if o.name == "adamw_8bit" else 32)
+                        state_bits=8 if o.name == "adamw_8bit" else 32, state_dtype=o.state_dtype)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
                                           lr_scheduler=lr_scheduler_for(cfg))
 

@@ -7,6 +7,9 @@ back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, issue 16). Here:
 
 * the fp32 master weights and both moments are flat fp32 buffers (12 bytes/param, as in DeepSpeed's bf16 training;
   fp32 runs update the weights themselves, with no master copy);
+* `optimizer.state_dtype: bf16` keeps no master: each bf16 weight is updated in place and the moments are flat bf16
+  buffers (4 bytes/param), every update computed in fp32 and rounded once, as torch's fused AdamW does on a bf16
+  model (tests/unit/test_flat_optim.py compares the two);
 * one fused pass per parameter reads its 16-bit gradient, applies clipping and AdamW (torch.optim.AdamW's
   arithmetic) to the master and moments, and writes the 16-bit weight; on CUDA one Triton launch does it for a
   whole parameter group (adapter/train/adamw_kernel.py: per-parameter launches left the GPU waiting on the host);
@@ -54,24 +57,36 @@ def _adamw_update(master, exp_avg, exp_avg_sq, grad, low, hyper):
         low.copy_(master)
 
 
-_compiled = None
+def _adamw_update_16(weight, exp_avg, exp_avg_sq, grad, low, hyper):
+    """`_adamw_update` on a 16-bit weight and 16-bit moments (no master): fp32 arithmetic, each result rounded once.
+    `low` is unused (the weight is its own master)."""
+    g = torch.where(hyper[0] > 0, grad.float() * hyper[0], 0.0)
+    m = exp_avg.float().lerp_(g, hyper[2])
+    v = exp_avg_sq.float().mul_(hyper[3]).add_(g * g * hyper[4])
+    w = weight.float().mul_(hyper[1]).sub_(hyper[5] * (m / (v.sqrt() / hyper[6] + hyper[7])))
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    weight.copy_(w)
 
 
-def _step_fn(device: torch.device):
-    global _compiled
+_compiled = {}
+
+
+def _step_fn(device: torch.device, sixteen: bool = False):
+    fn = _adamw_update_16 if sixteen else _adamw_update
     if device.type != "cuda":
-        return _adamw_update
-    if _compiled is None:
-        _compiled = torch.compile(_adamw_update, dynamic=True)
-    return _compiled
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
 
 
 @dataclass
 class _Flat:
     params: list                 # the group's parameters
     offsets: list                # where each starts in the flat buffers
-    master: torch.Tensor | None  # fp32 copies of 16-bit weights, flat (None: fp32 weights are their own master)
-    exp_avg: torch.Tensor | None     # fp32 moments, flat (None with 8-bit states)
+    master: torch.Tensor | None  # fp32 copies of 16-bit weights, flat (None: the weights are their own master)
+    exp_avg: torch.Tensor | None     # moments, flat: fp32, or the weights' dtype with 16-bit states (None: 8-bit)
     exp_avg_sq: torch.Tensor | None
     table: object = None         # adamw_kernel.ChunkTable where the one-launch step applies
     masters: list | None = None  # 8-bit: each parameter's fp32 master as a leaf tensor (a view of `master`)
@@ -80,28 +95,37 @@ class _Flat:
     def device(self) -> torch.device:
         return self.params[0].device
 
+    @property
+    def sixteen(self) -> bool:
+        """16-bit weights that are their own master (optimizer.state_dtype: bf16)."""
+        return self.master is None and self.exp_avg is not None and self.exp_avg.dtype != torch.float32
+
 
 class FlatAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, torch's bias correction) with gradient clipping and fp32 master weights.
+    """AdamW (decoupled weight decay, torch's bias correction) with gradient clipping and fp32 master weights
+    (`state_dtype="bf16"`: none, and moments in the weights' 16-bit dtype).
 
     DeepSpeed drives it as a plain client optimizer (`step()`, `zero_grad()`, `state_dict()`); it exposes the step's
     gradient norm as `_global_grad_norm` (a device tensor), which DeepSpeed's engine reports."""
 
     def __init__(self, param_groups, *, lr: float, betas: tuple[float, float], eps: float, clip_grad: float,
-                 tp_group=None, state_bits: int = 32):
+                 tp_group=None, state_bits: int = 32, state_dtype: str = "fp32"):
         super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
+        if state_dtype not in ("fp32", "bf16") or (state_dtype == "bf16" and state_bits != 32):
+            raise ValueError(f"FlatAdamW: state_dtype {state_dtype!r} with {state_bits}-bit states")
         self.clip_grad, self.tp_group, self.state_bits = clip_grad, tp_group, state_bits
+        self.state_dtype = state_dtype
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
         self.steps = 0
         self._global_grad_norm = None
-        self.flats = [self._flatten(g["params"], state_bits) for g in self.param_groups]
+        self.flats = [self._flatten(g["params"], state_bits, state_dtype == "bf16") for g in self.param_groups]
         self.inner = None  # 8-bit: bitsandbytes' AdamW8bit over the fp32 masters, one group per group here
         if state_bits == 8:
             self.inner = adamw_8bit([{"params": f.masters, "weight_decay": g["weight_decay"]}
                                      for f, g in zip(self.flats, self.param_groups)], lr=lr, betas=betas, eps=eps)
 
     @staticmethod
-    def _flatten(params, state_bits: int = 32) -> _Flat:
+    def _flatten(params, state_bits: int = 32, sixteen: bool = False) -> _Flat:
         device = params[0].device
         if any(p.device != device for p in params):
             raise ValueError("FlatAdamW: a parameter group must be on one device")
@@ -109,8 +133,17 @@ class FlatAdamW(torch.optim.Optimizer):
         for p in params:
             offsets.append(n)
             n += p.numel()
+        dtypes = {p.dtype for p in params}
+        if sixteen and dtypes != {torch.float32}:  # the states follow the weights' dtype, as in torch's AdamW
+            if len(dtypes) > 1:
+                raise ValueError("FlatAdamW: 16-bit states need one weight dtype per parameter group")
+            zeros = torch.zeros(n, dtype=params[0].dtype, device=device)
+            table = None
+            if device.type == "cuda" and adamw_kernel is not None and adamw_kernel.supported(params):
+                table = adamw_kernel.ChunkTable(params, offsets, device)
+            return _Flat(list(params), offsets, None, zeros, zeros.clone(), table)
         master = None
-        if any(p.dtype != torch.float32 for p in params):
+        if dtypes != {torch.float32}:
             master = torch.empty(n, dtype=torch.float32, device=device)
             for p, off in zip(params, offsets):
                 master[off:off + p.numel()].copy_(p.data.reshape(-1))
@@ -168,7 +201,7 @@ class FlatAdamW(torch.optim.Optimizer):
             if f.table is not None:
                 adamw_kernel.step(f.table, f.params, f.master, f.exp_avg, f.exp_avg_sq, hyper)
                 continue
-            fn = _step_fn(device)
+            fn = _step_fn(device, f.sixteen)
             for i, p in enumerate(f.params):
                 off, n = f.offsets[i], p.numel()
                 grad = p.grad.reshape(-1) if p.grad is not None else torch.zeros(n, dtype=p.dtype, device=device)
@@ -193,7 +226,7 @@ class FlatAdamW(torch.optim.Optimizer):
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self):
-        return {"format": FORMAT, "steps": self.steps, "state_bits": self.state_bits,
+        return {"format": FORMAT, "steps": self.steps, "state_bits": self.state_bits, "state_dtype": self.state_dtype,
                 "inner": None if self.inner is None else self.inner.state_dict(),
                 "groups": [{"numel": sum(p.numel() for p in f.params), "master": f.master, "exp_avg": f.exp_avg,
                             "exp_avg_sq": f.exp_avg_sq} for f in self.flats],
@@ -211,6 +244,10 @@ class FlatAdamW(torch.optim.Optimizer):
             raise bad("optimizer.name", _NAMES[self.state_bits], f"the checkpoint's optimizer is "
                       f"{_NAMES[state.get('state_bits', 32)]}", f"resume with optimizer.name: "
                       f"{_NAMES[state.get('state_bits', 32)]} (as it was saved)")
+        saved = state.get("state_dtype", "fp32")
+        if saved != self.state_dtype:
+            raise bad("optimizer.state_dtype", self.state_dtype, f"the checkpoint's optimizer states are {saved}",
+                      f"resume with optimizer.state_dtype: {saved} (as it was saved)")
         if self.inner is not None:
             self.inner.load_state_dict(state["inner"])
         for f, g in zip(self.flats, groups):
@@ -227,7 +264,8 @@ class FlatAdamW(torch.optim.Optimizer):
 
     def set_state(self, param, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """One parameter's fp32 master weight and moments, from a checkpoint of another layout
-        (adapter/train/reshard.py); its 16-bit weight is the master's rounding, as after a step."""
+        (adapter/train/reshard.py); its 16-bit weight is the master's rounding, as after a step. With 16-bit states
+        the values come from 16-bit ones (reshard refuses a checkpoint whose states were kept otherwise)."""
         if self.inner is not None:
             raise ValueError("FlatAdamW.set_state: 8-bit moments cannot be set from fp32 ones exactly")
         for f in self.flats:

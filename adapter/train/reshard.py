@@ -60,6 +60,7 @@ class FlatFiles:
             raise bad(key, value, "it was written before nd-adapter could reshard checkpoints (no parameter names)",
                       "resume at the layout it was saved with")
         self.step = int(opt["steps"])
+        self.state_dtype = opt.get("state_dtype", "fp32")
         self._where = []  # per TP rank: name -> (group, offset)
         for m in range(self.tp):
             o = self.model[m]["optimizer"]
@@ -156,6 +157,10 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
         raise bad(key, value, "this run keeps 8-bit moments, quantised in blocks of its own partitions; a "
                   "checkpoint of another layout cannot be placed into them exactly", "resume at the layout it was "
                   "saved with, or with optimizer.name: adamw")
+    there, here = getattr(saved, "state_dtype", "fp32"), getattr(opt, "state_dtype", "fp32")
+    if there != here:  # placing fp32 states into bf16 ones would round them; bf16 into fp32 would not be the run saved
+        raise bad(key, value, f"its optimizer states are {there}, this run keeps {here} ones",
+                  f"resume with optimizer.state_dtype: {there} (as it was saved)")
     local = arch.num_experts // ep if arch.moe else 0
     trained = [(global_expert_name(n, ep_rank, local), p) for n, p in engine.module.named_parameters()
                if p.requires_grad]

@@ -58,7 +58,29 @@ def _two(rank, world, paths, root, phi3_dir):
     run(run_config(phi3, (1, 1, 1, 2), steps=2, world=2, **lora, **lk), log=_quiet)
     lora_moved = run(run_config(phi3, (1, 2, 1, 1), steps=4, world=2, **lora, **lk), resume=True, log=_quiet)
     return {"last": (last.start_step, last.losses), "lora_whole": lora_whole,
-            "lora_moved": (lora_moved.start_step, lora_moved.losses)}
+            "lora_moved": (lora_moved.start_step, lora_moved.losses), "bf16_states": _bf16_states(paths, root)}
+
+
+def _bf16_states(paths, root):
+    """optimizer.state_dtype: bf16 at tp=2 (bf16 on CPU): a resume continues the uninterrupted curve bit for bit; a
+    run keeping fp32 states refuses its checkpoint at the same layout and at another."""
+    from adapter.errors import UserError
+    from adapter.train.trainer import run
+
+    b16 = {"precision": "bf16", "optimizer.state_dtype": "bf16"}
+    said = []
+    whole = run(run_config(paths, (1, 1, 1, 2), steps=4, world=2, **b16), log=said.append).losses
+    ck = {"checkpoint.dir": f"{root}/bf16-states"}
+    run(run_config(paths, (1, 1, 1, 2), steps=2, world=2, **b16, **ck), log=_quiet)
+    moved = run(run_config(paths, (1, 1, 1, 2), steps=4, world=2, **b16, **ck), resume=True, log=_quiet)
+    refused = []
+    for shape in ((1, 1, 1, 2), (1, 2, 1, 1)):
+        try:
+            run(run_config(paths, shape, steps=4, world=2, precision="bf16", **ck), resume=True, log=_quiet)
+        except UserError as e:
+            refused.append(str(e))
+    return {"whole": whole, "moved": (moved.start_step, moved.losses), "refused": refused,
+            "said": [s for s in said if "optimizer:" in s]}
 
 
 def _close(got, want, what):
@@ -88,3 +110,8 @@ def test_resume_moves_across_layouts_world_sizes_and_optimizers(demo, tmp_path):
     begun, losses = two["lora_moved"]
     assert begun == 2
     _close(losses, two["lora_whole"][2:], "Phi-3 LoRA tp=2 → dp_shard=2")
+    b16 = two["bf16_states"]
+    assert b16["moved"] == (2, b16["whole"][2:]), b16
+    assert any("optimizer.state_dtype: bf16: no fp32 master" in s for s in b16["said"]), b16["said"]
+    assert len(b16["refused"]) == 2 and all("its optimizer states are bf16, this run keeps fp32 ones" in e and
+                                            "resume with optimizer.state_dtype: bf16" in e for e in b16["refused"])

@@ -221,6 +221,18 @@ def test_deepspeed_json_stage_precision_and_offload(tmp_path):
         build(world=2, deepspeed=str(z3), bf16=False)
     with pytest.raises(UserError, match="conflicts with the FSDP keys"):
         build(world=2, deepspeed=str(z3), fsdp_config={"reshard_after_forward": True})
+    # DeepSpeed's bf16 master weights and optimizer states change what is trained: honoured as a pair, else refused
+    pure = tmp_path / "pure_bf16.json"
+    pure.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}))
+    cfg = build(world=1, deepspeed=str(pure))
+    assert cfg.optimizer.state_dtype == "bf16" and cfg.precision == "bf16"
+    assert any("-> optimizer.state_dtype bf16" in n for n in cfg.notes), cfg.notes
+    half = tmp_path / "half.json"
+    half.write_text(json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}))
+    with pytest.raises(UserError, match=r"^deepspeed='half.json': bf16.bf16_master_weights_and_grads without "
+                                        r"bf16_optimizer_states.*Fix: set bf16_optimizer_states: true too"):
+        build(world=1, deepspeed=str(half))
     # read beside the config file when the working directory has no such file
     yml = tmp_path / "run.yaml"
     yml.write_text(yaml.safe_dump({**BASE, "deepspeed": "zero3_bf16.json", "dp_shard_size": 2}))

@@ -60,11 +60,41 @@ def test_flat_adamw_matches_torch_adamw(dtype):
         opt.zero_grad()
 
 
-def test_flat_adamw_resumes_exactly(tmp_path):
+def test_bf16_states_step_as_torch_fused_adamw_on_a_bf16_model():
+    """optimizer.state_dtype: bf16 is torch's AdamW on bf16 weights (states in the weights' dtype; the fused kernel
+    computes in fp32 and rounds once): the weights equal it, the moments to one bf16 rounding. The fp32-master mode
+    trains differently on the same gradients (the control: small updates accumulate in the master only)."""
+    ours, master_run = _model(torch.bfloat16), _model(torch.bfloat16)
+    ref = copy.deepcopy(ours)
+    kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0)
+    opt = FlatAdamW(_groups(ours), state_dtype="bf16", **kw)
+    with_master = FlatAdamW(_groups(master_run), **kw)
+    torch_opt = torch.optim.AdamW(_groups(ref), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, fused=True)
+    assert all(f.master is None and f.exp_avg.dtype == torch.bfloat16 for f in opt.flats)  # 4 bytes of state
+    for step in range(1, 9):
+        _backward(ours, step)
+        for p_ref, p, p_m in zip(ref.parameters(), ours.parameters(), master_run.parameters()):
+            p_ref.grad, p_m.grad = p.grad.clone(), p.grad.clone()
+        for o in (opt, with_master, torch_opt):
+            o.step()
+            o.zero_grad()
+        for p, p_ref in zip(ours.parameters(), ref.parameters()):
+            assert torch.equal(p, p_ref), (step, (p.float() - p_ref.float()).abs().max())
+        for f, group in zip(opt.flats, torch_opt.param_groups):
+            for what in ("exp_avg", "exp_avg_sq"):
+                want = torch.cat([torch_opt.state[p][what].reshape(-1) for p in group["params"]]).float()
+                got = getattr(f, what).float()
+                assert ((got - want).abs() <= want.abs() * 2 ** -8).all(), (step, what)
+    assert any(not torch.equal(a, b) for a, b in zip(master_run.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_flat_adamw_resumes_exactly(tmp_path, state_dtype):
     models, opts = [], []
     for _ in range(2):
         models.append(_model(torch.bfloat16))
-        opts.append(FlatAdamW(_groups(models[-1]), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0))
+        opts.append(FlatAdamW(_groups(models[-1]), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0,
+                              state_dtype=state_dtype))
     model, opt = models[0], opts[0]
     for step in (2, 3):
         _backward(model, step)
@@ -81,10 +111,18 @@ def test_flat_adamw_resumes_exactly(tmp_path):
         _backward(m, 4)
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
-    assert all(torch.equal(a.master, b.master) for a, b in zip(opt.flats, opt2.flats))
+    for a, b in zip(opt.flats, opt2.flats):
+        assert (a.master is None) == (state_dtype == "bf16")
+        assert all(torch.equal(x, y) for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg)) if x is not None)
 
     with pytest.raises(UserError, match="optimizer.impl"):  # a ZeRO checkpoint's optimizer state
         opt2.load_state_dict(None)
+    other = "fp32" if state_dtype == "bf16" else "bf16"
+    elsewhere = FlatAdamW(_groups(_model(torch.bfloat16)), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0,
+                          state_dtype=other)
+    with pytest.raises(UserError, match=f"optimizer.state_dtype='{other}'.*resume with optimizer.state_dtype: "
+                       f"{state_dtype}"):
+        elsewhere.load_state_dict(saved["opt"])
 
 
 def test_nonfinite_gradient_norm_leaves_weights_finite():

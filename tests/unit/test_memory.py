@@ -64,6 +64,33 @@ def test_8bit_adamw_keeps_two_bytes_of_moments_per_parameter():
     assert fp32.optimizer == int((2 + 2 * 4 / 256) * shard)     # fp32 weights are their own master
 
 
+def test_bf16_states_keep_four_bytes_per_parameter_on_the_flat_adamw():
+    """optimizer.state_dtype: bf16 (no fp32 master, bf16 m and v) where the flat AdamW runs (tp alone); refused where
+    ZeRO would shard fp32 states, in one line naming the key, before anything runs (plan, preflight, train)."""
+    import pytest
+
+    from adapter.errors import UserError
+    from adapter.parallel import deepspeed_config
+
+    one = {"parallelism.dp_shard_size": 1}
+    local = 102720  # one TP rank's parameters (test_padded_vocab_and_local_params)
+    est = memory.estimate(cfg(**one, **{"optimizer.state_dtype": "bf16"}), TINY, partition_size=1,
+                          gpu_capacity=10**9, stage=1)
+    fp32 = memory.estimate(cfg(**one), TINY, partition_size=1, gpu_capacity=10**9, stage=1)
+    assert fp32.optimizer == 12 * local and est.optimizer == 4 * local  # master + m + v, or bf16 m + v
+    assert deepspeed_config.zero_stage(cfg(**one, **{"optimizer.state_dtype": "bf16"}), Layout(1, 1, 1, 2)) == 1
+    with pytest.raises(UserError, match=r"^optimizer.state_dtype='bf16': .*flat AdamW only, and it needs a layout "
+                                        r"with nothing to shard.*Fix: use one GPU or tp alone"):
+        deepspeed_config.zero_stage(cfg(**{"optimizer.state_dtype": "bf16"}), Layout(1, 2, 1, 2))
+    with pytest.raises(UserError, match=r"optimizer.impl is deepspeed"):
+        deepspeed_config.zero_stage(cfg(**one, **{"optimizer.state_dtype": "bf16", "optimizer.impl": "deepspeed"}),
+                                    Layout(1, 1, 1, 2))
+    with pytest.raises(UserError, match=r"optimizer.state_dtype: bf16 applies to bf16 weights, and precision is fp32"):
+        cfg(**{"optimizer.state_dtype": "bf16", "precision": "fp32"})
+    with pytest.raises(UserError, match=r"optimizer.name: adamw_8bit 8-bit ones: choose one"):
+        cfg(**{"optimizer.state_dtype": "bf16", "optimizer.name": "adamw_8bit"})
+
+
 def test_local_attention_adds_the_score_matrix():
     sdpa = memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="sdpa")
     local = memory.layer_activations(TINY, seq=32, micro=2, tp=2, cp=1, sp=True, attention="local")
