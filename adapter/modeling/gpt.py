@@ -44,6 +44,7 @@ from adapter.patches.mcore import (
     check_preprocess,
     fused_rope_is,
     install_cpu_shims,
+    skip_identity_chunk_sort,
     with_decoder_input,
     with_rotary,
 )
@@ -159,6 +160,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     if arch.moe:  # dropless top-k routing as transformers' (adapter/modeling/moe.py); no Megatron aux losses
+        skip_identity_chunk_sort()  # the all-to-all dispatcher's no-op sort at ep x tp = 1 (adapter/patches/mcore.py)
         kw.update(num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
                   moe_router_topk=arch.experts_per_token, moe_router_pre_softmax=not arch.norm_topk_prob,
                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,

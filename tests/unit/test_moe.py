@@ -252,3 +252,24 @@ def test_expert_weights_are_read_in_place_where_they_share_a_buffer():
     x, offs = torch.randn(10, 8), torch.tensor([3, 3, 7, 10], dtype=torch.int32)
     got = torch._grouped_mm(x, as_batch(fc1).transpose(1, 2), offs=offs)
     assert torch.allclose(got[3:7], x[3:7] @ fc1[2].t()) and torch.allclose(got[7:], x[7:] @ fc1[3].t())
+
+
+def test_all_to_all_dispatcher_skips_only_the_identity_chunk_sort():
+    """adapter/patches/mcore.skip_identity_chunk_sort: at ep x tp = 1 the dispatcher's sort by local expert is the
+    identity and returns its input as it is (no split + cat of every routed token); any other order is Megatron's."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    from adapter.patches.mcore import skip_identity_chunk_sort
+
+    skip_identity_chunk_sort()
+    sort = token_dispatcher.sort_chunks_by_idxs
+    x, probs, sizes = torch.randn(10, 3), torch.randn(10), torch.tensor([3, 1, 4, 2])
+    chunks = torch.arange(4)  # the dispatcher's sort_input_by_local_experts for 4 experts at ep = tp = 1
+    identity = chunks.reshape(-1, 4).T.ravel()
+    got, got_probs = sort(x, sizes, identity, probs=probs)
+    assert got is x and got_probs is probs
+    two_ranks = chunks.reshape(-1, 2).T.ravel()  # ep = 2, two local experts: [0, 2, 1, 3]
+    got, got_probs = sort(x, sizes, two_ranks, probs=probs)
+    want, want_probs = moe_utils.sort_chunks_by_idxs(x, sizes, two_ranks, probs=probs)
+    assert torch.equal(got, want) and torch.equal(got_probs, want_probs) and not torch.equal(got, x)
