@@ -91,6 +91,9 @@ def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, 
                 deadline = time.monotonic() + GRACE_S  # a collective stop (divergence) ends every rank by itself
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
+                # a rank killed from outside (before we stop the rest) is the cause; the others died of its absence
+                killed = [r for r, p in enumerate(procs) if (p.poll() or 0) < 0]
+                first = killed[0] if killed else first
                 _stop(procs)
                 # every rank's own end: a rank that said why (status 2) wins over one that crashed on its way out
                 # (a native thread torn down at exit can abort a rank that was already ending)
