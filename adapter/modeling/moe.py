@@ -202,12 +202,27 @@ class GroupedExperts(SequentialMLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        with torch.no_grad():  # each linear's experts in one buffer: the grouped GEMM reads them in place
+        self._one_buffer()
+
+    def _one_buffer(self) -> None:
+        """Each linear's experts in one buffer, so the grouped GEMM reads them in place (`as_batch`). Left alone
+        where they already are (or lie in ZeRO-1/2's flat buffer at a fixed step) and under ZeRO-3's partitions."""
+        with torch.no_grad():
             for name in ("linear_fc1", "linear_fc2"):
                 ws = [getattr(e, name).weight for e in self.local_experts]
+                if len(ws) < 2 or any(hasattr(w, "ds_id") for w in ws) or \
+                        as_batch(ws).data_ptr() == ws[0].data_ptr():
+                    continue
                 buf = torch.stack([w.data for w in ws])
                 for w, row in zip(ws, buf):
                     w.data = row
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)`, `.cuda()`, `.half()` give every weight a tensor of its own: one buffer again after them (the
+        engine moves the model before any optimizer holds its weights)."""
+        out = super()._apply(fn, recurse)
+        self._one_buffer()
+        return out
 
     def _can_group(self, x: torch.Tensor) -> bool:
         c, w = self.config, self.local_experts[0].linear_fc1.weight

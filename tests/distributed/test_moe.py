@@ -124,6 +124,10 @@ def _grouped_vs_loop(ids, ckpt):
             model = build_gpt_model(arch, tp=2, sequence_parallel=True, padded_vocab=meta["padded_vocab_size"],
                                     moe_grouped_gemm=grouped)
             load_megatron_checkpoint(model, ckpt)
+            if grouped and not compiled:  # a conversion gives each weight its own tensor; one buffer again after it
+                model.to(torch.float64).to(torch.float32)
+                fc1 = [e.linear_fc1.weight for e in model.decoder.layers[0].mlp.experts.local_experts]
+                assert moe.as_batch(fc1).data_ptr() == fc1[0].data_ptr()
             if compiled:  # model.compile: a MoE layer's attention half compiled, its experts eager
                 torch._dynamo.reset()
                 assert compile_layers(model) == arch.num_layers
