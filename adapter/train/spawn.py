@@ -6,7 +6,7 @@ one line and exit status 2 before anything starts. If a worker still fails, the 
 returns that worker's status (2 for a UserError, which the worker prints as one line). The run's exit signals
 (SIGTERM, SIGUSR1) are passed on to every rank, which stop together after a checkpoint: status 75 (requeue).
 
-Ranks on CPUs (rehearsals; machines without NVIDIA devices) fork from one server process that imported torch,
+Ranks on CPUs (rehearsals; machines without GPU devices) fork from one server process that imported torch,
 Megatron-Core, DeepSpeed and the trainer once: a fresh interpreter spends ~6 s of CPU on those imports, and a
 rehearsal's 8 or 16 ranks share a laptop's few cores (16 ranks on 2 cores: ~50 s before any work). The server
 initialises nothing, so each rank starts as a fresh one would after its imports. GPU ranks stay separate
@@ -38,6 +38,7 @@ EXIT_PORT_TAKEN = 98  # EADDRINUSE's number: another process took MASTER_PORT fi
 PORT_ATTEMPTS = 3
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core", "transformers", "adapter.train.trainer")
 IMPORT_ENV = ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "OMP_NUM_THREADS")  # read when those modules are imported
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, ROCm, WSL: ranks there stay separate interpreters
 
 
 def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals: list[str] = (),
@@ -68,7 +69,7 @@ def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, 
         env.setdefault("OMP_NUM_THREADS", "1")
         if cpu:
             env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-        if cpu or not Path("/dev/nvidiactl").exists():
+        if cpu or not any(Path(d).exists() for d in GPU_DEVICES):
             procs.append(_Forked(module, worker_args, env))
         else:
             procs.append(subprocess.Popen([sys.executable, "-m", module, *worker_args], env=env))
