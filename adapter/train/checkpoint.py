@@ -31,7 +31,7 @@ from adapter.errors import bad
 from adapter.osutil import atomic_write_text
 from adapter.patches.zero import experts_from_master
 from adapter.train.ckpt_info import LATEST, RECORD
-from adapter.train.optim import FORMAT, FlatAdamW
+from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, state_dtype_of
 
 TMP = "tmp-"
 _TAG = re.compile(r"global_step(\d+)$")
@@ -165,7 +165,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
     if latest_tag(root) == tag:
         return root / tag
     state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng(), "optimizer": optimizer_name(engine),
-                                             "state_dtype": state_dtype(engine)}}
+                                             "state_dtype": state_dtype_of(engine.optimizer)}}
     try:
         with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
             engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False,  # ends in a barrier
@@ -199,11 +199,6 @@ def optimizer_name(engine) -> str:
         return "adamw_8bit" if opt.state_bits == 8 else "adamw"
     inner = type(getattr(opt, "optimizer", opt))
     return "adamw_8bit" if inner.__module__.startswith("bitsandbytes") else "adamw"
-
-
-def state_dtype(engine) -> str:
-    """`optimizer.state_dtype` of the engine's optimizer (only the flat AdamW keeps bf16 ones)."""
-    return getattr(engine.optimizer, "state_dtype", "fp32") if isinstance(engine.optimizer, FlatAdamW) else "fp32"
 
 
 def _node_local(engine) -> bool:
@@ -283,10 +278,7 @@ def _check_match(engine, meta: dict, key: str, value: str, trained_only: bool = 
     if there != here:
         raise bad(key, value, f"its optimizer state is {there}'s; this run uses {here}",
                   f"resume with optimizer.name: {there} (as it was saved)")
-    there, here = (meta.get(_OURS) or {}).get("state_dtype", "fp32"), state_dtype(engine)
-    if there != here:
-        raise bad(key, value, f"its optimizer states are {there}, this run keeps {here} ones",
-                  f"resume with optimizer.state_dtype: {there} (as it was saved)")
+    check_state_dtype((meta.get(_OURS) or {}).get("state_dtype", "fp32"), engine.optimizer, key, value)
     if meta.get("param_shapes") is not None:
         saved = {k: tuple(v) for group in meta["param_shapes"] for k, v in group.items()}
         here = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}

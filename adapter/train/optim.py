@@ -281,6 +281,20 @@ class FlatAdamW(torch.optim.Optimizer):
         raise KeyError("FlatAdamW.set_state: the parameter is not one this optimizer steps")
 
 
+def state_dtype_of(opt) -> str:
+    """`optimizer.state_dtype` an engine's optimizer keeps (only the flat AdamW keeps bf16 ones)."""
+    return opt.state_dtype if isinstance(opt, FlatAdamW) else "fp32"
+
+
+def check_state_dtype(saved: str, opt, key: str, value: str) -> None:
+    """A checkpoint resumes only with the state dtype that wrote it, at its layout or another (fp32 states placed
+    into bf16 ones would be rounded; bf16 ones into fp32 would not continue the run that was saved)."""
+    here = state_dtype_of(opt)
+    if saved != here:
+        raise bad(key, value, f"its optimizer states are {saved}, this run keeps {here} ones",
+                  f"resume with optimizer.state_dtype: {saved} (as it was saved)")
+
+
 def adamw_8bit(param_groups, *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW8bit (the module docstring says why), imported here: only runs that ask for it pay for the
     import, and its note about an optional CPU kernel package is kept out of the run's log."""
@@ -296,4 +310,4 @@ def adamw_8bit(param_groups, *, lr: float, betas: tuple[float, float], eps: floa
 FORMAT = "nd-adapter.FlatAdamW/1"
 _NAMES = {32: "adamw", 8: "adamw_8bit"}
 
-__all__ = ["FlatAdamW", "adamw_8bit"]
+__all__ = ["FlatAdamW", "adamw_8bit", "check_state_dtype", "state_dtype_of"]

@@ -32,7 +32,7 @@ from adapter.models.families import family, packed_rule
 from adapter.models.mapping import LAYER, LOCAL_EXPERT, Vocab, cut_blocks, global_expert_name, merge_blocks
 from adapter.patches.zero import adam_states
 from adapter.patches.zero_files import MOMENTS, ZeroFiles, client_state, written_by_zero
-from adapter.train.optim import FORMAT, FlatAdamW
+from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype
 
 WHAT = ("fp32", *MOMENTS)
 _LAYER = re.compile(r"^" + re.escape(LAYER) + r"\d+\.")
@@ -157,10 +157,7 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
         raise bad(key, value, "this run keeps 8-bit moments, quantised in blocks of its own partitions; a "
                   "checkpoint of another layout cannot be placed into them exactly", "resume at the layout it was "
                   "saved with, or with optimizer.name: adamw")
-    there, here = getattr(saved, "state_dtype", "fp32"), getattr(opt, "state_dtype", "fp32")
-    if there != here:  # placing fp32 states into bf16 ones would round them; bf16 into fp32 would not be the run saved
-        raise bad(key, value, f"its optimizer states are {there}, this run keeps {here} ones",
-                  f"resume with optimizer.state_dtype: {there} (as it was saved)")
+    check_state_dtype(getattr(saved, "state_dtype", "fp32"), opt, key, value)  # ZeRO's files: fp32 states
     local = arch.num_experts // ep if arch.moe else 0
     trained = [(global_expert_name(n, ep_rank, local), p) for n, p in engine.module.named_parameters()
                if p.requires_grad]

@@ -124,9 +124,10 @@ def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, 
         errors.cleanup()
 
 
-def _server(env: dict) -> mp.context.BaseContext:
-    """The forkserver context, its server started once per launcher with PRELOAD imported under the ranks'
-    import-time settings (IMPORT_ENV)."""
+def forkserver(env: dict, preload=PRELOAD) -> mp.context.BaseContext:
+    """The forkserver context. Its server (one per process, shared by every caller: the first one's `preload` and
+    settings hold) is started on first use with `preload` imported under `env`'s import-time settings (IMPORT_ENV)
+    and the imports' warnings silenced; a child calls `default_warnings` first."""
     global _context
     if _context is None:
         from multiprocessing import forkserver
@@ -136,7 +137,7 @@ def _server(env: dict) -> mp.context.BaseContext:
         os.environ["PYTHONWARNINGS"] = "ignore"  # the imports' warnings (no Apex, no TE), which the ranks silence too
         try:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(list(PRELOAD))
+            ctx.set_forkserver_preload(list(preload))
             forkserver.ensure_running()
         finally:
             os.environ.clear()
@@ -148,15 +149,20 @@ def _server(env: dict) -> mp.context.BaseContext:
 _context = None
 
 
-def _run_rank(module: str, args: list[str], env: dict) -> None:
-    """A forked rank: this rank's environment and arguments, then `python -m module` as a fresh process runs it."""
-    os.environ.clear()
-    os.environ.update(env)
-    sys.warnoptions.clear()  # Python's default warning filters, not the server's "ignore"
+def default_warnings() -> None:
+    """Python's default warning filters in a forked child, not the server's "ignore"."""
+    sys.warnoptions.clear()
     warnings.resetwarnings()
     warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
     for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
         warnings.simplefilter("ignore", category, append=True)
+
+
+def _run_rank(module: str, args: list[str], env: dict) -> None:
+    """A forked rank: this rank's environment and arguments, then `python -m module` as a fresh process runs it."""
+    os.environ.clear()
+    os.environ.update(env)
+    default_warnings()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -166,7 +172,7 @@ class _Forked:
     Popen's: negative for a signal)."""
 
     def __init__(self, module: str, args: list[str], env: dict):
-        self.proc = _server(env).Process(target=_run_rank, args=(module, args, env))
+        self.proc = forkserver(env).Process(target=_run_rank, args=(module, args, env))
         self.proc.start()
 
     def poll(self) -> int | None:

@@ -1,10 +1,11 @@
 """Run a function in N fresh gloo processes (not pytest's forks, so no torch/deepspeed state leaks into pytest; not
 daemons, since torch_dist checkpoint writers start child processes of their own).
 
-The processes fork from one forkserver per pytest session that has imported torch, Megatron-Core, DeepSpeed and
-the trainer once: a fresh interpreter spends ~6 s of CPU on those imports, which was most of the suite's time on
-two cores (~50 call sites, 1-16 ranks each). The server initialises nothing (no CUDA, no process group), so each
-child starts as a spawned one would after its imports.
+On CPU machines the processes fork from one forkserver per pytest session (adapter/train/spawn.forkserver) that
+has imported torch, Megatron-Core, DeepSpeed and the trainer once: a fresh interpreter spends ~6 s of CPU on those
+imports, which was most of the suite's time on two cores (~50 call sites, 1-16 ranks each). The server initialises
+nothing (no CUDA, no process group), so each child starts as a spawned one would after its imports. With CUDA
+visible the processes are spawned.
 
 `fn(rank, world, *args)` must be a module-level function (spawn pickles it by reference). Its return values come
 back in rank order; an exception in any rank fails the caller with that rank's traceback.
@@ -20,6 +21,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from adapter.train.spawn import PRELOAD as RANK_PRELOAD
+from adapter.train.spawn import default_warnings, forkserver
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,28 +38,26 @@ def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, q) -> No
 
     if not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+        default_warnings()  # forked from the forkserver, which silenced its imports' warnings
     try:
         q.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - ship every failure to the parent
         q.put((rank, False, traceback.format_exc()))
 
 
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core", "transformers", "adapter.train.trainer",
-           "adapter.train.engine", "adapter.convert.to_megatron", "tests.helpers.hf"]
+PRELOAD = [*RANK_PRELOAD, "adapter.train.engine", "adapter.convert.to_megatron", "tests.helpers.hf"]
 _ctx = None
 
 
 def _context():
-    """The forkserver context, started once with PRELOAD imported (and DeepSpeed told it has no GPU when none is
-    visible: its accelerator is chosen at import)."""
+    """On CPU machines the forkserver `nd-adapter train` forks its CPU ranks from (adapter/train/spawn.py), with
+    DeepSpeed told it has no GPU (its accelerator is chosen at import); with CUDA visible, spawn (CUDA must not be
+    touched before a fork)."""
     global _ctx
     if _ctx is None:
         import torch
 
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(PRELOAD)
+        _ctx = mp.get_context("spawn") if torch.cuda.is_available() else forkserver({"DS_ACCELERATOR": "cpu"}, PRELOAD)
     return _ctx
 
 
