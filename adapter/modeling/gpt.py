@@ -36,7 +36,7 @@ from adapter.kernels.fusions import (
     vocab_parallel_cross_entropy,
 )
 from adapter.kernels.thd import PackedDocs
-from adapter.modeling.moe import AuxLoss, GroupedExperts, HFRouter, WholeRMSNorm
+from adapter.modeling.moe import AuxLoss, GroupedExperts, HFRouter, WholeRMSNorm, use_local_dispatch
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.patches import require
 from adapter.patches.mcore import (
@@ -44,7 +44,6 @@ from adapter.patches.mcore import (
     check_preprocess,
     fused_rope_is,
     install_cpu_shims,
-    skip_identity_chunk_sort,
     with_decoder_input,
     with_rotary,
 )
@@ -160,7 +159,6 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, cp: int = 1, sequence_pa
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     if arch.moe:  # dropless top-k routing as transformers' (adapter/modeling/moe.py); no Megatron aux losses
-        skip_identity_chunk_sort()  # the all-to-all dispatcher's no-op sort at ep x tp = 1 (adapter/patches/mcore.py)
         kw.update(num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
                   moe_router_topk=arch.experts_per_token, moe_router_pre_softmax=not arch.norm_topk_prob,
                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
@@ -365,14 +363,15 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
                     attention: Attention = "sdpa", max_sequence_length: int | None = None,
                     parallel_output: bool = True, config: TransformerConfig | None = None,
                     fused_kernels: bool = False, linear_ce: bool = False, linear_ce_chunk: int | None = None,
-                    moe_grouped_gemm: bool = True, **config_kw) -> GPTModel:
+                    moe_grouped_gemm: bool = True, moe_local_dispatch: bool = True, **config_kw) -> GPTModel:
     """GPTModel for `arch` on the current parallel_state (tp/cp must match it). Weights are random: load them after.
 
     `fused_kernels`: see `transformer_config`; also swaps in the fused cross-entropy (FusedLossGPTModel).
     `linear_ce`: training calls that pass a loss_mask get the fused linear + cross-entropy's masked loss sum;
     `linear_ce_chunk`: its tokens per chunk (ours then, also where Liger's would run).
     `moe_grouped_gemm`: experts as grouped GEMMs where they apply (adapter/modeling/moe.GroupedExperts), else
-    Megatron's per-expert loop."""
+    Megatron's per-expert loop. `moe_local_dispatch`: layers whose experts are all local dispatch without host syncs
+    (adapter/modeling/moe.LocalTokenDispatcher), else Megatron's dispatcher (the one it replaces, for tests)."""
     install_cpu_shims()
     check_preprocess()
     if attention == "local" and cp > 1:
@@ -410,6 +409,8 @@ def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: 
                 m.aux = model.moe_aux
             if isinstance(m, GroupedExperts):
                 m.grouped = moe_grouped_gemm
+        if moe_local_dispatch:
+            use_local_dispatch(model)
     if arch.rope_linear_factor is not None:  # linear RoPE scaling (Gemma 3's global layers): frequencies / factor
         model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
     if arch.rope_short_factor is not None:  # LongRoPE's frequencies, as transformers computes them (fp32)

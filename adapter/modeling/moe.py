@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 
 class AuxLoss:
@@ -174,23 +175,48 @@ def as_batch(weights) -> torch.Tensor:
 
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of expert e] = x[rows of e] · W_e^T for every local expert in one grouped GEMM (`offs`: the cumulative
-    row counts, on the device). The weights stay separate parameters, read as one batch (`as_batch`: a view where
-    they share a buffer) and saved as they are; each expert's gradient comes back on its own."""
+    row counts, on the device). `w` is the experts' weights as one [experts, out, in] batch (`as_batch`: a view where
+    they share a buffer). Each expert's weight gradient goes either to autograd (`weights`: the experts' parameters,
+    so per-parameter hooks such as ZeRO's see them) or, under `deposit` (the parameters, `weights` empty), straight
+    into their `.grad` as rows of one tensor: 128 experts make 128 autograd edges, saved tensors and gradient
+    accumulations per linear, which on one H200 cost more host time than the GEMMs take on the GPU."""
 
     @staticmethod
-    def forward(ctx, x, offs, *weights):
-        ctx.save_for_backward(x, offs, *weights)
-        return torch._grouped_mm(x, as_batch(weights).transpose(1, 2), offs=offs)
+    def forward(ctx, x, offs, w, deposit, *weights):
+        ctx.deposit = deposit
+        ctx.save_for_backward(x, offs, w, *weights)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx, dy):
-        x, offs, *weights = ctx.saved_tensors
+        x, offs, w, *weights = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = torch._grouped_mm(dy, as_batch(weights), offs=offs) if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[2:]):  # frozen experts (a LoRA run): no weight gradients
-            return (dx, None, *(None for _ in weights))
+        dx = torch._grouped_mm(dy, w, offs=offs) if ctx.needs_input_grad[0] else None
+        if not (any(ctx.needs_input_grad[4:]) or ctx.deposit):  # frozen experts (a LoRA run): no weight gradients
+            return (dx, None, None, None, *(None for _ in weights))
         dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [experts, out, in]: the rows of each expert summed
-        return (dx, None, *dw.unbind(0))
+        if ctx.deposit:
+            _accumulate(ctx.deposit, dw)
+            return dx, None, None, None
+        return (dx, None, None, None, *dw.unbind(0))
+
+
+def _accumulate(params: list, dw: torch.Tensor) -> None:
+    """params[e].grad += dw[e], as autograd would; the first time after `zero_grad` each becomes a row of `dw`, so
+    later micro-batches add into all of them at once."""
+    g0, gl = params[0].grad, params[-1].grad
+    if g0 is None and all(p.grad is None for p in params):
+        for p, g in zip(params, dw.unbind(0)):
+            p.grad = g
+    elif g0 is not None and gl is not None and g0._base is not None and g0._base is gl._base and \
+            g0._base.shape == dw.shape and all(p.grad is not None and p.grad._base is g0._base for p in params):
+        g0._base.add_(dw)
+    else:
+        for p, g in zip(params, dw.unbind(0)):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
 
 
 class GroupedExperts(SequentialMLP):
@@ -199,10 +225,27 @@ class GroupedExperts(SequentialMLP):
     Hopper or another dtype than bf16 there), Megatron's loop runs: the same arithmetic, expert by expert."""
 
     grouped = True  # model.moe_grouped_gemm
+    deposit = False  # weight gradients straight into `.grad` (`_GroupedLinear`): set where nothing hooks them
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._cache: dict = {}
         self._one_buffer()
+
+    def _weights(self, name: str) -> tuple[list, torch.Tensor]:
+        """One linear's expert weights and their [experts, out, in] batch. A batch that is a view of their buffer is
+        kept until a weight moves (checking every expert's address is cheap; `as_batch`'s checks and 128 module
+        lookups per call were not)."""
+        hit = self._cache.get(name)
+        if hit is not None:
+            ws, ptrs, batch = hit
+            if ws[0] is getattr(self.local_experts[0], name).weight and [w.data_ptr() for w in ws] == ptrs:
+                return ws, batch
+        ws = [getattr(e, name).weight for e in self.local_experts]
+        batch = as_batch([w.detach() for w in ws])
+        if batch.data_ptr() == ws[0].data_ptr():  # a view: it follows the weights' updates (a stacked copy would not)
+            self._cache[name] = (ws, [w.data_ptr() for w in ws], batch)
+        return ws, batch
 
     def _one_buffer(self) -> None:
         """Each linear's experts in one buffer, so the grouped GEMM reads them in place (`as_batch`). Left alone
@@ -251,9 +294,126 @@ class GroupedExperts(SequentialMLP):
         if not self._can_group(x):
             return super().forward(x, tokens_per_expert, permuted_probs)
         offs = tokens_per_expert.to(device=x.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
-        h = _GroupedLinear.apply(x, offs, *(e.linear_fc1.weight for e in self.local_experts))
+        h = self._linear(x, offs, "linear_fc1")
         h = self._activate(h, permuted_probs)
-        return _GroupedLinear.apply(h, offs, *(e.linear_fc2.weight for e in self.local_experts)), None
+        return self._linear(h, offs, "linear_fc2"), None
+
+    def _linear(self, x: torch.Tensor, offs: torch.Tensor, name: str) -> torch.Tensor:
+        ws, batch = self._weights(name)
+        if not ws[0].requires_grad or not torch.is_grad_enabled():
+            return _GroupedLinear.apply(x, offs, batch, None)
+        if self.deposit:
+            return _GroupedLinear.apply(x, offs, batch, ws)
+        return _GroupedLinear.apply(x, offs, batch, None, *ws)
 
 
-__all__ = ["AuxLoss", "HFRouter", "WholeRMSNorm", "GroupedExperts", "as_batch"]
+class LocalTokenDispatcher(MoETokenDispatcher):
+    """The token dispatcher where every expert is local (ep x expert-tp = 1): only a permutation, static in shape.
+
+    Megatron's dispatchers serve this case too, but size their permutation from the data: `masked_select` on the
+    routing map (a host sync each), the per-expert counts copied to the host (another), a split + cat to sort
+    chunks that are already in order. Each sync empties the GPU's queue; on one H200 the Qwen3-30B-A3B layer's
+    step was host-bound (docs/BENCHMARKS.md). Dropless top-k routing picks exactly k experts per token, so the
+    permuted rows number tokens x k whatever the data: a stable sort of the [experts, tokens] map puts the picks
+    first, in Megatron's order (expert-major, tokens ascending), and the counts stay on the device for the grouped
+    GEMM's offsets (`GroupedExperts`). Tokens come back to their rows by gathers and sums, forward and backward,
+    where Megatron scatter-adds with atomics."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.ep_size * self.tp_size != 1 or config.moe_expert_capacity_factor is not None or \
+                config.moe_router_padding_for_quantization or config.moe_shared_expert_intermediate_size:
+            raise ValueError("LocalTokenDispatcher: dropless routing with every expert on this rank only")
+        self.num_local_experts, self.local_expert_indices = num_local_experts, local_expert_indices
+        self.top_k = config.moe_router_topk
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self.hidden_shape = hidden_states.shape
+        tokens = routing_map.size(0)
+        picked = routing_map.T.reshape(-1)  # [experts x tokens], expert-major
+        order = torch.argsort(picked.logical_not().to(torch.uint8), stable=True)[:tokens * self.top_k]
+        rows = order % tokens  # the token of each permuted row
+        # each token's k rows (in expert order): the permutation's inverse, for the gathers that replace scatters
+        self.index = (rows, torch.argsort(rows, stable=True).view(tokens, self.top_k))
+        self.tokens_per_expert = routing_map.sum(dim=0)
+        x = hidden_states.view(-1, self.hidden_shape[-1])
+        return _Permute.apply(x, *self.index), probs.T.reshape(-1).index_select(0, order)
+
+    def token_dispatch(self, hidden_states, probs):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        return hidden_states, self.tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states):
+        return hidden_states
+
+    def token_combine(self, hidden_states):
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states):
+        out = _Unpermute.apply(hidden_states, *self.index)
+        self.index = self.tokens_per_expert = None
+        return out.view(self.hidden_shape)
+
+
+def _gather_sum(y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """out[t] = Σ_j y[inv[t, j]]: each token's k rows, summed (no atomics, unlike a scatter-add into the tokens)."""
+    tokens, k = inv.shape
+    return y.index_select(0, inv.reshape(-1)).view(tokens, k, -1).sum(1)
+
+
+class _Permute(torch.autograd.Function):
+    """x[rows]; its gradient gathers each token's k rows back and sums them (`_gather_sum`), where autograd's
+    `index_select` backward would scatter-add with atomics (8.5 ms of a ~118 ms step on one H200)."""
+
+    @staticmethod
+    def forward(ctx, x, rows, inv):
+        ctx.save_for_backward(inv)
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (inv,) = ctx.saved_tensors
+        return _gather_sum(dy, inv), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """The expert outputs summed back into their tokens (`_gather_sum`); its gradient is a gather by `rows`."""
+
+    @staticmethod
+    def forward(ctx, y, rows, inv):
+        ctx.save_for_backward(rows)
+        return _gather_sum(y, inv)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (rows,) = ctx.saved_tensors
+        return dout.index_select(0, rows), None, None
+
+
+def deposit_expert_grads(model: torch.nn.Module) -> int:
+    """Grouped experts write their weight gradients straight into `.grad` (`_GroupedLinear`): for optimizers that
+    read `.grad` after backward and hook nothing per parameter (nd-adapter's flat AdamW). Returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.deposit, n = True, n + 1
+    return n
+
+
+def use_local_dispatch(model: torch.nn.Module) -> int:
+    """Every MoE layer whose experts are all on this rank dispatches with `LocalTokenDispatcher`. Returns how many."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MoELayer) and m.token_dispatcher.ep_size * m.token_dispatcher.tp_size == 1:
+            m.token_dispatcher = LocalTokenDispatcher(m.num_local_experts, m.local_expert_indices, m.config,
+                                                      model.pg_collection)
+            n += 1
+    return n
+
+
+__all__ = ["AuxLoss", "HFRouter", "WholeRMSNorm", "GroupedExperts", "LocalTokenDispatcher", "use_local_dispatch",
+           "deposit_expert_grads", "as_batch"]

@@ -4,8 +4,7 @@
 * RowParallelLinear's group lookup without its per-forward warning (`quiet_row_parallel_group`, for torch.compile);
 * our fused RoPE plugged into the extension point TransformerEngine would fill (`install_rope_fusion`);
 * GPTModel's preprocessing result with per-token RoPE angles for packed documents (`with_rotary`);
-* a linear layer's matmul implementation (`set_linear_impl`: plain `F.linear` at tp = 1 under torch.compile, fp8);
-* the all-to-all MoE dispatcher's chunk sort skipped where it is the identity (`skip_identity_chunk_sort`).
+* a linear layer's matmul implementation (`set_linear_impl`: plain `F.linear` at tp = 1 under torch.compile, fp8).
 
 CPU shims.
 
@@ -134,29 +133,6 @@ def quiet_row_parallel_group() -> None:
 
     group_if_none._nd_quiet = True
     layers.get_tensor_model_parallel_group_if_none = group_if_none
-
-
-def skip_identity_chunk_sort() -> None:
-    """Megatron 0.16's all-to-all MoE dispatcher sorts the token chunks it received by local expert (and unsorts them
-    after the experts) with a split + cat of every routed token, after a host sync on the split sizes: four copies
-    of [tokens x top-k, hidden] per layer and step, forward and backward. With ep x tp = 1 the chunks come from one
-    rank, already in expert order, and the sort is the identity; Megatron runs it anyway. Measured on one H200
-    (Qwen3-30B-A3B's layer, 8 layers, seq 4096): 32 such copies, 10 ms of GPU time in a ~160 ms step
-    (docs/BENCHMARKS.md). Skipped where the order is the identity: its result is its input, bit for bit."""
-    from megatron.core.transformer.moe import token_dispatcher
-
-    original = token_dispatcher.sort_chunks_by_idxs
-    if getattr(original, "_nd_identity", False):
-        return
-    require("megatron-core", TESTED_MEGATRON_VERSIONS, "MoE chunk sort (adapter/patches/mcore.py)")
-
-    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
-        if sorted_idxs.device.type == "cpu" and torch.equal(sorted_idxs, torch.arange(sorted_idxs.numel())):
-            return input, probs
-        return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
-
-    sort_chunks_by_idxs._nd_identity = True
-    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
 
 
 def install_rope_fusion(fused_rope) -> bool:

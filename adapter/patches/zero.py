@@ -102,11 +102,18 @@ def install_zero12_step(optimizer) -> None:
 def drive_flat_optimizer(engine, optimizer) -> None:
     """DeepSpeed around nd-adapter's FlatAdamW (stage 0, no DeepSpeed precision): there is nothing to all-reduce
     over a data-parallel group of one, and its bucketed fallback would copy every gradient into a flat buffer and
-    back."""
+    back. Its `zero_grad` (every gradient to None) runs over a list of the parameters made once."""
     require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "DeepSpeed driving the flat AdamW (adapter/patches/zero.py)")
     if engine.optimizer is not optimizer:
         raise RuntimeError(f"DeepSpeed wrapped the flat AdamW in {type(engine.optimizer).__name__}")
     engine.enable_backward_allreduce = False
+    params = list(engine.module.parameters())
+
+    def zero_grad():  # the engine's walks every module's named_parameters() each step (a MoE has thousands)
+        for p in params:
+            p.grad = None
+
+    engine.zero_grad = zero_grad
 
 
 def set_hpz_group(group) -> None:

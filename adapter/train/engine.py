@@ -27,6 +27,7 @@ from adapter.kernels.fp8 import install_fp8
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.modeling.lora import add_adapters, load_state
+from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
 from adapter.models import freeze as freeze_facts
 from adapter.models import lora as lora_facts
@@ -273,6 +274,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
                                           lr_scheduler=lr_scheduler_for(cfg))
 
         drive_flat_optimizer(engine, opt)
+        deposit_expert_grads(model)  # nothing hooks per-parameter gradients here (adapter/modeling/moe.py)
     elif cfg.optimizer.name == "adamw_8bit":  # ZeRO steps bitsandbytes' AdamW8bit on its fp32 partitions
         o = cfg.optimizer
         opt = adamw_8bit(optimizer_groups(o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)

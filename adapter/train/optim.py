@@ -101,6 +101,27 @@ class _Flat:
         return self.master is None and self.exp_avg is not None and self.exp_avg.dtype != torch.float32
 
 
+def _whole(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`grads` with every complete set of equal rows of one tensor replaced by that tensor (grouped experts deposit
+    their gradients so: adapter/modeling/moe.py): the same norm, from a few long tensors instead of thousands."""
+    out, shared = [], {}
+    for g in grads:
+        base = g._base
+        if base is not None and base.is_contiguous() and g.is_contiguous() and base.dtype == g.dtype:
+            shared.setdefault(id(base), (base, []))[1].append(g)
+        else:
+            out.append(g)
+    for base, rows in shared.values():
+        n, size = rows[0].numel(), base.element_size()
+        starts = {(g.data_ptr() - base.data_ptr()) // size for g in rows}
+        if n * len(rows) == base.numel() and all(g.numel() == n for g in rows) and \
+                starts == set(range(0, base.numel(), n)):
+            out.append(base)
+        else:
+            out.extend(rows)
+    return out
+
+
 class FlatAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's bias correction) with gradient clipping and fp32 master weights
     (`state_dtype="bf16"`: none, and moments in the weights' 16-bit dtype).
@@ -164,8 +185,8 @@ class FlatAdamW(torch.optim.Optimizer):
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients (fp32, on the device), Megatron's TP rule."""
-        counted = [p.grad for f in self.flats for p in f.params
-                   if p.grad is not None and (self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+        counted = _whole([p.grad for f in self.flats for p in f.params
+                          if p.grad is not None and (self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))])
         device = self.flats[0].device
         sq = torch.zeros((), dtype=torch.float32, device=device)
         if counted:

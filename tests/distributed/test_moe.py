@@ -7,7 +7,8 @@ Megatron's MoE layer needs beside TP in training: the routers' statistics summed
 CP). A negative control drops the auxiliary gradient: the routers' gradients then differ. The conversion round trip
 at tp 2 is bit-exact. All of these run the experts as grouped GEMMs (GroupedExperts, CPU); the same model with
 Megatron's per-expert loop gives the same loss and every gradient, and so does `model.compile` (each layer's
-attention compiled, the experts eager).
+attention compiled, the experts eager). Where every expert is local, the sync-free dispatcher gives Megatron's
+dispatcher's loss and gradients (bit for bit here: fp32, two picks per token, summed in the same order).
 """
 from __future__ import annotations
 
@@ -143,6 +144,55 @@ def _grouped_vs_loop(ids, ckpt):
             "compiled_grads": max((ga[n] - gc[n]).abs().max().item() for n in ga)}
 
 
+def _local_vs_megatron(ids, ckpt):
+    """At tp = ep = 1 every expert is local: LocalTokenDispatcher against Megatron's allgather dispatcher on the same
+    model, loss and every gradient, and its forward + backward reads nothing back to the host and sizes
+    nothing from the data (the ops that would: masked_select, nonzero, .item()/.tolist(), a copy to the CPU)."""
+    import json
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from adapter.convert.load import load_megatron_checkpoint
+    from adapter.modeling.gpt import build_gpt_model
+    from adapter.modeling.moe import LocalTokenDispatcher
+    from adapter.models.arch import ModelArch
+
+    class Spy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1)
+    meta = json.loads((Path(ckpt) / "nd_adapter.json").read_text())
+    arch = ModelArch(**meta["arch"])
+    out = []
+    for local in (True, False):
+        model = build_gpt_model(arch, padded_vocab=meta["padded_vocab_size"], moe_local_dispatch=local)
+        load_megatron_checkpoint(model, ckpt)
+        layer = model.decoder.layers[0].mlp
+        assert isinstance(layer.token_dispatcher, LocalTokenDispatcher) == local
+        spy = Spy()
+        with spy:
+            h = layer(torch.randn(S, 2, arch.hidden_size, generator=torch.Generator().manual_seed(3),
+                                  requires_grad=True))[0]
+            h.square().sum().backward()
+        loss = model(ids[:, :-1], None, None, labels=ids[:, 1:]).sum()
+        model.zero_grad()
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, spy.ops))
+    (a, ga, ops), (b, gb, megatron_ops) = out
+    host = {"masked_select", "nonzero", "_local_scalar_dense"}
+    return {"loss": (a - b).abs().item(), "grads": max((ga[n] - gb[n]).abs().max().item() for n in ga),
+            "host_ops": float(len(ops & host)), "control": float(not megatron_ops & host)}
+
+
 def _worker(rank, world, ids, cases):
     import torch.distributed as dist
 
@@ -158,6 +208,7 @@ def _worker(rank, world, ids, cases):
     res["olmoe_cp2"] = _run(rank, ids, *cases["olmoe"], 1, 2, False)
     res["control_no_aux_grad"] = _run(rank, ids, ckpt, ref, 2, 1, True, aux_grad=False)
     res["grouped_vs_loop"] = _grouped_vs_loop(ids, ckpt)
+    res["local_vs_megatron_dispatch"] = _local_vs_megatron(ids, ckpt)
     res["qwen3_moe_ep2"] = _run(rank, ids, ckpt, ref, 1, 1, False, ep=2)  # each rank 2 of the 4 experts
     res["olmoe_cp2_ep2"] = _run(rank, ids, *cases["olmoe"], 1, 2, False, ep=2)  # the experts over the CP pair
     return res
@@ -168,6 +219,8 @@ def test_moe_families_match_transformers_logits_aux_loss_and_router_grads(models
     assert all(exact.values()), exact  # HF -> Megatron (tp 2) -> HF, bit for bit
     for res in run_workers(_worker, 2, ids, cases, timeout=600):
         control = res.pop("control_no_aux_grad")
+        local = res.pop("local_vs_megatron_dispatch")
+        assert local == {"loss": 0.0, "grads": 0.0, "host_ops": 0.0, "control": 0.0}, local  # bit for bit
         for name, d in res.items():
             assert max(d.values()) <= TOL, (name, d)
         assert control["router"] > 1e-3, control  # without the auxiliary gradient the routers' gradients differ

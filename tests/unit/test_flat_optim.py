@@ -136,3 +136,21 @@ def test_nonfinite_gradient_norm_leaves_weights_finite():
     assert not torch.isfinite(opt._global_grad_norm)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # clipped to zero gradients
+
+
+def test_gradient_norm_reads_deposited_expert_rows_as_one_tensor():
+    """Grouped experts leave their gradients as the rows of one tensor: the norm reads that tensor once (a complete,
+    non-overlapping set of rows only) and equals the norm over every gradient on its own."""
+    from adapter.train.optim import _whole
+
+    whole, part, alone = torch.randn(4, 3, 5), torch.randn(4, 3, 5), torch.randn(7)
+    rows, some = list(whole.unbind(0)), list(part.unbind(0))[:3]
+    got = _whole([*rows, *some, alone])
+    assert got[0] is alone and len(got) == 5 and any(g is whole for g in got)  # the partial set stays row by row
+    assert all(g is not whole for g in _whole(rows[:3] + rows[2:3]))  # a row twice, one missing: not the whole
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in (*rows, *some, alone)]
+    for p, g in zip(params, (*rows, *some, alone)):
+        p.grad = g
+    opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
+    want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in (*rows, *some, alone)]))
+    assert torch.allclose(opt.grad_norm(), want, rtol=1e-6)

@@ -254,22 +254,66 @@ def test_expert_weights_are_read_in_place_where_they_share_a_buffer():
     assert torch.allclose(got[3:7], x[3:7] @ fc1[2].t()) and torch.allclose(got[7:], x[7:] @ fc1[3].t())
 
 
-def test_all_to_all_dispatcher_skips_only_the_identity_chunk_sort():
-    """adapter/patches/mcore.skip_identity_chunk_sort: at ep x tp = 1 the dispatcher's sort by local expert is the
-    identity and returns its input as it is (no split + cat of every routed token); any other order is Megatron's."""
+def test_grouped_linear_deposits_the_gradients_autograd_would_accumulate():
+    """`_GroupedLinear` under `deposit` (the flat AdamW's runs) writes each expert's weight gradient into its `.grad`
+    itself: over two micro-batches (the second adds into rows of the first's tensor) and after `zero_grad`, the
+    gradients equal autograd's per-parameter ones, and so do the inputs' gradients; frozen weights get none."""
     import torch
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    from adapter.patches.mcore import skip_identity_chunk_sort
+    from adapter.modeling.moe import _GroupedLinear, as_batch
 
-    skip_identity_chunk_sort()
-    sort = token_dispatcher.sort_chunks_by_idxs
-    x, probs, sizes = torch.randn(10, 3), torch.randn(10), torch.tensor([3, 1, 4, 2])
-    chunks = torch.arange(4)  # the dispatcher's sort_input_by_local_experts for 4 experts at ep = tp = 1
-    identity = chunks.reshape(-1, 4).T.ravel()
-    got, got_probs = sort(x, sizes, identity, probs=probs)
-    assert got is x and got_probs is probs
-    two_ranks = chunks.reshape(-1, 2).T.ravel()  # ep = 2, two local experts: [0, 2, 1, 3]
-    got, got_probs = sort(x, sizes, two_ranks, probs=probs)
-    want, want_probs = moe_utils.sort_chunks_by_idxs(x, sizes, two_ranks, probs=probs)
-    assert torch.equal(got, want) and torch.equal(got_probs, want_probs) and not torch.equal(got, x)
+    def experts():
+        buf = torch.randn(4, 8, 12, generator=torch.Generator().manual_seed(0))
+        ws = [torch.nn.Parameter(torch.empty(0)) for _ in range(4)]
+        for w, row in zip(ws, buf):
+            w.data = row
+        return ws
+
+    offs = torch.tensor([3, 3, 7, 10], dtype=torch.int32)
+    xs = [torch.randn(10, 12) for _ in range(3)]
+    grads = {}
+    for deposit in (False, True):
+        ws = experts()
+        seen = []
+        for step in ((0, 1), (2,)):  # two micro-batches, then zero_grad and one more
+            for w in ws:
+                w.grad = None
+            for i in step:
+                x = xs[i].detach().requires_grad_()
+                batch = as_batch([w.detach() for w in ws])
+                args = (ws,) if deposit else (None, *ws)
+                y = _GroupedLinear.apply(x, offs, batch, *args)
+                (y * torch.arange(8.0)).sum().backward()
+                seen.append(x.grad)
+            seen += [w.grad.clone() for w in ws]
+        grads[deposit] = seen
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True])) and len(grads[True]) == 11
+    frozen = experts()
+    for w in frozen:
+        w.requires_grad_(False)
+    x = xs[0].detach().requires_grad_()
+    _GroupedLinear.apply(x, offs, as_batch(frozen), None).sum().backward()
+    assert x.grad is not None and all(w.grad is None for w in frozen)
+
+
+def test_local_permutation_gradients():
+    """LocalTokenDispatcher's permutation and its inverse (gathers both ways, no scatter-add): values against
+    index_select / scatter_add and gradients by gradcheck, with every token picking k = 3 of 5 experts."""
+    import torch
+
+    from adapter.modeling.moe import _Permute, _Unpermute
+
+    g = torch.Generator().manual_seed(0)
+    tokens, experts, k = 7, 5, 3
+    pick = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices
+    routing = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, pick, True)
+    order = torch.argsort(routing.T.reshape(-1).logical_not().to(torch.uint8), stable=True)[:tokens * k]
+    rows = order % tokens
+    inv = torch.argsort(rows, stable=True).view(tokens, k)
+    x = torch.randn(tokens, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(tokens * k, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(_Permute.apply(x, rows, inv), x.index_select(0, rows))
+    want = torch.zeros(tokens, 4, dtype=torch.float64).scatter_add(0, rows[:, None].expand(-1, 4), y)
+    assert torch.allclose(_Unpermute.apply(y, rows, inv), want, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: _Permute.apply(t, rows, inv), (x,))
+    assert torch.autograd.gradcheck(lambda t: _Unpermute.apply(t, rows, inv), (y,))
