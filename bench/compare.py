@@ -79,6 +79,9 @@ ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget 
     "bf16 states": ["--set", "optimizer.state_dtype=bf16"],  # the peers' precision: no fp32 master, bf16 moments
     "bf16 states, fp8, linear CE": ["--set", "optimizer.state_dtype=bf16", *FP8, *LINEAR_CE],
     "bf16 states, linear CE": ["--set", "optimizer.state_dtype=bf16", *LINEAR_CE],
+    "bf16 states, compiled layers": ["--set", "optimizer.state_dtype=bf16", "--set", "model.compile=true"],
+    "bf16 states, compiled layers, linear CE": ["--set", "optimizer.state_dtype=bf16", "--set", "model.compile=true",
+                                                *LINEAR_CE],
 }
 
 
