@@ -73,12 +73,13 @@ class ChunkTable:
     """Per parameter group, built once: each BLOCK-sized chunk's parameter and start, each parameter's offset and
     size in the flat buffers."""
 
-    def __init__(self, params, offsets, device):
+    def __init__(self, params, offsets, device, block: int = BLOCK, num_warps: int = 8):
         numels = [p.numel() for p in params]
-        counts = [-(-n // BLOCK) for n in numels]
+        counts = [-(-n // block) for n in numels]
+        self.block, self.num_warps = block, num_warps  # the launch's shape (bench/adamw_bench.py tries others)
         self.chunk_param = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
                                                    torch.tensor(counts)).to(device)
-        self.chunk_start = torch.cat([torch.arange(c, dtype=torch.int64) * BLOCK for c in counts]).to(device)
+        self.chunk_start = torch.cat([torch.arange(c, dtype=torch.int64) * block for c in counts]).to(device)
         self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
         self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
         self.low = tl.bfloat16 if params[0].dtype == torch.bfloat16 else tl.float16
@@ -110,7 +111,7 @@ def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> int:
     ptrs = torch.tensor(addresses, dtype=torch.int64).pin_memory().to(exp_avg.device, non_blocking=True)
     grid = (table.chunk_param.numel(),)
     _adamw_chunks[grid](exp_avg if master is None else master, exp_avg, exp_avg_sq, ptrs, table.chunk_param,
-                        table.chunk_start, table.offsets, table.numels, hyper, len(params), LOW=table.low, BLOCK=BLOCK,
-                        ALIGN=align, MASTER=master is not None, num_warps=8)
+                        table.chunk_start, table.offsets, table.numels, hyper, len(params), LOW=table.low,
+                        BLOCK=table.block, ALIGN=align, MASTER=master is not None, num_warps=table.num_warps)
     del keep
     return align
