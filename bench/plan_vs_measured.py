@@ -71,6 +71,11 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
      "issue 16 s5 call 5", "current"),
     ("3B one GPU, fp8 + linear CE chunk 2048 (final)", "llama-3.2-3b-1gpu", {"model.compile": True, **FP8_LCE}, 1,
      28080, "issue 16 s5 call 5", "current"),
+    ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, compiled", "qwen3-30b-a3b-8l-shape-1gpu",
+     {"optimizer.state_dtype": "bf16", "model.compile": True}, 1, 51765, "issue 30, 2026-12-03 13:44", "current"),
+    ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, eager", "qwen3-30b-a3b-8l-shape-1gpu",
+     {"optimizer.state_dtype": "bf16"}, 1, 42919, "issue 30, 2026-12-03 13:37",
+     "current but the gradient norm's one-tensor read"),
     # older code paths
     ("1B dp_shard=2 ZeRO-2, compiled", "llama-3.2-1b-dp2", {"deepspeed.reduce_bucket_size": 500_000_000}, 2, 50223,
      "s4 final table", "before s5 (host waits, bucket 5e8)"),

@@ -130,10 +130,13 @@ def expert_params(arch: ModelArch, tp: int, ep: int = 1) -> int:
     return arch.num_layers * sum(lin.local(tp, ep) for lin in linears(arch) if lin.copies > 1)
 
 
-def param_tensors(arch: ModelArch, ep: int = 1) -> tuple[int, int]:
+def param_tensors(arch: ModelArch, ep: int = 1, grouped_grads: bool = False) -> tuple[int, int]:
     """(per layer, total): the parameter tensors of Megatron's model on one rank, which DeepSpeed's hooks, the
-    optimizer and ZeRO-3's module gathers walk (`ep`: a rank holds num_experts / ep experts)."""
-    per_layer = (sum(n // ep if n > 1 else n for n, _ in _copies(arch).values()) + (4 if arch.post_norms else 2)
+    optimizer and ZeRO-3's module gathers walk (`ep`: a rank holds num_experts / ep experts). `grouped_grads`: the
+    experts' weight gradients arrive as one tensor per expert linear (grouped experts under the flat AdamW), so
+    autograd walks one tensor per linear, not one per expert."""
+    per_layer = (sum(1 if n > 1 and grouped_grads else n // ep if n > 1 else n for n, _ in _copies(arch).values())
+                 + (4 if arch.post_norms else 2)
                  + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0))
     return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
 

@@ -64,6 +64,9 @@ class Host(_Doc):
 
     layer_s: float = Field(ge=0, description="one eager transformer layer, fwd+bwd, per micro-batch")
     compiled_layer_s: float = Field(ge=0, description="the same with model.compile (one graph per layer)")
+    moe_layer_s: float = Field(ge=0, description="one eager mixture-of-experts layer, fwd+bwd, per micro-batch "
+                               "(router, token permutation, grouped experts); model.compile compiles its "
+                               "attention half only")
     param_s: float = Field(ge=0, description="per parameter tensor per micro-batch (AccumulateGrad, grad hooks)")
     tp_collective_s: float = Field(ge=0, description="per TP/SP collective (Megatron's autograd function + launch)")
     zero3_unit_s: float = Field(ge=0, description="ZeRO-3 stall per gather unit per pass (fetch/release hooks)")

@@ -237,8 +237,13 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
         dp_step += collective_seconds(vol.get("dp_replicate", 0), 1, link(layout, "dp_replicate", prof))
 
     # the host issuing it all
-    tensors = param_tensors(arch, layout.ep)[1]
+    # grouped experts under the flat AdamW hand autograd one gradient per expert linear (adapter/modeling/moe.py)
+    grouped_grads = arch.moe and cfg.model.moe_grouped_gemm and cfg.param_precision == "bf16" and \
+        flat_at_stage(cfg, stage)
+    tensors = param_tensors(arch, layout.ep, grouped_grads)[1]
     layer_host = hw.compiled_layer_s if compiled else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
+    if arch.moe:  # its MoE half stays eager (adapter/modeling/compile.py): the attention half's share, then the rest
+        layer_host = layer_host / 2 + hw.moe_layer_s - hw.layer_s / 2
     host_mb = L * layer_host * rc + tensors * hw.param_s + \
         (tp_calls * hw.tp_collective_s if tp > 1 else 0.0)
     stall_mb = 2 * units * hw.zero3_unit_s * rc if stage == 3 else 0.0   # hooks run even over a group of one

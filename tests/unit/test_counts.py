@@ -92,4 +92,8 @@ def test_moe_counts_all_experts_and_flops_only_the_routed_ones():
     norms = 2 * h + 2 * 128
     assert lp1.layer - norms - 128 * h == 2 * (lp2.layer - norms - 128 * h)
     assert counts.param_tensors(a)[0] == 2 + 1 + 2 * 128 + 2 + 2  # qkv, proj; router; 2 per expert; norms; q/k
+    # grouped experts under the flat AdamW: one gradient per expert linear reaches autograd (adapter/modeling/moe.py)
+    assert counts.param_tensors(a, grouped_grads=True)[0] == 2 + 1 + 2 + 2 + 2
+    cut = load_arch(ROOT / "configs/models/qwen3-30b-a3b-8l-shape")
+    assert counts.param_tensors(cut)[1] == 2107  # what the H200 bench's model holds (bench/adamw_bench.py)
     assert counts.layer_gemms(a, 64, 1)[2:] == [(64, 128, h), (64 * 8, 2 * g, h), (64 * 8, h, g)]
