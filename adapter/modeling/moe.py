@@ -300,11 +300,12 @@ class GroupedExperts(SequentialMLP):
 
     def _linear(self, x: torch.Tensor, offs: torch.Tensor, name: str) -> torch.Tensor:
         ws, batch = self._weights(name)
-        if not ws[0].requires_grad or not torch.is_grad_enabled():
+        trained = [w.requires_grad for w in ws]
+        if not any(trained) or not torch.is_grad_enabled():
             return _GroupedLinear.apply(x, offs, batch, None)
-        if self.deposit:
+        if self.deposit and all(trained):
             return _GroupedLinear.apply(x, offs, batch, ws)
-        return _GroupedLinear.apply(x, offs, batch, None, *ws)
+        return _GroupedLinear.apply(x, offs, batch, None, *ws)  # some experts frozen: autograd sorts them out
 
 
 class LocalTokenDispatcher(MoETokenDispatcher):

@@ -294,6 +294,19 @@ def test_grouped_linear_deposits_the_gradients_autograd_would_accumulate():
     x = xs[0].detach().requires_grad_()
     _GroupedLinear.apply(x, offs, as_batch(frozen), None).sum().backward()
     assert x.grad is not None and all(w.grad is None for w in frozen)
+    # GroupedExperts under deposit with one expert frozen (e.g. by unfrozen_parameters): autograd's way instead,
+    # so the trained experts get their gradients and the frozen one none
+    from types import SimpleNamespace
+
+    from adapter.modeling.moe import GroupedExperts
+
+    part = experts()
+    part[1].requires_grad_(False)
+    owner = SimpleNamespace(deposit=True, _weights=lambda name: (part, as_batch([w.detach() for w in part])))
+    GroupedExperts._linear(owner, xs[0], offs, "linear_fc1").sum().backward()
+    ref = experts()
+    _GroupedLinear.apply(xs[0], offs, as_batch([w.detach() for w in ref]), None, *ref).sum().backward()
+    assert part[1].grad is None and all(torch.equal(part[i].grad, ref[i].grad) for i in (0, 2, 3))
 
 
 def test_local_permutation_gradients():
