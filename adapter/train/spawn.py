@@ -77,6 +77,15 @@ def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, 
     try:
         while True:
             codes = [p.poll() for p in procs]
+            if any(getattr(p, "orphaned", False) for p in procs):  # nothing watches them now: SIGKILL, not the
+                for p in procs:  # SIGTERM that has ranks save a checkpoint whose end no one would see
+                    if p.poll() is None:
+                        p.kill()
+                for p in procs:
+                    p.wait()
+                print("nd-adapter: error: the process that forked the ranks (multiprocessing's fork server) died "
+                      "(out of memory, or killed from outside?); the ranks were stopped", file=sys.stderr, flush=True)
+                return 1
             if EXIT_REQUEUE in codes:  # stopping on a signal: every rank saves and ends at the same step
                 for p in procs:
                     p.wait()
@@ -169,17 +178,28 @@ def _run_rank(module: str, args: list[str], env: dict) -> None:
 
 class _Forked:
     """A rank forked from the server, answering the subprocess.Popen calls `_spawn_once` makes (exit codes as
-    Popen's: negative for a signal)."""
+    Popen's: negative for a signal).
+
+    The server, not this process, is the rank's parent and reports its status. If the server dies (the OOM killer,
+    a kill from outside), multiprocessing reports status 255 for every rank while they run on, orphaned: such a rank
+    is `orphaned` and still running (`poll` None) until it is stopped here by its pid."""
 
     def __init__(self, module: str, args: list[str], env: dict):
         self.proc = forkserver(env).Process(target=_run_rank, args=(module, args, env))
         self.proc.start()
+        self.orphaned = False
 
     def poll(self) -> int | None:
-        return self.proc.exitcode
+        code = self.proc.exitcode
+        if code == 255 and _running(self.proc.pid):  # what multiprocessing says once its server is gone
+            self.orphaned = True
+        return None if self.orphaned and _running(self.proc.pid) else code
 
     def wait(self) -> int:
         self.proc.join()
+        deadline = time.monotonic() + 10 * GRACE_S  # an orphan is reaped by init, not by us: wait for it to go
+        while self.orphaned and _running(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return self.proc.exitcode
 
     @property
@@ -193,10 +213,24 @@ class _Forked:
             pass
 
     def terminate(self) -> None:
-        self.proc.terminate()
+        self.send_signal(signal.SIGTERM)  # by pid: multiprocessing's own skips a rank it has a status for (255)
 
     def kill(self) -> None:
-        self.proc.kill()
+        self.send_signal(signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): as far as kill says
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

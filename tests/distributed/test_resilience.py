@@ -196,6 +196,33 @@ def test_a_killed_rank_ends_the_run_in_one_line(base):
     assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]  # no rank left behind
 
 
+def test_a_dead_fork_server_stops_the_ranks_in_one_line(base):
+    """On CPUs the ranks' parent is multiprocessing's fork server (adapter/train/spawn.py), which reports their
+    status: if it dies, the ranks run on unobserved and every one reads as status 255. The launcher stops them and
+    ends at once with one line that says what died."""
+    import psutil
+
+    root, raw, _ = base
+    p = _train(_cfg(root / "server.yaml", _two(raw, 500), root / "ck-server"))
+    for line in p.stdout:
+        if line.startswith("step 2/"):
+            server = [c for c in psutil.Process(p.pid).children()
+                      if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+            ranks = server[0].children()
+            assert len(server) == 1 and len(ranks) == 2, (server, ranks)
+            server[0].kill()
+            t = time.monotonic()
+            break
+    out, err = p.communicate(timeout=300)
+    assert time.monotonic() - t < 60
+    assert p.returncode == 1, (out[-2000:], err[-2000:])
+    lines = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
+    assert lines == ["nd-adapter: error: the process that forked the ranks (multiprocessing's fork server) died (out "
+                     "of memory, or killed from outside?); the ranks were stopped"], err[-2000:]
+    time.sleep(1)
+    assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]  # no rank left running
+
+
 def _ranks(launcher) -> list:
     """The launcher's ranks in rank order: on CPUs they fork from its forkserver (adapter/train/spawn.py)."""
     server = [c for c in launcher.children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
