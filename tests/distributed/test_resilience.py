@@ -186,14 +186,8 @@ def test_a_killed_rank_ends_the_run_in_one_line(base):
             ranks[1].kill()
             t = time.monotonic()
             break
-    out, err = p.communicate(timeout=300)
-    assert time.monotonic() - t < 60  # the launcher stops the others; nobody waits for the dist timeout (1800 s)
-    assert p.returncode == 1, (out[-2000:], err[-2000:])
-    lines = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
-    assert lines == ["nd-adapter: error: rank 1 was killed by SIGKILL (out of memory, or killed from outside?); the "
-                     "other ranks were stopped"], err[-2000:]
-    time.sleep(1)
-    assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]  # no rank left behind
+    _ends_at_once_in_one_line(p, t, ranks, "nd-adapter: error: rank 1 was killed by SIGKILL (out of memory, or "
+                              "killed from outside?); the other ranks were stopped")
 
 
 def test_a_dead_fork_server_stops_the_ranks_in_one_line(base):
@@ -213,14 +207,21 @@ def test_a_dead_fork_server_stops_the_ranks_in_one_line(base):
             server[0].kill()
             t = time.monotonic()
             break
+    _ends_at_once_in_one_line(p, t, ranks, "nd-adapter: error: the process that forked the ranks (multiprocessing's "
+                              "fork server) died (out of memory, or killed from outside?); the ranks were stopped")
+
+
+def _ends_at_once_in_one_line(p, t: float, ranks: list, line: str) -> None:
+    """The launcher `p` ends with status 1 within a minute of `t` (nobody waits for the process-group timeout,
+    1800 s), says `line` and nothing else, and leaves no rank of `ranks` running."""
+    import psutil
+
     out, err = p.communicate(timeout=300)
     assert time.monotonic() - t < 60
     assert p.returncode == 1, (out[-2000:], err[-2000:])
-    lines = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
-    assert lines == ["nd-adapter: error: the process that forked the ranks (multiprocessing's fork server) died (out "
-                     "of memory, or killed from outside?); the ranks were stopped"], err[-2000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")] == [line], err[-2000:]
     time.sleep(1)
-    assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]  # no rank left running
+    assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
 
 
 def _ranks(launcher) -> list:
