@@ -204,13 +204,13 @@ class _GroupedLinear(torch.autograd.Function):
 def _accumulate(params: list, dw: torch.Tensor) -> None:
     """params[e].grad += dw[e], as autograd would; the first time after `zero_grad` each becomes a row of `dw`, so
     later micro-batches add into all of them at once."""
-    g0, gl = params[0].grad, params[-1].grad
-    if g0 is None and all(p.grad is None for p in params):
+    grads = [p.grad for p in params]
+    base = getattr(grads[0], "_base", None)
+    if all(g is None for g in grads):
         for p, g in zip(params, dw.unbind(0)):
             p.grad = g
-    elif g0 is not None and gl is not None and g0._base is not None and g0._base is gl._base and \
-            g0._base.shape == dw.shape and all(p.grad is not None and p.grad._base is g0._base for p in params):
-        g0._base.add_(dw)
+    elif base is not None and base.shape == dw.shape and all(g is not None and g._base is base for g in grads):
+        base.add_(dw)
     else:
         for p, g in zip(params, dw.unbind(0)):
             if p.grad is None:
@@ -366,7 +366,7 @@ def _gather_sum(y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 
 class _Permute(torch.autograd.Function):
     """x[rows]; its gradient gathers each token's k rows back and sums them (`_gather_sum`), where autograd's
-    `index_select` backward would scatter-add with atomics (8.5 ms of a ~118 ms step on one H200)."""
+    `index_select` backward would scatter-add with atomics (4.3 ms of a ~118 ms step on one H200)."""
 
     @staticmethod
     def forward(ctx, x, rows, inv):

@@ -78,11 +78,7 @@ def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, 
         while True:
             codes = [p.poll() for p in procs]
             if any(getattr(p, "orphaned", False) for p in procs):  # nothing watches them now: SIGKILL, not the
-                for p in procs:  # SIGTERM that has ranks save a checkpoint whose end no one would see
-                    if p.poll() is None:
-                        p.kill()
-                for p in procs:
-                    p.wait()
+                _stop(procs, grace_s=0.0)  # SIGTERM that has ranks save a checkpoint whose end no one would see
                 print("nd-adapter: error: the process that forked the ranks (multiprocessing's fork server) died "
                       "(out of memory, or killed from outside?); the ranks were stopped", file=sys.stderr, flush=True)
                 return 1
@@ -193,7 +189,8 @@ class _Forked:
         code = self.proc.exitcode
         if code == 255 and _running(self.proc.pid):  # what multiprocessing says once its server is gone
             self.orphaned = True
-        return None if self.orphaned and _running(self.proc.pid) else code
+            return None
+        return code
 
     def wait(self) -> int:
         self.proc.join()
@@ -233,13 +230,15 @@ def _running(pid: int) -> bool:
         return True  # no /proc (macOS): as far as kill says
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
     """End the ranks still running. SIGTERM first, though it is an exit signal that asks a rank to finish its step
-    (adapter/train/preempt.py): one waiting in a collective on a dead rank never will, so SIGKILL follows."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + GRACE_S
+    (adapter/train/preempt.py): one waiting in a collective on a dead rank never will, so SIGKILL follows after
+    `grace_s` (0: SIGKILL alone)."""
+    if grace_s > 0:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.1)
     for p in procs:
