@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 GPU_DIR = Path(__file__).parent / "gpu"
+WHY_KEY = pytest.StashKey[list]()  # why a shared fixture failed, printed last (a CI log may be clipped in the middle)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,3 +22,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    for why in config.stash.get(WHY_KEY, []):
+        terminalreporter.write_sep("=", "why a shared fixture failed")
+        terminalreporter.write_line(why.rstrip())

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+import adapter
 from adapter.demo.build import ASSETS, build_demo, chapters
 from adapter.errors import EXIT_USAGE, UserError, bad
 
@@ -140,9 +141,11 @@ def _where(prefix: str) -> str:
 # --- running the CLI --------------------------------------------------------------------------------------------
 
 def _env() -> dict[str, str]:
-    """The package's own location on PYTHONPATH, so the subprocesses import this very copy (installed or not); no
-    GPUs, so a machine that has some still runs the CPU demo (4 ranks, gloo) rather than 4 ranks on its GPUs."""
-    root = str(Path(__file__).resolve().parents[1])
+    """The directory that holds the package on PYTHONPATH, so the subprocesses import this very copy (installed or
+    not; the package's own folder there would shadow installed packages by its subpackages' names: `kernels`,
+    which transformers imports when installed); no GPUs, so a machine that has some still runs the CPU demo (4
+    ranks, gloo) rather than 4 ranks on its GPUs."""
+    root = str(Path(adapter.__file__).resolve().parents[1])
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("COLUMNS", str(shutil.get_terminal_size((120, 40)).columns))

@@ -2,6 +2,8 @@
 --quick sizes, plus the guards around it (shipped config in sync, foreign output dirs left alone)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 
 from adapter import config
 from adapter.demo import run as demo_run
+from tests.conftest import WHY_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "configs" / "demo-llama-tiny.yaml"
@@ -54,6 +57,13 @@ def test_rerun_starts_from_a_clean_output_dir(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [demo_run.MARKER]
 
 
+def test_subprocesses_import_this_copy_and_nothing_shadowed_by_its_subpackages():
+    """PYTHONPATH gets the folder that holds the package: the package's own folder there made its subpackage
+    `kernels` shadow the `kernels` transformers 5.25 installs and imports (every demo rank failed on it)."""
+    path = demo_run._env()["PYTHONPATH"].split(os.pathsep)
+    assert Path(path[0]) == ROOT and (ROOT / "adapter" / "__init__.py").is_file()
+
+
 def test_a_failing_cli_stage_raises_with_the_log_tail(tmp_path):
     with pytest.raises(demo_run.DemoFailure, match=r"status 2(.|\n)*--config='nope.yaml'"):
         demo_run.nd_adapter(["train", "--config", "nope.yaml"], tmp_path, tmp_path / "logs/x.log")
@@ -62,11 +72,27 @@ def test_a_failing_cli_stage_raises_with_the_log_tail(tmp_path):
 # --- the demo, once ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(tmp_path_factory, request):
+    """The quick demo, once. If it fails, why (the demo's FAILED line with the stage's log tail) goes to the end of
+    the run's output (tests/conftest.py), where a CI log clipped in the middle still shows it."""
     out = tmp_path_factory.mktemp("demo") / "demo-out"
-    code = demo_run.main(["--out", str(out), "--quick"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(_Tee(sys.stderr, err)):
+        code = demo_run.main(["--out", str(out), "--quick"])
     summary = json.loads((out / "demo-summary.json").read_text()) if code == 0 else {}
+    if code != 0:
+        request.config.stash.setdefault(WHY_KEY, []).append(f"the quick demo (status {code}):\n{err.getvalue()}")
     return code, out, summary
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
 
 
 @pytest.mark.slow
