@@ -105,9 +105,9 @@ MAP = {
 }
 # Axolotl's numeric keys: YAML 1.1 reads `2e-5` (no dot) as a string, and Axolotl's schema turns it into a number
 FLOATS = {"learning_rate", "weight_decay", "warmup_ratio", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon",
-          "cosine_min_lr_ratio", "val_set_size", "num_epochs", "eval_steps", "save_steps", "lora_dropout",
-          "lora_alpha"}
-INTS = {"micro_batch_size", "gradient_accumulation_steps", "batch_size", "sequence_len", "max_steps", "warmup_steps",
+          "cosine_min_lr_ratio", "val_set_size", "num_epochs", "lora_dropout", "lora_alpha"}
+STEPS = {"eval_steps", "save_steps", "warmup_steps"}  # whole steps, or a fraction of the run below 1
+INTS = {"micro_batch_size", "gradient_accumulation_steps", "batch_size", "sequence_len", "max_steps",
         "evals_per_epoch", "saves_per_epoch", "save_total_limit", "logging_steps", "seed", "min_sample_len",
         "dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size",
         "sequence_parallel_degree", "ddp_timeout", "dataset_processes", "dataset_num_proc", "heads_k_stride", "lora_r"}
@@ -115,7 +115,7 @@ INTS = {"micro_batch_size", "gradient_accumulation_steps", "batch_size", "sequen
 
 def _number(key: str, value: Any) -> Any:
     """A numeric key's string (`2e-5`, `500_000`) as the number Axolotl reads; anything else as it is (the schema
-    then names the key). Steps keys may be fractions of the run (eval_steps: 0.25)."""
+    then names the key). Steps keys may be fractions of the run (eval_steps: 0.25, warmup_steps: 0.1)."""
     if not isinstance(value, str) or isinstance(value, bool):
         return value
     text = value.strip().replace("_", "")
@@ -123,13 +123,13 @@ def _number(key: str, value: Any) -> Any:
         number = float(text)
     except ValueError:
         return value
-    if key in INTS or (key in ("eval_steps", "save_steps") and number.is_integer() and number >= 1):
+    if key in INTS or (key in STEPS and number.is_integer() and number >= 1):
         return int(number) if number.is_integer() else value
     return number
 
 
 def numbers(raw: dict[str, Any]) -> dict[str, Any]:
-    return {k: _number(k, v) if k in FLOATS | INTS else v for k, v in raw.items()}
+    return {k: _number(k, v) if k in FLOATS | INTS | STEPS else v for k, v in raw.items()}
 
 
 def spelled(native: str) -> str:

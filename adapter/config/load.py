@@ -78,8 +78,10 @@ def _first_error(err: ValidationError, dialect: str = "native") -> UserError:
     msg = e["msg"].rstrip(".")
     if kind in ("int_type", "int_parsing", "greater_than_equal") and key.split(".")[-1].endswith("_size"):
         return bad(key, value, f"{msg}", "give an integer ≥ 1 (1 disables the dimension)")
-    if kind == "value_error":
-        return UserError(f"{key}: {msg.removeprefix('Value error, ')}. Fix: correct the value")
+    if kind == "value_error":  # a field's own check names its value; a section's (a mapping) does not
+        msg = msg.removeprefix("Value error, ")
+        return bad(key, value, msg, "correct the value") if not isinstance(value, dict) else \
+            UserError(f"{key}: {msg}. Fix: correct the value")
     return bad(key, value, msg, "see docs/config.md for the allowed values")
 
 
@@ -112,6 +114,13 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
                         "or pass --model")
     if world_size is None and cfg.hardware.gpus_per_node is not None:
         world_size = cfg.hardware.nodes * cfg.hardware.gpus_per_node
+    if world_size is None and cfg.parallelism.dp_shard_size is None and cfg.parallelism.ep_size > 1:
+        # dp_shard would fill a world of one, which holds no expert-parallel ranks (Axolotl's EP examples name no
+        # layout, only `expert_parallel_size` and the launcher's process count)
+        raise bad(spell(cfg, "parallelism.ep_size"), cfg.parallelism.ep_size, "the world size is not known here and "
+                  f"{spell(cfg, 'parallelism.dp_shard_size')} is not set, so there is no data-parallel rank to lay "
+                  "the experts over", "give the number of GPUs (plan --gpus-per-node N; train or rehearse --nproc N; "
+                  f"deepspeed/torchrun set it), or set {spell(cfg, 'parallelism.dp_shard_size')}")
     par_resolved = cfg.parallelism.resolve(world_size)
     cfg = cfg.model_copy(update={"parallelism": par_resolved})
     _check_world_and_batch(cfg, world_size)

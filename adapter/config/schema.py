@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 from adapter.errors import bad
 
@@ -136,8 +136,9 @@ class OptimizerSection(_Strict):
     eps: float = Field(1e-8, gt=0)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     # Schedule length: `max_steps` wins; else `num_epochs` over the training set (known at run start, see
-    # adapter/train/schedule.py); neither means DEFAULT_MAX_STEPS. Warm-up: `warmup_steps` or `warmup_ratio`.
-    warmup_steps: StrictInt | None = Field(None, ge=0)
+    # adapter/train/schedule.py); neither means DEFAULT_MAX_STEPS. Warm-up: `warmup_steps` or `warmup_ratio`;
+    # `warmup_steps` below 1 is a fraction of the run, rounded up, as transformers' TrainingArguments reads it.
+    warmup_steps: StrictInt | StrictFloat | None = Field(None, ge=0)
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
     max_steps: StrictInt | None = Field(None, ge=1)
     num_epochs: float | None = Field(None, gt=0)
@@ -155,6 +156,16 @@ class OptimizerSection(_Strict):
     # bf16_master_weights_and_grads + bf16_optimizer_states). Updates smaller than half a bf16 step of a weight are
     # lost, so it trains differently from fp32; on the flat AdamW only (one GPU, or tp alone).
     state_dtype: Literal["fp32", "bf16"] = "fp32"
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _steps_or_fraction(cls, v: int | float | None) -> int | float | None:
+        if isinstance(v, float):
+            if v.is_integer():
+                return int(v)
+            if not 0 < v < 1:
+                raise ValueError("a whole number of steps, or a fraction of the run below 1 (0.1: the first tenth)")
+        return v
 
     @model_validator(mode="after")
     def _one_warmup(self) -> OptimizerSection:

@@ -129,7 +129,7 @@ def in_process(cfg: RunConfig, rank: int, *, steps: int, seq_len: int | None, wo
 
 
 def main(args) -> int:
-    cfg = source.load_config(args.config)
+    cfg = source.load_config(args.config, world_size=args.nproc)
     preflight(cfg, need_data=False)  # data files are checked (and tokenised) inside, when given
     if args.steps < 2:
         raise bad("--steps", args.steps, "a rehearsal saves half-way and resumes", "use --steps 2 or more")

@@ -39,7 +39,8 @@ class Schedule:
     total_steps: int
     warmup_steps: int
     length_from: str                 # "max_steps", "num_epochs" or "default"
-    warmup_from: str                 # "warmup_steps", "warmup_ratio", "axolotl default" or "none"
+    warmup_from: str                 # "warmup_steps", "fraction", "warmup_ratio", "axolotl default" or "none"
+    warmup_bumped: bool = False      # Axolotl's 1 warm-up step made 2
     samples: int | None = None       # training samples (None: synthetic data, no epochs)
     samples_per_epoch: int | None = None
     steps_per_epoch: float | None = None
@@ -87,7 +88,9 @@ def resolve(cfg: RunConfig, samples: int | None, *, has_val: bool = False) -> Sc
         total, length_from = max(1, math.floor(o.num_epochs * steps_per_epoch)), "num_epochs"
     else:
         total, length_from = DEFAULT_MAX_STEPS, "default"
-    if o.warmup_steps is not None:
+    if isinstance(o.warmup_steps, float):  # transformers' get_warmup_steps for 0 < warmup_steps < 1
+        warmup, warmup_from = math.ceil(o.warmup_steps * total), "fraction"
+    elif o.warmup_steps is not None:
         warmup, warmup_from = o.warmup_steps, "warmup_steps"
     elif o.warmup_ratio is not None:
         warmup, warmup_from = int(o.warmup_ratio * total), "warmup_ratio"
@@ -95,6 +98,8 @@ def resolve(cfg: RunConfig, samples: int | None, *, has_val: bool = False) -> Sc
         warmup, warmup_from = min(int(AXOLOTL_WARMUP[0] * total), AXOLOTL_WARMUP[1]), "axolotl default"
     else:
         warmup, warmup_from = 0, "none"
+    bumped = cfg.source == "axolotl" and warmup == 1 and warmup_from != "fraction"
+    warmup += bumped  # Axolotl's trainer builder turns a warm-up of 1 step (given or computed) into 2
     e, c = cfg.eval, cfg.checkpoint
     has_val = has_val and e.per_epoch != 0  # evaluations switched off (Axolotl's evals_per_epoch: 0)
     eval_every = _cadence(e.every, e.per_epoch, total, steps_per_epoch, spell(cfg, "eval.per_epoch")) \
@@ -111,7 +116,7 @@ def resolve(cfg: RunConfig, samples: int | None, *, has_val: bool = False) -> Sc
                   "checkpoints" + ("" if c.dir else f" ({spell(cfg, 'checkpoint.dir')} is not set)"),
                   "give both, or remove it")
     return Schedule(total_steps=total, warmup_steps=min(warmup, total), length_from=length_from,
-                    warmup_from=warmup_from, samples=samples, samples_per_epoch=samples_per_epoch,
+                    warmup_from=warmup_from, warmup_bumped=bumped, samples=samples, samples_per_epoch=samples_per_epoch,
                     steps_per_epoch=steps_per_epoch, eval_every=eval_every, eval_at_start=eval_every is not None,
                     eval_at_end=has_val, save_every=save_every if c.dir else 0, load_best=c.load_best,
                     patience=patience)
@@ -145,7 +150,11 @@ def describe(cfg: RunConfig, s: Schedule) -> list[str]:
     if s.length_from == "max_steps" and s.epochs is not None:
         length += f" (= {s.epochs:.2f} epochs)"
     warm = {"warmup_steps": "warmup_steps", "warmup_ratio": f"warmup_ratio {cfg.optimizer.warmup_ratio}",
+            "fraction": f"{spell(cfg, 'optimizer.warmup_steps')} {cfg.optimizer.warmup_steps}: that fraction of the "
+                        "steps, rounded up, as transformers reads it",
             "axolotl default": "Axolotl's default, min(3% of the steps, 100)", "none": "none"}[s.warmup_from]
+    if s.warmup_bumped:
+        warm += "; 1 step made 2, as Axolotl does"
     lines.append(f"schedule: {s.total_steps:,} optimizer steps ({length}); warm-up {s.warmup_steps:,} steps "
                  f"({warm}), then {cfg.optimizer.schedule}")
     if s.eval_every is not None:

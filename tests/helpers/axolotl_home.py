@@ -59,6 +59,10 @@ MODELS: dict[str, str | dict] = {
                              "num_attention_heads": 4, "num_key_value_heads": 1},
     "google/gemma-3-270m-it": {**_GEMMA3_TEXT, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
                                "num_attention_heads": 4, "num_key_value_heads": 1},
+    # Qwen3-30B-A3B's shape with the 2507 Instruct release's context (262,144) and RoPE base (1e7): a stand-in for
+    # planning Axolotl's expert-parallel examples, the weights are never read
+    "Qwen/Qwen3-30B-A3B-Instruct-2507": {**json.loads((SHIPPED / "qwen3-30b-a3b/config.json").read_text()),
+                                         "max_position_embeddings": 262144, "rope_theta": 10000000},
     "Qwen/Qwen2.5-72B": {**_QWEN25, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
                          "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 152064,
                          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},

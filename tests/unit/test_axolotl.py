@@ -371,7 +371,7 @@ def test_evals_per_epoch_zero_means_no_evaluation():
 
 
 @pytest.mark.parametrize("keys, needle", [
-    ({"warmup_steps": 0.1}, "warmup_steps=0.1: "),
+    ({"warmup_steps": 1.5}, "warmup_steps=1.5: "),
     ({"evals_per_epoch": -1}, "evals_per_epoch=-1: "),
     ({"micro_batch_size": 0}, "micro_batch_size=0: "),
 ])

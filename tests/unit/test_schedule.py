@@ -1,6 +1,7 @@
 """Epoch arithmetic, warm-up and eval/save cadences (adapter/train/schedule.py) against hand-computed values."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,39 @@ def test_max_steps_wins_and_fractions_round_up():
     s = schedule.resolve(c, 103, has_val=True)
     assert (s.total_steps, s.length_from) == (10, "max_steps") and s.epochs == 2.5
     assert (s.eval_every, s.save_every) == (3, 5)  # ceil(0.25 × 10), ceil(0.5 × 10)
+
+
+def test_warmup_steps_below_one_is_a_fraction_rounded_up_as_transformers_reads_it():
+    """TrainingArguments.get_warmup_steps: ceil(fraction × steps) (Axolotl's expert-parallel examples write 0.1)."""
+    from transformers import TrainingArguments
+
+    for total in (50, 7, 1):
+        s = schedule.resolve(cfg(**{"optimizer.warmup_steps": 0.1, "optimizer.max_steps": total}), None)
+        ref = TrainingArguments(output_dir="unused", warmup_steps=0.1).get_warmup_steps(total)
+        assert s.warmup_steps == ref == math.ceil(0.1 * total) and s.warmup_from == "fraction", total
+    c = cfg(source="axolotl", **{"optimizer.warmup_steps": 0.1, "optimizer.max_steps": 7})
+    s = schedule.resolve(c, None)
+    assert s.warmup_steps == 1 and not s.warmup_bumped  # a fraction goes to transformers as it is: no 1 -> 2
+    assert "warm-up 1 steps (warmup_steps 0.1: that fraction of the steps, rounded up" in "\n".join(
+        schedule.describe(c, s))
+    assert cfg(**{"optimizer.warmup_steps": 3.0}).optimizer.warmup_steps == 3  # a whole float is steps
+    for bad_value in (1.5, -0.1):
+        with pytest.raises(UserError, match=r"optimizer.warmup_steps"):
+            cfg(**{"optimizer.warmup_steps": bad_value})
+
+
+def test_axolotl_makes_a_warmup_of_one_step_two():
+    """Axolotl's trainer builder: `if warmup_steps == 1: warmup_steps = 2`, given or computed (Axolotl configs only)."""
+    for over in ({"optimizer.warmup_steps": 1}, {"optimizer.warmup_ratio": 0.1},  # int(0.1 × 10) = 1
+                 {}):  # Axolotl's default: min(int(0.03 × 10), 100) = 0, so none; 40 steps below
+        s = schedule.resolve(cfg(source="axolotl", **{"optimizer.max_steps": 10, **over}), None)
+        assert s.warmup_steps == (2 if over else 0) and s.warmup_bumped == bool(over), over
+    s = schedule.resolve(cfg(source="axolotl", **{"optimizer.max_steps": 40}), None)
+    assert (s.warmup_steps, s.warmup_from, s.warmup_bumped) == (2, "axolotl default", True)
+    c = cfg(source="axolotl", **{"optimizer.warmup_steps": 1, "optimizer.max_steps": 10})
+    assert "1 step made 2, as Axolotl does" in "\n".join(schedule.describe(c, schedule.resolve(c, None)))
+    s = schedule.resolve(cfg(**{"optimizer.warmup_steps": 1, "optimizer.max_steps": 10}), None)
+    assert s.warmup_steps == 1 and not s.warmup_bumped  # native configs: as written
 
 
 def test_defaults_native_and_axolotl():

@@ -1,0 +1,84 @@
+"""Axolotl's expert-parallel examples (examples/expert_parallel at 067b021: Qwen3-30B-A3B on 4 GPUs, full fine-tune,
+full fine-tune with FSDP and dp_shard_size 2, LoRA on the attention), unchanged but for a local dataset path:
+`plan` passes for 4 GPUs with the expert groups Megatron-Core builds, and `rehearse --nproc 4` trains, saves and
+resumes at their layouts with a tiny Qwen3-MoE. They write `warmup_steps: 0.1`, a fraction of the run as
+transformers reads it (Axolotl's own schema takes whole steps only)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.axolotl_home import alpaca_rows, localised, make_home, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests/fixtures/axolotl"
+EXAMPLES = {  # file: (dp_shard, ep) on 4 GPUs
+    "qwen3_30ba3b_ep_fft_4gpu.yaml": (4, 4),
+    "qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml": (4, 2),  # Axolotl's ep × dp_shard = 4 data-parallel ranks, ep 2 over them
+    "qwen3_30ba3b_ep_lora_4gpu.yaml": (4, 4),
+}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("axolotl-ep")
+    home = make_home(root, models=("Qwen/Qwen3-30B-A3B-Instruct-2507",))
+    alpaca = write_jsonl(root / "data/alpaca.jsonl", alpaca_rows())
+    files = {}
+    for name in EXAMPLES:
+        work = root / name.split(".")[0]
+        work.mkdir()
+        files[name] = localised(FIXTURES / name, work / name, {0: alpaca})
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
+    return files, env
+
+
+def _cli(argv, env, cwd) -> tuple[int, str, str]:
+    p = subprocess.run([sys.executable, "-m", "adapter", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=900)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_plan_passes_unchanged_with_the_expert_groups(setup, name):
+    files, env = setup
+    cfg = files[name]
+    code, out, err = _cli(["plan", str(cfg), "--gpus-per-node", "4", "--gpu", "h200", "--format", "json"], env,
+                          cfg.parent)
+    assert code == 0, err
+    doc = json.loads(out)
+    m = doc["mesh"]
+    dp_shard, ep = EXAMPLES[name]
+    assert (m["dp_replicate"], m["dp_shard"], m["cp"], m["tp"]) == (1, dp_shard, 1, 1)
+    groups = {g["name"]: g for g in doc["groups"]}
+    assert groups["ep"]["size"] == ep and groups["expt_dp"]["size"] == dp_shard // ep
+    notes = "\n".join(doc["notes"])
+    assert f"expert_parallel_size: {ep} -> parallelism.ep_size: {ep}" in notes
+    assert "AdamW8bit" in notes  # adamw_torch_8bit honoured
+
+
+def test_without_a_world_size_expert_parallelism_asks_for_one(setup):
+    files, env = setup
+    cfg = files["qwen3_30ba3b_ep_fft_4gpu.yaml"]
+    code, out, err = _cli(["plan", str(cfg)], env, cfg.parent)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("nd-adapter: error: expert_parallel_size=4: the world size is not known") and \
+        "--gpus-per-node N" in err and "--nproc N" in err
+
+
+@pytest.mark.parametrize("name", ["qwen3_30ba3b_ep_fft_4gpu.yaml", "qwen3_30ba3b_ep_lora_4gpu.yaml"])
+def test_rehearse_passes_unchanged_on_4_processes(setup, name):
+    files, env = setup
+    cfg = files[name]
+    code, out, err = _cli(["rehearse", "--config", str(cfg), "--steps", "2", "--nproc", "4"], env, cfg.parent)
+    assert code == 0 and "rehearsal ok: 4 processes, layout 1x4x1x1 ep 4" in out, (out[-3000:], err[-3000:])
+    assert ("adapter: LoRA r 32" in out) == ("lora" in name)
+    assert "Traceback" not in out + err
