@@ -66,6 +66,7 @@ KNOWN = MARKERS | {
     "model_type", "tokenizer_type", "flash_attention", "sdp_attention", "strict", "ddp_timeout", "wandb_name",
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
+    "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
 } | KEYS | LORA_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 # Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.

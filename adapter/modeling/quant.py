@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from adapter.modeling.lora import LINEARS, gather, gather_list
 from adapter.models.arch import ModelArch
-from adapter.models.lora import NF4_BLOCK, packed_of, placement
+from adapter.models.lora import NF4_BLOCK, packed_of, placement, quantized_linears
 from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
 COLUMN = ("linear_qkv", "linear_fc1")
@@ -183,6 +183,12 @@ class _Quantized:
 _CLASSES: dict[type, type] = {}
 
 
+def _quantized_linears(arch: ModelArch) -> list[tuple[str, str]]:
+    """(Megatron linear, its parent module) of what a layer quantises (`models.lora.quantized_linears`)."""
+    fused = {lin.fused for lin in quantized_linears(arch)}
+    return [(name, parent) for name, parent in LINEARS.items() if name in fused]
+
+
 def _quantized(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Quantized{cls.__name__}", (_Quantized, cls), {})
@@ -192,10 +198,11 @@ def _quantized(cls: type) -> type:
 @torch.no_grad()
 def quantize_base(model, arch: ModelArch, fmt: str, *, tp_rank: int, tp_group, device) -> None:
     """Replace every decoder linear's weight of the built, loaded GPTModel by `fmt` codes on `device` (the
-    embedding, norms and LM head stay in the model's dtype, as bitsandbytes leaves them). Collective over TP."""
+    embedding, norms and LM head stay in the model's dtype, as bitsandbytes leaves them; so do a mixture of
+    experts' router and experts: `models.lora.quantized_linears`). Collective over TP."""
     tp = model.config.tensor_model_parallel_size
     for layer in model.decoder.layers:
-        for fused, parent in LINEARS.items():
+        for fused, parent in _quantized_linears(arch):
             linear = getattr(getattr(layer, parent), fused)
             w = linear.weight.detach().to(device)
             if fmt == "nf4":
@@ -216,7 +223,7 @@ def quantized_weights(model) -> dict[tuple[int, str], tuple[str, torch.Tensor, t
     out = {}
     for i, layer in enumerate(model.decoder.layers):
         for fused, parent in LINEARS.items():
-            m = getattr(getattr(layer, parent), fused)
+            m = getattr(getattr(layer, parent), fused, None)  # a mixture of experts' MLP has no linear_fc1
             if isinstance(m, _Quantized):
                 out[(i, fused)] = (m.qformat, m.qcodes, m.qscales, m.qshape)
     return out

@@ -5,7 +5,6 @@ from adapter.config import RunConfig, spell
 from adapter.errors import bad
 from adapter.models import freeze, lora
 from adapter.models.arch import ModelArch, check_tp
-from adapter.models.counts import linears
 
 
 def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
@@ -45,7 +44,7 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
                       "the 4-bit base quantises each rank's q, k and v rows of whole query groups",
                       f"use a tp_size of at most {arch.num_kv_heads}")
         if spec.quantize_base == "nf4":  # blocks of 64 inside one row of every rank's shard (modeling/quant.py)
-            for lin in linears(arch):
+            for lin in lora.quantized_linears(arch):
                 width = lin.inp // (tp if lin.tp_axis == 1 else 1)
                 if width % lora.NF4_BLOCK:
                     raise bad(spell(cfg, "lora.quantize_base"), "nf4", f"{lin.name}'s input width per TP rank "
@@ -96,9 +95,6 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
     """What a mixture-of-experts model cannot run yet, each in one line (issue 30 builds them)."""
     name = arch.architecture
-    if cfg.lora is not None and cfg.lora.quantize_base:
-        raise bad(spell(cfg, "lora.quantize_base"), cfg.lora.quantize_base, f"a quantised base under a "
-                  f"mixture-of-experts model ({name}) is not built yet", "use a 16-bit base (adapter: lora)")
     if cfg.model.unfrozen_parameters is not None:
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "
                   f"mixture-of-experts model ({name}) is not built yet", "remove the key to train every parameter")

@@ -11,7 +11,7 @@ from adapter.config import RunConfig, spell
 from adapter.errors import bad
 from adapter.models import freeze, lora
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.counts import linears, local_params, num_params
+from adapter.models.counts import local_params, num_params
 
 # AdamW's two moments, bytes per parameter: fp32, or 8-bit codes with one fp32 absmax per block of 256 (bitsandbytes'
 # AdamW8bit, adapter/train/optim.py; tensors under 4096 elements keep fp32 moments, not counted here)
@@ -53,7 +53,7 @@ def quantized_base(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, float
     spec = lora.from_config(cfg, arch)
     if spec is None or not spec.quantize_base:
         return 0, 0.0, 0
-    per_layer = [lin.weights // tp for lin in linears(arch)]
+    per_layer = [lin.weights // tp for lin in lora.quantized_linears(arch)]
     return arch.num_layers * sum(per_layer), lora.BASE_FORMATS[spec.quantize_base][0], max(per_layer)
 
 

@@ -50,6 +50,14 @@ BASE_FORMATS = {
 }
 
 
+def quantized_linears(arch: ModelArch) -> tuple[Linear, ...]:
+    """The linears of one layer a 4- or 8-bit base quantises: those bitsandbytes does when transformers loads the
+    model so, its `nn.Linear` modules. A mixture of experts' router and experts are parameters of modules of their
+    own in transformers (the experts 3-D), so bitsandbytes leaves them, and so does this: in the compute dtype,
+    frozen (checked on transformers 5.25 with Mixtral, Qwen3-MoE and OLMoE)."""
+    return tuple(lin for lin in linears(arch) if lin.copies == 1 and lin.tp_axis is not None)
+
+
 @dataclass(frozen=True)
 class Target:
     """One adapter: the HF linear `linear` of layer `layer`."""
@@ -197,8 +205,8 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
         except re.error as e:
             raise bad(key, target_modules, f"not a valid regex ({e})", "fix the pattern, or list module names")
     for name in unreachable:  # a mixture of experts' experts or router named: refused, not silently skipped
-        module = mods[name].format(i=0, e=0)
-        if target_modules and _matches(target_modules, module):
+        module = mods[name].format(i=0, e=0) if name in mods else None  # Mixtral's table names its experts w1..w3
+        if module and target_modules and _matches(target_modules, module):
             what = "router" if name == "gate" else "experts"
             raise bad(key, target_modules, f"LoRA on the {what} of a mixture of experts ({name}) is not built: "
                       "transformers keeps the experts as 3-D parameters and the router as its own module, not linear "
@@ -380,5 +388,5 @@ def peft_config(spec: LoraSpec, base_model: str | None) -> dict:
 
 __all__ = ["Target", "Placement", "LoraSpec", "placement", "hf_modules", "resolve", "from_config", "trained_params",
            "flops_per_token", "describe", "peft_key", "saved_key", "peft_config", "check_adapter", "read_adapter_meta",
-           "SAVABLE", "PEFT_DEFAULT_TARGETS", "NF4_BLOCK", "BASE_FORMATS", "PEFT_PREFIX", "ALL_LINEAR",
-           "CONFIG", "WEIGHTS", "packed_of"]
+           "SAVABLE", "PEFT_DEFAULT_TARGETS", "NF4_BLOCK", "BASE_FORMATS", "quantized_linears", "PEFT_PREFIX",
+           "ALL_LINEAR", "CONFIG", "WEIGHTS", "packed_of"]

@@ -11,7 +11,9 @@ phi-lora-3.5.yaml: an 8-bit base under packed qkv/gate_up linears, `bfloat16: tr
 full fine-tune phi/phi3-ft-fsdp.yml (FSDP parameter offload named as memory placement, not used); glm4/qlora-32b.yaml
 (copied as glm4-qlora-32b.yaml) lists gate_proj and up_proj, which GLM-4 packs into gate_up_proj: skipped and said, as
 PEFT skips them. llama-3/qlora.yml and llama-2/qlora.yml (copied as llama3-qlora.yml, llama2-qlora.yml) train with
-bitsandbytes' paged 32-bit AdamW: AdamW's update, paging named as not used."""
+bitsandbytes' paged 32-bit AdamW: AdamW's update, paging named as not used. mistral/mixtral/mixtral-qlora-fsdp.yml:
+QLoRA on a mixture of experts (issue 30): the attention in NF4 and adapted, the router and experts 16-bit and
+frozen, as transformers + bitsandbytes + PEFT leave them."""
 from __future__ import annotations
 
 import json
@@ -53,7 +55,8 @@ PASS.update({"gemma2-qlora.yml": said(32, 16, ALL7, 42, "the base frozen, NF4"),
              "glm4-qlora-32b.yaml": said(16, 32, "q_proj, k_proj, v_proj, o_proj, down_proj", 61,
                                          "the base frozen, NF4"),
              "llama3-qlora.yml": said(32, 16, ALL7, 32, "the base frozen, NF4"),
-             "llama2-qlora.yml": said(32, 16, ALL7, 32, "the base frozen, NF4")})
+             "llama2-qlora.yml": said(32, 16, ALL7, 32, "the base frozen, NF4"),
+             "mixtral-qlora-fsdp.yml": said(32, 16, "q_proj, k_proj, v_proj, o_proj", 32, "the base frozen, NF4")})
 FULL = {"phi3-ft-fsdp.yml": "fsdp_config.fsdp_offload_params: not used (memory placement only"}
 REFUSED = {"qwen3-32b-qlora.yaml": "optimizer='adamw_torch_4bit'"}
 # Gemma 3's QLoRA examples (1B, 270M text models; 4B image-text) also list unfrozen_parameters, which with an adapter
@@ -65,7 +68,7 @@ MODELS = ("NousResearch/Llama-3.2-1B", "NousResearch/Meta-Llama-3-8B-Instruct", 
           "Qwen/Qwen3-8B", "Qwen/Qwen2-7B", "Qwen/Qwen3-32B", "google/gemma-2-9b", "google/gemma-3-1b-it",
           "google/gemma-3-270m-it", "google/gemma-3-4b-it", "microsoft/Phi-3-mini-4k-instruct",
           "microsoft/Phi-3.5-mini-instruct", "THUDM/GLM-4-32B-0414",
-          "NousResearch/Meta-Llama-3-8B", "NousResearch/Llama-2-7b-hf")
+          "NousResearch/Meta-Llama-3-8B", "NousResearch/Llama-2-7b-hf", "mistralai/Mixtral-8x7B-v0.1")
 DRIVER = """
 import contextlib, io, json, os, sys
 from adapter.cli import main

@@ -61,6 +61,8 @@ MODELS: dict[str, str | dict] = {
                                "num_attention_heads": 4, "num_key_value_heads": 1},
     # Qwen3-30B-A3B's shape with the 2507 Instruct release's context (262,144) and RoPE base (1e7): a stand-in for
     # planning Axolotl's expert-parallel examples, the weights are never read
+    "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b-v0.1", "google/gemma-3-12b-it": "gemma-3-12b-it",
+    "google/gemma-3-27b-it": "gemma-3-27b-it",
     "Qwen/Qwen3-30B-A3B-Instruct-2507": {**json.loads((SHIPPED / "qwen3-30b-a3b/config.json").read_text()),
                                          "max_position_embeddings": 262144, "rope_theta": 10000000},
     "Qwen/Qwen2.5-72B": {**_QWEN25, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,

@@ -60,11 +60,37 @@ def test_plan_prints_the_experts_and_refuses_what_is_not_built(tmp_path):
     for extra, needle in (("lora:\n  r: 8\n  target_modules: [q_proj, gate_proj]\n",
                            "LoRA on the experts of a mixture of experts (gate_proj) is not built"),
                           ("lora:\n  r: 8\n  target_modules: [gate]\n",
-                           "LoRA on the router of a mixture of experts (gate) is not built"),
-                          ("lora:\n  r: 8\n  quantize_base: nf4\n",
-                           "lora.quantize_base='nf4': a quantised base under a mixture-of-experts model")):
+                           "LoRA on the router of a mixture of experts (gate) is not built")):
         code, _, err = run_cli("plan", _yaml(tmp_path, extra))
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_qlora_on_a_mixture_of_experts_quantises_the_attention_alone(tmp_path):
+    """As transformers + bitsandbytes load it (`load_in_4bit`): the attention's linears in NF4, the router and the
+    experts (not nn.Linear modules there) in the compute dtype; plan's memory counts them so. Mixtral's table names
+    its experts w1..w3: `target_linear` takes its attention too (was an internal error)."""
+    from adapter import config
+    from adapter.models import footprint
+    from adapter.models.counts import linears
+    from adapter.models.lora import quantized_linears
+
+    arch = load_arch(MODELS / "qwen3-30b-a3b")
+    assert [lin.name for lin in quantized_linears(arch)] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    dense = load_arch(MODELS / "llama-3.1-8b")
+    assert quantized_linears(dense) == linears(dense)  # a dense model: every decoder linear, as before
+    cfg = config.build({"model": {"path": str(MODELS / "qwen3-30b-a3b")}, "data": {"synthetic": True},
+                        "lora": {"r": 8, "target_linear": True, "quantize_base": "nf4"}}, env={}, world_size=1)
+    held, bytes_each, largest = footprint.quantized_base(cfg, arch, 1)
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    assert held == arch.num_layers * (h * (q + 2 * kv) + q * h) and largest == h * q and bytes_each == 0.5625
+    code, out, err = run_cli("plan", _yaml(tmp_path, "lora:\n  r: 8\n  target_linear: true\n  quantize_base: nf4\n"))
+    assert code == 0 and "NF4" in out, err
+    p = tmp_path / "mixtral.yaml"
+    p.write_text(f"base_model: {MODELS / 'mixtral-8x7b-v0.1'}\nadapter: qlora\nload_in_4bit: true\nlora_r: 8\n"
+                 "lora_alpha: 16\nlora_target_linear: true\nsequence_len: 2048\nmax_steps: 1\n"
+                 "learning_rate: 1e-4\n")
+    code, out, err = run_cli("plan", str(p), "--gpus-per-node", "8")
+    assert code == 0 and "on q_proj, k_proj, v_proj, o_proj of all 32 layers" in out, err
 
 
 def test_axolotl_model_config_switches_the_load_balancing_loss(tmp_path):
@@ -78,6 +104,7 @@ def test_axolotl_model_config_switches_the_load_balancing_loss(tmp_path):
             "learning_rate": 1e-5}
     cfg = config.build({**base, "model_config": {"output_router_logits": True}}, env={}, world_size=8)
     assert cfg.model.output_router_logits is True
+    assert not any("ignored Axolotl keys" in n and "model_config" in n for n in cfg.notes), cfg.notes
     assert not load_arch(MODELS / "mixtral-8x7b-v0.1").output_router_logits
     assert source.arch_for(cfg).output_router_logits
     with pytest.raises(UserError, match=r"^model_config.rope_theta=1: overriding this config.json key changes"):
