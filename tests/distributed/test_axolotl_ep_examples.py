@@ -6,14 +6,11 @@ transformers reads it (Axolotl's own schema takes whole steps only)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.axolotl_home import alpaca_rows, localised, make_home, write_jsonl
+from tests.helpers.axolotl_home import alpaca_rows, cli, localised_in_workdirs, make_home, offline_env, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests/fixtures/axolotl"
@@ -31,27 +28,14 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("axolotl-ep")
     home = make_home(root, models=("Qwen/Qwen3-30B-A3B-Instruct-2507",))
     alpaca = write_jsonl(root / "data/alpaca.jsonl", alpaca_rows())
-    files = {}
-    for name in EXAMPLES:
-        work = root / name.split(".")[0]
-        work.mkdir()
-        files[name] = localised(FIXTURES / name, work / name, {0: alpaca})
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
-    return files, env
-
-
-def _cli(argv, env, cwd) -> tuple[int, str, str]:
-    p = subprocess.run([sys.executable, "-m", "adapter", *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=900)
-    return p.returncode, p.stdout, p.stderr
+    return localised_in_workdirs(root, {name: {0: alpaca} for name in EXAMPLES}), offline_env(home, root)
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_plan_passes_unchanged_with_the_expert_groups(setup, name):
     files, env = setup
     cfg = files[name]
-    code, out, err = _cli(["plan", str(cfg), "--gpus-per-node", "4", "--gpu", "h200", "--format", "json"], env,
+    code, out, err = cli(["plan", str(cfg), "--gpus-per-node", "4", "--gpu", "h200", "--format", "json"], env,
                           cfg.parent)
     assert code == 0, err
     doc = json.loads(out)
@@ -68,7 +52,7 @@ def test_plan_passes_unchanged_with_the_expert_groups(setup, name):
 def test_without_a_world_size_expert_parallelism_asks_for_one(setup):
     files, env = setup
     cfg = files["qwen3_30ba3b_ep_fft_4gpu.yaml"]
-    code, out, err = _cli(["plan", str(cfg)], env, cfg.parent)
+    code, out, err = cli(["plan", str(cfg)], env, cfg.parent)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("nd-adapter: error: expert_parallel_size=4: the world size is not known") and \
         "--gpus-per-node N" in err and "--nproc N" in err
@@ -78,7 +62,7 @@ def test_without_a_world_size_expert_parallelism_asks_for_one(setup):
 def test_rehearse_passes_unchanged_on_4_processes(setup, name):
     files, env = setup
     cfg = files[name]
-    code, out, err = _cli(["rehearse", "--config", str(cfg), "--steps", "2", "--nproc", "4"], env, cfg.parent)
+    code, out, err = cli(["rehearse", "--config", str(cfg), "--steps", "2", "--nproc", "4"], env, cfg.parent)
     assert code == 0 and "rehearsal ok: 4 processes, layout 1x4x1x1 ep 4" in out, (out[-3000:], err[-3000:])
     assert ("adapter: LoRA r 32" in out) == ("lora" in name)
     assert "Traceback" not in out + err

@@ -4,15 +4,20 @@ JSON, and Llama-2's fft_optimized.yml with adamw_bnb_8bit), unchanged but for lo
 `preprocess` pass; `rehearse` passes on fft-8b.yaml and on the DeepSpeed ALST file (issue 26's proof)."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.axolotl_home import alpaca_rows, localised, long_rows, make_home, write_jsonl
+from tests.helpers.axolotl_home import (
+    alpaca_rows,
+    cli,
+    localised_in_workdirs,
+    long_rows,
+    make_home,
+    offline_env,
+    write_jsonl,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests/fixtures/axolotl"
@@ -36,35 +41,23 @@ def setup(tmp_path_factory):
     data = {"fft-8b.yaml": {0: alpaca}, "fft_optimized.yml": {0: alpaca},
             "llama3-8b-deepspeed-alst.yaml": {0: long_text, 1: chapters},
             "llama3-8b-fsdp2-alst.yaml": {0: long_text, 1: chapters}}
-    out = {}
-    for name in EXAMPLES:
-        work = root / name.split(".")[0]
-        work.mkdir()
-        out[name] = localised(FIXTURES / name, work / name, data[name])
-        if "deepspeed-alst" in name:
-            (work / "deepspeed_configs").mkdir()
-            shutil.copyfile(FIXTURES / "zero3_bf16_cpuoffload_all.json",
-                            work / "deepspeed_configs/zero3_bf16_cpuoffload_all.json")
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
-    return out, env
-
-
-def _cli(argv, env, cwd) -> tuple[int, str, str]:
-    p = subprocess.run([sys.executable, "-m", "adapter", *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=1500)
-    return p.returncode, p.stdout, p.stderr
+    out = localised_in_workdirs(root, {name: data[name] for name in EXAMPLES})
+    work = out["llama3-8b-deepspeed-alst.yaml"].parent
+    (work / "deepspeed_configs").mkdir()
+    json_name = "zero3_bf16_cpuoffload_all.json"
+    shutil.copyfile(FIXTURES / json_name, work / "deepspeed_configs" / json_name)
+    return out, offline_env(home, root)
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_plan_and_preprocess_pass_unchanged(setup, name):
     files, env = setup
     cfg = files[name]
-    code, out, err = _cli(["plan", str(cfg), "--gpus-per-node", str(EXAMPLES[name]), "--gpu", "h200"], env,
+    code, out, err = cli(["plan", str(cfg), "--gpus-per-node", str(EXAMPLES[name]), "--gpu", "h200"], env,
                           cfg.parent)
     assert code == 0, err
     assert "8-bit" in out or "AdamW8bit" in out, out  # the example's 8-bit optimizer is honoured, and said
-    code, out, err = _cli(["preprocess", "--config", str(cfg)], env, cfg.parent)
+    code, out, err = cli(["preprocess", "--config", str(cfg)], env, cfg.parent)
     assert code == 0 and "prepared data:" in out, (out[-2000:], err[-2000:])
     if "alst" in name:
         assert " 3 kept " in out.replace("\n", " ") or "3 examples" in out, out  # every ~250k-token document
@@ -74,7 +67,7 @@ def test_plan_and_preprocess_pass_unchanged(setup, name):
 def test_rehearse_passes_unchanged(setup, name):
     files, env = setup
     cfg = files[name]
-    code, out, err = _cli(["rehearse", "--config", str(cfg), "--steps", "2"], env, cfg.parent)
+    code, out, err = cli(["rehearse", "--config", str(cfg), "--steps", "2"], env, cfg.parent)
     assert code == 0 and "rehearsal ok" in out, (out[-3000:], err[-3000:])
     assert "precision: fp32 (the rehearsal's, on CPU; the run itself: bf16)" in out
     resumed = next(ln for ln in out.splitlines() if ln.startswith("step 2/2"))

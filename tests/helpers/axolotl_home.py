@@ -4,7 +4,10 @@ cache, and small local datasets with the columns each example reads."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -129,6 +132,17 @@ def localised(example: Path, out: Path, data: dict[int, Path]) -> Path:
     return out
 
 
+def localised_in_workdirs(root: Path, examples: dict[str, dict[int, Path]]) -> dict[str, Path]:
+    """Each example (tests/fixtures/axolotl) localised (`localised`) in a working directory of its own under `root`,
+    as a user runs it from a checkout."""
+    out = {}
+    for name, data in examples.items():
+        work = root / name.split(".")[0]
+        work.mkdir()
+        out[name] = localised(ROOT / "tests/fixtures/axolotl" / name, work / name, data)
+    return out
+
+
 def deepspeed_configs_beside(example: Path, out_dir: Path) -> None:
     """Axolotl's deepspeed_configs/ where an example names one (it reads them relative to the working directory)."""
     raw = example.read_text()
@@ -138,3 +152,16 @@ def deepspeed_configs_beside(example: Path, out_dir: Path) -> None:
         dst = out_dir / m.group(1)
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_text(src.read_text())
+
+
+def offline_env(home: Path, root: Path) -> dict:
+    """The environment the examples' CLI runs get: `home`'s hub cache only, this checkout's package."""
+    return {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
+
+
+def cli(argv: list[str], env: dict, cwd: Path, timeout: int = 1500) -> tuple[int, str, str]:
+    """`nd-adapter ARGV` in its own process, from `cwd` (as a user runs an example from a checkout)."""
+    p = subprocess.run([sys.executable, "-m", "adapter", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
