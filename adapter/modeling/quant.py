@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from adapter.modeling.lora import LINEARS, gather, gather_list
 from adapter.models.arch import ModelArch
-from adapter.models.lora import NF4_BLOCK, packed_of, placement, quantized_linears
+from adapter.models.lora import NF4_BLOCK, nn_linears, packed_of, placement
 from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
 COLUMN = ("linear_qkv", "linear_fc1")
@@ -184,8 +184,8 @@ _CLASSES: dict[type, type] = {}
 
 
 def _quantized_linears(arch: ModelArch) -> list[tuple[str, str]]:
-    """(Megatron linear, its parent module) of what a layer quantises (`models.lora.quantized_linears`)."""
-    fused = {lin.fused for lin in quantized_linears(arch)}
+    """(Megatron linear, its parent module) of what a layer quantises (`models.lora.nn_linears`)."""
+    fused = {lin.fused for lin in nn_linears(arch)}
     return [(name, parent) for name, parent in LINEARS.items() if name in fused]
 
 
@@ -199,7 +199,7 @@ def _quantized(cls: type) -> type:
 def quantize_base(model, arch: ModelArch, fmt: str, *, tp_rank: int, tp_group, device) -> None:
     """Replace every decoder linear's weight of the built, loaded GPTModel by `fmt` codes on `device` (the
     embedding, norms and LM head stay in the model's dtype, as bitsandbytes leaves them; so do a mixture of
-    experts' router and experts: `models.lora.quantized_linears`). Collective over TP."""
+    experts' router and experts: `models.lora.nn_linears`). Collective over TP."""
     tp = model.config.tensor_model_parallel_size
     for layer in model.decoder.layers:
         for fused, parent in _quantized_linears(arch):

@@ -44,7 +44,7 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
                       "the 4-bit base quantises each rank's q, k and v rows of whole query groups",
                       f"use a tp_size of at most {arch.num_kv_heads}")
         if spec.quantize_base == "nf4":  # blocks of 64 inside one row of every rank's shard (modeling/quant.py)
-            for lin in lora.quantized_linears(arch):
+            for lin in lora.nn_linears(arch):
                 width = lin.inp // (tp if lin.tp_axis == 1 else 1)
                 if width % lora.NF4_BLOCK:
                     raise bad(spell(cfg, "lora.quantize_base"), "nf4", f"{lin.name}'s input width per TP rank "

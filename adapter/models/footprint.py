@@ -53,7 +53,7 @@ def quantized_base(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, float
     spec = lora.from_config(cfg, arch)
     if spec is None or not spec.quantize_base:
         return 0, 0.0, 0
-    per_layer = [lin.weights // tp for lin in lora.quantized_linears(arch)]
+    per_layer = [lin.weights // tp for lin in lora.nn_linears(arch)]
     return arch.num_layers * sum(per_layer), lora.BASE_FORMATS[spec.quantize_base][0], max(per_layer)
 
 

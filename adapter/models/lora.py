@@ -50,11 +50,11 @@ BASE_FORMATS = {
 }
 
 
-def quantized_linears(arch: ModelArch) -> tuple[Linear, ...]:
-    """The linears of one layer a 4- or 8-bit base quantises: those bitsandbytes does when transformers loads the
-    model so, its `nn.Linear` modules. A mixture of experts' router and experts are parameters of modules of their
-    own in transformers (the experts 3-D), so bitsandbytes leaves them, and so does this: in the compute dtype,
-    frozen (checked on transformers 5.25 with Mixtral, Qwen3-MoE and OLMoE)."""
+def nn_linears(arch: ModelArch) -> tuple[Linear, ...]:
+    """The linears of one layer that are `nn.Linear` modules in transformers: what PEFT's target_modules (and
+    "all-linear") reach, and what bitsandbytes quantises when the model is loaded in 4 or 8 bits. A mixture of
+    experts' router and experts are parameters of modules of their own there (the experts 3-D): neither adapted nor
+    quantised (checked on transformers 5.25 with Mixtral, Qwen3-MoE and OLMoE)."""
     return tuple(lin for lin in linears(arch) if lin.copies == 1 and lin.tp_axis is not None)
 
 
@@ -179,9 +179,7 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
     if not 0 <= dropout < 1:
         raise bad(spell("lora.dropout"), dropout, "must be in [0, 1)", "use e.g. 0.05, or 0")
     mods = hf_modules(arch)
-    # a mixture of experts' experts and router are not linears in transformers 5 (3-D parameters, a router module):
-    # PEFT's target_modules (and "all-linear") never reach them, so they are left out here too
-    per_layer = {lin.name: lin for lin in linears(arch) if lin.copies == 1 and lin.tp_axis is not None}
+    per_layer = {lin.name: lin for lin in nn_linears(arch)}  # a mixture of experts' experts and router: not here
     unreachable = [lin.name for lin in linears(arch) if lin.name not in per_layer]
     layer_ids = range(arch.num_layers)
     if layers is not None:
@@ -388,5 +386,5 @@ def peft_config(spec: LoraSpec, base_model: str | None) -> dict:
 
 __all__ = ["Target", "Placement", "LoraSpec", "placement", "hf_modules", "resolve", "from_config", "trained_params",
            "flops_per_token", "describe", "peft_key", "saved_key", "peft_config", "check_adapter", "read_adapter_meta",
-           "SAVABLE", "PEFT_DEFAULT_TARGETS", "NF4_BLOCK", "BASE_FORMATS", "quantized_linears", "PEFT_PREFIX",
+           "SAVABLE", "PEFT_DEFAULT_TARGETS", "NF4_BLOCK", "BASE_FORMATS", "nn_linears", "PEFT_PREFIX",
            "ALL_LINEAR", "CONFIG", "WEIGHTS", "packed_of"]

@@ -72,12 +72,12 @@ def test_qlora_on_a_mixture_of_experts_quantises_the_attention_alone(tmp_path):
     from adapter import config
     from adapter.models import footprint
     from adapter.models.counts import linears
-    from adapter.models.lora import quantized_linears
+    from adapter.models.lora import nn_linears
 
     arch = load_arch(MODELS / "qwen3-30b-a3b")
-    assert [lin.name for lin in quantized_linears(arch)] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert [lin.name for lin in nn_linears(arch)] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     dense = load_arch(MODELS / "llama-3.1-8b")
-    assert quantized_linears(dense) == linears(dense)  # a dense model: every decoder linear, as before
+    assert nn_linears(dense) == linears(dense)  # a dense model: every decoder linear, as before
     cfg = config.build({"model": {"path": str(MODELS / "qwen3-30b-a3b")}, "data": {"synthetic": True},
                         "lora": {"r": 8, "target_linear": True, "quantize_base": "nf4"}}, env={}, world_size=1)
     held, bytes_each, largest = footprint.quantized_base(cfg, arch, 1)
