@@ -6,14 +6,11 @@ transformers reads it (Axolotl's own schema takes whole steps only)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.axolotl_home import alpaca_rows, cli, localised_in_workdirs, make_home, offline_env, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ROOT / "tests/fixtures/axolotl"
 EXAMPLES = {  # file: (dp_shard, ep) on 4 GPUs
     "qwen3_30ba3b_ep_fft_4gpu.yaml": (4, 4),
     "qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml": (4, 2),  # Axolotl's ep × dp_shard = 4 data-parallel ranks, ep 2 over them

@@ -4,9 +4,6 @@ JSON, and Llama-2's fft_optimized.yml with adamw_bnb_8bit), unchanged but for lo
 `preprocess` pass; `rehearse` passes on fft-8b.yaml and on the DeepSpeed ALST file (issue 26's proof)."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from tests.helpers.axolotl_home import (
@@ -19,8 +16,6 @@ from tests.helpers.axolotl_home import (
     write_jsonl,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ROOT / "tests/fixtures/axolotl"
 EXAMPLES = {"fft-8b.yaml": 1, "llama3-8b-deepspeed-alst.yaml": 8, "llama3-8b-fsdp2-alst.yaml": 8,
             "fft_optimized.yml": 1}  # name -> GPUs of one node
 
@@ -41,12 +36,7 @@ def setup(tmp_path_factory):
     data = {"fft-8b.yaml": {0: alpaca}, "fft_optimized.yml": {0: alpaca},
             "llama3-8b-deepspeed-alst.yaml": {0: long_text, 1: chapters},
             "llama3-8b-fsdp2-alst.yaml": {0: long_text, 1: chapters}}
-    out = localised_in_workdirs(root, {name: data[name] for name in EXAMPLES})
-    work = out["llama3-8b-deepspeed-alst.yaml"].parent
-    (work / "deepspeed_configs").mkdir()
-    json_name = "zero3_bf16_cpuoffload_all.json"
-    shutil.copyfile(FIXTURES / json_name, work / "deepspeed_configs" / json_name)
-    return out, offline_env(home, root)
+    return localised_in_workdirs(root, {name: data[name] for name in EXAMPLES}), offline_env(home, root)
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))

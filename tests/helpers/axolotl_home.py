@@ -62,10 +62,10 @@ MODELS: dict[str, str | dict] = {
                              "num_attention_heads": 4, "num_key_value_heads": 1},
     "google/gemma-3-270m-it": {**_GEMMA3_TEXT, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
                                "num_attention_heads": 4, "num_key_value_heads": 1},
-    # Qwen3-30B-A3B's shape with the 2507 Instruct release's context (262,144) and RoPE base (1e7): a stand-in for
-    # planning Axolotl's expert-parallel examples, the weights are never read
     "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b-v0.1", "google/gemma-3-12b-it": "gemma-3-12b-it",
     "google/gemma-3-27b-it": "gemma-3-27b-it",
+    # Qwen3-30B-A3B's shape with the 2507 Instruct release's context (262,144) and RoPE base (1e7): a stand-in for
+    # planning Axolotl's expert-parallel examples, the weights are never read
     "Qwen/Qwen3-30B-A3B-Instruct-2507": {**json.loads((SHIPPED / "qwen3-30b-a3b/config.json").read_text()),
                                          "max_position_embeddings": 262144, "rope_theta": 10000000},
     "Qwen/Qwen2.5-72B": {**_QWEN25, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
@@ -134,19 +134,20 @@ def localised(example: Path, out: Path, data: dict[int, Path]) -> Path:
 
 def localised_in_workdirs(root: Path, examples: dict[str, dict[int, Path]]) -> dict[str, Path]:
     """Each example (tests/fixtures/axolotl) localised (`localised`) in a working directory of its own under `root`,
-    as a user runs it from a checkout."""
+    with the DeepSpeed JSON it names beside it, as a user runs it from a checkout."""
     out = {}
     for name, data in examples.items():
         work = root / name.split(".")[0]
         work.mkdir()
         out[name] = localised(ROOT / "tests/fixtures/axolotl" / name, work / name, data)
+        deepspeed_configs_beside(out[name], work)
     return out
 
 
 def deepspeed_configs_beside(example: Path, out_dir: Path) -> None:
     """Axolotl's deepspeed_configs/ where an example names one (it reads them relative to the working directory)."""
     raw = example.read_text()
-    m = re.search(r"^deepspeed:\s*(\S+\.json)", raw, re.M)
+    m = re.search(r"^deepspeed:\s*([^\s#]\S*\.json)", raw, re.M)  # not a commented-out value
     if m:
         src = ROOT / "tests/fixtures/axolotl" / Path(m.group(1)).name
         dst = out_dir / m.group(1)
