@@ -57,6 +57,7 @@ def moe_rows(cfg: dict, a) -> int:
     from cuda_timing import ms_per_call
 
     from adapter.train import adamw_kernel
+    from adapter.train.grads import whole
     from adapter.train.optim import FlatAdamW
 
     shapes, starts = moe_shapes(cfg)
@@ -68,12 +69,15 @@ def moe_rows(cfg: dict, a) -> int:
     for s in starts:  # each linear's experts: rows of one gradient tensor (adapter/modeling/moe.py's deposit)
         for lin in (0, 1):
             ws = params[s + lin:s + 2 * cfg["num_experts"]:2]
-            whole = torch.randn(len(ws), *ws[0].shape, device="cuda", dtype=torch.bfloat16) * 1e-3
-            for w, g in zip(ws, whole.unbind(0)):
+            rows_of = torch.randn(len(ws), *ws[0].shape, device="cuda", dtype=torch.bfloat16) * 1e-3
+            for w, g in zip(ws, rows_of.unbind(0)):
                 w.grad = g
     opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0,
                     state_dtype="bf16")
     rows = {"ours, gradient norm alone": ms_per_call(opt.grad_norm, a.iters)}
+    counted = whole([p.grad for p in params])
+    rows["torch multi-tensor norm alone (the same tensors)"] = ms_per_call(
+        lambda: torch.stack(torch._foreach_norm(counted, 2.0, dtype=torch.float32)).square().sum(), a.iters)
     for launch in a.launch:
         block, warps = (int(x) for x in launch.split(":"))
         for f in opt.flats:

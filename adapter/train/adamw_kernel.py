@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapter.train.grads import pointers
+
 BLOCK = 4096
 ALIGN = 16  # elements: sizes and offsets divisible by this, and 16-byte aligned pointers, get the vectorised kernel
 
@@ -97,18 +99,9 @@ def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> int:
     """One update of every parameter of the group; the gradients may be anywhere (None: zero); `master` None: the
     16-bit weights are their own master (the moments are 16-bit too). Returns the alignment the kernel was told
     (ALIGN or 1)."""
-    keep, grads = [], []
-    for p in params:
-        g = p.grad
-        if g is None:
-            g = torch.zeros_like(p)
-        elif not g.is_contiguous() or g.dtype != p.dtype:
-            g = g.to(p.dtype).contiguous()
-        keep.append(g)  # alive until the launch is queued; stream order protects the memory after that
-        grads.append(g.data_ptr())
-    addresses = grads + [p.data_ptr() for p in params]
-    align = ALIGN if table.sizes_aligned and all(a % 16 == 0 for a in addresses) else 1
-    ptrs = torch.tensor(addresses, dtype=torch.int64).pin_memory().to(exp_avg.device, non_blocking=True)
+    host, aligned, keep = pointers(params)  # `keep`: alive until the launch is queued; stream order does the rest
+    align = ALIGN if table.sizes_aligned and aligned else 1
+    ptrs = host.pin_memory().to(exp_avg.device, non_blocking=True)
     grid = (table.chunk_param.numel(),)
     _adamw_chunks[grid](exp_avg if master is None else master, exp_avg, exp_avg_sq, ptrs, table.chunk_param,
                         table.chunk_start, table.offsets, table.numels, hyper, len(params), LOW=table.low,

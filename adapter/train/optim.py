@@ -13,7 +13,8 @@ back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, issue 16). Here:
 * one fused pass per parameter reads its 16-bit gradient, applies clipping and AdamW (torch.optim.AdamW's
   arithmetic) to the master and moments, and writes the 16-bit weight; on CUDA one Triton launch does it for a
   whole parameter group (adapter/train/adamw_kernel.py: per-parameter launches left the GPU waiting on the host);
-* the gradient norm is one multi-tensor kernel; clipping never leaves the device;
+* the gradient norm is one reduction per long gradient and one multi-tensor kernel for the rest; clipping never
+  leaves the device;
 * gradients stay autograd's own tensors, freed after each step (`zero_grad` sets them to None), so they are not
   resident while the forward's activations peak.
 
@@ -33,12 +34,14 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from adapter.errors import bad
+from adapter.train.grads import whole
 
 try:  # Triton comes with torch's CUDA wheels, not its CPU ones; without it the per-parameter step runs
     from adapter.train import adamw_kernel
@@ -90,10 +93,18 @@ class _Flat:
     exp_avg_sq: torch.Tensor | None
     table: object = None         # adamw_kernel.ChunkTable where the one-launch step applies
     masters: list | None = None  # 8-bit: each parameter's fp32 master as a leaf tensor (a view of `master`)
+    _counted: list | None = None
 
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def counted(self, tp_rank: int) -> list:
+        """The parameters whose gradients count in the norm on this TP rank (Megatron's rule: TP-parallel ones on
+        every rank, the rest on rank 0), listed once."""
+        if self._counted is None:
+            self._counted = [p for p in self.params if getattr(p, "tensor_model_parallel", False)]
+        return self.params if tp_rank == 0 else self._counted
 
     @property
     def sixteen(self) -> bool:
@@ -101,25 +112,19 @@ class _Flat:
         return self.master is None and self.exp_avg is not None and self.exp_avg.dtype != torch.float32
 
 
-def _whole(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`grads` with every complete set of equal rows of one tensor replaced by that tensor (grouped experts deposit
-    their gradients so: adapter/modeling/moe.py): the same norm, from a few long tensors instead of thousands."""
-    out, shared = [], {}
-    for g in grads:
-        base = g._base
-        if base is not None and base.is_contiguous() and g.is_contiguous() and base.dtype == g.dtype:
-            shared.setdefault(id(base), (base, []))[1].append(g)
-        else:
-            out.append(g)
-    for base, rows in shared.values():
-        n, size = rows[0].numel(), base.element_size()
-        starts = {(g.data_ptr() - base.data_ptr()) // size for g in rows}
-        if n * len(rows) == base.numel() and all(g.numel() == n for g in rows) and \
-                starts == set(range(0, base.numel(), n)):
-            out.append(base)
-        else:
-            out.extend(rows)
-    return out
+_GRAD = operator.attrgetter("grad")
+BIG = 1 << 22  # elements: a tensor this long gets a reduction of its own in the gradient norm (`_sum_of_squares`)
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of `grads`, fp32, on their device. Long tensors get a reduction each: torch's multi-tensor
+    norm cuts every launch at ~21 M elements (320 blocks of 64 Ki), which read the MoE shape's 5.6 B gradient
+    elements at 1.9 TB/s on one H200 (bench/adamw_bench.py); the rest share one multi-tensor launch."""
+    long = [g for g in grads if g.numel() >= BIG]
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in long]
+    if len(long) < len(grads):
+        norms.extend(torch._foreach_norm([g for g in grads if g.numel() < BIG], 2.0, dtype=torch.float32))
+    return torch.stack(norms).square().sum()
 
 
 class FlatAdamW(torch.optim.Optimizer):
@@ -185,12 +190,9 @@ class FlatAdamW(torch.optim.Optimizer):
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients (fp32, on the device), Megatron's TP rule."""
-        counted = _whole([p.grad for f in self.flats for p in f.params
-                          if p.grad is not None and (self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))])
+        counted = whole([g for f in self.flats for g in map(_GRAD, f.counted(self.tp_rank)) if g is not None])
         device = self.flats[0].device
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        if counted:
-            sq = torch.stack(torch._foreach_norm(counted, 2.0, dtype=torch.float32)).square().sum()
+        sq = _sum_of_squares(counted) if counted else torch.zeros((), dtype=torch.float32, device=device)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
         return sq.sqrt()

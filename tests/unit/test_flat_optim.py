@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -141,7 +142,7 @@ def test_nonfinite_gradient_norm_leaves_weights_finite():
 def test_gradient_norm_reads_deposited_expert_rows_as_one_tensor():
     """Grouped experts leave their gradients as the rows of one tensor: the norm reads that tensor once (a complete,
     non-overlapping set of rows only) and equals the norm over every gradient on its own."""
-    from adapter.train.optim import _whole
+    from adapter.train.grads import whole as _whole
 
     whole, part, alone = torch.randn(4, 3, 5), torch.randn(4, 3, 5), torch.randn(7)
     rows, some = list(whole.unbind(0)), list(part.unbind(0))[:3]
@@ -154,3 +155,45 @@ def test_gradient_norm_reads_deposited_expert_rows_as_one_tensor():
     opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
     want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in (*rows, *some, alone)]))
     assert torch.allclose(opt.grad_norm(), want, rtol=1e-6)
+
+
+def test_gradient_norm_takes_long_tensors_one_reduction_each(monkeypatch):
+    """Long gradients get a reduction of their own, the rest one multi-tensor norm: the same norm as the multi-tensor
+    one over all of them."""
+    from adapter.train import optim
+
+    grads = [torch.randn(n) for n in (3, 40, 7, 64, 1)]
+    launches = []
+    monkeypatch.setattr(optim, "BIG", 32)
+    real = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda g, *a, **k: launches.append(g.numel()) or real(g, *a, **k))
+    got = optim._sum_of_squares(grads)
+    assert sorted(launches) == [40, 64]
+    want = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+    assert torch.allclose(got, want, rtol=1e-6)
+    assert torch.allclose(optim._sum_of_squares(grads[:1]), grads[0].square().sum(), rtol=1e-6)  # short ones only
+    assert torch.allclose(optim._sum_of_squares(grads[1:2]), grads[1].square().sum(), rtol=1e-6)  # long ones only
+
+
+def test_step_pointer_table_is_every_gradient_then_every_weight():
+    """The one-launch step's pointer table (made on the host, so checked here): autograd's gradients where they are;
+    a missing one as zeros, one of another dtype or non-contiguous as a contiguous copy in the weight's dtype; the
+    alignment flag false as soon as one address is not 16-byte aligned."""
+    from adapter.train.grads import pointers
+
+    params = [torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16)) for _ in range(4)]
+    base = torch.randn(2, 4, 8).to(torch.bfloat16)
+    params[0].grad, params[1].grad = base[0], base[1]
+    params[2].grad_dtype = None  # torch refuses another dtype's gradient unless told
+    params[2].grad = torch.randn(8, 4).t()  # fp32 and non-contiguous
+    table, aligned, keep = pointers(params)
+    assert table.dtype == torch.int64 and table.numel() == 8
+    assert table[:2].tolist() == [base[0].data_ptr(), base[1].data_ptr()]
+    assert table[4:].tolist() == [p.data_ptr() for p in params]
+    for i in (2, 3):
+        copy = next(g for g in keep if g.data_ptr() == table[i])
+        assert copy.dtype == torch.bfloat16 and copy.is_contiguous()
+    assert torch.equal(keep[2], params[2].grad.to(torch.bfloat16)) and not keep[3].any()  # None: zeros
+    params[2].grad = params[3].grad = base[0]
+    assert all(map(operator.is_, pointers(params)[2], [p.grad for p in params]))  # the usual case: nothing copied
+    assert not pointers([torch.nn.Parameter(torch.zeros(9, dtype=torch.bfloat16)[1:])])[1]  # 2-byte offset
