@@ -7,7 +7,8 @@ host-bound, so the GPU idled (docs/BENCHMARKS.md, issue 16). One kernel walks a 
 chunk -> (parameter, offset); the master weights and moments are the flat buffers, the gradients and the 16-bit
 weights are reached through per-step pointer tables, so autograd's gradients stay where autograd put them.
 
-Same arithmetic as `adapter.train.optim._adamw_update` (IEEE square root and division).
+Same arithmetic as `adapter.train.optim._adamw_update` (IEEE square root and division). The gradient norm before it
+walks the same table (`sum_of_squares`): one launch per group through the same pointers.
 
 Alignment: Triton vectorises a load (16 bytes per thread) only when it can prove the address is aligned, and an
 address read from a table proves nothing, so the first version issued scalar loads and ran at ~1.35 TB/s: 25.7 ms
@@ -16,6 +17,8 @@ and every pointer is 16-byte aligned (the usual case: autograd's gradients come 
 tells the compiler so; otherwise the same kernel runs without the hints.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -86,6 +89,8 @@ class ChunkTable:
         self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
         self.low = tl.bfloat16 if params[0].dtype == torch.bfloat16 else tl.float16
         self.sizes_aligned = all(n % ALIGN == 0 for n in numels)  # then every offset is too
+        self.n_params = len(params)
+        self.partial = None  # the norm's per-chunk sums, allocated on first use
 
 
 def supported(params) -> bool:
@@ -95,16 +100,57 @@ def supported(params) -> bool:
             and all(p.is_contiguous() for p in params))
 
 
-def step(table: ChunkTable, params, master, exp_avg, exp_avg_sq, hyper) -> int:
+@triton.jit
+def _sum_sq_chunks(ptrs, chunk_param, chunk_start, numels, weight, partial, LOW: tl.constexpr, BLOCK: tl.constexpr,
+                   ALIGN: tl.constexpr):
+    """Each chunk's Σ g² (fp32) times its parameter's weight in the norm (1, or 0 where it does not count)."""
+    pid = tl.program_id(0)
+    p = tl.load(chunk_param + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)
+    n = tl.load(numels + p)
+    grad_ptr = tl.load(ptrs + p).to(tl.pointer_type(LOW))
+    if ALIGN > 1:
+        n = tl.multiple_of(n, ALIGN)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+    idx = start + tl.arange(0, BLOCK).to(tl.int64)
+    g = tl.load(grad_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    tl.store(partial + pid, tl.where(tl.load(weight + p) != 0, tl.sum(g * g), 0.0))  # not counted: 0, even NaN
+
+
+class Prepared(NamedTuple):
+    """One step's pointer table on the device, the alignment the kernels may assume, the tensors it points into
+    that nothing else keeps alive (zeros for missing gradients, converted copies)."""
+    ptrs: torch.Tensor
+    align: int
+    keep: list
+
+
+def prepare(table: ChunkTable, params) -> Prepared:
+    """Where this step's gradients and weights are, once for the norm and the update."""
+    host, aligned, keep = pointers(params)
+    align = ALIGN if table.sizes_aligned and aligned else 1
+    return Prepared(host.pin_memory().to(table.numels.device, non_blocking=True), align, keep)
+
+
+def sum_of_squares(table: ChunkTable, prep: Prepared, weight: torch.Tensor) -> torch.Tensor:
+    """Σ g² over the group's gradients, fp32, in one launch: one partial sum per chunk, then their sum (the same
+    order every step: deterministic, unlike atomics). `weight`: per parameter, 0 where it does not count (TP ranks
+    other than 0 skip the replicated ones). Why: one reduction per long gradient read the MoE shape's 11 GB at
+    2.8 TB/s, torch's multi-tensor norm at 1.9 (bench/adamw_bench.py)."""
+    if table.partial is None:
+        table.partial = torch.empty(table.chunk_param.numel(), dtype=torch.float32, device=table.numels.device)
+    _sum_sq_chunks[(table.chunk_param.numel(),)](prep.ptrs, table.chunk_param, table.chunk_start, table.numels, weight,
+                                                 table.partial, LOW=table.low, BLOCK=table.block, ALIGN=prep.align,
+                                                 num_warps=table.num_warps)
+    return table.partial.sum()
+
+
+def step(table: ChunkTable, prep: Prepared, master, exp_avg, exp_avg_sq, hyper) -> int:
     """One update of every parameter of the group; the gradients may be anywhere (None: zero); `master` None: the
     16-bit weights are their own master (the moments are 16-bit too). Returns the alignment the kernel was told
-    (ALIGN or 1)."""
-    host, aligned, keep = pointers(params)  # `keep`: alive until the launch is queued; stream order does the rest
-    align = ALIGN if table.sizes_aligned and aligned else 1
-    ptrs = host.pin_memory().to(exp_avg.device, non_blocking=True)
+    (ALIGN or 1). `prep` (from `prepare`) must outlive the launch's queueing; stream order does the rest."""
     grid = (table.chunk_param.numel(),)
-    _adamw_chunks[grid](exp_avg if master is None else master, exp_avg, exp_avg_sq, ptrs, table.chunk_param,
-                        table.chunk_start, table.offsets, table.numels, hyper, len(params), LOW=table.low,
-                        BLOCK=table.block, ALIGN=align, MASTER=master is not None, num_warps=table.num_warps)
-    del keep
-    return align
+    _adamw_chunks[grid](exp_avg if master is None else master, exp_avg, exp_avg_sq, prep.ptrs, table.chunk_param,
+                        table.chunk_start, table.offsets, table.numels, hyper, table.n_params, LOW=table.low,
+                        BLOCK=table.block, ALIGN=prep.align, MASTER=master is not None, num_warps=table.num_warps)
+    return prep.align

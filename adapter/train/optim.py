@@ -13,8 +13,8 @@ back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, issue 16). Here:
 * one fused pass per parameter reads its 16-bit gradient, applies clipping and AdamW (torch.optim.AdamW's
   arithmetic) to the master and moments, and writes the 16-bit weight; on CUDA one Triton launch does it for a
   whole parameter group (adapter/train/adamw_kernel.py: per-parameter launches left the GPU waiting on the host);
-* the gradient norm is one reduction per long gradient and one multi-tensor kernel for the rest; clipping never
-  leaves the device;
+* the gradient norm is one Triton launch per group over the step's own table on CUDA (elsewhere one reduction per
+  long gradient and one multi-tensor kernel for the rest); clipping never leaves the device;
 * gradients stay autograd's own tensors, freed after each step (`zero_grad` sets them to None), so they are not
   resident while the forward's activations peak.
 
@@ -94,6 +94,7 @@ class _Flat:
     table: object = None         # adamw_kernel.ChunkTable where the one-launch step applies
     masters: list | None = None  # 8-bit: each parameter's fp32 master as a leaf tensor (a view of `master`)
     _counted: list | None = None
+    _weights: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -105,6 +106,13 @@ class _Flat:
         if self._counted is None:
             self._counted = [p for p in self.params if getattr(p, "tensor_model_parallel", False)]
         return self.params if tp_rank == 0 else self._counted
+
+    def norm_weights(self, tp_rank: int) -> torch.Tensor:
+        """`counted` as a per-parameter 1/0 vector on the device, for the one-launch norm."""
+        if self._weights is None:
+            on = set(map(id, self.counted(tp_rank)))
+            self._weights = torch.tensor([float(id(p) in on) for p in self.params], device=self.device)
+        return self._weights
 
     @property
     def sixteen(self) -> bool:
@@ -188,11 +196,18 @@ class FlatAdamW(torch.optim.Optimizer):
         p, off = f.params[i], f.offsets[i]
         return p.data.view(-1) if f.master is None else f.master[off:off + p.numel()]
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients (fp32, on the device), Megatron's TP rule."""
-        counted = whole([g for f in self.flats for g in map(_GRAD, f.counted(self.tp_rank)) if g is not None])
+    def grad_norm(self, prepared: list | None = None) -> torch.Tensor:
+        """Global L2 norm of the gradients (fp32, on the device), Megatron's TP rule. `prepared`: per group, the
+        one-launch kernels' pointer table (adamw_kernel.prepare) or None."""
+        prepared = prepared or [None] * len(self.flats)
+        parts = [adamw_kernel.sum_of_squares(f.table, prep, f.norm_weights(self.tp_rank))
+                 for f, prep in zip(self.flats, prepared) if prep is not None]
+        rest = whole([g for f, prep in zip(self.flats, prepared) if prep is None
+                      for g in map(_GRAD, f.counted(self.tp_rank)) if g is not None])
+        if rest:
+            parts.append(_sum_of_squares(rest))
         device = self.flats[0].device
-        sq = _sum_of_squares(counted) if counted else torch.zeros((), dtype=torch.float32, device=device)
+        sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float32, device=device)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
         return sq.sqrt()
@@ -201,7 +216,8 @@ class FlatAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("FlatAdamW.step takes no closure")
-        norm = self.grad_norm()
+        prepared = [None if f.table is None else adamw_kernel.prepare(f.table, f.params) for f in self.flats]
+        norm = self.grad_norm(prepared)
         self._global_grad_norm = norm
         if self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
@@ -212,7 +228,7 @@ class FlatAdamW(torch.optim.Optimizer):
         if self.inner is not None:
             self._step_8bit(coef)
             return None
-        for group, f in zip(self.param_groups, self.flats):
+        for group, f, prep in zip(self.param_groups, self.flats, prepared):
             b1, b2 = group["betas"]
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             bc1, bc2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
@@ -221,8 +237,8 @@ class FlatAdamW(torch.optim.Optimizer):
             device = f.device
             hyper = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
             hyper[0] = coef
-            if f.table is not None:
-                adamw_kernel.step(f.table, f.params, f.master, f.exp_avg, f.exp_avg_sq, hyper)
+            if prep is not None:
+                adamw_kernel.step(f.table, prep, f.master, f.exp_avg, f.exp_avg_sq, hyper)
                 continue
             fn = _step_fn(device, f.sixteen)
             for i, p in enumerate(f.params):

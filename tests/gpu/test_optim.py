@@ -45,11 +45,17 @@ def _run(params, kernel: bool, steps: int = 6, align: int = 1, state_dtype: str 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("shapes,align", [(UNALIGNED, 1), (ALIGNED, 16)], ids=["unaligned", "aligned"])
 def test_one_launch_step_equals_the_per_parameter_step(shapes, align, state_dtype, monkeypatch):
-    """fp32: master and moments FMA-level; bf16 states (no master): weights and moments to one bf16 rounding."""
+    """fp32: master and moments FMA-level; bf16 states (no master): weights and moments to one bf16 rounding. Both
+    runs clip with one norm (float64, rounded to fp32): the one-launch norm sums in another order than the
+    per-tensor one, and a last-bit change of the clip factor moves bf16 roundings over six steps; the norm has its
+    own test below."""
     from adapter.train import adamw_kernel
 
     told, plain = [], adamw_kernel.step
     monkeypatch.setattr(adamw_kernel, "step", lambda *a: told.append(plain(*a)))
+    monkeypatch.setattr(FlatAdamW, "grad_norm", lambda self, prepared=None: torch.stack(
+        [p.grad.double().square().sum() for f in self.flats for p in f.params if p.grad is not None]
+    ).sum().sqrt().float())
     base = _params(shapes)
     ref_params, got_params = copy.deepcopy(base), copy.deepcopy(base)
     ref = _run(ref_params, kernel=False, state_dtype=state_dtype)
@@ -69,6 +75,30 @@ def test_one_launch_step_equals_the_per_parameter_step(shapes, align, state_dtyp
     for start, a, b in zip(base, ref_params, got_params):
         assert (a.float() - b.float()).abs().max() <= a.float().abs().max() * 2 ** -7  # at most a bf16 rounding
         assert not torch.equal(b, start)                                               # it did update
+
+
+@pytest.mark.parametrize("shapes", [UNALIGNED, ALIGNED], ids=["unaligned", "aligned"])
+def test_one_launch_norm_follows_megatrons_tp_rule(shapes):
+    """The Triton norm over the step's table: Σ g² in float64 within fp32 accumulation, a missing gradient counted as
+    zero; on a TP rank other than 0 the replicated parameters do not count, not even a NaN in them."""
+    from adapter.train import adamw_kernel
+
+    params = _params(shapes)
+    params[0].tensor_model_parallel = params[3].tensor_model_parallel = True
+    for i, p in enumerate(params):
+        p.grad = None if i == 2 else torch.randn(p.shape, device="cuda").to(p.dtype)
+    for rank in (0, 1):
+        opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0,
+                        state_dtype="bf16")
+        opt.tp_rank = rank
+        prep = [adamw_kernel.prepare(f.table, f.params) for f in opt.flats]
+        counted = [p for p in params if rank == 0 or getattr(p, "tensor_model_parallel", False)]
+        want = sum(p.grad.double().square().sum() for p in counted if p.grad is not None).sqrt()
+        got = opt.grad_norm(prep)
+        assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=1e-6), (got, want)
+        assert torch.allclose(got, opt.grad_norm(), rtol=1e-6)  # the per-tensor path agrees
+    params[1].grad[0] = float("nan")  # replicated: counted on rank 0 only
+    assert torch.isfinite(opt.grad_norm([adamw_kernel.prepare(f.table, f.params) for f in opt.flats]))
 
 
 def test_flat_8bit_on_cuda_takes_bitsandbytes_cuda_steps():
