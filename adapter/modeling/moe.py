@@ -33,6 +33,11 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+try:  # Triton comes with torch's CUDA wheels, not its CPU ones; without it the torch code below runs
+    from adapter.kernels import moe_triton
+except ImportError:
+    moe_triton = None
+
 
 class AuxLoss:
     """One forward's routing statistics (per layer) and what backward needs from them."""
@@ -280,6 +285,9 @@ class GroupedExperts(SequentialMLP):
     def _activate(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """MLP.forward's activation with its per-token scale (the routing weight), the same code path."""
         c, scale = self.config, probs.unsqueeze(-1)
+        if c.bias_activation_fusion and h.is_cuda and moe_triton is not None and not \
+                c.activation_func_fp8_input_store:  # the same arithmetic in one pass a row (adapter/kernels)
+            return moe_triton.weighted_swiglu(h, scale)
         if c.bias_activation_fusion:
             return weighted_bias_swiglu_impl(h, None, scale, c.activation_func_fp8_input_store)
         if c.gated_linear_unit:
@@ -318,7 +326,7 @@ class LocalTokenDispatcher(MoETokenDispatcher):
     permuted rows number tokens x k whatever the data: a stable sort of the [experts, tokens] map puts the picks
     first, in Megatron's order (expert-major, tokens ascending), and the counts stay on the device for the grouped
     GEMM's offsets (`GroupedExperts`). Tokens come back to their rows by gathers and sums, forward and backward,
-    where Megatron scatter-adds with atomics."""
+    where Megatron scatter-adds with atomics. The permutation itself comes from prefix sums (`_routing_index`)."""
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
@@ -330,13 +338,9 @@ class LocalTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         self.hidden_shape = hidden_states.shape
-        tokens = routing_map.size(0)
-        picked = routing_map.T.reshape(-1)  # [experts x tokens], expert-major
-        order = torch.argsort(picked.logical_not().to(torch.uint8), stable=True)[:tokens * self.top_k]
-        rows = order % tokens  # the token of each permuted row
-        # each token's k rows (in expert order): the permutation's inverse, for the gathers that replace scatters
-        self.index = (rows, torch.argsort(rows, stable=True).view(tokens, self.top_k))
-        self.tokens_per_expert = routing_map.sum(dim=0)
+        fn = _routing_index_compiled if routing_map.is_cuda else _routing_index
+        order, rows, inv, self.tokens_per_expert = fn(routing_map, self.top_k)
+        self.index = (rows, inv)
         x = hidden_states.view(-1, self.hidden_shape[-1])
         return _Permute.apply(x, *self.index), probs.T.reshape(-1).index_select(0, order)
 
@@ -358,8 +362,38 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         return out.view(self.hidden_shape)
 
 
+def _routing_index(routing_map: torch.Tensor, top_k: int):
+    """The permutation of a dropless top-k routing (exactly k picks per token), in Megatron's order (expert-major,
+    tokens ascending): for each permuted row its [experts x tokens] index (`order`) and its token (`rows`); for
+    each token its k rows in expert order (`inv`, the inverse the gathers use); the rows per expert.
+
+    From prefix sums, not sorts: pick (t, e) goes to row start[e] + (picks of e by tokens before t) and is pick
+    number (picks of t among experts before e) of its token. Two stable argsorts did the same in ~20 kernels a
+    layer (radix passes); compiled on CUDA this is a few (docs/BENCHMARKS.md, issue 30)."""
+    tokens, experts = routing_map.shape
+    n = tokens * top_k
+    rm = routing_map.to(torch.int32)
+    counts = rm.sum(0)
+    row = (counts.cumsum(0) - counts) + (rm.cumsum(0) - rm)  # [tokens, experts]: the permuted row of each pick
+    rank = rm.cumsum(1) - rm                                   # its place among its token's picks
+    t = torch.arange(tokens, device=rm.device).unsqueeze(1)
+    e = torch.arange(experts, device=rm.device).unsqueeze(0)
+    # scatters with one extra slot at the end, where every (t, e) that is not a pick lands and is dropped
+    inv = torch.zeros(n + 1, dtype=torch.int64, device=rm.device).scatter_(
+        0, torch.where(routing_map, t * top_k + rank, n).reshape(-1), row.reshape(-1))[:n].view(tokens, top_k)
+    order = torch.zeros(n + 1, dtype=torch.int64, device=rm.device).scatter_(
+        0, torch.where(routing_map, row, n).reshape(-1), (e * tokens + t).reshape(-1))[:n]
+    return order, order % tokens, inv, counts
+
+
+_routing_index_compiled = torch.compile(_routing_index)  # shapes follow the micro-batch: dynamic after one change
+
+
 def _gather_sum(y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """out[t] = Σ_j y[inv[t, j]]: each token's k rows, summed (no atomics, unlike a scatter-add into the tokens)."""
+    """out[t] = Σ_j y[inv[t, j]]: each token's k rows, summed (no atomics, unlike a scatter-add into the tokens);
+    on CUDA one Triton kernel (adapter/kernels/moe_triton.py: no gathered copy of the rows)."""
+    if y.is_cuda and moe_triton is not None:
+        return moe_triton.gather_sum(y, inv)
     tokens, k = inv.shape
     return y.index_select(0, inv.reshape(-1)).view(tokens, k, -1).sum(1)
 

@@ -357,3 +357,21 @@ def test_local_permutation_gradients():
     assert torch.allclose(_Unpermute.apply(y, rows, inv), want, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda t: _Permute.apply(t, rows, inv), (x,))
     assert torch.autograd.gradcheck(lambda t: _Unpermute.apply(t, rows, inv), (y,))
+
+
+def test_routing_index_equals_stable_sorts():
+    """The prefix-sum permutation (`_routing_index`) is exactly the one the two stable argsorts gave: expert-major
+    rows with tokens ascending, each token's rows in expert order, the rows per expert."""
+    import torch
+
+    from adapter.modeling.moe import _routing_index
+
+    g = torch.Generator().manual_seed(0)
+    for tokens, experts, k in ((7, 5, 3), (64, 16, 4), (33, 128, 8), (5, 4, 4)):
+        pick = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices
+        routing = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, pick, True)
+        want = torch.argsort(routing.T.reshape(-1).logical_not().to(torch.uint8), stable=True)[:tokens * k]
+        order, rows, inv, counts = _routing_index(routing, k)
+        assert torch.equal(order, want) and torch.equal(rows, want % tokens)
+        assert torch.equal(inv, torch.argsort(want % tokens, stable=True).view(tokens, k))
+        assert torch.equal(counts, routing.sum(0))
