@@ -27,6 +27,9 @@ import triton.language as tl
 from adapter.train.grads import pointers
 
 BLOCK = 4096
+# 16-bit states (14 bytes a parameter): 2,048 elements and 4 warps a program took the MoE shape's norm + step in
+# 21.9 ms against 22.2 at 4,096 / 8 (bench/adamw_bench.py --launch, docs/BENCHMARKS.md); fp32 masters keep BLOCK / 8
+SIXTEEN_LAUNCH = {"block": 2048, "num_warps": 4}
 ALIGN = 16  # elements: sizes and offsets divisible by this, and 16-byte aligned pointers, get the vectorised kernel
 
 

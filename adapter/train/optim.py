@@ -174,7 +174,7 @@ class FlatAdamW(torch.optim.Optimizer):
             zeros = torch.zeros(n, dtype=params[0].dtype, device=device)
             table = None
             if device.type == "cuda" and adamw_kernel is not None and adamw_kernel.supported(params):
-                table = adamw_kernel.ChunkTable(params, offsets, device)
+                table = adamw_kernel.ChunkTable(params, offsets, device, **adamw_kernel.SIXTEEN_LAUNCH)
             return _Flat(list(params), offsets, None, zeros, zeros.clone(), table)
         master = None
         if dtypes != {torch.float32}:
