@@ -22,6 +22,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
     from adamw_bench import moe_shapes
+    from cuda_timing import ms_per_call
 
     from adapter.train.optim import FlatAdamW
 
@@ -62,17 +63,8 @@ def main() -> int:
             y = y + o.view(s, k, h).sum(1)
         return y @ head.t()
 
-    def timed(fn, iters=5):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / iters
+    def timed(fn):
+        return ms_per_call(fn, 5, warmup=2)
 
     hi, lo, lo2 = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=0)
     rows = {}
