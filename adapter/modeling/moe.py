@@ -323,10 +323,10 @@ class LocalTokenDispatcher(MoETokenDispatcher):
     routing map (a host sync each), the per-expert counts copied to the host (another), a split + cat to sort
     chunks that are already in order. Each sync empties the GPU's queue; on one H200 the Qwen3-30B-A3B layer's
     step was host-bound (docs/BENCHMARKS.md). Dropless top-k routing picks exactly k experts per token, so the
-    permuted rows number tokens x k whatever the data: a stable sort of the [experts, tokens] map puts the picks
-    first, in Megatron's order (expert-major, tokens ascending), and the counts stay on the device for the grouped
-    GEMM's offsets (`GroupedExperts`). Tokens come back to their rows by gathers and sums, forward and backward,
-    where Megatron scatter-adds with atomics. The permutation itself comes from prefix sums (`_routing_index`)."""
+    permuted rows number tokens x k whatever the data: prefix sums over the routing map lay the picks out in
+    Megatron's order (expert-major, tokens ascending; `_routing_index`), and the counts stay on the device for the
+    grouped GEMM's offsets (`GroupedExperts`). Tokens come back to their rows by gathers and sums, forward and
+    backward, where Megatron scatter-adds with atomics."""
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
