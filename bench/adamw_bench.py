@@ -51,6 +51,30 @@ def moe_shapes(cfg: dict) -> tuple[list[tuple[int, ...]], list[int]]:
     return shapes + [(h,), (cfg["vocab_size"], h)], starts
 
 
+def moe_optimizer(cfg: dict, deposit: bool = True):
+    """The MoE shape's bf16 parameters on the GPU with gradients, and the flat AdamW with bf16 states over them.
+    `deposit`: each layer's expert gradients are rows of one tensor per linear, as the grouped experts leave them
+    (adapter/modeling/moe.py); else every gradient is a tensor of its own."""
+    import torch
+
+    from adapter.train.optim import FlatAdamW
+
+    shapes, starts = moe_shapes(cfg)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    experts = {i for s in starts for i in range(s, s + 2 * cfg["num_experts"])} if deposit else set()
+    for p in (p for i, p in enumerate(params) if i not in experts):
+        p.grad = torch.randn_like(p) * 1e-3
+    for s in starts if deposit else ():
+        for lin in (0, 1):
+            ws = params[s + lin:s + 2 * cfg["num_experts"]:2]
+            rows_of = torch.randn(len(ws), *ws[0].shape, device="cuda", dtype=torch.bfloat16) * 1e-3
+            for w, g in zip(ws, rows_of.unbind(0)):
+                w.grad = g
+    opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0,
+                    state_dtype="bf16")
+    return params, opt
+
+
 def moe_rows(cfg: dict, a) -> int:
     """bf16 states on the MoE shape: ours (one launch per launch shape, and the gradient norm alone) and torch's
     fused AdamW on bf16 parameters."""
@@ -59,22 +83,9 @@ def moe_rows(cfg: dict, a) -> int:
 
     from adapter.train import adamw_kernel
     from adapter.train.grads import whole
-    from adapter.train.optim import FlatAdamW
 
-    shapes, starts = moe_shapes(cfg)
-    n = sum(torch.Size(s).numel() for s in shapes)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
-    experts = {i for s in starts for i in range(s, s + 2 * cfg["num_experts"])}
-    for p in (p for i, p in enumerate(params) if i not in experts):
-        p.grad = torch.randn_like(p) * 1e-3
-    for s in starts:  # each linear's experts: rows of one gradient tensor (adapter/modeling/moe.py's deposit)
-        for lin in (0, 1):
-            ws = params[s + lin:s + 2 * cfg["num_experts"]:2]
-            rows_of = torch.randn(len(ws), *ws[0].shape, device="cuda", dtype=torch.bfloat16) * 1e-3
-            for w, g in zip(ws, rows_of.unbind(0)):
-                w.grad = g
-    opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0,
-                    state_dtype="bf16")
+    params, opt = moe_optimizer(cfg)
+    n = sum(p.numel() for p in params)
     prep = [adamw_kernel.prepare(f.table, f.params) for f in opt.flats]
     rows = {"ours, gradient norm alone (one launch)": ms_per_call(partial(opt.grad_norm, prep), a.iters),
             "one reduction per long gradient, norm alone": ms_per_call(opt.grad_norm, a.iters)}

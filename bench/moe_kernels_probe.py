@@ -59,10 +59,9 @@ def adamw_rows(ms_per_call) -> dict:
     import torch
     import triton
     import triton.language as tl
-    from adamw_bench import moe_shapes
+    from adamw_bench import moe_optimizer
 
     from adapter.train import adamw_kernel
-    from adapter.train.optim import FlatAdamW
 
     @triton.jit
     def flat_adamw(w_ptr, g_ptr, m_ptr, v_ptr, n, coef, decay, one_minus_b1, b2, one_minus_b2, step_size, sqrt_bc2,
@@ -96,13 +95,8 @@ def adamw_rows(ms_per_call) -> dict:
             tl.store(w_ptr + idx, w.to(tl.bfloat16), mask=mask)
 
     cfg = json.loads((ROOT / "configs/models/qwen3-30b-a3b-8l-shape/config.json").read_text())
-    shapes, _ = moe_shapes(cfg)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    params, opt = moe_optimizer(cfg, deposit=False)
     n = sum(p.numel() for p in params)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0,
-                    state_dtype="bf16")
     fl = opt.flats[0]
     prep = adamw_kernel.prepare(fl.table, fl.params)
     hyper = torch.tensor([1.0, 1.0, 0.1, 0.95, 0.05, 1e-4, 1.0, 1e-8], device="cuda")

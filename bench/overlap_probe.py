@@ -21,19 +21,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 def main() -> int:
     import torch
     import torch.nn.functional as F
-    from adamw_bench import moe_shapes
+    from adamw_bench import moe_optimizer
     from cuda_timing import ms_per_call
-
-    from adapter.train.optim import FlatAdamW
 
     cfg = json.loads((ROOT / "configs/models/qwen3-30b-a3b-8l-shape/config.json").read_text())
     dev, bf = "cuda", torch.bfloat16
-    shapes, starts = moe_shapes(cfg)
-    params = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=bf) * 0.02) for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = FlatAdamW([{"params": params, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0,
-                    state_dtype="bf16")
+    _, opt = moe_optimizer(cfg, deposit=False)
 
     s, h, e, f, k = 4096, 2048, 128, 768, 8
     x = torch.randn(s, h, device=dev, dtype=bf)
