@@ -18,6 +18,7 @@ from adapter.convert.cli import add_parser as add_convert_parser
 from adapter.data.sft import report
 from adapter.errors import EXIT_USAGE, UserError
 from adapter.models import source
+from adapter.models.resolved import resolve_run
 from adapter.plan import calibrate, search
 from adapter.plan.build import build_plan
 from adapter.plan.render import render, render_search
@@ -56,7 +57,7 @@ def cmd_plan(args) -> int:
         print(found.model_dump_json(indent=2)) if args.format == "json" else render_search(found, top=args.top)
         return 0
     cfg = source.load_config(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
-    doc = build_plan(cfg, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
+    doc = build_plan(resolve_run(cfg), config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
     doc.notes.extend(_resume_note(cfg, doc.model["architecture"]))
     if args.format == "json":
         print(doc.model_dump_json(indent=2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL ("try again later"): stopped on a signal, resumable with --resume
 # Where a training process leaves its one-line error for `nd-adapter train`'s launcher (adapter/train/spawn.py),
 # which prints the first failed rank's line when rank 0 left none.
 ERROR_DIR = "ND_ADAPTER_ERROR_DIR"

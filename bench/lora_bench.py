@@ -41,11 +41,12 @@ def commands(a) -> dict[str, list[str]]:
 
 def predicted(sets: list[str]) -> dict:
     from adapter import config
+    from adapter.models.resolved import resolve_run
     from adapter.plan.build import build_plan
 
     over = [sets[i + 1] for i in range(0, len(sets), 2)]
     cfg = config.load(ROOT / CONFIG, overrides=config.parse_sets(over), world_size=1)
-    plan = build_plan(cfg, config_path=str(ROOT / CONFIG))
+    plan = build_plan(resolve_run(cfg), config_path=str(ROOT / CONFIG))
     return {"tokens_per_s_per_gpu": round(plan.predicted.tokens_per_s_per_gpu),
             "peak_gib": round(plan.memory.peak / 2**30, 2)}
 

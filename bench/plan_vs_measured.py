@@ -142,11 +142,12 @@ NOT_MODELLED = [
 
 def predict(cfg_name: str, overrides: dict, gpus: int) -> dict:
     from adapter import config
+    from adapter.models.resolved import resolve_run
     from adapter.plan.build import build_plan
 
     path = ROOT / "bench/configs" / f"{cfg_name}.yaml"
     cfg = config.load(path, overrides=overrides, world_size=gpus)
-    plan = build_plan(cfg, config_path=str(path))
+    plan = build_plan(resolve_run(cfg), config_path=str(path))
     assert plan.predicted is not None
     return {"tokens_per_s_per_gpu": plan.predicted.tokens_per_s_per_gpu, "step_time_s": plan.predicted.step_time_s,
             "breakdown": plan.predicted.breakdown, "bottleneck": plan.predicted.bottleneck}

@@ -9,6 +9,12 @@ from adapter.models.arch import ModelArch, check_tp
 
 def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
+    return checked(cfg, arch)[0]
+
+
+def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec | None, list[freeze.Tensor] | None]:
+    """`check`, also returning what it resolved on the way: the LoRA spec and the unfrozen_parameters tensors
+    (adapter/models/resolved.py keeps them, so nothing resolves them again)."""
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     ep = cfg.parallelism.ep_size
@@ -25,8 +31,10 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
                   "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "
                   "too", f"remove it, or list embed_tokens / lm_head under {spell(cfg, 'lora.modules_to_save')}")
+    unfrozen = spec = None
     if cfg.model.unfrozen_parameters is not None:  # patterns that split a tensor or match nothing: refused here
-        freeze.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"))
+        unfrozen = freeze.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"),
+                                  vocab_divisible_by=cfg.model.vocab_divisible_by)
     if cfg.lora is not None:  # targets, rank, modules_to_save, the adapter to start from: before any process starts
         spec = lora.from_config(cfg, arch)
         if tp > arch.num_kv_heads and any(t.linear.fused == "linear_qkv" for t in spec.targets):
@@ -90,7 +98,7 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
                         "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
-    return warnings
+    return warnings, spec, unfrozen
 
 
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 from adapter.config import RunConfig, spell
 from adapter.errors import bad
 from adapter.models import freeze, lora
-from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.arch import padded_vocab_size
 from adapter.models.counts import local_params, num_params
+from adapter.models.resolved import ResolvedRun
 
 # AdamW's two moments, bytes per parameter: fp32, or 8-bit codes with one fp32 absmax per block of 256 (bitsandbytes'
 # AdamW8bit, adapter/train/optim.py; tensors under 4096 elements keep fp32 moments, not counted here)
@@ -28,29 +29,29 @@ def optimizer_bytes(cfg: RunConfig) -> float:
     return (4 if cfg.param_precision in ("bf16", "fp16") else 0) + STATE_BYTES[cfg.optimizer.name]
 
 
-def held_and_trained(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, int]:
+def held_and_trained(run: ResolvedRun, tp: int) -> tuple[int, int]:
     """(parameters one TP rank holds, those it trains): the one view of adapters and freezing (plan's memory,
     traffic and step time; the checkpoint sizes here). A LoRA run holds its frozen base, the adapters and (for a tied
     model whose embedding or LM head is trained) the untied copy, and trains the adapters and modules_to_save;
     `unfrozen_parameters` trains what its patterns match."""
+    cfg, arch, spec = run.cfg, run.arch, run.lora
     vdb = cfg.model.vocab_divisible_by
     lp = local_params(arch, tp, vdb)
     held = lp.total(arch.num_layers)
-    spec = lora.from_config(cfg, arch)
     if spec is not None:
         untied = lp.embedding if spec.modules_to_save and arch.tie_embeddings else 0
         return (held + spec.params(tp) + untied,
                 lora.trained_params(spec, arch, tp, padded_vocab_size(arch.vocab_size, tp, vdb)))
-    if cfg.model.unfrozen_parameters is not None:
-        return held, freeze.trained_local_params(arch, cfg.model.unfrozen_parameters, tp, vocab_divisible_by=vdb)
+    if run.unfrozen is not None:
+        return held, freeze.trained_local(run.unfrozen, arch, tp, vocab_divisible_by=vdb)
     return held, held
 
 
-def quantized_base(cfg: RunConfig, arch: ModelArch, tp: int) -> tuple[int, float, int]:
+def quantized_base(run: ResolvedRun, tp: int) -> tuple[int, float, int]:
     """(decoder-linear weights one TP rank holds quantised, bytes each, the largest one linear's local count) for a
     LoRA run on a 4- or 8-bit base (adapter/modeling/quant.py); (0, 0, 0) otherwise. Those weights are buffers:
     neither ZeRO-sharded nor gathered, and dequantised one linear at a time."""
-    spec = lora.from_config(cfg, arch)
+    spec, arch = run.lora, run.arch
     if spec is None or not spec.quantize_base:
         return 0, 0.0, 0
     per_layer = [lin.weights // tp for lin in lora.nn_linears(arch)]
@@ -62,25 +63,27 @@ def saves(total_steps: int, every: int) -> int:
     return (total_steps // every if every else 0) + (1 if not every or total_steps % every else 0)
 
 
-def checkpoint_bytes(cfg: RunConfig, arch: ModelArch, stage: int) -> int:
+def checkpoint_bytes(run: ResolvedRun, stage: int) -> int:
     """Bytes one checkpoint writes, all ranks together (exact HSDP's replicas write one copy): the fp32 master
     weights and AdamW's moments of what is trained, and the 16-bit weights DeepSpeed stores beside them (ZeRO-1/2
     and the flat AdamW: every held weight; ZeRO-3: its partitions live in the optimizer's files; a LoRA run: only
     what it trains, its base comes from the converted weights again)."""
-    held, trained = held_and_trained(cfg, arch, 1)
-    held -= quantized_base(cfg, arch, 1)[0]  # buffers: not in the module's state
+    cfg = run.cfg
+    held, trained = held_and_trained(run, 1)
+    held -= quantized_base(run, 1)[0]  # buffers: not in the module's state
     half = cfg.param_precision in ("bf16", "fp16")
     pb = 2 if half else 4
     weights = pb * trained if cfg.lora is not None else (0 if stage == 3 else pb * held)
     return int(weights + optimizer_bytes(cfg) * trained)
 
 
-def export_bytes(cfg: RunConfig, arch: ModelArch) -> int:
+def export_bytes(run: ResolvedRun) -> int:
     """The final export: the HF model in the training dtype, or a LoRA run's PEFT adapter."""
+    cfg = run.cfg
     if not cfg.checkpoint.export_hf:
         return 0
     pb = 2 if cfg.param_precision in ("bf16", "fp16") else 4
-    return pb * (held_and_trained(cfg, arch, 1)[1] if cfg.lora is not None else num_params(arch))
+    return pb * (held_and_trained(run, 1)[1] if cfg.lora is not None else num_params(run.arch))
 
 
 def _existing_dir(path: Path) -> Path:
@@ -89,18 +92,19 @@ def _existing_dir(path: Path) -> Path:
     return path
 
 
-def check_disk(cfg: RunConfig, arch: ModelArch, *, stage: int, saves: int, existing: int = 0,
+def check_disk(run: ResolvedRun, *, stage: int, saves: int, existing: int = 0,
                free: int | None = None, refuse: bool = True) -> str | None:
     """The line the first lines say about the checkpoints' disk use; a one-line refusal (UserError) when the
     retention cannot fit the free space of `checkpoint.dir`. `saves`: checkpoints the run will write; `existing`:
     those already in the directory (counted in the used space, pruned as the run goes). `refuse=False` (plan): the
     line says that they will not fit instead."""
+    cfg = run.cfg
     c = cfg.checkpoint
     if not c.dir or saves < 1:
         return None
-    size = checkpoint_bytes(cfg, arch, stage)
+    size = checkpoint_bytes(run, stage)
     at_once = min(saves + existing, c.keep_last + 1)  # a new one is written before the oldest is pruned
-    need = max(1, at_once - existing) * size + export_bytes(cfg, arch)
+    need = max(1, at_once - existing) * size + export_bytes(run)
     free = shutil.disk_usage(_existing_dir(Path(c.dir))).free if free is None else free
     said = (f"checkpoints: {size / GB:.1f} GB each, up to {at_once} at once "
             f"({spell(cfg, 'checkpoint.keep_last')}={c.keep_last} + the one being written); {need / GB:.1f} GB more "
@@ -115,9 +119,10 @@ def check_disk(cfg: RunConfig, arch: ModelArch, *, stage: int, saves: int, exist
     return said
 
 
-def cadence_warning(cfg: RunConfig, arch: ModelArch, *, stage: int, every: int) -> str | None:
+def cadence_warning(run: ResolvedRun, *, stage: int, every: int) -> str | None:
     """A save every few steps of a large checkpoint spends much of the run writing: said in the first lines."""
-    size = checkpoint_bytes(cfg, arch, stage)
+    cfg = run.cfg
+    size = checkpoint_bytes(run, stage)
     if not cfg.checkpoint.dir or not every or every >= FREQUENT_SAVES or size < LARGE_CHECKPOINT:
         return None
     return (f"a {size / GB:.0f} GB checkpoint every {every} steps: writing them may take much of the run; "

@@ -152,12 +152,12 @@ def describe(tensors: list[Tensor], arch: ModelArch, key: str) -> str:
             + "); the rest frozen: no gradients, no optimizer states")
 
 
-def trained_local_params(arch: ModelArch, patterns: list[str] | None, tp: int, *, vocab_divisible_by: int = 128,
-                         key: str = "model.unfrozen_parameters") -> int:
-    """Elements of the trained tensors one TP rank holds: what gradients and optimizer states are kept for."""
+def trained_local(tensors, arch: ModelArch, tp: int, *, vocab_divisible_by: int = 128) -> int:
+    """Elements of the trained `tensors` (`resolve`'s) one TP rank holds: what gradients and optimizer states are
+    kept for."""
     padded = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
     total = 0
-    for t in resolve(arch, patterns, key, vocab_divisible_by=vocab_divisible_by):
+    for t in tensors:
         if t.trained:
             numel = padded * arch.hidden_size if t.name.endswith(("word_embeddings.weight", "output_layer.weight")) \
                 else t.numel
@@ -165,4 +165,4 @@ def trained_local_params(arch: ModelArch, patterns: list[str] | None, tp: int, *
     return total
 
 
-__all__ = ["Pattern", "Tensor", "parse", "resolve", "module_name", "describe", "trained_local_params"]
+__all__ = ["Pattern", "Tensor", "parse", "resolve", "module_name", "describe", "trained_local"]

@@ -12,8 +12,10 @@ from pydantic import BaseModel, ConfigDict
 
 from adapter.config import RunConfig, setting, spell
 from adapter.errors import bad
-from adapter.models import checks, counts, footprint, freeze, lora, source
-from adapter.models.arch import ModelArch, load_arch
+from adapter.models import counts, footprint, source
+from adapter.models.announce import announce
+from adapter.models.arch import ModelArch
+from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config, mcore_call
 from adapter.parallel.layout import GROUPS, ORDER, Layout
 from adapter.plan import hardware, memory, timing, traffic
@@ -245,18 +247,16 @@ def _saves(cfg: RunConfig) -> int:
     return footprint.saves(total, c.save_every)
 
 
-def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArch | None = None,
-               gpu_mem_gib: float | None = None) -> Plan:
-    arch = arch or source.with_overrides(cfg, load_arch(cfg.model.path))
-    warnings = checks.check(cfg, arch)
-    layout = Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
+def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib: float | None = None) -> Plan:
+    cfg, arch, layout = run.cfg, run.arch, run.layout
+    warnings = list(run.warnings)
     capacity = gpu_capacity(cfg.hardware.gpu, gpu_mem_gib)
 
     def cost(mode: str) -> tuple[memory.MemoryEstimate, list[traffic.GroupTraffic]]:
-        c = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"replicate_mode": mode})})
-        z = deepspeed_config.partition_size(c, layout)
-        return (memory.estimate(c, arch, partition_size=z, gpu_capacity=capacity,
-                                stage=deepspeed_config.zero_stage(c, layout)), traffic.estimate(c, arch, layout))
+        r = run if mode == cfg.deepspeed.replicate_mode else run.with_config(cfg.model_copy(update={
+            "deepspeed": cfg.deepspeed.model_copy(update={"replicate_mode": mode})}))
+        return (memory.estimate(r, partition_size=r.partition_size, gpu_capacity=capacity, stage=r.zero_stage),
+                traffic.estimate(r, layout))
 
     mem, rows = cost(cfg.deepspeed.replicate_mode)
     prof = hardware.resolve(cfg.hardware, Path(config_path).resolve().parent if config_path else None)
@@ -271,7 +271,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
             warnings.append(f"step time from the {prof.name} profile, made for {prof.gpu}; memory is checked "
                             f"against hardware.gpu={cfg.hardware.gpu}")
         attn = attention_cost(cfg, arch)  # packed documents attend within themselves: pass their length
-        predicted = Predicted(**timing.predict(cfg, arch, layout, prof, stage=deepspeed_config.zero_stage(cfg, layout),
+        predicted = Predicted(**timing.predict(run, layout, prof, stage=run.zero_stage,
                                                rows=rows, doc_len=attn.doc_len if attn.packed_documents else None
                                                ).to_dict())
     modes = {}
@@ -286,9 +286,9 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         if layout.size(name) > 1 and layout.crosses_nodes(name):
             warnings.append(f"{name} groups cross nodes (size {layout.size(name)} > gpus_per_node "
                             f"{layout.gpus_per_node}): {name.upper()} traffic is per layer and will be slow")
-    z, stage = deepspeed_config.partition_size(cfg, layout), deepspeed_config.zero_stage(cfg, layout)
+    z, stage = run.partition_size, run.zero_stage
     if stage == 3 and layout.dp_replicate == 1 and z > 1:
-        z2 = memory.estimate(cfg, arch, partition_size=z, gpu_capacity=capacity, stage=2)
+        z2 = memory.estimate(run, partition_size=z, gpu_capacity=capacity, stage=2)
         if z2.peak <= 0.8 * capacity:
             warnings.append(f"hint: whole 16-bit weights fit here (ZeRO-2 peak {z2.peak / memory.GIB:.1f} of "
                             f"{capacity / memory.GIB:.1f} GiB): {setting(cfg, 'deepspeed.zero_stage', 2)} skips "
@@ -319,7 +319,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                    for n, what in (("ep", "ep within dp×cp"), ("expt_dp", "dp×cp / ep"),
                                    ("expt_dp_shard", "dp_shard×cp / ep (exact HSDP partitions experts there)"))
                    if n != "expt_dp_shard" or layout.dp_replicate > 1]
-    w = source.resolve(cfg)
+    w = run.weights
     if cfg.optimizer.max_steps is None and cfg.optimizer.num_epochs is not None:
         warnings.append(f"optimizer steps come from num_epochs={cfg.optimizer.num_epochs:g} and the training set's "
                         "size, known at run start (the run's first lines give the total and the warm-up)")
@@ -327,11 +327,8 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
         schema_version=SCHEMA_VERSION,
         config_path=config_path,
         config_dialect=cfg.source,
-        notes=list(cfg.notes) + ([freeze.describe(freeze.resolve(arch, cfg.model.unfrozen_parameters), arch,
-                                                  spell(cfg, "model.unfrozen_parameters"))]
-                                 if cfg.model.unfrozen_parameters is not None else [])
-        + ([lora.describe(lora.from_config(cfg, arch), arch, spell(cfg, "lora"))] if cfg.lora is not None else [])
-        + [line for line in [footprint.check_disk(cfg, arch, stage=stage, saves=_saves(cfg), refuse=False)] if line],
+        notes=announce(run) + [line for line in [footprint.check_disk(run, stage=stage, saves=_saves(cfg),
+                                                                      refuse=False)] if line],
         weights=Weights(source=w.kind, model_dir=w.model_dir, checkpoint=w.checkpoint, to_convert=w.to_convert,
                         convert_bytes=w.source_bytes if w.to_convert else 0, description=source.describe(w, cfg.seed)),
         model=arch.to_dict(),
@@ -356,7 +353,7 @@ def build_plan(cfg: RunConfig, *, config_path: str | None = None, arch: ModelArc
                                 else "fp32 master weights") + ", "
                             "one fused update per parameter group on GPUs, clipping across TP on the device) under "
                             "DeepSpeed's loop "
-                            "at stage 0 (optimizer.impl)" if deepspeed_config.flat_at_stage(cfg, stage) else
+                            "at stage 0 (optimizer.impl)" if run.flat_optimizer else
                             "nothing to shard (dp_shard×cp = 1): ZeRO stage 1 over a group of one, which skips "
                             "ZeRO-3's gather hooks; gradient clipping across TP",
                             config=deepspeed_config.build(cfg, layout)),

@@ -28,7 +28,7 @@ from typing import Protocol
 from adapter import config
 from adapter.errors import bad
 from adapter.models import source
-from adapter.models.arch import load_arch, padded_vocab_size
+from adapter.models.arch import padded_vocab_size
 from adapter.models.counts import layer_gemms, local_params
 from adapter.plan import hardware, timing
 from adapter.plan.hardware import Attention, Gemm, Link, Network, Profile
@@ -232,7 +232,7 @@ def main(args, flags: dict, bench: Bench | None = None) -> int:
     if args.iters < 1:
         raise bad("--iters", args.iters, "must be at least 1", "e.g. --iters 10")
     cfg = source.load_config(args.config, overrides={**config.parse_sets(args.set), **flags})
-    arch = load_arch(cfg.model.path)
+    arch = source.arch_for(cfg)
     base = hardware.read(args.base, key="--base") if args.base else hardware.resolve(cfg.hardware,
                                                                                       Path(args.config).parent)
     if base is None:

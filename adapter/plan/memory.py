@@ -15,6 +15,7 @@ from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import expert_params, local_params
 from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
+from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config
 
 GIB = 2**30
@@ -144,17 +145,17 @@ def attention_flops(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, 
     return 3.5 * forward / (tp * cp)
 
 
-def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capacity: int,
-             stage: int = 3) -> MemoryEstimate:
+def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage: int = 3) -> MemoryEstimate:
     """`stage` 3 shards the 16-bit weights over the partition; 1 and 2 keep them whole (nothing is gathered)."""
+    cfg, arch = run.cfg, run.arch
     p = cfg.parallelism
     tp, cp, L = p.tp_size, p.cp_size, arch.num_layers
     half = cfg.param_precision in ("bf16", "fp16")
     pb = 2 if half else 4
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
     # gradients and optimizer states only for the trained parameters (LoRA's adapters, unfrozen_parameters)
-    P, trained = held_and_trained(cfg, arch, tp)
-    Q, q_bytes, q_one = quantized_base(cfg, arch, tp)  # a 4/8-bit base: whole on every rank, outside ZeRO
+    P, trained = held_and_trained(run, tp)
+    Q, q_bytes, q_one = quantized_base(run, tp)  # a 4/8-bit base: whole on every rank, outside ZeRO
     Z = partition_size
     shard = -(-(P - Q) // Z)
     trained_shard = -(-trained // Z)
@@ -195,7 +196,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     one = layer_activations(arch, **kw)
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     one -= fp8_freed(cfg, arch, tokens=s * b)
-    spec = lora.from_config(cfg, arch)
+    spec = run.lora
     adapters = [0] * L if spec is None else lora_activations(spec, arch, seq=s, micro=b, tp=tp, sp=sp, bytes_per=pb)
     layer_input = pb * s * b * h // (tp if sp else 1)
     rope = 4 * s * b * arch.head_dim if packed else 0                    # packed: one fp32 RoPE angle row per token

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict
 
 from adapter.config import RunConfig
 from adapter.errors import UserError, bad
-from adapter.models import checks, source
-from adapter.models.arch import ModelArch, load_arch
-from adapter.parallel import deepspeed_config
+from adapter.models import source
+from adapter.models.arch import ModelArch
+from adapter.models.resolved import resolve_run
 from adapter.parallel.layout import Layout
 from adapter.plan import hardware, memory, timing, traffic
 from adapter.plan.build import gpu_capacity
@@ -34,6 +34,8 @@ SEARCH_KEYS = (*(f"parallelism.{k}" for k in SIZES), "parallelism.ep_size", "dee
                "deepspeed.replicate_mode", "recompute", "batch.micro_batch_size", "batch.gradient_accumulation_steps",
                "sequence_parallel", "model.compile")
 RECOMPUTE = ("none", "selective", "full")
+# where a candidate's weights come from does not change its memory or speed: not looked up once per candidate
+RANDOM = source.WeightsSource("random", "", reason="plan --search")
 
 
 class _Doc(BaseModel):
@@ -185,12 +187,11 @@ def candidate_config(base: RunConfig, cand: Candidate, nodes: int, gpus_per_node
 def evaluate(base: RunConfig, arch: ModelArch, cand: Candidate, layout: Layout, prof: Profile, capacity: int,
              nodes: int) -> SearchRow:
     """One candidate's row; raises UserError when the project refuses the layout."""
-    cfg = candidate_config(base, cand, nodes, layout.gpus_per_node)
-    checks.check(cfg, arch)
-    stage = deepspeed_config.zero_stage(cfg, layout)
-    mem = memory.estimate(cfg, arch, partition_size=deepspeed_config.partition_size(cfg, layout),
-                          gpu_capacity=capacity, stage=stage)
-    st = timing.predict(cfg, arch, layout, prof, stage=stage, rows=traffic.estimate(cfg, arch, layout))
+    run = resolve_run(candidate_config(base, cand, nodes, layout.gpus_per_node), arch=arch, weights=RANDOM,
+                      layout=layout)
+    stage = run.zero_stage
+    mem = memory.estimate(run, partition_size=run.partition_size, gpu_capacity=capacity, stage=stage)
+    st = timing.predict(run, layout, prof, stage=stage, rows=traffic.estimate(run, layout))
     return SearchRow(rank=0, dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, cp=cand.cp, tp=cand.tp, ep=cand.ep,
                      zero_stage=stage, replicate_mode=cand.replicate_mode if cand.dp_replicate > 1 else None,
                      recompute=cand.recompute, micro_batch_size=cand.micro, gradient_accumulation_steps=cand.ga,
@@ -275,7 +276,7 @@ def run(config_path: str, sets: dict[str, Any], flags: dict[str, Any], world: in
     nodes = flags.get("hardware.nodes", 1 if "hardware.gpus_per_node" in flags else cfg.hardware.nodes)
     if gpn is None:                      # no placement given: every rank on one node, as plain `plan` assumes
         nodes, gpn = 1, cfg.world_size
-    arch = source.with_overrides(cfg, load_arch(cfg.model.path))
+    arch = source.arch_for(cfg)
     prof = hardware.resolve(cfg.hardware, Path(config_path).resolve().parent)
     if prof is None:
         raise bad("hardware.profile", None, f"no hardware profile for gpu {cfg.hardware.gpu!r}, so no step time to "

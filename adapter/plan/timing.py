@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from math import ceil
 
-from adapter.config import RunConfig
 from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import flops_per_token, layer_gemms, local_params, param_tensors
 from adapter.models.footprint import held_and_trained, quantized_base
+from adapter.models.resolved import ResolvedRun
 from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_steps
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
@@ -156,24 +156,25 @@ def collective_seconds(nbytes: float, calls: float, bw_lat: tuple[float, float])
 
 # ---- the step -----------------------------------------------------------------------------------------------------
 
-def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, stage: int,
+def predict(run: ResolvedRun, layout: Layout, prof: Profile, *, stage: int,
             rows: list[traffic.GroupTraffic] | None = None, doc_len: int | None = None) -> StepTime:
-    """The step time of `cfg` on `layout` with ZeRO `stage` (deepspeed_config.zero_stage's answer). `doc_len`: the
+    """The step time of `run` on `layout` with ZeRO `stage` (deepspeed_config.zero_stage's answer). `doc_len`: the
     packed documents' mean length when attention stays inside documents (varlen); plan does not know the data, so
     it passes None and full causal sequences are counted (an upper bound for `data.document_mask`)."""
+    cfg, arch = run.cfg, run.arch
     p, ds, hw = cfg.parallelism, cfg.deepspeed, prof.host
     tp, cp, L, ga, b = p.tp_size, p.cp_size, arch.num_layers, cfg.grad_accum, cfg.batch.micro_batch_size
     sp = cfg.use_sequence_parallel and tp > 1
     fused = cfg.model.fused_kernels is not False
     tokens = b * cfg.seq_len // cp
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
-    P, trained = held_and_trained(cfg, arch, tp)
-    spec = lora.from_config(cfg, arch)
+    P, trained = held_and_trained(run, tp)
+    spec = run.lora
     vocab = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     full, selective = cfg.recompute == "full", cfg.recompute == "selective"
     compiled = whole_layer_graphs(cfg)
     broken = cfg.model.compile and not compiled
-    rows = traffic.estimate(cfg, arch, layout) if rows is None else rows
+    rows = traffic.estimate(run, layout) if rows is None else rows
     vol = {r.group: r.bytes_per_step for r in rows}
 
     # GPU compute per micro-batch
@@ -193,7 +194,7 @@ def predict(cfg: RunConfig, arch: ModelArch, layout: Layout, prof: Profile, *, s
     layer_bytes = L * layer_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, compiled=compiled)
     if spec is not None:
         layer_bytes += lora_memory_bytes(spec, tokens=tokens, tp=tp, sp=sp)
-    Q, q_bytes, _ = quantized_base(cfg, arch, tp)  # a 4/8-bit base: each linear dequantised in forward and backward
+    Q, q_bytes, _ = quantized_base(run, tp)  # a 4/8-bit base: each linear dequantised in forward and backward
     layer_bytes += 2 * Q * (q_bytes + (2 if cfg.param_precision in ("bf16", "fp16") else 4))
     mem = (layer_bytes + head_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, vocab=vocab,
                                            local_params=trained)) / prof.elementwise_bytes_per_s

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from adapter.config import RunConfig
-from adapter.models.arch import ModelArch
 from adapter.models.counts import expert_params
 from adapter.models.footprint import held_and_trained, quantized_base
+from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
 
@@ -32,12 +31,13 @@ class GroupTraffic:
         return asdict(self)
 
 
-def estimate(cfg: RunConfig, arch: ModelArch, layout: Layout) -> list[GroupTraffic]:
+def estimate(run: ResolvedRun, layout: Layout) -> list[GroupTraffic]:
+    cfg, arch = run.cfg, run.arch
     p = cfg.parallelism
     tp, cp, ga, L = p.tp_size, p.cp_size, cfg.grad_accum, arch.num_layers
     pb = 2 if cfg.param_precision in ("bf16", "fp16") else 4
-    P, trained = held_and_trained(cfg, arch, tp)  # gathers move every held parameter, reductions the trained
-    P -= quantized_base(cfg, arch, tp)[0]  # a 4/8-bit base is not ZeRO's: never gathered
+    P, trained = held_and_trained(run, tp)  # gathers move every held parameter, reductions the trained
+    P -= quantized_base(run, tp)[0]  # a 4/8-bit base is not ZeRO's: never gathered
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     rows: list[GroupTraffic] = []
 

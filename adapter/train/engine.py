@@ -31,7 +31,7 @@ from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
 from adapter.models import freeze as freeze_facts
 from adapter.models import lora as lora_facts
-from adapter.models.arch import ModelArch
+from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
@@ -111,21 +111,22 @@ def freeze(model, tensors: list[freeze_facts.Tensor], tp_rank: int, tp: int) -> 
             p.register_hook(lambda grad, keep=keep: grad * keep)
 
 
-def hold_pad_row(model, arch: ModelArch, tp_rank: int) -> int | None:
+def hold_pad_row(model, pad_row: int | None, tp_rank: int) -> None:
     """HF's nn.Embedding(padding_idx=pad_token_id): the pad row gets no gradient from lookups, so a model whose pad
-    is its EOS (Phi-3/4) keeps that row in a transformers fine-tune. Untied models only: there the embedding's
-    gradient is all lookups (a tied one also gets the output layer's, which HF keeps). Returns the held row's id,
-    None where nothing is held."""
+    is its EOS (Phi-3/4) keeps that row in a transformers fine-tune. `pad_row`: the record's decision
+    (ResolvedRun.pad_row: untied models whose embedding trains), None where nothing is held."""
     w = model.embedding.word_embeddings.weight
-    if arch.pad_token_id is None or arch.tie_embeddings or not w.requires_grad:
-        return None
+    if pad_row is None:
+        return
+    if not w.requires_grad:
+        raise RuntimeError("the resolved run holds a pad row of an embedding the engine froze (the record and the "
+                           "freezing disagree)")
     local = w.shape[0]
-    row = arch.pad_token_id - tp_rank * local
+    row = pad_row - tp_rank * local
     if 0 <= row < local:  # vocab-parallel: only the rank holding the row
         keep = torch.ones(local, 1, dtype=w.dtype, device=w.device)
         keep[row] = 0
         w.register_hook(lambda grad: grad * keep)
-    return arch.pad_token_id
 
 
 @dataclass
@@ -135,8 +136,6 @@ class Engine:
     mpu: DeepSpeedMPU
     conf: dict
     layout: Layout
-    lora: lora_facts.LoraSpec | None = None  # the adapters trained on a frozen base; None: every weight trains
-    pad_row: int | None = None  # the embedding row held as HF's padding_idx holds it (hold_pad_row)
 
     @property
     def guard_grads(self) -> bool:
@@ -164,27 +163,6 @@ class Engine:
         sched._last_lr = [group["lr"] for group in groups]
         return old, float(groups[0]["lr"])
 
-    def describe_optimizer(self) -> str:
-        """The run's first lines say which optimizer implementation runs (`optimizer.impl`)."""
-        opt = self.ds.optimizer
-        if isinstance(opt, FlatAdamW):
-            if opt.state_bits == 8:
-                how = "fp32 master weights, 8-bit moments (bitsandbytes' AdamW8bit)"
-            elif opt.state_dtype == "bf16":
-                how = ("optimizer.state_dtype: bf16: no fp32 master, the bf16 weights updated in place with bf16 "
-                       "moments, as torch's AdamW on a bf16 model; updates under half a bf16 step are lost")
-            else:
-                how = "fp32 master weights and moments, " + (
-                    "one launch per parameter group" if all(f.table is not None for f in opt.flats) else
-                    "one fused pass per parameter")
-            return (f"optimizer: nd-adapter's flat AdamW (nothing to shard; {how}; optimizer.impl: deepspeed for "
-                    "DeepSpeed's ZeRO-1)")
-        stage = self.conf["zero_optimization"]["stage"]
-        if self.conf.get("zero_allow_untested_optimizer"):  # deepspeed_config.build: the 8-bit AdamW
-            return (f"optimizer: DeepSpeed's ZeRO-{stage} stepping bitsandbytes' AdamW8bit (fp32 master partitions, "
-                    "8-bit moments)")
-        return f"optimizer: DeepSpeed's ZeRO-{stage} AdamW"
-
 
 def lr_scheduler_for(cfg: RunConfig):
     """DeepSpeed calls this with its optimizer; the LambdaLR it returns is stepped after every optimizer step and
@@ -199,10 +177,10 @@ def lr_scheduler_for(cfg: RunConfig):
     return make
 
 
-def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups, device,
-                 load_weights=None) -> Engine:
+def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:
     """`load_weights(model)`: the run's first weights into the plain GPTModel (adapter/convert/cache.load: a
     converted checkpoint or the converted pre-trained weights); None loads `model.checkpoint` if set."""
+    cfg, arch, layout = run.cfg, run.arch, run.layout
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.param_precision]
     tp = layout.tp
     fused = torch.cuda.is_available() if cfg.model.fused_kernels is None else cfg.model.fused_kernels
@@ -223,7 +201,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         load_weights(model)
     elif cfg.model.checkpoint:
         load_megatron_checkpoint(model, cfg.model.checkpoint)
-    spec = lora_facts.from_config(cfg, arch)
+    spec = run.lora
     if spec is not None:  # the base frozen, the adapters beside its linears (started from an adapter if given)
         tp_rank = dist.get_rank(groups.tp)
         if spec.quantize_base:  # on the device: bitsandbytes' kernels there quantise as Axolotl's load does
@@ -235,11 +213,9 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
             lora_facts.check_adapter(conf, {k: tuple(v.shape) for k, v in tensors.items()}, spec, arch, key)
             load_state(model, spec, arch, tensors, tp_rank)
     model.to(device)
-    if cfg.model.unfrozen_parameters is not None:
-        freeze(model, freeze_facts.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"),
-                                           vocab_divisible_by=cfg.model.vocab_divisible_by),
-               dist.get_rank(groups.tp), tp)
-    pad_row = hold_pad_row(model, arch, dist.get_rank(groups.tp))
+    if run.unfrozen is not None:
+        freeze(model, run.unfrozen, dist.get_rank(groups.tp), tp)
+    hold_pad_row(model, run.pad_row, dist.get_rank(groups.tp))
     if cfg.precision == "fp8":
         install_fp8(model, cfg.model.fp8_recipe, cfg.model.fp8_linears)
     if cfg.model.compile:
@@ -251,7 +227,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
     if not hsdp:  # hpZ: DeepSpeed would group consecutive global ranks, mixing TP ranks; give it dp_shard×cp
         set_hpz_group(groups.dp_shard_cp)
     conf = deepspeed_config.build(cfg, layout)
-    stage = conf["zero_optimization"]["stage"]
+    stage = conf["zero_optimization"]["stage"]  # the run's, unless deepspeed.overrides set it
     experts12 = False  # ZeRO-1/2 with trained experts: their own optimizer groups (adapter/patches/zero.py)
     if layout.ep > 1:  # experts kept within (ZeRO-3: partitioned over) the ranks holding them, in this replica
         place_experts(model, groups.ep, groups.expt_dp_shard if hsdp else groups.expt_dp, layout.ep,
@@ -265,7 +241,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
 
     if stage == 3 and cfg.deepspeed.gather_granularity == "layer":
         set_z3_leaf_modules(model, [Layer])
-    if deepspeed_config.flat_optimizer(cfg, layout):
+    if run.flat_optimizer:
         o = cfg.optimizer
         opt = FlatAdamW(param_groups(model, o.weight_decay, names=True), lr=o.lr, betas=o.betas, eps=o.eps,
                         clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None,
@@ -289,7 +265,7 @@ def build_engine(cfg: RunConfig, arch: ModelArch, layout: Layout, groups: Groups
         install_zero12_step(engine.optimizer)
     if layout.ep > 1 and stage == 3:
         expert_norm_with_tp(engine.optimizer)
-    return Engine(engine, mpu, conf, layout, spec, pad_row)
+    return Engine(engine, mpu, conf, layout)
 
 
 __all__ = ["Engine", "build_engine", "init_distributed", "param_groups", "add_tp_grad_hooks"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 
-EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL ("try again later"): stopped on a signal, resumable with --resume
+from adapter.errors import EXIT_REQUEUE
 
 
 def parse(names: list[str]) -> list[signal.Signals]:
@@ -36,12 +36,6 @@ class Preemption:
     def _note(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-
-    def describe(self, save_dir: str | None) -> str:
-        names = ", ".join(s.name for s in self.signals)
-        then = (f"save a checkpoint in {save_dir}" if save_dir else "stop (no checkpoint.dir: nothing is saved)")
-        return (f"signals: {names} finish the current step on every rank, {then} and exit with status "
-                f"{EXIT_REQUEUE} (requeue; continue with --resume)")
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():

@@ -1,6 +1,7 @@
-"""Checks a run can fail on before any process starts: architecture vs layout, the ZeRO stage, data files, checkpoint,
-the first weights (adapter/models/source.resolve), tokenizer, metrics sinks. Torch-free: `nd-adapter train` and
-`rehearse` run them in the launching process, which starts the training processes only when they pass."""
+"""Checks a run can fail on before any process starts, beyond those of resolving it (architecture vs layout, the ZeRO
+stage, the first weights: adapter/models/resolved.py): data files, the converted checkpoint, tokenizer, metrics
+sinks, the checkpoint to resume. Torch-free: `nd-adapter train` and `rehearse` run them in the launching process,
+which starts the training processes only when they pass."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,8 @@ from adapter.config import RunConfig
 from adapter.data import TEXT_SUFFIXES, expand_files, iter_documents
 from adapter.data.sft import check as check_sft
 from adapter.errors import bad
-from adapter.models import checks, source
-from adapter.models.arch import ModelArch, load_arch
-from adapter.parallel import deepspeed_config
-from adapter.parallel.layout import Layout
+from adapter.models import source
+from adapter.models.resolved import ResolvedRun
 from adapter.train import ckpt_info
 
 # Fields of ModelArch that must agree between the config's model and the converted checkpoint.
@@ -21,7 +20,8 @@ ARCH_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
              "vocab_size", "tie_embeddings", "qkv_bias", "qk_norm")
 
 
-def check_checkpoint(cfg: RunConfig, arch: ModelArch) -> None:
+def check_checkpoint(run: ResolvedRun) -> None:
+    cfg, arch = run.cfg, run.arch
     ckpt = cfg.model.checkpoint
     if not ckpt:
         return
@@ -73,13 +73,10 @@ def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
                   "pip install wandb (or nd-adapter[logging]), or remove logging.wandb_project")
 
 
-def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -> ModelArch:
-    arch = source.with_overrides(cfg, load_arch(cfg.model.path))
-    checks.check(cfg, arch)
-    # e.g. model.compile, ZeRO-2 or the flat AdamW where they can't go
-    deepspeed_config.flat_optimizer(cfg, Layout.from_config(cfg.parallelism))
-    check_checkpoint(cfg, arch)
-    source.resolve(cfg)  # e.g. model.init: pretrained on a path without weights
+def preflight(run: ResolvedRun, *, resume: bool = False, need_data: bool = True) -> None:
+    """What `resolve_run` could not check from the config and config.json alone: the files the run will read."""
+    cfg = run.cfg
+    check_checkpoint(run)
     if cfg.data.datasets:  # SFT: types, keys and sources (hub ids in the local cache), nothing tokenised yet
         check_sft(cfg)
     elif need_data and not cfg.data.synthetic:
@@ -90,5 +87,4 @@ def preflight(cfg: RunConfig, *, resume: bool = False, need_data: bool = True) -
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
     if resume:  # before any process starts
-        ckpt_info.check_resumable(cfg, arch.architecture)
-    return arch
+        ckpt_info.check_resumable(cfg, run.arch.architecture)

@@ -19,8 +19,9 @@ import tempfile
 
 from adapter.config import RunConfig
 from adapter.errors import UserError, bad
-from adapter.models import source
-from adapter.models.arch import ModelArch, load_arch
+from adapter.models import announce, resolved, source
+from adapter.models.arch import ModelArch
+from adapter.models.resolved import ResolvedRun, resolve_run
 from adapter.train.preflight import preflight
 from adapter.train.spawn import spawn
 
@@ -41,7 +42,9 @@ def tiny_arch(arch: ModelArch, tp: int, vocab: int | None) -> ModelArch:
         kinds = (True, False) if True in kinds and False in kinds else kinds[:TINY_LAYERS]
     return dataclasses.replace(arch, hidden_size=hidden, head_dim=TINY_HEAD_DIM, num_layers=TINY_LAYERS,
                                ffn_hidden_size=2 * hidden * tp, max_position_embeddings=4096,
-                               vocab_size=SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size, vocab),
+                               # rows for every id the tokenizer makes, rounded up to 32 (resize_vocab_to_32x)
+                               vocab_size=SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size,
+                                                                                    -(-vocab // 32) * 32),
                                rotary_fraction=rot / TINY_HEAD_DIM, rope_short_factor=spread(arch.rope_short_factor),
                                rope_long_factor=spread(arch.rope_long_factor), window_layers=kinds,
                                # a window shorter than the rehearsal's sequences, so windowed attention runs
@@ -72,9 +75,10 @@ def rehearsal_seq_len(cfg: RunConfig, seq_len: int | None) -> int:
     return max(unit, want // unit * unit)
 
 
-def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: str):
-    """The rehearsal's config; `workdir` (shared by all ranks) takes its checkpoints and token cache."""
-    arch = source.with_overrides(cfg, load_arch(cfg.model.path))
+def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -> ResolvedRun:
+    """The rehearsal of `run`: its config on the tiny model; `workdir` (shared by all ranks) takes its checkpoints
+    and token cache."""
+    cfg, arch = run.cfg, run.arch
     vocab = (tokenizer_vocab(cfg) or arch.vocab_size) if cfg.data.files or cfg.data.datasets else None
     tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab)
     ckdir = workdir
@@ -95,7 +99,7 @@ def rehearsal_config(cfg: RunConfig, steps: int, seq_len: int | None, workdir: s
         "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache",
                                             **_sft_rehearsal(cfg, ckdir, seq)}),
     }
-    return cfg.model_copy(update=upd), tiny
+    return resolve_run(cfg.model_copy(update=upd), arch=tiny)  # its weights: random (model.init above)
 
 
 def _sft_rehearsal(cfg: RunConfig, workdir: str, seq: int) -> dict:
@@ -108,17 +112,19 @@ def _sft_rehearsal(cfg: RunConfig, workdir: str, seq: int) -> dict:
     return {"excess_length_strategy": "truncate", "prepared_path": f"{workdir}/sft", "min_sample_len": shortest}
 
 
-def in_process(cfg: RunConfig, rank: int, *, steps: int, seq_len: int | None, workdir: str, log=print) -> None:
+def in_process(run: ResolvedRun, rank: int, *, steps: int, seq_len: int | None, workdir: str, log=print) -> None:
     """One training process's part of a rehearsal: train half, save; resume from that checkpoint in a fresh engine;
     train to the end."""
-    from adapter.train.trainer import run  # the launching side of this module stays torch-free
+    from adapter.train.trainer import run as train  # the launching side of this module stays torch-free
 
-    cfg, arch = rehearsal_config(cfg, steps, seq_len, workdir)
+    reh = rehearsal(run, steps, seq_len, workdir)
+    cfg = reh.cfg
     synthetic = not cfg.data.files and not cfg.data.datasets
     half = cfg.checkpoint.save_every
-    first = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"max_steps": half})})
-    a = run(first, synthetic_data=synthetic, arch=arch, log=log)
-    b = run(cfg, resume=True, synthetic_data=synthetic, arch=arch, log=log)
+    first = resolved.replace(reh, cfg=cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(
+        update={"max_steps": half})}))  # only the length differs: nothing resolved depends on it
+    a = train(first, synthetic_data=synthetic, log=log)
+    b = train(reh, resume=True, synthetic_data=synthetic, log=log)
     if b.start_step != half:
         raise RuntimeError(f"rehearsal resumed at step {b.start_step}, expected {half}")
     if rank == 0:
@@ -130,7 +136,8 @@ def in_process(cfg: RunConfig, rank: int, *, steps: int, seq_len: int | None, wo
 
 def main(args) -> int:
     cfg = source.load_config(args.config, world_size=args.nproc)
-    preflight(cfg, need_data=False)  # data files are checked (and tokenised) inside, when given
+    run = resolve_run(cfg)
+    preflight(run, need_data=False)  # data files are checked (and tokenised) inside, when given
     if args.steps < 2:
         raise bad("--steps", args.steps, "a rehearsal saves half-way and resumes", "use --steps 2 or more")
     with tempfile.TemporaryDirectory(prefix="nd-rehearse-") as workdir:
@@ -141,6 +148,6 @@ def main(args) -> int:
         print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
               f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}" + (f" ep={p.ep_size}" if p.ep_size > 1 else ""),
               flush=True)
-        print(f"the run itself: {source.describe(source.resolve(cfg), cfg.seed)}; the rehearsal's tiny model starts "
+        print(f"the run itself: {announce.weights(run)}; the rehearsal's tiny model starts "
               "from random weights", flush=True)
         return spawn(cfg.world_size, worker, cpu=True)

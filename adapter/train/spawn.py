@@ -26,10 +26,11 @@ import warnings
 from pathlib import Path
 
 from adapter import config
-from adapter.errors import ERROR_DIR, bad
+from adapter.errors import ERROR_DIR, EXIT_REQUEUE, bad
 from adapter.models import source
+from adapter.models.resolved import resolve_run
 from adapter.osutil import free_port
-from adapter.train.preempt import EXIT_REQUEUE, parse
+from adapter.train.preempt import parse
 from adapter.train.preflight import preflight
 
 GRACE_S = 3.0  # how long the other ranks may take to end on their own after the first one failed
@@ -260,7 +261,7 @@ def _forward(names: list[str], procs: list[subprocess.Popen]) -> dict:
 
 def main(args) -> int:
     cfg = source.load_config(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
-    preflight(cfg, resume=args.resume)
+    preflight(resolve_run(cfg), resume=args.resume)
     worker_args = ["--config", args.config] + (["--resume"] if args.resume else [])
     for item in args.set or []:
         worker_args += ["--set", item]

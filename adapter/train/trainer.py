@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from adapter.config import RunConfig, spell
+from adapter.config import RunConfig
 from adapter.convert import cache
 from adapter.data import DPSampler, PackedDataset, SyntheticData, build_batches, build_token_cache
 from adapter.data.sft import prepare
@@ -36,11 +36,12 @@ from adapter.data.sft.report import stats_lines
 from adapter.errors import DivergedError, UserError, bad
 from adapter.kernels.attention import split_for_cp
 from adapter.kernels.thd import local_multiple, pack_batch
-from adapter.models import checks, families, footprint, freeze, lora, source
-from adapter.models.arch import ModelArch, longrope_note
+from adapter.models import announce, footprint, lora, resolved, source
+from adapter.models.arch import ModelArch
 from adapter.models.counts import flops_per_token, num_params
-from adapter.parallel import deepspeed_config, mcore_groups
-from adapter.parallel.layout import Axis, Layout
+from adapter.models.resolved import ResolvedRun, resolve_run
+from adapter.parallel import mcore_groups
+from adapter.parallel.layout import Axis
 from adapter.patches.zero import set_hpz_group
 from adapter.train import checkpoint as ckpt
 from adapter.train import ckpt_info, metrics, schedule
@@ -130,14 +131,15 @@ class Trainer:
     """One run on the already-initialised torch.distributed world: `setup` (sinks, groups, data, schedule, engine
     with its first weights, resume), `train_step` (one optimizer step; reports the previous one after its first
     micro-batch), `report`, `evaluate`, `save`, `fit` (the loop, evaluations, saves, final export). `close` always
-    runs. `_data` may also set `val_dataset` (held-out set) and `chat_template` (for the export)."""
+    runs. `_data` may also set `val_dataset` (held-out set) and `chat_template` (for the export).
 
-    def __init__(self, cfg: RunConfig, *, arch: ModelArch | None = None, synthetic_data: bool = False, log=print):
-        self.cfg, self.log = cfg, log
-        self.synthetic = synthetic_data or cfg.data.synthetic
+    It receives the run resolved once (adapter/models/resolved.py) and reads every decided fact from it; the one
+    replacement is the record with the schedule's numbers written in, once the training set's size is known."""
+
+    def __init__(self, run: ResolvedRun, *, synthetic_data: bool = False, log=print):
+        self.run, self.log = run, log
+        self.synthetic = synthetic_data or run.cfg.data.synthetic
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.arch = arch or source.arch_for(cfg)
-        self.layout = Layout.from_config(cfg.parallelism)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.result = RunResult()
@@ -145,6 +147,12 @@ class Trainer:
         self.sink = self.groups = self.engine = self.preempt = self.moe_aux = None
         self.val_dataset = self.chat_template = None
         self.stopping: str | None = None  # the signal the run stops on, once every rank knows it
+
+    # the record's facts, as the loop reads them
+    cfg = property(lambda self: self.run.cfg)
+    arch = property(lambda self: self.run.arch)
+    layout = property(lambda self: self.run.layout)
+    lora = property(lambda self: self.run.lora)
 
     def _flops(self, seq_len: int) -> int:
         """MFU's model FLOPs per token; a LoRA run skips the frozen weights' gradients."""
@@ -157,107 +165,80 @@ class Trainer:
         return {"tp_rank": lay.coords(self.rank)[Axis.TP], "tp": lay.tp, "ep": lay.ep,
                 "ep_rank": lay.group_of("ep", self.rank).index(self.rank)}
 
-    def _say(self, line: str) -> None:
+    def _say(self, *lines: str | None) -> None:
         if self.rank == 0:
-            self.log(line)
+            for line in lines:
+                if line:
+                    self.log(line)
 
     # --- set-up ---------------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False) -> None:
-        cfg, rank = self.cfg, self.rank
-        for note in cfg.notes:  # what the dialect mapping did, said once, first
-            if note not in _ANNOUNCED:
-                _ANNOUNCED.add(note)
-                self._say(note)
-        if self.device.type == "cpu":  # a GPU run started where no GPU is visible must not pass unnoticed
-            self._say("device: CPU (no GPU is visible to this process): training on the CPU with gloo")
-        for w in checks.check(cfg, self.arch):
-            self._say(f"warning: {w}")
-        if cfg.model.unfrozen_parameters is not None:
-            key = spell(cfg, "model.unfrozen_parameters")
-            self._say(freeze.describe(freeze.resolve(self.arch, cfg.model.unfrozen_parameters, key), self.arch, key))
-        self.lora = lora.from_config(cfg, self.arch)
-        if self.lora is not None:
-            self._say(lora.describe(self.lora, self.arch, spell(cfg, "lora")))
+        """Wire the run: what it says comes from pure functions of the record (adapter/models/announce.py) and of
+        what the set-up found (the data, the schedule, a checkpoint)."""
+        run, cfg = self.run, self.run.cfg
+        self._announce()
         self.preempt = Preemption(cfg.checkpoint.exit_signals)
-        if cfg.checkpoint.exit_signals:
-            self._say(self.preempt.describe(cfg.checkpoint.dir))
-        self.weights = source.resolve(cfg)
-        resuming = resume and cfg.checkpoint.dir and ckpt.latest_tag(cfg.checkpoint.dir)
+        if resume and not cfg.checkpoint.dir:
+            raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir")
+        resuming = resume and ckpt.latest_tag(cfg.checkpoint.dir)
         moved = resuming and self._saved_elsewhere(cfg.checkpoint.dir)
-        # a LoRA checkpoint holds only what is trained, and one resharded brings only that: what is frozen comes
-        # from the converted weights again
-        needs_base = not resuming or self.lora is not None or moved
-        self._say(f"weights: from the checkpoint {cfg.checkpoint.dir}/{resuming} being resumed"
-                  + (f" (saved at another layout: {moved}; resharded)" if moved else "")
-                  + (", the frozen base from the converted weights" if self.lora else "") if resuming else
-                  source.describe(self.weights, cfg.seed))
+        self._say(announce.weights(run, resuming and f"{cfg.checkpoint.dir}/{resuming}", moved))
         # the sinks first: one that is asked for but not installed fails here, before any GPU time is spent
         lg = cfg.logging
-        self.sink = metrics.MetricsSink(rank, tensorboard_dir=lg.tensorboard, wandb_project=lg.wandb_project,
+        self.sink = metrics.MetricsSink(self.rank, tensorboard_dir=lg.tensorboard, wandb_project=lg.wandb_project,
                                         run_name=lg.wandb_name, wandb_entity=lg.wandb_entity, wandb_mode=lg.wandb_mode,
                                         config=cfg.model_dump(mode="json"))
         self.groups = mcore_groups.initialize(self.layout)
-        # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway
-        weights_dir = cache.ready(self.weights, cfg, rank=rank, log=self._say) if needs_base else None
+        # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway. A
+        # LoRA checkpoint holds only what is trained, and one resharded brings only that: the frozen part comes from
+        # the converted weights again.
+        needs_base = not resuming or self.lora is not None or moved
+        weights_dir = cache.ready(run.weights, cfg, rank=self.rank, log=self._say) if needs_base else None
         self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
-        self.schedule = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
-                                         has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
-        self.best = Best(self.schedule.patience)
-        for line in schedule.describe(cfg, self.schedule):  # before apply: it names the keys the numbers came from
-            self._say(line)
-        self.cfg = cfg = schedule.apply(cfg, self.schedule)
-        self._check_disk(cfg)
-        self.engine = build_engine(cfg, self.arch, self.layout, self.groups, self.device,
+        sched = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
+                                 has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
+        self._say(*schedule.describe(cfg, sched))  # before apply: it names the keys the numbers came from
+        self.schedule, self.best = sched, Best(sched.patience)
+        self.run = resolved.replace(run, cfg=schedule.apply(cfg, sched))
+        self._check_disk()
+        self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
-        self._say(self.engine.describe_optimizer())
         if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
             aux = self.engine.ds.module.moe_aux
             self.moe_aux = aux if aux.enabled else None
-            over = cfg.model.output_router_logits
-            why = (f"{spell(cfg, 'model.output_router_logits')}: {str(over).lower()}" if over is not None
-                   else f"output_router_logits: {str(self.arch.output_router_logits).lower()} in config.json")
-            self._say(f"mixture of experts: {self.arch.num_experts} experts, top {self.arch.experts_per_token}, "
-                      + (f"load-balancing loss × router_aux_loss_coef {aux.coef:g} added to every micro-batch's loss"
-                         if aux.enabled else "no load-balancing loss, as transformers then trains") + f" ({why})")
-        text = families.family(self.arch.family).export_as
-        if text:  # an image-text checkpoint: what is trained and exported is its language model only
-            self._say(f"model: the language model of {self.arch.architecture} is trained (its vision tower is not "
-                      f"built); exports are {families.family(text).architectures[0]} (text only)")
-        if self.engine.pad_row is not None:  # it changes what is trained: said, as every such default
-            self._say(f"embedding: row {self.engine.pad_row} (the pad token, pad_token_id in config.json) gets no "
-                      "gradient from lookups, as transformers' nn.Embedding(padding_idx) keeps it")
-        rope = longrope_note(self.arch, cfg.seq_len, cfg.document_attention)
-        if rope:  # which factors rotate changes what is trained: said
-            self._say(rope)
-        if cfg.precision == "fp8":  # the recipe and the linears change the arithmetic: say them
-            self._say(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
-                      "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")
-        start = 0
-        if resume:
-            if not cfg.checkpoint.dir:
-                raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir")
-            ckpt_info.check_resumable(cfg, self.arch.architecture)  # in-process runs skip the preflight
-            loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None, arch=self.arch,
-                               **self._where())
-            if loaded is not None:
-                start, state = loaded
-                self.sampler.load_state_dict(state["sampler"])
-                self.best.load_state_dict(state.get("best", {}))
-                self._say(f"resuming from {cfg.checkpoint.dir} at step {start} (its weights replace the start's)")
-                old, new = self.engine.follow_schedule(cfg)
-                self._say(f"schedule: step {start + 1} of {cfg.optimizer.max_steps} runs at learning rate {new:.3e} "
-                          f"from this run's schedule" + ("" if math.isclose(old, new, rel_tol=1e-6, abs_tol=1e-12) else
-                                                         f" (the checkpoint's run was at {old:.3e})"))
-            else:
-                self._say(f"no checkpoint in {cfg.checkpoint.dir}: starting from step 0")
-        self.result.start_step = start
-        self.cp_rank = self.layout.coords(rank)[Axis.CP]
-        self.tokens_per_step = cfg.global_batch * cfg.seq_len
-        self.flops_per_token = self._flops(cfg.seq_len)
+        self.result.start_step = self._resume() if resume else 0
+        self.cp_rank = self.layout.coords(self.rank)[Axis.CP]
+        self.tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
+        self.flops_per_token = self._flops(self.cfg.seq_len)
         self.peak_flops = metrics.peak_flops()
-        lg = cfg.logging
-        self.profiler = StepProfiler(lg.profile_steps, lg.profile_dir, rank, tuple(lg.profile_ranks))
+        self.profiler = StepProfiler(lg.profile_steps, lg.profile_dir, self.rank, tuple(lg.profile_ranks))
         self.clock = metrics.StepClock(self.device.type == "cuda")
+
+    def _announce(self) -> None:
+        """The run's first lines: the record's announcements (what `plan` printed as its notes), then its warnings.
+        The dialect's notes are said once per process (a rehearsal runs twice)."""
+        first = [line for line in announce.announce(self.run, gpu=self.device.type == "cuda") if line not in _ANNOUNCED]
+        _ANNOUNCED.update(self.cfg.notes)
+        if self.device.type == "cpu":  # a GPU run started where no GPU is visible must not pass unnoticed
+            first.insert(len([n for n in first if n in self.cfg.notes]),
+                         "device: CPU (no GPU is visible to this process): training on the CPU with gloo")
+        self._say(*first, *(f"warning: {w}" for w in self.run.warnings))
+
+    def _resume(self) -> int:
+        """Load the newest checkpoint of checkpoint.dir (weights, optimizer, sampler, best); its step, or 0."""
+        cfg = self.cfg
+        ckpt_info.check_resumable(cfg, self.arch.architecture)  # in-process runs skip the preflight
+        loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None, arch=self.arch,
+                           **self._where())
+        if loaded is None:
+            self._say(f"no checkpoint in {cfg.checkpoint.dir}: starting from step 0")
+            return 0
+        start, state = loaded
+        self.sampler.load_state_dict(state["sampler"])
+        self.best.load_state_dict(state.get("best", {}))
+        old, new = self.engine.follow_schedule(cfg)
+        self._say(*announce.resumed(self.run, start, old, new))
+        return start
 
     def _saved_elsewhere(self, directory: str) -> str | None:
         """How the newest checkpoint's layout differs from this run's (None: the same, or not recorded)."""
@@ -267,17 +248,15 @@ class Trainer:
         diff = ckpt_info.layout_diff(record["layout"], ckpt_info.layout_of(self.cfg))
         return ", ".join(f"{k} {there}" for k, there, _ in diff) or None
 
-    def _check_disk(self, cfg: RunConfig) -> None:
+    def _check_disk(self) -> None:
         """Before the model is built: the checkpoints this run will keep must fit where they go (one line if not)."""
-        every, stage = self.schedule.save_every, deepspeed_config.zero_stage(cfg, self.layout)
-        existing = len(list(Path(cfg.checkpoint.dir).glob("global_step*"))) if cfg.checkpoint.dir else 0
-        said = footprint.check_disk(cfg, self.arch, stage=stage, existing=existing,
-                                    saves=footprint.saves(cfg.optimizer.max_steps, every) if cfg.checkpoint.dir else 0)
-        if said:
-            self._say(said)
-        often = footprint.cadence_warning(cfg, self.arch, stage=stage, every=every)
-        if often:
-            self._say(f"warning: {often}")
+        run, every = self.run, self.schedule.save_every
+        d = run.cfg.checkpoint.dir
+        existing = len(list(Path(d).glob("global_step*"))) if d else 0
+        saves = footprint.saves(run.cfg.optimizer.max_steps, every) if d else 0
+        often = footprint.cadence_warning(run, stage=run.zero_stage, every=every)
+        self._say(footprint.check_disk(run, stage=run.zero_stage, existing=existing, saves=saves),
+                  often and f"warning: {often}")
 
     def _data(self):
         """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, `self.val_dataset`
@@ -285,7 +264,8 @@ class Trainer:
         cfg = self.cfg
         self.val_dataset = self.sft = self.chat_template = None
         if cfg.data.datasets and not self.synthetic:
-            self.sft = prepare(cfg, source.tokenizer_dir(cfg), builder=self.rank == 0, barrier=dist.barrier,
+            self.sft = prepare(cfg, source.tokenizer_dir(cfg), self.arch.vocab_size, builder=self.rank == 0,
+                               barrier=dist.barrier,
                                progress=self.rank == 0)
             dataset, self.val_dataset, self.chat_template = self.sft.train, self.sft.val, self.sft.chat_template
             if self.rank == 0:
@@ -476,7 +456,7 @@ class Trainer:
         hsdp = layout.dp_replicate > 1 and self.cfg.deepspeed.replicate_mode == "hsdp"
         save_ranks = (lambda r: layout.coords(r)[Axis.DP_REPLICATE] == 0) if hsdp else None
         record = {"layout": ckpt_info.layout_of(self.cfg), "world_size": self.world,
-                  "zero_stage": deepspeed_config.zero_stage(self.cfg, layout),
+                  "zero_stage": self.run.zero_stage,
                   "model": {"architecture": self.arch.architecture, "params": num_params(self.arch)},
                   "holds": "adapters" if self.lora is not None else "all trained parameters",
                   "optimizer": self.cfg.optimizer.name}
@@ -575,10 +555,14 @@ class Trainer:
         set_hpz_group(None)
 
 
-def run(cfg: RunConfig, *, resume: bool = False, synthetic_data: bool = False, arch: ModelArch | None = None,
-        log=print, export: bool = True) -> RunResult:
-    """Train on the already-initialised torch.distributed world. Returns what rank 0 logged."""
-    trainer = Trainer(cfg, arch=arch, synthetic_data=synthetic_data, log=log)
+def run(what: ResolvedRun | RunConfig, *, resume: bool = False, synthetic_data: bool = False,
+        arch: ModelArch | None = None, log=print, export: bool = True) -> RunResult:
+    """Train on the already-initialised torch.distributed world. Returns what rank 0 logged. `what`: the resolved
+    run (adapter/train/worker.py resolves it once per process), or a config that is resolved here, against `arch`
+    when given (in-process callers: tests, benchmarks)."""
+    if not isinstance(what, ResolvedRun):
+        what = resolve_run(what, arch=arch)
+    trainer = Trainer(what, synthetic_data=synthetic_data, log=log)
     try:
         trainer.setup(resume)
         return trainer.fit(export)

@@ -9,9 +9,9 @@ import warnings
 from pathlib import Path
 
 from adapter import config
-from adapter.errors import ERROR_DIR, EXIT_USAGE, DivergedError, UserError
+from adapter.errors import ERROR_DIR, EXIT_REQUEUE, EXIT_USAGE, DivergedError, UserError
 from adapter.models import source
-from adapter.train.preempt import EXIT_REQUEUE
+from adapter.models.resolved import resolve_run
 from adapter.train.spawn import EXIT_PORT_TAKEN, PORT_RETRY
 
 
@@ -51,6 +51,7 @@ def main(argv=None) -> int:
         if args.max_steps is not None:
             overrides["optimizer.max_steps"] = args.max_steps
         cfg = source.load_config(args.config, world_size=world, overrides=None if args.rehearse else overrides)
+        resolved = resolve_run(cfg)  # once per process: everything below reads this record
         # Large one-off allocations (the optimizer step's fp32 gradient partition) otherwise fail on fragmentation
         # with memory free in total (issue 19); torchtitan sets the same. Read at CUDA's first allocation, so here.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -75,9 +76,9 @@ def main(argv=None) -> int:
             raise
         log = lambda s: print(s, flush=True)  # noqa: E731
         if args.rehearse:
-            rehearse.in_process(cfg, rank, steps=args.steps, seq_len=args.seq_len, workdir=args.workdir, log=log)
+            rehearse.in_process(resolved, rank, steps=args.steps, seq_len=args.seq_len, workdir=args.workdir, log=log)
         else:
-            result = run(cfg, resume=args.resume, log=log)
+            result = run(resolved, resume=args.resume, log=log)
             if result.preempted:
                 where = (f"checkpoint {result.checkpoint} saved; continue with --resume" if result.checkpoint else
                          "no checkpoint.dir, nothing saved")

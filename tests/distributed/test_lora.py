@@ -15,6 +15,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.runs import vocab_of
 from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,7 @@ def _logits(trainer):
 
 
 def _parity_worker(rank, world, models, adapters, root):
+    from adapter.models.resolved import resolve_run
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import Trainer
 
@@ -105,8 +107,8 @@ def _parity_worker(rank, world, models, adapters, root):
         model, peft_kw = ADAPTERS[adapter]
         export = {"checkpoint.export_hf": f"{root}/{EXPORTS[name]}"} if name in EXPORTS else {}
         lines: list[str] = []
-        t = Trainer(lora_cfg(models[model], root, shape, micro, lora_section(peft_kw, adapters[adapter]),
-                             **over, **export), log=lines.append)
+        t = Trainer(resolve_run(lora_cfg(models[model], root, shape, micro, lora_section(peft_kw, adapters[adapter]),
+                             **over, **export)), log=lines.append)
         try:
             t.setup()
             before = _logits(t)
@@ -129,11 +131,12 @@ def _default_init(model_dir, root):
     import deepspeed
 
     from adapter.modeling.lora import full_state
+    from adapter.models.resolved import resolve_run
     from adapter.train.trainer import Trainer
 
     out = {}
     for name, shape, micro in (("tp=2", (1, 1, 2), 2), ("dp_shard=2", (2, 1, 1), 1)):
-        t = Trainer(lora_cfg(model_dir, root, shape, micro, {"r": 8, "alpha": 16, "target_linear": True}),
+        t = Trainer(resolve_run(lora_cfg(model_dir, root, shape, micro, {"r": 8, "alpha": 16, "target_linear": True})),
                     log=lambda s: None)
         try:
             t.setup()
@@ -233,7 +236,7 @@ def test_lora_matches_peft_on_every_layout(setup):
     refs = {}
     for name, (model, kw) in ADAPTERS.items():
         cfg = lora_cfg(models[model], root, (1, 1, 2), 2, lora_section(kw, adapters[name]))
-        data = prepare(cfg, Path(models[model]), builder=True, barrier=None, progress=False)
+        data = prepare(cfg, Path(models[model]), vocab_of(cfg), builder=True, barrier=None, progress=False)
         assert data.reused  # the runs' own prepared samples
         refs[name] = _peft_reference(models[model], adapters[name], data, cfg)
     full = refs["all seven, r 8"]["losses"]
@@ -331,7 +334,7 @@ def test_lora_resumes_exactly_at_exact_hsdp_and_keeps_only_what_is_trained(setup
     kw = ADAPTERS["all seven, r 8"][1]
     cfg = lora_cfg(models["untied"], root, (2, 1, 1), 1, lora_section(kw, adapters["all seven, r 8"]), world=4,
                    **{"parallelism.dp_replicate_size": 2})
-    data = prepare(cfg, Path(models["untied"]), builder=True, barrier=None, progress=False)
+    data = prepare(cfg, Path(models["untied"]), vocab_of(cfg), builder=True, barrier=None, progress=False)
     ref = _peft_reference(models["untied"], adapters["all seven, r 8"], data, cfg, global_batch=4)
     assert all(rel(a, b) <= 1e-4 for a, b in zip(r["whole"], ref["losses"])), (r["whole"], ref["losses"])
 

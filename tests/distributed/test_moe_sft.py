@@ -23,6 +23,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.runs import vocab_of
 from tests.helpers.sft import make_moe, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
@@ -175,7 +176,7 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
     got = run_workers(_worker, 2, models, str(tmp_path), timeout=900)[0]
     for fam in FAMILIES:
         cfg = _cfg(models[fam], f"{tmp_path}/{fam}", "tp=2")
-        data = prepare(cfg, models[fam], builder=True, barrier=None, progress=False)
+        data = prepare(cfg, models[fam], vocab_of(cfg), builder=True, barrier=None, progress=False)
         assert data.reused  # the runs' own prepared samples
         for name, groups in GROUPS.items():
             ref, ref_aux, _ = _reference(models[fam], data, cfg, [groups] * STEPS)
@@ -193,7 +194,7 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
         if fam == "qwen3_moe":  # model.output_router_logits: false over config.json's true trains without it
             assert all(rel(a, b) <= 2e-6 for a, b in zip(got["aux off"], without)), (got["aux off"], without)
     cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "tp=2")
-    data = prepare(cfg, models["qwen3_moe"], builder=True, barrier=None, progress=False)
+    data = prepare(cfg, models["qwen3_moe"], vocab_of(cfg), builder=True, barrier=None, progress=False)
     # LoRA on the attention of a mixture of experts, with the load-balancing loss: against transformers + PEFT
     for name, groups in (("tp=2", 1), ("dp_shard=2", 2), ("ep=2", 2), ("ep=2 zero2", 2)):
         ref, _, _ = _reference(models["qwen3_moe"], data, cfg, [groups] * STEPS, schedule="constant",
@@ -246,7 +247,7 @@ def test_moe_sft_with_experts_inside_exact_hsdp_replicas(models, tmp_path):
 
     losses, auxes, norms = run_workers(_hsdp_worker, 4, models, str(tmp_path), timeout=600)[0]
     cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "hsdp")
-    data = prepare(cfg, models["qwen3_moe"], builder=True, barrier=None, progress=False)
+    data = prepare(cfg, models["qwen3_moe"], vocab_of(cfg), builder=True, barrier=None, progress=False)
     ref, ref_aux, _ = _reference(models["qwen3_moe"], data, cfg, [4] * STEPS, per_step=4)
     assert len(losses) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), (losses, ref)
     assert all(rel(a, b) <= 2e-6 for a, b in zip(auxes, ref_aux)), (auxes, ref_aux)
@@ -254,13 +255,14 @@ def test_moe_sft_with_experts_inside_exact_hsdp_replicas(models, tmp_path):
 
 
 def _qlora_worker(rank, world, model, adapter, root):
+    from adapter.models.resolved import resolve_run
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import Trainer
 
     init_distributed()
     out = {}
     for name in ("tp=2", "ep=2"):
-        t = Trainer(_cfg(model, root, name, schedule="constant", lora=adapter, quantize_base="nf4"),
+        t = Trainer(resolve_run(_cfg(model, root, name, schedule="constant", lora=adapter, quantize_base="nf4")),
                     log=lambda s: None)
         try:
             t.setup()
@@ -288,7 +290,7 @@ def test_moe_qlora_quantises_the_attention_as_bitsandbytes_and_equals_peft(tmp_p
     assert sorted({k.split(".")[-2] for k in codes}) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # attention only
     got = run_workers(_qlora_worker, 2, model, adapter, str(tmp_path), timeout=900)[0]
     cfg = _cfg(model, str(tmp_path), "tp=2", schedule="constant", lora=adapter, quantize_base="nf4")
-    data = prepare(cfg, model, builder=True, barrier=None, progress=False)
+    data = prepare(cfg, model, vocab_of(cfg), builder=True, barrier=None, progress=False)
     unquantised, _, _ = _reference(model, data, cfg, [1] * STEPS, schedule="constant", adapter=adapter)
     refs = {}
     for name, groups in (("tp=2", 1), ("ep=2", 2)):

@@ -11,6 +11,7 @@ import pytest
 
 from tests.distributed.test_lora import ALL7, _peft_reference, lora_cfg, lora_section
 from tests.helpers.dist import run_workers
+from tests.helpers.runs import vocab_of
 from tests.helpers.sft import make_model, make_phi3, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,7 @@ def _worker(rank, world, model_dir, adapter, root):
     import torch.distributed as dist
 
     from adapter.modeling.quant import quantized_weights
+    from adapter.models.resolved import resolve_run
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import Trainer
 
@@ -73,8 +75,8 @@ def _worker(rank, world, model_dir, adapter, root):
         kind = _kind(name)
         model, start = model_dir[kind], adapter[kind]
         kw = PHI3 if kind == "phi3" else KW
-        t = Trainer(lora_cfg(model, root, shape, micro, lora_section(kw, start) | {"quantize_base": fmt},
-                             **over), log=lambda s: None)
+        t = Trainer(resolve_run(lora_cfg(model, root, shape, micro, lora_section(kw, start) | {"quantize_base": fmt},
+                             **over)), log=lambda s: None)
         try:
             t.setup()
             q = {k: (f, codes.clone(), scales.clone(), s) for k, (f, codes, scales, s)
@@ -210,7 +212,7 @@ def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
                       ("phi3-int8", "phi3")):
         kw = PHI3 if kind == "phi3" else KW
         cfg = lora_cfg(models[kind], root, (1, 1, 2), 2, lora_section(kw, adapters[kind]) | {"quantize_base": "nf4"})
-        data = prepare(cfg, Path(models[kind]), builder=True, barrier=None, progress=False)
+        data = prepare(cfg, Path(models[kind]), vocab_of(cfg), builder=True, barrier=None, progress=False)
         ref_losses[key] = _peft_reference(str(refs[key][0]), adapters[kind], data, cfg)["losses"]
     assert rel(ref_losses["nf4"][0], ref_losses["int8"][0]) > 1e-4  # the formats differ: the test can fail
     assert rel(ref_losses["nf4"][0], ref_losses["qwen2"][0]) > 1e-4  # so do the biases

@@ -8,6 +8,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.runs import vocab_of
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +26,12 @@ def _cfg(root: str):
 
 
 def _worker(rank, world, root):
+    from adapter.models.resolved import resolve_run
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import Trainer
 
     init_distributed()
-    t = Trainer(_cfg(root), log=lambda s: None)
+    t = Trainer(resolve_run(_cfg(root)), log=lambda s: None)
     try:
         t.setup()
         first = next(iter(t.sampler.__class__(len(t.dataset), dp_rank=t.layout.data_rank(rank), dp_size=2,
@@ -58,7 +60,7 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     # reference: each rank's first sample through plain transformers, example by example (attention stays inside
     # an example either way); the step's loss is Σ loss / Σ trained tokens over both ranks' samples (issue 14)
-    data = prepare(_cfg(str(tmp_path)), model_dir, progress=False)
+    data = prepare(_cfg(str(tmp_path)), model_dir, vocab_of(_cfg(str(tmp_path))), progress=False)
     assert data.reused and str(data.path) == out[0]["path"]
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     totals, counts = [], []

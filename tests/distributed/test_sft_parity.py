@@ -14,6 +14,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.runs import vocab_of
 from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, rel
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
     refs = {}
     for pack in (True, False):
         cfg = _cfg(model_dir["llama"], str(tmp_path), LAYOUTS["tp=2"][0], 2, pack)
-        data = prepare(cfg, model_dir["llama"], builder=True, barrier=None, progress=False)
+        data = prepare(cfg, model_dir["llama"], vocab_of(cfg), builder=True, barrier=None, progress=False)
         assert data.reused  # the runs' own prepared samples
         lengths = [b - a for i in range(len(data.train)) for a, b in zip(data.train.examples(i)[:-1],
                                                                          data.train.examples(i)[1:])]
@@ -83,13 +84,13 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
         refs[pack] = _reference(model_dir["llama"], data, cfg)
     assert refs[True][-1] < refs[True][0] and refs[False][-1] < refs[False][0]
     cfg = _cfg(model_dir["phi3"], f"{tmp_path}/phi3", LAYOUTS["tp=2"][0], 2, True)
-    data = prepare(cfg, model_dir["phi3"], builder=True, barrier=None, progress=False)
+    data = prepare(cfg, model_dir["phi3"], vocab_of(cfg), builder=True, barrier=None, progress=False)
     pad = json.loads((Path(model_dir["phi3"]) / "config.json").read_text())["pad_token_id"]
     assert pad is not None and sum(int((data.train[i]["tokens"] == pad).sum()) for i in range(len(data.train)))
     refs["phi3"] = _reference(model_dir["phi3"], data, cfg)  # the pad token is fed (each example ends with it)
     for fam in ("glm4", "gemma3", "gemma2"):
         cfg = _cfg(model_dir[fam], f"{tmp_path}/{fam}", LAYOUTS["tp=2"][0], 2, True)
-        data = prepare(cfg, model_dir[fam], builder=True, barrier=None, progress=False)
+        data = prepare(cfg, model_dir[fam], vocab_of(cfg), builder=True, barrier=None, progress=False)
         if fam.startswith("gemma"):  # examples longer than the window: the local layers' windows matter
             assert max(b - a for i in range(len(data.train)) for a, b in zip(data.train.examples(i)[:-1],
                                                                               data.train.examples(i)[1:])) > 16

@@ -310,6 +310,7 @@ FREEZE_LAYOUTS = {"tp 2 (flat AdamW)": ((1, 1, 2), 4, 1, {}), "dp_shard 2 (ZeRO-
 
 
 def _freeze_worker(rank, world, model_dir, root):
+    from adapter.models.resolved import resolve_run
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import Trainer
 
@@ -318,8 +319,8 @@ def _freeze_worker(rank, world, model_dir, root):
     out = {}
     for name, (shape, mb, ga, over) in FREEZE_LAYOUTS.items():
         lines: list[str] = []
-        t = Trainer(sft_config(model_dir, root, shape, mb, ga, **{"model.unfrozen_parameters": UNFROZEN, **over}),
-                    log=lines.append)
+        t = Trainer(resolve_run(sft_config(model_dir, root, shape, mb, ga,
+                                           **{"model.unfrozen_parameters": UNFROZEN, **over})), log=lines.append)
         try:
             t.setup()
             r = t.fit(export=False)

@@ -80,13 +80,14 @@ def _cfg(model_dir: str, root: str, adapter: str, fmt: str | None, kw: dict = KW
 
 
 def _worker(rank, world, model_dir, adapter, root, kw):
+    from adapter.models.resolved import resolve_run
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import Trainer
 
     init_distributed()
     out = {}
     for fmt in (None, "nf4"):
-        t = Trainer(_cfg(model_dir, root, adapter, fmt, kw), log=lambda s: None)
+        t = Trainer(resolve_run(_cfg(model_dir, root, adapter, fmt, kw)), log=lambda s: None)
         try:
             t.setup()
             out[str(fmt)] = t.fit().losses

@@ -19,6 +19,7 @@ from adapter import config
 from adapter.cli import main
 from adapter.config import axolotl
 from adapter.errors import UserError
+from adapter.models.resolved import resolve_run
 from tests.helpers.hub import add_to_hub_cache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -398,11 +399,12 @@ def test_memory_advice_in_the_file_s_words_and_only_what_applies():
 
     big = {"base_model": str(LLAMA8B), "learning_rate": 1e-5, "max_steps": 1, "sequence_len": 8192,
            "micro_batch_size": 8}
-    warn = [w for w in build_plan(config.build(big, env={}, world_size=1)).warnings if "exceeds" in w]
+    warn = [w for w in build_plan(resolve_run(config.build(big, env={}, world_size=1))).warnings if "exceeds" in w]
     assert warn and "gradient_checkpointing: true" in warn[0] and "recompute" not in warn[0], warn
     assert "tensor_parallel_size/dp_shard_size" in warn[0] and "micro_batch_size" in warn[0]
-    warn = [w for w in build_plan(config.build({**big, "gradient_checkpointing": True, "micro_batch_size": 64},
-                                               env={}, world_size=1)).warnings if "exceeds" in w]
+    warn = [w for w in build_plan(resolve_run(config.build({**big, "gradient_checkpointing": True,
+                                                            "micro_batch_size": 64}, env={}, world_size=1))).warnings
+            if "exceeds" in w]
     assert warn and "gradient_checkpointing" not in warn[0] and "recompute" not in warn[0], warn
 
 
@@ -415,13 +417,14 @@ def test_model_type_must_be_a_causal_lm():
 def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
     """ALST's min_sample_len 200000 against the rehearsal's 512-token sequences dropped every example; the first
     lines said bf16 while the rehearsal runs fp32 (issue 26)."""
-    from adapter.train.rehearse import rehearsal_config
+    from adapter.models.resolved import resolve_run
+    from adapter.train.rehearse import rehearsal
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")
     cfg = build(bf16="auto", sequence_len=500_000, min_sample_len=200_000, context_parallel_size=8, world=8,
                 datasets=[{"path": str(data), "type": "completion"}])
-    small, _ = rehearsal_config(cfg, 4, None, str(tmp_path / "w"))
+    small = rehearsal(resolve_run(cfg), 4, None, str(tmp_path / "w")).cfg
     assert small.seq_len == 512 and small.data.min_sample_len == 512 and small.data.excess_length_strategy == "truncate"
     assert [n for n in small.notes if n.startswith("precision")] == [
         "precision: fp32 (the rehearsal's, on CPU; the run itself: bf16)"]

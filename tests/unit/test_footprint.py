@@ -11,6 +11,7 @@ from adapter.errors import UserError
 from adapter.models import footprint
 from adapter.models.arch import load_arch
 from adapter.models.counts import num_params
+from tests.helpers.runs import planned
 
 MODEL = Path(__file__).resolve().parents[2] / "configs/models/llama-3.2-1b"
 
@@ -27,39 +28,40 @@ def test_checkpoint_sizes():
     arch = load_arch(MODEL)
     n = num_params(arch)
     # issue 28's case: bf16 weights beside fp32 master weights and moments, 14 bytes a parameter (~17 GB at 1.24B)
-    assert footprint.checkpoint_bytes(cfg(), arch, stage=1) == 14 * n
-    assert footprint.checkpoint_bytes(cfg(), arch, stage=3) == 12 * n  # ZeRO-3: the partitions are the optimizer's
-    assert footprint.checkpoint_bytes(cfg(**{"optimizer.name": "adamw_8bit"}), arch, stage=1) == int(
+    assert footprint.checkpoint_bytes(planned(cfg(), arch), stage=1) == 14 * n
+    # ZeRO-3: the partitions are the optimizer's
+    assert footprint.checkpoint_bytes(planned(cfg(), arch), stage=3) == 12 * n
+    assert footprint.checkpoint_bytes(planned(cfg(**{"optimizer.name": "adamw_8bit"}), arch), stage=1) == int(
         (2 + 4 + 2 + 8 / 256) * n)
     lora = cfg(lora={"r": 16, "alpha": 32, "target_linear": True})
-    trained = footprint.held_and_trained(lora, arch, 1)[1]
-    assert footprint.checkpoint_bytes(lora, arch, stage=3) == 14 * trained < n  # adapters only
+    trained = footprint.held_and_trained(planned(lora, arch), 1)[1]
+    assert footprint.checkpoint_bytes(planned(lora, arch), stage=3) == 14 * trained < n  # adapters only
 
 
 def test_disk_check_says_the_numbers_or_refuses_in_one_line():
     arch = load_arch(MODEL)
-    size = footprint.checkpoint_bytes(cfg(), arch, stage=1)
-    said = footprint.check_disk(cfg(), arch, stage=1, saves=40, free=10**13)
+    size = footprint.checkpoint_bytes(planned(cfg(), arch), stage=1)
+    said = footprint.check_disk(planned(cfg(), arch), stage=1, saves=40, free=10**13)
     assert said.startswith(f"checkpoints: {size / 1e9:.1f} GB each, up to 5 at once (checkpoint.keep_last=4")
-    assert footprint.check_disk(cfg(), arch, stage=1, saves=1, free=size) is not None  # one save: one size
+    assert footprint.check_disk(planned(cfg(), arch), stage=1, saves=1, free=size) is not None  # one save: one size
     with pytest.raises(UserError, match=r"^checkpoint.keep_last=4: the run's checkpoints will not fit: .* GB free "
                        r"in /tmp/nd-footprint-test\. Fix: lower checkpoint.keep_last") as e:
-        footprint.check_disk(cfg(), arch, stage=1, saves=40, free=4 * size)
+        footprint.check_disk(planned(cfg(), arch), stage=1, saves=40, free=4 * size)
     assert "\n" not in str(e.value)
-    assert "will NOT fit" in footprint.check_disk(cfg(), arch, stage=1, saves=40, free=4 * size, refuse=False)
+    assert "will NOT fit" in footprint.check_disk(planned(cfg(), arch), stage=1, saves=40, free=4 * size, refuse=False)
     # resuming beside 4 kept checkpoints needs room for one more, not five
-    assert footprint.check_disk(cfg(), arch, stage=1, saves=40, existing=4, free=size + 1)
+    assert footprint.check_disk(planned(cfg(), arch), stage=1, saves=40, existing=4, free=size + 1)
     axolotl = config.build({"base_model": str(MODEL), "sequence_len": 1024, "max_steps": 120, "output_dir": "/tmp/o",
                             "learning_rate": 1e-5,
                             "save_total_limit": 2, "save_steps": 3}, env={}, world_size=1)
     with pytest.raises(UserError, match=r"^save_total_limit=2: .* Fix: lower save_total_limit, save less often "
                        r"\(save_steps / saves_per_epoch\), or point output_dir"):
-        footprint.check_disk(axolotl, arch, stage=1, saves=40, free=1)
+        footprint.check_disk(planned(axolotl, arch), stage=1, saves=40, free=1)
 
 
 def test_saving_a_large_checkpoint_often_is_said():
     arch = load_arch(MODEL)  # 1.24B: a 17 GB checkpoint at 14 bytes a parameter
-    said = footprint.cadence_warning(cfg(), arch, stage=1, every=3)
+    said = footprint.cadence_warning(planned(cfg(), arch), stage=1, every=3)
     assert said.startswith("a 17 GB checkpoint every 3 steps") and "checkpoint.save_every" in said
-    assert footprint.cadence_warning(cfg(), arch, stage=1, every=500) is None
-    assert footprint.cadence_warning(cfg(lora={"r": 8}), arch, stage=1, every=3) is None  # adapters: small
+    assert footprint.cadence_warning(planned(cfg(), arch), stage=1, every=500) is None
+    assert footprint.cadence_warning(planned(cfg(lora={"r": 8}), arch), stage=1, every=3) is None  # adapters: small

@@ -9,6 +9,7 @@ from adapter.errors import UserError
 from adapter.models import counts, freeze
 from adapter.models.arch import arch_from_hf_dict
 from adapter.plan import memory
+from tests.helpers.runs import planned
 
 TINY = arch_from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
                           "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 12,
@@ -23,7 +24,7 @@ def test_every_tensor_is_trained_without_patterns_and_counts_agree():
     tensors = freeze.resolve(TINY, None)
     assert all(t.trained for t in tensors) and len(tensors) == 12 * 6 + 3
     for tp in (1, 2):
-        assert freeze.trained_local_params(TINY, None, tp) == counts.local_params(TINY, tp).total(12)
+        assert freeze.trained_local(freeze.resolve(TINY, None), TINY, tp) == counts.local_params(TINY, tp).total(12)
 
 
 def test_axolotl_pattern_rules():
@@ -65,7 +66,7 @@ def test_plan_keeps_gradients_and_states_for_trained_tensors_only():
            "parallelism": {"dp_shard_size": 2, "tp_size": 2}, "seq_len": 32}
     cfg = config.build(raw, env={})
     full = config.build({**raw, "model": {"path": "unused"}}, env={})
-    est, all_ = (memory.estimate(c, TINY, partition_size=2, gpu_capacity=10**12) for c in (cfg, full))
+    est, all_ = (memory.estimate(planned(c, TINY), partition_size=2, gpu_capacity=10**12) for c in (cfg, full))
     layer = counts.local_params(TINY, 2).layer
     assert est.weights == all_.weights and est.gradients == 2 * -(-layer // 2)
     assert est.optimizer == 12 * -(-layer // 2) < all_.optimizer

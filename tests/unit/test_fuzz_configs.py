@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from adapter.errors import UserError
 from adapter.models import source
+from adapter.models.resolved import resolve_run
 from adapter.plan.build import build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +85,6 @@ def test_generated_configs_plan_or_refuse_in_one_line(tmp_path_factory, raw, wor
     path.write_text(yaml.safe_dump(raw))
     try:
         cfg = source.load_config(path, world_size=world)
-        build_plan(cfg, config_path=str(path))
+        build_plan(resolve_run(cfg), config_path=str(path))
     except UserError as e:
         assert "\n" not in str(e) and "Fix:" in str(e), str(e)

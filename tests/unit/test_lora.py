@@ -11,6 +11,8 @@ from adapter.models import lora
 from adapter.models.arch import arch_from_hf_dict
 from adapter.models.families import table_for
 from adapter.models.mapping import Ctx, FusedQKV, GatedMLP
+from adapter.models.resolved import resolve_run
+from tests.helpers.runs import planned
 
 TINY = arch_from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 8,
                           "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -196,25 +198,25 @@ def test_plan_counts_what_a_lora_run_holds_and_trains():
     s = lora.resolve(arch, r=16, alpha=32, target_linear=True)
     adapters = s.params()
     assert adapters == 16 * sum(t.linear.inp + t.linear.out for t in s.targets) == 41_943_040
-    held, trained = footprint.held_and_trained(cfg(), arch, 1)
+    held, trained = footprint.held_and_trained(planned(cfg(), arch), 1)
     assert (held, trained) == (num_params(arch) + adapters, adapters)
     q_count = arch.num_layers * sum(lin.weights for lin in linears(arch))
-    assert footprint.quantized_base(cfg("nf4"), arch, 1)[:2] == (q_count, 0.5625)
-    assert footprint.quantized_base(cfg("int8"), arch, 1)[:2] == (q_count, 1.0)
-    assert footprint.quantized_base(cfg(), arch, 1)[0] == 0
-    est = {f: memory.estimate(cfg(f), arch, partition_size=1, gpu_capacity=1 << 40, stage=3)
+    assert footprint.quantized_base(planned(cfg("nf4"), arch), 1)[:2] == (q_count, 0.5625)
+    assert footprint.quantized_base(planned(cfg("int8"), arch), 1)[:2] == (q_count, 1.0)
+    assert footprint.quantized_base(planned(cfg(), arch), 1)[0] == 0
+    est = {f: memory.estimate(planned(cfg(f), arch), partition_size=1, gpu_capacity=1 << 40, stage=3)
            for f in (None, "nf4", "int8")}
     assert est[None].weights == 2 * held and est[None].gradients == 2 * trained
     assert est[None].optimizer == (4 + 8) * trained
     assert est["nf4"].weights == 2 * (held - q_count) + int(0.5625 * q_count)
     assert est["int8"].weights == 2 * (held - q_count) + q_count
-    two = memory.estimate(cfg("nf4", shard=2), arch, partition_size=2, gpu_capacity=1 << 40, stage=3)
+    two = memory.estimate(planned(cfg("nf4", shard=2), arch), partition_size=2, gpu_capacity=1 << 40, stage=3)
     assert two.weights == 2 * -(-(held - q_count) // 2) + int(0.5625 * q_count)  # only the 16-bit part sharded
     from adapter.parallel.layout import Layout
 
-    moved = {f: sum(r.bytes_per_step for r in traffic.estimate(cfg(f, shard=2), arch, Layout.from_config(
+    moved = {f: sum(r.bytes_per_step for r in traffic.estimate(planned(cfg(f, shard=2), arch), Layout.from_config(
         cfg(f, shard=2).parallelism, 8))) for f in (None, "nf4")}
     assert moved["nf4"] < 0.3 * moved[None]  # ZeRO-3 gathers the 16-bit rest, not the 4-bit linears
-    steps = {name: build_plan(c, arch=arch).predicted.step_time_s
+    steps = {name: build_plan(resolve_run(c, arch=arch)).predicted.step_time_s
              for name, c in (("full", cfg(lora_on=False)), ("lora", cfg()), ("qlora", cfg("nf4")))}
     assert steps["lora"] < 0.8 * steps["full"] and steps["lora"] < steps["qlora"] < 1.3 * steps["lora"]

@@ -6,6 +6,7 @@ from adapter.models import counts
 from adapter.models.arch import arch_from_hf_dict, padded_vocab_size
 from adapter.parallel.layout import Layout
 from adapter.plan import memory, traffic
+from tests.helpers.runs import planned
 
 # hidden 64, 4 heads × 16, 2 KV heads, ffn 128, 2 layers, vocab 1000, untied
 TINY = arch_from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
@@ -32,7 +33,7 @@ def test_padded_vocab_and_local_params():
 
 
 def test_model_states_and_activations_by_hand():
-    est = memory.estimate(cfg(), TINY, partition_size=2, gpu_capacity=10**9)
+    est = memory.estimate(planned(cfg(), TINY), partition_size=2, gpu_capacity=10**9)
     shard = 102720 // 2
     assert (est.weights, est.gradients, est.optimizer) == (2 * shard, 2 * shard, 12 * shard)
     # one layer, s=32 b=2 h=64 tp=2 with sequence parallel, bf16:
@@ -44,23 +45,24 @@ def test_model_states_and_activations_by_hand():
     assert est.logits == 32 * 2 * 512 * (2 + 2) == 131072               # fused CE: bf16 logits and their grad
     # fused linear + CE: the output weight's grad (512 rows per tp rank × 64) and the hidden states' grad (32·2 tokens
     # × 64), bf16, plus one chunk of logits: all 64 tokens (< 256) × 512 × (2 + 4)
-    chunked = memory.estimate(cfg(**{"model.fused_linear_ce": True}), TINY, partition_size=2, gpu_capacity=1)
+    chunked = memory.estimate(planned(cfg(**{"model.fused_linear_ce": True}), TINY), partition_size=2, gpu_capacity=1)
     assert chunked.logits == 2 * 512 * 64 + 2 * 32 * 2 * 64 + 64 * 512 * (2 + 4) == 270336
-    small = memory.estimate(cfg(**{"model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 16}), TINY,
+    small = memory.estimate(planned(cfg(**{"model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 16}), TINY),
                             partition_size=2, gpu_capacity=1)
     assert small.logits == 2 * 512 * 64 + 2 * 32 * 2 * 64 + 16 * 512 * (2 + 4)   # the chunk asked for
-    unfused = memory.estimate(cfg(**{"model.fused_kernels": False}), TINY, partition_size=2, gpu_capacity=1)
+    unfused = memory.estimate(planned(cfg(**{"model.fused_kernels": False}), TINY), partition_size=2, gpu_capacity=1)
     assert unfused.logits == 32 * 2 * 512 * (2 + 4 + 4) == 327680      # Megatron's CE: + fp32 copy + saved exp
     assert est.activations == est.activations_no_recompute
-    assert memory.estimate(cfg(recompute="full"), TINY, partition_size=2, gpu_capacity=1).activations == 74240
+    assert memory.estimate(planned(cfg(recompute="full"), TINY), partition_size=2, gpu_capacity=1).activations == 74240
 
 
 def test_8bit_adamw_keeps_two_bytes_of_moments_per_parameter():
     shard = 102720 // 2
-    est = memory.estimate(cfg(**{"optimizer.name": "adamw_8bit"}), TINY, partition_size=2, gpu_capacity=10**9)
+    est = memory.estimate(planned(cfg(**{"optimizer.name": "adamw_8bit"}), TINY), partition_size=2,
+                          gpu_capacity=10**9)
     assert est.optimizer == int((4 + 2 + 2 * 4 / 256) * shard)  # fp32 master + uint8 m, v + an fp32 absmax per 256
-    fp32 = memory.estimate(cfg(**{"optimizer.name": "adamw_8bit", "precision": "fp32"}), TINY, partition_size=2,
-                           gpu_capacity=10**9)
+    fp32 = memory.estimate(planned(cfg(**{"optimizer.name": "adamw_8bit", "precision": "fp32"}), TINY),
+                           partition_size=2, gpu_capacity=10**9)
     assert fp32.optimizer == int((2 + 2 * 4 / 256) * shard)     # fp32 weights are their own master
 
 
@@ -74,9 +76,9 @@ def test_bf16_states_keep_four_bytes_per_parameter_on_the_flat_adamw():
 
     one = {"parallelism.dp_shard_size": 1}
     local = 102720  # one TP rank's parameters (test_padded_vocab_and_local_params)
-    est = memory.estimate(cfg(**one, **{"optimizer.state_dtype": "bf16"}), TINY, partition_size=1,
+    est = memory.estimate(planned(cfg(**one, **{"optimizer.state_dtype": "bf16"}), TINY), partition_size=1,
                           gpu_capacity=10**9, stage=1)
-    fp32 = memory.estimate(cfg(**one), TINY, partition_size=1, gpu_capacity=10**9, stage=1)
+    fp32 = memory.estimate(planned(cfg(**one), TINY), partition_size=1, gpu_capacity=10**9, stage=1)
     assert fp32.optimizer == 12 * local and est.optimizer == 4 * local  # master + m + v, or bf16 m + v
     assert deepspeed_config.zero_stage(cfg(**one, **{"optimizer.state_dtype": "bf16"}), Layout(1, 1, 1, 2)) == 1
     with pytest.raises(UserError, match=r"^optimizer.state_dtype='bf16': .*flat AdamW only, and it needs a layout "
@@ -127,7 +129,7 @@ def test_soft_capped_attention_counts_what_autograd_keeps():
 
 def test_zero3_traffic_by_hand():
     c = cfg()
-    rows = {r.group: r for r in traffic.estimate(c, TINY, Layout(1, 2, 1, 2))}
+    rows = {r.group: r for r in traffic.estimate(planned(c, TINY), Layout(1, 2, 1, 2))}
     # ZeRO-3 over 2 ranks: 3 × (2 bytes × 102720 params × 1/2)
     assert rows["dp_shard_cp"].bytes_per_step == 3 * 102720
     # TP: (4·2 + 2) collectives × 2 × (2·32·2·64 bytes) × 1/2
@@ -158,19 +160,19 @@ def test_optimizer_step_transients_by_stage():
                  "optimizer.impl": "deepspeed"})
     P = counts.local_params(mistral, 1).total(mistral.num_layers)
     flat = cfg(**{"parallelism.dp_shard_size": 1, "parallelism.tp_size": 1, "seq_len": 4096, "recompute": "full"})
-    est = memory.estimate(flat, mistral, partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
+    est = memory.estimate(planned(flat, mistral), partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
     assert est.comm_buffers == 0 and est.peak_phase == "forward_backward" and est.fits  # the flat AdamW: in place
-    est = memory.estimate(one, mistral, partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
+    est = memory.estimate(planned(one, mistral), partition_size=1, gpu_capacity=memory.GPUS["h200"][0], stage=1)
     assert est.comm_buffers == (2 + 4) * P and est.peak == 22 * P and est.peak_phase == "optimizer_step"
     assert not est.fits and 22 * P / memory.GIB > 148
-    z3 = memory.estimate(cfg(), TINY, partition_size=2, gpu_capacity=10**9, stage=3)
+    z3 = memory.estimate(planned(cfg(), TINY), partition_size=2, gpu_capacity=10**9, stage=3)
     assert z3.comm_buffers - 2 * 2 * min(500_000_000, 102720) == 4 * (102720 // 2)   # buckets + fp32 shard
-    big = memory.estimate(one, mistral, partition_size=2, gpu_capacity=10**13, stage=3)
+    big = memory.estimate(planned(one, mistral), partition_size=2, gpu_capacity=10**13, stage=3)
     # ZeRO-3 steps one sub_group of 1e9 at a time (not the 3.6e9-element shard), beside 2 overlapped 5e8 buckets
     assert big.comm_buffers == 4 * memory.SUB_GROUP + 2 * 2 * 500_000_000
     room = int(22 * P * (1 + memory.MARGIN)) + memory.RUNTIME_RESERVE  # peak + the model's margin + the runtime
-    assert memory.estimate(one, mistral, partition_size=1, gpu_capacity=room + 1, stage=1).fits
-    assert not memory.estimate(one, mistral, partition_size=1, gpu_capacity=room - 2**20, stage=1).fits
+    assert memory.estimate(planned(one, mistral), partition_size=1, gpu_capacity=room + 1, stage=1).fits
+    assert not memory.estimate(planned(one, mistral), partition_size=1, gpu_capacity=room - 2**20, stage=1).fits
 
 
 def test_packed_documents_by_hand():
@@ -185,7 +187,7 @@ def test_packed_documents_by_hand():
     assert memory.layer_activations(TINY, **ag) == 2048 + 2048 + 256 + 8192 + 12288 + 2 * 32 * 2 * 2 * 32 // 2
     assert memory.layer_activations(TINY, packed=True, **ag) - memory.layer_activations(TINY, **ag) == \
         2 * (40 - 32) * 2 * 2 * 32 // 2
-    est = memory.estimate(cfg(**{"data.document_mask": True}), TINY, partition_size=2, gpu_capacity=10**9)
+    est = memory.estimate(planned(cfg(**{"data.document_mask": True}), TINY), partition_size=2, gpu_capacity=10**9)
     assert est.activations_no_recompute == 2 * 53760 + 3 * 4096 + 4 * 32 * 2 * 16  # + fp32 RoPE angles [s·b, d]
 
 
@@ -204,7 +206,7 @@ def test_cp_traffic_by_hand():
         for mask in (False, True):  # the same volume with packed documents: 1/cp of every document per rank
             c = cfg(**{"parallelism.cp_size": 2, "parallelism.tp_size": 1, "parallelism.cp_comm_type": comm,
                        "data.document_mask": mask})
-            rows = {r.group: r for r in traffic.estimate(c, TINY, Layout(1, 2, 2, 1))}
+            rows = {r.group: r for r in traffic.estimate(planned(c, TINY), Layout(1, 2, 2, 1))}
             assert rows["cp"].bytes_per_step == 2 * per_layer, (comm, mask)
             assert ("packed documents" in rows["cp"].what) == mask
 
@@ -226,13 +228,14 @@ def test_compiled_fp8_layers_keep_less():
     """precision fp8 in compiled layers: each fp8 MLP linear's bf16 input is not kept (fitted to H200 peaks: 2 bytes
     × tokens × (hidden for fc1 + FFN for fc2) per layer); eager fp8 is not modelled."""
     one_gpu = {"parallelism.tp_size": 1, "parallelism.dp_shard_size": 1}
-    base = memory.estimate(cfg(**one_gpu, **{"model.compile": True}), TINY, partition_size=1, gpu_capacity=1)
-    fp8 = memory.estimate(cfg(**one_gpu, **{"model.compile": True, "precision": "fp8"}), TINY, partition_size=1,
-                          gpu_capacity=1)
-    fc1 = memory.estimate(cfg(**one_gpu, **{"model.compile": True, "precision": "fp8", "model.fp8_linears": ["fc1"]}),
-                          TINY, partition_size=1, gpu_capacity=1)
-    eager = memory.estimate(cfg(**one_gpu, **{"model.compile": False, "precision": "fp8"}), TINY, partition_size=1,
-                            gpu_capacity=1)
+    base = memory.estimate(planned(cfg(**one_gpu, **{"model.compile": True}), TINY), partition_size=1, gpu_capacity=1)
+    fp8 = memory.estimate(planned(cfg(**one_gpu, **{"model.compile": True, "precision": "fp8"}), TINY),
+                          partition_size=1, gpu_capacity=1)
+    fc1 = memory.estimate(planned(cfg(**one_gpu, **{"model.compile": True, "precision": "fp8",
+                                                    "model.fp8_linears": ["fc1"]}), TINY),
+                          partition_size=1, gpu_capacity=1)
+    eager = memory.estimate(planned(cfg(**one_gpu, **{"model.compile": False, "precision": "fp8"}), TINY),
+                            partition_size=1, gpu_capacity=1)
     tokens = 32 * 2
     assert base.activations - fp8.activations == 2 * 2 * tokens * (64 + 128)    # 2 layers
     assert base.activations - fc1.activations == 2 * 2 * tokens * 64

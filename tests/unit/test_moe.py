@@ -8,6 +8,7 @@ import pytest
 
 from adapter.errors import UserError
 from adapter.models.arch import arch_from_hf_dict, load_arch
+from tests.helpers.runs import planned
 from tests.unit.test_plan_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +81,7 @@ def test_qlora_on_a_mixture_of_experts_quantises_the_attention_alone(tmp_path):
     assert nn_linears(dense) == linears(dense)  # a dense model: every decoder linear, as before
     cfg = config.build({"model": {"path": str(MODELS / "qwen3-30b-a3b")}, "data": {"synthetic": True},
                         "lora": {"r": 8, "target_linear": True, "quantize_base": "nf4"}}, env={}, world_size=1)
-    held, bytes_each, largest = footprint.quantized_base(cfg, arch, 1)
+    held, bytes_each, largest = footprint.quantized_base(planned(cfg, arch), 1)
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     assert held == arch.num_layers * (h * (q + 2 * kv) + q * h) and largest == h * q and bytes_each == 0.5625
     code, out, err = run_cli("plan", _yaml(tmp_path, "lora:\n  r: 8\n  target_linear: true\n  quantize_base: nf4\n"))
@@ -191,7 +192,7 @@ def test_plan_experts_inside_exact_hsdp_replicas():
                         "precision": "bf16", "parallelism": {"dp_replicate_size": 2, "dp_shard_size": 4,
                                                              "ep_size": 2}}, env={}, world_size=8)
     arch = _load(MODELS / "qwen3-30b-a3b")
-    rows = {r.group: r for r in traffic.estimate(cfg, arch, Layout.from_config(cfg.parallelism))}
+    rows = {r.group: r for r in traffic.estimate(planned(cfg, arch), Layout.from_config(cfg.parallelism))}
     experts = expert_params(arch, 1)
     assert experts == 48 * 3 * 128 * 768 * 2048 and "expt_dp" not in rows
     dense = local_params(arch, 1).total(48) - experts  # the padded vocabulary's rows included

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapter.data.sft.bins import SFTDataset, best_fit, targets, write_split
+from tests.helpers.runs import vocab_of
 
 
 def test_targets_shift_inside_examples_only():
@@ -90,7 +91,7 @@ def test_items_give_transformers_loss_with_its_own_assistant_mask(tmp_path):
               "{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}")
     cfg = axolotl_cfg(model_dir, [{"path": str(CHAT_DATA), "type": "chat_template", "chat_template": "chatml"}],
                       tmp_path, sample_packing=True, sequence_len=256, special_tokens={"eos_token": "<|im_end|>"})
-    data = prepare(cfg, model_dir, progress=False)
+    data = prepare(cfg, model_dir, vocab_of(cfg), progress=False)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     tok = __import__("transformers").AutoTokenizer.from_pretrained(str(model_dir))
     reference = {}

@@ -10,10 +10,17 @@ import threading
 import pytest
 
 from adapter import cli
-from adapter.data.sft import prepare
+from adapter.data.sft import prepare as prepare_for
 from adapter.demo.build import ALPACA_DATA, CHAT_DATA
 from adapter.errors import UserError
+from tests.helpers.runs import vocab_of
 from tests.helpers.sft_data import axolotl_cfg, tiny_model, write_jsonl
+
+
+def prepare(cfg, model, **kw):
+    """The SFT preparation against the model's own vocabulary, as the trainer and `preprocess` call it."""
+    return prepare_for(cfg, model, vocab_of(cfg), **kw)
+
 
 prep_mod = importlib.import_module("adapter.data.sft.prepare")  # the module (the package exports the function)
 CHAT = {"path": str(CHAT_DATA), "type": "chat_template", "chat_template": "chatml"}

@@ -28,7 +28,6 @@ from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.bins import SFTDataset, ragged_take, targets, write_split
 from adapter.data.token_cache import TOKENIZER_FILES
 from adapter.errors import bad
-from adapter.models import source
 from adapter.osutil import build_once
 
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
@@ -426,9 +425,10 @@ def _open(cfg, d: Path, reused: bool) -> SFTData:
                    notes_for(cfg, m), reused)
 
 
-def prepare(cfg, tokenizer_dir, *, builder: bool = True, barrier: Callable[[], None] | None = None,
+def prepare(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True, barrier: Callable[[], None] | None = None,
             progress: bool = True) -> SFTData:
-    """The prepared SFT data for `cfg.data.datasets`, built on the `builder` rank if missing.
+    """The prepared SFT data for `cfg.data.datasets`, built on the `builder` rank if missing; `vocab_size`: the
+    model's embedding rows (every token id must be below it).
 
     Every rank calls this with the same arguments; `barrier`, when given, is called exactly once on each (after
     the builder finished). Pick the builder as global rank 0 for a shared prepared_path, or local rank 0 per node
@@ -437,7 +437,6 @@ def prepare(cfg, tokenizer_dir, *, builder: bool = True, barrier: Callable[[], N
     if not cfg.data.datasets:
         raise bad("data.datasets", [], "no SFT datasets given", "list them under datasets:")
     tokenizer_dir = Path(tokenizer_dir)
-    vocab_size = source.arch_for(cfg).vocab_size
     resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     val_fraction(cfg, None)
     root = prepared_root(cfg)

@@ -53,11 +53,11 @@ def main(args) -> int:
     if not cfg.data.datasets:
         raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
                   "list them under datasets: (Axolotl) or data.datasets (native)")
-    tok_dir = source.tokenizer_dir(cfg)
-    data = prepare(cfg, tok_dir, builder=True, barrier=None, progress=True)
+    tok_dir, vocab = source.tokenizer_dir(cfg), source.arch_for(cfg).vocab_size
+    data = prepare(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
     print("\n".join(stats_lines(data)))
     if args.debug:
-        tok = load_tokenizer(cfg, tok_dir, source.arch_for(cfg).vocab_size)
+        tok = load_tokenizer(cfg, tok_dir, vocab)
         print("\n".join(debug_lines(data, tok, args.samples)))
     return 0
 

@@ -1,0 +1,108 @@
+"""What a run says about itself before it starts: one pure function of the resolved run (adapter/models/resolved.py).
+
+`plan` prints these lines as its notes and the trainer's rank 0 prints them as the run's first lines, so what a plan
+promised and what the run then says cannot differ. Every default that changes what is trained is said here (the
+dialect mapping's notes, what is trained, the optimizer's precision, the load-balancing loss, the held pad row,
+LongRoPE, fp8). What only the run itself can know (the data's size and the schedule it implies, a checkpoint being
+resumed, the disk) is said by the trainer after this.
+"""
+from __future__ import annotations
+
+import math
+
+from adapter.config import spell
+from adapter.errors import EXIT_REQUEUE
+from adapter.models import families, freeze, lora, source
+from adapter.models.arch import longrope_note
+from adapter.models.resolved import ResolvedRun
+
+
+def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
+    """The run's first lines, in order. `gpu`: whether it runs on GPUs (plan assumes so), which picks the optimizer's
+    kernels."""
+    cfg, arch = run.cfg, run.arch
+    lines = list(cfg.notes)
+    if run.unfrozen is not None:
+        lines.append(freeze.describe(list(run.unfrozen), arch, spell(cfg, "model.unfrozen_parameters")))
+    if run.lora is not None:
+        lines.append(lora.describe(run.lora, arch, spell(cfg, "lora")))
+    if cfg.checkpoint.exit_signals:
+        lines.append(signals(cfg.checkpoint.exit_signals, cfg.checkpoint.dir))
+    lines.append(optimizer(run, gpu=gpu))
+    if arch.moe:
+        lines.append(mixture_of_experts(run))
+    text = families.family(arch.family).export_as
+    if text:  # an image-text checkpoint: what is trained and exported is its language model only
+        lines.append(f"model: the language model of {arch.architecture} is trained (its vision tower is not built); "
+                     f"exports are {families.family(text).architectures[0]} (text only)")
+    if run.pad_row is not None:
+        lines.append(f"embedding: row {run.pad_row} (the pad token, pad_token_id in config.json) gets no gradient "
+                     "from lookups, as transformers' nn.Embedding(padding_idx) keeps it")
+    rope = longrope_note(arch, cfg.seq_len, cfg.document_attention)
+    if rope:
+        lines.append(rope)
+    if cfg.precision == "fp8":
+        lines.append(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
+                     "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")
+    return lines
+
+
+def weights(run: ResolvedRun, resumed: str | None = None, moved: str | None = None) -> str:
+    """Which weights the run starts from: the checkpoint being resumed (`resumed`, saved at another layout when
+    `moved` says how), else the record's first weights (source.describe)."""
+    if not resumed:
+        return source.describe(run.weights, run.cfg.seed)
+    return (f"weights: from the checkpoint {resumed} being resumed"
+            + (f" (saved at another layout: {moved}; resharded)" if moved else "")
+            + (", the frozen base from the converted weights" if run.lora is not None else ""))
+
+
+def resumed(run: ResolvedRun, step: int, old_lr: float, new_lr: float) -> list[str]:
+    """After a checkpoint was loaded: its step, and the next step's learning rate from this run's schedule."""
+    cfg = run.cfg
+    same = math.isclose(old_lr, new_lr, rel_tol=1e-6, abs_tol=1e-12)
+    return [f"resuming from {cfg.checkpoint.dir} at step {step} (its weights replace the start's)",
+            f"schedule: step {step + 1} of {cfg.optimizer.max_steps} runs at learning rate {new_lr:.3e} from this "
+            "run's schedule" + ("" if same else f" (the checkpoint's run was at {old_lr:.3e})")]
+
+
+def signals(names: list[str], save_dir: str | None) -> str:
+    then = f"save a checkpoint in {save_dir}" if save_dir else "stop (no checkpoint.dir: nothing is saved)"
+    return (f"signals: {', '.join(names)} finish the current step on every rank, {then} and exit with status "
+            f"{EXIT_REQUEUE} (requeue; continue with --resume)")
+
+
+def optimizer(run: ResolvedRun, *, gpu: bool = True) -> str:
+    """Which optimizer implementation runs and what it keeps (`optimizer.impl`, `optimizer.state_dtype`)."""
+    o = run.cfg.optimizer
+    if run.flat_optimizer:
+        if o.name == "adamw_8bit":
+            how = "fp32 master weights, 8-bit moments (bitsandbytes' AdamW8bit)"
+        elif o.state_dtype == "bf16":
+            how = ("optimizer.state_dtype: bf16: no fp32 master, the bf16 weights updated in place with bf16 "
+                   "moments, as torch's AdamW on a bf16 model; updates under half a bf16 step are lost")
+        else:  # the one-launch Triton step needs 16-bit weights on CUDA (adapter/train/adamw_kernel.py)
+            one_launch = gpu and run.cfg.param_precision in ("bf16", "fp16")
+            how = "fp32 master weights and moments, " + (
+                "one launch per parameter group" if one_launch else "one fused pass per parameter")
+        return f"optimizer: nd-adapter's flat AdamW (nothing to shard; {how}; optimizer.impl: deepspeed for " \
+               "DeepSpeed's ZeRO-1)"
+    if o.name == "adamw_8bit":
+        return (f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} stepping bitsandbytes' AdamW8bit (fp32 master "
+                "partitions, 8-bit moments)")
+    return f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} AdamW"
+
+
+def mixture_of_experts(run: ResolvedRun) -> str:
+    """Whether transformers would add the load-balancing loss (output_router_logits), and why."""
+    cfg, arch = run.cfg, run.arch
+    over = cfg.model.output_router_logits
+    why = (f"{spell(cfg, 'model.output_router_logits')}: {str(over).lower()}" if over is not None
+           else f"output_router_logits: {str(arch.output_router_logits).lower()} in config.json")
+    on = arch.output_router_logits and arch.router_aux_loss_coef > 0
+    return (f"mixture of experts: {arch.num_experts} experts, top {arch.experts_per_token}, "
+            + (f"load-balancing loss × router_aux_loss_coef {arch.router_aux_loss_coef:g} added to every "
+               "micro-batch's loss" if on else "no load-balancing loss, as transformers then trains") + f" ({why})")
+
+
+__all__ = ["announce", "weights", "resumed", "signals", "optimizer", "mixture_of_experts"]

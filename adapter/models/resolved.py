@@ -1,0 +1,88 @@
+"""A run, resolved once: the validated config with every fact the rest of the code derives from it and the model.
+
+`resolve_run` is called once per process where a run starts (the CLI for `plan`, preflight and `rehearse`; each
+training process in adapter/train/worker.py) and its `ResolvedRun` is what `plan`, preflight, the rehearsal, the
+trainer and the engine receive. None of them reads `model.path` or rebuilds a LoRA or freeze spec again, so the
+architecture `plan` reports is the one the trainer builds (both read `source.arch_for`: the converted checkpoint's
+hf/ when it has one), and a refusal happens in one place, before any process starts.
+
+Torch-free (plan imports it). What the run then says about itself is `adapter/models/announce.py`, from this record.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from adapter.config import RunConfig
+from adapter.models import checks, freeze, lora, source
+from adapter.models.arch import ModelArch
+from adapter.models.source import WeightsSource
+from adapter.parallel import deepspeed_config
+from adapter.parallel.layout import Layout
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """Everything decided about a run before any process starts; frozen, so no consumer can drift from it."""
+
+    cfg: RunConfig                             # validated; the world size resolved
+    arch: ModelArch                            # source.arch_for: config.json with the run's overrides
+    layout: Layout                             # the mesh, with hardware.gpus_per_node
+    lora: lora.LoraSpec | None                 # the adapters on a frozen base; None: no adapters
+    unfrozen: tuple[freeze.Tensor, ...] | None  # unfrozen_parameters resolved per tensor; None: every weight trains
+    weights: WeightsSource                     # the first weights (converted checkpoint, pre-trained, random)
+    zero_stage: int                            # 1 (nothing to shard), 2 or 3: deepspeed_config.zero_stage
+    flat_optimizer: bool                       # nd-adapter's flat AdamW instead of DeepSpeed's ZeRO optimizer
+    warnings: tuple[str, ...] = ()             # what the run can do but should not (models/checks.py)
+
+    @property
+    def partition_size(self) -> int:
+        """Ranks one ZeRO shard set spans (deepspeed_config.partition_size)."""
+        return deepspeed_config.partition_size(self.cfg, self.layout)
+
+    @property
+    def trains_embedding(self) -> bool:
+        """Whether the input embedding is trained: every weight, a LoRA run's modules_to_save, or a pattern."""
+        if self.lora is not None:
+            return "embed_tokens" in self.lora.modules_to_save
+        if self.unfrozen is not None:
+            return any(t.trained for t in self.unfrozen if t.name.endswith("word_embeddings.weight"))
+        return True
+
+    @property
+    def pad_row(self) -> int | None:
+        """The embedding row held out of training as transformers' nn.Embedding(padding_idx=pad_token_id) holds it:
+        untied models only (a tied embedding also gets the output layer's gradient, which HF keeps), and only when
+        the embedding trains."""
+        a = self.arch
+        if a.pad_token_id is None or a.tie_embeddings or not self.trains_embedding:
+            return None
+        return a.pad_token_id
+
+    def with_config(self, cfg: RunConfig) -> ResolvedRun:
+        """The same model and weights under another config of the same run (plan's replicate-mode comparison, the
+        length the schedule writes in): the config's own decisions are taken again."""
+        return resolve_run(cfg, arch=self.arch, weights=self.weights)
+
+
+def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: WeightsSource | None = None,
+                layout: Layout | None = None) -> ResolvedRun:
+    """Resolve `cfg` against its model: one line (UserError) for anything the run cannot do. `arch` replaces the
+    checkpoint's (a rehearsal's tiny model, `plan --search`'s shared one); `weights` and `layout`, when given, are
+    reused instead of being looked up again (search evaluates hundreds of layouts of one run)."""
+    arch = arch or source.arch_for(cfg)
+    warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
+    layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
+    stage = deepspeed_config.zero_stage(cfg, layout)
+    flat = deepspeed_config.flat_optimizer(cfg, layout)
+    return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
+                       unfrozen=None if unfrozen is None else tuple(unfrozen), weights=weights or source.resolve(cfg),
+                       zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings))
+
+
+def replace(run: ResolvedRun, **changes) -> ResolvedRun:
+    """A copy with some facts changed, for what is not a config key (a rehearsal's weights)."""
+    return dataclasses.replace(run, **changes)
+
+
+__all__ = ["ResolvedRun", "resolve_run", "replace"]

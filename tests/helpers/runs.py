@@ -1,0 +1,19 @@
+"""A config resolved against a given architecture, as the plan's models take it (adapter/models/resolved.py)."""
+from __future__ import annotations
+
+from adapter.models.resolved import ResolvedRun, resolve_run
+from adapter.models.source import WeightsSource
+
+NO_WEIGHTS = WeightsSource("random", "", reason="a test's architecture")
+
+
+def planned(cfg, arch) -> ResolvedRun:
+    """`cfg` on `arch` (no model directory is looked at)."""
+    return resolve_run(cfg, arch=arch, weights=NO_WEIGHTS)
+
+
+def vocab_of(cfg) -> int:
+    """The embedding rows of `cfg`'s model, as SFT data preparation checks token ids against them."""
+    from adapter.models import source
+
+    return source.arch_for(cfg).vocab_size
