@@ -59,6 +59,7 @@ def main(argv=None) -> int:
                  "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(k, v)
     from adapter import config
+    from adapter.models.resolved import resolve_run
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run
     from adapter.train.worker import quiet_third_party
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
                 finally:
                     prof.disable()
             Trainer.train_step = profiled
-        run(config.with_grad_accum(cfg), synthetic_data=True, log=lines.append, export=False)
+        run(resolve_run(config.with_grad_accum(cfg)), synthetic_data=True, log=lines.append, export=False)
     tps = [float(m.group(2).replace(",", "")) for m in map(STEP.match, lines) if m]
     steady = sorted(tps[len(tps) // 3:])  # after compilation and warm-up
     tokens = 2 * a.seq

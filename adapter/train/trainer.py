@@ -27,29 +27,24 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from adapter.config import RunConfig
 from adapter.convert import cache
-from adapter.data import DPSampler, PackedDataset, SyntheticData, build_batches, build_token_cache
-from adapter.data.sft import prepare
-from adapter.data.sft.bins import trim_tail
-from adapter.data.sft.report import stats_lines
-from adapter.errors import DivergedError, UserError, bad
-from adapter.kernels.attention import split_for_cp
-from adapter.kernels.thd import local_multiple, pack_batch
-from adapter.models import announce, footprint, lora, resolved, source
-from adapter.models.arch import ModelArch
+from adapter.errors import DivergedError, bad
+from adapter.models import announce, footprint, lora, resolved
 from adapter.models.counts import flops_per_token, num_params
-from adapter.models.resolved import ResolvedRun, resolve_run
+from adapter.models.resolved import ResolvedRun
 from adapter.parallel import mcore_groups
 from adapter.parallel.layout import Axis
 from adapter.patches.zero import set_hpz_group
 from adapter.train import checkpoint as ckpt
 from adapter.train import ckpt_info, metrics, schedule
+from adapter.train.batches import load as load_data
+from adapter.train.batches import place, trim
 from adapter.train.best import Best
 from adapter.train.engine import build_engine
 from adapter.train.export import export_hf, export_lora
 from adapter.train.preempt import Preemption
 from adapter.train.profile import StepProfiler
+from adapter.train.steps import LOSS, NONFINITE, STOP, PendingStep, masked_loss_sum, nonfinite
 
 
 @dataclass
@@ -66,62 +61,6 @@ class RunResult:
     preempted: str | None = None  # the signal that ended the run early (adapter/train/preempt.py)
     stopped_early: bool = False   # early stopping on the eval loss ended it
     best_step: int | None = None  # the best checkpoint, when it was reloaded for the export
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """One optimizer step's numbers, on the host."""
-    step: int
-    loss: float                  # the step's loss, as logged: Σ per-token loss / trained tokens of the step
-    trained_tokens: int          # the step's, over all micro-batches and ranks
-    computed_tokens: int         # positions the step ran (all of seq_len, or less where unpacked SFT is trimmed)
-    nonfinite_grad: bool         # the global grad norm was inf/NaN
-    grad_norm: float | None      # None when DeepSpeed computed none (no clipping)
-    lr: float
-    seconds: float
-    aux_loss: float = 0.0        # a mixture of experts' load-balancing loss (no coefficient), mean of the micro-batches
-
-
-TRIM_MULTIPLE = 64  # unpacked SFT micro-batches are cut to a multiple of this (and of 2·cp·tp for CP and SP)
-# The device-side vector a step's numbers travel in: one all-reduce and one host copy, read one micro-batch late.
-LOSS, NONFINITE, TRAINED_TOKENS, COMPUTED_TOKENS, GRAD_NORM, GRAD_NORM_ON_DEVICE, STOP, AUX = range(8)
-
-
-@dataclass
-class PendingStep:
-    """A finished step whose numbers are still on their way to the host (metrics.HostReadback)."""
-    step: int
-    values: object               # HostReadback of the float64 vector indexed above
-    host_grad_norm: float | None  # DeepSpeed's global grad norm when it is a host float (or None), else unused
-    lr: float
-    clock: tuple                 # metrics.StepClock handle
-
-    def read(self) -> StepStats:
-        v = self.values.values()
-        grad_norm = v[GRAD_NORM] if v[GRAD_NORM_ON_DEVICE] else (
-            None if self.host_grad_norm is None else float(self.host_grad_norm))
-        return StepStats(self.step, v[LOSS], int(v[TRAINED_TOKENS]), int(v[COMPUTED_TOKENS]), v[NONFINITE] > 0,
-                         grad_norm, self.lr, metrics.StepClock.seconds(self.clock), v[AUX])
-
-
-def masked_loss_sum(model, batch, moe: bool = False):
-    """Σ loss_mask · per-token loss of one micro-batch (fp32 scalar). A model built with the fused linear
-    cross-entropy returns that sum itself when handed the loss_mask (no [tokens × vocab] logits); others return
-    per-token losses, summed here. Packed documents travel as `packed_seq_params` (adapter/kernels/thd.py). A
-    mixture of experts (`moe`) gets the batch's attention_mask as Megatron's padding_mask: padding is routed but
-    left out of the load-balancing statistic, as transformers leaves it out."""
-    extra = {"padding_mask": batch["attention_mask"].bool()} if moe and "attention_mask" in batch else {}
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                packed_seq_params=batch.get("packed_seq_params"), **extra)
-    return out.float() if out.dim() == 0 else (out.float() * batch["loss_mask"]).sum()
-
-
-def _nonfinite(grad_norm, device):
-    """1.0 on the device when DeepSpeed's grad norm is inf/NaN (ZeRO-1/2 mask it to -1), else 0.0; no host sync."""
-    if grad_norm is None:  # no clipping: DeepSpeed computed no norm
-        return torch.zeros((), dtype=torch.float64, device=device)
-    g = torch.as_tensor(grad_norm, dtype=torch.float64, device=device)
-    return (~torch.isfinite(g) | (g < 0)).double()
 
 
 _ANNOUNCED: set[str] = set()  # config notes already said by this process (a rehearsal runs twice)
@@ -194,7 +133,9 @@ class Trainer:
         # the converted weights again.
         needs_base = not resuming or self.lora is not None or moved
         weights_dir = cache.ready(run.weights, cfg, rank=self.rank, log=self._say) if needs_base else None
-        self.dataset, self.sampler = self._data()  # before the engine: the LR schedule's length needs its size
+        # before the engine: the LR schedule's length needs the data's size
+        self.data = d = load_data(run, self.rank, synthetic=self.synthetic, log=self._say)
+        self.dataset, self.sampler, self.val_dataset, self.chat_template = d.dataset, d.sampler, d.val, d.chat_template
         sched = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                  has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
         self._say(*schedule.describe(cfg, sched))  # before apply: it names the keys the numbers came from
@@ -258,58 +199,11 @@ class Trainer:
         self._say(footprint.check_disk(run, stage=run.zero_stage, existing=existing, saves=saves),
                   often and f"warning: {often}")
 
-    def _data(self):
-        """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, `self.val_dataset`
-        held out), pretraining text, or synthetic tokens when the run has no data."""
-        cfg = self.cfg
-        self.val_dataset = self.sft = self.chat_template = None
-        if cfg.data.datasets and not self.synthetic:
-            self.sft = prepare(cfg, source.tokenizer_dir(cfg), self.arch.vocab_size, builder=self.rank == 0,
-                               barrier=dist.barrier,
-                               progress=self.rank == 0)
-            dataset, self.val_dataset, self.chat_template = self.sft.train, self.sft.val, self.sft.chat_template
-            if self.rank == 0:
-                for line in stats_lines(self.sft):
-                    self.log(line.strip())
-        elif self.synthetic:
-            dataset = SyntheticData(self.arch.vocab_size, cfg.seq_len, cfg.seed, doc_len=cfg.data.synthetic_doc_len)
-        else:
-            if not cfg.data.files:
-                raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
-            cache_dir = cfg.data.cache_dir or str(Path(cfg.checkpoint.dir or ".") / "token-cache")
-            tok = build_token_cache(cfg.data.files, source.tokenizer_dir(cfg), cache_dir, text_key=cfg.data.text_key,
-                                    builder=self.rank == 0, barrier=dist.barrier, progress=self.rank == 0)
-            dataset = PackedDataset(tok, cfg.seq_len)
-        sampler = DPSampler(len(dataset), dp_rank=self.layout.data_rank(self.rank), dp_size=self.layout.dp,
-                            micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed,
-                            data_key="datasets" if self.sft else "data.files")
-        return dataset, sampler
-
     def _trim(self, b, eval: bool = False):
-        """Unpacked SFT micro-batches lose their untrained tail (adapter.data.sft.bins.trim_tail); packed or
-        pretraining batches (documents, fixed THD streams) are kept whole."""
-        d = self.cfg.data
-        packed = (d.eval_sample_packing if eval and d.eval_sample_packing is not None else d.sample_packing)
-        if getattr(self, "sft", None) is None or packed or self.cfg.document_attention:
-            return b
-        sp_tp = self.layout.tp if self.cfg.use_sequence_parallel else 1
-        return trim_tail(b, math.lcm(TRIM_MULTIPLE, 2 * self.layout.cp * sp_tp))
+        return trim(self.run, self.data.sft is not None, b, eval)
 
     def _on_device(self, b):
-        """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
-        (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params"."""
-        packed = None
-        if self.cfg.document_attention:
-            sp_tp = self.layout.tp if self.cfg.use_sequence_parallel else 1
-            b, packed = pack_batch(b, cp_size=self.layout.cp, cp_rank=self.cp_rank,
-                                   multiple=local_multiple(self.cfg.seq_len, self.layout.cp, sp_tp))
-        elif self.layout.cp > 1:
-            b = {k: split_for_cp(v, self.layout.cp, self.cp_rank, seq_dim=1) for k, v in b.items()}
-        # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)
-        b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
-        if packed is not None:
-            b["packed_seq_params"] = packed.to(self.device)
-        return b
+        return place(self.run, self.cp_rank, self.device, b)
 
     def _loss_sum(self, batch):
         """Σ per-token loss × loss_mask over this rank's slice of the micro-batch (fp32)."""
@@ -353,7 +247,7 @@ class Trainer:
             summed[LOSS] += local.detach().double()
         gn = ds.get_global_grad_norm()
         if engine.guard_grads:
-            summed[NONFINITE] = _nonfinite(gn, device)
+            summed[NONFINITE] = nonfinite(gn, device)
         dist.all_reduce(summed, group=self.groups.dp_cp)  # dp and cp ranks hold disjoint tokens: their sum is it
         if isinstance(gn, torch.Tensor):  # already global: it joins the vector after the sum
             tail, gn = torch.cat([gn.detach().double().reshape(1), torch.ones(1, dtype=torch.float64,
@@ -474,7 +368,7 @@ class Trainer:
         cfg, result, sched = self.cfg, self.result, self.schedule
         start, max_steps = result.start_step, cfg.optimizer.max_steps
         save_every, eval_every = cfg.checkpoint.save_every, sched.eval_every
-        batches = build_batches(self.dataset, self.sampler)
+        batches = self.data.batches()
         pending: PendingStep | None = None  # the last step, until its numbers are read on the host
         self.engine.ds.train()
         if sched.eval_at_start and start == 0 and max_steps > 0:
@@ -555,14 +449,11 @@ class Trainer:
         set_hpz_group(None)
 
 
-def run(what: ResolvedRun | RunConfig, *, resume: bool = False, synthetic_data: bool = False,
-        arch: ModelArch | None = None, log=print, export: bool = True) -> RunResult:
-    """Train on the already-initialised torch.distributed world. Returns what rank 0 logged. `what`: the resolved
-    run (adapter/train/worker.py resolves it once per process), or a config that is resolved here, against `arch`
-    when given (in-process callers: tests, benchmarks)."""
-    if not isinstance(what, ResolvedRun):
-        what = resolve_run(what, arch=arch)
-    trainer = Trainer(what, synthetic_data=synthetic_data, log=log)
+def run(resolved: ResolvedRun, *, resume: bool = False, synthetic_data: bool = False, log=print,
+        export: bool = True) -> RunResult:
+    """Train the resolved run (adapter/train/worker.py resolves it once per process) on the already-initialised
+    torch.distributed world. Returns what rank 0 logged."""
+    trainer = Trainer(resolved, synthetic_data=synthetic_data, log=log)
     try:
         trainer.setup(resume)
         return trainer.fit(export)
@@ -570,4 +461,4 @@ def run(what: ResolvedRun | RunConfig, *, resume: bool = False, synthetic_data: 
         trainer.close()
 
 
-__all__ = ["run", "Trainer", "RunResult", "StepStats", "PendingStep", "UserError"]
+__all__ = ["run", "Trainer", "RunResult"]

@@ -289,7 +289,7 @@ def _resume_worker(rank, world, models, adapters, root):
     import torch
 
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     lora = lora_section(ADAPTERS["all seven, r 8"][1], adapters["all seven, r 8"])

@@ -65,7 +65,7 @@ def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: s
 
 def _worker(rank, world, models, root):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     out, quiet = {}, (lambda s: None)
@@ -233,7 +233,7 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
 
 def _hsdp_worker(rank, world, models, root):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     res = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "hsdp"), log=lambda s: None)

@@ -233,7 +233,7 @@ def _resume(model_dir, adapter, root):
     """4 QLoRA steps whole, and 2 + 2 resumed; what the checkpoint holds (in the main test's process group)."""
     import torch
 
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     lora = lora_section(KW, adapter) | {"quantize_base": "nf4"}
 

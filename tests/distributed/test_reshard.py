@@ -29,7 +29,7 @@ def _quiet(line):
 
 def _four(rank, world, paths, root):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     whole = run(run_config(paths, (1, 4, 1, 1), steps=STEPS), log=_quiet).losses
@@ -46,7 +46,7 @@ def _four(rank, world, paths, root):
 
 def _two(rank, world, paths, root, phi3_dir):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     ck = {"checkpoint.dir": f"{root}/moving"}
@@ -65,7 +65,7 @@ def _bf16_states(paths, root):
     """optimizer.state_dtype: bf16 at tp=2 (bf16 on CPU): a resume continues the uninterrupted curve bit for bit; a
     run keeping fp32 states refuses its checkpoint at the same layout and at another."""
     from adapter.errors import UserError
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     b16 = {"precision": "bf16", "optimizer.state_dtype": "bf16"}
     said = []

@@ -43,7 +43,7 @@ PACKED = ("tp=2", "dp_shard=2")
 
 def _worker(rank, world, models, root):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     out = {name: run(_cfg(models["llama"], root, par, mb, pack), log=lambda s: None).losses

@@ -3,6 +3,7 @@ loss normalisation on every layout, held-out evaluation, weights from `base_mode
 and the export into Axolotl's output_dir."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def sft_config(model_dir, root, shape, mb, ga, steps=3, **over):
 
 def _normalisation_worker(rank, world, model_dir, root):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     _use_data(MaskedData(TRAINED, SEQ, VOCAB), MaskedData(VAL, SEQ, VOCAB, seed=1))
@@ -132,8 +133,8 @@ def _weights_worker(rank, world, model_dir, root):
     from adapter.convert import cache
     from adapter.models import source
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
     from tests.helpers.hf import flip_chunk
+    from tests.helpers.runs import train as run
 
     init_distributed()
     _use_data(MaskedData(TRAINED, SEQ, VOCAB), None, chat_template=CHATML)
@@ -283,6 +284,12 @@ def test_axolotl_yaml_through_nd_adapter_train(model_dir, tmp_path):
     out = tmp_path / "outputs/run"
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert (out / "tokenizer.json").is_file() and (out / "latest").read_text() == "global_step2"
+    # what plan promises is what the run says: its notes are the run's first lines (one source: models/announce.py);
+    # the disk line is taken again at run start with that moment's free space
+    plan = _nd("plan", "run.yaml", "--format", "json", "--set", "data.synthetic=true", "--set",
+               "model.cache_dir=cache", cwd=tmp_path)
+    notes = [n for n in json.loads(plan.stdout)["notes"] if not n.startswith("checkpoints:")]
+    assert len(notes) >= 5 and all(n in p.stdout.splitlines() for n in notes), (notes, p.stdout[:3000])
 
 
 def test_weights_refusals_are_one_line_before_any_process(model_dir, tmp_path):
@@ -377,7 +384,7 @@ class PadInside(MaskedData):
 
 def _phi3_worker(rank, world, model_dir, root, pad):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     _use_data(PadInside(TRAINED, SEQ, VOCAB, pad=pad), None)

@@ -62,7 +62,7 @@ PARITY_STEPS = 6  # 17 layouts in one world: each step more is ~17 × 4 rank-ste
 
 def _parity_worker(rank, world, demo):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     return {name: run(run_config(demo, shape, steps=PARITY_STEPS, **over), log=lambda s: None).losses
@@ -89,7 +89,7 @@ def test_loss_parity_across_layouts(demo):
 
 def _grad_norm_worker(rank, world, demo):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     norms = {}
@@ -115,7 +115,7 @@ def test_bf16_grad_norm_counts_tp_shards_once(demo):
 def _whole_then_cut(demo, shape, steps, cut_at, prefix, over, resume_over=None):
     """The same run whole, and cut: `cut_at` steps, then resumed in a fresh engine up to `steps`. Checkpoints go to
     `prefix`-whole and `prefix`-cut."""
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     def quiet(line):
         pass
@@ -180,6 +180,7 @@ def _nan_grad_worker(rank, world, demo, root):
     """Poison one weight's gradient with NaN under bf16 (DeepSpeed's own overflow check is off by default)."""
     import torch
 
+    from adapter.models.resolved import resolve_run
     from adapter.train import engine as engine_mod
     from adapter.train import trainer
 
@@ -196,9 +197,9 @@ def _nan_grad_worker(rank, world, demo, root):
     for stage in (2, 3, "flat"):  # flat: tp=4, nothing to shard (the flat AdamW)
         shape = (1, 1, 1, 4) if stage == "flat" else (1, 4, 1, 1)
         try:
-            trainer.run(run_config(demo, shape, steps=3, precision="bf16",
-                                **{"deepspeed.zero_stage": 2 if stage == "flat" else stage,
-                                   "checkpoint.dir": f"{root}/z{stage}", "checkpoint.save_every": 1}),
+            trainer.run(resolve_run(run_config(demo, shape, steps=3, precision="bf16",
+                                            **{"deepspeed.zero_stage": 2 if stage == "flat" else stage,
+                                               "checkpoint.dir": f"{root}/z{stage}", "checkpoint.save_every": 1})),
                         log=lambda s: None)
             out[stage] = "finished"
         except RuntimeError as e:
@@ -241,7 +242,7 @@ def test_replicas_resume_exactly_hsdp_and_hpz(demo, tmp_path):
 
 def _fp8_worker(rank, world, demo):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     out = {}
@@ -287,7 +288,7 @@ def _eight_bit_worker(rank, world, demo, root):
     cut at 2 and resumed in a fresh engine; fp32 AdamW on the same batches."""
     from adapter.errors import UserError
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     out = {}
@@ -327,7 +328,7 @@ def _new_schedule_worker(rank, world, demo, root):
     """2 steps of a 2-step cosine run, saved; resumed as a 4-step run (issue 26: Axolotl's example resumed with a
     longer max_steps took its next step at the old schedule's final rate, 0)."""
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
     over = {"optimizer.schedule": "cosine", "checkpoint.dir": f"{root}/ck", "checkpoint.save_every": 2}

@@ -128,7 +128,7 @@ def _crash_at_save(step_to_crash: int):
 
 def _resume_worker(rank, world, tiny, root):
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     init_distributed()
 

@@ -13,7 +13,7 @@ def _worker(rank, world, model_dir):
 
     from adapter import config
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     torch.cuda.set_device(rank)
     init_distributed()
@@ -42,7 +42,7 @@ def _zero2_worker(rank, world, model_dir, patched):
     from adapter import config
     from adapter.patches import zero
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     torch.cuda.set_device(rank)
     if not patched:  # DeepSpeed's own stage-2 epilogue and step, host waits included
@@ -77,7 +77,7 @@ def _reshard_worker(rank, world, model_dir, root):
 
     from adapter import config
     from adapter.train.engine import init_distributed
-    from adapter.train.trainer import run
+    from tests.helpers.runs import train as run
 
     torch.cuda.set_device(rank)
     init_distributed()

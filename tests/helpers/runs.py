@@ -17,3 +17,11 @@ def vocab_of(cfg) -> int:
     from adapter.models import source
 
     return source.arch_for(cfg).vocab_size
+
+
+def train(cfg, *, arch=None, **kw):
+    """`adapter.train.trainer.run` on `cfg` resolved once (against `arch` when given), as a training process
+    resolves its config before it trains."""
+    from adapter.train.trainer import run
+
+    return run(resolve_run(cfg, arch=arch), **kw)

@@ -1,0 +1,99 @@
+"""A run's data on one rank: the training set and its resumable sampler, the held-out set, and how a host
+micro-batch becomes this rank's device batch (unpacked SFT trimmed, the CP slice or the packed THD stream).
+
+Kept apart from the loop (adapter/train/trainer.py), which only asks for `RunData.batches()` and `place`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from adapter.data import DPSampler, PackedDataset, SyntheticData, build_batches, build_token_cache
+from adapter.data.sft import prepare
+from adapter.data.sft.bins import trim_tail
+from adapter.data.sft.report import stats_lines
+from adapter.errors import bad
+from adapter.kernels.attention import split_for_cp
+from adapter.kernels.thd import local_multiple, pack_batch
+from adapter.models import source
+from adapter.models.resolved import ResolvedRun
+
+TRIM_MULTIPLE = 64  # unpacked SFT micro-batches are cut to a multiple of this (and of 2·cp·tp for CP and SP)
+
+
+@dataclass
+class RunData:
+    """What `load` found: the training set, its sampler, and for SFT the held-out set and the chat template (the
+    export writes it beside the tokenizer)."""
+    dataset: Any
+    sampler: DPSampler
+    sft: Any = None                 # adapter.data.sft.SFTData, for SFT datasets
+    val: Any = None                 # the held-out set, or None
+    chat_template: str | None = None
+
+    def batches(self):
+        return build_batches(self.dataset, self.sampler)
+
+
+def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
+    """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, a held-out part),
+    pretraining text, or synthetic tokens when the run has no data. Collective: rank 0 builds, the rest wait."""
+    cfg, layout = run.cfg, run.layout
+    sft = val = template = None
+    if cfg.data.datasets and not synthetic:
+        sft = prepare(cfg, source.tokenizer_dir(cfg), run.arch.vocab_size, builder=rank == 0, barrier=dist.barrier,
+                      progress=rank == 0)
+        dataset, val, template = sft.train, sft.val, sft.chat_template
+        if rank == 0:
+            for line in stats_lines(sft):
+                log(line.strip())
+    elif synthetic:
+        dataset = SyntheticData(run.arch.vocab_size, cfg.seq_len, cfg.seed, doc_len=cfg.data.synthetic_doc_len)
+    else:
+        if not cfg.data.files:
+            raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
+        cache_dir = cfg.data.cache_dir or str(Path(cfg.checkpoint.dir or ".") / "token-cache")
+        tok = build_token_cache(cfg.data.files, source.tokenizer_dir(cfg), cache_dir, text_key=cfg.data.text_key,
+                                builder=rank == 0, barrier=dist.barrier, progress=rank == 0)
+        dataset = PackedDataset(tok, cfg.seq_len)
+    sampler = DPSampler(len(dataset), dp_rank=layout.data_rank(rank), dp_size=layout.dp,
+                        micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed,
+                        data_key="datasets" if sft else "data.files")
+    return RunData(dataset, sampler, sft, val, template)
+
+
+def trim(run: ResolvedRun, sft: bool, b, eval: bool = False):
+    """Unpacked SFT micro-batches lose their untrained tail (adapter.data.sft.bins.trim_tail); packed or
+    pretraining batches (documents, fixed THD streams) are kept whole."""
+    cfg, layout = run.cfg, run.layout
+    d = cfg.data
+    packed = (d.eval_sample_packing if eval and d.eval_sample_packing is not None else d.sample_packing)
+    if not sft or packed or cfg.document_attention:
+        return b
+    sp_tp = layout.tp if cfg.use_sequence_parallel else 1
+    return trim_tail(b, math.lcm(TRIM_MULTIPLE, 2 * layout.cp * sp_tp))
+
+
+def place(run: ResolvedRun, cp_rank: int, device, b):
+    """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
+    (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params"."""
+    cfg, layout = run.cfg, run.layout
+    packed = None
+    if cfg.document_attention:
+        sp_tp = layout.tp if cfg.use_sequence_parallel else 1
+        b, packed = pack_batch(b, cp_size=layout.cp, cp_rank=cp_rank,
+                               multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))
+    elif layout.cp > 1:
+        b = {k: split_for_cp(v, layout.cp, cp_rank, seq_dim=1) for k, v in b.items()}
+    # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)
+    b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+    if packed is not None:
+        b["packed_seq_params"] = packed.to(device)
+    return b
+
+
+__all__ = ["RunData", "TRIM_MULTIPLE", "load", "trim", "place"]
