@@ -14,7 +14,7 @@ import pytest
 
 from adapter import config
 from adapter.demo import run as demo_run
-from tests.conftest import WHY_KEY
+from tests.helpers.why import say_at_the_end
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "configs" / "demo-llama-tiny.yaml"
@@ -81,7 +81,7 @@ def quick(tmp_path_factory, request):
         code = demo_run.main(["--out", str(out), "--quick"])
     summary = json.loads((out / "demo-summary.json").read_text()) if code == 0 else {}
     if code != 0:
-        request.config.stash.setdefault(WHY_KEY, []).append(f"the quick demo (status {code}):\n{err.getvalue()}")
+        say_at_the_end(request.config, f"the quick demo (status {code}):\n{err.getvalue()}")
     return code, out, summary
 
 

@@ -278,13 +278,13 @@ def test_moe_qlora_quantises_the_attention_as_bitsandbytes_and_equals_peft(tmp_p
     q/k/v/o. At tp=2 (+SP) and at ep=2 (ZeRO-3) the losses equal transformers + PEFT on the model whose attention
     weights are bitsandbytes' dequantised NF4, with the load-balancing loss."""
     from adapter.data.sft import prepare
-    from tests.distributed.test_qlora import _bnb_reference
+    from tests.helpers.lora import bnb_reference
     from tests.helpers.sft_data import tiny_model
 
     tok = tiny_model(tmp_path / "tok")
     model = str(make_moe(tmp_path / "wide", tok, hidden=128))  # NF4's blocks of 64 inside each rank's row at tp=2
     adapter = str(peft_adapter(model, ATTENTION, tmp_path / "adapter"))
-    deq, codes = _bnb_reference(model, "nf4", tmp_path / "deq")
+    deq, codes = bnb_reference(model, "nf4", tmp_path / "deq")
     assert sorted({k.split(".")[-2] for k in codes}) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # attention only
     got = run_workers(_qlora_worker, 2, model, adapter, str(tmp_path), timeout=900)[0]
     cfg = _cfg(model, str(tmp_path), "tp=2", schedule="constant", lora=adapter, quantize_base="nf4")

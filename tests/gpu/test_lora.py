@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.distributed.test_lora import ALL7, lora_section
 from tests.helpers.dist import run_workers
+from tests.helpers.lora import ALL7, lora_section
 from tests.helpers.sft import make_model, peft_adapter, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

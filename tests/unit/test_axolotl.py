@@ -2,8 +2,6 @@
 Axolotl's own ND-parallel example configs passing `plan` unchanged with their hub ids in a local HF cache."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -16,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapter import config
-from adapter.cli import main
 from adapter.config import axolotl
 from adapter.errors import UserError
+from tests.helpers.cli import run_cli
 from tests.helpers.hub import add_to_hub_cache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,13 +27,6 @@ BASE = {"base_model": str(LLAMA8B), "sequence_len": 2048, "max_steps": 10, "lear
 
 def build(world=1, **keys):
     return config.build({**BASE, **keys}, env={}, world_size=world)
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("keys, want", [({"bf16": True}, "bf16"), ({"bf16": "auto"}, "bf16"),

@@ -8,7 +8,7 @@ import pytest
 
 from adapter.errors import UserError
 from adapter.models.arch import arch_from_hf_dict, load_arch
-from tests.unit.test_plan_cli import run_cli
+from tests.helpers.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs/models"

@@ -170,6 +170,50 @@ def test_torch_free_modules_load_no_torch_and_plan_runs_without_it():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+# ---- tests share code only through tests/helpers/ ----------------------------------------------------------------
+
+def foreign_test_imports(tests: Path = ROOT / "tests") -> list[str]:
+    """Imports, anywhere in a file under `tests` (a test module, a conftest, a helper), of a `tests.` module outside
+    tests.helpers: one test module reading another's helpers or fixtures, or a conftest's names."""
+    bad = []
+    for p in sorted(tests.rglob("*.py")):
+        pkg = list(p.relative_to(tests.parent).parent.parts)
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + [node.module or ""]).strip(".") if node.level \
+                    else node.module or ""
+                names = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] == tests.name and name.split(".")[1:2] != ["helpers"]:
+                    bad.append(f"{p.relative_to(tests.parent)}:{node.lineno}: {name}")
+    return bad
+
+
+def test_tests_import_shared_code_only_from_helpers():
+    assert foreign_test_imports() == [], "move what test modules share into tests/helpers/ (fixtures: a conftest.py)"
+
+
+def test_the_test_import_check_catches_a_test_module_imported(tmp_path):
+    tests = tmp_path / "tests"
+    for rel, text in {"__init__.py": "", "conftest.py": "", "helpers/__init__.py": "", "helpers/x.py": "",
+                      "unit/__init__.py": "", "unit/test_b.py": "def run():\n    pass\n",
+                      "unit/test_a.py": ("from tests.helpers.x import y\nfrom tests.helpers import x\n"
+                                         "from tests.unit.test_b import run\nfrom .test_b import run\n"
+                                         "from ..helpers import x\n"),
+                      "gpu/test_c.py": "def f():\n    from tests.conftest import KEY\n    import tests.unit.test_b\n"
+                      }.items():
+        (tests / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tests / rel).write_text(text)
+    assert foreign_test_imports(tests) == ["tests/gpu/test_c.py:2: tests.conftest.KEY",
+                                           "tests/gpu/test_c.py:3: tests.unit.test_b",
+                                           "tests/unit/test_a.py:3: tests.unit.test_b.run",
+                                           "tests/unit/test_a.py:4: tests.unit.test_b.run"]
+
+
 # ---- named paths -------------------------------------------------------------------------------------------------
 
 TOP = ("adapter", "tests", "docs", "bench", "configs", "launch", ".ci")
