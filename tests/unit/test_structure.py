@@ -1,5 +1,6 @@
 """The code's map stays true: imports follow the documented flow without cycles, the torch-free folders load no
-torch, and every file path or `adapter.` name the README, docs/, docstrings and comments give exists.
+torch, the README's map names every module, and every file path or `adapter.` name the README, docs/, docstrings and
+comments give exists; test modules share code only through tests/helpers/.
 
 The flow (README, "Layout of the code"): config -> parallel -> models (torch-free facts) -> kernels / modeling (the
 torch model) -> data -> convert -> train; plan reads only config, parallel and models. `errors` and `osutil` are
@@ -168,6 +169,65 @@ def test_torch_free_modules_load_no_torch_and_plan_runs_without_it():
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---- the README's code map names every module --------------------------------------------------------------------
+
+def code_map(readme: str) -> dict[str, str]:
+    """Folder of adapter/ ("" for the package itself, "data/sft" for a subfolder) -> the text of its entry in the
+    README's "Layout of the code" block. A folder's entry starts at its name followed by spaces (`─► config/    ...`,
+    `plan/          ...`) and runs on over the indented lines below it; a line at the margin that names no folder
+    (`cli.py, ...`) is the package's own; inside an entry, `sft/: ...` starts the subfolder's, to the entry's end."""
+    block = readme.split("## Layout of the code", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        m = re.match(r"\s*(?:─►\s*)?([a-z_]+)/\s{2,}", line)
+        if m:
+            current = m.group(1)
+            entries[current] = line[m.end():]
+        elif line and not line[0].isspace():
+            current = ""
+            entries[""] = entries.get("", "") + "\n" + line
+        elif current is not None:
+            entries[current] += "\n" + line
+    for folder, text in list(entries.items()):
+        for sub in re.finditer(r"(?<![\w/])([a-z_]+)/:", text):
+            entries[f"{folder}/{sub.group(1)}".strip("/")] = text[sub.end():]
+    return entries
+
+
+def unmapped_modules(readme: str, pkg: Path = PKG) -> list[str]:
+    """The modules of `pkg` whose file stem does not appear in their folder's entry of the code map."""
+    entries = code_map(readme)
+    missing = []
+    for p in sorted(pkg.rglob("*.py")):
+        folder = p.parent.relative_to(pkg).as_posix()
+        text = entries.get("" if folder == "." else folder)
+        if p.stem != "__init__" and (text is None or not re.search(rf"(?<!\w){re.escape(p.stem)}(?!\w)", text)):
+            missing.append(p.relative_to(pkg.parent).as_posix())
+    return missing
+
+
+def test_the_readme_code_map_names_every_module():
+    assert unmapped_modules((ROOT / "README.md").read_text()) == [], \
+        "name the module in its folder's entry of the README's \"Layout of the code\""
+
+
+def test_the_code_map_check_catches_a_missing_module(tmp_path):
+    readme = ("# x\n\n## Layout of the code\n\n```\nYAML\n ─► config/    schema.py (RunConfig), load.py\n"
+              "               (paths), hub.py\n ─► data/      documents ─► sampler;\n"
+              "               sft/: sources ─► bins\nplan/          build.py + profiles/: reads config/\n"
+              "cli.py, errors.py\n```\n\nTests: timing.py\n")
+    for rel in ("__init__.py", "cli.py", "errors.py", "osutil.py", "config/__init__.py", "config/schema.py",
+                "config/load.py", "config/hub.py", "config/axolotl.py", "data/documents.py", "data/sampler.py",
+                "data/sft/__init__.py", "data/sft/sources.py", "data/sft/bins.py", "data/sft/report.py",
+                "plan/build.py", "plan/timing.py", "demo/run.py"):
+        (tmp_path / "adapter" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "adapter" / rel).write_text("")
+    assert unmapped_modules(readme, tmp_path / "adapter") == [
+        "adapter/config/axolotl.py", "adapter/data/sft/report.py", "adapter/demo/run.py", "adapter/osutil.py",
+        "adapter/plan/timing.py"]
 
 
 # ---- tests share code only through tests/helpers/ ----------------------------------------------------------------
