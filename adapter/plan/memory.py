@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
-from adapter.models import lora
+from adapter.models import counts, lora
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import expert_params, local_params
 from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
@@ -132,16 +132,10 @@ def fp8_freed(cfg: RunConfig, arch: ModelArch, *, tokens: int) -> int:
 
 
 def attention_flops(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, doc_len: int | None = None) -> float:
-    """Attention-matmul FLOPs one GPU does per micro-batch, forward + backward (the backward's five matmuls, one
-    recomputed, are 2.5× the forward's two). Causal: a sequence of s tokens costs 4·(s²/2)·heads·head_dim forward.
-    Packed documents of ℓ tokens (`doc_len`) cost s/ℓ · 4·(ℓ²/2)·heads·head_dim per sequence: s·ℓ instead of s²."""
-    ell = min(doc_len or seq, seq)
-    pairs = 0.0  # query-key pairs per sequence, summed over layers (a sliding window w < ℓ: ℓ·w − w²/2 per document)
-    for i in range(arch.num_layers):
-        w = arch.window(i)
-        pairs += seq / ell * (ell * ell / 2 if w is None or w >= ell else ell * w - w * w / 2)
-    forward = 4 * pairs * arch.num_heads * arch.head_dim * micro
-    return 3.5 * forward / (tp * cp)
+    """Attention-matmul FLOPs one GPU does per micro-batch, forward + backward (adapter/models/counts.py,
+    `attention_flops`), split over tp × cp. Causal: a sequence of s tokens costs 4·(s²/2)·heads·head_dim forward;
+    packed documents of ℓ tokens (`doc_len`) cost s/ℓ · 4·(ℓ²/2)·heads·head_dim per sequence: s·ℓ instead of s²."""
+    return counts.attention_flops(arch, seq_len=seq, sequences=micro, doc_len=doc_len) / (tp * cp)
 
 
 def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capacity: int,

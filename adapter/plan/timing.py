@@ -19,7 +19,14 @@ from math import ceil
 from adapter.config import RunConfig
 from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.counts import flops_per_token, layer_gemms, local_params, param_tensors
+from adapter.models.counts import (
+    ATTN_FWD_BWD,
+    attention_flops,
+    flops_per_token,
+    layer_gemms,
+    local_params,
+    param_tensors,
+)
 from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_steps
 from adapter.parallel.layout import Layout
@@ -28,7 +35,6 @@ from adapter.plan.hardware import Profile
 from adapter.plan.memory import whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
-ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: fwd+bwd = 3.5 × the forward
 LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414 (issue 5)
 OPT_BYTES_PER_PARAM = 56    # fp32 grad copy (6), AdamW r/w of param, m, v + grad read (28), 16-bit write-back (6),
 #                             grad norm and clip (16): what one optimizer step streams per local parameter
@@ -69,17 +75,16 @@ def gemm_seconds(shapes: list[tuple[int, int, int]], prof: Profile) -> float:
 
 def attention_seconds(arch: ModelArch, *, micro: int, seq: int, cp: int, tp: int, prof: Profile,
                       doc_len: int | None = None, kind: str = "sdpa", window: int | None = None) -> float:
-    """Forward+backward of one layer's core attention on one rank. Causal: half the s² score matrix; packed
-    documents (varlen) attend only inside each document of `doc_len` tokens; a sliding `window` w < span leaves
-    span·w − w²/2 query-key pairs; cp ranks split the work evenly (load-balanced chunks)."""
+    """Forward+backward of one layer's core attention on one rank: its FLOPs (adapter/models/counts.py,
+    `attention_flops`: half the s² score matrix, or inside each packed document of `doc_len` tokens, or a sliding
+    `window`) at the profile's attention rate; cp ranks split the work evenly (load-balanced chunks)."""
     span = min(doc_len or seq, seq)
-    heads = arch.num_heads // tp
-    pairs = span * span / 2 if window is None or window >= span else span * window - window * window / 2
-    fwd = 4 * micro * (seq / span) * pairs * heads * arch.head_dim / cp
+    flops = attention_flops(arch, seq_len=seq, sequences=micro, doc_len=doc_len, heads=arch.num_heads // tp,
+                            windows=[window]) / cp
     rate = prof.attention.rate(span / cp if doc_len is None else span)
     if kind == "local":
         rate *= LOCAL_ATTENTION
-    return ATTN_FWD_BWD * fwd / rate
+    return flops / rate
 
 
 def layer_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused: bool,
