@@ -119,7 +119,8 @@ def whole_layer_graphs(cfg: RunConfig) -> bool:
 
 def fp8_freed(cfg: RunConfig, arch: ModelArch, *, tokens: int) -> int:
     """Bytes per layer that compiled layers with `precision: fp8` do not keep: the bf16 input of each fp8 MLP linear
-    (fc1: the norm's output, fc2: the SwiGLU output), measured, not derived. One H200, compiled, tp = 1 (issue 16):
+    (fc1: the norm's output, fc2: the SwiGLU output), measured, not derived. One H200, compiled, tp = 1
+    (docs/BENCHMARKS.md, 2026-12-01, third and fifth sessions):
     the peak fell by 2.5 GiB on the 1B shape (rowwise and tensorwise) and by ~4.8 GiB on 3B (tensorwise, against
     bf16 with linear CE's share taken out), i.e. 2·tokens·(hidden + FFN) per layer both times. The fp8 copies the
     matmuls keep do not show in those peaks; why is not pinned down (no memory snapshot was taken). Not modelled:
@@ -170,8 +171,9 @@ def estimate(cfg: RunConfig, arch: ModelArch, *, partition_size: int, gpu_capaci
     # partition into fp32 one sub_group (1e9 elements) at a time. ZeRO-1/2 turn the whole partition at once
     # (stage_1_and_2.step, `flat_grad_partition.to(fp32)`) and, from the second step on, also hold a flat 16-bit
     # copy of it: measured on one H200 with a Mistral-7B shape, 16.0 bytes/param resident before the fp32 copy at
-    # step 1 and 18.0 at step 2, then the 27 GiB fp32 copy that the run died allocating (issue 19). Neither
-    # outlives the step (a 1B run peaked 2.3 GiB below what they would add to forward/backward).
+    # step 1 and 18.0 at step 2, then the 27 GiB fp32 copy that the run died allocating (docs/BENCHMARKS.md,
+    # 2026-12-01, "the one-GPU memory check"). Neither outlives the step (a 1B run peaked 2.3 GiB below what they
+    # would add to forward/backward).
     # nd-adapter's flat AdamW (nothing to shard) updates everything in place, one parameter at a time: nothing.
     if deepspeed_config.flat_at_stage(cfg, stage):
         step_transient = 0

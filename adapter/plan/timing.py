@@ -35,12 +35,14 @@ from adapter.plan.hardware import Profile
 from adapter.plan.memory import whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
-LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414 (issue 5)
+LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414
+#                             (docs/BENCHMARKS.md, 2026-11-30, "context parallelism and the SDPA core attention")
 OPT_BYTES_PER_PARAM = 56    # fp32 grad copy (6), AdamW r/w of param, m, v + grad read (28), 16-bit write-back (6),
 #                             grad norm and clip (16): what one optimizer step streams per local parameter
 FLAT_OPT_BYTES_PER_PARAM = 30  # flat AdamW: 16-bit grad read for the norm (2) and the update (2), master, m, v
 #                               read and written (24), 16-bit weight written (2); streamed at the device copy rate
-#                               (1B, one H200: the step's share fell from ~29 to ~9 ms, issue 16 in BENCHMARKS)
+#                               (1B, one H200: the step's share fell from ~29 to ~9 ms; docs/BENCHMARKS.md,
+#                               2026-12-01, third session)
 FLAT_BF16_OPT_BYTES_PER_PARAM = 16  # optimizer.state_dtype: bf16: the gradient read twice (4), the bf16 weight, m and
 #                                     v read and written (12), no master
 FP8_MLP_SPEEDUP = 1.25        # precision fp8: the MLP GEMMs' fwd+bwd time, casts included, over bf16's; fitted to
