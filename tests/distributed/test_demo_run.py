@@ -132,8 +132,8 @@ def test_quick_demo_export_loads_in_transformers(quick):
 
 @pytest.mark.slow
 def test_resume_that_cannot_move_is_refused_and_touches_nothing(quick):
-    """A resume at another layout with 8-bit moments (quantised in blocks of the saved partitions; issue 28 reshards
-    everything else): refused in one line, status 2, before any process starts (the checkpoint's own record names
+    """A resume at another layout with 8-bit moments (quantised in blocks of the saved partitions; everything
+    else reshards): refused in one line, status 2, before any process starts (the checkpoint's own record names
     its layout), and nothing touched."""
     code, out, _ = quick
     assert code == 0

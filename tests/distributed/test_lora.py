@@ -1,4 +1,4 @@
-"""LoRA against PEFT (issue 27's proof, CPU, fp32): a chat_template dataset, packed, trained by nd-adapter on every
+"""LoRA against PEFT (CPU, fp32): a chat_template dataset, packed, trained by nd-adapter on every
 layout from a PEFT adapter with non-zero B (`lora.init_from`, Axolotl's lora_model_dir) and by transformers + PEFT
 from the same adapter on the same samples: same losses; the adapter's logits before training equal PEFT's; the
 exported adapter loads in PEFT and gives nd-adapter's logits; `merge-lora` equals PEFT's merge_and_unload; the
@@ -26,7 +26,7 @@ ADAPTERS = {"all seven, r 8": ("untied", {"r": 8, "lora_alpha": 16, "target_modu
                                        "use_rslora": True}),
             "lm_head saved, tied": ("tied", {"r": 4, "lora_alpha": 8, "target_modules": ALL7,
                                              "modules_to_save": ["lm_head"]}),
-            # Phi-3's packed linears (issue 29): B in the HF tensor's row order for PEFT, Megatron's inside
+            # Phi-3's packed linears: B in the HF tensor's row order for PEFT, Megatron's inside
             "phi3 packed": ("phi3", {"r": 8, "lora_alpha": 16,
                                      "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}),
             # GLM-4: q, k, v apart (with biases) and gate, up packed, beside its post-norms
@@ -237,7 +237,7 @@ def _resume_worker(rank, world, models, adapters, root):
     lines: list[str] = []
     second = run(cfg(STEPS, "cut"), resume=True, log=lines.append)
     latest = Path(f"{root}/cut/latest").read_text().strip()
-    moved = {}  # the adapters' checkpoint resharded (issue 28): from the same state, the same next loss
+    moved = {}  # the adapters' checkpoint resharded: from the same state, the same next loss
     for name, shape, over in (("tp=2 x dp_shard=2", (2, 1, 2), {"parallelism.dp_replicate_size": 1,
                                                                  "batch.gradient_accumulation_steps": 2}),
                               ("dp_shard=4", (4, 1, 1), {"parallelism.dp_replicate_size": 1})):

@@ -1,4 +1,4 @@
-"""Mixture-of-experts SFT against plain transformers (issue 30): a chat dataset, packed, trained by nd-adapter at
+"""Mixture-of-experts SFT against plain transformers: a chat dataset, packed, trained by nd-adapter at
 tp=2 (+SP), dp_shard=2 and ep=2 (each rank holding half the experts) for 4 steps, against transformers on the same
 prepared samples (each example attended on its own), fp32 on CPU, with transformers' load-balancing loss in the
 objective as its Trainer has it: every forward (one micro-batch of one DP process) adds router_aux_loss_coef × its

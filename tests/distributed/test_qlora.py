@@ -1,4 +1,4 @@
-"""QLoRA and the 8-bit base against bitsandbytes and PEFT (issue 27's proof, CPU, fp32): the base nd-adapter
+"""QLoRA and the 8-bit base against bitsandbytes and PEFT (CPU, fp32): the base nd-adapter
 quantises per TP shard equals, code for code and scale for scale, bitsandbytes' quantisation of each whole HF tensor
 (NF4 with double quantisation: `quantize_4bit(compress_statistics=True)`; int8: `int8_vectorwise_quant`), and the
 losses equal transformers + PEFT's on those dequantised weights, from the same adapter on the same samples; a resumed
@@ -20,7 +20,7 @@ RUNS = {"nf4, tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
         "nf4, dp_shard=2 (ZeRO-3)": ("nf4", (2, 1, 1), 1, {}),
         "int8, tp=2, no SP": ("int8", (1, 1, 2), 2, {"sequence_parallel": False}),
         "nf4, Qwen2 (q/k/v biases), tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
-        # issue 29: Phi-3's packed qkv_proj / gate_up_proj, quantised by bitsandbytes as one tensor each
+        # Phi-3's packed qkv_proj / gate_up_proj, quantised by bitsandbytes as one tensor each
         "nf4, Phi-3 (packed linears), tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
         "int8, Phi-3 (packed linears), tp=2 +SP": ("int8", (1, 1, 2), 2, {})}
 QWEN = "nf4, Qwen2 (q/k/v biases), tp=2 +SP"

@@ -1,4 +1,4 @@
-"""Resume at another layout (issue 28): a checkpoint saved at one (world size, tp, cp, dp, ZeRO stage, optimizer)
+"""Resume at another layout: a checkpoint saved at one (world size, tp, cp, dp, ZeRO stage, optimizer)
 continues at another with the losses of the run nobody moved (fp32, CPU, gloo).
 
 One chain through every reader and every setter: dp_shard=4 (ZeRO-3) → tp=2 × dp_shard=2 (ZeRO-2) → cp=2 ×

@@ -57,7 +57,7 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
     losses = out[0]["losses"]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     # reference: each rank's first sample through plain transformers, example by example (attention stays inside
-    # an example either way); the step's loss is Σ loss / Σ trained tokens over both ranks' samples (issue 14)
+    # an example either way); the step's loss is Σ loss / Σ trained tokens over both ranks' samples
     data = prepare(_cfg(str(tmp_path)), model_dir, progress=False)
     assert data.reused and str(data.path) == out[0]["path"]
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()

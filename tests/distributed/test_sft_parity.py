@@ -1,8 +1,8 @@
-"""Issue 14's reference parity: a chat_template dataset with turns of very different lengths, packed, trained by
+"""SFT's reference parity: a chat_template dataset with turns of very different lengths, packed, trained by
 nd-adapter at tp=2 and at dp_shard=2 for several steps (and unpacked at cp=2, where each micro-batch is cut after
 its last trained position), against plain transformers trained on the same prepared samples (each example attended
 on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of the step), torch AdamW under
-transformers' cosine schedule with warm-up, fp32 on CPU. Issue 29: a Phi-3 (packed HF linears, its pad token its EOS,
+transformers' cosine schedule with warm-up, fp32 on CPU. Likewise a Phi-3 (packed HF linears, its pad token its EOS,
 partial rotary, LongRoPE) and a GLM-4 (post-norms, interleaved partial rotary, q/k/v biases) the same way, packed, at
 tp=2 (+SP) and dp_shard=2."""
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _cfg(model_dir: str, root: str, parallelism: dict, micro: int, pack: bool = 
     return config.build(raw, env={}, world_size=2)
 
 
-FAMILIES = ("phi3", "glm4", "gemma3", "gemma2")  # issue 29's families, packed at tp=2 (+SP) and dp_shard=2
+FAMILIES = ("phi3", "glm4", "gemma3", "gemma2")  # Phi-3, GLM-4, Gemma 3 and 2: packed at tp=2 (+SP) and dp_shard=2
 PACKED = ("tp=2", "dp_shard=2")
 
 

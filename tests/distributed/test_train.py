@@ -302,7 +302,7 @@ def test_8bit_adamw_on_every_optimizer_path_resumes_exactly_and_tracks_fp32(demo
 
 
 def _new_schedule_worker(rank, world, demo, root):
-    """2 steps of a 2-step cosine run, saved; resumed as a 4-step run (issue 26: Axolotl's example resumed with a
+    """2 steps of a 2-step cosine run, saved; resumed as a 4-step run (Axolotl's example resumed with a
     longer max_steps took its next step at the old schedule's final rate, 0)."""
     from adapter.train.engine import init_distributed
     from adapter.train.trainer import run

@@ -161,7 +161,7 @@ def _compile_worker(rank, world):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sliding_window_on_cuda_matches_masked_reference():
-    """Gemma's local layers on the GPU (issue 29): FlashAttention's windowed kernels, packed (varlen) and plain
+    """Gemma's local layers on the GPU: FlashAttention's windowed kernels, packed (varlen) and plain
     causal (SDPAttention runs each sample as one varlen sequence), against an fp32 masked SDPA per document; the
     same bf16 band as above, and a window the kernel ignored would miss by O(1)."""
     import torch.nn.functional as F

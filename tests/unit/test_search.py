@@ -142,7 +142,7 @@ def test_pins_and_the_configs_own_world():
 
 
 def test_search_over_64_gpus_imports_no_torch():
-    """Its speed (issue 17: under 2 s) is measured by bench/search_time.py, not asserted here."""
+    """Its speed (the target: under 2 s) is measured by bench/search_time.py, not asserted here."""
     script = ("import sys, io, contextlib\n"
               "from adapter.cli import main\n"
               "with contextlib.redirect_stdout(io.StringIO()) as out:\n"

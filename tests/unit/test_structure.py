@@ -1,6 +1,6 @@
 """The code's map stays true: imports follow the documented flow without cycles, the torch-free folders load no
-torch, the README's map names every module, and every file path or `adapter.` name the README, docs/, docstrings and
-comments give exists; test modules share code only through tests/helpers/.
+torch, the README's map names every module, every file path or `adapter.` name the README, docs/, docstrings and
+comments give exists and none of them names an issue number; test modules share code only through tests/helpers/.
 
 The flow (README, "Layout of the code"): config -> parallel -> models (torch-free facts) -> kernels / modeling (the
 torch model) -> data -> convert -> train; plan reads only config, parallel and models. `errors` and `osutil` are
@@ -228,6 +228,41 @@ def test_the_code_map_check_catches_a_missing_module(tmp_path):
     assert unmapped_modules(readme, tmp_path / "adapter") == [
         "adapter/config/axolotl.py", "adapter/data/sft/report.py", "adapter/demo/run.py", "adapter/osutil.py",
         "adapter/plan/timing.py"]
+
+
+# ---- no issue numbers: a reader of the repository cannot look them up --------------------------------------------
+
+ISSUE = re.compile(r"(?<![\w-])[Ii]ssues?[ -]#?\d+(?!\w)")
+
+
+def _notes():
+    """(where, text) of what explains the code to a reader: _texts() (README, docs/ but the dated log, docstrings and
+    comments), the other Markdown files, and the comments of the shipped YAML configs (not tests/fixtures/: those
+    are Axolotl's files, copied unchanged)."""
+    yield from _texts()
+    for top in ("adapter", "bench", "configs", "launch", "tests"):
+        for p in sorted((ROOT / top).rglob("*.md")):
+            yield str(p.relative_to(ROOT)), p.read_text()
+    for top in ("configs", "bench"):
+        for p in sorted((ROOT / top).rglob("*.y*ml")):
+            yield str(p.relative_to(ROOT)), "\n".join(line.split("#", 1)[1] for line in p.read_text().splitlines()
+                                                      if "#" in line)
+
+
+def issue_numbers(notes) -> list[str]:
+    """Every "issue N" (or "issues N", "issue-N", "issue #N") in the (where, text) pairs."""
+    return [f"{where}: {m.group(0)}" for where, text in notes for m in ISSUE.finditer(text)]
+
+
+def test_no_comment_or_doc_names_an_issue_number():
+    assert issue_numbers(_notes()) == [], \
+        "say the reason, or point to a docs/BENCHMARKS.md entry by its date and heading, instead of the issue number"
+
+
+def test_the_issue_check_catches_an_issue_number():
+    notes = [("a.py", "fixed in issue 19; see Issue-6 and issues 27, 28"), ("b.md", "tracked as issue #4."),
+             ("c.py", "plain TP issues 3x fewer collectives; the issue's target; tissue 5; nccl-tests#212")]
+    assert issue_numbers(notes) == ["a.py: issue 19", "a.py: Issue-6", "a.py: issues 27", "b.md: issue #4"]
 
 
 # ---- tests share code only through tests/helpers/ ----------------------------------------------------------------
