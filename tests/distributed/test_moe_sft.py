@@ -23,7 +23,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_moe, peft_adapter, rel
+from tests.helpers.sft import make_moe, packed_examples, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
@@ -119,7 +119,6 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
     """(LM losses, mean aux per micro-batch, the model) of transformers trained on each step's `per_step` samples split
     into `groups[step]` micro-batches (one per DP process); `adapter`: transformers + PEFT from that adapter."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, get_constant_schedule, get_cosine_schedule_with_warmup
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -143,12 +142,8 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
         for group in (samples[j * len(samples) // n:(j + 1) * len(samples) // n] for j in range(n)):
             router: list[list[torch.Tensor]] = [[] for _ in range(c.num_hidden_layers)]
             for i in group:
-                s, bounds = data.train[i], data.train.examples(i)
-                for a, b in zip(bounds[:-1], bounds[1:]):
-                    out = hf(input_ids=torch.as_tensor(s["tokens"][a:b])[None], output_router_logits=True)
-                    ce = F.cross_entropy(out.logits[0].float(), torch.as_tensor(s["labels"][a:b]), reduction="none")
-                    mask = torch.as_tensor(s["loss_mask"][a:b])
-                    total, count = total + (ce * mask).sum(), count + float(mask.sum())
+                for loss_sum, n_tokens, out in packed_examples(hf, data.train, i, output_router_logits=True):
+                    total, count = total + loss_sum, count + n_tokens
                     for layer, logits in enumerate(out.router_logits):
                         router[layer].append(logits)
             aux = load_balancing_loss_func(tuple(torch.cat(r) for r in router), c.num_experts,

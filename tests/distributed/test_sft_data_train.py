@@ -8,6 +8,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.sft import packed_examples
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +66,10 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
     with torch.no_grad():
         for r in range(2):
             (i,) = out[r]["first"]
-            s, bounds = data.train[i], data.train.examples(i)
             total, count = 0.0, 0
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                ids = torch.as_tensor(s["tokens"][a:b])[None]
-                logits = hf(input_ids=ids).logits[0]
-                ce = torch.nn.functional.cross_entropy(logits, torch.as_tensor(s["labels"][a:b]), reduction="none")
-                total += float((ce * torch.as_tensor(s["loss_mask"][a:b])).sum())
-                count += int(s["loss_mask"][a:b].sum())
+            for loss_sum, n, _ in packed_examples(hf, data.train, i):
+                total += float(loss_sum)
+                count += int(n)
             totals.append(total)
             counts.append(count)
     ref = sum(totals) / sum(counts)

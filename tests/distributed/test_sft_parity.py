@@ -14,7 +14,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
-from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, rel
+from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, packed_examples, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
@@ -105,7 +105,6 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
 
 def _reference(model_dir, data, cfg) -> list[float]:
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     from adapter.data import DPSampler
@@ -120,12 +119,8 @@ def _reference(model_dir, data, cfg) -> list[float]:
     for _ in range(STEPS):
         total, count = 0.0, 0.0
         for i in next(order):
-            s, bounds = data.train[i], data.train.examples(i)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                logits = hf(input_ids=torch.as_tensor(s["tokens"][a:b])[None]).logits[0].float()
-                ce = F.cross_entropy(logits, torch.as_tensor(s["labels"][a:b]), reduction="none")
-                mask = torch.as_tensor(s["loss_mask"][a:b])
-                total, count = total + (ce * mask).sum(), count + float(mask.sum())
+            for loss_sum, n, _ in packed_examples(hf, data.train, i):
+                total, count = total + loss_sum, count + n
         loss = total / count
         loss.backward()
         opt.step()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapter import config
+from tests.helpers.sft import packed_examples
 
 SEQ, LR, STEPS = 128, 2e-3, 4
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,7 +44,6 @@ def peft_reference(model_dir: str, adapter_dir: str, data, cfg, global_batch: in
     """transformers + PEFT from the adapter, on the samples nd-adapter reads, each packed example on its own; `load`:
     from_pretrained's keywords for the base (default fp32 on the CPU)."""
     import torch
-    import torch.nn.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -61,12 +61,8 @@ def peft_reference(model_dir: str, adapter_dir: str, data, cfg, global_batch: in
     for _ in range(STEPS):
         total, count = 0.0, 0.0
         for i in next(order):
-            s, bounds = data.train[i], data.train.examples(i)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                logits = model(input_ids=torch.as_tensor(s["tokens"][a:b], device=dev)[None]).logits[0].float()
-                ce = F.cross_entropy(logits, torch.as_tensor(s["labels"][a:b], device=dev), reduction="none")
-                mask = torch.as_tensor(s["loss_mask"][a:b], device=dev)
-                total, count = total + (ce * mask).sum(), count + float(mask.sum())
+            for loss_sum, n, _ in packed_examples(model, data.train, i, device=dev):
+                total, count = total + loss_sum, count + n
         loss = total / count
         loss.backward()
         opt.step()
