@@ -3,7 +3,7 @@ a local HF cache (tests/helpers/axolotl_home.py): how many pass, and the first r
 
     python bench/axolotl_examples.py --axolotl ~/src/axolotl [--gpus-per-node 8] [--show-failures]
 
-Not a test: the survey behind issue 26's "4 of 252 pass", to re-run as keys are built.
+Not a test: a survey of how many of Axolotl's examples pass (once 4 of 252), to re-run as keys are built.
 """
 from __future__ import annotations
 

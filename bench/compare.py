@@ -6,7 +6,7 @@
 
 2 GPUs: nd-adapter dp_shard=2 and tp=2 (launch/train.py under the deepspeed launcher, configs in bench/configs/),
 and the peers in bench/peers.py (Accelerate ParallelismConfig + FSDP2, Accelerate + transformers TP plan, DeepSpeed
-ZeRO-3 on the HF model); ratios against the Accelerate FSDP2 row of the same run. 1 GPU (issue 16): nd-adapter (one
+ZeRO-3 on the HF model); ratios against the Accelerate FSDP2 row of the same run. 1 GPU: nd-adapter (one
 rank, nothing to shard) against plain transformers, transformers + torch.compile and transformers + Liger; ratios
 against the Liger row. One MFU formula for all rows (adapter/train/metrics.py). `act GiB` is activation + logits
 memory: the peak minus weights, gradients and optimizer states (16 bytes/param for our fp32-master bf16 training,
@@ -34,7 +34,7 @@ OURS = {"nd-adapter dp_shard=2 (ZeRO-2)": "bench/configs/llama-3.2-1b-dp2.yaml",
 PEERS = ("accelerate-fsdp2", "accelerate-tp", "deepspeed-hf")
 ONE_GPU = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b",  # shape -> configs/models/<name>, bench/configs/<name>-1gpu.yaml
            "phi4-mini": "phi-4-mini-shape", "gemma3-4b": "gemma-3-4b-shape",
-           "qwen3-moe-8l": "qwen3-30b-a3b-8l-shape"}  # issue 30: its peers run transformers' grouped_mm experts
+           "qwen3-moe-8l": "qwen3-30b-a3b-8l-shape"}  # its peers run transformers' grouped_mm experts
 ONE_GPU_PEERS = ("hf", "hf-compile", "hf-liger")
 OUR_STATE_BYTES = 16  # bf16 weights + bf16 grads + fp32 master + fp32 Adam moments (optimizer.state_dtype: bf16: 8)
 

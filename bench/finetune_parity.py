@@ -3,13 +3,13 @@ against plain transformers trained on the very same batches (this project's toke
 
     python bench/finetune_parity.py --shape small --steps 25 --out /tmp/parity      # the GPU test's run
     python bench/finetune_parity.py --shape 1b --steps 3 --out /tmp/parity-1b       # step-1 loss on the 1B shape
-    python bench/finetune_parity.py --shape phi3-small --out /tmp/parity-phi3        # a Phi-3 (issue 29)
-    python bench/finetune_parity.py --shape gemma3-small --out /tmp/parity-gemma3    # a Gemma 3 (issue 29)
-    python bench/finetune_parity.py --shape qwen3moe-small --out /tmp/parity-moe    # a Qwen3-MoE (issue 30)
+    python bench/finetune_parity.py --shape phi3-small --out /tmp/parity-phi3        # a Phi-3
+    python bench/finetune_parity.py --shape gemma3-small --out /tmp/parity-gemma3    # a Gemma 3
+    python bench/finetune_parity.py --shape qwen3moe-small --out /tmp/parity-moe    # a Qwen3-MoE
     python bench/finetune_parity.py --weights cache --steps 5 --out /tmp/parity-cache  # base_model's weights through
                                                    # the training run's own conversion cache (converted in the worker)
 
-Why here and not only in CI: issue 19's converter wrote wrong tensors only where CUDA is visible, so the claim
+Why here and not only in CI: the converter once wrote wrong tensors only where CUDA is visible, so the claim
 "a run starts from the user's weights" has to be proven on the GPU host's own torch. Writes RESULT {json} (curves,
 relative differences) as its last line. HF rows: AMP (fp32 master weights, bf16 autocast: what our bf16 run is) and
 pure bf16 (how far precision alone moves the curve).
@@ -31,13 +31,13 @@ sys.path.insert(0, str(ROOT))
 SHAPES = {  # make_tiny_llama keyword arguments
     "small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=1024, tie=True),
     "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tie=True, vocab_size=128256),
-    # issue 29: Phi3ForCausalLM (packed qkv_proj / gate_up_proj, RoPE on 3/4 of each head, its pad token its EOS,
+    # Phi3ForCausalLM (packed qkv_proj / gate_up_proj, RoPE on 3/4 of each head, its pad token its EOS,
     # which the joined documents feed inside every sample), untied
     "phi3-small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=1024, tie=False, family="phi3"),
     # Gemma 3: sandwich and q/k norms, GeGLU, a 256-token window on 3 of its 4 layers (FlashAttention's windowed
     # kernel on the GPU), local and global RoPE bases, tied
     "gemma3-small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=1024, tie=True, family="gemma3"),
-    # issue 30: a Qwen3-MoE (8 experts of width 256, top 2, renormalised; q/k norms) with its load-balancing loss
+    # a Qwen3-MoE (8 experts of width 256, top 2, renormalised; q/k norms) with its load-balancing loss
     # on (coefficient 0.01), which both sides add to every micro-batch's loss
     "qwen3moe-small": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=256, tie=False, family="qwen3_moe"),
 }

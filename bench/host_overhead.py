@@ -2,9 +2,9 @@
 GQA, tied embeddings, the same loop, DeepSpeed engine, Megatron modules, flat AdamW) at toy widths, so the kernels
 cost next to nothing and what is left is the Python and dispatch work a GPU run pays on its host.
 
-Why: on one H200 the 1B step's host work was ~112 ms against ~121 ms of GPU work (docs/BENCHMARKS.md, issue 16), so
-on a slower host CPU the GPU waits: the same code ran 19-23% slower on one machine than on another while HF + Liger
-did not. This lets host-side changes be measured before any GPU time is spent.
+Why: on one H200 the 1B step's host work was ~112 ms against ~121 ms of GPU work (docs/BENCHMARKS.md, 2026-12-01,
+fourth session), so on a slower host CPU the GPU waits: the same code ran 19-23% slower on one machine than on
+another while HF + Liger did not. This lets host-side changes be measured before any GPU time is spent.
 
     python bench/host_overhead.py                    # ms per step, eager layers
     python bench/host_overhead.py --compile          # compiled layers (what the GPU runs use)

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA on one GPU, side by side with the peer, in one invocation (issue 27's speed proof).
+"""LoRA and QLoRA on one GPU, side by side with the peer, in one invocation.
 
     python bench/lora_bench.py                 # on the GPU host (with the wheels of bench/gpu_run.sh installed)
     python bench/lora_bench.py --dry-run       # the commands and plan's predictions only (anywhere)

@@ -1,4 +1,4 @@
-"""Probe (GPU host): where the MoE shape's step could still lose GPU time (issue 30).
+"""Probe (GPU host): where the MoE shape's step could still lose GPU time.
 
     python bench/moe_kernels_probe.py
 

@@ -1,4 +1,4 @@
-"""Packed-document attention, forward + backward, four ways (GPU host; issue 15):
+"""Packed-document attention, forward + backward, four ways (GPU host):
 
     python bench/packed_attention_bench.py                     # 2×4k (8 docs), 1×16k (16 docs), 1×32k (32 docs)
     python bench/packed_attention_bench.py --shapes 1x16384x16 --iters 20

@@ -5,7 +5,7 @@ cross-entropy: what Axolotl's LigerPlugin switches on). Prints one `RESULT {json
 
 Same model shape (an HF config.json), tokens, optimizer (torch AdamW, fused on one GPU; clip 1.0) and MFU formula as
 this project's runs. `model_state_bytes_per_param` lets compare.py report activation + logits memory (peak minus
-weights, gradients and optimizer states), the issue-16 memory measure.
+weights, gradients and optimizer states), the one-GPU tables' memory measure (docs/BENCHMARKS.md, 2026-12-01).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     python bench/search_time.py [--repeats 5]
 
-Issue 17's target is under 2 s, without importing torch. The import check is a CI test
+The target is under 2 s, without importing torch. The import check is a CI test
 (tests/unit/test_search.py); the time is measured here, as a benchmark, because a timed test fails whenever the
 CI machine is busy.
 """
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         assert code == "0" and torch_loaded == "False", out.stderr[-2000:]
         times.append(float(dt))
     print(f"plan --search, 64 GPUs: median {median(times):.2f} s, best {min(times):.2f} s over {a.repeats} runs "
-          f"(after importing adapter.cli, as issue 17's test timed it; target < 2 s)")
+          f"(after importing adapter.cli, as the timed test that was here did; target < 2 s)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""SFT throughput on one GPU (issue 14): the Llama-3.2-1B shape fine-tuned from an Axolotl-style YAML on a packed
+"""SFT throughput on one GPU: the Llama-3.2-1B shape fine-tuned from an Axolotl-style YAML on a packed
 chat dataset, through the one entry point. Reports tokens/s/GPU (every token of the packed samples) and trained
 tokens/s/GPU (the assistant tokens the loss counts), from the run's own step lines and its data report.
 

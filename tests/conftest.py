@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.why import WHY_KEY
+
 GPU_DIR = Path(__file__).parent / "gpu"
-WHY_KEY = pytest.StashKey[list]()  # why a shared fixture failed, printed last (a CI log may be clipped in the middle)
 
 
 def pytest_collection_modifyitems(config, items):

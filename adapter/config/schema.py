@@ -226,7 +226,7 @@ class DataSection(_Strict):
     text_key: str = "text"
     cache_dir: str | None = None
     seed: StrictInt = 1234
-    # SFT (issue 14): Axolotl's dataset keys; `datasets` replaces `files` (adapter/data/sft).
+    # SFT: Axolotl's dataset keys; `datasets` replaces `files` (adapter/data/sft).
     datasets: list[DatasetEntry] = Field(default_factory=list)
     train_on_inputs: bool = False
     sample_packing: bool = False

@@ -6,7 +6,8 @@ tp-N `dist_checkpointing.save` of GPTModel produces) and produces each chunk onl
 reused buffers. That reuse is only safe if each chunk is written before the next is produced, which DCP's own
 writer does not promise: with CUDA visible it switches to a loader that resolves items ahead of writing them (up to
 `per_thread_copy_ahead` bytes), and the reused buffers then overwrote chunks still queued -- a wrong checkpoint and
-no error (issue 19). So `_SerialWriter` owns the write loop: resolve one item, write it, then the next.
+no error (found on the GPU host: docs/BENCHMARKS.md, 2026-12-01, "conversion on the GPU host"). So `_SerialWriter`
+owns the write loop: resolve one item, write it, then the next.
 
 Every chunk's CRC-32 is taken from the bytes handed to the file, every chunk is read back and compared before the
 directory is published, and the checksums go into nd_adapter.json, so any later load can refuse a damaged file.
@@ -377,7 +378,7 @@ def resolve_ckpt_dir(root: str | Path) -> Path:
 def check_checksums(root: str | Path, meta: dict, *, rank: int = 0, world: int = 1, key: str = "megatron") -> bool:
     """Refuse a converted checkpoint whose chunks no longer match the checksums recorded when it was written
     (UserError naming the chunk). Rank `rank` of `world` checks its share only; the caller combines the answers.
-    Returns False when the checkpoint records no checksums (written by nd-adapter before issue 19's fix)."""
+    Returns False when the checkpoint records no checksums (converted before nd-adapter recorded them)."""
     sums = (meta.get("checksums") or {}).get("chunks")
     if not sums:
         return False
@@ -400,7 +401,7 @@ def damaged(root: str | Path, chunk: str, key: str = "megatron") -> Exception:
 
 
 NO_CHECKSUMS = ("records no checksums: it was converted by an nd-adapter whose writer could silently corrupt "
-                "checkpoints on machines with CUDA (issue 19); check it with `nd-adapter convert verify` or re-convert")
+                "checkpoints on machines with CUDA; check it with `nd-adapter convert verify` or re-convert")
 
 
 def read_meta(root: str | Path) -> dict:

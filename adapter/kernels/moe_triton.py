@@ -2,7 +2,8 @@
 the same arithmetic in torch for CPUs, and uses these where Triton runs).
 
 Why: on the Qwen3-30B-A3B shape (one H200, seq 4096, top-8 of 128 experts) the GEMMs and the optimizer were at
-their bounds and these small steps were what was left to take (docs/BENCHMARKS.md, issue 30):
+their bounds and these small steps were what was left to take (docs/BENCHMARKS.md, 2026-12-03 21:40, "the MoE
+layer's small kernels"):
 
 * `gather_sum`, each token's k expert rows summed (the combine's forward, the permutation's backward): torch
   gathers the [tokens·k, hidden] rows into a new tensor and then reduces it, writing and reading 134 MB more than

@@ -9,8 +9,9 @@ graph (torch inlines nn.Module attributes as graph inputs), so it compiles once.
 
 At tp = 1 the linears' matmuls are plain `F.linear` inside the graph (`set_linear_impl`), not Megatron's autograd
 Function: a Function's saved tensors are fixed outputs of its forward, so AOTAutograd's partitioner could not choose
-to recompute the SwiGLU product or the norms' outputs in backward instead of saving them (measured: issue 16 in
-docs/BENCHMARKS.md). With nothing to communicate, the Function adds nothing else.
+to recompute the SwiGLU product or the norms' outputs in backward instead of saving them (measured:
+docs/BENCHMARKS.md, 2026-12-01, third session, lever 2). With nothing to communicate, the Function adds nothing
+else.
 
 Where it stops: Megatron's tensor-parallel linears are autograd Functions with asynchronous collectives, which
 Dynamo does not trace, so with tp > 1 the graph breaks at every linear (correct, but little is fused). ZeRO-3

@@ -369,7 +369,7 @@ def _routing_index(routing_map: torch.Tensor, top_k: int):
 
     From prefix sums, not sorts: pick (t, e) goes to row start[e] + (picks of e by tokens before t) and is pick
     number (picks of t among experts before e) of its token. Two stable argsorts did the same in ~20 kernels a
-    layer (radix passes); compiled on CUDA this is a few (docs/BENCHMARKS.md, issue 30)."""
+    layer (radix passes); compiled on CUDA this is a few (docs/BENCHMARKS.md, 2026-12-03 21:40)."""
     tokens, experts = routing_map.shape
     n = tokens * top_k
     rm = routing_map.to(torch.int32)

@@ -102,7 +102,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
 
 
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
-    """What a mixture-of-experts model cannot run yet, each in one line (issue 30 builds them)."""
+    """What a mixture-of-experts model cannot run yet, each in one line."""
     name = arch.architecture
     if cfg.model.unfrozen_parameters is not None:
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "

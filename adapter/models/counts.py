@@ -16,6 +16,11 @@ MFU's model FLOPs, the convention every number in this project is computed with 
 
 Norms, biases and the input embedding (a lookup) are left out; activation recomputation is not counted (it is
 "model" FLOPs, not hardware FLOPs), and the attention term counts the full S×S, as PaLM's and Megatron's do.
+
+What the attention kernels compute is another count (`attention_flops`, for plan's step time and its attention cost,
+and `nd-adapter calibrate`'s fit): the query-key pairs a causal kernel visits, half of each document's ℓ² (ℓ·w − w²/2
+under a sliding window w < ℓ), 4 FLOPs per pair and head dimension forward, and ATTN_FWD_BWD times that forward and
+backward.
 """
 from __future__ import annotations
 
@@ -169,5 +174,28 @@ def flops_per_token(arch: ModelArch, seq_len: int) -> int:
     return 6 * matmul_params(arch) + 12 * arch.num_heads * arch.head_dim * attended(arch, seq_len)
 
 
+ATTN_FWD_BWD = 3.5  # flash attention's backward (five matmuls, the scores recomputed) is 2.5× its forward's two
+
+
+def attention_pairs(seq_len: int, doc_len: int | None = None, window: int | None = None) -> float:
+    """Query-key pairs causal attention visits in one sequence of `seq_len` tokens: seq_len/ℓ documents of ℓ =
+    `doc_len` tokens (packed, attending only inside each; default one document per sequence), half of ℓ² each, or
+    ℓ·w − w²/2 under a sliding `window` w < ℓ."""
+    ell = min(doc_len or seq_len, seq_len)
+    return seq_len / ell * (ell * ell / 2 if window is None or window >= ell else ell * window - window * window / 2)
+
+
+def attention_flops(arch: ModelArch, *, seq_len: int, sequences: int, doc_len: int | None = None,
+                    heads: int | None = None, windows: list[int | None] | None = None) -> float:
+    """The core attention's matmul FLOPs, forward + backward, for `sequences` sequences of `seq_len` tokens
+    (module docstring): over every layer, each with its own window, or over layers with the given `windows` (one
+    entry per layer, None for full causal attention); `heads` query heads (default all of them; one TP rank's:
+    num_heads // tp)."""
+    windows = [arch.window(i) for i in range(arch.num_layers)] if windows is None else windows
+    pairs = sum(attention_pairs(seq_len, doc_len, w) for w in windows)
+    return ATTN_FWD_BWD * (4 * pairs * (arch.num_heads if heads is None else heads) * arch.head_dim * sequences)
+
+
 __all__ = ["Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params", "LocalParams",
-           "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended", "flops_per_token"]
+           "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended", "flops_per_token",
+           "ATTN_FWD_BWD", "attention_pairs", "attention_flops"]

@@ -1,7 +1,8 @@
 """What a run holds, trains and writes (torch-free, config × architecture): parameters held and trained per TP rank,
 the 4/8-bit base, the size of a checkpoint and of the final export, and whether the configured retention fits the
-disk. `plan` prints these; the trainer checks the disk with them before its first step (issue 28: a run died at
-step 15 inside torch.save with a traceback, after choosing to keep four 15 GB checkpoints on a 64 GB disk)."""
+disk. `plan` prints these; the trainer checks the disk with them before its first step (a run on the GPU host
+died at step 15 inside torch.save with a traceback, after choosing to keep four 15 GB checkpoints on a 64 GB
+disk)."""
 from __future__ import annotations
 
 import shutil

@@ -29,8 +29,8 @@ from adapter import config
 from adapter.errors import bad
 from adapter.models import source
 from adapter.models.arch import padded_vocab_size
-from adapter.models.counts import layer_gemms, local_params
-from adapter.plan import hardware, timing
+from adapter.models.counts import attention_flops, layer_gemms, local_params
+from adapter.plan import hardware
 from adapter.plan.hardware import Attention, Gemm, Link, Network, Profile
 
 COLLECTIVES = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}   # bytes sent = factor·(n-1)/n·size
@@ -92,7 +92,7 @@ def calibrate(cfg, arch, bench: Bench, base: Profile, iters: int = 10) -> Profil
     for s in spans:
         b = max(1, tokens // s)
         sec = bench.attention(b, s, heads, kvh, arch.head_dim, iters)
-        flops = timing.ATTN_FWD_BWD * 4 * b * s * s * heads * arch.head_dim / 2
+        flops = attention_flops(arch, seq_len=s, sequences=b, heads=heads, windows=[None])  # one causal layer
         attn.append({"batch": b, "seq": s, "heads": heads, "kv_heads": kvh, "head_dim": arch.head_dim,
                      "seconds": sec, "flops": flops / sec})
     A, s0, aerr = fit_saturating([((a["seq"],), a["flops"]) for a in attn], [32.0 * i for i in range(257)])

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
-from adapter.models import lora
+from adapter.models import counts, lora
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import expert_params, local_params
 from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
@@ -120,7 +120,8 @@ def whole_layer_graphs(cfg: RunConfig) -> bool:
 
 def fp8_freed(cfg: RunConfig, arch: ModelArch, *, tokens: int) -> int:
     """Bytes per layer that compiled layers with `precision: fp8` do not keep: the bf16 input of each fp8 MLP linear
-    (fc1: the norm's output, fc2: the SwiGLU output), measured, not derived. One H200, compiled, tp = 1 (issue 16):
+    (fc1: the norm's output, fc2: the SwiGLU output), measured, not derived. One H200, compiled, tp = 1
+    (docs/BENCHMARKS.md, 2026-12-01, third and fifth sessions):
     the peak fell by 2.5 GiB on the 1B shape (rowwise and tensorwise) and by ~4.8 GiB on 3B (tensorwise, against
     bf16 with linear CE's share taken out), i.e. 2·tokens·(hidden + FFN) per layer both times. The fp8 copies the
     matmuls keep do not show in those peaks; why is not pinned down (no memory snapshot was taken). Not modelled:
@@ -133,16 +134,10 @@ def fp8_freed(cfg: RunConfig, arch: ModelArch, *, tokens: int) -> int:
 
 
 def attention_flops(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, doc_len: int | None = None) -> float:
-    """Attention-matmul FLOPs one GPU does per micro-batch, forward + backward (the backward's five matmuls, one
-    recomputed, are 2.5× the forward's two). Causal: a sequence of s tokens costs 4·(s²/2)·heads·head_dim forward.
-    Packed documents of ℓ tokens (`doc_len`) cost s/ℓ · 4·(ℓ²/2)·heads·head_dim per sequence: s·ℓ instead of s²."""
-    ell = min(doc_len or seq, seq)
-    pairs = 0.0  # query-key pairs per sequence, summed over layers (a sliding window w < ℓ: ℓ·w − w²/2 per document)
-    for i in range(arch.num_layers):
-        w = arch.window(i)
-        pairs += seq / ell * (ell * ell / 2 if w is None or w >= ell else ell * w - w * w / 2)
-    forward = 4 * pairs * arch.num_heads * arch.head_dim * micro
-    return 3.5 * forward / (tp * cp)
+    """Attention-matmul FLOPs one GPU does per micro-batch, forward + backward (adapter/models/counts.py,
+    `attention_flops`), split over tp × cp. Causal: a sequence of s tokens costs 4·(s²/2)·heads·head_dim forward;
+    packed documents of ℓ tokens (`doc_len`) cost s/ℓ · 4·(ℓ²/2)·heads·head_dim per sequence: s·ℓ instead of s²."""
+    return counts.attention_flops(arch, seq_len=seq, sequences=micro, doc_len=doc_len) / (tp * cp)
 
 
 def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage: int = 3) -> MemoryEstimate:
@@ -177,8 +172,9 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     # partition into fp32 one sub_group (1e9 elements) at a time. ZeRO-1/2 turn the whole partition at once
     # (stage_1_and_2.step, `flat_grad_partition.to(fp32)`) and, from the second step on, also hold a flat 16-bit
     # copy of it: measured on one H200 with a Mistral-7B shape, 16.0 bytes/param resident before the fp32 copy at
-    # step 1 and 18.0 at step 2, then the 27 GiB fp32 copy that the run died allocating (issue 19). Neither
-    # outlives the step (a 1B run peaked 2.3 GiB below what they would add to forward/backward).
+    # step 1 and 18.0 at step 2, then the 27 GiB fp32 copy that the run died allocating (docs/BENCHMARKS.md,
+    # 2026-12-01, "the one-GPU memory check"). Neither outlives the step (a 1B run peaked 2.3 GiB below what they
+    # would add to forward/backward).
     # nd-adapter's flat AdamW (nothing to shard) updates everything in place, one parameter at a time: nothing.
     if deepspeed_config.flat_at_stage(cfg, stage):
         step_transient = 0

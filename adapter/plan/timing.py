@@ -18,7 +18,14 @@ from math import ceil
 
 from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.counts import flops_per_token, layer_gemms, local_params, param_tensors
+from adapter.models.counts import (
+    ATTN_FWD_BWD,
+    attention_flops,
+    flops_per_token,
+    layer_gemms,
+    local_params,
+    param_tensors,
+)
 from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.models.resolved import ResolvedRun
 from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_steps
@@ -28,13 +35,14 @@ from adapter.plan.hardware import Profile
 from adapter.plan.memory import whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
-ATTN_FWD_BWD = 3.5          # flash attention's backward recomputes the scores: fwd+bwd = 3.5 × the forward
-LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414 (issue 5)
+LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414
+#                             (docs/BENCHMARKS.md, 2026-11-30, "context parallelism and the SDPA core attention")
 OPT_BYTES_PER_PARAM = 56    # fp32 grad copy (6), AdamW r/w of param, m, v + grad read (28), 16-bit write-back (6),
 #                             grad norm and clip (16): what one optimizer step streams per local parameter
 FLAT_OPT_BYTES_PER_PARAM = 30  # flat AdamW: 16-bit grad read for the norm (2) and the update (2), master, m, v
 #                               read and written (24), 16-bit weight written (2); streamed at the device copy rate
-#                               (1B, one H200: the step's share fell from ~29 to ~9 ms, issue 16 in BENCHMARKS)
+#                               (1B, one H200: the step's share fell from ~29 to ~9 ms; docs/BENCHMARKS.md,
+#                               2026-12-01, third session)
 FLAT_BF16_OPT_BYTES_PER_PARAM = 16  # optimizer.state_dtype: bf16: the gradient read twice (4), the bf16 weight, m and
 #                                     v read and written (12), no master
 FP8_MLP_SPEEDUP = 1.25        # precision fp8: the MLP GEMMs' fwd+bwd time, casts included, over bf16's; fitted to
@@ -69,17 +77,16 @@ def gemm_seconds(shapes: list[tuple[int, int, int]], prof: Profile) -> float:
 
 def attention_seconds(arch: ModelArch, *, micro: int, seq: int, cp: int, tp: int, prof: Profile,
                       doc_len: int | None = None, kind: str = "sdpa", window: int | None = None) -> float:
-    """Forward+backward of one layer's core attention on one rank. Causal: half the s² score matrix; packed
-    documents (varlen) attend only inside each document of `doc_len` tokens; a sliding `window` w < span leaves
-    span·w − w²/2 query-key pairs; cp ranks split the work evenly (load-balanced chunks)."""
+    """Forward+backward of one layer's core attention on one rank: its FLOPs (adapter/models/counts.py,
+    `attention_flops`: half the s² score matrix, or inside each packed document of `doc_len` tokens, or a sliding
+    `window`) at the profile's attention rate; cp ranks split the work evenly (load-balanced chunks)."""
     span = min(doc_len or seq, seq)
-    heads = arch.num_heads // tp
-    pairs = span * span / 2 if window is None or window >= span else span * window - window * window / 2
-    fwd = 4 * micro * (seq / span) * pairs * heads * arch.head_dim / cp
+    flops = attention_flops(arch, seq_len=seq, sequences=micro, doc_len=doc_len, heads=arch.num_heads // tp,
+                            windows=[window]) / cp
     rate = prof.attention.rate(span / cp if doc_len is None else span)
     if kind == "local":
         rate *= LOCAL_ATTENTION
-    return ATTN_FWD_BWD * fwd / rate
+    return flops / rate
 
 
 def layer_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused: bool,

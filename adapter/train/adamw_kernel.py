@@ -3,7 +3,8 @@
 
 Why: the step was ~147 calls of a compiled per-parameter update (1B shape); each call's host overhead (guards,
 wrapper, launch) made the step ~28 ms of CPU time for ~9 ms of GPU time, and the one-GPU runs are close to
-host-bound, so the GPU idled (docs/BENCHMARKS.md, issue 16). One kernel walks a table of fixed-size chunks:
+host-bound, so the GPU idled (docs/BENCHMARKS.md, 2026-12-01, fourth session, "A one-launch AdamW step"). One
+kernel walks a table of fixed-size chunks:
 chunk -> (parameter, offset); the master weights and moments are the flat buffers, the gradients and the 16-bit
 weights are reached through per-step pointer tables, so autograd's gradients stay where autograd put them.
 

@@ -1,5 +1,5 @@
 """What a checkpoint holds, without torch: `nd-adapter checkpoint info DIR`, `plan`'s word on resuming, and the
-pre-flight refusal of a resume the layout cannot take (issue 28). Reads the run's own record (`nd_adapter.json`,
+pre-flight refusal of a resume the layout cannot take. Reads the run's own record (`nd_adapter.json`,
 written by adapter/train/checkpoint.py beside DeepSpeed's files) and the files' sizes; `--checksums` adds a CRC-32
 of every file (a full read)."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ without DP/CP).
 
 Why: DeepSpeed's ZeRO-1 on one rank still pays its partition bookkeeping. On the Llama-3.2-1B shape its step took
 29.7 ms of GPU time per step, of which the Adam kernel was 10 ms; the rest was copies of every gradient to fp32 and
-back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, issue 16). Here:
+back, a float64 norm and an unscale pass (docs/BENCHMARKS.md, 2026-12-01, third session). Here:
 
 * the fp32 master weights and both moments are flat fp32 buffers (12 bytes/param, as in DeepSpeed's bf16 training;
   fp32 runs update the weights themselves, with no master copy);

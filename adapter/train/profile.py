@@ -1,6 +1,6 @@
 """Optional torch-profiler window over a few training steps (Megatron-LM's --profile-step-start/--profile-step-end).
 
-Issue 6 asks where the time goes before anything is tuned; this writes, per profiled rank, a gzipped Chrome trace
+Before anything is tuned, see where the time goes: this writes, per profiled rank, a gzipped Chrome trace
 (open in Perfetto or chrome://tracing; `bench/trace_summary.py` digests it) and the op table sorted by GPU time.
 Nothing is imported or recorded unless `logging.profile_steps` is set.
 """

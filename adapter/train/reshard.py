@@ -1,5 +1,5 @@
-"""Resume a checkpoint at another parallel layout (issue 28): another world size, tp, cp, dp, ZeRO stage, or the
-flat AdamW instead of ZeRO, and back.
+"""Resume a checkpoint at another parallel layout: another world size, tp, cp, dp, ZeRO stage, or the flat AdamW
+instead of ZeRO, and back (a preempted job requeued on fewer GPUs goes on from the same weights, moments and sample).
 
 What a run changes is read from the saved files (adapter/patches/zero_files.py for DeepSpeed's, `FlatFiles` for
 the flat AdamW's): for every trained parameter its fp32 master weights and both AdamW moments, whole on each of

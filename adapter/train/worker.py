@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         cfg = source.load_config(args.config, world_size=world, overrides=None if args.rehearse else overrides)
         resolved = resolve_run(cfg)  # once per process: everything below reads this record
         # Large one-off allocations (the optimizer step's fp32 gradient partition) otherwise fail on fragmentation
-        # with memory free in total (issue 19); torchtitan sets the same. Read at CUDA's first allocation, so here.
+        # with memory free in total (a Mistral-7B shape on one H200 did: docs/BENCHMARKS.md, 2026-12-01, "the
+        # one-GPU memory check"); torchtitan sets the same. Read at CUDA's first allocation, so here.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if cfg.parallelism.tp_size > 1:  # Megatron's TP/SP comm is issued in order with compute; without TP it would
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # only serialise ZeRO's side-stream collectives

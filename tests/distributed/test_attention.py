@@ -5,42 +5,10 @@ import pytest
 import torch
 
 from adapter.errors import UserError
+from tests.helpers.attention import cp_diffs
 from tests.helpers.dist import run_workers
 
 TOL = 1e-5
-S, B, NP, NG, D = 32, 2, 4, 2, 8  # GQA: 2 query heads per K/V head
-
-
-def _qkv_dout(s=S, b=B, np_=NP, ng=NG, d=D, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (np_, ng, ng))
-    return q, k, v, torch.randn(b, np_, s, d, generator=g)
-
-
-def _reference(q, k, v, dout):
-    """Full-sequence causal attention (cp=1, SDPA with expanded K/V) and its input gradients."""
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    rep = q.size(2) // k.size(2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.repeat_interleave(rep, 2).permute(1, 2, 0, 3),
-        v.repeat_interleave(rep, 2).permute(1, 2, 0, 3), is_causal=True)
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
-
-
-def _cp_diffs(rank, cp, comm, group, dtype=torch.float32, device="cpu", **shape):
-    """Max |Δ| of this rank's output and q/k/v grads against the split cp=1 fp32 reference; plus a negative control."""
-    from adapter.kernels.attention import context_parallel_attention, split_for_cp
-
-    q, k, v, dout = (t.to(device) for t in _qkv_dout(**shape))
-    ref_out, *ref_grads = _reference(q, k, v, dout)
-    local = [split_for_cp(t, cp, rank, 0).to(dtype).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, scale=q.size(-1) ** -0.5, group=group, comm=comm)
-    out.backward(split_for_cp(dout, cp, rank, 2).to(dtype))
-    diffs = [(out - split_for_cp(ref_out, cp, rank, 2)).abs().max().item()]
-    diffs += [(t.grad - split_for_cp(g, cp, rank, 0)).abs().max().item() for t, g in zip(local, ref_grads)]
-    wrong_order = (out - ref_out.chunk(2 * cp, 2)[rank].repeat(1, 1, 2, 1)).abs().max().item()
-    return max(diffs), wrong_order
 
 
 def _worker(rank, world):
@@ -54,8 +22,8 @@ def _worker(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     result = {}
     for comm in ("all_gather", "p2p"):
-        result[f"cp2_{comm}"], result[f"cp2_{comm}_wrong_order"] = _cp_diffs(rank % 2, 2, comm, pairs[rank // 2])
-        result[f"cp4_{comm}"], result[f"cp4_{comm}_wrong_order"] = _cp_diffs(rank, 4, comm, dist.group.WORLD)
+        result[f"cp2_{comm}"], result[f"cp2_{comm}_wrong_order"] = cp_diffs(rank % 2, 2, comm, pairs[rank // 2])
+        result[f"cp4_{comm}"], result[f"cp4_{comm}_wrong_order"] = cp_diffs(rank, 4, comm, dist.group.WORLD)
     result.update(_gpt_cp_vs_no_cp(rank))
     return result
 

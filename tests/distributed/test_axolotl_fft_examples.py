@@ -1,7 +1,7 @@
 """Axolotl's own full fine-tune examples (tests/fixtures/axolotl: fft-8b.yaml with its paged 8-bit AdamW, the two
 ALST files with adamw_torch_8bit, `sequence_len: 500_000`, `min_sample_len: 200_000`, cp 8 and a ZeRO-3 offload
 JSON, and Llama-2's fft_optimized.yml with adamw_bnb_8bit), unchanged but for local dataset paths: `plan` and
-`preprocess` pass; `rehearse` passes on fft-8b.yaml and on the DeepSpeed ALST file (issue 26's proof)."""
+`preprocess` pass; `rehearse` passes on fft-8b.yaml and on the DeepSpeed ALST file."""
 from __future__ import annotations
 
 import pytest

@@ -3,8 +3,8 @@ axolotl-ai-cloud/axolotl at 067b021: llama-3's lora-1b.yml, instruct-lora-8b.yml
 lora.yml (8-bit) and qlora.yml, both at sequence_len 8192 over Mistral v0.1's 4096 window with sample_packing; Qwen3's
 8b-lora-fused-attn-compile.yaml and Qwen2's qlora-fsdp.yaml, whose FSDP parameter offload an adapter run does not
 need, said in one line), unchanged but for local dataset paths: `plan` and `preprocess` pass, and plan says what is
-trained and how the base is stored (issue 27's proof). qwen3/32b-qlora.yaml is refused in one line for what
-nd-adapter does not run: torchao's 4-bit AdamW (`adamw_torch_4bit`). Issue 29 adds gemma2/qlora.yml and
+trained and how the base is stored. qwen3/32b-qlora.yaml is refused in one line for what
+nd-adapter does not run: torchao's 4-bit AdamW (`adamw_torch_4bit`). Then gemma2/qlora.yml and
 gemma3/gemma-3-{1b,270m,4b}-qlora.yml (copied unchanged as gemma2-qlora.yml, gemma-3-*-qlora.yml), and Phi's
 phi/phi3-ft.yml (LoRA, `alpaca:phi`, early stopping with the best checkpoint exported), phi/lora-3.5.yaml (copied as
 phi-lora-3.5.yaml: an 8-bit base under packed qkv/gate_up linears, `bfloat16: true`, the `phi_3` template) and the
@@ -12,7 +12,7 @@ full fine-tune phi/phi3-ft-fsdp.yml (FSDP parameter offload named as memory plac
 (copied as glm4-qlora-32b.yaml) lists gate_proj and up_proj, which GLM-4 packs into gate_up_proj: skipped and said, as
 PEFT skips them. llama-3/qlora.yml and llama-2/qlora.yml (copied as llama3-qlora.yml, llama2-qlora.yml) train with
 bitsandbytes' paged 32-bit AdamW: AdamW's update, paging named as not used. mistral/mixtral/mixtral-qlora-fsdp.yml:
-QLoRA on a mixture of experts (issue 30): the attention in NF4 and adapted, the router and experts 16-bit and
+QLoRA on a mixture of experts: the attention in NF4 and adapted, the router and experts 16-bit and
 frozen, as transformers + bitsandbytes + PEFT leave them."""
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def said(r: int, alpha: int, on: str, layers: int, base: str) -> tuple[str, str]
     return f"LoRA r {r}, alpha {alpha} (scale {alpha / r:g}), dropout 0.05 on {on} of all {layers} layers", base
 
 
-# issue 29: Gemma 2 (QLoRA on all linears, soft-capping, eot_tokens <end_of_turn>, Axolotl's `gemma` template),
+# Gemma 2 (QLoRA on all linears, soft-capping, eot_tokens <end_of_turn>, Axolotl's `gemma` template),
 # Phi-3 (packed linears; 16-bit and 8-bit bases), GLM-4 (gate/up packed: the two names skipped), Llama 2/3 QLoRA
 PASS.update({"gemma2-qlora.yml": said(32, 16, ALL7, 42, "the base frozen, NF4"),
              "phi3-ft.yml": said(64, 32, PHI, 32, "the base frozen, 16-bit"),

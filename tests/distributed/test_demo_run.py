@@ -14,7 +14,7 @@ import pytest
 
 from adapter import config
 from adapter.demo import run as demo_run
-from tests.conftest import WHY_KEY
+from tests.helpers.why import say_at_the_end
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "configs" / "demo-llama-tiny.yaml"
@@ -81,7 +81,7 @@ def quick(tmp_path_factory, request):
         code = demo_run.main(["--out", str(out), "--quick"])
     summary = json.loads((out / "demo-summary.json").read_text()) if code == 0 else {}
     if code != 0:
-        request.config.stash.setdefault(WHY_KEY, []).append(f"the quick demo (status {code}):\n{err.getvalue()}")
+        say_at_the_end(request.config, f"the quick demo (status {code}):\n{err.getvalue()}")
     return code, out, summary
 
 
@@ -132,8 +132,8 @@ def test_quick_demo_export_loads_in_transformers(quick):
 
 @pytest.mark.slow
 def test_resume_that_cannot_move_is_refused_and_touches_nothing(quick):
-    """A resume at another layout with 8-bit moments (quantised in blocks of the saved partitions; issue 28 reshards
-    everything else): refused in one line, status 2, before any process starts (the checkpoint's own record names
+    """A resume at another layout with 8-bit moments (quantised in blocks of the saved partitions; everything
+    else reshards): refused in one line, status 2, before any process starts (the checkpoint's own record names
     its layout), and nothing touched."""
     code, out, _ = quick
     assert code == 0

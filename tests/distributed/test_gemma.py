@@ -1,4 +1,4 @@
-"""Gemma's attention against transformers on every attention path (issue 29): sequences longer than the sliding
+"""Gemma's attention against transformers on every attention path: sequences longer than the sliding
 window (6 tokens in 16- and 32-token batches), plain causal, packed documents (varlen) and context parallelism
 (cp=2, all_gather), Gemma 3 (local and global layers with their own RoPE bases) and Gemma 2 (soft-capped scores,
 which are refused under cp in one line). tp 1, 2 and 4 plain-causal logits are tests/distributed/test_convert_parity.py.

@@ -1,4 +1,4 @@
-"""LongRoPE past the original context (issue 29, Phi-3.5-mini / Phi-4-mini): transformers rotates a micro-batch with
+"""LongRoPE past the original context (Phi-3.5-mini / Phi-4-mini): transformers rotates a micro-batch with
 the long factors when any of its positions passes `original_max_position_embeddings` (max(position_ids) + 1 >
 original), else with the short ones. A tiny Phi-3 with an original context of 12 tokens against transformers, plain
 causal (32 tokens: long) and packed (a micro-batch with a 16- and a 20-token document is long throughout, its

@@ -1,4 +1,4 @@
-"""LoRA against PEFT (issue 27's proof, CPU, fp32): a chat_template dataset, packed, trained by nd-adapter on every
+"""LoRA against PEFT (CPU, fp32): a chat_template dataset, packed, trained by nd-adapter on every
 layout from a PEFT adapter with non-zero B (`lora.init_from`, Axolotl's lora_model_dir) and by transformers + PEFT
 from the same adapter on the same samples: same losses; the adapter's logits before training equal PEFT's; the
 exported adapter loads in PEFT and gives nd-adapter's logits; `merge-lora` equals PEFT's merge_and_unload; the
@@ -15,20 +15,19 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.lora import ALL7, PROBE, STEPS, lora_cfg, lora_section, peft_reference
 from tests.helpers.runs import vocab_of
 from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-SEQ, LR, STEPS = 128, 2e-3, 4
-ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # adapter: (model, PEFT LoraConfig keys); each is started from a PEFT adapter written by the test
 ADAPTERS = {"all seven, r 8": ("untied", {"r": 8, "lora_alpha": 16, "target_modules": ALL7}),
             "q/v, rslora": ("untied", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
                                        "use_rslora": True}),
             "lm_head saved, tied": ("tied", {"r": 4, "lora_alpha": 8, "target_modules": ALL7,
                                              "modules_to_save": ["lm_head"]}),
-            # Phi-3's packed linears (issue 29): B in the HF tensor's row order for PEFT, Megatron's inside
+            # Phi-3's packed linears: B in the HF tensor's row order for PEFT, Megatron's inside
             "phi3 packed": ("phi3", {"r": 8, "lora_alpha": 16,
                                      "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}),
             # GLM-4: q, k, v apart (with biases) and gate, up packed, beside its post-norms
@@ -58,31 +57,6 @@ RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
 
 
 EXPORTS = {"tp=2 +SP (flat AdamW)": "export", "phi3, tp=2 +SP": "export-phi3"}  # run -> its PEFT export's dir
-
-
-def lora_section(peft_kw: dict, init_from: str | None) -> dict:
-    out = {"r": peft_kw["r"], "alpha": peft_kw["lora_alpha"], "target_modules": peft_kw["target_modules"],
-           "rslora": peft_kw.get("use_rslora", False), "modules_to_save": peft_kw.get("modules_to_save", [])}
-    return out | ({"init_from": init_from} if init_from else {})
-
-
-def lora_cfg(model_dir, root, shape, micro, lora: dict, world=2, steps=STEPS, **over):
-    from adapter.demo.build import ASSETS
-
-    s, c, t = shape
-    raw = {"model": {"path": str(model_dir), "cache_dir": f"{root}/cache"},
-           "parallelism": {"dp_shard_size": s, "cp_size": c, "tp_size": t},
-           "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": 1}, "seq_len": SEQ,
-           "precision": "fp32", "lora": lora,
-           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12},
-           "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
-                    "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"}}
-    for k, v in over.items():
-        config.set_dotted(raw, k, v)
-    return config.build(raw, env={}, world_size=world)
-
-
-PROBE = [[5, 17, 300, 42, 7, 99, 512, 3, 8, 260, 61, 400, 2, 77, 31, 19]]  # token ids for the logit comparisons
 
 
 def _logits(trainer):
@@ -186,43 +160,6 @@ def _check_default_init(inits, model_dir):
     assert len(set(firsts)) == len(firsts)  # each adapter its own draw
 
 
-def _peft_reference(model_dir: str, adapter_dir: str, data, cfg, global_batch: int = 2, **load):
-    """transformers + PEFT from the adapter, on the samples nd-adapter reads, each packed example on its own; `load`:
-    from_pretrained's keywords for the base (default fp32 on the CPU)."""
-    import torch
-    import torch.nn.functional as F
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from adapter.data import DPSampler
-
-    order = iter(DPSampler(len(data.train), dp_rank=0, dp_size=1, micro_batch=global_batch, seed=cfg.data.seed))
-    base = AutoModelForCausalLM.from_pretrained(model_dir, **(load or {"dtype": torch.float32}))
-    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-    dev = base.device
-    with torch.no_grad():
-        before = model(input_ids=torch.tensor(PROBE, device=dev)).logits.float()
-    trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    losses = []
-    for _ in range(STEPS):
-        total, count = 0.0, 0.0
-        for i in next(order):
-            s, bounds = data.train[i], data.train.examples(i)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                logits = model(input_ids=torch.as_tensor(s["tokens"][a:b], device=dev)[None]).logits[0].float()
-                ce = F.cross_entropy(logits, torch.as_tensor(s["labels"][a:b], device=dev), reduction="none")
-                mask = torch.as_tensor(s["loss_mask"][a:b], device=dev)
-                total, count = total + (ce * mask).sum(), count + float(mask.sum())
-        loss = total / count
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "before": before, "trained": {n for n, p in model.named_parameters()
-                                                              if p.requires_grad}}
-
-
 def test_lora_matches_peft_on_every_layout(setup):
     import torch
     from peft import PeftModel
@@ -238,7 +175,7 @@ def test_lora_matches_peft_on_every_layout(setup):
         cfg = lora_cfg(models[model], root, (1, 1, 2), 2, lora_section(kw, adapters[name]))
         data = prepare(cfg, Path(models[model]), vocab_of(cfg), builder=True, barrier=None, progress=False)
         assert data.reused  # the runs' own prepared samples
-        refs[name] = _peft_reference(models[model], adapters[name], data, cfg)
+        refs[name] = peft_reference(models[model], adapters[name], data, cfg)
     full = refs["all seven, r 8"]["losses"]
     assert rel(refs["q/v, rslora"]["losses"][1], full[1]) > 1e-3  # the targets change the curve: the test can fail
     for name, r in got.items():
@@ -303,7 +240,7 @@ def _resume_worker(rank, world, models, adapters, root):
     lines: list[str] = []
     second = run(cfg(STEPS, "cut"), resume=True, log=lines.append)
     latest = Path(f"{root}/cut/latest").read_text().strip()
-    moved = {}  # the adapters' checkpoint resharded (issue 28): from the same state, the same next loss
+    moved = {}  # the adapters' checkpoint resharded: from the same state, the same next loss
     for name, shape, over in (("tp=2 x dp_shard=2", (2, 1, 2), {"parallelism.dp_replicate_size": 1,
                                                                  "batch.gradient_accumulation_steps": 2}),
                               ("dp_shard=4", (4, 1, 1), {"parallelism.dp_replicate_size": 1})):
@@ -335,7 +272,7 @@ def test_lora_resumes_exactly_at_exact_hsdp_and_keeps_only_what_is_trained(setup
     cfg = lora_cfg(models["untied"], root, (2, 1, 1), 1, lora_section(kw, adapters["all seven, r 8"]), world=4,
                    **{"parallelism.dp_replicate_size": 2})
     data = prepare(cfg, Path(models["untied"]), vocab_of(cfg), builder=True, barrier=None, progress=False)
-    ref = _peft_reference(models["untied"], adapters["all seven, r 8"], data, cfg, global_batch=4)
+    ref = peft_reference(models["untied"], adapters["all seven, r 8"], data, cfg, global_batch=4)
     assert all(rel(a, b) <= 1e-4 for a, b in zip(r["whole"], ref["losses"])), (r["whole"], ref["losses"])
 
 

@@ -9,26 +9,10 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.dist import run_workers
+from tests.helpers.gpt import VOCAB, hf_config, init_megatron
 
-VOCAB, SEQ = 200, 32
+SEQ = 32
 TOL = 1e-5
-
-
-def hf_config(family: str, **over):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16384, rms_norm_eps=1e-6,
-                tie_word_embeddings=False)
-    if family == "llama":  # Llama-3.1 rope scaling; theta large enough that scaled frequencies are exercised
-        base.update(head_dim=16, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                    low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
-        cls = LlamaConfig
-    else:
-        base.update(head_dim=24 if family == "qwen3" else 16, rope_parameters=dict(rope_type="default", rope_theta=1e6))
-        cls = Qwen2Config if family == "qwen2" else Qwen3Config
-    base.update(over)
-    return cls(**base)
 
 
 def hf_model(family: str, **over):
@@ -84,16 +68,6 @@ def copy_hf_to_megatron(hf, model, arch, tp: int, rank: int) -> None:
             out[f"{m}.self_attention.k_layernorm.weight"] = sd[f"{p}.self_attn.k_norm.weight"]
     missing, unexpected = model.load_state_dict(out, strict=False)
     assert not unexpected and not [k for k in missing if not k.endswith("_extra_state")], (missing, unexpected)
-
-
-def init_megatron(tp: int = 1, cp: int = 1) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
 
 
 def max_logit_diff(family: str, tp: int, rank: int, **build) -> float:

@@ -1,4 +1,4 @@
-"""Mixtures of experts against transformers (issue 30): Qwen3-MoE, Mixtral and OLMoE, tiny random models (4 experts,
+"""Mixtures of experts against transformers: Qwen3-MoE, Mixtral and OLMoE, tiny random models (4 experts,
 top 2, each family's routing), fp32 on CPU.
 
 Per family and layout: logits, transformers' load-balancing loss and the loss it trains on (mean cross-entropy +

@@ -1,4 +1,4 @@
-"""Mixture-of-experts SFT against plain transformers (issue 30): a chat dataset, packed, trained by nd-adapter at
+"""Mixture-of-experts SFT against plain transformers: a chat dataset, packed, trained by nd-adapter at
 tp=2 (+SP), dp_shard=2 and ep=2 (each rank holding half the experts) for 4 steps, against transformers on the same
 prepared samples (each example attended on its own), fp32 on CPU, with transformers' load-balancing loss in the
 objective as its Trainer has it: every forward (one micro-batch of one DP process) adds router_aux_loss_coef × its
@@ -24,7 +24,7 @@ import pytest
 from adapter import config
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
-from tests.helpers.sft import make_moe, peft_adapter, rel
+from tests.helpers.sft import make_moe, packed_examples, peft_adapter, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
@@ -120,7 +120,6 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
     """(LM losses, mean aux per micro-batch, the model) of transformers trained on each step's `per_step` samples split
     into `groups[step]` micro-batches (one per DP process); `adapter`: transformers + PEFT from that adapter."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, get_constant_schedule, get_cosine_schedule_with_warmup
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -144,12 +143,8 @@ def _reference(model_dir, data, cfg, groups: list[int], aux_on: bool = True, sch
         for group in (samples[j * len(samples) // n:(j + 1) * len(samples) // n] for j in range(n)):
             router: list[list[torch.Tensor]] = [[] for _ in range(c.num_hidden_layers)]
             for i in group:
-                s, bounds = data.train[i], data.train.examples(i)
-                for a, b in zip(bounds[:-1], bounds[1:]):
-                    out = hf(input_ids=torch.as_tensor(s["tokens"][a:b])[None], output_router_logits=True)
-                    ce = F.cross_entropy(out.logits[0].float(), torch.as_tensor(s["labels"][a:b]), reduction="none")
-                    mask = torch.as_tensor(s["loss_mask"][a:b])
-                    total, count = total + (ce * mask).sum(), count + float(mask.sum())
+                for loss_sum, n_tokens, out in packed_examples(hf, data.train, i, output_router_logits=True):
+                    total, count = total + loss_sum, count + n_tokens
                     for layer, logits in enumerate(out.router_logits):
                         router[layer].append(logits)
             aux = load_balancing_loss_func(tuple(torch.cat(r) for r in router), c.num_experts,
@@ -280,13 +275,13 @@ def test_moe_qlora_quantises_the_attention_as_bitsandbytes_and_equals_peft(tmp_p
     q/k/v/o. At tp=2 (+SP) and at ep=2 (ZeRO-3) the losses equal transformers + PEFT on the model whose attention
     weights are bitsandbytes' dequantised NF4, with the load-balancing loss."""
     from adapter.data.sft import prepare
-    from tests.distributed.test_qlora import _bnb_reference
+    from tests.helpers.lora import bnb_reference
     from tests.helpers.sft_data import tiny_model
 
     tok = tiny_model(tmp_path / "tok")
     model = str(make_moe(tmp_path / "wide", tok, hidden=128))  # NF4's blocks of 64 inside each rank's row at tp=2
     adapter = str(peft_adapter(model, ATTENTION, tmp_path / "adapter"))
-    deq, codes = _bnb_reference(model, "nf4", tmp_path / "deq")
+    deq, codes = bnb_reference(model, "nf4", tmp_path / "deq")
     assert sorted({k.split(".")[-2] for k in codes}) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # attention only
     got = run_workers(_qlora_worker, 2, model, adapter, str(tmp_path), timeout=900)[0]
     cfg = _cfg(model, str(tmp_path), "tp=2", schedule="constant", lora=adapter, quantize_base="nf4")

@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers.attention import packed_batch
 from tests.helpers.dist import run_workers
 
 TOL = 1e-5
 S, HQ, HK, D = 32, 4, 2, 8
 # documents of very different lengths: shorter than 2·cp (1, 2, 3), odd, long; and one spanning a whole sample
 DOCS = ([1, 3, 17, 2, 9], [32])
-
-
-def batch(docs=DOCS, s=S, seed=0):
-    """A [b, s] packed batch; token ids 1.. number the flat positions (0 marks padding in a packed stream)."""
-    b = len(docs)
-    seg = torch.cat([torch.repeat_interleave(torch.arange(len(d)), torch.tensor(d)) for d in docs]).view(b, s)
-    tokens = torch.arange(1, b * s + 1).view(b, s)
-    mask = torch.rand(b, s, generator=torch.Generator().manual_seed(seed)) > 0.2
-    return {"tokens": tokens, "labels": tokens.roll(-1), "loss_mask": mask.float(), "segment_ids": seg,
-            "position_ids": torch.zeros(b, s, dtype=torch.long)}
 
 
 def _full_qkv(n, seed=1):
@@ -37,7 +28,7 @@ def _attention_diffs(rank, cp, comm, group):
     from adapter.kernels.thd import pack_batch
     from adapter.kernels.varlen import packed_attention
 
-    full = batch()
+    full = packed_batch(DOCS)
     n = full["tokens"].numel()
     q, k, v, dout = _full_qkv(n)
     ref_stream, ref_p = pack_batch(full)
@@ -83,7 +74,7 @@ def _gpt_steps(rank, cp, comm, steps=3, stream_rope=False, recompute=None):
     r, cp_group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
     history = []
     for step in range(steps):
-        full = batch(docs=(DOCS, ([5, 27], [32]), ([2] * 16, [30, 2]))[step], seed=step)
+        full = packed_batch((DOCS, ([5, 27], [32]), ([2] * 16, [30, 2]))[step], seed=step)
         full["tokens"] = torch.randint(0, 100, (2, S), generator=torch.Generator().manual_seed(10 + step))
         full["labels"] = full["tokens"].roll(-1, 1)
         ntok = full["loss_mask"].sum()

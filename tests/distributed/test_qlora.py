@@ -1,4 +1,4 @@
-"""QLoRA and the 8-bit base against bitsandbytes and PEFT (issue 27's proof, CPU, fp32): the base nd-adapter
+"""QLoRA and the 8-bit base against bitsandbytes and PEFT (CPU, fp32): the base nd-adapter
 quantises per TP shard equals, code for code and scale for scale, bitsandbytes' quantisation of each whole HF tensor
 (NF4 with double quantisation: `quantize_4bit(compress_statistics=True)`; int8: `int8_vectorwise_quant`), and the
 losses equal transformers + PEFT's on those dequantised weights, from the same adapter on the same samples; a resumed
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_lora import ALL7, _peft_reference, lora_cfg, lora_section
 from tests.helpers.dist import run_workers
+from tests.helpers.lora import ALL7, bnb_reference, lora_cfg, lora_section, peft_reference
 from tests.helpers.runs import vocab_of
 from tests.helpers.sft import make_model, make_phi3, peft_adapter, rel
 
@@ -21,7 +21,7 @@ RUNS = {"nf4, tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
         "nf4, dp_shard=2 (ZeRO-3)": ("nf4", (2, 1, 1), 1, {}),
         "int8, tp=2, no SP": ("int8", (1, 1, 2), 2, {"sequence_parallel": False}),
         "nf4, Qwen2 (q/k/v biases), tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
-        # issue 29: Phi-3's packed qkv_proj / gate_up_proj, quantised by bitsandbytes as one tensor each
+        # Phi-3's packed qkv_proj / gate_up_proj, quantised by bitsandbytes as one tensor each
         "nf4, Phi-3 (packed linears), tp=2 +SP": ("nf4", (1, 1, 2), 2, {}),
         "int8, Phi-3 (packed linears), tp=2 +SP": ("int8", (1, 1, 2), 2, {})}
 QWEN = "nf4, Qwen2 (q/k/v biases), tp=2 +SP"
@@ -90,36 +90,6 @@ def _worker(rank, world, model_dir, adapter, root):
     return out
 
 
-def _bnb_reference(model_dir: str, fmt: str, out: Path) -> tuple[Path, dict]:
-    """The model with every decoder linear replaced by bitsandbytes' dequantisation of its quantisation (what a PEFT
-    QLoRA / 8-bit run computes with), and bitsandbytes' per-element codes and scales of each HF tensor."""
-    import bitsandbytes.functional as bnbf
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    codes = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("proj.weight"):
-                continue
-            if fmt == "nf4":
-                q, state = bnbf.quantize_4bit(p.data, blocksize=64, compress_statistics=True, quant_type="nf4")
-                deq = bnbf.dequantize_4bit(q, state)
-                scale = (bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
-                packed = q.reshape(-1)
-                per = torch.stack([packed >> 4, packed & 15], 1).reshape(p.shape)
-                codes[name] = (per.numpy(), scale.view(p.shape[0], -1).numpy())
-            else:
-                cb, scb, _ = bnbf.int8_vectorwise_quant(p.data.half())  # as Int8Params quantises
-                deq = bnbf.int8_vectorwise_dequant(cb, scb)
-                codes[name] = (cb.numpy(), scb.numpy())
-            assert not torch.equal(deq, p.data)  # quantisation changed the weights: the comparison can fail
-            p.copy_(deq)
-    model.save_pretrained(out)
-    return out, codes
-
-
 def _local(r, fmt, fused, layer):
     """A rank's codes [rows, cols] and scales [rows, blocks] of one linear."""
     import numpy as np
@@ -174,9 +144,9 @@ def setup(tmp_path_factory):
     models = {"llama": model, "qwen2": _qwen2(model, root / "qwen2"),
               "phi3": str(make_phi3(root / "phi3", tok, hidden=128))}
     adapters = {k: str(peft_adapter(m, PHI3 if k == "phi3" else KW, root / f"adapter-{k}")) for k, m in models.items()}
-    refs = {fmt: _bnb_reference(model, fmt, root / f"deq-{fmt}") for fmt in ("nf4", "int8")}
-    refs["qwen2"] = _bnb_reference(models["qwen2"], "nf4", root / "deq-qwen2")
-    refs.update({f"phi3-{fmt}": _bnb_reference(models["phi3"], fmt, root / f"deq-phi3-{fmt}")
+    refs = {fmt: bnb_reference(model, fmt, root / f"deq-{fmt}") for fmt in ("nf4", "int8")}
+    refs["qwen2"] = bnb_reference(models["qwen2"], "nf4", root / "deq-qwen2")
+    refs.update({f"phi3-{fmt}": bnb_reference(models["phi3"], fmt, root / f"deq-phi3-{fmt}")
                  for fmt in ("nf4", "int8")})
     return root, models, adapters, refs
 
@@ -213,7 +183,7 @@ def test_quantised_base_equals_bitsandbytes_and_losses_equal_peft(setup):
         kw = PHI3 if kind == "phi3" else KW
         cfg = lora_cfg(models[kind], root, (1, 1, 2), 2, lora_section(kw, adapters[kind]) | {"quantize_base": "nf4"})
         data = prepare(cfg, Path(models[kind]), vocab_of(cfg), builder=True, barrier=None, progress=False)
-        ref_losses[key] = _peft_reference(str(refs[key][0]), adapters[kind], data, cfg)["losses"]
+        ref_losses[key] = peft_reference(str(refs[key][0]), adapters[kind], data, cfg)["losses"]
     assert rel(ref_losses["nf4"][0], ref_losses["int8"][0]) > 1e-4  # the formats differ: the test can fail
     assert rel(ref_losses["nf4"][0], ref_losses["qwen2"][0]) > 1e-4  # so do the biases
     assert rel(ref_losses["phi3-nf4"][0], ref_losses["phi3-int8"][0]) > 1e-4

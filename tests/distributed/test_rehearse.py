@@ -33,7 +33,7 @@ def test_rehearse_refuses_a_bad_layout_before_starting(tmp_path):
 
 @pytest.mark.slow
 def test_rehearse_phi4_mini_with_longrope_at_tp2(tmp_path):
-    """Issue 29: the tiny stand-in of a Phi-4-mini (packed linears, RoPE on 3/4 of each head, LongRoPE with 48
+    """The tiny stand-in of a Phi-4-mini (packed linears, RoPE on 3/4 of each head, LongRoPE with 48
     factors) keeps those switches at its tiny head size and trains, saves and resumes at tp=2."""
     import json
 
@@ -54,7 +54,7 @@ def test_rehearse_phi4_mini_with_longrope_at_tp2(tmp_path):
 
 @pytest.mark.slow
 def test_rehearse_gemma3_image_text_at_cp2(tmp_path):
-    """Issue 29: Gemma-3-4B-it (its hub config.json: an image-text checkpoint whose language model is trained) keeps a
+    """Gemma-3-4B-it (its hub config.json: an image-text checkpoint whose language model is trained) keeps a
     sliding layer (window shrunk below the rehearsal's sequence) and a global one with their own RoPE bases, and
     trains, saves and resumes at cp=2 (the window on the all-gathered keys)."""
     cfg = tmp_path / "run.yaml"
@@ -69,7 +69,7 @@ def test_rehearse_gemma3_image_text_at_cp2(tmp_path):
 
 @pytest.mark.slow
 def test_rehearse_olmoe_with_expert_parallelism_beside_tp():
-    """Issue 30: the shipped OLMoE config (tp 2 × dp_shard 2, ep 2) on 4 processes: a tiny OLMoE with all 64 experts
+    """The shipped OLMoE config (tp 2 × dp_shard 2, ep 2) on 4 processes: a tiny OLMoE with all 64 experts
     (each rank 32) trains with the load-balancing loss, saves and resumes."""
     p = rehearse("configs/olmoe-1b-7b-ep.yaml")
     assert p.returncode == 0, p.stderr[-3000:]

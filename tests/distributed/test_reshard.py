@@ -1,4 +1,4 @@
-"""Resume at another layout (issue 28): a checkpoint saved at one (world size, tp, cp, dp, ZeRO stage, optimizer)
+"""Resume at another layout: a checkpoint saved at one (world size, tp, cp, dp, ZeRO stage, optimizer)
 continues at another with the losses of the run nobody moved (fp32, CPU, gloo).
 
 One chain through every reader and every setter: dp_shard=4 (ZeRO-3) → tp=2 × dp_shard=2 (ZeRO-2) → cp=2 ×
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import demo, run_config  # noqa: F401  (demo: the module's fixture)
 from tests.helpers.dist import run_workers
+from tests.helpers.train import run_config
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -89,7 +89,7 @@ def _close(got, want, what):
     assert worst <= 1e-5, f"{what}: {got} vs {want} (rel {worst:.2e})"
 
 
-def test_resume_moves_across_layouts_world_sizes_and_optimizers(demo, tmp_path):  # noqa: F811
+def test_resume_moves_across_layouts_world_sizes_and_optimizers(demo, tmp_path):
     four = run_workers(_four, 4, demo, str(tmp_path), timeout=900)[0]
     whole = four["whole"]
     assert len(whole) == STEPS and whole[-1] < whole[0] - 0.05, whole  # it learns: the comparison can fail

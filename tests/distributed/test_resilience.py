@@ -1,4 +1,4 @@
-"""Runs that survive a cluster (issue 28), as a user runs them: `nd-adapter train`, 4 CPU processes (tp=2 ×
+"""Runs that survive a cluster, as a user runs them: `nd-adapter train`, 4 CPU processes (tp=2 ×
 dp_shard=2, fp32), against the same run nobody disturbed.
 - SIGTERM sent to the launcher mid-run: every rank finishes its step, the checkpoint is complete, the status is 75
   (requeue), one line says so, and `--resume` continues with the undisturbed run's losses.
@@ -155,8 +155,8 @@ def test_a_failed_save_is_one_line_and_the_last_checkpoint_resumes(base):
 
 
 def test_retention_that_cannot_fit_is_refused_before_step_one(tmp_path):
-    """Issue 28's full-disk case in the large: an 8B model's checkpoints (ZeRO-3 over 2 ranks here, 96 GB each),
-    a hundred kept, cannot fit this disk; the run says so before it builds anything."""
+    """The full-disk case (a run that filled its disk at step 15) in the large: an 8B model's checkpoints (ZeRO-3
+    over 2 ranks here, 96 GB each), a hundred kept, cannot fit this disk; the run says so before it builds anything."""
     cfg = tmp_path / "big.yaml"
     cfg.write_text(yaml.safe_dump({
         "model": {"path": str(ROOT / "configs/models/llama-3.1-8b")}, "parallelism": {"dp_shard_size": 2},

@@ -9,6 +9,7 @@ import pytest
 from adapter import config
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
+from tests.helpers.sft import packed_examples
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
     losses = out[0]["losses"]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     # reference: each rank's first sample through plain transformers, example by example (attention stays inside
-    # an example either way); the step's loss is Σ loss / Σ trained tokens over both ranks' samples (issue 14)
+    # an example either way); the step's loss is Σ loss / Σ trained tokens over both ranks' samples
     data = prepare(_cfg(str(tmp_path)), model_dir, vocab_of(_cfg(str(tmp_path))), progress=False)
     assert data.reused and str(data.path) == out[0]["path"]
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
@@ -67,14 +68,10 @@ def test_sft_run_matches_transformers_on_its_first_step(tmp_path):
     with torch.no_grad():
         for r in range(2):
             (i,) = out[r]["first"]
-            s, bounds = data.train[i], data.train.examples(i)
             total, count = 0.0, 0
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                ids = torch.as_tensor(s["tokens"][a:b])[None]
-                logits = hf(input_ids=ids).logits[0]
-                ce = torch.nn.functional.cross_entropy(logits, torch.as_tensor(s["labels"][a:b]), reduction="none")
-                total += float((ce * torch.as_tensor(s["loss_mask"][a:b])).sum())
-                count += int(s["loss_mask"][a:b].sum())
+            for loss_sum, n, _ in packed_examples(hf, data.train, i):
+                total += float(loss_sum)
+                count += int(n)
             totals.append(total)
             counts.append(count)
     ref = sum(totals) / sum(counts)

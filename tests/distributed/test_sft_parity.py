@@ -1,8 +1,8 @@
-"""Issue 14's reference parity: a chat_template dataset with turns of very different lengths, packed, trained by
+"""SFT's reference parity: a chat_template dataset with turns of very different lengths, packed, trained by
 nd-adapter at tp=2 and at dp_shard=2 for several steps (and unpacked at cp=2, where each micro-batch is cut after
 its last trained position), against plain transformers trained on the same prepared samples (each example attended
 on its own), the same masks and the same normalisation (Σ loss / Σ trained tokens of the step), torch AdamW under
-transformers' cosine schedule with warm-up, fp32 on CPU. Issue 29: a Phi-3 (packed HF linears, its pad token its EOS,
+transformers' cosine schedule with warm-up, fp32 on CPU. Likewise a Phi-3 (packed HF linears, its pad token its EOS,
 partial rotary, LongRoPE) and a GLM-4 (post-norms, interleaved partial rotary, q/k/v biases) the same way, packed, at
 tp=2 (+SP) and dp_shard=2."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from adapter import config
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
-from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, rel
+from tests.helpers.sft import make_gemma, make_glm4, make_model, make_phi3, packed_examples, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WARMUP = 128, 2e-3, 4, 1
@@ -37,7 +37,7 @@ def _cfg(model_dir: str, root: str, parallelism: dict, micro: int, pack: bool = 
     return config.build(raw, env={}, world_size=2)
 
 
-FAMILIES = ("phi3", "glm4", "gemma3", "gemma2")  # issue 29's families, packed at tp=2 (+SP) and dp_shard=2
+FAMILIES = ("phi3", "glm4", "gemma3", "gemma2")  # Phi-3, GLM-4, Gemma 3 and 2: packed at tp=2 (+SP) and dp_shard=2
 PACKED = ("tp=2", "dp_shard=2")
 
 
@@ -106,7 +106,6 @@ def test_chat_sft_matches_transformers_packed_at_tp2_dp2_and_unpacked_at_cp2(mod
 
 def _reference(model_dir, data, cfg) -> list[float]:
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     from adapter.data import DPSampler
@@ -121,12 +120,8 @@ def _reference(model_dir, data, cfg) -> list[float]:
     for _ in range(STEPS):
         total, count = 0.0, 0.0
         for i in next(order):
-            s, bounds = data.train[i], data.train.examples(i)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                logits = hf(input_ids=torch.as_tensor(s["tokens"][a:b])[None]).logits[0].float()
-                ce = F.cross_entropy(logits, torch.as_tensor(s["labels"][a:b]), reduction="none")
-                mask = torch.as_tensor(s["loss_mask"][a:b])
-                total, count = total + (ce * mask).sum(), count + float(mask.sum())
+            for loss_sum, n, _ in packed_examples(hf, data.train, i):
+                total, count = total + loss_sum, count + n
         loss = total / count
         loss.backward()
         opt.step()

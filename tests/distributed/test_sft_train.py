@@ -395,7 +395,7 @@ def _phi3_worker(rank, world, model_dir, root, pad):
 
 
 def test_phi3_matches_transformers_with_its_pad_row_held(tmp_path):
-    """Issue 29: a Phi-3 (q, k, v and gate, up packed in one HF tensor each; its pad token is its EOS) trains as
+    """A Phi-3 (q, k, v and gate, up packed in one HF tensor each; its pad token is its EOS) trains as
     transformers trains it, at tp=2 and dp_shard=2, with the pad token inside the samples."""
     import json
 

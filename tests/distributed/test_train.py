@@ -5,6 +5,7 @@ import pytest
 
 from adapter import config
 from tests.helpers.dist import run_workers
+from tests.helpers.train import run_config
 
 pytestmark = pytest.mark.slow
 
@@ -22,29 +23,6 @@ LAYOUTS = {"dp_shard=4": ((1, 4, 1, 1), {}), "tp=2,dp_shard=2": ((1, 2, 1, 2), {
            # torch.compile'd layers (graph breaks at Megatron's TP linears) under ZeRO-2's gradient hooks
            "tp=2,dp_shard=2 (ZeRO-2, compiled layers)": ((1, 2, 1, 2), {"deepspeed.zero_stage": 2,
                                                                          "model.compile": True})}
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from adapter.convert.to_megatron import hf_to_megatron
-    from adapter.demo.build import build_demo
-
-    root = tmp_path_factory.mktemp("demo")
-    paths = build_demo(root, vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
-    hf_to_megatron(paths["model"], root / "megatron", tp=2, dtype="fp32", progress=False)
-    return {k: str(v) for k, v in paths.items()} | {"megatron": str(root / "megatron"), "root": str(root)}
-
-
-def run_config(demo, shape, steps=10, world=4, **over):
-    r, s, c, t = shape
-    raw = {"model": {"path": demo["model"], "checkpoint": demo["megatron"]},
-           "parallelism": {"dp_replicate_size": r, "dp_shard_size": s, "cp_size": c, "tp_size": t},
-           "batch": {"micro_batch_size": 1, "global_batch_size": 4}, "seq_len": 64, "precision": "fp32",
-           "optimizer": {"lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "max_steps": steps},
-           "data": {"files": [demo["data"]], "cache_dir": f"{demo['root']}/cache"}}
-    for k, v in over.items():
-        config.set_dotted(raw, k, v)
-    return config.with_grad_accum(config.build(raw, env={}, world_size=world))
 
 
 MASKED = {"dp_shard=4 +document_mask": ((1, 4, 1, 1), {"data.document_mask": True}),
@@ -325,7 +303,7 @@ def test_8bit_adamw_on_every_optimizer_path_resumes_exactly_and_tracks_fp32(demo
 
 
 def _new_schedule_worker(rank, world, demo, root):
-    """2 steps of a 2-step cosine run, saved; resumed as a 4-step run (issue 26: Axolotl's example resumed with a
+    """2 steps of a 2-step cosine run, saved; resumed as a 4-step run (Axolotl's example resumed with a
     longer max_steps took its next step at the old schedule's final rate, 0)."""
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train as run

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adapter.errors import UserError
-from tests.distributed.test_attention import _cp_diffs, _qkv_dout, _reference
+from tests.helpers.attention import cp_diffs, qkv_dout, sdpa_reference
 from tests.helpers.dist import run_workers
 
 
@@ -24,15 +24,15 @@ def _cuda_worker(rank, world):
     # where the efficient-attention ring used to crash), Llama-3.2-1B heads.
     for shape in (dict(s=1024, b=2, np_=8, ng=2, d=128), dict(s=16384, b=1, np_=32, ng=8, d=64),
                   dict(s=32768, b=1, np_=32, ng=8, d=64)):
-        full = [t.cuda() for t in _qkv_dout(**shape)]
-        ref = _reference(*full)  # fp32; bf16 is judged against the error of plain bf16 SDPA at cp=1
-        bf16_cp1 = _reference(*(t.bfloat16() for t in full))
+        full = [t.cuda() for t in qkv_dout(**shape)]
+        ref = sdpa_reference(*full)  # fp32; bf16 is judged against the error of plain bf16 SDPA at cp=1
+        bf16_cp1 = sdpa_reference(*(t.bfloat16() for t in full))
         bf16_tol = 2 * max((a.float() - b).abs().max().item() for a, b in zip(bf16_cp1, ref))
         del full, ref, bf16_cp1
         cases = [("all_gather", torch.float32, 1e-4)] if shape["s"] == 1024 else []
         cases += [("all_gather", torch.bfloat16, bf16_tol), ("p2p", torch.bfloat16, bf16_tol)]
         for comm, dtype, tol in cases:
-            diff, wrong = _cp_diffs(rank, world, comm, dist.group.WORLD, dtype, "cuda", **shape)
+            diff, wrong = cp_diffs(rank, world, comm, dist.group.WORLD, dtype, "cuda", **shape)
             res[f"{comm}_{shape['s']}_{str(dtype)[6:]}"] = (diff, tol, wrong)
     q, k, v = (torch.randn(8192, 1, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for n in (32, 8, 8))

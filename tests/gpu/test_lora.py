@@ -1,13 +1,13 @@
 """GPU host only (`pytest -m gpu`): the 4- and 8-bit LoRA base on CUDA equals bitsandbytes' CUDA kernels, and LoRA /
 QLoRA runs on one GPU follow transformers + PEFT (+ bitsandbytes for QLoRA, loaded as Axolotl loads it) on the same
-batches within bf16's band (issue 27), a mixture of experts' too (issue 30: only its attention quantised)."""
+batches within bf16's band, a mixture of experts' too (only its attention quantised)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.distributed.test_lora import ALL7, lora_section
 from tests.helpers.dist import run_workers
+from tests.helpers.lora import ALL7, lora_section
 from tests.helpers.sft import make_model, peft_adapter, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.attention import packed_batch
 from tests.helpers.dist import run_workers
 
 HQ, HK, D = 32, 8, 64
@@ -16,9 +17,7 @@ DOCS = ([1, 3, 700, 2, 1333, 57, 2000], [4096])
 
 
 def _batch():
-    from tests.distributed.test_packed import batch
-
-    return batch(docs=DOCS, s=4096)
+    return packed_batch(DOCS)
 
 
 def _per_doc_reference(q, k, v, dout, lens, dtype):
@@ -122,7 +121,7 @@ def _compile_worker(rank, world):
     from adapter.modeling.compile import compile_layers
     from adapter.modeling.gpt import build_gpt_model
     from adapter.models.arch import arch_from_hf_dict
-    from tests.distributed.test_model import hf_config, init_megatron
+    from tests.helpers.gpt import hf_config, init_megatron
 
     torch.cuda.set_device(0)
     init_megatron(tp=1)
@@ -162,7 +161,7 @@ def _compile_worker(rank, world):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sliding_window_on_cuda_matches_masked_reference():
-    """Gemma's local layers on the GPU (issue 29): FlashAttention's windowed kernels, packed (varlen) and plain
+    """Gemma's local layers on the GPU: FlashAttention's windowed kernels, packed (varlen) and plain
     causal (SDPAttention runs each sample as one varlen sequence), against an fp32 masked SDPA per document; the
     same bf16 band as above, and a window the kernel ignored would miss by O(1)."""
     import torch.nn.functional as F

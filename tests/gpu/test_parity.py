@@ -1,6 +1,6 @@
 """GPU host only (`pytest -m gpu`): conversion on this machine's torch verifies, and a converted checkpoint fine-tunes
 like plain transformers on the same batches. Run before a change to conversion, loading or the training path lands
-(issue 19: the converter wrote wrong tensors only where CUDA is visible, and nothing in the CPU suite could see it)."""
+(the converter once wrote wrong tensors only where CUDA is visible, and nothing in the CPU suite could see it)."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,7 +22,8 @@ def _parity_module():
 
 
 def test_convert_here_then_verify_on_the_gpu(tmp_path):
-    """Issue 19's case: hidden 256, 4 layers, 8/4 heads, tied, bf16, converted with CUDA visible."""
+    """That case (docs/BENCHMARKS.md, 2026-12-01, "conversion on the GPU host"): hidden 256, 4 layers, 8/4 heads,
+    tied, bf16, converted with CUDA visible."""
     import torch
 
     from adapter.convert.to_megatron import hf_to_megatron
@@ -72,9 +73,9 @@ def test_bf16_states_follow_transformers_all_bf16(tmp_path):
 @pytest.mark.parametrize("case", ["phi3_longrope", "phi3_longrope_past_original", "glm4", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmoe"])
 def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):
-    """Issue 29's families on CUDA (fused kernels on): Phi-3 with partial rotary and LongRoPE (our RoPE tables,
-    scaled; and past its original context, where the long factors take over), GLM-4 with post-norms and interleaved
-    partial rotary (Megatron's own RoPE); issue 30's mixtures of experts (Megatron's MoE layer with the all-to-all
+    """The families beyond Llama's layer on CUDA (fused kernels on): Phi-3 with partial rotary and LongRoPE (our
+    RoPE tables, scaled; and past its original context, where the long factors take over), GLM-4 with post-norms and
+    interleaved partial rotary (Megatron's own RoPE); the mixtures of experts (Megatron's MoE layer with the all-to-all
     dispatcher the GPU runs): conversion here, and the model's fp32 logits against transformers'."""
     import json
 
@@ -96,7 +97,7 @@ def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):
 
 
 def test_moe_finetune_follows_transformers_amp(tmp_path):
-    """Issue 30: a Qwen3-MoE (8 experts, top 2, load-balancing loss 0.01) trained 10 steps by launch/train.py in
+    """A Qwen3-MoE (8 experts, top 2, load-balancing loss 0.01) trained 10 steps by launch/train.py in
     bf16 against transformers AMP on the same batches, both adding coef × aux to the loss: step 1 (before any
     update) within bf16 rounding, the curve within what precision moves it."""
     r = _parity_module().main(["--shape", "qwen3moe-small", "--steps", "10", "--out", str(tmp_path / "parity")])

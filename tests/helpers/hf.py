@@ -54,7 +54,7 @@ CASES = {  # name -> (config class, overrides)
         "partial_rotary_factor": 0.75, "max_position_embeddings": 1024, "original_max_position_embeddings": 128,
         "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
                          "long_factor": [2.0, 3.0, 4.0, 6.0, 9.0, 14.0]}}),
-    # mixtures of experts (issue 30): 4 experts, top 2, routed as each family does; the aux loss on
+    # mixtures of experts: 4 experts, top 2, routed as each family does; the aux loss on
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4,
                                      "num_experts_per_tok": 2, "norm_topk_prob": True, "use_sliding_window": False,
                                      "output_router_logits": True, "router_aux_loss_coef": 0.1}),

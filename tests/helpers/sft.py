@@ -47,6 +47,21 @@ def hf_loss(model, batch):
     return (ce * mask).sum() / mask.sum().clamp(min=1)
 
 
+def packed_examples(model, samples, i: int, device=None, **forward):
+    """The examples packed into sample `i` of `samples` (prepared SFT data: `examples(i)` bounds them), each through
+    the HF `model` on its own (attention stays inside an example either way). Yields, per example, the Σ of its
+    trained tokens' cross-entropy, how many they are, and the model's output; `forward`: the model's other keywords."""
+    import torch
+    import torch.nn.functional as F
+
+    s, bounds = samples[i], samples.examples(i)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out = model(input_ids=torch.as_tensor(s["tokens"][a:b], device=device)[None], **forward)
+        ce = F.cross_entropy(out.logits[0].float(), torch.as_tensor(s["labels"][a:b], device=device), reduction="none")
+        mask = torch.as_tensor(s["loss_mask"][a:b], device=device)
+        yield (ce * mask).sum(), float(mask.sum()), out
+
+
 def axolotl_freeze(model, patterns: list[str]) -> None:
     """Axolotl's `unfrozen_parameters` on an HF model, as its utils/freeze.py does it: `re.match` on each parameter
     name with literal dots, the rest frozen; a trailing [start:end] zeroes the other rows' gradient."""

@@ -2,8 +2,6 @@
 Axolotl's own ND-parallel example configs passing `plan` unchanged with their hub ids in a local HF cache."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -16,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapter import config
-from adapter.cli import main
 from adapter.config import axolotl
 from adapter.errors import UserError
 from adapter.models.resolved import resolve_run
+from tests.helpers.cli import run_cli
 from tests.helpers.hub import add_to_hub_cache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,13 +28,6 @@ BASE = {"base_model": str(LLAMA8B), "sequence_len": 2048, "max_steps": 10, "lear
 
 def build(world=1, **keys):
     return config.build({**BASE, **keys}, env={}, world_size=world)
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("keys, want", [({"bf16": True}, "bf16"), ({"bf16": "auto"}, "bf16"),
@@ -293,7 +284,7 @@ def test_example_plan_in_a_real_process_says_each_note_once(hf_home):
     p = subprocess.run([sys.executable, "-m", "adapter", "plan", str(FIXTURES / "llama-3_1-8b-hsdp-tp.yaml")],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and not p.stderr.strip(), p.stderr
-    assert "ignored Axolotl keys" not in p.stdout  # dataset_prepared_path is read by the data side (issue 14)
+    assert "ignored Axolotl keys" not in p.stdout  # dataset_prepared_path is read by the data side
     assert p.stdout.count("kernels: nd-adapter's own are used") == 1
     assert "16.06 GB" in p.stdout and "converting them once" in p.stdout
 
@@ -353,7 +344,7 @@ def test_axolotl_defaults_where_ours_differ():
 
 def test_numbers_as_axolotl_reads_them():
     """YAML 1.1 reads `2e-5` (no dot) as a string; Axolotl's schema turns it into a number, and so does this (it
-    crashed with cosine_min_lr_ratio: issue 26)."""
+    crashed with cosine_min_lr_ratio on Axolotl's examples)."""
     cfg = build(learning_rate="2e-5", cosine_min_lr_ratio="0.1", lr_scheduler="cosine", micro_batch_size="2",
                 sequence_len="4_096", weight_decay="1e-2", warmup_steps="10")
     assert cfg.optimizer.lr == 2e-5 and abs(cfg.optimizer.min_lr - 2e-6) < 1e-18 and cfg.batch.micro_batch_size == 2
@@ -416,8 +407,7 @@ def test_model_type_must_be_a_causal_lm():
 
 def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
     """ALST's min_sample_len 200000 against the rehearsal's 512-token sequences dropped every example; the first
-    lines said bf16 while the rehearsal runs fp32 (issue 26)."""
-    from adapter.models.resolved import resolve_run
+    lines said bf16 while the rehearsal runs fp32."""
     from adapter.train.rehearse import rehearsal
 
     data = tmp_path / "d.jsonl"
@@ -431,7 +421,7 @@ def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
 
 
 def test_an_unknown_architecture_is_said_first(tmp_path):
-    """A QLoRA example (then Gemma 3) took five rounds of fixes before `unknown model architecture` (issue 26): the
+    """A QLoRA example (then Gemma 3) took five rounds of fixes before `unknown model architecture`: the
     model is checked before any key of the file."""
     model = tmp_path / "gemma"
     model.mkdir()

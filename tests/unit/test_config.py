@@ -44,7 +44,7 @@ def test_axolotl_yaml_unchanged(recwarn):
     assert (p.dp_replicate_size, p.dp_shard_size, p.cp_size, p.tp_size) == (2, 4, 1, 2)
     assert cfg.source == "axolotl" and cfg.seq_len == 2048 and cfg.grad_accum == 4
     assert not [w for w in recwarn if "Axolotl" in str(w.message)]  # notes for the run's first lines, not warnings
-    assert not [n for n in cfg.notes if n.startswith("ignored Axolotl keys")]  # special_tokens is read (issue 14)
+    assert not [n for n in cfg.notes if n.startswith("ignored Axolotl keys")]  # special_tokens is read
     assert any(n.startswith("kernels: nd-adapter's own are used") and "flash_attention" in n for n in cfg.notes)
     assert cfg.data.special_tokens.pad_token == "<|end_of_text|>"
 
@@ -181,7 +181,7 @@ def test_rule_unknown_architecture(tmp_path):
 
 
 def test_rule_sliding_window_and_rope(tmp_path):
-    """Mistral v0.1's window (4096 of 32768 positions) is attention's own (adapter/kernels, issue 29): sequences
+    """Mistral v0.1's window (4096 of 32768 positions) is attention's own (adapter/kernels): sequences
     longer than it run, packed or not; the ring (cp_comm_type p2p) does not run windows and is refused in one line."""
     from adapter.models import checks
 

@@ -46,7 +46,7 @@ def test_round_trip_bit_exact_and_loads_in_transformers(tmp_path, monkeypatch, c
 
 @pytest.mark.parametrize("modern", [False, True])
 def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path, modern):
-    """Gemma3ForConditionalGeneration (issue 29): its language model is converted (either naming), the vision tower
+    """Gemma3ForConditionalGeneration: its language model is converted (either naming), the vision tower
     and projector are left out, the logits equal transformers' (text input) and the export is that language model as
     Gemma3ForCausalLM, bit for bit."""
     from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
@@ -303,7 +303,7 @@ def test_verify_logits_in_process_and_load_refuses_wrong_model(tmp_path):
         dist.destroy_process_group()
 
 
-# ---- issue 19: the writer never depends on DCP's loader; checksums refuse damage ---------------------------------
+# ---- the writer never depends on DCP's loader (with CUDA visible it resolved chunks ahead); checksums refuse damage
 
 
 def test_writer_exact_when_dcp_resolves_ahead(tmp_path, monkeypatch):

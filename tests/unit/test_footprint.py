@@ -1,5 +1,6 @@
 """What a run writes (adapter/models/footprint.py): checkpoint sizes by ZeRO stage, optimizer and adapters, and the
-one-line refusal when the retention cannot fit the disk (issue 28)."""
+one-line refusal when the retention cannot fit the disk (a run on the GPU host died at step 15 inside torch.save,
+keeping four 15 GB checkpoints on a 64 GB disk)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,7 +28,7 @@ def cfg(**over):
 def test_checkpoint_sizes():
     arch = load_arch(MODEL)
     n = num_params(arch)
-    # issue 28's case: bf16 weights beside fp32 master weights and moments, 14 bytes a parameter (~17 GB at 1.24B)
+    # that run's case: bf16 weights beside fp32 master weights and moments, 14 bytes a parameter (~17 GB at 1.24B)
     assert footprint.checkpoint_bytes(planned(cfg(), arch), stage=1) == 14 * n
     # ZeRO-3: the partitions are the optimizer's
     assert footprint.checkpoint_bytes(planned(cfg(), arch), stage=3) == 12 * n

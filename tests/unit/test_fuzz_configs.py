@@ -1,4 +1,4 @@
-"""1,000+ generated Axolotl configs (issue 28), dataset and adapter sections included, through what `plan` runs (the
+"""1,000+ generated Axolotl configs, dataset and adapter sections included, through what `plan` runs (the
 dialect mapping, validation, the model and layout checks, the plan itself): each is a plan or a one-line UserError,
 never another exception. In-process, so a thousand cost seconds, not minutes."""
 from __future__ import annotations

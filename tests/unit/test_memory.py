@@ -148,9 +148,9 @@ def test_zero_stage_only_when_there_is_something_to_shard():
 
 def test_optimizer_step_transients_by_stage():
     """ZeRO-1/2 step: flat 16-bit partition copy + fp32 copy of the whole partition (2 + 4 bytes/param on top of the
-    16 of model states); ZeRO-3: one fp32 sub_group. The Mistral-7B shape on one H200 (issue 19) peaks there and
-    ran out of memory at every micro-batch size under DeepSpeed's step; plan must say so. The flat AdamW (the
-    default with nothing to shard) has no step transient."""
+    16 of model states); ZeRO-3: one fp32 sub_group. The Mistral-7B shape on one H200 (docs/BENCHMARKS.md,
+    2026-12-01, "the one-GPU memory check") peaks there and ran out of memory at every micro-batch size under
+    DeepSpeed's step; plan must say so. The flat AdamW (the default with nothing to shard) has no step transient."""
     from pathlib import Path
 
     from adapter.models.arch import load_arch

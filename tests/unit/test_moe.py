@@ -1,4 +1,4 @@
-"""Mixture-of-experts records (issue 30), torch-free: what the configs say, what is refused in one line, `plan`."""
+"""Mixture-of-experts records, torch-free: what the configs say, what is refused in one line, `plan`."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import pytest
 
 from adapter.errors import UserError
 from adapter.models.arch import arch_from_hf_dict, load_arch
+from tests.helpers.cli import run_cli
 from tests.helpers.runs import planned
-from tests.unit.test_plan_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs/models"
@@ -121,7 +121,7 @@ def test_axolotl_model_config_switches_the_load_balancing_loss(tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "not a mixture of experts" in err
 
 
-# ---- expert parallelism (issue 30, part 3): layout, plan, search; training refuses it in one line for now ----------
+# ---- expert parallelism: layout, plan, search, and what is refused in one line ----------------------------------
 
 def test_expert_groups_are_megatrons_over_dp_and_cp():
     """ep is the innermost factor of the flattened dp × cp index (Megatron's expert order "tp-ep-dp-pp" with expert

@@ -1,8 +1,6 @@
 """`nd-adapter plan`: JSON schema, table output, and no traceback for any input (hypothesis)."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -13,19 +11,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapter.cli import main
 from adapter.plan.build import Plan
+from tests.helpers.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG16 = str(ROOT / "configs/llama-3.1-8b-hsdp-tp.yaml")
 SCHEMA = ROOT / "docs/plan-schema.json"
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_plan_json_matches_documented_schema():

@@ -259,7 +259,7 @@ def test_relative_dataset_paths_are_read_from_the_config_directory(model, tmp_pa
 
 def test_pretokenised_labels_note_only_when_the_column_is_missing(model, tmp_path):
     """Rows with a labels column keep their masks; only rows without one train every token, and only those are
-    named in the note (it was said of both: issue 26)."""
+    named in the note (it was once said of both)."""
     ids = [[5, 6, 7, 8], [9, 10, 11]]
     with_labels = write_jsonl(tmp_path / "l.jsonl", [{"input_ids": i, "labels": [-100] + i[1:]} for i in ids])
     bare = write_jsonl(tmp_path / "b.jsonl", [{"input_ids": i} for i in ids])

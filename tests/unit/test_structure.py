@@ -1,5 +1,6 @@
 """The code's map stays true: imports follow the documented flow without cycles, the torch-free folders load no
-torch, and every file path or `adapter.` name the README, docs/, docstrings and comments give exists.
+torch, the README's map names every module, every file path or `adapter.` name the README, docs/, docstrings and
+comments give exists and none of them names an issue number; test modules share code only through tests/helpers/.
 
 The flow (README, "Layout of the code"): config -> parallel -> models (torch-free facts) -> kernels / modeling (the
 torch model) -> data -> convert -> train; plan reads only config, parallel and models. `errors` and `osutil` are
@@ -168,6 +169,144 @@ def test_torch_free_modules_load_no_torch_and_plan_runs_without_it():
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---- the README's code map names every module --------------------------------------------------------------------
+
+def code_map(readme: str) -> dict[str, str]:
+    """Folder of adapter/ ("" for the package itself, "data/sft" for a subfolder) -> the text of its entry in the
+    README's "Layout of the code" block. A folder's entry starts at its name followed by spaces (`─► config/    ...`,
+    `plan/          ...`) and runs on over the indented lines below it; a line at the margin that names no folder
+    (`cli.py, ...`) is the package's own; inside an entry, `sft/: ...` starts the subfolder's, to the entry's end."""
+    block = readme.split("## Layout of the code", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        m = re.match(r"\s*(?:─►\s*)?([a-z_]+)/\s{2,}", line)
+        if m:
+            current = m.group(1)
+            entries[current] = line[m.end():]
+        elif line and not line[0].isspace():
+            current = ""
+            entries[""] = entries.get("", "") + "\n" + line
+        elif current is not None:
+            entries[current] += "\n" + line
+    for folder, text in list(entries.items()):
+        for sub in re.finditer(r"(?<![\w/])([a-z_]+)/:", text):
+            entries[f"{folder}/{sub.group(1)}".strip("/")] = text[sub.end():]
+    return entries
+
+
+def unmapped_modules(readme: str, pkg: Path = PKG) -> list[str]:
+    """The modules of `pkg` whose file stem does not appear in their folder's entry of the code map."""
+    entries = code_map(readme)
+    missing = []
+    for p in sorted(pkg.rglob("*.py")):
+        folder = p.parent.relative_to(pkg).as_posix()
+        text = entries.get("" if folder == "." else folder)
+        if p.stem != "__init__" and (text is None or not re.search(rf"(?<!\w){re.escape(p.stem)}(?!\w)", text)):
+            missing.append(p.relative_to(pkg.parent).as_posix())
+    return missing
+
+
+def test_the_readme_code_map_names_every_module():
+    assert unmapped_modules((ROOT / "README.md").read_text()) == [], \
+        "name the module in its folder's entry of the README's \"Layout of the code\""
+
+
+def test_the_code_map_check_catches_a_missing_module(tmp_path):
+    readme = ("# x\n\n## Layout of the code\n\n```\nYAML\n ─► config/    schema.py (RunConfig), load.py\n"
+              "               (paths), hub.py\n ─► data/      documents ─► sampler;\n"
+              "               sft/: sources ─► bins\nplan/          build.py + profiles/: reads config/\n"
+              "cli.py, errors.py\n```\n\nTests: timing.py\n")
+    for rel in ("__init__.py", "cli.py", "errors.py", "osutil.py", "config/__init__.py", "config/schema.py",
+                "config/load.py", "config/hub.py", "config/axolotl.py", "data/documents.py", "data/sampler.py",
+                "data/sft/__init__.py", "data/sft/sources.py", "data/sft/bins.py", "data/sft/report.py",
+                "plan/build.py", "plan/timing.py", "demo/run.py"):
+        (tmp_path / "adapter" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "adapter" / rel).write_text("")
+    assert unmapped_modules(readme, tmp_path / "adapter") == [
+        "adapter/config/axolotl.py", "adapter/data/sft/report.py", "adapter/demo/run.py", "adapter/osutil.py",
+        "adapter/plan/timing.py"]
+
+
+# ---- no issue numbers: a reader of the repository cannot look them up --------------------------------------------
+
+ISSUE = re.compile(r"(?<![\w-])[Ii]ssues?[ -]#?\d+(?!\w)")
+
+
+def _notes():
+    """(where, text) of what explains the code to a reader: _texts() (README, docs/ but the dated log, docstrings and
+    comments), the other Markdown files, and the comments of the shipped YAML configs (not tests/fixtures/: those
+    are Axolotl's files, copied unchanged)."""
+    yield from _texts()
+    for top in ("adapter", "bench", "configs", "launch", "tests"):
+        for p in sorted((ROOT / top).rglob("*.md")):
+            yield str(p.relative_to(ROOT)), p.read_text()
+    for top in ("configs", "bench"):
+        for p in sorted((ROOT / top).rglob("*.y*ml")):
+            yield str(p.relative_to(ROOT)), "\n".join(line.split("#", 1)[1] for line in p.read_text().splitlines()
+                                                      if "#" in line)
+
+
+def issue_numbers(notes) -> list[str]:
+    """Every "issue N" (or "issues N", "issue-N", "issue #N") in the (where, text) pairs."""
+    return [f"{where}: {m.group(0)}" for where, text in notes for m in ISSUE.finditer(text)]
+
+
+def test_no_comment_or_doc_names_an_issue_number():
+    assert issue_numbers(_notes()) == [], \
+        "say the reason, or point to a docs/BENCHMARKS.md entry by its date and heading, instead of the issue number"
+
+
+def test_the_issue_check_catches_an_issue_number():
+    notes = [("a.py", "fixed in issue 19; see Issue-6 and issues 27, 28"), ("b.md", "tracked as issue #4."),
+             ("c.py", "plain TP issues 3x fewer collectives; the issue's target; tissue 5; nccl-tests#212")]
+    assert issue_numbers(notes) == ["a.py: issue 19", "a.py: Issue-6", "a.py: issues 27", "b.md: issue #4"]
+
+
+# ---- tests share code only through tests/helpers/ ----------------------------------------------------------------
+
+def foreign_test_imports(tests: Path = ROOT / "tests") -> list[str]:
+    """Imports, anywhere in a file under `tests` (a test module, a conftest, a helper), of a `tests.` module outside
+    tests.helpers: one test module reading another's helpers or fixtures, or a conftest's names."""
+    bad = []
+    for p in sorted(tests.rglob("*.py")):
+        pkg = list(p.relative_to(tests.parent).parent.parts)
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + [node.module or ""]).strip(".") if node.level \
+                    else node.module or ""
+                names = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] == tests.name and name.split(".")[1:2] != ["helpers"]:
+                    bad.append(f"{p.relative_to(tests.parent)}:{node.lineno}: {name}")
+    return bad
+
+
+def test_tests_import_shared_code_only_from_helpers():
+    assert foreign_test_imports() == [], "move what test modules share into tests/helpers/ (fixtures: a conftest.py)"
+
+
+def test_the_test_import_check_catches_a_test_module_imported(tmp_path):
+    tests = tmp_path / "tests"
+    for rel, text in {"__init__.py": "", "conftest.py": "", "helpers/__init__.py": "", "helpers/x.py": "",
+                      "unit/__init__.py": "", "unit/test_b.py": "def run():\n    pass\n",
+                      "unit/test_a.py": ("from tests.helpers.x import y\nfrom tests.helpers import x\n"
+                                         "from tests.unit.test_b import run\nfrom .test_b import run\n"
+                                         "from ..helpers import x\n"),
+                      "gpu/test_c.py": "def f():\n    from tests.conftest import KEY\n    import tests.unit.test_b\n"
+                      }.items():
+        (tests / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tests / rel).write_text(text)
+    assert foreign_test_imports(tests) == ["tests/gpu/test_c.py:2: tests.conftest.KEY",
+                                           "tests/gpu/test_c.py:3: tests.unit.test_b",
+                                           "tests/unit/test_a.py:3: tests.unit.test_b.run",
+                                           "tests/unit/test_a.py:4: tests.unit.test_b.run"]
 
 
 # ---- named paths -------------------------------------------------------------------------------------------------

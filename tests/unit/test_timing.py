@@ -219,7 +219,7 @@ def _validation():
 
 def test_predictions_match_the_recorded_gpu_runs():
     """Measured numbers are copied from docs/BENCHMARKS.md and NOTES.md into bench/plan_vs_measured.py; every run on
-    today's code path must be predicted within ±15% (the issue's target), older ones are listed, not asserted."""
+    today's code path must be predicted within ±15% (the model's target), older ones are listed, not asserted."""
     rows = _validation().rows()
     current = [r for r in rows if r["code"].startswith("current")]
     assert len(current) >= 9
