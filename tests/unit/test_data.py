@@ -199,6 +199,10 @@ def test_builder_error_reaches_every_rank(tok_dir, tmp_path):
     (lambda p: None, r"^data\.files='.*missing\.jsonl': no such file\. Fix:"),
     (lambda p: (p / "missing.jsonl").write_text("\n\n"), r"^data\.files=\[.*\]: no documents"),
     (lambda p: (p / "missing.jsonl").write_text('{"content": "x"}\n'), r"^data\.text_key='text': .*line 1"),
+    (lambda p: (p / "missing.jsonl").write_text('[\n {"text": "a"},\n {"text": "b"}\n]\n'),
+     r"^data\.files='.*missing\.jsonl': is one JSON array, not JSON Lines \(one object per line\)\. Fix: convert it, "
+     r"e\.g\. jq -c '\.\[\]' missing\.jsonl > missing-lines\.jsonl, and list that file$"),
+    (lambda p: (p / "missing.jsonl").write_text('[{"text": "a"}, {"text": "b"}]\n'), r"is one JSON array, not JSON"),
 ])
 def test_user_errors_name_the_key(tok_dir, tmp_path, setup, match):
     setup(tmp_path)
