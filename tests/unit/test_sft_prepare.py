@@ -225,6 +225,81 @@ def test_bad_input_is_one_line_status_2_and_nothing_written(model, tmp_path, cap
     assert not [p for p in left if p.is_dir()], left  # at most the builder's error note for the other ranks
 
 
+def _preprocess(model, tmp_path, capsys, entry: dict, command: str = "preprocess", **top) -> str:
+    """`nd-adapter <command>` on one dataset entry: asserts exit status 2 and one line, returns the message, and
+    that no directory was left under the prepared path (at most the builder's error note for the other ranks)."""
+    raw = {"base_model": str(model), "sequence_len": 256, "datasets": [entry], "learning_rate": 1e-5,
+           "dataset_prepared_path": str(tmp_path / "prepared"), **top}
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert cli.main([command, "--config", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nd-adapter: error: "), err
+    left = list((tmp_path / "prepared").iterdir()) if (tmp_path / "prepared").exists() else []
+    assert not [p for p in left if p.is_dir() or not p.name.endswith(".error")], left
+    return err.removeprefix("nd-adapter: error: ")
+
+
+ROW = (json.dumps({"instruction": "Say hi.", "output": "Hi."}) + "\n").encode()
+CHAT_ENTRY = {"type": "chat_template", "chat_template": "chatml"}
+FILES = {  # file name (a trailing / : a directory of two such empty files), bytes, entry keys, message
+    "empty chat file": ("c.jsonl", b"", CHAT_ENTRY,
+                        r"^datasets\[0\]\.path='.*c\.jsonl': the file is empty \(0 bytes\)\. Fix: point path at a "
+                        r"file with rows, or remove the entry$"),
+    "blank alpaca file": ("a.jsonl", b"\n  \n", {"type": "alpaca"}, r"'.*a\.jsonl': the file is empty \(blank lines"),
+    "empty completion file": ("t.jsonl", b"", {"type": "completion"}, r"'.*t\.jsonl': the file is empty"),
+    "empty csv": ("a.csv", b"", {"type": "alpaca"}, r"'.*a\.csv': the file is empty"),
+    "directory of empty files": ("d/", b"", {"type": "alpaca"},
+                                 r"^datasets\[0\]\.path='.*d': its data files are all empty \(a\.jsonl, b\.jsonl\)"),
+    "csv header alone": ("a.csv", b"instruction,output\n", {"type": "alpaca"},
+                         r"^datasets\[0\]\.path='.*a\.csv': holds no rows \(a header alone\)\. Fix:"),
+    "empty JSON array": ("a.json", b"[]", {"type": "alpaca"}, r"'.*a\.json': holds no rows \(e\.g\. an empty JSON"),
+    "split selecting no rows": ("a.jsonl", ROW, {"type": "alpaca", "split": "train[:0]"},
+                                r"^datasets\[0\]\.split='train\[:0\]': selects no rows of .*a\.jsonl"),
+    "not UTF-8": ("a.jsonl", ROW + '{"instruction": "Caf\xe9?", "output": "Oui."}\n'.encode("latin-1"),
+                  {"type": "alpaca"}, r"'.*a\.jsonl': is not UTF-8 text \(line 2 holds the byte 'e9'.*Fix: convert"),
+    "broken JSON line": ("a.jsonl", ROW + b"{oops\n", {"type": "alpaca"},
+                         r"^datasets\[0\]\.path='.*a\.jsonl': line 2 is not valid JSON \(Expecting property name"),
+    "role that is not a name": ("c.jsonl", json.dumps({"messages": [{"role": ["user"], "content": "Hi"}]}).encode(),
+                                CHAT_ENTRY, r"^datasets\[0\]\.message_property_mappings=.*row 0 message 0's 'role' is "
+                                r"list, not a role name"),
+    "no messages": ("c.jsonl", json.dumps({"messages": []}).encode(), CHAT_ENTRY,
+                    r"^datasets\[0\]='row 0': its list of messages \(messages\) is empty"),
+    "only empty texts": ("t.jsonl", json.dumps({"text": ""}).encode(), {"type": "completion"},
+                         r"no example left after filtering \(1 empty \(no text\), 0 longer .* Fix: give the empty "
+                         r"rows their text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILES))
+def test_bad_files_are_one_line_status_2_and_nothing_written(model, tmp_path, capsys, case):
+    """Files that reached a library's traceback (StopIteration, UnicodeDecodeError, an unhashable role), two lines
+    (datasets' own log line), or a line blaming the file's format for what is an empty file or split."""
+    name, content, entry, match = FILES[case]
+    if name.endswith("/"):
+        (tmp_path / name).mkdir()
+        for f in ("a.jsonl", "b.jsonl"):
+            (tmp_path / name / f).write_bytes(content)
+    else:
+        (tmp_path / name).write_bytes(content)
+    err = _preprocess(model, tmp_path, capsys, {"path": str(tmp_path / name.rstrip("/")), **entry})
+    assert re.search(match, err), err
+
+
+def test_empty_chat_file_stops_train_before_any_process(model, tmp_path, capsys, monkeypatch):
+    """`nd-adapter train`'s preflight names the empty file before starting a process, and the preparation every
+    rank runs (launch/train.py has no preflight) says the same line."""
+    from adapter.train import spawn
+
+    (tmp_path / "c.jsonl").write_bytes(b"")
+    monkeypatch.setattr(spawn, "spawn", lambda *a, **k: pytest.fail("processes started"))
+    entry = {"path": str(tmp_path / "c.jsonl"), **CHAT_ENTRY}
+    err = _preprocess(model, tmp_path, capsys, entry, command="train")
+    assert re.match(r"datasets\[0\]\.path='.*c\.jsonl': the file is empty \(0 bytes\)", err), err
+    with pytest.raises(UserError) as e:
+        prepare(axolotl_cfg(model, [entry], tmp_path), model, builder=True, progress=False)
+    assert str(e.value) == err
+
+
 def test_preprocess_cli_prints_stats_and_debug_pairs(model, tmp_path, capsys):
     raw = {"base_model": str(model), "sequence_len": 256, "sample_packing": True, "val_set_size": 0.1,
            "learning_rate": 1e-5,

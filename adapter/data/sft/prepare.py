@@ -200,9 +200,13 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),  # 4 bytes a token
                                   "labels": datasets.Sequence(datasets.Value("int32")),
                                   "eos_missing": datasets.Value("bool")})
-    mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=list(ds.column_names), features=features,
-                    num_proc=procs if procs and procs > 1 else None, load_from_cache_file=False,
-                    cache_file_name=str(workdir / f"map-{n}.arrow"), desc=f"{where} ({kind})")
+    try:
+        mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=list(ds.column_names), features=features,
+                        num_proc=procs if procs and procs > 1 else None, load_from_cache_file=False,
+                        cache_file_name=str(workdir / f"map-{n}.arrow"), desc=f"{where} ({kind})")
+    except UnicodeDecodeError as e:  # text stored in arrow files unchecked (a save_to_disk directory, parquet)
+        raise bad(f"{where}.path", src.location, f"holds text that is not UTF-8 ({e.reason} at byte "
+                  f"{e.object[e.start:e.start + 1].hex()!r} of a value)", "convert its text to UTF-8") from None
     ids, offsets = _flat(mapped, "input_ids", np.int32)
     labels, _ = _flat(mapped, "labels", np.int32)
     eos_missing = np.asarray(mapped.with_format("arrow")[:]["eos_missing"].combine_chunks()
@@ -219,6 +223,7 @@ def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict)
         raise bad(f"{where}", f"token id {bad_id}", f"outside the model's vocabulary of {vocab_size}",
                   "use the model's own tokenizer (pre-tokenised rows must use its ids)")
     lengths = np.diff(offsets)
+    stats["empty"] = int((lengths == 0).sum())  # no token at all (an empty text)
     over = lengths > s
     strategy = cfg.data.excess_length_strategy
     if over.any() and strategy == "raise":
@@ -279,10 +284,13 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
         dropped = sum(s.get("dropped_too_long", 0) for s in per_dataset)
         short = sum(s.get("too_short", 0) for s in per_dataset)
         none = sum(s["no_trained_token"] for s in per_dataset)
+        empty = sum(s.get("empty", 0) + (s["rows"] if not s["examples"] else 0) for s in per_dataset)
         seq, min_len = spell(cfg, "seq_len"), key("min_sample_len")
-        why = [f"{dropped} longer than {seq}={cfg.seq_len} dropped"]
+        why = [f"{empty} empty (no text)"] if empty else []
+        why += [f"{dropped} longer than {seq}={cfg.seq_len} dropped"]
         why += [f"{short} shorter than {min_len}={cfg.data.min_sample_len} dropped"] if short else []
-        fix = [f"lower {min_len}"] if short else []
+        fix = ["give the empty rows their text"] if empty else []
+        fix += [f"lower {min_len}"] if short else []
         fix += [f"raise {seq} or set {key('excess_length_strategy')}: truncate",
                 "check roles_to_train / train_on_inputs and the data's fields"]
         raise bad("datasets", [s["path"] for s in per_dataset], f"no example left after filtering "

@@ -195,9 +195,12 @@ class ChatFormatter:
     # --- rows -> turns ------------------------------------------------------------------------------------------
     def turns(self, row: dict[str, Any], idx: int) -> list[dict[str, Any]]:
         msgs = row.get(self.field)
-        if not isinstance(msgs, list) or not msgs:
+        if not isinstance(msgs, list):
             raise bad(f"{self.where}.field_messages", self.field, f"row {idx} has no list of messages there",
                       "point field_messages at the column that holds each conversation's messages")
+        if not msgs:
+            raise bad(self.where, f"row {idx}", f"its list of messages ({self.field}) is empty",
+                      "remove the row or give it its conversation")
         sources = set(self.mapping.values())
         turns = []
         for n, m in enumerate(msgs):
@@ -212,6 +215,10 @@ class ChatFormatter:
                 raise bad(f"{self.where}.message_property_mappings", self.mapping,
                           f"row {idx} message {n} has no {self.mapping['role']!r} field (its keys: {sorted(m)})",
                           "map role (and content) onto the message's field names, e.g. {role: from, content: value}")
+            if not isinstance(turn["role"], str):
+                raise bad(f"{self.where}.message_property_mappings", self.mapping, f"row {idx} message {n}'s "
+                          f"{self.mapping['role']!r} is {type(turn['role']).__name__}, not a role name",
+                          "map role onto the field that holds the role's name (roles: maps names)")
             turn["role"] = self.roles.get(turn["role"], turn["role"])
             turns.append(turn)
         system = row.get(self.field_system)
