@@ -2,10 +2,13 @@
 split, the cache (reused, keyed on contents, one builder), and every bad input as one line, exit 2, nothing left."""
 from __future__ import annotations
 
+import errno
 import importlib
 import json
+import os
 import re
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -298,6 +301,47 @@ def test_empty_chat_file_stops_train_before_any_process(model, tmp_path, capsys,
     with pytest.raises(UserError) as e:
         prepare(axolotl_cfg(model, [entry], tmp_path), model, builder=True, progress=False)
     assert str(e.value) == err
+
+
+def _enospc(*_, **__):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+FULL = {  # where the disk fills up: (module, name, its stand-in), message
+    "converting the rows": (
+        "datasets", "load_dataset", lambda *a, cache_dir, **k: _fill(Path(cache_dir) / "part.arrow", "generating"),
+        r"\(64\.0 KiB were written when it filled, .* were free when it started\)"),
+    "writing the samples": (
+        "adapter.data.sft.prepare", "write_split", lambda d, *a: _fill(d / "ids.npy", "raw"),
+        r"\(64\.0 KiB were written when it filled, .* were free when it started\)"),
+    "too little room for the samples": (
+        "adapter.osutil", "free_bytes", lambda d: 1000, r"\(it needs \d+\.\d KiB, 1000 bytes are free\)"),
+}
+
+
+def _fill(path: Path, how: str):
+    """Write 64 KiB, then fail as a full disk does: raw, or wrapped as datasets wraps its writer's errors."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * 65536)
+    if how == "raw":
+        _enospc()
+    import datasets
+
+    try:
+        _enospc()
+    except OSError as e:
+        raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset") from e
+
+
+@pytest.mark.parametrize("case", sorted(FULL))
+def test_full_disk_is_one_line_and_the_partial_cache_is_removed(model, tmp_path, capsys, monkeypatch, case):
+    module, name, stand_in, match = FULL[case]
+    monkeypatch.setattr(importlib.import_module(module), name, stand_in)
+    err = _preprocess(model, tmp_path, capsys, ALPACA)
+    assert re.match(rf"dataset_prepared_path='{re.escape(str(tmp_path / 'prepared'))}': no space left on the disk "
+                    rf"\(or quota\) while writing the prepared data {match}; the partial output was removed\. Fix: "
+                    r"free space there, or point dataset_prepared_path at a disk with room for it$", err), err
+    assert not [p for p in (tmp_path / "prepared").iterdir() if p.name.startswith(".")]  # no temporary directory
 
 
 def test_preprocess_cli_prints_stats_and_debug_pairs(model, tmp_path, capsys):

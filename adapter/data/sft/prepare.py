@@ -28,7 +28,7 @@ from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.bins import SFTDataset, ragged_take, targets, write_split
 from adapter.data.token_cache import TOKENIZER_FILES
 from adapter.errors import bad
-from adapter.osutil import build_once
+from adapter.osutil import build_once, check_room
 
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
 TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
@@ -323,6 +323,8 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
               "pad_id": pad_id(tok), "eos_token": tok.eos_token, "eos_missing": eos_missing,
               "duplicates": duplicates, "val_source": "test_datasets" if test else "val_set_size"}
     eval_pack = d.sample_packing if d.eval_sample_packing is None else d.eval_sample_packing
+    tokens = len(ids) + (len(test_parts[0]) if test_parts is not None else 0)
+    check_room(out, 8 * tokens + 16 * (n + 1 + (len(test_parts[2]) if test_parts is not None else 0)) + 4096)
     for name, pick in split.items():
         if name == "val" and not len(pick):
             continue
