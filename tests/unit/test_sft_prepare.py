@@ -344,6 +344,35 @@ def test_full_disk_is_one_line_and_the_partial_cache_is_removed(model, tmp_path,
     assert not [p for p in (tmp_path / "prepared").iterdir() if p.name.startswith(".")]  # no temporary directory
 
 
+def test_unknown_roles_are_rendered_as_written_and_trained_only_when_listed(model, tmp_path):
+    """Axolotl maps a role through `roles` and passes one it does not name to the template unchanged
+    (`roles.get(role, role)`); it trains it only when roles_to_train names it. The run's first lines list them."""
+    rows = [{"messages": [{"role": "user", "content": "Who spoke?"}, {"role": "narrator", "content": "A voice."},
+                          {"role": "assistant", "content": "Adam."}]}]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    entry = {"path": str(src), **CHAT_ENTRY}
+
+    def trained_text(data):
+        item = data.train[0]
+        return data_tok.decode(item["labels"][item["loss_mask"] > 0].tolist()), data_tok.decode(item["tokens"].tolist())
+
+    from transformers import AutoTokenizer
+
+    data_tok = AutoTokenizer.from_pretrained(str(model))
+    plain = prepare(axolotl_cfg(model, [entry], tmp_path / "a"), model, progress=False)
+    trained, text = trained_text(plain)
+    assert "<|im_start|>narrator\nA voice.<|im_end|>" in text and "voice" not in trained and "Adam." in trained
+    assert plain.stats["datasets"][0]["other_roles"] == {"narrator": 1}
+    assert ["datasets[0]: roles outside its role mapping: 'narrator' (1 turns); passed to the chat template as "
+            "written and trained only if roles_to_train lists them or train_on_inputs is on (Axolotl's rule); map "
+            "them with datasets[0].roles"] == [n for n in plain.notes if "narrator" in n]
+    listed = prepare(axolotl_cfg(model, [{**entry, "roles_to_train": ["assistant", "narrator"]}], tmp_path / "b"),
+                     model, progress=False)
+    trained, _ = trained_text(listed)
+    assert "A voice." in trained and "Adam." in trained
+    assert "other_roles" not in listed.stats["datasets"][0] and not any("narrator" in n for n in listed.notes)
+
+
 def test_preprocess_cli_prints_stats_and_debug_pairs(model, tmp_path, capsys):
     raw = {"base_model": str(model), "sequence_len": 256, "sample_packing": True, "val_set_size": 0.1,
            "learning_rate": 1e-5,

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +174,8 @@ def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
 
 def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, n: int, progress: bool):
     """Tokenise and mask one entry; returns flat ids, labels, offsets, eos_missing flags, its row count, the chat
-    template used and whether the rows had a labels column."""
+    template used, whether the rows had a labels column and how many turns each role outside the entry's role
+    mapping has."""
     import datasets  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
     datasets.disable_progress_bars()  # reading a split is quick: its bars would only clutter a one-line error
@@ -199,7 +201,8 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
         datasets.disable_progress_bars()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),  # 4 bytes a token
                                   "labels": datasets.Sequence(datasets.Value("int32")),
-                                  "eos_missing": datasets.Value("bool")})
+                                  "eos_missing": datasets.Value("bool"),
+                                  "other_roles": datasets.Sequence(datasets.Value("string"))})
     try:
         mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=list(ds.column_names), features=features,
                         num_proc=procs if procs and procs > 1 else None, load_from_cache_file=False,
@@ -211,7 +214,9 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
     labels, _ = _flat(mapped, "labels", np.int32)
     eos_missing = np.asarray(mapped.with_format("arrow")[:]["eos_missing"].combine_chunks()
                              .to_numpy(zero_copy_only=False), dtype=bool)
-    return ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None), "labels" in ds.column_names
+    roles = Counter(mapped.with_format("arrow")[:]["other_roles"].combine_chunks().flatten().to_pylist())
+    return (ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None), "labels" in ds.column_names,
+            dict(sorted(roles.items())))
 
 
 def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict):
@@ -348,10 +353,12 @@ def _examples(cfg, tok, resolved, work: Path, vocab_size: int, progress: bool, f
     templates used and how many conversations lack an EOS after a trained turn."""
     parts, per_dataset, used_templates, eos_missing = [], [], [], 0
     for n, (entry, where, kind, src) in enumerate(resolved, start=first):
-        ids, labels, offsets, missing, rows, template, has_labels = _entry_examples(cfg, tok, entry, where, kind, src,
-                                                                                    work, n, progress)
+        ids, labels, offsets, missing, rows, template, has_labels, roles = _entry_examples(
+            cfg, tok, entry, where, kind, src, work, n, progress)
         st = {"dataset": where, "path": src.location, "type": kind, "rows": rows, "examples": len(offsets) - 1,
               "labels_column": has_labels}
+        if roles:
+            st["other_roles"] = roles
         ids, tgt, offsets = _filter(cfg, ids, labels, offsets, where, vocab_size, st)
         st.update(kept=len(offsets) - 1, tokens=int(len(ids)), trained_tokens=int((tgt >= 0).sum()))
         per_dataset.append(st)
@@ -417,6 +424,12 @@ def notes_for(cfg, result: dict) -> list[str]:
         how = f"shuffled with seed {d.seed}" if d.shuffle_merged_datasets else "unshuffled"
         out.append(f"{key('val_set_size')}={d.val_set_size:g}: {result['val']['examples']} examples held out "
                    f"(the tail of the merged data, {how})")
+    for s in result["datasets"]:
+        if s.get("other_roles"):
+            shown = ", ".join(f"{r!r} ({k} turns)" for r, k in s["other_roles"].items())
+            out.append(f"{s['dataset']}: roles outside its role mapping: {shown}; passed to the chat template as "
+                       f"written and trained only if roles_to_train lists them or train_on_inputs is on (Axolotl's "
+                       f"rule); map them with {s['dataset']}.roles")
     if result.get("chat_templates_used", 0) > 1:
         out.append("the datasets use different chat templates; the exported tokenizer gets "
                    "the top-level (or first) one")
