@@ -50,13 +50,22 @@ def iter_documents(path: Path, text_key: str = "text") -> Iterator[str]:
 
 
 def _jsonl_docs(lines: Iterable[str], path: Path, text_key: str) -> Iterator[str]:
+    first = True
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
-            raise bad("data.files", f"{path}:{n}", "line is not valid JSON", "write one JSON object per line")
+            if not (first and line.lstrip().startswith("[")):
+                raise bad("data.files", f"{path}:{n}", "line is not valid JSON",
+                          "write one JSON object per line") from None
+            obj = []  # the first line of a JSON array spread over many
+        if first and isinstance(obj, list):  # a JSON array, on one line or spread over many
+            out = f"{path.stem}{'-lines' if path.suffix.lower() == '.jsonl' else ''}.jsonl"
+            raise bad("data.files", str(path), "is one JSON array, not JSON Lines (one object per line)",
+                      f"convert it, e.g. jq -c '.[]' {path.name} > {out}, and list that file")
+        first = False
         text = obj.get(text_key) if isinstance(obj, dict) else None
         if not isinstance(text, str):
             raise bad("data.text_key", text_key, f"{path} line {n} has no string field of that name",

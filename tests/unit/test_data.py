@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -198,12 +199,48 @@ def test_builder_error_reaches_every_rank(tok_dir, tmp_path):
     (lambda p: None, r"^data\.files='.*missing\.jsonl': no such file\. Fix:"),
     (lambda p: (p / "missing.jsonl").write_text("\n\n"), r"^data\.files=\[.*\]: no documents"),
     (lambda p: (p / "missing.jsonl").write_text('{"content": "x"}\n'), r"^data\.text_key='text': .*line 1"),
+    (lambda p: (p / "missing.jsonl").write_text('[\n {"text": "a"},\n {"text": "b"}\n]\n'),
+     r"^data\.files='.*missing\.jsonl': is one JSON array, not JSON Lines \(one object per line\)\. Fix: convert it, "
+     r"e\.g\. jq -c '\.\[\]' missing\.jsonl > missing-lines\.jsonl, and list that file$"),
+    (lambda p: (p / "missing.jsonl").write_text('[{"text": "a"}, {"text": "b"}]\n'), r"is one JSON array, not JSON"),
 ])
 def test_user_errors_name_the_key(tok_dir, tmp_path, setup, match):
     setup(tmp_path)
     with pytest.raises(UserError, match=match) as e:
         D.build_token_cache([tmp_path / "missing.jsonl"], tok_dir, tmp_path / "cache", progress=False)
     assert "\n" not in str(e.value)
+
+
+def test_full_disk_is_one_line_and_no_partial_cache_is_left(tok_dir, corpus, tmp_path, monkeypatch):
+    """ENOSPC while the cache is written (after tokens.u32, at the offsets): one line naming data.cache_dir, what
+    was written and what was free; the temporary directory is gone, so no later run can take it as a cache."""
+    import errno
+    import os
+
+    root, _ = corpus
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(token_cache.np, "save", full)
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError) as e:
+        D.build_token_cache([root / "a.jsonl"], tok_dir, cache, text_key="body", progress=False)
+    assert re.fullmatch(rf"data\.cache_dir='{re.escape(str(cache))}': no space left on the disk \(or quota\) while "
+                        r"writing the token cache \(\d+ bytes were written when it filled, .* were free when it "
+                        r"started\); the partial output was removed\. Fix: free space there, or point "
+                        r"data\.cache_dir at a disk with room for it", str(e.value)), str(e.value)
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".error")] == []
+    monkeypatch.undo()
+    assert len(D.build_token_cache([root / "a.jsonl"], tok_dir, cache, text_key="body", progress=False).doc_offsets)
+
+
+def test_cache_dir_that_cannot_be_made_is_one_line(tok_dir, corpus, tmp_path):
+    root, _ = corpus
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"^data\.cache_dir='.*file/cache': cannot write the token cache there "
+                       r"\(.*\)\. Fix: point data\.cache_dir at a writable directory$"):
+        D.build_token_cache([root / "a.jsonl"], tok_dir, tmp_path / "file" / "cache", text_key="body", progress=False)
 
 
 def test_other_user_errors(tok_dir, tmp_path):

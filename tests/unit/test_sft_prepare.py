@@ -2,10 +2,13 @@
 split, the cache (reused, keyed on contents, one builder), and every bad input as one line, exit 2, nothing left."""
 from __future__ import annotations
 
+import errno
 import importlib
 import json
+import os
 import re
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -223,6 +226,151 @@ def test_bad_input_is_one_line_status_2_and_nothing_written(model, tmp_path, cap
     assert re.search(match, err.removeprefix("nd-adapter: error: ")), err
     left = list((tmp_path / "prepared").glob("*")) if (tmp_path / "prepared").exists() else []
     assert not [p for p in left if p.is_dir()], left  # at most the builder's error note for the other ranks
+
+
+def _preprocess(model, tmp_path, capsys, entry: dict, command: str = "preprocess", **top) -> str:
+    """`nd-adapter <command>` on one dataset entry: asserts exit status 2 and one line, returns the message, and
+    that no directory was left under the prepared path (at most the builder's error note for the other ranks)."""
+    raw = {"base_model": str(model), "sequence_len": 256, "datasets": [entry], "learning_rate": 1e-5,
+           "dataset_prepared_path": str(tmp_path / "prepared"), **top}
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert cli.main([command, "--config", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nd-adapter: error: "), err
+    left = list((tmp_path / "prepared").iterdir()) if (tmp_path / "prepared").exists() else []
+    assert not [p for p in left if p.is_dir() or not p.name.endswith(".error")], left
+    return err.removeprefix("nd-adapter: error: ")
+
+
+ROW = (json.dumps({"instruction": "Say hi.", "output": "Hi."}) + "\n").encode()
+CHAT_ENTRY = {"type": "chat_template", "chat_template": "chatml"}
+FILES = {  # file name (a trailing / : a directory of two such empty files), bytes, entry keys, message
+    "empty chat file": ("c.jsonl", b"", CHAT_ENTRY,
+                        r"^datasets\[0\]\.path='.*c\.jsonl': the file is empty \(0 bytes\)\. Fix: point path at a "
+                        r"file with rows, or remove the entry$"),
+    "blank alpaca file": ("a.jsonl", b"\n  \n", {"type": "alpaca"}, r"'.*a\.jsonl': the file is empty \(blank lines"),
+    "empty completion file": ("t.jsonl", b"", {"type": "completion"}, r"'.*t\.jsonl': the file is empty"),
+    "empty csv": ("a.csv", b"", {"type": "alpaca"}, r"'.*a\.csv': the file is empty"),
+    "directory of empty files": ("d/", b"", {"type": "alpaca"},
+                                 r"^datasets\[0\]\.path='.*d': its data files are all empty \(a\.jsonl, b\.jsonl\)"),
+    "csv header alone": ("a.csv", b"instruction,output\n", {"type": "alpaca"},
+                         r"^datasets\[0\]\.path='.*a\.csv': holds no rows \(a header alone\)\. Fix:"),
+    "empty JSON array": ("a.json", b"[]", {"type": "alpaca"}, r"'.*a\.json': holds no rows \(e\.g\. an empty JSON"),
+    "split selecting no rows": ("a.jsonl", ROW, {"type": "alpaca", "split": "train[:0]"},
+                                r"^datasets\[0\]\.split='train\[:0\]': selects no rows of .*a\.jsonl"),
+    "not UTF-8": ("a.jsonl", ROW + '{"instruction": "Caf\xe9?", "output": "Oui."}\n'.encode("latin-1"),
+                  {"type": "alpaca"}, r"'.*a\.jsonl': is not UTF-8 text \(line 2 holds the byte 'e9'.*Fix: convert"),
+    "broken JSON line": ("a.jsonl", ROW + b"{oops\n", {"type": "alpaca"},
+                         r"^datasets\[0\]\.path='.*a\.jsonl': line 2 is not valid JSON \(Expecting property name"),
+    "role that is not a name": ("c.jsonl", json.dumps({"messages": [{"role": ["user"], "content": "Hi"}]}).encode(),
+                                CHAT_ENTRY, r"^datasets\[0\]\.message_property_mappings=.*row 0 message 0's 'role' is "
+                                r"list, not a role name"),
+    "no messages": ("c.jsonl", json.dumps({"messages": []}).encode(), CHAT_ENTRY,
+                    r"^datasets\[0\]='row 0': its list of messages \(messages\) is empty"),
+    "only empty texts": ("t.jsonl", json.dumps({"text": ""}).encode(), {"type": "completion"},
+                         r"no example left after filtering \(1 empty \(no text\), 0 longer .* Fix: give the empty "
+                         r"rows their text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILES))
+def test_bad_files_are_one_line_status_2_and_nothing_written(model, tmp_path, capsys, case):
+    """Files that reached a library's traceback (StopIteration, UnicodeDecodeError, an unhashable role), two lines
+    (datasets' own log line), or a line blaming the file's format for what is an empty file or split."""
+    name, content, entry, match = FILES[case]
+    if name.endswith("/"):
+        (tmp_path / name).mkdir()
+        for f in ("a.jsonl", "b.jsonl"):
+            (tmp_path / name / f).write_bytes(content)
+    else:
+        (tmp_path / name).write_bytes(content)
+    err = _preprocess(model, tmp_path, capsys, {"path": str(tmp_path / name.rstrip("/")), **entry})
+    assert re.search(match, err), err
+
+
+def test_empty_chat_file_stops_train_before_any_process(model, tmp_path, capsys, monkeypatch):
+    """`nd-adapter train`'s preflight names the empty file before starting a process, and the preparation every
+    rank runs (launch/train.py has no preflight) says the same line."""
+    from adapter.train import spawn
+
+    (tmp_path / "c.jsonl").write_bytes(b"")
+    monkeypatch.setattr(spawn, "spawn", lambda *a, **k: pytest.fail("processes started"))
+    entry = {"path": str(tmp_path / "c.jsonl"), **CHAT_ENTRY}
+    err = _preprocess(model, tmp_path, capsys, entry, command="train")
+    assert re.match(r"datasets\[0\]\.path='.*c\.jsonl': the file is empty \(0 bytes\)", err), err
+    with pytest.raises(UserError) as e:
+        prepare(axolotl_cfg(model, [entry], tmp_path), model, builder=True, progress=False)
+    assert str(e.value) == err
+
+
+def _enospc(*_, **__):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+FULL = {  # where the disk fills up: (module, name, its stand-in), message
+    "converting the rows": (
+        "datasets", "load_dataset", lambda *a, cache_dir, **k: _fill(Path(cache_dir) / "part.arrow", "generating"),
+        r"\(64\.0 KiB were written when it filled, .* were free when it started\)"),
+    "writing the samples": (
+        "adapter.data.sft.prepare", "write_split", lambda d, *a: _fill(d / "ids.npy", "raw"),
+        r"\(64\.0 KiB were written when it filled, .* were free when it started\)"),
+    "too little room for the samples": (
+        "adapter.osutil", "free_bytes", lambda d: 1000, r"\(it needs \d+\.\d KiB, 1000 bytes are free\)"),
+}
+
+
+def _fill(path: Path, how: str):
+    """Write 64 KiB, then fail as a full disk does: raw, or wrapped as datasets wraps its writer's errors."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * 65536)
+    if how == "raw":
+        _enospc()
+    import datasets
+
+    try:
+        _enospc()
+    except OSError as e:
+        raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset") from e
+
+
+@pytest.mark.parametrize("case", sorted(FULL))
+def test_full_disk_is_one_line_and_the_partial_cache_is_removed(model, tmp_path, capsys, monkeypatch, case):
+    module, name, stand_in, match = FULL[case]
+    monkeypatch.setattr(importlib.import_module(module), name, stand_in)
+    err = _preprocess(model, tmp_path, capsys, ALPACA)
+    assert re.match(rf"dataset_prepared_path='{re.escape(str(tmp_path / 'prepared'))}': no space left on the disk "
+                    rf"\(or quota\) while writing the prepared data {match}; the partial output was removed\. Fix: "
+                    r"free space there, or point dataset_prepared_path at a disk with room for it$", err), err
+    assert not [p for p in (tmp_path / "prepared").iterdir() if p.name.startswith(".")]  # no temporary directory
+
+
+def test_unknown_roles_are_rendered_as_written_and_trained_only_when_listed(model, tmp_path):
+    """Axolotl maps a role through `roles` and passes one it does not name to the template unchanged
+    (`roles.get(role, role)`); it trains it only when roles_to_train names it. The run's first lines list them."""
+    rows = [{"messages": [{"role": "user", "content": "Who spoke?"}, {"role": "narrator", "content": "A voice."},
+                          {"role": "assistant", "content": "Adam."}]}]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    entry = {"path": str(src), **CHAT_ENTRY}
+
+    def trained_text(data):
+        item = data.train[0]
+        return data_tok.decode(item["labels"][item["loss_mask"] > 0].tolist()), data_tok.decode(item["tokens"].tolist())
+
+    from transformers import AutoTokenizer
+
+    data_tok = AutoTokenizer.from_pretrained(str(model))
+    plain = prepare(axolotl_cfg(model, [entry], tmp_path / "a"), model, progress=False)
+    trained, text = trained_text(plain)
+    assert "<|im_start|>narrator\nA voice.<|im_end|>" in text and "voice" not in trained and "Adam." in trained
+    assert plain.stats["datasets"][0]["other_roles"] == {"narrator": 1}
+    assert ["datasets[0]: roles outside its role mapping: 'narrator' (1 turns); passed to the chat template as "
+            "written and trained only if roles_to_train lists them or train_on_inputs is on (Axolotl's rule); map "
+            "them with datasets[0].roles"] == [n for n in plain.notes if "narrator" in n]
+    listed = prepare(axolotl_cfg(model, [{**entry, "roles_to_train": ["assistant", "narrator"]}], tmp_path / "b"),
+                     model, progress=False)
+    trained, _ = trained_text(listed)
+    assert "A voice." in trained and "Adam." in trained
+    assert "other_roles" not in listed.stats["datasets"][0] and not any("narrator" in n for n in listed.notes)
 
 
 def test_preprocess_cli_prints_stats_and_debug_pairs(model, tmp_path, capsys):

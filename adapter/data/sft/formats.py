@@ -110,12 +110,13 @@ def _text(value: Any, where: str, column: str, idx: int, *, optional: bool = Fal
 
 def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool, where: str,
                    chat=None) -> Callable[[dict[str, list], list[int]], dict[str, list]]:
-    """A batched map function: columns of a batch + row indices -> input_ids, labels, eos_missing (per example)."""
+    """A batched map function: columns of a batch + row indices -> input_ids, labels, eos_missing and (chat) the
+    roles outside the entry's role mapping, per example."""
     eos, bos = tok.eos_token_id, tok.bos_token_id
 
-    def out(rows: list[tuple[list[int], list[int], bool]]) -> dict[str, list]:
+    def out(rows: list[tuple]) -> dict[str, list]:
         return {"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows],
-                "eos_missing": [r[2] for r in rows]}
+                "eos_missing": [r[2] for r in rows], "other_roles": [r[3] if len(r) > 3 else [] for r in rows]}
 
     if kind == "completion":
         field, cap = entry.field or "text", seq_len * 64
@@ -159,7 +160,7 @@ def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool
     if kind == "chat_template":
         def chat_template(batch, idx):
             names = list(batch)
-            return out([chat({k: batch[k][j] for k in names}, i) for j, i in enumerate(idx)])
+            return out([(*chat({k: batch[k][j] for k in names}, i), chat.outside) for j, i in enumerate(idx)])
         return chat_template
 
     if kind == "input_output":

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.bins import SFTDataset, ragged_take, targets, write_split
 from adapter.data.token_cache import TOKENIZER_FILES
 from adapter.errors import bad
-from adapter.osutil import build_once
+from adapter.osutil import build_once, check_room
 
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
 TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
@@ -173,7 +174,8 @@ def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
 
 def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, n: int, progress: bool):
     """Tokenise and mask one entry; returns flat ids, labels, offsets, eos_missing flags, its row count, the chat
-    template used and whether the rows had a labels column."""
+    template used, whether the rows had a labels column and how many turns each role outside the entry's role
+    mapping has."""
     import datasets  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
     datasets.disable_progress_bars()  # reading a split is quick: its bars would only clutter a one-line error
@@ -199,15 +201,22 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
         datasets.disable_progress_bars()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),  # 4 bytes a token
                                   "labels": datasets.Sequence(datasets.Value("int32")),
-                                  "eos_missing": datasets.Value("bool")})
-    mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=list(ds.column_names), features=features,
-                    num_proc=procs if procs and procs > 1 else None, load_from_cache_file=False,
-                    cache_file_name=str(workdir / f"map-{n}.arrow"), desc=f"{where} ({kind})")
+                                  "eos_missing": datasets.Value("bool"),
+                                  "other_roles": datasets.Sequence(datasets.Value("string"))})
+    try:
+        mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=list(ds.column_names), features=features,
+                        num_proc=procs if procs and procs > 1 else None, load_from_cache_file=False,
+                        cache_file_name=str(workdir / f"map-{n}.arrow"), desc=f"{where} ({kind})")
+    except UnicodeDecodeError as e:  # text stored in arrow files unchecked (a save_to_disk directory, parquet)
+        raise bad(f"{where}.path", src.location, f"holds text that is not UTF-8 ({e.reason} at byte "
+                  f"{e.object[e.start:e.start + 1].hex()!r} of a value)", "convert its text to UTF-8") from None
     ids, offsets = _flat(mapped, "input_ids", np.int32)
     labels, _ = _flat(mapped, "labels", np.int32)
     eos_missing = np.asarray(mapped.with_format("arrow")[:]["eos_missing"].combine_chunks()
                              .to_numpy(zero_copy_only=False), dtype=bool)
-    return ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None), "labels" in ds.column_names
+    roles = Counter(mapped.with_format("arrow")[:]["other_roles"].combine_chunks().flatten().to_pylist())
+    return (ids, labels, offsets, eos_missing, len(ds), (chat.template if chat else None), "labels" in ds.column_names,
+            dict(sorted(roles.items())))
 
 
 def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict):
@@ -219,6 +228,7 @@ def _filter(cfg, ids, labels, offsets, where: str, vocab_size: int, stats: dict)
         raise bad(f"{where}", f"token id {bad_id}", f"outside the model's vocabulary of {vocab_size}",
                   "use the model's own tokenizer (pre-tokenised rows must use its ids)")
     lengths = np.diff(offsets)
+    stats["empty"] = int((lengths == 0).sum())  # no token at all (an empty text)
     over = lengths > s
     strategy = cfg.data.excess_length_strategy
     if over.any() and strategy == "raise":
@@ -279,10 +289,13 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
         dropped = sum(s.get("dropped_too_long", 0) for s in per_dataset)
         short = sum(s.get("too_short", 0) for s in per_dataset)
         none = sum(s["no_trained_token"] for s in per_dataset)
+        empty = sum(s.get("empty", 0) + (s["rows"] if not s["examples"] else 0) for s in per_dataset)
         seq, min_len = spell(cfg, "seq_len"), key("min_sample_len")
-        why = [f"{dropped} longer than {seq}={cfg.seq_len} dropped"]
+        why = [f"{empty} empty (no text)"] if empty else []
+        why += [f"{dropped} longer than {seq}={cfg.seq_len} dropped"]
         why += [f"{short} shorter than {min_len}={cfg.data.min_sample_len} dropped"] if short else []
-        fix = [f"lower {min_len}"] if short else []
+        fix = ["give the empty rows their text"] if empty else []
+        fix += [f"lower {min_len}"] if short else []
         fix += [f"raise {seq} or set {key('excess_length_strategy')}: truncate",
                 "check roles_to_train / train_on_inputs and the data's fields"]
         raise bad("datasets", [s["path"] for s in per_dataset], f"no example left after filtering "
@@ -315,6 +328,8 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
               "pad_id": pad_id(tok), "eos_token": tok.eos_token, "eos_missing": eos_missing,
               "duplicates": duplicates, "val_source": "test_datasets" if test else "val_set_size"}
     eval_pack = d.sample_packing if d.eval_sample_packing is None else d.eval_sample_packing
+    tokens = len(ids) + (len(test_parts[0]) if test_parts is not None else 0)
+    check_room(out, 8 * tokens + 16 * (n + 1 + (len(test_parts[2]) if test_parts is not None else 0)) + 4096)
     for name, pick in split.items():
         if name == "val" and not len(pick):
             continue
@@ -338,10 +353,12 @@ def _examples(cfg, tok, resolved, work: Path, vocab_size: int, progress: bool, f
     templates used and how many conversations lack an EOS after a trained turn."""
     parts, per_dataset, used_templates, eos_missing = [], [], [], 0
     for n, (entry, where, kind, src) in enumerate(resolved, start=first):
-        ids, labels, offsets, missing, rows, template, has_labels = _entry_examples(cfg, tok, entry, where, kind, src,
-                                                                                    work, n, progress)
+        ids, labels, offsets, missing, rows, template, has_labels, roles = _entry_examples(
+            cfg, tok, entry, where, kind, src, work, n, progress)
         st = {"dataset": where, "path": src.location, "type": kind, "rows": rows, "examples": len(offsets) - 1,
               "labels_column": has_labels}
+        if roles:
+            st["other_roles"] = roles
         ids, tgt, offsets = _filter(cfg, ids, labels, offsets, where, vocab_size, st)
         st.update(kept=len(offsets) - 1, tokens=int(len(ids)), trained_tokens=int((tgt >= 0).sum()))
         per_dataset.append(st)
@@ -407,6 +424,12 @@ def notes_for(cfg, result: dict) -> list[str]:
         how = f"shuffled with seed {d.seed}" if d.shuffle_merged_datasets else "unshuffled"
         out.append(f"{key('val_set_size')}={d.val_set_size:g}: {result['val']['examples']} examples held out "
                    f"(the tail of the merged data, {how})")
+    for s in result["datasets"]:
+        if s.get("other_roles"):
+            shown = ", ".join(f"{r!r} ({k} turns)" for r, k in s["other_roles"].items())
+            out.append(f"{s['dataset']}: roles outside its role mapping: {shown}; passed to the chat template as "
+                       f"written and trained only if roles_to_train lists them or train_on_inputs is on (Axolotl's "
+                       f"rule); map them with {s['dataset']}.roles")
     if result.get("chat_templates_used", 0) > 1:
         out.append("the datasets use different chat templates; the exported tokenizer gets "
                    "the top-level (or first) one")

@@ -1,21 +1,31 @@
 """Where an SFT dataset's rows come from, and reading them through Hugging Face `datasets` (arrow, memory-mapped).
 
-`resolve` is cheap (stat calls and a local cache lookup), so every rank computes the prepared cache's key from it
-without loading anything. A `path` is, in this order: a local file (jsonl/json/parquet/arrow/csv/txt), a
-`save_to_disk` directory, a directory of data files, or a hub id found in the local Hugging Face hub cache
-(`HF_HUB_CACHE`, else `HF_HOME/hub`); with `HF_HUB_OFFLINE`/`HF_DATASETS_OFFLINE` set, also `datasets`' own cache
-of a dataset loaded before. Nothing is ever downloaded: clusters are often offline, and a run must not hang there.
+`resolve` is cheap (stat calls, a file's first bytes and a local cache lookup), so every rank computes the prepared
+cache's key from it without loading anything. A `path` is, in this order: a local file
+(jsonl/json/parquet/arrow/csv/txt), a `save_to_disk` directory, a directory of data files, or a hub id found in the
+local Hugging Face hub cache (`HF_HUB_CACHE`, else `HF_HOME/hub`); with `HF_HUB_OFFLINE`/`HF_DATASETS_OFFLINE`
+set, also `datasets`' own cache of a dataset loaded before. Nothing is ever downloaded: clusters are often
+offline, and a run must not hang there.
+
+Bad files are one line each, naming the entry's path: empty (0 bytes or blank lines; `resolve`, so the launcher's
+preflight says it before any process starts), no rows (a CSV header, an empty JSON array, a split slice that
+selects none), text that is not UTF-8, a JSON line that does not parse (by line number). A full disk while
+datasets converts the rows is left to the cache's builder (adapter/osutil.py, build_once), which says so.
 """
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from adapter.errors import bad
+from adapter.osutil import disk_full
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
+TEXT_LOADERS = ("json", "csv", "text")  # read as UTF-8 text, where blank means empty
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
@@ -76,6 +86,10 @@ def resolve(entry, where: str) -> Source:
         if loader is None:
             raise bad(f"{where}.path", entry.path, f"unknown file type {p.suffix!r}",
                       f"use {', '.join(LOADERS)} files, or set ds_type (json, parquet, arrow, csv, text)")
+        if _blank(p, loader):
+            raise bad(f"{where}.path", entry.path, "the file is empty" + (" (blank lines only)" if p.stat().st_size
+                                                                          else " (0 bytes)"),
+                      "point path at a file with rows, or remove the entry")
         return Source(where, "file", str(p.resolve()), str(p.resolve()), (p.resolve(),), loader)
     if p.is_dir():
         return _directory(p.resolve(), entry, where, str(p.resolve()))
@@ -102,7 +116,25 @@ def _directory(d: Path, entry, where: str, location: str, hub_id: str | None = N
     elif not any(f.suffix.lower() in LOADERS for f in files):
         raise bad(f"{where}.path", entry.path, "the directory holds no data files (jsonl, json, parquet, arrow, "
                   "csv, txt) and is not a save_to_disk directory", "point path at data files")
+    data = [f for f in files if f.suffix.lower() in LOADERS]
+    if data and all(_blank(f, LOADERS[f.suffix.lower()]) for f in data):
+        what = "its data files are" if entry.data_files is None else "the data_files picked are"
+        raise bad(f"{where}.path", entry.path, f"{what} all empty ({', '.join(f.name for f in data[:3])}"
+                  f"{', ...' if len(data) > 3 else ''})", "point path at files with rows, or remove the entry")
     return Source(where, "dir", location, str(d), files, hub_id=hub_id)
+
+
+def _blank(f: Path, loader: str) -> bool:
+    """0 bytes, or (text formats) whitespace only: read up to the first other byte, so at once for real data."""
+    if f.stat().st_size == 0:
+        return True
+    if loader not in TEXT_LOADERS:
+        return False
+    with open(f, "rb") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _hub(entry, where: str) -> Source:
@@ -131,6 +163,22 @@ def load(src: Source, entry, cache_dir: Path):
     directory): nothing is written next to the user's data or into their HF cache."""
     import datasets  # heavy: imported where used (preflight reads this module; adapter/data/__init__.py)
 
+    for f in _text_files(src, entry):
+        _check_utf8(f, src.where)
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its loaders log a failure before raising it
+    try:
+        ds = _load(src, entry, cache_dir)
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if len(ds) == 0:
+        raise _no_rows(src, entry)
+    return ds
+
+
+def _load(src: Source, entry, cache_dir: Path):
+    import datasets  # heavy: imported where used
+
     try:
         if src.kind == "saved":
             obj = datasets.load_from_disk(src.root)
@@ -152,18 +200,86 @@ def load(src: Source, entry, cache_dir: Path):
             return datasets.load_dataset(src.root, name=entry.name, data_files=data_files, split=entry.split,
                                          cache_dir=str(cache_dir))
         return datasets.load_dataset(src.hub_id, name=entry.name, split=entry.split)  # offline: datasets' cache
+    except StopIteration:  # datasets' json loader on files without a single row
+        raise _no_rows(src, entry) from None
     except ValueError as e:
+        if "corresponds to no data" in str(e):  # datasets: the split (or its slice) has no rows
+            raise _no_rows(src, entry) from None
         if "split" in str(e).lower():
             raise bad(f"{src.where}.split", entry.split, f"not a split of {src.location} ({str(e).splitlines()[0]})",
                       "set split to one the dataset has (default train)")
         raise _unreadable(src, e)
     except (datasets.exceptions.DatasetGenerationError, OSError, TypeError) as e:
+        if disk_full(e):
+            raise  # the cache's disk, not the data: build_once says so
         raise _unreadable(src, e)
+
+
+def _no_rows(src: Source, entry):
+    if entry.split != "train":
+        return bad(f"{src.where}.split", entry.split, f"selects no rows of {src.location}",
+                   "pick a split (or slice) that holds rows")
+    like = {"csv": " (a header alone)", "json": " (e.g. an empty JSON array)"}.get(src.loader or "", "")
+    return bad(f"{src.where}.path", src.location, f"holds no rows{like}",
+               "point path at data with rows, or remove the entry")
+
+
+def _text_files(src: Source, entry) -> list[Path]:
+    """The local files of `src` its loader reads as text (of a directory only those picked by data_files: datasets
+    chooses the others by its own split patterns; text that is not UTF-8 there is found while tokenising)."""
+    if src.kind == "file":
+        return [Path(src.root)] if src.loader in TEXT_LOADERS else []
+    if src.kind == "dir" and entry.data_files is not None:
+        return [f for f in src.files if LOADERS.get(f.suffix.lower()) in TEXT_LOADERS]
+    return []
+
+
+def _check_utf8(path: Path, where: str) -> None:
+    """One line naming the file and line of the first byte that is not UTF-8 (datasets would store it and fail
+    later, while tokenising, in a library traceback)."""
+    decoder, line = codecs.getincrementaldecoder("utf-8")(), 1
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                line += chunk.count(b"\n", 0, max(0, e.start))
+                raise bad(f"{where}.path", str(path), f"is not UTF-8 text (line {line} holds the byte "
+                          f"{e.object[e.start:e.start + 1].hex()!r}, not UTF-8)",
+                          "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+            if not chunk:
+                return
+            line += chunk.count(b"\n")
+
+
+def _json_problem(path: Path) -> str | None:
+    """Where a JSON file breaks, by line: JSON Lines line by line, or the whole file when it is one JSON array of
+    rows (datasets reads that too). None when it parses (the failure was elsewhere)."""
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"line {e.lineno} is not valid JSON ({e.msg}; the file is read as one JSON array)"
+        return None
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {n} is not valid JSON ({e.msg})"
+    return None
 
 
 def _unreadable(src: Source, e: Exception):
     cause = e.__cause__ or e
     text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    if src.kind == "file" and src.loader == "json":
+        where = _json_problem(Path(src.root))
+        if where:
+            return bad(f"{src.where}.path", src.location, where, "write one JSON object per line (JSON Lines), or "
+                       "one JSON array of objects")
     return bad(f"{src.where}.path", src.location, f"could not be read as data: {type(cause).__name__}: {text[:200]}",
                "check the file's format and contents (or set ds_type to its format)")
 

@@ -170,6 +170,10 @@ class ChatFormatter:
                       else dict(DEFAULT_ROLES))
         self.train_roles = {self.roles.get(r, r) for r in (entry.roles_to_train
                                                            if entry.roles_to_train is not None else ["assistant"])}
+        # roles the mapping does not name pass to the template as written (Axolotl's `roles.get(role, role)`);
+        # the last row's are kept in `outside`, for the run's first lines
+        self.named = set(self.roles) | set(self.roles.values()) | self.train_roles
+        self.outside: list[str] = []
         self.train_on_eos = entry.train_on_eos or "turn"
         self.train_on_inputs = train_on_inputs
         self.drop_system = entry.drop_system_message
@@ -195,11 +199,15 @@ class ChatFormatter:
     # --- rows -> turns ------------------------------------------------------------------------------------------
     def turns(self, row: dict[str, Any], idx: int) -> list[dict[str, Any]]:
         msgs = row.get(self.field)
-        if not isinstance(msgs, list) or not msgs:
+        if not isinstance(msgs, list):
             raise bad(f"{self.where}.field_messages", self.field, f"row {idx} has no list of messages there",
                       "point field_messages at the column that holds each conversation's messages")
+        if not msgs:
+            raise bad(self.where, f"row {idx}", f"its list of messages ({self.field}) is empty",
+                      "remove the row or give it its conversation")
         sources = set(self.mapping.values())
         turns = []
+        self.outside = []
         for n, m in enumerate(msgs):
             if not isinstance(m, dict):
                 raise bad(f"{self.where}.field_messages", self.field, f"row {idx} message {n} is not a mapping",
@@ -212,7 +220,13 @@ class ChatFormatter:
                 raise bad(f"{self.where}.message_property_mappings", self.mapping,
                           f"row {idx} message {n} has no {self.mapping['role']!r} field (its keys: {sorted(m)})",
                           "map role (and content) onto the message's field names, e.g. {role: from, content: value}")
+            if not isinstance(turn["role"], str):
+                raise bad(f"{self.where}.message_property_mappings", self.mapping, f"row {idx} message {n}'s "
+                          f"{self.mapping['role']!r} is {type(turn['role']).__name__}, not a role name",
+                          "map role onto the field that holds the role's name (roles: maps names)")
             turn["role"] = self.roles.get(turn["role"], turn["role"])
+            if turn["role"] not in self.named:
+                self.outside.append(turn["role"])
             turns.append(turn)
         system = row.get(self.field_system)
         if turns[0]["role"] != "system" and system is not None:
