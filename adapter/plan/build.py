@@ -256,7 +256,7 @@ def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib:
         r = run if mode == cfg.deepspeed.replicate_mode else run.with_config(cfg.model_copy(update={
             "deepspeed": cfg.deepspeed.model_copy(update={"replicate_mode": mode})}))
         return (memory.estimate(r, partition_size=r.partition_size, gpu_capacity=capacity, stage=r.zero_stage),
-                traffic.estimate(r, layout))
+                traffic.estimate(r))
 
     mem, rows = cost(cfg.deepspeed.replicate_mode)
     prof = hardware.resolve(cfg.hardware, Path(config_path).resolve().parent if config_path else None)
@@ -271,7 +271,7 @@ def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib:
             warnings.append(f"step time from the {prof.name} profile, made for {prof.gpu}; memory is checked "
                             f"against hardware.gpu={cfg.hardware.gpu}")
         attn = attention_cost(cfg, arch)  # packed documents attend within themselves: pass their length
-        predicted = Predicted(**timing.predict(run, layout, prof, stage=run.zero_stage,
+        predicted = Predicted(**timing.predict(run, prof, stage=run.zero_stage,
                                                rows=rows, doc_len=attn.doc_len if attn.packed_documents else None
                                                ).to_dict())
     modes = {}

@@ -144,7 +144,7 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     """`stage` 3 shards the 16-bit weights over the partition; 1 and 2 keep them whole (nothing is gathered)."""
     cfg, arch = run.cfg, run.arch
     p = cfg.parallelism
-    tp, cp, L = p.tp_size, p.cp_size, arch.num_layers
+    tp, cp, L = run.layout.tp, run.layout.cp, arch.num_layers
     half = cfg.param_precision in ("bf16", "fp16")
     pb = 2 if half else 4
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)

@@ -191,7 +191,7 @@ def evaluate(base: RunConfig, arch: ModelArch, cand: Candidate, layout: Layout, 
                       layout=layout)
     stage = run.zero_stage
     mem = memory.estimate(run, partition_size=run.partition_size, gpu_capacity=capacity, stage=stage)
-    st = timing.predict(run, layout, prof, stage=stage, rows=traffic.estimate(run, layout))
+    st = timing.predict(run, prof, stage=stage, rows=traffic.estimate(run))
     return SearchRow(rank=0, dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, cp=cand.cp, tp=cand.tp, ep=cand.ep,
                      zero_stage=stage, replicate_mode=cand.replicate_mode if cand.dp_replicate > 1 else None,
                      recompute=cand.recompute, micro_batch_size=cand.micro, gradient_accumulation_steps=cand.ga,

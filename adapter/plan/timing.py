@@ -163,14 +163,14 @@ def collective_seconds(nbytes: float, calls: float, bw_lat: tuple[float, float])
 
 # ---- the step -----------------------------------------------------------------------------------------------------
 
-def predict(run: ResolvedRun, layout: Layout, prof: Profile, *, stage: int,
+def predict(run: ResolvedRun, prof: Profile, *, stage: int,
             rows: list[traffic.GroupTraffic] | None = None, doc_len: int | None = None) -> StepTime:
-    """The step time of `run` on `layout` with ZeRO `stage` (deepspeed_config.zero_stage's answer). `doc_len`: the
+    """The step time of `run` (on its layout) with ZeRO `stage` (deepspeed_config.zero_stage's answer). `doc_len`: the
     packed documents' mean length when attention stays inside documents (varlen); plan does not know the data, so
     it passes None and full causal sequences are counted (an upper bound for `data.document_mask`)."""
-    cfg, arch = run.cfg, run.arch
+    cfg, arch, layout = run.cfg, run.arch, run.layout
     p, ds, hw = cfg.parallelism, cfg.deepspeed, prof.host
-    tp, cp, L, ga, b = p.tp_size, p.cp_size, arch.num_layers, cfg.grad_accum, cfg.batch.micro_batch_size
+    tp, cp, L, ga, b = layout.tp, layout.cp, arch.num_layers, cfg.grad_accum, cfg.batch.micro_batch_size
     sp = cfg.use_sequence_parallel and tp > 1
     fused = cfg.model.fused_kernels is not False
     tokens = b * cfg.seq_len // cp
@@ -181,7 +181,7 @@ def predict(run: ResolvedRun, layout: Layout, prof: Profile, *, stage: int,
     full, selective = cfg.recompute == "full", cfg.recompute == "selective"
     compiled = whole_layer_graphs(cfg)
     broken = cfg.model.compile and not compiled
-    rows = traffic.estimate(run, layout) if rows is None else rows
+    rows = traffic.estimate(run) if rows is None else rows
     vol = {r.group: r.bytes_per_step for r in rows}
 
     # GPU compute per micro-batch

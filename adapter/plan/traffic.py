@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass
 from adapter.models.counts import expert_params
 from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.models.resolved import ResolvedRun
-from adapter.parallel import deepspeed_config
-from adapter.parallel.layout import Layout
 
 
 def _ring(n: int) -> float:
@@ -31,10 +29,10 @@ class GroupTraffic:
         return asdict(self)
 
 
-def estimate(run: ResolvedRun, layout: Layout) -> list[GroupTraffic]:
-    cfg, arch = run.cfg, run.arch
+def estimate(run: ResolvedRun) -> list[GroupTraffic]:
+    cfg, arch, layout = run.cfg, run.arch, run.layout
     p = cfg.parallelism
-    tp, cp, ga, L = p.tp_size, p.cp_size, cfg.grad_accum, arch.num_layers
+    tp, cp, ga, L = layout.tp, layout.cp, cfg.grad_accum, arch.num_layers
     pb = 2 if cfg.param_precision in ("bf16", "fp16") else 4
     P, trained = held_and_trained(run, tp)  # gathers move every held parameter, reductions the trained
     P -= quantized_base(run, tp)[0]  # a 4/8-bit base is not ZeRO's: never gathered
@@ -54,7 +52,7 @@ def estimate(run: ResolvedRun, layout: Layout) -> list[GroupTraffic]:
         experts = expert_params(arch, tp)
         P, trained = P - experts, trained - experts
     gather, reduce = pb * P * _ring(z), pb * trained * _ring(z)
-    if deepspeed_config.zero_stage(cfg, layout) == 2:
+    if run.zero_stage == 2:
         add(zgroup, "ZeRO-2 grad reduce-scatter per micro-batch, updated-param all-gather once per step",
             reduce * (ga + 1))
     elif hsdp:
@@ -73,7 +71,7 @@ def estimate(run: ResolvedRun, layout: Layout) -> list[GroupTraffic]:
     if ep > 1:
         egroup = "expt_dp_shard" if hsdp and layout.dp_replicate > 1 else "expt_dp"  # exact HSDP: inside a replica
         e, ze = experts // ep, layout.size(egroup)
-        if deepspeed_config.zero_stage(cfg, layout) == 3:
+        if run.zero_stage == 3:
             add(egroup, "ZeRO-3 experts' param all-gather (fwd + bwd) and grad reduce-scatter over the ranks "
                 "holding the same experts, per micro-batch", pb * e * (3 * _ring(ze)) * ga)
         else:

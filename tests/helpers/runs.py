@@ -7,9 +7,9 @@ from adapter.models.source import WeightsSource
 NO_WEIGHTS = WeightsSource("random", "", reason="a test's architecture")
 
 
-def planned(cfg, arch) -> ResolvedRun:
-    """`cfg` on `arch` (no model directory is looked at)."""
-    return resolve_run(cfg, arch=arch, weights=NO_WEIGHTS)
+def planned(cfg, arch, layout=None) -> ResolvedRun:
+    """`cfg` on `arch` (no model directory is looked at), on `layout` when given (placed on nodes)."""
+    return resolve_run(cfg, arch=arch, weights=NO_WEIGHTS, layout=layout)
 
 
 def vocab_of(cfg) -> int:

@@ -214,8 +214,8 @@ def test_plan_counts_what_a_lora_run_holds_and_trains():
     assert two.weights == 2 * -(-(held - q_count) // 2) + int(0.5625 * q_count)  # only the 16-bit part sharded
     from adapter.parallel.layout import Layout
 
-    moved = {f: sum(r.bytes_per_step for r in traffic.estimate(planned(cfg(f, shard=2), arch), Layout.from_config(
-        cfg(f, shard=2).parallelism, 8))) for f in (None, "nf4")}
+    moved = {f: sum(r.bytes_per_step for r in traffic.estimate(planned(cfg(f, shard=2), arch, Layout.from_config(
+        cfg(f, shard=2).parallelism, 8)))) for f in (None, "nf4")}
     assert moved["nf4"] < 0.3 * moved[None]  # ZeRO-3 gathers the 16-bit rest, not the 4-bit linears
     steps = {name: build_plan(resolve_run(c, arch=arch)).predicted.step_time_s
              for name, c in (("full", cfg(lora_on=False)), ("lora", cfg()), ("qlora", cfg("nf4")))}

@@ -129,7 +129,7 @@ def test_soft_capped_attention_counts_what_autograd_keeps():
 
 def test_zero3_traffic_by_hand():
     c = cfg()
-    rows = {r.group: r for r in traffic.estimate(planned(c, TINY), Layout(1, 2, 1, 2))}
+    rows = {r.group: r for r in traffic.estimate(planned(c, TINY, Layout(1, 2, 1, 2)))}
     # ZeRO-3 over 2 ranks: 3 × (2 bytes × 102720 params × 1/2)
     assert rows["dp_shard_cp"].bytes_per_step == 3 * 102720
     # TP: (4·2 + 2) collectives × 2 × (2·32·2·64 bytes) × 1/2
@@ -206,7 +206,7 @@ def test_cp_traffic_by_hand():
         for mask in (False, True):  # the same volume with packed documents: 1/cp of every document per rank
             c = cfg(**{"parallelism.cp_size": 2, "parallelism.tp_size": 1, "parallelism.cp_comm_type": comm,
                        "data.document_mask": mask})
-            rows = {r.group: r for r in traffic.estimate(planned(c, TINY), Layout(1, 2, 2, 1))}
+            rows = {r.group: r for r in traffic.estimate(planned(c, TINY, Layout(1, 2, 2, 1)))}
             assert rows["cp"].bytes_per_step == 2 * per_layer, (comm, mask)
             assert ("packed documents" in rows["cp"].what) == mask
 

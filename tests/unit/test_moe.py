@@ -192,7 +192,7 @@ def test_plan_experts_inside_exact_hsdp_replicas():
                         "precision": "bf16", "parallelism": {"dp_replicate_size": 2, "dp_shard_size": 4,
                                                              "ep_size": 2}}, env={}, world_size=8)
     arch = _load(MODELS / "qwen3-30b-a3b")
-    rows = {r.group: r for r in traffic.estimate(planned(cfg, arch), Layout.from_config(cfg.parallelism))}
+    rows = {r.group: r for r in traffic.estimate(planned(cfg, arch, Layout.from_config(cfg.parallelism)))}
     experts = expert_params(arch, 1)
     assert experts == 48 * 3 * 128 * 768 * 2048 and "expt_dp" not in rows
     dense = local_params(arch, 1).total(48) - experts  # the padded vocabulary's rows included

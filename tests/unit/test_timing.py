@@ -96,7 +96,7 @@ def test_links_inside_and_across_nodes():
 
 
 def _predict(c, layout, prof, stage):
-    return timing.predict(planned(c, TINY), layout, prof, stage=stage, rows=traffic.estimate(planned(c, TINY), layout))
+    return timing.predict(planned(c, TINY, layout), prof, stage=stage, rows=traffic.estimate(planned(c, TINY, layout)))
 
 
 def test_step_adds_up_and_compute_is_its_terms():
@@ -116,7 +116,7 @@ def test_step_adds_up_and_compute_is_its_terms():
     assert st.breakdown["compute"] == pytest.approx(3 * (gemm + attn + mem))
     assert st.breakdown["optimizer"] == pytest.approx(56 * -(-P // 2) / 1e12)
     # TP on the critical path: traffic's bytes at the NVLink rate + 8·L+4 SP collectives and 2L+1 norm all-reduces
-    tp_bytes = {r.group: r.bytes_per_step for r in traffic.estimate(planned(c, TINY), layout)}["tp"]
+    tp_bytes = {r.group: r.bytes_per_step for r in traffic.estimate(planned(c, TINY, layout))}["tp"]
     assert st.breakdown["tp_comm"] == pytest.approx(tp_bytes / 1e11 + 3 * (8 * 2 + 4 + 2 * 2 + 1) * 1e-5)
     assert st.tokens_per_s_per_gpu == pytest.approx(c.global_batch * 32 / 4 / st.step_time_s)
     assert st.profile == "unit" and st.bottleneck
@@ -126,7 +126,7 @@ def test_zero3_gathers_hide_behind_compute_except_the_edges():
     c, layout = cfg(**{"parallelism.tp_size": 1, "parallelism.dp_shard_size": 2}), Layout(1, 2, 1, 1)
     lp = counts.local_params(TINY, 1)
     P = lp.total(2)
-    vol = {r.group: r.bytes_per_step for r in traffic.estimate(planned(c, TINY), layout)}["dp_shard_cp"]
+    vol = {r.group: r.bytes_per_step for r in traffic.estimate(planned(c, TINY, layout))}["dp_shard_cp"]
     fast = _predict(c, layout, profile(), 3)
     t = vol / 1e11 + 3 * 3 * 1e-5                              # 3 collectives per gather unit, L + 1 units
     edge = t * (2 * (lp.embedding + lp.output) + lp.layer) / (3 * P)
@@ -243,7 +243,7 @@ def test_hsdp_replica_all_reduce_is_exposed_once_per_step():
         c = cfg(**{"parallelism.tp_size": 1, "parallelism.dp_shard_size": shard, "parallelism.dp_replicate_size": 2,
                    "batch.gradient_accumulation_steps": 2})
         layout = Layout(2, shard, 1, 1, gpus_per_node=shard)   # replicas on different nodes: one NIC each
-        rows = {r.group: r.bytes_per_step for r in traffic.estimate(planned(c, TINY), layout)}
+        rows = {r.group: r.bytes_per_step for r in traffic.estimate(planned(c, TINY, layout))}
         st = _predict(c, layout, p, 3)
         zero3 = 0.0
         if shard > 1:
