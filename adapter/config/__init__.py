@@ -1,4 +1,5 @@
-"""The run configuration: the schema (`schema.py`), the Axolotl dialect (`axolotl.py`, its mappings by concern in
+"""The run configuration: the schema (`schema.py`) and the rules every value obeys (`values.py`), the Axolotl
+dialect (`axolotl.py`: its booleans and numbers read in `axolotl_values.py`, its mappings by concern in
 `axolotl_train.py`, `axolotl_parallel.py` and `axolotl_data.py`, refusals in `axolotl_scope.py`) and Accelerate's
 (`accelerate.py`), hub ids (`hub.py`), loading with env and CLI overrides (`load.py`). Everything downstream reads
 a validated, frozen `RunConfig`."""

@@ -1,8 +1,9 @@
 """An Axolotl YAML, unchanged, mapped onto the native dict. This module holds the key tables (what is known, what
-carries over as it is), the numbers' parsing, how an Axolotl file spells a native key, and `from_axolotl`, which
-runs the mappings by concern: axolotl_train.py (precision, optimizer, schedule, batch, best checkpoint, LoRA),
-axolotl_parallel.py (context and expert parallelism, FSDP, DeepSpeed, kernels), axolotl_data.py (datasets,
-pretraining files); refusals of keys that change what is trained: axolotl_scope.py.
+carries over as it is), how an Axolotl file spells a native key, and `from_axolotl`, which reads the booleans and
+numbers as Axolotl does (axolotl_values.py) and runs the mappings by concern: axolotl_train.py (precision,
+optimizer, schedule, batch, best checkpoint, LoRA), axolotl_parallel.py (context and expert parallelism, FSDP,
+DeepSpeed, kernels), axolotl_data.py (datasets, pretraining files); refusals of keys that change what is trained:
+axolotl_scope.py.
 
 Each mapping takes what corresponds exactly, refuses in one line what cannot be honoured, and appends to `notes`
 what the run's first lines must say (a mapping the user should know about, an Axolotl default that differs from
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapter.config import axolotl_scope
+from adapter.config import axolotl_scope, axolotl_values
 from adapter.config.axolotl_data import DATA_KEYS, map_data, map_pretraining
 from adapter.config.axolotl_parallel import (
     KERNEL_KEYS,
@@ -79,33 +80,6 @@ MAP = {
     "unfrozen_parameters": "model.unfrozen_parameters", "early_stopping_patience": "eval.early_stopping_patience",
     "load_best_model_at_end": "checkpoint.load_best",
 } | SCHEDULE_MAP
-# Axolotl's numeric keys: YAML 1.1 reads `2e-5` (no dot) as a string, and Axolotl's schema turns it into a number
-FLOATS = {"learning_rate", "weight_decay", "warmup_ratio", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon",
-          "cosine_min_lr_ratio", "val_set_size", "num_epochs", "lora_dropout", "lora_alpha"}
-STEPS = {"eval_steps", "save_steps", "warmup_steps"}  # whole steps, or a fraction of the run below 1
-INTS = {"micro_batch_size", "gradient_accumulation_steps", "batch_size", "sequence_len", "max_steps",
-        "evals_per_epoch", "saves_per_epoch", "save_total_limit", "logging_steps", "seed", "min_sample_len",
-        "dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size",
-        "sequence_parallel_degree", "ddp_timeout", "dataset_processes", "dataset_num_proc", "heads_k_stride", "lora_r"}
-
-
-def _number(key: str, value: Any) -> Any:
-    """A numeric key's string (`2e-5`, `500_000`) as the number Axolotl reads; anything else as it is (the schema
-    then names the key). Steps keys may be fractions of the run (eval_steps: 0.25, warmup_steps: 0.1)."""
-    if not isinstance(value, str) or isinstance(value, bool):
-        return value
-    text = value.strip().replace("_", "")
-    try:
-        number = float(text)
-    except ValueError:
-        return value
-    if key in INTS or (key in STEPS and number.is_integer() and number >= 1):
-        return int(number) if number.is_integer() else value
-    return number
-
-
-def numbers(raw: dict[str, Any]) -> dict[str, Any]:
-    return {k: _number(k, v) if k in FLOATS | INTS | STEPS else v for k, v in raw.items()}
 
 
 def spelled(native: str) -> str:
@@ -120,8 +94,8 @@ def spelled(native: str) -> str:
 
 
 def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
-    axolotl_scope.check_scope(raw)  # first: a LoRA or DPO config is refused before anything else is said of it
-    raw = numbers(raw)
+    raw = axolotl_values.typed(raw)  # booleans and numbers as Axolotl's schema reads them ("false", "2e-5")
+    axolotl_scope.check_scope(raw)  # then: a LoRA or DPO config is refused before anything else is said of it
     if isinstance(raw.get("unfrozen_parameters"), str):  # Axolotl takes one pattern as a string too
         raw = {**raw, "unfrozen_parameters": [raw["unfrozen_parameters"]]}
     out: dict[str, Any] = {"source": "axolotl"}

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from adapter.config import axolotl_scope
+from adapter.config import axolotl_scope, axolotl_values
 from adapter.config.schema import set_dotted
+from adapter.config.values import check_path, check_tree
 from adapter.errors import bad
 
 # Keys that choose a peer's kernels: nd-adapter always runs its own (adapter/kernels: SDPA attention, fused RoPE,
@@ -58,7 +59,7 @@ def map_context_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[s
     for k in ("size", "ulysses_size", "ring_size"):
         if block.get(k) is not None and (isinstance(block[k], bool) or not isinstance(block[k], int) or block[k] < 1):
             raise bad(f"context_parallel.{k}", block[k], "must be a positive integer", "give e.g. 8")
-    size = block.get("size", 1)
+    size = block["size"] if block.get("size") is not None else 1  # null: unset
     flat = raw.get("context_parallel_size") or raw.get("sequence_parallel_degree")
     if flat is not None and flat != size:
         raise bad("context_parallel.size", size, f"conflicts with context_parallel_size={flat}", "give the size once")
@@ -182,16 +183,20 @@ def _ds_json(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if not isinstance(value, str) or not value:
         raise bad("deepspeed", value, "must be the path of a DeepSpeed JSON (or a mapping)",
                   "give e.g. deepspeed_configs/zero3_bf16.json, or remove the key")
+    check_path("deepspeed", value)
     path = Path(value)
     if not path.is_file():
         raise bad("deepspeed", value, "no such file (read relative to the working directory, then the config file's)",
                   "give the path of the DeepSpeed JSON (Axolotl's deepspeed_configs/zero*.json), or remove the key")
     try:
         doc = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise bad("deepspeed", value, "not valid JSON", "fix the file, or remove the key")
+    except OSError as e:
+        raise bad("deepspeed", value, f"cannot be read ({e.strerror})", "fix its permissions, or remove the key")
     if not isinstance(doc, dict):
         raise bad("deepspeed", value, "not a JSON object", "give a DeepSpeed config file")
+    check_tree(doc, f"deepspeed ({path.name})")  # JSON allows NaN and Infinity
     return doc, path.name
 
 
@@ -207,7 +212,8 @@ def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
     zero = doc.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         raise bad("deepspeed", name, "zero_optimization must be a mapping", "fix the DeepSpeed JSON")
-    stage = zero.get("stage", 0)
+    stage = axolotl_values.read(f"deepspeed ({name}) zero_optimization.stage", zero.get("stage", 0),
+                                axolotl_values.INT)  # "3" is 3 to DeepSpeed's pydantic config too
     if stage not in (0, 1, 2, 3):
         raise bad("deepspeed", name, f"zero_optimization.stage={stage!r} is not 0-3", "fix the DeepSpeed JSON")
     mapped = 3 if stage == 3 else 2
@@ -221,7 +227,8 @@ def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
         said += f"; {' and '.join(offload)} not used (memory placement only: `nd-adapter plan` says whether it fits)"
     for section, prec in (("bf16", "bf16"), ("fp16", "fp16")):
         block = doc.get(section)
-        if isinstance(block, dict) and block.get("enabled") is True:
+        if isinstance(block, dict) and axolotl_values.flag(f"deepspeed ({name}) {section}.enabled",
+                                                           block.get("enabled")) is True:
             if out.get("precision") not in (prec, None) and (raw.get("bf16") is not None or raw.get("fp16")):
                 raise bad("deepspeed", name, f"{section}.enabled true conflicts with the YAML's precision "
                           f"({out['precision']})", f"make them agree (e.g. {section}: true in the YAML)")
@@ -246,12 +253,15 @@ def _master_and_states(doc: dict, name: str, out: dict[str, Any]) -> str:
     """DeepSpeed's bf16.bf16_master_weights_and_grads + bf16_optimizer_states (no fp32 master, bf16 moments) change
     what is trained: both -> optimizer.state_dtype bf16; one alone, or fp16 masters, is refused."""
     bf16, fp16 = doc.get("bf16") or {}, doc.get("fp16") or {}
-    if isinstance(fp16, dict) and fp16.get("fp16_master_weights_and_grads") is True:
+    def on(section: dict, key: str) -> bool:
+        return axolotl_values.flag(f"deepspeed ({name}) {key}", section.get(key)) is True
+
+    if isinstance(fp16, dict) and on(fp16, "fp16_master_weights_and_grads"):
         raise bad("deepspeed", name, "fp16.fp16_master_weights_and_grads (fp16 master weights) is not built",
                   "remove it (fp32 master weights), or train in bf16 with bf16 master weights and states")
     if not isinstance(bf16, dict):
         return ""
-    master, states = (bf16.get(k) is True for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"))
+    master, states = (on(bf16, k) for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"))
     if master and states:
         set_dotted(out, "optimizer.state_dtype", "bf16")
         return "; bf16.bf16_master_weights_and_grads + bf16_optimizer_states -> optimizer.state_dtype bf16"
