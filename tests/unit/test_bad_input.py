@@ -73,6 +73,7 @@ def test_quoted_booleans_and_numbers_plan_as_the_real_ones(quoted, real, check):
     ({**AXOLOTL, "sequence_len": 10**400}, "larger than any setting can be"),
     ({**AXOLOTL, 7: 1}, "7=1: a key must be a name"),
     ({**NATIVE, "data": {None: 1}}, "data.None=1: a key must be a name"),
+    ({**AXOLOTL, "added_tokens_overrides": {128011: "<x>"}}, "added_tokens_overrides={128011: '<x>'}: renaming"),
 ])
 def test_what_no_setting_means_is_one_line_naming_the_key(raw, needle):
     with pytest.raises(UserError) as e:
