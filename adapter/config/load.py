@@ -294,8 +294,8 @@ def model_path_of(path: str | Path, overrides: dict[str, Any] | None = None) -> 
                  "accelerate": model}[dialect]
     if not isinstance(named, str) or not named:
         return None
-    check_path({"native": "model.path", "axolotl": "base_model"}.get(detect_dialect(raw), "--model")
-               if "model.path" not in (overrides or {}) else "--model", named)
+    check_path("--model (model.path)" if "model.path" in (overrides or {}) else
+               {"native": "model.path", "axolotl": "base_model"}.get(detect_dialect(raw), "--model"), named)
     for cand in (Path(named), Path(path).resolve().parent / named):
         if cand.exists():
             return cand
