@@ -7,12 +7,14 @@ torch, Megatron-Core and DeepSpeed in the commands that run them (adapter/conver
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import warnings
 from collections.abc import Sequence
 
 from adapter import __version__, config
+from adapter.config.values import MAX_WORLD
 from adapter.convert.cli import add_merge_parser
 from adapter.convert.cli import add_parser as add_convert_parser
 from adapter.data.sft import report
@@ -23,6 +25,29 @@ from adapter.plan import calibrate, search
 from adapter.plan.build import build_plan
 from adapter.plan.render import render, render_search
 from adapter.train import ckpt_info, rehearse, spawn
+
+
+def _count(text: str) -> int:
+    """A number of nodes, GPUs or processes: a whole number in [1, MAX_WORLD]."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= MAX_WORLD:
+        raise argparse.ArgumentTypeError(f"{n} is outside 1..{MAX_WORLD:,} (nd-adapter plans and runs at most "
+                                         f"{MAX_WORLD:,} GPUs)")
+    return n
+
+
+def _gib(text: str) -> float:
+    """GPU memory in GiB: a finite number above 0."""
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not (math.isfinite(gib) and gib > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of GiB (e.g. 80)")
+    return gib
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,8 +62,8 @@ def _world_overrides(args) -> dict:
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF checkpoint dir or config.json (overrides the config's model path)")
-    p.add_argument("--nodes", type=int, help="number of nodes")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs (processes) per node")
+    p.add_argument("--nodes", type=_count, help="number of nodes")
+    p.add_argument("--gpus-per-node", type=_count, help="GPUs (processes) per node")
     p.add_argument("--gpu", help="GPU kind for the memory check (h100-80gb, h200, a100-80gb, a100-40gb, l40s)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. seq_len=8192")
 
@@ -104,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="dry-run: layout, groups, Megatron call, DeepSpeed JSON, memory, traffic")
     p.add_argument("config", help="YAML config (native, Axolotl or Accelerate)")
     _add_run_args(p)
-    p.add_argument("--gpu-mem-gib", type=float, help="usable GPU memory, overrides --gpu")
+    p.add_argument("--gpu-mem-gib", type=_gib, help="usable GPU memory, overrides --gpu")
     p.add_argument("--replicate-mode", choices=("hsdp", "hpz"), help="how dp_replicate maps onto DeepSpeed")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--search", action="store_true",
@@ -129,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", required=True)
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
         p.add_argument("--max-steps", type=int, help="override optimizer.max_steps")
-        p.add_argument("--nproc", type=int, help="processes to start (default: the config's world size)")
+        p.add_argument("--nproc", type=_count, help="processes to start (default: the config's world size)")
         if name == "train":
             p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
         else:

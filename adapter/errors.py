@@ -9,6 +9,7 @@ from typing import Any
 
 EXIT_USAGE = 2
 EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL ("try again later"): stopped on a signal, resumable with --resume
+MAX_SHOWN = 160  # characters of a value a message shows
 # Where a training process leaves its one-line error for `nd-adapter train`'s launcher (adapter/train/spawn.py),
 # which prints the first failed rank's line when rank 0 left none.
 ERROR_DIR = "ND_ADAPTER_ERROR_DIR"
@@ -28,5 +29,10 @@ class DivergedError(RuntimeError):
 
 def bad(key: str, value: Any, problem: str, fix: str) -> UserError:
     """Build the canonical message: `key=value: problem. Fix: fix`."""
-    shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+    try:
+        shown = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+    except ValueError:  # an integer beyond Python's digit limit for str()
+        shown = f"<a {value.bit_length()}-bit integer>"
+    if len(shown) > MAX_SHOWN:  # a 300-character path or a 400-digit number, named by its ends
+        shown = f"{shown[:MAX_SHOWN // 2]}...{shown[-20:]} ({len(shown)} characters)"
     return UserError(f"{key}={shown}: {problem}. Fix: {fix}")

@@ -1,6 +1,8 @@
-"""The run configuration: the schema (`schema.py`), the Axolotl (`axolotl.py`, refusals in `axolotl_scope.py`) and
-Accelerate (`accelerate.py`) dialects, hub ids (`hub.py`), loading with env and CLI overrides (`load.py`).
-Everything downstream reads a validated, frozen `RunConfig`."""
+"""The run configuration: the schema (`schema.py`) and the rules every value obeys (`values.py`), the Axolotl
+dialect (`axolotl.py`: its booleans and numbers read in `axolotl_values.py`, its mappings by concern in
+`axolotl_train.py`, `axolotl_parallel.py` and `axolotl_data.py`, refusals in `axolotl_scope.py`) and Accelerate's
+(`accelerate.py`), hub ids (`hub.py`), loading with env and CLI overrides (`load.py`). Everything downstream reads
+a validated, frozen `RunConfig`."""
 from adapter.config.load import (
     build,
     load,

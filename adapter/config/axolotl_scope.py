@@ -3,7 +3,7 @@
 An Axolotl YAML must do here what it says. A LoRA config run as a full fine-tune, a DPO config run as SFT, or a
 run that ignores `unfrozen_parameters` would all finish and export a model, only not the one the user asked for.
 So each key here is refused when set, naming the key and what to do instead. Keys that only touch speed, logging,
-the hub or memory placement are not listed: they are mapped or reported as ignored in axolotl.py.
+the hub or memory placement are not listed: they are mapped or reported as ignored by axolotl.py and its mappings.
 Checked against Axolotl's config reference and schemas (axolotl-ai-cloud/axolotl, 2025-06 and main of 2026-11).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ _VOCAB = "use tokens the vocabulary already has (special_tokens may name them); 
 
 # key -> (why it cannot be honoured, the fix)
 UNSUPPORTED: dict[str, tuple[str, str]] = {
-    # adapters, freezing (adapter: lora|qlora and their keys are mapped in axolotl.py's map_lora)
+    # adapters, freezing (adapter: lora|qlora and their keys are mapped in axolotl_train.py's map_lora)
     "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
     "relora_steps": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
     "relora": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
@@ -91,7 +91,7 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
 # other objectives or adapters all change what is trained)
 KERNEL_PLUGINS = ("cut_cross_entropy", "liger", "integrations.kernels")
 CP_PLUGIN = "integrations.context_parallel"
-EP_PLUGIN = "integrations.expert_parallel"  # its expert_parallel_size is mapped (axolotl.map_expert_parallel)
+EP_PLUGIN = "integrations.expert_parallel"  # its expert_parallel_size is mapped (axolotl_parallel.map_expert_parallel)
 HARMLESS_PLUGINS = ("integrations.lm_eval", "integrations.swanlab")  # evaluation / logging only: ignored
 
 

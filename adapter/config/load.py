@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from adapter.config import accelerate, axolotl
 from adapter.config.hub import looks_like_hub_id, resolve_hub_id
 from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, RunConfig, set_dotted
+from adapter.config.values import MAX_WORLD, check_path, check_tree
 from adapter.errors import UserError, bad
 
 
@@ -79,9 +80,9 @@ def _first_error(err: ValidationError, dialect: str = "native") -> UserError:
     if kind in ("int_type", "int_parsing", "greater_than_equal") and key.split(".")[-1].endswith("_size"):
         return bad(key, value, f"{msg}", "give an integer ≥ 1 (1 disables the dimension)")
     if kind == "value_error":  # a field's own check names its value; a section's (a mapping) does not
-        msg = msg.removeprefix("Value error, ")
-        return bad(key, value, msg, "correct the value") if not isinstance(value, dict) else \
-            UserError(f"{key}: {msg}. Fix: correct the value")
+        msg, _, fix = msg.removeprefix("Value error, ").partition(". Fix: ")
+        fix = fix or "correct the value"
+        return bad(key, value, msg, fix) if not isinstance(value, dict) else UserError(f"{key}: {msg}. Fix: {fix}")
     return bad(key, value, msg, "see docs/config.md for the allowed values")
 
 
@@ -95,6 +96,9 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
         raw = {}
     if not isinstance(raw, dict):
         raise bad("config", type(raw).__name__, "the YAML top level must be a mapping", "write `key: value` lines")
+    check_tree(raw)  # keys are names, nesting is shallow, numbers are finite (config/values.py)
+    for dotted, value in (overrides or {}).items():
+        check_tree(value, dotted)
     dialect = detect_dialect(raw)
     native = {"native": dict, "axolotl": axolotl.from_axolotl, "accelerate": accelerate.from_accelerate}[dialect](raw)
     par = native.setdefault("parallelism", {})
@@ -114,6 +118,10 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
                         "or pass --model")
     if world_size is None and cfg.hardware.gpus_per_node is not None:
         world_size = cfg.hardware.nodes * cfg.hardware.gpus_per_node
+    for key, world in (("world size", world_size), ("parallelism (dp_replicate × dp_shard × cp × tp)", cfg.world_size)):
+        if world is not None and world > MAX_WORLD:  # the plan lists every rank and group: its work grows with them
+            raise bad(key, world, f"nd-adapter plans and runs at most {MAX_WORLD:,} GPUs", "give a smaller world "
+                      "(nodes × GPUs per node, --nproc) or layout (dp_replicate × dp_shard × cp × tp)")
     if world_size is None and cfg.parallelism.dp_shard_size is None and cfg.parallelism.ep_size > 1:
         # dp_shard would fill a world of one, which holds no expert-parallel ranks (Axolotl's EP examples name no
         # layout, only `expert_parallel_size` and the launcher's process count)
@@ -176,6 +184,7 @@ def with_grad_accum(cfg: RunConfig) -> RunConfig:
 
 
 def read_yaml(path: str | Path) -> Any:
+    check_path("--config", str(path))
     p = Path(path)
     if not p.is_file():
         raise bad("--config", str(path), "no such file", "pass the path of a YAML config (see configs/)")
@@ -187,6 +196,13 @@ def read_yaml(path: str | Path) -> Any:
         raise bad("--config", str(path), f"not valid YAML{where}", "fix the YAML syntax")
     except UnicodeDecodeError:
         raise bad("--config", str(path), "not a UTF-8 text file", "pass a YAML file")
+    except RecursionError:  # PyYAML's parser recurses once per level of nesting
+        raise bad("--config", str(path), "nested too deeply for the YAML parser (no config key nests more than a "
+                  "few levels)", "correct the YAML's indentation or brackets")
+    except ValueError as e:  # an integer beyond Python's 4,300-digit limit
+        raise bad("--config", str(path), f"not a config: {e}", "fix the value")
+    except OSError as e:
+        raise bad("--config", str(path), f"cannot be read ({e.strerror})", "check its permissions")
 
 
 def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunConfig:
@@ -232,16 +248,17 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
             raise bad("--set", item, "expected key.path=value", "write e.g. --set optimizer.lr=1e-4")
         try:
             out[key.strip()] = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError, ValueError):
             raise bad("--set", item, "the value is not valid YAML", "quote it, e.g. --set 'logging.profile_dir=/tmp/p'")
     return out
 
 
-def _beside(name: Any, path: str | Path) -> Any:
+def _beside(name: Any, path: str | Path, key: str) -> Any:
     """A file an Axolotl key names: relative to the working directory (as Axolotl reads it), else to the config
     file's directory."""
     if not isinstance(name, str) or not name:
         return name
+    check_path(key, name)
     p = Path(name)
     beside = Path(path).resolve().parent / p
     return str(beside) if not p.is_absolute() and not p.exists() and beside.exists() else name
@@ -253,13 +270,14 @@ def _files_beside(raw: Any, path: str | Path) -> Any:
         return raw
     out = dict(raw)
     if isinstance(raw.get("deepspeed"), str):
-        out["deepspeed"] = _beside(raw["deepspeed"], path)
+        out["deepspeed"] = _beside(raw["deepspeed"], path, "deepspeed")
     pre = raw.get("pretraining_dataset")
     if isinstance(pre, str):
-        out["pretraining_dataset"] = _beside(pre, path)
+        out["pretraining_dataset"] = _beside(pre, path, "pretraining_dataset")
     elif isinstance(pre, list):
-        out["pretraining_dataset"] = [{**e, "path": _beside(e.get("path"), path)} if isinstance(e, dict) else
-                                      _beside(e, path) for e in pre]
+        out["pretraining_dataset"] = [{**e, "path": _beside(e.get("path"), path, f"pretraining_dataset[{i}].path")}
+                                      if isinstance(e, dict) else _beside(e, path, f"pretraining_dataset[{i}]")
+                                      for i, e in enumerate(pre)]
     return out
 
 
@@ -276,6 +294,8 @@ def model_path_of(path: str | Path, overrides: dict[str, Any] | None = None) -> 
                  "accelerate": model}[dialect]
     if not isinstance(named, str) or not named:
         return None
+    check_path("--model (model.path)" if "model.path" in (overrides or {}) else
+               {"native": "model.path", "axolotl": "base_model"}.get(detect_dialect(raw), "--model"), named)
     for cand in (Path(named), Path(path).resolve().parent / named):
         if cand.exists():
             return cand

@@ -8,8 +8,9 @@ from __future__ import annotations
 import signal
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
 
+from adapter.config.values import Float, Int, Jinja, PathStr, Size, lax_bool
 from adapter.errors import bad
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
@@ -31,20 +32,21 @@ def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # numbers are finite; Float, Int, Size, PathStr (config/values.py) bound the rest
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ParallelismConfig(_Strict):
     """Accelerate's `ParallelismConfig` fields. 1 disables a dimension; `dp_shard_size=None` means "fill the rest"."""
 
-    dp_replicate_size: StrictInt = Field(1, ge=1)
-    dp_shard_size: StrictInt | None = Field(None, ge=1)
-    tp_size: StrictInt = Field(1, ge=1)
-    cp_size: StrictInt = Field(1, ge=1)
+    dp_replicate_size: Size = Field(1, ge=1)
+    dp_shard_size: Size | None = Field(None, ge=1)
+    tp_size: Size = Field(1, ge=1)
+    cp_size: Size = Field(1, ge=1)
     cp_comm_type: Literal["all_gather", "p2p"] = "all_gather"
     # Expert parallelism (Megatron-Core's): a mixture of experts' experts split over ep_size ranks, laid over the
     # data-parallel × cp ranks (not a fifth factor of the world size); tokens travel to their experts all-to-all
-    ep_size: StrictInt = Field(1, ge=1, description="expert-parallel ranks (mixtures of experts): each holds "
+    ep_size: Size = Field(1, ge=1, description="expert-parallel ranks (mixtures of experts): each holds "
                                "num_experts / ep_size experts; must divide dp_replicate × dp_shard × cp")
 
     @property
@@ -68,23 +70,24 @@ class ParallelismConfig(_Strict):
 
 
 class ModelSection(_Strict):
-    path: str = Field(description="HF checkpoint directory, its config.json, or a hub id in the local HF cache")
-    checkpoint: str | None = Field(None, description="converted Megatron checkpoint (nd-adapter convert) to train from")
+    path: PathStr = Field(description="HF checkpoint directory, its config.json, or a hub id in the local HF cache")
+    checkpoint: PathStr | None = Field(None, description="converted Megatron checkpoint (nd-adapter convert) to "
+                                       "train from")
     # Where the run's first weights come from when no converted checkpoint is named: `auto` fine-tunes from the
     # weights in `path` when it holds any (random init only for a bare config.json), `pretrained` insists on them,
     # `random` ignores them. Pre-trained weights are converted once into `cache_dir` (adapter/convert/cache.py).
     init: Literal["auto", "pretrained", "random"] = "auto"
-    cache_dir: str | None = Field(None, description="converted-weights cache; default $ND_ADAPTER_CACHE or "
+    cache_dir: PathStr | None = Field(None, description="converted-weights cache; default $ND_ADAPTER_CACHE or "
                                   "~/.cache/nd-adapter")
     cache_node_local: bool = Field(False, description="the cache dir is local to each node (built by local rank 0)")
     attention: Literal["sdpa", "local", "te"] = "sdpa"
-    vocab_divisible_by: StrictInt = Field(128, ge=1)
+    vocab_divisible_by: Int = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
     fused_linear_ce: bool = Field(
         False, description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits): less "
                            "memory, slower on one H200 (docs/BENCHMARKS.md)")
-    fused_linear_ce_chunk: StrictInt | None = Field(
+    fused_linear_ce_chunk: Int | None = Field(
         None, ge=16, description="tokens per chunk of the fused linear CE (then nd-adapter's kernel, also at tp = 1); "
         "unset: Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
     compile: bool | Literal["auto"] = Field(
@@ -106,7 +109,7 @@ class ModelSection(_Strict):
         None, description="mixture of experts: add the load-balancing loss (router_aux_loss_coef x transformers' "
         "load_balancing_loss_func) to every micro-batch's loss, or not, whatever config.json says (Axolotl's "
         "model_config: {output_router_logits: ...}); unset: as config.json says")
-    compile_memory_budget: float | None = Field(
+    compile_memory_budget: Float | None = Field(
         None, gt=0, le=1, description="compiled layers keep this fraction of their activations and recompute the "
         "rest in backward (AOTAutograd's activation_memory_budget; 1 or unset: keep all). One H200, 1B shape: 0.5 "
         "cut activations from 11.7 to 6.2 GiB at -9% tokens/s (docs/BENCHMARKS.md)")
@@ -123,26 +126,26 @@ class ModelSection(_Strict):
 
 
 class BatchSection(_Strict):
-    micro_batch_size: StrictInt = Field(1, ge=1)
-    gradient_accumulation_steps: StrictInt | None = Field(None, ge=1)
-    global_batch_size: StrictInt | None = Field(None, ge=1)
+    micro_batch_size: Int = Field(1, ge=1)
+    gradient_accumulation_steps: Int | None = Field(None, ge=1)
+    global_batch_size: Int | None = Field(None, ge=1)
 
 
 class OptimizerSection(_Strict):
-    lr: float = Field(3e-4, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
+    lr: Float = Field(3e-4, gt=0)
+    min_lr: Float = Field(0.0, ge=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    betas: tuple[Float, Float] = (0.9, 0.95)
+    eps: Float = Field(1e-8, gt=0)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     # Schedule length: `max_steps` wins; else `num_epochs` over the training set (known at run start, see
     # adapter/train/schedule.py); neither means DEFAULT_MAX_STEPS. Warm-up: `warmup_steps` or `warmup_ratio`;
     # `warmup_steps` below 1 is a fraction of the run, rounded up, as transformers' TrainingArguments reads it.
-    warmup_steps: StrictInt | StrictFloat | None = Field(None, ge=0)
-    warmup_ratio: float | None = Field(None, ge=0, lt=1)
-    max_steps: StrictInt | None = Field(None, ge=1)
-    num_epochs: float | None = Field(None, gt=0)
-    clip_grad: float = Field(1.0, ge=0)
+    warmup_steps: Int | StrictFloat | None = Field(None, ge=0)
+    warmup_ratio: Float | None = Field(None, ge=0, lt=1)
+    max_steps: Int | None = Field(None, ge=1)
+    num_epochs: Float | None = Field(None, gt=0)
+    clip_grad: Float = Field(1.0, ge=0)
     # "flat": nd-adapter's AdamW over flat buffers (adapter/train/optim.py), for layouts with nothing to shard (no
     # dp or cp: one GPU, or tp alone); "deepspeed": DeepSpeed's ZeRO optimizer; "auto": flat where it applies.
     impl: Literal["auto", "flat", "deepspeed"] = "auto"
@@ -184,10 +187,11 @@ class DatasetEntry(_Strict):
     """One SFT dataset, Axolotl's `datasets:` entry keys (adapter/data/sft reads them; docs/config.md lists them).
     `type` stays a string here so that a wrong one is refused by the data code in one line naming the entry."""
 
-    path: str = Field(description="local file or directory, a save_to_disk directory, or a hub id in the local cache")
+    path: PathStr = Field(description="local file or directory, a save_to_disk directory, or a hub id in the "
+                                      "local cache")
     type: str | None = Field(None, description="completion, alpaca, chat_template, input_output; none = tokenised")
     split: str = "train"
-    data_files: str | list[str] | None = None
+    data_files: PathStr | list[PathStr] | None = None
     name: str | None = Field(None, description="the dataset's configuration name")
     ds_type: str | None = Field(None, description="loader for files: json, parquet, arrow, csv, text")
     field: str | None = Field(None, description="completion: the text column (default text)")
@@ -200,7 +204,7 @@ class DatasetEntry(_Strict):
     train_on_eos: TRAIN_ON_EOS | None = None
     train_on_eot: TRAIN_ON_EOS | None = None
     chat_template: str | None = None
-    chat_template_jinja: str | None = None
+    chat_template_jinja: Jinja | None = None
     drop_system_message: bool = False
 
 
@@ -218,14 +222,14 @@ class SpecialTokens(_Strict):
 
 
 class DataSection(_Strict):
-    files: list[str] = Field(default_factory=list)
+    files: list[PathStr] = Field(default_factory=list)
     synthetic: bool = Field(False, description="random tokens instead of files (benchmarks, rehearsals)")
-    synthetic_doc_len: StrictInt | None = Field(
+    synthetic_doc_len: Int | None = Field(
         None, ge=1, description="synthetic data in documents of about this many tokens (default: one per sample)")
     document_mask: bool = Field(False, description="attention stays inside each packed document (varlen, any cp)")
     text_key: str = "text"
-    cache_dir: str | None = None
-    seed: StrictInt = 1234
+    cache_dir: PathStr | None = None
+    seed: Int = 1234
     # SFT: Axolotl's dataset keys; `datasets` replaces `files` (adapter/data/sft).
     datasets: list[DatasetEntry] = Field(default_factory=list)
     train_on_inputs: bool = False
@@ -233,21 +237,21 @@ class DataSection(_Strict):
     eval_sample_packing: bool | None = Field(None, description="default: sample_packing")
     pad_to_sequence_len: bool | None = None
     excess_length_strategy: Literal["drop", "truncate", "raise"] = "drop"
-    prepared_path: str | None = Field(None, description="SFT cache root (Axolotl's dataset_prepared_path)")
-    val_set_size: float = Field(0.0, ge=0)
+    prepared_path: PathStr | None = Field(None, description="SFT cache root (Axolotl's dataset_prepared_path)")
+    val_set_size: Float = Field(0.0, ge=0)
     shuffle_merged_datasets: bool = True
     chat_template: str | None = None
-    chat_template_jinja: str | None = None
+    chat_template_jinja: Jinja | None = None
     eot_tokens: list[str] | None = Field(
         None, description="tokens that end a turn, trained per train_on_eot (Axolotl's eot_tokens); unset: the EOS")
     special_tokens: SpecialTokens = SpecialTokens()
     resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: the embedding must "
                                       "hold the tokenizer rounded up to 32 rows; nd-adapter adds no rows, so a model "
                                       "that already does trains as it is and one that does not is refused")
-    num_proc: StrictInt | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
+    num_proc: Int | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
     test_datasets: list[DatasetEntry] = Field(
         default_factory=list, description="evaluated instead of a held-out part of datasets (Axolotl's test_datasets)")
-    min_sample_len: StrictInt | None = Field(
+    min_sample_len: Int | None = Field(
         None, ge=1, description="examples with fewer tokens are dropped, counted (Axolotl's min_sample_len)")
     deduplicate: bool = Field(False, description="identical examples kept once, train and test each on its own "
                                                  "(Axolotl's dataset_exact_deduplication)")
@@ -272,14 +276,14 @@ def _steps_or_fraction(value, key: str):
 
 
 class CheckpointSection(_Strict):
-    dir: str | None = None
-    save_every: StrictInt | float = Field(0, ge=0, description="steps between saves (or a fraction of the total "
+    dir: PathStr | None = None
+    save_every: Int | Float = Field(0, ge=0, description="steps between saves (or a fraction of the total "
                                           "steps); 0 saves only at the end")
-    saves_per_epoch: StrictInt | None = Field(None, ge=1)
-    keep_last: StrictInt = Field(2, ge=1)
+    saves_per_epoch: Int | None = Field(None, ge=1)
+    keep_last: Int = Field(2, ge=1)
     load_best: bool = Field(False, description="at the end, reload the saved checkpoint with the lowest eval loss "
                             "and export that (HF's load_best_model_at_end); it is never pruned by keep_last")
-    export_hf: str | None = Field(None, description="write an HF checkpoint here at the end (files are replaced, "
+    export_hf: PathStr | None = Field(None, description="write an HF checkpoint here at the end (files are replaced, "
                                   "anything else in the directory is kept)")
     exit_signals: list[str] = Field(["SIGTERM", "SIGUSR1"], description="signals that end the run at the end of the "
                                     "current step with a checkpoint and exit status 75 (requeue); [] for none")
@@ -309,9 +313,9 @@ class CheckpointSection(_Strict):
 class EvalSection(_Strict):
     """Loss over the whole eval set (data side: `val_set_size` or `test_datasets`), same masking and normalisation as
     training. Neither key: one evaluation at the end when there is an eval set."""
-    every: StrictInt | float | None = Field(None, gt=0, description="steps between evaluations, or a fraction")
-    per_epoch: StrictInt | None = Field(None, ge=0, description="evaluations per epoch; 0: none at all (Axolotl)")
-    early_stopping_patience: StrictInt | None = Field(None, ge=1, description="stop when this many evaluations in "
+    every: Int | Float | None = Field(None, gt=0, description="steps between evaluations, or a fraction")
+    per_epoch: Int | None = Field(None, ge=0, description="evaluations per epoch; 0: none at all (Axolotl)")
+    early_stopping_patience: Int | None = Field(None, ge=1, description="stop when this many evaluations in "
                                                       "a row have not lowered the eval loss (HF's EarlyStopping)")
 
     @model_validator(mode="after")
@@ -322,6 +326,12 @@ class EvalSection(_Strict):
         return self
 
 
+# DeepSpeed config keys whose value is a section (a mapping) of their own
+DS_SECTIONS = {"zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "activation_checkpointing",
+               "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "aio", "timers", "checkpoint",
+               "data_efficiency", "compression_training", "elasticity", "autotuning", "torch_autocast"}
+
+
 class DeepSpeedSection(_Strict):
     # 3 shards weights, gradients and optimizer states (FSDP FULL_SHARD). 2 keeps the 16-bit weights whole on every
     # rank and shards the rest (FSDP2 reshard_after_forward=False): no gathers at all, for models whose weights
@@ -329,28 +339,46 @@ class DeepSpeedSection(_Strict):
     zero_stage: Literal[2, 3] = 3
     # How dp_replicate maps onto DeepSpeed: exact HSDP (shard over dp_shard×cp, average over replicas) or ZeRO++ hpZ.
     replicate_mode: Literal["hsdp", "hpz"] = "hsdp"
-    reduce_bucket_size: StrictInt = Field(500_000_000, ge=1)
-    prefetch_bucket_size: StrictInt = Field(500_000_000, ge=1)
-    param_persistence_threshold: StrictInt = Field(1_000_000, ge=0)
+    reduce_bucket_size: Int = Field(500_000_000, ge=1)
+    prefetch_bucket_size: Int = Field(500_000_000, ge=1)
+    param_persistence_threshold: Int = Field(1_000_000, ge=0)
     # ZeRO-3's gather unit: a whole transformer layer (FSDP's per-block wrapping: one fetch, release and gradient
     # reduce per layer) or every module (DeepSpeed's default: ~10 per layer, each paying Python hooks).
     gather_granularity: Literal["layer", "module"] = "layer"
     overlap_comm: bool = True
     overrides: dict[str, Any] = Field(default_factory=dict, description="merged into the generated DeepSpeed JSON")
 
+    @field_validator("overrides")
+    @classmethod
+    def _sections(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """DeepSpeed's sections are mappings; the flags nd-adapter reads too are read as DeepSpeed's pydantic config
+        reads them ("false" is false), and handed on as booleans."""
+        for key in DS_SECTIONS & value.keys():
+            if not isinstance(value[key], dict):
+                raise ValueError(f"{key}={value[key]!r}: DeepSpeed reads {key} as a section (a mapping). Fix: give "
+                                 "its keys below it, or remove it")
+        value = {**value}
+        for section, key in (("bf16", "enabled"), ("fp16", "enabled"), ("bf16", "check_grad_overflow")):
+            flag = value.get(section, {}).get(key)
+            if flag is not None and flag != "auto":
+                if lax_bool(flag) is None:
+                    raise ValueError(f"{section}.{key}={flag!r}: not a boolean. Fix: write true or false")
+                value[section] = {**value[section], key: lax_bool(flag)}
+        return value
+
 
 class LoggingSection(_Strict):
-    every: StrictInt = Field(1, ge=1)
-    tensorboard: str | None = None
+    every: Int = Field(1, ge=1)
+    tensorboard: PathStr | None = None
     wandb_project: str | None = None
     wandb_name: str | None = Field(None, description="the W&B run's name (Axolotl's wandb_name)")
     wandb_entity: str | None = Field(None, description="W&B team or user (Axolotl's wandb_entity)")
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="W&B mode (Axolotl's wandb_mode); default: W&B's own ($WANDB_MODE)")
-    profile_steps: tuple[StrictInt, StrictInt] | None = Field(
+    profile_steps: tuple[Int, Int] | None = Field(
         None, description="[first, last] step (inclusive) to record with the torch profiler")
-    profile_dir: str = Field("profile", description="where profiler traces and op tables go")
-    profile_ranks: list[StrictInt] = Field(default_factory=lambda: [0], description="global ranks to profile")
+    profile_dir: PathStr = Field("profile", description="where profiler traces and op tables go")
+    profile_ranks: list[Int] = Field(default_factory=lambda: [0], description="global ranks to profile")
 
     @model_validator(mode="after")
     def _profile_window(self) -> LoggingSection:
@@ -360,30 +388,30 @@ class LoggingSection(_Strict):
 
 
 class HardwareSection(_Strict):
-    nodes: StrictInt = Field(1, ge=1)
-    gpus_per_node: StrictInt | None = Field(None, ge=1)
+    nodes: Size = Field(1, ge=1)
+    gpus_per_node: Size | None = Field(None, ge=1)
     gpu: str = "h100-80gb"
     # `plan`'s step-time model: a shipped profile (h100, h200, a100) or a JSON from `nd-adapter calibrate`;
     # unset = the profile of `gpu`. The two bandwidths (GB/s, nccl-tests' bus bandwidth) override the profile's.
-    profile: str | None = Field(None, description="hardware profile: h100, h200, a100 or a calibrate JSON path")
-    intra_node_gb_per_s: float | None = Field(None, gt=0, description="NCCL bus bandwidth inside a node (NVLink)")
-    inter_node_gb_per_s: float | None = Field(None, gt=0, description="network bandwidth per GPU between nodes")
+    profile: PathStr | None = Field(None, description="hardware profile: h100, h200, a100 or a calibrate JSON path")
+    intra_node_gb_per_s: Float | None = Field(None, gt=0, description="NCCL bus bandwidth inside a node (NVLink)")
+    inter_node_gb_per_s: Float | None = Field(None, gt=0, description="network bandwidth per GPU between nodes")
 
 
 class LoraSection(_Strict):
     """Train LoRA adapters on a frozen base instead of every weight (Axolotl's `adapter: lora|qlora` and `lora_*`
     keys; PEFT's semantics: adapter/models/lora.py). Ranges are checked there, naming the key as the file spells it."""
-    r: int = Field(8, description="adapter rank (lora_r); PEFT's defaults: r 8, alpha 8")
-    alpha: float = Field(8.0, description="scale numerator: s = alpha / r, or alpha / sqrt(r) with rslora")
-    dropout: float = Field(0.0, description="dropout on the adapters' input (lora_dropout)")
+    r: Int = Field(8, description="adapter rank (lora_r); PEFT's defaults: r 8, alpha 8")
+    alpha: Float = Field(8.0, description="scale numerator: s = alpha / r, or alpha / sqrt(r) with rslora")
+    dropout: Float = Field(0.0, description="dropout on the adapters' input (lora_dropout)")
     target_modules: list[str] | str | None = Field(
         None, description="HF linear names (q_proj, ..., down_proj), a regex over module names, or 'all-linear'; "
         "unset: PEFT's default (q_proj, v_proj)")
     target_linear: bool = Field(False, description="every linear of the layers (lora_target_linear)")
     modules_to_save: list[str] = Field(default_factory=list, description="embed_tokens / lm_head, trained in full")
-    layers: list[int] | None = Field(None, description="only these layer indices (peft_layers_to_transform)")
+    layers: list[Int] | None = Field(None, description="only these layer indices (peft_layers_to_transform)")
     rslora: bool = Field(False, description="rank-stabilised scale alpha / sqrt(r) (peft_use_rslora)")
-    init_from: str | None = Field(None, description="a PEFT adapter directory to start from (lora_model_dir)")
+    init_from: PathStr | None = Field(None, description="a PEFT adapter directory to start from (lora_model_dir)")
     quantize_base: Literal["nf4", "int8"] | None = Field(
         None, description="the frozen base's decoder linears quantised: nf4 (QLoRA, Axolotl's load_in_4bit) or int8 "
                           "(load_in_8bit); null keeps them 16-bit")
@@ -394,7 +422,7 @@ class RunConfig(_Strict):
     lora: LoraSection | None = Field(None, description="LoRA adapters on a frozen base; unset: every weight trains")
     parallelism: ParallelismConfig = ParallelismConfig()
     batch: BatchSection = BatchSection()
-    seq_len: StrictInt = Field(2048, ge=1)
+    seq_len: Int = Field(2048, ge=1)
     # fp8: bf16 training whose matmuls in model.fp8_linears (default the MLP's) run in fp8 (adapter/kernels/fp8.py;
     # tp = 1, GPUs of compute capability 8.9+, or emulated on CPU)
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
@@ -402,7 +430,7 @@ class RunConfig(_Strict):
     recompute: Literal["none", "selective", "full"] = "none"
     # How long a collective may wait: the other ranks wait in one while rank 0 prepares SFT data or converts
     # weights. HF Trainer's and Axolotl's ddp_timeout default; DeepSpeed's own is 10 min ($DEEPSPEED_TIMEOUT).
-    dist_timeout_s: StrictInt = Field(1800, ge=1, description="process-group timeout in seconds (ddp_timeout)")
+    dist_timeout_s: Int = Field(1800, ge=1, description="process-group timeout in seconds (ddp_timeout)")
     optimizer: OptimizerSection = OptimizerSection()
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
@@ -410,7 +438,7 @@ class RunConfig(_Strict):
     deepspeed: DeepSpeedSection = DeepSpeedSection()
     logging: LoggingSection = LoggingSection()
     hardware: HardwareSection = HardwareSection()
-    seed: StrictInt = 1234
+    seed: Int = 1234
     source: str = Field("native", description="which dialect the file was written in")
     notes: tuple[str, ...] = Field((), description="what the dialect mapping must tell the user at run start "
                                    "(ignored keys, mapped keys); printed once, by global rank 0 (and by `plan`)")

@@ -137,6 +137,10 @@ class HFCheckpoint:
                     self._index_map = dict(json.loads(p.read_text())["weight_map"])
                 except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                     raise bad("hf", str(p), "not a valid weight index (no weight_map)", "re-download the checkpoint")
+                wrong = [f for f in self._index_map.values() if not isinstance(f, str) or not f]
+                if wrong:
+                    raise bad("hf", str(p), f"its weight_map names a weight file as {wrong[0]!r}, not a file name",
+                              "re-download the checkpoint")
                 return [self.dir / f for f in sorted(set(self._index_map.values()))]
         for single in ("model.safetensors", "pytorch_model.bin"):
             if (self.dir / single).exists():

@@ -6,6 +6,7 @@ the raw JSON, so one place decides what is supported and refuses the rest before
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,25 @@ from adapter.models import families
 # Megatron-Core hard-codes these for Llama-3.1 rope scaling; other values would silently change the model.
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> the gated MLP's activation here
+# config.json keys read below -> (what transformers' config classes hold there, whether null is allowed), so that a
+# malformed value is refused in one line naming it before any arithmetic meets it. Keys with their own checks
+# (_int, _positive, the window and LongRoPE keys) are not listed.
+_NUM, _INT, _BOOL, _STR, _MAP = "a finite number", "a whole number", "true or false", "a string", "a mapping"
+_JSON_KEYS = {
+    "model_type": (_STR, True), "max_position_embeddings": (_INT, False), "head_dim": (_INT, True),
+    "original_max_position_embeddings": (_INT, True), "rope_theta": (_NUM, False), "rms_norm_eps": (_NUM, False),
+    "partial_rotary_factor": (_NUM, True), "rope_local_base_freq": (_NUM, False), "attention_dropout": (_NUM, True),
+    "resid_pdrop": (_NUM, True), "embd_pdrop": (_NUM, True), "hidden_dropout": (_NUM, True),
+    "rope_scaling": (_MAP, True), "rope_parameters": (_MAP, True), "tie_word_embeddings": (_BOOL, True),
+    "attention_bias": (_BOOL, True), "use_sliding_window": (_BOOL, True), "norm_topk_prob": (_BOOL, True),
+    "output_router_logits": (_BOOL, True), "use_bidirectional_attention": (_BOOL, True),
+    "hidden_act": (_STR, False), "hidden_activation": (_STR, True), "torch_dtype": (_STR, True), "dtype": (_STR, True),
+}
+# inside rope_scaling / rope_parameters (and rope_parameters' per-layer-type mappings)
+_ROPE_KEYS = {"rope_type": (_STR, True), "type": (_STR, True), "rope_theta": (_NUM, False), "factor": (_NUM, False),
+              "low_freq_factor": (_NUM, False), "high_freq_factor": (_NUM, False), "attention_factor": (_NUM, True),
+              "original_max_position_embeddings": (_INT, False), "partial_rotary_factor": (_NUM, True),
+              "sliding_attention": (_MAP, True), "full_attention": (_MAP, True)}
 
 
 @dataclass(frozen=True)
@@ -112,8 +132,27 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise bad("model", str(path), "no such file", "point `model` at an HF checkpoint directory or its config.json")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise bad("model", str(path), "a directory, not a config.json file", "give the checkpoint's config.json file")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise bad("model", str(path), f"not valid JSON ({e.__class__.__name__})", "give a valid HF config.json")
+    except OSError as e:
+        raise bad("model", str(path), f"cannot be read ({e.strerror})", "check the file's permissions")
+
+
+def _check_json(cfg: dict[str, Any], source: str, keys: dict[str, tuple[str, bool]], prefix: str = "") -> None:
+    """Each of `keys` that `cfg` holds has its kind (or null where allowed); rope mappings are checked inside."""
+    for key, (kind, nullable) in keys.items():
+        if key not in cfg or (cfg[key] is None and nullable):
+            continue
+        v = cfg[key]
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = {_NUM: number, _INT: number and float(v).is_integer(), _BOOL: isinstance(v, bool),
+              _STR: isinstance(v, str), _MAP: isinstance(v, dict)}[kind]
+        if not ok:
+            raise bad(prefix + key, v, f"must be {kind} in {source}", "fix the model's config.json")
+        if kind == _MAP and key != "text_config":
+            _check_json(v, source, _ROPE_KEYS, f"{prefix}{key}.")
 
 
 def config_path(model: str | Path) -> Path:
@@ -143,7 +182,10 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     if not isinstance(cfg, dict):
         raise bad("model", source, "config.json is not a JSON object", "give a valid HF config.json")
     archs = cfg.get("architectures") or []
-    name = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise bad("architectures", archs, f"must be a list of class names in {source}", "fix the model's config.json")
+    _check_json(cfg, source, {"model_type": _JSON_KEYS["model_type"]})
+    name = archs[0] if archs else None
     fam = families.find(name, cfg.get("model_type"))
     if fam is None:
         shown = name or cfg.get("model_type")
@@ -158,6 +200,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
                       f"{source}", "give the checkpoint's complete config.json")
         cfg = families.text_config_json(cfg, fam)  # the text model's config, as the export writes it
     cfg = {**dict(fam.defaults), **cfg}  # what the family's HF config class fills in where config.json is silent
+    _check_json(cfg, source, _JSON_KEYS)
     if cfg.get("use_bidirectional_attention"):
         raise bad("use_bidirectional_attention", True, "bidirectional attention (an embedding model) is not a causal "
                   "language model", "fine-tune the causal checkpoint")

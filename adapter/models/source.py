@@ -22,6 +22,7 @@ from typing import Any
 
 from adapter import config
 from adapter.config import RunConfig, spell
+from adapter.config.values import path_problem
 from adapter.errors import bad
 from adapter.models.arch import ModelArch, config_path, load_arch
 
@@ -92,11 +93,15 @@ def weight_files(directory: Path) -> tuple[Path | None, list[Path]]:
         index = directory / name
         if index.is_file():
             try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                names = set(json.loads(index.read_text())["weight_map"].values())
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AttributeError):
                 raise bad("model.path", str(index), "not a valid weight index (no weight_map)",
                           "re-download the checkpoint")
-            return index, [directory / s for s in shards]
+            wrong = [s for s in names if not isinstance(s, str) or not s or path_problem(s)]
+            if wrong:
+                raise bad("model.path", str(index), f"its weight_map names a weight file as {wrong[0]!r}, not a file "
+                          "name", "re-download the checkpoint")
+            return index, [directory / s for s in sorted(names)]
     for name in SINGLE:
         if (directory / name).is_file():
             return None, [directory / name]

@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 from adapter.config import RunConfig, setting, spell
+from adapter.config.values import lax_bool
 from adapter.errors import bad
 from adapter.parallel.layout import Layout
 
@@ -89,6 +90,12 @@ def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.ov
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
             _merge(base[k], v, f"{path}.{k}")
+        elif isinstance(base.get(k), dict):
+            raise bad(f"{path}.{k}", v, "DeepSpeed reads this key as a section (a mapping), not a value",
+                      "give its keys below it, or remove it")
+        elif k in base and isinstance(v, dict):
+            raise bad(f"{path}.{k}", v, f"DeepSpeed reads this key as a value (here {base[k]!r}), not a section",
+                      "give a value, or remove it")
         else:
             if v == "auto":
                 raise bad(f"{path}.{k}", v, "'auto' is silently dropped by DeepSpeed", "give a concrete value")
@@ -98,7 +105,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any], path: str = "deepspeed.ov
 
 def skips_nonfinite_steps(conf: dict[str, Any]) -> bool:
     """Whether DeepSpeed itself skips steps with inf/NaN gradients (fp16 loss scaling, or bf16 with its check on)."""
-    return "fp16" in conf or bool(conf.get("bf16", {}).get("check_grad_overflow", False))
+    return "fp16" in conf or bool(lax_bool(conf.get("bf16", {}).get("check_grad_overflow", False)))  # "false" too
 
 
 def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 MAX_RANK_ROWS = 64
 MAX_GROUPS_SHOWN = 8
+MAX_MEMBERS_SHOWN = 16  # ranks of one group (a data-parallel group of a large world holds thousands)
 
 
 def _gib(n: int) -> str:
@@ -27,6 +28,12 @@ def _bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def _members(group) -> str:
+    if len(group) <= MAX_MEMBERS_SHOWN:
+        return str(group)
+    return f"[{', '.join(map(str, group[:4]))}, …, {group[-1]}: {len(group)} ranks]"
 
 
 def render(plan: Plan, console: Console | None = None) -> None:
@@ -67,7 +74,7 @@ def render(plan: Plan, console: Console | None = None) -> None:
     for col in ("group", "axes", "size", "count", "crosses nodes", "members"):
         g.add_column(col)
     for info in plan.groups:
-        shown = " ".join(str(x) for x in info.groups[:MAX_GROUPS_SHOWN])
+        shown = " ".join(_members(x) for x in info.groups[:MAX_GROUPS_SHOWN])
         if info.count > MAX_GROUPS_SHOWN:
             shown += f" … (+{info.count - MAX_GROUPS_SHOWN})"
         g.add_row(info.name, "×".join(info.axes), str(info.size), str(info.count),

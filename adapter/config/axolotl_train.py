@@ -1,0 +1,207 @@
+"""Axolotl's keys for what is trained and how: precision, optimizer, LR schedule and cadences, batch size, the
+best-checkpoint rule and LoRA / QLoRA adapters. Each mapping takes what corresponds exactly, refuses in one line what
+cannot be honoured, and appends to `notes` what the run's first lines must say."""
+from __future__ import annotations
+
+from typing import Any
+
+from adapter.config import axolotl_scope
+from adapter.config.schema import set_dotted
+from adapter.errors import bad
+
+ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+ADAMW_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")  # bitsandbytes', torchao's
+ADAMW_PAGED = ("paged_adamw_32bit",)  # bitsandbytes' AdamW with fp32 states in paged memory: AdamW's update
+PAGING = "paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)"
+# LoRA's keys (map_lora): carried over only with `adapter: lora|qlora`, a LoRA key without it is refused
+LORA_MAP = {"lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+            "lora_target_modules": "lora.target_modules", "lora_target_linear": "lora.target_linear",
+            "lora_modules_to_save": "lora.modules_to_save", "peft_layers_to_transform": "lora.layers",
+            "peft_use_rslora": "lora.rslora", "lora_model_dir": "lora.init_from", "load_in_4bit": "lora.quantize_base"}
+LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_pattern", "peft_init_lora_weights",
+                             "load_in_8bit"}
+# Schedule keys mapped by map_schedule (Axolotl key -> native key)
+SCHEDULE_MAP = {"num_epochs": "optimizer.num_epochs", "warmup_ratio": "optimizer.warmup_ratio", "eval_steps":
+                "eval.every", "evals_per_epoch": "eval.per_epoch", "saves_per_epoch": "checkpoint.saves_per_epoch"}
+
+
+def map_lora(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """`adapter: lora|qlora` and the lora_* keys -> the `lora:` section, with PEFT's defaults where Axolotl passes
+    None on (lora_r 8, lora_alpha 8). A LoRA key without `adapter`, a QLoRA without `load_in_4bit`, or 4-bit weights
+    without an adapter are refused, as Axolotl refuses or ignores them: a run must do what its file says."""
+    adapter = raw.get("adapter")
+    given = [k for k in (*LORA_MAP, "load_in_8bit") if axolotl_scope.is_on(raw.get(k))]
+    if not adapter:
+        if given:
+            raise bad(given[0], raw[given[0]], "a LoRA setting without `adapter` would train every weight",
+                      f"set adapter: lora (or qlora with load_in_4bit: true), or remove {given[0]}")
+        return
+    if adapter not in ("lora", "qlora"):
+        raise bad("adapter", adapter, "only LoRA and QLoRA adapters are supported",
+                  "use adapter: lora (or qlora), or remove it for a full fine-tune")
+    four_bit = axolotl_scope.is_on(raw.get("load_in_4bit"))
+    eight_bit = axolotl_scope.is_on(raw.get("load_in_8bit"))
+    if four_bit and eight_bit:
+        raise bad("load_in_8bit", raw["load_in_8bit"], "conflicts with load_in_4bit: true",
+                  "set one of them (4-bit for QLoRA)")
+    if adapter == "qlora" and not four_bit:
+        raise bad("adapter", adapter, "QLoRA trains adapters on a 4-bit base: it needs load_in_4bit: true (Axolotl "
+                  "requires it too)", "set load_in_4bit: true, or use adapter: lora for a 16-bit base")
+    for key, native in LORA_MAP.items():
+        if raw.get(key) is not None and key != "load_in_4bit":
+            set_dotted(out, native, raw[key])
+    lora = out.setdefault("lora", {})
+    for key, default in (("lora_r", 8), ("lora_alpha", 8)):
+        if raw.get(key) is None:
+            set_dotted(out, LORA_MAP[key], default)
+            notes.append(f"{key}: {default} (PEFT's default, which Axolotl passes on for the unset key)")
+    init = raw.get("peft_init_lora_weights")
+    if init is not None and init is not True:
+        raise bad("peft_init_lora_weights", init, "only PEFT's default initialisation is supported (A Kaiming-"
+                  "uniform, B zero)", "remove it")
+    pattern = raw.get("peft_layers_pattern")
+    if pattern is not None and pattern not in ("layers", ["layers"]):
+        raise bad("peft_layers_pattern", pattern, "these models' layers are `model.layers`", "remove it")
+    if four_bit:
+        kw = raw.get("bnb_config_kwargs") or {}
+        for k, want in (("bnb_4bit_quant_type", "nf4"), ("bnb_4bit_use_double_quant", True)):
+            if kw.get(k, want) != want:
+                raise bad(f"bnb_config_kwargs.{k}", kw[k], f"the 4-bit base is {want} (QLoRA's) here",
+                          f"set it to {want}, or remove it")
+        lora["quantize_base"] = "nf4"
+        notes.append(f"adapter: {adapter} with load_in_4bit: the frozen base in NF4 with double quantisation, bf16 "
+                     "compute (bitsandbytes' format, as Axolotl loads it)")
+    if eight_bit:
+        lora["quantize_base"] = "int8"
+        notes.append("load_in_8bit: the frozen base's linears stored in int8 as bitsandbytes quantises them (row-wise "
+                     "absmax), each GEMM on the dequantised weight; LLM.int8's activation quantisation is not run")
+
+
+def enabled(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() in ("true", "auto", "full"))
+
+
+def map_precision(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """Axolotl: `bf16: true|auto|full` -> bf16, `fp16: true` -> fp16, neither -> fp32 (full precision).
+    `bfloat16: true` is bf16 too: its schema calls it "no AMP", but Axolotl's code passes `bf16 or bfloat16` to
+    TrainingArguments.bf16 and loads the weights in bf16 for either (core/builders/base.py, utils/config)."""
+    bf16, fp16 = raw.get("bf16"), raw.get("fp16")
+    via_bfloat16 = not enabled(bf16) and raw.get("bfloat16") is True
+    if (enabled(bf16) or via_bfloat16) and fp16 is True:
+        raise bad("fp16", fp16, f"conflicts with {'bfloat16' if via_bfloat16 else 'bf16'}="
+                  f"{True if via_bfloat16 else bf16!r}", "set only one of bf16 / fp16")
+    if via_bfloat16:
+        out["precision"], why = "bf16", "bfloat16: true, which Axolotl runs as bf16: true"
+    elif enabled(bf16):
+        out["precision"], why = "bf16", f"bf16: {str(bf16).lower()}"
+    elif fp16 is True:
+        out["precision"], why = "fp16", "fp16: true"
+    else:
+        out["precision"], why = "fp32", "neither bf16 nor fp16 is on"
+    notes.append(f"precision: {out['precision']} ({why})")
+
+
+def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    pairs = (("warmup_steps", "warmup_ratio"), ("eval_steps", "evals_per_epoch"), ("save_steps", "saves_per_epoch"))
+    for a, b in pairs:
+        if raw.get(a) is not None and raw.get(b) is not None:
+            raise bad(b, raw[b], f"Axolotl takes {a} or {b}, not both (here {a}={raw[a]!r})", "drop one of them")
+    map_optimizer(raw.get("optimizer"), out, notes)
+    for key in ("num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch"):
+        if raw.get(key) is not None:
+            set_dotted(out, SCHEDULE_MAP[key], raw[key])
+    if raw.get("max_steps") is None and raw.get("num_epochs") is None:
+        set_dotted(out, "optimizer.num_epochs", 1.0)
+        notes.append("num_epochs: 1 (Axolotl's default: neither num_epochs nor max_steps is set)")
+    if raw.get("save_steps") is None and raw.get("saves_per_epoch") is None and raw.get("datasets"):
+        set_dotted(out, "checkpoint.saves_per_epoch", 1)  # Axolotl's save_strategy "epoch"
+    if raw.get("save_total_limit") is None:
+        set_dotted(out, "checkpoint.keep_last", 4)  # Axolotl's default save_total_limit
+    if raw.get("output_dir") is not None:  # Axolotl's convention: checkpoints and the final model in output_dir
+        set_dotted(out, "checkpoint.export_hf", raw["output_dir"])
+    map_best(raw, out, notes)
+
+
+def map_best(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """HF's load_best_model_at_end as Axolotl sets it (core/builders/causal.py): on unless set to false, or with
+    early stopping, whenever there is an eval set and save_steps is a multiple of eval_steps, both in Axolotl's own
+    units (fractions of the run from saves/evals_per_epoch). Unset counts as on, so an Axolotl run with e.g.
+    evals_per_epoch 4 and saves_per_epoch 2 exports its best checkpoint, not its last: so does this one."""
+    metric = raw.get("metric_for_best_model")
+    if metric is not None and metric not in ("loss", "eval_loss"):
+        raise bad("metric_for_best_model", metric, "the best checkpoint is chosen by the eval loss here (no other "
+                  "metric is computed)", "remove it (or set eval_loss)")
+    if enabled(raw.get("greater_is_better")):
+        raise bad("greater_is_better", raw["greater_is_better"], "with the eval loss it would keep the worst "
+                  "checkpoint", "remove it")
+    if raw.get("save_strategy") == "best":
+        raise bad("save_strategy", "best", "saving only on a new best eval loss is not supported",
+                  "remove it (load_best_model_at_end keeps and exports the best checkpoint)")
+    def num(key: str) -> float | None:  # a malformed value is the schema's to refuse, with its key
+        v = raw.get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v > 0 else None
+
+    asked, patience = raw.get("load_best_model_at_end"), raw.get("early_stopping_patience")
+    epochs = num("num_epochs") or 1.0
+    val, tests = num("val_set_size") or 0, raw.get("test_datasets")
+    has_eval = bool((not tests and val > 0) or (tests and val == 0))
+    save, every = num("save_steps"), num("eval_steps")
+    if save is None and num("saves_per_epoch"):
+        save = 1.0 / (num("saves_per_epoch") * epochs)
+        save = save if save < 1.0 else None
+    if every is None and (val or tests) and num("evals_per_epoch"):
+        every = 1.0 / (num("evals_per_epoch") * epochs)
+        every = every if every < 1.0 else None
+    on = bool((asked is not False or patience) and has_eval and save and every and save % every == 0)
+    set_dotted(out, "checkpoint.load_best", on)
+    if on:
+        notes.append("load_best_model_at_end: on (Axolotl's rule: " + ("set" if asked else
+                     "early stopping" if asked is False else "unset counts as on") +
+                     ", an eval set, save_steps a multiple of eval_steps): the saved checkpoint with the lowest eval "
+                     "loss is reloaded and exported at the end")
+    elif asked or patience:
+        why = ("there is no eval set" if not has_eval else "no save_steps (saves_per_epoch gives one save per epoch)"
+               if not save else "no eval_steps" if not every else f"save_steps {save:g} is not a multiple of "
+               f"eval_steps {every:g}")
+        notes.append(f"load_best_model_at_end: off, as Axolotl sets it ({why}): the last model is exported")
+
+
+def map_optimizer(name: Any, out: dict[str, Any], notes: list[str]) -> None:
+    """AdamW, with fp32 or 8-bit moments; any other optimizer is refused (it would train differently)."""
+    if name is None or (isinstance(name, str) and name in ADAMW):
+        return
+    if isinstance(name, str) and name in ADAMW_PAGED:
+        notes.append(f"optimizer: {name} -> AdamW with fp32 moments (bitsandbytes' 32-bit AdamW is the same update); "
+                     + PAGING)
+        return
+    if not isinstance(name, str) or name not in ADAMW_8BIT:
+        raise bad("optimizer", name, "nd-adapter trains with AdamW (fp32 or 8-bit moments) only",
+                  f"use one of {', '.join(ADAMW + ADAMW_PAGED + ADAMW_8BIT)}, or remove the key")
+    set_dotted(out, "optimizer.name", "adamw_8bit")
+    paged = f"; {PAGING}" if name.startswith("paged_") else ""
+    notes.append(f"optimizer: {name} -> bitsandbytes' AdamW8bit (block-wise 8-bit moments, fp32 master weights)"
+                 f"{paged}")
+
+
+def map_batch(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """Axolotl's `batch_size`: gradient_accumulation_steps = batch_size // micro_batch_size (per process, as Axolotl
+    computes it: every data-parallel rank adds its own micro-batches on top)."""
+    bs = raw.get("batch_size")
+    if bs is None:
+        return
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise bad("batch_size", bs, "must be a positive whole number",
+                  "give e.g. 32, or use gradient_accumulation_steps")
+    if raw.get("gradient_accumulation_steps") is not None:
+        raise bad("batch_size", bs, "Axolotl takes gradient_accumulation_steps or batch_size, not both "
+                  f"(here gradient_accumulation_steps={raw['gradient_accumulation_steps']!r})", "drop one of them")
+    mbs = raw.get("micro_batch_size")
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+        raise bad("batch_size", bs, "needs a positive micro_batch_size (Axolotl sets gradient_accumulation_steps = "
+                  "batch_size // micro_batch_size)", "add micro_batch_size")
+    if bs < mbs:
+        raise bad("batch_size", bs, f"smaller than micro_batch_size={mbs}",
+                  "raise batch_size or lower micro_batch_size")
+    set_dotted(out, "batch.gradient_accumulation_steps", bs // mbs)
+    notes.append(f"batch_size {bs}: gradient_accumulation_steps = {bs} // micro_batch_size {mbs} = {bs // mbs} "
+                 "(Axolotl's rule, per data-parallel rank)")

@@ -1,0 +1,131 @@
+"""Input users sent that changed what was trained or ended in a traceback: quoted booleans and numbers read as
+Axolotl's schema reads them, non-finite and absurd numbers, non-string keys, deep nesting, malformed DeepSpeed
+overrides, flags, model config.json files and weight indexes. Each plans as meant or is one line (exit 2) naming
+the key. (test_fuzz_cli.py generates many more.)"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adapter import config
+from adapter.cli import main
+from adapter.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = ROOT / "configs/models/llama-3.2-1b"
+AXOLOTL = {"base_model": str(LLAMA), "learning_rate": 2e-5, "sequence_len": 1024, "max_steps": 10}
+NATIVE = {"model": {"path": str(LLAMA)}, "seq_len": 1024}
+
+
+def run_plan(tmp_path, raw, *flags: str) -> tuple[int, str]:
+    path = tmp_path / "c.yaml"
+    path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw, sort_keys=False))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", str(path), "--gpus-per-node", "8", "--format", "json", *flags])
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("quoted, real, check", [
+    ({"gradient_checkpointing": "false"}, {"gradient_checkpointing": False}, lambda c: c.recompute == "none"),
+    ({"gradient_checkpointing": "True"}, {"gradient_checkpointing": True}, lambda c: c.recompute == "full"),
+    ({"adapter": "lora", "load_in_8bit": "false"}, {"adapter": "lora", "load_in_8bit": False},
+     lambda c: c.lora.quantize_base is None),
+    ({"adapter": "lora", "load_in_8bit": "yes"}, {"adapter": "lora", "load_in_8bit": True},
+     lambda c: c.lora.quantize_base == "int8"),
+    ({"fsdp_config": {"reshard_after_forward": "false"}}, {"fsdp_config": {"reshard_after_forward": False}},
+     lambda c: c.deepspeed.zero_stage == 2),
+    ({"fsdp_config": {"fsdp_reshard_after_forward": "0"}}, {"fsdp_config": {"fsdp_reshard_after_forward": False}},
+     lambda c: c.deepspeed.zero_stage == 2),
+    ({"fp16": "true"}, {"fp16": True}, lambda c: c.precision == "fp16"),
+    ({"bf16": "off", "fp16": "on"}, {"bf16": False, "fp16": True}, lambda c: c.precision == "fp16"),
+    ({"peft_use_dora": "false"}, {"peft_use_dora": False}, lambda c: c.lora is None),  # off: not refused
+    ({"deepspeed": {"bf16": {"enabled": "true"}}}, {"deepspeed": {"bf16": {"enabled": True}}},
+     lambda c: c.precision == "bf16"),
+    ({"micro_batch_size": "16.0", "learning_rate": "2e-5"}, {"micro_batch_size": 16, "learning_rate": 2e-5},
+     lambda c: c.batch.micro_batch_size == 16 and c.optimizer.lr == 2e-5),
+])
+def test_quoted_booleans_and_numbers_plan_as_the_real_ones(quoted, real, check):
+    """As Axolotl's schema (pydantic, lax) reads them: `gradient_checkpointing: "false"` turned recompute on,
+    `load_in_8bit: "false"` quantised the base, `reshard_after_forward: "false"` picked ZeRO-3, `fp16: "true"`
+    trained in fp32."""
+    cfg = config.build({**AXOLOTL, **quoted}, env={}, world_size=8)
+    assert check(cfg) and cfg == config.build({**AXOLOTL, **real}, env={}, world_size=8)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({**AXOLOTL, "learning_rate": True}, "learning_rate=True: a number is expected, not true/false"),
+    ({**AXOLOTL, "adapter": "lora", "lora_alpha": float("nan")}, "lora_alpha=nan: not a finite number"),
+    ({**AXOLOTL, "max_steps": None, "num_epochs": float("inf")}, "num_epochs=inf: not a finite number"),
+    ({**AXOLOTL, "weight_decay": "nan"}, "weight_decay='nan': not a finite number"),
+    ({**AXOLOTL, "adapter": "lora", "lora_alpha": 16.5}, "lora_alpha=16.5: "),  # Axolotl's lora_alpha is an int
+    ({**AXOLOTL, "gradient_checkpointing": "maybe"}, "gradient_checkpointing='maybe': "),
+    ({**AXOLOTL, "adam_beta2": [0.95]}, "adam_beta2=[0.95]: Input should be a valid number"),
+    ({**NATIVE, "optimizer": {"lr": True}}, "optimizer.lr=True: a number is expected, not true/false"),
+    ({**NATIVE, "optimizer": {"lr": float("nan")}}, "optimizer.lr=nan: "),
+    ({**NATIVE, "deepspeed": {"overrides": {"bf16": {"x": float("inf")}}}}, "deepspeed.overrides.bf16.x=inf: not a"),
+    ({**NATIVE, "seq_len": 10**400}, "larger than any setting can be"),
+    ({**AXOLOTL, "sequence_len": 10**400}, "larger than any setting can be"),
+    ({**AXOLOTL, 7: 1}, "7=1: a key must be a name"),
+    ({**NATIVE, "data": {None: 1}}, "data.None=1: a key must be a name"),
+    ({**AXOLOTL, "added_tokens_overrides": {128011: "<x>"}}, "added_tokens_overrides={128011: '<x>'}: renaming"),
+])
+def test_what_no_setting_means_is_one_line_naming_the_key(raw, needle):
+    with pytest.raises(UserError) as e:
+        config.build(raw, env={}, world_size=8)
+    assert needle in str(e.value) and "Fix:" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def _model(tmp_path, change=None, index=None) -> str:
+    root = tmp_path / "model"
+    root.mkdir()
+    cfg = json.loads((LLAMA / "config.json").read_text())
+    if change == "dir":
+        (root / "config.json").mkdir()
+    else:
+        (root / "config.json").write_text(json.dumps({**cfg, **(change or {})}))
+    if index is not None:
+        (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(root)
+
+
+@pytest.mark.parametrize("make, flags, needle", [
+    (lambda t: {**AXOLOTL, 7: 1}, (), "error: 7=1: a key must be a name"),
+    (lambda t: {**AXOLOTL, "base_model": "a" * 300}, (), "error: base_model='aaa"),
+    (lambda t: {**AXOLOTL, "sequence_len": 10**400}, (), "error: sequence_len=1000"),
+    (lambda t: yaml.safe_dump(AXOLOTL) + "deep: " + "[" * 1000 + "]" * 1000 + "\n", (), "nested too deeply"),
+    (lambda t: {**NATIVE, "deep": json.loads("[" * 40 + "]" * 40)}, (), "nested deeper than 32 levels"),
+    (lambda t: {**NATIVE, "deepspeed": {"overrides": {"zero_optimization": "x"}}}, (),
+     "DeepSpeed reads zero_optimization as a section"),
+    (lambda t: {**NATIVE, "deepspeed": {"overrides": {"gradient_clipping": {"a": 1}}}}, (),
+     "deepspeed.overrides.gradient_clipping={'a': 1}: DeepSpeed reads this key as a value"),
+    (lambda t: {**AXOLOTL, "adam_beta2": [0.95]}, (), "error: adam_beta2=[0.95]"),
+    (lambda t: AXOLOTL, ("--gpu-mem-gib", "nan"), "argument --gpu-mem-gib: nan is not a positive, finite number"),
+    (lambda t: AXOLOTL, ("--gpus-per-node", "1000003"), "at most 65,536 GPUs"),
+    (lambda t: {**NATIVE, "parallelism": {"tp_size": 32, "cp_size": 4096}}, (), "at most 65,536 GPUs"),
+    (lambda t: {**AXOLOTL, "base_model": _model(t, index={"weight_map": {"model.embed_tokens.weight": None}})}, (),
+     "its weight_map names a weight file as None"),
+    (lambda t: {**AXOLOTL, "base_model": _model(t, {"rope_scaling": "x"})}, (), "rope_scaling='x': must be a mapping"),
+    (lambda t: {**AXOLOTL, "base_model": _model(t, {"max_position_embeddings": None})}, (),
+     "max_position_embeddings=None: must be a whole number"),
+    (lambda t: {**AXOLOTL, "base_model": _model(t, {"rope_theta": "1e4"})}, (), "rope_theta='1e4': must be a finite"),
+    (lambda t: {**AXOLOTL, "base_model": _model(t, "dir")}, (), "a directory, not a config.json file"),
+])
+def test_inputs_that_crashed_are_one_line(tmp_path, make, flags, needle):
+    code, err = run_plan(tmp_path, make(tmp_path), *flags)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("nd-adapter: error: ") and needle in lines[0], err
+
+
+def test_a_large_world_plans_with_its_groups_shortened(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(NATIVE))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", str(path), "--nodes", "128", "--gpus-per-node", "8"]) == 0
+    assert "[0, 1, 2, 3, …, 1023: 1024 ranks]" in out.getvalue()
