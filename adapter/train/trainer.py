@@ -136,6 +136,7 @@ class Trainer:
         # before the engine: the LR schedule's length needs the data's size
         self.data = d = load_data(run, self.rank, synthetic=self.synthetic, log=self._say)
         self.dataset, self.sampler, self.val_dataset, self.chat_template = d.dataset, d.sampler, d.val, d.chat_template
+        self.sft = d.sft  # the prepared SFT data (its cache path, whether it was reused), or None
         sched = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                  has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
         self._say(*schedule.describe(cfg, sched))  # before apply: it names the keys the numbers came from
@@ -200,7 +201,7 @@ class Trainer:
                   often and f"warning: {often}")
 
     def _trim(self, b, eval: bool = False):
-        return trim(self.run, self.data.sft is not None, b, eval)
+        return trim(self.run, self.sft is not None, b, eval)
 
     def _on_device(self, b):
         return place(self.run, self.cp_rank, self.device, b)
