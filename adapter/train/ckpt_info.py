@@ -30,7 +30,8 @@ _TAG = re.compile(r"global_step(\d+)$")
 # --- the record and the files' checksums ------------------------------------------------------------------------
 
 def crc32(path: Path, chunk: int = 1 << 24) -> str:
-    """CRC-32 of a whole file, read once in 16 MiB blocks (zlib's; ~2 GB/s on one core, see docs/config.md)."""
+    """CRC-32 of a whole file, read once in 16 MiB blocks (zlib's: 3.3 GB/s on one core of the H200 host, plus
+    the read; docs/config.md)."""
     c = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
