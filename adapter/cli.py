@@ -93,9 +93,10 @@ def cmd_plan(args) -> int:
 
 def _resume_note(cfg, architecture: str) -> list[str]:
     """Whether this layout can resume the checkpoint the config's checkpoint.dir already holds."""
-    if not cfg.checkpoint.dir or not os.path.isfile(os.path.join(cfg.checkpoint.dir, ckpt_info.LATEST)):
+    key = config.spell(cfg, "checkpoint.dir")
+    if not cfg.checkpoint.dir or ckpt_info.resume_tag(cfg.checkpoint.dir, key) is None:
         return []
-    info = ckpt_info.read(cfg.checkpoint.dir, key=config.spell(cfg, "checkpoint.dir"))
+    info = ckpt_info.read(cfg.checkpoint.dir, key=key)
     why, how = ckpt_info.resumable(info, cfg, architecture)
     return [f"--resume would continue {info.path} (step {(info.record or {}).get('step', '?')}, {info.layout_text()})"
             + (f": NOT by this run: {why}" if why else f": resumable by this layout, {how}")]

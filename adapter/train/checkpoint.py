@@ -1,23 +1,36 @@
-"""Checkpoints around a DeepSpeed engine that a crash during save cannot corrupt.
+"""Checkpoints around a DeepSpeed engine that a crash during save cannot corrupt, and that a resume refuses when
+they were damaged since.
 
-Every rank writes into a temporary tag (`tmp-global_stepN`); after all ranks are done, one rank renames it to
-`global_stepN`, then replaces `latest` (DeepSpeed's own pointer: a text file holding the tag) and only then prunes
-old checkpoints. Until `latest` moves, it names the previous complete checkpoint; leftover `tmp-*` directories, and
-orphans newer than `latest`, are removed by the next save. The rename is safe because DeepSpeed's file names inside
-a tag carry only ranks (`zero_pp_rank_{dp}_mp_rank_{mp:02d}_{model,optim}_states.pt`), never the tag.
+Every rank writes into a temporary tag (`tmp-global_stepN`); after all ranks are done, one rank writes the run's
+record (`nd_adapter.json`, adapter/train/ckpt_info.py) there, renames it to `global_stepN`, then replaces `latest`
+(DeepSpeed's own pointer: a text file holding the tag) and only then prunes old checkpoints. Until `latest` moves,
+it names the previous complete checkpoint; leftover `tmp-*` directories, and this lineage's orphans newer than
+`latest`, are removed by the next save. The rename is safe because DeepSpeed's file names inside a tag carry only
+ranks (`zero_pp_rank_{dp}_mp_rank_{mp:02d}_{model,optim}_states.pt`), never the tag.
+
+Integrity: each file is checksummed (CRC-32) from the bytes handed to it as it is written, and fsynced; the record
+lists every file with its size and checksum, and itself ends with the checksum of its own text. A load checks
+them all before anything is read: the ranks split the files, so each file is read once, and all of them refuse
+together in one line naming the first file that is not as written (a rank that refused alone would leave the
+others waiting in the load's collectives). Rotation (`keep_last`), the orphans' cleanup and a save over an
+existing step touch only checkpoints of the run's own lineage: a fresh start opens one, a resume continues the
+checkpoint's.
 
 The directory must be shared by all ranks (or, with DeepSpeed's `use_node_local_storage`, local to each node, then
-local rank 0 renames). With exact HSDP the replicas' ranks map to the same file names: pass `save_ranks` so one
-replica writes and the others only join the collectives.
+local rank 0 renames and each node's record lists its own files). With exact HSDP the replicas' ranks map to the
+same file names: pass `save_ranks` so one replica writes and the others only join the collectives.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
 import shutil
+import socket
 import sys
+import threading
+import uuid
+import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,14 +40,14 @@ import numpy as np
 import torch
 from deepspeed import comm as dist
 
-from adapter.errors import bad
+from adapter.errors import UserError, bad
 from adapter.osutil import atomic_write_text
 from adapter.patches.zero import experts_from_master
-from adapter.train.ckpt_info import LATEST, RECORD
+from adapter.train import ckpt_info
+from adapter.train.ckpt_info import FILES, LATEST, LINEAGE, RECORD, crc32, lineage_of, pointer, record_text
 from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, state_dtype_of
 
 TMP = "tmp-"
-_TAG = re.compile(r"global_step(\d+)$")
 _OURS = "nd_adapter"  # our key in DeepSpeed's client_state: step and this rank's RNG states
 
 
@@ -76,20 +89,9 @@ def tag_for(step: int) -> str:
 
 
 def latest_tag(save_dir: str | Path) -> str | None:
-    try:
-        tag = (Path(save_dir) / LATEST).read_text().strip()
-    except FileNotFoundError:
-        return None
-    return tag or None
-
-
-def _step_of(tag: str | None) -> int | None:
-    m = _TAG.match(tag or "")
-    return int(m.group(1)) if m else None
-
-
-def _steps(save_dir: Path) -> dict[int, Path]:
-    return {int(m.group(1)): p for p in save_dir.iterdir() if p.is_dir() and (m := _TAG.match(p.name))}
+    """The checkpoint a resume continues: what `latest` names, or, when `latest` is missing or empty, the newest
+    complete checkpoint (adapter/train/ckpt_info.resume_tag); None when there is none."""
+    return ckpt_info.resume_tag(save_dir)
 
 
 def _remove(path: Path) -> None:
@@ -99,27 +101,30 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _clean(save_dir: Path) -> None:
+def _clean(save_dir: Path, lineage: str | None) -> None:
     for p in save_dir.glob(f"{TMP}*"):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    last = _step_of(latest_tag(save_dir))
+    last = ckpt_info.step_of(pointer(save_dir))
     if last is not None:  # renamed but never pointed to: a crash between rename and `latest`
-        for step, p in _steps(save_dir).items():
-            if step > last:
+        for step, p in ckpt_info.steps(save_dir).items():
+            if step > last and lineage is not None and lineage_of(p) == lineage:
                 _remove(p)
 
 
-def _prune(save_dir: Path, keep_last: int | None, protect: int | None = None) -> None:
-    """Keep the newest `keep_last`; a protected step (the best checkpoint) counts among them and stays, as HF's
-    rotation keeps its best_model_checkpoint. The newest one (what `latest` names) always stays."""
-    last = _step_of(latest_tag(save_dir))
-    if not keep_last or last is None:
+def _prune(save_dir: Path, keep_last: int | None, protect: int | None = None, lineage: str | None = None) -> None:
+    """Keep the newest `keep_last` of this lineage; a protected step (the best checkpoint) counts among them and
+    stays, as HF's rotation keeps its best_model_checkpoint. The newest one (what `latest` names) always stays, and
+    so does every checkpoint of another lineage (another run's, or one saved before lineages were recorded)."""
+    last = ckpt_info.step_of(pointer(save_dir))
+    if not keep_last or last is None or lineage is None:
         return
-    kept = sorted(s for s in _steps(save_dir) if s <= last)
+    kept = sorted(s for s, p in ckpt_info.steps(save_dir).items() if s <= last and (s == last or
+                                                                                    lineage_of(p) == lineage))
     others = [s for s in kept if s != protect]
     room = max(1, keep_last - (len(others) < len(kept)))
     for step in others[:-room]:
-        _remove(save_dir / tag_for(step))
+        if step != last:
+            _remove(save_dir / tag_for(step))
 
 
 @contextmanager
@@ -135,6 +140,119 @@ def _writes(engine, enabled: bool) -> Iterator[None]:
         engine.save_non_zero_checkpoint, engine.save_zero_checkpoint = saved
 
 
+class _CrcFile:
+    """What torch.save writes into: each block goes to the file and into its CRC-32, so the checksum costs no second
+    read. A large block (torch.save hands over each tensor's storage whole) is checksummed on a helper thread while
+    it is written (zlib and the write both release the GIL), so the write takes max(write, CRC), not their sum; the
+    block is not handed back before its checksum is done."""
+
+    OVERLAP = 1 << 20  # smaller blocks (the pickled structure, small tensors) are checksummed inline
+
+    def __init__(self, f):
+        self.f, self.crc, self.size = f, 0, 0
+
+    def write(self, block) -> int:
+        view = memoryview(block)
+        self.size += view.nbytes
+        if view.nbytes < self.OVERLAP:
+            self.crc = zlib.crc32(view, self.crc)
+            return self.f.write(view)
+        out = [self.crc]
+        helper = threading.Thread(target=lambda: out.__setitem__(0, zlib.crc32(view, out[0])), name="nd-ckpt-crc")
+        helper.start()
+        try:
+            return self.f.write(view)
+        finally:
+            helper.join()
+            self.crc = out[0]
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class _WriteFailed(Exception):
+    """A checkpoint file could not be written (ENOSPC, EFBIG, EIO, a vanished mount): the cause is the disk."""
+
+
+@contextmanager
+def _checksummed(engine, tag_dir: Path, sums: dict[str, dict]) -> Iterator[None]:
+    """Every file the engine's checkpoint engine writes under `tag_dir` gets its size and CRC-32 into `sums` and is
+    fsynced before the save goes on. DeepSpeed's default engine writes through `_CrcFile` (one pass); any other
+    engine, or one whose `save` was replaced, writes as it does and the file is read back once for its checksum."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    ce = engine.checkpoint_engine
+    own = ce.__dict__.get("save")
+    inner = ce.save
+    stream = type(ce) is TorchCheckpointEngine and own is None
+
+    def save(state_dict, path):
+        try:
+            if stream:
+                with open(path, "wb") as f:
+                    out = _CrcFile(f)
+                    torch.save(state_dict, out, _use_new_zipfile_serialization=ce.zipfile_serialization)
+                    f.flush()
+                    os.fsync(f.fileno())
+                entry = {"bytes": out.size, "crc32": f"{out.crc:08x}"}
+            else:
+                inner(state_dict, path)
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+                entry = {"bytes": os.path.getsize(path), "crc32": crc32(Path(path))}
+        except (OSError, RuntimeError) as e:  # torch.save's stream errors are RuntimeErrors
+            raise _WriteFailed(path) from e
+        sums[Path(os.path.relpath(path, tag_dir)).as_posix()] = entry
+
+    ce.save = save
+    try:
+        yield
+    finally:
+        if own is None:
+            del ce.save
+        else:
+            ce.save = own
+
+
+def _agree(value):
+    """Collective: the first non-None of every rank's `value`, in rank order, on every rank."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return next((v for v in every if v is not None), None)
+
+
+def _lineage(engine) -> str:
+    """Collective on a fresh engine: the run's lineage, which its saves record. A resume took the checkpoint's
+    (load); a fresh start opens a new one, drawn on rank 0."""
+    if getattr(engine, "_nd_lineage", None) is None:
+        engine._nd_lineage = _agree(uuid.uuid4().hex[:16] if dist.get_rank() == 0 else None)
+    return engine._nd_lineage
+
+
+def _collective_broke(e: BaseException) -> bool:
+    """A collective failed because another rank went away (gloo says so in a plain RuntimeError, NCCL in a
+    DistBackendError), not because of this rank's disk or a bug."""
+    text = str(e)
+    return isinstance(e, torch.distributed.DistError) or any(
+        s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "gloo", "NCCL", "timed out", "Timed out"))
+
+
+def _failure(root: Path, step: int, e: BaseException) -> UserError:
+    """The one line for a save that did not finish: the disk when a file could not be written, else the other ranks
+    (a collective broke: a rank was killed or died), never the disk for that."""
+    cause = e.__cause__ if isinstance(e, _WriteFailed) else e
+    text = f"{cause.__class__.__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    kept = pointer(root)
+    after = ("the partial one is removed, " + (f"{kept} is the last complete checkpoint (--resume continues from "
+                                                f"it)" if kept else "no earlier checkpoint exists"))
+    if isinstance(e, (_WriteFailed, OSError)):
+        return bad("checkpoint.dir", str(root), f"writing the checkpoint of step {step} failed ({text}); {after}",
+                   "free space there (lower checkpoint.keep_last, save less often) or use another directory")
+    return bad("checkpoint.dir", str(root), f"the checkpoint of step {step} was not finished: another rank stopped "
+               f"during the save ({text}); {after}", "see what ended that rank (its own error, the out-of-memory "
+               "killer, the scheduler), then --resume")
+
+
 # --- save / load ------------------------------------------------------------------------------------------------
 
 def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] | None = None, *,
@@ -144,10 +262,12 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
 
     `client_state` (e.g. {"sampler": sampler.state_dict()}) is stored per rank along with `step` and this rank's
     RNG states. `record`: what the run says of itself (layout, model; adapter/train/ckpt_info.py reads it without
-    torch), written beside the files as `nd_adapter.json`. `trained_only`: leave out frozen parameters (a LoRA
-    run's base, which it reloads from the converted weights). `keep_last`: keep that many newest checkpoints
-    (None/0 keeps all), and the step `protect` names among them (the best checkpoint). `save_ranks(global_rank)`
-    says which ranks write files (default: all). Saving the step `latest` already names does nothing.
+    torch), written beside the files as `nd_adapter.json` with the step, the lineage and every file's size and
+    CRC-32. `trained_only`: leave out frozen parameters (a LoRA run's base, which it reloads from the converted
+    weights). `keep_last`: keep that many newest checkpoints of this lineage (None/0 keeps all), and the step
+    `protect` names among them (the best checkpoint). `save_ranks(global_rank)` says which ranks write files
+    (default: all). Saving the step `latest` already names in this lineage does nothing; a step another lineage
+    saved is refused in one line, not replaced.
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
         raise bad("checkpoint.keep_last", keep_last, "must be a non-negative integer", "use e.g. 3, or 0 to keep all")
@@ -156,40 +276,96 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
                   " save_checkpoint returns, so the rename could publish a half-written checkpoint",
                   "use DeepSpeed's default (torch) checkpoint engine")
     rank = dist.get_rank()
-    fs_leader = engine.local_rank == 0 if _node_local(engine) else rank == 0
+    local = _node_local(engine)
+    fs_leader = engine.local_rank == 0 if local else rank == 0
     root, tag = Path(save_dir), tag_for(step)
+    lineage = _lineage(engine)
+    said = None  # the leader's word before anything is written: "done", or why not
     if fs_leader:
-        root.mkdir(parents=True, exist_ok=True)
-        _clean(root)
-    dist.barrier()
-    if latest_tag(root) == tag:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where the directory should be (preflight says so before a CLI run starts)
+            said = str(bad("checkpoint.dir", str(root), f"cannot be made a directory ({e.__class__.__name__}: "
+                           f"{e.strerror or e})", "name a directory (it is made if missing)"))
+        else:
+            _clean(root, lineage)
+            if (root / tag).exists() and lineage_of(root / tag) != lineage:
+                said = str(bad("checkpoint.dir", str(root), f"holds {tag} of another run, which the save of this run's "
+                               f"step {step} would replace", "train into another directory, or move that checkpoint "
+                               "away (--resume continues a run in its own lineage)"))
+            elif pointer(root) == tag:
+                said = "done"
+    said = _agree(said)
+    if said == "done":
         return root / tag
+    if said is not None:
+        raise UserError(said)
     state = {**(client_state or {}), _OURS: {"step": step, "rng": capture_rng(), "optimizer": optimizer_name(engine),
                                              "state_dtype": state_dtype_of(engine.optimizer)}}
+    sums: dict[str, dict] = {}
     try:
-        with _writes(engine, save_ranks is None or bool(save_ranks(rank))):
+        with _writes(engine, save_ranks is None or bool(save_ranks(rank))), \
+                _checksummed(engine, root / (TMP + tag), sums):
             engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False,  # ends in a barrier
                                    exclude_frozen_parameters=trained_only)
-    except (OSError, RuntimeError) as e:  # ENOSPC, EIO, a vanished mount; torch.save's stream errors are RuntimeErrors
+    except (_WriteFailed, OSError, RuntimeError) as e:  # a full disk, EIO, a vanished mount; a broken collective
         shutil.rmtree(root / (TMP + tag), ignore_errors=True)
-        kept = latest_tag(root)
-        raise bad("checkpoint.dir", str(root), f"writing the checkpoint of step {step} failed "
-                  f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); the partial one is removed, "
-                  + (f"{kept} is the last complete checkpoint (--resume continues from it)" if kept else
-                     "no earlier checkpoint exists"),
-                  "free space there (lower checkpoint.keep_last, save less often) or use another directory") from e
+        if isinstance(e, (_WriteFailed, OSError)) or _collective_broke(e):
+            raise _failure(root, step, e) from e
+        raise
+    host = socket.gethostname() if local else None
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (host, sums))
+    failed = None
     if fs_leader:
-        if record is not None:
-            (root / (TMP + tag)).mkdir(parents=True, exist_ok=True)
-            atomic_write_text(root / (TMP + tag) / RECORD, json.dumps({**record, "step": step}, indent=1) + "\n",
-                              tmp_prefix=TMP)
-        if (root / tag).exists():  # an older branch of history reused this step number
-            _remove(root / tag)
-        os.rename(root / (TMP + tag), root / tag)
-        atomic_write_text(root / LATEST, tag, tmp_prefix=TMP)
-        _prune(root, keep_last, protect)
-    dist.barrier()
+        try:
+            _publish(root, tag, step, record, lineage, {k: v for h, part in every if h == host
+                                                         for k, v in part.items()})
+        except OSError as e:
+            shutil.rmtree(root / (TMP + tag), ignore_errors=True)
+            failed = str(_failure(root, step, e))
+        else:
+            try:
+                _prune(root, keep_last, protect, lineage)
+            except OSError:  # an old checkpoint that could not be deleted stays: the safe side
+                pass
+    failed = _agree(failed)
+    if failed is not None:
+        raise UserError(failed)
     return root / tag
+
+
+def _publish(root: Path, tag: str, step: int, record: dict[str, Any] | None, lineage: str,
+             files: dict[str, dict]) -> None:
+    """The leader's part, once every rank's files are written: the record with every file's size and checksum (the
+    few files DeepSpeed copies in without its checkpoint engine, its recovery scripts, are read for theirs), the
+    rename, `latest`."""
+    tmp = root / (TMP + tag)
+    for p in sorted(tmp.rglob("*")):
+        name = p.relative_to(tmp).as_posix()
+        if p.is_file() and name not in files and name != RECORD:
+            files[name] = {"bytes": p.stat().st_size, "crc32": crc32(p)}
+    text = record_text({**(record or {}), "step": step, LINEAGE: lineage, FILES: dict(sorted(files.items()))})
+    atomic_write_text(tmp / RECORD, text, tmp_prefix=TMP)
+    if (root / tag).exists():  # an older branch of this lineage's history reused this step number
+        _remove(root / tag)
+    os.rename(tmp, root / tag)
+    _fsync_dir(root)
+    atomic_write_text(root / LATEST, tag, tmp_prefix=TMP)
+
+
+def _fsync_dir(path: Path) -> None:
+    """The rename reaches the disk before `latest` names it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def optimizer_name(engine) -> str:
@@ -209,13 +385,17 @@ def _node_local(engine) -> bool:
 def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_state: bool = True,
          trained_only: bool = False, arch=None, tp_rank: int = 0, tp: int = 1, ep: int = 1,
          ep_rank: int = 0) -> tuple[int, dict[str, Any]] | None:
-    """Collective. Load `tag` (default: what `latest` names) into a freshly built engine.
+    """Collective. Load `tag` (default: what `latest` names; when `latest` is missing or empty, the newest complete
+    checkpoint) into a freshly built engine, after checking every file against the sizes and CRC-32s recorded when
+    it was written (`_verified`): a damaged checkpoint is refused in one line naming the file, before anything of it
+    is loaded.
 
     Returns (step, client_state) or None when the directory has no checkpoint. At the layout it was saved with,
     DeepSpeed loads its own files and this rank's RNG states come back (unless told not to). At another layout
     (another world size, tp, partitioning or optimizer), given the model's `arch` and this rank's place in TP,
     adapter/train/reshard.py places the saved weights and moments; the RNG streams then start afresh. Another
-    model is refused before anything is loaded, with a UserError naming the first difference.
+    model is refused before anything is loaded, with a UserError naming the first difference. The engine's later
+    saves continue the checkpoint's lineage.
     """
     root = Path(load_dir)
     explicit = tag is not None
@@ -225,14 +405,19 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
     key, value = ("tag", tag) if explicit else ("load_dir", str(root))
     ckpt = root / tag
     if not ckpt.is_dir():
+        newest = ckpt_info.newest_complete(root)
         raise bad(key, value, f"checkpoint directory {ckpt} does not exist",
-                  "pass a tag that exists (global_stepN) or restore the directory `latest` points to")
+                  "pass a tag that exists (global_stepN)" if explicit else
+                  f"delete `{LATEST}` to resume from the newest complete checkpoint ({newest})" if newest else
+                  "restore the directory `latest` points to")
+    record = _verified(engine, ckpt, key, value)
     mine = Path(engine._get_ckpt_name(str(root), tag))
     meta = torch.load(mine, map_location="cpu", weights_only=False, mmap=True) if mine.is_file() else None
-    record = json.loads((ckpt / RECORD).read_text()) if (ckpt / RECORD).is_file() else None
     saved_ep = (record or {}).get("layout", {}).get("ep", 1)
     if meta is None or not _same_layout(engine, meta) or saved_ep != ep:
-        return _load_resharded(engine, ckpt, key, value, arch, tp_rank, tp, record, ep, ep_rank)
+        loaded = _load_resharded(engine, ckpt, key, value, arch, tp_rank, tp, record, ep, ep_rank)
+        engine._nd_lineage = (record or {}).get(LINEAGE)
+        return loaded
     _check_match(engine, meta, key, value, trained_only)
     path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not trained_only)
     if path is None:
@@ -243,7 +428,44 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
         raise bad(key, value, "not saved by nd-adapter (no step/RNG record)", "load it with DeepSpeed directly")
     if restore_rng_state:
         restore_rng(ours["rng"])
+    engine._nd_lineage = (record or {}).get(LINEAGE)
     return int(ours["step"]), client
+
+
+def _verified(engine, ckpt: Path, key: str, value: str) -> dict | None:
+    """Collective. The checkpoint's record (None: saved before nd-adapter wrote one), once its own checksum, every
+    listed file's presence and size (stat) and every file's CRC-32 (read) are as written. The ranks that see the
+    directory split the files, so each is read once, on as many ranks as read it in parallel (the load then reads
+    its files again, mostly from the page cache); all ranks refuse together, naming the first file not as written.
+    A checkpoint saved before files were recorded loads unchecked."""
+    found = record = None
+    try:
+        record = ckpt_info.read_record(ckpt, key, value)
+        if record is not None and FILES in record:
+            names = sorted(record[FILES])
+            share, peers = _share(engine)
+            ckpt_info.check_files(ckpt, record, key, value, sums=names[share::peers])
+    except UserError as e:
+        found = str(e)
+    found = _agree(found)
+    if found is not None:
+        raise UserError(found)
+    if (record is None or FILES not in record) and dist.get_rank() == 0:
+        warnings.warn(f"{ckpt} records no checksums of its files (saved by an older nd-adapter): loaded unchecked",
+                      UserWarning, stacklevel=3)
+    return record
+
+
+def _share(engine) -> tuple[int, int]:
+    """(this rank's index, how many ranks) among those that read the same checkpoint directory: all of them, or,
+    with node-local storage, this node's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not _node_local(engine):
+        return rank, world
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    peers = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return peers.index(rank), len(peers)
 
 
 def _same_layout(engine, meta: dict) -> bool:
@@ -257,7 +479,7 @@ def _load_resharded(engine, ckpt: Path, key: str, value: str, arch, tp_rank: int
                     ep: int, ep_rank: int) -> tuple[int, dict[str, Any]]:
     from adapter.train import reshard  # only a resume at another layout needs it
 
-    if record is None or arch is None:
+    if record is None or "layout" not in record or arch is None:
         found = len(list(ckpt.glob("*model_states.pt")))
         raise bad(key, value, f"saved with another parallel layout ({found} model-state file(s)) by a version of "
                   "nd-adapter that did not record it, so it cannot be resharded", "resume with the layout it was "

@@ -73,8 +73,9 @@ def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
                   "pip install wandb (or nd-adapter[logging]), or remove logging.wandb_project")
 
 
-def preflight(run: ResolvedRun, *, resume: bool = False, need_data: bool = True) -> None:
-    """What `resolve_run` could not check from the config and config.json alone: the files the run will read."""
+def preflight(run: ResolvedRun, *, resume: bool = False, need_data: bool = True, saves: bool = True) -> None:
+    """What `resolve_run` could not check from the config and config.json alone: the files the run will read.
+    `saves`: the run writes its checkpoints into checkpoint.dir (a rehearsal writes into its own directory)."""
     cfg = run.cfg
     check_checkpoint(run)
     if cfg.data.datasets:  # SFT: types, keys and sources (hub ids in the local cache), nothing tokenised yet
@@ -86,5 +87,7 @@ def preflight(run: ResolvedRun, *, resume: bool = False, need_data: bool = True)
     check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
-    if resume:  # before any process starts
+    if saves:  # a file there, or a fresh start over another run's checkpoints
+        ckpt_info.check_dir(cfg, resume)
+    if resume:  # before any process starts: the record, every file's size, the layout
         ckpt_info.check_resumable(cfg, run.arch.architecture)

@@ -137,7 +137,7 @@ def in_process(run: ResolvedRun, rank: int, *, steps: int, seq_len: int | None, 
 def main(args) -> int:
     cfg = source.load_config(args.config, world_size=args.nproc)
     run = resolve_run(cfg)
-    preflight(run, need_data=False)  # data files are checked (and tokenised) inside, when given
+    preflight(run, need_data=False, saves=False)  # data files are checked (and tokenised) inside, when given
     if args.steps < 2:
         raise bad("--steps", args.steps, "a rehearsal saves half-way and resumes", "use --steps 2 or more")
     with tempfile.TemporaryDirectory(prefix="nd-rehearse-") as workdir:

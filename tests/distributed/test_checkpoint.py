@@ -2,38 +2,74 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from adapter.train import checkpoint as ckpt
-from tests.helpers.dist import _child, free_port, run_workers
+from tests.helpers.dist import _child, _context, free_port, run_workers
 
 # --- directory rules, no DeepSpeed ------------------------------------------------------------------------------
 
-def _fake(root: Path, *steps: int, latest: int | None = None) -> None:
+def _fake(root: Path, *steps: int, latest: int | None = None, lineage: str | None = "ours") -> None:
+    """Checkpoints as a save leaves them: one file and the record listing it (`lineage` None: a record-less one)."""
+    from adapter.train import ckpt_info
+
     for s in steps:
-        (root / f"global_step{s}").mkdir(parents=True)
-        (root / f"global_step{s}" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_text("x")
+        d = root / f"global_step{s}"
+        d.mkdir(parents=True)
+        (d / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_text("x")
+        if lineage is not None:
+            files = {"zero_pp_rank_0_mp_rank_00_model_states.pt": {"bytes": 1, "crc32": ckpt_info.crc32(
+                d / "zero_pp_rank_0_mp_rank_00_model_states.pt")}}
+            (d / "nd_adapter.json").write_text(ckpt_info.record_text({"step": s, "lineage": lineage, "files": files}))
     if latest is not None:
         (root / "latest").write_text(f"global_step{latest}")
 
 
-def test_clean_removes_temps_and_orphans_newer_than_latest(tmp_path):
+def _names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_clean_removes_temps_and_this_lineages_orphans_newer_than_latest(tmp_path):
     _fake(tmp_path, 1, 2, 3, latest=2)
+    _fake(tmp_path, 4, lineage="another run")
     (tmp_path / "tmp-global_step3").mkdir()
     (tmp_path / "tmp-latest.123").write_text("global_step3")
-    ckpt._clean(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step2", "latest"]
+    ckpt._clean(tmp_path, "ours")
+    assert _names(tmp_path) == ["global_step1", "global_step2", "global_step4", "latest"]
 
 
-def test_prune_keeps_newest_up_to_latest(tmp_path):
+def test_prune_keeps_newest_up_to_latest_and_never_another_lineages(tmp_path):
     _fake(tmp_path, 1, 2, 10, 11, latest=11)
-    ckpt._prune(tmp_path, 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step11", "latest"]
-    ckpt._prune(tmp_path, 0)  # 0 keeps all
-    assert ckpt.latest_tag(tmp_path) == "global_step11"
+    _fake(tmp_path, 3, lineage="another run")
+    _fake(tmp_path, 4, lineage=None)  # saved before records (or lineages) existed: not provably this run's
+    ckpt._prune(tmp_path, 2, lineage="ours")
+    assert _names(tmp_path) == ["global_step10", "global_step11", "global_step3", "global_step4", "latest"]
+    ckpt._prune(tmp_path, 0, lineage="ours")  # 0 keeps all
+    ckpt._prune(tmp_path, 1, lineage=None)  # a run without a lineage deletes nothing
+    assert _names(tmp_path) == ["global_step10", "global_step11", "global_step3", "global_step4", "latest"]
+
+
+def test_without_latest_a_resume_takes_the_newest_complete_checkpoint(tmp_path):
+    """`latest` lost or emptied: the newest checkpoint whose record is intact and whose files are all there at their
+    written size; none complete is one line; an empty directory has none."""
+    from adapter.errors import UserError
+
+    assert ckpt.latest_tag(tmp_path) is None
+    _fake(tmp_path, 2, 4, 6)
+    (tmp_path / "latest").write_text("")
+    (tmp_path / "global_step6" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_text("")  # torn
+    (tmp_path / "tmp-global_step8").mkdir()  # a save that never finished
+    assert ckpt.latest_tag(tmp_path) == "global_step4"
+    (tmp_path / "global_step4" / "nd_adapter.json").write_text("{")
+    assert ckpt.latest_tag(tmp_path) == "global_step2"
+    (tmp_path / "global_step2" / "nd_adapter.json").unlink()
+    with pytest.raises(UserError, match=r"`latest` is missing and no checkpoint here is complete \(the newest: "
+                       r"checkpoint file global_step6/zero_pp_rank_0_mp_rank_00_model_states.pt is empty"):
+        ckpt.latest_tag(tmp_path)
 
 
 def test_latest_tag_missing_dir(tmp_path):
@@ -131,7 +167,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, world):
         assert r["dirs"] == ["global_step2", "global_step3"]
         assert r["mismatch"].startswith("load_dir=") and "does not match this model" in r["mismatch"]
         assert "there" in r["mismatch"] and "Fix:" in r["mismatch"]
-        assert r["written"] == [f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt" for kind in ("model", "optim")]
+        assert r["written"] == ["nd_adapter.json"] + [f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt"
+                                                     for kind in ("model", "optim")]
     if world == 2:
         assert results[0]["losses"] != results[1]["losses"]  # the ranks really saw different data
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
@@ -187,3 +224,170 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     assert r["step"] == 1
     assert "tmp-global_step2" not in r["entries"] and {"global_step1", "global_step2"} <= set(r["entries"])
     assert (root / "latest").read_text() == "global_step2"
+
+
+# --- integrity: every file checked at load, `latest` lost, rotation within the lineage --------------------------
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _damages(d: Path) -> dict:
+    """One damage per kind of file a save writes, each a function of the checkpoint directory `d`."""
+    model, optim = d / "zero_pp_rank_1_mp_rank_00_model_states.pt", d / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    return {
+        "model states": (lambda: _flip(model, model.stat().st_size // 2), model.name),
+        "optimizer states": (lambda: _flip(optim, optim.stat().st_size // 2), optim.name),
+        # the client state (the sampler's position, our step and RNG record) is pickled in the model-states file
+        "sampler state": (lambda: _flip(model, model.read_bytes().index(b"sampler") + 12), model.name),
+        # a flipped digit of the step that leaves valid JSON
+        "record": (lambda: _flip(d / "nd_adapter.json", (d / "nd_adapter.json").read_bytes().index(b'"step": ') + 8),
+                   "nd_adapter.json"),
+        "truncated shard": (lambda: optim.write_bytes(optim.read_bytes()[:1000]), optim.name),
+        "empty shard": (lambda: model.write_bytes(b""), model.name),
+        "missing shard": (lambda: optim.unlink(), optim.name),
+        "a shard the save did not write": (lambda: shutil.copy(optim, d / "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
+                                           "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
+    }
+
+
+def _integrity_worker(rank: int, world: int, root: str) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+
+    from adapter.errors import UserError
+    from adapter.train import ckpt_info
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    root = Path(root)
+    t = _Trainer(_engine(), rank, world)
+    losses = []
+    for s in range(1, 5):
+        losses.append(t.step())
+        if s <= 2:
+            ckpt.save(t.engine, root, s, {"sampler": t.sampler.state_dict()}, keep_last=2)
+    before = {p.name: p.read_bytes() for p in (root / "global_step1").iterdir()}
+
+    def refused(d: Path, damage, **kw) -> str | None:
+        if rank == 0:
+            shutil.copytree(d, root / "pristine")
+            damage()
+        dist.barrier()
+        try:
+            ckpt.load(_engine(seed=99), root, **kw)
+            said = None
+        except UserError as e:
+            said = str(e)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(d)
+            (root / "pristine").rename(d)
+        dist.barrier()
+        return said
+
+    said = {kind: (refused(root / "global_step2", damage), name)
+            for kind, (damage, name) in _damages(root / "global_step2").items()}
+    best, name = _damages(root / "global_step1")["optimizer states"]  # load_best's reload of an earlier step
+    said["an earlier step, by tag"] = (refused(root / "global_step1", best, tag="global_step1"), name)
+    intact = {p.name: p.read_bytes() for p in (root / "global_step1").iterdir()} == before
+    ckpt_info.check_files(root / "global_step1", ckpt_info.read_record(root / "global_step1"),
+                          sums=list(ckpt_info.read_record(root / "global_step1")["files"]))
+
+    fresh = _engine(seed=5)  # another run (no lineage of its own yet) saving over this one's step 2: refused
+    try:
+        ckpt.save(fresh, root, 2)
+        replaced = None
+    except UserError as e:
+        replaced = str(e)
+
+    if rank == 0:  # `latest` lost, and a checkpoint of another run beside this one's
+        (root / "latest").unlink()
+        shutil.copytree(root / "global_step1", root / "global_step0")
+        record = ckpt_info.read_record(root / "global_step0")
+        (root / "global_step0" / "nd_adapter.json").write_text(ckpt_info.record_text({**record, "lineage": "other"}))
+    dist.barrier()
+    t2 = _Trainer(_engine(seed=99), rank, world)
+    step, client = ckpt.load(t2.engine, root)
+    t2.sampler.load_state_dict(client["sampler"])
+    t2.restart()
+    resumed = []
+    for s in (3, 4):
+        resumed.append(t2.step())
+        ckpt.save(t2.engine, root, s, {"sampler": t2.sampler.state_dict()}, keep_last=2)
+    return {"losses": losses, "resumed": resumed, "step": step, "said": said, "intact": intact,
+            "replaced": replaced, "kept": sorted(p.name for p in root.iterdir() if p.is_dir())}
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_refused_naming_the_file_and_a_lost_latest_resumes(tmp_path):
+    """ZeRO-3 on 2 ranks. A flipped byte in each kind of file a save writes, a truncated, empty, missing or foreign
+    shard: every rank refuses the load in the same one line naming the file, and the step before stays intact.
+    `latest` removed: the resume finds the newest complete checkpoint and continues with the uninterrupted run's
+    losses; rotation then deletes this run's older checkpoints and never another run's; another run saving over
+    this one's step is refused."""
+    root = tmp_path / "ckpt"
+    results = run_workers(_integrity_worker, 2, str(root), timeout=400)
+    r = results[0]
+    for kind, (line, name) in r["said"].items():
+        assert line is not None, f"{kind}: loaded"
+        assert all(other["said"][kind][0] == line for other in results), kind  # every rank, the same line
+        assert line.startswith("load_dir=" if "by tag" not in kind else "tag=") and "\n" not in line, line
+        assert f"/{name} " in line and "Fix:" in line, (kind, line)
+    assert "is damaged (CRC-32 " in r["said"]["optimizer states"][0]
+    assert "no longer matches its own CRC-32" in r["said"]["record"][0]
+    assert "is truncated (1,000 bytes;" in r["said"]["truncated shard"][0]
+    assert "is empty (0 bytes;" in r["said"]["empty shard"][0] and "is missing" in r["said"]["missing shard"][0]
+    assert "global_step1/" in r["said"]["an earlier step, by tag"][0]
+    assert r["intact"]
+    assert r["replaced"] is not None and "holds global_step2 of another run" in r["replaced"], r["replaced"]
+    assert r["step"] == 2 and r["resumed"] == r["losses"][2:], (r["losses"], r["resumed"])
+    assert r["kept"] == ["global_step0", "global_step3", "global_step4"], r["kept"]  # global_step0: another run's
+    assert (root / "latest").read_text() == "global_step4"
+
+
+def _peer_dies_worker(rank: int, world: int, root: str) -> str:
+    import os
+
+    import deepspeed
+
+    from adapter.errors import UserError
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    t = _Trainer(_engine(), rank, world)
+    t.step()
+    ckpt.save(t.engine, root, 1)
+    t.step()
+    if rank == 1:  # killed (the out-of-memory killer, a node lost) while writing its part of the next checkpoint
+        t.engine.checkpoint_engine.save = lambda *args, **kwargs: os._exit(9)
+    try:
+        ckpt.save(t.engine, root, 2)
+    except UserError as e:
+        return str(e)
+    return "saved"
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_save_is_not_blamed_on_the_disk(tmp_path):
+    root = tmp_path / "ckpt"
+    ctx = _context()
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(_peer_dies_worker, r, 2, port, (str(root),), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, ok, said = q.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert (rank, ok) == (0, True), said
+    assert said.startswith("checkpoint.dir=") and "\n" not in said, said
+    assert "the checkpoint of step 2 was not finished: another rank stopped during the save" in said, said
+    assert "global_step1 is the last complete checkpoint" in said and "free space" not in said, said
+    assert procs[1].exitcode == 9 and (root / "latest").read_text() == "global_step1"
+    assert not (root / "tmp-global_step2").exists()

@@ -5,11 +5,15 @@ dp_shard=2, fp32), against the same run nobody disturbed.
 - A disk that refuses the writes of a save (the files' size limit, RLIMIT_FSIZE: EFBIG where ENOSPC would come):
   one line, exit 2, the partial checkpoint removed, `latest` still naming the last complete one, which resumes.
 - A rank killed from outside: the run ends at once with one line naming it (these two on 2 processes).
-- Retention that cannot fit the disk: refused in one line before step 1, with the numbers."""
+- Retention that cannot fit the disk: refused in one line before step 1, with the numbers.
+- A damaged checkpoint (a shard cut short: before any process starts; a flipped byte: by the ranks, as they
+  verify what they load at another layout), a fresh start over a run's checkpoints, a checkpoint.dir that is a
+  file: one line each, nothing changed."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,7 +112,8 @@ def _says_what_it_holds(root: Path, cfg: Path) -> None:
     assert f"({'global_step' + str(STEPS)})" in p.stdout.splitlines()[0]
     assert f"  step      {STEPS}" in p.stdout and "LlamaForCausalLM" in p.stdout
     assert "layout    dp_replicate=1 × dp_shard=2 × cp=1 × tp=2 (4 ranks, ZeRO stage 3)" in p.stdout
-    assert re.search(r"model_states\.pt  [\d,]+ B  crc32 [0-9a-f]{8}", p.stdout), p.stdout
+    assert re.search(r"model_states\.pt  [\d,]+ B  crc32 [0-9a-f]{8}  ok", p.stdout), p.stdout
+    assert "  integrity size and CRC-32 of its 8 files recorded at save; checked below" in p.stdout, p.stdout
     p = _cli("plan", str(cfg), cwd=root)
     assert "resumable by this layout, at the same layout" in " ".join(p.stdout.split()), p.stdout[-3000:]
     moved = ("--set", "parallelism.tp_size=1", "--set", "parallelism.dp_shard_size=4")
@@ -228,3 +233,35 @@ def _ranks(launcher) -> list:
     """The launcher's ranks in rank order: on CPUs they fork from its forkserver (adapter/train/spawn.py)."""
     server = [c for c in launcher.children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
     return sorted(server[0].children() if server else launcher.children(), key=lambda c: c.pid)
+
+
+def test_a_damaged_checkpoint_or_directory_is_one_line_and_changes_nothing(base):
+    root, raw, _ = base
+
+    def one_line(p: subprocess.Popen, *needles: str) -> str:
+        out, err = p.communicate(timeout=600)
+        lines = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
+        assert p.returncode == 2 and len(lines) == 1, (out[-2000:], err[-3000:])
+        assert all(n in lines[0] for n in needles) and "Traceback" not in out + err, lines[0]
+        return lines[0]
+
+    # before any process starts: a fresh start over the whole run's checkpoints, a directory that is a file
+    one_line(_train(_cfg(root / "again.yaml", raw, root / "ck-whole")), "holds checkpoints of an earlier run "
+             f"(the newest: global_step{STEPS})", "--resume")
+    one_line(_train(_cfg(root / "file.yaml", raw, root / "whole.yaml")), "checkpoint.dir=", "is a file")
+    assert (root / "ck-whole/latest").read_text() == f"global_step{STEPS}"
+
+    ck = root / "ck-damaged"
+    shutil.copytree(root / "ck-whole", ck)
+    shard = ck / f"global_step{STEPS}" / "zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    whole = shard.read_bytes()
+    moved = _cfg(root / "damaged.yaml", _two(raw, STEPS), ck)  # dp_shard=2, tp=1: resharded from tp=2
+    shard.write_bytes(whole[:-1])
+    one_line(_train(moved, "--resume"), f"checkpoint file global_step{STEPS}/{shard.name} is truncated")
+    data = bytearray(whole)
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    one_line(_train(moved, "--resume"), f"checkpoint file global_step{STEPS}/{shard.name} is damaged (CRC-32 ")
+    p = _cli("checkpoint", "info", str(ck), "--checksums", cwd=root)
+    assert p.returncode == 2 and f"{shard.name}" in p.stderr and "DAMAGED" in p.stdout, (p.stdout, p.stderr)
+    assert sorted(x.name for x in ck.iterdir()) == sorted(x.name for x in (root / "ck-whole").iterdir())
