@@ -12,6 +12,7 @@ from adapter import config
 from adapter.errors import ERROR_DIR, EXIT_REQUEUE, EXIT_USAGE, DivergedError, UserError
 from adapter.models import source
 from adapter.models.resolved import resolve_run
+from adapter.train import ckpt_info
 from adapter.train.spawn import EXIT_PORT_TAKEN, PORT_RETRY
 
 
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
             overrides["optimizer.max_steps"] = args.max_steps
         cfg = source.load_config(args.config, world_size=world, overrides=None if args.rehearse else overrides)
         resolved = resolve_run(cfg)  # once per process: everything below reads this record
+        if not args.rehearse:  # deepspeed/torchrun start this without `nd-adapter train`'s preflight
+            ckpt_info.check_dir(cfg, args.resume)
         # Large one-off allocations (the optimizer step's fp32 gradient partition) otherwise fail on fragmentation
         # with memory free in total (a Mistral-7B shape on one H200 did: docs/BENCHMARKS.md, 2026-12-01, "the
         # one-GPU memory check"); torchtitan sets the same. Read at CUDA's first allocation, so here.
