@@ -20,6 +20,7 @@ Norms, biases and the input embedding (a lookup) are left out; activation recomp
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from adapter.models.arch import ModelArch, padded_vocab_size
@@ -101,11 +102,16 @@ def _copies(arch: ModelArch) -> dict[str, tuple[int, int]]:
     return {lin.fused: (lin.copies, lin.active) for lin in linears(arch)}
 
 
+def _bias(rule) -> bool:
+    return all(name.endswith(".bias") for name, _ in rule.hf)
+
+
 def layer_norm_params(arch: ModelArch) -> int:
-    """Norm weights of one layer (replicated across tp): the two RMSNorms (four with post-norms) and, with qk-norm,
-    one per q and k head dimension (over the whole q and k projections: OLMoE)."""
-    qk = ((arch.num_heads + arch.num_kv_heads) * arch.head_dim if arch.qk_norm_whole else 2 * arch.head_dim)
-    return (4 if arch.post_norms else 2) * arch.hidden_size + (qk if arch.qk_norm else 0)
+    """Norm weights of one layer (replicated across tp), the family's table's per-layer vectors that are no linear's
+    bias: the two RMSNorms (four with post-norms) and, with qk-norm, one per q and k head dimension (over the whole
+    q and k projections: OLMoE)."""
+    return sum(math.prod(hf_shape(shape, arch)) for r in table_for(arch) if r.per_layer and not r.linear
+               and not _bias(r) for _, shape in r.hf)
 
 
 def layer_params(arch: ModelArch) -> int:
@@ -148,9 +154,8 @@ def param_tensors(arch: ModelArch, ep: int = 1, grouped_grads: bool = False) -> 
     optimizer and ZeRO-3's module gathers walk (`ep`: a rank holds num_experts / ep experts). `grouped_grads`: the
     experts' weight gradients arrive as one tensor per expert linear (grouped experts under the flat AdamW), so
     autograd walks one tensor per linear, not one per expert."""
-    per_layer = (sum(1 if n > 1 and grouped_grads else n // ep if n > 1 else n for n, _ in _copies(arch).values())
-                 + (4 if arch.post_norms else 2)
-                 + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0))
+    experts = 1 if grouped_grads else (arch.num_experts or 1) // ep
+    per_layer = sum(experts if r.per_expert else 1 for r in table_for(arch) if r.per_layer)  # one tensor per key
     return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
 
 
