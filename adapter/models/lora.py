@@ -31,9 +31,10 @@ from adapter.errors import bad
 from adapter.models.arch import ModelArch
 from adapter.models.counts import Linear, linears, num_params
 from adapter.models.families import family, linear_rule, packed_rule
-from adapter.models.mapping import Vocab
 
 SAVABLE = ("embed_tokens", "lm_head")  # modules_to_save nd-adapter trains in full
+# the Megatron keys holding them: the family's table names their HF modules (which match in modules_to_save too)
+_SAVED_KEYS = {"embedding.word_embeddings.weight": "embed_tokens", "output_layer.weight": "lm_head"}
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the llama/mistral/qwen families
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved keys start with (a PeftModel around a CausalLM)
 ALL_LINEAR = "all-linear"
@@ -141,10 +142,8 @@ def hf_modules(arch: ModelArch) -> dict[str, str]:
     weight table; plus embed_tokens and lm_head."""
     out = {lin.name: lin.hf_module for lin in linears(arch)}
     for rule in family(arch.family).table:  # every rule, also those this architecture leaves out (tied lm_head)
-        if isinstance(rule, Vocab):
-            module = rule.hf[0][0].rpartition(".")[0]
-            if module.rpartition(".")[2] in SAVABLE:
-                out[module.rpartition(".")[2]] = module
+        if rule.megatron in _SAVED_KEYS:
+            out[_SAVED_KEYS[rule.megatron]] = rule.hf[0][0].rpartition(".")[0]
     return out
 
 
