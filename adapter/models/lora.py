@@ -260,8 +260,9 @@ def trained_params(spec: LoraSpec, arch: ModelArch, tp: int = 1, padded_vocab: i
 def flops_per_token(spec: LoraSpec, arch: ModelArch, seq_len: int) -> int:
     """MFU's model FLOPs per token of a LoRA run (adapter/models/counts.py's convention): a frozen weight costs its
     forward and input-gradient matmuls (4 per weight), a trained one also its weight gradient (6); the adapters are
-    trained; attention is as in full training (12·L·heads·head_dim·S)."""
-    layer = sum(lin.weights for lin in linears(arch))
+    trained; attention is as in full training (12·L·heads·head_dim·S). A mixture of experts' token passes through
+    its router and top-k experts, as in `counts.matmul_params`."""
+    layer = sum(lin.weights * lin.active for lin in linears(arch))
     head = arch.hidden_size * arch.vocab_size
     adapters = sum(t.linear.inp + t.linear.out for t in spec.targets) * spec.r
     return (4 * arch.num_layers * layer + (6 if "lm_head" in spec.modules_to_save else 4) * head + 6 * adapters
