@@ -165,3 +165,14 @@ def test_it_converts_as_the_qwen3_layer_it_renames(tmp_path):
     back = tensors(megatron_to_hf(tmp_path / "meta-meg", tmp_path / "back", progress=False))
     assert back.keys() == {rename[k] for k in source}
     assert all(torch.equal(back[rename[k]], v) for k, v in source.items())
+
+
+def test_every_family_s_table_holds_the_norms_its_record_builds():
+    """Counts read a layer's norms off the table and the model builds them from the record's flags: the two agree
+    for every family."""
+    for fam in families.FAMILIES:
+        keys = {r.megatron for r in fam.table}
+        assert (LAYER + "self_attention.q_layernorm.weight" in keys) == (LAYER + "self_attention.k_layernorm.weight"
+                                                                          in keys) == fam.qk_norm, fam.name
+        assert (LAYER + "self_attention.linear_proj.post_norm.weight" in keys) == fam.post_norms, fam.name
+        assert (LAYER + "mlp.linear_fc2.post_norm.weight" in keys) == fam.post_norms, fam.name
