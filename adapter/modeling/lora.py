@@ -20,6 +20,7 @@ draws its own mask as PEFT's separate modules do.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -37,15 +38,18 @@ from adapter.models.families import packed_rule
 from adapter.models.lora import LoraSpec, Placement, Target, peft_key, placement, saved_key
 from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
-LINEARS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+# The random stream of each HF linear's A, numbered by name so that a seed keeps drawing the adapters it drew
+# before. Not a description of any layer (counts.linears is): another family's names get streams of their own from
+# their bytes, above these.
+A_STREAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 
 def init_a(target: Target, r: int, seed: int) -> torch.Tensor:
     """PEFT's A for the whole matrix, U(−1/√in, 1/√in) (Kaiming-uniform, a = √5), drawn from the run's seed, the
     layer and the linear alone, so every TP layout starts from the same adapters."""
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
-    idx = names.index(target.linear.name) if target.linear.name in names else len(names)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + target.layer * 101 + idx) % (2**63))
+    name, base = target.linear.name, seed * 1_000_003 + target.layer * 101
+    stream = base + A_STREAMS.index(name) if name in A_STREAMS else base ^ (zlib.crc32(name.encode()) << 32)
+    g = torch.Generator().manual_seed(stream % (2**63))
     bound = 1.0 / math.sqrt(target.linear.inp)
     return (torch.rand(r, target.linear.inp, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
 
@@ -155,11 +159,11 @@ def add_adapters(model, spec: LoraSpec, arch: ModelArch, *, seed: int, tp_rank: 
     tp, sp = c.tensor_model_parallel_size, bool(c.sequence_parallel)
     for i, layer in enumerate(model.decoder.layers):
         for fused, targets in spec.layer_targets(i).items():
-            linear = getattr(getattr(layer, LINEARS[fused]), fused)
+            linear = layer.get_submodule(targets[0].linear.module)
             w = linear._parameters.get("weight")  # None where the base is quantised (adapter/modeling/quant.py)
-            linear.lora = LoraAdapters(targets, placement(arch, fused, tp), spec, column=fused in ("linear_qkv",
-                                       "linear_fc1"), sequence_parallel=sp, tp=tp, tp_rank=tp_rank,
-                                       tp_group=tp_group, seed=seed, dtype=c.params_dtype,
+            linear.lora = LoraAdapters(targets, placement(arch, fused, tp), spec,
+                                       column=targets[0].linear.tp_axis == 0, sequence_parallel=sp, tp=tp,
+                                       tp_rank=tp_rank, tp_group=tp_group, seed=seed, dtype=c.params_dtype,
                                        device=w.device if w is not None else linear.qcodes.device)
             linear.__class__ = _with_lora(type(linear))
     if spec.modules_to_save and model.share_embeddings_and_output_weights:
@@ -185,10 +189,9 @@ def adapters(model) -> dict[tuple[int, str], tuple[torch.nn.Parameter, torch.nn.
     """(layer, HF linear name) -> (A, B) on this rank, for every adapter of the model."""
     out = {}
     for i, layer in enumerate(model.decoder.layers):
-        for fused, parent in LINEARS.items():
-            mod = getattr(getattr(layer, parent), fused, None)  # None: a mixture of experts' MLP
+        for mod in layer.modules():
             lora = getattr(mod, "lora", None)
-            if lora is not None:
+            if isinstance(lora, LoraAdapters):
                 for n in lora.names:
                     out[(i, n)] = (lora.A[n], lora.B[n])
     return out
@@ -259,4 +262,4 @@ def load_state(model, spec: LoraSpec, arch: ModelArch, tensors: dict[str, torch.
 
 
 __all__ = ["LoraAdapters", "add_adapters", "gather", "adapters", "init_a", "shard", "full_state", "load_state",
-           "LINEARS"]
+           "A_STREAMS"]

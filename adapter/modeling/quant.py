@@ -36,11 +36,14 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from adapter.modeling.lora import LINEARS, gather, gather_list
+from adapter.modeling.lora import gather, gather_list
 from adapter.models.arch import ModelArch
+from adapter.models.counts import Linear
 from adapter.models.lora import NF4_BLOCK, nn_linears, packed_of, placement
 from adapter.models.mapping import Ctx, cut_blocks, merge_blocks
 
+# Megatron's column-parallel linears of a dense layer (its GPT layer spec); this module reads each linear's own
+# tp_axis from the family's table (counts.linears), tests name these
 COLUMN = ("linear_qkv", "linear_fc1")
 
 
@@ -67,6 +70,7 @@ def hf_row_sets(arch: ModelArch, fused: str, tp: int, rows: int) -> list[torch.T
 def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank: int,
                  tp_group) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed NF4 codes, effective fp32 block scales) of this rank's shard `w` [out, in] of a Megatron linear."""
+    column = _tp_axis(arch, fused) == 0
     bnbf = _bnb()
     out_rows, cols = w.shape
     codes, absmax = torch.ops.bitsandbytes.quantize_4bit(w.contiguous(), NF4_BLOCK, "nf4", torch.uint8)
@@ -84,7 +88,7 @@ def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank:
         whole = merge_blocks(gather_list(absmax, tp_group), 0, packed.parts) if tp > 1 else absmax
         hf = second_level(packed.to_hf(whole, Ctx(arch, 0))[0])
         scales.copy_(cut_blocks(packed.to_megatron([hf], Ctx(arch, 0)), 0, packed.parts, tp, tp_rank))
-    elif fused in COLUMN:
+    elif column:
         for rows in hf_row_sets(arch, fused, tp, out_rows):
             whole = second_level(gather(absmax[rows], 0, tp_group) if tp > 1 else absmax[rows])
             scales[rows] = whole.view(tp, len(rows), -1)[tp_rank] if tp > 1 else whole
@@ -94,13 +98,14 @@ def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank:
     return codes.reshape(-1), scales.reshape(-1)
 
 
-def int8_quantize(w: torch.Tensor, fused: str, tp: int, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_quantize(w: torch.Tensor, column: bool, tp: int, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weights, fp32 row absmax) as bitsandbytes' `Int8Params` makes them from the whole HF rows: the weight
-    in fp16 (its CUDA kernel takes nothing else), then `int8_vectorwise_quant`'s rounding."""
+    in fp16 (its CUDA kernel takes nothing else), then `int8_vectorwise_quant`'s rounding. `column`: the linear is
+    column-parallel (each rank holds whole rows)."""
     _bnb()  # its ops
     w = w.to(torch.float16)
     stats = w.abs().amax(dim=1).float()
-    if fused not in COLUMN and tp > 1:  # a row-parallel rank holds a slice of each row
+    if not column and tp > 1:  # a row-parallel rank holds a slice of each row
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=tp_group)
     return torch.round(w * (127.0 / stats.unsqueeze(-1))).to(torch.int8), stats
 
@@ -183,10 +188,16 @@ class _Quantized:
 _CLASSES: dict[type, type] = {}
 
 
-def _quantized_linears(arch: ModelArch) -> list[tuple[str, str]]:
-    """(Megatron linear, its parent module) of what a layer quantises (`models.lora.nn_linears`)."""
-    fused = {lin.fused for lin in nn_linears(arch)}
-    return [(name, parent) for name, parent in LINEARS.items() if name in fused]
+def _quantized_linears(arch: ModelArch) -> list[Linear]:
+    """One HF linear of each Megatron linear a layer quantises (`models.lora.nn_linears`), in forward order."""
+    first: dict[str, Linear] = {}
+    for lin in nn_linears(arch):
+        first.setdefault(lin.module, lin)
+    return list(first.values())
+
+
+def _tp_axis(arch: ModelArch, fused: str) -> int | None:
+    return next(lin.tp_axis for lin in nn_linears(arch) if lin.fused == fused)
 
 
 def _quantized(cls: type) -> type:
@@ -202,17 +213,17 @@ def quantize_base(model, arch: ModelArch, fmt: str, *, tp_rank: int, tp_group, d
     experts' router and experts: `models.lora.nn_linears`). Collective over TP."""
     tp = model.config.tensor_model_parallel_size
     for layer in model.decoder.layers:
-        for fused, parent in _quantized_linears(arch):
-            linear = getattr(getattr(layer, parent), fused)
+        for lin in _quantized_linears(arch):
+            linear = layer.get_submodule(lin.module)
             w = linear.weight.detach().to(device)
             if fmt == "nf4":
-                codes, scales = nf4_quantize(w, arch, fused, tp, tp_rank, tp_group)
+                codes, scales = nf4_quantize(w, arch, lin.fused, tp, tp_rank, tp_group)
             else:
-                codes, scales = int8_quantize(w, fused, tp, tp_group)
+                codes, scales = int8_quantize(w, lin.tp_axis == 0, tp, tp_group)
             del linear._parameters["weight"]
             linear.register_buffer("qcodes", codes, persistent=False)
             linear.register_buffer("qscales", scales, persistent=False)
-            linear.qshape, linear.qformat, linear.qcolumn = tuple(w.shape), fmt, fused in COLUMN
+            linear.qshape, linear.qformat, linear.qcolumn = tuple(w.shape), fmt, lin.tp_axis == 0
             linear.tp_size = tp
             linear.__class__ = _quantized(type(linear))
             del w
@@ -222,10 +233,9 @@ def quantized_weights(model) -> dict[tuple[int, str], tuple[str, torch.Tensor, t
     """(layer, Megatron linear) -> (format, codes, scales, local shape): what a test compares with bitsandbytes."""
     out = {}
     for i, layer in enumerate(model.decoder.layers):
-        for fused, parent in LINEARS.items():
-            m = getattr(getattr(layer, parent), fused, None)  # a mixture of experts' MLP has no linear_fc1
+        for name, m in layer.named_modules():
             if isinstance(m, _Quantized):
-                out[(i, fused)] = (m.qformat, m.qcodes, m.qscales, m.qshape)
+                out[(i, name.rpartition(".")[2])] = (m.qformat, m.qcodes, m.qscales, m.qshape)
     return out
 
 

@@ -38,9 +38,11 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if cfg.lora is not None:  # targets, rank, modules_to_save, the adapter to start from: before any process starts
         spec = lora.from_config(cfg, arch)
         if tp > arch.num_kv_heads and any(t.linear.fused == "linear_qkv" for t in spec.targets):
+            *rest, last = [lin.name for lin in lora.nn_linears(arch) if lin.fused == "linear_qkv"]
             raise bad(spell(cfg, "parallelism.tp_size"), tp, f"exceeds num_key_value_heads={arch.num_kv_heads}: a "
                       "query group then spans several TP ranks, where LoRA on q/k/v is not built yet",
-                      f"use a tp_size of at most {arch.num_kv_heads}, or leave q_proj, k_proj and v_proj out of "
+                      f"use a tp_size of at most {arch.num_kv_heads}, or leave "
+                      f"{' and '.join(filter(None, (', '.join(rest), last)))} out of "
                       f"{spell(cfg, 'lora.target_modules')}")
         if spec.init_from:
             key = spell(cfg, "lora.init_from")

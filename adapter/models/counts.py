@@ -2,8 +2,9 @@
 
 The one home of this arithmetic: plan's memory, traffic and step-time models, the layout search, the training log's
 MFU and the benches all read it, so they cannot drift apart. Everything derives from `linears` (one row per HF
-linear of a layer, with the Megatron linear it is fused into and the axis tensor parallelism splits), so it holds
-for any head_dim (Qwen3-4B: 32 heads × 128 = 4096 ≠ hidden 2560) and extends with the layer description.
+linear of a layer, with the Megatron linear it is fused into and the axis tensor parallelism splits), which reads
+them off the family's weight table (adapter/models/mapping.py, `Rule.linear`), so it holds for any head_dim
+(Qwen3-4B: 32 heads × 128 = 4096 ≠ hidden 2560) and for any family's names and packing.
 
 MFU's model FLOPs, the convention every number in this project is computed with (bench, peer anchors):
 
@@ -24,25 +25,37 @@ backward.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.families import packed_rule
+from adapter.models.families import table_for
+from adapter.models.mapping import hf_shape, linear_name
 
 
 @dataclass(frozen=True)
 class Linear:
-    """One HF linear of a transformer layer."""
-    name: str     # HF module name (q_proj, ..., down_proj)
+    """One HF linear of a transformer layer, as its family's weight table describes it, sized for an architecture."""
+    name: str     # HF module name (q_proj, ..., down_proj; Phi-3's qkv_proj; Mixtral's experts w1, w3, w2)
     out: int      # output features
     inp: int      # input features
-    fused: str    # the Megatron linear holding it (linear_qkv, linear_proj, linear_fc1, linear_fc2, router)
+    # the Megatron module holding it, under the layer: self_attention.linear_qkv, self_attention.linear_proj,
+    # mlp.linear_fc1, mlp.linear_fc2, mlp.router (an expert's as its checkpoint key names it,
+    # mlp.experts.experts.linear_fc1)
+    module: str
     # what tensor parallelism splits: 0 the outputs (column-parallel), 1 the inputs (row-parallel), None nothing
     # (the MoE router, replicated)
     tp_axis: int | None
     bias: bool = False
     copies: int = 1  # this linear exists once per expert (a mixture of experts' expert MLPs) or once
     active: int = 1  # of those copies, how many each token passes through (top-k)
+    hf_module: str = ""  # the HF module, {i} the layer ({e} the expert): model.layers.{i}.self_attn.q_proj
+    nn_linear: bool = True  # an nn.Linear in transformers: what PEFT targets and bitsandbytes quantises
+
+    @property
+    def fused(self) -> str:
+        """The Megatron linear holding it (linear_qkv, linear_proj, linear_fc1, linear_fc2, router)."""
+        return self.module.rpartition(".")[2]
 
     @property
     def weights(self) -> int:
@@ -60,22 +73,23 @@ class Linear:
 
 
 def linears(arch: ModelArch) -> tuple[Linear, ...]:
-    """The linears of one layer, in HF order; a family that packs q, k, v (or gate, up) into one HF tensor (Phi-3's
-    qkv_proj, gate_up_proj; its table says so) has one linear there."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    q, kv, b = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.qkv_bias
-    qkv = ((Linear("qkv_proj", q + 2 * kv, h, "linear_qkv", 0, b),) if packed_rule(arch, "qkv_proj") else
-           (Linear("q_proj", q, h, "linear_qkv", 0, b), Linear("k_proj", kv, h, "linear_qkv", 0, b),
-            Linear("v_proj", kv, h, "linear_qkv", 0, b)))
-    if arch.moe:  # the router and the experts' gated MLPs (HF's names of the Llama-like families)
-        g, n, k = arch.expert_ffn_hidden_size, arch.num_experts, arch.experts_per_token
-        return (*qkv, Linear("o_proj", h, q, "linear_proj", 1), Linear("gate", n, h, "router", None),
-                Linear("gate_proj", g, h, "linear_fc1", 0, copies=n, active=k),
-                Linear("up_proj", g, h, "linear_fc1", 0, copies=n, active=k),
-                Linear("down_proj", h, g, "linear_fc2", 1, copies=n, active=k))
-    mlp = ((Linear("gate_up_proj", 2 * f, h, "linear_fc1", 0),) if packed_rule(arch, "gate_up_proj") else
-           (Linear("gate_proj", f, h, "linear_fc1", 0), Linear("up_proj", f, h, "linear_fc1", 0)))
-    return (*qkv, Linear("o_proj", h, q, "linear_proj", 1), *mlp, Linear("down_proj", h, f, "linear_fc2", 1))
+    """The linears of one layer, in HF order: every HF tensor of the family's linear rules (`Rule.linear`) that
+    apply to this architecture, with its rule's Megatron module and TP axis, a bias where the table has an HF bias
+    for its module, and its expert copies. A family that packs q, k, v (or gate, up) into one HF tensor (Phi-3's
+    qkv_proj, gate_up_proj) has one linear there."""
+    rules = table_for(arch)
+    biased = {name.rpartition(".")[0] for r in rules if r.per_layer for name, _ in r.hf if name.endswith(".bias")}
+    out = []
+    for rule in rules:
+        if not rule.linear:
+            continue
+        copies, active = (arch.num_experts, arch.experts_per_token) if rule.per_expert else (1, 1)
+        for name, shape in rule.hf:
+            module = name.rpartition(".")[0]
+            rows, cols = hf_shape(shape, arch)
+            out.append(Linear(linear_name(name), rows, cols, rule.module, rule.tp_axis, module in biased, copies,
+                              active, hf_module=module, nn_linear=rule.nn_linear))
+    return tuple(out)
 
 
 def fused_linears(arch: ModelArch) -> list[tuple[str, int, int, int | None]]:
@@ -93,11 +107,16 @@ def _copies(arch: ModelArch) -> dict[str, tuple[int, int]]:
     return {lin.fused: (lin.copies, lin.active) for lin in linears(arch)}
 
 
+def _bias(rule) -> bool:
+    return all(name.endswith(".bias") for name, _ in rule.hf)
+
+
 def layer_norm_params(arch: ModelArch) -> int:
-    """Norm weights of one layer (replicated across tp): the two RMSNorms (four with post-norms) and, with qk-norm,
-    one per q and k head dimension (over the whole q and k projections: OLMoE)."""
-    qk = ((arch.num_heads + arch.num_kv_heads) * arch.head_dim if arch.qk_norm_whole else 2 * arch.head_dim)
-    return (4 if arch.post_norms else 2) * arch.hidden_size + (qk if arch.qk_norm else 0)
+    """Norm weights of one layer (replicated across tp), the family's table's per-layer vectors that are no linear's
+    bias: the two RMSNorms (four with post-norms) and, with qk-norm, one per q and k head dimension (over the whole
+    q and k projections: OLMoE)."""
+    return sum(math.prod(hf_shape(shape, arch)) for r in table_for(arch) if r.per_layer and not r.linear
+               and not _bias(r) for _, shape in r.hf)
 
 
 def layer_params(arch: ModelArch) -> int:
@@ -140,9 +159,8 @@ def param_tensors(arch: ModelArch, ep: int = 1, grouped_grads: bool = False) -> 
     optimizer and ZeRO-3's module gathers walk (`ep`: a rank holds num_experts / ep experts). `grouped_grads`: the
     experts' weight gradients arrive as one tensor per expert linear (grouped experts under the flat AdamW), so
     autograd walks one tensor per linear, not one per expert."""
-    per_layer = (sum(1 if n > 1 and grouped_grads else n // ep if n > 1 else n for n, _ in _copies(arch).values())
-                 + (4 if arch.post_norms else 2)
-                 + (2 if arch.qk_norm else 0) + (1 if arch.qkv_bias else 0))
+    experts = 1 if grouped_grads else (arch.num_experts or 1) // ep
+    per_layer = sum(experts if r.per_expert else 1 for r in table_for(arch) if r.per_layer)  # one tensor per key
     return per_layer, arch.num_layers * per_layer + 2 + (0 if arch.tie_embeddings else 1)
 
 

@@ -3,7 +3,9 @@
 Adding a family means adding a `Family` here (HF architecture names and model_type, its flags, its table of typed
 rules from adapter/models/mapping.py) and nothing else; docs/adding-a-model.md walks through it. `load_arch`
 (adapter/models/arch.py) reads the flags, the converter reads the table, and everything refused is refused by the
-record's checks in one place. Declarative: `plan` imports this without torch.
+record's checks in one place. The table's linear rules are also the layer's linears (names, packing, TP axis,
+experts, which are `nn.Linear` in transformers): counts, LoRA and the quantised base read them through
+`counts.linears`, never a list of their own. Declarative: `plan` imports this without torch.
 """
 from __future__ import annotations
 
@@ -13,13 +15,12 @@ from typing import Any
 from adapter.models.mapping import (
     EXPERTS,
     LAYER,
-    PackedGateUp,
-    PackedQKV,
     Rule,
     copy,
     fused_qkv,
     gated_mlp,
     has_qkv_bias,
+    linear_name,
     packed_gate_up,
     packed_qkv,
     untied,
@@ -108,15 +109,17 @@ GEMMA3_TABLE = GEMMA2_TABLE + QWEN3_TABLE[len(LLAMA_TABLE):]
 GEMMA3_VL_TABLE = tuple(r.renamed("model.", "model.language_model.") for r in GEMMA3_TABLE)
 
 # Mixture of experts: Llama's attention (Qwen3-MoE's with q/k norms), each layer's MLP a router and per-expert gated
-# MLPs (HF names carry the expert index {e}); the pre-MLP norm keeps its dense name
+# MLPs (HF names carry the expert index {e}); the pre-MLP norm keeps its dense name. transformers holds the router
+# and the experts in modules of its own (the experts as 3-D tensors), not nn.Linear: PEFT and bitsandbytes skip them
 def _moe_table(attention: tuple[Rule, ...], mlp: str, gate: str, up: str, down: str, router: str = "gate"
                ) -> tuple[Rule, ...]:
     dense = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
     return tuple(r for r in attention if r.megatron not in tuple(LAYER + d for d in dense)) + (
-        copy(LAYER + "mlp.router.weight", _L + f"{mlp}.{router}.weight", "E h"),
+        copy(LAYER + "mlp.router.weight", _L + f"{mlp}.{router}.weight", "E h", nn_linear=False),
         gated_mlp(EXPERTS + "linear_fc1.weight", _L + f"{mlp}.experts.{{e}}.{gate}.weight",
-                  _L + f"{mlp}.experts.{{e}}.{up}.weight", ffn="g"),
-        copy(EXPERTS + "linear_fc2.weight", _L + f"{mlp}.experts.{{e}}.{down}.weight", "h g", tp_axis=1),
+                  _L + f"{mlp}.experts.{{e}}.{up}.weight", ffn="g", nn_linear=False),
+        copy(EXPERTS + "linear_fc2.weight", _L + f"{mlp}.experts.{{e}}.{down}.weight", "h g", tp_axis=1,
+             nn_linear=False),
     )
 
 
@@ -178,12 +181,21 @@ def table_for(arch, table: tuple[Rule, ...] | list[Rule] | None = None) -> list[
     return [r for r in (family(arch.family).table if table is None else table) if r.applies(arch)]
 
 
+def linear_rule(arch, fused: str) -> Rule:
+    """The family's rule building Megatron's linear `fused` (linear_qkv, linear_proj, linear_fc1, linear_fc2, router)
+    of this architecture's layers, the experts' aside: its type says how the HF linears in it are packed."""
+    for rule in table_for(arch):
+        if rule.linear and not rule.per_expert and rule.module.rpartition(".")[2] == fused:
+            return rule
+    raise KeyError(f"{arch.family} has no {fused} outside its experts")
+
+
 def packed_rule(arch, name: str) -> Rule | None:
     """The family's rule for an HF linear that packs several of Megatron's blocks into one tensor (Phi-3's qkv_proj,
     gate_up_proj; GLM-4's gate_up_proj), or None. Such a linear is one Linear in models/counts.py, and one adapter
     whose B is kept in Megatron's row order (the rule's own transform) for LoRA."""
     for rule in family(arch.family).table:
-        if isinstance(rule, (PackedQKV, PackedGateUp)) and rule.hf[0][0].endswith(f".{name}.weight"):
+        if rule.packed and rule.linear and linear_name(rule.hf[0][0]) == name:
             return rule
     return None
 
@@ -205,4 +217,4 @@ def supported_architectures() -> list[str]:
 
 __all__ = ["Family", "FAMILIES", "LLAMA_TABLE", "QWEN3_TABLE", "PHI3_TABLE", "GLM4_TABLE", "GEMMA2_TABLE",
            "GEMMA3_TABLE", "GEMMA3_VL_TABLE", "QWEN3_MOE_TABLE", "MIXTRAL_TABLE", "OLMOE_TABLE", "family", "find",
-           "table_for", "packed_rule", "text_config_json", "supported_architectures"]
+           "table_for", "linear_rule", "packed_rule", "text_config_json", "supported_architectures"]

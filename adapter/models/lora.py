@@ -30,15 +30,14 @@ from adapter.config import spell
 from adapter.errors import bad
 from adapter.models.arch import ModelArch
 from adapter.models.counts import Linear, linears, num_params
-from adapter.models.families import family, packed_rule
-from adapter.models.mapping import Vocab
+from adapter.models.families import family, linear_rule, packed_rule
 
 SAVABLE = ("embed_tokens", "lm_head")  # modules_to_save nd-adapter trains in full
+# the Megatron keys holding them: the family's table names their HF modules (which match in modules_to_save too)
+_SAVED_KEYS = {"embedding.word_embeddings.weight": "embed_tokens", "output_layer.weight": "lm_head"}
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the llama/mistral/qwen families
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved keys start with (a PeftModel around a CausalLM)
 ALL_LINEAR = "all-linear"
-# names PEFT finds in Llama-shaped layers and not in families that pack them into one HF linear
-PACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT adapter directory
 NF4_BLOCK = 64  # bitsandbytes' QLoRA blocksize (Axolotl's and transformers' default)
 # The frozen base's formats (adapter/modeling/quant.py): bytes a decoder-linear weight takes, and the run's words.
@@ -54,8 +53,8 @@ def nn_linears(arch: ModelArch) -> tuple[Linear, ...]:
     """The linears of one layer that are `nn.Linear` modules in transformers: what PEFT's target_modules (and
     "all-linear") reach, and what bitsandbytes quantises when the model is loaded in 4 or 8 bits. A mixture of
     experts' router and experts are parameters of modules of their own there (the experts 3-D): neither adapted nor
-    quantised (checked on transformers 5.25 with Mixtral, Qwen3-MoE and OLMoE)."""
-    return tuple(lin for lin in linears(arch) if lin.copies == 1 and lin.tp_axis is not None)
+    quantised (the family's table says which: `Rule.nn_linear`)."""
+    return tuple(lin for lin in linears(arch) if lin.nn_linear)
 
 
 @dataclass(frozen=True)
@@ -89,26 +88,16 @@ def packed_of(arch: ModelArch | None, fused: str):
     GLM-4's gate_up_proj), else None."""
     if arch is None:
         return None
-    whole = [lin for lin in linears(arch) if lin.fused == fused]
-    return packed_rule(arch, whole[0].name) if len(whole) == 1 else None
+    rule = linear_rule(arch, fused)
+    return rule if rule.packed else None
 
 
 def placement(arch: ModelArch, fused: str, tp: int) -> Placement:
-    """Megatron's local output layout (adapter/models/mapping.py writes the same order into checkpoints): linear_qkv
-    is, per query group, [its q heads; k; v]; linear_fc1 is [gate; up] of this rank's FFN columns. A packed HF
-    linear covers the whole local output (its B is in that order already)."""
-    if packed_of(arch, fused) is not None:
-        (lin,) = [lin for lin in linears(arch) if lin.fused == fused]
-        return Placement(1, lin.out // tp, ((lin.name, 0, lin.out // tp),))
-    if fused == "linear_qkv":
-        d, hpg = arch.head_dim, arch.num_heads // arch.num_kv_heads
-        return Placement(arch.num_kv_heads // tp, (hpg + 2) * d,
-                         (("q_proj", 0, hpg * d), ("k_proj", hpg * d, d), ("v_proj", (hpg + 1) * d, d)))
-    if fused == "linear_fc1":
-        f = arch.ffn_hidden_size // tp
-        return Placement(1, 2 * f, (("gate_proj", 0, f), ("up_proj", f, f)))
-    name = {"linear_proj": "o_proj", "linear_fc2": "down_proj"}[fused]
-    return Placement(1, arch.hidden_size, ((name, 0, arch.hidden_size),))
+    """Megatron's local output layout, as the family's rule for `fused` writes it into checkpoints
+    (adapter/models/mapping.py, `Rule.layout`): linear_qkv is, per query group, [its q heads; k; v]; linear_fc1 is
+    [gate; up] of this rank's FFN columns. A packed HF linear covers the whole local output (its B is in that order
+    already)."""
+    return Placement(*linear_rule(arch, fused).layout(arch, tp))
 
 
 @dataclass(frozen=True)
@@ -149,16 +138,12 @@ class LoraSpec:
 
 
 def hf_modules(arch: ModelArch) -> dict[str, str]:
-    """HF linear name (q_proj, ...) -> its module name with {i} for the layer, from the family's weight table;
-    plus embed_tokens and lm_head."""
-    out = {}
-    names = {lin.name for lin in linears(arch)}
+    """HF linear name (q_proj, ...) -> its module name with {i} for the layer ({e} an expert's), from the family's
+    weight table; plus embed_tokens and lm_head."""
+    out = {lin.name: lin.hf_module for lin in linears(arch)}
     for rule in family(arch.family).table:  # every rule, also those this architecture leaves out (tied lm_head)
-        for hf, _ in rule.hf:
-            module, _, param = hf.rpartition(".")
-            leaf = module.rpartition(".")[2]
-            if param == "weight" and (leaf in names or (isinstance(rule, Vocab) and leaf in SAVABLE)):
-                out[leaf] = module
+        if rule.megatron in _SAVED_KEYS:
+            out[_SAVED_KEYS[rule.megatron]] = rule.hf[0][0].rpartition(".")[0]
     return out
 
 
@@ -180,7 +165,7 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
         raise bad(spell("lora.dropout"), dropout, "must be in [0, 1)", "use e.g. 0.05, or 0")
     mods = hf_modules(arch)
     per_layer = {lin.name: lin for lin in nn_linears(arch)}  # a mixture of experts' experts and router: not here
-    unreachable = [lin.name for lin in linears(arch) if lin.name not in per_layer]
+    unreachable = [lin for lin in linears(arch) if not lin.nn_linear]
     layer_ids = range(arch.num_layers)
     if layers is not None:
         wrong = [i for i in layers if not 0 <= i < arch.num_layers]
@@ -202,10 +187,10 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
             re.compile(target_modules)
         except re.error as e:
             raise bad(key, target_modules, f"not a valid regex ({e})", "fix the pattern, or list module names")
-    for name in unreachable:  # a mixture of experts' experts or router named: refused, not silently skipped
-        module = mods[name].format(i=0, e=0) if name in mods else None  # Mixtral's table names its experts w1..w3
-        if module and target_modules and _matches(target_modules, module):
-            what = "router" if name == "gate" else "experts"
+    for lin in unreachable:  # a mixture of experts' experts or router named: refused, not silently skipped
+        name = lin.name
+        if target_modules and _matches(target_modules, mods[name].format(i=0, e=0)):
+            what = "experts" if lin.copies > 1 else "router"
             raise bad(key, target_modules, f"LoRA on the {what} of a mixture of experts ({name}) is not built: "
                       "transformers keeps the experts as 3-D parameters and the router as its own module, not linear "
                       "layers, so PEFT's target_modules do not reach them either",
@@ -222,7 +207,7 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
             module = mods[name].format(i=i)
             if target_linear or (target_modules and _matches(target_modules, module)):
                 targets.append(Target(i, per_layer[name], module))
-    packs = {part: packed for packed, parts in PACKED_PARTS.items() if packed in names for part in parts}
+    packs = _packed_parts(arch)
     skipped = []
     if isinstance(target_modules, list):
         for t in target_modules:
@@ -275,8 +260,9 @@ def trained_params(spec: LoraSpec, arch: ModelArch, tp: int = 1, padded_vocab: i
 def flops_per_token(spec: LoraSpec, arch: ModelArch, seq_len: int) -> int:
     """MFU's model FLOPs per token of a LoRA run (adapter/models/counts.py's convention): a frozen weight costs its
     forward and input-gradient matmuls (4 per weight), a trained one also its weight gradient (6); the adapters are
-    trained; attention is as in full training (12·L·heads·head_dim·S)."""
-    layer = sum(lin.weights for lin in linears(arch))
+    trained; attention is as in full training (12·L·heads·head_dim·S). A mixture of experts' token passes through
+    its router and top-k experts, as in `counts.matmul_params`."""
+    layer = sum(lin.weights * lin.active for lin in linears(arch))
     head = arch.hidden_size * arch.vocab_size
     adapters = sum(t.linear.inp + t.linear.out for t in spec.targets) * spec.r
     return (4 * arch.num_layers * layer + (6 if "lm_head" in spec.modules_to_save else 4) * head + 6 * adapters
@@ -301,10 +287,18 @@ def describe(spec: LoraSpec, arch: ModelArch, key: str = "lora") -> str:
                if arch.moe else ""))
 
 
+def _packed_parts(arch: ModelArch) -> dict[str, str]:
+    """The names a Llama-shaped layer gives the parts of this family's packed linears (gate_proj, up_proj) -> the
+    packed linear (gate_up_proj): PEFT matches them nowhere here (`Rule.holds`)."""
+    return {part: lin.name for lin in nn_linears(arch) if (rule := packed_rule(arch, lin.name))
+            for part in rule.holds}
+
+
 def _skipped(spec: LoraSpec, arch: ModelArch) -> str:
     if not spec.skipped:
         return ""
-    into = sorted({p for p, parts in PACKED_PARTS.items() for s in spec.skipped if s in parts})
+    packs = _packed_parts(arch)
+    into = sorted({packs[s] for s in spec.skipped})
     return (f"; {', '.join(spec.skipped)} match no linear: {arch.family} packs them into {', '.join(into)}, which "
             f"PEFT (and so Axolotl) leaves without an adapter for these names; list {', '.join(into)} to adapt it")
 

@@ -8,6 +8,13 @@ each key is independent of TP: TP only decides how the key is chunked on disk an
 Every rule here only permutes, concatenates or zero-pads whole rows (`rowwise`), which is what lets the converter
 plan each output chunk as a few positioned reads (adapter/convert/rows.py) and check it through the inverse.
 Declarative on import (torch is imported inside the transforms): `plan` reads the family records without torch.
+
+The rules that build a layer's 2-D weights (`Rule.linear`) are also the one description of the layer's linears: each
+of their HF tensors is one HF linear (its name, shape and bias), held by the rule's Megatron module, split by its
+`tp_axis`, packed as the rule's type says (`layout`: where its rows sit in Megatron's fused output; `packed`: one HF
+tensor holding all of it), once per expert when its name carries {e}, and an `nn.Linear` in transformers or not
+(`nn_linear`). adapter/models/counts.py sizes them (`counts.linears`); LoRA's targets and placement, the quantised
+base and plan's counts all read that.
 """
 from __future__ import annotations
 
@@ -65,12 +72,39 @@ class Rule:
     hf: tuple[tuple[str, str], ...]    # (HF name with {i} for the layer, {e} the expert; shape in symbols h q kv f v d)
     tp_axis: int | None = None         # axis TP splits (0 column-parallel / vocab, 1 row-parallel), None replicated
     when: Callable[[Arch], bool] | None = None  # the rule exists only for architectures where this holds
+    # a linear's weight: transformers holds it in an nn.Linear module, which PEFT's target_modules and bitsandbytes'
+    # 4/8-bit loading reach; False: a parameter of a module of transformers' own (a mixture of experts' router, its
+    # experts as 3-D tensors), neither adapted nor quantised (checked on transformers 5.25: Mixtral, Qwen3-MoE, OLMoE)
+    nn_linear: bool = True
     parts: ClassVar[int] = 1           # independently TP-split blocks along tp_axis ([gate; up] has 2)
     rowwise: ClassVar[bool] = True     # transforms move whole rows only (row plans rely on it)
+    # one HF tensor holding all of the Megatron linear's blocks (Phi-3's qkv_proj, gate_up_proj): one HF linear, and
+    # `holds` the HF linears a Llama-shaped family keeps apart in its place (the names PEFT then matches nowhere)
+    packed: ClassVar[bool] = False
+    holds: ClassVar[tuple[str, ...]] = ()
 
     @property
     def per_layer(self) -> bool:
         return self.megatron.startswith(LAYER)
+
+    @property
+    def linear(self) -> bool:
+        """The weight of one or more of a layer's linears: a per-layer key built from 2-D HF tensors (a layer's
+        matrices are its linears' weights; its norms and biases are vectors)."""
+        return self.per_layer and all(len(shape.split()) == 2 for _, shape in self.hf)
+
+    @property
+    def module(self) -> str:
+        """The Megatron module of a per-layer key, under the layer: self_attention.linear_qkv, mlp.router (an
+        expert's on the experts' axis: mlp.experts.experts.linear_fc1)."""
+        return self.megatron[len(LAYER):].rpartition(".")[0]
+
+    def layout(self, arch: Arch, tp: int) -> tuple[int, int, tuple[tuple[str, int, int], ...]]:
+        """Where each HF tensor's rows sit in one TP rank's rows of the Megatron tensor, viewed as [groups, width]:
+        (groups, width, ((HF linear, start, size), ...)), the HF tensor filling [start, start + size) of every group.
+        One HF tensor (a copy, a packed tensor kept in Megatron's row order): all of the rank's rows."""
+        rows = hf_shape(self.hf[0][1], arch)[0] // (tp if self.tp_axis == 0 else 1)
+        return 1, rows, ((linear_name(self.hf[0][0]), 0, rows),)
 
     @property
     def per_expert(self) -> bool:
@@ -156,6 +190,13 @@ class FusedQKV(Rule):
         q, k, v = t.reshape(ng, (hpg + 2) * d, *rest).split([hpg * d, d, d], 1)
         return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
 
+    def layout(self, arch, tp):
+        """Per query group of this rank: its q heads, then k, then v."""
+        d, hpg = arch.head_dim, arch.num_heads // arch.num_kv_heads
+        names = [linear_name(n) for n, _ in self.hf]
+        return arch.num_kv_heads // tp, (hpg + 2) * d, ((names[0], 0, hpg * d), (names[1], hpg * d, d),
+                                                        (names[2], (hpg + 1) * d, d))
+
 
 class GatedMLP(Rule):
     """gate and up into linear_fc1 = [gate; up]. Split independently under TP (rank r holds [gate_r; up_r]);
@@ -170,9 +211,17 @@ class GatedMLP(Rule):
     def to_hf(self, t, c):
         return [x.contiguous() for x in t.chunk(2)]
 
+    def layout(self, arch, tp):
+        """This rank's block of each HF tensor in turn: [gate_r; up_r]."""
+        size = hf_shape(self.hf[0][1], arch)[0] // tp
+        return 1, len(self.hf) * size, tuple((linear_name(n), j * size, size) for j, (n, _) in enumerate(self.hf))
+
 
 class PackedQKV(FusedQKV):
     """One HF tensor holding [q; k; v] (Phi-3's qkv_proj) into Megatron's per-group linear_qkv, and back."""
+    packed: ClassVar[bool] = True
+    holds: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj")
+    layout = Rule.layout  # one HF linear: a packed adapter's B is kept in Megatron's row order
 
     def to_megatron(self, ts, c):
         (t,) = ts
@@ -189,6 +238,8 @@ class PackedGateUp(Rule):
     """One HF tensor holding [gate; up] (Phi-3's gate_up_proj): Megatron's linear_fc1 as it is, split under TP as
     two blocks (rank r holds [gate_r; up_r])."""
     parts: ClassVar[int] = 2
+    packed: ClassVar[bool] = True
+    holds: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj")
 
     def to_megatron(self, ts, c):
         return ts[0]
@@ -221,8 +272,9 @@ def cut_blocks(whole: torch.Tensor, axis: int | None, parts: int, tp: int, rank:
 
 # -- constructors: what a family table is written with ----------------------------------------------------------
 
-def copy(megatron: str, hf: str, shape: str, *, tp_axis: int | None = None, when=None) -> Copy:
-    return Copy(megatron, ((hf, shape),), tp_axis, when)
+def copy(megatron: str, hf: str, shape: str, *, tp_axis: int | None = None, when=None, nn_linear: bool = True
+         ) -> Copy:
+    return Copy(megatron, ((hf, shape),), tp_axis, when, nn_linear)
 
 
 def vocab(megatron: str, hf: str, *, when=None) -> Vocab:
@@ -234,8 +286,8 @@ def fused_qkv(megatron: str, q: str, k: str, v: str, *, bias: bool = False, when
     return FusedQKV(megatron, tuple(zip((q, k, v), shapes)), 0, when)
 
 
-def gated_mlp(megatron: str, gate: str, up: str, *, ffn: str = "f") -> GatedMLP:
-    return GatedMLP(megatron, ((gate, f"{ffn} h"), (up, f"{ffn} h")), 0)
+def gated_mlp(megatron: str, gate: str, up: str, *, ffn: str = "f", nn_linear: bool = True) -> GatedMLP:
+    return GatedMLP(megatron, ((gate, f"{ffn} h"), (up, f"{ffn} h")), 0, None, nn_linear)
 
 
 def packed_qkv(megatron: str, qkv: str) -> PackedQKV:
@@ -244,6 +296,11 @@ def packed_qkv(megatron: str, qkv: str) -> PackedQKV:
 
 def packed_gate_up(megatron: str, gate_up: str) -> PackedGateUp:
     return PackedGateUp(megatron, ((gate_up, "ff h"),), 0)
+
+
+def linear_name(hf: str) -> str:
+    """The HF linear an HF tensor belongs to: model.layers.{i}.self_attn.q_proj.weight -> q_proj."""
+    return hf.rpartition(".")[0].rpartition(".")[2]
 
 
 def untied(arch: Arch) -> bool:
@@ -266,4 +323,4 @@ def hf_shape(spec: str, arch: Arch) -> tuple[int, ...]:
 __all__ = ["LAYER", "EXPERTS", "lead", "EXTRA_STATE", "IGNORED_HF", "Ctx", "Rule", "Copy", "Vocab", "FusedQKV",
            "GatedMLP", "PackedQKV",
            "PackedGateUp", "copy", "vocab", "fused_qkv", "gated_mlp", "packed_qkv", "packed_gate_up", "untied",
-           "has_qkv_bias", "hf_shape", "merge_blocks", "cut_blocks"]
+           "has_qkv_bias", "hf_shape", "merge_blocks", "cut_blocks", "linear_name"]

@@ -376,3 +376,30 @@ def test_routing_index_equals_stable_sorts():
         assert torch.equal(order, want) and torch.equal(rows, want % tokens)
         assert torch.equal(inv, torch.argsort(want % tokens, stable=True).view(tokens, k))
         assert torch.equal(counts, routing.sum(0))
+
+
+def test_mixtral_names_its_experts_as_its_table_does():
+    """Mixtral's expert linears are w1, w3, w2 in its checkpoint and so in `counts.linears`: naming them in
+    target_modules is refused as LoRA on the experts, not as a name the model lacks."""
+    from adapter.models import counts, lora
+
+    arch = load_arch(MODELS / "mixtral-8x7b-v0.1")
+    assert [lin.name for lin in counts.linears(arch)] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate", "w1", "w3",
+                                                          "w2"]
+    with pytest.raises(UserError, match=r"LoRA on the experts of a mixture of experts \(w1\) is not built"):
+        lora.resolve(arch, r=8, alpha=16, target_modules=["q_proj", "w1"])
+    with pytest.raises(UserError, match=r"LoRA on the router of a mixture of experts \(gate\) is not built"):
+        lora.resolve(arch, r=8, alpha=16, target_modules=["gate"])
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b-v0.1", "llama-3.1-8b"])
+def test_lora_flops_count_the_weights_a_token_passes_through(name):
+    """MFU of a LoRA run: 4 FLOPs per frozen weight a token passes through (a mixture of experts: its router and
+    top-k experts, as full training's N), 6 per adapter weight, attention as in full training."""
+    from adapter.models import counts, lora
+
+    arch = load_arch(MODELS / name)
+    spec = lora.resolve(arch, r=8, alpha=16, target_linear=True)
+    adapters = spec.r * sum(t.linear.inp + t.linear.out for t in spec.targets)
+    attention = 12 * arch.num_layers * arch.num_heads * arch.head_dim * 4096
+    assert lora.flops_per_token(spec, arch, 4096) == 4 * counts.matmul_params(arch) + 6 * adapters + attention
