@@ -70,7 +70,9 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     """Resolve `cfg` against its model: one line (UserError) for anything the run cannot do. `arch` replaces the
     checkpoint's (a rehearsal's tiny model, `plan --search`'s shared one); `weights` and `layout`, when given, are
     reused instead of being looked up again (search evaluates hundreds of layouts of one run)."""
-    arch = arch or source.arch_for(cfg)
+    if arch is None:
+        source.check_converted(cfg)
+        arch = source.arch_for(cfg)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
     stage = deepspeed_config.zero_stage(cfg, layout)

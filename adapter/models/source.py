@@ -67,6 +67,31 @@ def arch_for(cfg) -> ModelArch:
     return with_overrides(cfg, load_arch(hf_dir(cfg)))
 
 
+# Fields of ModelArch that must agree between the config's model and a converted checkpoint.
+ARCH_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+             "vocab_size", "tie_embeddings", "qkv_bias", "qk_norm")
+
+
+def check_converted(cfg) -> None:
+    """A converted checkpoint (`model.checkpoint`) must hold model.path's model: the run trains the checkpoint's
+    architecture (`arch_for` reads its hf/) with model.path's tokenizer, so a checkpoint of another model would
+    train without a word. Compared against the architecture the conversion recorded in its META."""
+    ckpt = cfg.model.checkpoint
+    meta = Path(ckpt) / META if ckpt else None
+    if meta is None or not meta.is_file():
+        return  # nothing converted there (preflight says so) or an old conversion without the record
+    try:
+        stored = json.loads(meta.read_text()).get("arch", {})
+    except (OSError, json.JSONDecodeError, AttributeError):
+        raise bad("model.checkpoint", ckpt, f"its {META} is not valid JSON", "convert the checkpoint again")
+    base = with_overrides(cfg, load_arch(model_dir(cfg.model.path)))
+    diff = [k for k in ARCH_KEYS if k in stored and stored[k] != getattr(base, k)]
+    if diff:
+        k = diff[0]
+        raise bad("model.checkpoint", ckpt, f"does not match the model: {k} is {stored[k]} in the checkpoint, "
+                  f"{getattr(base, k)} in {cfg.model.path}", "point model.path and model.checkpoint at the same model")
+
+
 def with_overrides(cfg, arch: ModelArch) -> ModelArch:
     """`model.output_router_logits` over config.json's (Axolotl's model_config); refused on a dense model."""
     over = cfg.model.output_router_logits

@@ -4,7 +4,6 @@ sinks, the checkpoint to resume. Torch-free: `nd-adapter train` and `rehearse` r
 which starts the training processes only when they pass."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from adapter.config import RunConfig
@@ -15,30 +14,15 @@ from adapter.models import source
 from adapter.models.resolved import ResolvedRun
 from adapter.train import ckpt_info
 
-# Fields of ModelArch that must agree between the config's model and the converted checkpoint.
-ARCH_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-             "vocab_size", "tie_embeddings", "qkv_bias", "qk_norm")
-
 
 def check_checkpoint(run: ResolvedRun) -> None:
-    cfg, arch = run.cfg, run.arch
-    ckpt = cfg.model.checkpoint
-    if not ckpt:
-        return
-    root = Path(ckpt)
-    meta_file = root / source.META
-    if not root.is_dir() or not (root / source.TRACKER).is_file():
+    """model.checkpoint is a converted checkpoint (that it is the model.path's model was checked when the run was
+    resolved: source.check_converted)."""
+    ckpt = run.cfg.model.checkpoint
+    if ckpt and (not Path(ckpt).is_dir() or not (Path(ckpt) / source.TRACKER).is_file()):
         raise bad("model.checkpoint", ckpt,
                   f"not a converted Megatron checkpoint (no {source.TRACKER})",
                   "convert first: nd-adapter convert hf-to-megatron --hf MODEL --out DIR")
-    if meta_file.is_file():
-        stored = json.loads(meta_file.read_text()).get("arch", {})
-        diff = [k for k in ARCH_KEYS if k in stored and stored[k] != getattr(arch, k)]
-        if diff:
-            k = diff[0]
-            raise bad("model.checkpoint", ckpt, f"does not match the model: {k} is {stored[k]} in the checkpoint, "
-                      f"{getattr(arch, k)} in {cfg.model.path}",
-                      "point model.path and model.checkpoint at the same model")
 
 
 def check_data(cfg: RunConfig) -> None:
