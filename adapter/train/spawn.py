@@ -129,7 +129,12 @@ def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, 
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.2)
-    except BaseException:  # KeyboardInterrupt, or a rank that could not be started: the others must not run on
+    except KeyboardInterrupt:  # Ctrl-C: the ranks got it too
+        _halt(procs)
+        print("nd-adapter: interrupted; the ranks were stopped (nothing saved since the last checkpoint)",
+              file=sys.stderr, flush=True)
+        raise
+    except BaseException:  # a rank that could not be started: the others must not run on
         _stop(procs)
         raise
     finally:

@@ -54,6 +54,10 @@ def main(argv=None) -> int:
     except preempt.Stopped as e:
         _stopped_early(e.signal)
         return EXIT_REQUEUE
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's job: `nd-adapter train` says it once
+        if not os.environ.get(ERROR_DIR):
+            raise
+        return 130
 
 
 def _stopped_early(name: str) -> None:
