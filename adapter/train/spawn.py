@@ -123,6 +123,10 @@ def _spawn_once(nproc: int, worker_args: list[str], *, cpu: bool, exit_signals, 
                 deadline = time.monotonic() + GRACE_S  # a collective stop (divergence) ends every rank by itself
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
+                deadline = time.monotonic() + GRACE_S  # one that has left its word is on its way out: its status
+                while time.monotonic() < deadline and any(p.poll() is None and _said(errors.name, r)  # tells which
+                                                          for r, p in enumerate(procs)):
+                    time.sleep(0.1)
                 codes = [p.poll() for p in procs]  # as the ranks ended themselves, before the rest are stopped here
                 _stop(procs, grace_s=0.0)  # not by an exit signal: the user would read it as a stop
                 return _failed(codes, errors.name)
@@ -161,6 +165,11 @@ def _stopped(procs: list, errors: str, name: str | None) -> int:
         print(said[0].read_text() if said else f"nd-adapter: stopped by {name or 'a signal'} (exit status "
               f"{EXIT_REQUEUE}: requeue)", file=sys.stderr, flush=True)
     return EXIT_REQUEUE
+
+
+def _said(errors: str, rank: int) -> bool:
+    """Whether `rank` left its line or its traceback (adapter/train/worker.py)."""
+    return any(Path(errors, f"rank{rank}.{kind}").is_file() for kind in ("txt", "traceback"))
 
 
 def _failed(codes: list[int | None], errors: str) -> int:
