@@ -370,6 +370,7 @@ class Trainer:
         start, max_steps = result.start_step, cfg.optimizer.max_steps
         save_every, eval_every = cfg.checkpoint.save_every, sched.eval_every
         batches = self.data.batches()
+        self.preempt.stop_at_step_boundaries()  # until here a signal ended the job at once: nothing to save yet
         pending: PendingStep | None = None  # the last step, until its numbers are read on the host
         self.engine.ds.train()
         if sched.eval_at_start and start == 0 and max_steps > 0:

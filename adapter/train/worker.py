@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -12,8 +14,8 @@ from adapter import config
 from adapter.errors import ERROR_DIR, EXIT_REQUEUE, EXIT_USAGE, DivergedError, UserError
 from adapter.models import source
 from adapter.models.resolved import resolve_run
-from adapter.train import ckpt_info
-from adapter.train.spawn import EXIT_PORT_TAKEN, PORT_RETRY
+from adapter.train import ckpt_info, preempt
+from adapter.train.spawn import EXIT_PORT_TAKEN, PARENT, PORT_RETRY
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -41,6 +43,41 @@ def quiet_third_party() -> None:
 
 
 def main(argv=None) -> int:
+    """A rank's whole life: it ends with its launcher, and an exit signal before the training loop ends it at once
+    (adapter/train/preempt.py; under `nd-adapter train` the launcher does that)."""
+    preempt.follow_parent(int(os.environ[PARENT]) if os.environ.get(PARENT) else None)
+    _catch(preempt.DEFAULT_SIGNALS)  # until the config names the run's own
+    try:
+        if not os.environ.get(ERROR_DIR):
+            preempt.stop_at_once(on_stuck=_stuck)
+        return _main(argv)
+    except preempt.Stopped as e:
+        _stopped_early(e.signal)
+        return EXIT_REQUEUE
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's job: `nd-adapter train` says it once
+        if not os.environ.get(ERROR_DIR):
+            raise
+        return 130
+
+
+def _stopped_early(name: str) -> None:
+    if not _said:  # once: `_stuck` may say it too
+        _said.append(name)
+        _report(int(os.environ.get("RANK", 0)), f"nd-adapter: stopped by {name} before step 1: nothing to save "
+                                                f"(exit status {EXIT_REQUEUE}: requeue)")
+
+
+def _stuck(name: str) -> None:
+    """A signal before the training loop that the main thread did not act on (blocked in native code), or acted on
+    but is still ending: end the rank now, as `Stopped` would have."""
+    _stopped_early(name)
+    os._exit(EXIT_REQUEUE)
+
+
+_said: list[str] = []
+
+
+def _main(argv=None) -> int:
     args = parse(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
@@ -52,6 +89,7 @@ def main(argv=None) -> int:
         if args.max_steps is not None:
             overrides["optimizer.max_steps"] = args.max_steps
         cfg = source.load_config(args.config, world_size=world, overrides=None if args.rehearse else overrides)
+        _catch(cfg.checkpoint.exit_signals)
         resolved = resolve_run(cfg)  # once per process: everything below reads this record
         if not args.rehearse:  # deepspeed/torchrun start this without `nd-adapter train`'s preflight
             ckpt_info.check_dir(cfg, args.resume)
@@ -96,16 +134,42 @@ def main(argv=None) -> int:
     except DivergedError as e:
         _report(rank, f"nd-adapter: training stopped: {e}")
         return EXIT_USAGE
+    except Exception:
+        return _failed(rank)
+
+
+def _catch(names) -> None:
+    """Handle `names` as exit signals, then let them in: a launcher may start this process with them blocked
+    (adapter/train/spawn.py), so that one sent before the handler was in waits for it instead of killing it."""
+    preempt.catch(names)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, preempt.parse(names))
+
+
+def _failed(rank: int) -> int:
+    """An unexpected error. After an exit signal it is the stop's: another rank that ended first (before step 1, or
+    killed) broke the collective this one was in. Otherwise the traceback is this rank's to show: printed, or left
+    for `nd-adapter train`, which shows only the first rank's (the others' collectives break after it) and none
+    when a rank was killed from outside (its one line says what happened)."""
+    name = preempt.received()  # a Python call: a signal that came while native code ran is handled here
+    if name is not None:
+        _report(rank, f"nd-adapter: stopped by {name}; another rank ended first (before step 1, or killed), so "
+                      f"nothing was saved (exit status {EXIT_REQUEUE}: requeue; --resume continues from the last "
+                      "complete checkpoint)")
+        return EXIT_REQUEUE
+    if not os.environ.get(ERROR_DIR):
+        raise
+    Path(os.environ[ERROR_DIR], f"rank{rank}.traceback").write_text(traceback.format_exc())
+    return 1
 
 
 def _report(rank: int, line: str) -> None:
-    """One line for the user. Rank 0 prints it; every rank also leaves it for `nd-adapter train`'s local launcher,
-    which prints the first failed rank's line only when rank 0 left none (so an error only one rank sees still
-    reaches the user, and a collective one is said once)."""
-    if rank == 0:
-        print(line, file=sys.stderr, flush=True)
+    """One line for the user. Rank 0 prints it; every rank also leaves it, first, for `nd-adapter train`'s local
+    launcher, which prints the first failed rank's line only when rank 0 left none (so an error only one rank sees
+    still reaches the user, and a collective one is said once)."""
     if os.environ.get(ERROR_DIR):
         Path(os.environ[ERROR_DIR], f"rank{rank}.txt").write_text(line)
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Runs that survive a cluster, as a user runs them: `nd-adapter train`, 4 CPU processes (tp=2 ×
-dp_shard=2, fp32), against the same run nobody disturbed.
-- SIGTERM sent to the launcher mid-run: every rank finishes its step, the checkpoint is complete, the status is 75
-  (requeue), one line says so, and `--resume` continues with the undisturbed run's losses.
+dp_shard=2, fp32), against the same run nobody disturbed. Each run is a session of its own, whose processes the
+tests signal together (as SLURM, systemd and container runtimes do) and count afterwards.
+- SIGTERM sent to every process of the job mid-run: every rank finishes its step, the checkpoint is complete, the
+  status is 75 (requeue), one line says so, and `--resume` continues with the undisturbed run's losses.
+- SIGTERM to every process before step 1: the job ends at once, 75, one line, nothing left running.
+- The launcher killed (SIGKILL): its ranks end by themselves within seconds.
 - A disk that refuses the writes of a save (the files' size limit, RLIMIT_FSIZE: EFBIG where ENOSPC would come):
   one line, exit 2, the partial checkpoint removed, `latest` still naming the last complete one, which resumes.
-- A rank killed from outside: the run ends at once with one line naming it (these two on 2 processes).
+- A rank killed from outside: the run ends at once with one line naming it, no traceback (these on 2 processes).
 - Retention that cannot fit the disk: refused in one line before step 1, with the numbers.
 - A damaged checkpoint (a shard cut short: before any process starts; a flipped byte: by the ranks, as they
   verify what they load at another layout), a fresh start over a run's checkpoints, a checkpoint.dir that is a
@@ -36,9 +39,34 @@ def _losses(text: str) -> dict[int, float]:
 
 
 def _train(cfg: Path, *extra: str) -> subprocess.Popen:
+    """`nd-adapter train` in a session of its own: os.killpg(p.pid, ...) signals the whole job, `_job(p.pid)`
+    lists what is left of it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "adapter", "train", "--config", str(cfg), *extra], cwd=cfg.parent,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _job(session: int) -> list:
+    """The processes of the job started as session `session` still running (zombies are over)."""
+    import psutil
+
+    left = []
+    for q in psutil.process_iter():
+        try:
+            if os.getsid(q.pid) == session and q.status() != psutil.STATUS_ZOMBIE:
+                left.append(q)
+        except (OSError, psutil.Error):  # it ended meanwhile
+            pass
+    return left
+
+
+def _ends(session: int, within: float) -> list:
+    """What of the job is still running `within` seconds from now, or as soon as nothing is."""
+    deadline = time.monotonic() + within
+    while _job(session) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [(q.pid, q.name()) for q in _job(session)]
 
 
 def _cfg(path: Path, raw: dict, ckpt: Path, **checkpoint) -> Path:
@@ -64,7 +92,9 @@ def base(tmp_path_factory):
     return root, raw, reference
 
 
-def test_sigterm_saves_exits_75_and_resumes_exactly(base):
+def test_sigterm_to_the_job_saves_exits_75_and_resumes_exactly(base):
+    """Every process of the job gets SIGTERM (SLURM, systemd, Kubernetes): the launcher, multiprocessing's fork
+    server and each rank. The fork server used to die of it, and the job with it (status 1, no checkpoint)."""
     root, raw, reference = base
     tmp_path = root
     cut = _cfg(root / "cut.yaml", raw, root / "ck-cut")
@@ -76,7 +106,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(base):
             said = line
         if line.startswith("step 3/"):
             time.sleep(0.3)
-            p.send_signal(signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGTERM)
             break
     rest, err = p.communicate(timeout=600)
     out = "".join(seen) + rest
@@ -87,6 +117,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(base):
     assert m, err[-2000:]
     stopped = int(m.group(1))
     assert 3 <= stopped < STEPS and max(_losses(out)) == stopped, out[-2000:]
+    assert len([ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]) == 1, err[-2000:]
     assert (tmp_path / "ck-cut/latest").read_text().strip() == f"global_step{stopped}"
     assert not list((tmp_path / "ck-cut").glob("tmp-*"))  # complete, published
     assert all(_losses(out)[k] == reference[k] for k in range(1, stopped + 1))
@@ -177,9 +208,45 @@ def test_retention_that_cannot_fit_is_refused_before_step_one(tmp_path):
     assert "Fix: lower checkpoint.keep_last" in line[0] and not (tmp_path / "ck").exists()
 
 
+def test_sigterm_to_the_job_before_step_one_ends_it_at_once(base):
+    """SIGTERM to every process while the ranks set up (before step 1 there is nothing to save): the job ends at
+    once with status 75 and one line, and leaves nothing running. It used to end in status 1 (the fork server
+    died of it), or, sent before the ranks started, leave the launcher dead without a word and its ranks running."""
+    root, raw, _ = base
+    p = _train(_cfg(root / "early.yaml", _two(raw, 500), root / "ck-early"))
+    for line in p.stdout:
+        if line.startswith("signals: "):  # rank 0 is setting up: converted weights, data, the engine to come
+            os.killpg(p.pid, signal.SIGTERM)
+            t = time.monotonic()
+            break
+    out, err = p.communicate(timeout=120)
+    took = time.monotonic() - t
+    assert p.returncode == 75, (out[-2000:], err[-2000:])
+    assert [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")] == [
+        "nd-adapter: stopped by SIGTERM before step 1: nothing to save (exit status 75: requeue)"], err[-3000:]
+    assert "Traceback" not in err and "Exception" not in err, err[-3000:]
+    assert took < 15 and not _ends(p.pid, within=10), took
+    assert not list(root.glob("ck-early/global_step*"))
+
+
+def test_ranks_end_when_their_launcher_is_killed(base):
+    """SIGKILL to the launcher alone (the OOM killer, a user's kill -9): it can pass nothing on, so the ranks
+    notice that their parent is gone and end within seconds. They used to train on, unobserved, to the end."""
+    root, raw, _ = base
+    p = _train(_cfg(root / "orphan.yaml", _two(raw, 500), root / "ck-orphan"))
+    for line in p.stdout:
+        if line.startswith("step 2/"):
+            assert len(_ranks(__import__("psutil").Process(p.pid))) == 2
+            p.kill()
+            break
+    p.wait(timeout=60)
+    assert not _ends(p.pid, within=15)
+
+
 def test_a_killed_rank_ends_the_run_in_one_line(base):
     """A rank killed from outside (the OOM killer, a node failure) while the others wait for it in a collective: the
-    run ends at once, not at the process-group timeout, with one line naming the rank."""
+    run ends at once, not at the process-group timeout, with one line naming the rank; the tracebacks of the ranks
+    whose collective broke (consequences, not the cause) are not shown."""
     import psutil
 
     root, raw, _ = base
@@ -225,8 +292,10 @@ def _ends_at_once_in_one_line(p, t: float, ranks: list, line: str) -> None:
     assert time.monotonic() - t < 60
     assert p.returncode == 1, (out[-2000:], err[-2000:])
     assert [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")] == [line], err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
     time.sleep(1)
     assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
+    assert not _ends(p.pid, within=10)
 
 
 def _ranks(launcher) -> list:
