@@ -4,7 +4,7 @@ as a resume verifies it.
     python bench/ckpt_checksum.py --gib 2 [--dir /path/on/the/checkpoint/filesystem] [--repeat 3]
 
 Times, for one state dict of fp32 tensors of that size: `torch.save` to the path (DeepSpeed's own write, no check),
-the same write through adapter/train/checkpoint.py's `_CrcFile` (the CRC-32 taken from the bytes as they go to
+the same write through adapter/train/ckpt_files.py's `CrcFile` (the CRC-32 taken from the bytes as they go to
 the file) with and without the fsync a save now ends each file with, and `ckpt_info.crc32` reading the file
 (what `_verified` does per file at a resume, split over the ranks), from the page cache and from the disk. Each is
 the best of --repeat runs.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from adapter.train.checkpoint import _CrcFile
+from adapter.train.ckpt_files import CrcFile
 from adapter.train.ckpt_info import crc32
 
 
@@ -50,7 +50,7 @@ def main() -> None:
 
         def streamed(sync: bool):
             with open(path, "wb") as f:
-                out = _CrcFile(f)
+                out = CrcFile(f)
                 torch.save(state, out)
                 f.flush()
                 if sync:

@@ -27,10 +27,7 @@ import random
 import shutil
 import socket
 import sys
-import threading
 import uuid
-import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +41,7 @@ from adapter.errors import UserError, bad
 from adapter.osutil import atomic_write_text
 from adapter.patches.zero import experts_from_master
 from adapter.train import ckpt_info
+from adapter.train.ckpt_files import WriteFailed, agree, checksummed, node_local, verified
 from adapter.train.ckpt_info import FILES, LATEST, LINEAGE, RECORD, crc32, lineage_of, pointer, record_text
 from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, state_dtype_of
 
@@ -140,92 +138,11 @@ def _writes(engine, enabled: bool) -> Iterator[None]:
         engine.save_non_zero_checkpoint, engine.save_zero_checkpoint = saved
 
 
-class _CrcFile:
-    """What torch.save writes into: each block goes to the file and into its CRC-32, so the checksum costs no second
-    read. A large block (torch.save hands over each tensor's storage whole) is checksummed on a helper thread while
-    it is written (zlib and the write both release the GIL), so the write takes max(write, CRC), not their sum; the
-    block is not handed back before its checksum is done."""
-
-    OVERLAP = 1 << 20  # smaller blocks (the pickled structure, small tensors) are checksummed inline
-
-    def __init__(self, f):
-        self.f, self.crc, self.size = f, 0, 0
-
-    def write(self, block) -> int:
-        view = memoryview(block)
-        self.size += view.nbytes
-        if view.nbytes < self.OVERLAP:
-            self.crc = zlib.crc32(view, self.crc)
-            return self.f.write(view)
-        out = [self.crc]
-        helper = threading.Thread(target=lambda: out.__setitem__(0, zlib.crc32(view, out[0])), name="nd-ckpt-crc")
-        helper.start()
-        try:
-            return self.f.write(view)
-        finally:
-            helper.join()
-            self.crc = out[0]
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-class _WriteFailed(Exception):
-    """A checkpoint file could not be written (ENOSPC, EFBIG, EIO, a vanished mount): the cause is the disk."""
-
-
-@contextmanager
-def _checksummed(engine, tag_dir: Path, sums: dict[str, dict]) -> Iterator[None]:
-    """Every file the engine's checkpoint engine writes under `tag_dir` gets its size and CRC-32 into `sums` and is
-    fsynced before the save goes on. DeepSpeed's default engine writes through `_CrcFile` (one pass); any other
-    engine, or one whose `save` was replaced, writes as it does and the file is read back once for its checksum."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    ce = engine.checkpoint_engine
-    own = ce.__dict__.get("save")
-    inner = ce.save
-    stream = type(ce) is TorchCheckpointEngine and own is None
-
-    def save(state_dict, path):
-        try:
-            if stream:
-                with open(path, "wb") as f:
-                    out = _CrcFile(f)
-                    torch.save(state_dict, out, _use_new_zipfile_serialization=ce.zipfile_serialization)
-                    f.flush()
-                    os.fsync(f.fileno())
-                entry = {"bytes": out.size, "crc32": f"{out.crc:08x}"}
-            else:
-                inner(state_dict, path)
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-                entry = {"bytes": os.path.getsize(path), "crc32": crc32(Path(path))}
-        except (OSError, RuntimeError) as e:  # torch.save's stream errors are RuntimeErrors
-            raise _WriteFailed(path) from e
-        sums[Path(os.path.relpath(path, tag_dir)).as_posix()] = entry
-
-    ce.save = save
-    try:
-        yield
-    finally:
-        if own is None:
-            del ce.save
-        else:
-            ce.save = own
-
-
-def _agree(value):
-    """Collective: the first non-None of every rank's `value`, in rank order, on every rank."""
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return next((v for v in every if v is not None), None)
-
-
 def _lineage(engine) -> str:
     """Collective on a fresh engine: the run's lineage, which its saves record. A resume took the checkpoint's
     (load); a fresh start opens a new one, drawn on rank 0."""
     if getattr(engine, "_nd_lineage", None) is None:
-        engine._nd_lineage = _agree(uuid.uuid4().hex[:16] if dist.get_rank() == 0 else None)
+        engine._nd_lineage = agree(uuid.uuid4().hex[:16] if dist.get_rank() == 0 else None)
     return engine._nd_lineage
 
 
@@ -240,12 +157,12 @@ def _collective_broke(e: BaseException) -> bool:
 def _failure(root: Path, step: int, e: BaseException) -> UserError:
     """The one line for a save that did not finish: the disk when a file could not be written, else the other ranks
     (a collective broke: a rank was killed or died), never the disk for that."""
-    cause = e.__cause__ if isinstance(e, _WriteFailed) else e
+    cause = e.__cause__ if isinstance(e, WriteFailed) else e
     text = f"{cause.__class__.__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     kept = pointer(root)
     after = ("the partial one is removed, " + (f"{kept} is the last complete checkpoint (--resume continues from "
                                                 f"it)" if kept else "no earlier checkpoint exists"))
-    if isinstance(e, (_WriteFailed, OSError)):
+    if isinstance(e, (WriteFailed, OSError)):
         return bad("checkpoint.dir", str(root), f"writing the checkpoint of step {step} failed ({text}); {after}",
                    "free space there (lower checkpoint.keep_last, save less often) or use another directory")
     return bad("checkpoint.dir", str(root), f"the checkpoint of step {step} was not finished: another rank stopped "
@@ -276,7 +193,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
                   " save_checkpoint returns, so the rename could publish a half-written checkpoint",
                   "use DeepSpeed's default (torch) checkpoint engine")
     rank = dist.get_rank()
-    local = _node_local(engine)
+    local = node_local(engine)
     fs_leader = engine.local_rank == 0 if local else rank == 0
     root, tag = Path(save_dir), tag_for(step)
     lineage = _lineage(engine)
@@ -295,7 +212,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
                                "away (--resume continues a run in its own lineage)"))
             elif pointer(root) == tag:
                 said = "done"
-    said = _agree(said)
+    said = agree(said)
     if said == "done":
         return root / tag
     if said is not None:
@@ -305,12 +222,12 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
     sums: dict[str, dict] = {}
     try:
         with _writes(engine, save_ranks is None or bool(save_ranks(rank))), \
-                _checksummed(engine, root / (TMP + tag), sums):
+                checksummed(engine, root / (TMP + tag), sums):
             engine.save_checkpoint(str(root), tag=TMP + tag, client_state=state, save_latest=False,  # ends in a barrier
                                    exclude_frozen_parameters=trained_only)
-    except (_WriteFailed, OSError, RuntimeError) as e:  # a full disk, EIO, a vanished mount; a broken collective
+    except (WriteFailed, OSError, RuntimeError) as e:  # a full disk, EIO, a vanished mount; a broken collective
         shutil.rmtree(root / (TMP + tag), ignore_errors=True)
-        if isinstance(e, (_WriteFailed, OSError)) or _collective_broke(e):
+        if isinstance(e, (WriteFailed, OSError)) or _collective_broke(e):
             raise _failure(root, step, e) from e
         raise
     host = socket.gethostname() if local else None
@@ -329,7 +246,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
                 _prune(root, keep_last, protect, lineage)
             except OSError:  # an old checkpoint that could not be deleted stays: the safe side
                 pass
-    failed = _agree(failed)
+    failed = agree(failed)
     if failed is not None:
         raise UserError(failed)
     return root / tag
@@ -377,18 +294,13 @@ def optimizer_name(engine) -> str:
     return "adamw_8bit" if inner.__module__.startswith("bitsandbytes") else "adamw"
 
 
-def _node_local(engine) -> bool:
-    fn = getattr(engine, "use_node_local_storage", None)
-    return bool(fn()) if callable(fn) else False
-
-
 def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_state: bool = True,
          trained_only: bool = False, arch=None, tp_rank: int = 0, tp: int = 1, ep: int = 1,
          ep_rank: int = 0) -> tuple[int, dict[str, Any]] | None:
     """Collective. Load `tag` (default: what `latest` names; when `latest` is missing or empty, the newest complete
     checkpoint) into a freshly built engine, after checking every file against the sizes and CRC-32s recorded when
-    it was written (`_verified`): a damaged checkpoint is refused in one line naming the file, before anything of it
-    is loaded.
+    it was written (`ckpt_files.verified`): a damaged checkpoint is refused in one line naming the file, before
+    anything of it is loaded.
 
     Returns (step, client_state) or None when the directory has no checkpoint. At the layout it was saved with,
     DeepSpeed loads its own files and this rank's RNG states come back (unless told not to). At another layout
@@ -410,7 +322,7 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
                   "pass a tag that exists (global_stepN)" if explicit else
                   f"delete `{LATEST}` to resume from the newest complete checkpoint ({newest})" if newest else
                   "restore the directory `latest` points to")
-    record = _verified(engine, ckpt, key, value)
+    record = verified(engine, ckpt, key, value)
     mine = Path(engine._get_ckpt_name(str(root), tag))
     meta = torch.load(mine, map_location="cpu", weights_only=False, mmap=True) if mine.is_file() else None
     saved_ep = (record or {}).get("layout", {}).get("ep", 1)
@@ -430,42 +342,6 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
         restore_rng(ours["rng"])
     engine._nd_lineage = (record or {}).get(LINEAGE)
     return int(ours["step"]), client
-
-
-def _verified(engine, ckpt: Path, key: str, value: str) -> dict | None:
-    """Collective. The checkpoint's record (None: saved before nd-adapter wrote one), once its own checksum, every
-    listed file's presence and size (stat) and every file's CRC-32 (read) are as written. The ranks that see the
-    directory split the files, so each is read once, on as many ranks as read it in parallel (the load then reads
-    its files again, mostly from the page cache); all ranks refuse together, naming the first file not as written.
-    A checkpoint saved before files were recorded loads unchecked."""
-    found = record = None
-    try:
-        record = ckpt_info.read_record(ckpt, key, value)
-        if record is not None and FILES in record:
-            names = sorted(record[FILES])
-            share, peers = _share(engine)
-            ckpt_info.check_files(ckpt, record, key, value, sums=names[share::peers])
-    except UserError as e:
-        found = str(e)
-    found = _agree(found)
-    if found is not None:
-        raise UserError(found)
-    if (record is None or FILES not in record) and dist.get_rank() == 0:
-        warnings.warn(f"{ckpt} records no checksums of its files (saved by an older nd-adapter): loaded unchecked",
-                      UserWarning, stacklevel=3)
-    return record
-
-
-def _share(engine) -> tuple[int, int]:
-    """(this rank's index, how many ranks) among those that read the same checkpoint directory: all of them, or,
-    with node-local storage, this node's."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if not _node_local(engine):
-        return rank, world
-    hosts: list = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
-    peers = [r for r, h in enumerate(hosts) if h == hosts[rank]]
-    return peers.index(rank), len(peers)
 
 
 def _same_layout(engine, meta: dict) -> bool:

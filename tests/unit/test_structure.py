@@ -422,3 +422,11 @@ def test_the_path_check_catches_a_dead_path():
     names = {"gpt.py", "trainer.py"}
     assert dead_in(text, modules(), names) == ["adapter/models/gpt.py", "../shared/NOTES.md",
                                                "adapter.train.metrics.flops_per_token_for", "ops.py"]
+
+
+MAX_LINES = 500  # a module a reader takes in at once; past it, a module holds more than one concern
+
+
+def test_no_module_is_longer_than_a_reader_takes_in():
+    long = {str(p.relative_to(ROOT)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"split these by concern (at most {MAX_LINES} lines each)"
