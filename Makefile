@@ -21,10 +21,11 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check adapter tests bench launch
+	$(VENV)/bin/mypy
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 plan-example: setup
 	$(VENV)/bin/nd-adapter plan configs/llama-3.1-8b-hsdp-tp.yaml --nodes 2 --gpus-per-node 8
 
 clean:
-	rm -rf demo-out .pytest_cache
+	rm -rf demo-out .pytest_cache .mypy_cache

@@ -249,11 +249,11 @@ def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
     notes.append(said + "; its other settings are nd-adapter's own (`nd-adapter plan --format json` shows the JSON)")
 
 
-def _master_and_states(doc: dict, name: str, out: dict[str, Any]) -> str:
+def _master_and_states(doc: dict[str, Any], name: str, out: dict[str, Any]) -> str:
     """DeepSpeed's bf16.bf16_master_weights_and_grads + bf16_optimizer_states (no fp32 master, bf16 moments) change
     what is trained: both -> optimizer.state_dtype bf16; one alone, or fp16 masters, is refused."""
     bf16, fp16 = doc.get("bf16") or {}, doc.get("fp16") or {}
-    def on(section: dict, key: str) -> bool:
+    def on(section: dict[str, Any], key: str) -> bool:
         return axolotl_values.flag(f"deepspeed ({name}) {key}", section.get(key)) is True
 
     if isinstance(fp16, dict) and on(fp16, "fp16_master_weights_and_grads"):

@@ -146,11 +146,12 @@ def map_best(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
     val, tests = num("val_set_size") or 0, raw.get("test_datasets")
     has_eval = bool((not tests and val > 0) or (tests and val == 0))
     save, every = num("save_steps"), num("eval_steps")
-    if save is None and num("saves_per_epoch"):
-        save = 1.0 / (num("saves_per_epoch") * epochs)
+    saves_per_epoch, evals_per_epoch = num("saves_per_epoch"), num("evals_per_epoch")
+    if save is None and saves_per_epoch:
+        save = 1.0 / (saves_per_epoch * epochs)
         save = save if save < 1.0 else None
-    if every is None and (val or tests) and num("evals_per_epoch"):
-        every = 1.0 / (num("evals_per_epoch") * epochs)
+    if every is None and (val or tests) and evals_per_epoch:
+        every = 1.0 / (evals_per_epoch * epochs)
         every = every if every < 1.0 else None
     on = bool((asked is not False or patience) and has_eval and save and every and save % every == 0)
     set_dotted(out, "checkpoint.load_best", on)

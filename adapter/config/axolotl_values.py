@@ -66,7 +66,7 @@ FSDP_TYPES: dict[str, Any] = {
                      "cpu_offload_pin_memory", "use_orig_params", "reshard_after_forward"), FLAG),
     **dict.fromkeys(("fsdp_version", "version", "min_num_params"), INT),
 }
-_ADAPTERS: dict[Any, TypeAdapter] = {}
+_ADAPTERS: dict[Any, TypeAdapter[Any]] = {}
 _NUMBERS = (INT, FLOAT, STEPS)
 
 

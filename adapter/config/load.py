@@ -10,20 +10,26 @@ naming the key, so no traceback reaches the user.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import ValidationError
 
 from adapter.config import accelerate, axolotl
 from adapter.config.hub import looks_like_hub_id, resolve_hub_id
-from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, RunConfig, set_dotted
+from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, DatasetEntry, RunConfig, set_dotted
 from adapter.config.values import MAX_WORLD, check_path, check_tree
 from adapter.errors import UserError, bad
 
+Dialect = Literal["native", "axolotl", "accelerate"]
+# each dialect's mapping onto the native dict (a native file is that dict already)
+_TO_NATIVE: dict[Dialect, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "native": dict, "axolotl": axolotl.from_axolotl, "accelerate": accelerate.from_accelerate}
 
-def detect_dialect(raw: dict[str, Any]) -> str:
+
+def detect_dialect(raw: dict[str, Any]) -> Dialect:
     if "model" in raw and isinstance(raw.get("model"), dict):
         return "native"
     if raw.keys() & accelerate.MARKERS:
@@ -100,7 +106,7 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
     for dotted, value in (overrides or {}).items():
         check_tree(value, dotted)
     dialect = detect_dialect(raw)
-    native = {"native": dict, "axolotl": axolotl.from_axolotl, "accelerate": accelerate.from_accelerate}[dialect](raw)
+    native = _TO_NATIVE[dialect](raw)
     par = native.setdefault("parallelism", {})
     if not isinstance(par, dict):
         raise bad("parallelism", par, "must be a mapping", "write the sizes under `parallelism:`")
@@ -210,11 +216,14 @@ def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunCon
     path that exists nowhere but reads as a hub id (`meta-llama/Llama-3.1-8B`) is looked up in the local HF cache."""
     base = Path(config_file).resolve().parent if config_file is not None else None
 
-    def fix(p: str | None) -> str | None:
+    def fix(p: str) -> str:
         if not p or base is None or Path(p).is_absolute() or Path(p).exists():
             return p
         cand = base / p
         return str(cand) if cand.exists() else p
+
+    def fix_optional(p: str | None) -> str | None:
+        return None if p is None else fix(p)
 
     path = fix(cfg.model.path)
     if not Path(path).exists() and looks_like_hub_id(path):
@@ -223,12 +232,12 @@ def resolve_model_path(cfg: RunConfig, config_file: str | Path | None) -> RunCon
         except UserError:
             pass  # not cached: said where the model is first needed (load_arch), so a config can name a model that
             # does not exist yet (the demo's, before `make demo` builds it)
-    model = cfg.model.model_copy(update={"path": path, "checkpoint": fix(cfg.model.checkpoint)})
+    model = cfg.model.model_copy(update={"path": path, "checkpoint": fix_optional(cfg.model.checkpoint)})
 
     def fix_jinja(t: str | None) -> str | None:  # a template string stays as it is; a file name is resolved
         return t if t is None or "{" in t else fix(t)
 
-    def entries(es):
+    def entries(es: list[DatasetEntry]) -> list[DatasetEntry]:
         return [e.model_copy(update={"path": fix(e.path), "chat_template_jinja": fix_jinja(e.chat_template_jinja)})
                 for e in es]
 

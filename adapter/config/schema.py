@@ -115,7 +115,7 @@ class ModelSection(_Strict):
         "cut activations from 11.7 to 6.2 GiB at -9% tokens/s (docs/BENCHMARKS.md)")
 
     @model_validator(mode="after")
-    def _budget_needs_compile(self):
+    def _budget_needs_compile(self) -> ModelSection:
         if self.compile_memory_budget is not None and not self.compile:
             raise ValueError("model.compile_memory_budget applies to compiled layers only: set model.compile: true "
                              "or remove it")
@@ -268,10 +268,10 @@ class DataSection(_Strict):
         return self
 
 
-def _steps_or_fraction(value, key: str):
+def _check_cadence(value: float | None, key: str) -> None:
     """A cadence: a whole number of steps, or a fraction in (0, 1) of the run's total steps (Axolotl, HF)."""
     if value is None or isinstance(value, int) or 0 < value < 1:
-        return value
+        return
     raise ValueError(f"{key} must be a whole number of steps or a fraction in (0, 1) of the total steps")
 
 
@@ -303,7 +303,7 @@ class CheckpointSection(_Strict):
 
     @model_validator(mode="after")
     def _cadence(self) -> CheckpointSection:
-        _steps_or_fraction(self.save_every, "checkpoint.save_every")
+        _check_cadence(self.save_every, "checkpoint.save_every")
 
         if self.saves_per_epoch is not None and self.save_every:
             raise ValueError("give checkpoint.save_every or checkpoint.saves_per_epoch, not both")
@@ -320,7 +320,7 @@ class EvalSection(_Strict):
 
     @model_validator(mode="after")
     def _cadence(self) -> EvalSection:
-        _steps_or_fraction(self.every, "eval.every")
+        _check_cadence(self.every, "eval.every")
         if self.every is not None and self.per_epoch is not None:
             raise ValueError("give eval.every or eval.per_epoch, not both")
         return self

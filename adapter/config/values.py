@@ -99,7 +99,7 @@ def _number(value: Any) -> Any:
     return value
 
 
-def _at_most(limit: int, why: str):
+def _at_most(limit: int, why: str) -> AfterValidator:
     def check(value: int) -> int:
         if value > limit:
             raise ValueError(why)

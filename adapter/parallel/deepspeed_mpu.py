@@ -7,18 +7,24 @@ Never add an attribute named `initialize_sequence_parallel`: DeepSpeed then trea
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class DeepSpeedMPU:
-    def __init__(self, *, tp_group, partition_group, dp_world_size: int, replica_group=None):
+    def __init__(self, *, tp_group: ProcessGroup, partition_group: ProcessGroup, dp_world_size: int,
+                 replica_group: ProcessGroup | None = None) -> None:
         self._tp = tp_group
         self._partition = partition_group
         self._dp_world = dp_world_size
         self.replica_group = replica_group  # exact HSDP: gradients are averaged over it after each backward
 
     # data parallel (ZeRO partitioning group; world size for batch math)
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> ProcessGroup:
         return self._partition
 
     def get_data_parallel_world_size(self) -> int:
@@ -29,7 +35,7 @@ class DeepSpeedMPU:
 
     # DeepSpeed's "sequence data parallel" world sizes its checkpoint bookkeeping (how many ZeRO shard files a
     # save writes and a load reads): it must be the partition group, which includes cp ranks.
-    def get_sequence_data_parallel_group(self):
+    def get_sequence_data_parallel_group(self) -> ProcessGroup:
         return self._partition
 
     def get_sequence_data_parallel_world_size(self) -> int:
@@ -39,7 +45,7 @@ class DeepSpeedMPU:
         return dist.get_rank(self._partition)
 
     # model parallel == tensor parallel (no pipeline stages)
-    def get_model_parallel_group(self):
+    def get_model_parallel_group(self) -> ProcessGroup:
         return self._tp
 
     def get_model_parallel_world_size(self) -> int:

@@ -17,8 +17,12 @@ from enum import Enum
 from functools import cached_property
 from itertools import product
 from math import prod
+from typing import TYPE_CHECKING
 
 from adapter.errors import bad
+
+if TYPE_CHECKING:
+    from adapter.config.schema import ParallelismConfig
 
 
 class Axis(str, Enum):
@@ -76,7 +80,7 @@ class Layout:
                       "use whole nodes: world size = nodes × gpus_per_node")
 
     @classmethod
-    def from_config(cls, par, gpus_per_node: int | None = None) -> Layout:
+    def from_config(cls, par: ParallelismConfig, gpus_per_node: int | None = None) -> Layout:
         return cls(par.dp_replicate_size, par.dp_shard_size or 1, par.cp_size, par.tp_size, gpus_per_node,
                    getattr(par, "ep_size", 1))
 

@@ -5,7 +5,7 @@ from the same layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -14,30 +14,36 @@ from adapter.errors import bad
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_call import initialize_kwargs
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 @dataclass
 class Groups:
     """Process groups of this rank, one per layout group name (torch ProcessGroup objects)."""
 
-    tp: Any
-    cp: Any
-    dp: Any
-    dp_cp: Any
-    dp_shard_cp: Any
-    dp_shard: Any
-    dp_replicate: Any
-    ep: Any = None       # expert-parallel ranks (mixtures of experts)
-    expt_dp: Any = None  # the ranks holding the same experts
-    expt_dp_shard: Any = None  # those of them in this rank's replica (what exact HSDP partitions experts over)
+    tp: ProcessGroup
+    cp: ProcessGroup
+    dp: ProcessGroup
+    dp_cp: ProcessGroup
+    dp_shard_cp: ProcessGroup
+    dp_shard: ProcessGroup
+    dp_replicate: ProcessGroup
+    ep: ProcessGroup | None = None             # expert-parallel ranks (mixtures of experts)
+    expt_dp: ProcessGroup | None = None        # the ranks holding the same experts
+    expt_dp_shard: ProcessGroup | None = None  # those of them in this rank's replica (exact HSDP partitions experts
+    #                                            over it)
 
 
-def _new_groups(layout: Layout, name: str, rank: int):
-    """Every rank must create every group, in the same order (torch.distributed rule)."""
-    mine = None
+def _new_groups(layout: Layout, name: str, rank: int) -> ProcessGroup:
+    """Every rank must create every group, in the same order (torch.distributed rule). Returns `rank`'s."""
+    mine: ProcessGroup | None = None
     for members in layout.groups(name):
         g = dist.new_group(list(members))
         if rank in members:
             mine = g
+    if mine is None:  # the layout's groups of a name partition its world, and initialize checked the world size
+        raise RuntimeError(f"rank {rank} is in no {name} group of the layout ({layout.describe()})")
     return mine
 
 

@@ -365,9 +365,9 @@ def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib:
         sequence_parallel=cfg.use_sequence_parallel and layout.tp > 1,
         attention=cfg.model.attention,
         attention_cost=attention_cost(cfg, arch),
-        compiled_layers=cfg.model.compile,
-        memory=Memory(gpu=cfg.hardware.gpu if gpu_mem_gib is None else f"{gpu_mem_gib} GiB", recompute=cfg.recompute,
-                      **{k: v for k, v in mem.to_dict().items()}),
+        compiled_layers=bool(cfg.model.compile),  # "auto" is resolved by config.build; truthy as in plan/memory
+        memory=Memory.model_validate({"gpu": cfg.hardware.gpu if gpu_mem_gib is None else f"{gpu_mem_gib} GiB",
+                                      "recompute": cfg.recompute, **mem.to_dict()}),
         traffic=[Traffic(**r.to_dict()) for r in rows],
         traffic_totals=_totals(rows),
         predicted=predicted,

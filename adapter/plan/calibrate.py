@@ -17,18 +17,21 @@ imported with the rest of the command line.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from adapter import config
+from adapter.config import RunConfig
 from adapter.errors import bad
 from adapter.models import source
-from adapter.models.arch import padded_vocab_size
+from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import attention_flops, layer_gemms, local_params
 from adapter.plan import hardware
 from adapter.plan.hardware import Attention, Gemm, Link, Network, Profile
@@ -51,13 +54,14 @@ class Bench(Protocol):
 def fit_saturating(points: list[tuple[tuple[float, ...], float]], grid: list[float]) -> tuple[float, float, float]:
     """rate ≈ R·Π d/(d + c): the c of `grid` with the least squared log error, R its geometric-mean fit.
     Returns (R, c, rms log error)."""
-    best = None
+    best: tuple[float, float, float] | None = None
     for c in grid:
         logs = [math.log(rate) - sum(math.log(d / (d + c)) for d in dims) for dims, rate in points]
         mean = sum(logs) / len(logs)
         err = math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
         if best is None or err < best[2] - 1e-12:
             best = (math.exp(mean), c, err)
+    assert best is not None, "an empty grid"  # the first c of any grid sets it
     return best
 
 
@@ -73,7 +77,7 @@ def fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 1 / slope, lat
 
 
-def calibrate(cfg, arch, bench: Bench, base: Profile, iters: int = 10) -> Profile:
+def calibrate(cfg: RunConfig, arch: ModelArch, bench: Bench, base: Profile, iters: int = 10) -> Profile:
     tp, cp = cfg.parallelism.tp_size, cfg.parallelism.cp_size
     tokens = cfg.batch.micro_batch_size * cfg.seq_len // cp
     vocab = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
@@ -113,13 +117,14 @@ def calibrate(cfg, arch, bench: Bench, base: Profile, iters: int = 10) -> Profil
         "hbm_bytes_per_s": f"calibrate on {bench.device}, {when}: 1 GiB device copy",
         "elementwise_bytes_per_s": f"{base.name}'s figure × measured/base copy bandwidth ({ratio:.2f})",
         "optimizer_bytes_per_s": f"{base.name}'s figure × measured/base copy bandwidth ({ratio:.2f})"})
-    measurements = {"gemm": gemms, "attention": attn, "copy": [{"bytes": nbytes, "seconds": copy_s}]}
+    measurements: dict[str, list[dict[str, Any]]] = {"gemm": gemms, "attention": attn,
+                                                     "copy": [{"bytes": nbytes, "seconds": copy_s}]}
 
     if bench.world > 1:
         n = bench.world
         lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
         sizes = sorted({2 * lp.layer, 2 * tokens * arch.hidden_size, 1 << 30})
-        coll = []
+        coll: list[dict[str, Any]] = []
         for op, factor in COLLECTIVES.items():
             for size in sizes:
                 size -= size % (2 * n)                  # whole bf16 elements per rank
@@ -179,7 +184,7 @@ class TorchBench:
             torch.distributed.init_process_group("nccl")
             self.dist = torch.distributed
 
-    def _time(self, fn, iters: int) -> float:
+    def _time(self, fn: Callable[[], object], iters: int) -> float:
         t = self.torch
         for _ in range(3):
             fn()
@@ -194,30 +199,30 @@ class TorchBench:
         t.cuda.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
 
-    def gemm(self, m, n, k, iters):
+    def gemm(self, m: int, n: int, k: int, iters: int) -> float:
         t = self.torch
         a, b = t.randn(m, k, device="cuda", dtype=t.bfloat16), t.randn(k, n, device="cuda", dtype=t.bfloat16)
         return self._time(lambda: a @ b, iters)
 
-    def attention(self, batch, seq, heads, kv_heads, head_dim, iters):
+    def attention(self, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, iters: int) -> float:
         t = self.torch
         q = t.randn(batch, heads, seq, head_dim, device="cuda", dtype=t.bfloat16, requires_grad=True)
         k, v = (t.randn(batch, kv_heads, seq, head_dim, device="cuda", dtype=t.bfloat16, requires_grad=True)
                 for _ in range(2))
         g = t.randn_like(q)
 
-        def step():
+        def step() -> None:
             sdpa = t.nn.functional.scaled_dot_product_attention
             sdpa(q, k, v, is_causal=True, enable_gqa=kv_heads != heads).backward(g)
         return self._time(step, iters)
 
-    def copy(self, nbytes, iters):
+    def copy(self, nbytes: int, iters: int) -> float:
         t = self.torch
         src = t.empty(nbytes, dtype=t.uint8, device="cuda")
         dst = t.empty_like(src)
         return self._time(lambda: dst.copy_(src), iters)
 
-    def collective(self, op, nbytes, iters):
+    def collective(self, op: str, nbytes: int, iters: int) -> float:
         t, d, n = self.torch, self.dist, self.world
         full = t.empty(nbytes // 2, dtype=t.bfloat16, device="cuda")
         part = t.empty(nbytes // 2 // n, dtype=t.bfloat16, device="cuda")
@@ -227,7 +232,7 @@ class TorchBench:
         return self._time(fn, iters)
 
 
-def main(args, flags: dict, bench: Bench | None = None) -> int:
+def main(args: argparse.Namespace, flags: dict[str, Any], bench: Bench | None = None) -> int:
     """`flags`: the command line's world and GPU overrides (cli.py's, as for plan)."""
     if args.iters < 1:
         raise bad("--iters", args.iters, "must be at least 1", "e.g. --iters 10")

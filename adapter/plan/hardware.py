@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from adapter.errors import bad
+
+if TYPE_CHECKING:
+    from adapter.config.schema import HardwareSection
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 # `hardware.gpu` (the memory check's capacity) -> the shipped profile used when `hardware.profile` is unset. The
@@ -119,14 +122,14 @@ def read(ref: str, base_dir: Path | None = None, key: str = "hardware.profile") 
     return prof.model_copy(update={"source_path": None if ref in shipped() else str(path)})
 
 
-def resolve(hw, base_dir: Path | None = None) -> Profile | None:
+def resolve(hw: HardwareSection, base_dir: Path | None = None) -> Profile | None:
     """The profile a run's `hardware` section selects, with its bandwidth overrides applied; None when neither
     `hardware.profile` nor a shipped profile for `hardware.gpu` exists (then plan predicts no time)."""
     ref = hw.profile or GPU_PROFILE.get(hw.gpu)
     if ref is None:
         return None
     prof = read(ref, base_dir)
-    update = {}
+    update: dict[str, Link | Network] = {}
     if hw.intra_node_gb_per_s is not None:
         update["intra_node"] = prof.intra_node.model_copy(update={"busbw": hw.intra_node_gb_per_s * 1e9})
     if hw.inter_node_gb_per_s is not None:

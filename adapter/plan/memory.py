@@ -187,9 +187,8 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
 
     sp = cfg.use_sequence_parallel and tp > 1
     packed = cfg.document_attention
-    kw = dict(seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=tp, cp=cp, sp=sp, attention=cfg.model.attention,
-              cp_comm=p.cp_comm_type, bytes_per=pb, packed=packed)
-    one = layer_activations(arch, **kw)
+    one = layer_activations(arch, seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=tp, cp=cp, sp=sp,
+                            attention=cfg.model.attention, cp_comm=p.cp_comm_type, bytes_per=pb, packed=packed)
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     one -= fp8_freed(cfg, arch, tokens=s * b)
     spec = run.lora

@@ -12,7 +12,7 @@ from adapter.plan.build import Plan
 from adapter.plan.memory import GIB
 
 if TYPE_CHECKING:
-    from adapter.plan.search import Search
+    from adapter.plan.search import Search, SearchRow
 
 MAX_RANK_ROWS = 64
 MAX_GROUPS_SHOWN = 8
@@ -30,7 +30,7 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _members(group) -> str:
+def _members(group: list[int]) -> str:
     if len(group) <= MAX_MEMBERS_SHOWN:
         return str(group)
     return f"[{', '.join(map(str, group[:4]))}, …, {group[-1]}: {len(group)} ranks]"
@@ -151,7 +151,8 @@ def render_search(found: Search, top: int = 10, console: Console | None = None) 
             f"seq {found.seq_len} = {found.tokens_per_step:,} tokens/step. {found.ranked} valid layouts of "
             f"{found.candidates} ({found.fitting} fit in memory)"
             + (f"; pinned {', '.join(f'{k}={v}' for k, v in found.pinned.items())}" if found.pinned else ""))
-    fit, seen = [], set()
+    fit: list[SearchRow] = []
+    seen: set[tuple[object, ...]] = set()
     for r in found.rows:   # a row that differs from a shown one only in compiled layers, at the same speed: once
         key = (r.dp_replicate, r.dp_shard, r.cp, r.tp, r.zero_stage, r.replicate_mode, r.recompute,
                r.micro_batch_size, r.sequence_parallel, round(r.tokens_per_s_per_gpu))

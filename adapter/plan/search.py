@@ -134,16 +134,16 @@ def meshes(world: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _allowed(pins: dict[str, Any], key: str, values: tuple) -> tuple:
+def _allowed(pins: dict[str, Any], key: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(v for v in values if v == pins[key]) if key in pins else values
 
 
 def enumerate_candidates(world: int, global_batch: int, pins: dict[str, Any],
-                         experts: int = 0) -> tuple[list[Candidate], Counter]:
+                         experts: int = 0) -> tuple[list[Candidate], Counter[str]]:
     """The search space before the model's own checks: every combination the knobs allow, with redundant ones
     (a ZeRO stage where nothing is sharded, hsdp/hpz without replicas, SP at tp = 1) counted once. `experts`: a
     mixture of experts' count; every expert-parallel size dividing it and dp_shard × cp is a candidate too."""
-    skipped: Counter = Counter()
+    skipped: Counter[str] = Counter()
     out = []
     for r, s, c, t in meshes(world):
         mesh = dict(zip(SIZES, (r, s, c, t)))
@@ -169,7 +169,7 @@ def enumerate_candidates(world: int, global_batch: int, pins: dict[str, Any],
     return out, skipped
 
 
-def candidate_config(base: RunConfig, cand: Candidate, nodes: int, gpus_per_node: int) -> RunConfig:
+def candidate_config(base: RunConfig, cand: Candidate, nodes: int, gpus_per_node: int | None) -> RunConfig:
     """`base` with the candidate's knobs; model_copy skips validation, the checks below are the project's own."""
     return base.model_copy(update={
         "parallelism": base.parallelism.model_copy(update={**dict(zip(SIZES, (cand.dp_replicate, cand.dp_shard,
@@ -205,7 +205,7 @@ def search(base: RunConfig, arch: ModelArch, prof: Profile, *, nodes: int, gpus_
            pins: dict[str, Any], config_path: str | None = None, warnings: list[str] | None = None) -> Search:
     world = nodes * gpus_per_node
     G = base.global_batch
-    cands, skipped = enumerate_candidates(world, G, pins, arch.num_experts if arch.moe else 0)
+    cands, skipped = enumerate_candidates(world, G, pins, arch.num_experts or 0)  # 0: not a mixture of experts
     total = len(cands) + sum(skipped.values())
     layouts: dict[tuple[int, int, int, int, int], Layout] = {}
     rows: list[SearchRow] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from math import ceil
+from typing import Any
 
 from adapter.models import lora
 from adapter.models.arch import ModelArch, padded_vocab_size
@@ -64,7 +65,7 @@ class StepTime:
     bottleneck: str
     profile: str
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -287,10 +288,10 @@ def bottleneck(breakdown: dict[str, float], detail: dict[str, float], layout: La
     """The largest share of the step, in words, with what would move it."""
     step = sum(breakdown.values())
     share = {k: v / step for k, v in breakdown.items()}
-    top = max(share, key=share.get)
+    top = max(share, key=share.__getitem__)
     pct = f"{100 * share[top]:.0f}% of the step"
     if top == "compute":
-        part = max(detail, key=detail.get)
+        part = max(detail, key=detail.__getitem__)
         words = {"gemm": "compute-bound: matmuls", "attention": "compute-bound: attention kernels (long sequences)",
                  "memory_bound": "memory-bound kernels (norms, RoPE, SwiGLU, cross-entropy)",
                  "recompute": "activation recompute"}[part]

@@ -7,6 +7,7 @@ slowest link), the rest as intra-node.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from adapter.models.counts import expert_params
 from adapter.models.footprint import held_and_trained, quantized_base
@@ -25,7 +26,7 @@ class GroupTraffic:
     bytes_per_step: int
     crosses_nodes: bool
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
