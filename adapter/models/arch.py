@@ -103,7 +103,9 @@ class ModelArch:
     @property
     def routed_ffn(self) -> int:
         """The MLP width one token passes through: ffn_hidden_size, or top-k × an expert's (a mixture of experts)."""
-        return self.experts_per_token * self.expert_ffn_hidden_size if self.moe else self.ffn_hidden_size
+        if self.experts_per_token is None or self.expert_ffn_hidden_size is None:  # dense: not a mixture of experts
+            return self.ffn_hidden_size
+        return self.experts_per_token * self.expert_ffn_hidden_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,13 +142,18 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise bad("model", str(path), f"cannot be read ({e.strerror})", "check the file's permissions")
 
 
+MAX_JSON_NUMBER = 2**63  # no config.json size or rate is larger; Python's JSON reads integers of any length
+
+
 def _check_json(cfg: dict[str, Any], source: str, keys: dict[str, tuple[str, bool]], prefix: str = "") -> None:
     """Each of `keys` that `cfg` holds has its kind (or null where allowed); rope mappings are checked inside."""
     for key, (kind, nullable) in keys.items():
         if key not in cfg or (cfg[key] is None and nullable):
             continue
         v = cfg[key]
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        # JSON integers are unbounded: one past a float's range is no size or rate any model has
+        number = (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < MAX_JSON_NUMBER
+                  and math.isfinite(v))
         ok = {_NUM: number, _INT: number and float(v).is_integer(), _BOOL: isinstance(v, bool),
               _STR: isinstance(v, str), _MAP: isinstance(v, dict)}[kind]
         if not ok:
@@ -256,7 +263,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         if kind == "longrope":
             longrope = _longrope(cfg, scaling, rope, int(head_dim), float(partial), source)
         elif kind == "linear":  # positions divided by the factor (Gemma 3 4B+ on its global layers)
-            linear = _positive(scaling.get("factor"), "rope_scaling.factor", source)
+            linear = _positive_number(scaling.get("factor"), "rope_scaling.factor", source)
         elif kind not in (None, "default"):
             if kind != "llama3":
                 raise bad("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3'), LongRoPE ('longrope') and "
@@ -294,7 +301,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         embed_scale=float(hidden) ** 0.5 if fam.embed_scale else None,
         activation=ACTIVATIONS[act],
         softmax_scale=None if (qpas := cfg.get("query_pre_attn_scalar")) is None
-        else _positive(qpas, "query_pre_attn_scalar", source) ** -0.5,
+        else _positive_number(qpas, "query_pre_attn_scalar", source) ** -0.5,
         window_layers=window_layers,
         local_rope_theta=float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
         if fam.local_rope else None,
@@ -340,8 +347,13 @@ def _moe(cfg: dict[str, Any], fam, source: str) -> dict[str, Any]:
 
 
 def _positive(v: Any, key: str, source: str, none: bool = False) -> float | None:
+    """A positive number of config.json (None stays None where `none`)."""
     if v is None and none:
         return None
+    return _positive_number(v, key, source)
+
+
+def _positive_number(v: Any, key: str, source: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
         raise bad(key, v, f"must be a positive number in {source}", "fix the model's config.json")
     return float(v)
@@ -412,7 +424,7 @@ def check_tp(arch: ModelArch, tp: int, key: str = "tp") -> None:
     if arch.qk_norm_whole and kv % tp:  # each rank norms its own heads' slice of the whole k projection
         raise bad(key, tp, f"does not divide num_key_value_heads={kv} of {name}, whose k norm spans all of them",
                   f"use a tp_size that divides {kv}")
-    if arch.moe and arch.expert_ffn_hidden_size % tp:
+    if arch.expert_ffn_hidden_size is not None and arch.expert_ffn_hidden_size % tp:
         raise bad(key, tp, f"does not divide an expert's MLP width {arch.expert_ffn_hidden_size} of {name}",
                   "use a tp_size that divides it")
     if not arch.moe and arch.ffn_hidden_size % tp:

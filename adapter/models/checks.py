@@ -21,7 +21,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if ep > 1 and not arch.moe:
         raise bad(spell(cfg, "parallelism.ep_size"), ep, f"{arch.architecture} is not a mixture of experts (no "
                   "experts to split)", "remove it")
-    if ep > 1 and arch.num_experts % ep:
+    if ep > 1 and arch.num_experts is not None and arch.num_experts % ep:
         raise bad(spell(cfg, "parallelism.ep_size"), ep, f"does not divide num_experts={arch.num_experts} (each "
                   "expert-parallel rank holds whole experts)",
                   f"use a divisor of {arch.num_experts} that divides dp_shard × cp")
@@ -37,6 +37,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
                                   vocab_divisible_by=cfg.model.vocab_divisible_by)
     if cfg.lora is not None:  # targets, rank, modules_to_save, the adapter to start from: before any process starts
         spec = lora.from_config(cfg, arch)
+        assert spec is not None  # cfg.lora is set
         if tp > arch.num_kv_heads and any(t.linear.fused == "linear_qkv" for t in spec.targets):
             *rest, last = [lin.name for lin in lora.nn_linears(arch) if lin.fused == "linear_qkv"]
             raise bad(spell(cfg, "parallelism.tp_size"), tp, f"exceeds num_key_value_heads={arch.num_kv_heads}: a "

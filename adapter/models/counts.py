@@ -83,7 +83,7 @@ def linears(arch: ModelArch) -> tuple[Linear, ...]:
     for rule in rules:
         if not rule.linear:
             continue
-        copies, active = (arch.num_experts, arch.experts_per_token) if rule.per_expert else (1, 1)
+        copies, active = (arch.num_experts or 1, arch.experts_per_token or 1) if rule.per_expert else (1, 1)
         for name, shape in rule.hf:
             module = name.rpartition(".")[0]
             rows, cols = hf_shape(shape, arch)

@@ -131,7 +131,8 @@ OLMOE_TABLE = _moe_table(LLAMA_TABLE, "mlp", "gate_proj", "up_proj", "down_proj"
     copy(LAYER + "self_attention.k_layernorm.weight", _L + "self_attn.k_norm.weight", "kv"),
 )
 
-_GEMMA = dict(qkv_bias=False, post_norms=True, norm_offset=True, embed_scale=True, sliding_window_default=True)
+_GEMMA: dict[str, Any] = dict(qkv_bias=False, post_norms=True, norm_offset=True, embed_scale=True,
+                              sliding_window_default=True)
 _GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256), ("num_attention_heads", 8),
                    ("num_key_value_heads", 4), ("hidden_size", 2304), ("intermediate_size", 9216),
                    ("num_hidden_layers", 26), ("rms_norm_eps", 1e-6), ("tie_word_embeddings", True),
@@ -203,6 +204,8 @@ def packed_rule(arch, name: str) -> Rule | None:
 def text_config_json(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     """The config.json of the text model `fam` exports as (`export_as`): an image-text checkpoint's text_config
     over the family's defaults, named as transformers' text-only class. `load_arch` reads the same."""
+    if fam.export_as is None:
+        raise ValueError(f"{fam.name} exports as itself: it has no text model's config.json to write")
     text = family(fam.export_as)
     out = {**dict(fam.defaults), **{k: v for k, v in (cfg.get("text_config") or {}).items() if v is not None}}
     for key in ("torch_dtype", "dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):

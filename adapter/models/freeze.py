@@ -41,7 +41,8 @@ def parse(patterns: list[str], key: str) -> list[Pattern]:
     for i, text in enumerate(patterns):
         if not isinstance(text, str) or not text:
             raise bad(f"{key}[{i}]", text, "must be a regex over parameter names", "e.g. ^model.layers.1[0-9].")
-        name, rows = text, None
+        name = text
+        rows: tuple[int, int | None] | None = None
         m = _RANGE.match(text)
         if m:
             name, start, end = m.groups()
@@ -120,8 +121,9 @@ def resolve(arch: ModelArch, patterns: list[str] | None, key: str = "model.unfro
                         raise bad(key, next(parsed[j].text for h in hits for j in h if parsed[j].rows),
                                   "row ranges are honoured on embed_tokens and lm_head only, one range each",
                                   "unfreeze the whole parameter, or give its rows in one pattern")
-                    start, end = ranges[0]
-                    end = arch.vocab_size if end is None else min(end, arch.vocab_size)
+                    first = ranges[0]
+                    assert first is not None  # every range is given (checked above)
+                    start, end = first[0], arch.vocab_size if first[1] is None else min(first[1], arch.vocab_size)
                     if start >= end:
                         raise bad(key, next(parsed[j].text for h in hits for j in h), "an empty row range",
                                   f"give rows within 0..{arch.vocab_size}")

@@ -22,7 +22,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,7 +166,7 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
     mods = hf_modules(arch)
     per_layer = {lin.name: lin for lin in nn_linears(arch)}  # a mixture of experts' experts and router: not here
     unreachable = [lin for lin in linears(arch) if not lin.nn_linear]
-    layer_ids = range(arch.num_layers)
+    layer_ids: Sequence[int] = range(arch.num_layers)
     if layers is not None:
         wrong = [i for i in layers if not 0 <= i < arch.num_layers]
         if wrong or not layers:
@@ -233,10 +233,10 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
         raise bad(spell("lora.quantize_base"), quantize_base, "unknown base format",
                   "use nf4 (QLoRA), int8, or null (16-bit)")
     hit_names = tuple(n for n in names if any(t.linear.name == n for t in targets))
-    regex = isinstance(target_modules, str) and not target_linear
+    # a regex (not target_linear) is PEFT's target_modules as the user wrote it; else the names it resolved to
+    peft_targets = target_modules if isinstance(target_modules, str) and not target_linear else hit_names
     return LoraSpec(r=r, alpha=float(alpha), dropout=float(dropout), rslora=bool(rslora), targets=tuple(targets),
-                    modules_to_save=tuple(save), target_names=hit_names,
-                    peft_targets=target_modules if regex else hit_names,
+                    modules_to_save=tuple(save), target_names=hit_names, peft_targets=peft_targets,
                     layers=None if layers is None else tuple(layer_ids), init_from=init_from,
                     quantize_base=quantize_base, skipped=tuple(skipped))
 

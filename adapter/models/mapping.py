@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 if TYPE_CHECKING:
     import torch
 
 Arch = Any  # an adapter.models.arch.ModelArch; not imported, since arch.py reads the families built from these
-Unit = "int | tuple[int, int] | None"  # which stacked piece of a key: a layer, (layer, expert), None unstacked
+# which stacked piece of a key: a layer, (layer, expert), None unstacked
+Unit: TypeAlias = "int | tuple[int, int] | None"
 
 
 def lead(unit) -> tuple[int, ...]:
