@@ -1,7 +1,7 @@
 """A run's data on one rank: the training set and its resumable sampler, the held-out set, and how a host
 micro-batch becomes this rank's device batch (unpacked SFT trimmed, the CP slice or the packed THD stream).
 
-Kept apart from the loop (adapter/train/trainer.py), which only asks for `RunData.batches()` and `place`.
+Kept apart from the loop (adapter/train/trainer.py), which asks `load` once and `trim`/`place` per micro-batch.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from adapter.data import DPSampler, PackedDataset, SyntheticData, build_batches, build_token_cache
+from adapter.data import DPSampler, PackedDataset, SyntheticData, build_token_cache
 from adapter.data.sft import prepare
 from adapter.data.sft.bins import trim_tail
 from adapter.data.sft.report import stats_lines
@@ -34,9 +34,6 @@ class RunData:
     sft: Any = None                 # adapter.data.sft.SFTData, for SFT datasets
     val: Any = None                 # the held-out set, or None
     chat_template: str | None = None
-
-    def batches(self):
-        return build_batches(self.dataset, self.sampler)
 
 
 def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from adapter.convert import cache
+from adapter.data import build_batches
 from adapter.errors import DivergedError, bad
 from adapter.models import announce, footprint, lora, resolved
 from adapter.models.counts import flops_per_token, num_params
@@ -84,7 +85,7 @@ class Trainer:
         self.result = RunResult()
         self.best: Best | None = None  # set with the schedule (its patience)
         self.sink = self.groups = self.engine = self.preempt = self.moe_aux = None
-        self.val_dataset = self.chat_template = None
+        self.val_dataset = self.chat_template = self.sft = None
         self.stopping: str | None = None  # the signal the run stops on, once every rank knows it
 
     # the record's facts, as the loop reads them
@@ -134,9 +135,7 @@ class Trainer:
         needs_base = not resuming or self.lora is not None or moved
         weights_dir = cache.ready(run.weights, cfg, rank=self.rank, log=self._say) if needs_base else None
         # before the engine: the LR schedule's length needs the data's size
-        self.data = d = load_data(run, self.rank, synthetic=self.synthetic, log=self._say)
-        self.dataset, self.sampler, self.val_dataset, self.chat_template = d.dataset, d.sampler, d.val, d.chat_template
-        self.sft = d.sft  # the prepared SFT data (its cache path, whether it was reused), or None
+        self.dataset, self.sampler = self._data()
         sched = schedule.resolve(cfg, None if self.synthetic else len(self.dataset),
                                  has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
         self._say(*schedule.describe(cfg, sched))  # before apply: it names the keys the numbers came from
@@ -199,6 +198,13 @@ class Trainer:
         often = footprint.cadence_warning(run, stage=run.zero_stage, every=every)
         self._say(footprint.check_disk(run, stage=run.zero_stage, existing=existing, saves=saves),
                   often and f"warning: {often}")
+
+    def _data(self):
+        """This rank's training set and its sampler (adapter/train/batches.py); sets the held-out set, the chat
+        template and the prepared SFT data beside them."""
+        d = load_data(self.run, self.rank, synthetic=self.synthetic, log=self._say)
+        self.val_dataset, self.chat_template, self.sft = d.val, d.chat_template, d.sft
+        return d.dataset, d.sampler
 
     def _trim(self, b, eval: bool = False):
         return trim(self.run, self.sft is not None, b, eval)
@@ -369,7 +375,7 @@ class Trainer:
         cfg, result, sched = self.cfg, self.result, self.schedule
         start, max_steps = result.start_step, cfg.optimizer.max_steps
         save_every, eval_every = cfg.checkpoint.save_every, sched.eval_every
-        batches = self.data.batches()
+        batches = build_batches(self.dataset, self.sampler)
         self.preempt.stop_at_step_boundaries()  # until here a signal ended the job at once: nothing to save yet
         pending: PendingStep | None = None  # the last step, until its numbers are read on the host
         self.engine.ds.train()
