@@ -67,10 +67,11 @@ def hf_row_sets(arch: ModelArch, fused: str, tp: int, rows: int) -> list[torch.T
     return sets
 
 
-def nf4_quantize(w: torch.Tensor, arch: ModelArch, fused: str, tp: int, tp_rank: int,
+def nf4_quantize(w: torch.Tensor, arch: ModelArch | None, fused: str, tp: int, tp_rank: int,
                  tp_group) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed NF4 codes, effective fp32 block scales) of this rank's shard `w` [out, in] of a Megatron linear."""
-    column = _tp_axis(arch, fused) == 0
+    """(packed NF4 codes, effective fp32 block scales) of this rank's shard `w` [out, in] of a Megatron linear.
+    `arch` None: `w` is one whole HF matrix of no family (its second level runs over all of it)."""
+    column = arch is not None and _tp_axis(arch, fused) == 0
     bnbf = _bnb()
     out_rows, cols = w.shape
     codes, absmax = torch.ops.bitsandbytes.quantize_4bit(w.contiguous(), NF4_BLOCK, "nf4", torch.uint8)

@@ -30,7 +30,7 @@ def test_quantised_base_on_cuda_equals_bitsandbytes_cuda():
     assert torch.equal(scales, (bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset).float())
     deq = torch.ops.bitsandbytes.dequantize_4bit(codes, scales, 64, "nf4", [1024, 2048], torch.bfloat16)
     assert torch.equal(deq, bnbf.dequantize_4bit(q, state))
-    cb, stats = int8_quantize(w, "linear_qkv", 1, None)
+    cb, stats = int8_quantize(w, True, 1, None)  # a column-parallel linear
     ref_cb, ref_stats, _ = bnbf.int8_vectorwise_quant(w.half())  # Int8Params quantises the fp16 weight
     assert torch.equal(stats, ref_stats) and (cb.int() - ref_cb.int()).abs().max() <= 1  # CUDA rounds half away
     assert (cb != ref_cb).float().mean() < 1e-3
