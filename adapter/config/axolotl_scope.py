@@ -83,8 +83,8 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
                              "set micro_batch_size (`nd-adapter plan` says what fits)"),
     # resume
     "resume_from_checkpoint": ("nd-adapter resumes only from its own checkpoints, which it finds in output_dir",
-                               "remove it (a run restarted with the same output_dir continues from its newest "
-                               "checkpoint)"),
+                               "remove it: --resume (or auto_resume_from_checkpoints: true) continues from the "
+                               "newest checkpoint in output_dir"),
 }
 
 # plugins: (tag in the module path, what it is); anything else is refused (distillation, freezing, gradient filters,
@@ -105,9 +105,6 @@ def check_scope(raw: dict[str, Any]) -> None:
     for key, (why, fix) in UNSUPPORTED.items():
         if key in raw and is_on(raw[key]):
             raise bad(key, raw[key], why, fix)
-    if raw.get("auto_resume_from_checkpoints") is False:
-        raise bad("auto_resume_from_checkpoints", False, "nd-adapter always resumes from the newest checkpoint in "
-                  "output_dir", "remove it, and give an empty output_dir for a fresh start")
     kind = raw.get("model_type")
     if kind is not None and not (isinstance(kind, str) and kind.endswith("ForCausalLM")):
         raise bad("model_type", kind, "nd-adapter trains causal language models (next-token loss on the model's "
@@ -148,6 +145,6 @@ def plugin_kind(plugin: Any) -> str:
               "other objectives) and has no nd-adapter counterpart", "remove it, or run this config with Axolotl")
 
 
-KEYS = set(UNSUPPORTED) | {"auto_resume_from_checkpoints", "model_revision", "tokenizer_config", "model_type"}
+KEYS = set(UNSUPPORTED) | {"model_revision", "tokenizer_config", "model_type"}
 
 __all__ = ["UNSUPPORTED", "KEYS", "check_scope", "plugin_kind", "is_on"]

@@ -285,6 +285,8 @@ class CheckpointSection(_Strict):
                             "and export that (HF's load_best_model_at_end); it is never pruned by keep_last")
     export_hf: PathStr | None = Field(None, description="write an HF checkpoint here at the end (files are replaced, "
                                   "anything else in the directory is kept)")
+    auto_resume: bool = Field(False, description="continue from the newest checkpoint in dir when it holds one, as "
+                              "--resume does (Axolotl's auto_resume_from_checkpoints); a fresh start otherwise")
     exit_signals: list[str] = Field(["SIGTERM", "SIGUSR1"], description="signals that end the run at the end of the "
                                     "current step with a checkpoint and exit status 75 (requeue); [] for none")
 

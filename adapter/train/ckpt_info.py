@@ -125,6 +125,13 @@ def step_of(tag: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def resumes(cfg: RunConfig, resume: bool) -> bool:
+    """Whether the run continues a checkpoint: --resume, or `checkpoint.auto_resume` (Axolotl's
+    auto_resume_from_checkpoints) with a checkpoint in checkpoint.dir to continue."""
+    d = cfg.checkpoint.dir
+    return resume or bool(cfg.checkpoint.auto_resume and d and steps(Path(d)))
+
+
 def steps(root: Path) -> dict[int, Path]:
     """global_stepN directories of a checkpoint.dir by step."""
     try:

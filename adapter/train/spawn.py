@@ -42,7 +42,7 @@ from adapter.errors import ERROR_DIR, EXIT_REQUEUE, bad
 from adapter.models import source
 from adapter.models.resolved import resolve_run
 from adapter.osutil import free_port
-from adapter.train import preempt
+from adapter.train import ckpt_info, preempt
 from adapter.train.preempt import parse
 from adapter.train.preflight import preflight
 
@@ -382,7 +382,7 @@ def main(args) -> int:
         preempt.stop_at_once()  # before the ranks start, an exit signal ends the job here, at once
         cfg = source.load_config(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
         preempt.catch(cfg.checkpoint.exit_signals)
-        preflight(resolve_run(cfg), resume=args.resume)
+        preflight(resolve_run(cfg), resume=ckpt_info.resumes(cfg, args.resume))
         worker_args = ["--config", args.config] + (["--resume"] if args.resume else [])
         for item in args.set or []:
             worker_args += ["--set", item]

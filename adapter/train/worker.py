@@ -92,6 +92,7 @@ def _main(argv=None) -> int:
         _catch(cfg.checkpoint.exit_signals)
         resolved = resolve_run(cfg)  # once per process: everything below reads this record
         if not args.rehearse:  # deepspeed/torchrun start this without `nd-adapter train`'s preflight
+            args.resume = ckpt_info.resumes(cfg, args.resume)  # --resume, or auto_resume over a checkpoint
             ckpt_info.check_dir(cfg, args.resume)
         # Large one-off allocations (the optimizer step's fp32 gradient partition) otherwise fail on fragmentation
         # with memory free in total (a Mistral-7B shape on one H200 did: docs/BENCHMARKS.md, 2026-12-01, "the

@@ -164,7 +164,6 @@ def test_kernel_keys_get_one_line_and_other_plugins_are_ignored_or_refused():
      "pretraining_dataset[0].path='allenai/c4': not a local file or directory: nd-adapter does not stream hub"),
     ({"embedding_lr_scale": 0.5}, "embedding_lr_scale=0.5"),
     ({"resume_from_checkpoint": "out/checkpoint-100"}, "resume_from_checkpoint"),
-    ({"auto_resume_from_checkpoints": False}, "auto_resume_from_checkpoints=False"),
     ({"tokenizer_config": "other/tokenizer"}, "tokenizer_config='other/tokenizer'"),
     ({"batch_size": 16, "gradient_accumulation_steps": 2}, "batch_size=16: Axolotl takes"),
     ({"batch_size": 1, "micro_batch_size": 2}, "batch_size=1: smaller than micro_batch_size=2"),
@@ -184,6 +183,20 @@ def test_off_values_and_keys_without_effect_pass():
     assert cfg.lora is None  # (a lora_* key set without an adapter is refused: tests/unit/test_lora.py)
     cfg = build(default_system_message="You are terse.", chat_template="chatml")
     assert any(n.startswith("default_system_message has no effect") for n in cfg.notes)
+
+
+def test_auto_resume_from_checkpoints_is_honoured(tmp_path):
+    """Axolotl continues from output_dir's newest checkpoint with auto_resume_from_checkpoints: true, and starts
+    afresh without it; nd-adapter resumes so too (adapter/train/ckpt_info.resumes), not only with --resume."""
+    from adapter.train.ckpt_info import resumes
+
+    out = tmp_path / "out"
+    on, off = (build(output_dir=str(out), auto_resume_from_checkpoints=v) for v in ("true", False))
+    assert on.checkpoint.auto_resume and not off.checkpoint.auto_resume
+    assert not resumes(on, False)  # nothing to continue yet: a fresh start
+    (out / "global_step3").mkdir(parents=True)
+    assert resumes(on, False) and not resumes(off, False) and resumes(off, True)
+    assert "auto_resume_from_checkpoints" not in " ".join(on.notes)  # honoured, not reported as ignored
 
 
 def test_batch_size_sets_gradient_accumulation_as_axolotl_does():
