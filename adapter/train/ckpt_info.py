@@ -307,8 +307,9 @@ def check_dir(cfg: RunConfig, resume: bool) -> None:
     if not resume and steps(root):
         newest = max(steps(root))
         raise bad(key, cfg.checkpoint.dir, f"holds checkpoints of an earlier run (the newest: global_step{newest}), "
-                  "which this run, starting from step 0, would replace", "continue it with --resume, or train into "
-                  "another directory (or delete those checkpoints to start over)")
+                  "which this run, starting from step 0, would replace", f"continue it with --resume (or "
+                  f"{spell(cfg, 'checkpoint.auto_resume')}: true), or train into another directory (or delete those "
+                  "checkpoints to start over)")
 
 
 def describe(info: CheckpointInfo, checksums: bool = False) -> tuple[list[str], tuple[str, str] | None]:
