@@ -180,8 +180,8 @@ def load_arch(model: str | Path) -> ModelArch:
 
 def _int(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
     v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise bad(key, v, f"must be a positive integer in {source}", "fix the model's config.json")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < MAX_JSON_NUMBER:
+        raise bad(key, v, f"must be a positive integer (below 2**63) in {source}", "fix the model's config.json")
     return v
 
 

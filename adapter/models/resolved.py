@@ -60,9 +60,14 @@ class ResolvedRun:
         return a.pad_token_id
 
     def with_config(self, cfg: RunConfig) -> ResolvedRun:
-        """The same model and weights under another config of the same run (plan's replicate-mode comparison, the
-        length the schedule writes in): the config's own decisions are taken again."""
+        """The same model and weights under another config (plan's replicate-mode comparison): the config's own
+        decisions are taken again."""
         return resolve_run(cfg, arch=self.arch, weights=self.weights)
+
+    def with_length(self, cfg: RunConfig) -> ResolvedRun:
+        """This run with `cfg`, which differs from its own only in the length and cadences the schedule writes in
+        (optimizer max_steps / warm-up, checkpoint and eval cadences): nothing resolved depends on them."""
+        return dataclasses.replace(self, cfg=cfg)
 
 
 def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: WeightsSource | None = None,
@@ -82,9 +87,4 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
                        zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings))
 
 
-def replace(run: ResolvedRun, **changes) -> ResolvedRun:
-    """A copy with some facts changed, for what is not a config key (a rehearsal's weights)."""
-    return dataclasses.replace(run, **changes)
-
-
-__all__ = ["ResolvedRun", "resolve_run", "replace"]
+__all__ = ["ResolvedRun", "resolve_run"]

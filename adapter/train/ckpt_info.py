@@ -15,7 +15,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.errors import UserError, bad
 
 LATEST = "latest"  # DeepSpeed's pointer to the newest complete checkpoint (a text file holding its tag)
@@ -274,8 +274,6 @@ def check_resumable(cfg: RunConfig, architecture: str) -> None:
     """Refuse (one line) a --resume that the checkpoint it would continue cannot take: a damaged record, a file
     missing or not at its written size (stat only: the contents are checked as the ranks load them), another model,
     a layout it cannot move to. Nothing when checkpoint.dir holds no checkpoint."""
-    from adapter.config import spell
-
     if not cfg.checkpoint.dir or resume_tag(cfg.checkpoint.dir, spell(cfg, "checkpoint.dir")) is None:
         return
     key = spell(cfg, "checkpoint.dir")
@@ -293,8 +291,6 @@ def check_dir(cfg: RunConfig, resume: bool) -> None:
     """Before any process starts: checkpoint.dir can be a directory (not a file, nor under one), and a run that does
     not resume does not start over in a directory holding another run's checkpoints (its saves would replace
     them; rotation never deletes what its own lineage did not write)."""
-    from adapter.config import spell
-
     if not cfg.checkpoint.dir:
         return
     key, root = spell(cfg, "checkpoint.dir"), Path(cfg.checkpoint.dir)

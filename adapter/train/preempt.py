@@ -31,9 +31,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from adapter.config.schema import CheckpointSection
 from adapter.errors import ERROR_DIR, EXIT_REQUEUE
 
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")  # checkpoint.exit_signals' default: handled until the config is read
+# checkpoint.exit_signals' default (the schema's): handled until the config is read
+DEFAULT_SIGNALS = tuple(CheckpointSection().exit_signals)
 TRAINING = ".training"  # ERROR_DIR/rank{N}.training: rank N is in its training loop (stop_later)
 STUCK_S = 5.0  # stop_at_once: how long the main thread may take to act on a signal before `on_stuck` ends it
 

@@ -19,7 +19,7 @@ import tempfile
 
 from adapter.config import RunConfig
 from adapter.errors import UserError, bad
-from adapter.models import announce, resolved, source
+from adapter.models import announce, source
 from adapter.models.arch import ModelArch
 from adapter.models.resolved import ResolvedRun, resolve_run
 from adapter.train.preflight import preflight
@@ -121,7 +121,7 @@ def in_process(run: ResolvedRun, rank: int, *, steps: int, seq_len: int | None, 
     cfg = reh.cfg
     synthetic = not cfg.data.files and not cfg.data.datasets
     half = cfg.checkpoint.save_every
-    first = resolved.replace(reh, cfg=cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(
+    first = reh.with_length(cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(
         update={"max_steps": half})}))  # only the length differs: nothing resolved depends on it
     a = train(first, synthetic_data=synthetic, log=log)
     b = train(reh, resume=True, synthetic_data=synthetic, log=log)

@@ -30,7 +30,7 @@ from torch.profiler import record_function
 from adapter.convert import cache
 from adapter.data import build_batches
 from adapter.errors import DivergedError, bad
-from adapter.models import announce, footprint, lora, resolved
+from adapter.models import announce, footprint, lora
 from adapter.models.counts import flops_per_token, num_params
 from adapter.models.resolved import ResolvedRun
 from adapter.parallel import mcore_groups
@@ -140,7 +140,7 @@ class Trainer:
                                  has_val=self.val_dataset is not None and len(self.val_dataset) > 0)
         self._say(*schedule.describe(cfg, sched))  # before apply: it names the keys the numbers came from
         self.schedule, self.best = sched, Best(sched.patience)
-        self.run = resolved.replace(run, cfg=schedule.apply(cfg, sched))
+        self.run = run.with_length(schedule.apply(cfg, sched))
         self._check_disk()
         self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
