@@ -58,7 +58,7 @@ KNOWN = MARKERS | {
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
-    "auto_resume_from_checkpoints",
+    "auto_resume_from_checkpoints", "trust_remote_code",
 } | KEYS | LORA_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -73,7 +73,8 @@ MAP = {
     "learning_rate": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "warmup_steps":
     "optimizer.warmup_steps", "max_steps": "optimizer.max_steps", "max_grad_norm": "optimizer.clip_grad",
     "adam_epsilon": "optimizer.eps", "output_dir": "checkpoint.dir", "save_steps": "checkpoint.save_every",
-    "save_total_limit": "checkpoint.keep_last", "auto_resume_from_checkpoints": "checkpoint.auto_resume",
+    "save_total_limit": "checkpoint.keep_last", "trust_remote_code": "model.trust_remote_code",
+    "auto_resume_from_checkpoints": "checkpoint.auto_resume",
     "seed": "seed", "logging_steps": "logging.every",
     "wandb_project": "logging.wandb_project", "wandb_name": "logging.wandb_name",
     "wandb_entity": "logging.wandb_entity", "wandb_mode": "logging.wandb_mode", "ddp_timeout": "dist_timeout_s",

@@ -81,6 +81,13 @@ class ModelSection(_Strict):
                                   "~/.cache/nd-adapter")
     cache_node_local: bool = Field(False, description="the cache dir is local to each node (built by local rank 0)")
     attention: Literal["sdpa", "local", "te"] = "sdpa"
+    engine: Literal["auto", "megatron", "transformers"] = Field(
+        "auto", description="what trains the model: megatron (a native family on Megatron-Core layers), "
+        "transformers (transformers' own model: any architecture it loads), auto (megatron where a native family "
+        "reproduces the checkpoint exactly, else transformers; said in the run's first lines)")
+    trust_remote_code: bool = Field(
+        False, description="run the checkpoint's own modelling code (config.json's auto_map), as transformers' "
+        "trust_remote_code; without it such a checkpoint is refused")
     vocab_divisible_by: Int = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")

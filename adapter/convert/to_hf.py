@@ -34,7 +34,7 @@ def open_converted(megatron_dir: str | Path, table: Sequence[Rule] | None, check
     meta = mio.read_meta(root)
     if check and not mio.check_checksums(root, meta):
         warnings.warn(f"{root} {mio.NO_CHECKSUMS}", UserWarning, stacklevel=3)
-    arch = load_arch(root / meta.get("hf_subdir", mio.HF_SUBDIR))
+    arch = load_arch(root / meta.get("hf_subdir", mio.HF_SUBDIR), "megatron")
     reader = mio.DistCheckpointReader(mio.resolve_ckpt_dir(root))
     rules = table_for(arch, table)
     ctx = Ctx(arch, meta["padded_vocab_size"], meta.get("source_tp", 1))

@@ -125,7 +125,7 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, *, dtyp
     Layout: OUT/latest_checkpointed_iteration.txt ("release"), OUT/release/ (torch_dist), OUT/hf/, OUT/nd_adapter.json.
     """
     hf_dir = hf_checkpoint_dir(hf_dir)
-    arch = load_arch(hf_dir)
+    arch = load_arch(hf_dir, "megatron")
     check_tp(arch, tp)
     if isinstance(vocab_divisible_by, bool) or not isinstance(vocab_divisible_by, int) or vocab_divisible_by < 1:
         raise bad("vocab_divisible_by", vocab_divisible_by, "must be a positive integer", "pass e.g. 128")

@@ -34,7 +34,7 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, *, logits: bool = True,
     hf = hf_io.HFCheckpoint(hf_checkpoint_dir(hf_dir))
     root, meta, arch, reader, rules, ctx = open_converted(megatron_dir, table)
     hf_io.read_fused_experts(hf, rules, arch)
-    if dataclasses.replace(load_arch(hf_dir), torch_dtype="") != dataclasses.replace(arch, torch_dtype=""):
+    if dataclasses.replace(load_arch(hf_dir, "megatron"), torch_dtype="") != dataclasses.replace(arch, torch_dtype=""):
         raise bad("hf", str(hf_dir), "config.json differs from the one stored with the Megatron checkpoint",
                   "compare a checkpoint with the HF model it was converted from")
     tensors, worst = [], 0.0

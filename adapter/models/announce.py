@@ -22,6 +22,7 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
     kernels."""
     cfg, arch = run.cfg, run.arch
     lines = list(cfg.notes)
+    lines.append(engine(run))
     if run.unfrozen is not None:
         lines.append(freeze.describe(list(run.unfrozen), arch, spell(cfg, "model.unfrozen_parameters")))
     if run.lora is not None:
@@ -47,11 +48,26 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
     return lines
 
 
+def engine(run: ResolvedRun) -> str:
+    """Which engine trains the model, and why (model.engine; adapter/models/generic.py)."""
+    arch = run.arch
+    if arch.native:
+        return f"engine: Megatron-Core layers ({arch.family} family, {arch.architecture})"
+    extra = []
+    if arch.image_text:
+        extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
+    if arch.remote_code:
+        extra.append("built by the checkpoint's own code (trust_remote_code: true)")
+    size = (arch.param_count or 0) / 1e9
+    return (f"engine: transformers' own {arch.architecture} ({arch.engine_reason}; {size:.2f}B parameters)"
+            + "".join(f"; {e}" for e in extra))
+
+
 def weights(run: ResolvedRun, resumed: str | None = None, moved: str | None = None) -> str:
     """Which weights the run starts from: the checkpoint being resumed (`resumed`, saved at another layout when
     `moved` says how), else the record's first weights (source.describe)."""
     if not resumed:
-        return source.describe(run.weights, run.cfg.seed)
+        return source.describe(run.weights, run.cfg.seed, native=run.arch.native)
     return (f"weights: from the checkpoint {resumed} being resumed"
             + (f" (saved at another layout: {moved}; resharded)" if moved else "")
             + (", the frozen base from the converted weights" if run.lora is not None else ""))
@@ -105,4 +121,4 @@ def mixture_of_experts(run: ResolvedRun) -> str:
                "micro-batch's loss" if on else "no load-balancing loss, as transformers then trains") + f" ({why})")
 
 
-__all__ = ["announce", "weights", "resumed", "signals", "optimizer", "mixture_of_experts"]
+__all__ = ["announce", "engine", "weights", "resumed", "signals", "optimizer", "mixture_of_experts"]

@@ -39,6 +39,15 @@ _ROPE_KEYS = {"rope_type": (_STR, True), "type": (_STR, True), "rope_theta": (_N
               "sliding_attention": (_MAP, True), "full_attention": (_MAP, True)}
 
 
+class NotNative(UserError):
+    """A feature of the checkpoint that the native engine's Megatron-Core layers do not reproduce: with
+    `model.engine: auto` the transformers engine trains the model instead (adapter/models/generic.py)."""
+
+
+def unbuilt(key: str, value: Any, problem: str, fix: str) -> NotNative:
+    return NotNative(str(bad(key, value, problem, fix)))
+
+
 @dataclass(frozen=True)
 class ModelArch:
     family: str
@@ -95,6 +104,22 @@ class ModelArch:
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not per head (OLMoE)
+    # Which engine trains it: "megatron" (a native family on Megatron-Core layers) or "transformers" (transformers'
+    # own model: adapter/models/generic.py), and why; for the latter, what no formula knows about an arbitrary
+    # architecture, from the model built on the meta device
+    engine: str = "megatron"
+    engine_reason: str = ""
+    hf_model_type: str = ""
+    param_count: int | None = None      # exact, all parameters (the transformers engine)
+    layer_kinds: tuple[str, ...] = ()   # the layer kinds config.json names (linear_attention, mamba, ...)
+    has_tp_plan: bool = False           # transformers ships a tensor-parallel plan for it
+    has_ep_plan: bool = False           # ... and an expert-parallel one
+    image_text: bool = False            # an image-text checkpoint: its language model trains on text
+    remote_code: bool = False           # built by the checkpoint's own code (trust_remote_code)
+
+    @property
+    def native(self) -> bool:
+        return self.engine == "megatron"
 
     @property
     def moe(self) -> bool:
@@ -167,15 +192,41 @@ def config_path(model: str | Path) -> Path:
     return p / "config.json" if p.is_dir() else p
 
 
-def load_arch(model: str | Path) -> ModelArch:
-    """Read an HF checkpoint dir or config.json; refuse anything GPTModel cannot reproduce exactly."""
+def load_arch(model: str | Path, engine: str = "auto", trust_remote_code: bool = False) -> ModelArch:
+    """Read an HF checkpoint dir or config.json. `engine` (model.engine): "megatron" refuses anything GPTModel
+    cannot reproduce exactly; "transformers" trains transformers' own model; "auto" the first where a native family
+    reproduces the checkpoint, else the second (the reason kept in `engine_reason`)."""
     path = config_path(model)
     if not path.exists():
         if not Path(model).exists() and looks_like_hub_id(str(model)):
             resolve_hub_id(str(model), key="model.path (base_model)")  # raises the hub cache's one line
         raise bad("model", str(model), "no config.json found there",
                   "point `model` at an HF checkpoint directory (with config.json) or at a config.json file")
-    return arch_from_hf_dict(_read_json(path), source=str(path))
+    raw = _read_json(path)
+    if engine == "megatron":
+        return arch_from_hf_dict(raw, source=str(path))
+    if engine == "transformers":
+        return _generic(raw, str(path), "model.engine: transformers", trust_remote_code)
+    try:
+        return arch_from_hf_dict(raw, source=str(path))
+    except NotNative as e:  # a native family, but a feature its layers do not reproduce
+        return _generic(raw, str(path), f"the native engine does not reproduce it: {e}", trust_remote_code)
+    except UnknownArchitecture:
+        name = (raw.get("architectures") or [raw.get("model_type")])[0]
+        return _generic(raw, str(path), f"{name} has no native family (Megatron-Core mapping)", trust_remote_code)
+
+
+def _generic(raw: dict[str, Any], source: str, why: str, trust_remote_code: bool) -> ModelArch:
+    from adapter.models.generic import generic_arch_fields
+
+    if not isinstance(raw, dict) or raw.get("use_bidirectional_attention"):
+        raise bad("model", source, "not a causal language model's config.json", "fine-tune a causal checkpoint")
+    return ModelArch(**generic_arch_fields(raw, source, trust_remote_code=trust_remote_code,
+                                           model_dir=str(Path(source).parent)), engine_reason=why)
+
+
+class UnknownArchitecture(UserError):
+    """No native family covers the checkpoint (`model.engine: megatron` refuses it; auto picks transformers)."""
 
 
 def _int(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
@@ -196,9 +247,10 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     fam = families.find(name, cfg.get("model_type"))
     if fam is None:
         shown = name or cfg.get("model_type")
-        raise bad("architectures", shown, "unknown model architecture",
-                  f"use one of {', '.join(families.supported_architectures())} (adding a family: "
-                  "docs/adding-a-model.md)")
+        raise UnknownArchitecture(str(bad("architectures", shown, "no native family (Megatron-Core mapping) for "
+                  "this architecture", "train it on the transformers engine (model.engine: auto, the default, or "
+                  "transformers), which reads the HF weights as they are, without conversion; native families: "
+                  f" {', '.join(families.supported_architectures())} (adding a family: docs/adding-a-model.md)")))
     name = name or fam.architectures[0]
     if fam.text_config:  # an image-text checkpoint (Gemma3ForConditionalGeneration): its language model's config
         text = cfg.get("text_config")
@@ -224,11 +276,11 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
     act_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
     act = cfg.get(act_key, "silu")
     if act not in ACTIVATIONS:
-        raise bad(act_key, act, "only gated MLPs with silu (SwiGLU) or gelu_pytorch_tanh (GeGLU) are supported",
+        raise unbuilt(act_key, act, "only gated MLPs with silu (SwiGLU) or gelu_pytorch_tanh (GeGLU) are supported",
                   "use a model with one of them")
 
     if fam.qkv_bias is False and cfg.get("attention_bias"):  # q, k, v and o biases the family's table has no rule for
-        raise bad("attention_bias", True, f"{name} checkpoints with attention biases are not supported",
+        raise unbuilt("attention_bias", True, f"{name} checkpoints with attention biases are not supported",
                   "use a checkpoint without them (the published ones have none)")
     rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta, scaling and partial rotary here
     local_rope = rope.pop("sliding_attention", None) or {}  # Gemma 3 (transformers 5): one dict per layer type
@@ -242,7 +294,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
                   f"of head_dim {head_dim}", "fix the model's config.json")
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
         if float(cfg.get(key) or 0.0) != 0.0:  # training would drop out where nd-adapter's model does not
-            raise bad(key, cfg[key], "dropout in training is not built (nd-adapter's layers run without it)",
+            raise unbuilt(key, cfg[key], "dropout in training is not built (nd-adapter's layers run without it)",
                       f"set {key}: 0.0 in the model's config.json (fine-tunes usually do)")
 
     # A window shorter than the model's context: exact only for sequences no longer than it (models/checks.py), as
@@ -266,11 +318,11 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
             linear = _positive_number(scaling.get("factor"), "rope_scaling.factor", source)
         elif kind not in (None, "default"):
             if kind != "llama3":
-                raise bad("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3'), LongRoPE ('longrope') and "
+                raise unbuilt("rope_scaling.rope_type", kind, "only Llama-3.1 ('llama3'), LongRoPE ('longrope') and "
                           "'linear' rope scaling are supported", "use a checkpoint with one of them or none")
             for k, want in LLAMA3_ROPE_FIXED.items():
                 if float(scaling.get(k, want)) != float(want):
-                    raise bad(f"rope_scaling.{k}", scaling.get(k), f"Megatron-Core fixes it at {want}",
+                    raise unbuilt(f"rope_scaling.{k}", scaling.get(k), f"Megatron-Core fixes it at {want}",
                               "only the standard Llama-3.1 rope scaling values are supported")
             factor = float(scaling.get("factor", 8.0))
 
@@ -326,14 +378,14 @@ def _moe(cfg: dict[str, Any], fam, source: str) -> dict[str, Any]:
     step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
     if step != 1 or dense:  # no published checkpoint of these families mixes dense and MoE layers
         shown = ("mlp_only_layers", dense) if dense else ("decoder_sparse_step", step)
-        raise bad(shown[0], shown[1], "a model mixing dense and mixture-of-experts layers is not built",
+        raise unbuilt(shown[0], shown[1], "a model mixing dense and mixture-of-experts layers is not built",
                   "use a checkpoint whose every layer is a mixture of experts (decoder_sparse_step 1, no "
                   "mlp_only_layers)")
     if cfg.get("router_jitter_noise"):  # Mixtral's training-time noise on the router's input
-        raise bad("router_jitter_noise", cfg["router_jitter_noise"], "router jitter is not built",
+        raise unbuilt("router_jitter_noise", cfg["router_jitter_noise"], "router jitter is not built",
                   "set router_jitter_noise: 0.0 in the model's config.json (the published configs do)")
     if cfg.get("clip_qkv") is not None:
-        raise bad("clip_qkv", cfg["clip_qkv"], "clipping q, k and v is not built",
+        raise unbuilt("clip_qkv", cfg["clip_qkv"], "clipping q, k and v is not built",
                   "use a checkpoint without it (clip_qkv: null)")
     coef = cfg.get("router_aux_loss_coef", 0.0)
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:

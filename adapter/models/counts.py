@@ -124,7 +124,10 @@ def layer_params(arch: ModelArch) -> int:
 
 
 def num_params(arch: ModelArch) -> int:
-    """Exact parameter count of the HF model (norms and biases included)."""
+    """Exact parameter count of the HF model (norms and biases included); the transformers engine's is the
+    meta-device model's (adapter/models/generic.py)."""
+    if arch.param_count is not None:
+        return arch.param_count
     emb = arch.vocab_size * arch.hidden_size
     return arch.num_layers * layer_params(arch) + emb * (1 if arch.tie_embeddings else 2) + arch.hidden_size
 
@@ -145,6 +148,12 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128, ep: in
     """`ep`: a mixture of experts' experts split over that many expert-parallel ranks."""
     vp = padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by)
     emb = vp * arch.hidden_size // tp
+    if arch.param_count is not None:  # the transformers engine: its exact total, spread evenly over the layers
+        outer = arch.vocab_size * arch.hidden_size * (1 if arch.tie_embeddings else 2) + arch.hidden_size
+        per_layer = max(0, arch.param_count - outer) // max(1, arch.num_layers) // tp
+        return LocalParams(layer=per_layer, embedding=arch.vocab_size * arch.hidden_size // tp,
+                           output=0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size // tp,
+                           final_norm=arch.hidden_size)
     return LocalParams(layer=sum(lin.local(tp, ep) for lin in linears(arch)) + layer_norm_params(arch),
                        embedding=emb, output=0 if arch.tie_embeddings else emb, final_norm=arch.hidden_size)
 

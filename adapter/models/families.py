@@ -164,7 +164,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmoe", ("OlmoeForCausalLM",), ("olmoe",), OLMOE_TABLE, qk_norm=True, moe=True, qk_norm_whole=True,
            defaults=(("rms_norm_eps", 1e-5),)),
 )
-_BY_NAME = {f.name: f for f in FAMILIES}
+# The transformers engine's models (adapter/models/generic.py): no mapping, never found by `find`; Llama's table
+# stands in for the shape of a layer in `plan`'s per-layer formulas (the totals are the meta-device model's)
+TRANSFORMERS = Family("transformers", (), (), LLAMA_TABLE)
+_BY_NAME = {f.name: f for f in (*FAMILIES, TRANSFORMERS)}
 
 
 def family(name: str) -> Family:

@@ -83,7 +83,8 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     stage = deepspeed_config.zero_stage(cfg, layout)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
-                       unfrozen=None if unfrozen is None else tuple(unfrozen), weights=weights or source.resolve(cfg),
+                       unfrozen=None if unfrozen is None else tuple(unfrozen),
+                       weights=weights or source.resolve(cfg, arch.native),
                        zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings))
 
 

@@ -24,7 +24,8 @@ from adapter import config
 from adapter.config import RunConfig, spell
 from adapter.config.values import path_problem
 from adapter.errors import bad
-from adapter.models.arch import ModelArch, config_path, load_arch
+from adapter.models.arch import ModelArch, NotNative, UnknownArchitecture, config_path, load_arch
+from adapter.models.generic import check_loadable
 
 # A converted checkpoint's layout (Megatron-LM's for a converted model); adapter/convert writes and reads it.
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -44,7 +45,12 @@ def load_config(path: str | Path, **kw: Any) -> RunConfig:
     refusals one by one never ends at "unknown model architecture"."""
     model = config.model_path_of(path, kw.get("overrides"))
     if model is not None and config_path(model).is_file():
-        load_arch(model)
+        try:  # the native reading only: the engine and remote code are the config's to decide
+            load_arch(model, "megatron")
+        except UnknownArchitecture:  # the transformers engine's, if transformers can load it at all
+            check_loadable(json.loads(config_path(model).read_text()))
+        except NotNative:
+            pass  # the transformers engine's to train (resolved with the config: arch_for)
     return config.load(path, **kw)
 
 
@@ -64,7 +70,7 @@ def hf_dir(cfg) -> Path:
 
 def arch_for(cfg) -> ModelArch:
     """The architecture the run trains (from `hf_dir`), with the run's overrides of its config.json."""
-    return with_overrides(cfg, load_arch(hf_dir(cfg)))
+    return with_overrides(cfg, load_arch(hf_dir(cfg), cfg.model.engine, cfg.model.trust_remote_code))
 
 
 # Fields of ModelArch that must agree between the config's model and a converted checkpoint.
@@ -84,7 +90,7 @@ def check_converted(cfg) -> None:
         stored = json.loads(meta.read_text()).get("arch", {})
     except (OSError, json.JSONDecodeError, AttributeError):
         raise bad("model.checkpoint", ckpt, f"its {META} is not valid JSON", "convert the checkpoint again")
-    base = with_overrides(cfg, load_arch(model_dir(cfg.model.path)))
+    base = with_overrides(cfg, load_arch(model_dir(cfg.model.path), cfg.model.engine, cfg.model.trust_remote_code))
     diff = [k for k in ARCH_KEYS if k in stored and stored[k] != getattr(base, k)]
     if diff:
         k = diff[0]
@@ -97,7 +103,7 @@ def with_overrides(cfg, arch: ModelArch) -> ModelArch:
     over = cfg.model.output_router_logits
     if over is None:
         return arch
-    if not arch.moe:
+    if not arch.moe and arch.native:
         raise bad(spell(cfg, "model.output_router_logits"), over, f"{arch.architecture} is not a mixture of experts "
                   "(no router, no load-balancing loss)", "remove the key")
     return dataclasses.replace(arch, output_router_logits=over)
@@ -189,8 +195,9 @@ class WeightsSource:
         return self.kind == "pretrained" and not self.cached
 
 
-def resolve(cfg) -> WeightsSource:
-    """Decide, from the config and the file system alone, which weights the run starts from."""
+def resolve(cfg, native: bool = True) -> WeightsSource:
+    """Decide, from the config and the file system alone, which weights the run starts from. `native`: False for
+    the transformers engine, which reads model.path's weights itself (no converted cache entry)."""
     m = cfg.model
     directory = model_dir(m.path)
     if m.checkpoint:
@@ -207,23 +214,34 @@ def resolve(cfg) -> WeightsSource:
                       "pytorch_model*.bin, only a config)", "point model.path (base_model) at a checkpoint with its "
                       "weights, name a converted one in model.checkpoint, or set model.init: random")
         return WeightsSource("random", str(directory), reason=f"{directory} holds a config.json but no weights")
+    if not native:
+        return WeightsSource("pretrained", str(directory), cached=True,
+                             source_bytes=sum(file_stat(f)[1] for f in files), dtype=_dtype_of(directory))
     key = identity(directory, index, files, m.vocab_divisible_by)
     entry = cache_root(cfg) / "weights" / f"{_label(directory)}-{key}"
+    return WeightsSource("pretrained", str(directory), checkpoint=str(entry), cached=complete(entry),
+                         source_bytes=sum(file_stat(f)[1] for f in files), dtype=_dtype_of(directory),
+                         node_local=m.cache_node_local)
+
+
+def _dtype_of(directory: Path) -> str | None:
     try:
         hf = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
-        hf = {}
-    return WeightsSource("pretrained", str(directory), checkpoint=str(entry), cached=complete(entry),
-                         source_bytes=sum(file_stat(f)[1] for f in files),
-                         dtype=hf.get("dtype") or hf.get("torch_dtype"), node_local=m.cache_node_local)
+        return None
+    return (hf.get("dtype") or hf.get("torch_dtype")) if isinstance(hf, dict) else None
 
 
 def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def describe(w: WeightsSource, seed: int) -> str:
-    """The run's first line, in words: which weights it starts from (and whether it converts them first)."""
+def describe(w: WeightsSource, seed: int, native: bool = True) -> str:
+    """The run's first line, in words: which weights it starts from (and whether it converts them first).
+    `native`: False for the transformers engine, which reads the HF weights as they are (no conversion)."""
+    if not native and w.kind == "pretrained":
+        return (f"weights: fine-tuning from the pre-trained weights in {w.model_dir} ({gb(w.source_bytes)}"
+                f"{', ' + w.dtype if w.dtype else ''}), read by transformers as they are")
     if w.kind == "checkpoint":
         return f"weights: from the converted checkpoint {w.checkpoint} (model.checkpoint)"
     if w.kind == "random":

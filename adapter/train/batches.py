@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from adapter.data import DPSampler, PackedDataset, SyntheticData, build_token_cache
@@ -80,7 +81,10 @@ def place(run: ResolvedRun, cp_rank: int, device, b):
     (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params"."""
     cfg, layout = run.cfg, run.layout
     packed = None
-    if cfg.document_attention:
+    if not run.arch.native:  # transformers' model: documents through positions that restart (hf_build's docstring)
+        if not cfg.document_attention and "position_ids" in b:  # one causal stream, as the native engine runs it
+            b = {**b, "position_ids": torch.arange(b["tokens"].shape[1]).expand_as(b["tokens"])}
+    elif cfg.document_attention:
         sp_tp = layout.tp if cfg.use_sequence_parallel else 1
         b, packed = pack_batch(b, cp_size=layout.cp, cp_rank=cp_rank,
                                multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))

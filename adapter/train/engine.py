@@ -26,6 +26,7 @@ from adapter.convert.load import load_megatron_checkpoint
 from adapter.kernels.fp8 import install_fp8
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
+from adapter.modeling.hf_build import CausalLMLosses, build_model, layer_classes
 from adapter.modeling.lora import add_adapters, load_state
 from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
@@ -177,11 +178,9 @@ def lr_scheduler_for(cfg: RunConfig):
     return make
 
 
-def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:
-    """`load_weights(model)`: the run's first weights into the plain GPTModel (adapter/convert/cache.load: a
-    converted checkpoint or the converted pre-trained weights); None loads `model.checkpoint` if set."""
+def _native_model(run: ResolvedRun, groups: Groups, device, load_weights, dtype):
+    """Megatron-Core's GPTModel of a native family with its first weights, adapters, freezing and kernels."""
     cfg, arch, layout = run.cfg, run.arch, run.layout
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.param_precision]
     tp = layout.tp
     fused = torch.cuda.is_available() if cfg.model.fused_kernels is None else cfg.model.fused_kernels
     torch.manual_seed(cfg.seed)  # same init on every dp rank when there is no checkpoint
@@ -221,6 +220,31 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
     if cfg.model.compile:
         compile_layers(model, cfg.model.compile_memory_budget)
     add_tp_grad_hooks(model, groups.tp)
+    return model
+
+
+def _transformers_model(run: ResolvedRun, device, dtype):
+    """transformers' own model of the checkpoint (adapter/modeling/hf_build.py) in the loop's call
+    (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so."""
+    cfg = run.cfg
+    model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
+                        trust_remote_code=cfg.model.trust_remote_code)
+    return CausalLMLosses(model).to(device)
+
+
+def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:
+    """`load_weights(model)`: the run's first weights into the plain GPTModel (adapter/convert/cache.load: a
+    converted checkpoint or the converted pre-trained weights); None loads `model.checkpoint` if set. The
+    transformers engine (`run.arch.native` false) builds transformers' model instead; the DeepSpeed side is one."""
+    cfg, layout = run.cfg, run.layout
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.param_precision]
+    tp = layout.tp
+    if run.arch.native:
+        model = _native_model(run, groups, device, load_weights, dtype)
+        layers = [Layer]
+    else:
+        model = _transformers_model(run, device, dtype)
+        layers = layer_classes(model.model)
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
                        dp_world_size=layout.dp, replica_group=groups.dp_replicate if hsdp else None)
@@ -240,7 +264,7 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         return zero12_expert_groups(found, layout.ep) if experts12 else found
 
     if stage == 3 and cfg.deepspeed.gather_granularity == "layer":
-        set_z3_leaf_modules(model, [Layer])
+        set_z3_leaf_modules(model, layers)
     if run.flat_optimizer:
         o = cfg.optimizer
         opt = FlatAdamW(param_groups(model, o.weight_decay, names=True), lr=o.lr, betas=o.betas, eps=o.eps,

@@ -115,6 +115,39 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_templat
     return out
 
 
+def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int,
+                        chat_template: str | None = None) -> Path:
+    """The transformers engine's result: transformers' own `save_pretrained` of the trained model (gathered out of
+    ZeRO-3's partitions; its config as the run's dtype writes it), the tokenizer as the data was prepared with it and
+    the chat template, built beside the target and published like `export_hf`. Collective; rank 0 writes."""
+    out = Path(out_dir).absolute()
+    model = engine.module.model  # adapter/modeling/hf_build.CausalLMLosses holds transformers' model
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        if rank == 0:
+            built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / "hf"
+            try:
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                model.save_pretrained(str(built), state_dict=state, safe_serialization=True)
+                src = hf_dir(cfg)
+                gen = src / "generation_config.json"
+                if gen.is_file() and not (built / gen.name).is_file():
+                    shutil.copy(gen, built / gen.name)
+                for side in src.glob("*"):  # processor and tokenizer files as the checkpoint ships them
+                    if side.is_file() and (side.name.startswith(("tokenizer", "special_tokens", "preprocessor",
+                                                                  "processor", "chat_template", "vocab", "merges"))
+                                           or side.suffix == ".model"):
+                        shutil.copy(side, built / side.name)
+                if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
+                    write_special_tokens(built, cfg, arch)
+                if chat_template:
+                    write_chat_template(built, chat_template)
+                publish(built, out)
+            finally:
+                shutil.rmtree(built.parent, ignore_errors=True)
+    dist.barrier()
+    return out
+
+
 def export_lora(engine, spec, arch, cfg, out_dir: str | Path, *, rank: int, tp_group,
                 chat_template: str | None = None) -> Path:
     """A LoRA run's result in PEFT's format (adapter/convert/peft.py): the adapters and modules_to_save gathered

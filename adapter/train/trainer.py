@@ -42,7 +42,7 @@ from adapter.train.batches import load as load_data
 from adapter.train.batches import place, trim
 from adapter.train.best import Best
 from adapter.train.engine import build_engine
-from adapter.train.export import export_hf, export_lora
+from adapter.train.export import export_hf, export_lora, export_transformers
 from adapter.train.preempt import Preemption
 from adapter.train.profile import StepProfiler
 from adapter.train.steps import LOSS, NONFINITE, STOP, PendingStep, masked_loss_sum, nonfinite
@@ -132,7 +132,7 @@ class Trainer:
         # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway. A
         # LoRA checkpoint holds only what is trained, and one resharded brings only that: the frozen part comes from
         # the converted weights again.
-        needs_base = not resuming or self.lora is not None or moved
+        needs_base = (not resuming or self.lora is not None or moved) and run.arch.native  # transformers reads its own
         weights_dir = cache.ready(run.weights, cfg, rank=self.rank, log=self._say) if needs_base else None
         # before the engine: the LR schedule's length needs the data's size
         self.dataset, self.sampler = self._data()
@@ -425,6 +425,11 @@ class Trainer:
             self._say(f"exported the LoRA adapter to {result.exported} (PEFT's format, HF module names; tokenizer"
                       f"{' and chat template' if self.chat_template else ''} included; `nd-adapter merge-lora` "
                       "merges it into the base)")
+        elif export and cfg.checkpoint.export_hf and not self.arch.native:
+            result.exported = str(export_transformers(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf,
+                                                      rank=self.rank, chat_template=self.chat_template))
+            self._say(f"exported HF model to {result.exported} (transformers' save_pretrained; tokenizer"
+                      f"{' and chat template' if self.chat_template else ''} included)")
         elif export and cfg.checkpoint.export_hf:
             result.exported = str(export_hf(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf, rank=self.rank,
                                             chat_template=self.chat_template))

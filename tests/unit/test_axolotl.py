@@ -435,10 +435,10 @@ def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
 
 def test_an_unknown_architecture_is_said_first(tmp_path):
     """A QLoRA example (then Gemma 3) took five rounds of fixes before `unknown model architecture`: the
-    model is checked before any key of the file."""
+    model is checked before any key of the file (now: an architecture transformers itself cannot load)."""
     model = tmp_path / "gemma"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
+    (model / "config.json").write_text(json.dumps({"architectures": ["FalcoForCausalLM"], "model_type": "falco"}))
     cfg = tmp_path / "qlora.yaml"
     cfg.write_text(yaml.safe_dump({"base_model": str(model), "adapter": "qlora", "load_in_4bit": True,
                                    "optimizer": "paged_adamw_8bit", "learning_rate": "2e-4", "lora_r": 32,
@@ -446,8 +446,8 @@ def test_an_unknown_architecture_is_said_first(tmp_path):
     for argv in (["plan", str(cfg)], ["plan", str(cfg), "--search", "--gpus-per-node", "8"],
                  ["preprocess", "--config", str(cfg)]):
         code, _, err = run_cli(*argv)
-        assert code == 2 and err.startswith("nd-adapter: error: architectures='FalconForCausalLM': unknown model "
-                                            "architecture"), (argv, err)
+        assert code == 2 and err.startswith("nd-adapter: error: model_type='falco': transformers "), (argv, err)
+        assert "cannot load this architecture (FalcoForCausalLM)" in err
 
 
 def test_unfrozen_parameters_map_and_bad_patterns_are_refused_at_plan(tmp_path):

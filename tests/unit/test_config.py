@@ -176,7 +176,11 @@ def test_rule_document_mask_with_cp_needs_sdpa():
 
 def test_rule_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(UserError, match="architectures='GPT2LMHeadModel': unknown model architecture. Fix: use one of"):
+    with pytest.raises(UserError, match="architectures='GPT2LMHeadModel': no native family .* Fix: train it on the "
+                       "transformers engine"):
+        load_arch(tmp_path, "megatron")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT9LMHeadModel"], "model_type": "gpt9"}))
+    with pytest.raises(UserError, match=r"model_type='gpt9': transformers \S+ cannot load this architecture"):
         load_arch(tmp_path)
 
 

@@ -1,0 +1,69 @@
+"""The transformers engine's model: transformers' own class for the checkpoint, built on the meta device for `plan`'s
+facts or for real (with the checkpoint's weights, or random in its shape) for training, and the thin module the
+training loop calls.
+
+The loop (adapter/train/trainer.py) calls every model the same way -- tokens, positions, labels, loss mask -- and
+takes per-token losses back (adapter/train/steps.py sums them under the loss mask). `CausalLMLosses` is that call on
+a transformers model: it runs the model without labels (transformers' own loss would average per micro-batch, not
+per step) and returns the fp32 per-token cross-entropy. Packed documents attend only inside themselves through
+transformers' own packed-sequence masks: with no attention mask and positions that restart at each document,
+transformers' masking utilities build the block-diagonal causal mask (sdpa, eager, flex), the same per-document
+attention Axolotl's multipack gets from flash attention's varlen path.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from adapter.models.generic import hf_config, model_class
+
+# parameters of an image-text checkpoint's other towers (vision, audio and their projectors): frozen, as a text
+# fine-tune of such a checkpoint leaves them (Axolotl trains the language model on text rows)
+OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_newline", "embed_vision",
+                "embed_audio", "mm_projector")
+
+
+def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool):
+    """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed)."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    config = hf_config(cfg, trust_remote_code=trust_remote_code, model_dir=model_dir)
+    remote = bool(cfg.get("auto_map"))
+    cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
+    torch.manual_seed(seed)
+    kw = {"trust_remote_code": True} if remote else {}
+    if weights:
+        model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
+    else:
+        model = cls.from_config(config, dtype=dtype, **kw) if remote else cls._from_config(config, dtype=dtype)
+    model.config.use_cache = False
+    for name, p in model.named_parameters():
+        if any(t in name for t in OTHER_TOWERS):
+            p.requires_grad_(False)
+    return model
+
+
+class CausalLMLosses(torch.nn.Module):
+    """The loop's call on a transformers model: per-token cross-entropy [b, s] in fp32 (module docstring)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
+                **_):
+        out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
+        logits = out.logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+
+
+def layer_classes(model) -> list[type]:
+    """The decoder-layer classes (transformers' `_no_split_modules`): ZeRO-3 gathers each one's parameters at once."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return list({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+__all__ = ["OTHER_TOWERS", "build_model", "CausalLMLosses", "layer_classes"]

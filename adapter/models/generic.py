@@ -1,0 +1,248 @@
+"""The facts of a model trained by the transformers engine: any architecture transformers can load, read from its
+config.json and from the model transformers builds on the meta device (no weights, no memory).
+
+The native families (adapter/models/families.py) are mapped onto Megatron-Core layers tensor by tensor; everything
+else -- new architectures, hybrids of attention and state-space layers, image-text checkpoints, a native family with
+a feature its record does not reproduce, or `model.engine: transformers` -- is trained as transformers' own model
+(adapter/modeling/hf_build.py). Its `ModelArch` carries the sizes `plan` reads under the same names (hidden, layers,
+heads, vocabulary, ...) and, for what a formula cannot know about an arbitrary architecture, exact numbers from the
+meta-device model: the parameter count and whether the embedding is tied. Its weight table is Llama's, read only by
+`plan`'s per-layer formulas as a stand-in shape; the totals are the meta model's.
+
+This module loads without torch; the meta-device build imports torch and transformers when a transformers-engine
+model is first resolved (a native model's `plan` never does).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from adapter.errors import bad
+
+ENGINES = ("auto", "megatron", "transformers")
+# layer kinds of `layer_types` (or the hybrid configs' own keys) that cannot be split over the sequence: their
+# recurrence runs through every position in order
+UNSPLITTABLE = ("linear_attention", "mamba", "mamba2", "conv", "hybrid", "recurrent", "ssm")
+
+
+def text_part(cfg: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the language model's config, whether the checkpoint is image-text): VLMs keep it under `text_config`."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and any(k in text for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
+        return text, "vision_config" in cfg or "audio_config" in cfg
+    return cfg, False
+
+
+def _first(cfg: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
+    for k in keys:
+        v = cfg.get(k)
+        if v is not None:
+            return v
+    return default
+
+
+def _positive(cfg: dict[str, Any], keys: tuple[str, ...], source: str, default: int | None = None) -> int:
+    v = _first(cfg, keys, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2 ** 63:
+        raise bad(keys[0], v, f"must be a positive integer in {source}", "fix the model's config.json")
+    return v
+
+
+def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Every layer kind the config names (`layer_types`, `layers_block_type`, hybrid patterns), sorted."""
+    text, _ = text_part(cfg)
+    kinds: set[str] = set()
+    for key in ("layer_types", "layers_block_type", "layer_block_types", "hybrid_override_pattern"):
+        v = text.get(key)
+        if isinstance(v, list):
+            kinds.update(str(x) for x in v)
+        elif isinstance(v, str) and key == "hybrid_override_pattern":  # Nemotron-H: M (mamba), * (attention), -
+            kinds.update({"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}.get(c, c) for c in v)
+    if text.get("model_type") in ("mamba", "mamba2", "falcon_mamba"):
+        kinds.add("mamba")
+    if str(text.get("model_type", "")).startswith(("falcon_h1", "jamba", "zamba", "bamba", "lfm2")):
+        kinds.add("hybrid")
+    return tuple(sorted(kinds))
+
+
+def unsplittable(kinds: tuple[str, ...]) -> str | None:
+    """The first layer kind that cannot be split over the sequence (context parallelism), or None."""
+    return next((k for k in kinds if any(u in k.lower() for u in UNSPLITTABLE)), None)
+
+
+def check_loadable(cfg: dict[str, Any]) -> None:
+    """One line when transformers has no class for the checkpoint's model_type and the checkpoint ships no code of
+    its own (auto_map): no engine can train it. Cheap (no model is built): said before any key of the run's file."""
+    import transformers
+
+    if not isinstance(cfg, dict) or cfg.get("auto_map"):
+        return
+    model_type = cfg.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        name = (cfg.get("architectures") or [None])[0]
+        raise bad("model_type", model_type, f"transformers {transformers.__version__} cannot load this architecture "
+                  f"({name})", "upgrade transformers, or use a checkpoint of an architecture it knows")
+
+
+def hf_config(cfg: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None):
+    """transformers' config object for a config.json (one line for what transformers cannot read)."""
+    import transformers
+
+    name = (cfg.get("architectures") or [None])[0]
+    model_type = cfg.get("model_type")
+    check_loadable(cfg)
+    if cfg.get("auto_map"):
+        if not trust_remote_code:
+            raise bad("trust_remote_code", False, f"{name or model_type} is built by code in its checkpoint "
+                      "(config.json's auto_map)", "set trust_remote_code: true to run that code, or pick a checkpoint "
+                      "transformers implements")
+        if model_dir is None:
+            raise bad("model.path", None, "remote code needs the checkpoint's directory", "point model.path at it")
+        return transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+    body = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")}
+    try:
+        return transformers.CONFIG_MAPPING[str(model_type)].from_dict(body)
+    except (TypeError, ValueError, KeyError) as e:
+        raise bad("model", model_type, f"transformers cannot read this config.json ({e.__class__.__name__}: "
+                  f"{str(e).splitlines()[0][:160]})", "fix the model's config.json")
+
+
+def model_class(config, name: str | None, *, remote: bool):
+    """The class the checkpoint names (`architectures[0]`) when transformers has it, else its causal-LM (or
+    image-text-to-text) auto class."""
+    import transformers
+
+    if remote:
+        return transformers.AutoModelForCausalLM
+    cls = getattr(transformers, name, None) if name else None
+    if cls is not None and name and hasattr(cls, "from_pretrained") and name.endswith(("ForCausalLM",
+                                                                                       "ForConditionalGeneration")):
+        return cls
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        found = mapping.get(config.model_type)
+        if found and hasattr(transformers, found):
+            return getattr(transformers, found)
+    raise bad("architectures", name, f"transformers has no causal language model for model_type "
+              f"{config.model_type!r}", "fine-tune a causal (or image-text-to-text) checkpoint")
+
+
+def meta_model(cfg: dict[str, Any], *, trust_remote_code: bool = False, model_dir: str | None = None):
+    """(model on the meta device, its class name): shapes without memory, for `plan` and the checks."""
+    import torch
+
+    config = hf_config(cfg, trust_remote_code=trust_remote_code, model_dir=model_dir)
+    remote = bool(cfg.get("auto_map"))
+    cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
+    with torch.device("meta"):
+        model = (cls.from_config(config, trust_remote_code=True) if remote else cls._from_config(config))
+    return model, type(model).__name__
+
+
+@functools.lru_cache(maxsize=16)
+def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None) -> dict[str, Any]:
+    """Exact facts of the model transformers builds from this config, on the meta device: parameter count, whether
+    the input and output embeddings are one tensor, whether it ships a tensor-parallel plan, the class it builds.
+    Raises UserError (one line) when transformers cannot build it."""
+    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    params = {id(p): p.numel() for p in model.parameters()}
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    tied = out is not None and emb is not None and out.weight is emb.weight
+    plan = getattr(model, "_tp_plan", None) or getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
+    ep_plan = getattr(text, "base_model_ep_plan", None)
+    return {"params": sum(params.values()), "tied": bool(tied), "tp_plan": bool(plan), "ep_plan": bool(ep_plan),
+            "cls": cls, "embedding": emb.weight.numel() if emb is not None else 0}
+
+
+def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: bool = False,
+                        model_dir: str | None = None) -> dict[str, Any]:
+    """ModelArch's fields for the transformers engine (adapter/models/arch.py builds the record)."""
+    facts = meta_facts(json.dumps(cfg, sort_keys=True), trust_remote_code, model_dir)  # loadable at all: first
+    text, image_text = text_part(cfg)
+    hidden = _positive(text, ("hidden_size", "n_embd", "d_model", "dim"), source)
+    heads = _positive(text, ("num_attention_heads", "n_head", "num_heads", "n_heads"), source, default=1)
+    kv = _first(text, ("num_key_value_heads", "num_kv_heads", "n_kv_heads"), heads)
+    kv = kv if isinstance(kv, int) and kv > 0 else heads
+    head_dim = _first(text, ("head_dim", "attention_head_dim"))
+    head_dim = head_dim if isinstance(head_dim, int) and head_dim > 0 else max(1, hidden // heads)
+    ffn = _first(text, ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"))
+    ffn = ffn if isinstance(ffn, int) and ffn > 0 else 4 * hidden
+    layers = _positive(text, ("num_hidden_layers", "n_layer", "num_layers", "n_layers"), source)
+    vocab = _positive(text, ("vocab_size",), source)
+    arch = (cfg.get("architectures") or [facts["cls"]])[0]
+    kinds = text.get("layer_types")
+    window = text.get("sliding_window")
+    # which layers attend through a window: only where layer_types says so (a bare `sliding_window` is often a
+    # default that the model does not use, e.g. Qwen2's use_sliding_window: false)
+    windowed = tuple(k == "sliding_attention" for k in kinds) if isinstance(kinds, list) and \
+        len(kinds) == layers and "sliding_attention" in kinds else None
+    return dict(
+        family="transformers", architecture=arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=vocab,
+        max_position_embeddings=int(_first(text, ("max_position_embeddings", "n_positions"), 4096) or 4096),
+        tie_embeddings=facts["tied"], rope_theta=float(text.get("rope_theta") or 10000.0), rope_scaling_factor=None,
+        norm_eps=float(_first(text, ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"), 1e-6) or 1e-6),
+        qkv_bias=bool(text.get("attention_bias", False)), qk_norm=False,
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype") or "bfloat16"),
+        sliding_window=window if windowed and isinstance(window, int) and window > 0 else None,
+        window_layers=windowed if isinstance(window, int) and window > 0 else None,
+        engine="transformers", hf_model_type=str(cfg.get("model_type") or ""), param_count=facts["params"],
+        layer_kinds=layer_kinds(cfg), has_tp_plan=facts["tp_plan"], has_ep_plan=facts["ep_plan"],
+        image_text=image_text, remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
+        output_router_logits=bool(text.get("output_router_logits")))
+
+
+def check_run(cfg, arch) -> list[str]:
+    """What the transformers engine does not run yet, each refused in one line naming the key; the warnings for
+    what it runs but the user should know. Layouts over data-parallel ranks (dp_shard with ZeRO-1/2/3,
+    dp_replicate, exact HSDP) are built; tensor, context and expert parallelism on this engine are not yet."""
+    from adapter.config import spell
+
+    name, p = arch.architecture, cfg.parallelism
+    why = f"on the transformers engine ({name}: {arch.engine_reason})"
+    if cfg.model.checkpoint:
+        raise bad("model.checkpoint", cfg.model.checkpoint, f"a converted Megatron checkpoint is the native engine's "
+                  f"format; {name} trains {why.removeprefix('on ')}", "remove it: the transformers engine reads the "
+                  "HF weights in model.path (base_model) as they are")
+    if p.tp_size > 1:
+        fix = ("use tensor_parallel_size: 1 (shard over dp_shard_size instead)" if arch.has_tp_plan else
+               "use tensor_parallel_size: 1: transformers ships no tensor-parallel plan (base_model_tp_plan) for it")
+        raise bad(spell(cfg, "parallelism.tp_size"), p.tp_size, f"tensor parallelism is not built {why}", fix)
+    if p.cp_size > 1:
+        layer = unsplittable(arch.layer_kinds)
+        problem = (f"its {layer} layers cannot be split over the sequence" if layer else
+                   f"context parallelism is not built {why}")
+        raise bad(spell(cfg, "parallelism.cp_size"), p.cp_size, problem,
+                  "use context_parallel_size: 1 (shard over dp_shard_size instead)")
+    layer, d = unsplittable(arch.layer_kinds), cfg.data
+    packs = d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing))
+    if layer and packs:  # transformers confines attention to each packed document; a recurrence runs through them
+        key = "data.document_mask" if d.document_mask else ("data.sample_packing" if d.sample_packing
+                                                             else "data.eval_sample_packing")
+        raise bad(spell(cfg, key), True, f"packed documents would share the recurrent state of {name}'s {layer} "
+                  "layers (transformers separates them in attention only)", f"set {spell(cfg, key)}: false")
+    if p.ep_size > 1:
+        raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
+                  "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
+    unbuilt = [(cfg.lora is not None, "lora", "LoRA/QLoRA adapters", "train every weight (remove adapter:)"),
+               (cfg.model.unfrozen_parameters is not None, "model.unfrozen_parameters", "freezing by pattern",
+                "remove it"),
+               (cfg.optimizer.name == "adamw_8bit", "optimizer.name", "8-bit AdamW", "use adamw_torch"),
+               (cfg.precision == "fp8", "precision", "fp8 matmuls", "use bf16"),
+               (cfg.model.compile is True, "model.compile", "compiled layers", "remove it (or torch_compile: auto)"),
+               (cfg.model.fused_linear_ce, "model.fused_linear_ce", "the fused linear cross-entropy", "remove it"),
+               (arch.output_router_logits, "model.output_router_logits", "the load-balancing loss",
+                "set it false (model_config: {output_router_logits: false})")]
+    for on, key, what, fix in unbuilt:
+        if on:
+            raise bad(spell(cfg, key), getattr(cfg.model, key.split(".")[-1], None) if key.startswith("model.")
+                      else "set", f"{what} {'are' if what.endswith('s') else 'is'} not built {why}", fix)
+    return []
+
+
+__all__ = ["check_run", "ENGINES", "UNSPLITTABLE", "text_part", "layer_kinds", "unsplittable", "check_loadable",
+           "hf_config", "model_class", "meta_model", "meta_facts", "generic_arch_fields"]
