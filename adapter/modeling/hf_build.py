@@ -8,7 +8,8 @@ a transformers model: it runs the model without labels (transformers' own loss w
 per step) and returns the fp32 per-token cross-entropy. Packed documents attend only inside themselves through
 transformers' own packed-sequence masks: with no attention mask and positions that restart at each document,
 transformers' masking utilities build the block-diagonal causal mask (sdpa, eager, flex), the same per-document
-attention Axolotl's multipack gets from flash attention's varlen path.
+attention Axolotl's multipack gets from flash attention's varlen path; adapter/patches/hf_masks.py supplies the
+document split to models whose code does not hand transformers their positions (gpt-oss).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from adapter.models.generic import hf_config, model_class
+from adapter.patches.hf_masks import documents, prepare
 
 # parameters of an image-text checkpoint's other towers (vision, audio and their projectors): frozen, as a text
 # fine-tune of such a checkpoint leaves them (Axolotl trains the language model on text rows)
@@ -52,10 +54,12 @@ class CausalLMLosses(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
+        prepare(model)
 
     def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
                 **_):
-        out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
+        with documents(position_ids):  # every model's masks confine attention to the packed documents
+            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
         logits = out.logits.float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 

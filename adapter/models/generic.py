@@ -102,7 +102,9 @@ def hf_config(cfg: dict[str, Any], *, trust_remote_code: bool, model_dir: str | 
         return transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
     body = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")}
     try:
-        return transformers.CONFIG_MAPPING[str(model_type)].from_dict(body)
+        cls = transformers.CONFIG_MAPPING[str(model_type)]
+        decode = getattr(cls, "_decode_special_floats", None)  # Infinity/NaN as transformers writes them
+        return cls.from_dict(decode(body) if decode else body)
     except (TypeError, ValueError, KeyError) as e:
         raise bad("model", model_type, f"transformers cannot read this config.json ({e.__class__.__name__}: "
                   f"{str(e).splitlines()[0][:160]})", "fix the model's config.json")

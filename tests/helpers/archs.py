@@ -1,0 +1,98 @@
+"""Tiny random checkpoints of architectures that no native family covers, for the transformers engine's tests.
+
+Each is transformers' own config class for the architecture -- whose defaults are the published model's config
+(gpt-oss-20b, DeepSeek-V3, GLM-4.5-Air, Llama-4-Scout, Qwen3-Next-80B-A3B, Granite-4.0, Phi-2, ...) -- with only
+the sizes cut down (and dropout off, which a fine-tune's config.json sets anyway), so every structural feature of the
+real model (MLA, sinks, shared experts, chunked or sliding attention, linear-attention or Mamba layers, an image-text
+wrapper) is kept. `hybrid` marks the ones whose recurrent layers cannot take packed documents.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# model_type -> (causal-LM class, the sizes to cut besides TINY)
+ARCHS: dict[str, tuple[str, dict]] = {
+    "phi": ("PhiForCausalLM", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0}),
+    "gpt_neox": ("GPTNeoXForCausalLM", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    "starcoder2": ("Starcoder2ForCausalLM", {"residual_dropout": 0.0, "embedding_dropout": 0.0,
+                                             "attention_dropout": 0.0, "sliding_window": 8}),
+    "gpt_oss": ("GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                      "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                      "output_router_logits": False}),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", {**_MOE, "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 2,
+                                              "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+                                              "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                              "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4}),
+    "glm4_moe": ("Glm4MoeForCausalLM", {**_MOE, "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1,
+                                        "topk_group": 1, "first_k_dense_replace": 1, "head_dim": 16}),
+    "llama4_text": ("Llama4ForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 1,
+                                          "intermediate_size_mlp": 96, "head_dim": 16, "attention_chunk_size": 8,
+                                          "output_router_logits": False}),
+    "qwen3_next": ("Qwen3NextForCausalLM", {**_MOE, "num_experts": 4, "shared_expert_intermediate_size": 32,
+                                            "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                            "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                            "layer_types": ["linear_attention", "full_attention"],
+                                            "output_router_logits": False}),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32, "mamba_n_heads": 4,
+        "mamba_d_head": 32, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+        "layer_types": ["mamba", "attention"], "output_router_logits": False}),
+    "olmo3": ("Olmo3ForCausalLM", {"sliding_window": 8,
+                                   "layer_types": ["sliding_attention", "full_attention"]}),
+}
+HYBRID = {"qwen3_next", "granitemoehybrid"}
+# image-text: the language model's sizes as above under text_config, a two-layer vision tower
+VISION = {"mistral3": ("Mistral3ForConditionalGeneration", {"model_type": "mistral", "head_dim": 16},
+                       {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                        "num_attention_heads": 2, "head_dim": 16, "image_size": 64, "patch_size": 16})}
+
+
+def tiny_config(model_type: str, vocab: int = TINY["vocab_size"]):
+    import transformers
+
+    ids = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}  # inside the tiny vocabulary; no pad row
+    if model_type in VISION:
+        cls_name, text, vision = VISION[model_type]
+        cfg = transformers.CONFIG_MAPPING[model_type](text_config={**TINY, "vocab_size": vocab, **text, **ids},
+                                                      vision_config=vision, **ids)
+    else:
+        cls_name, extra = ARCHS[model_type]
+        cfg = transformers.CONFIG_MAPPING[model_type](**{**TINY, "vocab_size": vocab, **extra, **ids})
+    cfg.architectures = [cls_name]
+    return cfg
+
+
+def make_arch(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random checkpoint of `model_type` (fp32, weights spread so per-token losses differ) with the
+    tokenizer's files beside it."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from tests.helpers.sft import _spread
+
+    torch.manual_seed(seed)
+    auto = AutoModelForImageTextToText if model_type in VISION else AutoModelForCausalLM
+    model = auto.from_config(tiny_config(model_type)).to(torch.float32)
+    _spread(model, seed)
+    model.save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
+def reference_model(model_dir: Path):
+    """transformers' model of a tiny checkpoint, loaded as a user would (fp32)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    archs = json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
+    auto = AutoModelForImageTextToText if archs[0].endswith("ConditionalGeneration") else AutoModelForCausalLM
+    return auto.from_pretrained(str(model_dir), dtype=torch.float32)
