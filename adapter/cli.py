@@ -18,6 +18,7 @@ from adapter.config.values import MAX_WORLD
 from adapter.convert.cli import add_merge_parser
 from adapter.convert.cli import add_parser as add_convert_parser
 from adapter.data.sft import report
+from adapter.data.sft.prepare import check_choices
 from adapter.errors import EXIT_USAGE, UserError
 from adapter.models import source
 from adapter.models.resolved import resolve_run
@@ -82,7 +83,9 @@ def cmd_plan(args) -> int:
         print(found.model_dump_json(indent=2)) if args.format == "json" else render_search(found, top=args.top)
         return 0
     cfg = source.load_config(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
-    doc = build_plan(resolve_run(cfg), config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
+    run = resolve_run(cfg)  # the model's reasons first, then the data's that need no file: what preprocess refuses
+    check_choices(cfg)
+    doc = build_plan(run, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
     doc.notes.extend(_resume_note(cfg, doc.model["architecture"]))
     if args.format == "json":
         print(doc.model_dump_json(indent=2))

@@ -2,7 +2,10 @@
 
 The model keeps the family, head and KV-head counts and a mixture of experts' expert count and top-k (so every
 tp/cp/ep divisibility rule is exercised) but shrinks head_dim, width, depth and each expert; precision becomes fp32
-(CPU). One process per rank, gloo + DeepSpeed's CPU accelerator.
+(CPU). It keeps every rule the real model meets, since the real run has passed them already: a QLoRA base's NF4
+blocks of 64 inside each rank's rows (a head_dim of 8 gives Qwen2-7B's 28 heads a width of 224, so head_dim grows
+to the smallest multiple of 8 that makes the width a multiple of 64 × tp), and a check the tiny model still fails
+is said as the rehearsal's, never as the user's key. One process per rank, gloo + DeepSpeed's CPU accelerator.
 It trains a few steps, saves, resumes from that checkpoint and trains on: config, layout, data and checkpoint
 mistakes surface here instead of on the GPUs. Data files are tokenised when the config has them (with the real
 tokenizer; the tiny model's vocabulary is every id that tokenizer can produce, so a test tokenizer of a thousand
@@ -21,6 +24,7 @@ from adapter.config import RunConfig
 from adapter.errors import UserError, bad
 from adapter.models import announce, source
 from adapter.models.arch import ModelArch
+from adapter.models.lora import NF4_BLOCK
 from adapter.models.resolved import ResolvedRun, resolve_run
 from adapter.train.preflight import preflight
 from adapter.train.spawn import spawn
@@ -30,22 +34,31 @@ TINY_LAYERS = 2
 SYNTHETIC_VOCAB = 1024
 
 
-def tiny_arch(arch: ModelArch, tp: int, vocab: int | None) -> ModelArch:
-    """`vocab`: the tokenizer's (ids it can produce), None for synthetic tokens."""
-    hidden = arch.num_heads * TINY_HEAD_DIM
-    rot = int(TINY_HEAD_DIM * arch.rotary_fraction) // 2 * 2  # partial rotary: an even number of rotated dims
+def tiny_head_dim(heads: int, tp: int, block: int) -> int:
+    """The smallest multiple of TINY_HEAD_DIM whose `heads` heads are a width that is a multiple of `block` × tp:
+    every linear's input per TP rank (the hidden size, the attention's heads / tp, the MLP's 2·hidden) then holds
+    whole blocks."""
+    return math.lcm(heads * TINY_HEAD_DIM, block * tp) // heads
+
+
+def tiny_arch(arch: ModelArch, tp: int, vocab: int | None, block: int = 1) -> ModelArch:
+    """`vocab`: the tokenizer's (ids it can produce), None for synthetic tokens; `block`: the multiple every
+    linear's input width per TP rank must be (NF4's 64 for a QLoRA base, else 1)."""
+    head_dim = tiny_head_dim(arch.num_heads, tp, block)
+    hidden = arch.num_heads * head_dim
+    rot = int(head_dim * arch.rotary_fraction) // 2 * 2  # partial rotary: an even number of rotated dims
     def spread(factors):  # LongRoPE: as many of its factors as the tiny head rotates frequencies, spread evenly
         return None if factors is None else tuple(factors[round(i * (len(factors) - 1) / max(rot // 2 - 1, 1))]
                                                   for i in range(rot // 2))
     kinds = arch.window_layers
     if kinds is not None:  # one layer of each kind the model has (Gemma: a sliding one and a global one)
         kinds = (True, False) if True in kinds and False in kinds else kinds[:TINY_LAYERS]
-    return dataclasses.replace(arch, hidden_size=hidden, head_dim=TINY_HEAD_DIM, num_layers=TINY_LAYERS,
+    return dataclasses.replace(arch, hidden_size=hidden, head_dim=head_dim, num_layers=TINY_LAYERS,
                                ffn_hidden_size=2 * hidden * tp, max_position_embeddings=4096,
                                # rows for every id the tokenizer makes, rounded up to 32 (resize_vocab_to_32x)
                                vocab_size=SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size,
                                                                                     -(-vocab // 32) * 32),
-                               rotary_fraction=rot / TINY_HEAD_DIM, rope_short_factor=spread(arch.rope_short_factor),
+                               rotary_fraction=rot / head_dim, rope_short_factor=spread(arch.rope_short_factor),
                                rope_long_factor=spread(arch.rope_long_factor), window_layers=kinds,
                                # a window shorter than the rehearsal's sequences, so windowed attention runs
                                sliding_window=None if arch.sliding_window is None else min(arch.sliding_window, 24),
@@ -80,7 +93,8 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
     and token cache."""
     cfg, arch = run.cfg, run.arch
     vocab = (tokenizer_vocab(cfg) or arch.vocab_size) if cfg.data.files or cfg.data.datasets else None
-    tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab)
+    nf4 = run.lora is not None and run.lora.quantize_base == "nf4"
+    tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab, NF4_BLOCK if nf4 else 1)
     ckdir = workdir
     half = max(1, steps // 2)
     seq = rehearsal_seq_len(cfg, seq_len)
@@ -99,7 +113,12 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
         "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache",
                                             **_sft_rehearsal(cfg, ckdir, seq)}),
     }
-    return resolve_run(cfg.model_copy(update=upd), arch=tiny)  # its weights: random (model.init above)
+    try:
+        return resolve_run(cfg.model_copy(update=upd), arch=tiny)  # its weights: random (model.init above)
+    except UserError as e:  # the run itself passed every check (main): what fails here is the rehearsal's doing
+        raise UserError(f"the rehearsal's tiny model ({tiny.num_heads} heads of {tiny.head_dim}, hidden "
+                        f"{tiny.hidden_size}) fails a check the model itself passes, an nd-adapter bug to report "
+                        f"(nothing in the config to change): {e}") from None
 
 
 def _sft_rehearsal(cfg: RunConfig, workdir: str, seq: int) -> dict:

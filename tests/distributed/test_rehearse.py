@@ -76,3 +76,17 @@ def test_rehearse_olmoe_with_expert_parallelism_beside_tp():
     assert "rehearsing on 4 CPU processes: dp_replicate=1 dp_shard=2 cp=1 tp=2 ep=2" in p.stdout
     assert "mixture of experts: 64 experts, top 8, load-balancing loss" in p.stdout
     assert "layout 1x2x1x2 ep 2, saved at step 1 and resumed" in p.stdout and "Traceback" not in p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_rehearse_qwen2_qlora_example_at_tp2(tmp_path):
+    """Axolotl's qwen2/qlora-fsdp.yaml (Qwen2-7B: 28 heads, NF4 base) at tp 2 on 2 processes, with synthetic tokens
+    (no eval set): the tiny model's head_dim grows to keep NF4's blocks of 64 in every rank's rows (a head_dim of 8
+    made a width of 224, refused as if the user's tp_size were at fault), and it trains, saves and resumes."""
+    from tests.helpers.axolotl_home import with_local_model
+
+    cfg = with_local_model(ROOT / "tests/fixtures/axolotl/qwen2-qlora-fsdp.yaml", tmp_path,
+                           drop=("datasets", "val_set_size"), tensor_parallel_size=2, sequence_len=256)
+    p = rehearse(str(cfg), "--nproc", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rehearsal ok: 2 processes, layout 1x1x1x2, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]

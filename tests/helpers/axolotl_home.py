@@ -166,3 +166,19 @@ def cli(argv: list[str], env: dict, cwd: Path, timeout: int = 1500) -> tuple[int
     p = subprocess.run([sys.executable, "-m", "adapter", *argv], cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=timeout)
     return p.returncode, p.stdout, p.stderr
+
+
+def with_local_model(example: Path, out_dir: Path, model: dict | None = None, drop=("datasets",), **keys) -> Path:
+    """The example's YAML written to `out_dir`, its `base_model` (a hub id) replaced by a local directory holding
+    only that model's config.json (MODELS; `model` replaces it), the keys in `drop` removed and `keys` set: a shape
+    to plan or rehearse without a hub cache or a tokenizer."""
+    raw = yaml.safe_load(example.read_text())
+    spec = model or MODELS[raw["base_model"]]
+    conf = json.loads((SHIPPED / spec / "config.json").read_text()) if isinstance(spec, str) else spec
+    (out_dir / "model").mkdir(parents=True)
+    (out_dir / "model/config.json").write_text(json.dumps(conf))
+    for key in drop:
+        raw.pop(key, None)
+    path = out_dir / example.name
+    path.write_text(yaml.safe_dump({**raw, "base_model": str(out_dir / "model"), **keys}, sort_keys=False))
+    return path

@@ -433,6 +433,30 @@ def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
         "precision: fp32 (the rehearsal's, on CPU; the run itself: bf16)"]
 
 
+def test_plan_says_what_preprocess_would_refuse_of_the_data(tmp_path):
+    """A chat template neither Axolotl nor nd-adapter ships and an image dataset (Axolotl's processor_type, as its
+    vision examples set it) are refused by plan in one line, as preprocess refuses them; the names Axolotl ships
+    (qwen_25, qwen3, ...) plan, and preprocess renders them (tests/unit/test_chat_templates.py)."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    chat = {"path": str(data), "type": "chat_template"}
+    for keys, err in (({"datasets": [{**chat, "chat_template": "qwen9"}]},
+                       "datasets[0].chat_template='qwen9': not a chat template Axolotl or nd-adapter ships"),
+                      ({"datasets": [chat], "chat_template": "llama9"},
+                       "chat_template='llama9': not a chat template Axolotl or nd-adapter ships"),
+                      ({"datasets": [chat], "processor_type": "AutoProcessor", "skip_prepare_dataset": True},
+                       "processor_type='AutoProcessor': image and audio datasets go through a processor"),
+                      ({"datasets": [chat], "chat_template": "qwen_25"}, None),
+                      ({"datasets": [{**chat, "chat_template": "qwen3"}]}, None)):
+        yml = tmp_path / "run.yaml"
+        yml.write_text(yaml.safe_dump({**BASE, **keys}))
+        code, out, said = run_cli("plan", str(yml))
+        if err is None:
+            assert code == 0 and "predicted peak" in out, said
+        else:
+            assert code == 2 and said.startswith(f"nd-adapter: error: {err}") and said.count("\n") == 1, said
+
+
 def test_an_unknown_architecture_is_said_first(tmp_path):
     """A QLoRA example (then Gemma 3) took five rounds of fixes before `unknown model architecture`: the
     model is checked before any key of the file (now: an architecture transformers itself cannot load)."""

@@ -209,8 +209,9 @@ def test_template_choices_and_refusals(model, tmp_path):
     assert templates.resolve_template("tokenizer_default_fallback_chatml", None, tok, "") == templates.CHATML
     with pytest.raises(Exception, match=r"^chat_template='tokenizer_default': the tokenizer has no chat template"):
         templates.resolve_template(None, None, tok, "")
-    with pytest.raises(Exception, match=r"^data\.chat_template='mistral_v7_tekken': not a chat template nd-adapter"):
-        templates.resolve_template("mistral_v7_tekken", None, tok, "data.")
+    with pytest.raises(Exception, match=r"^data\.chat_template='mistral_v9': not a chat template Axolotl or nd-adap"):
+        templates.resolve_template("mistral_v9", None, tok, "data.")
+    assert templates.resolve_template("mistral_v7_tekken", None, tok, "data.") == templates.BUILTIN["mistral_v7_tekken"]
     with pytest.raises(Exception, match=r"^data\.chat_template='llama3': the template writes <\|end_header_id\|>"):
         templates.resolve_template("llama3", None, tok, "data.")  # shipped, but this vocabulary lacks its tokens
     with pytest.raises(Exception, match=r"writes <\|eot_id\|>, which is not one token"):

@@ -417,6 +417,7 @@ def test_pretokenised_labels_note_only_when_the_column_is_missing(model, tmp_pat
                    progress=False)
     assert [n for n in both.notes if "labels column" in n] == [
         "pre-tokenised rows without a labels column train every token (datasets[1])"]
+    assert not any("train_on_inputs" in n for n in data.notes + both.notes)  # their labels are as given: no prompts
 
 
 def test_min_sample_len_names_itself_when_it_drops_everything(model, tmp_path):

@@ -80,9 +80,25 @@ def resolve_all(cfg, test: bool = False) -> list[tuple[Any, str, str, sources.So
 
 def check(cfg) -> None:
     """Preflight: every entry's type, keys and source, before any process starts."""
+    check_choices(cfg)
     resolve_all(cfg)
     resolve_all(cfg, test=True)
     val_fraction(cfg, None)
+
+
+def check_choices(cfg) -> None:
+    """What `plan` can refuse of the data from the config alone (no file, no tokenizer): each entry's type and
+    every chat template named, top level and per entry, so a name preprocess would refuse is said at plan time."""
+    where, key = names(cfg)
+    d = cfg.data
+    if d.chat_template is not None or d.chat_template_jinja is not None:
+        templates.check_choice(d.chat_template, d.chat_template_jinja, top_prefix(cfg))
+    for test, entries in ((False, d.datasets), (True, d.test_datasets)):
+        for i, entry in enumerate(entries):
+            at = f"{key('test_datasets')}[{i}]" if test else where(i)
+            formats.kind_of(entry, at)
+            if entry.chat_template is not None or entry.chat_template_jinja is not None:
+                templates.check_choice(entry.chat_template, entry.chat_template_jinja, f"{at}.")
 
 
 def prepared_root(cfg) -> Path:
@@ -386,7 +402,7 @@ def notes_for(cfg, result: dict) -> list[str]:
     """Lines for the run's start: defaults and filtering that change what is trained."""
     d, (_, key), out = cfg.data, names(cfg), []
     kinds = {s["type"] for s in result["datasets"]}
-    if kinds - {"completion"} and "train_on_inputs" not in d.model_fields_set:
+    if kinds - {"completion", "pretokenised"} and "train_on_inputs" not in d.model_fields_set:  # rows masked as given
         out.append("prompts, system and user turns are not trained (train_on_inputs: false, the default)")
     dropped = sum(s.get("dropped_too_long", 0) for s in result["datasets"])
     truncated = sum(s.get("truncated", 0) for s in result["datasets"])
@@ -474,4 +490,4 @@ def prepare(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True, barrie
     return _open(cfg, final, reused)
 
 
-__all__ = ["SFTData", "prepare", "check", "prepared_root", "cache_key", "load_tokenizer"]
+__all__ = ["SFTData", "prepare", "check", "check_choices", "prepared_root", "cache_key", "load_tokenizer"]

@@ -24,45 +24,13 @@ import numpy as np
 from adapter.errors import UserError, bad
 
 IGNORE = -100
-# <|im_start|>{role}\n{content}<|im_end|>\n per message (the format Axolotl's and most hub chatml templates render).
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{% endif %}")
-# Llama 3 (Instruct's format, as Axolotl's `llama3`): BOS once, a header per message, content trimmed, <|eot_id|>.
-LLAMA3 = ("{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}{{ '<|start_header_id|>' + "
-          "message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-# Gemma (as Axolotl's `gemma`): no system role, user/model alternate, content trimmed.
-GEMMA = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
-         "{{ raise_exception('System role not supported') }}{% endif %}"
-         "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-         "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + "
-         "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
-         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-# Gemma 3 (as Axolotl's `gemma3`, text only): a system message becomes the first user turn's prefix (then a blank
-# line), user/model alternate, content (a string, or a list of text parts) trimmed; image parts are refused.
-GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
-          "{% set first = (messages[0]['content'] if messages[0]['content'] is string else "
-          "messages[0]['content'] | selectattr('text', 'defined') | map(attribute='text') | join('')) + '\n\n' %}"
-          "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
-          "{% for message in turns %}"
-          "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-          "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + "
-          "(first if loop.first else '') }}"
-          "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
-          "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] | trim }}"
-          "{% else %}{{ raise_exception('image parts are not supported: nd-adapter trains the language model') }}"
-          "{% endif %}{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-# Phi-3 (as Axolotl's `phi_3`): BOS once; a user turn ends by opening the assistant's; no generation-prompt branch
-PHI_3 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
-         "{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'user' %}"
-         "{{ '<|user|>\n' + message['content'] + '<|end|>\n<|assistant|>\n' }}"
-         "{% elif message['role'] == 'assistant' %}{{ message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}")
-BUILTIN = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA, "gemma3": GEMMA3, "phi_3": PHI_3}
-CHOICES = ("tokenizer_default", "tokenizer_default_fallback_<name>", *BUILTIN, "jinja")
+# Axolotl's `chat_template:` choices, each the jinja file Axolotl ships under that name, copied byte for byte into
+# chat_templates/ (axolotl-ai-cloud/axolotl @ 067b021c8b87, src/axolotl/utils/chat_templates/templates/*.jinja; its
+# ChatTemplate enum in src/axolotl/utils/schemas/enums.py names them): a name renders exactly as Axolotl renders it.
+SHIPPED_DIR = Path(__file__).with_name("chat_templates")
+BUILTIN = {f.stem: f.read_text(encoding="utf-8") for f in sorted(SHIPPED_DIR.glob("*.jinja"))}
+CHATML = BUILTIN["chatml"]  # <|im_start|>{role}\n{content}<|im_end|>\n per message
+FALLBACK = "tokenizer_default_fallback_"
 SENTINELS = ("\x01", "\x02")  # one character each: they differ in their first and in their last character
 EOS_WINDOW = 4  # the EOS must be among the first 4 tokens after the content (Axolotl: |eos - end| <= 3)
 DEFAULT_ROLES = {"human": "user", "user": "user", "assistant": "assistant", "gpt": "assistant", "system": "system",
@@ -92,10 +60,7 @@ def resolve_template(choice: str | None, jinja: str | None, tok, prefix: str) ->
     `{prefix}chat_template` in errors ("" top level, "data." native, "datasets[0]." per entry). Refuses templates
     whose <|...|> tokens the vocabulary lacks: adding them needs new embedding rows."""
     key = f"{prefix}chat_template"
-    if jinja is not None and choice not in (None, "jinja"):
-        raise bad(key, choice, "chat_template_jinja is also given",
-                  "drop chat_template (chat_template_jinja alone means chat_template: jinja) or the jinja")
-    choice = "jinja" if jinja is not None else (choice or "tokenizer_default")
+    choice = check_choice(choice, jinja, prefix)
     own = _tokenizer_template(tok)
     if choice == "jinja":
         if jinja is None:
@@ -106,16 +71,28 @@ def resolve_template(choice: str | None, jinja: str | None, tok, prefix: str) ->
             raise bad(key, choice, "the tokenizer has no chat template",
                       "set chat_template: chatml (or tokenizer_default_fallback_chatml) or chat_template_jinja")
         template = own
-    elif choice.startswith("tokenizer_default_fallback_") and choice.removeprefix(
-            "tokenizer_default_fallback_") in BUILTIN:
-        template = own or BUILTIN[choice.removeprefix("tokenizer_default_fallback_")]
-    elif choice in BUILTIN:
-        template = BUILTIN[choice]
+    elif choice.startswith(FALLBACK):
+        template = own or BUILTIN[choice.removeprefix(FALLBACK)]
     else:
-        raise bad(key, choice, "not a chat template nd-adapter ships",
-                  f"use one of {', '.join(CHOICES)}, or give the template itself as chat_template_jinja")
+        template = BUILTIN[choice]
     check_template_tokens(template, tok, key, choice)
     return template
+
+
+def check_choice(choice: str | None, jinja: str | None, prefix: str) -> str:
+    """The `chat_template` choice a dataset renders with (tokenizer_default when unset), refused in one line when
+    nd-adapter has no template of that name or when it is given beside chat_template_jinja; no tokenizer needed,
+    so `plan` says it too."""
+    key = f"{prefix}chat_template"
+    if jinja is not None and choice not in (None, "jinja"):
+        raise bad(key, choice, "chat_template_jinja is also given",
+                  "drop chat_template (chat_template_jinja alone means chat_template: jinja) or the jinja")
+    choice = "jinja" if jinja is not None else (choice or "tokenizer_default")
+    if choice in ("jinja", "tokenizer_default") or choice.removeprefix(FALLBACK) in BUILTIN:
+        return choice
+    raise bad(key, choice, "not a chat template Axolotl or nd-adapter ships",
+              f"use tokenizer_default, tokenizer_default_fallback_<name>, jinja (with chat_template_jinja) or a "
+              f"name: {', '.join(BUILTIN)}")
 
 
 def check_template_tokens(template: str, tok, key: str, choice: str) -> None:
@@ -224,6 +201,15 @@ class ChatFormatter:
                 raise bad(f"{self.where}.message_property_mappings", self.mapping, f"row {idx} message {n}'s "
                           f"{self.mapping['role']!r} is {type(turn['role']).__name__}, not a role name",
                           "map role onto the field that holds the role's name (roles: maps names)")
+            content = turn.get("content")
+            other = next((p.get("type") for p in content if isinstance(p, dict) and p.get("type") != "text"),
+                         None) if isinstance(content, list) else None
+            if other is not None:  # Axolotl's templates write a placeholder token for it (gemma3: <start_of_image>)
+                raise bad(self.where, f"row {idx}", f"message {n} has a part of type {other!r}: image and audio "
+                          "datasets go through a processor and a vision tower; nd-adapter trains the language model "
+                          "on text",
+                          "give text conversations (content a string, or text parts only), or train this dataset "
+                          "with Axolotl")
             turn["role"] = self.roles.get(turn["role"], turn["role"])
             if turn["role"] not in self.named:
                 self.outside.append(turn["role"])
@@ -298,4 +284,4 @@ class ChatFormatter:
         return ids, labels, eos_missing and self.train_on_eos != "none"
 
 
-__all__ = ["CHATML", "BUILTIN", "ChatFormatter", "resolve_template", "check_template_tokens"]
+__all__ = ["CHATML", "BUILTIN", "ChatFormatter", "resolve_template", "check_choice", "check_template_tokens"]
