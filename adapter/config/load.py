@@ -92,9 +92,31 @@ def _first_error(err: ValidationError, dialect: str = "native") -> UserError:
     return bad(key, value, msg, "see docs/config.md for the allowed values")
 
 
+def _in_file_spelling(raw: dict[str, Any], dialect: Dialect, overrides: dict[str, Any]) -> dict[str, Any]:
+    """`--set` in the file's own words: in an Axolotl file a key Axolotl names (`dp_shard_size`,
+    `fsdp_config.reshard_after_forward`, `optimizer=adamw_8bit`) is set in the file before it is mapped, so it means
+    what the same line in the file means; native keys (`precision`, `optimizer.lr`) still apply after the mapping.
+    `optimizer`, `deepspeed` and `seed` are both: a bare value is Axolotl's, a dotted key the native section's.
+    Returns the native overrides left."""
+    if dialect != "axolotl":
+        return overrides
+    native = {}
+    for dotted, value in overrides.items():
+        head = dotted.split(".")[0]
+        theirs = head in axolotl.KNOWN or head in axolotl.DATA_KEYS
+        if theirs and (head not in RunConfig.model_fields or "." not in dotted):
+            if value is not None:
+                set_dotted(raw, dotted, value)
+        else:
+            native[dotted] = value
+    return native
+
+
 def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, Any] | None = None,
-          world_size: int | None = None) -> RunConfig:
-    """Validate a raw mapping (any dialect) into a RunConfig with dp_shard resolved against `world_size`.
+          world_size: int | None = None, layout: bool = True) -> RunConfig:
+    """Validate a raw mapping (any dialect) into a RunConfig with dp_shard resolved against `world_size`. `layout`
+    False: the caller lays nothing out (`preprocess`, `merge-lora`: data and weights do not depend on the layout),
+    so an unknown world size is no reason to refuse.
 
     Precedence: file < PARALLELISM_CONFIG_* env (only for keys the file leaves unset, as in Accelerate) < CLI overrides.
     """
@@ -106,13 +128,15 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
     for dotted, value in (overrides or {}).items():
         check_tree(value, dotted)
     dialect = detect_dialect(raw)
+    raw = dict(raw)  # the caller's mapping is left as it was
+    overrides = _in_file_spelling(raw, dialect, overrides or {})
     native = _TO_NATIVE[dialect](raw)
     par = native.setdefault("parallelism", {})
     if not isinstance(par, dict):
         raise bad("parallelism", par, "must be a mapping", "write the sizes under `parallelism:`")
     for key, value in _env_sizes(dict(os.environ) if env is None else env).items():
         par.setdefault(key, value)
-    for dotted, value in (overrides or {}).items():
+    for dotted, value in overrides.items():
         if value is not None:
             set_dotted(native, dotted, value)
     try:
@@ -128,13 +152,15 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
         if world is not None and world > MAX_WORLD:  # the plan lists every rank and group: its work grows with them
             raise bad(key, world, f"nd-adapter plans and runs at most {MAX_WORLD:,} GPUs", "give a smaller world "
                       "(nodes × GPUs per node, --nproc) or layout (dp_replicate × dp_shard × cp × tp)")
-    if world_size is None and cfg.parallelism.dp_shard_size is None and cfg.parallelism.ep_size > 1:
+    if layout and world_size is None and cfg.parallelism.dp_shard_size is None and cfg.parallelism.ep_size > 1:
         # dp_shard would fill a world of one, which holds no expert-parallel ranks (Axolotl's EP examples name no
         # layout, only `expert_parallel_size` and the launcher's process count)
         raise bad(spell(cfg, "parallelism.ep_size"), cfg.parallelism.ep_size, "the world size is not known here and "
                   f"{spell(cfg, 'parallelism.dp_shard_size')} is not set, so there is no data-parallel rank to lay "
                   "the experts over", "give the number of GPUs (plan --gpus-per-node N; train or rehearse --nproc N; "
-                  f"deepspeed/torchrun set it), or set {spell(cfg, 'parallelism.dp_shard_size')}")
+                  f"deepspeed/torchrun set it), or set {spell(cfg, 'parallelism.dp_shard_size')}"
+                  + (" (in an Axolotl file the GPUs are dp_shard_size × expert_parallel_size)"
+                     if cfg.source == "axolotl" else ""))
     par_resolved = cfg.parallelism.resolve(world_size)
     cfg = cfg.model_copy(update={"parallelism": par_resolved})
     _check_world_and_batch(cfg, world_size)
@@ -297,6 +323,8 @@ def model_path_of(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     if not isinstance(raw, dict):
         return None
     named = (overrides or {}).get("model.path")
+    if named is None and detect_dialect(raw) == "axolotl":
+        named = (overrides or {}).get("base_model")
     if named is None:
         dialect, model = detect_dialect(raw), raw.get("model")
         named = {"native": model.get("path") if isinstance(model, dict) else None, "axolotl": raw.get("base_model"),
