@@ -64,7 +64,12 @@ _AXOLOTL_SETTINGS = {("deepspeed.zero_stage", 2): "fsdp_config.reshard_after_for
 
 
 def setting(cfg: RunConfig, native: str, value: Any) -> str:
-    """`key: value` as the run's config file would write it, for a fix in a message."""
+    """`key: value` as the run's config file would write it, for a fix in a message. A ZeRO stage an Axolotl file
+    took from its `deepspeed:` JSON is changed there: fsdp_config beside a deepspeed JSON is refused as a conflict."""
+    where = cfg.deepspeed.stage_from
+    if cfg.source == "axolotl" and native == "deepspeed.zero_stage" and where:
+        return (f"deepspeed.zero_optimization.stage: {value}" if where == "deepspeed:" else
+                f"zero_optimization.stage: {value} in {where}")
     if cfg.source == "axolotl" and (native, value) in _AXOLOTL_SETTINGS:
         return _AXOLOTL_SETTINGS[(native, value)]
     shown = str(value).lower() if isinstance(value, bool) else value
