@@ -190,3 +190,43 @@ def test_gptq_true_over_a_16_bit_base_says_to_use_a_16_bit_base_model(tmp_path, 
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("nd-adapter: error: gptq=True: "), err
     assert "Fix: remove it and point base_model at the 16-bit checkpoint" in lines[0]
+
+
+# --- messages in the user's words ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["cloud-modal.yaml", "cloud-baseten.yaml"])
+def test_a_cloud_launch_file_is_said_to_be_one(name):
+    """Axolotl's examples/cloud/*.yaml were told `model: missing`: they say where a job runs, not what it trains."""
+    code, out, err = run_cli("plan", str(FIXTURES / name), "--gpus-per-node", "8")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Axolotl's cloud launch config" in lines[0], err
+    assert "model: missing" not in err and "Fix: pass the training YAML" in err
+
+
+def test_the_layout_mismatch_names_the_file_s_keys(tmp_path, monkeypatch):
+    """Axolotl's distributed-parallel/llama-3_1-8b-hsdp-tp.yaml on 8 GPUs (it lays out 16) was told
+    `parallelism='2×4×1×2'`, nd-adapter's internal section."""
+    _cached(tmp_path, monkeypatch, "meta-llama/Llama-3.1-8B", None)
+    code, out, err = run_cli("plan", str(FIXTURES / "llama-3_1-8b-hsdp-tp.yaml"), "--gpus-per-node", "8")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "parallelism=" not in err, err
+    assert ("dp_replicate_size 2 × dp_shard_size 4 × context_parallel_size 1 × tensor_parallel_size 2 = 16 GPUs, "
+            "but the world size is 8") in err and "Fix: make their product 8" in err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--set", "recompute=some"), "gradient_checkpointing='some': Input should be 'none', 'selective' or 'full'. "
+     "Fix: use one of 'none', 'selective' or 'full'"),
+    (("--set", "datasets.0.split=3"), "Input should be a valid string. Fix: give a string"),
+    (("--set", "logging.wandb_mode=loud"), "Fix: use one of 'online', 'offline' or 'disabled'"),
+])
+def test_value_errors_say_the_allowed_values(tmp_path, monkeypatch, flags, needle):
+    """Axolotl's llama-3/lora-1b-ray.yml with a wrong value: the fix was "see docs/config.md for the allowed
+    values"."""
+    _cached(tmp_path, monkeypatch, "NousResearch/Llama-3.2-1B", None)
+    (tmp_path / "deepspeed_configs").mkdir()  # Axolotl reads it from the working directory
+    (tmp_path / "deepspeed_configs/zero3.json").write_text((FIXTURES / "zero3.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("plan", str(FIXTURES / "lora-1b-ray.yml"), "--gpus-per-node", "8", *flags)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0] and "docs/config.md" not in err, err

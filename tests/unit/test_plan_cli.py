@@ -68,7 +68,7 @@ def test_plan_is_fast_and_exits_2_in_a_real_process():
     bad = subprocess.run([sys.executable, "-m", "adapter", "plan", CFG16, "--nodes", "3", "--gpus-per-node", "8"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().count("\n") == 0 and "does not match num_processes (24)" in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and "= 16 GPUs, but the world size is 24" in bad.stderr
 
 
 # ---- property test: no traceback, ever ---------------------------------------------------------------------------
