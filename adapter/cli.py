@@ -159,9 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
         p.add_argument("--max-steps", type=int, help="override optimizer.max_steps")
         p.add_argument("--nproc", type=_count, help="processes to start (default: the config's world size)")
-        if name == "train":
-            p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-        else:
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+        if name == "rehearse":
             p.add_argument("--steps", type=int, default=4, help="steps to rehearse")
             p.add_argument("--seq-len", type=int, help="shorter sequence for the rehearsal")
         p.set_defaults(func=func)

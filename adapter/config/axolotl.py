@@ -190,4 +190,4 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
         notes.append(note)
 
 
-__all__ = ["MARKERS", "KEYS", "from_axolotl", "map_training"]
+__all__ = ["MARKERS", "KEYS", "KNOWN", "DATA_KEYS", "from_axolotl", "map_training"]

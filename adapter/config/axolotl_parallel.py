@@ -218,6 +218,7 @@ def map_deepspeed(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
         raise bad("deepspeed", name, f"zero_optimization.stage={stage!r} is not 0-3", "fix the DeepSpeed JSON")
     mapped = 3 if stage == 3 else 2
     set_dotted(out, "deepspeed.zero_stage", mapped)
+    set_dotted(out, "deepspeed.stage_from", raw["deepspeed"] if isinstance(raw["deepspeed"], str) else "deepspeed:")
     said = f"deepspeed {name}: zero_optimization.stage {stage} -> deepspeed.zero_stage {mapped}"
     if stage < 2:
         said += " (the same maths; stage 2 also shards the gradients)"

@@ -15,7 +15,9 @@ from adapter.errors import bad
 _FULL = "remove it for a full fine-tune of every weight, or run this config with Axolotl"
 _SFT = "remove it and give an SFT dataset (e.g. type: chat_template), or run this config with Axolotl"
 _ONE_LR = "remove it: nd-adapter trains every weight with one learning_rate and its schedule"
-_16BIT = "set it to false: nd-adapter loads and trains 16/32-bit weights (bf16 with fp32 master weights)"
+# a GPTQ base holds packed int4 codes: its 16-bit original (and load_in_4bit for a 4-bit frozen base) is the way
+_16BIT = ("remove it and point base_model at the 16-bit checkpoint the GPTQ one was quantised from (nd-adapter loads "
+          "16/32-bit weights); for a 4-bit frozen base use adapter: qlora with load_in_4bit: true")
 _LORA = "remove it for plain LoRA (adapter: lora), or run this config with Axolotl"
 _VOCAB = "use tokens the vocabulary already has (special_tokens may name them); resizing embeddings is later work"
 

@@ -64,7 +64,12 @@ _AXOLOTL_SETTINGS = {("deepspeed.zero_stage", 2): "fsdp_config.reshard_after_for
 
 
 def setting(cfg: RunConfig, native: str, value: Any) -> str:
-    """`key: value` as the run's config file would write it, for a fix in a message."""
+    """`key: value` as the run's config file would write it, for a fix in a message. A ZeRO stage an Axolotl file
+    took from its `deepspeed:` JSON is changed there: fsdp_config beside a deepspeed JSON is refused as a conflict."""
+    where = cfg.deepspeed.stage_from
+    if cfg.source == "axolotl" and native == "deepspeed.zero_stage" and where:
+        return (f"deepspeed.zero_optimization.stage: {value}" if where == "deepspeed:" else
+                f"zero_optimization.stage: {value} in {where}")
     if cfg.source == "axolotl" and (native, value) in _AXOLOTL_SETTINGS:
         return _AXOLOTL_SETTINGS[(native, value)]
     shown = str(value).lower() if isinstance(value, bool) else value
@@ -89,12 +94,78 @@ def _first_error(err: ValidationError, dialect: str = "native") -> UserError:
         msg, _, fix = msg.removeprefix("Value error, ").partition(". Fix: ")
         fix = fix or "correct the value"
         return bad(key, value, msg, fix) if not isinstance(value, dict) else UserError(f"{key}: {msg}. Fix: {fix}")
-    return bad(key, value, msg, "see docs/config.md for the allowed values")
+    return bad(key, value, msg, _allowed(kind, e.get("ctx") or {}))
+
+
+# what a value of each kind pydantic checks may be, for the fix of a message (the value itself is named before it)
+_KINDS = {"string_type": "give a string", "bool_type": "write true or false", "bool_parsing": "write true or false",
+          "int_type": "give a whole number", "int_parsing": "give a whole number", "int_from_float": "give a whole "
+          "number", "float_type": "give a number", "float_parsing": "give a number", "dict_type": "write a mapping "
+          "(its keys indented below it)", "list_type": "give a list", "tuple_type": "give a list"}
+
+
+def _allowed(kind: str, ctx: dict[str, Any]) -> str:
+    """The values a field takes, said in the fix: a choice's names, a bound, or the kind of value."""
+    if kind in ("literal_error", "enum"):
+        return f"use one of {ctx.get('expected', 'the values docs/config.md lists')}"
+    for bound, word in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+        if bound in ctx:
+            return f"give a value {word} {ctx[bound]}"
+    return _KINDS.get(kind, "give a value of the kind docs/config.md lists for this key")
+
+
+def _in_file_spelling(raw: dict[str, Any], dialect: Dialect, overrides: dict[str, Any]) -> dict[str, Any]:
+    """`--set` in the file's own words: in an Axolotl file a key Axolotl names (`dp_shard_size`,
+    `fsdp_config.reshard_after_forward`, `optimizer=adamw_8bit`) is set in the file before it is mapped, so it means
+    what the same line in the file means; native keys (`precision`, `optimizer.lr`) still apply after the mapping.
+    `optimizer`, `deepspeed` and `seed` are both: a bare value is Axolotl's, a dotted key the native section's.
+    Returns the native overrides left."""
+    if dialect != "axolotl":
+        return overrides
+    native = {}
+    for dotted, value in overrides.items():
+        head = dotted.split(".")[0]
+        theirs = head in axolotl.KNOWN or head in axolotl.DATA_KEYS
+        if theirs and (head not in RunConfig.model_fields or "." not in dotted):
+            if value is not None:
+                _set_in_file(raw, dotted, value)
+        else:
+            native[dotted] = value
+    return native
+
+
+def _set_in_file(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """set_dotted, where a number after a list's key picks its entry (`datasets.0.split`), as _first_error names it.
+    Entries are copied on the way, so the caller's mapping is left as it was."""
+    *path, last = dotted.split(".")
+    node: Any = raw
+    for i, k in enumerate(path):
+        child = node[int(k)] if isinstance(node, list) and k.isdigit() and int(k) < len(node) else \
+            node.get(k) if isinstance(node, dict) else None
+        child = dict(child) if isinstance(child, dict) else list(child) if isinstance(child, list) else child
+        if child is None:
+            child = {}
+        if not isinstance(child, (dict, list)):
+            where = ".".join(path[: i + 1])
+            raise bad(where, child, "must be a mapping", f"write `{where}:` with its keys indented below it")
+        if isinstance(node, list):
+            node[int(k)] = child
+        else:
+            node[k] = child
+        node = child
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise bad("--set", dotted, f"{'.'.join(path)} has {len(node)} entries", "name one of them by its index")
+        node[int(last)] = value
+    else:
+        node[last] = value
 
 
 def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, Any] | None = None,
-          world_size: int | None = None) -> RunConfig:
-    """Validate a raw mapping (any dialect) into a RunConfig with dp_shard resolved against `world_size`.
+          world_size: int | None = None, layout: bool = True) -> RunConfig:
+    """Validate a raw mapping (any dialect) into a RunConfig with dp_shard resolved against `world_size`. `layout`
+    False: the caller lays nothing out (`preprocess`, `merge-lora`: data and weights do not depend on the layout),
+    so an unknown world size is no reason to refuse.
 
     Precedence: file < PARALLELISM_CONFIG_* env (only for keys the file leaves unset, as in Accelerate) < CLI overrides.
     """
@@ -106,13 +177,18 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
     for dotted, value in (overrides or {}).items():
         check_tree(value, dotted)
     dialect = detect_dialect(raw)
+    if dialect == "native" and raw and not raw.keys() & RunConfig.model_fields.keys() and \
+            (overrides or {}).get("model.path") is None:
+        raise _not_a_run(raw)
+    raw = dict(raw)  # the caller's mapping is left as it was
+    overrides = _in_file_spelling(raw, dialect, overrides or {})
     native = _TO_NATIVE[dialect](raw)
     par = native.setdefault("parallelism", {})
     if not isinstance(par, dict):
         raise bad("parallelism", par, "must be a mapping", "write the sizes under `parallelism:`")
     for key, value in _env_sizes(dict(os.environ) if env is None else env).items():
         par.setdefault(key, value)
-    for dotted, value in (overrides or {}).items():
+    for dotted, value in overrides.items():
         if value is not None:
             set_dotted(native, dotted, value)
     try:
@@ -128,17 +204,32 @@ def build(raw: Any, *, env: dict[str, str] | None = None, overrides: dict[str, A
         if world is not None and world > MAX_WORLD:  # the plan lists every rank and group: its work grows with them
             raise bad(key, world, f"nd-adapter plans and runs at most {MAX_WORLD:,} GPUs", "give a smaller world "
                       "(nodes × GPUs per node, --nproc) or layout (dp_replicate × dp_shard × cp × tp)")
-    if world_size is None and cfg.parallelism.dp_shard_size is None and cfg.parallelism.ep_size > 1:
+    if layout and world_size is None and cfg.parallelism.dp_shard_size is None and cfg.parallelism.ep_size > 1:
         # dp_shard would fill a world of one, which holds no expert-parallel ranks (Axolotl's EP examples name no
         # layout, only `expert_parallel_size` and the launcher's process count)
         raise bad(spell(cfg, "parallelism.ep_size"), cfg.parallelism.ep_size, "the world size is not known here and "
                   f"{spell(cfg, 'parallelism.dp_shard_size')} is not set, so there is no data-parallel rank to lay "
                   "the experts over", "give the number of GPUs (plan --gpus-per-node N; train or rehearse --nproc N; "
-                  f"deepspeed/torchrun set it), or set {spell(cfg, 'parallelism.dp_shard_size')}")
+                  f"deepspeed/torchrun set it), or set {spell(cfg, 'parallelism.dp_shard_size')}"
+                  + (" (in an Axolotl file the GPUs are dp_shard_size × expert_parallel_size)"
+                     if cfg.source == "axolotl" else ""))
     par_resolved = cfg.parallelism.resolve(world_size)
     cfg = cfg.model_copy(update={"parallelism": par_resolved})
     _check_world_and_batch(cfg, world_size)
     return _resolve_auto_compile(cfg) if cfg.model.compile == "auto" else cfg
+
+
+# keys of Axolotl's cloud launch configs (examples/cloud/*.yaml: where `axolotl train --cloud` runs, not what)
+_CLOUD_KEYS = {"provider", "gpu_count", "node_count", "secrets", "volumes", "dockerfile_commands", "project_name"}
+
+
+def _not_a_run(raw: dict[str, Any]) -> UserError:
+    """A file none of whose keys any dialect reads: said as what it is, not as the first key it lacks."""
+    shown = ", ".join(map(str, list(raw)[:6])) + (", ..." if len(raw) > 6 else "")
+    what = ("Axolotl's cloud launch config (where `axolotl train CONFIG --cloud FILE` runs a job, not what it "
+            "trains)" if raw.keys() & _CLOUD_KEYS else "not a training config")
+    return UserError(f"--config: its keys ({shown}) are none that nd-adapter, Axolotl or Accelerate read for a run: "
+                     f"{what}. Fix: pass the training YAML (native: model, ...; Axolotl: base_model, datasets, ...)")
 
 
 def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
@@ -160,10 +251,16 @@ def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
 
 def _check_world_and_batch(cfg: RunConfig, world_size: int | None) -> None:
     p = cfg.parallelism
-    if world_size is not None and cfg.world_size != world_size:
-        raise bad("parallelism", f"{p.dp_replicate_size}×{p.dp_shard_size}×{p.cp_size}×{p.tp_size}",
-                  f"ParallelismConfig total_size ({cfg.world_size}) does not match num_processes ({world_size})",
-                  "adjust dp_replicate_size/dp_shard_size/tp_size/cp_size so their product is the world size")
+    if world_size is not None and cfg.world_size != world_size:  # said with the file's keys and values
+        shard = "dp_shard_size × expert_parallel_size" if cfg.source == "axolotl" and p.ep_size > 1 else \
+            spell(cfg, "parallelism.dp_shard_size")
+        sizes = [(spell(cfg, "parallelism.dp_replicate_size"), p.dp_replicate_size), (shard, p.dp_shard_size),
+                 (spell(cfg, "parallelism.cp_size"), p.cp_size), (spell(cfg, "parallelism.tp_size"), p.tp_size)]
+        shown = " × ".join(f"{k} {v}" for k, v in sizes)
+        raise UserError(f"{shown} = {cfg.world_size} GPUs, but the world size is {world_size} (ParallelismConfig "
+                        f"total_size does not match num_processes). Fix: make their product {world_size} (an unset "
+                        f"{spell(cfg, 'parallelism.dp_shard_size')} takes the GPUs the others leave), or run on "
+                        f"{cfg.world_size} GPUs (--gpus-per-node / --nproc)")
     b, dp = cfg.batch, cfg.dp_size
     if b.global_batch_size is not None:
         per_step = b.micro_batch_size * dp
@@ -297,6 +394,8 @@ def model_path_of(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     if not isinstance(raw, dict):
         return None
     named = (overrides or {}).get("model.path")
+    if named is None and detect_dialect(raw) == "axolotl":
+        named = (overrides or {}).get("base_model")
     if named is None:
         dialect, model = detect_dialect(raw), raw.get("model")
         named = {"native": model.get("path") if isinstance(model, dict) else None, "axolotl": raw.get("base_model"),

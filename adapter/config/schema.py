@@ -356,6 +356,8 @@ class DeepSpeedSection(_Strict):
     gather_granularity: Literal["layer", "module"] = "layer"
     overlap_comm: bool = True
     overrides: dict[str, Any] = Field(default_factory=dict, description="merged into the generated DeepSpeed JSON")
+    stage_from: str | None = Field(None, description="an Axolotl file's `deepspeed:` JSON (its path, or 'deepspeed:' "
+                                   "for a mapping) that zero_stage came from: where a hint says to change it")
 
     @field_validator("overrides")
     @classmethod

@@ -63,7 +63,7 @@ def add_merge_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_merge(args) -> int:
     # merging runs in one process whatever layout the run trained at
-    cfg = source.load_config(args.config, overrides=parse_sets(args.set), world_size=None)
+    cfg = source.load_config(args.config, overrides=parse_sets(args.set), world_size=None, layout=False)
     spec = lora.from_config(cfg, source.arch_for(cfg))
     if spec is None:
         raise bad("adapter", None, "the config trains every weight: there is no adapter to merge",

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import tempfile
 
+from adapter import config
 from adapter.config import RunConfig
 from adapter.errors import UserError, bad
 from adapter.models import announce, source
@@ -154,7 +155,7 @@ def in_process(run: ResolvedRun, rank: int, *, steps: int, seq_len: int | None, 
 
 
 def main(args) -> int:
-    cfg = source.load_config(args.config, world_size=args.nproc)
+    cfg = source.load_config(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
     run = resolve_run(cfg)
     preflight(run, need_data=False, saves=False)  # data files are checked (and tokenised) inside, when given
     if args.steps < 2:
@@ -163,6 +164,8 @@ def main(args) -> int:
         worker = ["--config", args.config, "--rehearse", "--steps", str(args.steps), "--workdir", workdir]
         if args.seq_len:
             worker += ["--seq-len", str(args.seq_len)]
+        for item in args.set or []:  # the same overrides in every rank
+            worker += ["--set", item]
         p = cfg.parallelism
         print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
               f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}" + (f" ep={p.ep_size}" if p.ep_size > 1 else ""),

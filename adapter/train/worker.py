@@ -88,7 +88,7 @@ def _main(argv=None) -> int:
         overrides = config.parse_sets(args.set)
         if args.max_steps is not None:
             overrides["optimizer.max_steps"] = args.max_steps
-        cfg = source.load_config(args.config, world_size=world, overrides=None if args.rehearse else overrides)
+        cfg = source.load_config(args.config, world_size=world, overrides=overrides)
         _catch(cfg.checkpoint.exit_signals)
         resolved = resolve_run(cfg)  # once per process: everything below reads this record
         if not args.rehearse:  # deepspeed/torchrun start this without `nd-adapter train`'s preflight

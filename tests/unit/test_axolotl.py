@@ -557,3 +557,48 @@ def test_early_stopping_and_best_checkpoint_refusals():
         with pytest.raises(UserError, match=needle):
             build(**{key: value})
     assert build(metric_for_best_model="eval_loss").checkpoint.load_best is False
+
+
+# --- Axolotl's expert-parallel examples: every command, the same overrides in the file's words ----------------------
+
+@pytest.fixture()
+def ep_example(tmp_path, monkeypatch):
+    """qwen3_30ba3b_ep_lora_4gpu.yaml, unchanged but for its dataset (a local alpaca file), run from its directory,
+    with Qwen3-30B-A3B's config.json and a small tokenizer in a local HF cache."""
+    from adapter.demo.build import ALPACA_DATA
+    from tests.helpers.axolotl_home import localised
+    from tests.helpers.sft_data import tiny_model
+
+    src = tiny_model(tmp_path / "tok")
+    (src / "config.json").write_text((ROOT / "configs/models/qwen3-30b-a3b/config.json").read_text())
+    add_to_hub_cache(tmp_path / "hf", "Qwen/Qwen3-30B-A3B-Instruct-2507", src)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    return localised(FIXTURES / "qwen3_30ba3b_ep_lora_4gpu.yaml", tmp_path / "ep.yaml", {0: ALPACA_DATA})
+
+
+def test_preprocess_needs_no_world_size_for_an_expert_parallel_example(ep_example):
+    """Data preparation does not depend on the layout: it was refused for a missing world size, with a fix naming
+    flags `preprocess` does not have."""
+    code, out, err = run_cli("preprocess", "--config", str(ep_example))
+    assert code == 0, err
+    assert "prepared data: " in out and "train: " in out
+
+
+def test_every_command_takes_overrides_in_the_file_s_spelling(ep_example):
+    """`--set dp_shard_size=4` was "unknown key" on an Axolotl file: keys Axolotl names are set in the file before
+    it is mapped, on plan, preprocess, train and rehearse alike (native keys still apply after the mapping)."""
+    code, out, err = run_cli("plan", str(ep_example), "--set", "dp_shard_size=1", "--set",
+                             "fsdp_config.reshard_after_forward=false", "--set", "precision=bf16", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)  # as in the file: Axolotl's ep axis beside dp_shard, 1 × 4 = 4 data-parallel ranks
+    assert (doc["mesh"]["dp_shard"], doc["deepspeed"]["config"]["zero_optimization"]["stage"]) == (4, 2)
+    assert "expert_parallel_size: 4 -> parallelism.ep_size: 4" in "\n".join(doc["notes"])
+    assert run_cli("preprocess", "--config", str(ep_example), "--set", "sequence_len=1024")[0] == 0
+    for verb in ("train", "rehearse"):  # read before any process starts: 3 does not divide 128 experts
+        code, _, err = run_cli(verb, "--config", str(ep_example), "--set", "expert_parallel_size=3", "--nproc", "4")
+        assert code == 2 and "expert_parallel_size=3: does not divide num_experts=128" in err, (verb, err)
+    code, _, err = run_cli("plan", str(ep_example), "--set", "dp_shard_sizee=4")
+    assert code == 2 and "dp_shard_sizee=4: unknown key" in err, err

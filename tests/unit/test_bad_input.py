@@ -15,6 +15,8 @@ import yaml
 from adapter import config
 from adapter.cli import main
 from adapter.errors import UserError
+from tests.helpers.cli import run_cli
+from tests.helpers.hub import add_to_hub_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "configs/models/llama-3.2-1b"
@@ -129,3 +131,102 @@ def test_a_large_world_plans_with_its_groups_shortened(tmp_path):
     with contextlib.redirect_stdout(out):
         assert main(["plan", str(path), "--nodes", "128", "--gpus-per-node", "8"]) == 0
     assert "[0, 1, 2, 3, …, 1023: 1024 ranks]" in out.getvalue()
+
+
+# --- pre-quantised bases: a config.json's quantization_config ------------------------------------------------------
+
+FIXTURES = ROOT / "tests/fixtures/axolotl"
+BNB_NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+           "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
+           "bnb_4bit_quant_storage": "bfloat16"}  # hugging-quants/Meta-Llama-3.1-405B-BNB-NF4-BF16's
+
+
+def _cached(tmp_path, monkeypatch, repo: str, quant: dict | None) -> None:
+    """`repo` in a local HF cache as config.json alone: Llama-3.2-1B's shape with `quant` as its quantization_config
+    (the weights are never read: the refusal comes first)."""
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    conf = json.loads((LLAMA / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**conf, **({"quantization_config": quant} if quant else {})}))
+    add_to_hub_cache(tmp_path / "hf", repo, src)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("verb", [["plan"], ["train", "--config"], ["preprocess", "--config"]])
+def test_a_bitsandbytes_nf4_base_is_said_at_plan_with_the_16_bit_fix(tmp_path, monkeypatch, verb):
+    """Axolotl's llama-3/qlora-fsdp-405b.yaml names a BNB-NF4 checkpoint: `plan` exited 0 and `train` failed later
+    with "shape disagrees with config.json". Every command that reads the model now says what it is, first."""
+    _cached(tmp_path, monkeypatch, "hugging-quants/Meta-Llama-3.1-405B-BNB-NF4-BF16", BNB_NF4)
+    code, out, err = run_cli(*verb, str(FIXTURES / "llama3-qlora-fsdp-405b.yaml"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and not out, err
+    assert "quantization_config='bitsandbytes nf4'" in lines[0] and "pre-quantised" in lines[0]
+    assert "Fix: point base_model (model.path) at the 16-bit checkpoint" in lines[0]
+    assert "adapter: qlora with load_in_4bit: true" in lines[0]
+
+
+@pytest.mark.parametrize("quant, method", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "gptq"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "awq"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt NVFP4"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "compressed-tensors nvfp4-pack"),
+    ({"load_in_8bit": True}, "bitsandbytes int8"),  # written before transformers stored quant_method
+])
+def test_every_pre_quantised_base_is_refused_naming_its_method(tmp_path, monkeypatch, quant, method):
+    """Axolotl's llama-2/gptq-lora.yml (a GPTQ base), with the other methods' checkpoints as its base_model."""
+    _cached(tmp_path, monkeypatch, "TheBloke/Llama-2-7B-GPTQ", quant)
+    code, out, err = run_cli("plan", str(FIXTURES / "llama2-gptq-lora.yml"), "--gpus-per-node", "1")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"quantization_config='{method}" in lines[0], err
+    assert "Fix: point base_model (model.path) at the 16-bit checkpoint" in lines[0]
+
+
+def test_gptq_true_over_a_16_bit_base_says_to_use_a_16_bit_base_model(tmp_path, monkeypatch):
+    _cached(tmp_path, monkeypatch, "TheBloke/Llama-2-7B-GPTQ", None)
+    code, out, err = run_cli("plan", str(FIXTURES / "llama2-gptq-lora.yml"), "--gpus-per-node", "1")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("nd-adapter: error: gptq=True: "), err
+    assert "Fix: remove it and point base_model at the 16-bit checkpoint" in lines[0]
+
+
+# --- messages in the user's words ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["cloud-modal.yaml", "cloud-baseten.yaml"])
+def test_a_cloud_launch_file_is_said_to_be_one(name):
+    """Axolotl's examples/cloud/*.yaml were told `model: missing`: they say where a job runs, not what it trains."""
+    code, out, err = run_cli("plan", str(FIXTURES / name), "--gpus-per-node", "8")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Axolotl's cloud launch config" in lines[0], err
+    assert "model: missing" not in err and "Fix: pass the training YAML" in err
+
+
+def test_the_layout_mismatch_names_the_file_s_keys(tmp_path, monkeypatch):
+    """Axolotl's distributed-parallel/llama-3_1-8b-hsdp-tp.yaml on 8 GPUs (it lays out 16) was told
+    `parallelism='2×4×1×2'`, nd-adapter's internal section."""
+    _cached(tmp_path, monkeypatch, "meta-llama/Llama-3.1-8B", None)
+    code, out, err = run_cli("plan", str(FIXTURES / "llama-3_1-8b-hsdp-tp.yaml"), "--gpus-per-node", "8")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "parallelism=" not in err, err
+    assert ("dp_replicate_size 2 × dp_shard_size 4 × context_parallel_size 1 × tensor_parallel_size 2 = 16 GPUs, "
+            "but the world size is 8") in err and "Fix: make their product 8" in err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--set", "recompute=some"), "gradient_checkpointing='some': Input should be 'none', 'selective' or 'full'. "
+     "Fix: use one of 'none', 'selective' or 'full'"),
+    (("--set", "datasets.0.split=3"), "Input should be a valid string. Fix: give a string"),
+    (("--set", "logging.wandb_mode=loud"), "Fix: use one of 'online', 'offline' or 'disabled'"),
+])
+def test_value_errors_say_the_allowed_values(tmp_path, monkeypatch, flags, needle):
+    """Axolotl's llama-3/lora-1b-ray.yml with a wrong value: the fix was "see docs/config.md for the allowed
+    values"."""
+    _cached(tmp_path, monkeypatch, "NousResearch/Llama-3.2-1B", None)
+    (tmp_path / "deepspeed_configs").mkdir()  # Axolotl reads it from the working directory
+    (tmp_path / "deepspeed_configs/zero3.json").write_text((FIXTURES / "zero3.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("plan", str(FIXTURES / "lora-1b-ray.yml"), "--gpus-per-node", "8", *flags)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0] and "docs/config.md" not in err, err

@@ -105,7 +105,9 @@ def test_relative_model_path_resolves_next_to_the_config(tmp_path, monkeypatch):
 def test_rule_product_not_world():
     with pytest.raises(UserError) as e:
         config.build(native(**{"parallelism.dp_shard_size": 2, "parallelism.tp_size": 2}), env={}, world_size=8)
-    assert "ParallelismConfig total_size (4) does not match num_processes (8)" in str(e.value)
+    assert "parallelism.dp_replicate_size 1 × parallelism.dp_shard_size 2 × parallelism.cp_size 1 × " \
+        "parallelism.tp_size 2 = 4 GPUs, but the world size is 8" in \
+        str(e.value)
     assert "Fix:" in str(e.value)
 
 

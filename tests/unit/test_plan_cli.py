@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adapter.plan.build import Plan
 from tests.helpers.cli import run_cli
+from tests.helpers.hub import add_to_hub_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG16 = str(ROOT / "configs/llama-3.1-8b-hsdp-tp.yaml")
@@ -66,7 +68,7 @@ def test_plan_is_fast_and_exits_2_in_a_real_process():
     bad = subprocess.run([sys.executable, "-m", "adapter", "plan", CFG16, "--nodes", "3", "--gpus-per-node", "8"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().count("\n") == 0 and "does not match num_processes (24)" in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and "= 16 GPUs, but the world size is 24" in bad.stderr
 
 
 # ---- property test: no traceback, ever ---------------------------------------------------------------------------
@@ -198,3 +200,81 @@ def test_every_plan_predicts_its_step_time():
     assert slow["predicted"]["breakdown"]["dp_comm"] > pr["breakdown"]["dp_comm"]   # HSDP all-reduce over 5 GB/s
     code, _, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", "--set", "hardware.profile=x.json")
     assert code == 2 and "hardware.profile='x.json': no such hardware profile" in err
+
+
+# --- every hint plan prints, applied: it must be valid for the config it is printed for ----------------------------
+
+FIXTURES = ROOT / "tests/fixtures/axolotl"
+# what plan advises setting, wherever it says it: (pattern, the part it names)
+ADVICE = (r"\): (.+?) skips ZeRO-3's per-layer gathers", r"\((.+?) would compile them\)", r", or set (.+?)$",
+          r"keep 8-bit moments \((.+?)\)")
+
+
+def _advice(doc: dict) -> list[str]:
+    import re
+    return [m.group(1) for line in doc["warnings"] + doc["notes"] for pat in ADVICE if (m := re.search(pat, line))]
+
+
+def _apply(setting: str, config: Path) -> None:
+    """Do what the advice says, as a user would: `key.path: value` in the YAML, or `key: value in FILE` in the JSON
+    it names."""
+    from adapter.config import set_dotted
+
+    key, _, rest = setting.partition(": ")
+    value, _, where = rest.partition(" in ")
+    target = Path(where) if where else config
+    doc = json.loads(target.read_text()) if where else yaml.safe_load(target.read_text())
+    set_dotted(doc, key, yaml.safe_load(value))
+    target.write_text(json.dumps(doc) if where else yaml.safe_dump(doc, sort_keys=False))
+
+
+def _native(tmp_path: Path) -> dict:
+    return {"model": {"path": str(ROOT / "configs/models/llama-3.1-8b")}, "seq_len": 8192,
+            "batch": {"micro_batch_size": 4}, "optimizer": {"max_steps": 10}}
+
+
+@pytest.mark.parametrize("name, edit, flags", [
+    ("lora-1b-ray.yml", None, ("--gpus-per-node", "8")),  # a deepspeed: JSON (it once got fsdp_config advice)
+    ("lora-1b-ray.yml", "inline", ("--gpus-per-node", "8")),  # the same JSON as a mapping in the YAML
+    ("fft-8b.yaml", None, ("--gpus-per-node", "8")),  # fsdp_config
+    ("qwen3-8b-lora-fused-attn-compile.yaml", None, ("--gpus-per-node", "8")),  # torch_compile under ZeRO-3
+    ("fft-8b.yaml", "no recompute", ("--gpus-per-node", "1")),  # memory: does not fit
+    ("native", {"seq_len": 2048, "batch": {"micro_batch_size": 1}}, ("--gpus-per-node", "8")),
+    ("native", None, ("--gpus-per-node", "1")),  # the activations do not fit
+    ("native", {"seq_len": 512, "recompute": "full", "deepspeed": {"zero_stage": 2}},  # the optimizer step does not
+     ("--gpus-per-node", "2")),
+    ("fft-8b.yaml", "ZeRO-2", ("--gpus-per-node", "2")),  # (in the Axolotl file's words)
+])
+def test_every_hint_plan_prints_is_accepted_when_applied(tmp_path, monkeypatch, name, edit, flags):
+    """Axolotl's llama-3/lora-1b-ray.yml (deepspeed: deepspeed_configs/zero3.json) was told to set
+    fsdp_config.reshard_after_forward: false, which is refused as a conflict with the JSON."""
+    for repo, shipped in (("NousResearch/Llama-3.2-1B", "llama-3.2-1b"),
+                          ("NousResearch/Meta-Llama-3.1-8B", "llama-3.1-8b"), ("Qwen/Qwen3-8B", "qwen3-8b")):
+        add_to_hub_cache(tmp_path / "hf", repo, ROOT / "configs/models" / shipped)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # Axolotl reads deepspeed_configs/ from the working directory
+    (tmp_path / "deepspeed_configs").mkdir()
+    (tmp_path / "deepspeed_configs/zero3.json").write_text((FIXTURES / "zero3.json").read_text())
+    config = tmp_path / "run.yaml"
+    raw = {**_native(tmp_path), **(edit or {})} if name == "native" else yaml.safe_load((FIXTURES / name).read_text())
+    if edit == "inline":
+        raw["deepspeed"] = json.loads((FIXTURES / "zero3.json").read_text())
+    if edit == "no recompute":
+        raw["gradient_checkpointing"] = False
+    if edit == "ZeRO-2":
+        raw.update(sequence_len=512, fsdp_config={"reshard_after_forward": False}, optimizer="adamw_torch_fused")
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    code, out, err = run_cli("plan", str(config), *flags, "--format", "json")
+    assert code == 0, err
+    advice = _advice(json.loads(out))
+    assert advice, "this config was chosen for a hint plan prints"
+    original = config.read_text()
+    for setting in advice:
+        config.write_text(original)
+        (tmp_path / "deepspeed_configs/zero3.json").write_text((FIXTURES / "zero3.json").read_text())
+        _apply(setting, config)
+        code, out, err = run_cli("plan", str(config), *flags, "--format", "json")
+        assert code == 0, (setting, err)
+        assert setting not in _advice(json.loads(out)), setting  # followed, it is not advised again

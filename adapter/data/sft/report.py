@@ -49,7 +49,7 @@ def debug_lines(data, tok, samples: int = 3) -> list[str]:
 
 
 def main(args) -> int:
-    cfg = source.load_config(args.config, overrides=config.parse_sets(args.set))
+    cfg = source.load_config(args.config, overrides=config.parse_sets(args.set), layout=False)  # no layout
     if not cfg.data.datasets:
         raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
                   "list them under datasets: (Axolotl) or data.datasets (native)")
