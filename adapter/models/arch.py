@@ -14,6 +14,7 @@ from typing import Any
 from adapter.config.hub import looks_like_hub_id, resolve_hub_id
 from adapter.errors import UserError, bad
 from adapter.models import families
+from adapter.models.prequant import check_not_quantised
 
 # Megatron-Core hard-codes these for Llama-3.1 rope scaling; other values would silently change the model.
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -40,8 +41,7 @@ _ROPE_KEYS = {"rope_type": (_STR, True), "type": (_STR, True), "rope_theta": (_N
 
 
 class NotNative(UserError):
-    """A feature of the checkpoint that the native engine's Megatron-Core layers do not reproduce: with
-    `model.engine: auto` the transformers engine trains the model instead (adapter/models/generic.py)."""
+    """A feature the native engine does not reproduce: model.engine auto then picks transformers (generic.py)."""
 
 
 def unbuilt(key: str, value: Any, problem: str, fix: str) -> NotNative:
@@ -188,8 +188,7 @@ def _check_json(cfg: dict[str, Any], source: str, keys: dict[str, tuple[str, boo
 
 
 def config_path(model: str | Path) -> Path:
-    p = Path(model)
-    return p / "config.json" if p.is_dir() else p
+    return Path(model) / "config.json" if Path(model).is_dir() else Path(model)
 
 
 def load_arch(model: str | Path, engine: str = "auto", trust_remote_code: bool = False) -> ModelArch:
@@ -203,10 +202,9 @@ def load_arch(model: str | Path, engine: str = "auto", trust_remote_code: bool =
         raise bad("model", str(model), "no config.json found there",
                   "point `model` at an HF checkpoint directory (with config.json) or at a config.json file")
     raw = _read_json(path)
-    if engine == "megatron":
-        return arch_from_hf_dict(raw, source=str(path))
-    if engine == "transformers":
-        return _generic(raw, str(path), "model.engine: transformers", trust_remote_code)
+    if engine != "auto":
+        return (arch_from_hf_dict(raw, source=str(path)) if engine == "megatron" else
+                _generic(raw, str(path), "model.engine: transformers", trust_remote_code))
     try:
         return arch_from_hf_dict(raw, source=str(path))
     except NotNative as e:  # a native family, but a feature its layers do not reproduce
@@ -221,12 +219,13 @@ def _generic(raw: dict[str, Any], source: str, why: str, trust_remote_code: bool
 
     if not isinstance(raw, dict) or raw.get("use_bidirectional_attention"):
         raise bad("model", source, "not a causal language model's config.json", "fine-tune a causal checkpoint")
-    return ModelArch(**generic_arch_fields(raw, source, trust_remote_code=trust_remote_code,
-                                           model_dir=str(Path(source).parent)), engine_reason=why)
+    check_not_quantised(raw, source)  # no engine trains a pre-quantised checkpoint's stored codes yet
+    fields = generic_arch_fields(raw, source, trust_remote_code=trust_remote_code, model_dir=str(Path(source).parent))
+    return ModelArch(**fields, engine_reason=why)
 
 
 class UnknownArchitecture(UserError):
-    """No native family covers the checkpoint (`model.engine: megatron` refuses it; auto picks transformers)."""
+    """No native family covers the checkpoint (model.engine megatron refuses it; auto picks transformers)."""
 
 
 def _int(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
@@ -250,7 +249,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         raise UnknownArchitecture(str(bad("architectures", shown, "no native family (Megatron-Core mapping) for "
                   "this architecture", "train it on the transformers engine (model.engine: auto, the default, or "
                   "transformers), which reads the HF weights as they are, without conversion; native families: "
-                  f" {', '.join(families.supported_architectures())} (adding a family: docs/adding-a-model.md)")))
+                  f"{', '.join(families.supported_architectures())} (adding a family: docs/adding-a-model.md)")))
     name = name or fam.architectures[0]
     check_not_quantised(cfg, source)
     if fam.text_config:  # an image-text checkpoint (Gemma3ForConditionalGeneration): its language model's config
@@ -364,41 +363,6 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
         **longrope,
         **_moe(cfg, fam, source),
     )
-
-
-def quant_method(q: dict[str, Any]) -> str:
-    """A `quantization_config`'s method in words: transformers' quant_method with the format it names (bitsandbytes'
-    NF4 / FP4 / int8, ModelOpt's quant_algo, compressed-tensors' format); checkpoints written before transformers
-    stored quant_method are bitsandbytes' (load_in_4bit / load_in_8bit)."""
-    method = q.get("quant_method") or ("bitsandbytes" if q.get("load_in_4bit") or q.get("load_in_8bit") else None)
-    if method == "bitsandbytes":
-        return f"bitsandbytes {'int8' if q.get('load_in_8bit') else str(q.get('bnb_4bit_quant_type') or 'fp4')}"
-    detail = q.get("quant_algo") or q.get("format")
-    return f"{method} {detail}" if isinstance(detail, str) else str(method or "unnamed")
-
-
-def check_not_quantised(cfg: dict[str, Any], source: str) -> None:
-    """A pre-quantised checkpoint (`quantization_config`: bitsandbytes, GPTQ, AWQ, fp8, NVFP4, ...) stores codes
-    and scales where config.json's shapes say 16-bit weights, so converting it would fail tensor by tensor with a
-    misleading shape error. Refused here, in one line naming the method. A bitsandbytes NF4 or int8 checkpoint holds
-    what `load_in_4bit` / `load_in_8bit` produce from the 16-bit one, so that is the fix (and what Axolotl's QLoRA
-    does with such checkpoints anyway); loading the stored codes as the frozen base is not built."""
-    q = cfg.get("quantization_config")
-    if q is None:
-        return
-    if not isinstance(q, dict):
-        raise bad("quantization_config", q, f"must be a mapping in {source}", "fix the model's config.json")
-    method = quant_method(q)
-    base = "point base_model (model.path) at the 16-bit checkpoint it was quantised from"
-    if method.startswith("bitsandbytes"):
-        bits = "load_in_8bit" if method.endswith("int8") else "load_in_4bit"
-        raise bad("quantization_config", method, f"{source} is a pre-quantised checkpoint ({method} "
-                  "codes, not 16-bit weights): loading its stored codes as the frozen base is not built",
-                  f"{base} and keep adapter: qlora with {bits}: true, which quantises it as it loads (what "
-                  "Axolotl's QLoRA does)")
-    raise bad("quantization_config", method, f"{source} is a pre-quantised checkpoint ({method}): "
-              "nd-adapter loads and trains 16/32-bit weights only", f"{base}; for a 4-bit frozen base add adapter: "
-              "qlora with load_in_4bit: true")
 
 
 def _moe(cfg: dict[str, Any], fam, source: str) -> dict[str, Any]:
@@ -521,7 +485,7 @@ def check_tp(arch: ModelArch, tp: int, key: str = "tp") -> None:
 
 
 __all__ = ["ModelArch", "load_arch", "padded_vocab_size", "arch_from_hf_dict", "config_path", "check_tp", "UserError",
-           "longrope_note", "check_not_quantised", "quant_method"]
+           "longrope_note"]
 
 
 def longrope_note(arch: ModelArch, seq_len: int, packed: bool) -> str | None:
