@@ -1,0 +1,101 @@
+"""The transformers engine's choice, facts and refusals: which engine a checkpoint gets and why, exact parameter
+counts from the meta-device model, and one line (exit 2, nothing written) for what it does not run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from adapter.errors import UserError
+from adapter.models.arch import load_arch
+from tests.helpers.archs import tiny_config
+from tests.helpers.cli import run_cli
+
+
+def _write(tmp_path, model_type: str, **over):
+    d = tmp_path / model_type
+    d.mkdir(exist_ok=True)
+    cfg = tiny_config(model_type)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    cfg.save_pretrained(d)
+    return d
+
+
+def _meta_params(model_type: str) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny_config(model_type)).parameters())
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_next", "phi"])
+def test_an_architecture_without_a_native_family_gets_the_transformers_engine_with_exact_counts(tmp_path, model_type):
+    arch = load_arch(_write(tmp_path, model_type))
+    assert arch.engine == "transformers" and not arch.native and "no native family" in arch.engine_reason
+    assert arch.param_count == _meta_params(model_type)
+    assert arch.has_tp_plan  # transformers ships one for each of these
+    with pytest.raises(UserError, match="no native family .* Fix: train it on the transformers engine"):
+        load_arch(_write(tmp_path, model_type), "megatron")
+
+
+def test_a_native_family_can_be_forced_onto_the_transformers_engine(tmp_path):
+    from transformers import LlamaConfig
+
+    d = tmp_path / "llama"
+    LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300, architectures=["LlamaForCausalLM"]).save_pretrained(d)
+    assert load_arch(d).native and load_arch(d).family == "llama"
+    forced = load_arch(d, "transformers")
+    assert forced.engine == "transformers" and forced.engine_reason == "model.engine: transformers"
+    from adapter.models.counts import num_params
+
+    assert forced.param_count == num_params(load_arch(d))  # the meta model's count is the native formula's
+
+
+def _plan(tmp_path, model_dir, **top):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(model_dir), "learning_rate": 1e-5, "sequence_len": 256,
+                                   "micro_batch_size": 1, "num_epochs": 1, "dp_shard_size": 2, **top}))
+    return run_cli("plan", str(cfg), "--gpus-per-node", "2", "--format", "json")
+
+
+def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
+    d = _write(tmp_path, "gpt_oss")
+    code, out, err = _plan(tmp_path, d)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["num_params"] == _meta_params("gpt_oss")
+    assert any(n.startswith("engine: transformers' own GptOssForCausalLM (GptOssForCausalLM has no native family")
+               for n in plan["notes"]), plan["notes"]
+
+
+@pytest.mark.parametrize("top, says", [
+    ({"tensor_parallel_size": 2, "dp_shard_size": 1}, "tensor_parallel_size=2: tensor parallelism is not built on the "
+                                                      "transformers engine"),
+    ({"context_parallel_size": 2, "dp_shard_size": 1}, "context_parallel_size=2: its linear_attention layers cannot "
+                                                       "be split over the sequence"),
+    ({"sample_packing": True, "datasets": [{"path": "x.jsonl", "type": "completion"}]},
+     "sample_packing=True: packed documents would share the recurrent state of Qwen3NextForCausalLM's "
+     "linear_attention layers"),
+    ({"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}, "LoRA/QLoRA adapters are not "
+                                                                                      "built on the transformers"),
+])
+def test_what_the_transformers_engine_does_not_run_is_one_line(tmp_path, top, says):
+    code, out, err = _plan(tmp_path, _write(tmp_path, "qwen3_next"), **top)
+    assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_remote_code_needs_trust_remote_code_and_an_unknown_model_type_is_one_line(tmp_path):
+    d = tmp_path / "remote"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["MyForCausalLM"], "model_type": "my_model",
+                                               "auto_map": {"AutoModelForCausalLM": "modeling_my.MyForCausalLM"},
+                                               "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 300}))
+    code, _, err = _plan(tmp_path, d)
+    assert code == 2 and "trust_remote_code=False: MyForCausalLM is built by code in its checkpoint" in err, err
+    (d / "config.json").write_text(json.dumps({"architectures": ["MyForCausalLM"], "model_type": "my_model"}))
+    code, _, err = _plan(tmp_path, d)
+    assert code == 2 and "model_type='my_model': transformers" in err and "cannot load this architecture" in err
