@@ -4,7 +4,12 @@
 packed chat data (unpacked for the hybrids, whose recurrent layers cannot take packed documents), against
 transformers trained on the same prepared samples (each packed example on its own), the same masks and the same
 normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32 on CPU. A native family forced onto the
-transformers engine gives the native engine's losses, so the two engines check each other."""
+transformers engine gives the native engine's losses, so the two engines check each other.
+
+On a dense, a mixture-of-experts and a hybrid model, 4 processes: dp_shard=4 under ZeRO-3 and ZeRO-2 and exact
+HSDP (dp_replicate=2 × dp_shard=2) give transformers' losses; a run saved under HSDP continues at dp_shard=4 under
+ZeRO-2 on the same curve, and its `save_pretrained` export loads in transformers with the reference's trained
+weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,16 +27,18 @@ SEQ, LR, STEPS = 128, 2e-3, 4
 MODELS = (*ARCHS, *VISION)
 
 
-def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", **parallelism):
+def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
+         zero: int = 3, ckpt: str | None = None, export: str | None = None, **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine},
-           "parallelism": {"dp_shard_size": 2, **parallelism},
+           "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1}, "seq_len": SEQ, "precision": "fp32",
-           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12},
+           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12},
+           "deepspeed": {"zero_stage": zero}, "checkpoint": {"dir": ckpt, "export_hf": export},
            "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
                     "chat_template": "chatml", "sample_packing": pack, "prepared_path": f"{root}/prep-{pack}"}}
-    return config.build(raw, env={}, world_size=2)
+    return config.build(raw, env={}, world_size=world)
 
 
 def _worker(rank, world, models, root):
@@ -61,8 +68,9 @@ def models(tmp_path_factory):
     return {**made, "llama": str(make_model(root / "llama", tok))}
 
 
-def _reference(model_dir: str, cfg) -> list[float]:
-    """transformers trained on the run's own prepared samples, in the order the two ranks' samplers deal them."""
+def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) -> list[float]:
+    """transformers trained on the run's own prepared samples, in the order the `dp` ranks' samplers deal them
+    (`model_out` receives the trained model)."""
     import torch
 
     from adapter.data import DPSampler
@@ -72,7 +80,7 @@ def _reference(model_dir: str, cfg) -> list[float]:
     model = reference_model(Path(model_dir))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
                             weight_decay=0.0)
-    its = [iter(DPSampler(len(data), dp_rank=r, dp_size=2, micro_batch=1, seed=cfg.data.seed)) for r in range(2)]
+    its = [iter(DPSampler(len(data), dp_rank=r, dp_size=dp, micro_batch=1, seed=cfg.data.seed)) for r in range(dp)]
     losses = []
     for _ in range(STEPS):
         idx = [next(it)[0] for it in its]
@@ -81,11 +89,13 @@ def _reference(model_dir: str, cfg) -> list[float]:
             loss = sum(s for s, _ in parts) / max(sum(n for _, n in parts), 1.0)
         else:  # one example per row, padded after it: the whole row is causal and its tail untrained
             batch = batch_of(data, idx)
-            loss = hf_loss(model, {**batch, "position_ids": torch.arange(SEQ).expand(2, -1)})
+            loss = hf_loss(model, {**batch, "position_ids": torch.arange(SEQ).expand(dp, -1)})
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+    if model_out is not None:
+        model_out.append(model)
     return losses
 
 
@@ -100,3 +110,58 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
     native = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/forced", True))
     assert max(rel(a, b) for a, b in zip(got["llama forced"][0], native)) < 1e-4
+
+
+REPRESENTATIVE = ("phi", "gpt_oss", "qwen3_next")  # one dense, one mixture of experts, one hybrid
+LAYOUTS = {"dp_shard=4 ZeRO-3": {}, "dp_replicate=2 × dp_shard=2 (exact HSDP)": {"dp_replicate_size": 2,
+                                                                                  "dp_shard_size": 2},
+           "dp_shard=4 ZeRO-2": {"zero": 2}}
+
+
+def _layouts(rank, world, models, root):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    out = {}
+    for name in REPRESENTATIVE:
+        path, pack, at = models[name], name not in HYBRID, f"{root}/{name}"
+        out[name] = {lay: train(_cfg(path, at, pack, world=4, **over), log=lambda s: None).losses
+                     for lay, over in LAYOUTS.items()}
+        ck = f"{at}/ckpt"  # 2 steps under exact HSDP, then on at dp_shard=4 under ZeRO-2, exported
+        train(_cfg(path, at, pack, world=4, steps=2, ckpt=ck, dp_replicate_size=2, dp_shard_size=2),
+              log=lambda s: None)
+        lines: list[str] = []
+        moved = train(_cfg(path, at, pack, world=4, zero=2, ckpt=ck, export=f"{at}/export"), resume=True,
+                      log=lines.append)
+        out[name]["moved"] = (moved.start_step, moved.losses, [ln for ln in lines if "resharded" in ln])
+        out[name]["export"] = moved.exported
+    return out
+
+
+def _probe(model_dir: str) -> dict:
+    """One batch of the model's vocabulary with every position trained."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 1000, (2, SEQ + 1), generator=g)
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, SEQ),
+            "position_ids": torch.arange(SEQ).expand(2, -1)}
+
+
+def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybrid_model(models, tmp_path):
+    got = run_workers(_layouts, 4, models, str(tmp_path), timeout=1200)[0]
+    for name in REPRESENTATIVE:
+        trained: list = []
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", name not in HYBRID, world=4),
+                          dp=4, model_out=trained)
+        for lay in LAYOUTS:
+            assert max(rel(a, b) for a, b in zip(got[name][lay], want)) < 1e-4, (name, lay, got[name][lay], want)
+        start, losses, said = got[name]["moved"]
+        assert start == 2 and len(said) == 1, (name, start, said)
+        assert max(rel(a, b) for a, b in zip(losses, want[2:])) < 1e-4, (name, losses, want)
+        exported = reference_model(Path(got[name]["export"]))  # transformers loads it: the reference's model
+        ref = trained[0]
+        assert {n: p.shape for n, p in exported.named_parameters()} == {n: p.shape for n, p in ref.named_parameters()}
+        probe = _probe(models[name])  # Adam moves near-zero gradients by ±lr: compare what the weights compute
+        assert rel(float(hf_loss(exported, probe)), float(hf_loss(ref, probe))) < 1e-4, name
