@@ -48,6 +48,17 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     return model
 
 
+def add_peft(model, spec, *, seed: int):
+    """PEFT's LoRA on the model (`spec`: adapter/models/generic.PeftSpec): adapters initialised from `seed` (A
+    Kaiming-uniform, B zero, as PEFT does), or started from a PEFT adapter directory (`lora_model_dir`)."""
+    import peft
+
+    torch.manual_seed(seed)
+    if spec.init_from:
+        return peft.PeftModel.from_pretrained(model, spec.init_from, is_trainable=True)
+    return peft.get_peft_model(model, peft.LoraConfig(**spec.lora_config()))
+
+
 class CausalLMLosses(torch.nn.Module):
     """The loop's call on a transformers model: per-token cross-entropy [b, s] in fp32 (module docstring)."""
 
@@ -70,4 +81,4 @@ def layer_classes(model) -> list[type]:
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "CausalLMLosses", "layer_classes"]
+__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "layer_classes"]

@@ -27,6 +27,8 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
         lines.append(freeze.describe(list(run.unfrozen), arch, spell(cfg, "model.unfrozen_parameters")))
     if run.lora is not None:
         lines.append(lora.describe(run.lora, arch, spell(cfg, "lora")))
+    if run.peft is not None:
+        lines.append(run.peft.describe(arch, spell(cfg, "lora")))
     if cfg.checkpoint.exit_signals:
         lines.append(signals(cfg.checkpoint.exit_signals, cfg.checkpoint.dir))
     lines.append(optimizer(run, gpu=gpu))
@@ -70,7 +72,8 @@ def weights(run: ResolvedRun, resumed: str | None = None, moved: str | None = No
         return source.describe(run.weights, run.cfg.seed, native=run.arch.native)
     return (f"weights: from the checkpoint {resumed} being resumed"
             + (f" (saved at another layout: {moved}; resharded)" if moved else "")
-            + (", the frozen base from the converted weights" if run.lora is not None else ""))
+            + (", the frozen base from the converted weights" if run.lora is not None else "")
+            + (", the frozen base from the HF weights" if run.peft is not None else ""))
 
 
 def resumed(run: ResolvedRun, step: int, old_lr: float, new_lr: float) -> list[str]:

@@ -43,6 +43,8 @@ def held_and_trained(run: ResolvedRun, tp: int) -> tuple[int, int]:
         untied = lp.embedding if spec.modules_to_save and arch.tie_embeddings else 0
         return (held + spec.params(tp) + untied,
                 lora.trained_params(spec, arch, tp, padded_vocab_size(arch.vocab_size, tp, vdb)))
+    if run.peft is not None:  # the transformers engine's adapters: counted on the meta model (tp = 1)
+        return held + run.peft.added, run.peft.trained
     if run.unfrozen is not None:
         return held, freeze.trained_local(run.unfrozen, arch, tp, vocab_divisible_by=vdb)
     return held, held
@@ -74,7 +76,7 @@ def checkpoint_bytes(run: ResolvedRun, stage: int) -> int:
     held -= quantized_base(run, 1)[0]  # buffers: not in the module's state
     half = cfg.param_precision in ("bf16", "fp16")
     pb = 2 if half else 4
-    weights = pb * trained if cfg.lora is not None else (0 if stage == 3 else pb * held)
+    weights = pb * trained if run.adapters else (0 if stage == 3 else pb * held)
     return int(weights + optimizer_bytes(cfg) * trained)
 
 
@@ -84,7 +86,7 @@ def export_bytes(run: ResolvedRun) -> int:
     if not cfg.checkpoint.export_hf:
         return 0
     pb = 2 if cfg.param_precision in ("bf16", "fp16") else 4
-    return pb * (held_and_trained(run, 1)[1] if cfg.lora is not None else num_params(run.arch))
+    return pb * (held_and_trained(run, 1)[1] if run.adapters else num_params(run.arch))
 
 
 def _existing_dir(path: Path) -> Path:

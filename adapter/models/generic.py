@@ -14,8 +14,10 @@ model is first resolved (a native model's `plan` never does).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from adapter.errors import bad
@@ -198,6 +200,77 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         output_router_logits=bool(text.get("output_router_logits")))
 
 
+@dataclass(frozen=True)
+class PeftSpec:
+    """LoRA on the transformers engine: PEFT's own `LoraConfig` on transformers' model (Axolotl's lora_* keys, with
+    PEFT's semantics as they are), and what it adds, counted exactly on the meta-device model."""
+    r: int
+    alpha: float
+    dropout: float
+    rslora: bool
+    target_modules: tuple[str, ...] | str   # PEFT's target_modules: names, a regex, or "all-linear"
+    layers: tuple[int, ...] | None
+    modules_to_save: tuple[str, ...]
+    init_from: str | None
+    added: int                              # the adapters' parameters
+    trained: int                            # the adapters and the modules_to_save copies
+    matched: tuple[str, ...]                # the module names (last part) that carry an adapter
+
+    def lora_config(self) -> dict[str, Any]:
+        """`peft.LoraConfig`'s keywords."""
+        return {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "use_rslora": self.rslora,
+                "target_modules": list(self.target_modules) if isinstance(self.target_modules, tuple)
+                else self.target_modules,
+                "layers_to_transform": list(self.layers) if self.layers else None,
+                "modules_to_save": list(self.modules_to_save) or None, "task_type": "CAUSAL_LM"}
+
+    def describe(self, arch, key: str) -> str:
+        total = arch.param_count or 1
+        return (f"{key}: LoRA r {self.r}, alpha {self.alpha:g}{', rslora' if self.rslora else ''} on "
+                f"{', '.join(self.matched)} (PEFT on transformers' model)"
+                + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
+                + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {total / 1e9:.2f}B); "
+                f"the base frozen, 16-bit" + (f"; adapters start from {self.init_from}" if self.init_from else ""))
+
+
+def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None) -> PeftSpec:
+    """The run's `lora:` section as PEFT applies it to transformers' model: a target that matches no module, or a
+    value PEFT refuses, is one line naming the user's key."""
+    from adapter.config import spell
+
+    c = cfg.lora
+    if c.target_linear:
+        targets: tuple[str, ...] | str = "all-linear"
+    elif isinstance(c.target_modules, str):
+        targets = c.target_modules
+    else:
+        targets = tuple(c.target_modules) if c.target_modules else ()
+    import peft
+    import torch
+
+    model, _ = meta_model(config_json, trust_remote_code=trust_remote_code, model_dir=model_dir)
+    spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
+                    tuple(c.modules_to_save), c.init_from, 0, 0, ())
+    kw = spec.lora_config()
+    if not targets:
+        kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
+    try:
+        with torch.device("meta"):
+            wrapped = peft.get_peft_model(model, peft.LoraConfig(**kw))
+    except (ValueError, TypeError, KeyError) as e:
+        key = "lora.target_linear" if c.target_linear else "lora.target_modules"
+        raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True,
+                  f"PEFT cannot apply it to {type(model).__name__}: {str(e).splitlines()[0][:200]}",
+                  "name modules the model has (its linear layers' names), or use lora_target_linear: true")
+    trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
+    matched = sorted({n.split(".")[-1] for n, m in wrapped.named_modules() if hasattr(m, "lora_A")
+                      and len(getattr(m, "lora_A", {})) > 0})
+    default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
+    return dataclasses.replace(spec, added=added, trained=trained, matched=tuple(matched),
+                               target_modules=targets or tuple(default))
+
+
 def check_run(cfg, arch) -> list[str]:
     """What the transformers engine does not run yet, each refused in one line naming the key; the warnings for
     what it runs but the user should know. Layouts over data-parallel ranks (dp_shard with ZeRO-1/2/3,
@@ -230,7 +303,8 @@ def check_run(cfg, arch) -> list[str]:
     if p.ep_size > 1:
         raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
                   "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
-    unbuilt = [(cfg.lora is not None, "lora", "LoRA/QLoRA adapters", "train every weight (remove adapter:)"),
+    unbuilt = [(cfg.lora is not None and cfg.lora.quantize_base is not None, "lora.quantize_base",
+                "4/8-bit frozen bases (QLoRA)", "use adapter: lora on the 16-bit base"),
                (cfg.model.unfrozen_parameters is not None, "model.unfrozen_parameters", "freezing by pattern",
                 "remove it"),
                (cfg.optimizer.name == "adamw_8bit", "optimizer.name", "8-bit AdamW", "use adamw_torch"),
@@ -246,5 +320,6 @@ def check_run(cfg, arch) -> list[str]:
     return []
 
 
-__all__ = ["check_run", "ENGINES", "UNSPLITTABLE", "text_part", "layer_kinds", "unsplittable", "check_loadable",
+__all__ = ["PeftSpec", "resolve_peft", "check_run",
+           "ENGINES", "UNSPLITTABLE", "text_part", "layer_kinds", "unsplittable", "check_loadable",
            "hf_config", "model_class", "meta_model", "meta_facts", "generic_arch_fields"]

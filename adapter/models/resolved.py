@@ -11,11 +11,12 @@ Torch-free (plan imports it). What the run then says about itself is `adapter/mo
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from adapter.config import RunConfig
-from adapter.models import checks, freeze, lora, source
-from adapter.models.arch import ModelArch
+from adapter.models import checks, freeze, generic, lora, source
+from adapter.models.arch import ModelArch, config_path
 from adapter.models.source import WeightsSource
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
@@ -34,6 +35,12 @@ class ResolvedRun:
     zero_stage: int                            # 1 (nothing to shard), 2 or 3: deepspeed_config.zero_stage
     flat_optimizer: bool                       # nd-adapter's flat AdamW instead of DeepSpeed's ZeRO optimizer
     warnings: tuple[str, ...] = ()             # what the run can do but should not (models/checks.py)
+    peft: generic.PeftSpec | None = None       # the transformers engine's adapters (PEFT's LoRA on its model)
+
+    @property
+    def adapters(self) -> bool:
+        """Whether the run trains adapters on a frozen base (either engine): its checkpoints hold only those."""
+        return self.lora is not None or self.peft is not None
 
     @property
     def partition_size(self) -> int:
@@ -79,13 +86,18 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
         source.check_converted(cfg)
         arch = source.arch_for(cfg)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
+    peft = None
+    if cfg.lora is not None and not arch.native:  # PEFT itself on transformers' model, counted on the meta model
+        src = source.hf_dir(cfg)
+        peft = generic.resolve_peft(cfg, json.loads(config_path(src).read_text()),
+                                    trust_remote_code=cfg.model.trust_remote_code, model_dir=str(src))
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
     stage = deepspeed_config.zero_stage(cfg, layout)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),
                        weights=weights or source.resolve(cfg, arch.native),
-                       zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings))
+                       zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings), peft=peft)
 
 
 __all__ = ["ResolvedRun", "resolve_run"]

@@ -26,7 +26,7 @@ from adapter.convert.load import load_megatron_checkpoint
 from adapter.kernels.fp8 import install_fp8
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
-from adapter.modeling.hf_build import CausalLMLosses, build_model, layer_classes
+from adapter.modeling.hf_build import CausalLMLosses, add_peft, build_model, layer_classes
 from adapter.modeling.lora import add_adapters, load_state
 from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
@@ -229,6 +229,8 @@ def _transformers_model(run: ResolvedRun, device, dtype):
     cfg = run.cfg
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
                         trust_remote_code=cfg.model.trust_remote_code)
+    if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
+        model = add_peft(model, run.peft, seed=cfg.seed)
     return CausalLMLosses(model).to(device)
 
 
@@ -244,7 +246,9 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         layers = [Layer]
     else:
         model = _transformers_model(run, device, dtype)
-        layers = layer_classes(model.model)
+        # PEFT's layers inside a leaf module lose ZeRO-3's backward gathers (a partitioned frozen weight reaches
+        # autograd: tests/distributed/test_transformers_engine.py), so adapters gather module by module
+        layers = layer_classes(model.model) if run.peft is None else []
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
                        dp_world_size=layout.dp, replica_group=groups.dp_replicate if hsdp else None)
@@ -263,7 +267,7 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         found = param_groups(model, weight_decay)
         return zero12_expert_groups(found, layout.ep) if experts12 else found
 
-    if stage == 3 and cfg.deepspeed.gather_granularity == "layer":
+    if stage == 3 and cfg.deepspeed.gather_granularity == "layer" and layers:
         set_z3_leaf_modules(model, layers)
     if run.flat_optimizer:
         o = cfg.optimizer

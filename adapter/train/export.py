@@ -148,6 +148,28 @@ def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int,
     return out
 
 
+def export_peft(engine, cfg, out_dir: str | Path, *, rank: int, arch, chat_template: str | None = None) -> Path:
+    """The transformers engine's LoRA run: PEFT's own `save_pretrained` of the adapters (gathered out of ZeRO-3's
+    partitions), naming the base as model.path, with the tokenizer and chat template. Collective; rank 0 writes."""
+    out = Path(out_dir).absolute()
+    model = engine.module.model  # a PeftModel (adapter/modeling/hf_build.py)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(trained, modifier_rank=None):
+        if rank == 0:
+            built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / "adapter"
+            try:
+                model.peft_config["default"].base_model_name_or_path = str(cfg.model.path)
+                model.save_pretrained(str(built))
+                write_special_tokens(built, cfg, arch)
+                if chat_template:
+                    write_chat_template(built, chat_template)
+                publish(built, out)
+            finally:
+                shutil.rmtree(built.parent, ignore_errors=True)
+    dist.barrier()
+    return out
+
+
 def export_lora(engine, spec, arch, cfg, out_dir: str | Path, *, rank: int, tp_group,
                 chat_template: str | None = None) -> Path:
     """A LoRA run's result in PEFT's format (adapter/convert/peft.py): the adapters and modules_to_save gathered

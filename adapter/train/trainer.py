@@ -42,7 +42,7 @@ from adapter.train.batches import load as load_data
 from adapter.train.batches import place, trim
 from adapter.train.best import Best
 from adapter.train.engine import build_engine
-from adapter.train.export import export_hf, export_lora, export_transformers
+from adapter.train.export import export_hf, export_lora, export_peft, export_transformers
 from adapter.train.preempt import Preemption
 from adapter.train.profile import StepProfiler
 from adapter.train.steps import LOSS, NONFINITE, STOP, PendingStep, masked_loss_sum, nonfinite
@@ -169,7 +169,7 @@ class Trainer:
         """Load the newest checkpoint of checkpoint.dir (weights, optimizer, sampler, best); its step, or 0."""
         cfg = self.cfg
         ckpt_info.check_resumable(cfg, self.arch.architecture)  # in-process runs skip the preflight
-        loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.lora is not None, arch=self.arch,
+        loaded = ckpt.load(self.engine.ds, cfg.checkpoint.dir, trained_only=self.run.adapters, arch=self.arch,
                            **self._where())
         if loaded is None:
             self._say(f"no checkpoint in {cfg.checkpoint.dir}: starting from step 0")
@@ -359,13 +359,13 @@ class Trainer:
         record = {"layout": ckpt_info.layout_of(self.cfg), "world_size": self.world,
                   "zero_stage": self.run.zero_stage,
                   "model": {"architecture": self.arch.architecture, "params": num_params(self.arch)},
-                  "holds": "adapters" if self.lora is not None else "all trained parameters",
+                  "holds": "adapters" if self.run.adapters else "all trained parameters",
                   "optimizer": self.cfg.optimizer.name}
         self.best.on_save(step)
         state = {"sampler": self.sampler.state_dict(), "best": self.best.state_dict()}
         path = str(ckpt.save(self.engine.ds, self.cfg.checkpoint.dir, step, state,
                              keep_last=self.cfg.checkpoint.keep_last, save_ranks=save_ranks,
-                             trained_only=self.lora is not None, record=record,
+                             trained_only=self.run.adapters, record=record,
                              protect=self.best.saved if self.schedule.load_best else None))
         self.clock.reset()  # the save is not training time
         return path
@@ -425,6 +425,11 @@ class Trainer:
             self._say(f"exported the LoRA adapter to {result.exported} (PEFT's format, HF module names; tokenizer"
                       f"{' and chat template' if self.chat_template else ''} included; `nd-adapter merge-lora` "
                       "merges it into the base)")
+        elif export and cfg.checkpoint.export_hf and self.run.peft is not None:
+            result.exported = str(export_peft(self.engine.ds, cfg, cfg.checkpoint.export_hf, rank=self.rank,
+                                              arch=self.arch, chat_template=self.chat_template))
+            self._say(f"exported the LoRA adapter to {result.exported} (PEFT's own save_pretrained; tokenizer"
+                      f"{' and chat template' if self.chat_template else ''} included)")
         elif export and cfg.checkpoint.export_hf and not self.arch.native:
             result.exported = str(export_transformers(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf,
                                                       rank=self.rank, chat_template=self.chat_template))
@@ -448,7 +453,7 @@ class Trainer:
             self._say(f"best checkpoint: step {b.saved} (eval_loss {b.saved_loss:.4f}) is the last one")
             return
         ckpt.load(self.engine.ds, self.cfg.checkpoint.dir, tag=ckpt.tag_for(b.saved), restore_rng_state=False,
-                  trained_only=self.lora is not None, arch=self.arch, **self._where())
+                  trained_only=self.run.adapters, arch=self.arch, **self._where())
         self._say(f"best checkpoint: reloaded step {b.saved} (eval_loss {b.saved_loss:.4f}) in place of step "
                   f"{final}'s weights (load_best_model_at_end)")
 

@@ -28,7 +28,7 @@ MODELS = (*ARCHS, *VISION)
 
 
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
-         zero: int = 3, ckpt: str | None = None, export: str | None = None, **parallelism):
+         zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None, **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine},
@@ -38,6 +38,8 @@ def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int
            "deepspeed": {"zero_stage": zero}, "checkpoint": {"dir": ckpt, "export_hf": export},
            "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
                     "chat_template": "chatml", "sample_packing": pack, "prepared_path": f"{root}/prep-{pack}"}}
+    if lora is not None:
+        raw["lora"] = lora
     return config.build(raw, env={}, world_size=world)
 
 
@@ -78,7 +80,14 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
 
     data = prepare(cfg, model_dir, vocab_of(cfg), builder=True, barrier=None, progress=False).train
     model = reference_model(Path(model_dir))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
+    if cfg.lora is not None:  # PEFT itself, seeded as the run seeds it
+        import peft
+
+        torch.manual_seed(cfg.seed)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                           target_modules="all-linear", task_type="CAUSAL_LM"))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
                             weight_decay=0.0)
     its = [iter(DPSampler(len(data), dp_rank=r, dp_size=dp, micro_batch=1, seed=cfg.data.seed)) for r in range(dp)]
     losses = []
@@ -165,3 +174,36 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
         assert {n: p.shape for n, p in exported.named_parameters()} == {n: p.shape for n, p in ref.named_parameters()}
         probe = _probe(models[name])  # Adam moves near-zero gradients by ±lr: compare what the weights compute
         assert rel(float(hf_loss(exported, probe)), float(hf_loss(ref, probe))) < 1e-4, name
+
+
+LORA = {"r": 4, "alpha": 8, "target_linear": True}
+
+
+def _lora(rank, world, models, root):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    out = {}
+    for name in REPRESENTATIVE:
+        lines: list[str] = []
+        res = train(_cfg(models[name], f"{root}/{name}", name not in HYBRID, lora=LORA,
+                         export=f"{root}/{name}/adapter"), log=lines.append)
+        out[name] = (res.losses, res.exported, [ln for ln in lines if ln.startswith("lora:")])
+    return out
+
+
+def test_lora_through_peft_on_the_transformers_engine_matches_peft_at_dp_shard2_zero3(models, tmp_path):
+    import peft
+
+    got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
+    for name in REPRESENTATIVE:
+        losses, exported, said = got[name]
+        assert len(said) == 1 and "(PEFT on transformers' model)" in said[0], said
+        trained: list = []
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", name not in HYBRID, lora=LORA),
+                          model_out=trained)
+        assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
+        loaded = peft.PeftModel.from_pretrained(reference_model(Path(models[name])), exported)
+        probe = _probe(models[name])
+        assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4, name
