@@ -60,8 +60,9 @@ def engine(run: ResolvedRun) -> str:
         extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
     if arch.remote_code:
         extra.append("built by the checkpoint's own code (trust_remote_code: true)")
-    size = (arch.param_count or 0) / 1e9
-    return (f"engine: transformers' own {arch.architecture} ({arch.engine_reason}; {size:.2f}B parameters)"
+    n = arch.param_count or 0
+    size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+    return (f"engine: transformers' own {arch.architecture} ({arch.engine_reason}; {size} parameters)"
             + "".join(f"; {e}" for e in extra))
 
 

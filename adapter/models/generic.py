@@ -226,11 +226,12 @@ class PeftSpec:
 
     def describe(self, arch, key: str) -> str:
         total = arch.param_count or 1
+        size = f"{total / 1e9:.2f}B" if total >= 1e8 else f"{total / 1e6:.2f}M"
         return (f"{key}: LoRA r {self.r}, alpha {self.alpha:g}{', rslora' if self.rslora else ''} on "
                 f"{', '.join(self.matched)} (PEFT on transformers' model)"
                 + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
-                + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {total / 1e9:.2f}B); "
-                f"the base frozen, 16-bit" + (f"; adapters start from {self.init_from}" if self.init_from else ""))
+                + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
+                "the base frozen" + (f"; adapters start from {self.init_from}" if self.init_from else ""))
 
 
 def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None) -> PeftSpec:
@@ -278,7 +279,7 @@ def check_run(cfg, arch) -> list[str]:
     from adapter.config import spell
 
     name, p = arch.architecture, cfg.parallelism
-    why = f"on the transformers engine ({name}: {arch.engine_reason})"
+    why = f"on the transformers engine ({arch.engine_reason})"
     if cfg.model.checkpoint:
         raise bad("model.checkpoint", cfg.model.checkpoint, f"a converted Megatron checkpoint is the native engine's "
                   f"format; {name} trains {why.removeprefix('on ')}", "remove it: the transformers engine reads the "
@@ -303,20 +304,22 @@ def check_run(cfg, arch) -> list[str]:
     if p.ep_size > 1:
         raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
                   "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
-    unbuilt = [(cfg.lora is not None and cfg.lora.quantize_base is not None, "lora.quantize_base",
-                "4/8-bit frozen bases (QLoRA)", "use adapter: lora on the 16-bit base"),
-               (cfg.model.unfrozen_parameters is not None, "model.unfrozen_parameters", "freezing by pattern",
-                "remove it"),
-               (cfg.optimizer.name == "adamw_8bit", "optimizer.name", "8-bit AdamW", "use adamw_torch"),
-               (cfg.precision == "fp8", "precision", "fp8 matmuls", "use bf16"),
-               (cfg.model.compile is True, "model.compile", "compiled layers", "remove it (or torch_compile: auto)"),
-               (cfg.model.fused_linear_ce, "model.fused_linear_ce", "the fused linear cross-entropy", "remove it"),
-               (arch.output_router_logits, "model.output_router_logits", "the load-balancing loss",
-                "set it false (model_config: {output_router_logits: false})")]
-    for on, key, what, fix in unbuilt:
+    o, m = cfg.optimizer, cfg.model
+    unbuilt = [  # (on, key, value, what is not built)
+        (cfg.lora is not None and cfg.lora.quantize_base is not None, "lora.quantize_base",
+         cfg.lora and cfg.lora.quantize_base, "a 4/8-bit frozen base (QLoRA)"),
+        (m.unfrozen_parameters is not None, "model.unfrozen_parameters", m.unfrozen_parameters, "freezing by pattern"),
+        (o.name == "adamw_8bit", "optimizer.name", o.name, "8-bit AdamW"),
+        (cfg.precision == "fp8", "precision", cfg.precision, "fp8 matmuls"),
+        (m.compile is True, "model.compile", True, "compiling layers"),
+        (m.fused_linear_ce, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
+        (arch.output_router_logits, "model.output_router_logits", True, "the load-balancing loss")]
+    fixes = {"lora.quantize_base": "use adapter: lora on the 16-bit base", "optimizer.name": "use adamw_torch",
+             "precision": "use bf16", "model.compile": "remove it (torch_compile: auto leaves it off here)",
+             "model.output_router_logits": "set it false (model_config: {output_router_logits: false})"}
+    for on, key, value, what in unbuilt:
         if on:
-            raise bad(spell(cfg, key), getattr(cfg.model, key.split(".")[-1], None) if key.startswith("model.")
-                      else "set", f"{what} {'are' if what.endswith('s') else 'is'} not built {why}", fix)
+            raise bad(spell(cfg, key), value, f"{what} is not built {why}", fixes.get(key, "remove it"))
     return []
 
 

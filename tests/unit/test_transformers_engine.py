@@ -80,12 +80,30 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
     ({"sample_packing": True, "datasets": [{"path": "x.jsonl", "type": "completion"}]},
      "sample_packing=True: packed documents would share the recurrent state of Qwen3NextForCausalLM's "
      "linear_attention layers"),
-    ({"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}, "LoRA/QLoRA adapters are not "
-                                                                                      "built on the transformers"),
+    ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
+     "load_in_4bit='nf4': a 4/8-bit frozen base (QLoRA) is not built on the transformers engine"),
+    ({"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["no_such_proj"]},
+     "lora_target_modules=['no_such_proj']: PEFT cannot apply it to Qwen3NextForCausalLM"),
 ])
 def test_what_the_transformers_engine_does_not_run_is_one_line(tmp_path, top, says):
     code, out, err = _plan(tmp_path, _write(tmp_path, "qwen3_next"), **top)
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_plan_counts_peft_s_adapters_on_the_meta_model(tmp_path):
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    code, out, err = _plan(tmp_path, _write(tmp_path, "gpt_oss"), adapter="lora", lora_r=8, lora_alpha=16,
+                           lora_target_linear=True)
+    assert code == 0, err
+    with torch.device("meta"):
+        model = peft.get_peft_model(AutoModelForCausalLM.from_config(tiny_config("gpt_oss")),
+                                    peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    line = next(n for n in json.loads(out)["notes"] if n.startswith("adapter: LoRA r 8"))
+    assert f"{trained:,} trained parameters" in line and "(PEFT on transformers' model)" in line, line
 
 
 def test_remote_code_needs_trust_remote_code_and_an_unknown_model_type_is_one_line(tmp_path):
