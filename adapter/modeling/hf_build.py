@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from adapter.models.generic import hf_config, model_class
+from adapter.models.generic import for_class, hf_config, model_class
 from adapter.patches.hf_masks import documents, prepare
 
 # parameters of an image-text checkpoint's other towers (vision, audio and their projectors): frozen, as a text
@@ -40,7 +40,8 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     if weights:
         model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
     else:
-        model = cls.from_config(config, dtype=dtype, **kw) if remote else cls._from_config(config, dtype=dtype)
+        model = (cls.from_config(config, dtype=dtype, **kw) if remote else
+                 cls._from_config(for_class(cls, config), dtype=dtype))
     model.config.use_cache = False
     for name, p in model.named_parameters():
         if any(t in name for t in OTHER_TOWERS):

@@ -141,8 +141,17 @@ def meta_model(cfg: dict[str, Any], *, trust_remote_code: bool = False, model_di
     remote = bool(cfg.get("auto_map"))
     cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
     with torch.device("meta"):
-        model = (cls.from_config(config, trust_remote_code=True) if remote else cls._from_config(config))
+        model = (cls.from_config(config, trust_remote_code=True) if remote else
+                 cls._from_config(for_class(cls, config)))
     return model, type(model).__name__
+
+
+def for_class(cls, config):
+    """A causal-LM class named for an image-text checkpoint's config builds from its language model's config."""
+    text = getattr(config, "text_config", None)
+    if text is not None and cls.__name__.endswith("ForCausalLM") and not hasattr(config, "vocab_size"):
+        return text
+    return config
 
 
 @functools.lru_cache(maxsize=16)
@@ -150,7 +159,12 @@ def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None)
     """Exact facts of the model transformers builds from this config, on the meta device: parameter count, whether
     the input and output embeddings are one tensor, whether it ships a tensor-parallel plan, the class it builds.
     Raises UserError (one line) when transformers cannot build it."""
-    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    try:
+        model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    except ImportError as e:  # a package transformers needs for this architecture's modules
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), str(e))
+        raise bad("model", model_dir, f"transformers cannot build this architecture here: {first[:200]}",
+                  "install the package it names") from None
     params = {id(p): p.numel() for p in model.parameters()}
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()
@@ -272,6 +286,81 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
                                target_modules=targets or tuple(default))
 
 
+# The rehearsal's tiny copy of an arbitrary config (adapter/train/rehearse.py): every size key transformers' configs
+# use, set small and mutually consistent (heads × head_dim = hidden; Mamba's heads × head size = expand × hidden);
+# layer patterns cut to one layer of each kind, in the model's order; counts (experts, top-k) capped but kept.
+_TINY = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "n_inner": 128,
+         "ffn_dim": 128, "intermediate_size_mlp": 128, "moe_intermediate_size": 32, "expert_intermediate_size": 32,
+         "shared_expert_intermediate_size": 32, "shared_intermediate_size": 32, "head_dim": 16,
+         "num_attention_heads": 4, "n_head": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+         "qk_nope_head_dim": 8, "v_head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "mamba_d_state": 8, "mamba_n_groups": 1,
+         "mamba_chunk_size": 16, "mamba_d_conv": 4, "chunk_size": 16, "attention_chunk_size": 16,
+         "max_position_embeddings": 4096, "rotary_dim": 8, "partial_rotary_factor": None}
+_CAPS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+         "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+         "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2}
+_PATTERNS = ("layer_types", "layers_block_type", "layer_block_types")
+
+
+def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """A small config.json of the same architecture, every structural feature kept (adapter/train/rehearse.py
+    builds the rehearsal's model from it); `vocab`: its vocabulary."""
+    out = dict(raw)
+    text, nested = (dict(raw["text_config"]), True) if text_part(raw)[0] is not raw else (out, False)
+    for k, v in _TINY.items():
+        if k in text and (v is None or isinstance(text[k], int)):
+            if v is None:
+                text.pop(k)
+            else:
+                text[k] = v
+    for k, cap in _CAPS.items():
+        if isinstance(text.get(k), int):
+            text[k] = min(text[k], cap)
+    heads = text.get("num_attention_heads", 4)
+    if text.get("num_key_value_heads") and heads % text["num_key_value_heads"]:
+        text["num_key_value_heads"] = heads
+    if "mamba_n_heads" in text or "mamba_d_head" in text:  # heads × head size = expand × hidden
+        text["mamba_n_heads"], text["mamba_d_head"] = 4, (text.get("mamba_expand") or 2) * 64 // 4
+        if "mamba_d_ssm" in text:
+            text["mamba_d_ssm"] = (text.get("mamba_expand") or 2) * 64
+    n = next((text[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+              if isinstance(text.get(k), int)), 2)
+    kinds = next((text[k] for k in _PATTERNS if isinstance(text.get(k), list)), None)
+    keep = sorted({kinds.index(k) for k in kinds}) if kinds else [0, 1]  # the first layer of each kind, in order
+    if len(keep) < 2:
+        keep = list(range(min(2, n)))
+    if isinstance(text.get("first_k_dense_replace"), int):  # dense layers first (DeepSeek): one, then the rest
+        text["first_k_dense_replace"] = 1
+        keep = [0, *[i for i in keep if i >= 1]] if len(keep) > 1 else [0, 1]
+    for k, v in list(text.items()):  # every per-layer setting cut to the kept layers (lists, layer-indexed maps)
+        if isinstance(v, list) and len(v) == n and n > 1:
+            text[k] = [v[i] for i in keep if i < len(v)]
+        elif isinstance(v, dict) and v and all(str(i).isdigit() and int(i) < n for i in v):
+            text[k] = {str(j): v[str(i)] if str(i) in v else v.get(i) for j, i in enumerate(keep)
+                       if str(i) in v or i in v}
+    layers = len(keep)
+    for k in ("intermediate_size", "layer_intermediate_size"):  # per-layer widths (Gemma 3n): one per kept layer
+        if isinstance(text.get(k), list):
+            text[k] = [128] * layers
+    for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        if isinstance(text.get(k), int):
+            text[k] = layers
+    text["vocab_size"] = vocab
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(text.get(k), int) and text[k] >= vocab:
+            text[k] = None
+    if nested:
+        out["text_config"] = text
+        vision = out.get("vision_config")
+        if isinstance(vision, dict):  # the other towers: as small as their own keys allow
+            out["vision_config"] = {**vision, **{k: v for k, v in {"hidden_size": 32, "intermediate_size": 64,
+                                                                    "num_hidden_layers": 1, "depth": 1,
+                                                                    "num_attention_heads": 2, "num_heads": 2}.items()
+                                                if isinstance(vision.get(k), int)}}
+    return out
+
+
 def check_run(cfg, arch) -> list[str]:
     """What the transformers engine does not run yet, each refused in one line naming the key; the warnings for
     what it runs but the user should know. Layouts over data-parallel ranks (dp_shard with ZeRO-1/2/3,
@@ -323,6 +412,6 @@ def check_run(cfg, arch) -> list[str]:
     return []
 
 
-__all__ = ["PeftSpec", "resolve_peft", "check_run",
+__all__ = ["PeftSpec", "resolve_peft", "tiny_config", "check_run",
            "ENGINES", "UNSPLITTABLE", "text_part", "layer_kinds", "unsplittable", "check_loadable",
            "hf_config", "model_class", "meta_model", "meta_facts", "generic_arch_fields"]

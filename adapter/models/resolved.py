@@ -88,7 +88,8 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None
     if cfg.lora is not None and not arch.native:  # PEFT itself on transformers' model, counted on the meta model
-        src = source.hf_dir(cfg)
+        given = weights.model_dir if weights is not None and weights.model_dir else None
+        src = source.model_dir(given) if given and config_path(given).is_file() else source.hf_dir(cfg)
         peft = generic.resolve_peft(cfg, json.loads(config_path(src).read_text()),
                                     trust_remote_code=cfg.model.trust_remote_code, model_dir=str(src))
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)

@@ -17,16 +17,21 @@ training process runs (adapter/train/worker.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import shutil
 import tempfile
+from pathlib import Path
 
 from adapter import config
 from adapter.config import RunConfig
 from adapter.errors import UserError, bad
-from adapter.models import announce, source
-from adapter.models.arch import ModelArch
+from adapter.models import announce, generic, source
+from adapter.models.arch import ModelArch, config_path, load_arch
 from adapter.models.lora import NF4_BLOCK
 from adapter.models.resolved import ResolvedRun, resolve_run
+from adapter.models.source import WeightsSource
 from adapter.train.preflight import preflight
 from adapter.train.spawn import spawn
 
@@ -69,6 +74,29 @@ def tiny_arch(arch: ModelArch, tp: int, vocab: int | None, block: int = 1) -> Mo
                                expert_ffn_hidden_size=2 * TINY_HEAD_DIM * tp if arch.moe else None)
 
 
+def tiny_transformers(cfg: RunConfig, arch: ModelArch, vocab: int | None, workdir: str):
+    """The transformers engine's tiny model: config.json cut small (adapter/models/generic.py `tiny_config`), written
+    into the rehearsal's directory (each rank writes the same file, atomically) with the checkpoint's own code
+    files for remote code; (its ModelArch, the random weights it starts from)."""
+    src = source.hf_dir(cfg)
+    raw = json.loads(config_path(src).read_text())
+    rows = SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size, -(-vocab // 32) * 32)
+    out = Path(workdir) / "tiny-model"
+    out.mkdir(parents=True, exist_ok=True)
+    for code in Path(src).glob("*.py"):
+        shutil.copyfile(code, out / code.name)
+    tmp = out / f".config.{os.getpid()}.json"
+    tmp.write_text(json.dumps(generic.tiny_config(raw, rows), indent=2))
+    os.replace(tmp, out / "config.json")
+    try:
+        tiny = load_arch(out, "transformers", cfg.model.trust_remote_code)
+    except UserError as e:
+        raise bad("rehearse", arch.architecture, f"the tiny copy of its config does not build ({e})",
+                  "plan the run and start it directly; the rehearsal cannot shrink this architecture yet") from None
+    return (dataclasses.replace(tiny, engine_reason=arch.engine_reason),
+            WeightsSource("random", str(out), reason="the rehearsal's tiny model"))
+
+
 def tokenizer_vocab(cfg: RunConfig) -> int | None:
     """One more than the largest id the run's tokenizer (with its added tokens) produces; None where no tokenizer is
     found (the data preparation then says so in its own words)."""
@@ -95,7 +123,11 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
     cfg, arch = run.cfg, run.arch
     vocab = (tokenizer_vocab(cfg) or arch.vocab_size) if cfg.data.files or cfg.data.datasets else None
     nf4 = run.lora is not None and run.lora.quantize_base == "nf4"
-    tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab, NF4_BLOCK if nf4 else 1)
+    weights = None
+    if arch.native:
+        tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab, NF4_BLOCK if nf4 else 1)
+    else:  # transformers builds the tiny model from a small config.json of the same architecture
+        tiny, weights = tiny_transformers(cfg, arch, vocab, workdir)
     ckdir = workdir
     half = max(1, steps // 2)
     seq = rehearsal_seq_len(cfg, seq_len)
@@ -114,8 +146,8 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
         "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache",
                                             **_sft_rehearsal(cfg, ckdir, seq)}),
     }
-    try:
-        return resolve_run(cfg.model_copy(update=upd), arch=tiny)  # its weights: random (model.init above)
+    try:  # its weights: random (model.init above)
+        return resolve_run(cfg.model_copy(update=upd), arch=tiny, weights=weights)
     except UserError as e:  # the run itself passed every check (main): what fails here is the rehearsal's doing
         raise UserError(f"the rehearsal's tiny model ({tiny.num_heads} heads of {tiny.head_dim}, hidden "
                         f"{tiny.hidden_size}) fails a check the model itself passes, an nd-adapter bug to report "

@@ -90,3 +90,27 @@ def test_rehearse_qwen2_qlora_example_at_tp2(tmp_path):
     p = rehearse(str(cfg), "--nproc", "2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rehearsal ok: 2 processes, layout 1x1x1x2, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_rehearse_a_transformers_engine_model_with_peft_lora(tmp_path):
+    """gpt-oss-20b's config (transformers' GptOssConfig defaults are that model's) has no native family: the
+    rehearsal cuts its config.json small (one sliding and one full layer, experts and sinks kept) and trains
+    transformers' own model with PEFT's LoRA at dp_shard=2 under ZeRO-3, saves and resumes."""
+    import json
+
+    import transformers
+
+    model = tmp_path / "gpt-oss-20b"
+    model.mkdir()
+    conf = transformers.GptOssConfig().to_dict()
+    (model / "config.json").write_text(json.dumps({**conf, "architectures": ["GptOssForCausalLM"]}))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\nparallelism: {{dp_shard_size: 2}}\nseq_len: 4096\nprecision: bf16\n"
+                   "data: {synthetic: true}\noptimizer: {max_steps: 10}\nhardware: {gpus_per_node: 2}\n"
+                   "lora: {r: 8, alpha: 16, target_linear: true}\n")
+    p = rehearse(str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rehearsal ok: 2 processes, layout 1x2x1x1, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]
+    assert "engine: transformers' own GptOssForCausalLM" in p.stdout
+    assert "(PEFT on transformers' model)" in p.stdout
