@@ -27,8 +27,12 @@ OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_new
                 "embed_audio", "mm_projector")
 
 
-def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool):
-    """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed)."""
+def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
+                quantize: str | None = None):
+    """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
+    `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
+    NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
+    written out first and loaded the same way."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -37,11 +41,32 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
     torch.manual_seed(seed)
     kw = {"trust_remote_code": True} if remote else {}
+    if quantize:
+        return _quantized(cls, config, model_dir if weights else None, dtype=dtype, quantize=quantize, kw=kw)
     if weights:
         model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
     else:
         model = (cls.from_config(config, dtype=dtype, **kw) if remote else
                  cls._from_config(for_class(cls, config), dtype=dtype))
+    model.config.use_cache = False
+    for name, p in model.named_parameters():
+        if any(t in name for t in OTHER_TOWERS):
+            p.requires_grad_(False)
+    return model
+
+
+def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: dict):
+    import tempfile
+
+    from transformers import BitsAndBytesConfig
+
+    bnb = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype) if quantize == "nf4" else
+           BitsAndBytesConfig(load_in_8bit=True))
+    with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
+        if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
+            cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)
+        model = cls.from_pretrained(model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
     model.config.use_cache = False
     for name, p in model.named_parameters():
         if any(t in name for t in OTHER_TOWERS):

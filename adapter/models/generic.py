@@ -23,6 +23,8 @@ from typing import Any
 from adapter.errors import bad
 
 ENGINES = ("auto", "megatron", "transformers")
+QUANTIZED = {"nf4": "NF4 through bitsandbytes (transformers' load_in_4bit: double quantisation, blocks of 64)",
+             "int8": "int8 through bitsandbytes (transformers' load_in_8bit)"}
 # layer kinds of `layer_types` (or the hybrid configs' own keys) that cannot be split over the sequence: their
 # recurrence runs through every position in order
 UNSPLITTABLE = ("linear_attention", "mamba", "mamba2", "conv", "hybrid", "recurrent", "ssm")
@@ -229,6 +231,7 @@ class PeftSpec:
     added: int                              # the adapters' parameters
     trained: int                            # the adapters and the modules_to_save copies
     matched: tuple[str, ...]                # the module names (last part) that carry an adapter
+    quantize_base: str | None = None        # "nf4" / "int8": bitsandbytes' 4/8-bit base, as transformers loads it
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -245,7 +248,8 @@ class PeftSpec:
                 f"{', '.join(self.matched)} (PEFT on transformers' model)"
                 + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
                 + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
-                "the base frozen" + (f"; adapters start from {self.init_from}" if self.init_from else ""))
+                "the base frozen" + (f", {QUANTIZED[self.quantize_base]}" if self.quantize_base else "")
+                + (f"; adapters start from {self.init_from}" if self.init_from else ""))
 
 
 def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None) -> PeftSpec:
@@ -265,7 +269,7 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
 
     model, _ = meta_model(config_json, trust_remote_code=trust_remote_code, model_dir=model_dir)
     spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
-                    tuple(c.modules_to_save), c.init_from, 0, 0, ())
+                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base)
     kw = spec.lora_config()
     if not targets:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
@@ -395,15 +399,13 @@ def check_run(cfg, arch) -> list[str]:
                   "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
     o, m = cfg.optimizer, cfg.model
     unbuilt = [  # (on, key, value, what is not built)
-        (cfg.lora is not None and cfg.lora.quantize_base is not None, "lora.quantize_base",
-         cfg.lora and cfg.lora.quantize_base, "a 4/8-bit frozen base (QLoRA)"),
         (m.unfrozen_parameters is not None, "model.unfrozen_parameters", m.unfrozen_parameters, "freezing by pattern"),
         (o.name == "adamw_8bit", "optimizer.name", o.name, "8-bit AdamW"),
         (cfg.precision == "fp8", "precision", cfg.precision, "fp8 matmuls"),
         (m.compile is True, "model.compile", True, "compiling layers"),
         (m.fused_linear_ce, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
         (arch.output_router_logits, "model.output_router_logits", True, "the load-balancing loss")]
-    fixes = {"lora.quantize_base": "use adapter: lora on the 16-bit base", "optimizer.name": "use adamw_torch",
+    fixes = {"optimizer.name": "use adamw_torch",
              "precision": "use bf16", "model.compile": "remove it (torch_compile: auto leaves it off here)",
              "model.output_router_logits": "set it false (model_config: {output_router_logits: false})"}
     for on, key, value, what in unbuilt:
@@ -412,6 +414,17 @@ def check_run(cfg, arch) -> list[str]:
     return []
 
 
-__all__ = ["PeftSpec", "resolve_peft", "tiny_config", "check_run",
+def check_quantized_base(cfg, stage: int) -> None:
+    """bitsandbytes' quantised weights are frozen parameters of their own type, which ZeRO-3 would partition like any
+    other: a 4/8-bit base on this engine runs under ZeRO-1/2 (every rank holds the small quantised base)."""
+    from adapter.config import setting, spell
+
+    if cfg.lora is not None and cfg.lora.quantize_base and stage == 3:
+        raise bad(spell(cfg, "lora.quantize_base"), cfg.lora.quantize_base, "a 4/8-bit base on the transformers "
+                  "engine is not built under ZeRO-3 (it would partition bitsandbytes' quantised weights)",
+                  f"set {setting(cfg, 'deepspeed.zero_stage', 2)} (the quantised base is small enough to keep whole)")
+
+
+__all__ = ["PeftSpec", "resolve_peft", "check_quantized_base", "QUANTIZED", "tiny_config", "check_run",
            "ENGINES", "UNSPLITTABLE", "text_part", "layer_kinds", "unsplittable", "check_loadable",
            "hf_config", "model_class", "meta_model", "meta_facts", "generic_arch_fields"]

@@ -94,6 +94,8 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
                                     trust_remote_code=cfg.model.trust_remote_code, model_dir=str(src))
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
     stage = deepspeed_config.zero_stage(cfg, layout)
+    if peft is not None:
+        generic.check_quantized_base(cfg, stage)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),

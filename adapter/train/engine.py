@@ -228,7 +228,8 @@ def _transformers_model(run: ResolvedRun, device, dtype):
     (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so."""
     cfg = run.cfg
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
-                        trust_remote_code=cfg.model.trust_remote_code)
+                        trust_remote_code=cfg.model.trust_remote_code,
+                        quantize=run.peft.quantize_base if run.peft is not None else None)
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
     return CausalLMLosses(model).to(device)

@@ -79,7 +79,7 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
     from adapter.data.sft import prepare
 
     data = prepare(cfg, model_dir, vocab_of(cfg), builder=True, barrier=None, progress=False).train
-    model = reference_model(Path(model_dir))
+    model = reference_model(Path(model_dir), quantize=cfg.lora.quantize_base if cfg.lora else None)
     if cfg.lora is not None:  # PEFT itself, seeded as the run seeds it
         import peft
 
@@ -177,6 +177,7 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
 
 
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
+QLORA = {**LORA, "quantize_base": "nf4"}
 
 
 def _lora(rank, world, models, root):
@@ -190,10 +191,19 @@ def _lora(rank, world, models, root):
         res = train(_cfg(models[name], f"{root}/{name}", name not in HYBRID, lora=LORA,
                          export=f"{root}/{name}/adapter"), log=lines.append)
         out[name] = (res.losses, res.exported, [ln for ln in lines if ln.startswith("lora:")])
+    lines = []  # QLoRA: the base loaded in NF4 by bitsandbytes, ZeRO-2 (ZeRO-3 is refused in one line)
+    out["qlora"] = train(_cfg(models["phi"], f"{root}/qlora", True, lora=QLORA, zero=2), log=lines.append).losses
+    out["qlora said"] = [ln for ln in lines if ln.startswith("lora:")]
+    try:
+        train(_cfg(models["phi"], f"{root}/qlora3", True, lora=QLORA, zero=3), log=lambda s: None)
+    except Exception as e:  # noqa: BLE001 - the refusal's text is the check
+        out["qlora zero3"] = str(e)
     return out
 
 
-def test_lora_through_peft_on_the_transformers_engine_matches_peft_at_dp_shard2_zero3(models, tmp_path):
+def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp_shard2(models, tmp_path):
+    """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export); QLoRA (bitsandbytes' NF4
+    base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4 base."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -207,3 +217,8 @@ def test_lora_through_peft_on_the_transformers_engine_matches_peft_at_dp_shard2_
         loaded = peft.PeftModel.from_pretrained(reference_model(Path(models[name])), exported)
         probe = _probe(models[name])
         assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4, name
+    want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA, zero=2))
+    assert max(rel(a, b) for a, b in zip(got["qlora"], want)) < 1e-4, (got["qlora"], want)
+    assert "NF4 through bitsandbytes" in got["qlora said"][0], got["qlora said"]
+    assert "is not built under ZeRO-3" in got["qlora zero3"] and "Fix: set deepspeed.zero_stage: 2" in \
+        got["qlora zero3"], got["qlora zero3"]

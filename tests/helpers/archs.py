@@ -86,13 +86,17 @@ def make_arch(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0) ->
     return out
 
 
-def reference_model(model_dir: Path):
-    """transformers' model of a tiny checkpoint, loaded as a user would (fp32)."""
+def reference_model(model_dir: Path, quantize: str | None = None):
+    """transformers' model of a tiny checkpoint, loaded as a user would (fp32); `quantize` "nf4": the base in
+    bitsandbytes' NF4 with double quantisation, as Axolotl's QLoRA loads it."""
     import json
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, BitsAndBytesConfig
 
     archs = json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
     auto = AutoModelForImageTextToText if archs[0].endswith("ConditionalGeneration") else AutoModelForCausalLM
-    return auto.from_pretrained(str(model_dir), dtype=torch.float32)
+    kw = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                    bnb_4bit_use_double_quant=True,
+                                                    bnb_4bit_compute_dtype=torch.float32)} if quantize else {}
+    return auto.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
