@@ -82,6 +82,10 @@ ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget 
     "bf16 states, compiled layers": ["--set", "optimizer.state_dtype=bf16", "--set", "model.compile=true"],
     "bf16 states, compiled layers, linear CE": ["--set", "optimizer.state_dtype=bf16", "--set", "model.compile=true",
                                                 *LINEAR_CE],
+    # the same model trained by the transformers engine (transformers' own modules under nd-adapter's loop and ZeRO)
+    "transformers engine": ["--set", "model.engine=transformers", "--set", "model.compile=false"],
+    "transformers engine, bf16 states": ["--set", "model.engine=transformers", "--set", "model.compile=false",
+                                         "--set", "optimizer.state_dtype=bf16"],
 }
 
 

@@ -24,7 +24,11 @@ from bench.compare import parse_result, parse_steps, run_logged  # noqa: E402
 
 CONFIG = "bench/configs/llama-3.1-8b-lora-1gpu.yaml"
 MODEL = "configs/models/llama-3.1-8b/config.json"
-OURS = {"nd-adapter LoRA": [], "nd-adapter QLoRA (NF4)": ["--set", "lora.quantize_base=nf4"]}
+OURS = {"nd-adapter LoRA": [], "nd-adapter QLoRA (NF4)": ["--set", "lora.quantize_base=nf4"],
+        # PEFT itself on transformers' model under nd-adapter's loop (model.engine: transformers)
+        "nd-adapter LoRA (transformers engine)": ["--set", "model.engine=transformers", "--set", "model.compile=false"],
+        "nd-adapter QLoRA (NF4, transformers engine)": ["--set", "model.engine=transformers", "--set",
+                                                        "model.compile=false", "--set", "lora.quantize_base=nf4"]}
 PEERS = {"peer LoRA": [], "peer QLoRA": ["--qlora"]}
 VERSUS = {"nd-adapter LoRA": "peer LoRA", "nd-adapter QLoRA (NF4)": "peer QLoRA"}
 

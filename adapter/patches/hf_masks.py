@@ -9,7 +9,8 @@ does: gpt-oss, for one, builds its masks without them, so its packed documents w
 the wrappers pass this forward's positions when the model's call left them out. Outside `documents`, and for a call
 that passes positions, a padding mask or a cache, nothing changes.
 
-Checked against transformers 5.25 (CI): the builders' names and their `position_ids` parameter (fifth, or by name).
+Checked against transformers 5.25 (CI): the builders' names and their `position_ids` parameter (fifth, or by name);
+another version is used when its builders have that signature (checked at `prepare`), else refused in one line.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from adapter.patches import require
+from adapter.patches import installed, require
 
 TESTED = ("5.25.0",)
 BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
@@ -42,11 +43,23 @@ def _wrap(builder):
     return build
 
 
+def _takes_positions(builder) -> bool:
+    """The builder exists and takes `position_ids` fifth (what the wrapper relies on; any version that keeps it)."""
+    import inspect
+
+    if builder is None:
+        return False
+    params = list(inspect.signature(builder).parameters)
+    return len(params) > _POSITION_ARG and params[_POSITION_ARG] == "position_ids"
+
+
 def prepare(model) -> None:
     """Wrap the mask builders in every module that defines one of `model`'s submodules (refused, in one line, on a
     transformers these names were not checked on)."""
-    require("transformers", TESTED, "packed-document masks for the transformers engine")
     from transformers import masking_utils as mu
+
+    if installed("transformers") not in TESTED and not all(_takes_positions(getattr(mu, b, None)) for b in BUILDERS):
+        require("transformers", TESTED, "packed-document masks for the transformers engine")  # one line
 
     for name in {type(m).__module__ for m in model.modules()}:
         module = sys.modules.get(name)
