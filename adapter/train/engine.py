@@ -229,7 +229,7 @@ def _transformers_model(run: ResolvedRun, device, dtype):
     cfg = run.cfg
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
                         trust_remote_code=cfg.model.trust_remote_code,
-                        quantize=run.peft.quantize_base if run.peft is not None else None)
+                        quantize=run.peft.quantize_base if run.peft is not None else None, device=device)
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
     return CausalLMLosses(model).to(device)
