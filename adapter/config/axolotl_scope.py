@@ -101,6 +101,11 @@ EP_PLUGIN = "integrations.expert_parallel"  # its expert_parallel_size is mapped
 HARMLESS_PLUGINS = ("integrations.lm_eval", "integrations.swanlab")  # evaluation / logging only: ignored
 
 
+# Axolotl's model_type values that train the next-token loss on the LM head: causal LMs, and image-text checkpoints
+# (their language model, on text; the class config.json names is what is built either way)
+CAUSAL_CLASSES = ("ForCausalLM", "ForConditionalGeneration", "AutoModelForImageTextToText", "AutoModelForVision2Seq")
+
+
 def is_on(value: Any) -> bool:
     """Set to something that does anything: not None/False/0/''/[]/{}."""
     return value is not None and value is not False and value != 0 and value != "" and value != [] and value != {}
@@ -112,7 +117,7 @@ def check_scope(raw: dict[str, Any]) -> None:
         if key in raw and is_on(raw[key]):
             raise bad(key, raw[key], why, fix)
     kind = raw.get("model_type")
-    if kind is not None and not (isinstance(kind, str) and kind.endswith("ForCausalLM")):
+    if kind is not None and not (isinstance(kind, str) and kind.endswith(CAUSAL_CLASSES)):
         raise bad("model_type", kind, "nd-adapter trains causal language models (next-token loss on the model's "
                   "LM head); another head (sequence classification, reward, ...) is not what it trains",
                   "remove it (or use AutoModelForCausalLM), or run this config with Axolotl")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +104,10 @@ def hf_config(cfg: dict[str, Any], *, trust_remote_code: bool, model_dir: str | 
                       "transformers implements")
         if model_dir is None:
             raise bad("model.path", None, "remote code needs the checkpoint's directory", "point model.path at it")
-        return transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+        try:
+            return transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+        except OSError as e:  # the code auto_map names is not in the directory (a config.json copied alone)
+            raise _missing_code(name or model_type, e) from e
     body = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")}
     try:
         cls = transformers.CONFIG_MAPPING[str(model_type)]
@@ -141,10 +145,24 @@ def meta_model(cfg: dict[str, Any], *, trust_remote_code: bool = False, model_di
 
     config = hf_config(cfg, trust_remote_code=trust_remote_code, model_dir=model_dir)
     remote = bool(cfg.get("auto_map"))
-    cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
-    with torch.device("meta"):
-        model = (cls.from_config(config, trust_remote_code=True) if remote else
-                 cls._from_config(for_class(cls, config)))
+    name = (cfg.get("architectures") or [None])[0]
+    cls = model_class(config, name, remote=remote)
+    shown = str(name or cfg.get("model_type")) if remote else cls.__name__
+    try:
+        with torch.device("meta"):
+            model = (cls.from_config(config, trust_remote_code=True) if remote else
+                     cls._from_config(for_class(cls, config)))
+    except OSError as e:
+        if not remote:
+            raise
+        raise _missing_code(shown, e) from e
+    except ImportError as e:  # an optional library a tower needs (timm, ...)
+        raise bad("model", shown, f"transformers needs a library to build {shown}: {_first_line(e)}",
+                  "install it (pip), or pick a checkpoint that does not need it") from e
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # config.json and the class disagree
+        raise bad("model", shown, f"transformers cannot build {shown} from this config.json "
+                  f"({e.__class__.__name__}: {_first_line(e)})", "fix the model's config.json (compare it with the "
+                  "published checkpoint's)") from e
     return model, type(model).__name__
 
 
@@ -156,17 +174,24 @@ def for_class(cls, config):
     return config
 
 
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:160]
+
+
+def _missing_code(name, e: OSError):
+    m = re.search(r"file named (\S+?\.py)", str(e))
+    what = m.group(1) if m else _first_line(e)
+    return bad("trust_remote_code", True, f"{name} is built by its checkpoint's own code, and {what} is not in its "
+               "directory", "download the whole checkpoint (its .py files with config.json), or pick a checkpoint "
+               "transformers implements")
+
+
 @functools.lru_cache(maxsize=16)
 def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None) -> dict[str, Any]:
     """Exact facts of the model transformers builds from this config, on the meta device: parameter count, whether
     the input and output embeddings are one tensor, whether it ships a tensor-parallel plan, the class it builds.
     Raises UserError (one line) when transformers cannot build it."""
-    try:
-        model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
-    except ImportError as e:  # a package transformers needs for this architecture's modules
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), str(e))
-        raise bad("model", model_dir, f"transformers cannot build this architecture here: {first[:200]}",
-                  "install the package it names") from None
+    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
     params = {id(p): p.numel() for p in model.parameters()}
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()

@@ -60,7 +60,7 @@ def _nd_train(cfg_file: Path, *extra: str) -> subprocess.CompletedProcess:
 BAD = {  # name: (config overrides, extra CLI args, text the one line must contain)
     "unknown key": ({"optimizer.lrr": 1e-3}, (), "optimizer.lrr"),
     "checkpoint of another model": ({"model.checkpoint": "NARROW"}, (), "model.checkpoint="),
-    "world size": ({}, ("--nproc", "3"), "num_processes (3)"),
+    "world size": ({}, ("--nproc", "3"), "but the world size is 3"),
     "missing data file": ({"data.files": ["no/such.jsonl"]}, (), "data.files="),
     "wrong text_key": ({"data.text_key": "content"}, (), "data.text_key='content'"),
     "model.checkpoint not converted": ({"model.checkpoint": "MODEL"}, (), "nd-adapter convert hf-to-megatron"),

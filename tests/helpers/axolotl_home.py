@@ -33,7 +33,7 @@ _GEMMA3_TEXT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_te
                 "rope_theta": 1000000,
                 "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144,
                 "bos_token_id": 2, "eos_token_id": [1, 106], "attention_bias": False}
-# hub id -> a shipped config directory or a config.json's content (published shapes)
+# hub id -> a shipped config directory or a config.json's content (published shapes); more in TABLE below
 MODELS: dict[str, str | dict] = {
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b", "NousResearch/Meta-Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.2-1B": "llama-3.2-1b", "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
@@ -72,6 +72,50 @@ MODELS: dict[str, str | dict] = {
                          "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 152064,
                          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
 }
+# the other base models Axolotl's examples name: transformers' config defaults or published shapes, each entry's
+# provenance in its "source" (the file's "_about" says how an entry is built)
+TABLE = ROOT / "tests/fixtures/axolotl/models.json"
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over` set into `base`, nested mappings merged; a nested mapping naming another model_type starts from that
+    type's transformers defaults."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            sub = out[k]
+            if "model_type" in v and v["model_type"] != sub.get("model_type"):
+                from transformers import CONFIG_MAPPING
+                sub = CONFIG_MAPPING[v["model_type"]]().to_dict()
+            out[k] = _merged(sub, v)
+        else:
+            out[k] = v
+    return out
+
+
+def _resolved(entry: dict) -> dict:
+    """A models.json entry as a config.json's content."""
+    kind, _, name = (entry["base"] or ":").partition(":")
+    if kind == "transformers":  # built with the flat keys, so that derived ones (layer_types, ...) follow them
+        from transformers import CONFIG_MAPPING
+        flat = {k: v for k, v in entry["config"].items() if not isinstance(v, dict) or k == "quantization_config"}
+        base = CONFIG_MAPPING[name](**flat).to_dict()
+    else:
+        base = json.loads((SHIPPED / name / "config.json").read_text()) if kind == "shipped" else {}
+    return _merged(base, entry["config"])
+
+
+MODELS.update({k: v for k, v in json.loads(TABLE.read_text()).items() if not k.startswith("_")})
+
+
+def model_config(repo: str, spec: str | dict | None = None) -> dict:
+    """The config.json content MODELS gives `repo` (or `spec`, in MODELS' forms)."""
+    spec = MODELS[repo] if spec is None else spec
+    if isinstance(spec, str):
+        return json.loads((SHIPPED / spec / "config.json").read_text())
+    return _resolved(spec) if "source" in spec and "config" in spec else spec
+
+
 # the special tokens Axolotl's examples name (special_tokens:, chat templates)
 SPECIAL = ["<|eot_id|>", "<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<s>", "</s>",
            "<unk>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -96,9 +140,7 @@ def make_home(root: Path, models=tuple(MODELS)) -> Path:
     for repo in models:
         src = root / "src" / repo.replace("/", "--")
         src.mkdir(parents=True, exist_ok=True)
-        spec = MODELS[repo]
-        conf = json.loads((SHIPPED / spec / "config.json").read_text()) if isinstance(spec, str) else spec
-        (src / "config.json").write_text(json.dumps(conf))
+        (src / "config.json").write_text(json.dumps(model_config(repo)))
         for f in tok.iterdir():
             (src / f.name).write_bytes(f.read_bytes())
         add_to_hub_cache(home, repo, src)
@@ -173,8 +215,7 @@ def with_local_model(example: Path, out_dir: Path, model: dict | None = None, dr
     only that model's config.json (MODELS; `model` replaces it), the keys in `drop` removed and `keys` set: a shape
     to plan or rehearse without a hub cache or a tokenizer."""
     raw = yaml.safe_load(example.read_text())
-    spec = model or MODELS[raw["base_model"]]
-    conf = json.loads((SHIPPED / spec / "config.json").read_text()) if isinstance(spec, str) else spec
+    conf = model_config(raw["base_model"], model)
     (out_dir / "model").mkdir(parents=True)
     (out_dir / "model/config.json").write_text(json.dumps(conf))
     for key in drop:

@@ -416,6 +416,10 @@ def test_model_type_must_be_a_causal_lm():
     assert build(model_type="AutoModelForCausalLM").model.path and build(model_type="LlamaForCausalLM")
     with pytest.raises(UserError, match=r"^model_type='AutoModelForSequenceClassification': nd-adapter trains causal"):
         build(model_type="AutoModelForSequenceClassification")
+    for image_text in ("Llama4ForConditionalGeneration", "AutoModelForImageTextToText", "AutoModelForVision2Seq"):
+        assert build(model_type=image_text).model.path  # the language model of an image-text checkpoint, on text
+    with pytest.raises(UserError, match=r"^model_type='AutoModelForTokenClassification': nd-adapter trains causal"):
+        build(model_type="AutoModelForTokenClassification")
 
 
 def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):

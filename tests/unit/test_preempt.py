@@ -18,6 +18,8 @@ def fresh(monkeypatch):
     for name, value in {"_received": None, "_at_once": False, "_raised": False, "_caught": {}}.items():
         monkeypatch.setattr(preempt, name, value)
     before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    for s in before:  # as a new process has them (an earlier in-process run may have left its handler here)
+        signal.signal(s, signal.SIG_DFL)
     yield
     for s, h in before.items():
         signal.signal(s, h)

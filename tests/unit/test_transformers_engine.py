@@ -117,3 +117,38 @@ def test_remote_code_needs_trust_remote_code_and_an_unknown_model_type_is_one_li
     (d / "config.json").write_text(json.dumps({"architectures": ["MyForCausalLM"], "model_type": "my_model"}))
     code, _, err = _plan(tmp_path, d)
     assert code == 2 and "model_type='my_model': transformers" in err and "cannot load this architecture" in err
+
+
+def test_remote_code_whose_files_are_absent_is_one_line(tmp_path):
+    d = tmp_path / "remote"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["MyForCausalLM"], "model_type": "my_model",
+                                               "auto_map": {"AutoConfig": "configuration_my.MyConfig",
+                                                            "AutoModelForCausalLM": "modeling_my.MyForCausalLM"}}))
+    code, _, err = _plan(tmp_path, d, trust_remote_code=True)
+    assert code == 2 and "trust_remote_code=True: " in err and "configuration_my.py" in err, err
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_config_transformers_reads_but_cannot_build_is_one_line(tmp_path):
+    from transformers import Lfm2MoeConfig
+
+    d = tmp_path / "lfm2_moe"  # layer_types unset: its layers index it
+    Lfm2MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                  num_experts_per_tok=2, num_dense_layers=1).save_pretrained(d)
+    code, _, err = _plan(tmp_path, d)
+    assert code == 2 and "transformers cannot build Lfm2MoeForCausalLM from this config.json (TypeError" in err, err
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_library_transformers_needs_to_build_the_model_is_named_in_one_line(tmp_path, monkeypatch):
+    import transformers
+
+    def needs_timm(*a, **k):
+        raise ImportError("\nTimmWrapperModel requires the timm library but it was not found in your environment.")
+
+    monkeypatch.setattr(transformers.PhiForCausalLM, "_from_config", needs_timm)
+    with pytest.raises(UserError, match=r"transformers needs a library to build PhiForCausalLM: TimmWrapperModel "
+                                        r"requires the timm library"):
+        load_arch(_write(tmp_path, "phi"), "transformers")
