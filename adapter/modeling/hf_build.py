@@ -77,7 +77,7 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
 
 
 def add_peft(model, spec, *, seed: int):
-    """PEFT's LoRA on the model (`spec`: adapter/models/generic.PeftSpec): adapters initialised from `seed` (A
+    """PEFT's LoRA on the model (`spec`: adapter/models/generic_run.PeftSpec): adapters initialised from `seed` (A
     Kaiming-uniform, B zero, as PEFT does), or started from a PEFT adapter directory (`lora_model_dir`)."""
     import peft
 

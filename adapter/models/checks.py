@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from adapter.config import RunConfig, spell
 from adapter.errors import bad
-from adapter.models import freeze, generic, lora
+from adapter.models import freeze, generic_run, lora
 from adapter.models.arch import ModelArch, check_tp
 
 
@@ -16,7 +16,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     """`check`, also returning what it resolved on the way: the LoRA spec and the unfrozen_parameters tensors
     (adapter/models/resolved.py keeps them, so nothing resolves them again)."""
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
-        return generic.check_run(cfg, arch), None, None
+        return generic_run.check_run(cfg, arch), None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     ep = cfg.parallelism.ep_size

@@ -14,18 +14,15 @@ model is first resolved (a native model's `plan` never does).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from adapter.errors import bad
 
 ENGINES = ("auto", "megatron", "transformers")
-QUANTIZED = {"nf4": "NF4 through bitsandbytes (transformers' load_in_4bit: double quantisation, blocks of 64)",
-             "int8": "int8 through bitsandbytes (transformers' load_in_8bit)"}
+
 # layer kinds of `layer_types` (or the hybrid configs' own keys) that cannot be split over the sequence: their
 # recurrence runs through every position in order
 UNSPLITTABLE = ("linear_attention", "mamba", "mamba2", "conv", "hybrid", "recurrent", "ssm")
@@ -241,80 +238,6 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         output_router_logits=bool(text.get("output_router_logits")))
 
 
-@dataclass(frozen=True)
-class PeftSpec:
-    """LoRA on the transformers engine: PEFT's own `LoraConfig` on transformers' model (Axolotl's lora_* keys, with
-    PEFT's semantics as they are), and what it adds, counted exactly on the meta-device model."""
-    r: int
-    alpha: float
-    dropout: float
-    rslora: bool
-    target_modules: tuple[str, ...] | str   # PEFT's target_modules: names, a regex, or "all-linear"
-    layers: tuple[int, ...] | None
-    modules_to_save: tuple[str, ...]
-    init_from: str | None
-    added: int                              # the adapters' parameters
-    trained: int                            # the adapters and the modules_to_save copies
-    matched: tuple[str, ...]                # the module names (last part) that carry an adapter
-    quantize_base: str | None = None        # "nf4" / "int8": bitsandbytes' 4/8-bit base, as transformers loads it
-
-    def lora_config(self) -> dict[str, Any]:
-        """`peft.LoraConfig`'s keywords."""
-        return {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "use_rslora": self.rslora,
-                "target_modules": list(self.target_modules) if isinstance(self.target_modules, tuple)
-                else self.target_modules,
-                "layers_to_transform": list(self.layers) if self.layers else None,
-                "modules_to_save": list(self.modules_to_save) or None, "task_type": "CAUSAL_LM"}
-
-    def describe(self, arch, key: str) -> str:
-        total = arch.param_count or 1
-        size = f"{total / 1e9:.2f}B" if total >= 1e8 else f"{total / 1e6:.2f}M"
-        return (f"{key}: LoRA r {self.r}, alpha {self.alpha:g}{', rslora' if self.rslora else ''} on "
-                f"{', '.join(self.matched)} (PEFT on transformers' model)"
-                + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
-                + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
-                "the base frozen" + (f", {QUANTIZED[self.quantize_base]}" if self.quantize_base else "")
-                + (f"; adapters start from {self.init_from}" if self.init_from else ""))
-
-
-def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None) -> PeftSpec:
-    """The run's `lora:` section as PEFT applies it to transformers' model: a target that matches no module, or a
-    value PEFT refuses, is one line naming the user's key."""
-    from adapter.config import spell
-
-    c = cfg.lora
-    if c.target_linear:
-        targets: tuple[str, ...] | str = "all-linear"
-    elif isinstance(c.target_modules, str):
-        targets = c.target_modules
-    else:
-        targets = tuple(c.target_modules) if c.target_modules else ()
-    import peft
-    import torch
-
-    model, _ = meta_model(config_json, trust_remote_code=trust_remote_code, model_dir=model_dir)
-    spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
-                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base)
-    kw = spec.lora_config()
-    if not targets:
-        kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
-    try:
-        with torch.device("meta"):
-            wrapped = peft.get_peft_model(model, peft.LoraConfig(**kw))
-    except (ValueError, TypeError, KeyError) as e:
-        key = "lora.target_linear" if c.target_linear else "lora.target_modules"
-        raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True,
-                  f"PEFT cannot apply it to {type(model).__name__}: {str(e).splitlines()[0][:200]}",
-                  "name modules the model has (its linear layers' names), or use lora_target_linear: true")
-    trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
-    matched = sorted({n.split(".")[-1] for n, m in wrapped.named_modules() if hasattr(m, "lora_A")
-                      and len(getattr(m, "lora_A", {})) > 0})
-    default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
-    return dataclasses.replace(spec, added=added, trained=trained, matched=tuple(matched),
-                               target_modules=targets or tuple(default))
-
-
 # The rehearsal's tiny copy of an arbitrary config (adapter/train/rehearse.py): every size key transformers' configs
 # use, set small and mutually consistent (heads × head_dim = hidden; Mamba's heads × head size = expand × hidden);
 # layer patterns cut to one layer of each kind, in the model's order; counts (experts, top-k) capped but kept.
@@ -390,66 +313,5 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
     return out
 
 
-def check_run(cfg, arch) -> list[str]:
-    """What the transformers engine does not run yet, each refused in one line naming the key; the warnings for
-    what it runs but the user should know. Layouts over data-parallel ranks (dp_shard with ZeRO-1/2/3,
-    dp_replicate, exact HSDP) are built; tensor, context and expert parallelism on this engine are not yet."""
-    from adapter.config import spell
-
-    name, p = arch.architecture, cfg.parallelism
-    why = f"on the transformers engine ({arch.engine_reason})"
-    if cfg.model.checkpoint:
-        raise bad("model.checkpoint", cfg.model.checkpoint, f"a converted Megatron checkpoint is the native engine's "
-                  f"format; {name} trains {why.removeprefix('on ')}", "remove it: the transformers engine reads the "
-                  "HF weights in model.path (base_model) as they are")
-    if p.tp_size > 1:
-        fix = ("use tensor_parallel_size: 1 (shard over dp_shard_size instead)" if arch.has_tp_plan else
-               "use tensor_parallel_size: 1: transformers ships no tensor-parallel plan (base_model_tp_plan) for it")
-        raise bad(spell(cfg, "parallelism.tp_size"), p.tp_size, f"tensor parallelism is not built {why}", fix)
-    if p.cp_size > 1:
-        layer = unsplittable(arch.layer_kinds)
-        problem = (f"its {layer} layers cannot be split over the sequence" if layer else
-                   f"context parallelism is not built {why}")
-        raise bad(spell(cfg, "parallelism.cp_size"), p.cp_size, problem,
-                  "use context_parallel_size: 1 (shard over dp_shard_size instead)")
-    layer, d = unsplittable(arch.layer_kinds), cfg.data
-    packs = d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing))
-    if layer and packs:  # transformers confines attention to each packed document; a recurrence runs through them
-        key = "data.document_mask" if d.document_mask else ("data.sample_packing" if d.sample_packing
-                                                             else "data.eval_sample_packing")
-        raise bad(spell(cfg, key), True, f"packed documents would share the recurrent state of {name}'s {layer} "
-                  "layers (transformers separates them in attention only)", f"set {spell(cfg, key)}: false")
-    if p.ep_size > 1:
-        raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
-                  "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
-    o, m = cfg.optimizer, cfg.model
-    unbuilt = [  # (on, key, value, what is not built)
-        (m.unfrozen_parameters is not None, "model.unfrozen_parameters", m.unfrozen_parameters, "freezing by pattern"),
-        (o.name == "adamw_8bit", "optimizer.name", o.name, "8-bit AdamW"),
-        (cfg.precision == "fp8", "precision", cfg.precision, "fp8 matmuls"),
-        (m.compile is True, "model.compile", True, "compiling layers"),
-        (m.fused_linear_ce, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
-        (arch.output_router_logits, "model.output_router_logits", True, "the load-balancing loss")]
-    fixes = {"optimizer.name": "use adamw_torch",
-             "precision": "use bf16", "model.compile": "remove it (torch_compile: auto leaves it off here)",
-             "model.output_router_logits": "set it false (model_config: {output_router_logits: false})"}
-    for on, key, value, what in unbuilt:
-        if on:
-            raise bad(spell(cfg, key), value, f"{what} is not built {why}", fixes.get(key, "remove it"))
-    return []
-
-
-def check_quantized_base(cfg, stage: int) -> None:
-    """bitsandbytes' quantised weights are frozen parameters of their own type, which ZeRO-3 would partition like any
-    other: a 4/8-bit base on this engine runs under ZeRO-1/2 (every rank holds the small quantised base)."""
-    from adapter.config import setting, spell
-
-    if cfg.lora is not None and cfg.lora.quantize_base and stage == 3:
-        raise bad(spell(cfg, "lora.quantize_base"), cfg.lora.quantize_base, "a 4/8-bit base on the transformers "
-                  "engine is not built under ZeRO-3 (it would partition bitsandbytes' quantised weights)",
-                  f"set {setting(cfg, 'deepspeed.zero_stage', 2)} (the quantised base is small enough to keep whole)")
-
-
-__all__ = ["PeftSpec", "resolve_peft", "check_quantized_base", "QUANTIZED", "tiny_config", "check_run",
-           "ENGINES", "UNSPLITTABLE", "text_part", "layer_kinds", "unsplittable", "check_loadable",
-           "hf_config", "model_class", "meta_model", "meta_facts", "generic_arch_fields"]
+__all__ = ["ENGINES", "UNSPLITTABLE", "tiny_config", "text_part", "layer_kinds", "unsplittable", "check_loadable",
+           "hf_config", "model_class", "for_class", "meta_model", "meta_facts", "generic_arch_fields"]

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from adapter.config import RunConfig
-from adapter.models import checks, freeze, generic, lora, source
+from adapter.models import checks, freeze, generic_run, lora, source
 from adapter.models.arch import ModelArch, config_path
 from adapter.models.source import WeightsSource
 from adapter.parallel import deepspeed_config
@@ -35,7 +35,7 @@ class ResolvedRun:
     zero_stage: int                            # 1 (nothing to shard), 2 or 3: deepspeed_config.zero_stage
     flat_optimizer: bool                       # nd-adapter's flat AdamW instead of DeepSpeed's ZeRO optimizer
     warnings: tuple[str, ...] = ()             # what the run can do but should not (models/checks.py)
-    peft: generic.PeftSpec | None = None       # the transformers engine's adapters (PEFT's LoRA on its model)
+    peft: generic_run.PeftSpec | None = None       # the transformers engine's adapters (PEFT's LoRA on its model)
 
     @property
     def adapters(self) -> bool:
@@ -87,15 +87,19 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
         arch = source.arch_for(cfg)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None
-    if cfg.lora is not None and not arch.native:  # PEFT itself on transformers' model, counted on the meta model
+    if not arch.native and (cfg.lora is not None or cfg.model.unfrozen_parameters is not None):
+        # PEFT itself, or freezing by HF name, on transformers' model: counted on the meta model
         given = weights.model_dir if weights is not None and weights.model_dir else None
         src = source.model_dir(given) if given and config_path(given).is_file() else source.hf_dir(cfg)
-        peft = generic.resolve_peft(cfg, json.loads(config_path(src).read_text()),
-                                    trust_remote_code=cfg.model.trust_remote_code, model_dir=str(src))
+        raw, trust = json.loads(config_path(src).read_text()), cfg.model.trust_remote_code
+        if cfg.lora is not None:
+            peft = generic_run.resolve_peft(cfg, raw, trust_remote_code=trust, model_dir=str(src))
+        else:
+            unfrozen = generic_run.resolve_unfrozen(cfg, raw, trust_remote_code=trust, model_dir=str(src))
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
     stage = deepspeed_config.zero_stage(cfg, layout)
     if peft is not None:
-        generic.check_quantized_base(cfg, stage)
+        generic_run.check_quantized_base(cfg, stage)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),

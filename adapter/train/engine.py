@@ -232,6 +232,8 @@ def _transformers_model(run: ResolvedRun, device, dtype):
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device)
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
+    if run.unfrozen is not None:  # unfrozen_parameters, on transformers' own names
+        freeze(model, list(run.unfrozen), 0, 1)
     return CausalLMLosses(model).to(device)
 
 
@@ -247,9 +249,9 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         layers = [Layer]
     else:
         model = _transformers_model(run, device, dtype)
-        # PEFT's layers inside a leaf module lose ZeRO-3's backward gathers (a partitioned frozen weight reaches
-        # autograd: tests/distributed/test_transformers_engine.py), so adapters gather module by module
-        layers = layer_classes(model.model) if run.peft is None else []
+        # a frozen weight inside a ZeRO-3 leaf module reaches autograd still partitioned (PEFT's base layers,
+        # unfrozen_parameters: tests/distributed/test_transformers_engine.py), so such runs gather module by module
+        layers = layer_classes(model.model) if all(p.requires_grad for p in model.parameters()) else []
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
                        dp_world_size=layout.dp, replica_group=groups.dp_replicate if hsdp else None)

@@ -20,7 +20,7 @@ from adapter import config
 from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, reference_model
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
-from tests.helpers.sft import batch_of, hf_loss, make_model, packed_examples, rel
+from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, packed_examples, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS = 128, 2e-3, 4
@@ -28,10 +28,12 @@ MODELS = (*ARCHS, *VISION)
 
 
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
-         zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None, **parallelism):
+         zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
+         unfrozen: list[str] | None = None, **parallelism):
     from adapter.demo.build import ASSETS
 
-    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine},
+    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
+                     "unfrozen_parameters": unfrozen},
            "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1}, "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12},
@@ -86,6 +88,8 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         torch.manual_seed(cfg.seed)
         model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                                            target_modules="all-linear", task_type="CAUSAL_LM"))
+    if cfg.model.unfrozen_parameters is not None:  # Axolotl's freezing on the HF model
+        axolotl_freeze(model, cfg.model.unfrozen_parameters)
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=LR, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
                             weight_decay=0.0)
@@ -178,6 +182,7 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
 
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
 QLORA = {**LORA, "quantize_base": "nf4"}
+UNFROZEN = ["^model.layers.1.", "^lm_head.weight[:512]"]
 
 
 def _lora(rank, world, models, root):
@@ -194,6 +199,9 @@ def _lora(rank, world, models, root):
     lines = []  # QLoRA: the base loaded in NF4 by bitsandbytes, ZeRO-2 (ZeRO-3 is refused in one line)
     out["qlora"] = train(_cfg(models["phi"], f"{root}/qlora", True, lora=QLORA, zero=2), log=lines.append).losses
     out["qlora said"] = [ln for ln in lines if ln.startswith("lora:")]
+    lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
+    out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
+    out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
     try:
         train(_cfg(models["phi"], f"{root}/qlora3", True, lora=QLORA, zero=3), log=lambda s: None)
     except Exception as e:  # noqa: BLE001 - the refusal's text is the check
@@ -203,7 +211,8 @@ def _lora(rank, world, models, root):
 
 def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp_shard2(models, tmp_path):
     """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export); QLoRA (bitsandbytes' NF4
-    base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4 base."""
+    base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4 base; Axolotl's
+    unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -220,5 +229,8 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA, zero=2))
     assert max(rel(a, b) for a, b in zip(got["qlora"], want)) < 1e-4, (got["qlora"], want)
     assert "NF4 through bitsandbytes" in got["qlora said"][0], got["qlora said"]
+    want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/unfrozen", True, unfrozen=UNFROZEN))
+    assert max(rel(a, b) for a, b in zip(got["unfrozen"], want)) < 1e-4, (got["unfrozen"], want)
+    assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
     assert "is not built under ZeRO-3" in got["qlora zero3"] and "Fix: set deepspeed.zero_stage: 2" in \
         got["qlora zero3"], got["qlora zero3"]

@@ -82,6 +82,8 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
      "linear_attention layers"),
     ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
      "load_in_4bit='nf4': a 4/8-bit base on the transformers engine is not built under ZeRO-3"),
+    ({"unfrozen_parameters": ["^model.no_such"]}, "unfrozen_parameters='^model.no_such': matches no parameter of "
+                                                   "Qwen3NextForCausalLM"),
     ({"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["no_such_proj"]},
      "lora_target_modules=['no_such_proj']: PEFT cannot apply it to Qwen3NextForCausalLM"),
 ])
