@@ -159,16 +159,15 @@ def check_run(cfg, arch) -> list[str]:
     if p.ep_size > 1:
         raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
                   "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
-    o, m = cfg.optimizer, cfg.model
+    m = cfg.model
     unbuilt = [  # (on, key, value, what is not built)
         (m.unfrozen_parameters is not None and cfg.lora is not None, "model.unfrozen_parameters",
          m.unfrozen_parameters, "freezing base weights beside LoRA adapters"),
-        (o.name == "adamw_8bit", "optimizer.name", o.name, "8-bit AdamW"),
         (cfg.precision == "fp8", "precision", cfg.precision, "fp8 matmuls"),
         (m.compile is True, "model.compile", True, "compiling layers"),
         (m.fused_linear_ce, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
         (arch.output_router_logits, "model.output_router_logits", True, "the load-balancing loss")]
-    fixes = {"optimizer.name": "use adamw_torch",
+    fixes = {
              "precision": "use bf16", "model.compile": "remove it (torch_compile: auto leaves it off here)",
              "model.output_router_logits": "set it false (model_config: {output_router_logits: false})"}
     for on, key, value, what in unbuilt:

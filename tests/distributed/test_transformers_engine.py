@@ -29,14 +29,15 @@ MODELS = (*ARCHS, *VISION)
 
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
          zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
-         unfrozen: list[str] | None = None, **parallelism):
+         unfrozen: list[str] | None = None, optimizer: str = "adamw", **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
                      "unfrozen_parameters": unfrozen},
            "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1}, "seq_len": SEQ, "precision": "fp32",
-           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12},
+           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12,
+                         "name": optimizer},
            "deepspeed": {"zero_stage": zero}, "checkpoint": {"dir": ckpt, "export_hf": export},
            "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
                     "chat_template": "chatml", "sample_packing": pack, "prepared_path": f"{root}/prep-{pack}"}}
@@ -199,6 +200,9 @@ def _lora(rank, world, models, root):
     lines = []  # QLoRA: the base loaded in NF4 by bitsandbytes, ZeRO-2 (ZeRO-3 is refused in one line)
     out["qlora"] = train(_cfg(models["phi"], f"{root}/qlora", True, lora=QLORA, zero=2), log=lines.append).losses
     out["qlora said"] = [ln for ln in lines if ln.startswith("lora:")]
+    lines = []  # bitsandbytes' AdamW8bit stepped by ZeRO-3
+    out["8bit"] = train(_cfg(models["phi"], f"{root}/8bit", True, optimizer="adamw_8bit"), log=lines.append).losses
+    out["8bit said"] = [ln for ln in lines if ln.startswith("optimizer:")]
     lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
@@ -212,7 +216,8 @@ def _lora(rank, world, models, root):
 def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp_shard2(models, tmp_path):
     """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export); QLoRA (bitsandbytes' NF4
     base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4 base; Axolotl's
-    unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model."""
+    unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model; 8-bit AdamW
+    under ZeRO-3 tracking torch's AdamW."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -229,6 +234,12 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA, zero=2))
     assert max(rel(a, b) for a, b in zip(got["qlora"], want)) < 1e-4, (got["qlora"], want)
     assert "NF4 through bitsandbytes" in got["qlora said"][0], got["qlora said"]
+    fp32 = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/8bit", True))  # torch's AdamW
+    eight = got["8bit"]
+    assert eight[0] == pytest.approx(fp32[0], rel=1e-5) and eight != fp32, (eight, fp32)  # the moments differ
+    assert max(rel(a, b) for a, b in zip(eight, fp32)) < 2e-3, (eight, fp32)  # and track torch's
+    assert got["8bit said"] == ["optimizer: DeepSpeed's ZeRO-3 stepping bitsandbytes' AdamW8bit (fp32 master "
+                                "partitions, 8-bit moments)"], got["8bit said"]
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/unfrozen", True, unfrozen=UNFROZEN))
     assert max(rel(a, b) for a, b in zip(got["unfrozen"], want)) < 1e-4, (got["unfrozen"], want)
     assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
