@@ -64,12 +64,13 @@ def add_merge_parser(subparsers) -> argparse.ArgumentParser:
 def run_merge(args) -> int:
     # merging runs in one process whatever layout the run trained at
     cfg = source.load_config(args.config, overrides=parse_sets(args.set), world_size=None, layout=False)
-    spec = lora.from_config(cfg, source.arch_for(cfg))
-    if spec is None:
+    arch = source.arch_for(cfg)
+    spec = lora.from_config(cfg, arch) if arch.native else None
+    if cfg.lora is None:
         raise bad("adapter", None, "the config trains every weight: there is no adapter to merge",
                   "pass the LoRA run's config (adapter: lora)")
     out_dir = cfg.checkpoint.export_hf or cfg.checkpoint.dir
-    adapter_dir = args.adapter or spec.init_from or out_dir
+    adapter_dir = args.adapter or cfg.lora.init_from or out_dir
     if adapter_dir is None:
         raise bad("--adapter", None, "no adapter directory: the config has neither lora_model_dir nor output_dir",
                   "pass --adapter DIR")
@@ -79,9 +80,12 @@ def run_merge(args) -> int:
     from adapter.convert import peft  # torch: imported when the verb runs (module docstring)
     from adapter.convert.hf_io import parse_dtype  # torch, likewise
 
-    done = peft.merge(source.hf_dir(cfg), adapter_dir, out, spec, source.arch_for(cfg),
-                      key="--adapter" if args.adapter else spell(cfg, "lora.init_from"),
-                      dtype=parse_dtype(args.dtype))
+    key = "--adapter" if args.adapter else spell(cfg, "lora.init_from")
+    if spec is None:  # the transformers engine's adapter: PEFT's own merge on transformers' model
+        done = peft.merge_transformers(source.hf_dir(cfg), adapter_dir, out, key=key, dtype=parse_dtype(args.dtype),
+                                       trust_remote_code=cfg.model.trust_remote_code)
+    else:
+        done = peft.merge(source.hf_dir(cfg), adapter_dir, out, spec, arch, key=key, dtype=parse_dtype(args.dtype))
     print(f"merged {adapter_dir} into {source.hf_dir(cfg)}: wrote {done} (in fp32, stored as "
           f"{args.dtype or 'the base'}'s dtype)")
     return 0

@@ -116,4 +116,39 @@ def merge(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, sp
     return out
 
 
-__all__ = ["write_adapter", "read_adapter", "merge"]
+def merge_transformers(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, *, key: str,
+                       dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> Path:
+    """The transformers engine's adapters (PEFT's own format, on transformers' module names): PEFT's
+    `merge_and_unload` on the base loaded in fp32, saved in the base's dtype (or `dtype`) with its side files, as
+    `axolotl merge-lora` does; published by one rename."""
+    import peft
+    from transformers import AutoConfig
+
+    from adapter.models.generic import model_class
+
+    out = Path(out_dir).absolute()
+    if out.exists():
+        raise bad("--out", str(out), "already exists", "choose a new directory, or remove it first")
+    if not (Path(adapter_dir) / CONFIG).is_file():
+        raise bad(key, str(adapter_dir), f"no {CONFIG} there (not a PEFT adapter)", "pass the adapter's directory")
+    base_conf = json.loads((Path(base_dir) / "config.json").read_text())
+    config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=trust_remote_code)
+    cls = model_class(config, (base_conf.get("architectures") or [None])[0], remote=bool(base_conf.get("auto_map")))
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    model = cls.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
+    merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    built = Path(tempfile.mkdtemp(prefix=f".{out.name}.merge-", dir=out.parent))
+    try:
+        merged.to(dtype or (stored if isinstance(stored, torch.dtype) else getattr(torch, str(stored))))
+        merged.save_pretrained(str(built))
+        for side in Path(adapter_dir).iterdir():  # the tokenizer and chat template the run trained with
+            if side.is_file() and side.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copyfile(side, built / side.name)
+        os.replace(built, out)
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
+    return out
+
+
+__all__ = ["write_adapter", "read_adapter", "merge", "merge_transformers"]

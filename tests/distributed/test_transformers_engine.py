@@ -15,9 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from adapter import config
 from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, reference_model
+from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
 from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, packed_examples, rel
@@ -217,7 +219,7 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export); QLoRA (bitsandbytes' NF4
     base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4 base; Axolotl's
     unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model; 8-bit AdamW
-    under ZeRO-3 tracking torch's AdamW."""
+    under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -231,6 +233,15 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
         loaded = peft.PeftModel.from_pretrained(reference_model(Path(models[name])), exported)
         probe = _probe(models[name])
         assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4, name
+        if name == "phi":  # merge-lora: PEFT's merge on transformers' model, loadable as a plain model
+            conf = tmp_path / "merge.yaml"
+            conf.write_text(yaml.safe_dump({"model": {"path": models[name]}, "lora": LORA}))
+            code, _, err = run_cli("merge-lora", "--config", str(conf), "--adapter", exported,
+                                   "--out", str(tmp_path / "merged"))
+            assert code == 0, err
+            merged = reference_model(tmp_path / "merged")
+            assert not any("lora" in n for n, _ in merged.named_parameters())
+            assert rel(float(hf_loss(merged, probe)), float(hf_loss(trained[0], probe))) < 1e-4
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA, zero=2))
     assert max(rel(a, b) for a, b in zip(got["qlora"], want)) < 1e-4, (got["qlora"], want)
     assert "NF4 through bitsandbytes" in got["qlora said"][0], got["qlora said"]
