@@ -176,6 +176,19 @@ def check_run(cfg, arch) -> list[str]:
     return []
 
 
+def quantized_base_stage(cfg, dp_replicate: int):
+    """A 4/8-bit base on this engine where the config names no ZeRO stage (no FSDP or DeepSpeed keys: Axolotl then
+    replicates the model over the data-parallel ranks, DDP): ZeRO-2, which keeps the small quantised base whole on
+    every rank and shards gradients and optimizer states, said in the first lines; `cfg` unchanged otherwise."""
+    if cfg.lora is None or not cfg.lora.quantize_base or "zero_stage" in cfg.deepspeed.model_fields_set \
+            or dp_replicate > 1:
+        return cfg
+    note = ("deepspeed.zero_stage: 2 (a 4/8-bit base on the transformers engine stays whole on every rank, as "
+            "Axolotl's DDP keeps it; gradients and optimizer states are sharded)")
+    return cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"zero_stage": 2}),
+                                  "notes": cfg.notes if note in cfg.notes else (*cfg.notes, note)})
+
+
 def check_quantized_base(cfg, stage: int) -> None:
     """bitsandbytes' quantised weights are frozen parameters of their own type, which ZeRO-3 would partition like any
     other: a 4/8-bit base on this engine runs under ZeRO-1/2 (every rank holds the small quantised base)."""
@@ -187,4 +200,5 @@ def check_quantized_base(cfg, stage: int) -> None:
                   f"set {setting(cfg, 'deepspeed.zero_stage', 2)} (the quantised base is small enough to keep whole)")
 
 
-__all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "check_quantized_base", "check_run"]
+__all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "check_quantized_base",
+           "check_run"]

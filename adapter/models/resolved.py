@@ -97,6 +97,8 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
         else:
             unfrozen = generic_run.resolve_unfrozen(cfg, raw, trust_remote_code=trust, model_dir=str(src))
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
+    if peft is not None:
+        cfg = generic_run.quantized_base_stage(cfg, layout.dp_replicate)
     stage = deepspeed_config.zero_stage(cfg, layout)
     if peft is not None:
         generic_run.check_quantized_base(cfg, stage)

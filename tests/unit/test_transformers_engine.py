@@ -80,7 +80,8 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
     ({"sample_packing": True, "datasets": [{"path": "x.jsonl", "type": "completion"}]},
      "sample_packing=True: packed documents would share the recurrent state of Qwen3NextForCausalLM's "
      "linear_attention layers"),
-    ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
+    ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True,
+      "deepspeed": {"zero_optimization": {"stage": 3}}},
      "load_in_4bit='nf4': a 4/8-bit base on the transformers engine is not built under ZeRO-3"),
     ({"unfrozen_parameters": ["^model.no_such"]}, "unfrozen_parameters='^model.no_such': matches no parameter of "
                                                    "Qwen3NextForCausalLM"),
@@ -106,6 +107,16 @@ def test_plan_counts_peft_s_adapters_on_the_meta_model(tmp_path):
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     line = next(n for n in json.loads(out)["notes"] if n.startswith("adapter: LoRA r 8"))
     assert f"{trained:,} trained parameters" in line and "(PEFT on transformers' model)" in line, line
+
+
+def test_qlora_without_fsdp_or_deepspeed_keys_runs_zero2_and_says_so(tmp_path):
+    code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), adapter="qlora", load_in_4bit=True, lora_r=8,
+                           lora_alpha=16, lora_target_linear=True)
+    assert code == 0, err
+    plan = json.loads(out)
+    said = "deepspeed.zero_stage: 2 (a 4/8-bit base on the transformers engine"
+    assert any(n.startswith(said) for n in plan["notes"]), plan["notes"]
+    assert plan["deepspeed"]["config"]["zero_optimization"]["stage"] == 2
 
 
 def test_remote_code_needs_trust_remote_code_and_an_unknown_model_type_is_one_line(tmp_path):
