@@ -36,6 +36,10 @@ _STALE = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.
           "chat_template.jinja")
 
 
+# what the transformers engine's export copies from the checkpoint beside transformers' save_pretrained
+SIDE_FILES = ("tokenizer", "special_tokens", "preprocessor", "processor", "chat_template", "vocab", "merges")
+
+
 def write_chat_template(hf_dir: Path, template: str) -> None:
     """The template as transformers 5 saves it (chat_template.jinja); an inline copy in tokenizer_config.json would
     otherwise compete with it."""
@@ -122,30 +126,37 @@ def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int,
     the chat template, built beside the target and published like `export_hf`. Collective; rank 0 writes."""
     out = Path(out_dir).absolute()
     model = engine.module.model  # adapter/modeling/hf_build.CausalLMLosses holds transformers' model
+    def write(built: Path) -> None:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.save_pretrained(str(built), state_dict=state, safe_serialization=True)
+        src = hf_dir(cfg)
+        gen = src / "generation_config.json"
+        if gen.is_file() and not (built / gen.name).is_file():
+            shutil.copy(gen, built / gen.name)
+        for side in src.glob("*"):  # processor and tokenizer files as the checkpoint ships them
+            if side.is_file() and (side.name.startswith(SIDE_FILES) or side.suffix == ".model"):
+                shutil.copy(side, built / side.name)
+        if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
+            write_special_tokens(built, cfg, arch)
+        if chat_template:
+            write_chat_template(built, chat_template)
+
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        if rank == 0:
-            built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / "hf"
-            try:
-                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                model.save_pretrained(str(built), state_dict=state, safe_serialization=True)
-                src = hf_dir(cfg)
-                gen = src / "generation_config.json"
-                if gen.is_file() and not (built / gen.name).is_file():
-                    shutil.copy(gen, built / gen.name)
-                for side in src.glob("*"):  # processor and tokenizer files as the checkpoint ships them
-                    if side.is_file() and (side.name.startswith(("tokenizer", "special_tokens", "preprocessor",
-                                                                  "processor", "chat_template", "vocab", "merges"))
-                                           or side.suffix == ".model"):
-                        shutil.copy(side, built / side.name)
-                if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
-                    write_special_tokens(built, cfg, arch)
-                if chat_template:
-                    write_chat_template(built, chat_template)
-                publish(built, out)
-            finally:
-                shutil.rmtree(built.parent, ignore_errors=True)
+        _written_by_rank0(out, rank, "hf", write)
     dist.barrier()
     return out
+
+
+def _written_by_rank0(out: Path, rank: int, name: str, write) -> None:
+    """Rank 0 writes the export into a fresh directory beside `out` (`write(dir)`), then publishes it there."""
+    if rank != 0:
+        return
+    built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / name
+    try:
+        write(built)
+        publish(built, out)
+    finally:
+        shutil.rmtree(built.parent, ignore_errors=True)
 
 
 def export_peft(engine, cfg, out_dir: str | Path, *, rank: int, arch, chat_template: str | None = None) -> Path:
@@ -154,18 +165,15 @@ def export_peft(engine, cfg, out_dir: str | Path, *, rank: int, arch, chat_templ
     out = Path(out_dir).absolute()
     model = engine.module.model  # a PeftModel (adapter/modeling/hf_build.py)
     trained = [p for p in model.parameters() if p.requires_grad]
+    def write(built: Path) -> None:
+        model.peft_config["default"].base_model_name_or_path = str(cfg.model.path)
+        model.save_pretrained(str(built))
+        write_special_tokens(built, cfg, arch)
+        if chat_template:
+            write_chat_template(built, chat_template)
+
     with deepspeed.zero.GatheredParameters(trained, modifier_rank=None):
-        if rank == 0:
-            built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / "adapter"
-            try:
-                model.peft_config["default"].base_model_name_or_path = str(cfg.model.path)
-                model.save_pretrained(str(built))
-                write_special_tokens(built, cfg, arch)
-                if chat_template:
-                    write_chat_template(built, chat_template)
-                publish(built, out)
-            finally:
-                shutil.rmtree(built.parent, ignore_errors=True)
+        _written_by_rank0(out, rank, "adapter", write)
     dist.barrier()
     return out
 

@@ -68,22 +68,12 @@ def tiny_config(model_type: str, vocab: int = TINY["vocab_size"]):
 def make_arch(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A tiny random checkpoint of `model_type` (fp32, weights spread so per-token losses differ) with the
     tokenizer's files beside it."""
-    import shutil
-
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from tests.helpers.sft import _spread
+    from tests.helpers.sft import _save_with_tokenizer
 
-    torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if model_type in VISION else AutoModelForCausalLM
-    model = auto.from_config(tiny_config(model_type)).to(torch.float32)
-    _spread(model, seed)
-    model.save_pretrained(out)
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
-            shutil.copyfile(f, out / f.name)
-    return out
+    return _save_with_tokenizer(tiny_config(model_type), out, tokenizer_dir, seed, auto=auto)
 
 
 def reference_model(model_dir: Path, quantize: str | None = None):

@@ -150,16 +150,16 @@ def _spread(model, seed: int) -> None:
             p.copy_(centre + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
-def _save_with_tokenizer(cfg, out: Path, tokenizer_dir: Path, seed: int) -> Path:
-    """A random model of `cfg` (spread weights, fp32) and the tokenizer's files beside it (only those: the
-    directory may hold a model too)."""
+def _save_with_tokenizer(cfg, out: Path, tokenizer_dir: Path, seed: int, auto=None) -> Path:
+    """A random model of `cfg` (spread weights, fp32; built by `auto`, default AutoModelForCausalLM) and the
+    tokenizer's files beside it (only those: the directory may hold a model too)."""
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    model = (auto or AutoModelForCausalLM).from_config(cfg).to(torch.float32)
     _spread(model, seed)
     model.save_pretrained(out)
     for f in Path(tokenizer_dir).iterdir():
