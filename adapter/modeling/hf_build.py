@@ -43,8 +43,8 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     torch.manual_seed(seed)
     kw = {"trust_remote_code": True} if remote else {}
     if quantize:
-        return _quantized(cls, config, model_dir if weights else None, dtype=dtype, quantize=quantize, kw=kw)
-    if weights:
+        model = _quantized(cls, config, model_dir if weights else None, dtype=dtype, quantize=quantize, kw=kw)
+    elif weights:
         model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
     else:
         with torch.device(device or "cpu"):
@@ -68,12 +68,7 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
     with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
         if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
             cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)
-        model = cls.from_pretrained(model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
-    model.config.use_cache = False
-    for name, p in model.named_parameters():
-        if any(t in name for t in OTHER_TOWERS):
-            p.requires_grad_(False)
-    return model
+        return cls.from_pretrained(model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
 
 
 def add_peft(model, spec, *, seed: int):

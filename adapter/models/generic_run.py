@@ -6,11 +6,13 @@ meta-device model is built (torch, transformers, peft) only when a transformers-
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from adapter.errors import bad
-from adapter.models.generic import meta_model, unsplittable
+from adapter.models.generic import meta_facts, meta_model, unsplittable
 
 QUANTIZED = {"nf4": "NF4 through bitsandbytes (transformers' load_in_4bit: double quantisation, blocks of 64)",
              "int8": "int8 through bitsandbytes (transformers' load_in_8bit)"}
@@ -64,30 +66,46 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         targets = c.target_modules
     else:
         targets = tuple(c.target_modules) if c.target_modules else ()
-    import peft
-    import torch
-
-    model, _ = meta_model(config_json, trust_remote_code=trust_remote_code, model_dir=model_dir)
     spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
                     tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base)
     kw = spec.lora_config()
     if not targets:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
+    text = json.dumps(config_json, sort_keys=True)
     try:
-        with torch.device("meta"):
-            wrapped = peft.get_peft_model(model, peft.LoraConfig(**kw))
+        added, trained, matched, default = _peft_counts(text, trust_remote_code, model_dir,
+                                                        json.dumps(kw, sort_keys=True))
     except (ValueError, TypeError, KeyError) as e:
         key = "lora.target_linear" if c.target_linear else "lora.target_modules"
+        cls = meta_facts(text, trust_remote_code, model_dir)["cls"]
         raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True,
-                  f"PEFT cannot apply it to {type(model).__name__}: {str(e).splitlines()[0][:200]}",
+                  f"PEFT cannot apply it to {cls}: {str(e).splitlines()[0][:200]}",
                   "name modules the model has (its linear layers' names), or use lora_target_linear: true")
+    return dataclasses.replace(spec, added=added, trained=trained, matched=matched, target_modules=targets or default)
+
+
+@functools.lru_cache(maxsize=8)
+def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | None, lora_kw: str):
+    """(adapter parameters, trained parameters, adapted module names, PEFT's default targets) of PEFT's LoRA on the
+    meta-device model; cached, as `plan --search` resolves one run per candidate layout."""
+    import peft
+    import torch
+
+    model, _ = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    with torch.device("meta"):
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(**json.loads(lora_kw)))
     trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
-    matched = sorted({n.split(".")[-1] for n, m in wrapped.named_modules() if hasattr(m, "lora_A")
-                      and len(getattr(m, "lora_A", {})) > 0})
+    matched = sorted({n.split(".")[-1] for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
     default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
-    return dataclasses.replace(spec, added=added, trained=trained, matched=tuple(matched),
-                               target_modules=targets or tuple(default))
+    return added, trained, tuple(matched), tuple(default)
+
+
+@functools.lru_cache(maxsize=8)
+def _parameters(config_text: str, trust_remote_code: bool, model_dir: str | None):
+    """(class name, ((parameter name, numel, rows), ...)) of the meta-device model; cached like `_peft_counts`."""
+    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    return cls, tuple((n, p.numel(), p.shape[0] if p.dim() else 1) for n, p in model.named_parameters())
 
 
 def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None):
@@ -100,9 +118,9 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
 
     key = spell(cfg, "model.unfrozen_parameters")
     parsed = freeze.parse(cfg.model.unfrozen_parameters, key)
-    model, _ = meta_model(config_json, trust_remote_code=trust_remote_code, model_dir=model_dir)
+    cls, params = _parameters(json.dumps(config_json, sort_keys=True), trust_remote_code, model_dir)
     used, out = [False] * len(parsed), []
-    for name, p in model.named_parameters():
+    for name, numel, first in params:
         hits = [j for j, pat in enumerate(parsed) if pat.regex.match(name)]
         for j in hits:
             used[j] = True
@@ -113,14 +131,14 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
                 raise bad(key, [parsed[j].text for j in hits], f"gives {name} more than one row range",
                           "give its rows in one pattern")
             start, end = next(iter(ranges))  # type: ignore[misc]
-            end = p.shape[0] if end is None else min(end, p.shape[0])
+            end = first if end is None else min(end, first)
             if start >= end:
-                raise bad(key, parsed[hits[0]].text, "an empty row range", f"give rows within 0..{p.shape[0]}")
+                raise bad(key, parsed[hits[0]].text, "an empty row range", f"give rows within 0..{first}")
             rows = (start, end)
-        out.append(freeze.Tensor(name, (name,), p.numel(), None, bool(hits), rows))
+        out.append(freeze.Tensor(name, (name,), numel, None, bool(hits), rows))
     for pat, hit in zip(parsed, used):
         if not hit:
-            raise bad(key, pat.text, f"matches no parameter of {type(model).__name__}",
+            raise bad(key, pat.text, f"matches no parameter of {cls}",
                       "names look like model.layers.0.mlp.down_proj.weight or model.embed_tokens.weight")
     if not any(t.trained for t in out):
         raise bad(key, cfg.model.unfrozen_parameters, "leaves nothing to train", "unfreeze at least one parameter")
