@@ -14,8 +14,10 @@ from typing import Any
 from adapter.errors import bad
 from adapter.models.generic import meta_facts, meta_model, unsplittable
 
-QUANTIZED = {"nf4": "NF4 through bitsandbytes (transformers' load_in_4bit: double quantisation, blocks of 64)",
-             "int8": "int8 through bitsandbytes (transformers' load_in_8bit)"}
+_KEPT = "the other weights in the run's precision (no prepare_model_for_kbit_training fp32 upcast)"
+QUANTIZED = {"nf4": "NF4 through bitsandbytes (transformers' load_in_4bit: double quantisation, blocks of 64); "
+                    + _KEPT,
+             "int8": f"int8 through bitsandbytes (transformers' load_in_8bit); {_KEPT}"}
 
 
 @dataclass(frozen=True)
