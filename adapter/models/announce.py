@@ -60,6 +60,11 @@ def engine(run: ResolvedRun) -> str:
         extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
     if arch.remote_code:
         extra.append("built by the checkpoint's own code (trust_remote_code: true)")
+    tp = run.layout.tp
+    split = next((s[1] for s in arch.tp_shares if s[0] == tp), 0) if tp > 1 else 0
+    if split:
+        extra.append(f"tp={tp} from its own tensor-parallel plan (base_model_tp_plan): {split / 1e6:.2f}M of its "
+                     "parameters split, the rest replicated")
     n = arch.param_count or 0
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
     return (f"engine: transformers' own {arch.architecture} ({arch.engine_reason}; {size} parameters)"

@@ -112,7 +112,7 @@ class ModelArch:
     hf_model_type: str = ""
     param_count: int | None = None      # exact, all parameters (the transformers engine)
     layer_kinds: tuple[str, ...] = ()   # the layer kinds config.json names (linear_attention, mamba, ...)
-    has_tp_plan: bool = False           # transformers ships a tensor-parallel plan for it
+    tp_shares: tuple[tuple[int, int, str], ...] = ()  # (tp, parameters its TP plan splits, why it cannot); () none
     has_ep_plan: bool = False           # ... and an expert-parallel one
     image_text: bool = False            # an image-text checkpoint: its language model trains on text
     remote_code: bool = False           # built by the checkpoint's own code (trust_remote_code)

@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from adapter.errors import bad
+from adapter.models.tp_plan import model_plan, split_numel
 
 ENGINES = ("auto", "megatron", "transformers")
 
@@ -193,11 +194,20 @@ def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None)
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()
     tied = out is not None and emb is not None and out.weight is emb.weight
-    plan = getattr(model, "_tp_plan", None) or getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     text = getattr(model.config, "get_text_config", lambda: model.config)()
     ep_plan = getattr(text, "base_model_ep_plan", None)
-    return {"params": sum(params.values()), "tied": bool(tied), "tp_plan": bool(plan), "ep_plan": bool(ep_plan),
+    shares = tuple((tp, *_tp_share(model, tp)) for tp in TP_SIZES) \
+        if getattr(text, "base_model_tp_plan", None) and model_plan(model) else ()  # not the output layer's alone
+    return {"params": sum(params.values()), "tied": bool(tied), "tp_shares": shares, "ep_plan": bool(ep_plan),
             "cls": cls, "embedding": emb.weight.numel() if emb is not None else 0}
+
+
+TP_SIZES = tuple(range(2, 17))  # the tp sizes `plan` knows a rank's share for (a plan's widths divide few others)
+
+
+def _tp_share(model: Any, tp: int) -> tuple[int, str]:
+    numel, problems = split_numel(model, tp)
+    return numel, problems[0] if problems else ""
 
 
 def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: bool = False,
@@ -233,7 +243,7 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         sliding_window=window if windowed and isinstance(window, int) and window > 0 else None,
         window_layers=windowed if isinstance(window, int) and window > 0 else None,
         engine="transformers", hf_model_type=str(cfg.get("model_type") or ""), param_count=facts["params"],
-        layer_kinds=layer_kinds(cfg), has_tp_plan=facts["tp_plan"], has_ep_plan=facts["ep_plan"],
+        layer_kinds=layer_kinds(cfg), tp_shares=facts["tp_shares"], has_ep_plan=facts["ep_plan"],
         image_text=image_text, remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
         output_router_logits=bool(text.get("output_router_logits")))
 

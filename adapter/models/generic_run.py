@@ -150,7 +150,8 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
 def check_run(cfg, arch) -> list[str]:
     """What the transformers engine does not run yet, each refused in one line naming the key; the warnings for
     what it runs but the user should know. Layouts over data-parallel ranks (dp_shard with ZeRO-1/2/3,
-    dp_replicate, exact HSDP) are built; tensor, context and expert parallelism on this engine are not yet."""
+    dp_replicate, exact HSDP) and tensor parallelism from the model's own plan are built; context and expert
+    parallelism on this engine are not yet."""
     from adapter.config import spell
 
     name, p = arch.architecture, cfg.parallelism
@@ -160,9 +161,7 @@ def check_run(cfg, arch) -> list[str]:
                   f"format; {name} trains {why.removeprefix('on ')}", "remove it: the transformers engine reads the "
                   "HF weights in model.path (base_model) as they are")
     if p.tp_size > 1:
-        fix = ("use tensor_parallel_size: 1 (shard over dp_shard_size instead)" if arch.has_tp_plan else
-               "use tensor_parallel_size: 1: transformers ships no tensor-parallel plan (base_model_tp_plan) for it")
-        raise bad(spell(cfg, "parallelism.tp_size"), p.tp_size, f"tensor parallelism is not built {why}", fix)
+        _check_tp(cfg, arch, p.tp_size)
     if p.cp_size > 1:
         layer = unsplittable(arch.layer_kinds)
         problem = (f"its {layer} layers cannot be split over the sequence" if layer else
@@ -194,6 +193,33 @@ def check_run(cfg, arch) -> list[str]:
         if on:
             raise bad(spell(cfg, key), value, f"{what} is not built {why}", fixes.get(key, "remove it"))
     return []
+
+
+def _check_tp(cfg, arch, tp: int) -> None:
+    """Tensor parallelism from the model's own plan (adapter/modeling/hf_tp.py): refused in one line where it has
+    none, where the plan uses a style not built or a width tp does not divide, where a rank would hold part of a
+    head, and for what is not built beside it yet (a quantised base, unfrozen_parameters)."""
+    from adapter.config import spell
+
+    key, name, flat = spell(cfg, "parallelism.tp_size"), arch.architecture, "use tensor_parallel_size: 1 (shard " \
+        "over dp_shard_size instead)"
+    share = next((s for s in arch.tp_shares if s[0] == tp), None)
+    if not arch.tp_shares:
+        raise bad(key, tp, f"transformers ships no tensor-parallel plan (base_model_tp_plan) for {name}", flat)
+    if share is None:
+        raise bad(key, tp, f"tensor parallelism above {arch.tp_shares[-1][0]} ranks is not built on the transformers "
+                  "engine", "use a smaller tensor_parallel_size and shard the rest over dp_shard_size")
+    if share[2]:
+        raise bad(key, tp, f"{name}: {share[2]}", flat)
+    if arch.num_heads % tp or arch.num_kv_heads % tp:
+        raise bad(key, tp, f"each rank must hold whole heads, and {name} has {arch.num_heads} attention and "
+                  f"{arch.num_kv_heads} key/value heads", "use a tensor_parallel_size that divides both")
+    if cfg.lora is not None and cfg.lora.quantize_base:
+        raise bad(key, tp, "a 4/8-bit base split over tensor-parallel ranks is not built on the transformers "
+                  "engine", flat)
+    if cfg.model.unfrozen_parameters is not None:
+        raise bad(key, tp, "unfrozen_parameters with tensor parallelism is not built on the transformers engine",
+                  flat)
 
 
 def quantized_base_stage(cfg, dp_replicate: int):

@@ -24,6 +24,7 @@ from adapter.config import RunConfig, spell
 from adapter.convert import peft as peft_io
 from adapter.convert.load import load_megatron_checkpoint
 from adapter.kernels.fp8 import install_fp8
+from adapter.modeling import hf_tp
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.modeling.hf_build import CausalLMLosses, add_peft, build_model, layer_classes
@@ -223,15 +224,20 @@ def _native_model(run: ResolvedRun, groups: Groups, device, load_weights, dtype)
     return model
 
 
-def _transformers_model(run: ResolvedRun, device, dtype):
+def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
     """transformers' own model of the checkpoint (adapter/modeling/hf_build.py) in the loop's call
-    (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so."""
+    (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so;
+    at tp > 1 split as its own tensor-parallel plan says (adapter/modeling/hf_tp.py), adapters included."""
     cfg = run.cfg
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
                         trust_remote_code=cfg.model.trust_remote_code,
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device)
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
+    if run.layout.tp > 1:
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        hf_tp.shard(model, run.layout.tp, dist.get_rank(groups.tp), groups.tp,
+                    rope_dim=getattr(text, "qk_rope_head_dim", None))
     if run.unfrozen is not None:  # unfrozen_parameters, on transformers' own names
         freeze(model, list(run.unfrozen), 0, 1)
     return CausalLMLosses(model).to(device)
@@ -248,7 +254,7 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         model = _native_model(run, groups, device, load_weights, dtype)
         layers = [Layer]
     else:
-        model = _transformers_model(run, device, dtype)
+        model = _transformers_model(run, groups, device, dtype)
         # a frozen weight inside a ZeRO-3 leaf module reaches autograd still partitioned (PEFT's base layers,
         # unfrozen_parameters: tests/distributed/test_transformers_engine.py), so such runs gather module by module
         layers = layer_classes(model.model) if all(p.requires_grad for p in model.parameters()) else []

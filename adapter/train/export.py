@@ -28,6 +28,7 @@ from adapter.convert import megatron_io as mio
 from adapter.convert import peft as peft_io
 from adapter.convert.to_hf import megatron_to_hf
 from adapter.data.sft.prepare import load_tokenizer
+from adapter.modeling.hf_tp import whole_state
 from adapter.modeling.lora import full_state
 from adapter.models.source import hf_dir, tokenizer_dir
 
@@ -119,15 +120,18 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_templat
     return out
 
 
-def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int,
+def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int, tp_group=None,
                         chat_template: str | None = None) -> Path:
     """The transformers engine's result: transformers' own `save_pretrained` of the trained model (gathered out of
-    ZeRO-3's partitions; its config as the run's dtype writes it), the tokenizer as the data was prepared with it and
-    the chat template, built beside the target and published like `export_hf`. Collective; rank 0 writes."""
+    ZeRO-3's partitions and over TP; its config as the run's dtype writes it), the tokenizer as the data was prepared
+    with it and the chat template, built beside the target and published like `export_hf`. Collective; rank 0
+    writes."""
     out = Path(out_dir).absolute()
     model = engine.module.model  # adapter/modeling/hf_build.CausalLMLosses holds transformers' model
+    tp = cfg.parallelism.tp_size
+    state: dict = {}
+
     def write(built: Path) -> None:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.save_pretrained(str(built), state_dict=state, safe_serialization=True)
         src = hf_dir(cfg)
         gen = src / "generation_config.json"
@@ -142,6 +146,7 @@ def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int,
             write_chat_template(built, chat_template)
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        state.update(whole_state(model, tp_group, tp))
         _written_by_rank0(out, rank, "hf", write)
     dist.barrier()
     return out
@@ -159,20 +164,27 @@ def _written_by_rank0(out: Path, rank: int, name: str, write) -> None:
         shutil.rmtree(built.parent, ignore_errors=True)
 
 
-def export_peft(engine, cfg, out_dir: str | Path, *, rank: int, arch, chat_template: str | None = None) -> Path:
+def export_peft(engine, cfg, out_dir: str | Path, *, rank: int, arch, tp_group=None,
+                chat_template: str | None = None) -> Path:
     """The transformers engine's LoRA run: PEFT's own `save_pretrained` of the adapters (gathered out of ZeRO-3's
-    partitions), naming the base as model.path, with the tokenizer and chat template. Collective; rank 0 writes."""
+    partitions and over TP), naming the base as model.path, with the tokenizer and chat template. Collective; rank 0
+    writes."""
     out = Path(out_dir).absolute()
     model = engine.module.model  # a PeftModel (adapter/modeling/hf_build.py)
     trained = [p for p in model.parameters() if p.requires_grad]
+    tp = cfg.parallelism.tp_size
+    state: dict = {}
+
     def write(built: Path) -> None:
         model.peft_config["default"].base_model_name_or_path = str(cfg.model.path)
-        model.save_pretrained(str(built))
+        model.save_pretrained(str(built), **({"state_dict": state} if tp > 1 else {}))
         write_special_tokens(built, cfg, arch)
         if chat_template:
             write_chat_template(built, chat_template)
 
     with deepspeed.zero.GatheredParameters(trained, modifier_rank=None):
+        if tp > 1:
+            state.update(whole_state(model, tp_group, tp, trained_only=True))
         _written_by_rank0(out, rank, "adapter", write)
     dist.barrier()
     return out

@@ -110,6 +110,8 @@ def tp_split(name: str, p, arch) -> tuple[int | None, int]:
             return rule.tp_axis, rule.parts
     dim = getattr(p, "partition_dim", -1)
     axis = dim if dim is not None and dim >= 0 else None
+    if hasattr(p, "nd_tp_parts"):  # the transformers engine's split (adapter/modeling/hf_tp.py)
+        return axis, p.nd_tp_parts
     adapter = _LORA_B.search(name)  # a packed HF linear's B is in Megatron's order: its rule's blocks
     packed = packed_rule(arch, adapter.group(1)) if adapter else None
     return axis, packed.parts if packed is not None and axis == 0 else 1

@@ -427,12 +427,14 @@ class Trainer:
                       "merges it into the base)")
         elif export and cfg.checkpoint.export_hf and self.run.peft is not None:
             result.exported = str(export_peft(self.engine.ds, cfg, cfg.checkpoint.export_hf, rank=self.rank,
-                                              arch=self.arch, chat_template=self.chat_template))
+                                              arch=self.arch, tp_group=self.groups.tp,
+                                              chat_template=self.chat_template))
             self._say(f"exported the LoRA adapter to {result.exported} (PEFT's own save_pretrained; tokenizer"
                       f"{' and chat template' if self.chat_template else ''} included)")
         elif export and cfg.checkpoint.export_hf and not self.arch.native:
             result.exported = str(export_transformers(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf,
-                                                      rank=self.rank, chat_template=self.chat_template))
+                                                      rank=self.rank, tp_group=self.groups.tp,
+                                                      chat_template=self.chat_template))
             self._say(f"exported HF model to {result.exported} (transformers' save_pretrained; tokenizer"
                       f"{' and chat template' if self.chat_template else ''} included)")
         elif export and cfg.checkpoint.export_hf:

@@ -7,9 +7,10 @@ normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32 on CP
 transformers engine gives the native engine's losses, so the two engines check each other.
 
 On a dense, a mixture-of-experts and a hybrid model, 4 processes: dp_shard=4 under ZeRO-3 and ZeRO-2 and exact
-HSDP (dp_replicate=2 × dp_shard=2) give transformers' losses; a run saved under HSDP continues at dp_shard=4 under
-ZeRO-2 on the same curve, and its `save_pretrained` export loads in transformers with the reference's trained
-weights."""
+HSDP (dp_replicate=2 × dp_shard=2) give transformers' losses, and so does tensor parallelism from the model's own
+plan (tp=2 × dp_shard=2, two micro-batches a step; DeepSeek-V3's and OLMo 3's plans at tp=2 too); a run saved under
+HSDP continues at tp=2 × dp_shard=2 under ZeRO-2 on the same curve, and its `save_pretrained` export (gathered over
+TP) loads in transformers with the reference's trained weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,17 +28,18 @@ from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, pac
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS = 128, 2e-3, 4
 MODELS = (*ARCHS, *VISION)
+TP_ARCHS = ("deepseek_v3", "olmo3")  # plans with MLA's kv_a_proj, and with gathered q/k/v and a split o_proj input
 
 
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
          zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
-         unfrozen: list[str] | None = None, optimizer: str = "adamw", **parallelism):
+         unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
                      "unfrozen_parameters": unfrozen},
            "parallelism": {"dp_shard_size": world, **parallelism},
-           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1}, "seq_len": SEQ, "precision": "fp32",
+           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga}, "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12,
                          "name": optimizer},
            "deepspeed": {"zero_stage": zero}, "checkpoint": {"dir": ckpt, "export_hf": export},
@@ -59,6 +61,10 @@ def _worker(rank, world, models, root):
         lines: list[str] = []
         res = train(_cfg(path, f"{root}/{name}", pack), log=lines.append)
         out[name] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
+    for name in TP_ARCHS:  # tensor parallelism from the model's own plan: MLA's split rope key, gathered q/k/v
+        lines = []
+        res = train(_cfg(models[name], f"{root}/{name}-tp", True, dp_shard_size=1, tp_size=2), log=lines.append)
+        out[f"{name} tp"] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     llama = models["llama"]
     out["llama forced"] = (train(_cfg(llama, f"{root}/forced", True, engine="transformers"),
                                  log=lambda s: None).losses, [])
@@ -124,6 +130,12 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
             assert "its language model trains on text, the other towers frozen" in said[0]
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", name not in HYBRID))
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
+    for name in TP_ARCHS:
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}-tp", True, dp_shard_size=1,
+                                             tp_size=2), dp=1)
+        losses, said = got[f"{name} tp"]
+        assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
+        assert "tp=2 from its own tensor-parallel plan" in said[0], said
     native = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/forced", True))
     assert max(rel(a, b) for a, b in zip(got["llama forced"][0], native)) < 1e-4
 
@@ -131,7 +143,8 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
 REPRESENTATIVE = ("phi", "gpt_oss", "qwen3_next")  # one dense, one mixture of experts, one hybrid
 LAYOUTS = {"dp_shard=4 ZeRO-3": {}, "dp_replicate=2 × dp_shard=2 (exact HSDP)": {"dp_replicate_size": 2,
                                                                                   "dp_shard_size": 2},
-           "dp_shard=4 ZeRO-2": {"zero": 2}}
+           "dp_shard=4 ZeRO-2": {"zero": 2},
+           "tp=2 × dp_shard=2 ZeRO-3 (2 micro-batches)": {"tp_size": 2, "dp_shard_size": 2, "ga": 2}}
 
 
 def _layouts(rank, world, models, root):
@@ -144,12 +157,12 @@ def _layouts(rank, world, models, root):
         path, pack, at = models[name], name not in HYBRID, f"{root}/{name}"
         out[name] = {lay: train(_cfg(path, at, pack, world=4, **over), log=lambda s: None).losses
                      for lay, over in LAYOUTS.items()}
-        ck = f"{at}/ckpt"  # 2 steps under exact HSDP, then on at dp_shard=4 under ZeRO-2, exported
+        ck = f"{at}/ckpt"  # 2 steps under exact HSDP, then on at tp=2 × dp_shard=2 under ZeRO-2, exported
         train(_cfg(path, at, pack, world=4, steps=2, ckpt=ck, dp_replicate_size=2, dp_shard_size=2),
               log=lambda s: None)
         lines: list[str] = []
-        moved = train(_cfg(path, at, pack, world=4, zero=2, ckpt=ck, export=f"{at}/export"), resume=True,
-                      log=lines.append)
+        moved = train(_cfg(path, at, pack, world=4, zero=2, ckpt=ck, export=f"{at}/export", tp_size=2,
+                           dp_shard_size=2, ga=2), resume=True, log=lines.append)
         out[name]["moved"] = (moved.start_step, moved.losses, [ln for ln in lines if "resharded" in ln])
         out[name]["export"] = moved.exported
     return out
@@ -199,6 +212,10 @@ def _lora(rank, world, models, root):
         res = train(_cfg(models[name], f"{root}/{name}", name not in HYBRID, lora=LORA,
                          export=f"{root}/{name}/adapter"), log=lines.append)
         out[name] = (res.losses, res.exported, [ln for ln in lines if ln.startswith("lora:")])
+    lines = []  # LoRA at tp=2: B split on colwise bases, A on rowwise ones; the export gathered over TP
+    res = train(_cfg(models["phi"], f"{root}/phi-tp", True, lora=LORA, export=f"{root}/phi-tp/adapter",
+                     dp_shard_size=1, tp_size=2), log=lines.append)
+    out["lora tp"] = (res.losses, res.exported)
     lines = []  # QLoRA: the base loaded in NF4 by bitsandbytes, ZeRO-2 (ZeRO-3 is refused in one line)
     out["qlora"] = train(_cfg(models["phi"], f"{root}/qlora", True, lora=QLORA, zero=2), log=lines.append).losses
     out["qlora said"] = [ln for ln in lines if ln.startswith("lora:")]
@@ -216,10 +233,10 @@ def _lora(rank, world, models, root):
 
 
 def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp_shard2(models, tmp_path):
-    """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export); QLoRA (bitsandbytes' NF4
-    base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4 base; Axolotl's
-    unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model; 8-bit AdamW
-    under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model."""
+    """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export), and at tp=2; QLoRA
+    (bitsandbytes' NF4 base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4
+    base; Axolotl's unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model;
+    8-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -242,6 +259,13 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
             merged = reference_model(tmp_path / "merged")
             assert not any("lora" in n for n, _ in merged.named_parameters())
             assert rel(float(hf_loss(merged, probe)), float(hf_loss(trained[0], probe))) < 1e-4
+    trained = []
+    want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/phi-tp", True, lora=LORA, dp_shard_size=1,
+                                          tp_size=2), dp=1, model_out=trained)
+    losses, exported = got["lora tp"]
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    loaded = peft.PeftModel.from_pretrained(reference_model(Path(models["phi"])), exported)
+    assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA, zero=2))
     assert max(rel(a, b) for a, b in zip(got["qlora"], want)) < 1e-4, (got["qlora"], want)
     assert "NF4 through bitsandbytes" in got["qlora said"][0], got["qlora said"]

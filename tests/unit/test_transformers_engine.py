@@ -36,7 +36,7 @@ def test_an_architecture_without_a_native_family_gets_the_transformers_engine_wi
     arch = load_arch(_write(tmp_path, model_type))
     assert arch.engine == "transformers" and not arch.native and "no native family" in arch.engine_reason
     assert arch.param_count == _meta_params(model_type)
-    assert arch.has_tp_plan  # transformers ships one for each of these
+    assert arch.tp_shares  # transformers ships a plan for each of these
     with pytest.raises(UserError, match="no native family .* Fix: train it on the transformers engine"):
         load_arch(_write(tmp_path, model_type), "megatron")
 
@@ -56,10 +56,11 @@ def test_a_native_family_can_be_forced_onto_the_transformers_engine(tmp_path):
 
 
 def _plan(tmp_path, model_dir, **top):
+    gpus = str(top.pop("_gpus", 2))
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"base_model": str(model_dir), "learning_rate": 1e-5, "sequence_len": 256,
                                    "micro_batch_size": 1, "num_epochs": 1, "dp_shard_size": 2, **top}))
-    return run_cli("plan", str(cfg), "--gpus-per-node", "2", "--format", "json")
+    return run_cli("plan", str(cfg), "--gpus-per-node", gpus, "--format", "json")
 
 
 def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
@@ -73,8 +74,12 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
 
 
 @pytest.mark.parametrize("top, says", [
-    ({"tensor_parallel_size": 2, "dp_shard_size": 1}, "tensor_parallel_size=2: tensor parallelism is not built on the "
-                                                      "transformers engine"),
+    ({"tensor_parallel_size": 4, "dp_shard_size": 1, "_gpus": 4},
+     "tensor_parallel_size=4: each rank must hold whole heads, and Qwen3NextForCausalLM has 4 attention and 2 "
+     "key/value heads"),
+    ({"tensor_parallel_size": 2, "dp_shard_size": 1, "adapter": "qlora", "load_in_4bit": True, "lora_r": 8,
+      "lora_alpha": 16, "lora_target_linear": True}, "tensor_parallel_size=2: a 4/8-bit base split over "
+                                                     "tensor-parallel ranks is not built"),
     ({"context_parallel_size": 2, "dp_shard_size": 1}, "context_parallel_size=2: its linear_attention layers cannot "
                                                        "be split over the sequence"),
     ({"sample_packing": True, "datasets": [{"path": "x.jsonl", "type": "completion"}]},
@@ -91,6 +96,49 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
 def test_what_the_transformers_engine_does_not_run_is_one_line(tmp_path, top, says):
     code, out, err = _plan(tmp_path, _write(tmp_path, "qwen3_next"), **top)
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+@pytest.mark.parametrize("model_type, says", [
+    ("gpt2", "transformers ships no tensor-parallel plan (base_model_tp_plan) for GPT2LMHeadModel"),
+    ("llama4_text", "its plan splits model.layers.0.feed_forward.experts as moe_tp_experts, a tensor-parallel "
+                    "style nd-adapter does not build")])
+def test_tensor_parallelism_without_a_plan_or_with_a_style_not_built_is_one_line(tmp_path, model_type, says):
+    if model_type == "gpt2":
+        from transformers import GPT2Config
+
+        d = tmp_path / "gpt2"
+        GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1024,
+                   architectures=["GPT2LMHeadModel"]).save_pretrained(d)
+    else:
+        d = _write(tmp_path, model_type)
+    code, out, err = _plan(tmp_path, d, tensor_parallel_size=2, dp_shard_size=1)
+    assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_plan_counts_a_tensor_parallel_rank_s_share_of_the_model(tmp_path):
+    """At tp=2 a rank holds what the plan splits halved and the rest whole: the meta model, split as
+    adapter/modeling/hf_tp.py splits it, holds that many."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adapter.models.tp_plan import model_plan, plan_matches
+
+    d = _write(tmp_path, "qwen3_next")
+    code, out, err = _plan(tmp_path, d, tensor_parallel_size=2, dp_shard_size=1)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert any("tp=2 from its own tensor-parallel plan" in n for n in plan["notes"]), plan["notes"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))
+    split = {id(m.weight): m.weight.numel() + (m.bias.numel() if getattr(m, "bias", None) is not None
+                                               and not style.startswith("rowwise") else 0)
+             for _, style, m in plan_matches(model, model_plan(model)) if style != "replicated_with_grad_allreduce"}
+    total = sum(p.numel() for p in model.parameters())
+    from adapter.models.arch import load_arch as arch_of
+    from adapter.models.counts import local_params
+
+    arch = arch_of(d)
+    assert local_params(arch, 2).total(arch.num_layers) == total - sum(split.values()) // 2
 
 
 def test_plan_counts_peft_s_adapters_on_the_meta_model(tmp_path):
