@@ -6,10 +6,11 @@ transformers trained on the same prepared samples (each packed example on its ow
 normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32 on CPU. A native family forced onto the
 transformers engine gives the native engine's losses, so the two engines check each other.
 
-On a dense, a mixture-of-experts and a hybrid model, 4 processes: dp_shard=4 under ZeRO-3 and exact HSDP (dp_replicate=2 × dp_shard=2) give transformers' losses, and so does tensor parallelism from the model's own
-plan (tp=2 × dp_shard=2, two micro-batches a step; DeepSeek-V3's and OLMo 3's plans at tp=2 too); a run saved under
-HSDP continues at tp=2 × dp_shard=2 under ZeRO-2 (its ZeRO-2 run) on the same curve, and its `save_pretrained` export (gathered over
-TP) loads in transformers with the reference's trained weights."""
+On a dense, a mixture-of-experts and a hybrid model, 4 processes: dp_shard=4 under ZeRO-3, exact HSDP (dp_replicate=2
+× dp_shard=2) and tensor parallelism from the model's own plan (tp=2 × dp_shard=2, two micro-batches a step) give
+transformers' losses (DeepSeek-V3's and OLMo 3's plans at tp=2 too); a run saved under HSDP continues at tp=2 ×
+dp_shard=2 under ZeRO-2 on the same curve, and its `save_pretrained` export (gathered over TP) loads in transformers
+with the reference's trained weights."""
 from __future__ import annotations
 
 from pathlib import Path
