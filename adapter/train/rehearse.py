@@ -1,7 +1,10 @@
 """`nd-adapter rehearse`: the config's exact layout and training path on CPU processes, with a tiny model.
 
-The model keeps the family, head and KV-head counts and a mixture of experts' expert count and top-k (so every
-tp/cp/ep divisibility rule is exercised) but shrinks head_dim, width, depth and each expert; precision becomes fp32
+The model keeps the family, head and KV-head counts and a mixture of experts' top-k (so every tp/cp/ep divisibility
+rule is exercised) but shrinks head_dim, width, depth, each expert and the number of experts to at most
+`TINY_EXPERTS` rounded up to whole experts on every ep rank (Qwen3-30B-A3B's 128 experts at ep=4 become 8: two per
+rank, top-8 of them; 128 narrow experts made its rehearsal four times slower and exercised nothing the 8 do not);
+precision becomes fp32
 (CPU). It keeps every rule the real model meets, since the real run has passed them already: a QLoRA base's NF4
 blocks of 64 inside each rank's rows (a head_dim of 8 gives Qwen2-7B's 28 heads a width of 224, so head_dim grows
 to the smallest multiple of 8 that makes the width a multiple of 64 × tp), and a check the tiny model still fails
@@ -37,6 +40,15 @@ from adapter.train.spawn import spawn
 
 TINY_HEAD_DIM = 8
 TINY_LAYERS = 2
+TINY_EXPERTS = 8
+
+
+def tiny_experts(arch: ModelArch, ep: int) -> int | None:
+    """The rehearsal's expert count: the model's when small, else the fewest that still hold top-k and put whole,
+    equally many experts on each of the `ep` ranks (module docstring)."""
+    if not arch.moe or arch.num_experts is None or arch.num_experts <= TINY_EXPERTS:
+        return arch.num_experts
+    return -(-max(TINY_EXPERTS, arch.experts_per_token) // ep) * ep
 SYNTHETIC_VOCAB = 1024
 
 
@@ -47,9 +59,10 @@ def tiny_head_dim(heads: int, tp: int, block: int) -> int:
     return math.lcm(heads * TINY_HEAD_DIM, block * tp) // heads
 
 
-def tiny_arch(arch: ModelArch, tp: int, vocab: int | None, block: int = 1) -> ModelArch:
+def tiny_arch(arch: ModelArch, tp: int, vocab: int | None, block: int = 1, ep: int = 1) -> ModelArch:
     """`vocab`: the tokenizer's (ids it can produce), None for synthetic tokens; `block`: the multiple every
-    linear's input width per TP rank must be (NF4's 64 for a QLoRA base, else 1)."""
+    linear's input width per TP rank must be (NF4's 64 for a QLoRA base, else 1); `ep`: the run's expert-parallel
+    size."""
     head_dim = tiny_head_dim(arch.num_heads, tp, block)
     hidden = arch.num_heads * head_dim
     rot = int(head_dim * arch.rotary_fraction) // 2 * 2  # partial rotary: an even number of rotated dims
@@ -69,8 +82,8 @@ def tiny_arch(arch: ModelArch, tp: int, vocab: int | None, block: int = 1) -> Mo
                                # a window shorter than the rehearsal's sequences, so windowed attention runs
                                sliding_window=None if arch.sliding_window is None else min(arch.sliding_window, 24),
                                embed_scale=None if arch.embed_scale is None else float(hidden) ** 0.5,
-                               # a mixture of experts keeps its expert count and top-k (ep's divisibility), each expert
-                               # narrow
+                               # a mixture of experts keeps its top-k and ep's divisibility, each expert narrow
+                               num_experts=tiny_experts(arch, ep),
                                expert_ffn_hidden_size=2 * TINY_HEAD_DIM * tp if arch.moe else None)
 
 
@@ -125,7 +138,7 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
     nf4 = run.lora is not None and run.lora.quantize_base == "nf4"
     weights = None
     if arch.native:
-        tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab, NF4_BLOCK if nf4 else 1)
+        tiny = tiny_arch(arch, cfg.parallelism.tp_size, vocab, NF4_BLOCK if nf4 else 1, cfg.parallelism.ep_size)
     else:  # transformers builds the tiny model from a small config.json of the same architecture
         tiny, weights = tiny_transformers(cfg, arch, vocab, workdir)
     ckdir = workdir
