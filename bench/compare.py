@@ -65,6 +65,8 @@ def parse_result(log: str) -> dict | None:
 
 FP8 = ["--set", "precision=fp8"]
 LINEAR_CE = ["--set", "model.fused_linear_ce=true", "--set", "model.fused_linear_ce_chunk=2048"]
+HF_ENGINE_LIGER = ["--set", "model.engine=transformers", "--set", "model.compile=false", "--set",
+                   "model.liger=[rope,rms_norm,glu_activation,fused_linear_cross_entropy]"]
 ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget recompute, fp8, DeepSpeed's step
     "": [],
     "compiled layers": ["--set", "model.compile=true"],
@@ -86,6 +88,9 @@ ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget 
     "transformers engine": ["--set", "model.engine=transformers", "--set", "model.compile=false"],
     "transformers engine, bf16 states": ["--set", "model.engine=transformers", "--set", "model.compile=false",
                                          "--set", "optimizer.state_dtype=bf16"],
+    # ... with the Liger kernels the peer row runs (Axolotl's liger_* keys: model.liger)
+    "transformers engine, Liger": [*HF_ENGINE_LIGER],
+    "transformers engine, Liger, bf16 states": [*HF_ENGINE_LIGER, "--set", "optimizer.state_dtype=bf16"],
 }
 
 

@@ -99,7 +99,10 @@ def run_ours(out: Path, paths: dict, a) -> list[float]:
     """Convert on this machine, then train through the one entry point (torchrun, one process)."""
     from adapter.convert.to_megatron import hf_to_megatron
 
-    if a.weights == "convert":
+    if a.engine == "transformers":  # transformers' own model reads the HF weights as they are
+        model = {"path": str(paths["model"]), "init": "pretrained", "engine": "transformers", "compile": False,
+                 "liger": [k for k in a.liger.split(",") if k]}
+    elif a.weights == "convert":
         meg = out / f"megatron-{a.shape}"
         hf_to_megatron(paths["model"], meg, tp=1, overwrite=True, progress=False)
         model = {"path": str(paths["model"]), "checkpoint": str(meg)}
@@ -173,6 +176,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--weights", choices=("convert", "cache"), default="convert",
                     help="convert here and name model.checkpoint, or let the run convert base_model itself")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--engine", choices=("megatron", "transformers"), default="megatron")
+    ap.add_argument("--liger", default="", help="model.liger for --engine transformers, comma-separated")
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     a = ap.parse_args(argv)
     if a.fresh:

@@ -28,7 +28,11 @@ OURS = {"nd-adapter LoRA": [], "nd-adapter QLoRA (NF4)": ["--set", "lora.quantiz
         # PEFT itself on transformers' model under nd-adapter's loop (model.engine: transformers)
         "nd-adapter LoRA (transformers engine)": ["--set", "model.engine=transformers", "--set", "model.compile=false"],
         "nd-adapter QLoRA (NF4, transformers engine)": ["--set", "model.engine=transformers", "--set",
-                                                        "model.compile=false", "--set", "lora.quantize_base=nf4"]}
+                                                        "model.compile=false", "--set", "lora.quantize_base=nf4"],
+        # with the Liger kernels the peer row runs (model.liger: Axolotl's liger_* keys)
+        "nd-adapter LoRA (transformers engine, Liger)": [
+            "--set", "model.engine=transformers", "--set", "model.compile=false",
+            "--set", "model.liger=[rope,rms_norm,glu_activation,fused_linear_cross_entropy]"]}
 PEERS = {"peer LoRA": [], "peer QLoRA": ["--qlora"]}
 VERSUS = {"nd-adapter LoRA": "peer LoRA", "nd-adapter QLoRA (NF4)": "peer QLoRA"}
 

@@ -33,7 +33,7 @@ from adapter.config.axolotl_train import (
     map_precision,
     map_schedule,
 )
-from adapter.config.schema import set_dotted
+from adapter.config.schema import LIGER_KERNELS, set_dotted
 from adapter.errors import bad
 
 SCHEDULE_KEYS = {"bf16", "fp16", "num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",
@@ -185,6 +185,9 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
         set_dotted(out, "model.output_router_logits", over["output_router_logits"])
     if enabled(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
         set_dotted(out, "model.compile", "auto")
+    liger = [k for k in LIGER_KERNELS if enabled(raw.get(f"liger_{k}"))]
+    if liger:  # honoured on the transformers engine (adapter/modeling/hf_build.py); the native engine notes them
+        set_dotted(out, "model.liger", liger)
     note = kernel_note(raw, ignored)
     if note:
         notes.append(note)

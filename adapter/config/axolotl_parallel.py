@@ -173,8 +173,10 @@ def kernel_note(raw: dict[str, Any], ignored: list[str]) -> str | None:
             ignored.append(f"plugins[{p}]")
     if not named:
         return None
+    liger = any(k.startswith("liger_") for k in named)
     return ("kernels: nd-adapter's own are used (SDPA attention, fused RoPE, SwiGLU and vocab-parallel cross-entropy)"
-            f", not the ones named by {', '.join(named)}")
+            f", not the ones named by {', '.join(named)}"
+            + ("; on the transformers engine Liger's named kernels are applied (model.liger)" if liger else ""))
 
 def _ds_json(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
     value = raw["deepspeed"]

@@ -6,6 +6,7 @@ keys are refused (`extra="forbid"`), so a typo never silently changes a run. Ref
 from __future__ import annotations
 
 import signal
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
@@ -69,6 +70,11 @@ class ParallelismConfig(_Strict):
         return self.model_copy(update={"dp_shard_size": world_size // rest})
 
 
+LigerKernel = Literal["rope", "rms_norm", "rms_norm_gated", "layer_norm", "glu_activation", "cross_entropy",
+                      "fused_linear_cross_entropy"]  # Axolotl's liger_<name> keys
+LIGER_KERNELS: tuple[str, ...] = typing.get_args(LigerKernel)
+
+
 class ModelSection(_Strict):
     path: PathStr = Field(description="HF checkpoint directory, its config.json, or a hub id in the local HF cache")
     checkpoint: PathStr | None = Field(None, description="converted Megatron checkpoint (nd-adapter convert) to "
@@ -88,6 +94,11 @@ class ModelSection(_Strict):
     trust_remote_code: bool = Field(
         False, description="run the checkpoint's own modelling code (config.json's auto_map), as transformers' "
         "trust_remote_code; without it such a checkpoint is refused")
+    liger: tuple[LigerKernel, ...] = Field(
+        (), description="Liger's kernels the config asks for (Axolotl's liger_* keys: rope, rms_norm, "
+        "rms_norm_gated, layer_norm, glu_activation, cross_entropy, fused_linear_cross_entropy): applied to "
+        "transformers' model on the transformers engine (CUDA), where Liger supports the model type; the native "
+        "engine runs its own kernels")
     vocab_divisible_by: Int = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")

@@ -28,16 +28,19 @@ OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_new
 
 
 def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
-                quantize: str | None = None, device=None):
+                quantize: str | None = None, device=None, liger: tuple[str, ...] = ()):
     """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
     `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
     NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
     written out first and loaded the same way. `device`: where a random model is initialised (a GPU initialises an
-    8B model in seconds, the CPU in minutes)."""
+    8B model in seconds, the CPU in minutes). `liger`: Liger's kernels to patch into the model's classes first
+    (`apply_liger`)."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     config = hf_config(cfg, trust_remote_code=trust_remote_code, model_dir=model_dir)
+    if liger:
+        apply_liger(str(cfg.get("model_type")), liger)
     remote = bool(cfg.get("auto_map"))
     cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
     torch.manual_seed(seed)
@@ -55,6 +58,37 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
         if any(t in name for t in OTHER_TOWERS):
             p.requires_grad_(False)
     return model
+
+
+def liger_available() -> bool:
+    """Liger's kernels are Triton's: CUDA and the package installed."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import liger_kernel.transformers  # noqa: F401 - optional package
+    except ImportError:
+        return False
+    return True
+
+
+def apply_liger(model_type: str, kernels: tuple[str, ...]) -> None:
+    """Liger's kernels patched into transformers' classes for `model_type`, as Axolotl's Liger plugin applies them
+    (its liger_* keys to the keyword arguments of Liger's apply function for the type: glu_activation is swiglu or
+    geglu, whichever the function takes). Before the model is built: Liger replaces module classes and functions.
+    The model type is checked at plan time (adapter/models/generic_run.check_run)."""
+    import inspect
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    params = inspect.signature(fn).parameters
+    asked = {k: k in kernels for k in ("rope", "rms_norm", "layer_norm", "cross_entropy",
+                                       "fused_linear_cross_entropy")}
+    kw = {k: v for k, v in asked.items() if k in params}
+    glu = "geglu" if "geglu" in params else "swiglu" if "swiglu" in params else None
+    if glu:
+        kw[glu] = "glu_activation" in kernels
+    fn(**kw)
 
 
 def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: dict):
@@ -83,15 +117,28 @@ def add_peft(model, spec, *, seed: int):
 
 
 class CausalLMLosses(torch.nn.Module):
-    """The loop's call on a transformers model: per-token cross-entropy [b, s] in fp32 (module docstring)."""
+    """The loop's call on a transformers model: per-token cross-entropy [b, s] in fp32 (module docstring), or, with
+    `model_loss` (Liger's cross-entropy kernels patched in), the model's own loss over the trained tokens: their
+    sum, one fp32 scalar. The model is then handed the targets already shifted (`shift_labels`, untrained tokens
+    -100) and `num_items_in_batch=1`, so transformers' loss function (or Liger's fused linear cross-entropy, which
+    never builds the [tokens × vocab] logits) sums instead of averaging per micro-batch; the loop's normalisation
+    stays the step's (adapter/train/steps.masked_loss_sum takes the scalar as it is)."""
 
-    def __init__(self, model):
+    def __init__(self, model, model_loss: bool = False):
         super().__init__()
         self.model = model
+        self.model_loss = model_loss
         prepare(model)
 
     def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
                 **_):
+        if self.model_loss and loss_mask is not None:
+            target = torch.where(loss_mask > 0, labels, torch.full_like(labels, -100))
+            one = torch.ones((), device=tokens.device)
+            with documents(position_ids):
+                out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, labels=target,
+                                 shift_labels=target, num_items_in_batch=one)
+            return out.loss.float()
         with documents(position_ids):  # every model's masks confine attention to the packed documents
             out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
         logits = out.logits.float()
@@ -104,4 +151,5 @@ def layer_classes(model) -> list[type]:
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "layer_classes"]
+__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "layer_classes", "apply_liger",
+           "liger_available"]

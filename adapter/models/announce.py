@@ -60,6 +60,9 @@ def engine(run: ResolvedRun) -> str:
         extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
     if arch.remote_code:
         extra.append("built by the checkpoint's own code (trust_remote_code: true)")
+    if run.cfg.model.liger:
+        extra.append(f"Liger's {', '.join(run.cfg.model.liger)} kernels where CUDA runs them (transformers' own on "
+                     "CPU)")
     tp = run.layout.tp
     split = next((s[1] for s in arch.tp_shares if s[0] == tp), 0) if tp > 1 else 0
     if split:

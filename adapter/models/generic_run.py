@@ -179,6 +179,8 @@ def check_run(cfg, arch) -> list[str]:
         raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
                   "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
     m = cfg.model
+    if m.liger:
+        _check_liger(cfg, arch)
     unbuilt = [  # (on, key, value, what is not built)
         (m.unfrozen_parameters is not None and cfg.lora is not None, "model.unfrozen_parameters",
          m.unfrozen_parameters, "freezing base weights beside LoRA adapters"),
@@ -193,6 +195,41 @@ def check_run(cfg, arch) -> list[str]:
         if on:
             raise bad(spell(cfg, key), value, f"{what} is not built {why}", fixes.get(key, "remove it"))
     return []
+
+
+def _check_liger(cfg, arch) -> None:
+    """Liger's kernels (model.liger, Axolotl's liger_* keys) where Liger has them for the model type (checked where
+    Liger is installed: elsewhere, CPUs included, the run uses transformers' own kernels); its cross-entropy over
+    the whole vocabulary, which neither a TP-split output layer nor ZeRO-3's partitioned one gives it."""
+    import importlib.util
+
+    from adapter.config import spell
+
+    key = spell(cfg, "model.liger")
+    if importlib.util.find_spec("liger_kernel") is not None:
+        try:
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        except ImportError:  # no Triton here: nothing will be applied
+            MODEL_TYPE_TO_APPLY_LIGER_FN = None
+        if MODEL_TYPE_TO_APPLY_LIGER_FN is not None and arch.hf_model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise bad(key, list(cfg.model.liger), f"Liger has no kernels for model type {arch.hf_model_type!r}",
+                      "remove the liger_* keys for this model")
+    ce = {"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger)
+    if ce and cfg.parallelism.tp_size > 1:
+        raise bad(key, sorted(ce), "Liger's cross-entropy needs the whole vocabulary, which tensor parallelism "
+                  "splits", "remove liger_cross_entropy / liger_fused_linear_cross_entropy (or use tp 1)")
+
+
+def check_liger_stage(cfg, stage: int) -> None:
+    """Liger's fused linear cross-entropy reads lm_head's weight outside lm_head's forward: under ZeRO-3 (with
+    something to partition: `stage` is the run's, adapter/parallel/deepspeed_config.zero_stage) it would read a
+    partition."""
+    from adapter.config import spell
+
+    if "fused_linear_cross_entropy" in cfg.model.liger and stage == 3:
+        raise bad(spell(cfg, "model.liger"), "fused_linear_cross_entropy", "Liger's fused linear cross-entropy "
+                  "reads lm_head's weight outside its forward, where ZeRO-3 has partitioned it", "use ZeRO-2 "
+                  "(deepspeed.zero_stage: 2), or remove liger_fused_linear_cross_entropy")
 
 
 def _check_tp(cfg, arch, tp: int) -> None:
@@ -247,4 +284,4 @@ def check_quantized_base(cfg, stage: int) -> None:
 
 
 __all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "check_quantized_base",
-           "check_run"]
+           "check_run", "check_liger_stage"]

@@ -102,6 +102,8 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     stage = deepspeed_config.zero_stage(cfg, layout)
     if peft is not None:
         generic_run.check_quantized_base(cfg, stage)
+    if not arch.native:
+        generic_run.check_liger_stage(cfg, stage)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),

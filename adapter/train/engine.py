@@ -27,7 +27,7 @@ from adapter.kernels.fp8 import install_fp8
 from adapter.modeling import hf_tp
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
-from adapter.modeling.hf_build import CausalLMLosses, add_peft, build_model, layer_classes
+from adapter.modeling.hf_build import CausalLMLosses, add_peft, build_model, layer_classes, liger_available
 from adapter.modeling.lora import add_adapters, load_state
 from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
@@ -229,9 +229,11 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
     (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so;
     at tp > 1 split as its own tensor-parallel plan says (adapter/modeling/hf_tp.py), adapters included."""
     cfg = run.cfg
+    liger = cfg.model.liger if liger_available() else ()  # Triton's kernels: CUDA only
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
                         trust_remote_code=cfg.model.trust_remote_code,
-                        quantize=run.peft.quantize_base if run.peft is not None else None, device=device)
+                        quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
+                        liger=liger)
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
     if run.layout.tp > 1:
@@ -240,7 +242,9 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
                     rope_dim=getattr(text, "qk_rope_head_dim", None))
     if run.unfrozen is not None:  # unfrozen_parameters, on transformers' own names
         freeze(model, list(run.unfrozen), 0, 1)
-    return CausalLMLosses(model).to(device)
+    # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)
+    model_loss = bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger))
+    return CausalLMLosses(model, model_loss=model_loss).to(device)
 
 
 def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:

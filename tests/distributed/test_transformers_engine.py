@@ -33,11 +33,11 @@ TP_ARCHS = ("deepseek_v3", "olmo3")  # plans with MLA's kv_a_proj, and with gath
 
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
          zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
-         unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, **parallelism):
+         unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, liger: tuple = (), **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
-                     "unfrozen_parameters": unfrozen},
+                     "unfrozen_parameters": unfrozen, "liger": liger},
            "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga}, "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12,
@@ -68,6 +68,10 @@ def _worker(rank, world, models, root):
     llama = models["llama"]
     out["llama forced"] = (train(_cfg(llama, f"{root}/forced", True, engine="transformers"),
                                  log=lambda s: None).losses, [])
+    lines = []  # Liger's cross-entropy asked: the model's own loss (on CPU transformers' loss function), summed
+    out["llama liger"] = (train(_cfg(llama, f"{root}/liger", True, engine="transformers", zero=2,
+                                     liger=("fused_linear_cross_entropy", "rms_norm")), log=lines.append).losses,
+                          [ln for ln in lines if ln.startswith("engine:")])
     return out
 
 
@@ -138,6 +142,9 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
         assert "tp=2 from its own tensor-parallel plan" in said[0], said
     native = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/forced", True))
     assert max(rel(a, b) for a, b in zip(got["llama forced"][0], native)) < 1e-4
+    losses, said = got["llama liger"]
+    assert "Liger's fused_linear_cross_entropy, rms_norm kernels where CUDA runs them" in said[0], said
+    assert max(rel(a, b) for a, b in zip(losses, native)) < 1e-4, (losses, native)
 
 
 REPRESENTATIVE = ("phi", "gpt_oss", "qwen3_next")  # one dense, one mixture of experts, one hybrid

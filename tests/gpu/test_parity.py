@@ -70,6 +70,25 @@ def test_bf16_states_follow_transformers_all_bf16(tmp_path):
     assert r["ours"][-1] < r["ours"][0] - 0.5
 
 
+def test_transformers_engine_with_liger_follows_transformers(tmp_path):
+    """model.engine: transformers with Liger's kernels (rope, RMSNorm, SwiGLU, the fused linear cross-entropy: the
+    model's own loss, summed) and bf16 states, against transformers' all-bf16 run on the same batches, 25 steps:
+    step 1 within bf16 rounding, the curve within what precision moves it."""
+    r = _parity_module().main(["--shape", "small", "--steps", "25", "--state-dtype", "bf16", "--hf-modes", "bf16,amp",
+                               "--engine", "transformers",
+                               "--liger", "rope,rms_norm,glu_activation,fused_linear_cross_entropy",
+                               "--out", str(tmp_path / "parity")])
+    if os.environ.get("ND_RESULTS_DIR"):
+        Path(os.environ["ND_RESULTS_DIR"], "parity-small-hf-engine-liger.json").write_text(json.dumps(r))
+    log = (tmp_path / "parity" / "ours.log").read_text()
+    assert "Liger's rope, rms_norm, glu_activation, fused_linear_cross_entropy kernels" in log
+    d = r["ours_vs_hf_bf16_rel"]
+    assert len(r["ours"]) == 25, r
+    assert d[0] < 5e-3, (r["ours"][:3], r["hf_bf16"][:3])
+    assert max(d) < 2e-2, list(zip(r["ours"], r["hf_bf16"]))
+    assert r["ours"][-1] < r["ours"][0] - 0.5
+
+
 @pytest.mark.parametrize("case", ["phi3_longrope", "phi3_longrope_past_original", "glm4", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmoe"])
 def test_new_families_convert_and_verify_on_the_gpu(tmp_path, case):

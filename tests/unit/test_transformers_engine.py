@@ -88,6 +88,10 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
     ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True,
       "deepspeed": {"zero_optimization": {"stage": 3}}},
      "load_in_4bit='nf4': a 4/8-bit base on the transformers engine is not built under ZeRO-3"),
+    ({"liger_fused_linear_cross_entropy": True}, "Liger's fused linear cross-entropy reads lm_head's weight outside "
+                                                 "its forward, where ZeRO-3 has partitioned it"),
+    ({"liger_cross_entropy": True, "tensor_parallel_size": 2, "dp_shard_size": 1},
+     "Liger's cross-entropy needs the whole vocabulary, which tensor parallelism splits"),
     ({"unfrozen_parameters": ["^model.no_such"]}, "unfrozen_parameters='^model.no_such': matches no parameter of "
                                                    "Qwen3NextForCausalLM"),
     ({"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["no_such_proj"]},
@@ -139,6 +143,17 @@ def test_plan_counts_a_tensor_parallel_rank_s_share_of_the_model(tmp_path):
 
     arch = arch_of(d)
     assert local_params(arch, 2).total(arch.num_layers) == total - sum(split.values()) // 2
+
+
+def test_axolotl_s_liger_keys_are_the_kernels_the_transformers_engine_applies():
+    from adapter import config
+
+    cfg = config.build({"base_model": "x", "learning_rate": 1e-5, "sequence_len": 256, "micro_batch_size": 1,
+                        "num_epochs": 1, "liger_rope": True, "liger_rms_norm": True, "liger_glu_activation": True,
+                        "liger_fused_linear_cross_entropy": True, "liger_layer_norm": False}, env={})
+    assert cfg.model.liger == ("rope", "rms_norm", "glu_activation", "fused_linear_cross_entropy")
+    note = next(n for n in cfg.notes if n.startswith("kernels:"))
+    assert note.endswith("on the transformers engine Liger's named kernels are applied (model.liger)"), note
 
 
 def test_plan_counts_peft_s_adapters_on_the_meta_model(tmp_path):
