@@ -58,7 +58,7 @@ KNOWN = MARKERS | {
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
-    "auto_resume_from_checkpoints", "trust_remote_code",
+    "auto_resume_from_checkpoints", "trust_remote_code", "mean_resizing_embeddings",
 } | KEYS | LORA_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -81,7 +81,7 @@ MAP = {
     "gradient_checkpointing": "recompute", "torch_compile": "model.compile", "optimizer": "optimizer.name",
     "lr_scheduler": "optimizer.schedule", "cosine_min_lr_ratio": "optimizer.min_lr",
     "unfrozen_parameters": "model.unfrozen_parameters", "early_stopping_patience": "eval.early_stopping_patience",
-    "load_best_model_at_end": "checkpoint.load_best",
+    "load_best_model_at_end": "checkpoint.load_best", "mean_resizing_embeddings": "model.mean_resizing_embeddings",
 } | SCHEDULE_MAP
 
 
