@@ -16,8 +16,8 @@ DATA_KEYS = {
     "excess_length_strategy": "excess_length_strategy", "dataset_prepared_path": "prepared_path",
     "val_set_size": "val_set_size", "shuffle_merged_datasets": "shuffle_merged_datasets",
     "chat_template": "chat_template", "chat_template_jinja": "chat_template_jinja", "eot_tokens": "eot_tokens",
-    "special_tokens": "special_tokens", "tokens": "tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
-    "resize_token_embeddings_to_32x": "resize_vocab_to_32x",
+    "special_tokens": "special_tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
+    "resize_token_embeddings_to_32x": "resize_vocab_to_32x", "tokens": "tokens",
     "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)

@@ -116,9 +116,8 @@ class ModelSection(_Strict):
         None, description="mixture of experts: add the load-balancing loss (router_aux_loss_coef x transformers' "
         "load_balancing_loss_func) to every micro-batch's loss, or not, whatever config.json says (Axolotl's "
         "model_config: {output_router_logits: ...}); unset: as config.json says")
-    mean_resizing_embeddings: bool = Field(
-        False, description="rows added for new tokens (data.tokens) drawn from the old rows' mean and covariance "
-        "(transformers' resize_token_embeddings mean_resizing); false: normal(0, initializer_range), Axolotl's default")
+    mean_resizing_embeddings: bool = Field(False, description="data.tokens' new rows from the old rows' mean and "
+                                           "covariance; false: normal(0, initializer_range) (adapter/models/vocab.py)")
     compile_memory_budget: Float | None = Field(
         None, gt=0, le=1, description="compiled layers keep this fraction of their activations and recompute the "
         "rest in backward (AOTAutograd's activation_memory_budget; 1 or unset: keep all). One H200, 1B shape: 0.5 "
@@ -257,9 +256,8 @@ class DataSection(_Strict):
     special_tokens: SpecialTokens = SpecialTokens()
     tokens: list[str] = Field(default_factory=list, description="tokens added to the tokenizer (Axolotl's tokens); "
                               "new ones get embedding and LM-head rows (adapter/models/vocab.py)")
-    resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: the embedding must "
-                                      "hold the tokenizer rounded up to 32 rows; nd-adapter adds no rows, so a model "
-                                      "that already does trains as it is and one that does not is refused")
+    resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: an embedding with "
+                                      "fewer rows than the tokenizer rounded up to 32 grows to that (data.tokens' rule)")
     num_proc: Int | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
     test_datasets: list[DatasetEntry] = Field(
         default_factory=list, description="evaluated instead of a held-out part of datasets (Axolotl's test_datasets)")

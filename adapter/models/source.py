@@ -283,5 +283,6 @@ def describe(w: WeightsSource, seed: int, native: bool = True) -> str:
             "(later runs and every rank reuse it)")
 
 
-__all__ = ["TRACKER", "RELEASE", "META", "HF_SUBDIR", "WeightsSource", "hf_dir", "arch_for", "tokenizer_dir", "growth", "grown", "vocab_rows",
+__all__ = ["TRACKER", "RELEASE", "META", "HF_SUBDIR", "WeightsSource", "hf_dir", "arch_for", "tokenizer_dir",
+           "growth", "grown", "vocab_rows",
            "model_dir", "weight_files", "cache_root", "complete", "resolve", "describe"]

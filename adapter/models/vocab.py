@@ -85,7 +85,7 @@ def growth(cfg, tok_dir: Path, rows: int) -> Growth | None:
     known = tok.get_vocab(with_added_tokens=True)
     tok.add_tokens([AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False) for t in tokens])
     added = tuple(dict.fromkeys(t for t in tokens if t not in known))
-    ids = tuple(int(tok.token_to_id(t)) for t in added)
+    ids = tuple(int(tok.token_to_id(t) or 0) for t in added)  # each was just added: it has an id
     n = tok.get_vocab_size(with_added_tokens=True)
     target = -(-n // 32) * 32 if cfg.data.resize_vocab_to_32x else n
     return Growth(tokens=tokens, added=added, ids=ids, tokenizer_len=n, rows=rows, new_rows=max(rows, target),
@@ -125,10 +125,11 @@ def added_rows(config: dict[str, Any], embed, head, new_rows: int, *, mean: bool
     rows, hidden = embed.shape
     emb = torch.nn.Embedding(rows, hidden, dtype=embed.dtype, device="cpu", _weight=embed.detach().cpu().clone())
     model.set_input_embeddings(emb)
-    if head is not None:
-        lin = torch.nn.Linear(hidden, rows, bias=False, dtype=head.dtype, device="cpu")
-        lin.weight = torch.nn.Parameter(head.detach().cpu().clone())
-        model.set_output_embeddings(lin)
+    lin = torch.nn.Linear(hidden, rows, bias=False, dtype=embed.dtype, device="meta")
+    # tied: the head's weight is the embedding's own Parameter, as in the tied model, so resizing the embedding
+    # resizes it too and transformers draws nothing for it
+    lin.weight = emb.weight if head is None else torch.nn.Parameter(head.detach().cpu().clone())
+    model.set_output_embeddings(lin)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.resize_token_embeddings(new_rows, mean_resizing=mean)

@@ -68,8 +68,8 @@ def publish(built: Path, out: Path) -> None:
 
 
 def write_special_tokens(hf_dir: Path, cfg, arch) -> None:
-    """The tokenizer as the data was prepared with it (the config's `special_tokens` and `tokens`), and its EOS among the ones
-    `generate` stops at: a chat model trained to end turns with <|im_end|> must stop there."""
+    """The tokenizer as the data was prepared with it (the config's `special_tokens` and `tokens`), and its EOS among
+    the ones `generate` stops at: a chat model trained to end turns with <|im_end|> must stop there."""
     tok = load_tokenizer(cfg, tokenizer_dir(cfg), arch.vocab_size)
     tok.save_pretrained(str(hf_dir))
     gen = hf_dir / "generation_config.json"

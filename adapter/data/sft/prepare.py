@@ -174,7 +174,8 @@ def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
         tok.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.data.tokens])
     rows = -(-len(tok) // 32) * 32 if cfg.data.resize_vocab_to_32x else len(tok)
     if rows > vocab_size:  # the run's vocabulary was grown from tokenizer.json: this tokenizer must agree with it
-        raise bad(key("tokens"), list(cfg.data.tokens), f"the tokenizer transformers loads has {len(tok)} tokens "
+        which = "tokens" if cfg.data.tokens else "resize_vocab_to_32x"
+        raise bad(key(which), getattr(cfg.data, which), f"the tokenizer transformers loads has {len(tok)} tokens "
                   f"({rows} rows), more than the {vocab_size} embedding rows counted from its tokenizer.json",
                   "save the tokenizer again (tokenizer.json and tokenizer_config.json must hold the same tokens)")
     if not getattr(tok, "is_fast", False):
