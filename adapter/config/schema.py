@@ -256,8 +256,8 @@ class DataSection(_Strict):
     special_tokens: SpecialTokens = SpecialTokens()
     tokens: list[str] = Field(default_factory=list, description="tokens added to the tokenizer (Axolotl's tokens); "
                               "new ones get embedding and LM-head rows (adapter/models/vocab.py)")
-    resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: an embedding with "
-                                      "fewer rows than the tokenizer rounded up to 32 grows to that (data.tokens' rule)")
+    resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: an embedding "
+                                      "with fewer rows than the tokenizer rounded up to 32 grows (data.tokens' rule)")
     num_proc: Int | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
     test_datasets: list[DatasetEntry] = Field(
         default_factory=list, description="evaluated instead of a held-out part of datasets (Axolotl's test_datasets)")

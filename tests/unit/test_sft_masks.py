@@ -284,6 +284,7 @@ def test_resize_token_embeddings_to_32x_is_a_no_op_where_the_rows_exist(model, t
     assert not resolve_run(cfg).vocab.resized
     tok = load_tokenizer(cfg, model, VOCAB)  # VOCAB rows hold the tokenizer rounded up to 32
     rows = -(-len(tok) // 32) * 32
-    with pytest.raises(UserError, match=rf"^resize_token_embeddings_to_32x=True: the tokenizer transformers loads has {len(tok)} tokens "
+    with pytest.raises(UserError, match=rf"^resize_token_embeddings_to_32x=True: the tokenizer transformers loads "
+                       rf"has {len(tok)} tokens "
                        rf"\({rows} rows\), more than the {rows - 1} embedding rows"):
         load_tokenizer(cfg, model, rows - 1)

@@ -114,8 +114,7 @@ def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int, test=()) -> s
     d = cfg.data
     knobs = {k: getattr(d, k) for k in RESULT_KEYS}
     knobs["special_tokens"] = d.special_tokens.model_dump()
-    if d.tokens:  # only when set: caches prepared before the key existed keep their names
-        knobs["tokens"] = list(d.tokens)
+    knobs.update({"tokens": list(d.tokens)} if d.tokens else {})  # unset: older caches keep their names
     for jinja in [d.chat_template_jinja] + [e.chat_template_jinja for e, *_ in [*resolved, *test]]:
         if jinja and "{" not in jinja and Path(jinja).is_file():  # a template file: its contents count
             knobs.setdefault("jinja_files", []).append(hashlib.sha256(Path(jinja).read_bytes()).hexdigest())
