@@ -11,6 +11,7 @@ nd-adapter's, a key that has no effect here). Every Axolotl key it does not use 
 """
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from adapter.config import axolotl_scope, axolotl_values
@@ -33,7 +34,7 @@ from adapter.config.axolotl_train import (
     map_precision,
     map_schedule,
 )
-from adapter.config.schema import LIGER_KERNELS, set_dotted
+from adapter.config.schema import LigerKernel, set_dotted
 from adapter.errors import bad
 
 SCHEDULE_KEYS = {"bf16", "fp16", "num_epochs", "warmup_ratio", "eval_steps", "evals_per_epoch", "saves_per_epoch",
@@ -58,7 +59,7 @@ KNOWN = MARKERS | {
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
-    "auto_resume_from_checkpoints", "trust_remote_code",
+    "auto_resume_from_checkpoints", "trust_remote_code", "mean_resizing_embeddings",
 } | KEYS | LORA_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -81,7 +82,7 @@ MAP = {
     "gradient_checkpointing": "recompute", "torch_compile": "model.compile", "optimizer": "optimizer.name",
     "lr_scheduler": "optimizer.schedule", "cosine_min_lr_ratio": "optimizer.min_lr",
     "unfrozen_parameters": "model.unfrozen_parameters", "early_stopping_patience": "eval.early_stopping_patience",
-    "load_best_model_at_end": "checkpoint.load_best",
+    "load_best_model_at_end": "checkpoint.load_best", "mean_resizing_embeddings": "model.mean_resizing_embeddings",
 } | SCHEDULE_MAP
 
 
@@ -185,7 +186,7 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
         set_dotted(out, "model.output_router_logits", over["output_router_logits"])
     if enabled(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
         set_dotted(out, "model.compile", "auto")
-    liger = [k for k in LIGER_KERNELS if enabled(raw.get(f"liger_{k}"))]
+    liger = [k for k in typing.get_args(LigerKernel) if enabled(raw.get(f"liger_{k}"))]
     if liger:  # honoured on the transformers engine (adapter/modeling/hf_build.py); the native engine notes them
         set_dotted(out, "model.liger", liger)
     note = kernel_note(raw, ignored)

@@ -17,7 +17,7 @@ DATA_KEYS = {
     "val_set_size": "val_set_size", "shuffle_merged_datasets": "shuffle_merged_datasets",
     "chat_template": "chat_template", "chat_template_jinja": "chat_template_jinja", "eot_tokens": "eot_tokens",
     "special_tokens": "special_tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
-    "resize_token_embeddings_to_32x": "resize_vocab_to_32x",
+    "resize_token_embeddings_to_32x": "resize_vocab_to_32x", "tokens": "tokens",
     "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)
@@ -97,6 +97,10 @@ def map_data(raw: dict[str, Any], out: dict[str, Any]) -> None:
         value = raw.get(key)
         if value is None:
             continue
+        if key == "tokens" and not (isinstance(value, list) and all(isinstance(t, str) and t for t in value)):
+            raise bad(key, value, "must be a list of the tokens to add (Axolotl's schema: a list of strings)",
+                      "write `tokens: [\"<|im_start|>\"]`; bos_token, eos_token, pad_token, ... go under "
+                      "special_tokens")
         if key in ("datasets", "test_datasets"):
             if not isinstance(value, list):
                 raise bad(key, value, "must be a list", f"write `{key}:` with `- path: ...` entries below it")

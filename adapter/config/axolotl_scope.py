@@ -19,7 +19,7 @@ _ONE_LR = "remove it: nd-adapter trains every weight with one learning_rate and 
 _16BIT = ("remove it and point base_model at the 16-bit checkpoint the GPTQ one was quantised from (nd-adapter loads "
           "16/32-bit weights); for a 4-bit frozen base use adapter: qlora with load_in_4bit: true")
 _LORA = "remove it for plain LoRA (adapter: lora), or run this config with Axolotl"
-_VOCAB = "use tokens the vocabulary already has (special_tokens may name them); resizing embeddings is later work"
+_VOCAB = "remove it, and give new tokens under tokens: (they get new embedding rows)"
 
 # key -> (why it cannot be honoured, the fix)
 UNSUPPORTED: dict[str, tuple[str, str]] = {
@@ -56,11 +56,9 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "process_reward_model": ("process-reward-model training is not supported", _SFT),
     "kd_trainer": ("knowledge distillation is not supported", "remove the KD plugin and its kd_* keys"),
     # data and tokens
-    "tokens": ("adding tokens needs new embedding rows", _VOCAB),
     "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),
     "fix_untrained_tokens": ("rewriting the embeddings of untrained tokens is not supported", "remove it"),
     "shrink_embeddings": ("resizing the embeddings is not supported", "remove it"),
-    "mean_resizing_embeddings": ("resizing the embeddings is not supported", "remove it"),
     "processor_type": ("image and audio datasets go through a processor and the model's vision or audio tower "
                        "(Axolotl's multimodal path); nd-adapter trains the language model on text",
                        "remove processor_type (and skip_prepare_dataset) and give text conversations, or run this "

@@ -6,7 +6,6 @@ keys are refused (`extra="forbid"`), so a typo never silently changes a run. Ref
 from __future__ import annotations
 
 import signal
-import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
@@ -71,17 +70,15 @@ class ParallelismConfig(_Strict):
 
 
 LigerKernel = Literal["rope", "rms_norm", "rms_norm_gated", "layer_norm", "glu_activation", "cross_entropy",
-                      "fused_linear_cross_entropy"]  # Axolotl's liger_<name> keys
-LIGER_KERNELS: tuple[str, ...] = typing.get_args(LigerKernel)
+                      "fused_linear_cross_entropy"]  # Axolotl's liger_<name> keys (docs/config.md: model.liger)
 
 
 class ModelSection(_Strict):
     path: PathStr = Field(description="HF checkpoint directory, its config.json, or a hub id in the local HF cache")
     checkpoint: PathStr | None = Field(None, description="converted Megatron checkpoint (nd-adapter convert) to "
                                        "train from")
-    # Where the run's first weights come from when no converted checkpoint is named: `auto` fine-tunes from the
-    # weights in `path` when it holds any (random init only for a bare config.json), `pretrained` insists on them,
-    # `random` ignores them. Pre-trained weights are converted once into `cache_dir` (adapter/convert/cache.py).
+    # The first weights without a converted checkpoint: `auto` those in `path` if any (random for a bare config.json),
+    # `pretrained` insists on them, `random` ignores them; converted once into `cache_dir` (adapter/convert/cache.py)
     init: Literal["auto", "pretrained", "random"] = "auto"
     cache_dir: PathStr | None = Field(None, description="converted-weights cache; default $ND_ADAPTER_CACHE or "
                                   "~/.cache/nd-adapter")
@@ -94,11 +91,8 @@ class ModelSection(_Strict):
     trust_remote_code: bool = Field(
         False, description="run the checkpoint's own modelling code (config.json's auto_map), as transformers' "
         "trust_remote_code; without it such a checkpoint is refused")
-    liger: tuple[LigerKernel, ...] = Field(
-        (), description="Liger's kernels the config asks for (Axolotl's liger_* keys: rope, rms_norm, "
-        "rms_norm_gated, layer_norm, glu_activation, cross_entropy, fused_linear_cross_entropy): applied to "
-        "transformers' model on the transformers engine (CUDA), where Liger supports the model type; the native "
-        "engine runs its own kernels")
+    liger: tuple[LigerKernel, ...] = Field((), description="Liger's kernels on the transformers engine (Axolotl's "
+                                           "liger_* keys); the native engine runs its own")
     vocab_divisible_by: Int = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
@@ -127,6 +121,8 @@ class ModelSection(_Strict):
         None, description="mixture of experts: add the load-balancing loss (router_aux_loss_coef x transformers' "
         "load_balancing_loss_func) to every micro-batch's loss, or not, whatever config.json says (Axolotl's "
         "model_config: {output_router_logits: ...}); unset: as config.json says")
+    mean_resizing_embeddings: bool = Field(False, description="data.tokens' new rows from the old rows' mean and "
+                                           "covariance; false: normal(0, initializer_range) (adapter/models/vocab.py)")
     compile_memory_budget: Float | None = Field(
         None, gt=0, le=1, description="compiled layers keep this fraction of their activations and recompute the "
         "rest in backward (AOTAutograd's activation_memory_budget; 1 or unset: keep all). One H200, 1B shape: 0.5 "
@@ -164,18 +160,14 @@ class OptimizerSection(_Strict):
     max_steps: Int | None = Field(None, ge=1)
     num_epochs: Float | None = Field(None, gt=0)
     clip_grad: Float = Field(1.0, ge=0)
-    # "flat": nd-adapter's AdamW over flat buffers (adapter/train/optim.py), for layouts with nothing to shard (no
-    # dp or cp: one GPU, or tp alone); "deepspeed": DeepSpeed's ZeRO optimizer; "auto": flat where it applies.
+    # flat: nd-adapter's AdamW (adapter/train/optim.py) where nothing is sharded; deepspeed: ZeRO's; auto: flat if so
     impl: Literal["auto", "flat", "deepspeed"] = "auto"
     # AdamW's moments in fp32 (8 bytes of state per parameter) or 8 bits (2 bytes: bitsandbytes' AdamW8bit; Axolotl's
     # adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit), on every layout (adapter/train/optim.py)
     name: Literal["adamw", "adamw_8bit"] = "adamw"
-    # What the optimizer keeps of a 16-bit weight. fp32: an fp32 master copy and fp32 moments (12 bytes per trained
-    # parameter; DeepSpeed's and Megatron's mixed precision, the default). bf16: the bf16 weight is its own master
-    # and the moments are bf16 (4 bytes), the update computed in fp32 and rounded once: torch's AdamW on a bf16
-    # model, which is what transformers and Axolotl train without DeepSpeed (DeepSpeed's
-    # bf16_master_weights_and_grads + bf16_optimizer_states). Updates smaller than half a bf16 step of a weight are
-    # lost, so it trains differently from fp32; on the flat AdamW only (one GPU, or tp alone).
+    # What the optimizer keeps of a 16-bit weight: fp32 master and moments (12 bytes per trained parameter, DeepSpeed's
+    # and Megatron's mixed precision), or bf16 (the weight its own master, bf16 moments: torch's AdamW on a bf16
+    # model, as transformers and Axolotl train; updates under half a bf16 step are lost); bf16 on the flat AdamW only.
     state_dtype: Literal["fp32", "bf16"] = "fp32"
 
     @field_validator("warmup_steps")
@@ -263,9 +255,10 @@ class DataSection(_Strict):
     eot_tokens: list[str] | None = Field(
         None, description="tokens that end a turn, trained per train_on_eot (Axolotl's eot_tokens); unset: the EOS")
     special_tokens: SpecialTokens = SpecialTokens()
-    resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: the embedding must "
-                                      "hold the tokenizer rounded up to 32 rows; nd-adapter adds no rows, so a model "
-                                      "that already does trains as it is and one that does not is refused")
+    tokens: list[str] = Field(default_factory=list, description="tokens added to the tokenizer (Axolotl's tokens); "
+                              "new ones get embedding and LM-head rows (adapter/models/vocab.py)")
+    resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: an embedding "
+                                      "with fewer rows than the tokenizer rounded up to 32 grows (data.tokens' rule)")
     num_proc: Int | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
     test_datasets: list[DatasetEntry] = Field(
         default_factory=list, description="evaluated instead of a held-out part of datasets (Axolotl's test_datasets)")

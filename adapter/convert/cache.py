@@ -93,11 +93,12 @@ def ready(w: WeightsSource, cfg, *, rank: int, log=print) -> str | None:
     return path
 
 
-def load(model, path: str | None) -> None:
+def load(model, path: str | None) -> bool:
     """The run's first weights into the plain GPTModel (before DeepSpeed wraps it); nothing for random init.
-    Collective; `path` comes from `ready`, which checked it."""
+    Collective; `path` comes from `ready`, which checked it. Whether anything was loaded."""
     if path is not None:
         load_megatron_checkpoint(model, path, check=False)
+    return path is not None
 
 
 __all__ = ["prepare", "ready", "load"]

@@ -31,15 +31,19 @@ class TokenCache(NamedTuple):
     path: Path
 
 
-def cache_key(files: Sequence[Path], tokenizer_dir: str | Path, text_key: str) -> str:
-    """Cheap (stat + tokenizer files only), so every rank computes it without loading anything."""
+def cache_key(files: Sequence[Path], tokenizer_dir: str | Path, text_key: str, tokens: Sequence[str] = ()) -> str:
+    """Cheap (stat + tokenizer files only), so every rank computes it without loading anything. `tokens`: added
+    to the tokenizer (data.tokens), so they count too."""
     tok = Path(tokenizer_dir)
     tok_files = [tok / n for n in TOKENIZER_FILES if (tok / n).is_file()]
     if not tok_files:
         raise bad("model", str(tok), "no tokenizer files there (tokenizer.json, tokenizer.model, ...)",
                   "point `model` at an HF checkpoint directory that includes its tokenizer")
-    h = hashlib.sha256(json.dumps({"v": CACHE_VERSION, "text_key": text_key, "files": [
-        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]}).encode())
+    doc = {"v": CACHE_VERSION, "text_key": text_key, "files": [
+        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
+    if tokens:  # only when set: caches built before the key existed keep their names
+        doc["tokens"] = list(tokens)
+    h = hashlib.sha256(json.dumps(doc).encode())
     for f in tok_files:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:20]
@@ -50,10 +54,14 @@ def _open_cache(d: Path) -> TokenCache:
     return TokenCache(np.memmap(d / "tokens.u32", dtype=np.uint32, mode="r", shape=(int(offsets[-1]),)), offsets, d)
 
 
-def _tokenize_into(d: Path, files: Sequence[Path], tokenizer_dir: str | Path, text_key: str, progress: bool) -> dict:
+def _tokenize_into(d: Path, files: Sequence[Path], tokenizer_dir: str | Path, text_key: str, progress: bool,
+                   tokens: Sequence[str] = ()) -> dict:
+    from tokenizers import AddedToken
     from transformers import AutoTokenizer  # heavy: only where the cache is built (adapter/data/__init__.py)
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if tokens:  # as Axolotl's tokenizer loader adds them (adapter/models/vocab.py)
+        tok.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in tokens])
     eos = tok.eos_token_id
     if eos is None:
         raise bad("model", str(tokenizer_dir), "the tokenizer has no eos_token, so documents cannot be separated",
@@ -88,18 +96,19 @@ def _tokenize_into(d: Path, files: Sequence[Path], tokenizer_dir: str | Path, te
 
 def build_token_cache(files: str | Path | Sequence[str | Path], tokenizer_dir: str | Path, cache_dir: str | Path, *,
                       text_key: str = "text", builder: bool = True, barrier: Callable[[], None] | None = None,
-                      progress: bool = True) -> TokenCache:
+                      progress: bool = True, tokens: Sequence[str] = ()) -> TokenCache:
     """Return the token cache for these files, building it on the `builder` rank if missing.
 
     Every rank must call this with the same arguments; `barrier`, when given, is called exactly once on each
     (after the builder finished), so pass torch.distributed.barrier or a group's barrier. Pick the builder as global
     rank 0 for a shared `cache_dir`, or local rank 0 per node for node-local disks. A data error found by the
-    builder is raised on every rank, not only on the builder.
+    builder is raised on every rank, not only on the builder. `tokens`: added to the tokenizer first (data.tokens).
     """
     paths = expand_files(files)
     root = Path(cache_dir)
-    key = cache_key(paths, tokenizer_dir, text_key)
-    final = build_once(root, f"tokens-{key}", lambda tmp: _tokenize_into(tmp, paths, tokenizer_dir, text_key, progress),
+    key = cache_key(paths, tokenizer_dir, text_key, tokens)
+    final = build_once(root, f"tokens-{key}",
+                       lambda tmp: _tokenize_into(tmp, paths, tokenizer_dir, text_key, progress, tokens),
                        builder=builder, barrier=barrier,
                        unseen=("data.cache_dir", "the token cache", "put data.cache_dir on storage shared with the "
                                "builder rank, or build with local rank 0 per node"))

@@ -23,6 +23,8 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
     cfg, arch = run.cfg, run.arch
     lines = list(cfg.notes)
     lines.append(engine(run))
+    if run.vocab is not None and (cfg.data.tokens or run.vocab.resized):
+        lines.append(run.vocab.note(cfg))
     if run.unfrozen is not None:
         lines.append(freeze.describe(list(run.unfrozen), arch, spell(cfg, "model.unfrozen_parameters")))
     if run.lora is not None:

@@ -15,9 +15,10 @@ import json
 from dataclasses import dataclass
 
 from adapter.config import RunConfig
-from adapter.models import checks, freeze, generic_run, lora, source
+from adapter.models import checks, freeze, generic_run, lora, source, vocab
 from adapter.models.arch import ModelArch, config_path
 from adapter.models.source import WeightsSource
+from adapter.models.vocab import Growth
 from adapter.parallel import deepspeed_config
 from adapter.parallel.layout import Layout
 
@@ -36,6 +37,7 @@ class ResolvedRun:
     flat_optimizer: bool                       # nd-adapter's flat AdamW instead of DeepSpeed's ZeRO optimizer
     warnings: tuple[str, ...] = ()             # what the run can do but should not (models/checks.py)
     peft: generic_run.PeftSpec | None = None       # the transformers engine's adapters (PEFT's LoRA on its model)
+    vocab: Growth | None = None                # data.tokens: what it adds (arch.vocab_size already counts the rows)
 
     @property
     def adapters(self) -> bool:
@@ -69,7 +71,8 @@ class ResolvedRun:
     def with_config(self, cfg: RunConfig) -> ResolvedRun:
         """The same model and weights under another config (plan's replicate-mode comparison): the config's own
         decisions are taken again."""
-        return resolve_run(cfg, arch=self.arch, weights=self.weights)
+        base = dataclasses.replace(self.arch, vocab_size=self.vocab.rows) if self.vocab is not None else self.arch
+        return resolve_run(cfg, arch=base, weights=self.weights)
 
     def with_length(self, cfg: RunConfig) -> ResolvedRun:
         """This run with `cfg`, which differs from its own only in the length and cadences the schedule writes in
@@ -85,6 +88,8 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     if arch is None:
         source.check_converted(cfg)
         arch = source.arch_for(cfg)
+    arch, grew = source.grown(cfg, arch)  # data.tokens' new rows (adapter/models/vocab.py)
+    vocab.check_lora(cfg, arch.hf_model_type)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None
     if not arch.native and (cfg.lora is not None or cfg.model.unfrozen_parameters is not None):
@@ -108,7 +113,7 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),
                        weights=weights or source.resolve(cfg, arch.native),
-                       zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings), peft=peft)
+                       zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings), peft=peft, vocab=grew)
 
 
 __all__ = ["ResolvedRun", "resolve_run"]

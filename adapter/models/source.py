@@ -24,6 +24,7 @@ from adapter import config
 from adapter.config import RunConfig, spell
 from adapter.config.values import path_problem
 from adapter.errors import bad
+from adapter.models import vocab
 from adapter.models.arch import ModelArch, NotNative, UnknownArchitecture, config_path, load_arch
 from adapter.models.generic import check_loadable
 
@@ -107,6 +108,34 @@ def with_overrides(cfg, arch: ModelArch) -> ModelArch:
         raise bad(spell(cfg, "model.output_router_logits"), over, f"{arch.architecture} is not a mixture of experts "
                   "(no router, no load-balancing loss)", "remove the key")
     return dataclasses.replace(arch, output_router_logits=over)
+
+
+_GROWTH: dict[tuple, vocab.Growth | None] = {}  # plan --search resolves one run per layout: read the tokenizer once
+
+
+def growth(cfg, rows: int) -> vocab.Growth | None:
+    """What `data.tokens` does to a vocabulary of `rows` embedding rows (None: nothing asked)."""
+    if not cfg.data.tokens and not cfg.data.resize_vocab_to_32x:
+        return None
+    tok = tokenizer_dir(cfg)
+    stat = (tok / "tokenizer.json").stat() if (tok / "tokenizer.json").is_file() else None
+    key = (str(tok), stat and (stat.st_size, stat.st_mtime_ns), tuple(cfg.data.tokens), cfg.data.resize_vocab_to_32x,
+           rows, cfg.model.mean_resizing_embeddings, cfg.source)
+    if key not in _GROWTH:
+        _GROWTH[key] = vocab.growth(cfg, tok, rows)
+    return _GROWTH[key]
+
+
+def grown(cfg, arch: ModelArch) -> tuple[ModelArch, vocab.Growth | None]:
+    """`arch` (config.json's vocabulary) with the rows `data.tokens` adds, and what they are."""
+    g = growth(cfg, arch.vocab_size)
+    return (dataclasses.replace(arch, vocab_size=g.new_rows) if g is not None and g.resized else arch), g
+
+
+def vocab_rows(cfg) -> int:
+    """The embedding rows the run trains: config.json's, grown by `data.tokens` (what token ids are checked
+    against when the data is prepared)."""
+    return grown(cfg, arch_for(cfg))[0].vocab_size
 
 
 def tokenizer_dir(cfg) -> Path:
@@ -255,4 +284,5 @@ def describe(w: WeightsSource, seed: int, native: bool = True) -> str:
 
 
 __all__ = ["TRACKER", "RELEASE", "META", "HF_SUBDIR", "WeightsSource", "hf_dir", "arch_for", "tokenizer_dir",
+           "growth", "grown", "vocab_rows",
            "model_dir", "weight_files", "cache_root", "complete", "resolve", "describe"]

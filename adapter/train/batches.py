@@ -56,7 +56,7 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
             raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
         cache_dir = cfg.data.cache_dir or str(Path(cfg.checkpoint.dir or ".") / "token-cache")
         tok = build_token_cache(cfg.data.files, source.tokenizer_dir(cfg), cache_dir, text_key=cfg.data.text_key,
-                                builder=rank == 0, barrier=dist.barrier, progress=rank == 0)
+                                builder=rank == 0, barrier=dist.barrier, progress=rank == 0, tokens=cfg.data.tokens)
         dataset = PackedDataset(tok, cfg.seq_len)
     sampler = DPSampler(len(dataset), dp_rank=layout.data_rank(rank), dp_size=layout.dp,
                         micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed,

@@ -33,6 +33,7 @@ from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
 from adapter.models import freeze as freeze_facts
 from adapter.models import lora as lora_facts
+from adapter.models import source, vocab
 from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
@@ -197,10 +198,14 @@ def _native_model(run: ResolvedRun, groups: Groups, device, load_weights, dtype)
                             linear_ce=cfg.model.fused_linear_ce, linear_ce_chunk=cfg.model.fused_linear_ce_chunk,
                             moe_grouped_gemm=cfg.model.moe_grouped_gemm)
     model.rope_padded_len = cfg.seq_len  # LongRoPE decides unpacked batches by the padded length, as transformers
+    loaded = False
     if load_weights is not None:
-        load_weights(model)
+        loaded = bool(load_weights(model))
     elif cfg.model.checkpoint:
         load_megatron_checkpoint(model, cfg.model.checkpoint)
+        loaded = True
+    if loaded and run.vocab is not None and run.vocab.resized:  # random weights drew every row already
+        grow_vocab(model, run, groups.tp, device)
     spec = run.lora
     if spec is not None:  # the base frozen, the adapters beside its linears (started from an adapter if given)
         tp_rank = dist.get_rank(groups.tp)
@@ -224,6 +229,33 @@ def _native_model(run: ResolvedRun, groups: Groups, device, load_weights, dtype)
     return model
 
 
+def grow_vocab(model, run: ResolvedRun, tp_group, device) -> None:
+    """data.tokens' new rows into the loaded GPTModel (adapter/models/vocab.py): the embedding (and an untied
+    output layer) gathered over TP, the rows transformers' resize_token_embeddings appends computed from them, and
+    each rank's vocabulary slice of them written in. The rows past them stay padding (masked in the loss)."""
+    g, cfg = run.vocab, run.cfg
+    tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+    def whole(w: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(w, device=device) for _ in range(tp)]
+        dist.all_gather(parts, w.detach().to(device), group=tp_group)
+        return torch.cat(parts).cpu()[:g.rows]
+
+    emb = model.embedding.word_embeddings.weight
+    head = None if run.arch.tie_embeddings else model.output_layer.weight
+    new_emb, new_head = vocab.added_rows(
+        vocab.config_dict(source.hf_dir(cfg)), whole(emb), None if head is None else whole(head), g.new_rows,
+        mean=g.mean, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code)
+    local = emb.shape[0]
+    lo, hi = max(g.rows, tp_rank * local), min(g.new_rows, (tp_rank + 1) * local)  # this rank's share of the rows
+    if lo >= hi:
+        return
+    with torch.no_grad():
+        for w, rows in ((emb, new_emb), (head, new_head)):
+            if w is not None:
+                w[lo - tp_rank * local:hi - tp_rank * local].copy_(rows[lo - g.rows:hi - g.rows])
+
+
 def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
     """transformers' own model of the checkpoint (adapter/modeling/hf_build.py) in the loop's call
     (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so;
@@ -234,6 +266,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
                         trust_remote_code=cfg.model.trust_remote_code,
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger)
+    vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
     if run.layout.tp > 1:

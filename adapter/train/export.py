@@ -68,8 +68,8 @@ def publish(built: Path, out: Path) -> None:
 
 
 def write_special_tokens(hf_dir: Path, cfg, arch) -> None:
-    """The tokenizer as the data was prepared with it (the config's `special_tokens`), and its EOS among the ones
-    `generate` stops at: a chat model trained to end turns with <|im_end|> must stop there."""
+    """The tokenizer as the data was prepared with it (the config's `special_tokens` and `tokens`), and its EOS among
+    the ones `generate` stops at: a chat model trained to end turns with <|im_end|> must stop there."""
     tok = load_tokenizer(cfg, tokenizer_dir(cfg), arch.vocab_size)
     tok.save_pretrained(str(hf_dir))
     gen = hf_dir / "generation_config.json"
@@ -80,6 +80,20 @@ def write_special_tokens(hf_dir: Path, cfg, arch) -> None:
         if tok.eos_token_id not in ids:
             conf["eos_token_id"] = [*ids, tok.eos_token_id]
             gen.write_text(json.dumps(conf, indent=2) + "\n")
+
+
+def tokenizer_changed(cfg) -> bool:
+    """Whether the run's tokenizer differs from the checkpoint's files: `special_tokens` set for SFT data, or
+    `tokens` added (adapter/models/vocab.py); the export then writes it as the data was prepared with it."""
+    return bool(cfg.data.tokens) or bool(cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True))
+
+
+def set_vocab_size(config_json: Path, rows: int) -> None:
+    """config.json's vocab_size (its text_config's, where that holds it) as the resized model has it."""
+    conf = json.loads(config_json.read_text())
+    text = conf.get("text_config")
+    (text if isinstance(text, dict) and "vocab_size" in text else conf)["vocab_size"] = rows
+    config_json.write_text(json.dumps(conf, indent=2) + "\n")
 
 
 def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_template: str | None = None) -> Path:
@@ -105,7 +119,9 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_templat
                 conf = stage / mio.HF_SUBDIR / "config.json"
                 conf.write_text(json.dumps({**json.loads(conf.read_text()),
                                             "output_router_logits": cfg.model.output_router_logits}, indent=2) + "\n")
-            if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
+            if cfg.data.tokens:  # the embedding and head as resized for them (arch counts the new rows)
+                set_vocab_size(stage / mio.HF_SUBDIR / "config.json", arch.vocab_size)
+            if tokenizer_changed(cfg):
                 write_special_tokens(stage / mio.HF_SUBDIR, cfg, arch)
             if chat_template:
                 write_chat_template(stage / mio.HF_SUBDIR, chat_template)
@@ -140,7 +156,7 @@ def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int, tp
         for side in src.glob("*"):  # processor and tokenizer files as the checkpoint ships them
             if side.is_file() and (side.name.startswith(SIDE_FILES) or side.suffix == ".model"):
                 shutil.copy(side, built / side.name)
-        if cfg.data.datasets and cfg.data.special_tokens.model_dump(exclude_none=True):
+        if tokenizer_changed(cfg):
             write_special_tokens(built, cfg, arch)
         if chat_template:
             write_chat_template(built, chat_template)

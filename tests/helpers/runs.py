@@ -13,10 +13,11 @@ def planned(cfg, arch, layout=None) -> ResolvedRun:
 
 
 def vocab_of(cfg) -> int:
-    """The embedding rows of `cfg`'s model, as SFT data preparation checks token ids against them."""
+    """The embedding rows of `cfg`'s model (grown by data.tokens), as SFT data preparation checks token ids against
+    them."""
     from adapter.models import source
 
-    return source.arch_for(cfg).vocab_size
+    return source.vocab_rows(cfg)
 
 
 def train(cfg, *, arch=None, **kw):

@@ -274,13 +274,17 @@ def test_shipped_llama3_and_gemma_templates(model, tmp_path, name, head, mid, en
 
 def test_resize_token_embeddings_to_32x_is_a_no_op_where_the_rows_exist(model, tmp_path):
     """Axolotl grows the embedding to the tokenizer rounded up to 32 rows only when it has fewer (Phi-3's 32,064
-    already has them): then the key changes nothing and the run goes on; where rows would be added it is refused."""
+    already has them): then the key changes nothing and the run goes on (where rows are added: tests/unit/
+    test_tokens.py); data prepared for fewer rows than the tokenizer needs is refused."""
     from adapter.errors import UserError
+    from adapter.models.resolved import resolve_run
 
     cfg = axolotl_cfg(model, [{"path": "x", "type": "alpaca"}], tmp_path, resize_token_embeddings_to_32x=True)
     assert cfg.data.resize_vocab_to_32x and not any("resize" in n for n in cfg.notes)
+    assert not resolve_run(cfg).vocab.resized
     tok = load_tokenizer(cfg, model, VOCAB)  # VOCAB rows hold the tokenizer rounded up to 32
     rows = -(-len(tok) // 32) * 32
-    with pytest.raises(UserError, match=rf"^resize_token_embeddings_to_32x=True: the tokenizer's {len(tok)} tokens "
-                       rf"rounded up to 32 are {rows} rows, more than the model's {rows - 1}"):
+    with pytest.raises(UserError, match=rf"^resize_token_embeddings_to_32x=True: the tokenizer transformers loads "
+                       rf"has {len(tok)} tokens "
+                       rf"\({rows} rows\), more than the {rows - 1} embedding rows"):
         load_tokenizer(cfg, model, rows - 1)

@@ -114,6 +114,7 @@ def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int, test=()) -> s
     d = cfg.data
     knobs = {k: getattr(d, k) for k in RESULT_KEYS}
     knobs["special_tokens"] = d.special_tokens.model_dump()
+    knobs.update({"tokens": list(d.tokens)} if d.tokens else {})  # unset: older caches keep their names
     for jinja in [d.chat_template_jinja] + [e.chat_template_jinja for e, *_ in [*resolved, *test]]:
         if jinja and "{" not in jinja and Path(jinja).is_file():  # a template file: its contents count
             knobs.setdefault("jinja_files", []).append(hashlib.sha256(Path(jinja).read_bytes()).hexdigest())
@@ -144,7 +145,8 @@ def val_fraction(cfg, n: int | None) -> int:
 # --- tokenizer -----------------------------------------------------------------------------------------------------
 
 def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
-    """The checkpoint's tokenizer with the config's `special_tokens` set; ones not in the vocabulary are refused."""
+    """The checkpoint's tokenizer with the config's `special_tokens` set (ones not in the vocabulary are refused) and
+    its `tokens` added, as Axolotl's tokenizer loader does both; `vocab_size`: the run's rows, grown for them."""
     from transformers import AutoTokenizer  # heavy: imported where used (adapter/data/__init__.py)
 
     _, key = names(cfg)
@@ -158,18 +160,23 @@ def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
                 raise bad(f"{key('special_tokens')}.{name}", token,
                           "not in the tokenizer's vocabulary" if tid is None else
                           f"its id {tid} is outside the model's {vocab_size} embedding rows",
-                          "use a token the vocabulary has (e.g. the EOS for pad_token); adding tokens needs new "
-                          "embedding rows, which nd-adapter does not do yet")
-    rows = -(-len(tok) // 32) * 32
-    if cfg.data.resize_vocab_to_32x and rows > vocab_size:  # Axolotl would add rows; the model then differs
-        raise bad(key("resize_vocab_to_32x"), True, f"the tokenizer's {len(tok)} tokens rounded up to 32 are {rows} "
-                  f"rows, more than the model's {vocab_size}; adding embedding rows is not supported",
-                  "remove it, or use a checkpoint whose vocabulary already holds them")
+                          "use a token the vocabulary has (e.g. the EOS for pad_token); a new special token is "
+                          "not added (list it under tokens: to add it as a plain token)")
     if given:
         before = len(tok)
         tok.add_special_tokens(given)
         if len(tok) != before:  # cannot happen after the checks above; never train on unknown rows
             raise RuntimeError("special_tokens grew the vocabulary")
+    if cfg.data.tokens:  # as Axolotl adds them (adapter/models/vocab.py): a token the vocabulary has gets no new id
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.data.tokens])
+    rows = -(-len(tok) // 32) * 32 if cfg.data.resize_vocab_to_32x else len(tok)
+    if rows > vocab_size:  # the run's vocabulary was grown from tokenizer.json: this tokenizer must agree with it
+        which = "tokens" if cfg.data.tokens else "resize_vocab_to_32x"
+        raise bad(key(which), getattr(cfg.data, which), f"the tokenizer transformers loads has {len(tok)} tokens "
+                  f"({rows} rows), more than the {vocab_size} embedding rows counted from its tokenizer.json",
+                  "save the tokenizer again (tokenizer.json and tokenizer_config.json must hold the same tokens)")
     if not getattr(tok, "is_fast", False):
         raise bad("model.path", str(tokenizer_dir), "the tokenizer has no fast (tokenizer.json) version, which "
                   "masking needs for character offsets", "save the tokenizer with tokenizer.json")

@@ -53,7 +53,7 @@ def main(args) -> int:
     if not cfg.data.datasets:
         raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
                   "list them under datasets: (Axolotl) or data.datasets (native)")
-    tok_dir, vocab = source.tokenizer_dir(cfg), source.arch_for(cfg).vocab_size
+    tok_dir, vocab = source.tokenizer_dir(cfg), source.vocab_rows(cfg)
     data = prepare(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
     print("\n".join(stats_lines(data)))
     if args.debug:

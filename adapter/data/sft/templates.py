@@ -100,9 +100,9 @@ def check_template_tokens(template: str, tok, key: str, choice: str) -> None:
     for literal in sorted(set(_SPECIAL_LITERAL.findall(template))):
         if literal not in vocab or len(tok(literal, add_special_tokens=False)["input_ids"]) != 1:
             raise bad(key, choice, f"the template writes {literal}, which is not one token of this tokenizer "
-                      "(adding tokens needs new embedding rows, not supported yet)",
-                      "use the tokenizer's own template (tokenizer_default) or a chat_template_jinja written "
-                      "with tokens the vocabulary has")
+                      "(the markers of the template must be tokens of the vocabulary)",
+                      "add it under tokens: (Axolotl's key), or use the tokenizer's own template "
+                      "(tokenizer_default) or a chat_template_jinja written with tokens the vocabulary has")
 
 
 def _lcp(a: str, b: str) -> int:
