@@ -419,6 +419,9 @@ class LoraSection(_Strict):
         None, description="HF linear names (q_proj, ..., down_proj), a regex over module names, or 'all-linear'; "
         "unset: PEFT's default (q_proj, v_proj)")
     target_linear: bool = Field(False, description="every linear of the layers (lora_target_linear)")
+    target_parameters: list[str] | None = Field(
+        None, description="parameter names, e.g. experts.gate_up_proj: a mixture of experts' fused expert weights "
+        "(PEFT's target_parameters; Axolotl's lora_target_parameters); the transformers engine")
     modules_to_save: list[str] = Field(default_factory=list, description="embed_tokens / lm_head, trained in full")
     layers: list[Int] | None = Field(None, description="only these layer indices (peft_layers_to_transform)")
     rslora: bool = Field(False, description="rank-stabilised scale alpha / sqrt(r) (peft_use_rslora)")
