@@ -23,7 +23,7 @@ from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, reference_mode
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
-from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, packed_examples, rel
+from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, make_moe, packed_examples, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS = 128, 2e-3, 4
@@ -78,7 +78,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-engine")
     tok = tiny_model(root / "tok")
     made = {name: str(make_arch(name, root / name, tok)) for name in MODELS}
-    return {**made, "llama": str(make_model(root / "llama", tok))}
+    return {**made, "llama": str(make_model(root / "llama", tok)),
+            "qwen3_moe": str(make_moe(root / "qwen3_moe", tok, router_loss=False))}
 
 
 def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) -> list[float]:
@@ -95,8 +96,10 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         import peft
 
         torch.manual_seed(cfg.seed)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                           target_modules="all-linear", task_type="CAUSAL_LM"))
+        c = cfg.lora  # Axolotl's LoraConfig: all-linear, or the listed modules (none beside target_parameters)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
+            target_parameters=c.target_parameters, task_type="CAUSAL_LM"))
     if cfg.model.unfrozen_parameters is not None:  # Axolotl's freezing on the HF model
         axolotl_freeze(model, cfg.model.unfrozen_parameters)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -198,6 +201,54 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
 QLORA = {**LORA, "quantize_base": "nf4"}
 UNFROZEN = ["^model.layers.1.", "^lm_head.weight[:512]"]
+EXPERTS = {"r": 4, "alpha": 8, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+
+
+def _expert_lora(models, root) -> dict:
+    """LoRA on the fused expert parameters alone (Axolotl's lora_target_parameters): gpt-oss under ZeRO-3,
+    exported; Qwen3-MoE, a native family the native adapters cannot take it on, under ZeRO-2."""
+    from tests.helpers.runs import train
+
+    out = {}
+    for name, zero in (("gpt_oss", 3), ("qwen3_moe", 2)):
+        lines: list[str] = []
+        res = train(_cfg(models[name], f"{root}/{name}-experts", True, lora=EXPERTS, zero=zero,
+                         export=f"{root}/{name}-experts/adapter"), log=lines.append)
+        out[f"{name} experts"] = (res.losses, res.exported, [ln for ln in lines if ln.startswith(("lora:", "engine:"))])
+    return out
+
+
+def _check_expert_lora(got: dict, models, tmp_path) -> None:
+    """PEFT's losses on the same batches; the engine line says why Qwen3-MoE left the native engine; PEFT loads the
+    gpt-oss export and computes the trained model's logits, and `merge-lora` folds the expert deltas in."""
+    import peft
+    import torch
+
+    for name, zero in (("gpt_oss", 3), ("qwen3_moe", 2)):
+        losses, exported, said = got[f"{name} experts"]
+        trained: list = []
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}-experts", True, lora=EXPERTS,
+                                             zero=zero), model_out=trained)
+        assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
+        assert "on experts.down_proj, experts.gate_up_proj (PEFT on transformers' model)" in said[1], said
+        if name == "qwen3_moe":
+            assert "the native engine does not reproduce it: lora.target_parameters=" in said[0], said
+            continue
+        probe = _probe(models[name])
+        loaded = peft.PeftModel.from_pretrained(reference_model(Path(models[name])), exported)
+        with torch.no_grad():
+            logits = [m(input_ids=probe["tokens"], position_ids=probe["position_ids"]).logits
+                      for m in (loaded, trained[0])]
+        assert torch.allclose(*logits, rtol=0, atol=1e-4), (logits[0] - logits[1]).abs().max()
+        b = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+        assert len(b) == 4 and all(p.abs().sum() > 0 for p in b)  # two experts' parameters × two layers, trained
+        conf = tmp_path / "merge-experts.yaml"
+        conf.write_text(yaml.safe_dump({"model": {"path": models[name]}, "lora": EXPERTS}))
+        code, _, err = run_cli("merge-lora", "--config", str(conf), "--adapter", exported,
+                               "--out", str(tmp_path / "merged-experts"))
+        assert code == 0, err
+        merged = reference_model(tmp_path / "merged-experts")
+        assert rel(float(hf_loss(merged, probe)), float(hf_loss(trained[0], probe))) < 1e-4
 
 
 def _lora(rank, world, models, root):
