@@ -56,10 +56,10 @@ def _worker(rank, world, models, root):
 
     init_distributed()
     out = {}
-    for name, path in models.items():
+    for name in MODELS:  # the fixture's native models train below (llama) or in the LoRA test (qwen3_moe)
         pack = name not in HYBRID
         lines: list[str] = []
-        res = train(_cfg(path, f"{root}/{name}", pack), log=lines.append)
+        res = train(_cfg(models[name], f"{root}/{name}", pack), log=lines.append)
         out[name] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     for name in TP_ARCHS:  # tensor parallelism from the model's own plan: MLA's split rope key, gathered q/k/v
         lines = []
@@ -275,6 +275,7 @@ def _lora(rank, world, models, root):
     lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
+    out.update(_expert_lora(models, root))
     try:
         train(_cfg(models["phi"], f"{root}/qlora3", True, lora=QLORA, zero=3), log=lambda s: None)
     except Exception as e:  # noqa: BLE001 - the refusal's text is the check
@@ -286,7 +287,8 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export), and at tp=2; QLoRA
     (bitsandbytes' NF4 base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4
     base; Axolotl's unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model;
-    8-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model."""
+    8-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model;
+    LoRA on the experts' fused parameters (`_check_expert_lora`)."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -330,3 +332,4 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
     assert "is not built under ZeRO-3" in got["qlora zero3"] and "Fix: set deepspeed.zero_stage: 2" in \
         got["qlora zero3"], got["qlora zero3"]
+    _check_expert_lora(got, models, tmp_path)
