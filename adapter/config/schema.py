@@ -255,8 +255,7 @@ class DataSection(_Strict):
     eot_tokens: list[str] | None = Field(
         None, description="tokens that end a turn, trained per train_on_eot (Axolotl's eot_tokens); unset: the EOS")
     special_tokens: SpecialTokens = SpecialTokens()
-    tokens: list[str] = Field(default_factory=list, description="tokens added to the tokenizer (Axolotl's tokens); "
-                              "new ones get embedding and LM-head rows (adapter/models/vocab.py)")
+    tokens: list[str] = Field(default_factory=list, description="Axolotl's tokens (adapter/models/vocab.py)")
     resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: an embedding "
                                       "with fewer rows than the tokenizer rounded up to 32 grows (data.tokens' rule)")
     num_proc: Int | None = Field(None, ge=1, description="processes for tokenising; default: by data size")
@@ -346,9 +345,8 @@ DS_SECTIONS = {"zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "a
 
 
 class DeepSpeedSection(_Strict):
-    # 3 shards weights, gradients and optimizer states (FSDP FULL_SHARD). 2 keeps the 16-bit weights whole on every
-    # rank and shards the rest (FSDP2 reshard_after_forward=False): no gathers at all, for models whose weights
-    # fit; layouts with dp_replicate > 1 need 3. Layouts with nothing to shard run stage 1 either way.
+    # 3 shards weights, gradients and optimizer states (FSDP FULL_SHARD); 2 keeps the 16-bit weights whole (FSDP2
+    # reshard_after_forward=False: no gathers), dp_replicate > 1 needs 3; nothing to shard runs stage 1 either way
     zero_stage: Literal[2, 3] = 3
     # How dp_replicate maps onto DeepSpeed: exact HSDP (shard over dp_shard×cp, average over replicas) or ZeRO++ hpZ.
     replicate_mode: Literal["hsdp", "hpz"] = "hsdp"
@@ -423,6 +421,8 @@ class LoraSection(_Strict):
         None, description="HF linear names (q_proj, ..., down_proj), a regex over module names, or 'all-linear'; "
         "unset: PEFT's default (q_proj, v_proj)")
     target_linear: bool = Field(False, description="every linear of the layers (lora_target_linear)")
+    target_parameters: list[str] | None = Field(None, description="PEFT's target_parameters, e.g. experts.gate_up_proj "
+                                                "(Axolotl's lora_target_parameters; the transformers engine)")
     modules_to_save: list[str] = Field(default_factory=list, description="embed_tokens / lm_head, trained in full")
     layers: list[Int] | None = Field(None, description="only these layer indices (peft_layers_to_transform)")
     rslora: bool = Field(False, description="rank-stabilised scale alpha / sqrt(r) (peft_use_rslora)")

@@ -36,12 +36,14 @@ class PeftSpec:
     trained: int                            # the adapters and the modules_to_save copies
     matched: tuple[str, ...]                # the module names (last part) that carry an adapter
     quantize_base: str | None = None        # "nf4" / "int8": bitsandbytes' 4/8-bit base, as transformers loads it
+    target_parameters: tuple[str, ...] = ()  # PEFT's target_parameters: parameter names (fused 3-D expert weights)
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
         return {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "use_rslora": self.rslora,
                 "target_modules": list(self.target_modules) if isinstance(self.target_modules, tuple)
                 else self.target_modules,
+                "target_parameters": list(self.target_parameters) or None,
                 "layers_to_transform": list(self.layers) if self.layers else None,
                 "modules_to_save": list(self.modules_to_save) or None, "task_type": "CAUSAL_LM"}
 
@@ -68,22 +70,58 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         targets = c.target_modules
     else:
         targets = tuple(c.target_modules) if c.target_modules else ()
+    params = tuple(c.target_parameters or ())
     spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
-                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base)
+                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base, params)
     kw = spec.lora_config()
-    if not targets:
+    if not targets and not params:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
     text = json.dumps(config_json, sort_keys=True)
+    if params:  # Axolotl passes lora_target_modules or [] beside them: the parameters alone when none are listed
+        _check_parameters(cfg, params, c.dropout, text, trust_remote_code, model_dir)
     try:
         added, trained, matched, default = _peft_counts(text, trust_remote_code, model_dir,
                                                         json.dumps(kw, sort_keys=True))
     except (ValueError, TypeError, KeyError) as e:
-        key = "lora.target_linear" if c.target_linear else "lora.target_modules"
         cls = meta_facts(text, trust_remote_code, model_dir)["cls"]
-        raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True,
-                  f"PEFT cannot apply it to {cls}: {str(e).splitlines()[0][:200]}",
+        problem = f"PEFT cannot apply it to {cls}: {str(e).splitlines()[0][:200]}"
+        if params and ("nn.Parameter" in str(e) or not targets):  # a parameter of a targeted module, say
+            raise bad(spell(cfg, "lora.target_parameters"), list(params), problem, "name parameters of modules "
+                      "that no target_modules entry adapts (a mixture of experts' fused expert weights)")
+        key = "lora.target_linear" if c.target_linear else "lora.target_modules"
+        raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True, problem,
                   "name modules the model has (its linear layers' names), or use lora_target_linear: true")
-    return dataclasses.replace(spec, added=added, trained=trained, matched=matched, target_modules=targets or default)
+    return dataclasses.replace(spec, added=added, trained=trained, matched=matched,
+                               target_modules=targets or (() if params else default))
+
+
+def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text: str, trust_remote_code: bool,
+                      model_dir: str | None) -> None:
+    """Each `target_parameters` entry names a parameter of the model (PEFT's matching: the full name, or its end
+    after a dot; PEFT itself only warns for an entry that matches nothing, and refuses only when nothing at all is
+    adapted), and the adapters run without dropout: PEFT adapts a parameter by adding s·B·A to the weight before
+    the module runs, where there is no input to drop out (its ParamWrapper refuses lora_dropout, as Axolotl does);
+    and no layer list beside them, which PEFT would not apply to them."""
+    from adapter.config import spell
+
+    key = spell(cfg, "lora.target_parameters")
+    layers = cfg.lora.layers
+    if dropout:
+        raise bad(spell(cfg, "lora.dropout"), dropout, f"PEFT adds the adapters of {key} to the weights before the "
+                  "layer runs, so there is no input to drop out", f"set {spell(cfg, 'lora.dropout')}: 0")
+    cls, named = _parameters(config_text, trust_remote_code, model_dir)
+    for entry in params:
+        if not any(name == entry or name.endswith("." + entry) for name, *_ in named):
+            fused = sorted({".".join(name.split(".")[-2:]) for name, _, _, dims in named if dims == 3})
+            raise bad(key, entry, f"matches no parameter of {cls}",
+                      f"name one it has, e.g. {', '.join(fused)}" if fused else
+                      f"{cls} has no fused (3-D) expert weights: target its linear layers with "
+                      f"{spell(cfg, 'lora.target_modules')}")
+    if layers:  # PEFT's _inject_parameters reads no layers_to_transform: every layer's would be adapted
+        full = next((n for n, *_ in named if n.endswith("." + params[0]) and f".{layers[0]}." in n), params[0])
+        raise bad(spell(cfg, "lora.layers"), layers, f"PEFT applies it to target_modules only, so {key} would still "
+                  f"adapt every layer", f"name those layers' parameters in full in {key} (e.g. {full}), or remove "
+                  f"{spell(cfg, 'lora.layers')}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,16 +136,25 @@ def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | Non
         wrapped = peft.get_peft_model(model, peft.LoraConfig(**json.loads(lora_kw)))
     trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
-    matched = sorted({n.split(".")[-1] for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
+    matched = sorted({_adapted(n, m) for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
     default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
     return added, trained, tuple(matched), tuple(default)
 
 
+def _adapted(name: str, module) -> str:
+    """What a PEFT layer adapts, as `describe` names it: its module's last name (q_proj), or for a parameter
+    (PEFT's ParamWrapper, nested on the module that holds it) the module's and the parameter's (experts.down_proj)."""
+    param = getattr(module, "parameter_name", None)
+    last = name.replace(".base_layer", "").split(".")[-1]
+    return f"{last}.{param}" if param else last
+
+
 @functools.lru_cache(maxsize=8)
 def _parameters(config_text: str, trust_remote_code: bool, model_dir: str | None):
-    """(class name, ((parameter name, numel, rows), ...)) of the meta-device model; cached like `_peft_counts`."""
+    """(class name, ((parameter name, numel, rows, dims), ...)) of the meta-device model; cached like
+    `_peft_counts`."""
     model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
-    return cls, tuple((n, p.numel(), p.shape[0] if p.dim() else 1) for n, p in model.named_parameters())
+    return cls, tuple((n, p.numel(), p.shape[0] if p.dim() else 1, p.dim()) for n, p in model.named_parameters())
 
 
 def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None):
@@ -122,7 +169,7 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
     parsed = freeze.parse(cfg.model.unfrozen_parameters, key)
     cls, params = _parameters(json.dumps(config_json, sort_keys=True), trust_remote_code, model_dir)
     used, out = [False] * len(parsed), []
-    for name, numel, first in params:
+    for name, numel, first, _ in params:
         hits = [j for j, pat in enumerate(parsed) if pat.regex.match(name)]
         for j in hits:
             used[j] = True
@@ -235,7 +282,7 @@ def check_liger_stage(cfg, stage: int) -> None:
 def _check_tp(cfg, arch, tp: int) -> None:
     """Tensor parallelism from the model's own plan (adapter/modeling/hf_tp.py): refused in one line where it has
     none, where the plan uses a style not built or a width tp does not divide, where a rank would hold part of a
-    head, and for what is not built beside it yet (a quantised base, unfrozen_parameters)."""
+    head, and for what is not built beside it yet (a quantised base, LoRA on parameters, unfrozen_parameters)."""
     from adapter.config import spell
 
     key, name, flat = spell(cfg, "parallelism.tp_size"), arch.architecture, "use tensor_parallel_size: 1 (shard " \
@@ -254,6 +301,9 @@ def _check_tp(cfg, arch, tp: int) -> None:
     if cfg.lora is not None and cfg.lora.quantize_base:
         raise bad(key, tp, "a 4/8-bit base split over tensor-parallel ranks is not built on the transformers "
                   "engine", flat)
+    if cfg.lora is not None and cfg.lora.target_parameters:  # PEFT's per-expert factors, not split with the experts
+        raise bad(key, tp, f"LoRA on parameters ({spell(cfg, 'lora.target_parameters')}) split over tensor-parallel "
+                  "ranks is not built on the transformers engine", flat)
     if cfg.model.unfrozen_parameters is not None:
         raise bad(key, tp, "unfrozen_parameters with tensor parallelism is not built on the transformers engine",
                   flat)

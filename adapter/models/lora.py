@@ -28,7 +28,7 @@ from pathlib import Path
 
 from adapter.config import spell
 from adapter.errors import bad
-from adapter.models.arch import ModelArch
+from adapter.models.arch import ModelArch, unbuilt
 from adapter.models.counts import Linear, linears, num_params
 from adapter.models.families import family, linear_rule, packed_rule
 
@@ -239,6 +239,17 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
                     modules_to_save=tuple(save), target_names=hit_names, peft_targets=peft_targets,
                     layers=None if layers is None else tuple(layer_ids), init_from=init_from,
                     quantize_base=quantize_base, skipped=tuple(skipped))
+
+
+def check_native(cfg) -> None:
+    """What a run's `lora:` asks that these native adapters do not build, as NotNative: `model.engine: auto` then
+    trains transformers' model with PEFT (source.arch_for), `megatron` refuses with this line. LoRA on parameters
+    (PEFT's target_parameters: a mixture of experts' fused 3-D expert weights, which PEFT adapts as delta weights
+    per expert) has no counterpart among the Megatron linears' adapters here."""
+    if cfg.lora is not None and cfg.lora.target_parameters:
+        raise unbuilt(spell(cfg, "lora.target_parameters"), cfg.lora.target_parameters, "LoRA on parameters "
+                      "(PEFT's target_parameters) is built on the transformers engine only",
+                      "set model.engine: auto (or transformers), which trains it with PEFT on transformers' model")
 
 
 def from_config(cfg, arch: ModelArch) -> LoraSpec | None:

@@ -24,7 +24,7 @@ from adapter import config
 from adapter.config import RunConfig, spell
 from adapter.config.values import path_problem
 from adapter.errors import bad
-from adapter.models import vocab
+from adapter.models import lora, vocab
 from adapter.models.arch import ModelArch, NotNative, UnknownArchitecture, config_path, load_arch
 from adapter.models.generic import check_loadable
 
@@ -70,8 +70,20 @@ def hf_dir(cfg) -> Path:
 
 
 def arch_for(cfg) -> ModelArch:
-    """The architecture the run trains (from `hf_dir`), with the run's overrides of its config.json."""
-    return with_overrides(cfg, load_arch(hf_dir(cfg), cfg.model.engine, cfg.model.trust_remote_code))
+    """The architecture the run trains (from `hf_dir`), with the run's overrides of its config.json. A native family
+    whose run asks what its adapters do not build (lora.check_native) trains on the transformers engine under
+    `model.engine: auto`, the reason said in its engine line; `megatron` refuses it in that line."""
+    engine, trust = cfg.model.engine, cfg.model.trust_remote_code
+    arch = load_arch(hf_dir(cfg), engine, trust)
+    if arch.native:
+        try:
+            lora.check_native(cfg)
+        except NotNative as e:
+            if engine != "auto":
+                raise
+            arch = dataclasses.replace(load_arch(hf_dir(cfg), "transformers", trust),
+                                       engine_reason=f"the native engine does not reproduce it: {e}")
+    return with_overrides(cfg, arch)
 
 
 # Fields of ModelArch that must agree between the config's model and a converted checkpoint.

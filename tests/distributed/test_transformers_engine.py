@@ -23,7 +23,7 @@ from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, reference_mode
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
-from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, packed_examples, rel
+from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, make_moe, packed_examples, rel
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS = 128, 2e-3, 4
@@ -56,10 +56,10 @@ def _worker(rank, world, models, root):
 
     init_distributed()
     out = {}
-    for name, path in models.items():
+    for name in MODELS:  # the fixture's native models train below (llama) or in the LoRA test (qwen3_moe)
         pack = name not in HYBRID
         lines: list[str] = []
-        res = train(_cfg(path, f"{root}/{name}", pack), log=lines.append)
+        res = train(_cfg(models[name], f"{root}/{name}", pack), log=lines.append)
         out[name] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     for name in TP_ARCHS:  # tensor parallelism from the model's own plan: MLA's split rope key, gathered q/k/v
         lines = []
@@ -82,7 +82,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-engine")
     tok = tiny_model(root / "tok")
     made = {name: str(make_arch(name, root / name, tok)) for name in MODELS}
-    return {**made, "llama": str(make_model(root / "llama", tok))}
+    return {**made, "llama": str(make_model(root / "llama", tok)),
+            "qwen3_moe": str(make_moe(root / "qwen3_moe", tok, router_loss=False))}
 
 
 def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) -> list[float]:
@@ -99,8 +100,10 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         import peft
 
         torch.manual_seed(cfg.seed)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                           target_modules="all-linear", task_type="CAUSAL_LM"))
+        c = cfg.lora  # Axolotl's LoraConfig: all-linear, or the listed modules (none beside target_parameters)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
+            target_parameters=c.target_parameters, task_type="CAUSAL_LM"))
     if cfg.model.unfrozen_parameters is not None:  # Axolotl's freezing on the HF model
         axolotl_freeze(model, cfg.model.unfrozen_parameters)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -205,6 +208,54 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
 QLORA = {**LORA, "quantize_base": "nf4"}
 UNFROZEN = ["^model.layers.1.", "^lm_head.weight[:512]"]
+EXPERTS = {"r": 4, "alpha": 8, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+
+
+def _expert_lora(models, root) -> dict:
+    """LoRA on the fused expert parameters alone (Axolotl's lora_target_parameters): gpt-oss under ZeRO-3,
+    exported; Qwen3-MoE, a native family the native adapters cannot take it on, under ZeRO-2."""
+    from tests.helpers.runs import train
+
+    out = {}
+    for name, zero in (("gpt_oss", 3), ("qwen3_moe", 2)):
+        lines: list[str] = []
+        res = train(_cfg(models[name], f"{root}/{name}-experts", True, lora=EXPERTS, zero=zero,
+                         export=f"{root}/{name}-experts/adapter"), log=lines.append)
+        out[f"{name} experts"] = (res.losses, res.exported, [ln for ln in lines if ln.startswith(("lora:", "engine:"))])
+    return out
+
+
+def _check_expert_lora(got: dict, models, tmp_path) -> None:
+    """PEFT's losses on the same batches; the engine line says why Qwen3-MoE left the native engine; PEFT loads the
+    gpt-oss export and computes the trained model's logits, and `merge-lora` folds the expert deltas in."""
+    import peft
+    import torch
+
+    for name, zero in (("gpt_oss", 3), ("qwen3_moe", 2)):
+        losses, exported, said = got[f"{name} experts"]
+        trained: list = []
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}-experts", True, lora=EXPERTS,
+                                             zero=zero), model_out=trained)
+        assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
+        assert "on experts.down_proj, experts.gate_up_proj (PEFT on transformers' model)" in said[1], said
+        if name == "qwen3_moe":
+            assert "the native engine does not reproduce it: lora.target_parameters=" in said[0], said
+            continue
+        probe = _probe(models[name])
+        loaded = peft.PeftModel.from_pretrained(reference_model(Path(models[name])), exported)
+        with torch.no_grad():
+            logits = [m(input_ids=probe["tokens"], position_ids=probe["position_ids"]).logits
+                      for m in (loaded, trained[0])]
+        assert torch.allclose(*logits, rtol=0, atol=1e-4), (logits[0] - logits[1]).abs().max()
+        b = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+        assert len(b) == 4 and all(p.abs().sum() > 0 for p in b)  # two experts' parameters × two layers, trained
+        conf = tmp_path / "merge-experts.yaml"
+        conf.write_text(yaml.safe_dump({"model": {"path": models[name]}, "lora": EXPERTS}))
+        code, _, err = run_cli("merge-lora", "--config", str(conf), "--adapter", exported,
+                               "--out", str(tmp_path / "merged-experts"))
+        assert code == 0, err
+        merged = reference_model(tmp_path / "merged-experts")
+        assert rel(float(hf_loss(merged, probe)), float(hf_loss(trained[0], probe))) < 1e-4
 
 
 def _lora(rank, world, models, root):
@@ -231,6 +282,7 @@ def _lora(rank, world, models, root):
     lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
+    out.update(_expert_lora(models, root))
     try:
         train(_cfg(models["phi"], f"{root}/qlora3", True, lora=QLORA, zero=3), log=lambda s: None)
     except Exception as e:  # noqa: BLE001 - the refusal's text is the check
@@ -242,7 +294,8 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export), and at tp=2; QLoRA
     (bitsandbytes' NF4 base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4
     base; Axolotl's unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model;
-    8-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model."""
+    8-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model;
+    LoRA on the experts' fused parameters (`_check_expert_lora`)."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -286,3 +339,4 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
     assert "is not built under ZeRO-3" in got["qlora zero3"] and "Fix: set deepspeed.zero_stage: 2" in \
         got["qlora zero3"], got["qlora zero3"]
+    _check_expert_lora(got, models, tmp_path)

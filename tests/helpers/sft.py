@@ -229,16 +229,16 @@ def make_gemma(out: Path, tokenizer_dir: Path, version: int = 3, *, hidden: int 
 
 def make_moe(out: Path, tokenizer_dir: Path, family: str = "qwen3_moe", *, hidden: int = 64, layers: int = 2,
              heads: int = 4, kv_heads: int = 2, experts: int = 4, top_k: int = 2, coef: float = 0.5,
-             seed: int = 0) -> Path:
+             seed: int = 0, router_loss: bool = True) -> Path:
     """A tiny mixture of experts (Qwen3-MoE: q/k norms, renormalised top-k; OLMoE: whole-projection q/k norms,
     no renormalisation) with the load-balancing loss on and a large coefficient, so its gradient shows in a few
-    steps."""
+    steps (`router_loss` false: off, as the transformers engine runs it)."""
     from transformers import AutoTokenizer, OlmoeConfig, Qwen3MoeConfig
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, max_position_embeddings=256, num_experts=experts,
-                  num_experts_per_tok=top_k, output_router_logits=True, router_aux_loss_coef=coef,
+                  num_experts_per_tok=top_k, output_router_logits=router_loss, router_aux_loss_coef=coef,
                   tie_word_embeddings=False, pad_token_id=None, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id)
     if family == "qwen3_moe":

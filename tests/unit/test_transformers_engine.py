@@ -56,11 +56,11 @@ def test_a_native_family_can_be_forced_onto_the_transformers_engine(tmp_path):
 
 
 def _plan(tmp_path, model_dir, **top):
-    gpus = str(top.pop("_gpus", 2))
+    gpus, sets = str(top.pop("_gpus", 2)), top.pop("_set", None)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"base_model": str(model_dir), "learning_rate": 1e-5, "sequence_len": 256,
                                    "micro_batch_size": 1, "num_epochs": 1, "dp_shard_size": 2, **top}))
-    return run_cli("plan", str(cfg), "--gpus-per-node", gpus, "--format", "json")
+    return run_cli("plan", str(cfg), "--gpus-per-node", gpus, "--format", "json", *(("--set", sets) if sets else ()))
 
 
 def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
@@ -170,6 +170,80 @@ def test_plan_counts_peft_s_adapters_on_the_meta_model(tmp_path):
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     line = next(n for n in json.loads(out)["notes"] if n.startswith("adapter: LoRA r 8"))
     assert f"{trained:,} trained parameters" in line and "(PEFT on transformers' model)" in line, line
+
+
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def _qwen3_moe(tmp_path):
+    """A native family's mixture of experts (Qwen3-MoE), config.json alone."""
+    from transformers import Qwen3MoeConfig
+
+    d = tmp_path / "qwen3_moe"
+    Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   architectures=["Qwen3MoeForCausalLM"]).save_pretrained(d)
+    return d
+
+
+def test_lora_target_parameters_maps_to_peft_and_plan_counts_its_adapters(tmp_path):
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adapter import config
+
+    d = _write(tmp_path, "gpt_oss")
+    cfg = config.build({"base_model": str(d), "learning_rate": 1e-5, "micro_batch_size": 1, "num_epochs": 1,
+                        "adapter": "lora", "lora_target_parameters": EXPERTS}, env={}, world_size=1)
+    assert cfg.lora.target_parameters == EXPERTS and config.spell(cfg, "lora.target_parameters") == \
+        "lora_target_parameters"
+    for extra, kw in (({}, {"target_modules": []}), ({"lora_target_linear": True}, {"target_modules": "all-linear"})):
+        code, out, err = _plan(tmp_path, d, adapter="lora", lora_r=8, lora_alpha=16, lora_target_parameters=EXPERTS,
+                               **extra)
+        assert code == 0, err
+        with torch.device("meta"):  # Axolotl's LoraConfig: lora_target_modules or [] beside the parameters
+            model = peft.get_peft_model(AutoModelForCausalLM.from_config(tiny_config("gpt_oss")),
+                                        peft.LoraConfig(r=8, lora_alpha=16, target_parameters=EXPERTS, **kw))
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        line = next(n for n in json.loads(out)["notes"] if n.startswith("adapter: LoRA r 8"))
+        assert f"{trained:,} trained parameters" in line and "experts.down_proj, experts.gate_up_proj" in line, line
+
+
+def test_lora_target_parameters_takes_a_native_family_to_the_transformers_engine_or_is_refused(tmp_path):
+    d = _qwen3_moe(tmp_path)
+    code, out, err = _plan(tmp_path, d, adapter="lora", lora_target_parameters=EXPERTS)
+    assert code == 0, err
+    said = next(n for n in json.loads(out)["notes"] if n.startswith("engine:"))
+    assert said.startswith("engine: transformers' own Qwen3MoeForCausalLM (the native engine does not reproduce it: "
+                           "lora_target_parameters=['experts.gate_up_proj', 'experts.down_proj']: LoRA on parameters "
+                           "(PEFT's target_parameters) is built on the transformers engine only"), said
+    code, _, err = _plan(tmp_path, d, adapter="lora", lora_target_modules=["q_proj"])
+    assert code == 0 and load_arch(d).native, err  # without it the native engine trains the family
+    code, _, err = _plan(tmp_path, d, adapter="lora", lora_target_parameters=EXPERTS, _set="model.engine=megatron")
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "lora_target_parameters=" in err and \
+        "Fix: set model.engine: auto (or transformers)" in err, err
+
+
+@pytest.mark.parametrize("top, says", [
+    ({"lora_target_parameters": ["experts.nope"]},
+     "lora_target_parameters='experts.nope': matches no parameter of GptOssForCausalLM. Fix: name one it has, e.g. "
+     "experts.down_proj, experts.gate_up_proj"),
+    ({"lora_target_parameters": EXPERTS, "lora_dropout": 0.05}, "lora_dropout=0.05: PEFT adds the adapters"),
+    ({"lora_target_parameters": EXPERTS, "peft_layers_to_transform": [1]},
+     "peft_layers_to_transform=[1]: PEFT applies it to target_modules only, so lora_target_parameters would still "
+     "adapt every layer. Fix: name those layers' parameters in full in lora_target_parameters (e.g. "
+     "model.layers.1.mlp.experts.gate_up_proj)"),
+    ({"lora_target_parameters": "experts.down_proj"}, "lora_target_parameters='experts.down_proj'"),
+    ({"lora_target_parameters": EXPERTS, "lora_target_modules": ["q_proj"], "tensor_parallel_size": 2,
+      "dp_shard_size": 1}, "tensor_parallel_size=2: LoRA on parameters (lora_target_parameters) split over "
+                           "tensor-parallel ranks is not built"),
+])
+def test_lora_target_parameters_refusals_are_one_line(tmp_path, top, says):
+    code, _, err = _plan(tmp_path, _write(tmp_path, "gpt_oss"), adapter="lora", **top)
+    assert code == 2 and says in err, err
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_qlora_without_fsdp_or_deepspeed_keys_runs_zero2_and_says_so(tmp_path):
