@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch.distributed as dist
+
 
 @dataclass
 class Best:
@@ -44,4 +46,42 @@ class Best:
         self.stale = self.stale or 0
 
 
-__all__ = ["Best"]
+def load(trainer, final: int) -> None:
+    """HF's load_best_model_at_end: the weights of the best checkpoint replace the last ones before the export
+    (`trainer`: adapter/train/trainer.Trainer, collective)."""
+    from adapter.train import checkpoint as ckpt
+
+    b = trainer.best
+    if b.saved is None:
+        trainer._say("best checkpoint: no saved step had a new best eval loss; the last model is exported")
+        return
+    trainer.result.best_step = b.saved
+    if b.saved == final:
+        trainer._say(f"best checkpoint: step {b.saved} (eval_loss {b.saved_loss:.4f}) is the last one")
+        return
+    ckpt.load(trainer.engine.ds, trainer.cfg.checkpoint.dir, tag=ckpt.tag_for(b.saved), restore_rng_state=False,
+              trained_only=trainer.run.adapters, arch=trainer.arch, **trainer._where())
+    trainer._say(f"best checkpoint: reloaded step {b.saved} (eval_loss {b.saved_loss:.4f}) in place of step "
+                 f"{final}'s weights (load_best_model_at_end)")
+
+
+def keep_only(trainer) -> None:
+    """HF's end of a run with save_total_limit 1 (checkpoint.keep_last 1) and a best checkpoint (the eval loss
+    tracked for load_best_model_at_end or early stopping): only the best checkpoint stays and `latest` names it
+    (transformers' Trainer.train deletes the others). Collective."""
+    from adapter.train import checkpoint as ckpt
+
+    cfg, sched, b = trainer.cfg, trainer.schedule, trainer.best
+    if not (cfg.checkpoint.dir and cfg.checkpoint.keep_last == 1 and b.saved is not None
+            and (sched.load_best or sched.patience is not None)):
+        return
+    lineage = ckpt.run_lineage(trainer.engine.ds)
+    if trainer.rank == 0:
+        gone = ckpt.keep_only_best(cfg.checkpoint.dir, b.saved, lineage)
+        if gone:
+            trainer._say(f"checkpoints: kept only the best, {ckpt.tag_for(b.saved)} (save_total_limit 1, as HF's "
+                         f"Trainer ends a run); deleted {', '.join(gone)}")
+    dist.barrier()
+
+
+__all__ = ["Best", "load", "keep_only"]

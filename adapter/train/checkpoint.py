@@ -22,6 +22,7 @@ same file names: pass `save_ranks` so one replica writes and the others only joi
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -46,6 +47,7 @@ from adapter.train.ckpt_info import FILES, LATEST, LINEAGE, RECORD, crc32, linea
 from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, state_dtype_of
 
 TMP = "tmp-"
+STOPPED_EARLY = "stopped_early.json"  # beside the checkpoints: early stopping ended the run (write_stopped_early)
 _OURS = "nd_adapter"  # our key in DeepSpeed's client_state: step and this rank's RNG states
 
 
@@ -125,6 +127,40 @@ def _prune(save_dir: Path, keep_last: int | None, protect: int | None = None, li
             _remove(save_dir / tag_for(step))
 
 
+def keep_only_best(save_dir: str | Path, best: int, lineage: str | None) -> list[str]:
+    """HF's end of a run with save_total_limit 1 and a best checkpoint: every other checkpoint of this lineage is
+    deleted and `latest` names the best (HF leaves only the best checkpoint's directory, which a resume then takes).
+    Leader only; returns the deleted tags."""
+    root = Path(save_dir)
+    if not (root / tag_for(best)).is_dir():
+        return []
+    atomic_write_text(root / LATEST, tag_for(best), tmp_prefix=TMP)
+    gone = []
+    for step, p in sorted(ckpt_info.steps(root).items()):
+        if step != best and lineage is not None and lineage_of(p) == lineage:
+            _remove(p)
+            gone.append(p.name)
+    return gone
+
+
+def write_stopped_early(save_dir: str | Path, step: int, lineage: str | None, patience: int) -> None:
+    """Leader only: that early stopping ended this lineage's run after `step` (STOPPED_EARLY), so a --resume of it
+    says the run has finished instead of training to the same stop again."""
+    atomic_write_text(Path(save_dir) / STOPPED_EARLY, json.dumps({"step": step, LINEAGE: lineage,
+                                                                  "patience": patience}), tmp_prefix=TMP)
+
+
+def stopped_early(save_dir: str | Path, lineage: str | None, patience: int | None) -> int | None:
+    """The step early stopping ended this lineage's run at, when it did with this patience; else None."""
+    try:
+        mark = json.loads((Path(save_dir) / STOPPED_EARLY).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(mark, dict) or mark.get(LINEAGE) != lineage or mark.get("patience") != patience:
+        return None
+    return mark.get("step") if isinstance(mark.get("step"), int) else None
+
+
 @contextmanager
 def _writes(engine, enabled: bool) -> Iterator[None]:
     """A rank that must not write still runs save_checkpoint (it has collectives); DeepSpeed gates the writes on
@@ -138,7 +174,7 @@ def _writes(engine, enabled: bool) -> Iterator[None]:
         engine.save_non_zero_checkpoint, engine.save_zero_checkpoint = saved
 
 
-def _lineage(engine) -> str:
+def run_lineage(engine) -> str:
     """Collective on a fresh engine: the run's lineage, which its saves record. A resume took the checkpoint's
     (load); a fresh start opens a new one, drawn on rank 0."""
     if getattr(engine, "_nd_lineage", None) is None:
@@ -196,7 +232,7 @@ def save(engine, save_dir: str | Path, step: int, client_state: dict[str, Any] |
     local = node_local(engine)
     fs_leader = engine.local_rank == 0 if local else rank == 0
     root, tag = Path(save_dir), tag_for(step)
-    lineage = _lineage(engine)
+    lineage = run_lineage(engine)
     said = None  # the leader's word before anything is written: "done", or why not
     if fs_leader:
         try:

@@ -36,6 +36,7 @@ from adapter.models.resolved import ResolvedRun
 from adapter.parallel import mcore_groups
 from adapter.parallel.layout import Axis
 from adapter.patches.zero import set_hpz_group
+from adapter.train import best as best_ckpt
 from adapter.train import checkpoint as ckpt
 from adapter.train import ckpt_info, metrics, schedule
 from adapter.train.batches import load as load_data
@@ -84,6 +85,7 @@ class Trainer:
                        else torch.device("cpu"))
         self.result = RunResult()
         self.best: Best | None = None  # set with the schedule (its patience)
+        self.finished_at: int | None = None  # a resumed run that early stopping had ended at this step
         self.sink = self.groups = self.engine = self.preempt = self.moe_aux = None
         self.val_dataset = self.chat_template = self.sft = None
         self.stopping: str | None = None  # the signal the run stops on, once every rank knows it
@@ -177,6 +179,8 @@ class Trainer:
         start, state = loaded
         self.sampler.load_state_dict(state["sampler"])
         self.best.load_state_dict(state.get("best", {}))
+        self.finished_at = ckpt.stopped_early(cfg.checkpoint.dir, getattr(self.engine.ds, "_nd_lineage", None),
+                                              cfg.eval.early_stopping_patience)
         old, new = self.engine.follow_schedule(cfg)
         self._say(*announce.resumed(self.run, start, old, new))
         return start
@@ -378,6 +382,11 @@ class Trainer:
         batches = build_batches(self.dataset, self.sampler)
         self.preempt.stop_at_step_boundaries()  # until here a signal ended the job at once: nothing to save yet
         pending: PendingStep | None = None  # the last step, until its numbers are read on the host
+        if self.finished_at is not None:  # the resumed run had ended by early stopping: nothing more to train
+            self._say(f"finished: early stopping ended this run after step {self.finished_at} (eval.early_stopping_"
+                      f"patience {sched.patience}); nothing to train. To train on, raise or remove the patience")
+            result.final_step, result.stopped_early = start, True
+            return result
         self.engine.ds.train()
         if sched.eval_at_start and start == 0 and max_steps > 0:
             self._eval(0)
@@ -399,6 +408,10 @@ class Trainer:
                 self._say(f"early stopping after step {step}: {self.best.stale} evaluations in a row without an "
                           f"eval loss below {self.best.loss:.4f} (step {self.best.step})")
                 last, result.stopped_early = step, True
+                if cfg.checkpoint.dir:  # a --resume of this run then says it has finished
+                    lineage = ckpt.run_lineage(self.engine.ds)
+                    if self.rank == 0:
+                        ckpt.write_stopped_early(cfg.checkpoint.dir, step, lineage, sched.patience)
                 break
             if self.stopping is not None and step < max_steps:  # every rank sees it at the same step
                 if pending is not None:
@@ -417,7 +430,8 @@ class Trainer:
         if cfg.checkpoint.dir and last == max_steps > start and (not save_every or max_steps % save_every):
             result.checkpoint = self.save(max_steps)
         if sched.load_best:
-            self._load_best(result.final_step)
+            best_ckpt.load(self, result.final_step)
+        best_ckpt.keep_only(self)
         if export and cfg.checkpoint.export_hf and self.lora is not None:
             result.exported = str(export_lora(self.engine.ds, self.lora, self.arch, cfg, cfg.checkpoint.export_hf,
                                               rank=self.rank, tp_group=self.groups.tp,
@@ -443,21 +457,6 @@ class Trainer:
             self._say(f"exported HF model to {result.exported} (tokenizer"
                       f"{' and chat template' if self.chat_template else ''} included)")
         return result
-
-    def _load_best(self, final: int) -> None:
-        """HF's load_best_model_at_end: the weights of the best checkpoint replace the last ones before the export."""
-        b = self.best
-        if b.saved is None:
-            self._say("best checkpoint: no saved step had a new best eval loss; the last model is exported")
-            return
-        self.result.best_step = b.saved
-        if b.saved == final:
-            self._say(f"best checkpoint: step {b.saved} (eval_loss {b.saved_loss:.4f}) is the last one")
-            return
-        ckpt.load(self.engine.ds, self.cfg.checkpoint.dir, tag=ckpt.tag_for(b.saved), restore_rng_state=False,
-                  trained_only=self.run.adapters, arch=self.arch, **self._where())
-        self._say(f"best checkpoint: reloaded step {b.saved} (eval_loss {b.saved_loss:.4f}) in place of step "
-                  f"{final}'s weights (load_best_model_at_end)")
 
     def close(self) -> None:
         if self.preempt is not None:

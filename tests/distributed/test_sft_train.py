@@ -179,12 +179,17 @@ def _weights_worker(rank, world, model_dir, root):
     # rate high enough that the eval loss turns back up
     _use_data(MaskedData(TRAINED, SEQ, VOCAB), MaskedData(VAL, SEQ, VOCAB, seed=1))
     bd = f"{root}/best"
-    r = run(sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=8, **{
+    best_cfg = sft_config(model_dir, root, (2, 1, 1), 2, 1, steps=8, **{
         "checkpoint.dir": bd, "checkpoint.export_hf": f"{bd}/hf", "checkpoint.save_every": 2,
         "checkpoint.keep_last": 1, "checkpoint.load_best": True, "eval.every": 1, "eval.early_stopping_patience": 3,
-        "optimizer.lr": BEST_LR}), log=lambda s: None)
+        "optimizer.lr": BEST_LR})
+    r = run(best_cfg, log=lambda s: None)
     out["best"] = {"eval": r.eval_losses, "best": r.best_step, "final": r.final_step, "early": r.stopped_early,
-                   "kept": sorted(p.name for p in Path(bd).glob("global_step*"))}
+                   "kept": sorted(p.name for p in Path(bd).glob("global_step*")),
+                   "latest": (Path(bd) / "latest").read_text()}
+    lines: list[str] = []  # the early-stopped run resumed: it has finished, and says so
+    again = run(best_cfg, resume=True, log=lines.append)
+    out["best"]["again"] = (again.final_step, again.stopped_early, [ln for ln in lines if ln.startswith("finished")])
     return out
 
 
@@ -233,14 +238,17 @@ def test_weights_from_base_model_cache_reuse_damage_and_export(model_dir, tmp_pa
     start = dict(hf.named_parameters())["model.layers.0.mlp.down_proj.weight"]
     assert not torch.equal(dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"], start)
     # best checkpoint and early stopping: the steps transformers' own Trainer code picks from the same eval losses
-    # (saves every 2 steps), the best one kept beside the newest (keep_last 1), and the export is that checkpoint:
-    # its held-out loss in transformers is the one logged after its step
+    # (saves every 2 steps); at the end only the best checkpoint stays (keep_last 1: HF's save_total_limit 1 deletes
+    # the rest when a run ends) and `latest` names it; the export is that checkpoint: its held-out loss in
+    # transformers is the one logged after its step; resumed, the early-stopped run says it has finished
     b = r["best"]
     evals = {s: v for s, v in b["eval"] if s > 0}
     best, stop = hf_best(evals, set(range(2, b["final"] + 1, 2)), patience=3)
     assert (b["best"], b["final"] if b["early"] else None) == (best, stop), b
     assert b["early"] and b["best"] != b["final"], b  # the case where the export is not the last model
-    assert b["kept"] == sorted({f"global_step{best}", f"global_step{max(range(2, b['final'] + 1, 2))}"}), b
+    assert b["kept"] == [f"global_step{best}"] and b["latest"] == f"global_step{best}", b
+    final, early, said = b["again"]
+    assert early and final == best and len(said) == 1 and f"after step {b['final']}" in said[0], b["again"]
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "best/hf"), dtype=torch.float32)
     val = MaskedData(VAL, SEQ, VOCAB, seed=1)
     with torch.no_grad():
