@@ -99,6 +99,9 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
     bnb = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype) if quantize == "nf4" else
            BitsAndBytesConfig(load_in_8bit=True))
+    if model_dir is not None and getattr(config, "quantization_config", None) is not None:
+        # a pre-quantised bitsandbytes checkpoint (adapter/models/prequant.py): its stored codes, loaded as they are
+        return cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
     with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
         if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
             cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)

@@ -219,7 +219,7 @@ def _generic(raw: dict[str, Any], source: str, why: str, trust_remote_code: bool
 
     if not isinstance(raw, dict) or raw.get("use_bidirectional_attention"):
         raise bad("model", source, "not a causal language model's config.json", "fine-tune a causal checkpoint")
-    check_not_quantised(raw, source)  # no engine trains a pre-quantised checkpoint's stored codes yet
+    check_not_quantised(raw, source)  # bitsandbytes' NF4/int8 codes load into transformers' model, nothing else
     fields = generic_arch_fields(raw, source, trust_remote_code=trust_remote_code, model_dir=str(Path(source).parent))
     return ModelArch(**fields, engine_reason=why)
 
@@ -251,7 +251,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
                   "transformers), which reads the HF weights as they are, without conversion; native families: "
                   f"{', '.join(families.supported_architectures())} (adding a family: docs/adding-a-model.md)")))
     name = name or fam.architectures[0]
-    check_not_quantised(cfg, source)
+    check_not_quantised(cfg, source, native=unbuilt)
     if fam.text_config:  # an image-text checkpoint (Gemma3ForConditionalGeneration): its language model's config
         text = cfg.get("text_config")
         if not isinstance(text, dict):

@@ -268,7 +268,7 @@ _PATTERNS = ("layer_types", "layers_block_type", "layer_block_types")
 def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
     """A small config.json of the same architecture, every structural feature kept (adapter/train/rehearse.py
     builds the rehearsal's model from it); `vocab`: its vocabulary."""
-    out = dict(raw)
+    out = {k: v for k, v in raw.items() if k != "quantization_config"}  # the rehearsal quantises as it loads
     text, nested = (dict(raw["text_config"]), True) if text_part(raw)[0] is not raw else (out, False)
     for k, v in _TINY.items():
         if k in text and (v is None or isinstance(text[k], int)):

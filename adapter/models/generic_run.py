@@ -267,6 +267,23 @@ def _check_liger(cfg, arch) -> None:
                   "splits", "remove liger_cross_entropy / liger_fused_linear_cross_entropy (or use tp 1)")
 
 
+def check_prequantized(cfg, raw: dict[str, Any]) -> None:
+    """A bitsandbytes checkpoint's NF4 / int8 codes (adapter/models/prequant.py) are a frozen base: only a QLoRA run
+    of the same codes trains on them (load_in_4bit for NF4, load_in_8bit for int8), as Axolotl's QLoRA does."""
+    from adapter.config import spell
+    from adapter.models.prequant import loadable_codes
+
+    codes = loadable_codes(raw)
+    if codes is None:
+        return
+    want = cfg.lora.quantize_base if cfg.lora is not None else None
+    if want != codes:
+        bits = "load_in_8bit" if codes == "int8" else "load_in_4bit"
+        raise bad(spell(cfg, "lora.quantize_base"), want, f"the checkpoint holds bitsandbytes {codes} codes "
+                  "(pre-quantised): only adapters train on them, over that frozen base", f"use adapter: qlora with "
+                  f"{bits}: true, or point base_model (model.path) at the 16-bit checkpoint")
+
+
 def check_liger_stage(cfg, stage: int) -> None:
     """Liger's fused linear cross-entropy reads lm_head's weight outside lm_head's forward: under ZeRO-3 (with
     something to partition: `stage` is the run's, adapter/parallel/deepspeed_config.zero_stage) it would read a
@@ -334,4 +351,4 @@ def check_quantized_base(cfg, stage: int) -> None:
 
 
 __all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "check_quantized_base",
-           "check_run", "check_liger_stage"]
+           "check_run", "check_liger_stage", "check_prequantized"]

@@ -1,6 +1,9 @@
-"""Pre-quantised checkpoints (`quantization_config` in config.json): named in words and refused in one line, by
-every command that reads the model (adapter/models/arch.py calls `check_not_quantised` before either engine
-reads the config), since no engine loads stored codes as a frozen base yet."""
+"""Pre-quantised checkpoints (`quantization_config` in config.json), named in words by every command that reads the
+model (adapter/models/arch.py calls `check_not_quantised` before either engine reads the config). bitsandbytes NF4
+and int8 checkpoints hold exactly what `load_in_4bit` / `load_in_8bit` make of the 16-bit weights, and transformers
+loads those codes itself: the transformers engine trains QLoRA adapters on them (the native engine's layers take
+their own quantisation, so `model.engine: auto` moves such a checkpoint to transformers' model). Every other method
+(GPTQ, AWQ, fp8, NVFP4, ...) is refused in one line."""
 from __future__ import annotations
 
 from typing import Any
@@ -19,12 +22,19 @@ def quant_method(q: dict[str, Any]) -> str:
     return f"{method} {detail}" if isinstance(detail, str) else str(method or "unnamed")
 
 
-def check_not_quantised(cfg: dict[str, Any], source: str) -> None:
+def loadable_codes(cfg: dict[str, Any]) -> str | None:
+    """"nf4" / "int8" for a bitsandbytes checkpoint whose codes transformers loads as a QLoRA base; else None."""
+    q = cfg.get("quantization_config")
+    method = quant_method(q) if isinstance(q, dict) else ""
+    return {"bitsandbytes nf4": "nf4", "bitsandbytes int8": "int8"}.get(method)
+
+
+def check_not_quantised(cfg: dict[str, Any], source: str, native: Any = None) -> None:
     """A pre-quantised checkpoint (`quantization_config`: bitsandbytes, GPTQ, AWQ, fp8, NVFP4, ...) stores codes
     and scales where config.json's shapes say 16-bit weights, so converting it would fail tensor by tensor with a
-    misleading shape error. Refused here, in one line naming the method. A bitsandbytes NF4 or int8 checkpoint holds
-    what `load_in_4bit` / `load_in_8bit` produce from the 16-bit one, so that is the fix (and what Axolotl's QLoRA
-    does with such checkpoints anyway); loading the stored codes as the frozen base is not built."""
+    misleading shape error. Refused here, in one line naming the method, except bitsandbytes NF4 / int8 codes
+    (`loadable_codes`): transformers' model loads them; `native` (arch.unbuilt, for the native engine's reading)
+    turns those into the reason `model.engine: auto` takes the transformers engine."""
     q = cfg.get("quantization_config")
     if q is None:
         return
@@ -32,6 +42,11 @@ def check_not_quantised(cfg: dict[str, Any], source: str) -> None:
         raise bad("quantization_config", q, f"must be a mapping in {source}", "fix the model's config.json")
     method = quant_method(q)
     base = "point base_model (model.path) at the 16-bit checkpoint it was quantised from"
+    if loadable_codes(cfg):
+        if native is None:
+            return
+        raise native("quantization_config", method, "a pre-quantised checkpoint: its stored codes load into "
+                     "transformers' own model, not the native layers", "model.engine: auto or transformers")
     if method.startswith("bitsandbytes"):
         bits = "load_in_8bit" if method.endswith("int8") else "load_in_4bit"
         raise bad("quantization_config", method, f"{source} is a pre-quantised checkpoint ({method} "
@@ -43,4 +58,4 @@ def check_not_quantised(cfg: dict[str, Any], source: str) -> None:
               "qlora with load_in_4bit: true")
 
 
-__all__ = ["quant_method", "check_not_quantised"]
+__all__ = ["quant_method", "loadable_codes", "check_not_quantised"]

@@ -92,14 +92,14 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     vocab.check_lora(cfg, arch.hf_model_type)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None
-    if not arch.native and (cfg.lora is not None or cfg.model.unfrozen_parameters is not None):
-        # PEFT itself, or freezing by HF name, on transformers' model: counted on the meta model
+    if not arch.native:  # PEFT itself, freezing by HF name, a pre-quantised base: on transformers' (meta) model
         given = weights.model_dir if weights is not None and weights.model_dir else None
         src = source.model_dir(given) if given and config_path(given).is_file() else source.hf_dir(cfg)
         raw, trust = json.loads(config_path(src).read_text()), cfg.model.trust_remote_code
+        generic_run.check_prequantized(cfg, raw)
         if cfg.lora is not None:
             peft = generic_run.resolve_peft(cfg, raw, trust_remote_code=trust, model_dir=str(src))
-        else:
+        elif cfg.model.unfrozen_parameters is not None:
             unfrozen = generic_run.resolve_unfrozen(cfg, raw, trust_remote_code=trust, model_dir=str(src))
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
     if peft is not None:

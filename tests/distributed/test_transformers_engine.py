@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from adapter import config
-from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, reference_model
+from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, prequantized, reference_model
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
@@ -82,7 +82,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-engine")
     tok = tiny_model(root / "tok")
     made = {name: str(make_arch(name, root / name, tok)) for name in MODELS}
-    return {**made, "llama": str(make_model(root / "llama", tok)),
+    nf4 = str(prequantized(Path(made["phi"]), root / "phi-nf4"))  # bitsandbytes' codes saved: a pre-quantised base
+    return {**made, "llama": str(make_model(root / "llama", tok)), "phi-nf4": nf4,
             "qwen3_moe": str(make_moe(root / "qwen3_moe", tok, router_loss=False))}
 
 
@@ -276,6 +277,9 @@ def _lora(rank, world, models, root):
     lines = []  # QLoRA: the base loaded in NF4 by bitsandbytes, ZeRO-2 (ZeRO-3 is refused in one line)
     out["qlora"] = train(_cfg(models["phi"], f"{root}/qlora", True, lora=QLORA, zero=2), log=lines.append).losses
     out["qlora said"] = [ln for ln in lines if ln.startswith("lora:")]
+    # the same NF4 codes from a pre-quantised checkpoint (its quantization_config), loaded as they are
+    out["qlora prequantized"] = train(_cfg(models["phi-nf4"], f"{root}/qlora-pre", True, lora=QLORA, zero=2),
+                                      log=lambda s: None).losses
     lines = []  # bitsandbytes' AdamW8bit stepped by ZeRO-3
     out["8bit"] = train(_cfg(models["phi"], f"{root}/8bit", True, optimizer="adamw_8bit"), log=lines.append).losses
     out["8bit said"] = [ln for ln in lines if ln.startswith("optimizer:")]
@@ -328,6 +332,7 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA, zero=2))
     assert max(rel(a, b) for a, b in zip(got["qlora"], want)) < 1e-4, (got["qlora"], want)
     assert "NF4 through bitsandbytes" in got["qlora said"][0], got["qlora said"]
+    assert max(rel(a, b) for a, b in zip(got["qlora prequantized"], got["qlora"])) < 1e-6, got["qlora prequantized"]
     fp32 = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/8bit", True))  # torch's AdamW
     eight = got["8bit"]
     assert eight[0] == pytest.approx(fp32[0], rel=1e-5) and eight != fp32, (eight, fp32)  # the moments differ

@@ -90,3 +90,16 @@ def reference_model(model_dir: Path, quantize: str | None = None):
                                                     bnb_4bit_use_double_quant=True,
                                                     bnb_4bit_compute_dtype=torch.float32)} if quantize else {}
     return auto.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
+
+
+def prequantized(model_dir: Path, out: Path) -> Path:
+    """`model_dir` loaded as transformers' load_in_4bit loads it (NF4, double quantisation: Axolotl's QLoRA) and saved
+    with its codes and quantization_config: a pre-quantised bitsandbytes checkpoint, with the tokenizer beside it."""
+    import shutil
+
+    reference_model(model_dir, quantize="nf4").save_pretrained(out)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")):
+            shutil.copyfile(f, out / f.name)
+    return out
+

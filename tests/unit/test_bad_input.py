@@ -154,17 +154,33 @@ def _cached(tmp_path, monkeypatch, repo: str, quant: dict | None) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@pytest.mark.parametrize("verb", [["plan"], ["train", "--config"], ["preprocess", "--config"]])
-def test_a_bitsandbytes_nf4_base_is_said_at_plan_with_the_16_bit_fix(tmp_path, monkeypatch, verb):
+def test_a_bitsandbytes_nf4_base_is_a_qlora_base_on_the_transformers_engine(tmp_path, monkeypatch):
     """Axolotl's llama-3/qlora-fsdp-405b.yaml names a BNB-NF4 checkpoint: `plan` exited 0 and `train` failed later
-    with "shape disagrees with config.json". Every command that reads the model now says what it is, first."""
+    with "shape disagrees with config.json". Its codes are what load_in_4bit makes: transformers' model loads them
+    as the QLoRA base, and `plan` says which engine and why."""
     _cached(tmp_path, monkeypatch, "hugging-quants/Meta-Llama-3.1-405B-BNB-NF4-BF16", BNB_NF4)
-    code, out, err = run_cli(*verb, str(FIXTURES / "llama3-qlora-fsdp-405b.yaml"))
+    code, out, err = run_cli("plan", str(FIXTURES / "llama3-qlora-fsdp-405b.yaml"), "--format", "json")
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert any(n.startswith("engine: transformers' own LlamaForCausalLM") and "quantization_config='bitsandbytes "
+               "nf4': a pre-quantised checkpoint: its stored codes load into transformers' own model" in n
+               for n in notes), notes
+
+
+@pytest.mark.parametrize("quant, top, says", [
+    (BNB_NF4, {}, "load_in_4bit=None: the checkpoint holds bitsandbytes nf4 codes (pre-quantised): only adapters "
+                  "train on them"),
+    ({"load_in_8bit": True}, {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
+     "the checkpoint holds bitsandbytes int8 codes (pre-quantised)")])
+def test_a_pre_quantised_bitsandbytes_base_trains_only_adapters_of_its_codes(tmp_path, monkeypatch, quant, top,
+                                                                             says):
+    _cached(tmp_path, monkeypatch, "org/quantised", quant)
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump({"base_model": "org/quantised", "learning_rate": 1e-5, "sequence_len": 256,
+                                    "micro_batch_size": 1, "num_epochs": 1, **top}))
+    code, out, err = run_cli("plan", str(conf), "--gpus-per-node", "1")
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and not out, err
-    assert "quantization_config='bitsandbytes nf4'" in lines[0] and "pre-quantised" in lines[0]
-    assert "Fix: point base_model (model.path) at the 16-bit checkpoint" in lines[0]
-    assert "adapter: qlora with load_in_4bit: true" in lines[0]
+    assert code == 2 and len(lines) == 1 and says in lines[0] and "Fix: use adapter: qlora with " in lines[0], err
 
 
 @pytest.mark.parametrize("quant, method", [
@@ -173,7 +189,7 @@ def test_a_bitsandbytes_nf4_base_is_said_at_plan_with_the_16_bit_fix(tmp_path, m
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt NVFP4"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "compressed-tensors nvfp4-pack"),
-    ({"load_in_8bit": True}, "bitsandbytes int8"),  # written before transformers stored quant_method
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bitsandbytes fp4"),  # before transformers stored its method
 ])
 def test_every_pre_quantised_base_is_refused_naming_its_method(tmp_path, monkeypatch, quant, method):
     """Axolotl's llama-2/gptq-lora.yml (a GPTQ base), with the other methods' checkpoints as its base_model."""
