@@ -200,12 +200,15 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)
-    if cfg.model.fused_linear_ce:
+    liger_ce = not arch.native and "fused_linear_cross_entropy" in cfg.model.liger
+    if cfg.model.fused_linear_ce or liger_ce:
         # linear + CE in token chunks: the output weight's gradient and the hidden states' gradient, computed in the
-        # forward, wait for backward; one chunk's logits (+ fp32 working copy) exist at a time
-        chunk = min(s * b, cfg.model.fused_linear_ce_chunk or max(256, CHUNK_BYTES // (4 * (vp // tp))))
+        # forward, wait for backward; one chunk's logits (+ fp32 working copy) exist at a time (Liger's chunk:
+        # tokens·hidden / vocab rows, so one chunk's logits are the size of the hidden states)
+        chunk = (max(1, s * b * h // vp) if liger_ce else
+                 min(s * b, cfg.model.fused_linear_ce_chunk or max(256, CHUNK_BYTES // (4 * (vp // tp)))))
         logits = pb * (vp // tp) * h + pb * s * b * h + chunk * (vp // tp) * (pb + 4)
-    elif not fused:                                                     # Megatron's CE: fp32 copy + saved exp
+    elif not fused or not arch.native:  # Megatron's CE, or transformers' logits: an fp32 copy + the saved exp
         logits = s * b * (vp // tp) * (pb + 4 + 4)
     else:                                                               # adapter.kernels.fusions: logits + their grad
         logits = s * b * (vp // tp) * 2 * pb
