@@ -119,6 +119,31 @@ def test_tensor_parallelism_without_a_plan_or_with_a_style_not_built_is_one_line
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
 
 
+@pytest.mark.parametrize("model_type, top, says", [
+    ("gpt_oss", {}, "context_parallel_size=2: GptOssForCausalLM: its attention sinks (per-head sink logits in the "
+                    "softmax) are not in nd-adapter's context-parallel kernels"),
+    ("llama4_text", {}, "context_parallel_size=2: Llama4ForCausalLM: its chunked attention (attention_chunk_size)"),
+    ("starcoder2", {"ring_attn_func": "batch_ring"}, "cp_comm_type='p2p': Starcoder2ForCausalLM has sliding-window "
+                                                     "layers, and a window on the ring is not built")])
+def test_context_parallel_attention_the_kernels_cannot_do_exactly_is_one_line(tmp_path, model_type, top, says):
+    """What adapter/modeling/hf_cp.py's function would get wrong is refused before any process starts."""
+    code, _, err = _plan(tmp_path, _write(tmp_path, model_type), context_parallel_size=2, dp_shard_size=1, **top)
+    assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_plan_runs_context_parallelism_on_the_transformers_engine_and_divides_activations(tmp_path):
+    d = _write(tmp_path, "phi")
+    code, out, err = _plan(tmp_path, d, context_parallel_size=2, dp_shard_size=1)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert any("cp=2 through transformers' attention interface" in n for n in plan["notes"]), plan["notes"]
+    code, out, err = _plan(tmp_path, d, dp_shard_size=2)
+    assert code == 0, err
+    flat = json.loads(out)["memory"]
+    for part in ("activations_no_recompute", "logits"):  # a rank's share of the sequence (K/V all-gathered: more
+        assert plan["memory"][part] < 0.6 * flat[part], (part, plan["memory"], flat)  # than half of attention's)
+
+
 def test_plan_counts_a_tensor_parallel_rank_s_share_of_the_model(tmp_path):
     """At tp=2 a rank holds what the plan splits halved and the rest whole: the meta model, split as
     adapter/modeling/hf_tp.py splits it, holds that many."""
