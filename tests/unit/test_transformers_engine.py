@@ -131,6 +131,23 @@ def test_context_parallel_attention_the_kernels_cannot_do_exactly_is_one_line(tm
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
 
 
+def test_context_parallel_attention_raises_on_what_it_would_get_wrong_at_run_time():
+    """The net behind plan's refusals (adapter/modeling/hf_cp.py): a model that hands the function a mask of its own
+    or sink logits, or whose attention never reaches it, stops the run instead of training on other attention."""
+    import torch
+
+    from adapter.modeling import hf_cp
+
+    q, module = torch.zeros(1, 2, 4, 8), torch.nn.Module()
+    for extra, says in (({"attention_mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}, "a mask the model built"),
+                        ({"s_aux": torch.zeros(2)}, "s_aux")):
+        with pytest.raises(RuntimeError, match=says), hf_cp.forward(None, "all_gather"):
+            hf_cp.attention(module, q, q, q, **{"attention_mask": None, **extra})
+    with pytest.raises(RuntimeError, match="never called nd-adapter's context-parallel attention"), \
+            hf_cp.forward(None, "all_gather"):
+        pass
+
+
 def test_plan_runs_context_parallelism_on_the_transformers_engine_and_divides_activations(tmp_path):
     d = _write(tmp_path, "phi")
     code, out, err = _plan(tmp_path, d, context_parallel_size=2, dp_shard_size=1)
