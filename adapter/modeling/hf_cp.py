@@ -16,6 +16,10 @@ attention sinks (`s_aux`), attention dropout, a non-causal call, or a forward in
 raise at once. The
 same features are refused at plan time from the meta-device model (adapter/models/generic.attention_features,
 adapter/models/generic_run.check_run), so these raises are the net for a model that hides one.
+
+Checked against transformers 5.25 (CI): the attention function's keywords (`scaling`, `dropout`, `sliding_window`,
+`softcap`, `s_aux`, `is_causal`), `set_attn_implementation` and `config._attn_implementation`, all as transformers'
+attention-interface documentation describes them for custom functions.
 """
 from __future__ import annotations
 

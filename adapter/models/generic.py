@@ -206,15 +206,14 @@ def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None)
 def attention_features(model: Any, text: Any) -> tuple[str, ...]:
     """What context parallelism on this engine (adapter/modeling/hf_cp.py) must know of the model's attention, read
     from the meta-device model and its (language model's) config; generic_run.check_run says which it refuses.
-      "interface": attention does not run through transformers' attention interface (the class neither declares
-          `_supports_attention_backend` nor lets its implementation be set), so no registered function would see it;
+      "interface": the class does not declare that its attention runs through transformers' attention interface
+          (`is_backend_compatible`: `_supports_attention_backend`), so a registered function might not see it;
       "sinks": per-head sink logits in the softmax (gpt-oss); "chunked": attention in fixed chunks (Llama 4);
       "softcap": soft-capped scores (Gemma 2); "dropout": attention dropout; "window": sliding-window layers;
       "dynamic_rope:N": RoPE frequencies chosen by the largest position in the forward (dynamic NTK, LongRoPE) past
           N positions, which a rank holding part of the sequence would choose differently."""
-    cls = type(model)
     found = []
-    if not (getattr(cls, "_supports_attention_backend", False) and cls._can_set_attn_implementation()):
+    if not type(model).is_backend_compatible():
         found.append("interface")
     if any(name.split(".")[-1] in ("sinks", "s_aux") for name, _ in model.named_parameters()):
         found.append("sinks")

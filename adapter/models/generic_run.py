@@ -277,8 +277,8 @@ def check_liger_stage(cfg, stage: int) -> None:
 
 # generic.attention_features -> why context parallelism cannot run it exactly (adapter/modeling/hf_cp.py)
 CP_REFUSED = {
-    "interface": "its attention does not run through transformers' attention interface, where nd-adapter's "
-                 "context-parallel attention plugs in",
+    "interface": "it does not declare that its attention runs through transformers' attention interface "
+                 "(_supports_attention_backend), where nd-adapter's context-parallel attention plugs in",
     "sinks": "its attention sinks (per-head sink logits in the softmax) are not in nd-adapter's context-parallel "
              "kernels",
     "chunked": "its chunked attention (attention_chunk_size) is not in nd-adapter's context-parallel kernels",

@@ -124,10 +124,21 @@ def test_tensor_parallelism_without_a_plan_or_with_a_style_not_built_is_one_line
                     "softmax) are not in nd-adapter's context-parallel kernels"),
     ("llama4_text", {}, "context_parallel_size=2: Llama4ForCausalLM: its chunked attention (attention_chunk_size)"),
     ("starcoder2", {"ring_attn_func": "batch_ring"}, "cp_comm_type='p2p': Starcoder2ForCausalLM has sliding-window "
-                                                     "layers, and a window on the ring is not built")])
+                                                     "layers, and a window on the ring is not built"),
+    ("bloom", {}, "context_parallel_size=2: BloomForCausalLM: it does not declare that its attention runs through "
+                  "transformers' attention interface")])  # ALiBi inside its own attention module
 def test_context_parallel_attention_the_kernels_cannot_do_exactly_is_one_line(tmp_path, model_type, top, says):
-    """What adapter/modeling/hf_cp.py's function would get wrong is refused before any process starts."""
-    code, _, err = _plan(tmp_path, _write(tmp_path, model_type), context_parallel_size=2, dp_shard_size=1, **top)
+    """What adapter/modeling/hf_cp.py's function would get wrong, or would never see, is refused before any process
+    starts."""
+    if model_type == "bloom":
+        from transformers import BloomConfig
+
+        d = tmp_path / "bloom"
+        BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=1024,
+                    architectures=["BloomForCausalLM"]).save_pretrained(d)
+    else:
+        d = _write(tmp_path, model_type)
+    code, _, err = _plan(tmp_path, d, context_parallel_size=2, dp_shard_size=1, **top)
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
 
 
