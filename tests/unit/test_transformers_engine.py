@@ -126,16 +126,23 @@ def test_tensor_parallelism_without_a_plan_or_with_a_style_not_built_is_one_line
     ("starcoder2", {"ring_attn_func": "batch_ring"}, "cp_comm_type='p2p': Starcoder2ForCausalLM has sliding-window "
                                                      "layers, and a window on the ring is not built"),
     ("bloom", {}, "context_parallel_size=2: BloomForCausalLM: it does not declare that its attention runs through "
-                  "transformers' attention interface")])  # ALiBi inside its own attention module
+                  "transformers' attention interface"),  # ALiBi inside its own attention module
+    ("llama", {}, "context_parallel_size=2: LlamaForCausalLM's RoPE picks its frequencies by the largest position in "
+                  "the forward once past 128 positions")])  # dynamic NTK: not native, so transformers' model
 def test_context_parallel_attention_the_kernels_cannot_do_exactly_is_one_line(tmp_path, model_type, top, says):
     """What adapter/modeling/hf_cp.py's function would get wrong, or would never see, is refused before any process
     starts."""
-    if model_type == "bloom":
-        from transformers import BloomConfig
+    from transformers import BloomConfig, LlamaConfig
 
-        d = tmp_path / "bloom"
+    d = tmp_path / model_type
+    if model_type == "bloom":
         BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=1024,
                     architectures=["BloomForCausalLM"]).save_pretrained(d)
+    elif model_type == "llama":  # sequence_len 256 > 128
+        LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, max_position_embeddings=128,
+                    rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                    architectures=["LlamaForCausalLM"]).save_pretrained(d)
     else:
         d = _write(tmp_path, model_type)
     code, _, err = _plan(tmp_path, d, context_parallel_size=2, dp_shard_size=1, **top)
