@@ -74,13 +74,16 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if dv < query.size(-1):  # MLA: values narrower than queries; zero columns keep the kernels' equal head dims
         value = F.pad(value, (0, query.size(-1) - dv))
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
+    span = state.packed.max_seqlen_q if state.packed is not None else query.size(2) * state.group.size()
+    if sliding_window is not None and sliding_window >= span:  # no query has a key outside it (the longest
+        sliding_window = None                                   # padded document, or the whole sample)
     if state.packed is not None:  # [1, h, T, d] -> [T, h, d]: the rank's stream of document chunks
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         out = packed_attention(q, k, v, state.packed, scale=scale, group=state.group, comm=state.comm,
                                window=sliding_window).unsqueeze(0)
     else:  # [b, h, s, d] -> Megatron's [s, b, h, d]; back as [b, h, s, d]
         q, k, v = (t.permute(2, 0, 1, 3) for t in (query, key, value))
-        if sliding_window is not None and state.comm != "all_gather":
+        if sliding_window is not None and state.comm != "all_gather":  # (packed_attention raises the same)
             raise RuntimeError("a sliding window on the ring (cp_comm_type p2p) is not built (check_run refuses it)")
         out = context_parallel_attention(q, k, v, scale=scale, group=state.group, comm=state.comm,
                                          window=sliding_window).transpose(1, 2)

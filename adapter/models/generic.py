@@ -209,7 +209,8 @@ def attention_features(model: Any, text: Any) -> tuple[str, ...]:
       "interface": the class does not declare that its attention runs through transformers' attention interface
           (`is_backend_compatible`: `_supports_attention_backend`), so a registered function might not see it;
       "sinks": per-head sink logits in the softmax (gpt-oss); "chunked": attention in fixed chunks (Llama 4);
-      "softcap": soft-capped scores (Gemma 2); "dropout": attention dropout; "window": sliding-window layers;
+      "softcap": soft-capped scores (Gemma 2); "dropout": attention dropout; "window:N": sliding-window layers
+          (N: the window, 0 where the config names none);
       "dynamic_rope:N": RoPE frequencies chosen by the largest position in the forward (dynamic NTK, LongRoPE) past
           N positions, which a rank holding part of the sequence would choose differently."""
     found = []
@@ -225,7 +226,7 @@ def attention_features(model: Any, text: Any) -> tuple[str, ...]:
     if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
         found.append("dropout")
     if getattr(text, "sliding_window", None) or "sliding_attention" in kinds:
-        found.append("window")
+        found.append(f"window:{int(getattr(text, 'sliding_window', None) or 0)}")
     rope = getattr(text, "rope_parameters", None) or {}
     for p in [rope, *rope.values()] if isinstance(rope, dict) else []:
         if isinstance(p, dict) and p.get("rope_type") in ("dynamic", "longrope"):

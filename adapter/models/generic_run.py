@@ -302,9 +302,11 @@ def _check_cp(cfg, arch, cp: int) -> None:
     refused = next((f for f in features if f in CP_REFUSED), None)
     if refused:
         raise bad(key, cp, f"{name}: {CP_REFUSED[refused]}", flat)
-    if "window" in features and cfg.parallelism.cp_comm_type == "p2p":
-        raise bad(spell(cfg, "parallelism.cp_comm_type"), "p2p", f"{name} has sliding-window layers, and a window on "
-                  "the ring is not built", "use cp_comm_type: all_gather (ring_attn_func: varlen_llama3)")
+    window = next((int(f.split(":")[1]) for f in features if f.startswith("window:")), None)
+    if window is not None and cfg.seq_len > window and cfg.parallelism.cp_comm_type == "p2p":  # some window matters
+        raise bad(spell(cfg, "parallelism.cp_comm_type"), "p2p", f"{name} has sliding-window layers"
+                  + (f" ({window} tokens)" if window else "") + ", and a window on the ring is not built",
+                  "use cp_comm_type: all_gather (ring_attn_func: varlen_llama3)")
     rope = next((int(f.split(":")[1]) for f in features if f.startswith("dynamic_rope:")), None)
     if rope is not None and cfg.seq_len > rope:
         raise bad(key, cp, f"{name}'s RoPE picks its frequencies by the largest position in the forward once past "

@@ -124,7 +124,7 @@ def test_tensor_parallelism_without_a_plan_or_with_a_style_not_built_is_one_line
                     "softmax) are not in nd-adapter's context-parallel kernels"),
     ("llama4_text", {}, "context_parallel_size=2: Llama4ForCausalLM: its chunked attention (attention_chunk_size)"),
     ("starcoder2", {"ring_attn_func": "batch_ring"}, "cp_comm_type='p2p': Starcoder2ForCausalLM has sliding-window "
-                                                     "layers, and a window on the ring is not built"),
+                                                     "layers (8 tokens), and a window on the ring is not built"),
     ("bloom", {}, "context_parallel_size=2: BloomForCausalLM: it does not declare that its attention runs through "
                   "transformers' attention interface"),  # ALiBi inside its own attention module
     ("llama", {}, "context_parallel_size=2: LlamaForCausalLM's RoPE picks its frequencies by the largest position in "
