@@ -13,9 +13,9 @@ other ranks' keys (documents and windows are the kernels' business here).
 
 What reaches the function is checked, not trusted: a mask the model built itself, scores it wants soft-capped,
 attention sinks (`s_aux`), attention dropout, a non-causal call, or a forward in which the function never ran,
-raise at once. The
-same features are refused at plan time from the meta-device model (adapter/models/generic.attention_features,
-adapter/models/generic_run.check_run), so these raises are the net for a model that hides one.
+raise at once. The same features are refused at plan time from the meta-device model
+(adapter/models/generic.attention_features, adapter/models/generic_run.check_run), so these raises are the net for
+a model that hides one.
 
 Checked against transformers 5.25 (CI): the attention function's keywords (`scaling`, `dropout`, `sliding_window`,
 `softcap`, `s_aux`, `is_causal`), `set_attn_implementation` and `config._attn_implementation`, all as transformers'
@@ -70,10 +70,11 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         raise RuntimeError(f"{type(module).__name__} asks context-parallel attention for {what}, which its kernels "
                            "do not compute (adapter/models/generic.attention_features should have refused it)")
     state.calls += 1
-    dv = value.size(-1)
-    if dv < query.size(-1):  # MLA: values narrower than queries; zero columns keep the kernels' equal head dims
-        value = F.pad(value, (0, query.size(-1) - dv))
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
+    dv, d = value.size(-1), max(value.size(-1), query.size(-1))
+    # unequal head dims (MLA: values narrower than queries): zero columns give the kernels equal ones and change
+    # neither the scores (the scale is fixed above) nor the output's first dv columns
+    query, key, value = (F.pad(t, (0, d - t.size(-1))) if t.size(-1) < d else t for t in (query, key, value))
     span = state.packed.max_seqlen_q if state.packed is not None else query.size(2) * state.group.size()
     if sliding_window is not None and sliding_window >= span:  # no query has a key outside it (the longest
         sliding_window = None                                   # padded document, or the whole sample)
