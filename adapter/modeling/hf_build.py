@@ -9,15 +9,19 @@ per step) and returns the fp32 per-token cross-entropy. Packed documents attend 
 transformers' own packed-sequence masks: with no attention mask and positions that restart at each document,
 transformers' masking utilities build the block-diagonal causal mask (sdpa, eager, flex), the same per-document
 attention Axolotl's multipack gets from flash attention's varlen path; adapter/patches/hf_masks.py supplies the
-document split to models whose code does not hand transformers their positions (gpt-oss).
+document split to models whose code does not hand transformers their positions (gpt-oss). Under context
+parallelism (`cp`: adapter/modeling/hf_cp.py) the rank's tokens are its load-balanced chunks or its packed stream
+(adapter/train/batches.place) and attention runs across the CP group instead.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from adapter.modeling import hf_cp
 from adapter.models.generic import for_class, hf_config, model_class
 from adapter.patches.hf_masks import documents, prepare
 
@@ -125,24 +129,27 @@ class CausalLMLosses(torch.nn.Module):
     sum, one fp32 scalar. The model is then handed the targets already shifted (`shift_labels`, untrained tokens
     -100) and `num_items_in_batch=1`, so transformers' loss function (or Liger's fused linear cross-entropy, which
     never builds the [tokens × vocab] logits) sums instead of averaging per micro-batch; the loop's normalisation
-    stays the step's (adapter/train/steps.masked_loss_sum takes the scalar as it is)."""
+    stays the step's (adapter/train/steps.masked_loss_sum takes the scalar as it is). `cp`: (CP group,
+    cp_comm_type) where the model's attention runs through hf_cp (installed on it), else None."""
 
-    def __init__(self, model, model_loss: bool = False):
+    def __init__(self, model, model_loss: bool = False, cp: tuple | None = None):
         super().__init__()
         self.model = model
         self.model_loss = model_loss
+        self.cp = cp
         prepare(model)
 
     def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
                 **_):
+        across = hf_cp.forward(*self.cp, packed_seq_params) if self.cp else nullcontext()
         if self.model_loss and loss_mask is not None:
             target = torch.where(loss_mask > 0, labels, torch.full_like(labels, -100))
             one = torch.ones((), device=tokens.device)
-            with documents(position_ids):
+            with documents(position_ids), across:
                 out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, labels=target,
                                  shift_labels=target, num_items_in_batch=one)
             return out.loss.float()
-        with documents(position_ids):  # every model's masks confine attention to the packed documents
+        with documents(position_ids), across:  # every model's masks confine attention to the packed documents
             out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
         logits = out.logits.float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)

@@ -70,6 +70,13 @@ def engine(run: ResolvedRun) -> str:
     if split:
         extra.append(f"tp={tp} from its own tensor-parallel plan (base_model_tp_plan): {split / 1e6:.2f}M of its "
                      "parameters split, the rest replicated")
+    cp = run.layout.cp
+    if cp > 1:  # adapter/modeling/hf_cp.py
+        comm = run.cfg.parallelism.cp_comm_type
+        extra.append(f"cp={cp} through transformers' attention interface: nd-adapter's context-parallel attention "
+                     f"({'K/V all-gathered' if comm == 'all_gather' else 'K/V passed around a ring'}) over "
+                     f"{'each packed document' if run.cfg.document_attention else 'each sample'} in {2 * cp} "
+                     "load-balanced chunks")
     n = arch.param_count or 0
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
     return (f"engine: transformers' own {arch.architecture} ({arch.engine_reason}; {size} parameters)"

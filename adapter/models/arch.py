@@ -104,9 +104,8 @@ class ModelArch:
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not per head (OLMoE)
-    # Which engine trains it: "megatron" (a native family on Megatron-Core layers) or "transformers" (transformers'
-    # own model: adapter/models/generic.py), and why; for the latter, what no formula knows about an arbitrary
-    # architecture, from the model built on the meta device
+    # Which engine trains it ("megatron": a native family on Megatron-Core layers; "transformers": its own model,
+    # adapter/models/generic.py) and why; for the latter, facts from the model built on the meta device
     engine: str = "megatron"
     engine_reason: str = ""
     hf_model_type: str = ""
@@ -114,6 +113,7 @@ class ModelArch:
     layer_kinds: tuple[str, ...] = ()   # the layer kinds config.json names (linear_attention, mamba, ...)
     tp_shares: tuple[tuple[int, int, str], ...] = ()  # (tp, parameters its TP plan splits, why it cannot); () none
     has_ep_plan: bool = False           # ... and an expert-parallel one
+    attention_features: tuple[str, ...] = ()  # what context parallelism must know (generic.attention_features)
     image_text: bool = False            # an image-text checkpoint: its language model trains on text
     remote_code: bool = False           # built by the checkpoint's own code (trust_remote_code)
 

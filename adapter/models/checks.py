@@ -7,6 +7,14 @@ from adapter.models import freeze, generic_run, lora
 from adapter.models.arch import ModelArch, check_tp
 
 
+def _check_cp_chunks(cfg: RunConfig) -> None:
+    """Both engines cut each sequence into 2·cp load-balanced chunks (adapter/kernels/attention.split_for_cp)."""
+    cp, seq = cfg.parallelism.cp_size, cfg.seq_len
+    if cp > 1 and seq % (2 * cp):
+        raise bad(spell(cfg, "seq_len"), seq, f"not divisible by 2·cp_size = {2 * cp} (load-balanced context-parallel "
+                  "chunks)", f"use a seq_len that is a multiple of {2 * cp}")
+
+
 def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     return checked(cfg, arch)[0]
@@ -16,7 +24,9 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     """`check`, also returning what it resolved on the way: the LoRA spec and the unfrozen_parameters tensors
     (adapter/models/resolved.py keeps them, so nothing resolves them again)."""
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
-        return generic_run.check_run(cfg, arch), None, None
+        warnings = generic_run.check_run(cfg, arch)
+        _check_cp_chunks(cfg)
+        return warnings, None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     ep = cfg.parallelism.ep_size
@@ -78,10 +88,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if arch.final_softcap is not None and cfg.model.fused_linear_ce:
         raise bad("model.fused_linear_ce", True, f"the fused linear cross-entropy does not soft-cap the logits "
                   f"({arch.architecture}'s final_logit_softcapping)", "set model.fused_linear_ce: false")
-    if cp > 1 and seq % (2 * cp):
-        raise bad(spell(cfg, "seq_len"), seq, f"not divisible by 2·cp_size = {2 * cp} (load-balanced context-parallel "
-                  "chunks)",
-                  f"use a seq_len that is a multiple of {2 * cp}")
+    _check_cp_chunks(cfg)
     if cfg.use_sequence_parallel and tp > 1 and (seq // cp) % tp:
         raise bad(spell(cfg, "seq_len"), seq, f"the per-cp-rank sequence {seq // cp} is not divisible by tp_size={tp} "
                   "(sequence parallelism splits it)", f"use a seq_len that is a multiple of {cp * tp}, "

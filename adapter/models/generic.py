@@ -199,7 +199,41 @@ def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None)
     shares = tuple((tp, *_tp_share(model, tp)) for tp in TP_SIZES) \
         if getattr(text, "base_model_tp_plan", None) and model_plan(model) else ()  # not the output layer's alone
     return {"params": sum(params.values()), "tied": bool(tied), "tp_shares": shares, "ep_plan": bool(ep_plan),
-            "cls": cls, "embedding": emb.weight.numel() if emb is not None else 0}
+            "cls": cls, "embedding": emb.weight.numel() if emb is not None else 0,
+            "attention": attention_features(model, text)}
+
+
+def attention_features(model: Any, text: Any) -> tuple[str, ...]:
+    """What context parallelism on this engine (adapter/modeling/hf_cp.py) must know of the model's attention, read
+    from the meta-device model and its (language model's) config; generic_run.check_run says which it refuses.
+      "interface": the class does not declare that its attention runs through transformers' attention interface
+          (`is_backend_compatible`: `_supports_attention_backend`), so a registered function might not see it;
+      "sinks": per-head sink logits in the softmax (gpt-oss); "chunked": attention in fixed chunks (Llama 4);
+      "softcap": soft-capped scores (Gemma 2); "dropout": attention dropout; "window:N": sliding-window layers
+          (N: the window, 0 where the config names none);
+      "dynamic_rope:N": RoPE frequencies chosen by the largest position in the forward (dynamic NTK, LongRoPE) past
+          N positions, which a rank holding part of the sequence would choose differently."""
+    found = []
+    if not type(model).is_backend_compatible():
+        found.append("interface")
+    if any(name.split(".")[-1] in ("sinks", "s_aux") for name, _ in model.named_parameters()):
+        found.append("sinks")
+    kinds = getattr(text, "layer_types", None) or ()
+    if getattr(text, "attention_chunk_size", None) or "chunked_attention" in kinds:
+        found.append("chunked")
+    if getattr(text, "attn_logit_softcapping", None):
+        found.append("softcap")
+    if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
+        found.append("dropout")
+    if getattr(text, "sliding_window", None) or "sliding_attention" in kinds:
+        found.append(f"window:{int(getattr(text, 'sliding_window', None) or 0)}")
+    rope = getattr(text, "rope_parameters", None) or {}
+    for p in [rope, *rope.values()] if isinstance(rope, dict) else []:
+        if isinstance(p, dict) and p.get("rope_type") in ("dynamic", "longrope"):
+            limit = p.get("original_max_position_embeddings") or getattr(text, "max_position_embeddings", 0)
+            found.append(f"dynamic_rope:{int(limit or 0)}")
+            break
+    return tuple(found)
 
 
 TP_SIZES = tuple(range(2, 17))  # the tp sizes `plan` knows a rank's share for (a plan's widths divide few others)
@@ -244,6 +278,7 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         window_layers=windowed if isinstance(window, int) and window > 0 else None,
         engine="transformers", hf_model_type=str(cfg.get("model_type") or ""), param_count=facts["params"],
         layer_kinds=layer_kinds(cfg), tp_shares=facts["tp_shares"], has_ep_plan=facts["ep_plan"],
+        attention_features=facts["attention"],
         image_text=image_text, remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
         output_router_logits=bool(text.get("output_router_logits")))
 
@@ -324,4 +359,5 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
 
 
 __all__ = ["ENGINES", "UNSPLITTABLE", "tiny_config", "text_part", "layer_kinds", "unsplittable", "check_loadable",
-           "hf_config", "model_class", "for_class", "meta_model", "meta_facts", "generic_arch_fields"]
+           "hf_config", "model_class", "for_class", "meta_model", "meta_facts", "attention_features",
+           "generic_arch_fields"]

@@ -197,8 +197,8 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
 def check_run(cfg, arch) -> list[str]:
     """What the transformers engine does not run yet, each refused in one line naming the key; the warnings for
     what it runs but the user should know. Layouts over data-parallel ranks (dp_shard with ZeRO-1/2/3,
-    dp_replicate, exact HSDP) and tensor parallelism from the model's own plan are built; context and expert
-    parallelism on this engine are not yet."""
+    dp_replicate, exact HSDP), tensor parallelism from the model's own plan and context parallelism through
+    transformers' attention interface are built; expert parallelism on this engine is not yet."""
     from adapter.config import spell
 
     name, p = arch.architecture, cfg.parallelism
@@ -210,11 +210,7 @@ def check_run(cfg, arch) -> list[str]:
     if p.tp_size > 1:
         _check_tp(cfg, arch, p.tp_size)
     if p.cp_size > 1:
-        layer = unsplittable(arch.layer_kinds)
-        problem = (f"its {layer} layers cannot be split over the sequence" if layer else
-                   f"context parallelism is not built {why}")
-        raise bad(spell(cfg, "parallelism.cp_size"), p.cp_size, problem,
-                  "use context_parallel_size: 1 (shard over dp_shard_size instead)")
+        _check_cp(cfg, arch, p.cp_size)
     layer, d = unsplittable(arch.layer_kinds), cfg.data
     packs = d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing))
     if layer and packs:  # transformers confines attention to each packed document; a recurrence runs through them
@@ -294,6 +290,45 @@ def check_liger_stage(cfg, stage: int) -> None:
         raise bad(spell(cfg, "model.liger"), "fused_linear_cross_entropy", "Liger's fused linear cross-entropy "
                   "reads lm_head's weight outside its forward, where ZeRO-3 has partitioned it", "use ZeRO-2 "
                   "(deepspeed.zero_stage: 2), or remove liger_fused_linear_cross_entropy")
+
+
+# generic.attention_features -> why context parallelism cannot run it exactly (adapter/modeling/hf_cp.py)
+CP_REFUSED = {
+    "interface": "it does not declare that its attention runs through transformers' attention interface "
+                 "(_supports_attention_backend), where nd-adapter's context-parallel attention plugs in",
+    "sinks": "its attention sinks (per-head sink logits in the softmax) are not in nd-adapter's context-parallel "
+             "kernels",
+    "chunked": "its chunked attention (attention_chunk_size) is not in nd-adapter's context-parallel kernels",
+    "softcap": "its soft-capped attention scores (attn_logit_softcapping) are not in nd-adapter's context-parallel "
+               "kernels",
+    "dropout": "attention dropout (attention_dropout in config.json) is not in nd-adapter's context-parallel kernels"}
+
+
+def _check_cp(cfg, arch, cp: int) -> None:
+    """Context parallelism through transformers' attention interface (adapter/modeling/hf_cp.py): refused in one
+    line for a layer kind that cannot be split over the sequence and for an attention feature its kernels do not
+    compute exactly (generic.attention_features)."""
+    from adapter.config import spell
+
+    key, name, flat = spell(cfg, "parallelism.cp_size"), arch.architecture, \
+        "use context_parallel_size: 1 (shard over dp_shard_size instead)"
+    layer = unsplittable(arch.layer_kinds)
+    if layer:
+        raise bad(key, cp, f"its {layer} layers cannot be split over the sequence", flat)
+    features = arch.attention_features
+    refused = next((f for f in features if f in CP_REFUSED), None)
+    if refused:
+        raise bad(key, cp, f"{name}: {CP_REFUSED[refused]}", flat)
+    window = next((int(f.split(":")[1]) for f in features if f.startswith("window:")), None)
+    if window is not None and cfg.seq_len > window and cfg.parallelism.cp_comm_type == "p2p":  # some window matters
+        raise bad(spell(cfg, "parallelism.cp_comm_type"), "p2p", f"{name} has sliding-window layers"
+                  + (f" ({window} tokens)" if window else "") + ", and a window on the ring is not built",
+                  "use cp_comm_type: all_gather (ring_attn_func: varlen_llama3)")
+    rope = next((int(f.split(":")[1]) for f in features if f.startswith("dynamic_rope:")), None)
+    if rope is not None and cfg.seq_len > rope:
+        raise bad(key, cp, f"{name}'s RoPE picks its frequencies by the largest position in the forward once past "
+                  f"{rope} positions (dynamic / LongRoPE scaling), and a rank holds only part of the sequence",
+                  f"use context_parallel_size: 1, or a sequence_len of at most {rope}")
 
 
 def _check_tp(cfg, arch, tp: int) -> None:

@@ -78,13 +78,15 @@ def trim(run: ResolvedRun, sft: bool, b, eval: bool = False):
 
 def place(run: ResolvedRun, cp_rank: int, device, b):
     """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
-    (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params"."""
+    (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params" -- on both engines
+    alike, but for transformers' model at cp = 1, whose masks confine documents by their positions (hf_build)."""
     cfg, layout = run.cfg, run.layout
     packed = None
-    if not run.arch.native:  # transformers' model: documents through positions that restart (hf_build's docstring)
-        if not cfg.document_attention and "position_ids" in b:  # one causal stream, as the native engine runs it
-            b = {**b, "position_ids": torch.arange(b["tokens"].shape[1]).expand_as(b["tokens"])}
-    elif cfg.document_attention:
+    if not run.arch.native and not cfg.document_attention and ("position_ids" in b or layout.cp > 1):
+        # transformers' model: one causal stream per sample, as the native engine runs it
+        b = {**b, "position_ids": torch.arange(b["tokens"].shape[1]).expand_as(b["tokens"])}
+    # (transformers' model at cp = 1 keeps its documents as positions that restart at each one)
+    if cfg.document_attention and (run.arch.native or layout.cp > 1):
         sp_tp = layout.tp if cfg.use_sequence_parallel else 1
         b, packed = pack_batch(b, cp_size=layout.cp, cp_rank=cp_rank,
                                multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))

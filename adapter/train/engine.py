@@ -24,7 +24,7 @@ from adapter.config import RunConfig, spell
 from adapter.convert import peft as peft_io
 from adapter.convert.load import load_megatron_checkpoint
 from adapter.kernels.fp8 import install_fp8
-from adapter.modeling import hf_tp
+from adapter.modeling import hf_cp, hf_tp
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.modeling.hf_build import CausalLMLosses, add_peft, build_model, layer_classes, liger_available
@@ -259,7 +259,8 @@ def grow_vocab(model, run: ResolvedRun, tp_group, device) -> None:
 def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
     """transformers' own model of the checkpoint (adapter/modeling/hf_build.py) in the loop's call
     (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so;
-    at tp > 1 split as its own tensor-parallel plan says (adapter/modeling/hf_tp.py), adapters included."""
+    at tp > 1 split as its own tensor-parallel plan says (adapter/modeling/hf_tp.py), adapters included; at cp > 1
+    its attention runs across the CP group (adapter/modeling/hf_cp.py)."""
     cfg = run.cfg
     liger = cfg.model.liger if liger_available() else ()  # Triton's kernels: CUDA only
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
@@ -267,6 +268,12 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger)
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
+    cp = None
+    if run.layout.cp > 1:
+        comm = cfg.parallelism.cp_comm_type
+        hf_cp.install(model, dtype=dtype, comm=comm, flash=torch.device(device).type == "cuda"
+                      and (cfg.document_attention or comm == "p2p"))
+        cp = (groups.cp, comm)
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
     if run.layout.tp > 1:
@@ -277,7 +284,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
         freeze(model, list(run.unfrozen), 0, 1)
     # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)
     model_loss = bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger))
-    return CausalLMLosses(model, model_loss=model_loss).to(device)
+    return CausalLMLosses(model, model_loss=model_loss, cp=cp).to(device)
 
 
 def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:

@@ -4,13 +4,16 @@
 packed chat data (unpacked for the hybrids, whose recurrent layers cannot take packed documents), against
 transformers trained on the same prepared samples (each packed example on its own), the same masks and the same
 normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32 on CPU. A native family forced onto the
-transformers engine gives the native engine's losses, so the two engines check each other.
+transformers engine gives the native engine's losses, so the two engines check each other. Context parallelism
+(cp=2, dp_shard=1) through transformers' attention interface gives transformers' losses on Phi-2, DeepSeek-V3 (MLA,
+on the ring), OLMo 3 (sliding-window and full layers) on packed documents and on StarCoder2 (every layer windowed)
+unpacked, and says so in the run's first lines.
 
 On a dense, a mixture-of-experts and a hybrid model, 4 processes: dp_shard=4 under ZeRO-3, exact HSDP (dp_replicate=2
 × dp_shard=2) and tensor parallelism from the model's own plan (tp=2 × dp_shard=2, two micro-batches a step) give
-transformers' losses (DeepSeek-V3's and OLMo 3's plans at tp=2 too); a run saved under HSDP continues at tp=2 ×
-dp_shard=2 under ZeRO-2 on the same curve, and its `save_pretrained` export (gathered over TP) loads in transformers
-with the reference's trained weights."""
+transformers' losses (DeepSeek-V3's and OLMo 3's plans at tp=2 too; cp=2 × dp_shard=2 on the dense one); a run
+saved under HSDP continues at tp=2 × dp_shard=2 under ZeRO-2 on the same curve, and its `save_pretrained` export
+(gathered over TP) loads in transformers with the reference's trained weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,6 +32,10 @@ pytestmark = pytest.mark.slow
 SEQ, LR, STEPS = 128, 2e-3, 4
 MODELS = (*ARCHS, *VISION)
 TP_ARCHS = ("deepseek_v3", "olmo3")  # plans with MLA's kv_a_proj, and with gathered q/k/v and a split o_proj input
+# context parallelism through transformers' attention interface (adapter/modeling/hf_cp.py): (packed, cp_comm_type)
+CP_ARCHS = {"phi": (True, "all_gather"), "deepseek_v3": (True, "p2p"),  # MLA on the ring
+            "olmo3": (True, "all_gather"),  # sliding-window and full layers
+            "starcoder2": (False, "all_gather")}  # one causal stream per sample, every layer windowed
 
 
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
@@ -65,6 +72,11 @@ def _worker(rank, world, models, root):
         lines = []
         res = train(_cfg(models[name], f"{root}/{name}-tp", True, dp_shard_size=1, tp_size=2), log=lines.append)
         out[f"{name} tp"] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
+    for name, (pack, comm) in CP_ARCHS.items():
+        lines = []
+        res = train(_cfg(models[name], f"{root}/{name}", pack, dp_shard_size=1, cp_size=2, cp_comm_type=comm),
+                    log=lines.append)
+        out[f"{name} cp"] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     llama = models["llama"]
     out["llama forced"] = (train(_cfg(llama, f"{root}/forced", True, engine="transformers"),
                                  log=lambda s: None).losses, [])
@@ -144,6 +156,12 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
         losses, said = got[f"{name} tp"]
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
         assert "tp=2 from its own tensor-parallel plan" in said[0], said
+    for name, (pack, comm) in CP_ARCHS.items():
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", pack, dp_shard_size=1,
+                                             cp_size=2, cp_comm_type=comm), dp=1)
+        losses, said = got[f"{name} cp"]
+        assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, comm, losses, want)
+        assert "cp=2 through transformers' attention interface" in said[0], said
     native = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/forced", True))
     assert max(rel(a, b) for a, b in zip(got["llama forced"][0], native)) < 1e-4
     losses, said = got["llama liger"]
@@ -155,6 +173,7 @@ REPRESENTATIVE = ("phi", "gpt_oss", "qwen3_next")  # one dense, one mixture of e
 LAYOUTS = {"dp_shard=4 ZeRO-3": {}, "dp_replicate=2 × dp_shard=2 (exact HSDP)": {"dp_replicate_size": 2,
                                                                                   "dp_shard_size": 2},
            "tp=2 × dp_shard=2 ZeRO-3 (2 micro-batches)": {"tp_size": 2, "dp_shard_size": 2, "ga": 2}}
+CP_LAYOUT = "cp=2 × dp_shard=2 ZeRO-3 (2 micro-batches)"
 
 
 def _layouts(rank, world, models, root):
@@ -175,6 +194,9 @@ def _layouts(rank, world, models, root):
                            dp_shard_size=2, ga=2), resume=True, log=lines.append)
         out[name]["moved"] = (moved.start_step, moved.losses, [ln for ln in lines if "resharded" in ln])
         out[name]["export"] = moved.exported
+    # cp on the dense one only: gpt-oss's attention sinks and Qwen3-Next's linear attention refuse it
+    out["phi"][CP_LAYOUT] = train(_cfg(models["phi"], f"{root}/phi", True, world=4, cp_size=2, dp_shard_size=2, ga=2),
+                                  log=lambda s: None).losses
     return out
 
 
@@ -194,7 +216,7 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
         trained: list = []
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", name not in HYBRID, world=4),
                           dp=4, model_out=trained)
-        for lay in LAYOUTS:
+        for lay in (*LAYOUTS, *([CP_LAYOUT] if name == "phi" else [])):
             assert max(rel(a, b) for a, b in zip(got[name][lay], want)) < 1e-4, (name, lay, got[name][lay], want)
         start, losses, said = got[name]["moved"]
         assert start == 2 and len(said) == 1, (name, start, said)

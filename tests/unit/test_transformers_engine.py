@@ -119,6 +119,66 @@ def test_tensor_parallelism_without_a_plan_or_with_a_style_not_built_is_one_line
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
 
 
+@pytest.mark.parametrize("model_type, top, says", [
+    ("gpt_oss", {}, "context_parallel_size=2: GptOssForCausalLM: its attention sinks (per-head sink logits in the "
+                    "softmax) are not in nd-adapter's context-parallel kernels"),
+    ("llama4_text", {}, "context_parallel_size=2: Llama4ForCausalLM: its chunked attention (attention_chunk_size)"),
+    ("starcoder2", {"ring_attn_func": "batch_ring"}, "cp_comm_type='p2p': Starcoder2ForCausalLM has sliding-window "
+                                                     "layers (8 tokens), and a window on the ring is not built"),
+    ("bloom", {}, "context_parallel_size=2: BloomForCausalLM: it does not declare that its attention runs through "
+                  "transformers' attention interface"),  # ALiBi inside its own attention module
+    ("llama", {}, "context_parallel_size=2: LlamaForCausalLM's RoPE picks its frequencies by the largest position in "
+                  "the forward once past 128 positions")])  # dynamic NTK: not native, so transformers' model
+def test_context_parallel_attention_the_kernels_cannot_do_exactly_is_one_line(tmp_path, model_type, top, says):
+    """What adapter/modeling/hf_cp.py's function would get wrong, or would never see, is refused before any process
+    starts."""
+    from transformers import BloomConfig, LlamaConfig
+
+    d = tmp_path / model_type
+    if model_type == "bloom":
+        BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=1024,
+                    architectures=["BloomForCausalLM"]).save_pretrained(d)
+    elif model_type == "llama":  # sequence_len 256 > 128
+        LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, max_position_embeddings=128,
+                    rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                    architectures=["LlamaForCausalLM"]).save_pretrained(d)
+    else:
+        d = _write(tmp_path, model_type)
+    code, _, err = _plan(tmp_path, d, context_parallel_size=2, dp_shard_size=1, **top)
+    assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_context_parallel_attention_raises_on_what_it_would_get_wrong_at_run_time():
+    """The net behind plan's refusals (adapter/modeling/hf_cp.py): a model that hands the function a mask of its own
+    or sink logits, or whose attention never reaches it, stops the run instead of training on other attention."""
+    import torch
+
+    from adapter.modeling import hf_cp
+
+    q, module = torch.zeros(1, 2, 4, 8), torch.nn.Module()
+    for extra, says in (({"attention_mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}, "a mask the model built"),
+                        ({"s_aux": torch.zeros(2)}, "s_aux")):
+        with pytest.raises(RuntimeError, match=says), hf_cp.forward(None, "all_gather"):
+            hf_cp.attention(module, q, q, q, **{"attention_mask": None, **extra})
+    with pytest.raises(RuntimeError, match="never called nd-adapter's context-parallel attention"), \
+            hf_cp.forward(None, "all_gather"):
+        pass
+
+
+def test_plan_runs_context_parallelism_on_the_transformers_engine_and_divides_activations(tmp_path):
+    d = _write(tmp_path, "phi")
+    code, out, err = _plan(tmp_path, d, context_parallel_size=2, dp_shard_size=1)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert any("cp=2 through transformers' attention interface" in n for n in plan["notes"]), plan["notes"]
+    code, out, err = _plan(tmp_path, d, dp_shard_size=2)
+    assert code == 0, err
+    flat = json.loads(out)["memory"]
+    for part in ("activations_no_recompute", "logits"):  # a rank's share of the sequence (K/V all-gathered: more
+        assert plan["memory"][part] < 0.6 * flat[part], (part, plan["memory"], flat)  # than half of attention's)
+
+
 def test_plan_counts_a_tensor_parallel_rank_s_share_of_the_model(tmp_path):
     """At tp=2 a rank holds what the plan splits halved and the rest whole: the meta model, split as
     adapter/modeling/hf_tp.py splits it, holds that many."""
