@@ -28,7 +28,8 @@ elements keep fp32 moments), 2 bytes of state per parameter instead of 8. bitsan
 runs for these names, its update is the reference the 8-bit names mean, it takes tensors of any size (DeepSpeed's
 flat partitions are not whole blocks) and it runs on CPUs too (tests, rehearsals). Under DeepSpeed's ZeRO it is the
 client optimizer stepping ZeRO's fp32 partitions (clipping stays ZeRO's); the flat AdamW runs it on its fp32
-masters after its own clipping.
+masters after its own clipping. `optimizer.name: adamw_4bit` (Axolotl's adamw_torch_4bit) runs torchao's AdamW4bit
+the same two ways (adapter/train/optim_4bit.py: 4-bit moments, and how ZeRO's partitions are cut into whole blocks).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from adapter.errors import bad
 from adapter.train.grads import whole
+from adapter.train.optim_4bit import AdamW4bit
 
 try:  # Triton comes with torch's CUDA wheels, not its CPU ones; without it the per-parameter step runs
     from adapter.train import adamw_kernel
@@ -89,10 +91,10 @@ class _Flat:
     params: list                 # the group's parameters
     offsets: list                # where each starts in the flat buffers
     master: torch.Tensor | None  # fp32 copies of 16-bit weights, flat (None: the weights are their own master)
-    exp_avg: torch.Tensor | None     # moments, flat: fp32, or the weights' dtype with 16-bit states (None: 8-bit)
+    exp_avg: torch.Tensor | None     # moments, flat: fp32, or the weights' dtype with 16-bit states (None: 8/4-bit)
     exp_avg_sq: torch.Tensor | None
     table: object = None         # adamw_kernel.ChunkTable where the one-launch step applies
-    masters: list | None = None  # 8-bit: each parameter's fp32 master as a leaf tensor (a view of `master`)
+    masters: list | None = None  # 8/4-bit: each parameter's fp32 master as a leaf tensor (a view of `master`)
     _counted: list | None = None
     _weights: torch.Tensor | None = None
 
@@ -153,10 +155,12 @@ class FlatAdamW(torch.optim.Optimizer):
         self.steps = 0
         self._global_grad_norm = None
         self.flats = [self._flatten(g["params"], state_bits, state_dtype == "bf16") for g in self.param_groups]
-        self.inner = None  # 8-bit: bitsandbytes' AdamW8bit over the fp32 masters, one group per group here
-        if state_bits == 8:
-            self.inner = adamw_8bit([{"params": f.masters, "weight_decay": g["weight_decay"]}
-                                     for f, g in zip(self.flats, self.param_groups)], lr=lr, betas=betas, eps=eps)
+        self.inner = None  # 8/4-bit: bitsandbytes' AdamW8bit or torchao's AdamW4bit over the fp32 masters, one
+        if state_bits in (8, 4):  # group per group here
+            inner = [{"params": f.masters, "weight_decay": g["weight_decay"]}
+                     for f, g in zip(self.flats, self.param_groups)]
+            self.inner = (adamw_8bit(inner, lr=lr, betas=betas, eps=eps) if state_bits == 8 else
+                          AdamW4bit(inner, lr=lr, betas=betas, eps=eps))
 
     @staticmethod
     def _flatten(params, state_bits: int = 32, sixteen: bool = False) -> _Flat:
@@ -181,7 +185,7 @@ class FlatAdamW(torch.optim.Optimizer):
             master = torch.empty(n, dtype=torch.float32, device=device)
             for p, off in zip(params, offsets):
                 master[off:off + p.numel()].copy_(p.data.reshape(-1))
-        if state_bits == 8:  # leaf tensors sharing the master's (or fp32 weights') storage, for bitsandbytes
+        if state_bits in (8, 4):  # leaf tensors sharing the master's (or fp32 weights') storage, for the inner one
             masters = [torch.nn.Parameter(p.data if master is None else master[o:o + p.numel()].view(p.shape),
                                           requires_grad=False) for p, o in zip(params, offsets)]
             return _Flat(list(params), offsets, master, None, None, masters=masters)
@@ -226,7 +230,7 @@ class FlatAdamW(torch.optim.Optimizer):
         coef = torch.where(torch.isfinite(norm), coef, torch.zeros_like(coef))
         self.steps += 1
         if self.inner is not None:
-            self._step_8bit(coef)
+            self._step_low_bits(coef)
             return None
         for group, f, prep in zip(self.param_groups, self.flats, prepared):
             b1, b2 = group["betas"]
@@ -248,8 +252,8 @@ class FlatAdamW(torch.optim.Optimizer):
                    None if f.master is None else p.data.view(-1), hyper)
         return None
 
-    def _step_8bit(self, coef: torch.Tensor) -> None:
-        """bitsandbytes' 8-bit AdamW on the fp32 masters, with the clipped gradients; then the 16-bit weights."""
+    def _step_low_bits(self, coef: torch.Tensor) -> None:
+        """The 8- or 4-bit AdamW on the fp32 masters, with the clipped gradients; then the 16-bit weights."""
         for group, inner, f in zip(self.param_groups, self.inner.param_groups, self.flats):
             inner["lr"], inner["betas"], inner["eps"] = group["lr"], group["betas"], group["eps"]
             for p, m in zip(f.params, f.masters):  # a non-finite norm clips to zeros, even NaNs (as the fp32 path)
@@ -306,7 +310,7 @@ class FlatAdamW(torch.optim.Optimizer):
         (adapter/train/reshard.py); its 16-bit weight is the master's rounding, as after a step. With 16-bit states
         the values come from 16-bit ones (reshard refuses a checkpoint whose states were kept otherwise)."""
         if self.inner is not None:
-            raise ValueError("FlatAdamW.set_state: 8-bit moments cannot be set from fp32 ones exactly")
+            raise ValueError("FlatAdamW.set_state: 8/4-bit moments cannot be set from fp32 ones exactly")
         for f in self.flats:
             for i, p in enumerate(f.params):
                 if p is param:
@@ -346,7 +350,36 @@ def adamw_8bit(param_groups, *, lr: float, betas: tuple[float, float], eps: floa
     return bnb.optim.AdamW8bit(param_groups, lr=lr, betas=tuple(betas), eps=eps)
 
 
-FORMAT = "nd-adapter.FlatAdamW/1"
-_NAMES = {32: "adamw", 8: "adamw_8bit"}
+def zero_client(name: str, param_groups, *, lr: float, betas: tuple[float, float], eps: float):
+    """The client optimizer DeepSpeed's ZeRO steps on its fp32 partitions for `optimizer.name` (8- or 4-bit), or
+    None (DeepSpeed's own AdamW)."""
+    if name == "adamw_8bit":
+        return adamw_8bit(param_groups, lr=lr, betas=betas, eps=eps)
+    if name == "adamw_4bit":
+        return AdamW4bit(param_groups, lr=lr, betas=betas, eps=eps, partitions=True)
+    return None
 
-__all__ = ["FlatAdamW", "adamw_8bit", "check_state_dtype", "state_dtype_of"]
+
+def quantized(opt) -> bool:
+    """Whether an engine's optimizer keeps 8- or 4-bit moments, quantised in blocks of its own tensors."""
+    if isinstance(opt, FlatAdamW):
+        return opt.state_bits < 32
+    inner = getattr(opt, "optimizer", opt)
+    return isinstance(inner, AdamW4bit) or type(inner).__module__.startswith("bitsandbytes")
+
+
+def name_of(opt) -> str:
+    """`optimizer.name` of an engine's optimizer: the flat AdamW, or what ZeRO steps (its `optimizer`)."""
+    if isinstance(opt, FlatAdamW):
+        return _NAMES[opt.state_bits]
+    inner = getattr(opt, "optimizer", opt)
+    return ("adamw_4bit" if isinstance(inner, AdamW4bit) else
+            "adamw_8bit" if type(inner).__module__.startswith("bitsandbytes") else "adamw")
+
+
+FORMAT = "nd-adapter.FlatAdamW/1"
+_NAMES = {32: "adamw", 8: "adamw_8bit", 4: "adamw_4bit"}
+STATE_BITS = {name: bits for bits, name in _NAMES.items()}  # optimizer.name -> FlatAdamW's state_bits
+
+__all__ = ["FlatAdamW", "STATE_BITS", "adamw_8bit", "check_state_dtype", "name_of", "quantized", "state_dtype_of",
+           "zero_client"]
