@@ -162,9 +162,9 @@ class OptimizerSection(_Strict):
     clip_grad: Float = Field(1.0, ge=0)
     # flat: nd-adapter's AdamW (adapter/train/optim.py) where nothing is sharded; deepspeed: ZeRO's; auto: flat if so
     impl: Literal["auto", "flat", "deepspeed"] = "auto"
-    # AdamW's moments in fp32 (8 bytes of state per parameter) or 8 bits (2 bytes: bitsandbytes' AdamW8bit; Axolotl's
-    # adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit), on every layout (adapter/train/optim.py)
-    name: Literal["adamw", "adamw_8bit"] = "adamw"
+    # AdamW's moments: fp32 (8 bytes of state per parameter), 8-bit (2: bitsandbytes' AdamW8bit) or 4-bit (1.03:
+    # torchao's AdamW4bit), on every layout (adapter/train/optim.py; Axolotl's names: config/axolotl_train.py)
+    name: Literal["adamw", "adamw_8bit", "adamw_4bit"] = "adamw"
     # What the optimizer keeps of a 16-bit weight: fp32 master and moments (12 bytes per trained parameter, DeepSpeed's
     # and Megatron's mixed precision), or bf16 (the weight its own master, bf16 moments: torch's AdamW on a bf16
     # model, as transformers and Axolotl train; updates under half a bf16 step are lost); bf16 on the flat AdamW only.
@@ -184,9 +184,9 @@ class OptimizerSection(_Strict):
     def _one_warmup(self) -> OptimizerSection:
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("give optimizer.warmup_steps or optimizer.warmup_ratio, not both")
-        if self.state_dtype == "bf16" and self.name == "adamw_8bit":
-            raise ValueError("optimizer.state_dtype: bf16 keeps bf16 moments, optimizer.name: adamw_8bit 8-bit ones: "
-                             "choose one")
+        if self.state_dtype == "bf16" and self.name != "adamw":
+            raise ValueError(f"optimizer.state_dtype: bf16 keeps bf16 moments, optimizer.name: {self.name} "
+                             f"{self.name[-4]}-bit ones: choose one. Fix: keep one of the two settings")
         return self
 
 

@@ -109,12 +109,16 @@ def signals(names: list[str], save_dir: str | None) -> str:
             f"{EXIT_REQUEUE} (requeue; continue with --resume)")
 
 
+LOW_BITS = {"adamw_8bit": "8-bit moments (bitsandbytes' AdamW8bit)",
+            "adamw_4bit": "4-bit moments (torchao's AdamW4bit)"}
+
+
 def optimizer(run: ResolvedRun, *, gpu: bool = True) -> str:
     """Which optimizer implementation runs and what it keeps (`optimizer.impl`, `optimizer.state_dtype`)."""
     o = run.cfg.optimizer
     if run.flat_optimizer:
-        if o.name == "adamw_8bit":
-            how = "fp32 master weights, 8-bit moments (bitsandbytes' AdamW8bit)"
+        if o.name != "adamw":
+            how = f"fp32 master weights, {LOW_BITS[o.name]}"
         elif o.state_dtype == "bf16":
             how = ("optimizer.state_dtype: bf16: no fp32 master, the bf16 weights updated in place with bf16 "
                    "moments, as torch's AdamW on a bf16 model; updates under half a bf16 step are lost")
@@ -127,6 +131,9 @@ def optimizer(run: ResolvedRun, *, gpu: bool = True) -> str:
     if o.name == "adamw_8bit":
         return (f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} stepping bitsandbytes' AdamW8bit (fp32 master "
                 "partitions, 8-bit moments)")
+    if o.name == "adamw_4bit":
+        return (f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} stepping torchao's AdamW4bit (fp32 master "
+                "partitions, 4-bit moments in their whole blocks of 256)")
     return f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} AdamW"
 
 

@@ -16,8 +16,10 @@ from adapter.models.counts import local_params, num_params
 from adapter.models.resolved import ResolvedRun
 
 # AdamW's two moments, bytes per parameter: fp32, or 8-bit codes with one fp32 absmax per block of 256 (bitsandbytes'
-# AdamW8bit, adapter/train/optim.py; tensors under 4096 elements keep fp32 moments, not counted here)
-STATE_BYTES = {"adamw": 8, "adamw_8bit": 2 + 2 * 4 / 256}
+# AdamW8bit, adapter/train/optim.py), or 4-bit codes (two a byte) with one fp32 scale per block of 256 (torchao's
+# AdamW4bit, adapter/train/optim_4bit.py); tensors under 4096 elements, and the rest of a ZeRO partition past its
+# whole 4-bit blocks (under 256 elements), keep fp32 moments, not counted here
+STATE_BYTES = {"adamw": 8, "adamw_8bit": 2 + 2 * 4 / 256, "adamw_4bit": 1 + 2 * 4 / 256}
 GB = 1e9
 FREQUENT_SAVES, LARGE_CHECKPOINT = 100, 10 * GB  # cadence_warning's thresholds: steps between saves, bytes
 

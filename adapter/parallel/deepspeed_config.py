@@ -147,12 +147,13 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         # shape, BENCHMARKS); the loop times steps with CUDA events instead
         "timers": {"throughput": {"enabled": False}},
     }
-    if o.name == "adamw_8bit" and "optimizer" in d.overrides:
-        raise bad("deepspeed.overrides.optimizer", d.overrides["optimizer"], "it would replace the 8-bit AdamW "
-                  "(optimizer.name: adamw_8bit) with DeepSpeed's own", "remove one of them")
-    if o.name == "adamw_8bit" and not flat:
-        # the client optimizer is bitsandbytes' AdamW8bit (adapter/train/optim.py), which ZeRO steps on its fp32
-        # partitions like any torch optimizer; DeepSpeed asks for this flag for optimizers it does not list
+    if o.name != "adamw" and "optimizer" in d.overrides:
+        raise bad("deepspeed.overrides.optimizer", d.overrides["optimizer"], f"it would replace the {o.name[-4]}-bit "
+                  f"AdamW (optimizer.name: {o.name}) with DeepSpeed's own", "remove one of them")
+    if o.name != "adamw" and not flat:
+        # the client optimizer is bitsandbytes' AdamW8bit or torchao's AdamW4bit (adapter/train/optim.py), which ZeRO
+        # steps on its fp32 partitions like any torch optimizer; DeepSpeed asks for this flag for optimizers it does
+        # not list
         del conf["optimizer"]
         conf["zero_allow_untested_optimizer"] = True
     if flat:

@@ -120,7 +120,7 @@ class ZeroFiles:
         base = self._base(first)
         states = list(base["state"].values())
         if any(k not in s for s in states for k in MOMENTS):
-            raise bad(key, value, "its optimizer moments are not AdamW's fp32 exp_avg/exp_avg_sq (8-bit states are "
+            raise bad(key, value, "its optimizer moments are not AdamW's fp32 exp_avg/exp_avg_sq (8/4-bit states are "
                       "quantised in blocks of the saved partitions)", "resume at the layout it was saved with")
         self.step = int(states[0]["step"]) if states else 0
         self._index = [self._locate(m) for m in range(self.tp)]

@@ -297,8 +297,8 @@ def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib:
     if not mem.fits:
         sizes = f"{spell(cfg, 'parallelism.tp_size')}/{spell(cfg, 'parallelism.dp_shard_size')}"
         if mem.peak_phase == "optimizer_step":
-            # 8-bit moments are not offered where they are already used, or refused (beside bf16 moments)
-            eight = cfg.optimizer.name == "adamw_8bit" or cfg.optimizer.state_dtype == "bf16"
+            # 8-bit moments are not offered where 8/4-bit ones are already used, or refused (beside bf16 moments)
+            eight = cfg.optimizer.name != "adamw" or cfg.optimizer.state_dtype == "bf16"
             fix = (f"the optimizer step peaks (model states and its gradient copies): shard them over more GPUs "
                    f"({sizes})" + ("" if eight else
                                    f", or keep 8-bit moments ({setting(cfg, 'optimizer.name', 'adamw_8bit')})"))

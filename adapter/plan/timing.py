@@ -260,7 +260,8 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     mb_time = max(gpu_mb, host_mb) + stall_mb
 
     shard = -(-trained // z) if stage >= 2 else trained
-    moments_saved = 12 if cfg.optimizer.name == "adamw_8bit" else 0  # m and v read and written: 1 byte, not 4
+    # m and v read and written: 1 byte (8-bit) or half of one (4-bit), not 4
+    moments_saved = {"adamw_8bit": 12, "adamw_4bit": 14}.get(cfg.optimizer.name, 0)
     if flat_at_stage(cfg, stage):  # adapter/train/optim.py: one fused pass over the states at the copy rate
         per = FLAT_BF16_OPT_BYTES_PER_PARAM if cfg.optimizer.state_dtype == "bf16" else FLAT_OPT_BYTES_PER_PARAM
         optimizer = (per - moments_saved) * trained / prof.hbm_bytes_per_s

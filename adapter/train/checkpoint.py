@@ -44,7 +44,7 @@ from adapter.patches.zero import experts_from_master
 from adapter.train import ckpt_info
 from adapter.train.ckpt_files import WriteFailed, agree, checksummed, node_local, verified
 from adapter.train.ckpt_info import FILES, LATEST, LINEAGE, RECORD, crc32, lineage_of, pointer, record_text
-from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, state_dtype_of
+from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, name_of, state_dtype_of
 
 TMP = "tmp-"
 STOPPED_EARLY = "stopped_early.json"  # beside the checkpoints: early stopping ended the run (write_stopped_early)
@@ -322,12 +322,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def optimizer_name(engine) -> str:
-    """`optimizer.name` of the engine's optimizer: the flat AdamW, or what ZeRO steps (its `optimizer`)."""
-    opt = engine.optimizer
-    if isinstance(opt, FlatAdamW):
-        return "adamw_8bit" if opt.state_bits == 8 else "adamw"
-    inner = type(getattr(opt, "optimizer", opt))
-    return "adamw_8bit" if inner.__module__.startswith("bitsandbytes") else "adamw"
+    """`optimizer.name` of the engine's optimizer (adapter/train/optim.py)."""
+    return name_of(engine.optimizer)
 
 
 def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_state: bool = True,

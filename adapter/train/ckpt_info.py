@@ -262,10 +262,10 @@ def resumable(info: CheckpointInfo, cfg: RunConfig, architecture: str) -> tuple[
     diff = layout_diff(r["layout"], here)
     if not diff:
         return None, "at the same layout"
-    eight = "adamw_8bit" in (r.get("optimizer"), cfg.optimizer.name)
-    if eight:
-        return ("8-bit optimizer moments are quantised in blocks of the layout's own partitions, so they cannot "
-                "move to another layout exactly", "")
+    low = [n for n in (r.get("optimizer"), cfg.optimizer.name) if n in ("adamw_8bit", "adamw_4bit")]
+    if low:
+        return (f"{low[0][-4]}-bit optimizer moments are quantised in blocks of the layout's own partitions, so they "
+                "cannot move to another layout exactly", "")
     return None, "resharded from another layout ({})".format(
         ", ".join(f"{k} {there} there, {now} here" for k, there, now in diff))
 

@@ -49,7 +49,7 @@ from adapter.patches.zero import (
     zero12_expert_groups,
     zero12_with_experts,
 )
-from adapter.train.optim import FlatAdamW, adamw_8bit
+from adapter.train.optim import STATE_BITS, FlatAdamW, zero_client
 from adapter.train.schedule import lr_factor
 
 
@@ -326,15 +326,15 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         o = cfg.optimizer
         opt = FlatAdamW(param_groups(model, o.weight_decay, names=True), lr=o.lr, betas=o.betas, eps=o.eps,
                         clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None,
-                        state_bits=8 if o.name == "adamw_8bit" else 32, state_dtype=o.state_dtype)
+                        state_bits=STATE_BITS[o.name], state_dtype=o.state_dtype)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
                                           lr_scheduler=lr_scheduler_for(cfg))
 
         drive_flat_optimizer(engine, opt)
         deposit_expert_grads(model)  # nothing hooks per-parameter gradients here (adapter/modeling/moe.py)
-    elif cfg.optimizer.name == "adamw_8bit":  # ZeRO steps bitsandbytes' AdamW8bit on its fp32 partitions
+    elif cfg.optimizer.name != "adamw":  # ZeRO steps the 8- or 4-bit AdamW on its fp32 partitions
         o = cfg.optimizer
-        opt = adamw_8bit(optimizer_groups(o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+        opt = zero_client(o.name, optimizer_groups(o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
         with zero12_with_experts(experts12):
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
                                               lr_scheduler=lr_scheduler_for(cfg))

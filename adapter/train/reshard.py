@@ -14,7 +14,7 @@ the converted weights, as at the start.
 The step counter, the optimizer's step count (bias correction), the LR scheduler and the data sampler (it counts
 samples globally) carry over; the RNG streams do not (they are per rank), which only matters with dropout.
 Experts (expert parallelism) are matched by their global index, whichever ranks held them.
-Refused in one line: 8-bit optimizer states (quantised in blocks of the saved partitions), another model (a
+Refused in one line: 8/4-bit optimizer states (quantised in blocks of the saved partitions), another model (a
 trained parameter missing or of another size), vocabulary padding rows that are not zero.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from adapter.models.families import family, packed_rule
 from adapter.models.mapping import LAYER, LOCAL_EXPERT, Vocab, cut_blocks, global_expert_name, merge_blocks
 from adapter.patches.zero import adam_states
 from adapter.patches.zero_files import MOMENTS, ZeroFiles, client_state, written_by_zero
-from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype
+from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, quantized
 
 WHAT = ("fp32", *MOMENTS)
 _LAYER = re.compile(r"^" + re.escape(LAYER) + r"\d+\.")
@@ -54,8 +54,8 @@ class FlatFiles:
             raise bad(key, value, "it holds no optimizer state nd-adapter can reshard", "resume at the layout it "
                       "was saved with")
         if opt.get("state_bits", 32) != 32:
-            raise bad(key, value, "its 8-bit moments are quantised in blocks of the saved layout's tensors",
-                      "resume at the layout it was saved with")
+            raise bad(key, value, f"its {opt['state_bits']}-bit moments are quantised in blocks of the saved "
+                      "layout's tensors", "resume at the layout it was saved with")
         if any("names" not in g for g in opt["param_groups"]):
             raise bad(key, value, "it was written before nd-adapter could reshard checkpoints (no parameter names)",
                       "resume at the layout it was saved with")
@@ -155,8 +155,8 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
     rank holds `num_experts / ep` of them from `ep_rank` on; the checkpoint was saved at `saved_ep`."""
     saved = open_saved(ckpt, key, value, saved_ep, arch.num_experts if arch.moe else 0)
     opt = engine.optimizer
-    if not isinstance(opt, FlatAdamW) and type(getattr(opt, "optimizer", opt)).__module__.startswith("bitsandbytes"):
-        raise bad(key, value, "this run keeps 8-bit moments, quantised in blocks of its own partitions; a "
+    if quantized(opt):
+        raise bad(key, value, "this run keeps 8/4-bit moments, quantised in blocks of its own tensors; a "
                   "checkpoint of another layout cannot be placed into them exactly", "resume at the layout it was "
                   "saved with, or with optimizer.name: adamw")
     check_state_dtype(getattr(saved, "state_dtype", "fp32"), opt, key, value)  # ZeRO's files: fp32 states

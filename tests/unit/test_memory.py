@@ -64,6 +64,9 @@ def test_8bit_adamw_keeps_two_bytes_of_moments_per_parameter():
     fp32 = memory.estimate(planned(cfg(**{"optimizer.name": "adamw_8bit", "precision": "fp32"}), TINY),
                            partition_size=2, gpu_capacity=10**9)
     assert fp32.optimizer == int((2 + 2 * 4 / 256) * shard)     # fp32 weights are their own master
+    four = memory.estimate(planned(cfg(**{"optimizer.name": "adamw_4bit"}), TINY), partition_size=2,
+                           gpu_capacity=10**9)
+    assert four.optimizer == int((4 + 1 + 2 * 4 / 256) * shard)  # 4-bit m, v (two a byte) + an fp32 scale per 256
 
 
 def test_bf16_states_keep_four_bytes_per_parameter_on_the_flat_adamw():
