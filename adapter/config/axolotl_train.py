@@ -11,6 +11,7 @@ from adapter.errors import bad
 
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 ADAMW_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")  # bitsandbytes', torchao's
+ADAMW_4BIT = ("adamw_torch_4bit",)  # torchao's AdamW4bit, as transformers' Trainer builds it
 ADAMW_PAGED = ("paged_adamw_32bit",)  # bitsandbytes' AdamW with fp32 states in paged memory: AdamW's update
 PAGING = "paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)"
 # LoRA's keys (map_lora): carried over only with `adapter: lora|qlora`, a LoRA key without it is refused
@@ -169,16 +170,20 @@ def map_best(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
 
 
 def map_optimizer(name: Any, out: dict[str, Any], notes: list[str]) -> None:
-    """AdamW, with fp32 or 8-bit moments; any other optimizer is refused (it would train differently)."""
+    """AdamW, with fp32, 8-bit or 4-bit moments; any other optimizer is refused (it would train differently)."""
     if name is None or (isinstance(name, str) and name in ADAMW):
+        return
+    if isinstance(name, str) and name in ADAMW_4BIT:
+        set_dotted(out, "optimizer.name", "adamw_4bit")
+        notes.append(f"optimizer: {name} -> torchao's AdamW4bit (4-bit moments in blocks of 256, fp32 master weights)")
         return
     if isinstance(name, str) and name in ADAMW_PAGED:
         notes.append(f"optimizer: {name} -> AdamW with fp32 moments (bitsandbytes' 32-bit AdamW is the same update); "
                      + PAGING)
         return
     if not isinstance(name, str) or name not in ADAMW_8BIT:
-        raise bad("optimizer", name, "nd-adapter trains with AdamW (fp32 or 8-bit moments) only",
-                  f"use one of {', '.join(ADAMW + ADAMW_PAGED + ADAMW_8BIT)}, or remove the key")
+        raise bad("optimizer", name, "nd-adapter trains with AdamW (fp32, 8-bit or 4-bit moments) only",
+                  f"use one of {', '.join(ADAMW + ADAMW_PAGED + ADAMW_8BIT + ADAMW_4BIT)}, or remove the key")
     set_dotted(out, "optimizer.name", "adamw_8bit")
     paged = f"; {PAGING}" if name.startswith("paged_") else ""
     notes.append(f"optimizer: {name} -> bitsandbytes' AdamW8bit (block-wise 8-bit moments, fp32 master weights)"

@@ -74,7 +74,10 @@ def test_context_parallel_block_and_flat_keys():
     ({"context_parallel": {"size": 8}, "context_parallel_size": 4}, "conflicts with context_parallel_size=4"),
     ({"context_parallel": 8}, "context_parallel=8: must be a mapping"),
     ({"context_parallel_size": 2, "ring_attn_func": "batch_stripe"}, "ring_attn_func='batch_stripe'"),
-    ({"optimizer": "lion_8bit"}, "optimizer='lion_8bit': nd-adapter trains with AdamW (fp32 or 8-bit moments) only"),
+    ({"optimizer": "lion_8bit"}, "optimizer='lion_8bit': nd-adapter trains with AdamW (fp32, 8-bit or 4-bit moments) "
+                                 "only"),
+    # transformers reads the 4-bit AdamW's block_size from optim_args: the 256 here is its default
+    ({"optimizer": "adamw_torch_4bit", "optim_args": {"block_size": 128}}, "optim_args={'block_size': 128}: "),
     ({"bf16": True, "fp16": True}, "fp16=True: conflicts with bf16=True"),
     ({"bfloat16": True, "fp16": True}, "fp16=True: conflicts with bfloat16=True"),
     ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_ratio=0.1: Axolotl takes warmup_steps or warmup_ratio"),
@@ -95,6 +98,27 @@ def test_8bit_optimizer_names_run_bitsandbytes_adamw8bit(name):
         + ("; paging is not used: the states stay on the GPU (`nd-adapter plan` says whether they fit)"
            if name.startswith("paged") else "")]
     assert build(world=8, optimizer="adamw_torch_fused").optimizer.name == "adamw"
+
+
+def test_4bit_optimizer_name_runs_torchaos_adamw4bit(tmp_path):
+    cfg = build(world=8, optimizer="adamw_torch_4bit")
+    said = [n for n in cfg.notes if n.startswith("optimizer:")]
+    assert cfg.optimizer.name == "adamw_4bit" and said == [
+        "optimizer: adamw_torch_4bit -> torchao's AdamW4bit (4-bit moments in blocks of 256, fp32 master weights)"]
+    yml = tmp_path / "run.yaml"
+    yml.write_text(yaml.safe_dump({**BASE, "optimizer": "adamw_torch_4bit", "dp_shard_size": 8}))
+    code, out, err = run_cli("plan", str(yml), "--gpus-per-node", "8")  # its first lines name it
+    assert code == 0 and "optimizer: DeepSpeed's ZeRO-3 stepping torchao's AdamW4bit (fp32 master partitions, 4-bit " \
+        "moments in their whole blocks of 256)" in out, (out, err)
+    # beside a DeepSpeed JSON's bf16 moments (optimizer.state_dtype bf16): one line, exit status 2
+    ds = tmp_path / "bf16_states.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}))
+    yml.write_text(yaml.safe_dump({**BASE, "optimizer": "adamw_torch_4bit", "deepspeed": str(ds)}))
+    code, _, err = run_cli("plan", str(yml), "--gpus-per-node", "1")
+    assert code == 2 and err.count("\n") == 1 and err.startswith(
+        "nd-adapter: error: optimizer: optimizer.state_dtype: bf16 keeps bf16 moments, optimizer.name: adamw_4bit "
+        "4-bit ones: choose one. Fix: "), err
 
 
 def test_paged_adamw_32bit_is_adamw_with_fp32_moments():

@@ -70,7 +70,7 @@ def axolotl_configs(draw):
         plausible = {"sequence_len": [512, 2048, 4096], "micro_batch_size": [1, 2], "max_steps": [10, 100],
                      "gradient_accumulation_steps": [1, 4], "num_epochs": [1, 3], "tensor_parallel_size": [1, 2],
                      "dp_shard_size": [1, 2, 4], "context_parallel_size": [1, 2], "optimizer": ["adamw_8bit",
-                     "adamw_torch_fused"], "save_steps": [10, 0.25], "save_total_limit": [1, 3],
+                     "adamw_torch_fused", "adamw_torch_4bit"], "save_steps": [10, 0.25], "save_total_limit": [1, 3],
                      "output_dir": ["./out"], "bf16": ["auto", True], "lr_scheduler": ["cosine", "linear"],
                      "chat_template": ["chatml", "llama3"], "val_set_size": [0.0, 0.05]}
         raw[key] = sometimes(draw, st.sampled_from(plausible.get(key, [True, False])), small, one_in=4)
