@@ -90,15 +90,16 @@ def test_bf16_grad_norm_counts_tp_shards_once(demo):
         assert all(abs(a - b) / a < 0.01 for a, b in zip(ref, other)), norms
 
 
-def _whole_then_cut(demo, shape, steps, cut_at, prefix, over, resume_over=None):
-    """The same run whole, and cut: `cut_at` steps, then resumed in a fresh engine up to `steps`. Checkpoints go to
-    `prefix`-whole and `prefix`-cut."""
+def _whole_then_cut(demo, shape, steps, cut_at, prefix, over, resume_over=None, log=None):
+    """The same run whole (its lines to `log`), and cut: `cut_at` steps, then resumed in a fresh engine up to
+    `steps`. Checkpoints go to `prefix`-whole and `prefix`-cut."""
     from tests.helpers.runs import train as run
 
     def quiet(line):
         pass
 
-    whole = run(run_config(demo, shape, steps=steps, **over, **{"checkpoint.dir": f"{prefix}-whole"}), log=quiet)
+    whole = run(run_config(demo, shape, steps=steps, **over, **{"checkpoint.dir": f"{prefix}-whole"}),
+                log=log or quiet)
     cut = {"checkpoint.dir": f"{prefix}-cut"}
     first = run(run_config(demo, shape, steps=cut_at, **over, **cut), log=quiet)
     second = run(run_config(demo, shape, steps=steps, **over, **cut, **(resume_over or {})), resume=True, log=quiet)
@@ -262,22 +263,35 @@ def test_fp8_trains_like_bf16(demo):
 
 
 def _eight_bit_worker(rank, world, demo, root):
-    """bitsandbytes' AdamW8bit under ZeRO-3, ZeRO-2 (tp=2 × dp_shard=2) and the flat AdamW (tp=4): 4 steps whole, and
-    cut at 2 and resumed in a fresh engine; fp32 AdamW on the same batches."""
+    """bitsandbytes' AdamW8bit under ZeRO-3, ZeRO-2 (tp=2 × dp_shard=2) and the flat AdamW (tp=4), and torchao's
+    AdamW4bit under ZeRO-2 (its partitions' whole blocks 4-bit, the rest fp32; ZeRO-1/2 link per-parameter fragments
+    to the states after each step, and save and load them): 4 steps whole, and cut at 2 and resumed in a fresh engine;
+    fp32 AdamW on the same batches."""
+    from pathlib import Path
+
+    import torch
+
     from adapter.errors import UserError
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train as run
 
     init_distributed()
     out = {}
-    for name, shape, over in (("zero3", (1, 2, 1, 2), {}), ("zero2", (1, 2, 1, 2), {"deepspeed.zero_stage": 2}),
-                              ("flat", (1, 1, 1, 4), {})):
+    zero2 = {"deepspeed.zero_stage": 2}
+    for name, shape, over in (("zero3", (1, 2, 1, 2), {}), ("zero2", (1, 2, 1, 2), zero2), ("flat", (1, 1, 1, 4), {}),
+                              ("zero2 4-bit", (1, 2, 1, 2), {**zero2, "optimizer.name": "adamw_4bit"})):
         said: list[str] = []
-        over = {**over, "optimizer.name": "adamw_8bit", "checkpoint.save_every": 2}
-        whole, first, second = _whole_then_cut(demo, shape, 4, 2, f"{root}/{name}", over)
-        run(run_config(demo, shape, steps=1, **over, **{"checkpoint.dir": None}), log=said.append)
+        over = {"optimizer.name": "adamw_8bit", **over, "checkpoint.save_every": 2}
+        whole, first, second = _whole_then_cut(demo, shape, 4, 2, f"{root}/{name}", over, log=said.append)
         out[name] = {"whole": whole.losses, "cut": first.losses + second.losses, "start": second.start_step,
                      "said": [ln for ln in said if ln.startswith("optimizer: ")]}
+    # what the 4-bit run saved of this rank's partitions: each one's whole blocks 4-bit, the rest fp32
+    saved = torch.load(next(Path(f"{root}/zero2 4-bit-whole/global_step4").glob(
+        f"*zero_pp_rank_{rank // 2}_mp_rank_{rank % 2:02d}_optim_states.pt")), weights_only=False)
+    base = saved["optimizer_state_dict"]["base_optimizer_state"]
+    states = base["state"].values() if isinstance(base, dict) else [s for group in base for s in group.values()]
+    out["4-bit states"] = [{k: (type(v["exp_avg"]).__name__, v["exp_avg"].numel()) for k, v in s.items()}
+                           for s in states if isinstance(s, dict) and "blocks" in s]
     out["fp32"] = run(run_config(demo, (1, 2, 1, 2), steps=4), log=lambda s: None).losses
     try:  # the 8-bit run's ZeRO-3 checkpoint resumed with fp32 moments
         run(run_config(demo, (1, 2, 1, 2), steps=6, **{"checkpoint.dir": f"{root}/zero3-whole"}), resume=True,
@@ -290,13 +304,19 @@ def _eight_bit_worker(rank, world, demo, root):
 
 def test_8bit_adamw_on_every_optimizer_path_resumes_exactly_and_tracks_fp32(demo, tmp_path):
     r = run_workers(_eight_bit_worker, 4, demo, str(tmp_path), timeout=900)[0]
-    for name in ("zero3", "zero2", "flat"):
+    for name in ("zero3", "zero2", "flat", "zero2 4-bit"):
         got = r[name]
         assert got["start"] == 2 and got["cut"] == got["whole"], (name, got)  # bit-identical on CPU
         assert got["whole"][0] == r["fp32"][0] and got["whole"] != r["fp32"], (name, got, r["fp32"])
         assert max(abs(a - b) / b for a, b in zip(got["whole"], r["fp32"])) < 2e-3, (name, got, r["fp32"])
     assert r["zero3"]["said"] == ["optimizer: DeepSpeed's ZeRO-3 stepping bitsandbytes' AdamW8bit (fp32 master "
                                   "partitions, 8-bit moments)"]
+    assert r["zero2 4-bit"]["said"] == ["optimizer: DeepSpeed's ZeRO-2 stepping torchao's AdamW4bit (fp32 master "
+                                        "partitions, 4-bit moments in their whole blocks of 256)"]
+    assert r["4-bit states"], r["4-bit states"]
+    for part in r["4-bit states"]:
+        assert part["blocks"][0] == "OptimState4bit" and part["blocks"][1] % 256 == 0, r["4-bit states"]
+        assert part.get("tail", ("Tensor", 0))[0] == "Tensor" and part.get("tail", ("", 0))[1] < 256, r["4-bit states"]
     assert "optimizer.name: adamw_8bit" in r["refused"] and "\n" not in r["refused"], r["refused"]
     assert r["flat"]["said"] == ["optimizer: nd-adapter's flat AdamW (nothing to shard; fp32 master weights, 8-bit "
                                  "moments (bitsandbytes' AdamW8bit); optimizer.impl: deepspeed for DeepSpeed's ZeRO-1)"]
