@@ -305,6 +305,9 @@ def _lora(rank, world, models, root):
     lines = []  # bitsandbytes' AdamW8bit stepped by ZeRO-3
     out["8bit"] = train(_cfg(models["phi"], f"{root}/8bit", True, optimizer="adamw_8bit"), log=lines.append).losses
     out["8bit said"] = [ln for ln in lines if ln.startswith("optimizer:")]
+    lines = []  # torchao's AdamW4bit stepped by ZeRO-3 (each partition's whole blocks 4-bit, the rest fp32)
+    out["4bit"] = train(_cfg(models["phi"], f"{root}/4bit", True, optimizer="adamw_4bit"), log=lines.append).losses
+    out["4bit said"] = [ln for ln in lines if ln.startswith("optimizer:")]
     lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
@@ -320,8 +323,8 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export), and at tp=2; QLoRA
     (bitsandbytes' NF4 base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4
     base; Axolotl's unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model;
-    8-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same model;
-    LoRA on the experts' fused parameters (`_check_expert_lora`)."""
+    8-bit and 4-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same
+    model; LoRA on the experts' fused parameters (`_check_expert_lora`)."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -361,6 +364,11 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert max(rel(a, b) for a, b in zip(eight, fp32)) < 2e-3, (eight, fp32)  # and track torch's
     assert got["8bit said"] == ["optimizer: DeepSpeed's ZeRO-3 stepping bitsandbytes' AdamW8bit (fp32 master "
                                 "partitions, 8-bit moments)"], got["8bit said"]
+    four = got["4bit"]
+    assert four[0] == pytest.approx(fp32[0], rel=1e-5) and four not in (fp32, eight), (four, eight, fp32)
+    assert max(rel(a, b) for a, b in zip(four, fp32)) < 5e-3, (four, fp32)  # 16 levels a block: 3.1e-3 seen
+    assert got["4bit said"] == ["optimizer: DeepSpeed's ZeRO-3 stepping torchao's AdamW4bit (fp32 master "
+                                "partitions, 4-bit moments in their whole blocks of 256)"], got["4bit said"]
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/unfrozen", True, unfrozen=UNFROZEN))
     assert max(rel(a, b) for a, b in zip(got["unfrozen"], want)) < 1e-4, (got["unfrozen"], want)
     assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
