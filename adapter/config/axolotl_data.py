@@ -22,6 +22,9 @@ DATA_KEYS = {
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)
 ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings
+# a message's reasoning: Axolotl maps message_property_mappings[template_thinking_key] = field_thinking (both default
+# reasoning_content, the key chat templates such as qwen3 render inside <think>), after the entry's own mappings
+THINKING = {"field_thinking": "reasoning_content", "template_thinking_key": "reasoning_content"}
 
 PRETRAIN_USED = {"path", "type", "text_column", "field", "split", "name", "data_files", "skip", "trust_remote_code"}
 
@@ -73,7 +76,10 @@ def _entry(i: int, entry: Any, key: str = "datasets") -> dict[str, Any]:
         raise bad(where, entry, "must be a mapping", "write each entry as `- path: ...` with `type: ...` below it")
     out: dict[str, Any] = {}
     legacy: dict[str, Any] = {}
+    thinking = {k: entry.get(k, default) for k, default in THINKING.items()}
     for key, value in entry.items():
+        if key in THINKING:
+            continue
         if key in ENTRY_ALIASES:
             legacy[ENTRY_ALIASES[key]] = value
         elif key not in ENTRY_KEYS:
@@ -86,6 +92,11 @@ def _entry(i: int, entry: Any, key: str = "datasets") -> dict[str, Any]:
             out[key] = value
     if legacy:
         out["message_property_mappings"] = {**legacy, **(out.get("message_property_mappings") or {})}
+    field, tkey = thinking["field_thinking"], thinking["template_thinking_key"]
+    if field and tkey and (field, tkey) != ("reasoning_content", "reasoning_content"):  # the default passes as is
+        if not (isinstance(field, str) and isinstance(tkey, str)):
+            raise bad(f"{where}.field_thinking", field, "must name a message field", "e.g. field_thinking: thinking")
+        out["message_property_mappings"] = {**(out.get("message_property_mappings") or {}), tkey: field}
     return out
 
 

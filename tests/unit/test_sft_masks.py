@@ -288,3 +288,20 @@ def test_resize_token_embeddings_to_32x_is_a_no_op_where_the_rows_exist(model, t
                        rf"has {len(tok)} tokens "
                        rf"\({rows} rows\), more than the {rows - 1} embedding rows"):
         load_tokenizer(cfg, model, rows - 1)
+
+
+def test_reasoning_trains_with_its_turn_and_field_thinking_names_it(model, tmp_path):
+    """Axolotl's field_thinking maps a message field onto reasoning_content, which Qwen3's template writes inside
+    <think>; its find_turn diffs against a dummy turn of role and content alone, so the reasoning trains with the
+    answer (as a turn's tool calls do)."""
+    from adapter import config
+
+    raw = {"base_model": "x", "learning_rate": 1e-5, "sequence_len": 256, "micro_batch_size": 1, "num_epochs": 1,
+           "datasets": [{"path": "x", "type": "chat_template", "field_thinking": "thinking"}]}
+    mapping = config.build(raw, env={}).data.datasets[0].message_property_mappings
+    assert mapping == {"reasoning_content": "thinking"}
+    row = {"messages": [{"role": "user", "content": "Who was first?"},
+                        {"role": "assistant", "content": "Adam.", "thinking": "The first man."}]}
+    (got,), _, _ = chat(model, tmp_path, [row], chat_template="qwen3", message_property_mappings=mapping)
+    trained = "".join(text for text, on in got if on)
+    assert "The first man." in trained and trained.rstrip().endswith("Adam.") and "Who was first?" not in trained, got

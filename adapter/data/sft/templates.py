@@ -233,10 +233,12 @@ class ChatFormatter:
                       f"{str(e).splitlines()[0] if str(e) else ''}", "fix the row or use a template that accepts it")
 
     def content_span(self, turns, i: int, tools, text: str, idx: int) -> tuple[int, int]:
-        """[start, end) of turn i's rendered content in `text` (the rendering of `turns`)."""
+        """[start, end) of turn i's rendered content in `text` (the rendering of `turns`): where it differs from the
+        rendering with that turn replaced by its role and a sentinel content alone, as Axolotl's `find_turn` builds
+        its dummy turn, so what else the turn carries (its reasoning_content, tool calls) is trained with it."""
         start, end_back = len(text), len(text)
         for sentinel in SENTINELS:
-            swapped = [*turns[:i], {**turns[i], "content": sentinel}, *turns[i + 1:]]
+            swapped = [*turns[:i], {"role": turns[i]["role"], "content": sentinel}, *turns[i + 1:]]
             other = self.render(swapped, tools, idx)
             start = min(start, _lcp(text, other))
             end_back = min(end_back, _lcs(text, other))
