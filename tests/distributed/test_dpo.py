@@ -1,5 +1,5 @@
 """`rl: dpo` against TRL's own DPOTrainer (1.8.0, Axolotl 067b021's pin): a tiny Llama with PEFT LoRA r 4 on the
-transformers engine, 4 steps at dp_shard=2 under ZeRO-2 (one pair per micro-batch, two micro-batches a step: four
+transformers engine, 4 steps at dp_shard=2 under ZeRO-3 (one pair per micro-batch, two micro-batches a step: four
 pairs a step), fp32 on CPU. TRL trains the same base with the same adapters (PEFT initialised from the same seed)
 on the same Axolotl-rendered pairs, each of its steps one batch of the four pairs nd-adapter's step saw (its sampler
 made sequential): the losses and every reward metric TRL logs agree, step by step, which also checks the
@@ -29,25 +29,25 @@ def _rows() -> list[dict]:
              "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 3)}} for i in range(16)]
 
 
-def _cfg(model: Path, data: Path, root: Path):
+def _cfg(model: Path, data: Path, root: Path, zero: int = 3):
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "dpo",
            "dpo": {"beta": BETA}, "lora": LORA, "parallelism": {"dp_shard_size": WORLD},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA}, "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
-           "deepspeed": {"zero_stage": 2},
+           "deepspeed": {"zero_stage": zero},
            "data": {"datasets": [{"path": str(data), "type": "chat_template.default"}], "chat_template": "chatml",
                     "prepared_path": f"{root}/prep"}}
     return config.build(raw, env={}, world_size=WORLD)
 
 
-def _worker(rank, world, model, data, root):
+def _worker(rank, world, model, data, root, zero=3):
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train
 
     init_distributed()
     lines: list[str] = []
-    res = train(_cfg(Path(model), Path(data), Path(root)), log=lines.append)
+    res = train(_cfg(Path(model), Path(data), Path(root), zero), log=lines.append)
     return res.losses, res.rewards, lines
 
 
