@@ -16,7 +16,10 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     """`check`, also returning what it resolved on the way: the LoRA spec and the unfrozen_parameters tensors
     (adapter/models/resolved.py keeps them, so nothing resolves them again)."""
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
-        return generic_run.check_run(cfg, arch), None, None
+        pairs = ["objective dpo: plan's memory and time count one sequence per pair and no reference forward; a DPO "
+                 "step runs both sequences of each pair through the policy and, without gradients, the reference "
+                 "(about 2x the activations, 3x the forward passes)"] if cfg.objective == "dpo" else []
+        return generic_run.check_run(cfg, arch) + pairs, None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     ep = cfg.parallelism.ep_size
