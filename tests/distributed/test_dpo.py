@@ -3,7 +3,8 @@ transformers engine, 4 steps at dp_shard=2 under ZeRO-3 (one pair per micro-batc
 pairs a step), fp32 on CPU. TRL trains the same base with the same adapters (PEFT initialised from the same seed)
 on the same Axolotl-rendered pairs, each of its steps one batch of the four pairs nd-adapter's step saw (its sampler
 made sequential): the losses and every reward metric TRL logs agree, step by step, which also checks the
-gradients (the adapters have moved by step 2). Pairs of different lengths, so a wrong mask or a per-micro-batch
+gradients (the adapters have moved by step 2). The same run at tp=2 (the model's own TP plan, ZeRO-2, four
+micro-batches a step) gives the same numbers. Pairs of different lengths, so a wrong mask or a per-micro-batch
 mean would show."""
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ def _rows() -> list[dict]:
              "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 3)}} for i in range(16)]
 
 
-def _cfg(model: Path, data: Path, root: Path, zero: int = 3):
+def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1):
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "dpo",
-           "dpo": {"beta": BETA}, "lora": LORA, "parallelism": {"dp_shard_size": WORLD},
-           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA}, "seq_len": SEQ, "precision": "fp32",
+           "dpo": {"beta": BETA}, "lora": LORA, "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
+           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp}, "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
            "deepspeed": {"zero_stage": zero},
@@ -41,14 +42,15 @@ def _cfg(model: Path, data: Path, root: Path, zero: int = 3):
     return config.build(raw, env={}, world_size=WORLD)
 
 
-def _worker(rank, world, model, data, root, zero=3):
+def _worker(rank, world, model, data, root):
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train
 
     init_distributed()
     lines: list[str] = []
-    res = train(_cfg(Path(model), Path(data), Path(root), zero), log=lines.append)
-    return res.losses, res.rewards, lines
+    res = train(_cfg(Path(model), Path(data), Path(root)), log=lines.append)
+    tp = train(_cfg(Path(model), Path(data), Path(root) / "tp", zero=2, tp=2), log=lambda s: None)
+    return res.losses, res.rewards, lines, tp.losses, tp.rewards
 
 
 def _step_pairs(cfg, n: int) -> list[list[int]]:
@@ -107,7 +109,7 @@ def test_dpo_matches_trl(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     cfg = _cfg(model, data, tmp_path)
     out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=300)
-    losses, rewards, lines = out[0]
+    losses, rewards, lines, tp_losses, tp_rewards = out[0]
     assert any(" | rewards/chosen " in ln for ln in lines), lines
 
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -121,4 +123,7 @@ def test_dpo_matches_trl(tmp_path):
         assert abs(loss - want["loss"]) <= 1e-4, (step, loss, want)
         for k in METRICS:
             assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (step, k, got[k], want[k])
+    for a, b in zip([*losses, *(r[k] for r in rewards for k in METRICS)],  # tp=2: the same four pairs a step
+                    [*tp_losses, *(r[k] for r in tp_rewards for k in METRICS)]):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
     assert abs(ref[-1]["rewards/margins"]) > 1e-3  # the adapters moved: later steps check the gradients too
