@@ -33,7 +33,8 @@ def _rows() -> list[dict]:
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1):
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "dpo",
            "dpo": {"beta": BETA}, "lora": LORA, "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
-           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp}, "seq_len": SEQ, "precision": "fp32",
+           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp},  # four pairs a step
+           "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
            "deepspeed": {"zero_stage": zero},
