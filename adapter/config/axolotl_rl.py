@@ -62,8 +62,10 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
             raise bad("rl_beta", beta, "beta must be a number above 0", "give e.g. rl_beta: 0.1 (TRL's default)")
         out.setdefault("dpo", {})["beta"] = float(beta)
+    ref = ("the base with the LoRA adapters disabled" if is_on(raw.get("adapter")) else
+           "the starting weights' log-probabilities, computed once before step 1")
     notes.append(f"rl: dpo -> objective: dpo (TRL's sigmoid loss, beta {beta if beta is not None else 0.1}, "
-                 "reference = the base with the LoRA adapters disabled)")
+                 f"reference = {ref})")
     said = [k for k in NOTED if raw.get(k) is not None]
     if said:
         notes.append(f"{', '.join(said)}: noted, no effect (speed or memory options of TRL's trainer; max_prompt_len "

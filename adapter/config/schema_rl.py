@@ -4,7 +4,8 @@ is at its size budget).
 
 DPO is TRL's `DPOTrainer` as Axolotl 067b021 runs it (TRL 1.8.0): the sigmoid loss -log σ(β·Δ), Δ the difference of
 the chosen and rejected completions' log-ratios policy/reference, averaged over the step's pairs; the reference is
-the base with the LoRA adapters disabled. What the loop does with it: adapter/train/dpo.py.
+the base with the LoRA adapters disabled, or for a full fine-tune the starting weights' log-probabilities. What the
+loop does with it: adapter/train/dpo.py.
 """
 from __future__ import annotations
 
@@ -42,11 +43,6 @@ class RLFields(_Strict):
             return self
         d, ax = self.data, self.source == "axolotl"  # type: ignore[attr-defined]
         key = (lambda k: k) if ax else (lambda k: f"data.{k}")  # these data keys: Axolotl's top-level names
-        if self.lora is None:  # type: ignore[attr-defined]
-            raise bad("rl" if ax else "objective", "dpo",
-                      "DPO of every weight needs a frozen reference copy (or precomputed reference "
-                      "log-probabilities), not built yet", "train LoRA adapters (adapter: lora): the reference is "
-                      "then the base with the adapters disabled")
         if not d.datasets:
             raise bad(key("datasets"), [], "DPO trains on preference pairs", "list a preference dataset (type: "
                       "chat_template.default with field_messages, field_chosen, field_rejected)")

@@ -147,6 +147,7 @@ class Trainer:
         self._check_disk()
         self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
+        self.ref_table = dpo.reference_for(self)  # DPO of every weight: its reference, before any resume
         if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
             aux = self.engine.ds.module.moe_aux
             self.moe_aux = aux if aux.enabled else None
@@ -249,7 +250,7 @@ class Trainer:
             batch = self._on_device(b)
             with record_function("nd.forward"):
                 if pairs:  # DPO: Σ per-pair loss / the step's pairs (adapter/train/dpo.py)
-                    local, sums = dpo.pair_sums(ds, batch, self.cfg.dpo.beta)
+                    local, sums = dpo.pair_sums(ds, batch, self.cfg.dpo.beta, self.ref_table)
                     local, rewards = local / n_pairs, rewards + sums
                 else:
                     local = self._loss_sum(batch) / denom.float()

@@ -4,8 +4,9 @@ pairs a step), fp32 on CPU. TRL trains the same base with the same adapters (PEF
 on the same Axolotl-rendered pairs, each of its steps one batch of the four pairs nd-adapter's step saw (its sampler
 made sequential): the losses and every reward metric TRL logs agree, step by step, which also checks the
 gradients (the adapters have moved by step 2). The same run at tp=2 (the model's own TP plan, ZeRO-2, four
-micro-batches a step) gives the same numbers. Pairs of different lengths, so a wrong mask or a per-micro-batch
-mean would show."""
+micro-batches a step) gives the same numbers. A full fine-tune (every weight, ZeRO-3; nd-adapter's reference the
+starting weights' log-probabilities computed once before step 1, TRL's a frozen copy of the model) matches TRL
+too. Pairs of different lengths, so a wrong mask or a per-micro-batch mean would show."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,9 +31,10 @@ def _rows() -> list[dict]:
              "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 3)}} for i in range(16)]
 
 
-def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1):
+def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True):
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "dpo",
-           "dpo": {"beta": BETA}, "lora": LORA, "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
+           "dpo": {"beta": BETA}, "lora": LORA if lora else None,
+           "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
@@ -51,7 +53,8 @@ def _worker(rank, world, model, data, root):
     lines: list[str] = []
     res = train(_cfg(Path(model), Path(data), Path(root)), log=lines.append)
     tp = train(_cfg(Path(model), Path(data), Path(root) / "tp", zero=2, tp=2), log=lambda s: None)
-    return res.losses, res.rewards, lines, tp.losses, tp.rewards
+    full = train(_cfg(Path(model), Path(data), Path(root) / "full", lora=False), log=lines.append)
+    return res.losses, res.rewards, lines, tp.losses, tp.rewards, full.losses, full.rewards
 
 
 def _step_pairs(cfg, n: int) -> list[list[int]]:
@@ -62,7 +65,7 @@ def _step_pairs(cfg, n: int) -> list[list[int]]:
     return [[int(i) for it in its for _ in range(GA) for i in next(it)] for _ in range(STEPS)]
 
 
-def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], out: Path):
+def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], out: Path, lora: bool = True):
     """TRL's DPOTrainer on `pairs` in order (one step = 4 consecutive pairs); per step: loss and its metrics."""
     import torch
     from datasets import Dataset
@@ -75,7 +78,8 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], out: Path):
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.config.use_cache = False
     torch.manual_seed(cfg.seed)  # as adapter/modeling/hf_build.add_peft initialises the adapters
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    if lora:  # else TRL copies the model as its frozen reference
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     seen: list[dict] = []
 
     class Recorded(DPOTrainer):
@@ -110,7 +114,7 @@ def test_dpo_matches_trl(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     cfg = _cfg(model, data, tmp_path)
     out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=300)
-    losses, rewards, lines, tp_losses, tp_rewards = out[0]
+    losses, rewards, lines, tp_losses, tp_rewards, full_losses, full_rewards = out[0]
     assert any(" | rewards/chosen " in ln for ln in lines), lines
 
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -119,12 +123,16 @@ def test_dpo_matches_trl(tmp_path):
     rendered = [dict(zip(("prompt", "chosen", "rejected"), preference.render(r, entry, tok, template))) for r in rows]
     order = [i for step in _step_pairs(cfg, len(rows)) for i in step]
     ref = _trl(cfg, model, model, [rendered[i] for i in order], tmp_path / "trl")
-    assert len(ref) == STEPS == len(losses)
-    for step, (loss, got, want) in enumerate(zip(losses, rewards, ref), 1):
-        assert abs(loss - want["loss"]) <= 1e-4, (step, loss, want)
-        for k in METRICS:
-            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (step, k, got[k], want[k])
+    full_ref = _trl(cfg, model, model, [rendered[i] for i in order], tmp_path / "trl-full", lora=False)
+    assert any(ln.startswith("DPO reference: the starting weights' log-probabilities of the 16") for ln in lines)
+    for got_losses, got_rewards, want_steps in ((losses, rewards, ref), (full_losses, full_rewards, full_ref)):
+        assert len(want_steps) == STEPS == len(got_losses)
+        for step, (loss, got, want) in enumerate(zip(got_losses, got_rewards, want_steps), 1):
+            assert abs(loss - want["loss"]) <= 1e-4, (step, loss, want)
+            for k in METRICS:
+                assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (step, k, got[k], want[k])
     for a, b in zip([*losses, *(r[k] for r in rewards for k in METRICS)],  # tp=2: the same four pairs a step
                     [*tp_losses, *(r[k] for r in tp_rewards for k in METRICS)]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
-    assert abs(ref[-1]["rewards/margins"]) > 1e-3  # the adapters moved: later steps check the gradients too
+    assert min(abs(ref[-1]["rewards/margins"]), abs(full_ref[-1]["rewards/margins"])) > 1e-3
+    assert abs(full_losses[-1] - losses[-1]) > 1e-3  # every weight trained: another curve than LoRA's

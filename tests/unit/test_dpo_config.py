@@ -32,6 +32,9 @@ def test_axolotl_dpo_example_maps():
         "chat_template.default", "conversation", "chosen", "rejected")
     assert cfg.lora is not None and cfg.lora.r == 32 and cfg.data.chat_template == "llama3"
     assert any(n.startswith("rl: dpo -> objective: dpo") for n in cfg.notes)
+    full = config.build(_example(adapter=None, lora_r=None, lora_alpha=None, lora_dropout=None,
+                                 lora_target_linear=None), env={}, world_size=1)
+    assert full.lora is None and any("reference = the starting weights' log-probabilities" in n for n in full.notes)
     for keys, beta in (({"rl_beta": 0.3}, 0.3), ({"dpo_beta": 0.4}, 0.4), ({"rl_beta": 0.3, "trl": {"beta": 0.2}}, 0.2),
                        ({"rl_beta": 0.3, "dpo_beta": 0.4}, 0.3)):
         assert config.build(_example(**keys), env={}, world_size=1).dpo.beta == beta, keys
@@ -45,8 +48,6 @@ def test_axolotl_dpo_example_maps():
     ({"dpo_loss_type": ["ipo"]}, "dpo_loss_type=['ipo']: only TRL's sigmoid loss"),
     ({"rpo_alpha": 0.5}, "rpo_alpha=0.5: RPO"),
     ({"rl_beta": 0}, "rl_beta=0: beta must be a number above 0"),
-    ({"adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_linear": None},
-     "rl='dpo': DPO of every weight needs a frozen reference"),
     ({"sample_packing": True}, "sample_packing=True: preference pairs are not packed yet"),
     ({"val_set_size": 0.05}, "val_set_size=0.05: the DPO eval is not built yet"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template"}]}, "rl: dpo trains on preference pairs"),

@@ -34,7 +34,8 @@ ROLES = {"user": ["user"], "assistant": ["assistant"], "system": ["system"], "to
 
 
 class PairDataset:
-    """The prepared pairs: item i is {tokens, labels, loss_mask, position_ids}, each [2, seq_len] (chosen, rejected)."""
+    """The prepared pairs: item i is {tokens, labels, loss_mask, position_ids}, each [2, seq_len] (chosen, rejected),
+    and `pair` [2, 1] (i: where a full fine-tune finds its precomputed reference, adapter/train/dpo.py)."""
 
     def __init__(self, d: Path, seq_len: int):
         z = np.load(d / "pairs.npz")
@@ -48,7 +49,8 @@ class PairDataset:
         labels = np.concatenate([tok[:, 1:], tok[:, :1] * 0], axis=1)
         mask = np.concatenate([self.completion[i][:, 1:], np.zeros((2, 1), np.uint8)], axis=1).astype(np.float32)
         pos = np.broadcast_to(np.arange(self.seq_len, dtype=np.int64), tok.shape).copy()
-        return {"tokens": tok, "labels": labels, "loss_mask": mask, "position_ids": pos}
+        return {"tokens": tok, "labels": labels, "loss_mask": mask, "position_ids": pos,
+                "pair": np.full((2, 1), i, np.int64)}
 
 
 @dataclass
