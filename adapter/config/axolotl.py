@@ -24,6 +24,7 @@ from adapter.config.axolotl_parallel import (
     map_expert_parallel,
     map_fsdp,
 )
+from adapter.config.axolotl_rl import RL_KEYS, map_rl
 from adapter.config.axolotl_train import (
     LORA_KEYS,
     LORA_MAP,
@@ -60,7 +61,7 @@ KNOWN = MARKERS | {
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
     "auto_resume_from_checkpoints", "trust_remote_code", "mean_resizing_embeddings",
-} | KEYS | LORA_KEYS
+} | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
 
@@ -149,6 +150,7 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
         notes.append("reinit_weights: true -> model.init: random (random weights in base_model's shape, not its "
                      "pre-trained ones)")
     map_lora(raw, out, notes)
+    map_rl(raw, out, notes)
     map_data(raw, out)
     map_pretraining(raw.get("pretraining_dataset"), out, notes, has_sft=bool(raw.get("datasets")))
     ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]

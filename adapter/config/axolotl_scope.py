@@ -48,8 +48,7 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
             "--set precision=fp8 (nd-adapter's: the MLP matmuls in fp8, tp = 1)"),
     "float16": ("pure fp16 training is not supported", "use fp16: true (fp16 compute, fp32 master weights)"),
     # other objectives
-    "rl": ("preference / RL training (dpo, ipo, kto, orpo, simpo, grpo) is not supported: nd-adapter runs "
-           "supervised fine-tuning", _SFT),
+    # rl: mapped (rl: dpo) or refused in one line by axolotl_rl.py
     "reward_model": ("reward-model training (a scalar head) is not supported", _SFT),
     "process_reward_model": ("process-reward-model training is not supported", _SFT),
     "kd_trainer": ("knowledge distillation is not supported", "remove the KD plugin and its kd_* keys"),

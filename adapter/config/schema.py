@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
 
+from adapter.config.schema_rl import PreferenceFields, RLFields
 from adapter.config.values import Float, Int, Jinja, PathStr, Size, lax_bool
 from adapter.errors import bad
 
@@ -193,7 +194,7 @@ class OptimizerSection(_Strict):
 TRAIN_ON_EOS = Literal["turn", "all", "last", "none"]
 
 
-class DatasetEntry(_Strict):
+class DatasetEntry(PreferenceFields, _Strict):
     """One SFT dataset, Axolotl's `datasets:` entry keys (adapter/data/sft reads them; docs/config.md lists them).
     `type` stays a string here so that a wrong one is refused by the data code in one line naming the entry."""
 
@@ -432,7 +433,7 @@ class LoraSection(_Strict):
                           "(load_in_8bit); null keeps them 16-bit")
 
 
-class RunConfig(_Strict):
+class RunConfig(RLFields, _Strict):
     model: ModelSection
     lora: LoraSection | None = Field(None, description="LoRA adapters on a frozen base; unset: every weight trains")
     parallelism: ParallelismConfig = ParallelismConfig()
@@ -443,8 +444,7 @@ class RunConfig(_Strict):
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism; default: on when tp > 1")
     recompute: Literal["none", "selective", "full"] = "none"
-    # How long a collective may wait: the other ranks wait in one while rank 0 prepares SFT data or converts
-    # weights. HF Trainer's and Axolotl's ddp_timeout default; DeepSpeed's own is 10 min ($DEEPSPEED_TIMEOUT).
+    # ranks wait in a collective while rank 0 prepares data or converts weights (ddp_timeout; DeepSpeed: 10 min)
     dist_timeout_s: Int = Field(1800, ge=1, description="process-group timeout in seconds (ddp_timeout)")
     optimizer: OptimizerSection = OptimizerSection()
     data: DataSection = DataSection()

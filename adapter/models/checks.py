@@ -26,7 +26,10 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
-        return warnings, None, None
+        pairs = ["objective dpo: plan's memory and time count one sequence per pair and no reference forward; a DPO "
+                 "step runs both sequences of each pair through the policy and, without gradients, the reference "
+                 "(about 2x the activations, 3x the forward passes)"] if cfg.objective == "dpo" else []
+        return warnings + pairs, None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     ep = cfg.parallelism.ep_size

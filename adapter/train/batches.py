@@ -42,7 +42,16 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
     pretraining text, or synthetic tokens when the run has no data. Collective: rank 0 builds, the rest wait."""
     cfg, layout = run.cfg, run.layout
     sft = val = template = None
-    if cfg.data.datasets and not synthetic:
+    if cfg.objective == "dpo":  # preference pairs (adapter/data/sft/preference.py)
+        from adapter.data.sft.preference import prepare_pairs
+        from adapter.data.sft.preference import stats_lines as pair_lines
+
+        sft = prepare_pairs(cfg, source.tokenizer_dir(cfg), run.arch.vocab_size, builder=rank == 0,
+                            barrier=dist.barrier, progress=rank == 0)
+        dataset, template = sft.train, sft.chat_template
+        for line in pair_lines(sft) if rank == 0 else []:
+            log(line.strip())
+    elif cfg.data.datasets and not synthetic:
         sft = prepare(cfg, source.tokenizer_dir(cfg), run.arch.vocab_size, builder=rank == 0, barrier=dist.barrier,
                       progress=rank == 0)
         dataset, val, template = sft.train, sft.val, sft.chat_template

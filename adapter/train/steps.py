@@ -36,6 +36,7 @@ class PendingStep:
     host_grad_norm: float | None  # DeepSpeed's global grad norm when it is a host float (or None), else unused
     lr: float
     clock: tuple                 # metrics.StepClock handle
+    extra: object = None         # DPO's reward metrics (HostReadback of adapter/train/dpo.METRICS), else None
 
     def read(self) -> StepStats:
         v = self.values.values()

@@ -38,7 +38,7 @@ from adapter.parallel.layout import Axis
 from adapter.patches.zero import set_hpz_group
 from adapter.train import best as best_ckpt
 from adapter.train import checkpoint as ckpt
-from adapter.train import ckpt_info, metrics, schedule
+from adapter.train import ckpt_info, dpo, metrics, schedule
 from adapter.train.batches import load as load_data
 from adapter.train.batches import place, trim
 from adapter.train.best import Best
@@ -63,6 +63,7 @@ class RunResult:
     preempted: str | None = None  # the signal that ended the run early (adapter/train/preempt.py)
     stopped_early: bool = False   # early stopping on the eval loss ended it
     best_step: int | None = None  # the best checkpoint, when it was reloaded for the export
+    rewards: list[dict] = field(default_factory=list)  # DPO: the step's reward metrics (adapter/train/dpo.py)
 
 
 _ANNOUNCED: set[str] = set()  # config notes already said by this process (a rehearsal runs twice)
@@ -146,6 +147,7 @@ class Trainer:
         self._check_disk()
         self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
+        self.ref_table = dpo.reference_for(self)  # DPO of every weight: its reference, before any resume
         if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
             aux = self.engine.ds.module.moe_aux
             self.moe_aux = aux if aux.enabled else None
@@ -228,7 +230,10 @@ class Trainer:
         lr = ds.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on inside its last ds.step()
         self.profiler.begin(step)
         self.clock.begin()
-        micro = [self._trim(next(batches)) for _ in range(self.cfg.grad_accum)]  # host tensors: counting them
+        pairs = self.cfg.objective == "dpo"  # preference pairs: each micro-batch's rows chosen, then rejected
+        micro = [self._trim(dpo.flat(next(batches)) if pairs else next(batches)) for _ in range(self.cfg.grad_accum)]
+        n_pairs = sum(b["tokens"].shape[0] // 2 for b in micro) * layout.dp  # the step's (equal micro-batches)
+        rewards = torch.zeros(len(dpo.METRICS), dtype=torch.float64, device=device) if pairs else None
         tokens = torch.tensor([sum(float(b["loss_mask"].double().sum()) for b in micro),  # waits for nothing
                                sum(b["loss_mask"].numel() for b in micro)], dtype=torch.float64).to(device,
                                                                                                   non_blocking=True)
@@ -244,7 +249,11 @@ class Trainer:
         for b in micro:
             batch = self._on_device(b)
             with record_function("nd.forward"):
-                local = self._loss_sum(batch) / denom.float()
+                if pairs:  # DPO: Σ per-pair loss / the step's pairs (adapter/train/dpo.py)
+                    local, sums = dpo.pair_sums(ds, batch, self.cfg.dpo.beta, self.ref_table)
+                    local, rewards = local / n_pairs, rewards + sums
+                else:
+                    local = self._loss_sum(batch) / denom.float()
                 if aux is not None:  # the same on every CP and TP rank of the micro-batch: counted once over CP
                     summed[2] += aux.value().double() / layout.cp
             with record_function("nd.backward"):
@@ -272,6 +281,9 @@ class Trainer:
         aux_mean = summed[2:] / (layout.dp * self.cfg.grad_accum)
         pending = PendingStep(step, metrics.HostReadback(torch.cat([summed[:2], tokens, tail, stop, aux_mean])), gn,
                               lr, self.clock.end())
+        if pairs:  # TRL's reward metrics: means over the step's pairs
+            dist.all_reduce(rewards, group=self.groups.dp)
+            pending.extra = metrics.HostReadback(rewards / n_pairs)
         if self.profiler.finish(step):
             self.clock.reset()  # writing the trace is not training time
         return pending
@@ -295,6 +307,9 @@ class Trainer:
             self.result.aux_losses.append(s.aux_loss)
         self.result.grad_norms.append(s.grad_norm)
         self.result.trained_tokens.append(s.trained_tokens)
+        rewards = dict(zip(dpo.METRICS, pending.extra.values())) if pending.extra is not None else {}
+        if rewards:
+            self.result.rewards.append(rewards)
         max_steps = self.cfg.optimizer.max_steps
         if s.step % self.cfg.logging.every == 0 or s.step == max_steps:
             tps = metrics.tokens_per_s_per_gpu(s.computed_tokens, s.seconds, self.world)
@@ -305,14 +320,15 @@ class Trainer:
             m = metrics.mfu(tps, flops, self.peak_flops)
             self._say(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
                                           mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps,
-                                          trained_tokens_per_s_gpu=trained))
+                                          trained_tokens_per_s_gpu=trained)
+                      + (f" | {dpo.line(rewards.values())}" if rewards else ""))
             extra = {"aux_loss": s.aux_loss} if self.moe_aux is not None else {}
             if extra:
                 self._say(f"step {s.step}: load-balancing aux_loss {s.aux_loss:.4f} (× router_aux_loss_coef "
                           f"{self.moe_aux.coef:g} added to every micro-batch's loss)")
             self.sink.log(s.step, {"loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm, "tokens_per_s_per_gpu": tps,
                                    "trained_tokens_per_s_per_gpu": trained, "trained_tokens": s.trained_tokens,
-                                   "mfu": m, **extra})
+                                   "mfu": m, **extra, **rewards})
 
     def evaluate(self) -> tuple[float | None, int]:
         """(loss, trained tokens) over the whole held-out set: Σ per-token loss / trained tokens, the training

@@ -46,13 +46,16 @@ def alpaca_prompt(style: str, instruction: str, input: str) -> str:
 
 ALPACA_NO_INPUT = alpaca_prompt("instruct", "{instruction}", "")
 TYPES = ("completion", "alpaca", "chat_template", "input_output")
+PREFERENCE = "chat_template.default"  # Axolotl's preference type for rl: dpo (adapter/data/sft/preference.py)
+PAIR_KEYS = {"field_chosen", "field_rejected"}
 PRETOKENISED = "pretokenised"
 CHAT_KEYS = {"field_messages", "field_system", "field_tools", "message_property_mappings", "roles", "roles_to_train",
              "train_on_eos", "train_on_eot", "chat_template", "chat_template_jinja", "drop_system_message"}
 
 
-def kind_of(entry, where: str) -> str:
-    """The entry's type, checked: one line for an unknown or deprecated one, or keys that belong to another type."""
+def kind_of(entry, where: str, objective: str = "sft") -> str:
+    """The entry's type, checked: one line for an unknown or deprecated one, keys that belong to another type, or
+    a type of the other objective (preference pairs for DPO, examples for SFT)."""
     t = entry.type
     if t is None:
         kind = PRETOKENISED
@@ -65,18 +68,26 @@ def kind_of(entry, where: str) -> str:
             raise bad(f"{where}.type", t, "not one of Axolotl's alpaca prompt styles",
                       f"use one of {', '.join('alpaca:' + s for s in ALPACA_STYLES)} (or alpaca: instruct)")
         kind = "alpaca"
+    elif t == PREFERENCE:
+        kind = t
     elif t not in TYPES:
         raise bad(f"{where}.type", t, "unknown dataset type",
                   f"use one of {', '.join(TYPES)}, or leave type out for pre-tokenised rows (input_ids, labels)")
     else:
         kind = t
+    if (kind == PREFERENCE) != (objective == "dpo"):
+        raise bad(f"{where}.type", t, "rl: dpo trains on preference pairs" if objective == "dpo" else
+                  f"{PREFERENCE} is a preference type (for rl: dpo)", f"use type: {PREFERENCE} (field_messages, "
+                  "field_chosen, field_rejected)" if objective == "dpo" else "set rl: dpo, or use type: chat_template")
     given = {k for k in entry.model_fields_set if getattr(entry, k) is not None}
-    stray = sorted(given & CHAT_KEYS) if kind != "chat_template" else []
+    stray = sorted(given & CHAT_KEYS) if kind not in ("chat_template", PREFERENCE) else []
+    stray += sorted(given & PAIR_KEYS) if kind != PREFERENCE else []
     if entry.field is not None and kind != "completion":
         stray.append("field")
     if stray:
         raise bad(f"{where}.{stray[0]}", getattr(entry, stray[0]), f"only applies to type "
-                  f"{'completion' if stray[0] == 'field' else 'chat_template'}, not {t}",
+                  f"{'completion' if stray[0] == 'field' else PREFERENCE if stray[0] in PAIR_KEYS else 'chat_template'}"
+                  f", not {t}",
                   "remove it or change the entry's type")
     return kind
 
@@ -84,6 +95,7 @@ def kind_of(entry, where: str) -> str:
 def required_columns(entry, kind: str) -> list[str]:
     return {"completion": [entry.field or "text"], "alpaca": ["instruction", "output"],
             "chat_template": [entry.field_messages], "input_output": ["segments"],
+            PREFERENCE: [entry.field_messages, entry.field_chosen, entry.field_rejected],
             PRETOKENISED: ["input_ids"]}[kind]
 
 

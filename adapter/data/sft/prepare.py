@@ -73,7 +73,7 @@ def resolve_all(cfg, test: bool = False) -> list[tuple[Any, str, str, sources.So
     out = []
     for i, entry in enumerate(entries):
         at = f"{key('test_datasets')}[{i}]" if test else where(i)
-        kind = formats.kind_of(entry, at)
+        kind = formats.kind_of(entry, at, cfg.objective)
         out.append((entry, at, kind, sources.resolve(entry, at)))
     return out
 
@@ -96,7 +96,7 @@ def check_choices(cfg) -> None:
     for test, entries in ((False, d.datasets), (True, d.test_datasets)):
         for i, entry in enumerate(entries):
             at = f"{key('test_datasets')}[{i}]" if test else where(i)
-            formats.kind_of(entry, at)
+            formats.kind_of(entry, at, cfg.objective)
             if entry.chat_template is not None or entry.chat_template_jinja is not None:
                 templates.check_choice(entry.chat_template, entry.chat_template_jinja, f"{at}.")
 

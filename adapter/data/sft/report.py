@@ -54,6 +54,14 @@ def main(args) -> int:
         raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
                   "list them under datasets: (Axolotl) or data.datasets (native)")
     tok_dir, vocab = source.tokenizer_dir(cfg), source.vocab_rows(cfg)
+    if cfg.objective == "dpo":  # preference pairs
+        from adapter.data.sft import preference
+
+        pairs = preference.prepare_pairs(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
+        print("\n".join(preference.stats_lines(pairs)))
+        if args.debug:
+            print("\n".join(preference.debug_lines(pairs, load_tokenizer(cfg, tok_dir, vocab), args.samples)))
+        return 0
     data = prepare(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
     print("\n".join(stats_lines(data)))
     if args.debug:

@@ -1,0 +1,64 @@
+"""The training objective's config: supervised fine-tuning (the default) or DPO on preference pairs, and the two
+fields a preference dataset entry adds. Mixed into schema.py's `RunConfig` and `DatasetEntry` (kept here: schema.py
+is at its size budget).
+
+DPO is TRL's `DPOTrainer` as Axolotl 067b021 runs it (TRL 1.8.0): the sigmoid loss -log σ(β·Δ), Δ the difference of
+the chosen and rejected completions' log-ratios policy/reference, averaged over the step's pairs; the reference is
+the base with the LoRA adapters disabled, or for a full fine-tune the starting weights' log-probabilities. What the
+loop does with it: adapter/train/dpo.py.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from adapter.config.values import Float
+from adapter.errors import bad
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class DPOSection(_Strict):
+    beta: Float = Field(0.1, gt=0, description="TRL's beta (Axolotl's rl_beta / trl.beta; TRL's default 0.1): the "
+                                               "strength of the pull towards the reference")
+
+
+class PreferenceFields(_Strict):
+    """A preference entry's columns (Axolotl's chat_template.default): the chosen and rejected answers."""
+    field_chosen: str = "chosen"
+    field_rejected: str = "rejected"
+
+
+class RLFields(_Strict):
+    """`objective: dpo` with its `dpo:` section; refused where the loop does not build it (one line each)."""
+    objective: Literal["sft", "dpo"] = Field("sft", description="sft (next-token loss) or dpo (preference pairs)")
+    dpo: DPOSection = DPOSection()
+
+    @model_validator(mode="after")
+    def _dpo_scope(self) -> RLFields:
+        if self.objective != "dpo":
+            return self
+        d, ax = self.data, self.source == "axolotl"  # type: ignore[attr-defined]
+        key = (lambda k: k) if ax else (lambda k: f"data.{k}")  # these data keys: Axolotl's top-level names
+        if not d.datasets:
+            raise bad(key("datasets"), [], "DPO trains on preference pairs", "list a preference dataset (type: "
+                      "chat_template.default with field_messages, field_chosen, field_rejected)")
+        if any("cross_entropy" in k for k in self.model.liger):  # type: ignore[attr-defined]
+            raise bad("liger_cross_entropy" if ax else "model.liger", True, "DPO needs per-token "
+                      "log-probabilities; Liger's cross-entropy returns their sum",
+                      "remove liger_cross_entropy / liger_fused_linear_cross_entropy")
+        if d.sample_packing:
+            raise bad(key("sample_packing"), True, "preference pairs are not packed yet", "set sample_packing: false")
+        if d.val_set_size or d.test_datasets:
+            raise bad(key("val_set_size" if d.val_set_size else "test_datasets"), d.val_set_size or "...",
+                      "the DPO eval is not built yet", "remove it (val_set_size: 0)")
+        if d.excess_length_strategy != "drop":
+            raise bad(key("excess_length_strategy"), d.excess_length_strategy, "pairs longer than sequence_len are "
+                      "dropped (Axolotl's default); truncate and raise are not built for DPO", "remove it")
+        return self
+
+
+__all__ = ["DPOSection", "PreferenceFields", "RLFields"]

@@ -1,0 +1,188 @@
+"""Preference pairs for `rl: dpo`, prepared as Axolotl 067b021 and TRL 1.8.0 prepare them, once, into the cache.
+
+Axolotl's `chat_template.default` type (prompt_strategies/dpo/chat_template.py) renders three strings per row: the
+prompt (the `field_messages` conversation through the chat template with the generation prompt), and the chosen and
+rejected answers (each rendered after a dummy user turn, cut from where the answer's text starts, trailing
+whitespace stripped). Axolotl then drops a pair whose prompt plus either answer (tokenised without special tokens)
+exceeds `sequence_len` (its default excess_length_strategy). TRL's DPOTrainer, given those strings, appends the EOS
+to an answer that does not end with it, tokenises the prompt and the prompt + answer (with the tokenizer's special
+tokens) and takes the answer's ids as what follows the prompt's; its collator joins prompt and answer, truncates
+the sequence to `max_length` (= sequence_len) keeping the start, and marks the answer's tokens as the completion.
+
+Stored: tokens [pairs, 2, seq_len] (chosen then rejected, padded with the pad or EOS token as TRL pads) and the
+completion mask beside them. An item gives the loop next-token targets: `loss_mask[t]` marks that token t+1 is a
+completion token, so Σ loss_mask · log p(tokens[t+1]) is TRL's per-sequence log-probability.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapter.data.sft import formats, sources, templates
+from adapter.data.sft.prepare import cache_key, load_tokenizer, names, pad_id, prepared_root, resolve_all, top_prefix
+from adapter.errors import bad
+from adapter.osutil import build_once
+
+VERSION = 1
+DUMMY_USER = {"role": "user", "content": "[[dummy_message]]"}  # Axolotl's, rendered before each answer
+ROLES = {"user": ["user"], "assistant": ["assistant"], "system": ["system"], "tool": ["tool"]}
+
+
+class PairDataset:
+    """The prepared pairs: item i is {tokens, labels, loss_mask, position_ids}, each [2, seq_len] (chosen, rejected),
+    and `pair` [2, 1] (i: where a full fine-tune finds its precomputed reference, adapter/train/dpo.py)."""
+
+    def __init__(self, d: Path, seq_len: int):
+        z = np.load(d / "pairs.npz")
+        self.tokens, self.completion, self.seq_len = z["tokens"], z["completion"], seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        tok = self.tokens[i].astype(np.int64)
+        labels = np.concatenate([tok[:, 1:], tok[:, :1] * 0], axis=1)
+        mask = np.concatenate([self.completion[i][:, 1:], np.zeros((2, 1), np.uint8)], axis=1).astype(np.float32)
+        pos = np.broadcast_to(np.arange(self.seq_len, dtype=np.int64), tok.shape).copy()
+        return {"tokens": tok, "labels": labels, "loss_mask": mask, "position_ids": pos,
+                "pair": np.full((2, 1), i, np.int64)}
+
+
+@dataclass
+class PairData:
+    train: PairDataset
+    stats: dict[str, Any]
+    chat_template: str | None
+    path: Path
+    reused: bool = False
+    val: None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def render(row: dict, entry, tok, template: str) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) strings of one row, as Axolotl's chat_template.default transform renders them."""
+    props = entry.message_property_mappings or {"role": "role", "content": "content"}
+    role_of = {src: target for target, srcs in (entry.roles or ROLES).items() for src in srcs}
+    rk, ck = props.get("role", "role"), props.get("content", "content")
+    messages = row[entry.field_messages]
+    if isinstance(messages, str):
+        messages = [{rk: "user", ck: messages}]
+    messages = [{"role": role_of[m[rk]], "content": m[ck]} for m in messages]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, chat_template=template, tokenize=False)
+    answers = []
+    for key in (entry.field_chosen, entry.field_rejected):
+        raw = row[key]
+        msg = {rk: "assistant", ck: raw} if isinstance(raw, str) else raw if isinstance(raw, dict) else raw[-1]
+        answer = {"role": role_of[msg[rk]], "content": msg[ck]}
+        text = tok.apply_chat_template([DUMMY_USER, answer], add_generation_prompt=False, chat_template=template,
+                                       tokenize=False)
+        answers.append(text[text.find(answer["content"]):].rstrip())
+    return prompt, answers[0], answers[1]
+
+
+def fits(tok, prompt: str, chosen: str, rejected: str, seq_len: int) -> bool:
+    """Axolotl's drop filter for DPO rows (utils/data/rl.py `_drop_long_sequences`)."""
+    n = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in (prompt, chosen, rejected)]
+    return n[0] + n[1] <= seq_len and n[0] + n[2] <= seq_len
+
+
+def tokenize(tok, prompt: str, chosen: str, rejected: str) -> tuple[list[int], list[int], list[int]]:
+    """TRL 1.8.0's tokenisation of a non-conversational pair: EOS appended where missing, then the answer's ids are
+    those of prompt + answer after the prompt's."""
+    eos = tok.eos_token
+    p = tok(prompt)["input_ids"]
+    out = [p]
+    for answer in (chosen, rejected):
+        answer = answer if answer.endswith(eos) else answer + eos
+        out.append(tok(prompt + answer)["input_ids"][len(p):])
+    return out[0], out[1], out[2]
+
+
+def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:
+    tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+    seq, pad = cfg.seq_len, (pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id))
+    tokens, completion, stats, template = [], [], [], None
+    for n, (entry, where, kind, src) in enumerate(resolved):
+        ds = sources.load(src, entry, out / "hf")
+        formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
+        own = entry.chat_template is not None or entry.chat_template_jinja is not None
+        template = (templates.resolve_template(entry.chat_template, entry.chat_template_jinja, tok, f"{where}.") if own
+                    else templates.resolve_template(cfg.data.chat_template, cfg.data.chat_template_jinja, tok,
+                                                    top_prefix(cfg)))
+        kept = dropped = 0
+        for i, row in enumerate(ds):
+            try:
+                prompt, chosen, rejected = render(row, entry, tok, template)
+            except (KeyError, TypeError, IndexError) as e:
+                raise bad(f"{where}.path", src.location, f"row {i} is not a preference pair of this entry's fields "
+                          f"({type(e).__name__}: {e})", "give field_messages, field_chosen and field_rejected "
+                          "(and roles / message_property_mappings) as the rows spell them") from None
+            if not fits(tok, prompt, chosen, rejected, seq):
+                dropped += 1
+                continue
+            p, c, r = tokenize(tok, prompt, chosen, rejected)
+            t = np.full((2, seq), pad, np.int32)
+            m = np.zeros((2, seq), np.uint8)
+            for j, ans in enumerate((c, r)):
+                ids = (p + ans)[:seq]  # TRL's collator: max_length, keep_start
+                t[j, :len(ids)] = ids
+                m[j, len(p):len(ids)] = 1
+            if int(t.max()) >= vocab_size:
+                raise bad(f"{where}.path", src.location, f"row {i} has token id {int(t.max())} outside the "
+                          f"model's {vocab_size} embedding rows", "use the model's own tokenizer")
+            tokens.append(t)
+            completion.append(m)
+            kept += 1
+        stats.append({"dataset": n, "type": kind, "path": src.location, "rows": len(ds), "dropped_too_long": dropped,
+                      "kept": kept})
+    if not tokens:
+        raise bad(names(cfg)[1]("datasets"), "...", f"no pair fits sequence_len {seq}", "raise sequence_len")
+    np.savez(out / "pairs.npz", tokens=np.stack(tokens), completion=np.stack(completion))
+    manifest = {"v": VERSION, "seq_len": seq, "datasets": stats, "pairs": len(tokens), "chat_template": template}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
+                  barrier: Callable[[], None] | None = None, progress: bool = True) -> PairData:
+    """The prepared pairs of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract)."""
+    tokenizer_dir = Path(tokenizer_dir)
+    resolved = resolve_all(cfg)
+    root = prepared_root(cfg)
+    name = f"dpo{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size)}"
+    reused = (root / name / "manifest.json").is_file()
+    k = names(cfg)[1]
+    final = build_once(root, name, lambda tmp: _build(cfg, resolved, tokenizer_dir, vocab_size, tmp, progress),
+                       builder=builder, barrier=barrier,
+                       unseen=(k("prepared_path"), "the prepared pairs", "put it on storage shared with the builder "
+                               "rank"))
+    m = json.loads((final / "manifest.json").read_text())
+    return PairData(PairDataset(final, cfg.seq_len), m, m["chat_template"], final, reused)
+
+
+def stats_lines(data: PairData) -> list[str]:
+    out = [f"prepared pairs: {data.path} ({'reused' if data.reused else 'built'})"]
+    for d in data.stats["datasets"]:
+        out.append(f"  {d['dataset']} {d['type']} {d['path']}: {d['rows']} rows, {d['dropped_too_long']} over "
+                   f"sequence_len dropped, {d['kept']} pairs kept")
+    return out
+
+
+def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
+    """The first pairs: prompt, then each answer's (token, label) pairs (label -100 outside the completion)."""
+    out = []
+    for i in range(min(samples, len(data.train))):
+        t, m = data.train.tokens[i], data.train.completion[i]
+        for j, side in enumerate(("chosen", "rejected")):
+            n = int(m[j].nonzero()[0].max()) + 1 if m[j].any() else 0
+            pairs = [f"({tok.decode([int(x)])!r}, {int(x) if c else -100})" for x, c in zip(t[j][:n], m[j][:n])]
+            out.append(f"pair {i} {side} ({n} tokens, {int(m[j].sum())} completion): " + " ".join(pairs))
+    return out
+
+
+__all__ = ["PairDataset", "PairData", "render", "fits", "tokenize", "prepare_pairs", "stats_lines", "debug_lines"]

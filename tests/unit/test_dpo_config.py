@@ -1,0 +1,133 @@
+"""`rl: dpo` as Axolotl configures it: an Axolotl DPO example YAML maps onto objective: dpo with TRL's beta (trl.beta,
+else rl_beta, else the deprecated dpo_beta, else 0.1); a preference row renders as Axolotl's own chat_template.default
+transform renders it (its code run here from tests/fixtures/axolotl/dpo_chat_template.py.txt, Axolotl 067b021) and
+is tokenised as TRL 1.8.0 tokenises those strings; every rl value, loss option and layout not built is refused in
+one line naming the key and the fix (exit 2 from the CLI)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adapter import config
+from adapter.errors import UserError
+from tests.helpers.cli import run_cli
+from tests.helpers.sft_data import tiny_model, write_jsonl
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "axolotl"
+
+
+def _example(**over) -> dict:
+    raw = yaml.safe_load((FIXTURES / "instruct-dpo-lora-8b.yml").read_text())
+    raw.update({"val_set_size": 0, "load_in_8bit": False, **over})  # the DPO eval and 8-bit base: see below
+    return raw
+
+
+def test_axolotl_dpo_example_maps():
+    cfg = config.build(_example(), env={}, world_size=1)
+    assert cfg.objective == "dpo" and cfg.dpo.beta == 0.1  # TRL's default: Axolotl passes no beta
+    e = cfg.data.datasets[0]
+    assert (e.type, e.field_messages, e.field_chosen, e.field_rejected) == (
+        "chat_template.default", "conversation", "chosen", "rejected")
+    assert cfg.lora is not None and cfg.lora.r == 32 and cfg.data.chat_template == "llama3"
+    assert any(n.startswith("rl: dpo -> objective: dpo") for n in cfg.notes)
+    full = config.build(_example(adapter=None, lora_r=None, lora_alpha=None, lora_dropout=None,
+                                 lora_target_linear=None), env={}, world_size=1)
+    assert full.lora is None and any("reference = the starting weights' log-probabilities" in n for n in full.notes)
+    for keys, beta in (({"rl_beta": 0.3}, 0.3), ({"dpo_beta": 0.4}, 0.4), ({"rl_beta": 0.3, "trl": {"beta": 0.2}}, 0.2),
+                       ({"rl_beta": 0.3, "dpo_beta": 0.4}, 0.3)):
+        assert config.build(_example(**keys), env={}, world_size=1).dpo.beta == beta, keys
+
+
+@pytest.mark.parametrize("over, needle", [
+    ({"rl": "grpo"}, "rl='grpo': GRPO is an online method: it generates completions"),
+    ({"rl": "kto"}, "rl='kto': only rl: dpo"),
+    ({"rl": "ipo"}, "rl='ipo': only rl: dpo"),
+    ({"dpo_label_smoothing": 0.1}, "dpo_label_smoothing=0.1: TRL 1.8.0"),
+    ({"dpo_loss_type": ["ipo"]}, "dpo_loss_type=['ipo']: only TRL's sigmoid loss"),
+    ({"rpo_alpha": 0.5}, "rpo_alpha=0.5: RPO"),
+    ({"rl_beta": 0}, "rl_beta=0: beta must be a number above 0"),
+    ({"sample_packing": True}, "sample_packing=True: preference pairs are not packed yet"),
+    ({"val_set_size": 0.05}, "val_set_size=0.05: the DPO eval is not built yet"),
+    ({"datasets": [{"path": "x.jsonl", "type": "chat_template"}]}, "rl: dpo trains on preference pairs"),
+])
+def test_unbuilt_dpo_refused_in_one_line(over, needle):
+    with pytest.raises(UserError) as e:
+        cfg = config.build(_example(**over), env={}, world_size=1)
+        from adapter.data.sft.prepare import check_choices
+        check_choices(cfg)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_preference_type_under_sft_and_native_engine_refused(tmp_path):
+    from adapter.data.sft.prepare import check_choices
+    from adapter.models.arch import NotNative
+    from adapter.models.lora import check_native
+
+    raw = _example()
+    del raw["rl"]
+    with pytest.raises(UserError, match=r"chat_template.default is a preference type \(for rl: dpo\)"):
+        check_choices(config.build(raw, env={}, world_size=1))
+    with pytest.raises(NotNative, match="DPO is built on the transformers engine only"):
+        check_native(config.build(_example(), env={}, world_size=1))
+    path = tmp_path / "grpo.yml"
+    path.write_text(yaml.safe_dump(_example(rl="grpo")))
+    code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1")
+    assert code == 2 and "rl='grpo'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def _axolotl_default():
+    """Axolotl's chat_template.default (its source, unchanged, with its three helper imports given here)."""
+    src = (FIXTURES / "dpo_chat_template.py.txt").read_text()
+    src = "\n".join(ln for ln in src.splitlines() if not ln.startswith("from axolotl."))
+    ns = {"extract_chat_template_args": lambda cfg, ds_cfg: (None, cfg["chat_template_jinja"]),
+          "get_chat_template": lambda user_choice, jinja_template, tokenizer: jinja_template,
+          "handle_legacy_message_fields_logic": lambda ds_cfg: ds_cfg}
+    exec(compile(src, "axolotl/prompt_strategies/dpo/chat_template.py", "exec"), ns)
+    return ns["default"]
+
+
+def test_pair_renders_and_tokenises_as_axolotl_and_trl(tmp_path):
+    from transformers import AutoTokenizer
+
+    from adapter.data.sft import preference, templates
+    from adapter.models import source
+
+    tok_dir = tiny_model(tmp_path)
+    rows = [{"conv": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Name a colour."}],
+             "good": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": " Red.  "}],
+             "bad": {"from": "gpt", "value": "I cannot."}},
+            {"conv": "Say hi", "good": "Hi!", "bad": "No."}]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    entry = {"path": str(data), "type": "chat_template.default", "field_messages": "conv", "field_chosen": "good",
+             "field_rejected": "bad", "message_property_mappings": {"role": "from", "content": "value"},
+             "roles": {"system": ["system"], "user": ["human", "user"], "assistant": ["gpt", "assistant"]}}
+    cfg = config.build({"base_model": str(tok_dir), "rl": "dpo", "adapter": "lora", "learning_rate": 1e-4,
+                        "sequence_len": 64, "chat_template": "chatml", "datasets": [entry],
+                        "dataset_prepared_path": str(tmp_path / "prep")}, env={})
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    jinja = templates.resolve_template("chatml", None, tok, "")
+    fn, _ = _axolotl_default()({"datasets": [entry], "chat_template_jinja": jinja})
+    pairs = preference.prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
+    assert len(pairs.train) == 2
+    for i, row in enumerate(rows):
+        want = fn(row, tokenizer=tok)
+        got = preference.render(row, cfg.data.datasets[0], tok, jinja)
+        assert got == (want["prompt"], want["chosen"], want["rejected"])
+        # TRL 1.8.0 (DPOTrainer.tokenize_fn, non-conversational): EOS appended, the answer = what follows the prompt
+        p = tok(want["prompt"])["input_ids"]
+        item = pairs.train[i]
+        for j, side in enumerate(("chosen", "rejected")):
+            ans = want[side] + tok.eos_token
+            ids = tok(want["prompt"] + ans)["input_ids"]
+            n = len(ids)
+            assert item["tokens"][j, :n].tolist() == ids
+            assert item["loss_mask"][j].nonzero()[0].tolist() == list(range(len(p) - 1, n - 1))  # predicts ids[len(p):]
+            assert item["labels"][j, :n - 1].tolist() == ids[1:]
+    for bad_rows, needle in (([{"conv": "x", "good": "y"}], r"datasets\[0\].type=.*has no column 'bad'"),
+                             ([{"conv": "x", "good": "y", "bad": None}],
+                              r"datasets\[0\].path=.*row 0 is not a preference pair")):
+        write_jsonl(data, bad_rows)
+        with pytest.raises(UserError, match=needle):  # a fresh cache key: the file changed
+            preference.prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
