@@ -2,8 +2,9 @@
 
 The model keeps the family, head and KV-head counts and a mixture of experts' top-k (so every tp/cp/ep divisibility
 rule is exercised) but shrinks head_dim, width, depth, each expert and the number of experts to at most
-`TINY_EXPERTS` rounded up to whole experts on every ep rank (Qwen3-30B-A3B's 128 experts at ep=4 become 8: two per
-rank, top-8 of them; 128 narrow experts made its rehearsal four times slower and exercised nothing the 8 do not);
+`TINY_EXPERTS` or twice top-k, rounded up to whole experts on every ep rank (Qwen3-30B-A3B's 128 experts at ep=4
+become 16: four per rank, top-8 of them; 128 narrow experts made its rehearsal several times slower and exercised
+nothing the 16 do not; the first lines say the count);
 precision becomes fp32
 (CPU). It keeps every rule the real model meets, since the real run has passed them already: a QLoRA base's NF4
 blocks of 64 inside each rank's rows (a head_dim of 8 gives Qwen2-7B's 28 heads a width of 224, so head_dim grows
@@ -48,7 +49,8 @@ def tiny_experts(arch: ModelArch, ep: int) -> int | None:
     equally many experts on each of the `ep` ranks (module docstring)."""
     if not arch.moe or arch.num_experts is None or arch.num_experts <= TINY_EXPERTS:
         return arch.num_experts
-    return -(-max(TINY_EXPERTS, arch.experts_per_token) // ep) * ep
+    want = max(TINY_EXPERTS, 2 * arch.experts_per_token)  # top-k of twice as many: the router still chooses
+    return min(arch.num_experts, -(-want // ep) * ep)
 SYNTHETIC_VOCAB = 1024
 
 
@@ -217,4 +219,9 @@ def main(args) -> int:
               flush=True)
         print(f"the run itself: {announce.weights(run)}; the rehearsal's tiny model starts "
               "from random weights", flush=True)
+        tiny = tiny_experts(run.arch, p.ep_size) if run.arch.native else run.arch.num_experts
+        if run.arch.moe and tiny != run.arch.num_experts:
+            print(f"the rehearsal's tiny model: {tiny} of the {run.arch.num_experts} experts, top "
+                  f"{run.arch.experts_per_token} (whole experts on each of the {p.ep_size} expert-parallel ranks)",
+                  flush=True)
         return spawn(cfg.world_size, worker, cpu=True)

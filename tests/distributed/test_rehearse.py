@@ -74,7 +74,8 @@ def test_rehearse_olmoe_with_expert_parallelism_beside_tp():
     p = rehearse("configs/olmoe-1b-7b-ep.yaml")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rehearsing on 4 CPU processes: dp_replicate=1 dp_shard=2 cp=1 tp=2 ep=2" in p.stdout
-    assert "mixture of experts: 64 experts, top 8, load-balancing loss" in p.stdout
+    assert "the rehearsal's tiny model: 16 of the 64 experts, top 8" in p.stdout  # 8 per ep rank
+    assert "mixture of experts: 16 experts, top 8, load-balancing loss" in p.stdout
     assert "layout 1x2x1x2 ep 2, saved at step 1 and resumed" in p.stdout and "Traceback" not in p.stdout + p.stderr
 
 
