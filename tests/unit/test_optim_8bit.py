@@ -11,6 +11,7 @@ import torch
 from adapter.errors import UserError
 from adapter.models import footprint
 from adapter.train.optim import FlatAdamW, adamw_8bit
+from tests.helpers.optim import backward, param_groups, small_model
 
 BNB_BLOCK = 256
 
@@ -50,30 +51,15 @@ def test_8bit_adamw_tracks_fp32_adamw_within_bitsandbytes_band(shape):
     assert state["state1"].dtype == torch.uint8  # the moments are 8-bit
 
 
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 64)).bfloat16()
-
-
-def _groups(model):
-    return [{"params": [p for p in model.parameters() if p.ndim == 2], "weight_decay": 0.1},
-            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-
-
-def _backward(model, step):
-    g = torch.Generator().manual_seed(step)
-    model(torch.randn(8, 64, generator=g).bfloat16()).float().square().mean().backward()
-
-
 def test_flat_8bit_takes_bitsandbytes_steps_on_the_fp32_masters():
     """The flat AdamW's 8-bit mode (bf16 weights, fp32 masters, its own clipping) is bitsandbytes' AdamW8bit on fp32
     copies of the weights given the same clipped gradients."""
-    ours = _model()
+    ours = small_model()
     ref = copy.deepcopy(ours).float()
-    flat = FlatAdamW(_groups(ours), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.05, state_bits=8)
-    bnb_opt = adamw_8bit(_groups(ref), lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+    flat = FlatAdamW(param_groups(ours), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.05, state_bits=8)
+    bnb_opt = adamw_8bit(param_groups(ref), lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
     for step in range(4):
-        _backward(ours, step)
+        backward(ours, step)
         for a, b in zip(ref.parameters(), ours.parameters()):
             a.grad = b.grad.float()
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
@@ -90,10 +76,11 @@ def test_flat_8bit_takes_bitsandbytes_steps_on_the_fp32_masters():
 
 
 def test_flat_8bit_resumes_exactly_and_refuses_another_state_width(tmp_path):
-    models = [_model(), _model()]
-    opts = [FlatAdamW(_groups(m), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=1.0, state_bits=8) for m in models]
+    models = [small_model(), small_model()]
+    opts = [FlatAdamW(param_groups(m), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=1.0, state_bits=8)
+            for m in models]
     for step in (1, 2):
-        _backward(models[0], step)
+        backward(models[0], step)
         opts[0].step()
         opts[0].zero_grad()
     torch.save({"opt": opts[0].state_dict(), "model": models[0].state_dict()}, tmp_path / "ck.pt")
@@ -101,10 +88,10 @@ def test_flat_8bit_resumes_exactly_and_refuses_another_state_width(tmp_path):
     models[1].load_state_dict(saved["model"])
     opts[1].load_state_dict(saved["opt"])
     for m, o in zip(models, opts):
-        _backward(m, 3)
+        backward(m, 3)
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
-    fp32 = FlatAdamW(_groups(_model()), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=1.0)
+    fp32 = FlatAdamW(param_groups(small_model()), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, clip_grad=1.0)
     with pytest.raises(UserError, match="optimizer.name"):
         fp32.load_state_dict(saved["opt"])
 
