@@ -52,9 +52,6 @@ class RLFields(_Strict):
                       "remove liger_cross_entropy / liger_fused_linear_cross_entropy")
         if d.sample_packing:
             raise bad(key("sample_packing"), True, "preference pairs are not packed yet", "set sample_packing: false")
-        if d.val_set_size or d.test_datasets:
-            raise bad(key("val_set_size" if d.val_set_size else "test_datasets"), d.val_set_size or "...",
-                      "the DPO eval is not built yet", "remove it (val_set_size: 0)")
         if d.excess_length_strategy != "drop":
             raise bad(key("excess_length_strategy"), d.excess_length_strategy, "pairs longer than sequence_len are "
                       "dropped (Axolotl's default); truncate and raise are not built for DPO", "remove it")

@@ -48,7 +48,7 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
 
         sft = prepare_pairs(cfg, source.tokenizer_dir(cfg), run.arch.vocab_size, builder=rank == 0,
                             barrier=dist.barrier, progress=rank == 0)
-        dataset, template = sft.train, sft.chat_template
+        dataset, val, template = sft.train, sft.val, sft.chat_template
         for line in pair_lines(sft) if rank == 0 else []:
             log(line.strip())
     elif cfg.data.datasets and not synthetic:

@@ -11,6 +11,16 @@ first, inside `disable_adapter()` and without gradients, then the policy. Per pa
 mean over all of its pairs (every micro-batch and data-parallel rank): TRL's mean over its batch when that batch is
 the step's global batch. The loop divides each micro-batch's sum by the step's pair count, as it divides SFT's
 token sums by the step's trained tokens (adapter/train/trainer.py).
+
+The eval (`val_set_size` / `test_datasets`, at the SFT eval's cadence: adapter/train/schedule.py) is TRL's
+`evaluate`: no gradients, the same reference (a full fine-tune's held-out pairs get their own table, computed with
+the training pairs'), rounds of micro_batch_size pairs per DP rank taken in order, as TRL's eval batches of
+per_device_eval_batch_size (Axolotl: micro_batch_size) on every process. eval_loss is the mean over the held-out
+pairs (HF's evaluation loop repeats each batch's mean loss per sample); each eval_rewards/* and eval_logps/* metric
+is the mean over rounds of the round's mean (TRL logs the mean of the per-batch means it stored), so a short last
+round weighs as much as a full one. Where accelerate pads that last batch across processes with pairs from the
+start (even_batches), TRL's metrics count those repeats; nd-adapter's round counts only held-out pairs, as a
+single-process TRL run does.
 """
 from __future__ import annotations
 
@@ -62,25 +72,30 @@ def reference_table(ds, dataset, *, dp_rank: int, dp: int, group, micro: int, pl
     return table[:n]
 
 
-def reference_for(trainer) -> torch.Tensor | None:
-    """A full fine-tune's DPO reference table (adapter/train/trainer.py's set-up, before a checkpoint is loaded);
-    None for SFT and for LoRA (whose reference is the base with the adapters disabled)."""
+def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A full fine-tune's DPO reference tables, of the training pairs and of the held-out ones (adapter/train/
+    trainer.py's set-up, before a checkpoint is loaded); None for SFT and for LoRA (whose reference is the base with
+    the adapters disabled)."""
     from adapter.train.batches import place
 
     t = trainer
     if t.cfg.objective != "dpo" or t.run.peft is not None:
-        return None
-    table = reference_table(t.engine.ds, t.dataset, dp_rank=t.layout.data_rank(t.rank), dp=t.layout.dp,
-                            group=t.groups.dp, micro=t.cfg.batch.micro_batch_size,
-                            place=lambda b: place(t.run, 0, t.device, b))  # the transformers engine runs no cp
-    t._say(f"DPO reference: the starting weights' log-probabilities of the {len(t.dataset)} pairs, computed once "
-           "before step 1 (TRL's precompute_ref_log_probs)")
-    return table
+        return None, None
+    tables = [None if data is None or not len(data) else
+              reference_table(t.engine.ds, data, dp_rank=t.layout.data_rank(t.rank), dp=t.layout.dp,
+                              group=t.groups.dp, micro=t.cfg.batch.micro_batch_size,
+                              place=lambda b: place(t.run, 0, t.device, b))  # the transformers engine runs no cp
+              for data in (t.dataset, t.val_dataset)]
+    held = f" and of the {len(t.val_dataset)} held-out pairs" if tables[1] is not None else ""
+    t._say(f"DPO reference: the starting weights' log-probabilities of the {len(t.dataset)} pairs{held}, computed "
+           "once before step 1 (TRL's precompute_ref_log_probs)")
+    return tables[0], tables[1]
 
 
-def pair_sums(ds, batch, beta: float, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ per-pair loss with its graph, the sums of METRICS) of one micro-batch on the device (a `flat` batch).
-    `table`: a full fine-tune's precomputed reference (`reference_table`), else LoRA's adapters are disabled."""
+def pair_terms(ds, batch, beta: float, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-pair loss with its graph [m], per-pair METRICS [m, 6]) of one micro-batch on the device (a `flat`
+    batch). `table`: a full fine-tune's precomputed reference (`reference_table`), else LoRA's adapters are
+    disabled."""
     if table is not None:
         ids = batch["pair"][:, 0]
         m = ids.shape[0] // 2
@@ -95,9 +110,42 @@ def pair_sums(ds, batch, beta: float, table: torch.Tensor | None = None) -> tupl
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
     rc, rr = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-    stats = torch.stack([rc.sum(), rr.sum(), (rc > rr).float().sum(), (rc - rr).sum(), chosen.detach().sum(),
-                         rejected.detach().sum()]).double()
-    return losses.sum(), stats
+    stats = torch.stack([rc, rr, (rc > rr).float(), rc - rr, chosen.detach(), rejected.detach()], 1).double()
+    return losses, stats
+
+
+def pair_sums(ds, batch, beta: float, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ per-pair loss with its graph, the sums of METRICS) of one micro-batch (`pair_terms` summed)."""
+    losses, stats = pair_terms(ds, batch, beta, table)
+    return losses.sum(), stats.sum(0)
+
+
+def evaluate(t) -> tuple[float | None, int, dict[str, float]]:
+    """(eval_loss, held-out pairs, {metric: value}) over the whole held-out set of trainer `t`, as TRL evaluates
+    (module docstring). Every DP rank runs the same number of rounds (ZeRO gathers are collective); the last
+    round's missing pairs are copies of pair 0 that count nowhere."""
+    val, mb, layout, ds = t.val_dataset, t.cfg.batch.micro_batch_size, t.layout, t.engine.ds
+    n, per_round, dp_rank = len(val), layout.dp * mb, layout.data_rank(t.rank)
+    rounds = -(-n // per_round)
+    acc = torch.zeros(rounds, 2 + len(METRICS), dtype=torch.float64, device=t.device)  # loss sum, pairs, metrics
+    ds.eval()
+    try:
+        with torch.no_grad():
+            for r in range(rounds):
+                idx = range(r * per_round + dp_rank * mb, r * per_round + (dp_rank + 1) * mb)
+                items = [val[i] if i < n else dict(val[0]) for i in idx]
+                b = t._on_device(flat({k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}))
+                losses, stats = pair_terms(ds, b, t.cfg.dpo.beta, t.val_ref)
+                w = torch.tensor([float(i < n) for i in idx], dtype=torch.float64, device=t.device)
+                acc[r] = torch.cat([(losses.double() * w).sum().reshape(1), w.sum().reshape(1), w @ stats])
+    finally:
+        ds.train()
+    dist.all_reduce(acc, group=t.groups.dp)  # the DP ranks hold disjoint pairs; TP peers compute the same
+    acc = acc.cpu()
+    count = float(acc[:, 1].sum())
+    metrics = (acc[:, 2:] / acc[:, 1:2].clamp(min=1)).mean(0).tolist()
+    t.clock.reset()  # evaluation is not training time
+    return (float(acc[:, 0].sum()) / count if count else None), int(count), dict(zip(METRICS, metrics))
 
 
 def line(values) -> str:
@@ -105,4 +153,4 @@ def line(values) -> str:
     return " | ".join(f"{k} {v:.4f}" for k, v in zip(METRICS, values))
 
 
-__all__ = ["METRICS", "flat", "reference_table", "pair_sums", "line"]
+__all__ = ["METRICS", "flat", "reference_table", "reference_for", "pair_terms", "pair_sums", "evaluate", "line"]

@@ -64,6 +64,7 @@ class RunResult:
     stopped_early: bool = False   # early stopping on the eval loss ended it
     best_step: int | None = None  # the best checkpoint, when it was reloaded for the export
     rewards: list[dict] = field(default_factory=list)  # DPO: the step's reward metrics (adapter/train/dpo.py)
+    eval_rewards: list[tuple[int, dict]] = field(default_factory=list)  # DPO: (after step, the eval's metrics)
 
 
 _ANNOUNCED: set[str] = set()  # config notes already said by this process (a rehearsal runs twice)
@@ -147,7 +148,7 @@ class Trainer:
         self._check_disk()
         self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
-        self.ref_table = dpo.reference_for(self)  # DPO of every weight: its reference, before any resume
+        self.ref_table, self.val_ref = dpo.reference_for(self)  # DPO of every weight: its reference, before a resume
         if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
             aux = self.engine.ds.module.moe_aux
             self.moe_aux = aux if aux.enabled else None
@@ -308,8 +309,7 @@ class Trainer:
         self.result.grad_norms.append(s.grad_norm)
         self.result.trained_tokens.append(s.trained_tokens)
         rewards = dict(zip(dpo.METRICS, pending.extra.values())) if pending.extra is not None else {}
-        if rewards:
-            self.result.rewards.append(rewards)
+        self.result.rewards += [rewards] if rewards else []
         max_steps = self.cfg.optimizer.max_steps
         if s.step % self.cfg.logging.every == 0 or s.step == max_steps:
             tps = metrics.tokens_per_s_per_gpu(s.computed_tokens, s.seconds, self.world)
@@ -360,14 +360,17 @@ class Trainer:
 
     def _eval(self, step: int) -> bool:
         """Evaluate after `step`; True when early stopping ends the run here."""
-        loss, count = self.evaluate()
+        pairs = self.cfg.objective == "dpo"  # TRL's eval of preference pairs (adapter/train/dpo.py)
+        loss, count, extra = dpo.evaluate(self) if pairs else (*self.evaluate(), {})
         if loss is None:
             self._say(f"eval after step {step}: the held-out set has no trained tokens")
             return False
         self.result.eval_losses.append((step, loss))
-        self._say(f"eval after step {step} | eval_loss {loss:.4f} | {len(self.val_dataset)} eval samples, "
-                  f"{count:,} trained tokens")
-        self.sink.log(step, {"eval_loss": loss})
+        what = (f"{count} eval pairs | {dpo.line(extra.values())}" if pairs else
+                f"{len(self.val_dataset)} eval samples, {count:,} trained tokens")
+        self._say(f"eval after step {step} | eval_loss {loss:.4f} | {what}")
+        self.result.eval_rewards += [(step, extra)] if pairs else []
+        self.sink.log(step, {"eval_loss": loss, **{f"eval_{k}": v for k, v in extra.items()}})
         return self.best.observe(step, loss)
 
     def save(self, step: int) -> str:

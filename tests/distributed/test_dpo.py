@@ -6,7 +6,12 @@ made sequential): the losses and every reward metric TRL logs agree, step by ste
 gradients (the adapters have moved by step 2). The same run at tp=2 (the model's own TP plan, ZeRO-2, four
 micro-batches a step) gives the same numbers. A full fine-tune (every weight, ZeRO-3; nd-adapter's reference the
 starting weights' log-probabilities computed once before step 1, TRL's a frozen copy of the model) matches TRL
-too. Pairs of different lengths, so a wrong mask or a per-micro-batch mean would show."""
+too. Pairs of different lengths, so a wrong mask or a per-micro-batch mean would show.
+
+The LoRA and full runs hold out 5 of the 21 pairs (val_set_size: 5) and evaluate before step 1 and every 2 steps;
+TRL evaluates the same 5 pairs at the same steps in batches of 2 (per_device_eval_batch_size = dp × micro-batch,
+one nd-adapter round), the last batch short: eval_loss (the mean over pairs) and every eval_rewards/* and
+eval_logps/* metric (the mean of the batch means) agree."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +23,7 @@ from tests.helpers.dist import run_workers
 from tests.helpers.sft_data import tiny_model, write_jsonl
 
 pytestmark = pytest.mark.slow
-SEQ, LR, STEPS, BETA, WORLD, GA, EPS = 96, 2e-2, 4, 0.2, 2, 2, 1e-8
+SEQ, LR, STEPS, BETA, WORLD, GA, EPS, VAL, EVERY = 96, 2e-2, 4, 0.2, 2, 2, 1e-8, 5, 2
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -28,10 +33,10 @@ def _rows() -> list[dict]:
     words = "red green blue small large quick slow bright dark warm cold soft".split()
     return [{"messages": [{"role": "user", "content": f"Describe the {words[i % 12]} thing number {i}."}],
              "chosen": {"role": "assistant", "content": " ".join(words[: 2 + i % 5]) + "."},
-             "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 3)}} for i in range(16)]
+             "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 3)}} for i in range(16 + VAL)]
 
 
-def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True):
+def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True):
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "dpo",
            "dpo": {"beta": BETA}, "lora": LORA if lora else None,
            "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
@@ -39,9 +44,9 @@ def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: 
            "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
-           "deepspeed": {"zero_stage": zero},
+           "deepspeed": {"zero_stage": zero}, "eval": {"every": EVERY} if ev else {"per_epoch": 0},
            "data": {"datasets": [{"path": str(data), "type": "chat_template.default"}], "chat_template": "chatml",
-                    "prepared_path": f"{root}/prep"}}
+                    "prepared_path": f"{root}/prep", "val_set_size": VAL}}
     return config.build(raw, env={}, world_size=WORLD)
 
 
@@ -52,9 +57,10 @@ def _worker(rank, world, model, data, root):
     init_distributed()
     lines: list[str] = []
     res = train(_cfg(Path(model), Path(data), Path(root)), log=lines.append)
-    tp = train(_cfg(Path(model), Path(data), Path(root) / "tp", zero=2, tp=2), log=lambda s: None)
+    tp = train(_cfg(Path(model), Path(data), Path(root) / "tp", zero=2, tp=2, ev=False), log=lambda s: None)
     full = train(_cfg(Path(model), Path(data), Path(root) / "full", lora=False), log=lines.append)
-    return res.losses, res.rewards, lines, tp.losses, tp.rewards, full.losses, full.rewards
+    return ([res.losses, res.rewards, res.eval_losses, res.eval_rewards], lines, tp.losses, tp.rewards,
+            [full.losses, full.rewards, full.eval_losses, full.eval_rewards])
 
 
 def _step_pairs(cfg, n: int) -> list[list[int]]:
@@ -65,13 +71,14 @@ def _step_pairs(cfg, n: int) -> list[list[int]]:
     return [[int(i) for it in its for _ in range(GA) for i in next(it)] for _ in range(STEPS)]
 
 
-def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], out: Path, lora: bool = True):
-    """TRL's DPOTrainer on `pairs` in order (one step = 4 consecutive pairs); per step: loss and its metrics."""
+def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict], out: Path, lora: bool = True):
+    """TRL's DPOTrainer on `pairs` in order (one step = 4 consecutive pairs), evaluating `held` before step 1 and
+    every EVERY steps: (per step: loss and its metrics, per eval: (step, its logged eval metrics))."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
     from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     torch.manual_seed(cfg.seed)
@@ -81,6 +88,12 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], out: Path, lora
     if lora:  # else TRL copies the model as its frozen reference
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     seen: list[dict] = []
+    evals: list[tuple[int, dict]] = []
+
+    class Evals(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "eval_loss" in logs:
+                evals.append((state.global_step, dict(logs)))
 
     class Recorded(DPOTrainer):
         def _get_train_sampler(self, *a, **k):
@@ -89,18 +102,21 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], out: Path, lora
         def _compute_loss(self, model, inputs, return_outputs):
             loss = super()._compute_loss(model, inputs, return_outputs)
             m = self._metrics["train"]
-            seen.append({"loss": float(loss.detach()), **{k: m[k][-1] for k in METRICS}})
+            if self.model.training:
+                seen.append({"loss": float(loss.detach()), **{k: m[k][-1] for k in METRICS}})
             return loss
 
     args = DPOConfig(output_dir=str(out), per_device_train_batch_size=WORLD * GA, gradient_accumulation_steps=1,
                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                      weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
                      beta=BETA, max_length=SEQ, loss_type=["sigmoid"], logging_steps=1, report_to=[], use_cpu=True,
-                     save_strategy="no", seed=cfg.seed, bf16=False, dataloader_num_workers=0, optim="adamw_torch")
+                     save_strategy="no", seed=cfg.seed, bf16=False, dataloader_num_workers=0, optim="adamw_torch",
+                     eval_strategy="steps", eval_steps=EVERY, eval_on_start=True, per_device_eval_batch_size=WORLD)
     trainer = Recorded(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                       eval_dataset=Dataset.from_list(held), callbacks=[Evals()],
                        processing_class=AutoTokenizer.from_pretrained(str(tok_dir)))
     trainer.train()
-    return seen
+    return seen, evals
 
 
 def test_dpo_matches_trl(tmp_path):
@@ -114,25 +130,45 @@ def test_dpo_matches_trl(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     cfg = _cfg(model, data, tmp_path)
     out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=300)
-    losses, rewards, lines, tp_losses, tp_rewards, full_losses, full_rewards = out[0]
+    lora_run, lines, tp_losses, tp_rewards, full_run = out[0]
+    losses, rewards = lora_run[:2]
     assert any(" | rewards/chosen " in ln for ln in lines), lines
+    assert any(ln.startswith("eval after step 2 | eval_loss ") and f"| {VAL} eval pairs | rewards/chosen " in ln
+               for ln in lines), lines
 
     tok = AutoTokenizer.from_pretrained(str(model))
     entry = cfg.data.datasets[0]
     template = templates.resolve_template("chatml", None, tok, "")
     rendered = [dict(zip(("prompt", "chosen", "rejected"), preference.render(r, entry, tok, template))) for r in rows]
-    order = [i for step in _step_pairs(cfg, len(rows)) for i in step]
-    ref = _trl(cfg, model, model, [rendered[i] for i in order], tmp_path / "trl")
-    full_ref = _trl(cfg, model, model, [rendered[i] for i in order], tmp_path / "trl-full", lora=False)
-    assert any(ln.startswith("DPO reference: the starting weights' log-probabilities of the 16") for ln in lines)
-    for got_losses, got_rewards, want_steps in ((losses, rewards, ref), (full_losses, full_rewards, full_ref)):
+    train_rows, held_rows = preference.split(cfg, len(rows))  # every row fits: prepared pair i is row i
+    order = [int(train_rows[i]) for step in _step_pairs(cfg, len(train_rows)) for i in step]
+    held = [rendered[i] for i in held_rows]
+    ref = _trl(cfg, model, model, [rendered[i] for i in order], held, tmp_path / "trl")
+    full_ref = _trl(cfg, model, model, [rendered[i] for i in order], held, tmp_path / "trl-full", lora=False)
+    assert any(ln.startswith(f"DPO reference: the starting weights' log-probabilities of the 16 pairs and of the "
+                             f"{VAL} held-out pairs") for ln in lines), lines
+    worst = 0.0
+    for (got_losses, got_rewards, got_eval, got_eval_rewards), (want_steps, want_evals) in ((lora_run, ref),
+                                                                                              (full_run, full_ref)):
         assert len(want_steps) == STEPS == len(got_losses)
         for step, (loss, got, want) in enumerate(zip(got_losses, got_rewards, want_steps), 1):
-            assert abs(loss - want["loss"]) <= 1e-4, (step, loss, want)
+            worst = max(worst, abs(loss - want["loss"]), *(abs(got[k] - want[k]) / max(1.0, abs(want[k]))
+                                                           for k in METRICS))
+            assert abs(loss - want["loss"]) <= 1e-5, (step, loss, want)
             for k in METRICS:
-                assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (step, k, got[k], want[k])
+                assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (step, k, got[k], want[k])
+        assert [s for s, _ in want_evals] == [s for s, _ in got_eval] == [s for s, _ in got_eval_rewards] == [0, 2, 4]
+        for (step, loss), (_, got), (_, want) in zip(got_eval, got_eval_rewards, want_evals):
+            worst = max(worst, abs(loss - want["eval_loss"]),
+                        *(abs(got[k] - want[f"eval_{k}"]) / max(1.0, abs(want[f"eval_{k}"])) for k in METRICS))
+            assert abs(loss - want["eval_loss"]) <= 1e-5, (step, loss, want)
+            for k in METRICS:
+                w = want[f"eval_{k}"]
+                assert abs(got[k] - w) <= 1e-5 * max(1.0, abs(w)), (step, k, got[k], want)
+    print(f"max |nd-adapter - TRL| / max(1, |TRL|) over losses, metrics and evals: {worst:.2e}")
     for a, b in zip([*losses, *(r[k] for r in rewards for k in METRICS)],  # tp=2: the same four pairs a step
                     [*tp_losses, *(r[k] for r in tp_rewards for k in METRICS)]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
-    assert min(abs(ref[-1]["rewards/margins"]), abs(full_ref[-1]["rewards/margins"])) > 1e-3
-    assert abs(full_losses[-1] - losses[-1]) > 1e-3  # every weight trained: another curve than LoRA's
+    assert min(abs(ref[0][-1]["rewards/margins"]), abs(full_ref[0][-1]["rewards/margins"])) > 1e-3
+    assert abs(full_run[0][-1] - losses[-1]) > 1e-3  # every weight trained: another curve than LoRA's
+    assert abs(ref[1][-1][1]["eval_rewards/margins"]) > 1e-4  # the eval sees the trained adapters

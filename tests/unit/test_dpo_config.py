@@ -20,7 +20,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "axolotl"
 
 def _example(**over) -> dict:
     raw = yaml.safe_load((FIXTURES / "instruct-dpo-lora-8b.yml").read_text())
-    raw.update({"val_set_size": 0, "load_in_8bit": False, **over})  # the DPO eval and 8-bit base: see below
+    raw.update({"load_in_8bit": False, **over})  # the 8-bit base: see below
     return raw
 
 
@@ -32,6 +32,7 @@ def test_axolotl_dpo_example_maps():
         "chat_template.default", "conversation", "chosen", "rejected")
     assert cfg.lora is not None and cfg.lora.r == 32 and cfg.data.chat_template == "llama3"
     assert any(n.startswith("rl: dpo -> objective: dpo") for n in cfg.notes)
+    assert cfg.data.val_set_size == 0.05  # the DPO eval (adapter/train/dpo.py)
     full = config.build(_example(adapter=None, lora_r=None, lora_alpha=None, lora_dropout=None,
                                  lora_target_linear=None), env={}, world_size=1)
     assert full.lora is None and any("reference = the starting weights' log-probabilities" in n for n in full.notes)
@@ -49,7 +50,6 @@ def test_axolotl_dpo_example_maps():
     ({"rpo_alpha": 0.5}, "rpo_alpha=0.5: RPO"),
     ({"rl_beta": 0}, "rl_beta=0: beta must be a number above 0"),
     ({"sample_packing": True}, "sample_packing=True: preference pairs are not packed yet"),
-    ({"val_set_size": 0.05}, "val_set_size=0.05: the DPO eval is not built yet"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template"}]}, "rl: dpo trains on preference pairs"),
 ])
 def test_unbuilt_dpo_refused_in_one_line(over, needle):
@@ -131,3 +131,33 @@ def test_pair_renders_and_tokenises_as_axolotl_and_trl(tmp_path):
         write_jsonl(data, bad_rows)
         with pytest.raises(UserError, match=needle):  # a fresh cache key: the file changed
             preference.prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
+
+
+def test_held_out_pairs(tmp_path):
+    """val_set_size holds out the tail of the seed's permutation of the prepared pairs (rounded up, as Axolotl's
+    train_test_split); test_datasets are prepared as the training pairs are and held out whole."""
+    from adapter.data.sft import preference
+    from adapter.models import source
+
+    tok_dir = tiny_model(tmp_path)
+    rows = [{"conv": f"Say {i}", "good": f"{i}.", "bad": "No."} for i in range(7)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    test = write_jsonl(tmp_path / "test.jsonl", rows[:2])
+    entry = {"type": "chat_template.default", "field_messages": "conv", "field_chosen": "good", "field_rejected": "bad"}
+    base = {"base_model": str(tok_dir), "rl": "dpo", "adapter": "lora", "learning_rate": 1e-4, "sequence_len": 64,
+            "chat_template": "chatml", "datasets": [{"path": str(data), **entry}],
+            "dataset_prepared_path": str(tmp_path / "prep")}
+    cfg = config.build({**base, "val_set_size": 0.3}, env={})
+    pairs = preference.prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
+    train, held = preference.split(cfg, 7)
+    assert len(held) == 3 and sorted([*train, *held]) == list(range(7))  # ceil(0.3 · 7)
+    assert pairs.val is not None and pairs.val.rows.tolist() == held.tolist() and pairs.train.rows.tolist() == [
+        *train]
+    assert (pairs.val.tokens[0] == preference.prepare_pairs(config.build(base, env={}), tok_dir,
+                                                            source.vocab_rows(cfg)).train.tokens[held[0]]).all()
+    assert "held out (val_set_size): 3 pairs for the eval, 4 pairs to train on" in "\n".join(
+        preference.stats_lines(pairs))
+    cfg = config.build({**base, "test_datasets": [{"path": str(test), **entry}]}, env={})
+    pairs = preference.prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
+    assert len(pairs.train) == 7 and pairs.val is not None and len(pairs.val) == 2
+    assert (pairs.val.tokens == pairs.train.tokens[:2]).all()

@@ -9,9 +9,15 @@ to an answer that does not end with it, tokenises the prompt and the prompt + an
 tokens) and takes the answer's ids as what follows the prompt's; its collator joins prompt and answer, truncates
 the sequence to `max_length` (= sequence_len) keeping the start, and marks the answer's tokens as the completion.
 
+Held out as Axolotl holds out for `rl:` runs (utils/data/rl.py): `test_datasets` prepared the same way, else
+`val_set_size` pairs (a fraction rounded up, or a count) from the tail of the pairs in the order
+`shuffle_merged_datasets` gives them (the seed's permutation, as SFT's split in prepare.py; Axolotl's
+train_test_split with shuffle=False takes the tail of its shuffled merge).
+
 Stored: tokens [pairs, 2, seq_len] (chosen then rejected, padded with the pad or EOS token as TRL pads) and the
-completion mask beside them. An item gives the loop next-token targets: `loss_mask[t]` marks that token t+1 is a
-completion token, so Σ loss_mask · log p(tokens[t+1]) is TRL's per-sequence log-probability.
+completion mask beside them, for the training pairs and the held-out ones. An item gives the loop next-token
+targets: `loss_mask[t]` marks that token t+1 is a completion token, so Σ loss_mask · log p(tokens[t+1]) is TRL's
+per-sequence log-probability.
 """
 from __future__ import annotations
 
@@ -24,11 +30,20 @@ from typing import Any
 import numpy as np
 
 from adapter.data.sft import formats, sources, templates
-from adapter.data.sft.prepare import cache_key, load_tokenizer, names, pad_id, prepared_root, resolve_all, top_prefix
+from adapter.data.sft.prepare import (
+    cache_key,
+    load_tokenizer,
+    names,
+    pad_id,
+    prepared_root,
+    resolve_all,
+    top_prefix,
+    val_fraction,
+)
 from adapter.errors import bad
 from adapter.osutil import build_once
 
-VERSION = 1
+VERSION = 2  # 2: the held-out pairs (val_set_size / test_datasets)
 DUMMY_USER = {"role": "user", "content": "[[dummy_message]]"}  # Axolotl's, rendered before each answer
 ROLES = {"user": ["user"], "assistant": ["assistant"], "system": ["system"], "tool": ["tool"]}
 
@@ -37,9 +52,10 @@ class PairDataset:
     """The prepared pairs: item i is {tokens, labels, loss_mask, position_ids}, each [2, seq_len] (chosen, rejected),
     and `pair` [2, 1] (i: where a full fine-tune finds its precomputed reference, adapter/train/dpo.py)."""
 
-    def __init__(self, d: Path, seq_len: int):
-        z = np.load(d / "pairs.npz")
+    def __init__(self, d: Path, seq_len: int, part: str = "pairs"):
+        z = np.load(d / f"{part}.npz")
         self.tokens, self.completion, self.seq_len = z["tokens"], z["completion"], seq_len
+        self.rows = z["rows"]  # each pair's place among the prepared pairs (before the split), for --debug and tests
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -60,7 +76,7 @@ class PairData:
     chat_template: str | None
     path: Path
     reused: bool = False
-    val: None = None
+    val: PairDataset | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -103,12 +119,12 @@ def tokenize(tok, prompt: str, chosen: str, rejected: str) -> tuple[list[int], l
     return out[0], out[1], out[2]
 
 
-def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:
-    tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tuple[list, list, list, str | None]:
+    """(tokens, completion masks, per-dataset stats, the template) of the entries' pairs that fit."""
     seq, pad = cfg.seq_len, (pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id))
     tokens, completion, stats, template = [], [], [], None
-    for n, (entry, where, kind, src) in enumerate(resolved):
-        ds = sources.load(src, entry, out / "hf")
+    for n, (entry, where, kind, src) in enumerate(resolved, first):
+        ds = sources.load(src, entry, hf)
         formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
         own = entry.chat_template is not None or entry.chat_template_jinja is not None
         template = (templates.resolve_template(entry.chat_template, entry.chat_template_jinja, tok, f"{where}.") if own
@@ -140,10 +156,42 @@ def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path, progr
             kept += 1
         stats.append({"dataset": n, "type": kind, "path": src.location, "rows": len(ds), "dropped_too_long": dropped,
                       "kept": kept})
+    return tokens, completion, stats, template
+
+
+def split(cfg, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) indices of n prepared pairs for val_set_size: the tail of the seed's permutation
+    (shuffle_merged_datasets) or of the pairs in order; the training ones kept in their prepared order."""
+    order = np.random.default_rng(cfg.data.seed).permutation(n) if cfg.data.shuffle_merged_datasets else np.arange(n)
+    n_val = val_fraction(cfg, n)
+    return np.sort(order[:n - n_val]), order[n - n_val:]
+
+
+def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:
+    tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+    tokens, completion, stats, template = _pairs(cfg, tok, resolved, vocab_size, out / "hf")
+    k = names(cfg)[1]
     if not tokens:
-        raise bad(names(cfg)[1]("datasets"), "...", f"no pair fits sequence_len {seq}", "raise sequence_len")
-    np.savez(out / "pairs.npz", tokens=np.stack(tokens), completion=np.stack(completion))
-    manifest = {"v": VERSION, "seq_len": seq, "datasets": stats, "pairs": len(tokens), "chat_template": template}
+        raise bad(k("datasets"), "...", f"no pair fits sequence_len {cfg.seq_len}", "raise sequence_len")
+    parts = {}
+    if test:
+        t_tok, t_comp, t_stats, _ = _pairs(cfg, tok, test, vocab_size, out / "hf", first=len(resolved))
+        if not t_tok:
+            raise bad(k("test_datasets"), "...", f"no pair fits sequence_len {cfg.seq_len}", "raise sequence_len")
+        stats += t_stats
+        parts["val"] = (np.stack(t_tok), np.stack(t_comp), np.arange(len(t_tok)))
+        train, val = np.arange(len(tokens)), None
+    else:
+        train, val = split(cfg, len(tokens))
+    tok_all, comp_all = np.stack(tokens), np.stack(completion)
+    parts["pairs"] = (tok_all[train], comp_all[train], train)
+    if val is not None and len(val):
+        parts["val"] = (tok_all[val], comp_all[val], val)
+    for name, (t, c, rows) in parts.items():
+        np.savez(out / f"{name}.npz", tokens=t, completion=c, rows=rows)
+    manifest = {"v": VERSION, "seq_len": cfg.seq_len, "datasets": stats, "pairs": len(train),
+                "val_pairs": len(parts["val"][0]) if "val" in parts else 0,
+                "val_source": "test_datasets" if test else "val_set_size", "chat_template": template}
     (out / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
@@ -152,17 +200,18 @@ def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
                   barrier: Callable[[], None] | None = None, progress: bool = True) -> PairData:
     """The prepared pairs of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract)."""
     tokenizer_dir = Path(tokenizer_dir)
-    resolved = resolve_all(cfg)
+    resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     root = prepared_root(cfg)
-    name = f"dpo{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size)}"
+    name = f"dpo{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size, test)}"
     reused = (root / name / "manifest.json").is_file()
     k = names(cfg)[1]
-    final = build_once(root, name, lambda tmp: _build(cfg, resolved, tokenizer_dir, vocab_size, tmp, progress),
+    final = build_once(root, name, lambda tmp: _build(cfg, resolved, test, tokenizer_dir, vocab_size, tmp, progress),
                        builder=builder, barrier=barrier,
                        unseen=(k("prepared_path"), "the prepared pairs", "put it on storage shared with the builder "
                                "rank"))
     m = json.loads((final / "manifest.json").read_text())
-    return PairData(PairDataset(final, cfg.seq_len), m, m["chat_template"], final, reused)
+    val = PairDataset(final, cfg.seq_len, "val") if (final / "val.npz").is_file() else None
+    return PairData(PairDataset(final, cfg.seq_len), m, m["chat_template"], final, reused, val)
 
 
 def stats_lines(data: PairData) -> list[str]:
@@ -170,6 +219,9 @@ def stats_lines(data: PairData) -> list[str]:
     for d in data.stats["datasets"]:
         out.append(f"  {d['dataset']} {d['type']} {d['path']}: {d['rows']} rows, {d['dropped_too_long']} over "
                    f"sequence_len dropped, {d['kept']} pairs kept")
+    if data.val is not None:
+        k = "test_datasets" if data.stats.get("val_source") == "test_datasets" else "val_set_size"
+        out.append(f"  held out ({k}): {len(data.val)} pairs for the eval, {len(data.train)} pairs to train on")
     return out
 
 
@@ -185,4 +237,5 @@ def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
     return out
 
 
-__all__ = ["PairDataset", "PairData", "render", "fits", "tokenize", "prepare_pairs", "stats_lines", "debug_lines"]
+__all__ = ["PairDataset", "PairData", "render", "fits", "tokenize", "split", "prepare_pairs", "stats_lines",
+           "debug_lines"]
