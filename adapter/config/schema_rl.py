@@ -1,11 +1,15 @@
-"""The training objective's config: supervised fine-tuning (the default) or DPO on preference pairs, and the two
-fields a preference dataset entry adds. Mixed into schema.py's `RunConfig` and `DatasetEntry` (kept here: schema.py
+"""The training objective's config: supervised fine-tuning (the default), DPO or ORPO on preference pairs, and the
+two fields a preference dataset entry adds. Mixed into schema.py's `RunConfig` and `DatasetEntry` (kept here: schema.py
 is at its size budget).
 
 DPO is TRL's `DPOTrainer` as Axolotl 067b021 runs it (TRL 1.8.0): the sigmoid loss -log σ(β·Δ), Δ the difference of
 the chosen and rejected completions' log-ratios policy/reference, averaged over the step's pairs; the reference is
 the base with the LoRA adapters disabled, or for a full fine-tune the starting weights' log-probabilities. What the
 loop does with it: adapter/train/dpo.py.
+
+ORPO is TRL's ORPOTrainer (trl.experimental.orpo) as Axolotl runs it: no reference; per pair −α·log σ(log-odds of
+the chosen minus the rejected, from their mean per-token log-probabilities), plus the chosen sequences' mean
+next-token loss over all of their tokens, prompt included. α is TRL's `beta` (Axolotl passes `orpo_alpha` there).
 """
 from __future__ import annotations
 
@@ -26,6 +30,11 @@ class DPOSection(_Strict):
                                                "strength of the pull towards the reference")
 
 
+class ORPOSection(_Strict):
+    alpha: Float = Field(0.1, gt=0, description="ORPO's weight of the odds-ratio term: TRL's ORPOConfig.beta "
+                                                "(Axolotl: trl.beta, else rl_beta, else orpo_alpha; TRL's default 0.1)")
+
+
 class PreferenceFields(_Strict):
     """A preference entry's columns (Axolotl's chat_template.default): the chosen and rejected answers."""
     field_chosen: str = "chosen"
@@ -33,29 +42,33 @@ class PreferenceFields(_Strict):
 
 
 class RLFields(_Strict):
-    """`objective: dpo` with its `dpo:` section; refused where the loop does not build it (one line each)."""
-    objective: Literal["sft", "dpo"] = Field("sft", description="sft (next-token loss) or dpo (preference pairs)")
+    """`objective: dpo` / `orpo` with its section; refused where the loop does not build it (one line each)."""
+    objective: Literal["sft", "dpo", "orpo"] = Field("sft", description="sft (next-token loss), dpo or orpo "
+                                                                        "(preference pairs)")
     dpo: DPOSection = DPOSection()
+    orpo: ORPOSection = ORPOSection()
 
     @model_validator(mode="after")
     def _dpo_scope(self) -> RLFields:
-        if self.objective != "dpo":
+        if self.objective == "sft":
             return self
+        rl, kind = self.objective.upper(), "chat_template.argilla" if self.objective == "orpo" else (
+            "chat_template.default with field_messages, field_chosen, field_rejected")
         d, ax = self.data, self.source == "axolotl"  # type: ignore[attr-defined]
         key = (lambda k: k) if ax else (lambda k: f"data.{k}")  # these data keys: Axolotl's top-level names
         if not d.datasets:
-            raise bad(key("datasets"), [], "DPO trains on preference pairs", "list a preference dataset (type: "
-                      "chat_template.default with field_messages, field_chosen, field_rejected)")
+            raise bad(key("datasets"), [], f"{rl} trains on preference pairs", f"list a preference dataset (type: "
+                      f"{kind})")
         if any("cross_entropy" in k for k in self.model.liger):  # type: ignore[attr-defined]
-            raise bad("liger_cross_entropy" if ax else "model.liger", True, "DPO needs per-token "
+            raise bad("liger_cross_entropy" if ax else "model.liger", True, f"{rl} needs per-token "
                       "log-probabilities; Liger's cross-entropy returns their sum",
                       "remove liger_cross_entropy / liger_fused_linear_cross_entropy")
         if d.sample_packing:
             raise bad(key("sample_packing"), True, "preference pairs are not packed yet", "set sample_packing: false")
         if d.excess_length_strategy != "drop":
             raise bad(key("excess_length_strategy"), d.excess_length_strategy, "pairs longer than sequence_len are "
-                      "dropped (Axolotl's default); truncate and raise are not built for DPO", "remove it")
+                      "dropped (Axolotl's default); truncate and raise are not built for preference pairs", "remove it")
         return self
 
 
-__all__ = ["DPOSection", "PreferenceFields", "RLFields"]
+__all__ = ["DPOSection", "ORPOSection", "PreferenceFields", "RLFields"]

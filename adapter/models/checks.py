@@ -28,7 +28,10 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
         _check_cp_chunks(cfg)
         pairs = ["objective dpo: plan's memory and time count one sequence per pair and no reference forward; a DPO "
                  "step runs both sequences of each pair through the policy and, without gradients, the reference "
-                 "(about 2x the activations, 3x the forward passes)"] if cfg.objective == "dpo" else []
+                 "(about 2x the activations, 3x the forward passes)"] if cfg.objective == "dpo" else [
+                 f"objective {cfg.objective}: plan's memory and time count one sequence per pair; a step runs both "
+                 "sequences of each pair (about 2x the activations and forward passes)"] if cfg.objective != "sft" \
+            else []
         return warnings + pairs, None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))

@@ -246,9 +246,10 @@ def check_native(cfg) -> None:
     trains transformers' model with PEFT (source.arch_for), `megatron` refuses with this line. LoRA on parameters
     (PEFT's target_parameters: a mixture of experts' fused 3-D expert weights, which PEFT adapts as delta weights
     per expert) has no counterpart among the Megatron linears' adapters here."""
-    if cfg.objective == "dpo":  # the reference is PEFT's disable_adapter() (adapter/train/dpo.py)
-        raise unbuilt("rl" if cfg.source == "axolotl" else "objective", "dpo", "DPO is built on the transformers "
-                      "engine only", "set model.engine: auto (or transformers), which runs it with PEFT")
+    if cfg.objective != "sft":  # DPO's reference is PEFT's disable_adapter() (adapter/train/dpo.py)
+        raise unbuilt("rl" if cfg.source == "axolotl" else "objective", cfg.objective, f"{cfg.objective.upper()} "
+                      "is built on the transformers engine only",
+                      "set model.engine: auto (or transformers), which runs it with PEFT")
     if cfg.lora is not None and cfg.lora.target_parameters:
         raise unbuilt(spell(cfg, "lora.target_parameters"), cfg.lora.target_parameters, "LoRA on parameters "
                       "(PEFT's target_parameters) is built on the transformers engine only",

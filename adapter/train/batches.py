@@ -42,7 +42,7 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
     pretraining text, or synthetic tokens when the run has no data. Collective: rank 0 builds, the rest wait."""
     cfg, layout = run.cfg, run.layout
     sft = val = template = None
-    if cfg.objective == "dpo":  # preference pairs (adapter/data/sft/preference.py)
+    if cfg.objective != "sft":  # preference pairs (adapter/data/sft/preference.py)
         from adapter.data.sft.preference import prepare_pairs
         from adapter.data.sft.preference import stats_lines as pair_lines
 

@@ -1,4 +1,8 @@
-"""DPO's step on the transformers engine: TRL 1.8.0's sigmoid loss over preference pairs. The reference: for LoRA the
+"""The preference objectives' step and eval on the transformers engine: DPO (TRL 1.8.0's sigmoid loss) here, ORPO's
+terms from adapter/train/preference_losses.py (no reference; its NLL is divided by the step's chosen tokens, which
+`step_norm` counts before the first micro-batch, as the SFT loss is divided by the step's trained tokens).
+
+DPO over preference pairs. The reference: for LoRA the
 base with PEFT's adapters disabled (no second copy of the model); for a full fine-tune the starting weights, whose
 log-probabilities of every pair are computed once before step 1 (TRL's `precompute_ref_log_probs`; before a resumed
 checkpoint is loaded, so a resumed run keeps the same reference).
@@ -29,9 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# the reward metrics TRL logs, in the order of the device vector that carries their sums
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+from adapter.train.preference_losses import DPO_METRICS as METRICS
+from adapter.train.preference_losses import PAIR_METRICS, TOKEN_METRICS, orpo_terms
 
 
 def flat(batch: dict) -> dict:
@@ -39,11 +42,15 @@ def flat(batch: dict) -> dict:
     return {k: v.transpose(0, 1).reshape(-1, *v.shape[2:]) for k, v in batch.items()}
 
 
-def _logps(ds, batch) -> torch.Tensor:
+def _token_losses(ds, batch) -> torch.Tensor:
     out = ds(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"])
     if out.dim() == 0:
-        raise RuntimeError("DPO needs per-token losses; the model returned a summed loss")
-    return -(out.float() * batch["loss_mask"]).sum(1)
+        raise RuntimeError("preference objectives need per-token losses; the model returned a summed loss")
+    return out.float()
+
+
+def _logps(ds, batch) -> torch.Tensor:
+    return -(_token_losses(ds, batch) * batch["loss_mask"]).sum(1)
 
 
 def reference_table(ds, dataset, *, dp_rank: int, dp: int, group, micro: int, place) -> torch.Tensor:
@@ -92,10 +99,14 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return tables[0], tables[1]
 
 
-def pair_terms(ds, batch, beta: float, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-pair loss with its graph [m], per-pair METRICS [m, 6]) of one micro-batch on the device (a `flat`
-    batch). `table`: a full fine-tune's precomputed reference (`reference_table`), else LoRA's adapters are
-    disabled."""
+def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss with its graph [m], chosen NLL sums [m] and their token counts [m] (ORPO's; zeros for DPO),
+    per-pair metrics [m, K] in PAIR_METRICS' order) of one micro-batch on the device (a `flat` batch). `table`: a
+    full fine-tune's precomputed DPO reference (`reference_table`), else LoRA's adapters are disabled."""
+    if cfg.objective == "orpo":  # no reference (adapter/train/preference_losses.py)
+        return orpo_terms(_token_losses(ds, batch), batch, cfg.orpo.alpha)
+    beta = cfg.dpo.beta
     if table is not None:
         ids = batch["pair"][:, 0]
         m = ids.shape[0] // 2
@@ -110,24 +121,50 @@ def pair_terms(ds, batch, beta: float, table: torch.Tensor | None = None) -> tup
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
     rc, rr = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-    stats = torch.stack([rc, rr, (rc > rr).float(), rc - rr, chosen.detach(), rejected.detach()], 1).double()
-    return losses, stats
+    stats = torch.stack([rc, rr, (rc > rr).float(), rc - rr, chosen.detach(), rejected.detach()], 1)
+    none = torch.zeros_like(rc)
+    return losses, none, none, stats
 
 
-def pair_sums(ds, batch, beta: float, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ per-pair loss with its graph, the sums of METRICS) of one micro-batch (`pair_terms` summed)."""
-    losses, stats = pair_terms(ds, batch, beta, table)
-    return losses.sum(), stats.sum(0)
+def step_norm(t, micro: list[dict]) -> torch.Tensor:
+    """[pairs, chosen NLL tokens] of trainer `t`'s whole optimizer step (host micro-batches, summed over DP on the
+    device): what a micro-batch's sums are divided by."""
+    n = sum(b["tokens"].shape[0] // 2 for b in micro)
+    tokens = sum(float(b["seq_mask"][:b["seq_mask"].shape[0] // 2].sum()) for b in micro) if TOKEN_METRICS[
+        t.cfg.objective] else 0.0
+    v = torch.tensor([n, tokens], dtype=torch.float64).to(t.device, non_blocking=True)
+    dist.all_reduce(v, group=t.groups.dp)  # whole pairs: tp ranks of a dp rank count the same
+    return v
+
+
+def step_terms(t, batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this micro-batch's share of the step's loss, with its graph; its sums [pairs, NLL, NLL tokens, metrics...]
+    for `step_metrics`)."""
+    losses, nll, tokens, stats = pair_terms(t.cfg, t.engine.ds, batch, t.ref_table)
+    local = losses.sum() / norm[0].float()
+    if TOKEN_METRICS[t.cfg.objective]:  # ORPO's NLL: Σ over the step's chosen tokens / their count
+        local = local + nll.sum() / norm[1].clamp(min=1).float()
+    head = torch.stack([torch.tensor(float(losses.shape[0]), device=losses.device), nll.detach().sum(),
+                        tokens.sum()])
+    return local, torch.cat([head, stats.sum(0)]).double()
+
+
+def step_metrics(cfg, values) -> dict[str, float]:
+    """TRL's logged metrics of a step from `step_terms`' sums over the step: means over its pairs, NLL per token."""
+    pairs, nll, tokens, *stats = values
+    out = {k: v / pairs for k, v in zip(PAIR_METRICS[cfg.objective], stats)}
+    return {**out, **{k: nll / max(tokens, 1.0) for k in TOKEN_METRICS[cfg.objective]}}
 
 
 def evaluate(t) -> tuple[float | None, int, dict[str, float]]:
     """(eval_loss, held-out pairs, {metric: value}) over the whole held-out set of trainer `t`, as TRL evaluates
     (module docstring). Every DP rank runs the same number of rounds (ZeRO gathers are collective); the last
     round's missing pairs are copies of pair 0 that count nowhere."""
-    val, mb, layout, ds = t.val_dataset, t.cfg.batch.micro_batch_size, t.layout, t.engine.ds
+    val, mb, layout, ds, cfg = t.val_dataset, t.cfg.batch.micro_batch_size, t.layout, t.engine.ds, t.cfg
     n, per_round, dp_rank = len(val), layout.dp * mb, layout.data_rank(t.rank)
     rounds = -(-n // per_round)
-    acc = torch.zeros(rounds, 2 + len(METRICS), dtype=torch.float64, device=t.device)  # loss sum, pairs, metrics
+    names = PAIR_METRICS[cfg.objective]
+    acc = torch.zeros(rounds, 4 + len(names), dtype=torch.float64, device=t.device)  # loss, pairs, NLL, tokens, ...
     ds.eval()
     try:
         with torch.no_grad():
@@ -135,22 +172,29 @@ def evaluate(t) -> tuple[float | None, int, dict[str, float]]:
                 idx = range(r * per_round + dp_rank * mb, r * per_round + (dp_rank + 1) * mb)
                 items = [val[i] if i < n else dict(val[0]) for i in idx]
                 b = t._on_device(flat({k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}))
-                losses, stats = pair_terms(ds, b, t.cfg.dpo.beta, t.val_ref)
+                losses, nll, tokens, stats = pair_terms(cfg, ds, b, t.val_ref)
                 w = torch.tensor([float(i < n) for i in idx], dtype=torch.float64, device=t.device)
-                acc[r] = torch.cat([(losses.double() * w).sum().reshape(1), w.sum().reshape(1), w @ stats])
+                acc[r] = torch.cat([torch.stack([losses.double() @ w, w.sum(), nll.double() @ w, tokens.double() @ w]),
+                                    w @ stats.double()])
     finally:
         ds.train()
     dist.all_reduce(acc, group=t.groups.dp)  # the DP ranks hold disjoint pairs; TP peers compute the same
     acc = acc.cpu()
-    count = float(acc[:, 1].sum())
-    metrics = (acc[:, 2:] / acc[:, 1:2].clamp(min=1)).mean(0).tolist()
+    pairs = acc[:, 1]
+    nll = acc[:, 2] / acc[:, 3].clamp(min=1)  # a round's (TRL batch's) mean NLL per chosen token; 0 for DPO
+    count = float(pairs.sum())
+    metrics = dict(zip(names, (acc[:, 4:] / pairs[:, None].clamp(min=1)).mean(0).tolist()))
+    metrics.update({k: float(nll.mean()) for k in TOKEN_METRICS[cfg.objective]})
     t.clock.reset()  # evaluation is not training time
-    return (float(acc[:, 0].sum()) / count if count else None), int(count), dict(zip(METRICS, metrics))
+    # HF's eval_loss: each batch's loss (its pairs' mean + its NLL) once per pair, over all pairs
+    loss = float((acc[:, 0] + pairs * nll).sum()) / count if count else None
+    return loss, int(count), metrics
 
 
-def line(values) -> str:
+def line(values: dict[str, float]) -> str:
     """The metrics on the step's log line."""
-    return " | ".join(f"{k} {v:.4f}" for k, v in zip(METRICS, values))
+    return " | ".join(f"{k} {v:.4f}" for k, v in values.items())
 
 
-__all__ = ["METRICS", "flat", "reference_table", "reference_for", "pair_terms", "pair_sums", "evaluate", "line"]
+__all__ = ["METRICS", "flat", "reference_table", "reference_for", "pair_terms", "step_norm", "step_terms",
+           "step_metrics", "evaluate", "line"]

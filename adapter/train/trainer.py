@@ -231,10 +231,10 @@ class Trainer:
         lr = ds.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on inside its last ds.step()
         self.profiler.begin(step)
         self.clock.begin()
-        pairs = self.cfg.objective == "dpo"  # preference pairs: each micro-batch's rows chosen, then rejected
+        pairs = self.cfg.objective != "sft"  # preference pairs: each micro-batch's rows chosen, then rejected
         micro = [self._trim(dpo.flat(next(batches)) if pairs else next(batches)) for _ in range(self.cfg.grad_accum)]
-        n_pairs = sum(b["tokens"].shape[0] // 2 for b in micro) * layout.dp  # the step's (equal micro-batches)
-        rewards = torch.zeros(len(dpo.METRICS), dtype=torch.float64, device=device) if pairs else None
+        norm = dpo.step_norm(self, micro) if pairs else None  # the step's pairs (and chosen NLL tokens)
+        rewards = 0
         tokens = torch.tensor([sum(float(b["loss_mask"].double().sum()) for b in micro),  # waits for nothing
                                sum(b["loss_mask"].numel() for b in micro)], dtype=torch.float64).to(device,
                                                                                                   non_blocking=True)
@@ -250,9 +250,9 @@ class Trainer:
         for b in micro:
             batch = self._on_device(b)
             with record_function("nd.forward"):
-                if pairs:  # DPO: Σ per-pair loss / the step's pairs (adapter/train/dpo.py)
-                    local, sums = dpo.pair_sums(ds, batch, self.cfg.dpo.beta, self.ref_table)
-                    local, rewards = local / n_pairs, rewards + sums
+                if pairs:  # Σ per-pair loss / the step's pairs (adapter/train/dpo.py)
+                    local, sums = dpo.step_terms(self, batch, norm)
+                    rewards = rewards + sums
                 else:
                     local = self._loss_sum(batch) / denom.float()
                 if aux is not None:  # the same on every CP and TP rank of the micro-batch: counted once over CP
@@ -282,9 +282,9 @@ class Trainer:
         aux_mean = summed[2:] / (layout.dp * self.cfg.grad_accum)
         pending = PendingStep(step, metrics.HostReadback(torch.cat([summed[:2], tokens, tail, stop, aux_mean])), gn,
                               lr, self.clock.end())
-        if pairs:  # TRL's reward metrics: means over the step's pairs
+        if pairs:  # TRL's metrics, as sums over the step's pairs (dpo.step_metrics divides)
             dist.all_reduce(rewards, group=self.groups.dp)
-            pending.extra = metrics.HostReadback(rewards / n_pairs)
+            pending.extra = metrics.HostReadback(rewards)
         if self.profiler.finish(step):
             self.clock.reset()  # writing the trace is not training time
         return pending
@@ -308,7 +308,7 @@ class Trainer:
             self.result.aux_losses.append(s.aux_loss)
         self.result.grad_norms.append(s.grad_norm)
         self.result.trained_tokens.append(s.trained_tokens)
-        rewards = dict(zip(dpo.METRICS, pending.extra.values())) if pending.extra is not None else {}
+        rewards = dpo.step_metrics(self.cfg, pending.extra.values()) if pending.extra is not None else {}
         self.result.rewards += [rewards] if rewards else []
         max_steps = self.cfg.optimizer.max_steps
         if s.step % self.cfg.logging.every == 0 or s.step == max_steps:
@@ -321,7 +321,7 @@ class Trainer:
             self._say(metrics.format_step(s.step, loss=s.loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s_gpu=tps,
                                           mfu=m, peak_mem=metrics.peak_memory_bytes(), total_steps=max_steps,
                                           trained_tokens_per_s_gpu=trained)
-                      + (f" | {dpo.line(rewards.values())}" if rewards else ""))
+                      + (f" | {dpo.line(rewards)}" if rewards else ""))
             extra = {"aux_loss": s.aux_loss} if self.moe_aux is not None else {}
             if extra:
                 self._say(f"step {s.step}: load-balancing aux_loss {s.aux_loss:.4f} (× router_aux_loss_coef "
@@ -360,13 +360,13 @@ class Trainer:
 
     def _eval(self, step: int) -> bool:
         """Evaluate after `step`; True when early stopping ends the run here."""
-        pairs = self.cfg.objective == "dpo"  # TRL's eval of preference pairs (adapter/train/dpo.py)
+        pairs = self.cfg.objective != "sft"  # TRL's eval of preference pairs (adapter/train/dpo.py)
         loss, count, extra = dpo.evaluate(self) if pairs else (*self.evaluate(), {})
         if loss is None:
             self._say(f"eval after step {step}: the held-out set has no trained tokens")
             return False
         self.result.eval_losses.append((step, loss))
-        what = (f"{count} eval pairs | {dpo.line(extra.values())}" if pairs else
+        what = (f"{count} eval pairs | {dpo.line(extra)}" if pairs else
                 f"{len(self.val_dataset)} eval samples, {count:,} trained tokens")
         self._say(f"eval after step {step} | eval_loss {loss:.4f} | {what}")
         self.result.eval_rewards += [(step, extra)] if pairs else []

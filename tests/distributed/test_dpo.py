@@ -11,7 +11,11 @@ too. Pairs of different lengths, so a wrong mask or a per-micro-batch mean would
 The LoRA and full runs hold out 5 of the 21 pairs (val_set_size: 5) and evaluate before step 1 and every 2 steps;
 TRL evaluates the same 5 pairs at the same steps in batches of 2 (per_device_eval_batch_size = dp × micro-batch,
 one nd-adapter round), the last batch short: eval_loss (the mean over pairs) and every eval_rewards/* and
-eval_logps/* metric (the mean of the batch means) agree."""
+eval_logps/* metric (the mean of the batch means) agree.
+
+`rl: orpo` (Axolotl's chat_template.argilla rows, LoRA, the same layout, steps and evals) against TRL's
+ORPOTrainer in the same worker: losses, rewards/*, logps/*, nll_loss, log_odds_ratio, log_odds_chosen, and the
+evals, agree."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,7 +27,7 @@ from tests.helpers.dist import run_workers
 from tests.helpers.sft_data import tiny_model, write_jsonl
 
 pytestmark = pytest.mark.slow
-SEQ, LR, STEPS, BETA, WORLD, GA, EPS, VAL, EVERY = 96, 2e-2, 4, 0.2, 2, 2, 1e-8, 5, 2
+SEQ, LR, STEPS, BETA, WORLD, GA, EPS, VAL, EVERY, ALPHA = 96, 2e-2, 4, 0.2, 2, 2, 1e-8, 5, 2, 0.3
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -36,21 +40,38 @@ def _rows() -> list[dict]:
              "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 3)}} for i in range(16 + VAL)]
 
 
-def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True):
-    raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "dpo",
-           "dpo": {"beta": BETA}, "lora": LORA if lora else None,
+def _argilla() -> list[dict]:
+    """ORPO's rows (Axolotl's chat_template.argilla): chosen and rejected conversations, some with a system prompt
+    or two turns."""
+    words = "red green blue small large quick slow bright dark warm cold soft".split()
+    out = []
+    for i in range(16 + VAL):
+        turns = [{"role": "user", "content": f"Name thing {i}."}, {"role": "assistant", "content": words[i % 12]}] * (
+            1 + i % 2)
+        good = " ".join(words[: 2 + i % 5]) + "."
+        row = {"chosen": [*turns[:-1], {"role": "assistant", "content": good}],
+               "rejected": [*turns[:-1], {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 3)}]}
+        out.append({**row, "system": "Be brief."} if i % 3 == 0 else row)
+    return out
+
+
+def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
+         objective: str = "dpo"):
+    kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
+    raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"},
+           "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "lora": LORA if lora else None,
            "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
            "deepspeed": {"zero_stage": zero}, "eval": {"every": EVERY} if ev else {"per_epoch": 0},
-           "data": {"datasets": [{"path": str(data), "type": "chat_template.default"}], "chat_template": "chatml",
+           "data": {"datasets": [{"path": str(data), "type": kind}], "chat_template": "chatml",
                     "prepared_path": f"{root}/prep", "val_set_size": VAL}}
     return config.build(raw, env={}, world_size=WORLD)
 
 
-def _worker(rank, world, model, data, root):
+def _worker(rank, world, model, data, root, orpo_data):
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train
 
@@ -59,8 +80,10 @@ def _worker(rank, world, model, data, root):
     res = train(_cfg(Path(model), Path(data), Path(root)), log=lines.append)
     tp = train(_cfg(Path(model), Path(data), Path(root) / "tp", zero=2, tp=2, ev=False), log=lambda s: None)
     full = train(_cfg(Path(model), Path(data), Path(root) / "full", lora=False), log=lines.append)
+    orpo = train(_cfg(Path(model), Path(orpo_data), Path(root) / "orpo", objective="orpo"), log=lines.append)
     return ([res.losses, res.rewards, res.eval_losses, res.eval_rewards], lines, tp.losses, tp.rewards,
-            [full.losses, full.rewards, full.eval_losses, full.eval_rewards])
+            [full.losses, full.rewards, full.eval_losses, full.eval_rewards],
+            [orpo.losses, orpo.rewards, orpo.eval_losses, orpo.eval_rewards])
 
 
 def _step_pairs(cfg, n: int) -> list[list[int]]:
@@ -71,7 +94,8 @@ def _step_pairs(cfg, n: int) -> list[list[int]]:
     return [[int(i) for it in its for _ in range(GA) for i in next(it)] for _ in range(STEPS)]
 
 
-def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict], out: Path, lora: bool = True):
+def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict], out: Path, lora: bool = True,
+         orpo: bool = False):
     """TRL's DPOTrainer on `pairs` in order (one step = 4 consecutive pairs), evaluating `held` before step 1 and
     every EVERY steps: (per step: loss and its metrics, per eval: (step, its logged eval metrics))."""
     import torch
@@ -94,6 +118,9 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "eval_loss" in logs:
                 evals.append((state.global_step, dict(logs)))
+
+    if orpo:
+        return _trl_orpo(model, tok_dir, pairs, held, out, seen, evals, Evals())
 
     class Recorded(DPOTrainer):
         def _get_train_sampler(self, *a, **k):
@@ -119,6 +146,36 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict
     return seen, evals
 
 
+def _trl_orpo(model, tok_dir: Path, pairs, held, out: Path, seen: list, evals: list, callback):
+    """TRL's ORPOTrainer (trl.experimental.orpo, Axolotl's AxolotlORPOTrainer's base) as `_trl` runs DPO."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoTokenizer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    class Recorded(ORPOTrainer):
+        def _get_train_sampler(self, *a, **k):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            seen.append({"loss": float(loss.detach()), **{k: v[-1] for k, v in self._stored_metrics["train"].items()}})
+            return loss
+
+    args = ORPOConfig(output_dir=str(out), per_device_train_batch_size=WORLD * GA, gradient_accumulation_steps=1,
+                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                      weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
+                      beta=ALPHA, max_length=SEQ, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                      seed=0, bf16=False, dataloader_num_workers=0, optim="adamw_torch", eval_strategy="steps",
+                      eval_steps=EVERY, eval_on_start=True, per_device_eval_batch_size=WORLD)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.pad_token = tok.pad_token or tok.eos_token  # its collator needs one (padding is masked either way)
+    trainer = Recorded(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                       eval_dataset=Dataset.from_list(held), callbacks=[callback], processing_class=tok)
+    trainer.train()
+    return seen, evals
+
+
 def test_dpo_matches_trl(tmp_path):
     from transformers import AutoTokenizer
 
@@ -129,8 +186,10 @@ def test_dpo_matches_trl(tmp_path):
     rows = _rows()
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     cfg = _cfg(model, data, tmp_path)
-    out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=300)
-    lora_run, lines, tp_losses, tp_rewards, full_run = out[0]
+    argilla = _argilla()
+    orpo_data = write_jsonl(tmp_path / "argilla.jsonl", argilla)
+    out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), str(orpo_data), timeout=400)
+    lora_run, lines, tp_losses, tp_rewards, full_run, orpo_run = out[0]
     losses, rewards = lora_run[:2]
     assert any(" | rewards/chosen " in ln for ln in lines), lines
     assert any(ln.startswith("eval after step 2 | eval_loss ") and f"| {VAL} eval pairs | rewards/chosen " in ln
@@ -165,10 +224,36 @@ def test_dpo_matches_trl(tmp_path):
             for k in METRICS:
                 w = want[f"eval_{k}"]
                 assert abs(got[k] - w) <= 1e-5 * max(1.0, abs(w)), (step, k, got[k], want)
-    print(f"max |nd-adapter - TRL| / max(1, |TRL|) over losses, metrics and evals: {worst:.2e}")
+    print(f"DPO: max |nd-adapter - TRL| / max(1, |TRL|) over losses, metrics and evals: {worst:.2e}")
+    from adapter.data.sft.preference_orpo import render_argilla
+
+    ocfg = _cfg(model, orpo_data, tmp_path / "orpo", objective="orpo")
+    o_rendered = [dict(zip(("prompt", "chosen", "rejected"), render_argilla(r, tok, template))) for r in argilla]
+    o_train, o_held = preference.split(ocfg, len(argilla))
+    o_order = [int(o_train[i]) for step in _step_pairs(ocfg, len(o_train)) for i in step]
+    orpo_ref = _trl(ocfg, model, model, [o_rendered[i] for i in o_order], [o_rendered[i] for i in o_held],
+                    tmp_path / "trl-orpo", orpo=True)
+    names = (*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+    o_worst = _compare(orpo_run, orpo_ref, names)
+    print(f"ORPO: max |nd-adapter - TRL| / max(1, |TRL|) over losses, metrics and evals: {o_worst:.2e}")
+    assert abs(orpo_ref[0][-1]["log_odds_chosen"] - orpo_ref[0][0]["log_odds_chosen"]) > 1e-3  # it trained
     for a, b in zip([*losses, *(r[k] for r in rewards for k in METRICS)],  # tp=2: the same four pairs a step
                     [*tp_losses, *(r[k] for r in tp_rewards for k in METRICS)]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
     assert min(abs(ref[0][-1]["rewards/margins"]), abs(full_ref[0][-1]["rewards/margins"])) > 1e-3
     assert abs(full_run[0][-1] - losses[-1]) > 1e-3  # every weight trained: another curve than LoRA's
     assert abs(ref[1][-1][1]["eval_rewards/margins"]) > 1e-4  # the eval sees the trained adapters
+
+
+def _compare(run, ref, names) -> float:
+    """The largest |ours - TRL's| / max(1, |TRL's|) over the steps' losses and metrics and the evals'; each ≤ 1e-5."""
+    (losses, rewards, evals, eval_rewards), (want_steps, want_evals) = run, ref
+    assert len(want_steps) == STEPS == len(losses)
+    pairs = [(loss, want["loss"]) for loss, want in zip(losses, want_steps)]
+    pairs += [(got[k], want[k]) for got, want in zip(rewards, want_steps) for k in names]
+    assert [s for s, _ in want_evals] == [s for s, _ in evals] == [s for s, _ in eval_rewards] == [0, 2, 4]
+    pairs += [(loss, want["eval_loss"]) for (_, loss), (_, want) in zip(evals, want_evals)]
+    pairs += [(got[k], want[f"eval_{k}"]) for (_, got), (_, want) in zip(eval_rewards, want_evals) for k in names]
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
+    assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
+    return worst

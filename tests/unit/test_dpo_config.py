@@ -48,6 +48,7 @@ def test_axolotl_dpo_example_maps():
     ({"dpo_label_smoothing": 0.1}, "dpo_label_smoothing=0.1: TRL 1.8.0"),
     ({"dpo_loss_type": ["ipo"]}, "dpo_loss_type=['ipo']: only TRL's sigmoid loss"),
     ({"rpo_alpha": 0.5}, "rpo_alpha=0.5: RPO"),
+    ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"rl_beta": 0}, "rl_beta=0: beta must be a number above 0"),
     ({"sample_packing": True}, "sample_packing=True: preference pairs are not packed yet"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template"}]}, "rl: dpo trains on preference pairs"),
@@ -161,3 +162,55 @@ def test_held_out_pairs(tmp_path):
     pairs = preference.prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
     assert len(pairs.train) == 7 and pairs.val is not None and len(pairs.val) == 2
     assert (pairs.val.tokens == pairs.train.tokens[:2]).all()
+
+
+def test_axolotl_orpo_example_maps_and_renders_as_axolotl(tmp_path):
+    """Axolotl's mistral-qlora-orpo.yml maps onto objective: orpo with orpo_alpha as TRL's beta; an argilla row
+    renders as Axolotl's own orpo `chat_template.argilla` transform renders it (its source, unchanged, from
+    tests/fixtures/axolotl/orpo_chat_template.py.txt)."""
+    from transformers import AutoTokenizer
+
+    from adapter.data.sft import templates
+    from adapter.data.sft.preference_orpo import render_argilla
+
+    raw = yaml.safe_load((FIXTURES / "mistral-qlora-orpo.yml").read_text())
+    raw.update({"load_in_4bit": False, "adapter": "lora", "model_type": None, "tokenizer_type": None})
+    cfg = config.build(raw, env={}, world_size=1)
+    assert cfg.objective == "orpo" and cfg.orpo.alpha == 0.1 and cfg.data.val_set_size == 0.1
+    assert cfg.data.datasets[0].type == "chat_template.argilla"
+    assert any(n.startswith("rl: orpo -> objective: orpo") for n in cfg.notes)
+    assert config.build({**raw, "rl_beta": 0.3}, env={}, world_size=1).orpo.alpha == 0.3  # Axolotl's order
+    src = (FIXTURES / "orpo_chat_template.py.txt").read_text()
+    src = "\n".join(ln for ln in src.splitlines() if not ln.startswith("from axolotl."))
+    ns = {"IGNORE_INDEX": -100, "PromptTokenizingStrategy": object, "Prompter": object,
+          "get_chat_template_from_config": lambda cfg, ds_cfg=None, tokenizer=None: cfg["chat_template_jinja"]}
+    exec(compile(src, "axolotl/prompt_strategies/orpo/chat_template.py", "exec"), ns)
+    for model in ("Message", "MessageList"):  # pydantic resolves their annotations in the exec namespace
+        ns[model].model_rebuild(_types_namespace=ns)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model(tmp_path)))
+    jinja = templates.resolve_template("chatml", None, tok, "")
+    fn = ns["argilla"]({"chat_template_jinja": jinja})
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    for row in ({"chosen": [*turn, {"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "Red."}],
+                 "rejected": [*turn, {"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "No."}],
+                 "system": "Be brief."},
+                {"chosen": turn, "rejected": [turn[0], {"role": "assistant", "content": "Go away"}], "prompt": "Yo"}):
+        want = fn(row, tokenizer=tok)
+        assert render_argilla(row, tok, jinja) == (want["prompt"], want["chosen"], want["rejected"])
+
+
+@pytest.mark.parametrize("over, needle", [
+    ({"datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]},
+     "rl: orpo trains on preference pairs of type chat_template.argilla"),
+    ({"rl": "dpo", "orpo_alpha": None, "datasets": [{"path": "x.jsonl", "type": "chat_template.argilla"}]},
+     "rl: dpo trains on preference pairs of type chat_template.default"),
+    ({"orpo_alpha": -1}, "orpo_alpha=-1: beta must be a number above 0"),
+])
+def test_orpo_config_errors_in_one_line(over, needle):
+    from adapter.data.sft.prepare import check_choices
+
+    raw = yaml.safe_load((FIXTURES / "mistral-qlora-orpo.yml").read_text())
+    raw.update({"load_in_4bit": False, "adapter": "lora", "model_type": None, "tokenizer_type": None, **over})
+    with pytest.raises(UserError) as e:
+        check_choices(config.build(raw, env={}, world_size=1))
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -47,6 +47,8 @@ def alpaca_prompt(style: str, instruction: str, input: str) -> str:
 ALPACA_NO_INPUT = alpaca_prompt("instruct", "{instruction}", "")
 TYPES = ("completion", "alpaca", "chat_template", "input_output")
 PREFERENCE = "chat_template.default"  # Axolotl's preference type for rl: dpo (adapter/data/sft/preference.py)
+ARGILLA = "chat_template.argilla"  # Axolotl's ORPO preference type (prompt_strategies/orpo/chat_template.py)
+PAIR_TYPES = {"dpo": PREFERENCE, "orpo": ARGILLA}  # the preference type each objective reads
 PAIR_KEYS = {"field_chosen", "field_rejected"}
 PRETOKENISED = "pretokenised"
 CHAT_KEYS = {"field_messages", "field_system", "field_tools", "message_property_mappings", "roles", "roles_to_train",
@@ -68,17 +70,22 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
             raise bad(f"{where}.type", t, "not one of Axolotl's alpaca prompt styles",
                       f"use one of {', '.join('alpaca:' + s for s in ALPACA_STYLES)} (or alpaca: instruct)")
         kind = "alpaca"
-    elif t == PREFERENCE:
+    elif t in (PREFERENCE, ARGILLA):
         kind = t
     elif t not in TYPES:
         raise bad(f"{where}.type", t, "unknown dataset type",
                   f"use one of {', '.join(TYPES)}, or leave type out for pre-tokenised rows (input_ids, labels)")
     else:
         kind = t
-    if (kind == PREFERENCE) != (objective == "dpo"):
-        raise bad(f"{where}.type", t, "rl: dpo trains on preference pairs" if objective == "dpo" else
-                  f"{PREFERENCE} is a preference type (for rl: dpo)", f"use type: {PREFERENCE} (field_messages, "
-                  "field_chosen, field_rejected)" if objective == "dpo" else "set rl: dpo, or use type: chat_template")
+    want = PAIR_TYPES.get(objective)
+    if want is not None and kind != want:
+        raise bad(f"{where}.type", t, f"rl: {objective} trains on preference pairs of type {want} (Axolotl loads "
+                  f"rl: {objective}'s types from its prompt_strategies/{objective})",
+                  f"use type: {want}" + (" (field_messages, field_chosen, field_rejected)" if want == PREFERENCE else
+                                         " (chosen and rejected conversations, optional system / prompt)"))
+    if want is None and kind in (PREFERENCE, ARGILLA):
+        raise bad(f"{where}.type", t, f"{kind} is a preference type (for rl: "
+                  f"{'dpo' if kind == PREFERENCE else 'orpo'})", "set rl:, or use type: chat_template")
     given = {k for k in entry.model_fields_set if getattr(entry, k) is not None}
     stray = sorted(given & CHAT_KEYS) if kind not in ("chat_template", PREFERENCE) else []
     stray += sorted(given & PAIR_KEYS) if kind != PREFERENCE else []
@@ -96,6 +103,7 @@ def required_columns(entry, kind: str) -> list[str]:
     return {"completion": [entry.field or "text"], "alpaca": ["instruction", "output"],
             "chat_template": [entry.field_messages], "input_output": ["segments"],
             PREFERENCE: [entry.field_messages, entry.field_chosen, entry.field_rejected],
+            ARGILLA: ["chosen", "rejected"],
             PRETOKENISED: ["input_ids"]}[kind]
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from adapter.data.sft import formats, sources, templates
+from adapter.data.sft.preference_orpo import render_argilla, tokenize_orpo
 from adapter.data.sft.prepare import (
     cache_key,
     load_tokenizer,
@@ -49,13 +50,15 @@ ROLES = {"user": ["user"], "assistant": ["assistant"], "system": ["system"], "to
 
 
 class PairDataset:
-    """The prepared pairs: item i is {tokens, labels, loss_mask, position_ids}, each [2, seq_len] (chosen, rejected),
+    """The prepared pairs: item i is {tokens, labels, loss_mask, position_ids, seq_mask}, each [2, seq_len] (chosen,
+    rejected; seq_mask: every next-token target inside the sequence, prompt included),
     and `pair` [2, 1] (i: where a full fine-tune finds its precomputed reference, adapter/train/dpo.py)."""
 
     def __init__(self, d: Path, seq_len: int, part: str = "pairs"):
         z = np.load(d / f"{part}.npz")
         self.tokens, self.completion, self.seq_len = z["tokens"], z["completion"], seq_len
         self.rows = z["rows"]  # each pair's place among the prepared pairs (before the split), for --debug and tests
+        self.length = z["length"]  # [pairs, 2] tokens of each sequence (ORPO's NLL covers all of the chosen one)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -65,7 +68,8 @@ class PairDataset:
         labels = np.concatenate([tok[:, 1:], tok[:, :1] * 0], axis=1)
         mask = np.concatenate([self.completion[i][:, 1:], np.zeros((2, 1), np.uint8)], axis=1).astype(np.float32)
         pos = np.broadcast_to(np.arange(self.seq_len, dtype=np.int64), tok.shape).copy()
-        return {"tokens": tok, "labels": labels, "loss_mask": mask, "position_ids": pos,
+        seq = (pos < self.length[i][:, None] - 1).astype(np.float32)  # predicts a token of the sequence
+        return {"tokens": tok, "labels": labels, "loss_mask": mask, "position_ids": pos, "seq_mask": seq,
                 "pair": np.full((2, 1), i, np.int64)}
 
 
@@ -119,10 +123,12 @@ def tokenize(tok, prompt: str, chosen: str, rejected: str) -> tuple[list[int], l
     return out[0], out[1], out[2]
 
 
-def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tuple[list, list, list, str | None]:
-    """(tokens, completion masks, per-dataset stats, the template) of the entries' pairs that fit."""
+def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tuple[list, list, list, list, str | None]:
+    """(tokens, completion masks, lengths, per-dataset stats, the template) of the entries' pairs that fit: rendered
+    and tokenised for DPO here, for ORPO as preference_orpo.py says."""
     seq, pad = cfg.seq_len, (pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id))
-    tokens, completion, stats, template = [], [], [], None
+    orpo = cfg.objective == "orpo"
+    tokens, completion, lengths, stats, template = [], [], [], [], None
     for n, (entry, where, kind, src) in enumerate(resolved, first):
         ds = sources.load(src, entry, hf)
         formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
@@ -133,30 +139,37 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
         kept = dropped = 0
         for i, row in enumerate(ds):
             try:
-                prompt, chosen, rejected = render(row, entry, tok, template)
+                prompt, chosen, rejected = (render_argilla(row, tok, template) if orpo else
+                                            render(row, entry, tok, template))
             except (KeyError, TypeError, IndexError) as e:
                 raise bad(f"{where}.path", src.location, f"row {i} is not a preference pair of this entry's fields "
-                          f"({type(e).__name__}: {e})", "give field_messages, field_chosen and field_rejected "
-                          "(and roles / message_property_mappings) as the rows spell them") from None
+                          f"({type(e).__name__}: {e})", "give chosen and rejected conversations (user and assistant "
+                          "turns, role and content)" if orpo else "give field_messages, field_chosen and "
+                          "field_rejected (and roles / message_property_mappings) as the rows spell them") from None
             if not fits(tok, prompt, chosen, rejected, seq):
                 dropped += 1
                 continue
-            p, c, r = tokenize(tok, prompt, chosen, rejected)
+            if orpo:
+                c_ids, c_p, r_ids, r_p = tokenize_orpo(tok, prompt, chosen, rejected, seq)
+            else:
+                p, c, r = tokenize(tok, prompt, chosen, rejected)
+                c_ids, c_p, r_ids, r_p = p + c, len(p), p + r, len(p)
             t = np.full((2, seq), pad, np.int32)
             m = np.zeros((2, seq), np.uint8)
-            for j, ans in enumerate((c, r)):
-                ids = (p + ans)[:seq]  # TRL's collator: max_length, keep_start
+            for j, (ids, start) in enumerate(((c_ids, c_p), (r_ids, r_p))):
+                ids = ids[:seq]  # TRL's collator: max_length, keep_start
                 t[j, :len(ids)] = ids
-                m[j, len(p):len(ids)] = 1
+                m[j, start:len(ids)] = 1
             if int(t.max()) >= vocab_size:
                 raise bad(f"{where}.path", src.location, f"row {i} has token id {int(t.max())} outside the "
                           f"model's {vocab_size} embedding rows", "use the model's own tokenizer")
             tokens.append(t)
             completion.append(m)
+            lengths.append([min(len(c_ids), seq), min(len(r_ids), seq)])
             kept += 1
         stats.append({"dataset": n, "type": kind, "path": src.location, "rows": len(ds), "dropped_too_long": dropped,
                       "kept": kept})
-    return tokens, completion, stats, template
+    return tokens, completion, lengths, stats, template
 
 
 def split(cfg, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,26 +182,26 @@ def split(cfg, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:
     tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
-    tokens, completion, stats, template = _pairs(cfg, tok, resolved, vocab_size, out / "hf")
+    tokens, completion, lengths, stats, template = _pairs(cfg, tok, resolved, vocab_size, out / "hf")
     k = names(cfg)[1]
     if not tokens:
         raise bad(k("datasets"), "...", f"no pair fits sequence_len {cfg.seq_len}", "raise sequence_len")
     parts = {}
     if test:
-        t_tok, t_comp, t_stats, _ = _pairs(cfg, tok, test, vocab_size, out / "hf", first=len(resolved))
+        t_tok, t_comp, t_len, t_stats, _ = _pairs(cfg, tok, test, vocab_size, out / "hf", first=len(resolved))
         if not t_tok:
             raise bad(k("test_datasets"), "...", f"no pair fits sequence_len {cfg.seq_len}", "raise sequence_len")
         stats += t_stats
-        parts["val"] = (np.stack(t_tok), np.stack(t_comp), np.arange(len(t_tok)))
+        parts["val"] = (np.stack(t_tok), np.stack(t_comp), np.asarray(t_len), np.arange(len(t_tok)))
         train, val = np.arange(len(tokens)), None
     else:
         train, val = split(cfg, len(tokens))
-    tok_all, comp_all = np.stack(tokens), np.stack(completion)
-    parts["pairs"] = (tok_all[train], comp_all[train], train)
+    tok_all, comp_all, len_all = np.stack(tokens), np.stack(completion), np.asarray(lengths)
+    parts["pairs"] = (tok_all[train], comp_all[train], len_all[train], train)
     if val is not None and len(val):
-        parts["val"] = (tok_all[val], comp_all[val], val)
-    for name, (t, c, rows) in parts.items():
-        np.savez(out / f"{name}.npz", tokens=t, completion=c, rows=rows)
+        parts["val"] = (tok_all[val], comp_all[val], len_all[val], val)
+    for name, (t, c, n, rows) in parts.items():
+        np.savez(out / f"{name}.npz", tokens=t, completion=c, length=n, rows=rows)
     manifest = {"v": VERSION, "seq_len": cfg.seq_len, "datasets": stats, "pairs": len(train),
                 "val_pairs": len(parts["val"][0]) if "val" in parts else 0,
                 "val_source": "test_datasets" if test else "val_set_size", "chat_template": template}

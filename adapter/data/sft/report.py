@@ -54,7 +54,7 @@ def main(args) -> int:
         raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
                   "list them under datasets: (Axolotl) or data.datasets (native)")
     tok_dir, vocab = source.tokenizer_dir(cfg), source.vocab_rows(cfg)
-    if cfg.objective == "dpo":  # preference pairs
+    if cfg.objective != "sft":  # preference pairs
         from adapter.data.sft import preference
 
         pairs = preference.prepare_pairs(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
