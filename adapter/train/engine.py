@@ -39,6 +39,7 @@ from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
+from adapter.patches.ds_comm import skip_cpu_shm_op
 from adapter.patches.zero import (
     average_over_replicas,
     drive_flat_optimizer,
@@ -61,6 +62,8 @@ def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
     if not dist.is_initialized():
+        if not torch.cuda.is_available():
+            skip_cpu_shm_op()  # a C++ op only DeepSpeed's inference layers use, compiled at start (patches/ds_comm)
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
                                    timeout=default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()

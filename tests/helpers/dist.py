@@ -12,6 +12,7 @@ back in rank order; an exception in any rank fails the caller with that rank's t
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -32,6 +33,7 @@ def free_port() -> int:
 
 
 def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, q) -> None:
+    gc.freeze()  # the preloaded imports are never garbage: DeepSpeed's gc.collect() calls skip them (spawn._run_rank)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
