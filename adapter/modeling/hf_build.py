@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from adapter.modeling import hf_cp
+from adapter.modeling import hf_cp, hf_unpack
 from adapter.models.generic import for_class, hf_config, model_class
 from adapter.patches.hf_masks import documents, prepare
 
@@ -130,17 +130,30 @@ class CausalLMLosses(torch.nn.Module):
     -100) and `num_items_in_batch=1`, so transformers' loss function (or Liger's fused linear cross-entropy, which
     never builds the [tokens × vocab] logits) sums instead of averaging per micro-batch; the loop's normalisation
     stays the step's (adapter/train/steps.masked_loss_sum takes the scalar as it is). `cp`: (CP group,
-    cp_comm_type) where the model's attention runs through hf_cp (installed on it), else None."""
+    cp_comm_type) where the model's attention runs through hf_cp (installed on it), else None. `unpack`: the model has
+    recurrent layers, so packed documents run as rows of their own (adapter/modeling/hf_unpack.py)."""
 
-    def __init__(self, model, model_loss: bool = False, cp: tuple | None = None):
+    def __init__(self, model, model_loss: bool = False, cp: tuple | None = None, unpack: bool = False):
         super().__init__()
         self.model = model
         self.model_loss = model_loss
         self.cp = cp
+        self.unpack = unpack  # recurrent layers: packed documents run as rows of their own (hf_unpack)
         prepare(model)
 
     def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
                 **_):
+        if self.unpack and position_ids is not None and hf_unpack.is_packed(position_ids):
+            index, valid = hf_unpack.documents_of(position_ids, loss_mask)
+            rows = [hf_unpack.unpack(index, x) for x in (tokens, labels)]
+            mask = None if loss_mask is None else hf_unpack.unpack(index, loss_mask) * valid
+            positions = torch.arange(index.shape[1], device=tokens.device).expand_as(index)
+            out = self._losses(rows[0], positions, labels=rows[1], loss_mask=mask)
+            return out if out.dim() == 0 else hf_unpack.repack(index, valid, out, tokens.shape)
+        return self._losses(tokens, position_ids, labels=labels, loss_mask=loss_mask,
+                            packed_seq_params=packed_seq_params)
+
+    def _losses(self, tokens, position_ids, *, labels, loss_mask, packed_seq_params=None):
         across = hf_cp.forward(*self.cp, packed_seq_params) if self.cp else nullcontext()
         if self.model_loss and loss_mask is not None:
             target = torch.where(loss_mask > 0, labels, torch.full_like(labels, -100))

@@ -211,13 +211,11 @@ def check_run(cfg, arch) -> list[str]:
         _check_tp(cfg, arch, p.tp_size)
     if p.cp_size > 1:
         _check_cp(cfg, arch, p.cp_size)
+    notes = []
     layer, d = unsplittable(arch.layer_kinds), cfg.data
-    packs = d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing))
-    if layer and packs:  # transformers confines attention to each packed document; a recurrence runs through them
-        key = "data.document_mask" if d.document_mask else ("data.sample_packing" if d.sample_packing
-                                                             else "data.eval_sample_packing")
-        raise bad(spell(cfg, key), True, f"packed documents would share the recurrent state of {name}'s {layer} "
-                  "layers (transformers separates them in attention only)", f"set {spell(cfg, key)}: false")
+    if layer and cfg.document_attention:  # a recurrence would run through the packed documents (hf_unpack)
+        notes.append(f"packed documents: {name}'s {layer} layers carry state along the sequence, so each document "
+                     "runs as its own row of a padded batch (exact; the padding costs time)")
     if p.ep_size > 1:
         raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
                   "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
@@ -237,7 +235,7 @@ def check_run(cfg, arch) -> list[str]:
     for on, key, value, what in unbuilt:
         if on:
             raise bad(spell(cfg, key), value, f"{what} is not built {why}", fixes.get(key, "remove it"))
-    return []
+    return notes
 
 
 def _check_liger(cfg, arch) -> None:

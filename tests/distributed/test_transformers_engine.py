@@ -1,7 +1,7 @@
 """The transformers engine against plain transformers: tiny random models of architectures no native family covers
 (tests/helpers/archs.py: Phi-2, GPT-NeoX, StarCoder2, gpt-oss, DeepSeek-V3, GLM-4.5, Llama 4, Qwen3-Next, Granite
 4, OLMo 3, Mistral 3's image-text checkpoint), each trained by nd-adapter for 4 steps at dp_shard=2 under ZeRO-3 on
-packed chat data (unpacked for the hybrids, whose recurrent layers cannot take packed documents), against
+packed chat data (the hybrids' packed documents run as rows of their own: adapter/modeling/hf_unpack.py), against
 transformers trained on the same prepared samples (each packed example on its own), the same masks and the same
 normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32 on CPU. A native family forced onto the
 transformers engine gives the native engine's losses, so the two engines check each other. Context parallelism
@@ -64,9 +64,8 @@ def _worker(rank, world, models, root):
     init_distributed()
     out = {}
     for name in MODELS:  # the fixture's native models train below (llama) or in the LoRA test (qwen3_moe)
-        pack = name not in HYBRID
-        lines: list[str] = []
-        res = train(_cfg(models[name], f"{root}/{name}", pack), log=lines.append)
+        lines: list[str] = []  # packed, the hybrids too (their documents run as rows of their own: hf_unpack)
+        res = train(_cfg(models[name], f"{root}/{name}", True), log=lines.append)
         out[name] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     for name in TP_ARCHS:  # tensor parallelism from the model's own plan: MLA's split rope key, gathered q/k/v
         lines = []
@@ -148,7 +147,7 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
         assert len(said) == 1 and "engine: transformers' own" in said[0] and "no native family" in said[0], said
         if name in VISION:
             assert "its language model trains on text, the other towers frozen" in said[0]
-        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", name not in HYBRID))
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", True))
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
     for name in TP_ARCHS:
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}-tp", True, dp_shard_size=1,
@@ -183,7 +182,7 @@ def _layouts(rank, world, models, root):
     init_distributed()
     out = {}
     for name in REPRESENTATIVE:
-        path, pack, at = models[name], name not in HYBRID, f"{root}/{name}"
+        path, pack, at = models[name], True, f"{root}/{name}"
         out[name] = {lay: train(_cfg(path, at, pack, world=4, **over), log=lambda s: None).losses
                      for lay, over in LAYOUTS.items()}
         ck = f"{at}/ckpt"  # 2 steps under exact HSDP, then on at tp=2 × dp_shard=2 under ZeRO-2, exported
@@ -214,7 +213,7 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
     got = run_workers(_layouts, 4, models, str(tmp_path), timeout=1200)[0]
     for name in REPRESENTATIVE:
         trained: list = []
-        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", name not in HYBRID, world=4),
+        want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", True, world=4),
                           dp=4, model_out=trained)
         for lay in (*LAYOUTS, *([CP_LAYOUT] if name == "phi" else [])):
             assert max(rel(a, b) for a, b in zip(got[name][lay], want)) < 1e-4, (name, lay, got[name][lay], want)

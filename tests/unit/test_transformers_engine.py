@@ -82,9 +82,6 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
                                                      "tensor-parallel ranks is not built"),
     ({"context_parallel_size": 2, "dp_shard_size": 1}, "context_parallel_size=2: its linear_attention layers cannot "
                                                        "be split over the sequence"),
-    ({"sample_packing": True, "datasets": [{"path": "x.jsonl", "type": "completion"}]},
-     "sample_packing=True: packed documents would share the recurrent state of Qwen3NextForCausalLM's "
-     "linear_attention layers"),
     ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True,
       "deepspeed": {"zero_optimization": {"stage": 3}}},
      "load_in_4bit='nf4': a 4/8-bit base on the transformers engine is not built under ZeRO-3"),
@@ -100,6 +97,14 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
 def test_what_the_transformers_engine_does_not_run_is_one_line(tmp_path, top, says):
     code, out, err = _plan(tmp_path, _write(tmp_path, "qwen3_next"), **top)
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_packing_over_recurrent_layers_says_each_document_runs_alone(tmp_path):
+    code, out, err = _plan(tmp_path, _write(tmp_path, "qwen3_next"), sample_packing=True,
+                           datasets=[{"path": "x.jsonl", "type": "completion"}])
+    assert code == 0, err
+    assert any("packed documents: Qwen3NextForCausalLM's linear_attention layers carry state along the sequence, "
+               "so each document runs as its own row" in n for n in json.loads(out)["warnings"]), out
 
 
 @pytest.mark.parametrize("model_type, says", [
@@ -362,3 +367,20 @@ def test_a_library_transformers_needs_to_build_the_model_is_named_in_one_line(tm
     with pytest.raises(UserError, match=r"transformers needs a library to build PhiForCausalLM: TimmWrapperModel "
                                         r"requires the timm library"):
         load_arch(_write(tmp_path, "phi"), "transformers")
+
+
+def test_packed_rows_cut_into_documents_with_a_trained_token():
+    import torch
+
+    from adapter.modeling.hf_unpack import documents_of, repack, unpack
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 0, 1, 2, 3, 0, 1]])  # last two of row 1: the padded tail
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 1, 1, 0, 0]], dtype=torch.float)
+    index, valid = documents_of(pos, mask)  # row 0's third document and row 1's tail have nothing trained
+    assert index[valid].tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13]
+    assert valid.sum(1).tolist() == [3, 2, 2, 4]
+    x = torch.arange(16.).view(2, 8)
+    assert torch.equal(repack(index, valid, unpack(index, x), x.shape), x * torch.tensor(
+        [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]))
+    index, valid = documents_of(pos, torch.zeros_like(mask))  # nothing trained: still one forward
+    assert valid.sum().item() == 3
