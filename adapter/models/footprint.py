@@ -55,8 +55,12 @@ def held_and_trained(run: ResolvedRun, tp: int) -> tuple[int, int]:
 def quantized_base(run: ResolvedRun, tp: int) -> tuple[int, float, int]:
     """(decoder-linear weights one TP rank holds quantised, bytes each, the largest one linear's local count) for a
     LoRA run on a 4- or 8-bit base (adapter/modeling/quant.py); (0, 0, 0) otherwise. Those weights are buffers:
-    neither ZeRO-sharded nor gathered, and dequantised one linear at a time."""
+    neither ZeRO-sharded nor gathered, and dequantised one linear at a time. On the transformers engine they are
+    bitsandbytes' parameters, which ZeRO-3 partitions (adapter/plan/memory.py)."""
     spec, arch = run.lora, run.arch
+    if run.peft is not None and run.peft.quantize_base:  # the transformers engine (no tp with a 4/8-bit base there)
+        total, largest = run.peft.linears
+        return total, lora.BASE_FORMATS[run.peft.quantize_base][0], largest
     if spec is None or not spec.quantize_base:
         return 0, 0.0, 0
     per_layer = [lin.weights // tp for lin in lora.nn_linears(arch)]

@@ -37,6 +37,8 @@ class PeftSpec:
     matched: tuple[str, ...]                # the module names (last part) that carry an adapter
     quantize_base: str | None = None        # "nf4" / "int8": bitsandbytes' 4/8-bit base, as transformers loads it
     target_parameters: tuple[str, ...] = ()  # PEFT's target_parameters: parameter names (fused 3-D expert weights)
+    linears: tuple[int, int] = (0, 0)       # weights of the linears a 4/8-bit base quantises (all but the output
+                                            # layer, as transformers' bitsandbytes loading skips it), the largest one
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -80,8 +82,8 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
     if params:  # Axolotl passes lora_target_modules or [] beside them: the parameters alone when none are listed
         _check_parameters(cfg, params, c.dropout, text, trust_remote_code, model_dir)
     try:
-        added, trained, matched, default = _peft_counts(text, trust_remote_code, model_dir,
-                                                        json.dumps(kw, sort_keys=True))
+        added, trained, matched, default, linears = _peft_counts(text, trust_remote_code, model_dir,
+                                                                 json.dumps(kw, sort_keys=True))
     except (ValueError, TypeError, KeyError) as e:
         cls = meta_facts(text, trust_remote_code, model_dir)["cls"]
         problem = f"PEFT cannot apply it to {cls}: {str(e).splitlines()[0][:200]}"
@@ -91,7 +93,7 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         key = "lora.target_linear" if c.target_linear else "lora.target_modules"
         raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True, problem,
                   "name modules the model has (its linear layers' names), or use lora_target_linear: true")
-    return dataclasses.replace(spec, added=added, trained=trained, matched=matched,
+    return dataclasses.replace(spec, added=added, trained=trained, matched=matched, linears=linears,
                                target_modules=targets or (() if params else default))
 
 
@@ -126,19 +128,22 @@ def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text:
 
 @functools.lru_cache(maxsize=8)
 def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | None, lora_kw: str):
-    """(adapter parameters, trained parameters, adapted module names, PEFT's default targets) of PEFT's LoRA on the
-    meta-device model; cached, as `plan --search` resolves one run per candidate layout."""
+    """(adapter parameters, trained parameters, adapted module names, PEFT's default targets, (weights of the
+    linears bitsandbytes would quantise, the largest)) of PEFT's LoRA on the meta-device model; cached, as `plan
+    --search` resolves one run per candidate layout."""
     import peft
     import torch
 
     model, _ = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    out = model.get_output_embeddings()
+    sizes = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not out]
     with torch.device("meta"):
         wrapped = peft.get_peft_model(model, peft.LoraConfig(**json.loads(lora_kw)))
     trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
     matched = sorted({_adapted(n, m) for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
     default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
-    return added, trained, tuple(matched), tuple(default)
+    return added, trained, tuple(matched), tuple(default), (sum(sizes), max(sizes, default=0))
 
 
 def _adapted(name: str, module) -> str:
@@ -212,7 +217,7 @@ def check_run(cfg, arch) -> list[str]:
     if p.cp_size > 1:
         _check_cp(cfg, arch, p.cp_size)
     notes = []
-    layer, d = unsplittable(arch.layer_kinds), cfg.data
+    layer = unsplittable(arch.layer_kinds)
     if layer and cfg.document_attention:  # a recurrence would run through the packed documents (hf_unpack)
         notes.append(f"packed documents: {name}'s {layer} layers carry state along the sequence, so each document "
                      "runs as its own row of a padded batch (exact; the padding costs time)")
@@ -372,16 +377,20 @@ def quantized_base_stage(cfg, dp_replicate: int):
                                   "notes": cfg.notes if note in cfg.notes else (*cfg.notes, note)})
 
 
-def check_quantized_base(cfg, stage: int) -> None:
-    """bitsandbytes' quantised weights are frozen parameters of their own type, which ZeRO-3 would partition like any
-    other: a 4/8-bit base on this engine runs under ZeRO-1/2 (every rank holds the small quantised base)."""
-    from adapter.config import setting, spell
+def quantized_base_zero3(cfg, stage: int):
+    """A 4/8-bit base under ZeRO-3: bitsandbytes' quantised weights are frozen parameters of their own type, which
+    ZeRO-3 partitions and gathers like any other (NF4's packed codes; their quantisation statistics stay whole on
+    every rank), exactly as transformers computes with them, the way Axolotl's QLoRA shards them under FSDP.
+    LLM.int8() keeps its own reference to the whole int8 codes (bitsandbytes' Linear8bitLt state), so an 8-bit base
+    stays whole on every rank: said in the first lines and counted so by `plan`. `cfg` with that note."""
+    if cfg.lora is None or not cfg.lora.quantize_base or stage != 3:
+        return cfg
+    note = ("ZeRO-3 partitions the NF4 base's codes over the data-parallel ranks and gathers a layer's at a time "
+            "(their quantisation statistics whole on every rank)" if cfg.lora.quantize_base == "nf4" else
+            "under ZeRO-3 the int8 base stays whole on every rank (LLM.int8() keeps its own reference to the codes); "
+            "adapters, gradients and optimizer states are sharded")
+    return cfg.model_copy(update={"notes": cfg.notes if note in cfg.notes else (*cfg.notes, note)})
 
-    if cfg.lora is not None and cfg.lora.quantize_base and stage == 3:
-        raise bad(spell(cfg, "lora.quantize_base"), cfg.lora.quantize_base, "a 4/8-bit base on the transformers "
-                  "engine is not built under ZeRO-3 (it would partition bitsandbytes' quantised weights)",
-                  f"set {setting(cfg, 'deepspeed.zero_stage', 2)} (the quantised base is small enough to keep whole)")
 
-
-__all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "check_quantized_base",
+__all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "quantized_base_zero3",
            "check_run", "check_liger_stage", "check_prequantized"]

@@ -106,7 +106,7 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
         cfg = generic_run.quantized_base_stage(cfg, layout.dp_replicate)
     stage = deepspeed_config.zero_stage(cfg, layout)
     if peft is not None:
-        generic_run.check_quantized_base(cfg, stage)
+        cfg = generic_run.quantized_base_zero3(cfg, stage)
     if not arch.native:
         generic_run.check_liger_stage(cfg, stage)
     flat = deepspeed_config.flat_optimizer(cfg, layout)

@@ -150,7 +150,7 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
     # gradients and optimizer states only for the trained parameters (LoRA's adapters, unfrozen_parameters)
     P, trained = held_and_trained(run, tp)
-    Q, q_bytes, q_one = quantized_base(run, tp)  # a 4/8-bit base: whole on every rank, outside ZeRO
+    Q, q_bytes, q_one = quantized_base(run, tp)  # a 4/8-bit base: whole on every rank, outside ZeRO (but below)
     Z = partition_size
     shard = -(-(P - Q) // Z)
     trained_shard = -(-trained // Z)
@@ -163,7 +163,12 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     P_whole = P - expert_params(arch, tp) + expert_params(arch, tp, ep)
     if ep > 1:
         lp = local_params(arch, tp, cfg.model.vocab_divisible_by, ep)
-    weights = pb * (shard if stage == 3 else P_whole - Q) + int(q_bytes * Q)
+    q_held = int(q_bytes * Q)
+    if Q and stage == 3 and Z > 1 and run.peft is not None and run.peft.quantize_base == "nf4":
+        # the transformers engine: ZeRO-3 partitions bitsandbytes' NF4 codes (parameters there) and gathers a
+        # layer's; LLM.int8() keeps its own reference to the whole int8 codes, so those stay whole
+        q_held = int(q_bytes * (-(-Q // Z) + Q // arch.num_layers))
+    weights = pb * (shard if stage == 3 else P_whole - Q) + q_held
     layer = lp.layer - Q // arch.num_layers  # what ZeRO-3 gathers of a layer
     prefetched = layer if ds.gather_granularity == "layer" else min(ds.prefetch_bucket_size, layer)
     gathered = pb * (max(layer, lp.embedding) + prefetched) if Z > 1 and stage == 3 else 0

@@ -295,10 +295,10 @@ def _lora(rank, world, models, root):
     res = train(_cfg(models["phi"], f"{root}/phi-tp", True, lora=LORA, export=f"{root}/phi-tp/adapter",
                      dp_shard_size=1, tp_size=2), log=lines.append)
     out["lora tp"] = (res.losses, res.exported)
-    lines = []  # QLoRA: the base loaded in NF4 by bitsandbytes, ZeRO-2 (ZeRO-3 is refused in one line)
-    out["qlora"] = train(_cfg(models["phi"], f"{root}/qlora", True, lora=QLORA, zero=2), log=lines.append).losses
-    out["qlora said"] = [ln for ln in lines if ln.startswith("lora:")]
-    # the same NF4 codes from a pre-quantised checkpoint (its quantization_config), loaded as they are
+    lines = []  # QLoRA: the base loaded in NF4 by bitsandbytes, its codes partitioned by ZeRO-3
+    out["qlora"] = train(_cfg(models["phi"], f"{root}/qlora", True, lora=QLORA, zero=3), log=lines.append).losses
+    out["qlora said"] = [ln for ln in lines if ln.startswith("lora:") or "NF4 base's codes" in ln]
+    # the same NF4 codes from a pre-quantised checkpoint (its quantization_config), loaded as they are, ZeRO-2
     out["qlora prequantized"] = train(_cfg(models["phi-nf4"], f"{root}/qlora-pre", True, lora=QLORA, zero=2),
                                       log=lambda s: None).losses
     lines = []  # bitsandbytes' AdamW8bit stepped by ZeRO-3
@@ -311,16 +311,12 @@ def _lora(rank, world, models, root):
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
     out.update(_expert_lora(models, root))
-    try:
-        train(_cfg(models["phi"], f"{root}/qlora3", True, lora=QLORA, zero=3), log=lambda s: None)
-    except Exception as e:  # noqa: BLE001 - the refusal's text is the check
-        out["qlora zero3"] = str(e)
     return out
 
 
 def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp_shard2(models, tmp_path):
     """LoRA under ZeRO-3 on the dense, MoE and hybrid model (and PEFT loads the export), and at tp=2; QLoRA
-    (bitsandbytes' NF4 base, as transformers' load_in_4bit makes it) under ZeRO-2 against PEFT on the same NF4
+    (bitsandbytes' NF4 base, as transformers' load_in_4bit makes it) under ZeRO-3 against PEFT on the same NF4
     base; Axolotl's unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model;
     8-bit and 4-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same
     model; LoRA on the experts' fused parameters (`_check_expert_lora`)."""
@@ -353,9 +349,10 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
     loaded = peft.PeftModel.from_pretrained(reference_model(Path(models["phi"])), exported)
     assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4
-    want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA, zero=2))
+    want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/qlora", True, lora=QLORA))
     assert max(rel(a, b) for a, b in zip(got["qlora"], want)) < 1e-4, (got["qlora"], want)
-    assert "NF4 through bitsandbytes" in got["qlora said"][0], got["qlora said"]
+    assert any("NF4 through bitsandbytes" in ln for ln in got["qlora said"]), got["qlora said"]
+    assert any("ZeRO-3 partitions the NF4 base's codes" in ln for ln in got["qlora said"]), got["qlora said"]
     assert max(rel(a, b) for a, b in zip(got["qlora prequantized"], got["qlora"])) < 1e-6, got["qlora prequantized"]
     fp32 = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/8bit", True))  # torch's AdamW
     eight = got["8bit"]
@@ -371,6 +368,4 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/unfrozen", True, unfrozen=UNFROZEN))
     assert max(rel(a, b) for a, b in zip(got["unfrozen"], want)) < 1e-4, (got["unfrozen"], want)
     assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
-    assert "is not built under ZeRO-3" in got["qlora zero3"] and "Fix: set deepspeed.zero_stage: 2" in \
-        got["qlora zero3"], got["qlora zero3"]
     _check_expert_lora(got, models, tmp_path)

@@ -78,7 +78,7 @@ def make_arch(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0) ->
 
 def reference_model(model_dir: Path, quantize: str | None = None):
     """transformers' model of a tiny checkpoint, loaded as a user would (fp32); `quantize` "nf4": the base in
-    bitsandbytes' NF4 with double quantisation, as Axolotl's QLoRA loads it."""
+    bitsandbytes' NF4 with double quantisation, as Axolotl's QLoRA loads it; "int8": LLM.int8() (load_in_8bit)."""
     import json
 
     import torch
@@ -86,9 +86,10 @@ def reference_model(model_dir: Path, quantize: str | None = None):
 
     archs = json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
     auto = AutoModelForImageTextToText if archs[0].endswith("ConditionalGeneration") else AutoModelForCausalLM
-    kw = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                    bnb_4bit_use_double_quant=True,
-                                                    bnb_4bit_compute_dtype=torch.float32)} if quantize else {}
+    bnb = (BitsAndBytesConfig(load_in_8bit=True) if quantize == "int8" else
+           BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.float32))
+    kw = {"quantization_config": bnb} if quantize else {}
     return auto.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
 
 

@@ -82,9 +82,6 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
                                                      "tensor-parallel ranks is not built"),
     ({"context_parallel_size": 2, "dp_shard_size": 1}, "context_parallel_size=2: its linear_attention layers cannot "
                                                        "be split over the sequence"),
-    ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True,
-      "deepspeed": {"zero_optimization": {"stage": 3}}},
-     "load_in_4bit='nf4': a 4/8-bit base on the transformers engine is not built under ZeRO-3"),
     ({"liger_fused_linear_cross_entropy": True}, "Liger's fused linear cross-entropy reads lm_head's weight outside "
                                                  "its forward, where ZeRO-3 has partitioned it"),
     ({"liger_cross_entropy": True, "tensor_parallel_size": 2, "dp_shard_size": 1},
@@ -97,6 +94,23 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
 def test_what_the_transformers_engine_does_not_run_is_one_line(tmp_path, top, says):
     code, out, err = _plan(tmp_path, _write(tmp_path, "qwen3_next"), **top)
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_qlora_under_zero3_partitions_nf4_codes_and_keeps_int8_whole(tmp_path):
+    """plan: NF4 codes partitioned by ZeRO-3 (a rank holds a share plus one layer's gather), int8 whole on every
+    rank (LLM.int8() keeps its own reference), said in the notes."""
+    held = {}
+    for bits, world in (("4bit", 2), ("4bit", 4), ("8bit", 2), ("8bit", 4)):
+        code, out, err = _plan(tmp_path, _write(tmp_path, "qwen3_next"), adapter="qlora" if bits == "4bit" else "lora",
+                               lora_r=8, lora_alpha=16,
+                               lora_target_linear=True, **{f"load_in_{bits}": True}, dp_shard_size=world,
+                               _gpus=world, deepspeed={"zero_optimization": {"stage": 3}})
+        assert code == 0, err
+        plan = json.loads(out)
+        held[bits, world] = plan["memory"]["weights"]
+        said = "partitions the NF4 base's codes" if bits == "4bit" else "the int8 base stays whole on every rank"
+        assert any(said in n for n in plan["notes"]), plan["notes"]
+    assert held["4bit", 4] < held["4bit", 2] and held["8bit", 2] - held["8bit", 4] < held["4bit", 2] - held["4bit", 4]
 
 
 def test_packing_over_recurrent_layers_says_each_document_runs_alone(tmp_path):
