@@ -4,6 +4,11 @@ Built: `rl: dpo` with TRL's sigmoid loss, as Axolotl 067b021 hands it to TRL 1.8
 core/builders/rl.py and core/trainers/dpo/__init__.py): beta from `trl.beta`, else `rl_beta` (the deprecated
 `dpo_beta` fills an unset `rl_beta`), else TRL's 0.1. `rl: orpo` as Axolotl hands it to TRL's ORPOTrainer: the same
 chain with `orpo_alpha` last (Axolotl: "trl does some odd mapping of alpha to beta"), the DPO options not passed.
+`rl: ipo` (and `rl: dpo` with `dpo_loss_type: [ipo]`, which Axolotl passes to TRL as it is) is the DPOTrainer with
+loss_type ["ipo"] and the same beta (Axolotl's DPOStrategy; it passes no label smoothing for ipo). `rl: simpo` is
+TRL's CPOTrainer with loss_type "simpo" (Axolotl's AxolotlCPOTrainer, no reference, no peft_config reference):
+beta as for DPO, `simpo_gamma` as given, `cpo_alpha` when given (else TRL's 1.0). An unset `simpo_gamma` is refused:
+Axolotl's AxolotlCPOConfig declares it with default None and passes None, which TRL's loss cannot divide.
 Every other `rl:` value, and any DPO option that would change the loss, is refused in one line: a preference config
 run as something else would finish and export a model that is not the one asked for.
 """
@@ -15,8 +20,8 @@ from adapter.config.axolotl_scope import is_on
 from adapter.errors import bad
 
 ONLINE = ("grpo", "gdpo", "ebft")  # they sample completions from the policy during training
-NOT_BUILT = ("ipo", "kto", "simpo")
-BUILT = ("dpo", "orpo")
+BUILT = ("dpo", "ipo", "orpo", "simpo")
+SIMPO_KEYS = ("simpo_gamma", "cpo_alpha")
 # DPO options of Axolotl that change TRL's loss, refused when on: (why, fix)
 LOSS_OPTIONS = {
     "dpo_label_smoothing": ("TRL 1.8.0 (Axolotl's pin) ignores label smoothing in the sigmoid loss, so the value would "
@@ -25,14 +30,15 @@ LOSS_OPTIONS = {
     "dpo_loss_weights": ("weighted mixtures of DPO losses are not built", "remove it (one sigmoid loss)"),
     "rpo_alpha": ("RPO (an NLL term on the chosen answer) is not built", "remove it"),
     "dpo_norm_loss": ("the length-normalised DPO loss is not built", "remove it"),
-    "simpo_gamma": ("SimPO's margin applies to rl: simpo, which is not built", "remove it"),
-    "cpo_alpha": ("CPO's NLL weight applies to rl: simpo, which is not built", "remove it"),
+    "simpo_gamma": ("SimPO's margin: Axolotl passes it to rl: simpo only", "remove it, or set rl: simpo"),
+    "cpo_alpha": ("CPO's NLL weight: Axolotl passes it to rl: simpo only", "remove it, or set rl: simpo"),
     "orpo_alpha": ("ORPO's weight: Axolotl would hand it to this trainer as beta when rl_beta is unset",
                    "give rl_beta instead, or set rl: orpo"),
 }
 # read here; the speed / memory options are noted (nd-adapter's own forward runs the pairs)
 NOTED = ("dpo_padding_free", "dpo_use_liger_kernel", "precompute_ref_log_probs", "max_prompt_len")
-RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *LOSS_OPTIONS, *NOTED}
+KTO_KEYS = ("kto_desirable_weight", "kto_undesirable_weight")  # read by rl: kto only (refused)
+RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *LOSS_OPTIONS, *NOTED, *KTO_KEYS}
 
 
 def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
@@ -44,15 +50,26 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         raise bad("rl", rl, f"{rl.upper()} is an online method: it generates completions with the policy during "
                   "training (Axolotl runs vLLM beside the trainer), which nd-adapter does not do",
                   "run this config with Axolotl, or train DPO on fixed preference pairs (rl: dpo)")
+    if rl == "kto":
+        raise bad("rl", rl, "KTO is not built: TRL's KL term pairs each prompt with its neighbour's completion inside "
+                  "a per-device batch and averages it per micro-batch, which nd-adapter's step (every micro-batch "
+                  "and data-parallel rank) does not reproduce exactly yet", "use rl: dpo on paired data, or run this "
+                  "config with Axolotl")
     if rl not in BUILT:
-        raise bad("rl", rl, "only rl: dpo (TRL's sigmoid loss) and rl: orpo are built"
-                  + (f"; {rl} is not yet" if rl in NOT_BUILT else ""), "use rl: dpo, or run this config with Axolotl")
+        raise bad("rl", rl, f"only rl: {', '.join(BUILT)} are built", "use rl: dpo, or run this config with Axolotl")
     loss = raw.get("dpo_loss_type")
-    if rl == "dpo" and loss not in (None, "sigmoid", ["sigmoid"]):
-        raise bad("dpo_loss_type", loss, "only TRL's sigmoid loss is built", "remove it (sigmoid is the default)")
-    dpo_only = [k for k in (*LOSS_OPTIONS, "dpo_loss_type") if k not in ("orpo_alpha", "simpo_gamma", "cpo_alpha")]
+    if rl == "dpo" and loss in ("ipo", ["ipo"]):
+        rl = "ipo"  # Axolotl passes dpo_loss_type to TRL's DPOConfig as it is
+    elif rl == "dpo" and loss not in (None, "sigmoid", ["sigmoid"]):
+        raise bad("dpo_loss_type", loss, "only TRL's sigmoid and ipo losses are built, one at a time",
+                  "remove it (sigmoid is the default), or give [ipo]")
+    ignores = {"orpo": (*LOSS_OPTIONS, "dpo_loss_type"),  # not passed to these trainers by Axolotl
+               "simpo": tuple(k for k in (*LOSS_OPTIONS, "dpo_loss_type") if k not in (*SIMPO_KEYS, "orpo_alpha")),
+               # rl: ipo gets neither; rl: dpo passes both to TRL, whose ipo loss reads no label smoothing
+               "ipo": ("dpo_label_smoothing", "dpo_loss_type") + (("dpo_loss_weights",) if raw["rl"] == "ipo" else ())
+               }.get(rl, ())
     for key, (why, fix) in LOSS_OPTIONS.items():
-        if is_on(raw.get(key)) and not (rl == "orpo" and key in (*dpo_only, "orpo_alpha")):
+        if is_on(raw.get(key)) and key not in ignores and not (rl == "simpo" and key in SIMPO_KEYS):
             raise bad(key, raw[key], why, fix)
     trl = raw.get("trl") or {}
     if not isinstance(trl, dict):
@@ -67,17 +84,23 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
             key = "orpo_alpha" if rl == "orpo" and beta is chain[-1] else "rl_beta"
             raise bad(key, beta, "beta must be a number above 0", f"give e.g. {key}: 0.1 (TRL's default)")
-        out.setdefault(rl, {})["alpha" if rl == "orpo" else "beta"] = float(beta)
+        section = {"orpo": "orpo", "simpo": "simpo"}.get(rl, "dpo")  # ipo reads dpo.beta
+        out.setdefault(section, {})["alpha" if rl == "orpo" else "beta"] = float(beta)
     shown = beta if beta is not None else 0.1
-    if rl == "orpo":
+    if rl == "simpo":
+        _simpo(raw, out, notes, shown)
+    elif rl == "orpo":
         notes.append(f"rl: orpo -> objective: orpo (TRL's ORPOTrainer, orpo.alpha {shown} as its beta, no reference)")
-        ignored = [k for k in dpo_only if raw.get(k) is not None]
-        if ignored:
-            notes.append(f"{', '.join(ignored)}: not read by ORPO (Axolotl passes them to DPO only)")
     else:
         ref = ("the base with the LoRA adapters disabled" if is_on(raw.get("adapter")) else
                "the starting weights' log-probabilities, computed once before step 1")
-        notes.append(f"rl: dpo -> objective: dpo (TRL's sigmoid loss, beta {shown}, reference = {ref})")
+        how = "rl: ipo" if raw.get("rl") == "ipo" else "rl: dpo with dpo_loss_type ipo" if rl == "ipo" else "rl: dpo"
+        notes.append(f"{how} -> objective: {rl} (TRL's {'ipo' if rl == 'ipo' else 'sigmoid'} loss, beta {shown}, "
+                     f"reference = {ref})")
+    ignored = [k for k in ignores if raw.get(k) is not None and not (rl == "ipo" and k == "dpo_loss_type")]
+    if ignored:
+        notes.append(f"{', '.join(ignored)}: not read by {rl.upper()} (Axolotl 067b021 with TRL 1.8.0 does not "
+                     "apply them to it)")
     said = [k for k in NOTED if raw.get(k) is not None]
     if said:
         notes.append(f"{', '.join(said)}: noted, no effect (speed or memory options of TRL's trainer; max_prompt_len "
@@ -85,6 +108,28 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
     other = sorted(k for k in trl if k != "beta")
     if other:
         notes.append(f"ignored trl keys (not read by {rl.upper()}): {', '.join(other)}")
+
+
+def _simpo(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: float) -> None:
+    """simpo_gamma (required: see the module docstring) and cpo_alpha onto `simpo:`."""
+    gamma, alpha = raw.get("simpo_gamma"), raw.get("cpo_alpha")
+    if gamma is None:
+        raise bad("simpo_gamma", None, "Axolotl passes an unset simpo_gamma to TRL's CPOConfig as None (its "
+                  "AxolotlCPOConfig's default), and TRL's SimPO loss fails on it at the first step",
+                  "give simpo_gamma (TRL's documented default is 0.5)")
+    for key, v, low in (("simpo_gamma", gamma, None), ("cpo_alpha", alpha, 0.0)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or (low is not None and v < low)):
+            raise bad(key, v, "must be a number" + (" ≥ 0" if low is not None else ""), f"give e.g. {key}: 0.5")
+    out.setdefault("simpo", {})["gamma"] = float(gamma)
+    if alpha is not None:
+        out["simpo"]["cpo_alpha"] = float(alpha)
+    if raw.get("warmup_ratio"):
+        raise bad("warmup_ratio", raw["warmup_ratio"], "Axolotl refuses warmup_ratio with the simpo trainer",
+                  "use warmup_steps instead")
+    a = alpha if alpha is not None else 1.0
+    notes.append(f"rl: simpo -> objective: simpo (TRL's CPOTrainer, loss_type simpo, beta {beta}, simpo_gamma {gamma}, "
+                 f"cpo_alpha {a}{' (TRL default: the chosen completions NLL is added)' if alpha is None else ''}, "
+                 "no reference)")
 
 
 __all__ = ["map_rl", "RL_KEYS", "ONLINE", "BUILT"]

@@ -26,9 +26,9 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
-        pairs = ["objective dpo: plan's memory and time count one sequence per pair and no reference forward; a DPO "
-                 "step runs both sequences of each pair through the policy and, without gradients, the reference "
-                 "(about 2x the activations, 3x the forward passes)"] if cfg.objective == "dpo" else [
+        pairs = [f"objective {cfg.objective}: plan's memory and time count one sequence per pair and no reference "
+                 "forward; a step runs both sequences of each pair through the policy and, without gradients, the "
+                 "reference (about 2x the activations, 3x the forwards)"] if cfg.objective in ("dpo", "ipo") else [
                  f"objective {cfg.objective}: plan's memory and time count one sequence per pair; a step runs both "
                  "sequences of each pair (about 2x the activations and forward passes)"] if cfg.objective != "sft" \
             else []

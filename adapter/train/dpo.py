@@ -1,6 +1,7 @@
-"""The preference objectives' step and eval on the transformers engine: DPO (TRL 1.8.0's sigmoid loss) here, ORPO's
-terms from adapter/train/preference_losses.py (no reference; its NLL is divided by the step's chosen tokens, which
-`step_norm` counts before the first micro-batch, as the SFT loss is divided by the step's trained tokens).
+"""The preference objectives' step and eval on the transformers engine: DPO (TRL 1.8.0's sigmoid loss) here, with
+IPO's per-pair loss on the same reference, ORPO's and SimPO's terms from adapter/train/preference_losses.py (no
+reference; their NLL is divided by the step's chosen tokens, which `step_norm` counts before the first micro-batch, as
+the SFT loss is divided by the step's trained tokens).
 
 DPO over preference pairs. The reference: for LoRA the
 base with PEFT's adapters disabled (no second copy of the model); for a full fine-tune the starting weights, whose
@@ -34,7 +35,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from adapter.train.preference_losses import DPO_METRICS as METRICS
-from adapter.train.preference_losses import PAIR_METRICS, TOKEN_METRICS, orpo_terms
+from adapter.train.preference_losses import (
+    NLL_MASK,
+    PAIR_METRICS,
+    TOKEN_METRICS,
+    ipo_losses,
+    nll_weight,
+    orpo_terms,
+    simpo_terms,
+)
+
+REFERENCED = ("dpo", "ipo")  # the objectives with a reference model
 
 
 def flat(batch: dict) -> dict:
@@ -86,7 +97,7 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     from adapter.train.batches import place
 
     t = trainer
-    if t.cfg.objective != "dpo" or t.run.peft is not None:
+    if t.cfg.objective not in REFERENCED or t.run.peft is not None:
         return None, None
     tables = [None if data is None or not len(data) else
               reference_table(t.engine.ds, data, dp_rank=t.layout.data_rank(t.rank), dp=t.layout.dp,
@@ -94,7 +105,8 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
                               place=lambda b: place(t.run, 0, t.device, b))  # the transformers engine runs no cp
               for data in (t.dataset, t.val_dataset)]
     held = f" and of the {len(t.val_dataset)} held-out pairs" if tables[1] is not None else ""
-    t._say(f"DPO reference: the starting weights' log-probabilities of the {len(t.dataset)} pairs{held}, computed "
+    name = t.cfg.objective.upper()
+    t._say(f"{name} reference: the starting weights' log-probabilities of the {len(t.dataset)} pairs{held}, computed "
            "once before step 1 (TRL's precompute_ref_log_probs)")
     return tables[0], tables[1]
 
@@ -106,6 +118,8 @@ def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None
     full fine-tune's precomputed DPO reference (`reference_table`), else LoRA's adapters are disabled."""
     if cfg.objective == "orpo":  # no reference (adapter/train/preference_losses.py)
         return orpo_terms(_token_losses(ds, batch), batch, cfg.orpo.alpha)
+    if cfg.objective == "simpo":  # no reference either
+        return simpo_terms(_token_losses(ds, batch), batch, cfg)
     beta = cfg.dpo.beta
     if table is not None:
         ids = batch["pair"][:, 0]
@@ -119,7 +133,8 @@ def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None
     chosen, rejected = pol.chunk(2)
     ref_chosen, ref_rejected = ref.chunk(2)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    losses = (ipo_losses(chosen_ratio, rejected_ratio, batch["loss_mask"], beta) if cfg.objective == "ipo" else
+              -F.logsigmoid(beta * (chosen_ratio - rejected_ratio)))
     rc, rr = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     stats = torch.stack([rc, rr, (rc > rr).float(), rc - rr, chosen.detach(), rejected.detach()], 1)
     none = torch.zeros_like(rc)
@@ -130,8 +145,8 @@ def step_norm(t, micro: list[dict]) -> torch.Tensor:
     """[pairs, chosen NLL tokens] of trainer `t`'s whole optimizer step (host micro-batches, summed over DP on the
     device): what a micro-batch's sums are divided by."""
     n = sum(b["tokens"].shape[0] // 2 for b in micro)
-    tokens = sum(float(b["seq_mask"][:b["seq_mask"].shape[0] // 2].sum()) for b in micro) if TOKEN_METRICS[
-        t.cfg.objective] else 0.0
+    key = NLL_MASK.get(t.cfg.objective)
+    tokens = sum(float(b[key][:b[key].shape[0] // 2].sum()) for b in micro) if key else 0.0
     v = torch.tensor([n, tokens], dtype=torch.float64).to(t.device, non_blocking=True)
     dist.all_reduce(v, group=t.groups.dp)  # whole pairs: tp ranks of a dp rank count the same
     return v
@@ -142,8 +157,8 @@ def step_terms(t, batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     for `step_metrics`)."""
     losses, nll, tokens, stats = pair_terms(t.cfg, t.engine.ds, batch, t.ref_table)
     local = losses.sum() / norm[0].float()
-    if TOKEN_METRICS[t.cfg.objective]:  # ORPO's NLL: Σ over the step's chosen tokens / their count
-        local = local + nll.sum() / norm[1].clamp(min=1).float()
+    if TOKEN_METRICS[t.cfg.objective]:  # ORPO's / SimPO's NLL: Σ over the step's chosen tokens / their count
+        local = local + nll_weight(t.cfg) * nll.sum() / norm[1].clamp(min=1).float()
     head = torch.stack([torch.tensor(float(losses.shape[0]), device=losses.device), nll.detach().sum(),
                         tokens.sum()])
     return local, torch.cat([head, stats.sum(0)]).double()
@@ -187,7 +202,7 @@ def evaluate(t) -> tuple[float | None, int, dict[str, float]]:
     metrics.update({k: float(nll.mean()) for k in TOKEN_METRICS[cfg.objective]})
     t.clock.reset()  # evaluation is not training time
     # HF's eval_loss: each batch's loss (its pairs' mean + its NLL) once per pair, over all pairs
-    loss = float((acc[:, 0] + pairs * nll).sum()) / count if count else None
+    loss = float((acc[:, 0] + pairs * nll_weight(cfg) * nll).sum()) / count if count else None
     return loss, int(count), metrics
 
 

@@ -13,6 +13,18 @@ TRL's logits/chosen and /rejected (means over padded [batch, seq, vocab] logits,
 not. Normalisation: TRL averages over its batch; nd-adapter over the optimizer step's global batch (the pairs' terms
 over its pairs, the NLL over its chosen tokens), which is TRL's when its batch is the step's (one process, no
 gradient accumulation), as for DPO.
+
+IPO (TRL 1.8.0's DPOTrainer, loss_type ipo) is DPO's forward with another per-pair loss (`ipo_losses`, run from
+dpo.pair_terms): each answer's log-ratio policy/reference divided by its completion's token count, then
+(Δ − 1/(2β))². Rewards and logps are DPO's (β·ratio of the sums; the summed log-probabilities).
+
+SimPO (TRL 1.8.0's CPOTrainer, loss_type simpo; trl/experimental/cpo/cpo_trainer.py `cpo_loss`,
+`concatenated_forward`, `get_batch_loss_metrics`): like ORPO, no reference and each answer's log-probability the mean
+over its completion tokens (average_log_prob for ipo/simpo); per pair −log σ(β·(c − r) − γ) (TRL: logits − γ/β,
+times β; label smoothing 0, Axolotl passes none); the loss adds cpo_alpha × the chosen sequences' next-token
+cross-entropy over their *completion* tokens only (TRL's labels are −100 over the prompt), averaged over those tokens
+(0, and nll_loss logged 0, when cpo_alpha is 0). Logged: rewards/* (β·c, β·r), logps/* (the means), nll_loss; TRL's
+logits/* (means over padded logits) are not.
 """
 from __future__ import annotations
 
@@ -22,8 +34,16 @@ import torch.nn.functional as F
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
 # per-pair metrics (means over pairs), then the token-level ones the step vector carries as sums and counts
-PAIR_METRICS = {"dpo": DPO_METRICS, "orpo": (*DPO_METRICS, "log_odds_ratio", "log_odds_chosen")}
-TOKEN_METRICS = {"dpo": (), "orpo": ("nll_loss",)}
+PAIR_METRICS = {"dpo": DPO_METRICS, "ipo": DPO_METRICS, "orpo": (*DPO_METRICS, "log_odds_ratio", "log_odds_chosen"),
+                "simpo": DPO_METRICS}
+TOKEN_METRICS = {"dpo": (), "ipo": (), "orpo": ("nll_loss",), "simpo": ("nll_loss",)}
+# which chosen tokens an objective's NLL covers: ORPO every token of the sequence, CPO/SimPO the completion's
+NLL_MASK = {"orpo": "seq_mask", "simpo": "loss_mask"}
+
+
+def nll_weight(cfg) -> float:
+    """The weight of an objective's NLL term in its loss (ORPO 1, SimPO cpo_alpha; 0 without one)."""
+    return {"orpo": 1.0, "simpo": cfg.simpo.cpo_alpha}.get(cfg.objective, 0.0)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -49,4 +69,30 @@ def orpo_terms(out: torch.Tensor, batch: dict, alpha: float
     return -alpha * ratio, nll, tokens, stats
 
 
-__all__ = ["DPO_METRICS", "PAIR_METRICS", "TOKEN_METRICS", "log1mexp", "orpo_terms"]
+def ipo_losses(chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor, mask: torch.Tensor, beta: float
+               ) -> torch.Tensor:
+    """IPO's per-pair loss from DPO's log-ratios [m] and the `flat` batch's completion mask [2m, seq]."""
+    n_c, n_r = mask.sum(1).clamp(min=1.0).chunk(2)
+    return ((chosen_ratio / n_c - rejected_ratio / n_r) - 1 / (2 * beta)) ** 2
+
+
+def simpo_terms(out: torch.Tensor, batch: dict, cfg
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair SimPO term [m] with its graph, chosen completion NLL sums [m] with their graph, their token counts
+    [m], per-pair metrics [m, 6] in PAIR_METRICS["simpo"]'s order) from per-token losses `out` [2m, seq]."""
+    beta, gamma = cfg.simpo.beta, cfg.simpo.gamma
+    mask = batch["loss_mask"]
+    avg = -(out * mask).sum(1) / mask.sum(1)
+    c, r = avg.chunk(2)
+    m = c.shape[0]
+    losses = -F.logsigmoid(beta * ((c - r) - gamma / beta))
+    nll, tokens = (out[:m] * mask[:m]).sum(1), mask[:m].sum(1)
+    if cfg.simpo.cpo_alpha == 0:  # TRL: nll_loss = 0, not computed
+        nll = nll * 0
+    rc, rr = beta * c.detach(), beta * r.detach()
+    stats = torch.stack([rc, rr, (rc > rr).float(), rc - rr, c.detach(), r.detach()], 1)
+    return losses, nll, tokens, stats
+
+
+__all__ = ["DPO_METRICS", "PAIR_METRICS", "TOKEN_METRICS", "NLL_MASK", "nll_weight", "log1mexp", "orpo_terms",
+           "ipo_losses", "simpo_terms"]

@@ -15,7 +15,8 @@ eval_logps/* metric (the mean of the batch means) agree.
 
 `rl: orpo` (Axolotl's chat_template.argilla rows, LoRA, the same layout, steps and evals) against TRL's
 ORPOTrainer in the same worker: losses, rewards/*, logps/*, nll_loss, log_odds_ratio, log_odds_chosen, and the
-evals, agree."""
+evals, agree. So do `rl: ipo` (the DPO pairs, LoRA) against TRL's DPOTrainer with loss_type ["ipo"], and `rl: simpo`
+(the DPO pairs, LoRA, γ and cpo_alpha not TRL's defaults) against TRL's CPOTrainer with loss_type "simpo"."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,6 +29,7 @@ from tests.helpers.sft_data import tiny_model, write_jsonl
 
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, BETA, WORLD, GA, EPS, VAL, EVERY, ALPHA = 96, 2e-2, 4, 0.2, 2, 2, 1e-8, 5, 2, 0.3
+SIMPO = {"beta": 2.0, "gamma": 0.7, "cpo_alpha": 0.5}
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -59,7 +61,8 @@ def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: 
          objective: str = "dpo"):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"},
-           "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "lora": LORA if lora else None,
+           "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
+           "lora": LORA if lora else None,
            "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
@@ -81,9 +84,12 @@ def _worker(rank, world, model, data, root, orpo_data):
     tp = train(_cfg(Path(model), Path(data), Path(root) / "tp", zero=2, tp=2, ev=False), log=lambda s: None)
     full = train(_cfg(Path(model), Path(data), Path(root) / "full", lora=False), log=lines.append)
     orpo = train(_cfg(Path(model), Path(orpo_data), Path(root) / "orpo", objective="orpo"), log=lines.append)
+    more = [train(_cfg(Path(model), Path(data), Path(root) / k, objective=k), log=lines.append)
+            for k in ("ipo", "simpo")]
     return ([res.losses, res.rewards, res.eval_losses, res.eval_rewards], lines, tp.losses, tp.rewards,
             [full.losses, full.rewards, full.eval_losses, full.eval_rewards],
-            [orpo.losses, orpo.rewards, orpo.eval_losses, orpo.eval_rewards])
+            [orpo.losses, orpo.rewards, orpo.eval_losses, orpo.eval_rewards],
+            [[r.losses, r.rewards, r.eval_losses, r.eval_rewards] for r in more])
 
 
 def _step_pairs(cfg, n: int) -> list[list[int]]:
@@ -95,7 +101,7 @@ def _step_pairs(cfg, n: int) -> list[list[int]]:
 
 
 def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict], out: Path, lora: bool = True,
-         orpo: bool = False):
+         orpo: bool = False, loss: str = "sigmoid", simpo: bool = False):
     """TRL's DPOTrainer on `pairs` in order (one step = 4 consecutive pairs), evaluating `held` before step 1 and
     every EVERY steps: (per step: loss and its metrics, per eval: (step, its logged eval metrics))."""
     import torch
@@ -119,8 +125,8 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict
             if logs and "eval_loss" in logs:
                 evals.append((state.global_step, dict(logs)))
 
-    if orpo:
-        return _trl_orpo(model, tok_dir, pairs, held, out, seen, evals, Evals())
+    if orpo or simpo:
+        return _trl_orpo(model, tok_dir, pairs, held, out, seen, evals, Evals(), simpo)
 
     class Recorded(DPOTrainer):
         def _get_train_sampler(self, *a, **k):
@@ -136,7 +142,7 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict
     args = DPOConfig(output_dir=str(out), per_device_train_batch_size=WORLD * GA, gradient_accumulation_steps=1,
                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                      weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
-                     beta=BETA, max_length=SEQ, loss_type=["sigmoid"], logging_steps=1, report_to=[], use_cpu=True,
+                     beta=BETA, max_length=SEQ, loss_type=[loss], logging_steps=1, report_to=[], use_cpu=True,
                      save_strategy="no", seed=cfg.seed, bf16=False, dataloader_num_workers=0, optim="adamw_torch",
                      eval_strategy="steps", eval_steps=EVERY, eval_on_start=True, per_device_eval_batch_size=WORLD)
     trainer = Recorded(model=model, args=args, train_dataset=Dataset.from_list(pairs),
@@ -146,14 +152,20 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict
     return seen, evals
 
 
-def _trl_orpo(model, tok_dir: Path, pairs, held, out: Path, seen: list, evals: list, callback):
-    """TRL's ORPOTrainer (trl.experimental.orpo, Axolotl's AxolotlORPOTrainer's base) as `_trl` runs DPO."""
+def _trl_orpo(model, tok_dir: Path, pairs, held, out: Path, seen: list, evals: list, callback, simpo: bool = False):
+    """TRL's ORPOTrainer (trl.experimental.orpo, Axolotl's AxolotlORPOTrainer's base) as `_trl` runs DPO; `simpo`:
+    its CPOTrainer (Axolotl's AxolotlCPOTrainer's base) with loss_type simpo, the same way."""
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from transformers import AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    class Recorded(ORPOTrainer):
+    base, config = (CPOTrainer, CPOConfig) if simpo else (ORPOTrainer, ORPOConfig)
+    kinds = ({"loss_type": "simpo", "beta": SIMPO["beta"], "simpo_gamma": SIMPO["gamma"],
+              "cpo_alpha": SIMPO["cpo_alpha"]} if simpo else {"beta": ALPHA})
+
+    class Recorded(base):  # type: ignore[misc,valid-type]
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
 
@@ -162,10 +174,10 @@ def _trl_orpo(model, tok_dir: Path, pairs, held, out: Path, seen: list, evals: l
             seen.append({"loss": float(loss.detach()), **{k: v[-1] for k, v in self._stored_metrics["train"].items()}})
             return loss
 
-    args = ORPOConfig(output_dir=str(out), per_device_train_batch_size=WORLD * GA, gradient_accumulation_steps=1,
-                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
-                      weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
-                      beta=ALPHA, max_length=SEQ, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+    args = config(output_dir=str(out), per_device_train_batch_size=WORLD * GA, gradient_accumulation_steps=1,
+                  max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                  weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
+                  max_length=SEQ, **kinds, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
                       seed=0, bf16=False, dataloader_num_workers=0, optim="adamw_torch", eval_strategy="steps",
                       eval_steps=EVERY, eval_on_start=True, per_device_eval_batch_size=WORLD)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -189,7 +201,7 @@ def test_dpo_matches_trl(tmp_path):
     argilla = _argilla()
     orpo_data = write_jsonl(tmp_path / "argilla.jsonl", argilla)
     out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), str(orpo_data), timeout=400)
-    lora_run, lines, tp_losses, tp_rewards, full_run, orpo_run = out[0]
+    lora_run, lines, tp_losses, tp_rewards, full_run, orpo_run, (ipo_run, simpo_run) = out[0]
     losses, rewards = lora_run[:2]
     assert any(" | rewards/chosen " in ln for ln in lines), lines
     assert any(ln.startswith("eval after step 2 | eval_loss ") and f"| {VAL} eval pairs | rewards/chosen " in ln
@@ -237,6 +249,15 @@ def test_dpo_matches_trl(tmp_path):
     o_worst = _compare(orpo_run, orpo_ref, names)
     print(f"ORPO: max |nd-adapter - TRL| / max(1, |TRL|) over losses, metrics and evals: {o_worst:.2e}")
     assert abs(orpo_ref[0][-1]["log_odds_chosen"] - orpo_ref[0][0]["log_odds_chosen"]) > 1e-3  # it trained
+    steps, held_pairs = [rendered[i] for i in order], held
+    ipo_ref = _trl(cfg, model, model, steps, held_pairs, tmp_path / "trl-ipo", loss="ipo")
+    print(f"IPO: max |nd-adapter - TRL| / max(1, |TRL|) over losses, metrics and evals: "
+          f"{_compare(ipo_run, ipo_ref, METRICS):.2e}")
+    assert abs(ipo_ref[0][-1]["loss"] - ref[0][-1]["loss"]) > 1e-3  # another loss than DPO's
+    simpo_ref = _trl(cfg, model, model, steps, held_pairs, tmp_path / "trl-simpo", simpo=True)
+    print(f"SimPO: max |nd-adapter - TRL| / max(1, |TRL|) over losses, metrics and evals: "
+          f"{_compare(simpo_run, simpo_ref, (*METRICS, 'nll_loss')):.2e}")
+    assert abs(simpo_ref[0][-1]["rewards/margins"] - simpo_ref[0][0]["rewards/margins"]) > 1e-3  # it trained
     for a, b in zip([*losses, *(r[k] for r in rewards for k in METRICS)],  # tp=2: the same four pairs a step
                     [*tp_losses, *(r[k] for r in tp_rewards for k in METRICS)]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)

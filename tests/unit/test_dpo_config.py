@@ -1,8 +1,9 @@
 """`rl: dpo` as Axolotl configures it: an Axolotl DPO example YAML maps onto objective: dpo with TRL's beta (trl.beta,
 else rl_beta, else the deprecated dpo_beta, else 0.1); a preference row renders as Axolotl's own chat_template.default
 transform renders it (its code run here from tests/fixtures/axolotl/dpo_chat_template.py.txt, Axolotl 067b021) and
-is tokenised as TRL 1.8.0 tokenises those strings; every rl value, loss option and layout not built is refused in
-one line naming the key and the fix (exit 2 from the CLI)."""
+is tokenised as TRL 1.8.0 tokenises those strings; rl: ipo and rl: simpo map as Axolotl hands them to TRL's DPO and
+CPO trainers; every rl value (KTO: Axolotl's qlora-1b-kto.yaml), loss option and layout not built is refused in one
+line naming the key and the fix (exit 2 from the CLI)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,10 +44,18 @@ def test_axolotl_dpo_example_maps():
 
 @pytest.mark.parametrize("over, needle", [
     ({"rl": "grpo"}, "rl='grpo': GRPO is an online method: it generates completions"),
-    ({"rl": "kto"}, "rl='kto': only rl: dpo"),
-    ({"rl": "ipo"}, "rl='ipo': only rl: dpo"),
+    ({"rl": "kto"}, "rl='kto': KTO is not built: TRL's KL term"),
+    ({"rl": "cpo"}, "rl='cpo': only rl: dpo, ipo, orpo, simpo are built"),
     ({"dpo_label_smoothing": 0.1}, "dpo_label_smoothing=0.1: TRL 1.8.0"),
-    ({"dpo_loss_type": ["ipo"]}, "dpo_loss_type=['ipo']: only TRL's sigmoid loss"),
+    ({"dpo_loss_type": ["hinge"]}, "dpo_loss_type=['hinge']: only TRL's sigmoid and ipo losses are built"),
+    ({"dpo_loss_type": ["sigmoid", "ipo"]}, "dpo_loss_type=['sigmoid', 'ipo']: only TRL's sigmoid and ipo"),
+    ({"dpo_loss_type": ["ipo"], "dpo_loss_weights": [0.5]}, "dpo_loss_weights=[0.5]: weighted mixtures"),
+    ({"rl": "ipo", "dpo_use_weighting": True}, "dpo_use_weighting=True: WPO weighting is not built"),
+    ({"simpo_gamma": 0.5}, "simpo_gamma=0.5: SimPO's margin: Axolotl passes it to rl: simpo only"),
+    ({"rl": "simpo"}, "simpo_gamma=None: Axolotl passes an unset simpo_gamma to TRL's CPOConfig as None"),
+    ({"rl": "simpo", "simpo_gamma": 0.5, "warmup_ratio": 0.1}, "warmup_ratio=0.1: Axolotl refuses warmup_ratio"),
+    ({"rl": "simpo", "simpo_gamma": 0.5, "cpo_alpha": -1}, "cpo_alpha=-1: must be a number ≥ 0"),
+    ({"rl": "simpo", "simpo_gamma": 0.5, "orpo_alpha": 0.2}, "orpo_alpha=0.2: ORPO's weight"),
     ({"rpo_alpha": 0.5}, "rpo_alpha=0.5: RPO"),
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"rl_beta": 0}, "rl_beta=0: beta must be a number above 0"),
@@ -68,7 +77,7 @@ def test_preference_type_under_sft_and_native_engine_refused(tmp_path):
 
     raw = _example()
     del raw["rl"]
-    with pytest.raises(UserError, match=r"chat_template.default is a preference type \(for rl: dpo\)"):
+    with pytest.raises(UserError, match=r"chat_template.default is a preference type \(for rl: dpo, ipo or simpo\)"):
         check_choices(config.build(raw, env={}, world_size=1))
     with pytest.raises(NotNative, match="DPO is built on the transformers engine only"):
         check_native(config.build(_example(), env={}, world_size=1))
@@ -214,3 +223,62 @@ def test_orpo_config_errors_in_one_line(over, needle):
     with pytest.raises(UserError) as e:
         check_choices(config.build(raw, env={}, world_size=1))
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_axolotl_ipo_and_simpo_map():
+    """rl: ipo (or rl: dpo with dpo_loss_type [ipo]) onto objective ipo with DPO's beta; rl: simpo onto objective
+    simpo with beta, simpo_gamma and cpo_alpha (TRL's 1.0 when unset) as Axolotl hands them to TRL's CPOConfig. No
+    Axolotl example sets rl: ipo or simpo; its DPO example stands in."""
+    for over in ({"rl": "ipo"}, {"dpo_loss_type": ["ipo"]}, {"dpo_loss_type": "ipo"}):
+        cfg = config.build(_example(**over, rl_beta=0.3), env={}, world_size=1)
+        assert cfg.objective == "ipo" and cfg.dpo.beta == 0.3, over
+        assert any(n.startswith(("rl: ipo -> objective: ipo", "rl: dpo with dpo_loss_type ipo -> objective: ipo"))
+                   for n in cfg.notes), cfg.notes
+    cfg = config.build(_example(rl="ipo", dpo_label_smoothing=0.1, dpo_loss_weights=[2.0]), env={}, world_size=1)
+    assert cfg.objective == "ipo" and any(n.startswith("dpo_label_smoothing, dpo_loss_weights: not read by IPO")
+                                          for n in cfg.notes), cfg.notes
+    cfg = config.build(_example(rl="simpo", simpo_gamma=0.6, rl_beta=2.0, warmup_ratio=None), env={}, world_size=1)
+    assert cfg.objective == "simpo" and (cfg.simpo.beta, cfg.simpo.gamma, cfg.simpo.cpo_alpha) == (2.0, 0.6, 1.0)
+    assert any(n.startswith("rl: simpo -> objective: simpo (TRL's CPOTrainer") and "TRL default" in n
+               for n in cfg.notes), cfg.notes
+    cfg = config.build(_example(rl="simpo", simpo_gamma=0.6, cpo_alpha=0, dpo_label_smoothing=0.1, warmup_ratio=None),
+                       env={}, world_size=1)
+    assert cfg.simpo.cpo_alpha == 0.0 and cfg.simpo.beta == 0.1
+    assert any(n.startswith("dpo_label_smoothing: not read by SIMPO") for n in cfg.notes), cfg.notes
+
+
+def test_simpo_pairs_tokenised_as_cpo(tmp_path):
+    """rl: simpo renders the DPO rows as chat_template.default does and tokenises them as TRL's CPOTrainer (its
+    tokenize_row, ORPO's: no special tokens, BOS first where the tokenizer has one, EOS last), in its own cache."""
+    from transformers import AutoTokenizer
+
+    from adapter.data.sft import preference, templates
+    from adapter.data.sft.preference_orpo import tokenize_orpo
+    from adapter.models import source
+
+    tok_dir = tiny_model(tmp_path)
+    rows = [{"conv": f"Say {i}", "good": f"{i}.", "bad": "No."} for i in range(3)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    base = {"base_model": str(tok_dir), "adapter": "lora", "learning_rate": 1e-4, "sequence_len": 64,
+            "chat_template": "chatml", "dataset_prepared_path": str(tmp_path / "prep"),
+            "datasets": [{"path": str(data), "type": "chat_template.default", "field_messages": "conv",
+                          "field_chosen": "good", "field_rejected": "bad"}]}
+    dpo = config.build({**base, "rl": "dpo"}, env={})
+    simpo = config.build({**base, "rl": "simpo", "simpo_gamma": 0.5}, env={})
+    a, b = (preference.prepare_pairs(c, tok_dir, source.vocab_rows(c)) for c in (dpo, simpo))
+    assert a.path != b.path
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    jinja = templates.resolve_template("chatml", None, tok, "")
+    for i, row in enumerate(rows):
+        c_ids, c_p, r_ids, _ = tokenize_orpo(tok, *preference.render(row, simpo.data.datasets[0], tok, jinja), 64)
+        item = b.train[i]
+        assert item["tokens"][0, :len(c_ids)].tolist() == c_ids and item["tokens"][1, :len(r_ids)].tolist() == r_ids
+        assert item["loss_mask"][0].nonzero()[0].tolist() == list(range(c_p - 1, len(c_ids) - 1))
+
+
+def test_axolotl_kto_example_refused_in_one_line(tmp_path):
+    """Axolotl's examples/llama-3/qlora-1b-kto.yaml: rl: kto is refused in one line, exit 2 (KTO is not built)."""
+    path = tmp_path / "kto.yml"
+    path.write_text((FIXTURES / "qlora-1b-kto.yaml").read_text())
+    code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1")
+    assert code == 2 and "rl='kto': KTO is not built" in err and len(err.strip().splitlines()) == 1, err

@@ -48,7 +48,8 @@ ALPACA_NO_INPUT = alpaca_prompt("instruct", "{instruction}", "")
 TYPES = ("completion", "alpaca", "chat_template", "input_output")
 PREFERENCE = "chat_template.default"  # Axolotl's preference type for rl: dpo (adapter/data/sft/preference.py)
 ARGILLA = "chat_template.argilla"  # Axolotl's ORPO preference type (prompt_strategies/orpo/chat_template.py)
-PAIR_TYPES = {"dpo": PREFERENCE, "orpo": ARGILLA}  # the preference type each objective reads
+# the preference type each objective reads (Axolotl loads ipo's and simpo's from prompt_strategies/dpo)
+PAIR_TYPES = {"dpo": PREFERENCE, "ipo": PREFERENCE, "simpo": PREFERENCE, "orpo": ARGILLA}
 PAIR_KEYS = {"field_chosen", "field_rejected"}
 PRETOKENISED = "pretokenised"
 CHAT_KEYS = {"field_messages", "field_system", "field_tools", "message_property_mappings", "roles", "roles_to_train",
@@ -80,12 +81,12 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
     want = PAIR_TYPES.get(objective)
     if want is not None and kind != want:
         raise bad(f"{where}.type", t, f"rl: {objective} trains on preference pairs of type {want} (Axolotl loads "
-                  f"rl: {objective}'s types from its prompt_strategies/{objective})",
+                  f"rl: {objective}'s types from its prompt_strategies/{'orpo' if want == ARGILLA else 'dpo'})",
                   f"use type: {want}" + (" (field_messages, field_chosen, field_rejected)" if want == PREFERENCE else
                                          " (chosen and rejected conversations, optional system / prompt)"))
     if want is None and kind in (PREFERENCE, ARGILLA):
         raise bad(f"{where}.type", t, f"{kind} is a preference type (for rl: "
-                  f"{'dpo' if kind == PREFERENCE else 'orpo'})", "set rl:, or use type: chat_template")
+                  f"{'dpo, ipo or simpo' if kind == PREFERENCE else 'orpo'})", "set rl:, or use type: chat_template")
     given = {k for k in entry.model_fields_set if getattr(entry, k) is not None}
     stray = sorted(given & CHAT_KEYS) if kind not in ("chat_template", PREFERENCE) else []
     stray += sorted(given & PAIR_KEYS) if kind != PREFERENCE else []

@@ -1,4 +1,5 @@
-"""Preference pairs for `rl: dpo`, prepared as Axolotl 067b021 and TRL 1.8.0 prepare them, once, into the cache.
+"""Preference pairs for `rl: dpo` (and `ipo`, `simpo`; `orpo`'s rows: preference_orpo.py), prepared as Axolotl
+067b021 and TRL 1.8.0 prepare them, once, into the cache.
 
 Axolotl's `chat_template.default` type (prompt_strategies/dpo/chat_template.py) renders three strings per row: the
 prompt (the `field_messages` conversation through the chat template with the generation prompt), and the chosen and
@@ -8,6 +9,9 @@ exceeds `sequence_len` (its default excess_length_strategy). TRL's DPOTrainer, g
 to an answer that does not end with it, tokenises the prompt and the prompt + answer (with the tokenizer's special
 tokens) and takes the answer's ids as what follows the prompt's; its collator joins prompt and answer, truncates
 the sequence to `max_length` (= sequence_len) keeping the start, and marks the answer's tokens as the completion.
+`rl: ipo` is the same trainer. `rl: simpo` renders the same strings (Axolotl loads its types from
+prompt_strategies/dpo) but TRL's CPOTrainer tokenises them as the ORPOTrainer does (the same `tokenize_row`:
+preference_orpo.tokenize_orpo), so its cache has its own name.
 
 Held out as Axolotl holds out for `rl:` runs (utils/data/rl.py): `test_datasets` prepared the same way, else
 `val_set_size` pairs (a fraction rounded up, or a count) from the tail of the pairs in the order
@@ -127,7 +131,8 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
     """(tokens, completion masks, lengths, per-dataset stats, the template) of the entries' pairs that fit: rendered
     and tokenised for DPO here, for ORPO as preference_orpo.py says."""
     seq, pad = cfg.seq_len, (pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id))
-    orpo = cfg.objective == "orpo"
+    orpo = cfg.objective == "orpo"  # argilla rows, TRL's ORPO tokenisation
+    cpo = cfg.objective in ("orpo", "simpo")  # CPOTrainer's tokenize_row is ORPOTrainer's
     tokens, completion, lengths, stats, template = [], [], [], [], None
     for n, (entry, where, kind, src) in enumerate(resolved, first):
         ds = sources.load(src, entry, hf)
@@ -149,7 +154,7 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
             if not fits(tok, prompt, chosen, rejected, seq):
                 dropped += 1
                 continue
-            if orpo:
+            if cpo:
                 c_ids, c_p, r_ids, r_p = tokenize_orpo(tok, prompt, chosen, rejected, seq)
             else:
                 p, c, r = tokenize(tok, prompt, chosen, rejected)
@@ -215,7 +220,8 @@ def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
     tokenizer_dir = Path(tokenizer_dir)
     resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     root = prepared_root(cfg)
-    name = f"dpo{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size, test)}"
+    tag = "cpo" if cfg.objective == "simpo" else "dpo"  # the tokenisation (the rows' types tell ORPO's apart)
+    name = f"{tag}{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size, test)}"
     reused = (root / name / "manifest.json").is_file()
     k = names(cfg)[1]
     final = build_once(root, name, lambda tmp: _build(cfg, resolved, test, tokenizer_dir, vocab_size, tmp, progress),
