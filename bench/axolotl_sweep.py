@@ -20,7 +20,9 @@ the config's world size of CPU processes; `--nproc` is given only where the exam
 as Axolotl's expert-parallel files do). Every failure is classified:
   stand-in  a refusal about the data's columns or rows: the stand-in data is wrong (this script's fault);
   refusal   one line, exit 2: a limitation nd-adapter states (listed with its line);
-  crash     a traceback, an internal error or another exit status: a bug in nd-adapter (its last traceback lines).
+  crash     a traceback, an internal error, another exit status, or the rehearsal refusing the checkpoint it wrote
+            itself: a bug in nd-adapter (its last traceback lines).
+A DeepSpeed op build racing another process over ~/.cache/torch_extensions is retried once.
 Not a test: a survey to re-run as nd-adapter grows.
 """
 from __future__ import annotations
@@ -56,6 +58,12 @@ WORLD_UNKNOWN = "the world size is not known"
 STAND_IN = re.compile(r"^nd-adapter: error: (?:test_)?(?:datasets|pretraining_dataset)\S*[=:].*"
                       r"(?:column|row \d|segment|not text|field_messages|field_chosen|field_rejected|no examples|"
                       r"empty)")
+
+
+# a one-line refusal of the rehearsal's own checkpoint (its temporary directory): nd-adapter's bug, not the config's
+OWN = re.compile(r"nd-rehearse-")
+# a JIT build of DeepSpeed's CPU shared-memory op racing another process over ~/.cache/torch_extensions: retried once
+ENV = re.compile(r"torch_extensions.*\block\b|file_baton")
 
 
 def first_key(err: str) -> str:
@@ -210,6 +218,8 @@ def classify(code: int, out: str, err: str) -> dict[str, Any]:
     tb = "Traceback (most recent call last)" in out + err or "internal error" in err
     if code == 2 and refusal and not tb:
         kind = "stand-in" if STAND_IN.match(refusal) else "refusal"
+        if OWN.search(refusal):  # the rehearsal refusing what it wrote itself: a bug
+            kind = "crash"
         return {"result": kind, "line": refusal}
     lines = (out + "\n" + err).strip().splitlines()
     if "Traceback (most recent call last)" in out + err:
@@ -230,7 +240,8 @@ def world_size(raw: dict) -> int:
     return n
 
 
-def run_example(rel: str, example: Path, axolotl: Path, home: Path, tmp: Path, timeout: int) -> dict[str, Any]:
+def run_example(rel: str, example: Path, axolotl: Path, home: Path, tmp: Path, timeout: int,
+                seq_len: int | None = None) -> dict[str, Any]:
     from tests.helpers.axolotl_home import cli, offline_env
 
     work = tmp / rel.replace("/", "__").rsplit(".", 1)[0]
@@ -247,17 +258,20 @@ def run_example(rel: str, example: Path, axolotl: Path, home: Path, tmp: Path, t
         res["preprocess"] = {**classify(code, out, err), "seconds": round(time.monotonic() - t0, 1)}
         if res["preprocess"]["result"] != "pass":
             return res
-        argv = ["rehearse", "--config", str(cfg), "--steps", "2"]
+        argv = ["rehearse", "--config", str(cfg), "--steps", "2", *(["--seq-len", str(seq_len)] if seq_len else [])]
         t0 = time.monotonic()
-        for attempt in range(2):
+        for attempt in range(3):
             try:
                 code, out, err = cli(argv, env, work, timeout=timeout)
             except subprocess.TimeoutExpired:
                 code, out, err = 124, "", f"timed out after {timeout}s"
-            if attempt == 0 and code == 2 and WORLD_UNKNOWN in err:
+            if attempt < 2 and code == 2 and WORLD_UNKNOWN in err and "--nproc" not in argv:
                 n = world_size(yaml.safe_load(example.read_text()))
                 res["nproc"] = n
                 argv += ["--nproc", str(n)]
+                continue
+            if attempt < 2 and code != 0 and ENV.search(err) and not res.get("retried"):
+                res["retried"] = "the torch_extensions build raced another process"
                 continue
             break
         m = re.search(r"rehearsing on (\d+) CPU processes", out)
@@ -314,6 +328,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="examples run at once")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="for plan, as bench/axolotl_examples.py")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per command")
+    ap.add_argument("--seq-len", type=int, help="rehearse --seq-len (default: the rehearsal's own, the config's)")
     ap.add_argument("--out", type=Path, help="write every result as JSON")
     a = ap.parse_args()
     axolotl = a.axolotl.resolve()
@@ -335,7 +350,8 @@ def main() -> int:
         print(f"{len(todo)} of {len(examples)} plan unchanged; preprocess and rehearse them, {a.jobs} at a time",
               flush=True)
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-            futures = {pool.submit(run_example, rel, examples[rel], axolotl, home, tmp / "work", a.timeout): rel
+            futures = {pool.submit(run_example, rel, examples[rel], axolotl, home, tmp / "work", a.timeout,
+                                   a.seq_len): rel
                        for rel in todo}
             for fut in concurrent.futures.as_completed(futures):
                 r = {**results[futures[fut]], **fut.result()}
@@ -361,10 +377,19 @@ def main() -> int:
         failed = stage_of(r)
         if failed and failed[0] != "plan":
             line = failed[1]["line"]
-            groups[(failed[0], failed[1]["result"], first_key(line) if failed[1]["result"] != "crash" else line[:90])] \
+            groups[(failed[0], failed[1]["result"], first_key(line) if failed[1]["result"] != "crash" else
+                    re.sub(r"nd-rehearse-[^'/ ]+", "nd-rehearse-*", line)[:110])] \
                 += 1
     for (stage, kind, key), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"  {n:4d}  {stage} {kind}: {key}")
+    for kind in ("stand-in", "refusal", "crash"):
+        hits = [(r, f) for r in rows if (f := stage_of(r)) and f[0] != "plan" and f[1]["result"] == kind]
+        if hits:
+            print(f"\n{kind} ({len(hits)}):")
+        for r, (stage, res) in hits:
+            print(f"  {r['example']} [{stage}]: {res['line']}")
+            for ln in res.get("tail", [])[-6:] if kind == "crash" else []:
+                print(f"      {ln}")
     scripts = [r for r in rows if "script" in r]
     for r in scripts:
         print(f"  script error {r['example']}: {r['script']}")
