@@ -415,8 +415,10 @@ def _check_match(engine, meta: dict, key: str, value: str, trained_only: bool = 
     else:
         saved = {k: tuple(v.shape) for k, v in (meta.get("module") or {}).items() if hasattr(v, "shape")}
         here = {k: tuple(v.shape) for k, v in engine.module.state_dict().items() if hasattr(v, "shape")}
-        if trained_only:
+        if trained_only:  # DeepSpeed left out the frozen parameters but kept the buffers (bitsandbytes' absmax,
+            # SCB) and a tied weight's second name: entries this model holds untrained are not the run's to compare
             trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+            saved = {k: v for k, v in saved.items() if k in trained or k not in here}
             here = {k: v for k, v in here.items() if k in trained}
     diffs = [f"{k}: {saved.get(k, 'missing')} there, {here.get(k, 'missing')} here"
              for k in sorted(saved.keys() | here.keys()) if saved.get(k) != here.get(k)]

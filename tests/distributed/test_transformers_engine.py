@@ -369,3 +369,22 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert max(rel(a, b) for a, b in zip(got["unfrozen"], want)) < 1e-4, (got["unfrozen"], want)
     assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
     _check_expert_lora(got, models, tmp_path)
+
+
+def _resume_one_rank(rank, world, models, root):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    ck, cfg = f"{root}/ckpt", lambda **k: _cfg(models["phi"], root, True, lora=QLORA, world=1, **k)
+    whole = train(cfg(), log=lambda s: None).losses
+    train(cfg(steps=2, ckpt=ck), log=lambda s: None)
+    resumed = train(cfg(ckpt=ck), resume=True, log=lambda s: None)
+    return whole, resumed.start_step, resumed.losses
+
+
+def test_an_adapter_checkpoint_with_bitsandbytes_buffers_resumes_at_one_rank(models, tmp_path):
+    """One rank (no ZeRO partitions: DeepSpeed saves the module's state, the frozen NF4 base left out but its
+    absmax buffers kept): the QLoRA run saved at step 2 resumes on the uninterrupted run's curve."""
+    whole, start, losses = run_workers(_resume_one_rank, 1, models, str(tmp_path), timeout=600)[0]
+    assert start == 2 and max(rel(a, b) for a, b in zip(losses, whole[2:])) < 1e-6, (losses, whole)
