@@ -1,6 +1,7 @@
 """Axolotl's examples past `plan`: every example YAML of an Axolotl checkout that plans unchanged (as in
 bench/axolotl_examples.py) also through `nd-adapter preprocess` and `nd-adapter rehearse --steps 2`, with local data
-standing in for each hub dataset and a small tokenizer standing in for each base model's (issue 48, Proof).
+standing in for each hub dataset and a small tokenizer standing in for each base model's: every example that
+plans should also prepare its data and rehearse its layout.
 
     python bench/axolotl_sweep.py --axolotl ~/src/axolotl [--only 'qwen3/*'] [--jobs 8] [--out results.json]
 

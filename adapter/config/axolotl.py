@@ -52,7 +52,7 @@ MARKERS = {"base_model", "sequence_len", "tensor_parallel_size", "context_parall
 # Axolotl keys we understand; every other Axolotl key is reported once as ignored.
 KNOWN = MARKERS | {
     "dp_shard_size", "dp_replicate_size", "gradient_accumulation_steps", "bf16", "bfloat16", "fp16", "tf32",
-    "max_steps",
+    "max_steps", "lr_quadratic_warmup",
     "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "output_dir", "save_steps", "save_total_limit",
     "optimizer", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "gradient_checkpointing", "cosine_min_lr_ratio",
     "logging_steps", "use_tensorboard", "wandb_project", "ring_attn_func", "heads_k_stride", "base_model_config",
@@ -141,7 +141,16 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
         if sched not in ("cosine", "constant", "constant_with_warmup", "linear"):
             raise bad("lr_scheduler", sched, "not supported", "use cosine, linear or constant")
         set_dotted(out, "optimizer.schedule", "constant" if sched.startswith("constant") else sched)
-    if raw.get("cosine_min_lr_ratio") is not None and raw.get("learning_rate") is not None:
+    quadratic = bool(raw.get("lr_quadratic_warmup")) and raw.get("lr_scheduler") in (None, "cosine")
+    if quadratic:  # Axolotl's cosine schedule with a quadratic warm-up (it reads the key with cosine only)
+        set_dotted(out, "optimizer.schedule", "cosine_quadratic_warmup")
+        notes.append("lr_quadratic_warmup: true -> optimizer.schedule: cosine_quadratic_warmup (the warm-up ramp "
+                     "squared, then the half cosine to 0" + (": cosine_min_lr_ratio is ignored, as Axolotl ignores "
+                     "it there)" if raw.get("cosine_min_lr_ratio") is not None else ")"))
+    elif raw.get("lr_quadratic_warmup"):
+        notes.append(f"lr_quadratic_warmup: no effect with lr_scheduler: {raw['lr_scheduler']} (Axolotl applies it "
+                     "to cosine only)")
+    if raw.get("cosine_min_lr_ratio") is not None and raw.get("learning_rate") is not None and not quadratic:
         set_dotted(out, "optimizer.min_lr", raw["cosine_min_lr_ratio"] * raw["learning_rate"])
     if raw.get("gradient_checkpointing"):
         out["recompute"] = "full"

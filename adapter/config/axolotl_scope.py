@@ -74,7 +74,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "lr_groups": ("per-module learning rates are not supported", _ONE_LR),
     "embedding_lr": ("a separate embedding learning rate is not supported", _ONE_LR),
     "embedding_lr_scale": ("a separate embedding learning rate is not supported", _ONE_LR),
-    "lr_quadratic_warmup": ("quadratic warm-up is not supported (it is linear)", "remove it"),
     "cosine_constant_lr_ratio": ("a constant phase inside the cosine schedule is not supported",
                                  "remove it (cosine_min_lr_ratio sets the floor)"),
     "lr_scheduler_kwargs": ("scheduler arguments are not supported", "remove it"),

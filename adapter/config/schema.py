@@ -152,7 +152,7 @@ class OptimizerSection(_Strict):
     weight_decay: Float = Field(0.0, ge=0)
     betas: tuple[Float, Float] = (0.9, 0.95)
     eps: Float = Field(1e-8, gt=0)
-    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    schedule: Literal["cosine", "constant", "linear", "cosine_quadratic_warmup"] = "cosine"
     # Schedule length: `max_steps` wins; else `num_epochs` over the training set (known at run start, see
     # adapter/train/schedule.py); neither means DEFAULT_MAX_STEPS. Warm-up: `warmup_steps` or `warmup_ratio`;
     # `warmup_steps` below 1 is a fraction of the run, rounded up, as transformers' TrainingArguments reads it.

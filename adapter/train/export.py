@@ -225,3 +225,27 @@ def export_lora(engine, spec, arch, cfg, out_dir: str | Path, *, rank: int, tp_g
         peft_io.write_adapter(out, tensors, spec, base_model=str(hf_dir(cfg)), side_files=side_files)
     dist.barrier()
     return out
+
+
+def export_run(t) -> Path:
+    """The end of a run's `checkpoint.export_hf` (adapter/train/trainer.Trainer `t`): the format its model asks for
+    (PEFT's adapter format from either engine's LoRA, transformers' save_pretrained, the native engine's HF
+    conversion), said in one line."""
+    cfg, out, ds = t.cfg, t.cfg.checkpoint.export_hf, t.engine.ds
+    extra = " and chat template" if t.chat_template else ""
+    if t.lora is not None:
+        path = export_lora(ds, t.lora, t.arch, cfg, out, rank=t.rank, tp_group=t.groups.tp,
+                           chat_template=t.chat_template)
+        t._say(f"exported the LoRA adapter to {path} (PEFT's format, HF module names; tokenizer{extra} included; "
+               "`nd-adapter merge-lora` merges it into the base)")
+    elif t.run.peft is not None:
+        path = export_peft(ds, cfg, out, rank=t.rank, arch=t.arch, tp_group=t.groups.tp, chat_template=t.chat_template)
+        t._say(f"exported the LoRA adapter to {path} (PEFT's own save_pretrained; tokenizer{extra} included)")
+    elif not t.arch.native:
+        path = export_transformers(ds, t.arch, cfg, out, rank=t.rank, tp_group=t.groups.tp,
+                                   chat_template=t.chat_template)
+        t._say(f"exported HF model to {path} (transformers' save_pretrained; tokenizer{extra} included)")
+    else:
+        path = export_hf(ds, t.arch, cfg, out, rank=t.rank, chat_template=t.chat_template)
+        t._say(f"exported HF model to {path} (tokenizer{extra} included)")
+    return path

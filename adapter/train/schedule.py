@@ -23,9 +23,11 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, 
     """The learning rate of optimizer step `step` (0-based) over the peak, exactly as transformers' schedulers
     (get_cosine_schedule_with_warmup / get_constant_schedule_with_warmup, the ones Axolotl and HF Trainer run):
     linear warm-up from 0 over warmup_steps, then constant, linear down to 0, or a half cosine down to min_ratio,
-    reached at total_steps."""
+    reached at total_steps. `cosine_quadratic_warmup`: Axolotl's get_cosine_schedule_with_quadratic_warmup
+    (`lr_quadratic_warmup`), the warm-up's linear ramp squared."""
     if step < warmup_steps:
-        return step / max(1, warmup_steps)
+        ramp = step / max(1, warmup_steps)
+        return ramp * ramp if schedule == "cosine_quadratic_warmup" else ramp
     if schedule == "constant":
         return 1.0
     if schedule == "linear":  # get_linear_schedule_with_warmup: down to 0 at total_steps

@@ -43,7 +43,7 @@ from adapter.train.batches import load as load_data
 from adapter.train.batches import place, trim
 from adapter.train.best import Best
 from adapter.train.engine import build_engine
-from adapter.train.export import export_hf, export_lora, export_peft, export_transformers
+from adapter.train.export import export_run
 from adapter.train.preempt import Preemption
 from adapter.train.profile import StepProfiler
 from adapter.train.steps import LOSS, NONFINITE, STOP, PendingStep, masked_loss_sum, nonfinite
@@ -451,30 +451,8 @@ class Trainer:
         if sched.load_best:
             best_ckpt.load(self, result.final_step)
         best_ckpt.keep_only(self)
-        if export and cfg.checkpoint.export_hf and self.lora is not None:
-            result.exported = str(export_lora(self.engine.ds, self.lora, self.arch, cfg, cfg.checkpoint.export_hf,
-                                              rank=self.rank, tp_group=self.groups.tp,
-                                              chat_template=self.chat_template))
-            self._say(f"exported the LoRA adapter to {result.exported} (PEFT's format, HF module names; tokenizer"
-                      f"{' and chat template' if self.chat_template else ''} included; `nd-adapter merge-lora` "
-                      "merges it into the base)")
-        elif export and cfg.checkpoint.export_hf and self.run.peft is not None:
-            result.exported = str(export_peft(self.engine.ds, cfg, cfg.checkpoint.export_hf, rank=self.rank,
-                                              arch=self.arch, tp_group=self.groups.tp,
-                                              chat_template=self.chat_template))
-            self._say(f"exported the LoRA adapter to {result.exported} (PEFT's own save_pretrained; tokenizer"
-                      f"{' and chat template' if self.chat_template else ''} included)")
-        elif export and cfg.checkpoint.export_hf and not self.arch.native:
-            result.exported = str(export_transformers(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf,
-                                                      rank=self.rank, tp_group=self.groups.tp,
-                                                      chat_template=self.chat_template))
-            self._say(f"exported HF model to {result.exported} (transformers' save_pretrained; tokenizer"
-                      f"{' and chat template' if self.chat_template else ''} included)")
-        elif export and cfg.checkpoint.export_hf:
-            result.exported = str(export_hf(self.engine.ds, self.arch, cfg, cfg.checkpoint.export_hf, rank=self.rank,
-                                            chat_template=self.chat_template))
-            self._say(f"exported HF model to {result.exported} (tokenizer"
-                      f"{' and chat template' if self.chat_template else ''} included)")
+        if export and cfg.checkpoint.export_hf:
+            result.exported = str(export_run(self))
         return result
 
     def close(self) -> None:

@@ -124,3 +124,26 @@ def test_schema_rules():
                          ({"optimizer.warmup_ratio": 1.5}, "optimizer.warmup_ratio")):
         with pytest.raises(UserError, match=needle):
             cfg(**over)
+
+
+def test_axolotl_quadratic_warmup_is_its_cosine_schedule_with_the_ramp_squared():
+    """archived/cerebras/btlm-ft.yml's `lr_quadratic_warmup: true` (lr_scheduler cosine): Axolotl's
+    _get_cosine_schedule_with_quadratic_warmup_lr_lambda (src/axolotl/utils/schedulers.py, 067b021), step by step;
+    its cosine_min_lr_ratio ignored there; with another scheduler the key does nothing (said)."""
+    def axolotl(step, warm, total):  # that function, num_cycles 0.5
+        if step < warm:
+            return (step / max(1, warm)) ** 2
+        progress = (step - warm) / max(1, total - warm)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+    raw = {"base_model": "x", "learning_rate": 1e-4, "lr_scheduler": "cosine", "lr_quadratic_warmup": True,
+           "cosine_min_lr_ratio": 0.1, "warmup_steps": 5, "max_steps": 20, "micro_batch_size": 1}
+    cfg = config.build(raw, env={}, world_size=1)
+    o = cfg.optimizer
+    assert (o.schedule, o.min_lr) == ("cosine_quadratic_warmup", 0.0)
+    assert any("cosine_min_lr_ratio is ignored" in n for n in cfg.notes), cfg.notes
+    got = [schedule.lr_factor(s, schedule=o.schedule, warmup_steps=5, total_steps=20, min_ratio=0.0) for s in range(20)]
+    assert got == pytest.approx([axolotl(s, 5, 20) for s in range(20)], abs=1e-12) and got[2] == pytest.approx(0.16)
+    linear = config.build({**raw, "lr_scheduler": "linear"}, env={}, world_size=1)
+    assert linear.optimizer.schedule == "linear" and any("no effect with lr_scheduler: linear" in n
+                                                         for n in linear.notes), linear.notes
