@@ -315,8 +315,10 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
         if isinstance(text.get(k), int):
             text[k] = min(text[k], cap)
     heads = text.get("num_attention_heads", 4)
-    if text.get("num_key_value_heads") and heads % text["num_key_value_heads"]:
-        text["num_key_value_heads"] = heads
+    source = text_part(raw)[0] if nested else raw
+    if text.get("num_key_value_heads") and (heads % text["num_key_value_heads"]
+                                            or source.get("num_key_value_heads") == source.get("num_attention_heads")):
+        text["num_key_value_heads"] = heads  # as many as the heads where the model has (MLA computes a key per head)
     if "mamba_n_heads" in text or "mamba_d_head" in text:  # heads × head size = expand × hidden
         text["mamba_n_heads"], text["mamba_d_head"] = 4, (text.get("mamba_expand") or 2) * 64 // 4
         if "mamba_d_ssm" in text:

@@ -42,7 +42,7 @@ from adapter.errors import UserError, bad
 from adapter.osutil import atomic_write_text
 from adapter.patches.zero import experts_from_master
 from adapter.train import ckpt_info
-from adapter.train.ckpt_files import WriteFailed, agree, checksummed, node_local, verified
+from adapter.train.ckpt_files import WriteFailed, agree, checksummed, cpu_loads, node_local, verified
 from adapter.train.ckpt_info import FILES, LATEST, LINEAGE, RECORD, crc32, lineage_of, pointer, record_text
 from adapter.train.optim import FORMAT, FlatAdamW, check_state_dtype, name_of, state_dtype_of
 
@@ -363,7 +363,8 @@ def load(engine, load_dir: str | Path, *, tag: str | None = None, restore_rng_st
         engine._nd_lineage = (record or {}).get(LINEAGE)
         return loaded
     _check_match(engine, meta, key, value, trained_only)
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not trained_only)
+    with cpu_loads(engine):  # torchao's 4-bit states are tensor subclasses
+        path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not trained_only)
     if path is None:
         raise RuntimeError(f"DeepSpeed did not load {ckpt}")
     experts_from_master(engine.optimizer)

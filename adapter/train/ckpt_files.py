@@ -95,6 +95,28 @@ def checksummed(engine, tag_dir: Path, sums: dict[str, dict]) -> Iterator[None]:
             ce.save = own
 
 
+@contextmanager
+def cpu_loads(engine) -> Iterator[None]:
+    """DeepSpeed's loads read each file with `map_location=lambda storage, loc: storage`, which torch.load refuses
+    for tensor subclasses (torchao's 4-bit AdamW states in a file saved without ZeRO partitions): the same
+    placement, named "cpu", which torch accepts for every tensor."""
+    ce = engine.checkpoint_engine
+    own = ce.__dict__.get("load")
+    inner = ce.load
+
+    def load(path, map_location=None):
+        return inner(path, map_location="cpu" if callable(map_location) else map_location)
+
+    ce.load = load
+    try:
+        yield
+    finally:
+        if own is None:
+            del ce.load
+        else:
+            ce.load = own
+
+
 def agree(value):
     """Collective: the first non-None of every rank's `value`, in rank order, on every rank."""
     every: list = [None] * dist.get_world_size()
@@ -143,4 +165,4 @@ def _share(engine) -> tuple[int, int]:
     return peers.index(rank), len(peers)
 
 
-__all__ = ["CrcFile", "WriteFailed", "checksummed", "agree", "node_local", "verified"]
+__all__ = ["CrcFile", "WriteFailed", "checksummed", "cpu_loads", "agree", "node_local", "verified"]

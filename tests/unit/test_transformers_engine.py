@@ -398,3 +398,23 @@ def test_packed_rows_cut_into_documents_with_a_trained_token():
         [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]))
     index, valid = documents_of(pos, torch.zeros_like(mask))  # nothing trained: still one forward
     assert valid.sum().item() == 3
+
+
+def test_the_rehearsals_tiny_mla_model_keeps_a_key_per_head():
+    """DeepSeek-V2-Lite's and GLM-4.7-Flash's multi-head latent attention computes a key per attention head
+    (num_key_value_heads = num_attention_heads): the rehearsal's tiny config capped the KV heads at 2 of 4, and
+    transformers' model then repeated its keys into twice the heads (their examples' rehearsals crashed)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from adapter.models import generic
+
+    for model_type, over in (("deepseek_v2", {"num_experts_per_tok": 6}), ("glm4_moe_lite", {})):
+        raw = {**AutoConfig.for_model(model_type).to_dict(), **over}
+        assert raw["num_key_value_heads"] == raw["num_attention_heads"]
+        tiny = generic.tiny_config(raw, 256)
+        assert tiny["num_key_value_heads"] == tiny["num_attention_heads"] == 4, tiny
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny))
+        assert model(input_ids=torch.randint(0, 256, (1, 8))).logits.shape == (1, 8, 256)
+    gqa = generic.tiny_config({**AutoConfig.for_model("llama").to_dict(), "num_key_value_heads": 8}, 256)
+    assert (gqa["num_attention_heads"], gqa["num_key_value_heads"]) == (4, 2)  # grouped stays grouped
