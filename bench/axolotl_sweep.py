@@ -96,6 +96,16 @@ def _messages(entry: dict, i: int, *, system: bool = True, last_assistant: bool 
     return [{keys["role"]: name(role), keys["content"]: text} for role, text in turns]
 
 
+def rows_needed(raw: dict) -> int:
+    """Enough short rows for the rehearsal's two steps of packed samples at the file's sequence_len, micro-batch and
+    accumulation, on up to four data-parallel ranks (a stand-in row is ~30 tokens of the small tokenizer)."""
+    def num(key: str, default: int) -> int:
+        v = raw.get(key)
+        return v if isinstance(v, int) and v > 0 else default
+    tokens = 2 * 4 * num("micro_batch_size", 1) * num("gradient_accumulation_steps", 1) * num("sequence_len", 2048)
+    return max(64, min(20000, tokens // 30 if raw.get("sample_packing") else 0))
+
+
 def stand_in_rows(entry: dict, raw: dict, n: int = 64) -> list[dict]:
     """Rows whose columns fit the entry's type (adapter/data/sft/formats.py, preference.py)."""
     from tests.helpers.axolotl_home import alpaca_rows, long_rows
@@ -110,8 +120,14 @@ def stand_in_rows(entry: dict, raw: dict, n: int = 64) -> list[dict]:
         field = entry.get("field") or entry.get("text_column") or "text"
         need = int(raw.get("min_sample_len") or 0)
         if need:  # documents that survive min_sample_len (a word is ~3 tokens of the small tokenizer)
-            return long_rows(2, need * 2 // 5 + 2000, field)
+            return long_rows(8, need * 2 // 5 + 2000, field)  # enough for a round of a few ranks' samples
         return long_rows(n, 120, field)
+    if t == "chat_template.argilla":  # rl: orpo's rows: chosen and rejected conversations (preference_orpo.py)
+        def talk(i: int, answer: str) -> list[dict]:
+            return [{"role": "user", "content": f"Name the number after {i}."},
+                    {"role": "assistant", "content": answer}]
+        return [{"chosen": talk(i, f"The number after {i} is {i + 1}."), "rejected": talk(i, f"It is {i + 7}.")}
+                for i in range(n)]
     if t == "chat_template.default" or t.startswith("chat_template.") and raw.get("rl"):
         keys = {"role": "role", "content": "content", **(entry.get("message_property_mappings") or {})}
         fm = entry.get("field_messages") or "messages"
@@ -151,7 +167,7 @@ def localise(example: Path, work: Path, axolotl: Path) -> Path:
 
     raw = yaml.safe_load(example.read_text())
     for key, i, entry in entries(raw):
-        rows = stand_in_rows({**entry, "_key": key}, raw)
+        rows = stand_in_rows({**entry, "_key": key}, raw, n=rows_needed(raw))
         entry["path"] = str(write_jsonl(work / "data" / f"{key}-{i or 0}.jsonl", rows))
         entry.pop("data_files", None)
         entry.pop("name", None)
