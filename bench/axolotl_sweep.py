@@ -97,12 +97,14 @@ def _messages(entry: dict, i: int, *, system: bool = True, last_assistant: bool 
 
 
 def rows_needed(raw: dict) -> int:
-    """Enough short rows for the rehearsal's two steps of packed samples at the file's sequence_len, micro-batch and
-    accumulation, on up to four data-parallel ranks (a stand-in row is ~30 tokens of the small tokenizer)."""
+    """Enough short rows for the rehearsal's two steps of packed samples at its sequence length (the file's, at most
+    512), the file's micro-batch and accumulation, on up to four data-parallel ranks (a stand-in row is ~30 tokens
+    of the small tokenizer); no more, or a held-out share of them makes each rehearsal's evals long."""
     def num(key: str, default: int) -> int:
         v = raw.get(key)
         return v if isinstance(v, int) and v > 0 else default
-    tokens = 2 * 4 * num("micro_batch_size", 1) * num("gradient_accumulation_steps", 1) * num("sequence_len", 2048)
+    seq = min(num("sequence_len", 2048), 512)  # the rehearsal's sequence (adapter/train/rehearse.py)
+    tokens = 2 * 4 * num("micro_batch_size", 1) * num("gradient_accumulation_steps", 1) * seq
     return max(64, min(20000, tokens // 30 if raw.get("sample_packing") else 0))
 
 
