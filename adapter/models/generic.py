@@ -289,10 +289,10 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
 _TINY = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "n_inner": 128,
          "ffn_dim": 128, "intermediate_size_mlp": 128, "moe_intermediate_size": 32, "expert_intermediate_size": 32,
          "shared_expert_intermediate_size": 32, "shared_intermediate_size": 32, "head_dim": 16,
-         "num_attention_heads": 4, "n_head": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
-         "qk_nope_head_dim": 8, "v_head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "mamba_d_state": 8, "mamba_n_groups": 1,
-         "mamba_chunk_size": 16, "mamba_d_conv": 4, "chunk_size": 16, "attention_chunk_size": 16,
+         "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
+         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "linear_key_head_dim": 8,
+         "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "mamba_d_state": 8,
+         "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_d_conv": 4, "chunk_size": 16, "attention_chunk_size": 16,
          "max_position_embeddings": 4096, "rotary_dim": 8, "partial_rotary_factor": None}
 _CAPS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "n_shared_experts": 1,
          "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
@@ -314,6 +314,16 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
     for k, cap in _CAPS.items():
         if isinstance(text.get(k), int):
             text[k] = min(text[k], cap)
+    for sub in ("attn_config", "ffn_config"):  # DBRX keeps its attention and expert sizes in sub-configs
+        if isinstance(text.get(sub), dict):
+            part = dict(text[sub])
+            for k, v in {**_TINY, "ffn_hidden_size": 128}.items():
+                if isinstance(part.get(k), int) and v is not None:
+                    part[k] = v
+            for k, cap in {**_CAPS, "kv_n_heads": 2, "moe_num_experts": 4, "moe_top_k": 2}.items():
+                if isinstance(part.get(k), int):
+                    part[k] = min(part[k], cap)
+            text[sub] = part
     heads = text.get("num_attention_heads", 4)
     source = text_part(raw)[0] if nested else raw
     if text.get("num_key_value_heads") and (heads % text["num_key_value_heads"]

@@ -418,3 +418,18 @@ def test_the_rehearsals_tiny_mla_model_keeps_a_key_per_head():
         assert model(input_ids=torch.randint(0, 256, (1, 8))).logits.shape == (1, 8, 256)
     gqa = generic.tiny_config({**AutoConfig.for_model("llama").to_dict(), "num_key_value_heads": 8}, 256)
     assert (gqa["num_attention_heads"], gqa["num_key_value_heads"]) == (4, 2)  # grouped stays grouped
+
+
+def test_the_rehearsals_tiny_dbrx_cuts_its_sub_configs():
+    """DBRX keeps its heads in `n_heads` and its KV heads and experts in attn_config / ffn_config: the tiny config
+    cut its width but not those, and the rehearsal of Axolotl's DBRX examples crashed in the first attention."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from adapter.models import generic
+    from tests.helpers.axolotl_home import model_config
+
+    tiny = generic.tiny_config(model_config("LnL-AI/dbrx-base-converted-v2"), 256)  # archived/dbrx's base
+    assert tiny["n_heads"] == 4 and tiny["attn_config"]["kv_n_heads"] <= 2, tiny
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny))
+    assert model(input_ids=torch.randint(0, 256, (1, 8))).logits.shape == (1, 8, 256)
