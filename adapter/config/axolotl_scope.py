@@ -34,8 +34,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "loraplus_lr_ratio": ("LoRA+ (a larger learning rate for B) is not supported", _ONE_LR),
     "peft_trainable_token_indices": ("training single token rows beside LoRA is not supported",
                                      "remove it, or list embed_tokens under lora_modules_to_save (all rows)"),
-    "lora_fan_in_fan_out": ("fan_in_fan_out adapters (GPT-2's Conv1D layout) do not fit these models' linears",
-                            "set it to false"),
     "peft_ensure_weight_tying": ("tying trained copies of tied embeddings is not supported (each trains alone, as "
                                  "PEFT's default does)", "remove it"),
     "loftq_config": ("LoftQ initialisation is not supported", "remove it (adapters start as PEFT's default)"),

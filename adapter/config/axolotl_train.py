@@ -21,7 +21,7 @@ LORA_MAP = {"lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lor
             "peft_use_rslora": "lora.rslora", "lora_model_dir": "lora.init_from", "load_in_4bit": "lora.quantize_base",
             "lora_target_parameters": "lora.target_parameters"}
 LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_pattern", "peft_init_lora_weights",
-                             "load_in_8bit"}
+                             "load_in_8bit", "lora_fan_in_fan_out"}
 # Schedule keys mapped by map_schedule (Axolotl key -> native key)
 SCHEDULE_MAP = {"num_epochs": "optimizer.num_epochs", "warmup_ratio": "optimizer.warmup_ratio", "eval_steps":
                 "eval.every", "evals_per_epoch": "eval.per_epoch", "saves_per_epoch": "checkpoint.saves_per_epoch"}
@@ -57,6 +57,9 @@ def map_lora(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
         if raw.get(key) is None:
             set_dotted(out, LORA_MAP[key], default)
             notes.append(f"{key}: {default} (PEFT's default, which Axolotl passes on for the unset key)")
+    if axolotl_scope.is_on(raw.get("lora_fan_in_fan_out")):  # PEFT 0.21's dispatch_default and bnb's layers
+        notes.append("lora_fan_in_fan_out: true changes nothing: PEFT sets fan_in_fan_out from each layer's type "
+                     "(false on nn.Linear and bitsandbytes' layers, true on GPT-2's Conv1D) whatever the key says")
     init = raw.get("peft_init_lora_weights")
     if init is not None and init is not True:
         raise bad("peft_init_lora_weights", init, "only PEFT's default initialisation is supported (A Kaiming-"

@@ -52,6 +52,21 @@ def _positive(cfg: dict[str, Any], keys: tuple[str, ...], source: str, default: 
     return v
 
 
+_LAYER_COUNT = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_PATTERNS = ("layer_types", "layers_block_type", "layer_block_types")
+
+
+def layer_count(text: dict[str, Any]) -> int | None:
+    """The language model's depth: its count key, or else the length of its per-layer pattern, as transformers
+    reads it (Nemotron-H's config of transformers 5 keeps `num_hidden_layers` None beside `layers_block_type`)."""
+    n = _first(text, _LAYER_COUNT)
+    if n is not None:
+        return n
+    pattern = next((text[k] for k in (*_PATTERNS, "hybrid_override_pattern") if isinstance(text.get(k), (list, str))
+                    and text.get(k)), None)
+    return len(pattern) if pattern is not None else None
+
+
 def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
     """Every layer kind the config names (`layer_types`, `layers_block_type`, hybrid patterns), sorted."""
     text, _ = text_part(cfg)
@@ -257,7 +272,7 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
     head_dim = head_dim if isinstance(head_dim, int) and head_dim > 0 else max(1, hidden // heads)
     ffn = _first(text, ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"))
     ffn = ffn if isinstance(ffn, int) and ffn > 0 else 4 * hidden
-    layers = _positive(text, ("num_hidden_layers", "n_layer", "num_layers", "n_layers"), source)
+    layers = _positive({"num_hidden_layers": layer_count(text)}, ("num_hidden_layers",), source)
     vocab = _positive(text, ("vocab_size",), source)
     arch = (cfg.get("architectures") or [facts["cls"]])[0]
     kinds = text.get("layer_types")
@@ -297,9 +312,6 @@ _TINY = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 12
 _CAPS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "n_shared_experts": 1,
          "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
          "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2}
-_PATTERNS = ("layer_types", "layers_block_type", "layer_block_types")
-
-
 def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
     """A small config.json of the same architecture, every structural feature kept (adapter/train/rehearse.py
     builds the rehearsal's model from it); `vocab`: its vocabulary."""
@@ -333,9 +345,12 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
         text["mamba_n_heads"], text["mamba_d_head"] = 4, (text.get("mamba_expand") or 2) * 64 // 4
         if "mamba_d_ssm" in text:
             text["mamba_d_ssm"] = (text.get("mamba_expand") or 2) * 64
-    n = next((text[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-              if isinstance(text.get(k), int)), 2)
+    n = layer_count(text)
+    n = n if isinstance(n, int) else 2
     kinds = next((text[k] for k in _PATTERNS if isinstance(text.get(k), list)), None)
+    pattern = text.get("hybrid_override_pattern")  # Nemotron-H's string, a character per layer
+    if kinds is None and isinstance(pattern, str) and len(pattern) == n:
+        kinds = list(pattern)
     keep = sorted({kinds.index(k) for k in kinds}) if kinds else [0, 1]  # the first layer of each kind, in order
     if len(keep) < 2:
         keep = list(range(min(2, n)))
@@ -348,11 +363,13 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
         elif isinstance(v, dict) and v and all(str(i).isdigit() and int(i) < n for i in v):
             text[k] = {str(j): v[str(i)] if str(i) in v else v.get(i) for j, i in enumerate(keep)
                        if str(i) in v or i in v}
+    if isinstance(pattern, str) and len(pattern) == n:
+        text["hybrid_override_pattern"] = "".join(pattern[i] for i in keep)
     layers = len(keep)
     for k in ("intermediate_size", "layer_intermediate_size"):  # per-layer widths (Gemma 3n): one per kept layer
         if isinstance(text.get(k), list):
             text[k] = [128] * layers
-    for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+    for k in _LAYER_COUNT:
         if isinstance(text.get(k), int):
             text[k] = layers
     text["vocab_size"] = vocab

@@ -90,6 +90,10 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         if params and ("nn.Parameter" in str(e) or not targets):  # a parameter of a targeted module, say
             raise bad(spell(cfg, "lora.target_parameters"), list(params), problem, "name parameters of modules "
                       "that no target_modules entry adapts (a mixture of experts' fused expert weights)")
+        if "lora_dropout" in str(e):  # PEFT 0.21 maps v4 expert names (gate_proj, ...) onto fused expert weights
+            raise bad(spell(cfg, "lora.dropout"), c.dropout, f"{problem} (PEFT adapts {cls}'s fused expert weights "
+                      "as parameters, which take no dropout, where the targets name its experts' projections)",
+                      "set lora_dropout: 0, or name only modules outside the experts in lora_target_modules")
         key = "lora.target_linear" if c.target_linear else "lora.target_modules"
         raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True, problem,
                   "name modules the model has (its linear layers' names), or use lora_target_linear: true")

@@ -154,6 +154,28 @@ def test_axolotl_lora_keys():
     assert build({}).lora is None
 
 
+def test_lora_fan_in_fan_out_is_taken_and_changes_nothing_as_in_peft():
+    """Axolotl's Pythia examples set lora_fan_in_fan_out: true; PEFT resets it from each layer's type (a warning),
+    so the adapters are the same either way: accepted with a note, not refused."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.archs import tiny_config
+
+    cfg = build({"adapter": "lora", "lora_target_modules": ["query_key_value"], "lora_fan_in_fan_out": True})
+    assert any(n.startswith("lora_fan_in_fan_out: true changes nothing") for n in cfg.notes)
+    ids = torch.arange(12).view(1, 12)
+    logits = []
+    for fan in (True, False):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("gpt_neox"))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["query_key_value"],
+                                                           fan_in_fan_out=fan, init_lora_weights=False))
+        logits.append(model(input_ids=ids).logits)
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("extra, match", [
     ({"lora_r": 16}, r"lora_r=16: a LoRA setting without `adapter`.*set adapter: lora"),
     ({"adapter": "qlora"}, r"adapter='qlora': .*needs load_in_4bit: true"),

@@ -433,3 +433,43 @@ def test_the_rehearsals_tiny_dbrx_cuts_its_sub_configs():
     assert tiny["n_heads"] == 4 and tiny["attn_config"]["kv_n_heads"] <= 2, tiny
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny))
     assert model(input_ids=torch.randint(0, 256, (1, 8))).logits.shape == (1, 8, 256)
+
+
+def test_a_depth_given_only_by_the_layer_pattern_is_read_and_cut_as_transformers_reads_it(tmp_path):
+    """transformers 5's Nemotron-H config keeps `num_hidden_layers` None beside its `layers_block_type`, and older
+    checkpoints give a `hybrid_override_pattern` string: Axolotl's three Nemotron-H examples were refused with
+    "num_hidden_layers=None: must be a positive integer", and a rehearsal's tiny model kept every layer."""
+    from transformers import AutoConfig
+
+    from adapter.models import generic
+
+    raw = AutoConfig.for_model("nemotron_h").to_dict()
+    assert raw.get("num_hidden_layers") is None and len(raw["layers_block_type"]) == 4
+    d = tmp_path / "nemotron"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(raw))
+    arch = load_arch(d)
+    assert arch.engine == "transformers" and arch.num_layers == 4
+    old = {**raw, "layers_block_type": None, "num_hidden_layers": 12, "hybrid_override_pattern": "MEM*EMEM*EME"}
+    old.pop("layers_block_type")
+    tiny = generic.tiny_config(old, 256)
+    assert tiny["hybrid_override_pattern"] == "ME*" and tiny["num_hidden_layers"] == 3, tiny
+    assert AutoConfig.for_model(**tiny).layers_block_type == ["linear_attention", "moe", "full_attention"]
+
+
+def test_peft_s_dropout_refusal_on_fused_experts_names_lora_dropout(tmp_path):
+    """PEFT 0.21 maps lora_target_linear's expert projections of an Afmoe (Trinity) onto its fused expert weights,
+    which refuse dropout: the line named lora_target_linear and told the user to set it, which it already was."""
+    from transformers import AutoConfig
+
+    from tests.helpers.archs import TINY
+
+    d = tmp_path / "afmoe"
+    AutoConfig.for_model("afmoe", **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         num_dense_layers=1, head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                         architectures=["AfmoeForCausalLM"]).save_pretrained(d)
+    code, _, err = _plan(tmp_path, d, adapter="lora", lora_target_linear=True, lora_dropout=0.05)
+    assert code == 2 and err.startswith("nd-adapter: error: lora_dropout=0.05: PEFT cannot apply it to "
+                                        "AfmoeForCausalLM") and "Fix: set lora_dropout: 0" in err, err
+    code, _, err = _plan(tmp_path, d, adapter="lora", lora_target_linear=True, lora_dropout=0)
+    assert code == 0, err
