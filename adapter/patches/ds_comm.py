@@ -15,8 +15,11 @@ from adapter.patches.zero import TESTED_DEEPSPEED_VERSIONS
 
 def skip_cpu_shm_op() -> None:
     """Before deepspeed.init_distributed on a machine without CUDA."""
-    import deepspeed.comm.torch as ds_torch
+    import importlib
 
+    # not `import deepspeed.comm.torch as ds_torch`: that binds deepspeed.comm's attribute `torch`, the torch package
+    # itself (deepspeed/comm/__init__.py imports it), so the patch would land on torch and never be seen
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "CPU communication set-up (skipping its shared-memory op)")
     ds_torch.build_shm_op = lambda: None
 

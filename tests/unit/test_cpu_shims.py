@@ -26,3 +26,17 @@ def test_cp_rotary_shim_selects_megatrons_chunks():
         assert torch.equal(mcore._pos_emb_on_this_cp_rank(pos, 0, group), split_for_cp(pos, 4, r, 0))
 
 
+
+
+def test_deepspeed_s_cpu_backend_builds_no_shared_memory_op(monkeypatch):
+    """The op DeepSpeed's TorchBackend would JIT-compile (~45 s on a fresh machine) is skipped: the patch must land on
+    deepspeed.comm.torch, which `import deepspeed.comm.torch as m` does not give (it gives torch: the first version of
+    the patch set an attribute on torch and the op kept building)."""
+    import importlib
+
+    from adapter.patches.ds_comm import skip_cpu_shm_op
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    monkeypatch.setattr(ds_torch, "build_shm_op", lambda: (_ for _ in ()).throw(AssertionError("builds the op")))
+    skip_cpu_shm_op()
+    assert ds_torch.build_shm_op() is None
