@@ -59,7 +59,8 @@ def test_without_a_world_size_expert_parallelism_asks_for_one(setup):
 def test_rehearse_passes_unchanged_on_4_processes(setup, name):
     files, env = setup
     cfg = files[name]
-    code, out, err = cli(["rehearse", "--config", str(cfg), "--steps", "2", "--nproc", "4"], env, cfg.parent)
+    code, out, err = cli(["rehearse", "--config", str(cfg), "--steps", "2", "--nproc", "4",
+                          "--seq-len", "128"], env, cfg.parent)
     assert code == 0 and "rehearsal ok: 4 processes, layout 1x4x1x1 ep 4" in out, (out[-3000:], err[-3000:])
     assert ("adapter: LoRA r 32" in out) == ("lora" in name)
     assert "Traceback" not in out + err

@@ -53,7 +53,8 @@ def hf_home(tmp_path_factory):
 def test_axolotl_example_rehearses_unchanged(hf_home, tmp_path, name, procs):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "ND_ADAPTER_CACHE": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-m", "adapter", "rehearse", "--config", str(FIXTURES / name), "--steps", "2"],
+    p = subprocess.run([sys.executable, "-m", "adapter", "rehearse", "--config", str(FIXTURES / name), "--steps", "2",
+                        "--seq-len", "128"],
                        capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"rehearsing on {procs} CPU processes" in p.stdout and "saved at step 1 and resumed" in p.stdout

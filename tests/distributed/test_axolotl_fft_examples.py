@@ -57,7 +57,7 @@ def test_plan_and_preprocess_pass_unchanged(setup, name):
 def test_rehearse_passes_unchanged(setup, name):
     files, env = setup
     cfg = files[name]
-    code, out, err = cli(["rehearse", "--config", str(cfg), "--steps", "2"], env, cfg.parent)
+    code, out, err = cli(["rehearse", "--config", str(cfg), "--steps", "2", "--seq-len", "128"], env, cfg.parent)
     assert code == 0 and "rehearsal ok" in out, (out[-3000:], err[-3000:])
     assert "precision: fp32 (the rehearsal's, on CPU; the run itself: bf16)" in out
     resumed = next(ln for ln in out.splitlines() if ln.startswith("step 2/2"))
