@@ -89,6 +89,13 @@ def unsplittable(kinds: tuple[str, ...]) -> str | None:
     return next((k for k in kinds if any(u in k.lower() for u in UNSPLITTABLE)), None)
 
 
+def runs_unpacked(kinds: tuple[str, ...], document_attention: bool) -> str | None:
+    """The recurrent layer kind that makes packed documents run unpacked (each its own row of a padded batch:
+    adapter/modeling/hf_unpack.py), or None: a linear-attention / state-space layer would carry its state from one
+    packed document into the next. The one rule the run's first lines and the engine's loss both follow."""
+    return unsplittable(kinds) if document_attention else None
+
+
 def check_loadable(cfg: dict[str, Any]) -> None:
     """One line when transformers has no class for the checkpoint's model_type and the checkpoint ships no code of
     its own (auto_map): no engine can train it. Cheap (no model is built): said before any key of the run's file."""
@@ -387,6 +394,7 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
     return out
 
 
-__all__ = ["ENGINES", "UNSPLITTABLE", "tiny_config", "text_part", "layer_kinds", "unsplittable", "check_loadable",
+__all__ = ["ENGINES", "UNSPLITTABLE", "tiny_config", "text_part", "layer_kinds", "unsplittable", "runs_unpacked",
+           "check_loadable",
            "hf_config", "model_class", "for_class", "meta_model", "meta_facts", "attention_features",
            "generic_arch_fields"]

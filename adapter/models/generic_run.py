@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapter.errors import bad
-from adapter.models.generic import meta_facts, meta_model, unsplittable
+from adapter.models.generic import meta_facts, meta_model, runs_unpacked, unsplittable
 
 _KEPT = "the other weights in the run's precision (no prepare_model_for_kbit_training fp32 upcast)"
 QUANTIZED = {"nf4": "NF4 through bitsandbytes (transformers' load_in_4bit: double quantisation, blocks of 64); "
@@ -221,8 +221,8 @@ def check_run(cfg, arch) -> list[str]:
     if p.cp_size > 1:
         _check_cp(cfg, arch, p.cp_size)
     notes = []
-    layer = unsplittable(arch.layer_kinds)
-    if layer and cfg.document_attention:  # a recurrence would run through the packed documents (hf_unpack)
+    layer = runs_unpacked(arch.layer_kinds, cfg.document_attention)
+    if layer:
         notes.append(f"packed documents: {name}'s {layer} layers carry state along the sequence, so each document "
                      "runs as its own row of a padded batch (exact; the padding costs time)")
     if p.ep_size > 1:

@@ -150,7 +150,9 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
     # gradients and optimizer states only for the trained parameters (LoRA's adapters, unfrozen_parameters)
     P, trained = held_and_trained(run, tp)
-    Q, q_bytes, q_one = quantized_base(run, tp)  # a 4/8-bit base: whole on every rank, outside ZeRO (but below)
+    # a 4/8-bit base (Q parameters): left out of ZeRO's 16-bit shard; whole on every rank, except the transformers
+    # engine's NF4 codes under ZeRO-3, which it partitions like any parameter (q_held below)
+    Q, q_bytes, q_one = quantized_base(run, tp)
     Z = partition_size
     shard = -(-(P - Q) // Z)
     trained_shard = -(-trained // Z)

@@ -34,7 +34,7 @@ from adapter.modeling.quant import quantize_base
 from adapter.models import freeze as freeze_facts
 from adapter.models import lora as lora_facts
 from adapter.models import source, vocab
-from adapter.models.generic import unsplittable
+from adapter.models.generic import runs_unpacked
 from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
@@ -288,7 +288,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
         freeze(model, list(run.unfrozen), 0, 1)
     # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)
     model_loss = bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger))
-    unpack = cfg.document_attention and unsplittable(run.arch.layer_kinds) is not None
+    unpack = runs_unpacked(run.arch.layer_kinds, cfg.document_attention) is not None
     return CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack).to(device)
 
 
