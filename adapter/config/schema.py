@@ -220,7 +220,8 @@ class DatasetEntry(PreferenceFields, _Strict):
 
 
 class SpecialTokens(_Strict):
-    """Axolotl's `special_tokens`: only tokens the vocabulary already has (new ones would need new embedding rows)."""
+    """Axolotl's `special_tokens`: set on the tokenizer; one the vocabulary lacks gets a new id and a new embedding
+    row, as `tokens:` (adapter/models/vocab.py)."""
 
     bos_token: str | None = None
     eos_token: str | None = None

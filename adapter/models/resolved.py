@@ -89,7 +89,7 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
         source.check_converted(cfg)
         arch = source.arch_for(cfg)
     arch, grew = source.grown(cfg, arch)  # data.tokens' new rows (adapter/models/vocab.py)
-    vocab.check_lora(cfg, arch.hf_model_type)
+    vocab.check_lora(cfg, arch.hf_model_type, grew)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None
     if not arch.native:  # PEFT itself, freezing by HF name, a pre-quantised base: on transformers' (meta) model

@@ -23,7 +23,7 @@ from typing import Any
 from adapter import config
 from adapter.config import RunConfig, spell
 from adapter.config.values import path_problem
-from adapter.errors import bad
+from adapter.errors import UserError, bad
 from adapter.models import lora, vocab
 from adapter.models.arch import ModelArch, NotNative, UnknownArchitecture, config_path, load_arch
 from adapter.models.generic import check_loadable
@@ -126,13 +126,22 @@ _GROWTH: dict[tuple, vocab.Growth | None] = {}  # plan --search resolves one run
 
 
 def growth(cfg, rows: int) -> vocab.Growth | None:
-    """What `data.tokens` does to a vocabulary of `rows` embedding rows (None: nothing asked)."""
-    if not cfg.data.tokens and not cfg.data.resize_vocab_to_32x:
+    """What `data.tokens` and new `data.special_tokens` do to a vocabulary of `rows` embedding rows (None: nothing
+    asked or nothing new)."""
+    specials = cfg.data.special_tokens.model_dump(exclude_none=True)
+    if not cfg.data.tokens and not cfg.data.resize_vocab_to_32x and not specials:
         return None
+    if not cfg.data.tokens and not cfg.data.resize_vocab_to_32x:  # special tokens alone: without a tokenizer.json
+        try:  # here they may still be known ones; preparing the data reads the tokenizer and says what is wrong
+            tok = tokenizer_dir(cfg)
+        except UserError:
+            return None
+        if not (tok / "tokenizer.json").is_file():
+            return None
     tok = tokenizer_dir(cfg)
     stat = (tok / "tokenizer.json").stat() if (tok / "tokenizer.json").is_file() else None
     key = (str(tok), stat and (stat.st_size, stat.st_mtime_ns), tuple(cfg.data.tokens), cfg.data.resize_vocab_to_32x,
-           rows, cfg.model.mean_resizing_embeddings, cfg.source)
+           rows, cfg.model.mean_resizing_embeddings, cfg.source, json.dumps(specials))
     if key not in _GROWTH:
         _GROWTH[key] = vocab.growth(cfg, tok, rows)
     return _GROWTH[key]

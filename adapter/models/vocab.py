@@ -35,12 +35,13 @@ class Growth:
     """What `tokens:` (and `resize_token_embeddings_to_32x`) do to the vocabulary."""
 
     tokens: tuple[str, ...]  # as the config lists them
-    added: tuple[str, ...]   # those the tokenizer lacked, in the order they get ids
+    added: tuple[str, ...]   # those the tokenizer lacked (special_tokens' and tokens'), in the order they get ids
     ids: tuple[int, ...]     # their ids
     tokenizer_len: int       # len(tokenizer) once they are added
     rows: int                # the checkpoint's embedding rows (config.json vocab_size)
     new_rows: int            # rows after resizing (== rows: nothing resized)
     mean: bool               # mean_resizing_embeddings
+    specials: tuple[str, ...] = ()  # the new tokens that special_tokens named (a subset of `added`)
 
     @property
     def resized(self) -> bool:
@@ -49,7 +50,9 @@ class Growth:
     def note(self, cfg) -> str:
         """The run's first line about it (plan prints it too)."""
         key = spell(cfg, "data.tokens")
-        if not self.tokens:
+        if self.specials:
+            key = spell(cfg, "data.special_tokens") + (f" and {key}" if self.tokens else "")
+        if not self.tokens and not self.specials:
             what = (f"{spell(cfg, 'data.resize_vocab_to_32x')}: the tokenizer's {self.tokenizer_len} tokens rounded "
                     "up to a multiple of 32")
         elif not self.added:
@@ -74,22 +77,45 @@ def tokenizer_json(tok_dir: Path, cfg) -> Path:
     return path
 
 
+def special_tokens(cfg) -> tuple[list[str], list[str]]:
+    """(the named special tokens, bos_token ... in Axolotl's order; additional_special_tokens), as the config gives
+    them."""
+    given = cfg.data.special_tokens.model_dump(exclude_none=True)
+    additional = list(given.pop("additional_special_tokens", None) or [])
+    return list(given.values()), additional
+
+
 def growth(cfg, tok_dir: Path, rows: int) -> Growth | None:
-    """None when the config adds nothing and asks for no 32x rounding (the tokenizer is then not read)."""
+    """None when the config adds nothing and asks for no 32x rounding (the tokenizer is then not read).
+
+    Axolotl's order (loaders/tokenizer.py): each named special token (add_special_tokens), then `tokens`
+    (add_tokens), then additional_special_tokens; a token the vocabulary has gets no new id."""
     tokens = tuple(cfg.data.tokens)
-    if not tokens and not cfg.data.resize_vocab_to_32x:
+    named, additional = special_tokens(cfg)
+    if not tokens and not named and not additional and not cfg.data.resize_vocab_to_32x:
         return None
     from tokenizers import AddedToken, Tokenizer  # Rust bindings: no torch
 
     tok = Tokenizer.from_file(str(tokenizer_json(tok_dir, cfg)))
     known = tok.get_vocab(with_added_tokens=True)
-    tok.add_tokens([AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False) for t in tokens])
-    added = tuple(dict.fromkeys(t for t in tokens if t not in known))
+
+    def added_token(t: str, special: bool):
+        return AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+
+    tok.add_special_tokens([added_token(t, True) for t in named])
+    tok.add_tokens([added_token(t, False) for t in tokens])
+    tok.add_special_tokens([added_token(t, True) for t in additional])
+    added = tuple(dict.fromkeys(t for t in (*named, *tokens, *additional) if t not in known))
     ids = tuple(int(tok.token_to_id(t) or 0) for t in added)  # each was just added: it has an id
+    order = sorted(range(len(added)), key=lambda i: ids[i])
+    added, ids = tuple(added[i] for i in order), tuple(ids[i] for i in order)
+    specials = tuple(t for t in added if t in named or t in additional)
     n = tok.get_vocab_size(with_added_tokens=True)
     target = -(-n // 32) * 32 if cfg.data.resize_vocab_to_32x else n
+    if not tokens and not specials and not cfg.data.resize_vocab_to_32x:
+        return None  # special tokens the vocabulary has: nothing to say, nothing grows
     return Growth(tokens=tokens, added=added, ids=ids, tokenizer_len=n, rows=rows, new_rows=max(rows, target),
-                  mean=cfg.model.mean_resizing_embeddings)
+                  mean=cfg.model.mean_resizing_embeddings, specials=specials)
 
 
 def embedding_modules(model_type: str) -> list[str]:
@@ -98,10 +124,15 @@ def embedding_modules(model_type: str) -> list[str]:
             "nemotron_h": ["embeddings", "lm_head"]}.get(model_type, ["embed_tokens", "lm_head"])
 
 
-def check_lora(cfg, model_type: str) -> None:
-    """Axolotl's rule (loaders/tokenizer.py): an adapter run with `tokens` must list the embedding and the LM head
-    in lora_modules_to_save, else the new rows would never train (they are frozen base rows)."""
-    if cfg.lora is None or not cfg.data.tokens:
+def check_lora(cfg, model_type: str, grew: Growth | None = None) -> None:
+    """Axolotl's rule (loaders/tokenizer.py): an adapter run that adds tokens (`tokens`, or new special tokens other
+    than the pad token) must list the embedding and the LM head in lora_modules_to_save, else the new rows would
+    never train (they are frozen base rows). `grew`: what growth() found."""
+    if cfg.lora is None:
+        return
+    pad = cfg.data.special_tokens.pad_token
+    trained_specials = [t for t in (grew.specials if grew is not None else ()) if t != pad]  # pad rows never train
+    if not cfg.data.tokens and not trained_specials:
         return
     need = embedding_modules(model_type)
     have = list(cfg.lora.modules_to_save or [])

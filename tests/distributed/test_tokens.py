@@ -1,4 +1,5 @@
-"""Axolotl's `tokens:` trained: two new tokens, used in prompts and answers, on a tiny Llama (fp32, CPU). The native
+"""Axolotl's `tokens:` trained: two new tokens and a new special token, used in prompts and answers, on a tiny
+Llama (fp32, CPU). The native
 engine at tp=2 (the new rows written into each rank's vocabulary slice) and the transformers engine at dp_shard=2
 give the same losses over 3 steps as transformers itself resizing the checkpoint with resize_token_embeddings
 (Axolotl's call, mean_resizing=False: the new rows drawn from normal(0, initializer_range) under the run's seed)
@@ -15,6 +16,7 @@ from tests.helpers.sft import make_model, packed_examples, rel
 
 SEQ, LR, STEPS, WARMUP, SEED = 64, 2e-3, 3, 1, 5
 NEW = ["<think>", "</think>"]
+SPECIAL = {"additional_special_tokens": ["<tool>"]}  # a new special token too: 1026, after `tokens` (Axolotl's order)
 LAYOUTS = {"native tp=2": ({"tp_size": 2, "dp_shard_size": 1}, 2, "megatron"),
            "transformers dp_shard=2": ({"tp_size": 1, "dp_shard_size": 2}, 1, "transformers")}
 
@@ -27,7 +29,8 @@ def _cfg(model_dir: str, data: str, root: str, parallelism: dict, micro: int, en
                          "clip_grad": 1e12},
            "checkpoint": {"export_hf": f"{root}/export"},
            "data": {"datasets": [{"path": data, "type": "chat_template"}], "chat_template": "chatml",
-                    "sample_packing": True, "prepared_path": f"{root}/prep", "tokens": NEW}}
+                    "sample_packing": True, "prepared_path": f"{root}/prep", "tokens": NEW,
+                    "special_tokens": SPECIAL}}
     return config.build(raw, env={}, world_size=2)
 
 
@@ -43,7 +46,8 @@ def _worker(rank, world, model_dir, data, root):
 def _rows(i: int) -> dict:
     q = " ".join(["light", "water", "earth", "day"][: 1 + i % 4])
     return {"messages": [{"role": "user", "content": f"<think> {q} </think> why?"},
-                         {"role": "assistant", "content": f"<think> {q} and {q} </think> because" + " so" * (i % 5)}]}
+                         {"role": "assistant",
+                          "content": f"<think> {q} and {q} </think> because <tool>" + " so" * (i % 5)}]}
 
 
 def _reference(model_dir: str, data, cfg, rows: int) -> list[float]:
@@ -86,11 +90,11 @@ def test_new_tokens_train_as_transformers_resizing_them(tmp_path):
 
     cfg = _cfg(model_dir, data, f"{tmp_path}/native", *LAYOUTS["native tp=2"])
     rows = vocab_of(cfg)
-    assert rows == 1024 + len(NEW)
+    assert rows == 1024 + len(NEW) + 1
     prepared = prepare(cfg, model_dir, rows, builder=True, barrier=None, progress=False)
     assert prepared.reused  # the runs' own samples
     tokens = [t for i in range(len(prepared.train)) for t in prepared.train[i]["tokens"].tolist()]
-    assert 1024 in tokens and 1025 in tokens  # the new ids are fed (and trained: they sit in the answers)
+    assert {1024, 1025, 1026} <= set(tokens)  # the new ids are fed (and trained: they sit in the answers)
     ref = _reference(model_dir, prepared, cfg, rows)
     for name, losses in got.items():
         assert len(losses) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), (name, losses, ref)
@@ -98,5 +102,5 @@ def test_new_tokens_train_as_transformers_resizing_them(tmp_path):
         out = tmp_path / engine / "export"
         assert json.loads((out / "config.json").read_text())["vocab_size"] == rows
         assert AutoModelForCausalLM.from_pretrained(str(out)).get_input_embeddings().weight.shape[0] == rows
-        assert AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids(NEW) == [1024, 1025]
+        assert AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids([*NEW, "<tool>"]) == [1024, 1025, 1026]
     assert Path(tmp_path / "native" / "prep").is_dir()

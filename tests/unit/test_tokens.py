@@ -81,3 +81,34 @@ def test_refused_as_axolotl_refuses(model, tmp_path):
     assert resolve_run(_cfg(model, tmp_path, lora_modules_to_save=["embed_tokens", "lm_head"], **lora)).vocab.resized
     with pytest.raises(UserError, match=r"^tokens=\{'bos_token': '<s>'\}: must be a list .*go under special_tokens"):
         _cfg(model, tmp_path, tokens={"bos_token": "<s>"})  # the archived examples' form: Axolotl's schema refuses it
+
+
+def test_new_special_tokens_grow_the_vocabulary_in_axolotl_s_order(model, tmp_path):
+    """A special token the vocabulary lacks (a new pad token, new chat markers) was refused; Axolotl adds it (named
+    ones, then `tokens`, then additional_special_tokens) and resizes the embedding, so nd-adapter does too: the
+    ids counted from tokenizer.json are the ones transformers' tokenizer gives after Axolotl's own calls."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    specials = {"pad_token": "<|pad|>", "eos_token": "<|im_end|>", "additional_special_tokens": ["<tool>", "<x>"]}
+    cfg = _cfg(model, tmp_path, special_tokens=specials, tokens=["<think>", "<tool>"])
+    run = resolve_run(cfg)
+    g = run.vocab
+    ref = AutoTokenizer.from_pretrained(str(model))  # Axolotl 067b021's loaders/tokenizer.py, call for call
+    for k in ("pad_token", "eos_token"):
+        ref.add_special_tokens({k: AddedToken(specials[k], rstrip=False, lstrip=False, normalized=False)})
+    ref.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in ("<think>", "<tool>")])
+    ref.add_special_tokens({"additional_special_tokens": specials["additional_special_tokens"]})
+    want = {t: ref.convert_tokens_to_ids(t) for t in ("<|pad|>", "<think>", "<tool>", "<x>")}
+    assert dict(zip(g.added, g.ids)) == want and g.new_rows == len(ref) == 1028, (g, want)
+    assert g.specials == ("<|pad|>", "<tool>", "<x>") and run.arch.vocab_size == 1028
+    tok = load_tokenizer(cfg, model, 1028)
+    assert len(tok) == len(ref) and tok.pad_token_id == want["<|pad|>"] and tok.eos_token == "<|im_end|>"
+    assert "special_tokens and tokens: 4 new token(s)" in "\n".join(announce(run))
+    # an adapter must train the new rows of a trained token in full (Axolotl's rule); a new pad token alone need not
+    lora = {"adapter": "lora", "lora_target_modules": ["q_proj"]}
+    with pytest.raises(UserError, match=r"^lora_modules_to_save=None|^lora_modules_to_save=\[\]"):
+        resolve_run(_cfg(model, tmp_path, special_tokens={"additional_special_tokens": ["<x>"]}, **lora))
+    assert resolve_run(_cfg(model, tmp_path, special_tokens={"pad_token": "<|pad|>"}, **lora)).vocab.resized
+    known = resolve_run(_cfg(model, tmp_path, special_tokens={"eos_token": "<|im_end|>"}))
+    assert known.vocab is None and known.arch.vocab_size == 1024  # a token it has: nothing grows, nothing said

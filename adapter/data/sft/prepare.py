@@ -145,35 +145,30 @@ def val_fraction(cfg, n: int | None) -> int:
 # --- tokenizer -----------------------------------------------------------------------------------------------------
 
 def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
-    """The checkpoint's tokenizer with the config's `special_tokens` set (ones not in the vocabulary are refused) and
-    its `tokens` added, as Axolotl's tokenizer loader does both; `vocab_size`: the run's rows, grown for them."""
+    """The checkpoint's tokenizer with the config's `special_tokens` set and its `tokens` added, in Axolotl's order
+    (loaders/tokenizer.py: each named special token, then `tokens`, then additional_special_tokens; new ones get
+    new ids, which adapter/models/vocab.py counted for the run's embedding rows); `vocab_size`: those rows."""
+    from tokenizers import AddedToken
     from transformers import AutoTokenizer  # heavy: imported where used (adapter/data/__init__.py)
 
     _, key = names(cfg)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    given = cfg.data.special_tokens.model_dump(exclude_none=True)
-    vocab = tok.get_vocab()
-    for name, value in given.items():
-        for token in value if isinstance(value, list) else [value]:
-            tid = vocab.get(token)
-            if tid is None or tid >= vocab_size:
-                raise bad(f"{key('special_tokens')}.{name}", token,
-                          "not in the tokenizer's vocabulary" if tid is None else
-                          f"its id {tid} is outside the model's {vocab_size} embedding rows",
-                          "use a token the vocabulary has (e.g. the EOS for pad_token); a new special token is "
-                          "not added (list it under tokens: to add it as a plain token)")
-    if given:
-        before = len(tok)
-        tok.add_special_tokens(given)
-        if len(tok) != before:  # cannot happen after the checks above; never train on unknown rows
-            raise RuntimeError("special_tokens grew the vocabulary")
-    if cfg.data.tokens:  # as Axolotl adds them (adapter/models/vocab.py): a token the vocabulary has gets no new id
-        from tokenizers import AddedToken
 
-        tok.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.data.tokens])
+    def added(t: str):
+        return AddedToken(t, rstrip=False, lstrip=False, normalized=False)
+
+    given = cfg.data.special_tokens.model_dump(exclude_none=True)
+    additional = given.pop("additional_special_tokens", None)
+    for name, value in given.items():
+        tok.add_special_tokens({name: added(value)})
+    if cfg.data.tokens:  # as Axolotl adds them (adapter/models/vocab.py): a token the vocabulary has gets no new id
+        tok.add_tokens([added(t) for t in cfg.data.tokens])
+    if additional:
+        tok.add_special_tokens({"additional_special_tokens": additional})
     rows = -(-len(tok) // 32) * 32 if cfg.data.resize_vocab_to_32x else len(tok)
     if rows > vocab_size:  # the run's vocabulary was grown from tokenizer.json: this tokenizer must agree with it
-        which = "tokens" if cfg.data.tokens else "resize_vocab_to_32x"
+        which = "tokens" if cfg.data.tokens else "resize_vocab_to_32x" if cfg.data.resize_vocab_to_32x else \
+            "special_tokens"
         raise bad(key(which), getattr(cfg.data, which), f"the tokenizer transformers loads has {len(tok)} tokens "
                   f"({rows} rows), more than the {vocab_size} embedding rows counted from its tokenizer.json",
                   "save the tokenizer again (tokenizer.json and tokenizer_config.json must hold the same tokens)")
