@@ -175,3 +175,45 @@ def test_gemma3_examples_refuse_unfrozen_parameters_and_plan_without_it(results,
         "up_proj, down_proj" in said and "the base frozen, NF4" in said, (out[-3000:], err[-2000:])
     if "4b" in name:  # the image-text checkpoint: its language model is what plans (and trains)
         assert "Gemma3ForConditionalGeneration (gemma3_vl): 3.88B params" in said
+
+
+def _early_stop_worker(rank, world, example: str):
+    from adapter import config
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    cfg = config.load(example, env={}, world_size=1)
+    first = train(cfg, log=lambda s: None)
+    lines: list[str] = []
+    again = train(cfg, resume=True, log=lines.append)
+    return {"evals": first.eval_losses, "early": first.stopped_early, "final": first.final_step,
+            "best": first.best_step, "again": (again.final_step, again.stopped_early, again.losses),
+            "said": [ln for ln in lines if ln.startswith("finished")]}
+
+
+def test_phi3_ft_stops_early_and_its_resume_says_it_has_finished(tmp_path):
+    """Issue 48 item 8 from the file that showed it (phi/phi3-ft.yml, tests/fixtures/axolotl): its
+    early_stopping_patience ends the run; `--resume` of the early-stopped run used to train on and stop again at the
+    same step instead of saying it had finished. The example as it is but for its scale (a tiny Phi-3 and alpaca
+    rows, 256-token sequences, an eval and a save every step, and a learning rate that makes the eval loss turn)."""
+    from tests.helpers.dist import run_workers
+    from tests.helpers.sft import make_phi3
+    from tests.helpers.sft_data import tiny_model
+
+    model = make_phi3(tmp_path / "phi3", tiny_model(tmp_path / "tok"))
+    data = write_jsonl(tmp_path / "alpaca.jsonl", alpaca_rows())
+    raw = yaml.safe_load(localised(FIXTURES / "phi3-ft.yml", tmp_path / "phi3-ft.yml", {0: data}).read_text())
+    assert raw["early_stopping_patience"] == 3 and raw["adapter"] == "lora"  # what is under test, unchanged
+    raw.update(base_model=str(model), output_dir=str(tmp_path / "out"), sequence_len=256, eval_steps=1,
+               save_steps=1, max_steps=12, learning_rate=30.0, val_set_size=0.1, warmup_ratio=0.0,
+               dataset_prepared_path=str(tmp_path / "prep"))
+    example = tmp_path / "run.yml"
+    example.write_text(yaml.safe_dump(raw, sort_keys=False))
+    r = run_workers(_early_stop_worker, 1, str(example), timeout=600)[0]
+    assert r["early"] and r["final"] < 12, r
+    best = min((loss, step) for step, loss in r["evals"] if step > 0)[1]  # HF's callback: evals after a step
+    assert r["best"] == best and r["final"] - best == 3, r  # patience 3: three evals without a better loss
+    final, early, losses = r["again"]
+    assert (final, early, losses) == (r["final"], True, []), r
+    assert r["said"] and f"after step {r['final']}" in r["said"][0], r
