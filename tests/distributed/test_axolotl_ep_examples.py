@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from tests.helpers.axolotl_home import alpaca_rows, cli, localised_in_workdirs, make_home, offline_env, write_jsonl
+from tests.helpers.axolotl_home import (
+    alpaca_rows,
+    cli,
+    cli_batch,
+    localised_in_workdirs,
+    make_home,
+    offline_env,
+    write_jsonl,
+)
 
 EXAMPLES = {  # file: (dp_shard, ep) on 4 GPUs
     "qwen3_30ba3b_ep_fft_4gpu.yaml": (4, 4),
@@ -28,12 +36,20 @@ def setup(tmp_path_factory):
     return localised_in_workdirs(root, {name: {0: alpaca} for name in EXAMPLES}), offline_env(home, root)
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
-def test_plan_passes_unchanged_with_the_expert_groups(setup, name):
+@pytest.fixture(scope="module")
+def planned(setup):
+    """Each example's `plan` for 4 GPUs, then the EP one's without a world size, in one process."""
     files, env = setup
-    cfg = files[name]
-    code, out, err = cli(["plan", str(cfg), "--gpus-per-node", "4", "--gpu", "h200", "--format", "json"], env,
-                          cfg.parent)
+    runs = [(files[n].parent, ["plan", str(files[n]), "--gpus-per-node", "4", "--gpu", "h200", "--format", "json"])
+            for n in EXAMPLES]
+    fft = files["qwen3_30ba3b_ep_fft_4gpu.yaml"]
+    got = cli_batch([*runs, (fft.parent, ["plan", str(fft)])], env)
+    return dict(zip([*EXAMPLES, "no world size"], got))
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_plan_passes_unchanged_with_the_expert_groups(planned, name):
+    code, out, err = planned[name]
     assert code == 0, err
     doc = json.loads(out)
     m = doc["mesh"]
@@ -46,10 +62,8 @@ def test_plan_passes_unchanged_with_the_expert_groups(setup, name):
     assert "AdamW8bit" in notes  # adamw_torch_8bit honoured
 
 
-def test_without_a_world_size_expert_parallelism_asks_for_one(setup):
-    files, env = setup
-    cfg = files["qwen3_30ba3b_ep_fft_4gpu.yaml"]
-    code, out, err = cli(["plan", str(cfg)], env, cfg.parent)
+def test_without_a_world_size_expert_parallelism_asks_for_one(planned):
+    code, out, err = planned["no world size"]
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("nd-adapter: error: expert_parallel_size=4: the world size is not known") and \
         "--gpus-per-node N" in err and "--nproc N" in err

@@ -9,6 +9,7 @@ import pytest
 from tests.helpers.axolotl_home import (
     alpaca_rows,
     cli,
+    cli_batch,
     localised_in_workdirs,
     long_rows,
     make_home,
@@ -39,15 +40,23 @@ def setup(tmp_path_factory):
     return localised_in_workdirs(root, {name: data[name] for name in EXAMPLES}), offline_env(home, root)
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
-def test_plan_and_preprocess_pass_unchanged(setup, name):
+@pytest.fixture(scope="module")
+def planned(setup):
+    """Every example's `plan` and `preprocess`, in one process (each from its own working directory)."""
     files, env = setup
-    cfg = files[name]
-    code, out, err = cli(["plan", str(cfg), "--gpus-per-node", str(EXAMPLES[name]), "--gpu", "h200"], env,
-                          cfg.parent)
+    runs = [(files[n].parent, argv) for n in EXAMPLES for argv in (
+        ["plan", str(files[n]), "--gpus-per-node", str(EXAMPLES[n]), "--gpu", "h200"],
+        ["preprocess", "--config", str(files[n])])]
+    got = cli_batch(runs, env)
+    return {n: (got[2 * i], got[2 * i + 1]) for i, n in enumerate(EXAMPLES)}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_plan_and_preprocess_pass_unchanged(planned, name):
+    (code, out, err), prep = planned[name]
     assert code == 0, err
     assert "8-bit" in out or "AdamW8bit" in out, out  # the example's 8-bit optimizer is honoured, and said
-    code, out, err = cli(["preprocess", "--config", str(cfg)], env, cfg.parent)
+    code, out, err = prep
     assert code == 0 and "prepared data:" in out, (out[-2000:], err[-2000:])
     if "alst" in name:
         assert " 3 kept " in out.replace("\n", " ") or "3 examples" in out, out  # every ~250k-token document

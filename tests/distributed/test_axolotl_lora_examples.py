@@ -15,16 +15,13 @@ not used. mistral/mixtral/mixtral-qlora-fsdp.yml: QLoRA on a mixture of experts:
 the router and experts 16-bit and frozen, as transformers + bitsandbytes + PEFT leave them."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers.axolotl_home import alpaca_rows, localised, make_home, write_jsonl
+from tests.helpers.axolotl_home import alpaca_rows, cli_batch, localised, make_home, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests/fixtures/axolotl"
@@ -68,18 +65,6 @@ MODELS = ("NousResearch/Llama-3.2-1B", "NousResearch/Meta-Llama-3-8B-Instruct", 
           "google/gemma-3-270m-it", "google/gemma-3-4b-it", "microsoft/Phi-3-mini-4k-instruct",
           "microsoft/Phi-3.5-mini-instruct", "THUDM/GLM-4-32B-0414",
           "NousResearch/Meta-Llama-3-8B", "NousResearch/Llama-2-7b-hf", "mistralai/Mixtral-8x7B-v0.1")
-DRIVER = """
-import contextlib, io, json, os, sys
-from adapter.cli import main
-out = []
-for cwd, argv in json.loads(sys.argv[1]):
-    os.chdir(cwd)
-    o, e = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
-        code = main(argv)
-    out.append([code, o.getvalue(), e.getvalue()])
-print("RESULTS " + json.dumps(out))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +96,7 @@ def results(tmp_path_factory):
         labels += [(name, "plan"), (name, "preprocess")]
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": str(ROOT), "ND_ADAPTER_CACHE": str(root / "cache")}
-    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], env=env, capture_output=True, text=True,
-                       timeout=1200)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS ")), None)
-    assert line, p.stderr[-3000:]
-    got = json.loads(line[8:])
-    return dict(zip(labels, got))
+    return dict(zip(labels, cli_batch(runs, env, timeout=1200)))
 
 
 @pytest.mark.parametrize("name", list(PASS))
