@@ -116,10 +116,11 @@ def model_config(repo: str, spec: str | dict | None = None) -> dict:
     return _resolved(spec) if "source" in spec and "config" in spec else spec
 
 
-# the special tokens Axolotl's examples name (special_tokens:, chat templates)
+# the special tokens Axolotl's examples name (special_tokens:, chat templates), which their real tokenizers have: a
+# special token the tokenizer lacks is added as a new one (with an adapter, only beside a trained embedding)
 SPECIAL = ["<|eot_id|>", "<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<s>", "</s>",
            "<unk>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>", "<|system|>", "<|user|>", "<|assistant|>",
-           "<|end|>"]
+           "<|end|>", "<|eot|>", "<|finetune_right_pad|>", "<|startoftext|>"]  # the last: Llama 4's, Yi's
 
 
 def tokenizer(root: Path) -> Path:
