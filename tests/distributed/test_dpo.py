@@ -278,3 +278,101 @@ def _compare(run, ref, names) -> float:
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
     assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
     return worst
+
+
+KTO = {"beta": 0.3, "desirable_weight": 0.7, "undesirable_weight": 1.3}
+KTO_MB = 2  # TRL's per-device batch: the KL rows are built inside it
+KTO_METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
+
+
+def _kto_rows() -> list[dict]:
+    """Axolotl's chatml.prompt_pairs rows: prompt, completion, label (some with a system prompt), of different
+    lengths; a micro-batch of only desirable rows among them (rows 4, 5)."""
+    words = "red green blue small large quick slow bright dark warm cold soft".split()
+    rows = [{"prompt": f"Describe the {words[i % 12]} thing number {i}.",
+             "completion": " ".join(words[: 2 + i % 5]) + "." if i % 3 else f"No {i}" + " idea" * (1 + i % 3),
+             "label": i % 3 != 0} for i in range(WORLD * KTO_MB * GA * STEPS)]
+    return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
+
+
+def _kto_worker(rank, world, model, data, root, rendered):
+    """nd-adapter's rl: kto run, then TRL's KTOTrainer on the same two processes (accelerate over the same gloo
+    group, DDP): (nd-adapter's losses and metrics, TRL's per-micro-batch losses on this rank, TRL's logged metrics)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    raw = {"model": {"path": model, "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "kto",
+           "kto": KTO, "lora": LORA, "parallelism": {"dp_shard_size": WORLD},
+           "batch": {"micro_batch_size": KTO_MB, "gradient_accumulation_steps": GA}, "seq_len": SEQ,
+           "precision": "fp32", "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
+                                              "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
+                                              "weight_decay": 0.0},
+           "deepspeed": {"zero_stage": 3}, "eval": {"per_epoch": 0},
+           "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep"}}
+    cfg = config.build(raw, env={}, world_size=WORLD)
+    lines: list[str] = []
+    res = train(cfg, log=lines.append)
+
+    torch.manual_seed(cfg.seed)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.config.use_cache = False
+    torch.manual_seed(cfg.seed)  # as adapter/modeling/hf_build.add_peft initialises the adapters
+    hf = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    losses: list[float] = []
+    logs: list[dict] = []
+
+    class Recorded(KTOTrainer):
+        def _compute_loss(self, model, inputs, return_outputs):
+            loss = super()._compute_loss(model, inputs, return_outputs)
+            losses.append(float(loss.detach()))
+            return loss
+
+        def log(self, logs_, start_time=None):
+            super().log(logs_, start_time)
+            logs.append(dict(logs_))
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    args = KTOConfig(output_dir=f"{root}/trl", per_device_train_batch_size=KTO_MB, gradient_accumulation_steps=GA,
+                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                     weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
+                     max_length=SEQ, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=cfg.seed,
+                     bf16=False, gradient_checkpointing=False, dataloader_num_workers=0, optim="adamw_torch",
+                     remove_unused_columns=False, **KTO)
+    Recorded(model=hf, args=args, train_dataset=Dataset.from_list(rendered), processing_class=tok).train()
+    return res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines
+
+
+def test_kto_matches_trl(tmp_path):
+    """`rl: kto` (LoRA, dp_shard=2 under ZeRO-3, micro-batches of 2 rows, 2 accumulated: 8 rows a step) against
+    TRL 1.8.0's KTOTrainer on the same two processes with per_device_train_batch_size 2 and the same accumulation
+    (adapter/train/kto.py: a micro-batch on DP rank r is TRL's per-device batch on process r): each step's loss and
+    TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps; the KL estimate is above 0 by the last
+    step, so the clamp is not what makes them agree."""
+    from adapter.data.sft.preference_kto import render
+
+    tiny_model(tmp_path, weights=True)
+    rows = _kto_rows()
+    data = write_jsonl(tmp_path / "kto.jsonl", rows)
+    rendered = [dict(zip(("prompt", "completion", "label"), render(r, "chatml.prompt_pairs"))) for r in rows]
+    out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, timeout=300)
+    losses, metrics, trl0, logs, lines = out[0]
+    trl1 = out[1][2]
+    assert len(trl0) == len(trl1) == STEPS * GA and len(logs) == STEPS, (trl0, logs)
+    want = [(sum(trl0[s * GA:(s + 1) * GA]) + sum(trl1[s * GA:(s + 1) * GA])) / (2 * GA) for s in range(STEPS)]
+    pairs = list(zip(losses, want))
+    for got, log in zip(metrics, logs):
+        assert set(got) == {k for k in KTO_METRICS if k in log}, (got, log)
+        pairs += [(got[k], log[k]) for k in got]
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
+    print(f"KTO: max |nd-adapter - TRL| / max(1, |TRL|) over {len(pairs)} losses and metrics: {worst:.2e}")
+    assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
+    assert any(" | kl " in ln for ln in lines), lines
+    assert logs[-1]["kl"] > 1e-4 and abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3

@@ -216,7 +216,12 @@ def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path,
 
 def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
                   barrier: Callable[[], None] | None = None, progress: bool = True) -> PairData:
-    """The prepared pairs of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract)."""
+    """The prepared pairs of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract);
+    KTO's labelled rows: adapter/data/sft/preference_kto.py."""
+    if cfg.objective == "kto":
+        from adapter.data.sft.preference_kto import prepare_kto
+
+        return prepare_kto(cfg, tokenizer_dir, vocab_size, builder=builder, barrier=barrier)
     tokenizer_dir = Path(tokenizer_dir)
     resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     root = prepared_root(cfg)
