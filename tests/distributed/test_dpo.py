@@ -295,6 +295,18 @@ def _kto_rows() -> list[dict]:
     return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
 
 
+def _kto_cfg(model: str, data: str, root: str):
+    raw = {"model": {"path": model, "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "kto",
+           "kto": KTO, "lora": LORA, "parallelism": {"dp_shard_size": WORLD},
+           "batch": {"micro_batch_size": KTO_MB, "gradient_accumulation_steps": GA}, "seq_len": SEQ,
+           "precision": "fp32", "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
+                                              "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
+                                              "weight_decay": 0.0},
+           "deepspeed": {"zero_stage": 3}, "eval": {"per_epoch": 0},
+           "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep"}}
+    return config.build(raw, env={}, world_size=WORLD)
+
+
 def _kto_worker(rank, world, model, data, root, rendered):
     """nd-adapter's rl: kto run, then TRL's KTOTrainer on the same two processes (accelerate over the same gloo
     group, DDP): (nd-adapter's losses and metrics, TRL's per-micro-batch losses on this rank, TRL's logged metrics)."""
@@ -308,15 +320,7 @@ def _kto_worker(rank, world, model, data, root, rendered):
     from tests.helpers.runs import train
 
     init_distributed()
-    raw = {"model": {"path": model, "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "kto",
-           "kto": KTO, "lora": LORA, "parallelism": {"dp_shard_size": WORLD},
-           "batch": {"micro_batch_size": KTO_MB, "gradient_accumulation_steps": GA}, "seq_len": SEQ,
-           "precision": "fp32", "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
-                                              "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
-                                              "weight_decay": 0.0},
-           "deepspeed": {"zero_stage": 3}, "eval": {"per_epoch": 0},
-           "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep"}}
-    cfg = config.build(raw, env={}, world_size=WORLD)
+    cfg = _kto_cfg(model, data, root)
     lines: list[str] = []
     res = train(cfg, log=lines.append)
 
@@ -353,7 +357,8 @@ def _kto_worker(rank, world, model, data, root, rendered):
 def test_kto_matches_trl(tmp_path):
     """`rl: kto` (LoRA, dp_shard=2 under ZeRO-3, micro-batches of 2 rows, 2 accumulated: 8 rows a step) against
     TRL 1.8.0's KTOTrainer on the same two processes with per_device_train_batch_size 2 and the same accumulation
-    (adapter/train/kto.py: a micro-batch on DP rank r is TRL's per-device batch on process r): each step's loss and
+    (adapter/train/kto.py: a micro-batch on DP rank r is TRL's per-device batch on process r), TRL given the rows in
+    the order Axolotl's shuffle_merged_datasets leaves them (nd-adapter's: the seed's permutation): each step's loss and
     TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps; the KL estimate is above 0 by the last
     step, so the clamp is not what makes them agree."""
     from adapter.data.sft.preference_kto import render
@@ -361,7 +366,12 @@ def test_kto_matches_trl(tmp_path):
     tiny_model(tmp_path, weights=True)
     rows = _kto_rows()
     data = write_jsonl(tmp_path / "kto.jsonl", rows)
-    rendered = [dict(zip(("prompt", "completion", "label"), render(r, "chatml.prompt_pairs"))) for r in rows]
+    import numpy as np
+
+    cfg = _kto_cfg(str(tmp_path / "model"), str(data), str(tmp_path))
+    assert cfg.data.shuffle_merged_datasets  # Axolotl's default: the rows shuffled once with the seed
+    order = np.random.default_rng(cfg.data.seed).permutation(len(rows))
+    rendered = [dict(zip(("prompt", "completion", "label"), render(rows[i], "chatml.prompt_pairs"))) for i in order]
     out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, timeout=300)
     losses, metrics, trl0, logs, lines = out[0]
     trl1 = out[1][2]

@@ -327,7 +327,7 @@ def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from adapter.data.sft import preference_kto
+    from adapter.data.sft import preference, preference_kto
     from adapter.data.sft.preference import tokenize
     from adapter.train import dpo
 
@@ -353,8 +353,9 @@ def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
 
     out = prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
     assert len(out.train) == 4 and out.stats["datasets"][0]["dropped_too_long"] == 1
-    for i, r in enumerate(rows[:4]):
-        prompt, completion, label = preference_kto.render(r, "chatml.prompt_pairs")
+    assert sorted(out.train.rows.tolist()) == [0, 1, 2, 3] and out.train.rows.tolist() != [0, 1, 2, 3]  # shuffled
+    for i in range(4):  # once, with the seed (Axolotl's shuffle_merged_datasets), then trained in that order
+        prompt, completion, label = preference_kto.render(rows[int(out.train.rows[i])], "chatml.prompt_pairs")
         ids, comp, _ = tokenize(tok, prompt, completion, completion)
         item = out.train[i]
         assert item["tokens"][0, :len(ids) + len(comp)].tolist() == ids + comp
@@ -369,3 +370,7 @@ def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
         want = items[i]["kto_prompt"][0, :p_i].tolist() + items[j]["kto_completion"][0, :c_j].tolist()
         assert b["tokens"][3 + i, :p_i + c_j].tolist() == want
         assert b["loss_mask"][3 + i].nonzero()[:, 0].tolist() == list(range(p_i - 1, p_i + c_j - 1))
+    assert preference.stats_lines(out)[1].endswith("1 over sequence_len dropped, 4 rows kept")
+    assert "desirable" in preference.stats_lines(out)[2]
+    shown = preference.debug_lines(out, tok, 2)
+    assert len(shown) == 2 and shown[0].startswith("row 0 ") and ", -100)" in shown[0]

@@ -12,8 +12,10 @@ prompt's (preference.tokenize's rule); its collator joins prompt and completion 
 
 Stored per row: the prompt's ids and the completion's ids (each padded to seq_len), their lengths and the label, so
 the loop can join any prompt with any completion: a row's own sequence, and TRL's KL rows (row i's prompt with row
-i−1's completion inside a micro-batch: adapter/train/kto.py). The rows are trained in their prepared order
-(TRL's KTOConfig samples sequentially: its KL pairs are fixed neighbours in that order).
+i−1's completion inside a micro-batch: adapter/train/kto.py), in the order they are trained: Axolotl shuffles the
+merged rows once with its seed (`shuffle_merged_datasets`, on by default; here the seed's permutation, as SFT's
+prepare.py, not the datasets library's) and TRL's KTOConfig then samples them in that order every epoch (its KL
+pairs are fixed neighbours in it), so the loop reads them in order (adapter/train/batches.py).
 """
 from __future__ import annotations
 
@@ -125,8 +127,10 @@ def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path) -> di
                       "kept": kept})
     if not prompts:
         raise bad(names(cfg)[1]("datasets"), "...", f"no row fits sequence_len {cfg.seq_len}", "raise sequence_len")
-    np.savez(out / "rows.npz", prompt=np.stack(prompts), completion=np.stack(completions), length=np.asarray(lengths),
-             label=np.asarray(labels, bool), rows=np.arange(len(prompts)), pad=np.asarray(pad))
+    n = len(prompts)
+    order = np.random.default_rng(cfg.data.seed).permutation(n) if cfg.data.shuffle_merged_datasets else np.arange(n)
+    np.savez(out / "rows.npz", prompt=np.stack(prompts)[order], completion=np.stack(completions)[order],
+             length=np.asarray(lengths)[order], label=np.asarray(labels, bool)[order], rows=order, pad=np.asarray(pad))
     manifest = {"v": VERSION, "seq_len": seq, "datasets": stats, "pairs": len(prompts), "val_pairs": 0,
                 "desirable": int(sum(labels)), "chat_template": None}
     (out / "manifest.json").write_text(json.dumps(manifest))
@@ -148,4 +152,17 @@ def prepare_kto(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True, ba
     return PairData(KTODataset(final, cfg.seq_len), m, None, final, reused, None)  # type: ignore[arg-type]
 
 
-__all__ = ["render", "KTODataset", "join", "targets", "fits", "prepare_kto"]
+def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
+    """The first rows in training order: each token with its label (-100 outside the completion)."""
+    out = []
+    for i in range(min(samples, len(data.train))):
+        item = data.train[i]
+        t, m = item["tokens"][0], item["loss_mask"][0]
+        n = int(item["kto_len"][0].sum())
+        label = "desirable" if item["kto_label"][0, 0] else "undesirable"
+        shown = [f"({tok.decode([int(x)])!r}, {int(x) if j and m[j - 1] else -100})" for j, x in enumerate(t[:n])]
+        out.append(f"row {i} {label} ({n} tokens, {int(m.sum())} completion): " + " ".join(shown))
+    return out
+
+
+__all__ = ["render", "KTODataset", "join", "targets", "fits", "prepare_kto", "debug_lines"]
