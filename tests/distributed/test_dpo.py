@@ -16,7 +16,11 @@ eval_logps/* metric (the mean of the batch means) agree.
 `rl: orpo` (Axolotl's chat_template.argilla rows, LoRA, the same layout, steps and evals) against TRL's
 ORPOTrainer in the same worker: losses, rewards/*, logps/*, nll_loss, log_odds_ratio, log_odds_chosen, and the
 evals, agree. So do `rl: ipo` (the DPO pairs, LoRA) against TRL's DPOTrainer with loss_type ["ipo"], and `rl: simpo`
-(the DPO pairs, LoRA, γ and cpo_alpha not TRL's defaults) against TRL's CPOTrainer with loss_type "simpo"."""
+(the DPO pairs, LoRA, γ and cpo_alpha not TRL's defaults) against TRL's CPOTrainer with loss_type "simpo".
+
+`rl: kto` (test_kto_matches_trl, its own worker: TRL's KL term is gathered across processes, so TRL runs on the
+same two processes, after nd-adapter, over the same gloo group) against TRL's KTOTrainer: losses, kl, rewards/* and
+logps/* agree."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -285,13 +289,21 @@ KTO_MB = 2  # TRL's per-device batch: the KL rows are built inside it
 KTO_METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
 
 
-def _kto_rows() -> list[dict]:
+# the labels in training order, a round (one micro-batch on each of the 2 ranks) a group: rounds of only desirable
+# or only undesirable rows (TRL then logs that side, and the margin, from the step's other micro-batch only), and
+# rounds where one rank holds only desirable rows and the other only undesirable ones
+KTO_LABELS = "TFFT TTTT FFFF TTFF FTTF TFTT FFTF TTFT".replace(" ", "")
+
+
+def _kto_rows(order) -> list[dict]:
     """Axolotl's chatml.prompt_pairs rows: prompt, completion, label (some with a system prompt), of different
-    lengths; a micro-batch of only desirable rows among them (rows 4, 5)."""
+    lengths; row order[k] is the k-th trained and gets KTO_LABELS[k]."""
     words = "red green blue small large quick slow bright dark warm cold soft".split()
     rows = [{"prompt": f"Describe the {words[i % 12]} thing number {i}.",
-             "completion": " ".join(words[: 2 + i % 5]) + "." if i % 3 else f"No {i}" + " idea" * (1 + i % 3),
-             "label": i % 3 != 0} for i in range(WORLD * KTO_MB * GA * STEPS)]
+             "completion": " ".join(words[: 2 + i % 5]) + "." if i % 3 else f"No {i}" + " idea" * (1 + i % 3)}
+            for i in range(len(KTO_LABELS))]
+    for k, i in enumerate(order):
+        rows[i]["label"] = KTO_LABELS[k] == "T"
     return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
 
 
@@ -359,18 +371,20 @@ def test_kto_matches_trl(tmp_path):
     TRL 1.8.0's KTOTrainer on the same two processes with per_device_train_batch_size 2 and the same accumulation
     (adapter/train/kto.py: a micro-batch on DP rank r is TRL's per-device batch on process r), TRL given the rows in
     the order Axolotl's shuffle_merged_datasets leaves them (nd-adapter's: the seed's permutation): each step's loss and
-    TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps; the KL estimate is above 0 by the last
-    step, so the clamp is not what makes them agree."""
+    TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps, micro-batches of one label among them
+    (KTO_LABELS); the KL estimate is above 0 by the last step, so the clamp is not what makes them agree."""
     from adapter.data.sft.preference_kto import render
 
-    tiny_model(tmp_path, weights=True)
-    rows = _kto_rows()
-    data = write_jsonl(tmp_path / "kto.jsonl", rows)
     import numpy as np
 
+    tiny_model(tmp_path, weights=True)
+    data = tmp_path / "kto.jsonl"
     cfg = _kto_cfg(str(tmp_path / "model"), str(data), str(tmp_path))
     assert cfg.data.shuffle_merged_datasets  # Axolotl's default: the rows shuffled once with the seed
-    order = np.random.default_rng(cfg.data.seed).permutation(len(rows))
+    assert len(KTO_LABELS) == WORLD * KTO_MB * GA * STEPS
+    order = np.random.default_rng(cfg.data.seed).permutation(len(KTO_LABELS))
+    rows = _kto_rows(order)
+    write_jsonl(data, rows)
     rendered = [dict(zip(("prompt", "completion", "label"), render(rows[i], "chatml.prompt_pairs"))) for i in order]
     out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, timeout=300)
     losses, metrics, trl0, logs, lines = out[0]
@@ -379,7 +393,7 @@ def test_kto_matches_trl(tmp_path):
     want = [(sum(trl0[s * GA:(s + 1) * GA]) + sum(trl1[s * GA:(s + 1) * GA])) / (2 * GA) for s in range(STEPS)]
     pairs = list(zip(losses, want))
     for got, log in zip(metrics, logs):
-        assert set(got) == {k for k in KTO_METRICS if k in log}, (got, log)
+        assert set(got) == {k for k in KTO_METRICS if k in log} == set(KTO_METRICS), (got, log)
         pairs += [(got[k], log[k]) for k in got]
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
     print(f"KTO: max |nd-adapter - TRL| / max(1, |TRL|) over {len(pairs)} losses and metrics: {worst:.2e}")
