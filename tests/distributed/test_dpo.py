@@ -373,9 +373,9 @@ def test_kto_matches_trl(tmp_path):
     the order Axolotl's shuffle_merged_datasets leaves them (nd-adapter's: the seed's permutation): each step's loss and
     TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps, micro-batches of one label among them
     (KTO_LABELS); the KL estimate is above 0 by the last step, so the clamp is not what makes them agree."""
-    from adapter.data.sft.preference_kto import render
-
     import numpy as np
+
+    from adapter.data.sft.preference_kto import render
 
     tiny_model(tmp_path, weights=True)
     data = tmp_path / "kto.jsonl"
