@@ -56,6 +56,12 @@ def flat(batch: dict) -> dict:
     return kto.rows(out) if "kto_label" in out else out
 
 
+def trained(b: dict) -> torch.Tensor:
+    """The loss mask of the rows a micro-batch trains: all of them but KTO's KL rows (its second half, no gradient),
+    for the step line's trained-token count."""
+    return b["loss_mask"][:b["loss_mask"].shape[0] // 2] if "kto_label" in b else b["loss_mask"]
+
+
 def _token_losses(ds, batch) -> torch.Tensor:
     out = ds(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"])
     if out.dim() == 0:
@@ -218,5 +224,5 @@ def line(values: dict[str, float]) -> str:
     return " | ".join(f"{k} {v:.4f}" for k, v in values.items())
 
 
-__all__ = ["METRICS", "flat", "reference_table", "reference_for", "pair_terms", "step_norm", "step_terms",
+__all__ = ["METRICS", "flat", "trained", "reference_table", "reference_for", "pair_terms", "step_norm", "step_terms",
            "step_metrics", "evaluate", "line"]

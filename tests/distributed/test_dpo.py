@@ -363,7 +363,7 @@ def _kto_worker(rank, world, model, data, root, rendered):
                      bf16=False, gradient_checkpointing=False, dataloader_num_workers=0, optim="adamw_torch",
                      remove_unused_columns=False, **KTO)
     Recorded(model=hf, args=args, train_dataset=Dataset.from_list(rendered), processing_class=tok).train()
-    return res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines
+    return res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines, res.trained_tokens
 
 
 def test_kto_matches_trl(tmp_path):
@@ -387,7 +387,7 @@ def test_kto_matches_trl(tmp_path):
     write_jsonl(data, rows)
     rendered = [dict(zip(("prompt", "completion", "label"), render(rows[i], "chatml.prompt_pairs"))) for i in order]
     out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, timeout=300)
-    losses, metrics, trl0, logs, lines = out[0]
+    losses, metrics, trl0, logs, lines, trained = out[0]
     trl1 = out[1][2]
     assert len(trl0) == len(trl1) == STEPS * GA and len(logs) == STEPS, (trl0, logs)
     want = [(sum(trl0[s * GA:(s + 1) * GA]) + sum(trl1[s * GA:(s + 1) * GA])) / (2 * GA) for s in range(STEPS)]
@@ -399,4 +399,12 @@ def test_kto_matches_trl(tmp_path):
     print(f"KTO: max |nd-adapter - TRL| / max(1, |TRL|) over {len(pairs)} losses and metrics: {worst:.2e}")
     assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
     assert any(" | kl " in ln for ln in lines), lines
+    from transformers import AutoTokenizer
+
+    from adapter.data.sft.preference import tokenize
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    per_row = [len(tokenize(tok, r["prompt"], r["completion"], r["completion"])[1]) for r in rendered]
+    step = WORLD * KTO_MB * GA  # trained tokens: the rows' completions, not their KL rows'
+    assert trained == [sum(per_row[s * step:(s + 1) * step]) for s in range(STEPS)], (trained, per_row)
     assert logs[-1]["kl"] > 1e-4 and abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3
