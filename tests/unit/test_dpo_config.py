@@ -374,3 +374,26 @@ def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
     assert "desirable" in preference.stats_lines(out)[2]
     shown = preference.debug_lines(out, tok, 2)
     assert len(shown) == 2 and shown[0].startswith("row 0 ") and ", -100)" in shown[0]
+
+
+def test_kto_types_render_as_axolotls_own_transforms():
+    """Every KTO type nd-adapter reads renders each row as Axolotl's own transform does (its
+    prompt_strategies/kto/llama3.py and chatml.py, unchanged, from tests/fixtures/axolotl/kto_*.py.txt, Axolotl
+    067b021), with and without a system prompt."""
+    from adapter.data.sft import formats, preference_kto
+
+    for template in ("llama3", "chatml"):
+        ns: dict = {}
+        src = (FIXTURES / f"kto_{template}.py.txt").read_text()
+        exec(compile(src, f"axolotl/prompt_strategies/kto/{template}.py", "exec"), ns)
+        for kind in (k for k in formats.KTO_TYPES if k.startswith(template + ".")):
+            strategy = kind.split(".")[1]
+            for system in ("", "Be kind.", None):
+                row = {"instruction": "Add 1+1.", "question": "Why?", "prompt": "Hi there", "completion": "Two.",
+                       "label": system is None}
+                if strategy == "argilla_chat":
+                    row["completion"] = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
+                if system is not None:
+                    row["system"] = system
+                want = ns[strategy]({})(dict(row))
+                assert preference_kto.render(row, kind) == (want["prompt"], want["completion"], want["label"]), kind
