@@ -309,7 +309,7 @@ def test_axolotl_kto_example_plans(tmp_path):
     ({"kto_desirable_weight": -1}, "kto_desirable_weight=-1: must be a number ≥ 0"),
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}, "rl: kto trains on labelled rows"),
-    ({"rl": "dpo"}, "llama3.ultra is a KTO type (for rl: kto)"),
+    ({"rl": "dpo"}, "datasets[0].type='llama3.ultra': unknown dataset type"),  # Axolotl's DPO llama3.ultra: unbuilt
 ])
 def test_kto_config_errors_in_one_line(over, needle):
     with pytest.raises(UserError) as e:

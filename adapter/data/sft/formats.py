@@ -77,8 +77,8 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
             raise bad(f"{where}.type", t, "not one of Axolotl's alpaca prompt styles",
                       f"use one of {', '.join('alpaca:' + s for s in ALPACA_STYLES)} (or alpaca: instruct)")
         kind = "alpaca"
-    elif t in (PREFERENCE, ARGILLA, *KTO_TYPES):
-        kind = t
+    elif t in (PREFERENCE, ARGILLA) or (objective == "kto" and t in KTO_TYPES):
+        kind = t  # (Axolotl's DPO strategies share the KTO types' names: under rl: dpo they are another type)
     elif t not in TYPES:
         raise bad(f"{where}.type", t, "unknown dataset type",
                   f"use one of {', '.join(TYPES)}, or leave type out for pre-tokenised rows (input_ids, labels)")
@@ -87,9 +87,6 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
     if objective == "kto" and kind not in KTO_TYPES:
         raise bad(f"{where}.type", t, "rl: kto trains on labelled rows of one of Axolotl's KTO types (its "
                   "prompt_strategies/kto)", f"use one of {', '.join(KTO_TYPES)}")
-    if objective != "kto" and kind in KTO_TYPES:
-        raise bad(f"{where}.type", t, f"{kind} is a KTO type (for rl: kto)", "set rl: kto, or use the objective's "
-                  "own type")
     want = PAIR_TYPES.get(objective)
     if want is not None and kind != want:
         raise bad(f"{where}.type", t, f"rl: {objective} trains on preference pairs of type {want} (Axolotl loads "
