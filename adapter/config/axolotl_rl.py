@@ -9,6 +9,9 @@ loss_type ["ipo"] and the same beta (Axolotl's DPOStrategy; it passes no label s
 TRL's CPOTrainer with loss_type "simpo" (Axolotl's AxolotlCPOTrainer, no reference, no peft_config reference):
 beta as for DPO, `simpo_gamma` as given, `cpo_alpha` when given (else TRL's 1.0). An unset `simpo_gamma` is refused:
 Axolotl's AxolotlCPOConfig declares it with default None and passes None, which TRL's loss cannot divide.
+`rl: kto` is TRL's KTOTrainer (loss_type "kto", as Axolotl builds its KTOConfig): beta as for DPO (`orpo_alpha` is
+refused: Axolotl would hand it to TRL as beta), `kto_desirable_weight` / `kto_undesirable_weight` as Axolotl passes
+them (`value or 1.0`: unset or 0 is 1.0); the DPO / SimPO options do not reach that trainer and are noted.
 Every other `rl:` value, and any DPO option that would change the loss, is refused in one line: a preference config
 run as something else would finish and export a model that is not the one asked for.
 """
@@ -20,7 +23,7 @@ from adapter.config.axolotl_scope import is_on
 from adapter.errors import bad
 
 ONLINE = ("grpo", "gdpo", "ebft")  # they sample completions from the policy during training
-BUILT = ("dpo", "ipo", "orpo", "simpo")
+BUILT = ("dpo", "ipo", "orpo", "simpo", "kto")
 SIMPO_KEYS = ("simpo_gamma", "cpo_alpha")
 # DPO options of Axolotl that change TRL's loss, refused when on: (why, fix)
 LOSS_OPTIONS = {
@@ -37,7 +40,7 @@ LOSS_OPTIONS = {
 }
 # read here; the speed / memory options are noted (nd-adapter's own forward runs the pairs)
 NOTED = ("dpo_padding_free", "dpo_use_liger_kernel", "precompute_ref_log_probs", "max_prompt_len")
-KTO_KEYS = ("kto_desirable_weight", "kto_undesirable_weight")  # read by rl: kto only (refused)
+KTO_KEYS = ("kto_desirable_weight", "kto_undesirable_weight")  # read by rl: kto only
 RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *LOSS_OPTIONS, *NOTED, *KTO_KEYS}
 
 
@@ -50,11 +53,6 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         raise bad("rl", rl, f"{rl.upper()} is an online method: it generates completions with the policy during "
                   "training (Axolotl runs vLLM beside the trainer), which nd-adapter does not do",
                   "run this config with Axolotl, or train DPO on fixed preference pairs (rl: dpo)")
-    if rl == "kto":
-        raise bad("rl", rl, "KTO is not built: TRL's KL term pairs each prompt with its neighbour's completion inside "
-                  "a per-device batch and averages it per micro-batch, which nd-adapter's step (every micro-batch "
-                  "and data-parallel rank) does not reproduce exactly yet", "use rl: dpo on paired data, or run this "
-                  "config with Axolotl")
     if rl not in BUILT:
         raise bad("rl", rl, f"only rl: {', '.join(BUILT)} are built", "use rl: dpo, or run this config with Axolotl")
     loss = raw.get("dpo_loss_type")
@@ -66,7 +64,8 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
     ignores = {"orpo": (*LOSS_OPTIONS, "dpo_loss_type"),  # not passed to these trainers by Axolotl
                "simpo": tuple(k for k in (*LOSS_OPTIONS, "dpo_loss_type") if k not in (*SIMPO_KEYS, "orpo_alpha")),
                # rl: ipo gets neither; rl: dpo passes both to TRL, whose ipo loss reads no label smoothing
-               "ipo": ("dpo_label_smoothing", "dpo_loss_type") + (("dpo_loss_weights",) if raw["rl"] == "ipo" else ())
+               "ipo": ("dpo_label_smoothing", "dpo_loss_type") + (("dpo_loss_weights",) if raw["rl"] == "ipo" else ()),
+               "kto": tuple(k for k in (*LOSS_OPTIONS, "dpo_loss_type") if k != "orpo_alpha"),  # KTOConfig gets none
                }.get(rl, ())
     for key, (why, fix) in LOSS_OPTIONS.items():
         if is_on(raw.get(key)) and key not in ignores and not (rl == "simpo" and key in SIMPO_KEYS):
@@ -84,11 +83,13 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
             key = "orpo_alpha" if rl == "orpo" and beta is chain[-1] else "rl_beta"
             raise bad(key, beta, "beta must be a number above 0", f"give e.g. {key}: 0.1 (TRL's default)")
-        section = {"orpo": "orpo", "simpo": "simpo"}.get(rl, "dpo")  # ipo reads dpo.beta
+        section = {"orpo": "orpo", "simpo": "simpo", "kto": "kto"}.get(rl, "dpo")  # ipo reads dpo.beta
         out.setdefault(section, {})["alpha" if rl == "orpo" else "beta"] = float(beta)
     shown = beta if beta is not None else 0.1
     if rl == "simpo":
         _simpo(raw, out, notes, shown)
+    elif rl == "kto":
+        _kto(raw, out, notes, shown)
     elif rl == "orpo":
         notes.append(f"rl: orpo -> objective: orpo (TRL's ORPOTrainer, orpo.alpha {shown} as its beta, no reference)")
     else:
@@ -97,6 +98,8 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         how = "rl: ipo" if raw.get("rl") == "ipo" else "rl: dpo with dpo_loss_type ipo" if rl == "ipo" else "rl: dpo"
         notes.append(f"{how} -> objective: {rl} (TRL's {'ipo' if rl == 'ipo' else 'sigmoid'} loss, beta {shown}, "
                      f"reference = {ref})")
+    if rl != "kto" and any(raw.get(k) is not None for k in KTO_KEYS):
+        notes.append(f"{', '.join(k for k in KTO_KEYS if raw.get(k) is not None)}: read by rl: kto only")
     ignored = [k for k in ignores if raw.get(k) is not None and not (rl == "ipo" and k == "dpo_loss_type")]
     if ignored:
         notes.append(f"{', '.join(ignored)}: not read by {rl.upper()} (Axolotl 067b021 with TRL 1.8.0 does not "
@@ -108,6 +111,21 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
     other = sorted(k for k in trl if k != "beta")
     if other:
         notes.append(f"ignored trl keys (not read by {rl.upper()}): {', '.join(other)}")
+
+
+def _kto(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: float) -> None:
+    """kto_desirable_weight / kto_undesirable_weight onto `kto:`, as Axolotl passes them (`value or 1.0`)."""
+    weights = []
+    for key, field in zip(KTO_KEYS, ("desirable_weight", "undesirable_weight")):
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise bad(key, v, "must be a number ≥ 0", f"give e.g. {key}: 1.0 (TRL's default)")
+        w = float(v or 1.0)  # Axolotl: `self.cfg.kto_desirable_weight or 1.0`
+        out.setdefault("kto", {})[field] = w
+        weights.append(w)
+    notes.append(f"rl: kto -> objective: kto (TRL's KTOTrainer, loss_type kto, beta {beta}, desirable_weight "
+                 f"{weights[0]}, undesirable_weight {weights[1]}, KL term over each micro-batch's mismatched rows, "
+                 "reference = the base with the LoRA adapters disabled)")
 
 
 def _simpo(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: float) -> None:

@@ -20,9 +20,20 @@ SimPO is TRL's CPOTrainer (trl.experimental.cpo) with loss_type "simpo", as Axol
 reference; each answer's log-probability the mean over its completion tokens; per pair −log σ(β·(c − r) − γ); plus
 `cpo_alpha` times the chosen completions' mean next-token loss (TRL's CPOConfig default 1.0, which Axolotl keeps when
 `cpo_alpha` is unset: SimPO as its paper states it is cpo_alpha 0).
+
+KTO is TRL 1.8.0's KTOTrainer (loss_type "kto") as Axolotl's `rl: kto` runs it, on unpaired rows (a prompt, a
+completion, a desirable / undesirable label): per row, with r = β·(policy − reference log-probability of its
+completion) and z the KL estimate, desirable rows 1 − σ(r − β·z) times `desirable_weight`, undesirable rows
+1 − σ(β·z − r) times `undesirable_weight`; a micro-batch's loss is the mean over its rows. z: each micro-batch (TRL's
+per-device batch) pairs row i's prompt with row i−1's completion (row 0 with the last row's), the policy's minus the
+reference's log-probabilities of those mismatched rows averaged over the micro-batch, then over the data-parallel
+ranks' micro-batches of the same accumulation step (TRL's gather across processes), clamped at 0, no gradient. The
+reference is the base with the LoRA adapters disabled (a full fine-tune is refused: the KL rows' reference depends on
+each micro-batch's neighbours, which a precomputed table does not hold). What the loop does: adapter/train/kto.py.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,6 +63,14 @@ class SimPOSection(_Strict):
                                                     "TRL's CPOConfig default 1.0; 0 is SimPO's paper)")
 
 
+class KTOSection(_Strict):
+    beta: Float = Field(0.1, gt=0, description="TRL's KTOConfig.beta (Axolotl: trl.beta, else rl_beta; TRL's 0.1)")
+    desirable_weight: Float = Field(1.0, gt=0, description="weight of the desirable rows' losses (Axolotl's "
+                                                           "kto_desirable_weight; an unset or 0 one is 1.0)")
+    undesirable_weight: Float = Field(1.0, gt=0, description="weight of the undesirable rows' losses (Axolotl's "
+                                                             "kto_undesirable_weight; an unset or 0 one is 1.0)")
+
+
 class PreferenceFields(_Strict):
     """A preference entry's columns (Axolotl's chat_template.default): the chosen and rejected answers."""
     field_chosen: str = "chosen"
@@ -59,19 +78,21 @@ class PreferenceFields(_Strict):
 
 
 class RLFields(_Strict):
-    """`objective: dpo` / `ipo` / `orpo` / `simpo` with its section (ipo reads dpo.beta); refused where the loop does
-    not build it (one line each)."""
-    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = Field(
-        "sft", description="sft (next-token loss), dpo, ipo, orpo or simpo (preference pairs)")
+    """`objective: dpo` / `ipo` / `orpo` / `simpo` / `kto` with its section (ipo reads dpo.beta); refused where the
+    loop does not build it (one line each)."""
+    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo", "kto"] = Field(
+        "sft", description="sft (next-token loss), dpo, ipo, orpo or simpo (preference pairs), kto (labelled rows)")
     dpo: DPOSection = DPOSection()
     orpo: ORPOSection = ORPOSection()
     simpo: SimPOSection = SimPOSection()
+    kto: KTOSection = KTOSection()
 
     @model_validator(mode="after")
     def _dpo_scope(self) -> RLFields:
         if self.objective == "sft":
             return self
         rl, kind = self.objective.upper(), "chat_template.argilla" if self.objective == "orpo" else (
+            "llama3.ultra or another of Axolotl's KTO types" if self.objective == "kto" else
             "chat_template.default with field_messages, field_chosen, field_rejected")
         d, ax = self.data, self.source == "axolotl"  # type: ignore[attr-defined]
         key = (lambda k: k) if ax else (lambda k: f"data.{k}")  # these data keys: Axolotl's top-level names
@@ -87,7 +108,28 @@ class RLFields(_Strict):
         if d.excess_length_strategy != "drop":
             raise bad(key("excess_length_strategy"), d.excess_length_strategy, "pairs longer than sequence_len are "
                       "dropped (Axolotl's default); truncate and raise are not built for preference pairs", "remove it")
+        if self.objective == "kto":
+            self._kto_scope(ax, key)
         return self
 
+    def _kto_scope(self, ax: bool, key: Callable[[str], str]) -> None:
+        """What KTO's loop does not build, one line each (the module docstring)."""
+        mb = self.batch.micro_batch_size  # type: ignore[attr-defined]
+        if mb < 2:
+            raise bad("micro_batch_size" if ax else "batch.micro_batch_size", mb, "KTO's KL term pairs each row's "
+                      "prompt with another row's completion inside a micro-batch (TRL's per-device batch), and TRL "
+                      "refuses a batch of 1 (its KL estimate would be the row's own reward)", "set it to 2 or more")
+        if self.lora is None:  # type: ignore[attr-defined]
+            raise bad("adapter" if ax else "lora", None, "KTO with a full fine-tune needs the starting weights' "
+                      "log-probabilities of each micro-batch's mismatched KL rows, which depend on the sampled "
+                      "neighbours (TRL keeps a second copy of the model); only LoRA's reference (the adapters "
+                      "disabled) is built", "use adapter: lora (or qlora), or run this config with Axolotl")
+        d = self.data  # type: ignore[attr-defined]
+        if d.val_set_size or d.test_datasets:
+            which = "test_datasets" if d.test_datasets else "val_set_size"
+            raise bad(key(which), getattr(d, which), "KTO's eval is not built (TRL pairs held-out rows for the KL "
+                      "term in chunks of the training batch size and pads the last eval batch across processes)",
+                      "remove it (val_set_size: 0)")
 
-__all__ = ["DPOSection", "ORPOSection", "SimPOSection", "PreferenceFields", "RLFields"]
+
+__all__ = ["DPOSection", "ORPOSection", "SimPOSection", "KTOSection", "PreferenceFields", "RLFields"]

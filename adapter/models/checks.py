@@ -29,6 +29,9 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
         pairs = [f"objective {cfg.objective}: plan's memory and time count one sequence per pair and no reference "
                  "forward; a step runs both sequences of each pair through the policy and, without gradients, the "
                  "reference (about 2x the activations, 3x the forwards)"] if cfg.objective in ("dpo", "ipo") else [
+                 "objective kto: plan's memory and time count one sequence per row and no reference forward; a step "
+                 "runs each row and its KL row (another row's completion) through the reference, the KL row through "
+                 "the policy without gradients (about 4x the forwards)"] if cfg.objective == "kto" else [
                  f"objective {cfg.objective}: plan's memory and time count one sequence per pair; a step runs both "
                  "sequences of each pair (about 2x the activations and forward passes)"] if cfg.objective != "sft" \
             else []

@@ -69,6 +69,7 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
         dataset = PackedDataset(tok, cfg.seq_len)
     sampler = DPSampler(len(dataset), dp_rank=layout.data_rank(rank), dp_size=layout.dp,
                         micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed,
+                        shuffle=cfg.objective != "kto",  # TRL's KTO samples in order (adapter/train/kto.py)
                         data_key="datasets" if sft else "data.files")
     return RunData(dataset, sampler, sft, val, template)
 

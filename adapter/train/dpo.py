@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from adapter.train import kto
 from adapter.train.preference_losses import DPO_METRICS as METRICS
 from adapter.train.preference_losses import (
     NLL_MASK,
@@ -49,8 +50,16 @@ REFERENCED = ("dpo", "ipo")  # the objectives with a reference model
 
 
 def flat(batch: dict) -> dict:
-    """[mb, 2, seq] pairs -> [2·mb, seq] rows: every chosen row, then every rejected one (TRL's order)."""
-    return {k: v.transpose(0, 1).reshape(-1, *v.shape[2:]) for k, v in batch.items()}
+    """[mb, 2, seq] pairs -> [2·mb, seq] rows: every chosen row, then every rejected one (TRL's order). KTO's
+    [mb, 1, seq] rows -> [2·mb, seq]: the rows, then their KL rows (adapter/train/kto.py)."""
+    out = {k: v.transpose(0, 1).reshape(-1, *v.shape[2:]) for k, v in batch.items()}
+    return kto.rows(out) if "kto_label" in out else out
+
+
+def trained(b: dict) -> torch.Tensor:
+    """The loss mask of the rows a micro-batch trains: all of them but KTO's KL rows (its second half, no gradient),
+    for the step line's trained-token count."""
+    return b["loss_mask"][:b["loss_mask"].shape[0] // 2] if "kto_label" in b else b["loss_mask"]
 
 
 def _token_losses(ds, batch) -> torch.Tensor:
@@ -155,6 +164,8 @@ def step_norm(t, micro: list[dict]) -> torch.Tensor:
 def step_terms(t, batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(this micro-batch's share of the step's loss, with its graph; its sums [pairs, NLL, NLL tokens, metrics...]
     for `step_metrics`)."""
+    if t.cfg.objective == "kto":  # unpaired rows, a KL term over the micro-batch: adapter/train/kto.py
+        return kto.step_terms(t, batch, _logps)
     losses, nll, tokens, stats = pair_terms(t.cfg, t.engine.ds, batch, t.ref_table)
     local = losses.sum() / norm[0].float()
     if TOKEN_METRICS[t.cfg.objective]:  # ORPO's / SimPO's NLL: Σ over the step's chosen tokens / their count
@@ -166,6 +177,8 @@ def step_terms(t, batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def step_metrics(cfg, values) -> dict[str, float]:
     """TRL's logged metrics of a step from `step_terms`' sums over the step: means over its pairs, NLL per token."""
+    if cfg.objective == "kto":
+        return kto.step_metrics(values)
     pairs, nll, tokens, *stats = values
     out = {k: v / pairs for k, v in zip(PAIR_METRICS[cfg.objective], stats)}
     return {**out, **{k: nll / max(tokens, 1.0) for k in TOKEN_METRICS[cfg.objective]}}
@@ -211,5 +224,5 @@ def line(values: dict[str, float]) -> str:
     return " | ".join(f"{k} {v:.4f}" for k, v in values.items())
 
 
-__all__ = ["METRICS", "flat", "reference_table", "reference_for", "pair_terms", "step_norm", "step_terms",
+__all__ = ["METRICS", "flat", "trained", "reference_table", "reference_for", "pair_terms", "step_norm", "step_terms",
            "step_metrics", "evaluate", "line"]

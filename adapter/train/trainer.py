@@ -235,7 +235,7 @@ class Trainer:
         micro = [self._trim(dpo.flat(next(batches)) if pairs else next(batches)) for _ in range(self.cfg.grad_accum)]
         norm = dpo.step_norm(self, micro) if pairs else None  # the step's pairs (and chosen NLL tokens)
         rewards = 0
-        tokens = torch.tensor([sum(float(b["loss_mask"].double().sum()) for b in micro),  # waits for nothing
+        tokens = torch.tensor([sum(float(dpo.trained(b).double().sum()) for b in micro),  # waits for nothing
                                sum(b["loss_mask"].numel() for b in micro)], dtype=torch.float64).to(device,
                                                                                                   non_blocking=True)
         dist.all_reduce(tokens, group=self.groups.dp)  # whole samples: tp/cp ranks of a dp rank count the same

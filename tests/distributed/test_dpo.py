@@ -16,7 +16,11 @@ eval_logps/* metric (the mean of the batch means) agree.
 `rl: orpo` (Axolotl's chat_template.argilla rows, LoRA, the same layout, steps and evals) against TRL's
 ORPOTrainer in the same worker: losses, rewards/*, logps/*, nll_loss, log_odds_ratio, log_odds_chosen, and the
 evals, agree. So do `rl: ipo` (the DPO pairs, LoRA) against TRL's DPOTrainer with loss_type ["ipo"], and `rl: simpo`
-(the DPO pairs, LoRA, γ and cpo_alpha not TRL's defaults) against TRL's CPOTrainer with loss_type "simpo"."""
+(the DPO pairs, LoRA, γ and cpo_alpha not TRL's defaults) against TRL's CPOTrainer with loss_type "simpo".
+
+`rl: kto` (test_kto_matches_trl, its own worker: TRL's KL term is gathered across processes, so TRL runs on the
+same two processes, after nd-adapter, over the same gloo group) against TRL's KTOTrainer: losses, kl, rewards/* and
+logps/* agree."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -278,3 +282,129 @@ def _compare(run, ref, names) -> float:
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
     assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
     return worst
+
+
+KTO = {"beta": 0.3, "desirable_weight": 0.7, "undesirable_weight": 1.3}
+KTO_MB = 2  # TRL's per-device batch: the KL rows are built inside it
+KTO_METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
+
+
+# the labels in training order, a round (one micro-batch on each of the 2 ranks) a group: rounds of only desirable
+# or only undesirable rows (TRL then logs that side, and the margin, from the step's other micro-batch only), and
+# rounds where one rank holds only desirable rows and the other only undesirable ones
+KTO_LABELS = "TFFT TTTT FFFF TTFF FTTF TFTT FFTF TTFT".replace(" ", "")
+
+
+def _kto_rows(order) -> list[dict]:
+    """Axolotl's chatml.prompt_pairs rows: prompt, completion, label (some with a system prompt), of different
+    lengths; row order[k] is the k-th trained and gets KTO_LABELS[k]."""
+    words = "red green blue small large quick slow bright dark warm cold soft".split()
+    rows = [{"prompt": f"Describe the {words[i % 12]} thing number {i}.",
+             "completion": " ".join(words[: 2 + i % 5]) + "." if i % 3 else f"No {i}" + " idea" * (1 + i % 3)}
+            for i in range(len(KTO_LABELS))]
+    for k, i in enumerate(order):
+        rows[i]["label"] = KTO_LABELS[k] == "T"
+    return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
+
+
+def _kto_cfg(model: str, data: str, root: str):
+    raw = {"model": {"path": model, "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "kto",
+           "kto": KTO, "lora": LORA, "parallelism": {"dp_shard_size": WORLD},
+           "batch": {"micro_batch_size": KTO_MB, "gradient_accumulation_steps": GA}, "seq_len": SEQ,
+           "precision": "fp32", "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
+                                              "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
+                                              "weight_decay": 0.0},
+           "deepspeed": {"zero_stage": 3}, "eval": {"per_epoch": 0},
+           "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep"}}
+    return config.build(raw, env={}, world_size=WORLD)
+
+
+def _kto_worker(rank, world, model, data, root, rendered):
+    """nd-adapter's rl: kto run, then TRL's KTOTrainer on the same two processes (accelerate over the same gloo
+    group, DDP): (nd-adapter's losses and metrics, TRL's per-micro-batch losses on this rank, TRL's logged metrics)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    cfg = _kto_cfg(model, data, root)
+    lines: list[str] = []
+    res = train(cfg, log=lines.append)
+
+    torch.manual_seed(cfg.seed)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.config.use_cache = False
+    torch.manual_seed(cfg.seed)  # as adapter/modeling/hf_build.add_peft initialises the adapters
+    hf = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    losses: list[float] = []
+    logs: list[dict] = []
+
+    class Recorded(KTOTrainer):
+        def _compute_loss(self, model, inputs, return_outputs):
+            loss = super()._compute_loss(model, inputs, return_outputs)
+            losses.append(float(loss.detach()))
+            return loss
+
+        def log(self, logs_, start_time=None):
+            super().log(logs_, start_time)
+            logs.append(dict(logs_))
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    args = KTOConfig(output_dir=f"{root}/trl", per_device_train_batch_size=KTO_MB, gradient_accumulation_steps=GA,
+                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                     weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
+                     max_length=SEQ, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=cfg.seed,
+                     bf16=False, gradient_checkpointing=False, dataloader_num_workers=0, optim="adamw_torch",
+                     remove_unused_columns=False, **KTO)
+    Recorded(model=hf, args=args, train_dataset=Dataset.from_list(rendered), processing_class=tok).train()
+    return res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines, res.trained_tokens
+
+
+def test_kto_matches_trl(tmp_path):
+    """`rl: kto` (LoRA, dp_shard=2 under ZeRO-3, micro-batches of 2 rows, 2 accumulated: 8 rows a step) against
+    TRL 1.8.0's KTOTrainer on the same two processes with per_device_train_batch_size 2 and the same accumulation
+    (adapter/train/kto.py: a micro-batch on DP rank r is TRL's per-device batch on process r), TRL given the rows in
+    the order Axolotl's shuffle_merged_datasets leaves them (nd-adapter's: the seed's permutation): each step's loss and
+    TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps, micro-batches of one label among them
+    (KTO_LABELS); the KL estimate is above 0 by the last step, so the clamp is not what makes them agree."""
+    import numpy as np
+
+    from adapter.data.sft.preference_kto import render
+
+    tiny_model(tmp_path, weights=True)
+    data = tmp_path / "kto.jsonl"
+    cfg = _kto_cfg(str(tmp_path / "model"), str(data), str(tmp_path))
+    assert cfg.data.shuffle_merged_datasets  # Axolotl's default: the rows shuffled once with the seed
+    assert len(KTO_LABELS) == WORLD * KTO_MB * GA * STEPS
+    order = np.random.default_rng(cfg.data.seed).permutation(len(KTO_LABELS))
+    rows = _kto_rows(order)
+    write_jsonl(data, rows)
+    rendered = [dict(zip(("prompt", "completion", "label"), render(rows[i], "chatml.prompt_pairs"))) for i in order]
+    out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, timeout=300)
+    losses, metrics, trl0, logs, lines, trained = out[0]
+    trl1 = out[1][2]
+    assert len(trl0) == len(trl1) == STEPS * GA and len(logs) == STEPS, (trl0, logs)
+    want = [(sum(trl0[s * GA:(s + 1) * GA]) + sum(trl1[s * GA:(s + 1) * GA])) / (2 * GA) for s in range(STEPS)]
+    pairs = list(zip(losses, want))
+    for got, log in zip(metrics, logs):
+        assert set(got) == {k for k in KTO_METRICS if k in log} == set(KTO_METRICS), (got, log)
+        pairs += [(got[k], log[k]) for k in got]
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
+    print(f"KTO: max |nd-adapter - TRL| / max(1, |TRL|) over {len(pairs)} losses and metrics: {worst:.2e}")
+    assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
+    assert any(" | kl " in ln for ln in lines), lines
+    from transformers import AutoTokenizer
+
+    from adapter.data.sft.preference import tokenize
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    per_row = [len(tokenize(tok, r["prompt"], r["completion"], r["completion"])[1]) for r in rendered]
+    step = WORLD * KTO_MB * GA  # trained tokens: the rows' completions, not their KL rows'
+    assert trained == [sum(per_row[s * step:(s + 1) * step]) for s in range(STEPS)], (trained, per_row)
+    assert logs[-1]["kl"] > 1e-4 and abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3

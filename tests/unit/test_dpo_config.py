@@ -2,8 +2,9 @@
 else rl_beta, else the deprecated dpo_beta, else 0.1); a preference row renders as Axolotl's own chat_template.default
 transform renders it (its code run here from tests/fixtures/axolotl/dpo_chat_template.py.txt, Axolotl 067b021) and
 is tokenised as TRL 1.8.0 tokenises those strings; rl: ipo and rl: simpo map as Axolotl hands them to TRL's DPO and
-CPO trainers; every rl value (KTO: Axolotl's qlora-1b-kto.yaml), loss option and layout not built is refused in one
-line naming the key and the fix (exit 2 from the CLI)."""
+CPO trainers; rl: kto (Axolotl's qlora-1b-kto.yaml) maps onto objective kto with TRL's beta and Axolotl's weights,
+its llama3 / chatml rows render as Axolotl's KTO strategies; every rl value, loss option and layout not built is
+refused in one line naming the key and the fix (exit 2 from the CLI)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,8 +45,7 @@ def test_axolotl_dpo_example_maps():
 
 @pytest.mark.parametrize("over, needle", [
     ({"rl": "grpo"}, "rl='grpo': GRPO is an online method: it generates completions"),
-    ({"rl": "kto"}, "rl='kto': KTO is not built: TRL's KL term"),
-    ({"rl": "cpo"}, "rl='cpo': only rl: dpo, ipo, orpo, simpo are built"),
+    ({"rl": "cpo"}, "rl='cpo': only rl: dpo, ipo, orpo, simpo, kto are built"),
     ({"dpo_label_smoothing": 0.1}, "dpo_label_smoothing=0.1: TRL 1.8.0"),
     ({"dpo_loss_type": ["hinge"]}, "dpo_loss_type=['hinge']: only TRL's sigmoid and ipo losses are built"),
     ({"dpo_loss_type": ["sigmoid", "ipo"]}, "dpo_loss_type=['sigmoid', 'ipo']: only TRL's sigmoid and ipo"),
@@ -276,9 +276,124 @@ def test_simpo_pairs_tokenised_as_cpo(tmp_path):
         assert item["loss_mask"][0].nonzero()[0].tolist() == list(range(c_p - 1, len(c_ids) - 1))
 
 
-def test_axolotl_kto_example_refused_in_one_line(tmp_path):
-    """Axolotl's examples/llama-3/qlora-1b-kto.yaml: rl: kto is refused in one line, exit 2 (KTO is not built)."""
-    path = tmp_path / "kto.yml"
-    path.write_text((FIXTURES / "qlora-1b-kto.yaml").read_text())
+def _kto(**over) -> dict:
+    raw = yaml.safe_load((FIXTURES / "qlora-1b-kto.yaml").read_text())
+    raw.update({"load_in_4bit": False, "adapter": "lora", **over})  # a LoRA base: no bitsandbytes needed here
+    return raw
+
+
+def test_axolotl_kto_example_plans(tmp_path):
+    """Axolotl's examples/llama-3/qlora-1b-kto.yaml plans (exit 0) as objective kto: rl_beta 0.5, desirable weight
+    0.2, the unset undesirable weight Axolotl's 1.0."""
+    from tests.helpers.axolotl_home import with_local_model
+
+    path = with_local_model(FIXTURES / "qlora-1b-kto.yaml", tmp_path, drop=())  # the base's shape, no weights
     code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1")
-    assert code == 2 and "rl='kto': KTO is not built" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 0 and "objective kto: plan's memory and time count one sequence per row" in out + err, err
+    cfg = config.build(_kto(), env={}, world_size=1)
+    assert cfg.objective == "kto" and (cfg.kto.beta, cfg.kto.desirable_weight, cfg.kto.undesirable_weight) == (
+        0.5, 0.2, 1.0)
+    assert any(n.startswith("rl: kto -> objective: kto (TRL's KTOTrainer, loss_type kto, beta 0.5") for n in cfg.notes)
+    for keys, want in (({"kto_undesirable_weight": 0.7, "trl": {"beta": 0.3}}, (0.3, 0.2, 0.7)),
+                       ({"kto_desirable_weight": 0, "rl_beta": None}, (0.1, 1.0, 1.0)),  # Axolotl's `or 1.0`
+                       ({"dpo_label_smoothing": 0.1, "simpo_gamma": 0.5}, (0.5, 0.2, 1.0))):  # not KTO's: noted
+        c = config.build(_kto(**keys), env={}, world_size=1)
+        assert (c.kto.beta, c.kto.desirable_weight, c.kto.undesirable_weight) == want, keys
+
+
+@pytest.mark.parametrize("over, needle", [
+    ({"micro_batch_size": 1}, "micro_batch_size=1: KTO's KL term pairs each row's prompt with another row's"),
+    ({"adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_linear": None},
+     "adapter=None: KTO with a full fine-tune needs"),
+    ({"val_set_size": 0.1}, "val_set_size=0.1: KTO's eval is not built"),
+    ({"kto_desirable_weight": -1}, "kto_desirable_weight=-1: must be a number ≥ 0"),
+    ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
+    ({"datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}, "rl: kto trains on labelled rows"),
+    ({"rl": "dpo"}, "datasets[0].type='llama3.ultra': unknown dataset type"),  # Axolotl's DPO llama3.ultra: unbuilt
+])
+def test_kto_config_errors_in_one_line(over, needle):
+    with pytest.raises(UserError) as e:
+        cfg = config.build(_kto(**over), env={}, world_size=1)
+        from adapter.data.sft.prepare import check_choices
+        check_choices(cfg)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
+    """llama3.ultra / chatml.argilla_chat rows: Axolotl's transform strings, TRL's tokenisation (special tokens,
+    EOS appended), the label kept, a row over sequence_len dropped; the KL rows of a micro-batch pair row i's
+    prompt with row i-1's completion (TRL's rotation)."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer
+
+    from adapter.data.sft import preference, preference_kto
+    from adapter.data.sft.preference import tokenize
+    from adapter.train import dpo
+
+    tok_dir = tiny_model(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    row = {"prompt": "Hi", "completion": "Hello.", "label": True, "system": "Be kind."}
+    p, c, lab = preference_kto.render(row, "llama3.ultra")
+    assert p == ("<|start_header_id|>system<|end_header_id|>\n\nBe kind.<|eot_id|><|start_header_id|>user"
+                 "<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert c == "Hello.<|eot_id|>" and lab is True
+    chat = {"completion": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "label": False}
+    assert preference_kto.render(chat, "chatml.argilla_chat") == (
+        "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", "A<|im_end|>", False)
+    rows = [{"prompt": f"Say {i}", "completion": f"{i} " * (1 + i), "label": i % 2 == 0} for i in range(4)]
+    rows.append({"prompt": "long", "completion": "word " * 200, "label": True})
+    data = write_jsonl(tmp_path / "kto.jsonl", rows)
+    raw = {"base_model": str(tok_dir), "adapter": "lora", "learning_rate": 1e-4, "sequence_len": 64,
+           "micro_batch_size": 2, "rl": "kto", "datasets": [{"path": str(data), "type": "chatml.prompt_pairs"}],
+           "dataset_prepared_path": str(tmp_path / "prep")}
+    cfg = config.build(raw, env={}, world_size=1)
+    from adapter.data.sft.preference import prepare_pairs
+    from adapter.models import source
+
+    out = prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
+    assert len(out.train) == 4 and out.stats["datasets"][0]["dropped_too_long"] == 1
+    assert sorted(out.train.rows.tolist()) == [0, 1, 2, 3] and out.train.rows.tolist() != [0, 1, 2, 3]  # shuffled
+    for i in range(4):  # once, with the seed (Axolotl's shuffle_merged_datasets), then trained in that order
+        prompt, completion, label = preference_kto.render(rows[int(out.train.rows[i])], "chatml.prompt_pairs")
+        ids, comp, _ = tokenize(tok, prompt, completion, completion)
+        item = out.train[i]
+        assert item["tokens"][0, :len(ids) + len(comp)].tolist() == ids + comp
+        assert item["loss_mask"][0].nonzero()[0].tolist() == list(range(len(ids) - 1, len(ids) + len(comp) - 1))
+        assert bool(item["kto_label"][0, 0]) == label
+    items = [out.train[i] for i in range(3)]
+    b = dpo.flat({k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]})
+    assert b["tokens"].shape == (6, 64)
+    for i in range(3):  # KL row i: row i's prompt, row i-1's completion
+        j = (i - 1) % 3
+        p_i, c_j = int(items[i]["kto_len"][0, 0]), int(items[j]["kto_len"][0, 1])
+        want = items[i]["kto_prompt"][0, :p_i].tolist() + items[j]["kto_completion"][0, :c_j].tolist()
+        assert b["tokens"][3 + i, :p_i + c_j].tolist() == want
+        assert b["loss_mask"][3 + i].nonzero()[:, 0].tolist() == list(range(p_i - 1, p_i + c_j - 1))
+    assert preference.stats_lines(out)[1].endswith("1 over sequence_len dropped, 4 rows kept")
+    assert "desirable" in preference.stats_lines(out)[2]
+    shown = preference.debug_lines(out, tok, 2)
+    assert len(shown) == 2 and shown[0].startswith("row 0 ") and ", -100)" in shown[0]
+
+
+def test_kto_types_render_as_axolotls_own_transforms():
+    """Every KTO type nd-adapter reads renders each row as Axolotl's own transform does (its
+    prompt_strategies/kto/llama3.py and chatml.py, unchanged, from tests/fixtures/axolotl/kto_*.py.txt, Axolotl
+    067b021), with and without a system prompt."""
+    from adapter.data.sft import formats, preference_kto
+
+    for template in ("llama3", "chatml"):
+        ns: dict = {}
+        src = (FIXTURES / f"kto_{template}.py.txt").read_text()
+        exec(compile(src, f"axolotl/prompt_strategies/kto/{template}.py", "exec"), ns)
+        for kind in (k for k in formats.KTO_TYPES if k.startswith(template + ".")):
+            strategy = kind.split(".")[1]
+            for system in ("", "Be kind.", None):
+                row = {"instruction": "Add 1+1.", "question": "Why?", "prompt": "Hi there", "completion": "Two.",
+                       "label": system is None}
+                if strategy == "argilla_chat":
+                    row["completion"] = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
+                if system is not None:
+                    row["system"] = system
+                want = ns[strategy]({})(dict(row))
+                assert preference_kto.render(row, kind) == (want["prompt"], want["completion"], want["label"]), kind

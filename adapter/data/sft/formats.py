@@ -50,6 +50,12 @@ PREFERENCE = "chat_template.default"  # Axolotl's preference type for rl: dpo (a
 ARGILLA = "chat_template.argilla"  # Axolotl's ORPO preference type (prompt_strategies/orpo/chat_template.py)
 # the preference type each objective reads (Axolotl loads ipo's and simpo's from prompt_strategies/dpo)
 PAIR_TYPES = {"dpo": PREFERENCE, "ipo": PREFERENCE, "simpo": PREFERENCE, "orpo": ARGILLA}
+# Axolotl's KTO types (prompt_strategies/kto/{llama3,chatml}.py): template.strategy (adapter/data/sft/preference_kto.py)
+KTO_TYPES = tuple(f"{t}.{s}" for t in ("llama3", "chatml") for s in ("argilla", "argilla_chat", "intel",
+                                                                      "prompt_pairs", "ultra"))
+KTO_COLUMNS = {"argilla": ["instruction", "completion", "label"], "argilla_chat": ["completion", "label"],
+               "intel": ["question", "completion", "label"], "prompt_pairs": ["prompt", "completion", "label"],
+               "ultra": ["prompt", "completion", "label"]}
 PAIR_KEYS = {"field_chosen", "field_rejected"}
 PRETOKENISED = "pretokenised"
 CHAT_KEYS = {"field_messages", "field_system", "field_tools", "message_property_mappings", "roles", "roles_to_train",
@@ -71,13 +77,16 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
             raise bad(f"{where}.type", t, "not one of Axolotl's alpaca prompt styles",
                       f"use one of {', '.join('alpaca:' + s for s in ALPACA_STYLES)} (or alpaca: instruct)")
         kind = "alpaca"
-    elif t in (PREFERENCE, ARGILLA):
-        kind = t
+    elif t in (PREFERENCE, ARGILLA) or (objective == "kto" and t in KTO_TYPES):
+        kind = t  # (Axolotl's DPO strategies share the KTO types' names: under rl: dpo they are another type)
     elif t not in TYPES:
         raise bad(f"{where}.type", t, "unknown dataset type",
                   f"use one of {', '.join(TYPES)}, or leave type out for pre-tokenised rows (input_ids, labels)")
     else:
         kind = t
+    if objective == "kto" and kind not in KTO_TYPES:
+        raise bad(f"{where}.type", t, "rl: kto trains on labelled rows of one of Axolotl's KTO types (its "
+                  "prompt_strategies/kto)", f"use one of {', '.join(KTO_TYPES)}")
     want = PAIR_TYPES.get(objective)
     if want is not None and kind != want:
         raise bad(f"{where}.type", t, f"rl: {objective} trains on preference pairs of type {want} (Axolotl loads "
@@ -105,6 +114,7 @@ def required_columns(entry, kind: str) -> list[str]:
             "chat_template": [entry.field_messages], "input_output": ["segments"],
             PREFERENCE: [entry.field_messages, entry.field_chosen, entry.field_rejected],
             ARGILLA: ["chosen", "rejected"],
+            **{k: KTO_COLUMNS[k.split(".")[1]] for k in KTO_TYPES},
             PRETOKENISED: ["input_ids"]}[kind]
 
 

@@ -216,7 +216,12 @@ def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path,
 
 def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
                   barrier: Callable[[], None] | None = None, progress: bool = True) -> PairData:
-    """The prepared pairs of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract)."""
+    """The prepared pairs of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract);
+    KTO's labelled rows: adapter/data/sft/preference_kto.py."""
+    if cfg.objective == "kto":
+        from adapter.data.sft.preference_kto import prepare_kto
+
+        return prepare_kto(cfg, tokenizer_dir, vocab_size, builder=builder, barrier=barrier)
     tokenizer_dir = Path(tokenizer_dir)
     resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     root = prepared_root(cfg)
@@ -234,10 +239,14 @@ def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
 
 
 def stats_lines(data: PairData) -> list[str]:
-    out = [f"prepared pairs: {data.path} ({'reused' if data.reused else 'built'})"]
+    what = "rows" if "desirable" in data.stats else "pairs"  # KTO's labelled rows (preference_kto.py)
+    out = [f"prepared {what}: {data.path} ({'reused' if data.reused else 'built'})"]
     for d in data.stats["datasets"]:
         out.append(f"  {d['dataset']} {d['type']} {d['path']}: {d['rows']} rows, {d['dropped_too_long']} over "
-                   f"sequence_len dropped, {d['kept']} pairs kept")
+                   f"sequence_len dropped, {d['kept']} {what} kept")
+    if what == "rows":
+        out.append(f"  {data.stats['desirable']} desirable, {data.stats['pairs'] - data.stats['desirable']} "
+                   "undesirable")
     if data.val is not None:
         k = "test_datasets" if data.stats.get("val_source") == "test_datasets" else "val_set_size"
         out.append(f"  held out ({k}): {len(data.val)} pairs for the eval, {len(data.train)} pairs to train on")
@@ -245,7 +254,12 @@ def stats_lines(data: PairData) -> list[str]:
 
 
 def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
-    """The first pairs: prompt, then each answer's (token, label) pairs (label -100 outside the completion)."""
+    """The first pairs: prompt, then each answer's (token, label) pairs (label -100 outside the completion); KTO's
+    rows likewise, one sequence each."""
+    if not hasattr(data.train, "tokens"):  # preference_kto.KTODataset
+        from adapter.data.sft.preference_kto import debug_lines as kto_lines
+
+        return kto_lines(data, tok, samples)
     out = []
     for i in range(min(samples, len(data.train))):
         t, m = data.train.tokens[i], data.train.completion[i]

@@ -1,0 +1,168 @@
+"""KTO's labelled rows for `rl: kto`, as Axolotl 067b021 renders them and TRL 1.8.0's KTOTrainer tokenises them.
+
+Axolotl's KTO types (prompt_strategies/kto/llama3.py and chatml.py; `type: llama3.ultra` etc.) write a prompt string
+in the template's own markup (an optional `system` turn, the user turn from `prompt` / `instruction` / `question`, or
+argilla_chat's first message, then the assistant header) and a completion string (the answer, or argilla_chat's
+second message, followed by the template's end-of-turn); `label` is kept. Axolotl drops a row whose prompt plus
+completion (tokenised without special tokens) exceeds `sequence_len`. TRL, given those strings (not
+conversational), appends the tokenizer's EOS to a completion that does not end with it, tokenises the prompt and the
+prompt + completion (with the tokenizer's special tokens) and takes the completion's ids as what follows the
+prompt's (preference.tokenize's rule); its collator joins prompt and completion and truncates at `max_length`
+(= sequence_len), keeping the start.
+
+Stored per row: the prompt's ids and the completion's ids (each padded to seq_len), their lengths and the label, so
+the loop can join any prompt with any completion: a row's own sequence, and TRL's KL rows (row i's prompt with row
+i−1's completion inside a micro-batch: adapter/train/kto.py), in the order they are trained: Axolotl shuffles the
+merged rows once with its seed (`shuffle_merged_datasets`, on by default; here the seed's permutation, as SFT's
+prepare.py, not the datasets library's) and TRL's KTOConfig then samples them in that order every epoch (its KL
+pairs are fixed neighbours in it), so the loop reads them in order (adapter/train/batches.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from adapter.data.sft import formats, sources
+from adapter.data.sft.preference import PairData, tokenize
+from adapter.data.sft.prepare import cache_key, load_tokenizer, names, pad_id, prepared_root, resolve_all
+from adapter.errors import bad
+from adapter.osutil import build_once
+
+VERSION = 1
+# (system turn, user turn + assistant header, end of the answer) of Axolotl's two KTO templates
+MARKUP = {"llama3": ("<|start_header_id|>system<|end_header_id|>\n\n{}<|eot_id|>",
+                     "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant"
+                     "<|end_header_id|>\n\n", "<|eot_id|>"),
+          "chatml": ("<|im_start|>system\n{}<|im_end|>\n", "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+                     "<|im_end|>")}
+USER_FIELD = {"argilla": "instruction", "intel": "question", "prompt_pairs": "prompt", "ultra": "prompt"}
+
+
+def render(row: dict, kind: str) -> tuple[str, str, bool]:
+    """(prompt, completion, label) of one row, as Axolotl's KTO transform `kind` (e.g. llama3.ultra) renders it."""
+    template, strategy = kind.split(".")
+    system, user, end = MARKUP[template]
+    if strategy == "argilla_chat":  # no system turn
+        return user.format(row["completion"][0]["content"]), row["completion"][1]["content"] + end, bool(row["label"])
+    head = system.format(row["system"]) if row.get("system") else ""
+    return head + user.format(row[USER_FIELD[strategy]]), row["completion"] + end, bool(row["label"])
+
+
+class KTODataset:
+    """The prepared rows: item i is {tokens, labels, loss_mask, position_ids} [1, seq_len] of its own sequence,
+    and kto_prompt, kto_completion [1, seq_len], kto_len [1, 2] (prompt, completion tokens), kto_label [1, 1]."""
+
+    def __init__(self, d: Path, seq_len: int, part: str = "rows"):
+        z = np.load(d / f"{part}.npz")
+        self.prompt, self.completion, self.lengths, self.labels = z["prompt"], z["completion"], z["length"], z["label"]
+        self.rows, self.seq_len, self.pad = z["rows"], seq_len, int(z["pad"])
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        tok, mask = join(self.prompt[i], self.completion[i], self.lengths[i], self.seq_len, self.pad)
+        return {**targets(tok[None], mask[None]), "kto_prompt": self.prompt[i][None].astype(np.int64),
+                "kto_completion": self.completion[i][None].astype(np.int64),
+                "kto_len": self.lengths[i][None].astype(np.int64),
+                "kto_label": np.full((1, 1), float(self.labels[i]), np.float32)}
+
+
+def join(prompt: np.ndarray, completion: np.ndarray, lengths, seq: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [seq], completion mask [seq]) of prompt + completion cut at seq (TRL's collator, keep_start)."""
+    p, c = int(lengths[0]), int(lengths[1])
+    ids = np.concatenate([prompt[:p], completion[:c]])[:seq]
+    tok = np.full(seq, pad, np.int64)
+    tok[:len(ids)] = ids
+    mask = np.zeros(seq, np.float32)
+    mask[p:len(ids)] = 1
+    return tok, mask
+
+
+def targets(tok: np.ndarray, completion: np.ndarray) -> dict[str, np.ndarray]:
+    """Next-token targets of rows [n, seq]: loss_mask[t] marks that token t+1 is a completion token."""
+    n, seq = tok.shape
+    return {"tokens": tok, "labels": np.concatenate([tok[:, 1:], tok[:, :1] * 0], axis=1),
+            "loss_mask": np.concatenate([completion[:, 1:], np.zeros((n, 1), np.float32)], axis=1),
+            "position_ids": np.broadcast_to(np.arange(seq, dtype=np.int64), tok.shape).copy()}
+
+
+def fits(tok, prompt: str, completion: str, seq_len: int) -> bool:
+    """Axolotl's drop filter for KTO rows (utils/data/rl.py `_drop_long_sequences`)."""
+    return sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in (prompt, completion)) <= seq_len
+
+
+def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path) -> dict:
+    tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+    seq, pad = cfg.seq_len, (pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id))
+    prompts, completions, lengths, labels, stats = [], [], [], [], []
+    for n, (entry, where, kind, src) in enumerate(resolved):
+        ds = sources.load(src, entry, out / "hf")
+        formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
+        kept = dropped = 0
+        for i, row in enumerate(ds):
+            try:
+                prompt, completion, label = render(row, kind)
+            except (KeyError, TypeError, IndexError) as e:
+                raise bad(f"{where}.path", src.location, f"row {i} is not a row of {kind} ({type(e).__name__}: {e})",
+                          f"give the columns {', '.join(formats.required_columns(entry, kind))}") from None
+            if not fits(tok, prompt, completion, seq):
+                dropped += 1
+                continue
+            p, c, _ = tokenize(tok, prompt, completion, completion)
+            p, c = p[:seq], c[:seq]
+            if max(p + c, default=0) >= vocab_size:
+                raise bad(f"{where}.path", src.location, f"row {i} has a token id outside the model's {vocab_size} "
+                          "embedding rows", "use the model's own tokenizer")
+            for store, ids in ((prompts, p), (completions, c)):
+                a = np.full(seq, pad, np.int32)
+                a[:len(ids)] = ids
+                store.append(a)
+            lengths.append([len(p), len(c)])
+            labels.append(label)
+            kept += 1
+        stats.append({"dataset": n, "type": kind, "path": src.location, "rows": len(ds), "dropped_too_long": dropped,
+                      "kept": kept})
+    if not prompts:
+        raise bad(names(cfg)[1]("datasets"), "...", f"no row fits sequence_len {cfg.seq_len}", "raise sequence_len")
+    n = len(prompts)
+    order = np.random.default_rng(cfg.data.seed).permutation(n) if cfg.data.shuffle_merged_datasets else np.arange(n)
+    np.savez(out / "rows.npz", prompt=np.stack(prompts)[order], completion=np.stack(completions)[order],
+             length=np.asarray(lengths)[order], label=np.asarray(labels, bool)[order], rows=order, pad=np.asarray(pad))
+    manifest = {"v": VERSION, "seq_len": seq, "datasets": stats, "pairs": len(prompts), "val_pairs": 0,
+                "desirable": int(sum(labels)), "chat_template": None}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def prepare_kto(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True, barrier=None) -> PairData:
+    """The prepared rows of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract)."""
+    tokenizer_dir = Path(tokenizer_dir)
+    resolved = resolve_all(cfg)
+    root = prepared_root(cfg)
+    name = f"kto{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size, [])}"
+    reused = (root / name / "manifest.json").is_file()
+    final = build_once(root, name, lambda tmp: _build(cfg, resolved, tokenizer_dir, vocab_size, tmp),
+                       builder=builder, barrier=barrier,
+                       unseen=(names(cfg)[1]("prepared_path"), "the prepared rows", "put it on storage shared with "
+                               "the builder rank"))
+    m = json.loads((final / "manifest.json").read_text())
+    return PairData(KTODataset(final, cfg.seq_len), m, None, final, reused, None)  # type: ignore[arg-type]
+
+
+def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
+    """The first rows in training order: each token with its label (-100 outside the completion)."""
+    out = []
+    for i in range(min(samples, len(data.train))):
+        item = data.train[i]
+        t, m = item["tokens"][0], item["loss_mask"][0]
+        n = int(item["kto_len"][0].sum())
+        label = "desirable" if item["kto_label"][0, 0] else "undesirable"
+        shown = [f"({tok.decode([int(x)])!r}, {int(x) if j and m[j - 1] else -100})" for j, x in enumerate(t[:n])]
+        out.append(f"row {i} {label} ({n} tokens, {int(m.sum())} completion): " + " ".join(shown))
+    return out
+
+
+__all__ = ["render", "KTODataset", "join", "targets", "fits", "prepare_kto", "debug_lines"]
