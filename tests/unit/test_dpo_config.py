@@ -60,6 +60,8 @@ def test_axolotl_dpo_example_maps():
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"rl_beta": 0}, "rl_beta=0: beta must be a number above 0"),
     ({"sample_packing": True}, "sample_packing=True: preference pairs are not packed yet"),
+    ({"context_parallel_size": 2, "sequence_len": 96},  # it crashed at the first step (a pair's row index split)
+     "context_parallel_size=2: DPO sums each sequence's log-probabilities"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template"}]}, "rl: dpo trains on preference pairs"),
 ])
 def test_unbuilt_dpo_refused_in_one_line(over, needle):
