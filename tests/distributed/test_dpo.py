@@ -4,7 +4,8 @@ pairs a step), fp32 on CPU. TRL trains the same base with the same adapters (PEF
 on the same Axolotl-rendered pairs, each of its steps one batch of the four pairs nd-adapter's step saw (its sampler
 made sequential): the losses and every reward metric TRL logs agree, step by step, which also checks the
 gradients (the adapters have moved by step 2). The same run at tp=2 (the model's own TP plan, ZeRO-2, four
-micro-batches a step) gives the same numbers. A full fine-tune (every weight, ZeRO-3; nd-adapter's reference the
+micro-batches a step) gives the same numbers, and so do ORPO's and SimPO's runs at tp=2. A full fine-tune (every
+weight, ZeRO-3; nd-adapter's reference the
 starting weights' log-probabilities computed once before step 1, TRL's a frozen copy of the model) matches TRL
 too. Pairs of different lengths, so a wrong mask or a per-micro-batch mean would show.
 
@@ -90,10 +91,13 @@ def _worker(rank, world, model, data, root, orpo_data):
     orpo = train(_cfg(Path(model), Path(orpo_data), Path(root) / "orpo", objective="orpo"), log=lines.append)
     more = [train(_cfg(Path(model), Path(data), Path(root) / k, objective=k), log=lines.append)
             for k in ("ipo", "simpo")]
+    tp_more = [train(_cfg(Path(model), Path(d), Path(root) / f"{k}-tp", zero=2, tp=2, ev=False, objective=k),
+                     log=lambda s: None) for k, d in (("orpo", orpo_data), ("simpo", data))]
     return ([res.losses, res.rewards, res.eval_losses, res.eval_rewards], lines, tp.losses, tp.rewards,
             [full.losses, full.rewards, full.eval_losses, full.eval_rewards],
             [orpo.losses, orpo.rewards, orpo.eval_losses, orpo.eval_rewards],
-            [[r.losses, r.rewards, r.eval_losses, r.eval_rewards] for r in more])
+            [[r.losses, r.rewards, r.eval_losses, r.eval_rewards] for r in more],
+            [[r.losses, r.rewards] for r in tp_more])
 
 
 def _step_pairs(cfg, n: int) -> list[list[int]]:
@@ -205,7 +209,7 @@ def test_dpo_matches_trl(tmp_path):
     argilla = _argilla()
     orpo_data = write_jsonl(tmp_path / "argilla.jsonl", argilla)
     out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), str(orpo_data), timeout=400)
-    lora_run, lines, tp_losses, tp_rewards, full_run, orpo_run, (ipo_run, simpo_run) = out[0]
+    lora_run, lines, tp_losses, tp_rewards, full_run, orpo_run, (ipo_run, simpo_run), tp_more = out[0]
     losses, rewards = lora_run[:2]
     assert any(" | rewards/chosen " in ln for ln in lines), lines
     assert any(ln.startswith("eval after step 2 | eval_loss ") and f"| {VAL} eval pairs | rewards/chosen " in ln
@@ -265,6 +269,11 @@ def test_dpo_matches_trl(tmp_path):
     for a, b in zip([*losses, *(r[k] for r in rewards for k in METRICS)],  # tp=2: the same four pairs a step
                     [*tp_losses, *(r[k] for r in tp_rewards for k in METRICS)]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
+    for (a_losses, a_rewards), b_run in zip(tp_more, (orpo_run, simpo_run)):  # ORPO and SimPO at tp=2 too
+        b_losses, b_rewards = b_run[:2]
+        for a, b in zip([*a_losses, *(r[k] for r in a_rewards for k in r)],
+                        [*b_losses, *(r[k] for r in b_rewards for k in r)]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
     assert min(abs(ref[0][-1]["rewards/margins"]), abs(full_ref[0][-1]["rewards/margins"])) > 1e-3
     assert abs(full_run[0][-1] - losses[-1]) > 1e-3  # every weight trained: another curve than LoRA's
     assert abs(ref[1][-1][1]["eval_rewards/margins"]) > 1e-4  # the eval sees the trained adapters
