@@ -105,12 +105,6 @@ class RLFields(_Strict):
                       "remove liger_cross_entropy / liger_fused_linear_cross_entropy")
         if d.sample_packing:
             raise bad(key("sample_packing"), True, "preference pairs are not packed yet", "set sample_packing: false")
-        cp = self.parallelism.cp_size  # type: ignore[attr-defined]
-        if cp > 1:  # a sequence's log-probability summed over the CP ranks' slices (with its gradient) is not built
-            raise bad("context_parallel_size" if ax else "parallelism.cp_size", cp, f"{rl} sums each sequence's "
-                      "log-probabilities, and splitting the pair's sequences over context-parallel ranks is not "
-                      "built for it yet", "use context_parallel_size: 1 (shard over dp_shard_size, or split the "
-                      "model with tensor_parallel_size)")
         if d.excess_length_strategy != "drop":
             raise bad(key("excess_length_strategy"), d.excess_length_strategy, "pairs longer than sequence_len are "
                       "dropped (Axolotl's default); truncate and raise are not built for preference pairs", "remove it")
@@ -130,6 +124,11 @@ class RLFields(_Strict):
                       "log-probabilities of each micro-batch's mismatched KL rows, which depend on the sampled "
                       "neighbours (TRL keeps a second copy of the model); only LoRA's reference (the adapters "
                       "disabled) is built", "use adapter: lora (or qlora), or run this config with Axolotl")
+        cp = self.parallelism.cp_size  # type: ignore[attr-defined]
+        if cp > 1:
+            raise bad("context_parallel_size" if ax else "parallelism.cp_size", cp, "KTO's rows split over "
+                      "context-parallel ranks are not checked against TRL yet (DPO, IPO, ORPO and SimPO are)",
+                      "use context_parallel_size: 1")
         d = self.data  # type: ignore[attr-defined]
         if d.val_set_size or d.test_datasets:
             which = "test_datasets" if d.test_datasets else "val_set_size"

@@ -67,6 +67,34 @@ def split_for_cp(tensor: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int 
     return chunks.reshape(*tensor.shape[:seq_dim], -1, *tensor.shape[seq_dim + 1:])
 
 
+class _WholeFromCP(torch.autograd.Function):
+    """[b, s/cp] slices (split_for_cp's) of every CP rank -> [b, s] in sequence order. Backward: this rank's own
+    chunks of the incoming gradient, no communication: what follows runs the same on every CP rank (a pair's
+    log-probability, its loss), so each rank's gradient is already the whole one and its slice is its share."""
+
+    @staticmethod
+    def forward(ctx, local, group, cp_size, cp_rank):
+        ctx.cp = (cp_size, cp_rank)
+        parts = [torch.empty_like(local) for _ in range(cp_size)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        half = local.shape[1] // 2
+        chunks = [None] * (2 * cp_size)
+        for r, part in enumerate(parts):
+            chunks[r], chunks[2 * cp_size - 1 - r] = part[:, :half], part[:, half:]
+        return torch.cat(chunks, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp_size, cp_rank = ctx.cp
+        return split_for_cp(grad, cp_size, cp_rank), None, None, None
+
+
+def whole_from_cp(local: torch.Tensor, group, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The inverse of split_for_cp over the CP group, with the gradient of a computation every CP rank repeats
+    (preference objectives' per-sequence sums: adapter/train/dpo.py)."""
+    return _WholeFromCP.apply(local, group, cp_size, cp_rank)
+
+
 def _sdpa(q, k, v, **kw):
     """SDPA with GQA: torch's native K/V head broadcast where available, else expanded K/V."""
     if q.size(1) == k.size(1):
@@ -305,4 +333,5 @@ class SDPAttention(MegatronModule):
         return varlen_attention(q, k, v, cu.to(torch.int32), max_len, self.scale)
 
 
-__all__ = ["SDPAttention", "split_for_cp", "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]
+__all__ = ["SDPAttention", "split_for_cp", "whole_from_cp", "context_parallel_attention", "normalize_cp_comm_type",
+           "CP_COMM_TYPES"]

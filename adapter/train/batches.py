@@ -86,6 +86,9 @@ def trim(run: ResolvedRun, sft: bool, b, eval: bool = False):
     return trim_tail(b, math.lcm(TRIM_MULTIPLE, 2 * layout.cp * sp_tp))
 
 
+CP_MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # what the model reads of a micro-batch
+
+
 def place(run: ResolvedRun, cp_rank: int, device, b):
     """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
     (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params" -- on both engines
@@ -100,6 +103,9 @@ def place(run: ResolvedRun, cp_rank: int, device, b):
         sp_tp = layout.tp if cfg.use_sequence_parallel else 1
         b, packed = pack_batch(b, cp_size=layout.cp, cp_rank=cp_rank,
                                multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))
+    elif layout.cp > 1 and cfg.objective != "sft":  # preference rows: the model's inputs split (cp_*), the rest
+        # whole, for the per-sequence sums every CP rank then computes alike (adapter/train/dpo.py)
+        b = {**b, **{f"cp_{k}": split_for_cp(b[k], layout.cp, cp_rank, seq_dim=1) for k in CP_MODEL_KEYS}}
     elif layout.cp > 1:
         b = {k: split_for_cp(v, layout.cp, cp_rank, seq_dim=1) for k, v in b.items()}
     # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from adapter.kernels.attention import whole_from_cp
 from adapter.train import kto
 from adapter.train.preference_losses import DPO_METRICS as METRICS
 from adapter.train.preference_losses import (
@@ -63,9 +64,18 @@ def trained(b: dict) -> torch.Tensor:
 
 
 def _token_losses(ds, batch) -> torch.Tensor:
-    out = ds(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"])
+    """[rows, seq] per-token losses of the whole sequences; at cp > 1 each rank's model runs its slice (the batch's
+    cp_* keys: adapter/train/batches.place) and the slices are put back together, so the per-sequence sums and the
+    loss are the same on every CP rank (each rank's gradient flows through its own tokens)."""
+    cp = "cp_tokens" in batch
+    k = (lambda n: f"cp_{n}") if cp else (lambda n: n)
+    out = ds(batch[k("tokens")], batch[k("position_ids")], None, labels=batch[k("labels")],
+             loss_mask=batch[k("loss_mask")])
     if out.dim() == 0:
         raise RuntimeError("preference objectives need per-token losses; the model returned a summed loss")
+    if cp:
+        group = ds.module.cp[0]  # adapter/modeling/hf_build.CausalLMLosses: (CP group, comm type)
+        out = whole_from_cp(out, group, dist.get_world_size(group), dist.get_rank(group))
     return out.float()
 
 
@@ -111,7 +121,7 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     tables = [None if data is None or not len(data) else
               reference_table(t.engine.ds, data, dp_rank=t.layout.data_rank(t.rank), dp=t.layout.dp,
                               group=t.groups.dp, micro=t.cfg.batch.micro_batch_size,
-                              place=lambda b: place(t.run, 0, t.device, b))  # the transformers engine runs no cp
+                              place=lambda b: place(t.run, t.cp_rank, t.device, b))
               for data in (t.dataset, t.val_dataset)]
     held = f" and of the {len(t.val_dataset)} held-out pairs" if tables[1] is not None else ""
     name = t.cfg.objective.upper()

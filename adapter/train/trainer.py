@@ -148,12 +148,12 @@ class Trainer:
         self._check_disk()
         self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
+        self.cp_rank = self.layout.coords(self.rank)[Axis.CP]
         self.ref_table, self.val_ref = dpo.reference_for(self)  # DPO of every weight: its reference, before a resume
         if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
             aux = self.engine.ds.module.moe_aux
             self.moe_aux = aux if aux.enabled else None
         self.result.start_step = self._resume() if resume else 0
-        self.cp_rank = self.layout.coords(self.rank)[Axis.CP]
         self.tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
         self.flops_per_token = self._flops(self.cfg.seq_len)
         self.peak_flops = metrics.peak_flops()
@@ -265,7 +265,8 @@ class Trainer:
                 previous = None
             with record_function("nd.step"):
                 ds.step()
-            summed[LOSS] += local.detach().double()
+            # a preference loss is the same on every CP rank (adapter/train/dpo.py), SFT's sums are disjoint
+            summed[LOSS] += local.detach().double() / (layout.cp if pairs else 1)
         gn = ds.get_global_grad_norm()
         if engine.guard_grads:
             summed[NONFINITE] = nonfinite(gn, device)

@@ -4,10 +4,11 @@ pairs a step), fp32 on CPU. TRL trains the same base with the same adapters (PEF
 on the same Axolotl-rendered pairs, each of its steps one batch of the four pairs nd-adapter's step saw (its sampler
 made sequential): the losses and every reward metric TRL logs agree, step by step, which also checks the
 gradients (the adapters have moved by step 2). The same run at tp=2 (the model's own TP plan, ZeRO-2, four
-micro-batches a step) gives the same numbers, and so do ORPO's and SimPO's runs at tp=2. A full fine-tune (every
-weight, ZeRO-3; nd-adapter's reference the
-starting weights' log-probabilities computed once before step 1, TRL's a frozen copy of the model) matches TRL
-too. Pairs of different lengths, so a wrong mask or a per-micro-batch mean would show.
+micro-batches a step) gives the same numbers, and so do ORPO's and SimPO's runs at tp=2 and cp=2, and the LoRA and
+full runs at cp=2 (each pair's sequences split over the CP ranks; the eval loss too). A full fine-tune (every
+weight, ZeRO-3; nd-adapter's reference the starting weights' log-probabilities computed once before step 1, TRL's
+a frozen copy of the model) matches TRL too. Pairs of different lengths, so a wrong mask or a per-micro-batch
+mean would show.
 
 The LoRA and full runs hold out 5 of the 21 pairs (val_set_size: 5) and evaluate before step 1 and every 2 steps;
 TRL evaluates the same 5 pairs at the same steps in batches of 2 (per_device_eval_batch_size = dp × micro-batch,
@@ -63,13 +64,13 @@ def _argilla() -> list[dict]:
 
 
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
-         objective: str = "dpo"):
+         objective: str = "dpo", cp: int = 1):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"},
            "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
            "lora": LORA if lora else None,
-           "parallelism": {"dp_shard_size": WORLD // tp, "tp_size": tp},
-           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp},  # four pairs a step
+           "parallelism": {"dp_shard_size": WORLD // (tp * cp), "tp_size": tp, "cp_size": cp},
+           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp * cp},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
@@ -91,13 +92,17 @@ def _worker(rank, world, model, data, root, orpo_data):
     orpo = train(_cfg(Path(model), Path(orpo_data), Path(root) / "orpo", objective="orpo"), log=lines.append)
     more = [train(_cfg(Path(model), Path(data), Path(root) / k, objective=k), log=lines.append)
             for k in ("ipo", "simpo")]
-    tp_more = [train(_cfg(Path(model), Path(d), Path(root) / f"{k}-tp", zero=2, tp=2, ev=False, objective=k),
-                     log=lambda s: None) for k, d in (("orpo", orpo_data), ("simpo", data))]
+    cp = [train(_cfg(Path(model), Path(data), Path(root) / f"cp-{lora}", lora=lora, cp=2), log=lambda s: None)
+          for lora in (True, False)]  # ZeRO-3 over the CP ranks; a full fine-tune's reference table at cp=2 too
+    tp_more = [train(_cfg(Path(model), Path(d), Path(root) / f"{k}-{par}", zero=2, ev=False, objective=k,
+                          **{par: 2}), log=lambda s: None)
+               for par in ("tp", "cp") for k, d in (("orpo", orpo_data), ("simpo", data))]
     return ([res.losses, res.rewards, res.eval_losses, res.eval_rewards], lines, tp.losses, tp.rewards,
             [full.losses, full.rewards, full.eval_losses, full.eval_rewards],
             [orpo.losses, orpo.rewards, orpo.eval_losses, orpo.eval_rewards],
             [[r.losses, r.rewards, r.eval_losses, r.eval_rewards] for r in more],
-            [[r.losses, r.rewards] for r in tp_more])
+            [[r.losses, r.rewards] for r in tp_more],
+            [[r.losses, r.rewards, r.eval_losses, r.eval_rewards] for r in cp])
 
 
 def _step_pairs(cfg, n: int) -> list[list[int]]:
@@ -209,7 +214,7 @@ def test_dpo_matches_trl(tmp_path):
     argilla = _argilla()
     orpo_data = write_jsonl(tmp_path / "argilla.jsonl", argilla)
     out = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), str(orpo_data), timeout=400)
-    lora_run, lines, tp_losses, tp_rewards, full_run, orpo_run, (ipo_run, simpo_run), tp_more = out[0]
+    lora_run, lines, tp_losses, tp_rewards, full_run, orpo_run, (ipo_run, simpo_run), tp_more, cp_runs = out[0]
     losses, rewards = lora_run[:2]
     assert any(" | rewards/chosen " in ln for ln in lines), lines
     assert any(ln.startswith("eval after step 2 | eval_loss ") and f"| {VAL} eval pairs | rewards/chosen " in ln
@@ -269,11 +274,18 @@ def test_dpo_matches_trl(tmp_path):
     for a, b in zip([*losses, *(r[k] for r in rewards for k in METRICS)],  # tp=2: the same four pairs a step
                     [*tp_losses, *(r[k] for r in tp_rewards for k in METRICS)]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
-    for (a_losses, a_rewards), b_run in zip(tp_more, (orpo_run, simpo_run)):  # ORPO and SimPO at tp=2 too
+    for (a_losses, a_rewards), b_run in zip(tp_more, (orpo_run, simpo_run) * 2):  # ORPO and SimPO at tp=2, cp=2
         b_losses, b_rewards = b_run[:2]
         for a, b in zip([*a_losses, *(r[k] for r in a_rewards for k in r)],
                         [*b_losses, *(r[k] for r in b_rewards for k in r)]):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
+    for got, want in zip(cp_runs, (lora_run, full_run)):  # cp=2: each pair's sequences split over the CP ranks
+        # (the eval's metrics are means of per-round means, a round being dp × micro-batch pairs as TRL's batch on
+        # dp processes: cp=2 has one DP rank, so only the eval loss, a mean over pairs, is the same)
+        flat_got = [*got[0], *(r[k] for r in got[1] for k in METRICS), *(x for _, x in got[2])]
+        flat_want = [*want[0], *(r[k] for r in want[1] for k in METRICS), *(x for _, x in want[2])]
+        bad = [(i, a, b) for i, (a, b) in enumerate(zip(flat_got, flat_want)) if abs(a - b) > 1e-5 * max(1.0, abs(b))]
+        assert len(flat_got) == len(flat_want) and not bad, bad
     assert min(abs(ref[0][-1]["rewards/margins"]), abs(full_ref[0][-1]["rewards/margins"])) > 1e-3
     assert abs(full_run[0][-1] - losses[-1]) > 1e-3  # every weight trained: another curve than LoRA's
     assert abs(ref[1][-1][1]["eval_rewards/margins"]) > 1e-4  # the eval sees the trained adapters

@@ -60,8 +60,6 @@ def test_axolotl_dpo_example_maps():
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"rl_beta": 0}, "rl_beta=0: beta must be a number above 0"),
     ({"sample_packing": True}, "sample_packing=True: preference pairs are not packed yet"),
-    ({"context_parallel_size": 2, "sequence_len": 96},  # it crashed at the first step (a pair's row index split)
-     "context_parallel_size=2: DPO sums each sequence's log-probabilities"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template"}]}, "rl: dpo trains on preference pairs"),
 ])
 def test_unbuilt_dpo_refused_in_one_line(over, needle):
@@ -308,6 +306,7 @@ def test_axolotl_kto_example_plans(tmp_path):
     ({"adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_linear": None},
      "adapter=None: KTO with a full fine-tune needs"),
     ({"val_set_size": 0.1}, "val_set_size=0.1: KTO's eval is not built"),
+    ({"context_parallel_size": 2}, "context_parallel_size=2: KTO's rows split over context-parallel ranks"),
     ({"kto_desirable_weight": -1}, "kto_desirable_weight=-1: must be a number ≥ 0"),
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}, "rl: kto trains on labelled rows"),
