@@ -26,15 +26,10 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
-        pairs = [f"objective {cfg.objective}: plan's memory and time count one sequence per pair and no reference "
-                 "forward; a step runs both sequences of each pair through the policy and, without gradients, the "
-                 "reference (about 2x the activations, 3x the forwards)"] if cfg.objective in ("dpo", "ipo") else [
-                 "objective kto: plan's memory and time count one sequence per row and no reference forward; a step "
-                 "runs each row and its KL row (another row's completion) through the reference, the KL row through "
-                 "the policy without gradients (about 4x the forwards)"] if cfg.objective == "kto" else [
-                 f"objective {cfg.objective}: plan's memory and time count one sequence per pair; a step runs both "
-                 "sequences of each pair (about 2x the activations and forward passes)"] if cfg.objective != "sft" \
-            else []
+        pairs = [f"objective {cfg.objective}: plan counts the sequences each micro-batch trains (both answers of a "
+                 "pair; KTO: each row) and the forward-only passes a step adds (the reference with the LoRA "
+                 "adapters disabled; KTO's KL rows through the policy) at a forward's share of the step (not yet "
+                 "checked against a GPU run)"] if cfg.objective != "sft" else []
         return warnings + pairs, None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))

@@ -5,6 +5,7 @@ to docs/plan-schema.json) and the table view is just a rendering of the same obj
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -247,7 +248,44 @@ def _saves(cfg: RunConfig) -> int:
     return footprint.saves(total, c.save_every)
 
 
+# preference objectives (adapter/train/dpo.py, kto.py): (sequences a micro-batch runs with gradients, per row of
+# the config's micro-batch; forward-only passes over that many sequences besides, with LoRA's reference)
+PREFERENCE_PASSES = {"dpo": (2, 1), "ipo": (2, 1), "orpo": (2, 0), "simpo": (2, 0), "kto": (1, 3)}
+
+
+def preference_sequences(run: ResolvedRun) -> tuple[ResolvedRun, int]:
+    """(the run as plan's memory and step-time models see it: a micro-batch of the sequences that train with
+    gradients, both answers of each pair; the forward-only passes over them a step also runs: the reference with
+    the LoRA adapters disabled (a full fine-tune's reference log-probabilities are computed once, before step 1),
+    and KTO's KL rows through the policy without gradients)."""
+    cfg = run.cfg
+    if cfg.objective == "sft":
+        return run, 0
+    grad, forwards = PREFERENCE_PASSES[cfg.objective]
+    if run.peft is None:
+        forwards = 0 if cfg.objective != "kto" else forwards  # KTO refuses a full fine-tune (schema_rl)
+    b = cfg.batch
+    batch = b.model_copy(update={"micro_batch_size": b.micro_batch_size * grad,
+                                 "global_batch_size": b.global_batch_size and b.global_batch_size * grad})
+    return dataclasses.replace(run, cfg=cfg.model_copy(update={"batch": batch})), forwards
+
+
+def _with_forwards(step: timing.StepTime, forwards: int, lora: bool) -> timing.StepTime:
+    """`step` with `forwards` more forward-only passes over its micro-batches: a forward is a third of a full
+    fine-tune's forward+backward compute and half of LoRA's (its frozen weights get no weight gradient)."""
+    if not forwards:
+        return step
+    extra = forwards * step.breakdown["compute"] * (0.5 if lora else 1 / 3)
+    new = step.step_time_s + extra
+    scale = step.step_time_s / new
+    return dataclasses.replace(step, step_time_s=new, tokens_per_s_per_gpu=step.tokens_per_s_per_gpu * scale,
+                               mfu=step.mfu * scale, breakdown={**step.breakdown,
+                                                                "compute": step.breakdown["compute"] + extra})
+
+
 def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib: float | None = None) -> Plan:
+    shown = run  # the config's own batch (pairs) in the plan's batch line
+    run, forwards = preference_sequences(run)
     cfg, arch, layout = run.cfg, run.arch, run.layout
     warnings = list(run.warnings)
     capacity = gpu_capacity(cfg.hardware.gpu, gpu_mem_gib)
@@ -271,8 +309,9 @@ def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib:
             warnings.append(f"step time from the {prof.name} profile, made for {prof.gpu}; memory is checked "
                             f"against hardware.gpu={cfg.hardware.gpu}")
         attn = attention_cost(cfg, arch)  # packed documents attend within themselves: pass their length
-        predicted = Predicted(**timing.predict(run, prof, stage=run.zero_stage,
-                                               rows=rows, doc_len=attn.doc_len if attn.packed_documents else None
+        step = timing.predict(run, prof, stage=run.zero_stage, rows=rows,
+                              doc_len=attn.doc_len if attn.packed_documents else None)
+        predicted = Predicted(**_with_forwards(step, forwards, run.peft is not None or run.lora is not None
                                                ).to_dict())
     modes = {}
     both = layout.dp_replicate > 1 and layout.ep == 1  # expert parallelism runs beside exact HSDP only
@@ -360,9 +399,9 @@ def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib:
                             "nothing to shard (dp_shard×cp = 1): ZeRO stage 1 over a group of one, which skips "
                             "ZeRO-3's gather hooks; gradient clipping across TP",
                             config=deepspeed_config.build(cfg, layout)),
-        batch=Batch(micro_batch_size=cfg.batch.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
-                    data_parallel_size=dp, global_batch_size=cfg.global_batch,
-                    tokens_per_step=cfg.global_batch * cfg.seq_len),
+        batch=Batch(micro_batch_size=shown.cfg.batch.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
+                    data_parallel_size=dp, global_batch_size=shown.cfg.global_batch,
+                    tokens_per_step=cfg.global_batch * cfg.seq_len),  # every sequence (both answers of a pair)
         seq_len=cfg.seq_len,
         precision=cfg.precision,
         sequence_parallel=cfg.use_sequence_parallel and layout.tp > 1,

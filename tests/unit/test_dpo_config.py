@@ -289,7 +289,7 @@ def test_axolotl_kto_example_plans(tmp_path):
 
     path = with_local_model(FIXTURES / "qlora-1b-kto.yaml", tmp_path, drop=())  # the base's shape, no weights
     code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1")
-    assert code == 0 and "objective kto: plan's memory and time count one sequence per row" in out + err, err
+    assert code == 0 and "objective kto: plan counts the sequences each micro-batch trains" in out + err, err
     cfg = config.build(_kto(), env={}, world_size=1)
     assert cfg.objective == "kto" and (cfg.kto.beta, cfg.kto.desirable_weight, cfg.kto.undesirable_weight) == (
         0.5, 0.2, 1.0)
@@ -398,3 +398,31 @@ def test_kto_types_render_as_axolotls_own_transforms():
                     row["system"] = system
                 want = ns[strategy]({})(dict(row))
                 assert preference_kto.render(row, kind) == (want["prompt"], want["completion"], want["label"]), kind
+
+
+def test_plan_counts_both_answers_and_the_reference_forward(tmp_path):
+    """Axolotl's DPO example (LoRA) plans as the same file's SFT run with twice the micro-batch (the chosen and the
+    rejected sequence of each pair train with gradients) plus one forward-only pass over them (the reference: the
+    base with the adapters disabled); ORPO has no reference; it counted one sequence per pair before."""
+    import json
+
+    from tests.helpers.axolotl_home import with_local_model
+
+    def plan(name, **keys):
+        path = with_local_model(FIXTURES / "instruct-dpo-lora-8b.yml", tmp_path / name, drop=(), load_in_8bit=False,
+                                bf16=True, **keys)
+        code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1", "--gpu", "h200", "--format", "json",
+                                 "--set", "model.engine=transformers")  # DPO's engine (auto takes it for DPO)
+        assert code == 0, err
+        return json.loads(out)
+
+    dpo, orpo = plan("dpo"), plan("orpo", rl="orpo", datasets=[{"path": "x.jsonl", "type": "chat_template.argilla"}])
+    mb = dpo["batch"]["micro_batch_size"]
+    sft = plan("sft", rl=None, micro_batch_size=2 * mb,
+               datasets=[{"path": "x.jsonl", "type": "chat_template", "field_messages": "conversation"}])
+    assert dpo["memory"]["activations"] == sft["memory"]["activations"] == orpo["memory"]["activations"]
+    assert dpo["batch"]["tokens_per_step"] == sft["batch"]["tokens_per_step"] == 2 * mb * dpo["seq_len"] * \
+        dpo["batch"]["gradient_accumulation_steps"]
+    s, d, o = (p["predicted"] for p in (sft, dpo, orpo))
+    assert abs(o["step_time_s"] - s["step_time_s"]) < 1e-9  # no reference
+    assert abs(d["step_time_s"] - s["step_time_s"] - 0.5 * s["breakdown"]["compute"]) < 1e-9  # LoRA: fwd = 1/2
