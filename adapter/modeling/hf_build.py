@@ -168,11 +168,26 @@ class CausalLMLosses(torch.nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 
 
+def recompute_layers(model) -> int:
+    """`recompute: full` (Axolotl's gradient_checkpointing: true) as transformers runs it: its own gradient
+    checkpointing, each decoder layer's activations dropped after its forward and recomputed in backward, with
+    torch's non-reentrant checkpoint (it gives a frozen base's LoRA adapters and ZeRO-3's re-gathered parameters
+    their gradients; the same losses and gradients, RNG state restored for dropout)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.25's name; the older one warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return sum(1 for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+               and type(m).__name__ in set(getattr(model, "_no_split_modules", None) or []))  # the layers it took
+
+
 def layer_classes(model) -> list[type]:
     """The decoder-layer classes (transformers' `_no_split_modules`): ZeRO-3 gathers each one's parameters at once."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "layer_classes", "apply_liger",
+__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "layer_classes", "recompute_layers",
+           "apply_liger",
            "liger_available"]

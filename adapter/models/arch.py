@@ -114,6 +114,7 @@ class ModelArch:
     tp_shares: tuple[tuple[int, int, str], ...] = ()  # (tp, parameters its TP plan splits, why it cannot); () none
     has_ep_plan: bool = False           # ... and an expert-parallel one
     attention_features: tuple[str, ...] = ()  # what context parallelism must know (generic.attention_features)
+    layer_recompute: bool = True        # transformers' gradient checkpointing (supports_gradient_checkpointing)
     image_text: bool = False            # an image-text checkpoint: its language model trains on text
     remote_code: bool = False           # built by the checkpoint's own code (trust_remote_code)
 

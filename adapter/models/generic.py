@@ -222,7 +222,8 @@ def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None)
         if getattr(text, "base_model_tp_plan", None) and model_plan(model) else ()  # not the output layer's alone
     return {"params": sum(params.values()), "tied": bool(tied), "tp_shares": shares, "ep_plan": bool(ep_plan),
             "cls": cls, "embedding": emb.weight.numel() if emb is not None else 0,
-            "attention": attention_features(model, text)}
+            "attention": attention_features(model, text),
+            "recompute": bool(getattr(model, "supports_gradient_checkpointing", False))}
 
 
 def attention_features(model: Any, text: Any) -> tuple[str, ...]:
@@ -300,7 +301,7 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         window_layers=windowed if isinstance(window, int) and window > 0 else None,
         engine="transformers", hf_model_type=str(cfg.get("model_type") or ""), param_count=facts["params"],
         layer_kinds=layer_kinds(cfg), tp_shares=facts["tp_shares"], has_ep_plan=facts["ep_plan"],
-        attention_features=facts["attention"],
+        attention_features=facts["attention"], layer_recompute=facts["recompute"],
         image_text=image_text, remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
         output_router_logits=bool(text.get("output_router_logits")))
 

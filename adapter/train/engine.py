@@ -27,7 +27,14 @@ from adapter.kernels.fp8 import install_fp8
 from adapter.modeling import hf_cp, hf_tp
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
-from adapter.modeling.hf_build import CausalLMLosses, add_peft, build_model, layer_classes, liger_available
+from adapter.modeling.hf_build import (
+    CausalLMLosses,
+    add_peft,
+    build_model,
+    layer_classes,
+    liger_available,
+    recompute_layers,
+)
 from adapter.modeling.lora import add_adapters, load_state
 from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
@@ -272,6 +279,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger)
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
+    recomputed = recompute_layers(model) if cfg.recompute == "full" else 0  # gradient_checkpointing: transformers'
     cp = None
     if run.layout.cp > 1:
         comm = cfg.parallelism.cp_comm_type
@@ -289,7 +297,9 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
     # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)
     model_loss = bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger))
     unpack = runs_unpacked(run.arch.layer_kinds, cfg.document_attention) is not None
-    return CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack).to(device)
+    losses = CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack).to(device)
+    losses.recomputed_layers = recomputed  # the run's first lines say it (adapter/train/trainer.py)
+    return losses
 
 
 def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:

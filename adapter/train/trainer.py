@@ -148,6 +148,10 @@ class Trainer:
         self._check_disk()
         self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
+        recomputed = getattr(self.engine.ds.module, "recomputed_layers", 0)
+        if recomputed:  # the transformers engine (the native one says its recompute in the config's lines)
+            self._say(f"recompute: transformers' gradient checkpointing on its {recomputed} decoder layers (each "
+                      "layer's activations recomputed in backward)")
         self.cp_rank = self.layout.coords(self.rank)[Axis.CP]
         self.ref_table, self.val_ref = dpo.reference_for(self)  # DPO of every weight: its reference, before a resume
         if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so

@@ -40,13 +40,15 @@ CP_ARCHS = {"phi": (True, "all_gather"), "deepseek_v3": (True, "p2p"),  # MLA on
 
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
          zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
-         unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, liger: tuple = (), **parallelism):
+         unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, liger: tuple = (),
+         recompute: str = "none", **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
                      "unfrozen_parameters": unfrozen, "liger": liger},
            "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga}, "seq_len": SEQ, "precision": "fp32",
+           "recompute": recompute,
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12,
                          "name": optimizer},
            "deepspeed": {"zero_stage": zero}, "checkpoint": {"dir": ckpt, "export_hf": export},
@@ -169,8 +171,8 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
 
 
 REPRESENTATIVE = ("phi", "gpt_oss", "qwen3_next")  # one dense, one mixture of experts, one hybrid
-LAYOUTS = {"dp_shard=4 ZeRO-3": {}, "dp_replicate=2 × dp_shard=2 (exact HSDP)": {"dp_replicate_size": 2,
-                                                                                  "dp_shard_size": 2},
+LAYOUTS = {"dp_shard=4 ZeRO-3": {}, "dp_replicate=2 × dp_shard=2 (exact HSDP), recompute": {
+    "dp_replicate_size": 2, "dp_shard_size": 2, "recompute": "full"},  # transformers' gradient checkpointing
            "tp=2 × dp_shard=2 ZeRO-3 (2 micro-batches)": {"tp_size": 2, "dp_shard_size": 2, "ga": 2}}
 CP_LAYOUT = "cp=2 × dp_shard=2 ZeRO-3 (2 micro-batches)"
 
@@ -183,8 +185,10 @@ def _layouts(rank, world, models, root):
     out = {}
     for name in REPRESENTATIVE:
         path, pack, at = models[name], True, f"{root}/{name}"
-        out[name] = {lay: train(_cfg(path, at, pack, world=4, **over), log=lambda s: None).losses
+        said: list[str] = []
+        out[name] = {lay: train(_cfg(path, at, pack, world=4, **over), log=said.append).losses
                      for lay, over in LAYOUTS.items()}
+        out[name]["recompute said"] = [ln for ln in said if ln.startswith("recompute: transformers' gradient")]
         ck = f"{at}/ckpt"  # 2 steps under exact HSDP, then on at tp=2 × dp_shard=2 under ZeRO-2, exported
         train(_cfg(path, at, pack, world=4, steps=2, ckpt=ck, dp_replicate_size=2, dp_shard_size=2),
               log=lambda s: None)
@@ -217,6 +221,8 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
                           dp=4, model_out=trained)
         for lay in (*LAYOUTS, *([CP_LAYOUT] if name == "phi" else [])):
             assert max(rel(a, b) for a, b in zip(got[name][lay], want)) < 1e-4, (name, lay, got[name][lay], want)
+        assert len(got[name]["recompute said"]) == 1, got[name]["recompute said"]  # applied, on its 2 layers
+        assert "on its 2 decoder layers" in got[name]["recompute said"][0], got[name]["recompute said"]
         start, losses, said = got[name]["moved"]
         assert start == 2 and len(said) == 1, (name, start, said)
         assert max(rel(a, b) for a, b in zip(losses, want[2:])) < 1e-4, (name, losses, want)

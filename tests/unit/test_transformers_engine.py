@@ -473,3 +473,20 @@ def test_peft_s_dropout_refusal_on_fused_experts_names_lora_dropout(tmp_path):
                                         "AfmoeForCausalLM") and "Fix: set lora_dropout: 0" in err, err
     code, _, err = _plan(tmp_path, d, adapter="lora", lora_target_linear=True, lora_dropout=0)
     assert code == 0, err
+
+
+def test_recompute_the_transformers_engine_cannot_do_is_one_line(tmp_path, monkeypatch):
+    """gradient_checkpointing: true runs transformers' own checkpointing on this engine (it was silently not applied
+    before: tests/distributed/test_transformers_engine.py checks the run says it and the losses stay exact); what
+    it cannot do is refused, naming the key."""
+    import transformers
+
+    code, _, err = _plan(tmp_path, _write(tmp_path, "phi"), gradient_checkpointing=True)
+    assert code == 0, err
+    code, _, err = _plan(tmp_path, _write(tmp_path, "phi"), _set="recompute=selective")
+    assert code == 2 and "gradient_checkpointing='selective': recomputing the attention alone" in err, err
+    monkeypatch.setattr(transformers.PhiForCausalLM, "supports_gradient_checkpointing", False)
+    code, _, err = _plan(tmp_path, _write(tmp_path, "phi", resid_pdrop=0.0625), gradient_checkpointing=True)
+    assert code == 2 and err.startswith("nd-adapter: error: gradient_checkpointing=") and \
+        "does not support transformers' gradient checkpointing" in err and \
+        "Fix: turn it off (gradient_checkpointing: false)" in err, err
