@@ -94,17 +94,24 @@ class PostNormed(RowParallelLinear):
         return super().forward(input_, *args, **kwargs)
 
 
+ROPES = ("global", "local")  # the order of a stacked table's tables (PackedGPTModel._preprocess)
+
+
 class LayerRopeAttention(SelfAttention):
     """Megatron's SelfAttention for a model whose layers rotate with different RoPE bases (Gemma 3: its sliding
-    layers with rope_local_base_freq, the others with rope_theta): the model passes {"global": t, "local": t}
-    (PackedGPTModel._preprocess) and this layer takes its own (`rope`, from its layer spec)."""
+    layers with rope_local_base_freq, the others with rope_theta): the model passes both tables stacked in one
+    tensor [2, ...] (global, local: PackedGPTModel._preprocess) and this layer takes its own (`rope`, from its layer
+    spec). One tensor, not a dict: full recompute's checkpoint saves the layer's inputs with save_for_backward,
+    which takes tensors only."""
 
     def __init__(self, *args, rope: str = "global", **kwargs):
         super().__init__(*args, **kwargs)
         self.rope = rope
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
-        if isinstance(rotary_pos_emb, dict):
+        if isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.dim() == 5:  # stacked: the tables are 4-D
+            rotary_pos_emb = rotary_pos_emb[ROPES.index(self.rope)]
+        elif isinstance(rotary_pos_emb, dict):
             rotary_pos_emb = rotary_pos_emb[self.rope]
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
@@ -309,7 +316,10 @@ class PackedGPTModel(GPTModel):
             if self.rope_tables and isinstance(t, torch.Tensor):
                 t = rope_tables(t)
                 table[name] = t * self.rope_scale if self.rope_scale != 1.0 else t
-        table = table if len(table) > 1 else table["global"]
+        if len(table) > 1 and all(isinstance(t, torch.Tensor) for t in table.values()) and \
+                len({t.shape for t in table.values()}) == 1:  # one tensor (LayerRopeAttention): recompute saves it
+            table = torch.stack([table[name] for name in ROPES if name in table])
+        table = table if not isinstance(table, dict) or len(table) > 1 else table["global"]
         out = out if table is out[1] else with_rotary(out, table)
         if self.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype first
             emb = out[0]

@@ -40,7 +40,7 @@ def models(tmp_path_factory):
     return ids, out
 
 
-def _build(ckpt, cp, comm="all_gather"):
+def _build(ckpt, cp, comm="all_gather", recompute=None):
     import json
     from pathlib import Path
 
@@ -54,7 +54,8 @@ def _build(ckpt, cp, comm="all_gather"):
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
     meta = json.loads((Path(ckpt) / "nd_adapter.json").read_text())
     arch = ModelArch(**meta["arch"])
-    model = build_gpt_model(arch, cp=cp, cp_comm_type=comm, padded_vocab=meta["padded_vocab_size"])
+    model = build_gpt_model(arch, cp=cp, cp_comm_type=comm, padded_vocab=meta["padded_vocab_size"],
+                            recompute=recompute)
     load_megatron_checkpoint(model, ckpt)
     return model.eval(), arch
 
@@ -79,7 +80,9 @@ def _diffs(rank, ids, case, ckpt, dense, packed, cp):
 
 
 def _cp_grads(rank, ckpt):
-    """Gemma 3's loss and gradients at cp=2 (all_gather, windows on the gathered keys) equal cp=1's."""
+    """Gemma 3's loss and gradients at cp=2 (all_gather, windows on the gathered keys) equal cp=1's, and so do
+    full recompute's (gradient_checkpointing: Megatron's checkpoint saves the layer's inputs, its two RoPE tables
+    among them: a dict of them crashed there)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -88,8 +91,8 @@ def _cp_grads(rank, ckpt):
     ids = torch.randint(0, 300, (2, S + 1), generator=torch.Generator().manual_seed(3))
     ids, labels = ids[:, :-1], ids[:, 1:]
     out = []
-    for cp in (1, 2):
-        model, _ = _build(ckpt, cp)
+    for cp, recompute in ((1, None), (2, None), (1, "full")):
+        model, _ = _build(ckpt, cp, recompute=recompute)
         model.train()
         r = ps.get_context_parallel_rank()
         loss = model(split_for_cp(ids, cp, r), None, None, labels=split_for_cp(labels, cp, r)).sum()
@@ -100,9 +103,11 @@ def _cp_grads(rank, ckpt):
             for t in (loss, *grads.values()):
                 dist.all_reduce(t, group=ps.get_context_parallel_group())
         out.append((loss.item(), grads))
-    (l1, g1), (l2, g2) = out
+    (l1, g1), (l2, g2), (l3, g3) = out
     return {"gemma3_cp2_loss": abs(l1 - l2) / abs(l1),
-            "gemma3_cp2_grads": max((g2[n] - g).abs().max().item() for n, g in g1.items())}
+            "gemma3_cp2_grads": max((g2[n] - g).abs().max().item() for n, g in g1.items()),
+            "gemma3_recompute_loss": abs(l1 - l3) / abs(l1),
+            "gemma3_recompute_grads": max((g3[n] - g).abs().max().item() for n, g in g1.items())}
 
 
 def _worker(rank, world, ids, cases):
