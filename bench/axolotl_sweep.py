@@ -348,7 +348,9 @@ def main() -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8, help="for plan, as bench/axolotl_examples.py")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per command")
     ap.add_argument("--seq-len", type=int, help="rehearse --seq-len (default: the rehearsal's own, the config's)")
-    ap.add_argument("--out", type=Path, help="write every result as JSON")
+    ap.add_argument("--out", type=Path, help="write every result as JSON (rewritten as each example ends)")
+    ap.add_argument("--deadline", type=float, help="seconds from the start after which no further example starts "
+                    "(those left are recorded as not run, and listed): a sweep that must end inside a time limit")
     a = ap.parse_args()
     axolotl = a.axolotl.resolve()
     found = sorted(p for p in (axolotl / "examples").rglob("*") if p.suffix in (".yml", ".yaml"))
@@ -368,17 +370,30 @@ def main() -> int:
         todo = [rel for rel in examples if plans[rel]["result"] == "pass"]
         print(f"{len(todo)} of {len(examples)} plan unchanged; preprocess and rehearse them, {a.jobs} at a time",
               flush=True)
+        def job(rel: str) -> dict[str, Any]:
+            if a.deadline is not None and time.monotonic() - started > a.deadline:
+                return {"example": rel, "not_run": f"not started: past --deadline {a.deadline:g}s"}
+            return run_example(rel, examples[rel], axolotl, home, tmp / "work", a.timeout, a.seq_len)
+
+        def write() -> None:
+            if a.out:
+                part = a.out.with_name(a.out.name + ".part")
+                part.write_text(json.dumps([results[rel] for rel in examples], indent=1) + "\n")
+                part.replace(a.out)
+
+        write()
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-            futures = {pool.submit(run_example, rel, examples[rel], axolotl, home, tmp / "work", a.timeout,
-                                   a.seq_len): rel
-                       for rel in todo}
+            futures = {pool.submit(job, rel): rel for rel in todo}
             for fut in concurrent.futures.as_completed(futures):
                 r = {**results[futures[fut]], **fut.result()}
                 results[r["example"]] = r
                 failed = stage_of(r)
                 secs = "/".join(f"{r[s].get('seconds', 0):.0f}s" for s in ("preprocess", "rehearse") if s in r)
+                write()
                 if "script" in r:
                     print(f"SCRIPT {r['example']}: {r['script']}", flush=True)
+                elif "not_run" in r:
+                    print(f"skip {r['example']}: {r['not_run']}", flush=True)
                 elif failed:
                     print(f"FAIL {r['example']} [{failed[0]}, {failed[1]['result']}] ({secs}): {failed[1]['line']}",
                           flush=True)
@@ -409,6 +424,9 @@ def main() -> int:
             print(f"  {r['example']} [{stage}]: {res['line']}")
             for ln in res.get("tail", [])[-6:] if kind == "crash" else []:
                 print(f"      {ln}")
+    not_run = [r for r in rows if "not_run" in r]
+    if not_run:
+        print(f"\nnot run ({len(not_run)}, past --deadline): " + " ".join(r["example"] for r in not_run))
     scripts = [r for r in rows if "script" in r]
     for r in scripts:
         print(f"  script error {r['example']}: {r['script']}")
