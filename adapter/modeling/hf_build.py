@@ -100,6 +100,9 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
 
     from transformers import BitsAndBytesConfig
 
+    from adapter.patches.bnb_int8 import int8_any_rank_input
+
+    int8_any_rank_input()  # an 8-bit base (asked, or stored so) on 4-D inputs (GLM-4.7-Flash's kv_b_proj)
     bnb = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype) if quantize == "nf4" else
            BitsAndBytesConfig(load_in_8bit=True))

@@ -40,3 +40,23 @@ def test_deepspeed_s_cpu_backend_builds_no_shared_memory_op(monkeypatch):
     monkeypatch.setattr(ds_torch, "build_shm_op", lambda: (_ for _ in ()).throw(AssertionError("builds the op")))
     skip_cpu_shm_op()
     assert ds_torch.build_shm_op() is None
+
+
+def test_bitsandbytes_int8_linear_takes_a_4d_input_as_its_rows():
+    """GLM-4.7-Flash's kv_b_proj gets [batch, tokens, heads, rank]: bitsandbytes 0.50's int8 path failed on it (the
+    sweep of Axolotl's examples found it); flattened rows give what the 3-D path gives, row for row."""
+    import bitsandbytes as bnb
+
+    from adapter.patches.bnb_int8 import int8_any_rank_input
+
+    torch.manual_seed(0)
+    lin = bnb.nn.Linear8bitLt(16, 8, bias=True, has_fp16_weights=False, threshold=6.0)
+    lin.load_state_dict(torch.nn.Linear(16, 8).state_dict())
+    lin = lin.to("cpu").eval()  # quantises the weight; eval: the path evaluations (and the reference) take
+    x = torch.randn(2, 3, 4, 16)
+    int8_any_rank_input()
+    for train in (False, True):
+        lin.train(train)
+        got = lin(x)
+        want = lin(x.reshape(2, 12, 16)).reshape(2, 3, 4, 8)
+        assert got.shape == (2, 3, 4, 8) and torch.equal(got, want), train
