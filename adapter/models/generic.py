@@ -318,7 +318,8 @@ _TINY = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 12
          "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_d_conv": 4, "chunk_size": 16, "attention_chunk_size": 16,
          "max_position_embeddings": 4096, "rotary_dim": 8, "partial_rotary_factor": None}
 _CAPS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-         "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+         "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_top_k": 2, "n_group": 1, "topk_group": 1,
+         "first_k_dense_replace": 1,
          "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2}
 def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
     """A small config.json of the same architecture, every structural feature kept (adapter/train/rehearse.py

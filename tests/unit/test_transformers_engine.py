@@ -490,3 +490,13 @@ def test_recompute_the_transformers_engine_cannot_do_is_one_line(tmp_path, monke
     assert code == 2 and err.startswith("nd-adapter: error: gradient_checkpointing=") and \
         "does not support transformers' gradient checkpointing" in err and \
         "Fix: turn it off (gradient_checkpointing: false)" in err, err
+
+
+def test_the_rehearsals_tiny_moe_keeps_top_k_within_its_experts():
+    """Kimi-Linear names its top-k `num_experts_per_token`: the tiny config cut its 256 experts to 4 but kept top 8,
+    and the rehearsal of Axolotl's kimi-linear example failed in the router's topk (found by the examples sweep)."""
+    from adapter.models import generic
+    from tests.helpers.axolotl_home import model_config
+
+    tiny = generic.tiny_config(model_config("moonshotai/Kimi-Linear-48B-A3B-Instruct"), 256)
+    assert tiny["num_experts_per_token"] <= tiny["num_experts"], tiny
