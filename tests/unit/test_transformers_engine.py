@@ -500,3 +500,15 @@ def test_the_rehearsals_tiny_moe_keeps_top_k_within_its_experts():
 
     tiny = generic.tiny_config(model_config("moonshotai/Kimi-Linear-48B-A3B-Instruct"), 256)
     assert tiny["num_experts_per_token"] <= tiny["num_experts"], tiny
+
+
+def test_axolotl_torch_compile_runs_eager_on_this_engine_and_says_so(tmp_path):
+    """torch_compile: true (a speed key) is turned on where the layout allows it, then refused by this engine: the
+    llama-4 scout-qlora-single-h100-flex example planned at 8 GPUs (ZeRO-3: off) but its one-GPU rehearsal stopped.
+    It now runs eagerly with a note; an explicit model.compile: true is still one line."""
+    code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), torch_compile=True, dp_shard_size=1, _gpus=1)
+    assert code == 0, err
+    notes = " ".join(json.loads(out)["notes"])
+    assert "torch_compile: true -> model.compile: off: the transformers engine runs its layers eagerly" in notes, notes
+    code, _, err = _plan(tmp_path, _write(tmp_path, "phi"), dp_shard_size=1, _gpus=1, _set="model.compile=true")
+    assert code == 2 and "compiling layers is not built on the transformers engine" in err, err
