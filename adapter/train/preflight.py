@@ -57,9 +57,11 @@ def check_sinks(tensorboard_dir: str | None, wandb_project: str | None) -> None:
                   "pip install wandb (or nd-adapter[logging]), or remove logging.wandb_project")
 
 
-def preflight(run: ResolvedRun, *, resume: bool = False, need_data: bool = True, saves: bool = True) -> None:
+def preflight(run: ResolvedRun, *, resume: bool = False, need_data: bool = True, saves: bool = True,
+              sinks: bool = True) -> None:
     """What `resolve_run` could not check from the config and config.json alone: the files the run will read.
-    `saves`: the run writes its checkpoints into checkpoint.dir (a rehearsal writes into its own directory)."""
+    `saves`: the run writes its checkpoints into checkpoint.dir (a rehearsal writes into its own directory);
+    `sinks`: its TensorBoard / W&B logging is installed (a rehearsal logs to neither, so it does not ask)."""
     cfg = run.cfg
     check_checkpoint(run)
     if cfg.data.datasets:  # SFT: types, keys and sources (hub ids in the local cache), nothing tokenised yet
@@ -68,7 +70,8 @@ def preflight(run: ResolvedRun, *, resume: bool = False, need_data: bool = True,
         if not cfg.data.files:
             raise bad("data.files", [], "no training data given", "list jsonl/txt/parquet files under data.files")
         check_data(cfg)
-    check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)
+    if sinks:
+        check_sinks(cfg.logging.tensorboard, cfg.logging.wandb_project)
     if resume and not cfg.checkpoint.dir:
         raise bad("checkpoint.dir", None, "--resume needs a checkpoint directory", "set checkpoint.dir in the config")
     if saves:  # a file there, or a fresh start over another run's checkpoints

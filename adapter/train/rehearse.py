@@ -204,7 +204,8 @@ def in_process(run: ResolvedRun, rank: int, *, steps: int, seq_len: int | None, 
 def main(args) -> int:
     cfg = source.load_config(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
     run = resolve_run(cfg)
-    preflight(run, need_data=False, saves=False)  # data files are checked (and tokenised) inside, when given
+    # data files are checked (and tokenised) inside, when given; the rehearsal logs to no TensorBoard or W&B
+    preflight(run, need_data=False, saves=False, sinks=False)
     if args.steps < 2:
         raise bad("--steps", args.steps, "a rehearsal saves half-way and resumes", "use --steps 2 or more")
     with tempfile.TemporaryDirectory(prefix="nd-rehearse-") as workdir:

@@ -133,3 +133,21 @@ def test_host_readback_snapshots_the_values_at_creation():
     r = m.HostReadback(t)
     t.add_(10)  # the next step reuses the tensor: the reading must not move
     assert r.values() == [1.5, 2.0, 0.0]
+
+
+def test_a_rehearsal_does_not_ask_for_the_runs_logging_packages(monkeypatch):
+    """A rehearsal logs to neither TensorBoard nor W&B (adapter/train/rehearse.py): Axolotl's phi3-ft-fsdp.yml
+    (wandb_project set) was refused at `rehearse` on a machine without wandb (found by the examples sweep);
+    the run itself still is."""
+    from adapter import config
+    from adapter.errors import UserError
+    from adapter.models.resolved import resolve_run
+    from adapter.train.preflight import preflight
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    run = resolve_run(config.build({"base_model": "configs/models/llama-3.2-1b", "learning_rate": 1e-5,
+                                    "micro_batch_size": 1, "sequence_len": 128, "max_steps": 2,
+                                    "wandb_project": "p"}, env={}, world_size=1))
+    preflight(run, need_data=False, saves=False, sinks=False)
+    with pytest.raises(UserError, match="wandb_project='p': the wandb package is not installed"):
+        preflight(run, need_data=False, saves=False)
