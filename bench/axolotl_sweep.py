@@ -124,6 +124,17 @@ def stand_in_rows(entry: dict, raw: dict, n: int = 64) -> list[dict]:
         if need:  # documents that survive min_sample_len (a word is ~3 tokens of the small tokenizer)
             return long_rows(8, need * 2 // 5 + 2000, field)  # enough for a round of a few ranks' samples
         return long_rows(n, 120, field)
+    if raw.get("rl") == "kto":  # Axolotl's KTO types (adapter/data/sft/preference_kto.py): a user field, the
+        # completion and a label; argilla_chat: a two-turn conversation as the completion
+        from adapter.data.sft.preference_kto import USER_FIELD
+
+        strategy = str(t).rsplit(".", 1)[-1]
+        if strategy == "argilla_chat":
+            return [{"completion": [{"role": "user", "content": f"Name the number after {i}."},
+                                    {"role": "assistant", "content": f"It is {i + 1 + i % 2}."}],
+                     "label": i % 2 == 0} for i in range(n)]
+        return [{USER_FIELD.get(strategy, "prompt"): f"Name the number after {i}.", "system": "Be brief.",
+                 "completion": f"It is {i + 1 + i % 2}.", "label": i % 2 == 0} for i in range(n)]
     if t == "chat_template.argilla":  # rl: orpo's rows: chosen and rejected conversations (preference_orpo.py)
         def talk(i: int, answer: str) -> list[dict]:
             return [{"role": "user", "content": f"Name the number after {i}."},
