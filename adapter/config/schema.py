@@ -220,8 +220,7 @@ class DatasetEntry(PreferenceFields, _Strict):
 
 
 class SpecialTokens(_Strict):
-    """Axolotl's `special_tokens`: set on the tokenizer; one the vocabulary lacks gets a new id and a new embedding
-    row, as `tokens:` (adapter/models/vocab.py)."""
+    """Axolotl's `special_tokens`; one the vocabulary lacks gets a new id and rows, as `tokens:` (models/vocab.py)."""
 
     bos_token: str | None = None
     eos_token: str | None = None

@@ -100,8 +100,7 @@ class ModelArch:
     experts_per_token: int = 0
     expert_ffn_hidden_size: int | None = None
     norm_topk_prob: bool = False
-    # transformers adds router_aux_loss_coef · (its load-balancing loss) to the loss when output_router_logits is on
-    router_aux_loss_coef: float = 0.0
+    router_aux_loss_coef: float = 0.0  # transformers adds coef · load-balancing loss when output_router_logits
     output_router_logits: bool = False
     qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not per head (OLMoE)
     # Which engine trains it ("megatron": a native family on Megatron-Core layers; "transformers": its own model,

@@ -43,10 +43,10 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
     cfg, layout = run.cfg, run.layout
     sft = val = template = None
     if cfg.objective != "sft":  # preference pairs (adapter/data/sft/preference.py)
-        from adapter.data.sft.preference import prepare_pairs
         from adapter.data.sft.preference import stats_lines as pair_lines
+        from adapter.data.sft.preference_kto import prepare_rows
 
-        sft = prepare_pairs(cfg, source.tokenizer_dir(cfg), run.arch.vocab_size, builder=rank == 0,
+        sft = prepare_rows(cfg, source.tokenizer_dir(cfg), run.arch.vocab_size, builder=rank == 0,
                             barrier=dist.barrier, progress=rank == 0)
         dataset, val, template = sft.train, sft.val, sft.chat_template
         for line in pair_lines(sft) if rank == 0 else []:

@@ -173,7 +173,7 @@ def _early_stop_worker(rank, world, example: str):
 
 
 def test_phi3_ft_stops_early_and_its_resume_says_it_has_finished(tmp_path):
-    """Issue 48 item 8 from the file that showed it (phi/phi3-ft.yml, tests/fixtures/axolotl): its
+    """The early-stopping resume from the file that showed it (phi/phi3-ft.yml, tests/fixtures/axolotl): its
     early_stopping_patience ends the run; `--resume` of the early-stopped run used to train on and stop again at the
     same step instead of saying it had finished. The example as it is but for its scale (a tiny Phi-3 and alpaca
     rows, 256-token sequences, an eval and a save every step, and a learning rate that makes the eval loss turn)."""

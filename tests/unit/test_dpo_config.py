@@ -349,10 +349,10 @@ def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
            "micro_batch_size": 2, "rl": "kto", "datasets": [{"path": str(data), "type": "chatml.prompt_pairs"}],
            "dataset_prepared_path": str(tmp_path / "prep")}
     cfg = config.build(raw, env={}, world_size=1)
-    from adapter.data.sft.preference import prepare_pairs
+    from adapter.data.sft.preference_kto import prepare_rows
     from adapter.models import source
 
-    out = prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
+    out = prepare_rows(cfg, tok_dir, source.vocab_rows(cfg))
     assert len(out.train) == 4 and out.stats["datasets"][0]["dropped_too_long"] == 1
     assert sorted(out.train.rows.tolist()) == [0, 1, 2, 3] and out.train.rows.tolist() != [0, 1, 2, 3]  # shuffled
     for i in range(4):  # once, with the seed (Axolotl's shuffle_merged_datasets), then trained in that order
@@ -373,13 +373,13 @@ def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
         assert b["loss_mask"][3 + i].nonzero()[:, 0].tolist() == list(range(p_i - 1, p_i + c_j - 1))
     assert preference.stats_lines(out)[1].endswith("1 over sequence_len dropped, 4 rows kept")
     assert "desirable" in preference.stats_lines(out)[2]
-    shown = preference.debug_lines(out, tok, 2)
+    shown = preference_kto.any_debug_lines(out, tok, 2)
     assert len(shown) == 2 and shown[0].startswith("row 0 ") and ", -100)" in shown[0]
 
 
 def test_kto_types_render_as_axolotls_own_transforms():
     """Every KTO type nd-adapter reads renders each row as Axolotl's own transform does (its
-    prompt_strategies/kto/llama3.py and chatml.py, unchanged, from tests/fixtures/axolotl/kto_*.py.txt, Axolotl
+    prompt_strategies.kto.llama3 and .chatml modules, unchanged, from tests/fixtures/axolotl/kto_*.py.txt, Axolotl
     067b021), with and without a system prompt."""
     from adapter.data.sft import formats, preference_kto
 

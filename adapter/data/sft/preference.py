@@ -217,11 +217,7 @@ def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path,
 def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
                   barrier: Callable[[], None] | None = None, progress: bool = True) -> PairData:
     """The prepared pairs of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract);
-    KTO's labelled rows: adapter/data/sft/preference_kto.py."""
-    if cfg.objective == "kto":
-        from adapter.data.sft.preference_kto import prepare_kto
-
-        return prepare_kto(cfg, tokenizer_dir, vocab_size, builder=builder, barrier=barrier)
+    KTO's labelled rows: adapter/data/sft/preference_kto.prepare_kto (`prepare_rows` picks)."""
     tokenizer_dir = Path(tokenizer_dir)
     resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     root = prepared_root(cfg)
@@ -255,11 +251,7 @@ def stats_lines(data: PairData) -> list[str]:
 
 def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
     """The first pairs: prompt, then each answer's (token, label) pairs (label -100 outside the completion); KTO's
-    rows likewise, one sequence each."""
-    if not hasattr(data.train, "tokens"):  # preference_kto.KTODataset
-        from adapter.data.sft.preference_kto import debug_lines as kto_lines
-
-        return kto_lines(data, tok, samples)
+    rows: preference_kto.debug_lines."""
     out = []
     for i in range(min(samples, len(data.train))):
         t, m = data.train.tokens[i], data.train.completion[i]

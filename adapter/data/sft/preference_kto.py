@@ -1,10 +1,10 @@
 """KTO's labelled rows for `rl: kto`, as Axolotl 067b021 renders them and TRL 1.8.0's KTOTrainer tokenises them.
 
-Axolotl's KTO types (prompt_strategies/kto/llama3.py and chatml.py; `type: llama3.ultra` etc.) write a prompt string
-in the template's own markup (an optional `system` turn, the user turn from `prompt` / `instruction` / `question`, or
-argilla_chat's first message, then the assistant header) and a completion string (the answer, or argilla_chat's
-second message, followed by the template's end-of-turn); `label` is kept. Axolotl drops a row whose prompt plus
-completion (tokenised without special tokens) exceeds `sequence_len`. TRL, given those strings (not
+Axolotl's KTO types (its prompt_strategies.kto.llama3 and .chatml modules; `type: llama3.ultra` etc.) write a
+prompt string in the template's own markup (an optional `system` turn, the user turn from `prompt` / `instruction`
+/ `question`, or argilla_chat's first message, then the assistant header) and a completion string (the answer, or
+argilla_chat's second message, followed by the template's end-of-turn); `label` is kept. Axolotl drops a row
+whose prompt plus completion (tokenised without special tokens) exceeds `sequence_len`. TRL, given those strings (not
 conversational), appends the tokenizer's EOS to a completion that does not end with it, tokenises the prompt and the
 prompt + completion (with the tokenizer's special tokens) and takes the completion's ids as what follows the
 prompt's (preference.tokenize's rule); its collator joins prompt and completion and truncates at `max_length`
@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from adapter.data.sft import formats, sources
-from adapter.data.sft.preference import PairData, tokenize
+from adapter.data.sft.preference import PairData, prepare_pairs, tokenize
+from adapter.data.sft.preference import debug_lines as pair_lines
 from adapter.data.sft.prepare import cache_key, load_tokenizer, names, pad_id, prepared_root, resolve_all
 from adapter.errors import bad
 from adapter.osutil import build_once
@@ -165,4 +166,19 @@ def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
     return out
 
 
-__all__ = ["render", "KTODataset", "join", "targets", "fits", "prepare_kto", "debug_lines"]
+def prepare_rows(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True, barrier=None,
+                 progress: bool = True) -> PairData:
+    """The prepared preference data of any `rl:` objective: KTO's labelled rows, or the other objectives' pairs
+    (adapter/data/sft/preference.py)."""
+    if cfg.objective == "kto":
+        return prepare_kto(cfg, tokenizer_dir, vocab_size, builder=builder, barrier=barrier)
+    return prepare_pairs(cfg, tokenizer_dir, vocab_size, builder=builder, barrier=barrier, progress=progress)
+
+
+def any_debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
+    """`nd-adapter preprocess --debug` of either kind of prepared preference data."""
+    return debug_lines(data, tok, samples) if isinstance(data.train, KTODataset) else pair_lines(data, tok, samples)
+
+
+__all__ = ["render", "KTODataset", "join", "targets", "fits", "prepare_kto", "debug_lines", "prepare_rows",
+           "any_debug_lines"]

@@ -55,12 +55,13 @@ def main(args) -> int:
                   "list them under datasets: (Axolotl) or data.datasets (native)")
     tok_dir, vocab = source.tokenizer_dir(cfg), source.vocab_rows(cfg)
     if cfg.objective != "sft":  # preference pairs
-        from adapter.data.sft import preference
+        from adapter.data.sft import preference, preference_kto
 
-        pairs = preference.prepare_pairs(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
+        pairs = preference_kto.prepare_rows(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
         print("\n".join(preference.stats_lines(pairs)))
         if args.debug:
-            print("\n".join(preference.debug_lines(pairs, load_tokenizer(cfg, tok_dir, vocab), args.samples)))
+            tok = load_tokenizer(cfg, tok_dir, vocab)
+            print("\n".join(preference_kto.any_debug_lines(pairs, tok, args.samples)))
         return 0
     data = prepare(cfg, tok_dir, vocab, builder=True, barrier=None, progress=True)
     print("\n".join(stats_lines(data)))
