@@ -63,10 +63,15 @@ def test_axolotl_dpo_example_maps():
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template"}]}, "rl: dpo trains on preference pairs"),
 ])
 def test_unbuilt_dpo_refused_in_one_line(over, needle):
+    _refused_in_one_line(_example(**over), needle)
+
+
+def _refused_in_one_line(raw: dict, needle: str) -> None:
+    """`raw` refused by the config or by the data choices' check, in one line holding `needle`."""
+    from adapter.data.sft.prepare import check_choices
+
     with pytest.raises(UserError) as e:
-        cfg = config.build(_example(**over), env={}, world_size=1)
-        from adapter.data.sft.prepare import check_choices
-        check_choices(cfg)
+        check_choices(config.build(raw, env={}, world_size=1))
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -313,11 +318,7 @@ def test_axolotl_kto_example_plans(tmp_path):
     ({"rl": "dpo"}, "datasets[0].type='llama3.ultra': unknown dataset type"),  # Axolotl's DPO llama3.ultra: unbuilt
 ])
 def test_kto_config_errors_in_one_line(over, needle):
-    with pytest.raises(UserError) as e:
-        cfg = config.build(_kto(**over), env={}, world_size=1)
-        from adapter.data.sft.prepare import check_choices
-        check_choices(cfg)
-    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    _refused_in_one_line(_kto(**over), needle)
 
 
 def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
