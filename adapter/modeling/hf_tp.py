@@ -184,10 +184,13 @@ def shard(model, tp: int, rank: int, group, rope_dim: int | None = None) -> int:
     return count
 
 
-def whole_state(model, group, tp: int, trained_only: bool = False) -> dict[str, torch.Tensor]:
-    """The model's state dict with every TP-split parameter gathered whole (collective over `group`): what
-    `save_pretrained` writes, as the model would be at tp=1. `trained_only`: the trained tensors alone (a PEFT
-    adapter's save keeps only those)."""
+def whole_state(model, group, tp: int, trained_only: bool = False, ep_group=None,
+                ep: int = 1) -> dict[str, torch.Tensor]:
+    """The model's state dict with every TP-split parameter gathered whole (collective over `group`), and every
+    expert-split one over `ep_group` (adapter/modeling/hf_ep.py): what `save_pretrained` writes, as the model would
+    be at tp = ep = 1. `trained_only`: the trained tensors alone (a PEFT adapter's save keeps only those)."""
+    from adapter.modeling.hf_ep import whole_rows
+
     out = {}
     for key, t in model.state_dict(keep_vars=True).items():
         if trained_only and not t.requires_grad:
@@ -199,6 +202,8 @@ def whole_state(model, group, tp: int, trained_only: bool = False) -> dict[str, 
             dist.all_gather(pieces, t.data.contiguous(), group=group)
             blocks = [p.chunk(parts, dim=dim) for p in pieces]
             t = torch.cat([torch.cat([b[i] for b in blocks], dim=dim) for i in range(parts)], dim=dim)
+        if ep > 1 and hasattr(t, "nd_ep_rows"):
+            t = whole_rows(t, ep_group, ep)
         out[key] = t.detach().clone()
     return out
 

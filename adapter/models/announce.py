@@ -70,6 +70,11 @@ def engine(run: ResolvedRun) -> str:
     if split:
         extra.append(f"tp={tp} from its own tensor-parallel plan (base_model_tp_plan): {split / 1e6:.2f}M of its "
                      "parameters split, the rest replicated")
+    ep = run.layout.ep
+    if ep > 1:  # adapter/modeling/hf_ep.py
+        extra.append(f"ep={ep} from its own expert-parallel plan (base_model_ep_plan): each rank holds "
+                     f"{arch.ep_experts // ep} of the {arch.ep_experts} experts of each layer, tokens sent to them and "
+                     "back by all-to-all")
     cp = run.layout.cp
     if cp > 1:  # adapter/modeling/hf_cp.py
         comm = run.cfg.parallelism.cp_comm_type

@@ -1,8 +1,7 @@
 """Model architecture facts read from an HF `config.json` alone (no weights).
 
-Everything downstream (plan's memory model, the GPTModel builder, the conversion tables) reads a `ModelArch`, never
-the raw JSON, so one place decides what is supported and refuses the rest before anything runs or is written.
-"""
+Everything downstream (plan, the builders, the conversion tables) reads a `ModelArch`, never the raw JSON, so one
+place decides what is supported and refuses the rest before anything runs or is written."""
 from __future__ import annotations
 
 import json
@@ -111,7 +110,8 @@ class ModelArch:
     param_count: int | None = None      # exact, all parameters (the transformers engine)
     layer_kinds: tuple[str, ...] = ()   # the layer kinds config.json names (linear_attention, mamba, ...)
     tp_shares: tuple[tuple[int, int, str], ...] = ()  # (tp, parameters its TP plan splits, why it cannot); () none
-    has_ep_plan: bool = False           # ... and an expert-parallel one
+    ep_experts: int = 0                 # experts per layer its expert-parallel plan splits (0: no plan)
+    ep_params: int = 0                  # ... and the parameters it splits (all layers)
     attention_features: tuple[str, ...] = ()  # what context parallelism must know (generic.attention_features)
     layer_recompute: bool = True        # transformers' gradient checkpointing (supports_gradient_checkpointing)
     image_text: bool = False            # an image-text checkpoint: its language model trains on text

@@ -154,7 +154,9 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128, ep: in
         outer = vocab * (1 if arch.tie_embeddings else 2) + arch.hidden_size
         split = next((s[1] for s in arch.tp_shares if s[0] == tp), 0)  # what its TP plan splits (generic.py)
         body = max(0, split - (outer - arch.hidden_size if vtp > 1 else 0))
-        per_layer = (max(0, arch.param_count - outer - body) + body // tp) // max(1, arch.num_layers)
+        experts = arch.ep_params if ep > 1 else 0  # what its EP plan splits (the experts are not TP-split beside it)
+        per_layer = (max(0, arch.param_count - outer - body - experts) + body // tp + experts // ep) \
+            // max(1, arch.num_layers)
         return LocalParams(layer=per_layer, embedding=vocab // vtp, output=0 if arch.tie_embeddings else vocab // vtp,
                            final_norm=arch.hidden_size)
     return LocalParams(layer=sum(lin.local(tp, ep) for lin in linears(arch)) + layer_norm_params(arch),
@@ -162,7 +164,10 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128, ep: in
 
 
 def expert_params(arch: ModelArch, tp: int, ep: int = 1) -> int:
-    """The experts' weights one rank holds over all layers (split by tp and ep); 0 for a dense model."""
+    """The experts' weights one rank holds over all layers (split by tp and ep); 0 for a dense model. The
+    transformers engine's: what its EP plan splits (generic.py), by ep alone (tp beside ep is refused there)."""
+    if arch.param_count is not None:
+        return arch.ep_params // ep
     return arch.num_layers * sum(lin.local(tp, ep) for lin in linears(arch) if lin.copies > 1)
 
 

@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from adapter.errors import bad
-from adapter.models.tp_plan import model_plan, split_numel
+from adapter.models.tp_plan import model_plan, plan_matches, split_numel
 
 ENGINES = ("auto", "megatron", "transformers")
 
@@ -217,13 +217,25 @@ def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None)
     out = model.get_output_embeddings()
     tied = out is not None and emb is not None and out.weight is emb.weight
     text = getattr(model.config, "get_text_config", lambda: model.config)()
-    ep_plan = getattr(text, "base_model_ep_plan", None)
+    ep_experts, ep_params = _ep_split(model) if getattr(text, "base_model_ep_plan", None) else (0, 0)
     shares = tuple((tp, *_tp_share(model, tp)) for tp in TP_SIZES) \
         if getattr(text, "base_model_tp_plan", None) and model_plan(model) else ()  # not the output layer's alone
-    return {"params": sum(params.values()), "tied": bool(tied), "tp_shares": shares, "ep_plan": bool(ep_plan),
+    return {"params": sum(params.values()), "tied": bool(tied), "tp_shares": shares, "ep_experts": ep_experts,
+            "ep_params": ep_params,
             "cls": cls, "embedding": emb.weight.numel() if emb is not None else 0,
             "attention": attention_features(model, text),
             "recompute": bool(getattr(model, "supports_gradient_checkpointing", False))}
+
+
+def _ep_split(model: Any) -> tuple[int, int]:
+    """(experts per layer, parameters split) by the model's expert-parallel plan (`grouped_gemm` entries: stacked
+    experts along dim 0, adapter/modeling/hf_ep.py); (0, 0) where the plan names no such parameter."""
+    plan = {k: v for k, v in dict(getattr(model, "ep_plan", None) or {}).items() if v == "grouped_gemm"}
+    stacked = [p for name, style, mod in plan_matches(model, plan) if mod is None
+               for p in [model.get_parameter(name)]]
+    if not stacked:
+        return 0, 0
+    return min(p.shape[0] for p in stacked), sum(p.numel() for p in stacked)
 
 
 def attention_features(model: Any, text: Any) -> tuple[str, ...]:
@@ -300,7 +312,8 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         sliding_window=window if windowed and isinstance(window, int) and window > 0 else None,
         window_layers=windowed if isinstance(window, int) and window > 0 else None,
         engine="transformers", hf_model_type=str(cfg.get("model_type") or ""), param_count=facts["params"],
-        layer_kinds=layer_kinds(cfg), tp_shares=facts["tp_shares"], has_ep_plan=facts["ep_plan"],
+        layer_kinds=layer_kinds(cfg), tp_shares=facts["tp_shares"], ep_experts=facts["ep_experts"],
+        ep_params=facts["ep_params"],
         attention_features=facts["attention"], layer_recompute=facts["recompute"],
         image_text=image_text, remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
         output_router_logits=bool(text.get("output_router_logits")))
@@ -321,9 +334,12 @@ _CAPS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "n_sha
          "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_top_k": 2, "n_group": 1, "topk_group": 1,
          "first_k_dense_replace": 1,
          "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2}
-def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+def tiny_config(raw: dict[str, Any], vocab: int, experts: int = 4) -> dict[str, Any]:
     """A small config.json of the same architecture, every structural feature kept (adapter/train/rehearse.py
-    builds the rehearsal's model from it); `vocab`: its vocabulary."""
+    builds the rehearsal's model from it); `vocab`: its vocabulary; `experts`: the most experts a layer keeps (more
+    than 4 where expert parallelism needs whole experts on more ranks)."""
+    caps = {**_CAPS, **{k: experts for k in _EXPERT_KEYS}}
     out = {k: v for k, v in raw.items() if k != "quantization_config"}  # the rehearsal quantises as it loads
     text, nested = (dict(raw["text_config"]), True) if text_part(raw)[0] is not raw else (out, False)
     for k, v in _TINY.items():
@@ -332,7 +348,7 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
                 text.pop(k)
             else:
                 text[k] = v
-    for k, cap in _CAPS.items():
+    for k, cap in caps.items():
         if isinstance(text.get(k), int):
             text[k] = min(text[k], cap)
     for sub in ("attn_config", "ffn_config"):  # DBRX keeps its attention and expert sizes in sub-configs
@@ -341,7 +357,7 @@ def tiny_config(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
             for k, v in {**_TINY, "ffn_hidden_size": 128}.items():
                 if isinstance(part.get(k), int) and v is not None:
                     part[k] = v
-            for k, cap in {**_CAPS, "kv_n_heads": 2, "moe_num_experts": 4, "moe_top_k": 2}.items():
+            for k, cap in {**caps, "kv_n_heads": 2, "moe_num_experts": experts, "moe_top_k": 2}.items():
                 if isinstance(part.get(k), int):
                     part[k] = min(part[k], cap)
             text[sub] = part

@@ -207,7 +207,7 @@ def check_run(cfg, arch) -> list[str]:
     """What the transformers engine does not run yet, each refused in one line naming the key; the warnings for
     what it runs but the user should know. Layouts over data-parallel ranks (dp_shard with ZeRO-1/2/3,
     dp_replicate, exact HSDP), tensor parallelism from the model's own plan and context parallelism through
-    transformers' attention interface are built; expert parallelism on this engine is not yet."""
+    transformers' attention interface are built, and expert parallelism from the model's own plan."""
     from adapter.config import spell
 
     name, p = arch.architecture, cfg.parallelism
@@ -226,8 +226,7 @@ def check_run(cfg, arch) -> list[str]:
         notes.append(f"packed documents: {name}'s {layer} layers carry state along the sequence, so each document "
                      "runs as its own row of a padded batch (exact; the padding costs time)")
     if p.ep_size > 1:
-        raise bad(spell(cfg, "parallelism.ep_size"), p.ep_size, f"expert parallelism is not built {why}",
-                  "remove it: each rank holds every expert, sharded by ZeRO over dp_shard")
+        _check_ep(cfg, arch, p.ep_size, why)
     m = cfg.model
     if m.liger:
         _check_liger(cfg, arch)
@@ -251,6 +250,30 @@ def check_run(cfg, arch) -> list[str]:
         if on:
             raise bad(spell(cfg, key), value, f"{what} is not built {why}", fixes.get(key, "remove it"))
     return notes
+
+
+def _check_ep(cfg, arch, ep: int, why: str) -> None:
+    """Expert parallelism from the model's own `base_model_ep_plan` (adapter/modeling/hf_ep.py), as transformers'
+    EP runs it at tp = 1; what it does not run, refused in one line."""
+    from adapter.config import spell
+
+    key = spell(cfg, "parallelism.ep_size")
+    fix = "remove it: each rank holds every expert, sharded by ZeRO over dp_shard"
+    if not arch.ep_experts:
+        raise bad(key, ep, f"{arch.architecture} ships no expert-parallel plan (base_model_ep_plan) {why}", fix)
+    if arch.ep_experts % ep:
+        raise bad(key, ep, f"does not divide the {arch.ep_experts} experts of each layer (each expert-parallel rank "
+                  "holds whole experts)", f"use a divisor of {arch.ep_experts} that divides dp_shard × cp")
+    unbuilt = [(cfg.parallelism.tp_size > 1, "tensor parallelism beside it (the experts' tokens would be split "
+                "over TP ranks first)", f"use {key} 1 or {spell(cfg, 'parallelism.tp_size')} 1"),
+               (cfg.lora is not None and any("experts" in t for t in cfg.lora.target_parameters or ()),
+                "LoRA on the experts' own parameters (lora_target_parameters) beside it",
+                f"use {key} 1, or adapters on the linear layers only"),
+               (cfg.model.unfrozen_parameters is not None, "unfrozen_parameters beside it (its row ranges are "
+                "rows of the whole experts)", f"use {key} 1")]
+    for on, what, how in unbuilt:
+        if on:
+            raise bad(key, ep, f"{what} is not built {why}", how)
 
 
 def _check_liger(cfg, arch) -> None:

@@ -169,7 +169,7 @@ def place_experts(model, ep_group, edp_group, ep: int, zero3: bool = True) -> in
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(edp_group)
     marked = 0
     for pname, p in model.named_parameters():
-        if ".mlp.experts." in pname:
+        if ".mlp.experts." in pname or getattr(p, "nd_expert", False):  # the transformers engine's: hf_ep.shard
             p.nd_expert = True
             p.allreduce, p.group_name = False, name  # DeepSpeed's MoE mark: the engine's start-up broadcast of the
             # weights then stays within the ranks holding the same experts (not rank 0's experts everywhere)

@@ -205,7 +205,7 @@ def search(base: RunConfig, arch: ModelArch, prof: Profile, *, nodes: int, gpus_
            pins: dict[str, Any], config_path: str | None = None, warnings: list[str] | None = None) -> Search:
     world = nodes * gpus_per_node
     G = base.global_batch
-    cands, skipped = enumerate_candidates(world, G, pins, arch.num_experts or 0)  # 0: not a mixture of experts
+    cands, skipped = enumerate_candidates(world, G, pins, arch.num_experts or arch.ep_experts)  # 0: no experts
     total = len(cands) + sum(skipped.values())
     layouts: dict[tuple[int, int, int, int, int], Layout] = {}
     rows: list[SearchRow] = []

@@ -24,7 +24,7 @@ from adapter.config import RunConfig, spell
 from adapter.convert import peft as peft_io
 from adapter.convert.load import load_megatron_checkpoint
 from adapter.kernels.fp8 import install_fp8
-from adapter.modeling import hf_cp, hf_tp
+from adapter.modeling import hf_cp, hf_ep, hf_tp
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.modeling.hf_build import (
@@ -270,7 +270,8 @@ def grow_vocab(model, run: ResolvedRun, tp_group, device) -> None:
 def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
     """transformers' own model of the checkpoint (adapter/modeling/hf_build.py) in the loop's call
     (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so;
-    at tp > 1 split as its own tensor-parallel plan says (adapter/modeling/hf_tp.py), adapters included; at cp > 1
+    at tp > 1 split as its own tensor-parallel plan says (adapter/modeling/hf_tp.py), adapters included; at ep > 1
+    its experts as its expert-parallel plan says (adapter/modeling/hf_ep.py); at cp > 1
     its attention runs across the CP group (adapter/modeling/hf_cp.py)."""
     cfg = run.cfg
     liger = cfg.model.liger if liger_available() else ()  # Triton's kernels: CUDA only
@@ -292,6 +293,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         hf_tp.shard(model, run.layout.tp, dist.get_rank(groups.tp), groups.tp,
                     rope_dim=getattr(text, "qk_rope_head_dim", None))
+    if run.arch.ep_experts:  # each rank keeps its block of every layer's experts, as the model's own EP plan says
+        hf_ep.shard(model, run.layout.ep, dist.get_rank(groups.ep) if run.layout.ep > 1 else 0, groups.ep)
     if run.unfrozen is not None:  # unfrozen_parameters, on transformers' own names
         freeze(model, list(run.unfrozen), 0, 1)
     # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)

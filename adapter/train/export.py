@@ -136,12 +136,12 @@ def export_hf(engine, arch, cfg, out_dir: str | Path, *, rank: int, chat_templat
     return out
 
 
-def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int, tp_group=None,
+def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int, tp_group=None, ep_group=None,
                         chat_template: str | None = None) -> Path:
     """The transformers engine's result: transformers' own `save_pretrained` of the trained model (gathered out of
-    ZeRO-3's partitions and over TP; its config as the run's dtype writes it), the tokenizer as the data was prepared
-    with it and the chat template, built beside the target and published like `export_hf`. Collective; rank 0
-    writes."""
+    ZeRO-3's partitions, over TP and over EP; its config as the run's dtype writes it), the tokenizer as the data
+    was prepared with it and the chat template, built beside the target and published like `export_hf`.
+    Collective; rank 0 writes."""
     out = Path(out_dir).absolute()
     model = engine.module.model  # adapter/modeling/hf_build.CausalLMLosses holds transformers' model
     tp = cfg.parallelism.tp_size
@@ -162,7 +162,7 @@ def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int, tp
             write_chat_template(built, chat_template)
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        state.update(whole_state(model, tp_group, tp))
+        state.update(whole_state(model, tp_group, tp, ep_group=ep_group, ep=cfg.parallelism.ep_size))
         _written_by_rank0(out, rank, "hf", write)
     dist.barrier()
     return out
@@ -242,7 +242,7 @@ def export_run(t) -> Path:
         path = export_peft(ds, cfg, out, rank=t.rank, arch=t.arch, tp_group=t.groups.tp, chat_template=t.chat_template)
         t._say(f"exported the LoRA adapter to {path} (PEFT's own save_pretrained; tokenizer{extra} included)")
     elif not t.arch.native:
-        path = export_transformers(ds, t.arch, cfg, out, rank=t.rank, tp_group=t.groups.tp,
+        path = export_transformers(ds, t.arch, cfg, out, rank=t.rank, tp_group=t.groups.tp, ep_group=t.groups.ep,
                                    chat_template=t.chat_template)
         t._say(f"exported HF model to {path} (transformers' save_pretrained; tokenizer{extra} included)")
     else:

@@ -101,7 +101,9 @@ def tiny_transformers(cfg: RunConfig, arch: ModelArch, vocab: int | None, workdi
     for code in Path(src).glob("*.py"):
         shutil.copyfile(code, out / code.name)
     tmp = out / f".config.{os.getpid()}.json"
-    tmp.write_text(json.dumps(generic.tiny_config(raw, rows), indent=2))
+    ep = cfg.parallelism.ep_size  # whole, equally many experts on each expert-parallel rank
+    experts = min(arch.ep_experts, -(-4 // ep) * ep) if arch.ep_experts else 4
+    tmp.write_text(json.dumps(generic.tiny_config(raw, rows, max(experts, 4)), indent=2))
     os.replace(tmp, out / "config.json")
     try:
         tiny = load_arch(out, "transformers", cfg.model.trust_remote_code)

@@ -13,7 +13,8 @@ the converted weights, as at the start.
 
 The step counter, the optimizer's step count (bias correction), the LR scheduler and the data sampler (it counts
 samples globally) carry over; the RNG streams do not (they are per rank), which only matters with dropout.
-Experts (expert parallelism) are matched by their global index, whichever ranks held them.
+Experts (expert parallelism) are matched by their global index, whichever ranks held them: the native engine's
+one tensor per expert by name, the transformers engine's stacked experts tensors by their blocks along dim 0.
 Refused in one line: 8/4-bit optimizer states (quantised in blocks of the saved partitions), another model (a
 trained parameter missing or of another size), vocabulary padding rows that are not zero.
 """
@@ -88,13 +89,22 @@ class FlatFiles:
         return self.model[0]
 
 
-def open_saved(ckpt: Path, key: str, value: str, ep: int = 1, experts: int = 0):
+def stacked_name(name: str, ep_rank: int) -> str:
+    """The name of ep rank `ep_rank`'s block of a stacked experts tensor (the transformers engine's, split along
+    dim 0: adapter/modeling/hf_ep.py) in a checkpoint saved at ep > 1."""
+    return f"{name}@ep{ep_rank}"
+
+
+def open_saved(ckpt: Path, key: str, value: str, ep: int = 1, experts: int = 0, stacked: frozenset = frozenset()):
     """`ep`: the expert-parallel size it was saved with (its record says; the flat AdamW never runs with ep), over
-    `experts` experts per layer."""
+    `experts` experts per layer (the native engine's, one tensor per expert); `stacked`: the transformers engine's
+    stacked experts tensors, each rank's block read under `stacked_name`."""
     if written_by_zero(ckpt):
         local = experts // ep
 
         def expert_name(name: str, ep_rank: int) -> str | None:
+            if name in stacked:
+                return stacked_name(name, ep_rank) if ep > 1 else None
             return global_expert_name(name, ep_rank, local) if LOCAL_EXPERT in name else None
 
         return ZeroFiles(ckpt, key, value, ep, expert_name)
@@ -153,7 +163,8 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
     """Collective. The checkpoint `ckpt` (any layout) into this freshly built engine; returns the client state
     the run saved with it (as DeepSpeed's load_checkpoint does). Experts are matched by their global index: this
     rank holds `num_experts / ep` of them from `ep_rank` on; the checkpoint was saved at `saved_ep`."""
-    saved = open_saved(ckpt, key, value, saved_ep, arch.num_experts if arch.moe else 0)
+    stacked = frozenset(n for n, p in engine.module.named_parameters() if hasattr(p, "nd_ep_rows"))
+    saved = open_saved(ckpt, key, value, saved_ep, arch.num_experts if arch.moe else 0, stacked)
     opt = engine.optimizer
     if quantized(opt):
         raise bad(key, value, "this run keeps 8/4-bit moments, quantised in blocks of its own tensors; a "
@@ -164,8 +175,9 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
     trained = [(global_expert_name(n, ep_rank, local), p) for n, p in engine.module.named_parameters()
                if p.requires_grad]
     saved_names = set(saved.trained(0))
-    here = {global_expert_name(n, r, local) for n, p in engine.module.named_parameters() if p.requires_grad
-            for r in range(ep)}  # what the run trains over its ep ranks
+    here = {stacked_name(n, r) if n in stacked and saved_ep > 1 else global_expert_name(n, r, local)
+            for n, p in engine.module.named_parameters() if p.requires_grad
+            for r in range(saved_ep if n in stacked else ep)}  # what the run trains over its ep ranks
     if here != saved_names:
         diff = sorted(here - saved_names)[:1] or sorted(saved_names - here)[:1]
         where = "this run trains it, the checkpoint lacks it" if diff[0] in here else "the checkpoint holds it, " \
@@ -182,7 +194,12 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
         shape = _local_shape(p)
         values = {}
         for what in WHAT:
-            whole = merge_blocks([saved.read(m, name, what) for m in range(saved.tp)], axis, parts)
+            if name in stacked:  # every saved ep rank's block of experts, in order; then this rank's block
+                blocks = [stacked_name(name, e) for e in range(saved_ep)] if saved_ep > 1 else [name]
+                whole = torch.cat([merge_blocks([saved.read(m, b, what) for m in range(saved.tp)], axis, parts)
+                                   for b in blocks]).chunk(ep)[ep_rank]
+            else:
+                whole = merge_blocks([saved.read(m, name, what) for m in range(saved.tp)], axis, parts)
             if name in vocab:
                 whole = repad(whole, shape[0] * tp, arch.vocab_size, name, key, value)
             values[what] = cut_blocks(whole, axis, parts, tp, tp_rank).contiguous()
@@ -213,4 +230,4 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
     return client_state(state)
 
 
-__all__ = ["load", "open_saved", "repad", "tp_split", "FlatFiles"]
+__all__ = ["load", "open_saved", "repad", "stacked_name", "tp_split", "FlatFiles"]

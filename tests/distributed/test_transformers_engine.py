@@ -11,9 +11,10 @@ unpacked, and says so in the run's first lines.
 
 On a dense, a mixture-of-experts and a hybrid model, 4 processes: dp_shard=4 under ZeRO-3, exact HSDP (dp_replicate=2
 × dp_shard=2) and tensor parallelism from the model's own plan (tp=2 × dp_shard=2, two micro-batches a step) give
-transformers' losses (DeepSeek-V3's and OLMo 3's plans at tp=2 too; cp=2 × dp_shard=2 on the dense one); a run
-saved under HSDP continues at tp=2 × dp_shard=2 under ZeRO-2 on the same curve, and its `save_pretrained` export
-(gathered over TP) loads in transformers with the reference's trained weights."""
+transformers' losses (DeepSeek-V3's and OLMo 3's plans at tp=2 too; cp=2 × dp_shard=2 on the dense one; expert
+parallelism from gpt-oss's own plan, ep=2 × dp_shard=4); a run saved under HSDP (gpt-oss's with ep=2) continues at
+tp=2 × dp_shard=2 under ZeRO-2 on the same curve, gpt-oss's saved at ep=1 continues at ep=4 under ZeRO-2, and their
+`save_pretrained` exports (gathered over TP, over EP) load in transformers with the reference's trained weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -175,6 +176,7 @@ LAYOUTS = {"dp_shard=4 ZeRO-3": {}, "dp_replicate=2 × dp_shard=2 (exact HSDP), 
     "dp_replicate_size": 2, "dp_shard_size": 2, "recompute": "full"},  # transformers' gradient checkpointing
            "tp=2 × dp_shard=2 ZeRO-3 (2 micro-batches)": {"tp_size": 2, "dp_shard_size": 2, "ga": 2}}
 CP_LAYOUT = "cp=2 × dp_shard=2 ZeRO-3 (2 micro-batches)"
+EP_ARCHS, EP_LAYOUT = ("gpt_oss",), "ep=2 × dp_shard=4 ZeRO-3"
 
 
 def _layouts(rank, world, models, root):
@@ -190,13 +192,25 @@ def _layouts(rank, world, models, root):
                      for lay, over in LAYOUTS.items()}
         out[name]["recompute said"] = [ln for ln in said if ln.startswith("recompute: transformers' gradient")]
         ck = f"{at}/ckpt"  # 2 steps under exact HSDP, then on at tp=2 × dp_shard=2 under ZeRO-2, exported
-        train(_cfg(path, at, pack, world=4, steps=2, ckpt=ck, dp_replicate_size=2, dp_shard_size=2),
+        ep = {"ep_size": 2} if name in EP_ARCHS else {}  # the MoE one saved with its experts split over 2 ranks
+        train(_cfg(path, at, pack, world=4, steps=2, ckpt=ck, dp_replicate_size=2, dp_shard_size=2, **ep),
               log=lambda s: None)
         lines: list[str] = []
         moved = train(_cfg(path, at, pack, world=4, zero=2, ckpt=ck, export=f"{at}/export", tp_size=2,
                            dp_shard_size=2, ga=2), resume=True, log=lines.append)
         out[name]["moved"] = (moved.start_step, moved.losses, [ln for ln in lines if "resharded" in ln])
         out[name]["export"] = moved.exported
+        if name in EP_ARCHS:  # its own expert-parallel plan: ep=2 from the start; ep=1 -> ep=4 at a resume
+            lines = []
+            out[name][EP_LAYOUT] = train(_cfg(path, at, pack, world=4, ep_size=2), log=lines.append).losses
+            out[name]["ep said"] = [ln for ln in lines if ln.startswith("engine:")]
+            ck = f"{at}/ckpt-ep"
+            train(_cfg(path, at, pack, world=4, steps=2, ckpt=ck), log=lambda s: None)
+            lines = []
+            moved = train(_cfg(path, at, pack, world=4, zero=2, ckpt=ck, export=f"{at}/export-ep", ep_size=4),
+                          resume=True, log=lines.append)
+            out[name]["moved ep"] = (moved.start_step, moved.losses, [ln for ln in lines if "resharded" in ln])
+            out[name]["export ep"] = moved.exported
     # cp on the dense one only: gpt-oss's attention sinks and Qwen3-Next's linear attention refuse it
     out["phi"][CP_LAYOUT] = train(_cfg(models["phi"], f"{root}/phi", True, world=4, cp_size=2, dp_shard_size=2, ga=2),
                                   log=lambda s: None).losses
@@ -219,18 +233,26 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
         trained: list = []
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", True, world=4),
                           dp=4, model_out=trained)
-        for lay in (*LAYOUTS, *([CP_LAYOUT] if name == "phi" else [])):
+        for lay in (*LAYOUTS, *([CP_LAYOUT] if name == "phi" else []), *([EP_LAYOUT] if name in EP_ARCHS else [])):
             assert max(rel(a, b) for a, b in zip(got[name][lay], want)) < 1e-4, (name, lay, got[name][lay], want)
         assert len(got[name]["recompute said"]) == 1, got[name]["recompute said"]  # applied, on its 2 layers
         assert "on its 2 decoder layers" in got[name]["recompute said"][0], got[name]["recompute said"]
         start, losses, said = got[name]["moved"]
         assert start == 2 and len(said) == 1, (name, start, said)
         assert max(rel(a, b) for a, b in zip(losses, want[2:])) < 1e-4, (name, losses, want)
-        exported = reference_model(Path(got[name]["export"]))  # transformers loads it: the reference's model
         ref = trained[0]
-        assert {n: p.shape for n, p in exported.named_parameters()} == {n: p.shape for n, p in ref.named_parameters()}
-        probe = _probe(models[name])  # Adam moves near-zero gradients by ±lr: compare what the weights compute
-        assert rel(float(hf_loss(exported, probe)), float(hf_loss(ref, probe))) < 1e-4, name
+        probe = _probe(models[name])
+        for export in ("export", *(["export ep"] if name in EP_ARCHS else [])):
+            exported = reference_model(Path(got[name][export]))  # transformers loads it: the reference's model
+            assert {n: p.shape for n, p in exported.named_parameters()} == \
+                {n: p.shape for n, p in ref.named_parameters()}
+            # Adam moves near-zero gradients by ±lr: compare what the weights compute
+            assert rel(float(hf_loss(exported, probe)), float(hf_loss(ref, probe))) < 1e-4, (name, export)
+        if name in EP_ARCHS:
+            assert "ep=2 from its own expert-parallel plan" in got[name]["ep said"][0], got[name]["ep said"]
+            start, losses, said = got[name]["moved ep"]
+            assert start == 2 and len(said) == 1, (name, start, said)
+            assert max(rel(a, b) for a, b in zip(losses, want[2:])) < 1e-4, (name, losses, want)
 
 
 LORA = {"r": 4, "alpha": 8, "target_linear": True}

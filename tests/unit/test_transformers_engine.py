@@ -138,6 +138,41 @@ def test_tensor_parallelism_without_a_plan_or_with_a_style_not_built_is_one_line
     assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
 
 
+@pytest.mark.parametrize("model_type, top, says", [  # Axolotl's ep is an axis beside dp_shard: ep × dp_shard GPUs
+    ("llama4_text", {}, "expert_parallel_size=2: Llama4ForCausalLM ships no expert-parallel plan (base_model_ep_plan)"),
+    ("gpt_oss", {"expert_parallel_size": 8, "_gpus": 8}, "expert_parallel_size=8: does not divide the 4 experts of "
+                                                         "each layer"),
+    ("gpt_oss", {"tensor_parallel_size": 2, "_gpus": 4}, "expert_parallel_size=2: tensor parallelism beside it"),
+    ("gpt_oss", {"lora_target_parameters": ["experts.gate_up_proj"], "adapter": "lora", "lora_r": 4,
+                 "lora_alpha": 8}, "expert_parallel_size=2: LoRA on the experts' own parameters")])
+def test_expert_parallelism_without_a_plan_or_beside_what_it_does_not_run_is_one_line(tmp_path, model_type, top,
+                                                                                      says):
+    top = {"expert_parallel_size": 2, "dp_shard_size": 1, **top}
+    code, _, err = _plan(tmp_path, _write(tmp_path, model_type), **top)
+    assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_expert_parallelism_from_the_models_plan_holds_a_share_of_the_experts(tmp_path):
+    """gpt-oss's own EP plan: the engine line says how many experts a rank holds, and under ZeRO-2 (weights whole on
+    every rank) a rank's weights shrink by the experts it no longer holds, exactly."""
+    from adapter.models.generic import meta_model
+
+    d = _write(tmp_path, "gpt_oss")
+    weights = {}
+    for ep in (1, 2):
+        code, out, err = _plan(tmp_path, d, expert_parallel_size=ep, dp_shard_size=2 // ep,
+                               deepspeed={"zero_optimization": {"stage": 2}})
+        assert code == 0, err
+        plan = json.loads(out)
+        weights[ep] = plan["memory"]["weights"]
+        said = [n for n in plan["notes"] if n.startswith("engine:")]
+        assert ("ep=2 from its own expert-parallel plan (base_model_ep_plan): each rank holds 2 of the 4 experts of "
+                "each layer" in said[0]) == (ep == 2), said
+    model, _ = meta_model(json.loads((d / "config.json").read_text()))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert weights[1] - weights[2] == 4 * experts // 2  # fp32 here: 4 bytes a parameter, half the experts gone
+
+
 @pytest.mark.parametrize("model_type, top, says", [
     ("gpt_oss", {}, "context_parallel_size=2: GptOssForCausalLM: its attention sinks (per-head sink logits in the "
                     "softmax) are not in nd-adapter's context-parallel kernels"),
