@@ -87,6 +87,15 @@ class RLFields(_Strict):
     simpo: SimPOSection = SimPOSection()
     kto: KTOSection = KTOSection()
 
+    def fixed_reference(self) -> bool:
+        """Whether the DPO/IPO reference is the starting model's log-probabilities, computed once before step 1
+        (adapter/train/dpo.reference_table): a full fine-tune's starting weights, and LoRA started from a saved
+        adapter (lora.init_from, Axolotl's lora_model_dir), whose reference TRL makes a frozen copy of that adapter
+        (DPOTrainer's "ref" adapter), not the base. Fresh adapters (B = 0) start as the base, so disabling them each
+        step gives their reference without a table."""
+        lora = self.lora  # type: ignore[attr-defined]
+        return self.objective in ("dpo", "ipo") and (lora is None or bool(lora.init_from))
+
     @model_validator(mode="after")
     def _dpo_scope(self) -> RLFields:
         if self.objective == "sft":

@@ -19,6 +19,7 @@ draws its own mask as PEFT's separate modules do.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -69,6 +70,7 @@ class LoraAdapters(torch.nn.Module):
         self.names = [t.linear.name for t in targets]
         self.place, self.column, self.sp, self.tp, self.tp_group = place, column, sequence_parallel, tp, tp_group
         self.scale, self.p = spec.scale, spec.dropout
+        self.off = False  # `disabled`: the base alone (a DPO reference)
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for t in targets:
             a = shard(init_a(t, spec.r, seed), 0 if column else 1, tp if not column else 1, tp_rank)
@@ -125,11 +127,11 @@ class _WithLora:
         if hasattr(self, "post_norm"):  # its forward norms what linear_output (below) returns
             return super().forward(input_, *args, **kwargs)
         out, bias = super().forward(input_, *args, **kwargs)
-        return self.lora(input_, out), bias
+        return (out if self.lora.off else self.lora(input_, out)), bias
 
     def linear_output(self, input_, *args, **kwargs):
         out, bias = super().linear_output(input_, *args, **kwargs)
-        return self.lora(input_, out), bias
+        return (out if self.lora.off else self.lora(input_, out)), bias
 
 
 _CLASSES: dict[type, type] = {}
@@ -174,6 +176,20 @@ def add_adapters(model, spec: LoraSpec, arch: ModelArch, *, seed: int, tp_rank: 
         model.embedding.register_forward_hook(_input_requires_grad)
     if "lm_head" in spec.modules_to_save:
         model.output_layer.weight.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def disabled(model):
+    """The base model alone inside: every adapter's contribution left out (PEFT's `disable_adapter()`), for a
+    preference objective's reference forward (adapter/train/dpo.py)."""
+    mods = [m for m in model.modules() if isinstance(m, LoraAdapters)]
+    for m in mods:
+        m.off = True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.off = False
 
 
 def _input_requires_grad(module, args, output):
@@ -261,5 +277,5 @@ def load_state(model, spec: LoraSpec, arch: ModelArch, tensors: dict[str, torch.
         w.copy_(shard(padded, 0, tp, tp_rank))
 
 
-__all__ = ["LoraAdapters", "add_adapters", "gather", "adapters", "init_a", "shard", "full_state", "load_state",
-           "A_STREAMS"]
+__all__ = ["LoraAdapters", "add_adapters", "disabled", "gather", "adapters", "init_a", "shard", "full_state",
+           "load_state", "A_STREAMS"]

@@ -241,15 +241,24 @@ def resolve(arch: ModelArch, *, r: int, alpha: float, dropout: float = 0.0, rslo
                     quantize_base=quantize_base, skipped=tuple(skipped))
 
 
-def check_native(cfg) -> None:
-    """What a run's `lora:` asks that these native adapters do not build, as NotNative: `model.engine: auto` then
-    trains transformers' model with PEFT (source.arch_for), `megatron` refuses with this line. LoRA on parameters
-    (PEFT's target_parameters: a mixture of experts' fused 3-D expert weights, which PEFT adapts as delta weights
-    per expert) has no counterpart among the Megatron linears' adapters here."""
-    if cfg.objective != "sft":  # DPO's reference is PEFT's disable_adapter() (adapter/train/dpo.py)
-        raise unbuilt("rl" if cfg.source == "axolotl" else "objective", cfg.objective, f"{cfg.objective.upper()} "
-                      "is built on the transformers engine only",
-                      "set model.engine: auto (or transformers), which runs it with PEFT")
+def check_native(cfg, arch: ModelArch) -> None:
+    """What a run asks that the native engine does not build, as NotNative: `model.engine: auto` then trains
+    transformers' model (with PEFT for adapters; source.arch_for), `megatron` refuses with this line. LoRA on
+    parameters (PEFT's target_parameters: a mixture of experts' fused 3-D expert weights, which PEFT adapts as delta
+    weights per expert) has no counterpart among the Megatron linears' adapters here. Preference objectives run on
+    both engines (adapter/train/dpo.py) but for KTO, a mixture of experts (its load-balancing term in a pair loss),
+    the fused linear cross-entropy (it returns a sum, not the per-token losses a pair's log-probability needs) and a
+    reference beside trained embeddings (PEFT's disabled adapters use the original embed_tokens / lm_head, which the
+    native adapters train in place)."""
+    if cfg.objective != "sft":
+        key, value = ("rl" if cfg.source == "axolotl" else "objective"), cfg.objective
+        fix = "set model.engine: auto (or transformers), which runs it on transformers' model"
+        trained_embedding = cfg.lora is not None and bool(cfg.lora.modules_to_save) and cfg.objective in ("dpo", "ipo")
+        for on, what in ((cfg.objective == "kto", "KTO"), (arch.moe, "a preference objective on a mixture of experts"),
+                         (cfg.model.fused_linear_ce, "a preference objective with the fused linear cross-entropy"),
+                         (trained_embedding, "a DPO reference beside LoRA's modules_to_save")):
+            if on:
+                raise unbuilt(key, value, f"{what} is built on the transformers engine only", fix)
     if cfg.lora is not None and cfg.lora.target_parameters:
         raise unbuilt(spell(cfg, "lora.target_parameters"), cfg.lora.target_parameters, "LoRA on parameters "
                       "(PEFT's target_parameters) is built on the transformers engine only",

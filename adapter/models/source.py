@@ -71,13 +71,13 @@ def hf_dir(cfg) -> Path:
 
 def arch_for(cfg) -> ModelArch:
     """The architecture the run trains (from `hf_dir`), with the run's overrides of its config.json. A native family
-    whose run asks what its adapters do not build (lora.check_native) trains on the transformers engine under
+    whose run asks what the native engine does not build (lora.check_native) trains on the transformers engine under
     `model.engine: auto`, the reason said in its engine line; `megatron` refuses it in that line."""
     engine, trust = cfg.model.engine, cfg.model.trust_remote_code
     arch = load_arch(hf_dir(cfg), engine, trust)
     if arch.native:
         try:
-            lora.check_native(cfg)
+            lora.check_native(cfg, arch)
         except NotNative as e:
             if engine != "auto":
                 raise

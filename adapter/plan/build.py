@@ -262,8 +262,8 @@ def preference_sequences(run: ResolvedRun) -> tuple[ResolvedRun, int]:
     if cfg.objective == "sft":
         return run, 0
     grad, forwards = PREFERENCE_PASSES[cfg.objective]
-    if run.peft is None:
-        forwards = 0 if cfg.objective != "kto" else forwards  # KTO refuses a full fine-tune (schema_rl)
+    if cfg.fixed_reference():  # computed once before step 1 (adapter/train/dpo.py): no forward a step
+        forwards = 0
     b = cfg.batch
     batch = b.model_copy(update={"micro_batch_size": b.micro_batch_size * grad,
                                  "global_batch_size": b.global_batch_size and b.global_batch_size * grad})

@@ -1,12 +1,13 @@
-"""The preference objectives' step and eval on the transformers engine: DPO (TRL 1.8.0's sigmoid loss) here, with
-IPO's per-pair loss on the same reference, ORPO's and SimPO's terms from adapter/train/preference_losses.py (no
-reference; their NLL is divided by the step's chosen tokens, which `step_norm` counts before the first micro-batch, as
-the SFT loss is divided by the step's trained tokens).
+"""The preference objectives' step and eval, on either engine (both return per-token losses): DPO (TRL 1.8.0's
+sigmoid loss) here, with IPO's per-pair loss on the same reference, ORPO's and SimPO's terms from
+adapter/train/preference_losses.py (no reference; their NLL is divided by the step's chosen tokens, which `step_norm`
+counts before the first micro-batch, as the SFT loss is divided by the step's trained tokens).
 
-DPO over preference pairs. The reference: for LoRA the
-base with PEFT's adapters disabled (no second copy of the model); for a full fine-tune the starting weights, whose
-log-probabilities of every pair are computed once before step 1 (TRL's `precompute_ref_log_probs`; before a resumed
-checkpoint is loaded, so a resumed run keeps the same reference).
+DPO over preference pairs. The reference: for fresh LoRA adapters the base with the adapters disabled (PEFT's
+`disable_adapter()`, or the native adapters' switch; no second copy); for a full fine-tune the starting weights, and
+for LoRA started from a saved adapter that adapter (TRL's frozen "ref" copy), whose log-probabilities of every pair
+are computed once before step 1 (TRL's `precompute_ref_log_probs`; before a resumed checkpoint is loaded, so a
+resumed run keeps the same reference: the config's `fixed_reference`).
 
 A micro-batch of pairs ([mb, 2, seq] from adapter/data/sft/preference.py) runs as one [2·mb, seq] batch, chosen rows
 first, as TRL's collator lays it out. Each row's log-probability is Σ over its completion tokens of log p(token), the
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
 from adapter.kernels.attention import whole_from_cp
 from adapter.train import kto
@@ -46,8 +48,6 @@ from adapter.train.preference_losses import (
     orpo_terms,
     simpo_terms,
 )
-
-REFERENCED = ("dpo", "ipo")  # the objectives with a reference model
 
 
 def flat(batch: dict) -> dict:
@@ -74,13 +74,24 @@ def _token_losses(ds, batch) -> torch.Tensor:
     if out.dim() == 0:
         raise RuntimeError("preference objectives need per-token losses; the model returned a summed loss")
     if cp:
-        group = ds.module.cp[0]  # adapter/modeling/hf_build.CausalLMLosses: (CP group, comm type)
+        group = parallel_state.get_context_parallel_group()  # the layout's CP group, on either engine
         out = whole_from_cp(out, group, dist.get_world_size(group), dist.get_rank(group))
     return out.float()
 
 
 def _logps(ds, batch) -> torch.Tensor:
     return -(_token_losses(ds, batch) * batch["loss_mask"]).sum(1)
+
+
+def adapters_off(module):
+    """The base alone: PEFT's `disable_adapter()` on the transformers engine (adapter/modeling/hf_build.
+    CausalLMLosses holds PEFT's model), the native adapters' switch on the native one."""
+    peft_model = getattr(module, "model", None)
+    if peft_model is not None and hasattr(peft_model, "disable_adapter"):
+        return peft_model.disable_adapter()
+    from adapter.modeling.lora import disabled
+
+    return disabled(module)
 
 
 def reference_table(ds, dataset, *, dp_rank: int, dp: int, group, micro: int, place) -> torch.Tensor:
@@ -110,13 +121,13 @@ def reference_table(ds, dataset, *, dp_rank: int, dp: int, group, micro: int, pl
 
 
 def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A full fine-tune's DPO reference tables, of the training pairs and of the held-out ones (adapter/train/
-    trainer.py's set-up, before a checkpoint is loaded); None for SFT and for LoRA (whose reference is the base with
-    the adapters disabled)."""
+    """The DPO reference tables of a run whose reference is fixed (config's `fixed_reference`: a full fine-tune, LoRA
+    from a saved adapter), of the training pairs and of the held-out ones (adapter/train/trainer.py's set-up, before
+    a checkpoint is loaded); None otherwise (the adapters are disabled each step)."""
     from adapter.train.batches import place
 
     t = trainer
-    if t.cfg.objective not in REFERENCED or t.run.peft is not None:
+    if not t.cfg.fixed_reference():
         return None, None
     tables = [None if data is None or not len(data) else
               reference_table(t.engine.ds, data, dp_rank=t.layout.data_rank(t.rank), dp=t.layout.dp,
@@ -124,17 +135,18 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
                               place=lambda b: place(t.run, t.cp_rank, t.device, b))
               for data in (t.dataset, t.val_dataset)]
     held = f" and of the {len(t.val_dataset)} held-out pairs" if tables[1] is not None else ""
-    name = t.cfg.objective.upper()
-    t._say(f"{name} reference: the starting weights' log-probabilities of the {len(t.dataset)} pairs{held}, computed "
-           "once before step 1 (TRL's precompute_ref_log_probs)")
+    name, start = t.cfg.objective.upper(), "starting adapter's" if t.run.adapters else "starting weights'"
+    t._say(f"{name} reference: the {start} log-probabilities of the {len(t.dataset)} pairs{held}, computed once "
+           "before step 1 (TRL's precompute_ref_log_probs" + ("; TRL's frozen copy of a pretrained adapter)" if
+                                                             t.run.adapters else ")"))
     return tables[0], tables[1]
 
 
 def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-pair loss with its graph [m], chosen NLL sums [m] and their token counts [m] (ORPO's; zeros for DPO),
-    per-pair metrics [m, K] in PAIR_METRICS' order) of one micro-batch on the device (a `flat` batch). `table`: a
-    full fine-tune's precomputed DPO reference (`reference_table`), else LoRA's adapters are disabled."""
+    per-pair metrics [m, K] in PAIR_METRICS' order) of one micro-batch on the device (a `flat` batch). `table`: the
+    precomputed DPO reference (`reference_table`), else LoRA's adapters are disabled."""
     if cfg.objective == "orpo":  # no reference (adapter/train/preference_losses.py)
         return orpo_terms(_token_losses(ds, batch), batch, cfg.orpo.alpha)
     if cfg.objective == "simpo":  # no reference either
@@ -145,8 +157,7 @@ def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None
         m = ids.shape[0] // 2
         ref = torch.cat([table[ids[:m], 0], table[ids[m:], 1]]).to(torch.float32)
     else:
-        peft_model = ds.module.model  # adapter/modeling/hf_build.CausalLMLosses holds PEFT's model
-        with torch.no_grad(), peft_model.disable_adapter():
+        with torch.no_grad(), adapters_off(ds.module):
             ref = _logps(ds, batch)
     pol = _logps(ds, batch)
     chosen, rejected = pol.chunk(2)

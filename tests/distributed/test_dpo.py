@@ -64,11 +64,11 @@ def _argilla() -> list[dict]:
 
 
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
-         objective: str = "dpo", cp: int = 1):
+         objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
-    raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": "transformers"},
+    raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine},
            "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
-           "lora": LORA if lora else None,
+           "lora": {**LORA, "init_from": init_from} if lora else None,
            "parallelism": {"dp_shard_size": WORLD // (tp * cp), "tp_size": tp, "cp_size": cp},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp * cp},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
@@ -114,9 +114,10 @@ def _step_pairs(cfg, n: int) -> list[list[int]]:
 
 
 def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict], out: Path, lora: bool = True,
-         orpo: bool = False, loss: str = "sigmoid", simpo: bool = False):
+         orpo: bool = False, loss: str = "sigmoid", simpo: bool = False, adapter: Path | None = None):
     """TRL's DPOTrainer on `pairs` in order (one step = 4 consecutive pairs), evaluating `held` before step 1 and
-    every EVERY steps: (per step: loss and its metrics, per eval: (step, its logged eval metrics))."""
+    every EVERY steps: (per step: loss and its metrics, per eval: (step, its logged eval metrics)). `adapter`: PEFT
+    starts from that saved adapter."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
@@ -128,7 +129,11 @@ def _trl(cfg, model_dir: Path, tok_dir: Path, pairs: list[dict], held: list[dict
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.config.use_cache = False
     torch.manual_seed(cfg.seed)  # as adapter/modeling/hf_build.add_peft initialises the adapters
-    if lora:  # else TRL copies the model as its frozen reference
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    elif lora:  # else TRL copies the model as its frozen reference
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     seen: list[dict] = []
     evals: list[tuple[int, dict]] = []
@@ -289,6 +294,93 @@ def test_dpo_matches_trl(tmp_path):
     assert min(abs(ref[0][-1]["rewards/margins"]), abs(full_ref[0][-1]["rewards/margins"])) > 1e-3
     assert abs(full_run[0][-1] - losses[-1]) > 1e-3  # every weight trained: another curve than LoRA's
     assert abs(ref[1][-1][1]["eval_rewards/margins"]) > 1e-4  # the eval sees the trained adapters
+
+
+def _native(rank, world, model, data, root, adapter):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    m, d, r = Path(model), Path(data), Path(root)
+    lines: list[str] = []
+    lora = train(_cfg(m, d, r / "lora", engine="megatron", init_from=adapter), log=lines.append)
+    hf = train(_cfg(m, d, r / "hf", init_from=adapter), log=lines.append)  # the transformers engine, PEFT's
+    fresh = train(_cfg(m, d, r / "fresh", engine="megatron", ev=False), log=lines.append)  # B = 0: adapters off
+    full = train(_cfg(m, d, r / "full", lora=False, engine="megatron"), log=lines.append)
+    tp = train(_cfg(m, d, r / "tp", zero=2, tp=2, ev=False, engine="megatron", init_from=adapter), log=lambda s: None)
+    cp = train(_cfg(m, d, r / "cp", lora=False, cp=2, engine="megatron"), log=lambda s: None)
+    return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf)], [[tp.losses, tp.rewards],
+            [fresh.losses, fresh.rewards],
+            [cp.losses, cp.rewards, cp.eval_losses]], [ln for ln in lines if ln.startswith(("engine:", "DPO ref"))])
+
+
+def test_dpo_on_the_native_engine_matches_trl(tmp_path):
+    """The same pairs on the Megatron-Core layers (the Llama family's native engine): LoRA started from a PEFT adapter
+    whose B is not zero, and a full fine-tune, at dp_shard=2 under ZeRO-3, against TRL from the same adapter / the
+    same weights: losses, reward metrics and evals. TRL's reference for a pretrained adapter is a frozen copy of it
+    (not the base), so both engines' LoRA-from-adapter runs use the starting adapter's log-probabilities (the
+    transformers engine's run too). LoRA at tp=2 and the full run at cp=2 give the same numbers."""
+    from transformers import AutoTokenizer
+
+    from adapter.data.sft import preference, templates
+    from tests.helpers.sft import peft_adapter
+
+    tiny_model(tmp_path, weights=True)
+    model = tmp_path / "model"
+    rows = _rows()
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    adapter = peft_adapter(str(model), {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}, tmp_path / "adapter")
+    got = run_workers(_native, WORLD, str(model), str(data), str(tmp_path), str(adapter), timeout=400)[0]
+    (lora_run, full_run, hf_run), (tp_run, fresh_run, cp_run), said = got
+    assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 3, said
+    cfg = _cfg(model, data, tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    template = templates.resolve_template("chatml", None, tok, "")
+    rendered = [dict(zip(("prompt", "chosen", "rejected"), preference.render(r, cfg.data.datasets[0], tok, template)))
+                for r in rows]
+    train_rows, held_rows = preference.split(cfg, len(rows))
+    steps = [rendered[int(train_rows[i])] for step in _step_pairs(cfg, len(train_rows)) for i in step]
+    held = [rendered[i] for i in held_rows]
+    from_adapter = _trl(cfg, model, model, steps, held, tmp_path / "trl", adapter=adapter)
+    worst = max(_compare(lora_run, from_adapter, METRICS), _compare(hf_run, from_adapter, METRICS),
+                _compare(full_run, _trl(cfg, model, model, steps, held, tmp_path / "trl-full", lora=False), METRICS))
+    assert from_adapter[0][0]["loss"] == pytest.approx(0.6931, abs=1e-4)  # TRL's reference: the starting adapter
+    assert sum("the starting adapter's log-probabilities of the 16 pairs" in s for s in said) == 2, said
+    print(f"DPO on the native engine: max |nd-adapter - TRL| / max(1, |TRL|): {worst:.2e}")
+    for got, want in ((tp_run, lora_run), (cp_run, full_run)):
+        flat_got = [*got[0], *(r[k] for r in got[1] for k in METRICS), *(x for _, x in got[2:] and got[2])]
+        flat_want = [*want[0], *(r[k] for r in want[1] for k in METRICS), *(x for _, x in got[2:] and want[2])]
+        bad = [(i, a, b) for i, (a, b) in enumerate(zip(flat_got, flat_want)) if abs(a - b) > 1e-5 * max(1.0, abs(b))]
+        assert len(flat_got) == len(flat_want) and not bad, bad
+    assert abs(lora_run[0][-1] - full_run[0][-1]) > 1e-3  # two different runs
+    # fresh native adapters (B = 0; the reference: the adapters switched off each step) against TRL from a PEFT
+    # adapter holding the same initial A and B = 0 (TRL's frozen copy of it is then the base, as disabling gives)
+    fresh_ref = _trl(cfg, model, model, steps, held, tmp_path / "trl-fresh", adapter=_native_init(model,
+                                                                                               tmp_path / "init"))
+    for loss, got, want in zip(fresh_run[0], fresh_run[1], fresh_ref[0]):
+        assert abs(loss - want["loss"]) <= 1e-5 and all(abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k]))
+                                                        for k in METRICS), (got, want)
+    assert abs(fresh_run[1][-1]["rewards/margins"]) > 1e-3  # the adapters moved the policy off the reference
+
+
+def _native_init(model: Path, out: Path) -> Path:
+    """A PEFT adapter holding the native adapters' initial weights for this run's seed (A drawn per matrix as
+    adapter/modeling/lora.init_a draws it, B zero)."""
+    import torch
+
+    from adapter.convert.peft import write_adapter
+    from adapter.modeling.lora import init_a
+    from adapter.models import lora
+    from adapter.models.arch import load_arch
+
+    spec = lora.resolve(load_arch(model), r=LORA["r"], alpha=LORA["alpha"], target_linear=True)
+    seed = config.build({"model": {"path": str(model)}}, env={}).seed
+    tensors = {}
+    for t in spec.targets:
+        a = init_a(t, spec.r, seed)
+        tensors[lora.peft_key(t, "A")] = a
+        tensors[lora.peft_key(t, "B")] = torch.zeros(t.linear.out, spec.r)
+    return write_adapter(out, tensors, spec, base_model=str(model))
 
 
 def _compare(run, ref, names) -> float:

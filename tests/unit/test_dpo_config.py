@@ -8,6 +8,7 @@ refused in one line naming the key and the fix (exit 2 from the CLI)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -84,8 +85,13 @@ def test_preference_type_under_sft_and_native_engine_refused(tmp_path):
     del raw["rl"]
     with pytest.raises(UserError, match=r"chat_template.default is a preference type \(for rl: dpo, ipo or simpo\)"):
         check_choices(config.build(raw, env={}, world_size=1))
-    with pytest.raises(NotNative, match="DPO is built on the transformers engine only"):
-        check_native(config.build(_example(), env={}, world_size=1))
+    dense, moe = SimpleNamespace(moe=False), SimpleNamespace(moe=True)
+    check_native(config.build(_example(), env={}, world_size=1), dense)  # DPO runs on the native engine
+    for raw, arch, says in ((_example(), moe, "a preference objective on a mixture of experts"),
+                            ({**_example(), "lora_modules_to_save": ["lm_head"]}, dense,
+                             "a DPO reference beside LoRA's modules_to_save")):
+        with pytest.raises(NotNative, match=f"{says} is built on the transformers engine only"):
+            check_native(config.build(raw, env={}, world_size=1), arch)
     path = tmp_path / "grpo.yml"
     path.write_text(yaml.safe_dump(_example(rl="grpo")))
     code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1")
