@@ -32,6 +32,7 @@ from adapter.config.axolotl_train import (
     enabled,
     map_batch,
     map_lora,
+    map_master_weights,
     map_precision,
     map_schedule,
 )
@@ -185,6 +186,7 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
     map_expert_parallel(raw, out, notes)
     map_fsdp(raw, out, notes, ignored)
     map_deepspeed(raw, out, notes)
+    map_master_weights(raw, out, notes)
     if raw.get("default_system_message") is not None:
         notes.append("default_system_message has no effect, as in Axolotl (its chatml template names no default "
                      "system message); give the system turn in the data, or a field_system column")

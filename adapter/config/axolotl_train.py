@@ -106,6 +106,35 @@ def map_precision(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) ->
     notes.append(f"precision: {out['precision']} ({why})")
 
 
+def map_master_weights(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """What Axolotl's bf16 keeps of the trained weights (docs/config.md, "Precision as Axolotl trains"). Axolotl loads
+    the weights in bf16 for `bf16`/`bfloat16` (utils/config.resolve_dtype). Under DeepSpeed (`deepspeed:`) the ZeRO
+    optimizer keeps fp32 masters and moments (its JSON's bf16 section may say otherwise: axolotl_parallel); under
+    FSDP (fsdp_config, or the dp_shard / context-parallel axes Accelerate builds FSDP2 for) Accelerate upcasts the
+    trained weights to fp32 masters (fsdp2_prepare_model, mixed precision on). Otherwise (one GPU, DDP, tensor
+    parallelism) transformers' Trainer steps torch's AdamW on the bf16 weights themselves: no master, bf16 moments
+    -> optimizer.state_dtype bf16. LoRA's adapters are PEFT's fp32 ones either way (unchanged here); the 8/4-bit and
+    paged optimizers keep nd-adapter's fp32 master (bf16 weights stepped in place by them are not built), said."""
+    if out.get("precision") != "bf16" or raw.get("adapter") or (out.get("optimizer") or {}).get("state_dtype"):
+        return
+    fsdp = [k for k in ("fsdp_config", "fsdp", "fsdp_version") if raw.get(k)] + [
+        k for k in ("dp_shard_size", "context_parallel_size") if isinstance(raw.get(k), int) and raw[k] > 1]
+    if raw.get("deepspeed") or fsdp:
+        how = "DeepSpeed's ZeRO keeps" if raw.get("deepspeed") else f"{fsdp[0]}: Accelerate's FSDP upcasts the " \
+            "trained weights to"
+        notes.append(f"master weights: fp32 masters and moments ({how} fp32 masters of Axolotl's bf16 weights)")
+        return
+    name = raw.get("optimizer")
+    if name is not None and name not in ADAMW:
+        notes.append(f"master weights: fp32 (optimizer {name}: Axolotl's run steps it on the bf16 weights themselves; "
+                     "nd-adapter keeps an fp32 master beside its moments)")
+        return
+    set_dotted(out, "optimizer.state_dtype", "bf16")
+    notes.append("master weights: none -> optimizer.state_dtype: bf16 (bf16 without deepspeed or FSDP: Axolotl loads "
+                 "the weights in bf16 and transformers' Trainer steps torch's AdamW on them: bf16 weights updated in "
+                 "place, bf16 moments)")
+
+
 def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
     pairs = (("warmup_steps", "warmup_ratio"), ("eval_steps", "evals_per_epoch"), ("save_steps", "saves_per_epoch"))
     for a, b in pairs:

@@ -139,6 +139,10 @@ def optimizer(run: ResolvedRun, *, gpu: bool = True) -> str:
     if o.name == "adamw_4bit":
         return (f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} stepping torchao's AdamW4bit (fp32 master "
                 "partitions, 4-bit moments in their whole blocks of 256)")
+    if o.state_dtype == "bf16":  # adapter/parallel/deepspeed_config.py: bf16_master_weights_and_grads
+        master = "the bf16 weights' own partitions" if run.zero_stage == 3 else "a bf16 copy of the weights' partitions"
+        return (f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} AdamW, no fp32 master (optimizer.state_dtype: bf16: "
+                f"{master} stepped by torch's fused AdamW with bf16 moments, as torch's AdamW on a bf16 model)")
     return f"optimizer: DeepSpeed's ZeRO-{run.zero_stage} AdamW"
 
 

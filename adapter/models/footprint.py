@@ -24,11 +24,12 @@ GB = 1e9
 FREQUENT_SAVES, LARGE_CHECKPOINT = 100, 10 * GB  # cadence_warning's thresholds: steps between saves, bytes
 
 
-def optimizer_bytes(cfg: RunConfig) -> float:
+def optimizer_bytes(cfg: RunConfig, zero12: bool = False) -> float:
     """Bytes the optimizer keeps per trained parameter: a 16-bit weight's fp32 master and AdamW's two moments
-    (`optimizer.state_dtype: bf16`: no master, bf16 moments)."""
+    (`optimizer.state_dtype: bf16`: no master, bf16 moments; `zero12`: under DeepSpeed's ZeRO-1/2, whose bf16 master
+    partition is a copy of the weights' (ZeRO-3's is the weights' partition itself))."""
     if cfg.optimizer.state_dtype == "bf16":
-        return 4
+        return 6 if zero12 else 4
     return (4 if cfg.param_precision in ("bf16", "fp16") else 0) + STATE_BYTES[cfg.optimizer.name]
 
 

@@ -28,12 +28,7 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
     only pay ZeRO-3's gather hooks, so it runs stage 1 (nothing to partition either way). Not stage 0:
     DeepSpeed's bf16 stage-0 optimizer under-counts the TP grad norm by √tp (measured), so clipping would be wrong.
     Every consumer (train, preflight, plan, search) asks this first, so the layout refusals live here."""
-    stage = _zero_stage(cfg, layout)
-    if cfg.optimizer.state_dtype == "bf16" and (why := _flat_refused(cfg, stage == 1)):
-        raise bad(spell(cfg, "optimizer.state_dtype"), "bf16", f"bf16 master weights and moments run on the flat "
-                  f"AdamW only, and {why}", "use one GPU or tp alone, or optimizer.state_dtype: fp32 (ZeRO shards "
-                  "the fp32 states over the data-parallel ranks instead)")
-    return stage
+    return _zero_stage(cfg, layout)
 
 
 def _zero_stage(cfg: RunConfig, layout: Layout) -> int:
@@ -166,6 +161,9 @@ def build(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         # host syncs: ~13 ms of idle GPU per step on the 1B shape, BENCHMARKS). bf16 has no loss scale to adjust, so
         # the loop stops on a non-finite grad norm instead, as Megatron-LM does.
         conf["bf16"] = {"enabled": True, "check_grad_overflow": False}
+        if o.state_dtype == "bf16":  # no fp32 master: ZeRO's partitions of the bf16 weights and bf16 moments, stepped
+            # by torch's fused AdamW (fp32 arithmetic, one rounding), as torch's AdamW steps a bf16 model
+            conf["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     elif cfg.precision == "fp16":
         conf["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return _merge(conf, copy.deepcopy(d.overrides))

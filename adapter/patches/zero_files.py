@@ -105,6 +105,9 @@ class ZeroFiles:
                       f"{', '.join(TESTED_DEEPSPEED_VERSIONS)} only", "resume at the layout it was saved with, or set "
                       f"{ALLOW_UNTESTED}=1 to try")
         self.stage = 3 if "fp32_flat_groups" in first else 2
+        masters = first["fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"]
+        # bf16_master_weights_and_grads (optimizer.state_dtype: bf16): DeepSpeed's "fp32" partitions are bf16
+        self.state_dtype = "bf16" if masters and masters[0].dtype == torch.bfloat16 else "fp32"
         self.model = [_load(self._model_file(ckpt, m)) for m in range(self.tp)]
         if self.partitions % ep:
             raise bad(key, value, f"its {self.partitions} partitions do not split over ep={ep}", "resume from a "

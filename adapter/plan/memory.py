@@ -157,7 +157,8 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     shard = -(-(P - Q) // Z)
     trained_shard = -(-trained // Z)
     grads = pb * trained_shard
-    optim = int(optimizer_bytes(cfg) * trained_shard)  # master + moments
+    zero12 = stage in (1, 2) and not deepspeed_config.flat_at_stage(cfg, stage)
+    optim = int(optimizer_bytes(cfg, zero12) * trained_shard)  # master + moments
     ds = cfg.deepspeed
     # expert parallelism: a rank holds its experts only (each partitioned over the ranks holding the same experts,
     # Z/ep of them: the same shard of the model states as without ep), so whole weights and a layer's gather shrink

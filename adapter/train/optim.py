@@ -325,8 +325,11 @@ class FlatAdamW(torch.optim.Optimizer):
 
 
 def state_dtype_of(opt) -> str:
-    """`optimizer.state_dtype` an engine's optimizer keeps (only the flat AdamW keeps bf16 ones)."""
-    return opt.state_dtype if isinstance(opt, FlatAdamW) else "fp32"
+    """`optimizer.state_dtype` an engine's optimizer keeps: the flat AdamW's own, or DeepSpeed's ZeRO optimizer with
+    bf16 master partitions and moments (bf16_optimizer_states: adapter/parallel/deepspeed_config.py)."""
+    if isinstance(opt, FlatAdamW):
+        return opt.state_dtype
+    return "bf16" if getattr(opt, "bf16_optimizer_states", False) else "fp32"
 
 
 def check_state_dtype(saved: str, opt, key: str, value: str) -> None:

@@ -156,7 +156,7 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
         "precision": "fp32",
         "model": cfg.model.model_copy(update={"checkpoint": None, "init": "random"}),  # the tiny model's own
         "optimizer": cfg.optimizer.model_copy(update={"max_steps": steps, "warmup_steps": min(1, steps),
-                                                      "warmup_ratio": None}),
+                                                      "warmup_ratio": None, "state_dtype": "fp32"}),  # fp32 weights
         "checkpoint": cfg.checkpoint.model_copy(update={"dir": ckdir, "save_every": half, "saves_per_epoch": None,
                                                         "export_hf": None}),
         "logging": cfg.logging.model_copy(update={"tensorboard": None, "wandb_project": None, "every": 1}),

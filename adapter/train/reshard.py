@@ -170,7 +170,10 @@ def load(engine, ckpt: Path, arch, *, tp_rank: int, tp: int, key: str, value: st
         raise bad(key, value, "this run keeps 8/4-bit moments, quantised in blocks of its own tensors; a "
                   "checkpoint of another layout cannot be placed into them exactly", "resume at the layout it was "
                   "saved with, or with optimizer.name: adamw")
-    check_state_dtype(getattr(saved, "state_dtype", "fp32"), opt, key, value)  # ZeRO's files: fp32 states
+    check_state_dtype(getattr(saved, "state_dtype", "fp32"), opt, key, value)
+    if not isinstance(saved, FlatFiles) and saved.state_dtype == "bf16":
+        raise bad(key, value, "its bf16 ZeRO partitions (optimizer.state_dtype: bf16) are not resharded yet",
+                  "resume at the layout it was saved with")
     local = arch.num_experts // ep if arch.moe else 0
     trained = [(global_expert_name(n, ep_rank, local), p) for n, p in engine.module.named_parameters()
                if p.requires_grad]

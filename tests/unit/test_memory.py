@@ -69,27 +69,27 @@ def test_8bit_adamw_keeps_two_bytes_of_moments_per_parameter():
     assert four.optimizer == int((4 + 1 + 2 * 4 / 256) * shard)  # 4-bit m, v (two a byte) + an fp32 scale per 256
 
 
-def test_bf16_states_keep_four_bytes_per_parameter_on_the_flat_adamw():
-    """optimizer.state_dtype: bf16 (no fp32 master, bf16 m and v) where the flat AdamW runs (tp alone); refused where
-    ZeRO would shard fp32 states, in one line naming the key, before anything runs (plan, preflight, train)."""
+def test_bf16_states_keep_four_bytes_per_parameter_on_the_flat_adamw_and_zero3_six_on_zero12():
+    """optimizer.state_dtype: bf16 (no fp32 master, bf16 m and v): 4 bytes a trained parameter on the flat AdamW
+    (tp alone) and under ZeRO-3 (DeepSpeed's bf16 master partition is the weights' own), 6 under ZeRO-1/2 (a bf16
+    copy of them); the DeepSpeed config says so; refused beside fp32 weights and 8-bit moments, in one line."""
     import pytest
 
     from adapter.errors import UserError
     from adapter.parallel import deepspeed_config
 
-    one = {"parallelism.dp_shard_size": 1}
+    one, bf = {"parallelism.dp_shard_size": 1}, {"optimizer.state_dtype": "bf16"}
     local = 102720  # one TP rank's parameters (test_padded_vocab_and_local_params)
-    est = memory.estimate(planned(cfg(**one, **{"optimizer.state_dtype": "bf16"}), TINY), partition_size=1,
-                          gpu_capacity=10**9, stage=1)
+    est = memory.estimate(planned(cfg(**one, **bf), TINY), partition_size=1, gpu_capacity=10**9, stage=1)
     fp32 = memory.estimate(planned(cfg(**one), TINY), partition_size=1, gpu_capacity=10**9, stage=1)
     assert fp32.optimizer == 12 * local and est.optimizer == 4 * local  # master + m + v, or bf16 m + v
-    assert deepspeed_config.zero_stage(cfg(**one, **{"optimizer.state_dtype": "bf16"}), Layout(1, 1, 1, 2)) == 1
-    with pytest.raises(UserError, match=r"^optimizer.state_dtype='bf16': .*flat AdamW only, and it needs a layout "
-                                        r"with nothing to shard.*Fix: use one GPU or tp alone"):
-        deepspeed_config.zero_stage(cfg(**{"optimizer.state_dtype": "bf16"}), Layout(1, 2, 1, 2))
-    with pytest.raises(UserError, match=r"optimizer.impl is deepspeed"):
-        deepspeed_config.zero_stage(cfg(**one, **{"optimizer.state_dtype": "bf16", "optimizer.impl": "deepspeed"}),
-                                    Layout(1, 1, 1, 2))
+    assert deepspeed_config.zero_stage(cfg(**one, **bf), Layout(1, 1, 1, 2)) == 1
+    for stage, per in ((3, 4), (2, 6)):
+        run = planned(cfg(**bf, **{"deepspeed.zero_stage": stage}), TINY)
+        est = memory.estimate(run, partition_size=2, gpu_capacity=10**9, stage=stage)
+        assert est.optimizer == per * -(-local // 2), (stage, est.optimizer)
+        conf = deepspeed_config.build(run.cfg, Layout(1, 2, 1, 2))["bf16"]
+        assert conf["bf16_master_weights_and_grads"] and conf["bf16_optimizer_states"], conf
     with pytest.raises(UserError, match=r"optimizer.state_dtype: bf16 applies to bf16 weights, and precision is fp32"):
         cfg(**{"optimizer.state_dtype": "bf16", "precision": "fp32"})
     with pytest.raises(UserError, match=r"optimizer.name: adamw_8bit 8-bit ones: choose one"):
