@@ -77,6 +77,13 @@ class PreferenceFields(_Strict):
     field_rejected: str = "rejected"
 
 
+# What each preference objective runs per row of the config's micro-batch (adapter/train/dpo.py, kto.py): sequences
+# with gradients (both answers of a pair; KTO: the row), and forward-only passes over that many sequences a step
+# (the reference with fresh LoRA adapters disabled; KTO: its KL rows through the policy and both through the
+# reference). A fixed reference (`fixed_reference`) is a table computed once instead: no pass a step.
+PREFERENCE_PASSES = {"dpo": (2, 1), "ipo": (2, 1), "orpo": (2, 0), "simpo": (2, 0), "kto": (1, 3)}
+
+
 class RLFields(_Strict):
     """`objective: dpo` / `ipo` / `orpo` / `simpo` / `kto` with its section (ipo reads dpo.beta); refused where the
     loop does not build it (one line each)."""
@@ -86,6 +93,12 @@ class RLFields(_Strict):
     orpo: ORPOSection = ORPOSection()
     simpo: SimPOSection = SimPOSection()
     kto: KTOSection = KTOSection()
+
+    def preference_passes(self) -> tuple[int, int]:
+        """(sequences with gradients, forward-only passes) per row of the micro-batch: PREFERENCE_PASSES, less the
+        reference's pass where it is a table (`fixed_reference`)."""
+        grad, forwards = PREFERENCE_PASSES[self.objective]
+        return grad, 0 if self.fixed_reference() else forwards
 
     def fixed_reference(self) -> bool:
         """Whether the DPO/IPO reference is the starting model's log-probabilities, computed once before step 1
@@ -146,4 +159,5 @@ class RLFields(_Strict):
                       "remove it (val_set_size: 0)")
 
 
-__all__ = ["DPOSection", "ORPOSection", "SimPOSection", "KTOSection", "PreferenceFields", "RLFields"]
+__all__ = ["PREFERENCE_PASSES", "DPOSection", "ORPOSection", "SimPOSection", "KTOSection", "PreferenceFields",
+           "RLFields"]

@@ -26,11 +26,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
-        pairs = [f"objective {cfg.objective}: plan counts the sequences each micro-batch trains (both answers of a "
-                 "pair; KTO: each row) and the forward-only passes a step adds (the reference with the LoRA "
-                 "adapters disabled; KTO's KL rows through the policy) at a forward's share of the step (not yet "
-                 "checked against a GPU run)"] if cfg.objective != "sft" else []
-        return warnings + pairs, None, None
+        return warnings + _preference_note(cfg), None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     ep = cfg.parallelism.ep_size
@@ -114,7 +110,20 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
                         "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
-    return warnings, spec, unfrozen
+    return warnings + _preference_note(cfg), spec, unfrozen
+
+
+def _preference_note(cfg: RunConfig) -> list[str]:
+    """What plan counts of a preference objective, from the one table of its passes (config.PREFERENCE_PASSES)."""
+    if cfg.objective == "sft":
+        return []
+    grad, forwards = cfg.preference_passes()
+    rows = "both answers of each pair" if grad == 2 else "each row"
+    extra = f" and {forwards} forward-only pass{'es' if forwards > 1 else ''} over them a step at a forward's " \
+        "share of the step" if forwards else (" (its reference: a table computed once before step 1)"
+                                              if cfg.fixed_reference() else "")
+    return [f"objective {cfg.objective}: plan counts {rows} as sequences of the micro-batch{extra} (not yet checked "
+            "against a GPU run)"]
 
 
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:

@@ -248,11 +248,6 @@ def _saves(cfg: RunConfig) -> int:
     return footprint.saves(total, c.save_every)
 
 
-# preference objectives (adapter/train/dpo.py, kto.py): (sequences a micro-batch runs with gradients, per row of
-# the config's micro-batch; forward-only passes over that many sequences besides, with LoRA's reference)
-PREFERENCE_PASSES = {"dpo": (2, 1), "ipo": (2, 1), "orpo": (2, 0), "simpo": (2, 0), "kto": (1, 3)}
-
-
 def preference_sequences(run: ResolvedRun) -> tuple[ResolvedRun, int]:
     """(the run as plan's memory and step-time models see it: a micro-batch of the sequences that train with
     gradients, both answers of each pair; the forward-only passes over them a step also runs: the reference with
@@ -261,9 +256,7 @@ def preference_sequences(run: ResolvedRun) -> tuple[ResolvedRun, int]:
     cfg = run.cfg
     if cfg.objective == "sft":
         return run, 0
-    grad, forwards = PREFERENCE_PASSES[cfg.objective]
-    if cfg.fixed_reference():  # computed once before step 1 (adapter/train/dpo.py): no forward a step
-        forwards = 0
+    grad, forwards = cfg.preference_passes()  # adapter/config/schema_rl.py
     b = cfg.batch
     batch = b.model_copy(update={"micro_batch_size": b.micro_batch_size * grad,
                                  "global_batch_size": b.global_batch_size and b.global_batch_size * grad})

@@ -300,7 +300,8 @@ def test_axolotl_kto_example_plans(tmp_path):
 
     path = with_local_model(FIXTURES / "qlora-1b-kto.yaml", tmp_path, drop=())  # the base's shape, no weights
     code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1")
-    assert code == 0 and "objective kto: plan counts the sequences each micro-batch trains" in out + err, err
+    said = "objective kto: plan counts each row as sequences of the micro-batch and 3 forward-only passes"
+    assert code == 0 and said in out + err, err
     cfg = config.build(_kto(), env={}, world_size=1)
     assert cfg.objective == "kto" and (cfg.kto.beta, cfg.kto.desirable_weight, cfg.kto.undesirable_weight) == (
         0.5, 0.2, 1.0)
