@@ -135,8 +135,9 @@ class Trainer:
         self.groups = mcore_groups.initialize(self.layout)
         # converted and checked before the data is prepared; not at all when a checkpoint replaces them anyway. A
         # LoRA checkpoint holds only what is trained, and one resharded brings only that: the frozen part comes from
-        # the converted weights again.
-        needs_base = (not resuming or self.lora is not None or moved) and run.arch.native  # transformers reads its own
+        # the converted weights again. A DPO reference table is the starting weights' (adapter/train/dpo.py), computed
+        # before the checkpoint replaces them: a resumed run needs them too.
+        needs_base = (not resuming or self.lora is not None or moved or cfg.fixed_reference()) and run.arch.native
         weights_dir = cache.ready(run.weights, cfg, rank=self.rank, log=self._say) if needs_base else None
         # before the engine: the LR schedule's length needs the data's size
         self.dataset, self.sampler = self._data()

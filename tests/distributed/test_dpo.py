@@ -64,7 +64,8 @@ def _argilla() -> list[dict]:
 
 
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
-         objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None):
+         objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None,
+         steps: int = STEPS, ckpt: str | None = None):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine},
            "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
@@ -72,9 +73,10 @@ def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: 
            "parallelism": {"dp_shard_size": WORLD // (tp * cp), "tp_size": tp, "cp_size": cp},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp * cp},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
-           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS, "clip_grad": 1e12,
+           "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
            "deepspeed": {"zero_stage": zero}, "eval": {"every": EVERY} if ev else {"per_epoch": 0},
+           "checkpoint": {"dir": ckpt},
            "data": {"datasets": [{"path": str(data), "type": kind}], "chat_template": "chatml",
                     "prepared_path": f"{root}/prep", "val_set_size": VAL}}
     return config.build(raw, env={}, world_size=WORLD)
@@ -306,11 +308,17 @@ def _native(rank, world, model, data, root, adapter):
     lora = train(_cfg(m, d, r / "lora", engine="megatron", init_from=adapter), log=lines.append)
     hf = train(_cfg(m, d, r / "hf", init_from=adapter), log=lines.append)  # the transformers engine, PEFT's
     fresh = train(_cfg(m, d, r / "fresh", engine="megatron", ev=False), log=lines.append)  # B = 0: adapters off
+    resumed = []  # saved after 2 steps, resumed to 4: fresh LoRA, and the full run (its table before the load)
+    for name, kw in (("fresh", {}), ("full", {"lora": False})):
+        ck = str(r / f"ck-{name}")
+        train(_cfg(m, d, r / f"cut-{name}", engine="megatron", ev=False, steps=2, ckpt=ck, **kw), log=lambda s: None)
+        resumed.append(train(_cfg(m, d, r / f"cut-{name}", engine="megatron", ev=False, ckpt=ck, **kw), resume=True,
+                             log=lambda s: None))
     full = train(_cfg(m, d, r / "full", lora=False, engine="megatron"), log=lines.append)
     tp = train(_cfg(m, d, r / "tp", zero=2, tp=2, ev=False, engine="megatron", init_from=adapter), log=lambda s: None)
     cp = train(_cfg(m, d, r / "cp", lora=False, cp=2, engine="megatron"), log=lambda s: None)
     return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf)], [[tp.losses, tp.rewards],
-            [fresh.losses, fresh.rewards],
+            [fresh.losses, fresh.rewards], [[x.start_step, x.losses, x.rewards] for x in resumed],
             [cp.losses, cp.rewards, cp.eval_losses]], [ln for ln in lines if ln.startswith(("engine:", "DPO ref"))])
 
 
@@ -319,7 +327,8 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     whose B is not zero, and a full fine-tune, at dp_shard=2 under ZeRO-3, against TRL from the same adapter / the
     same weights: losses, reward metrics and evals. TRL's reference for a pretrained adapter is a frozen copy of it
     (not the base), so both engines' LoRA-from-adapter runs use the starting adapter's log-probabilities (the
-    transformers engine's run too). LoRA at tp=2 and the full run at cp=2 give the same numbers."""
+    transformers engine's run too). LoRA at tp=2 and the full run at cp=2 give the same numbers, and fresh LoRA and
+    the full run saved after 2 steps and resumed continue on the same curve."""
     from transformers import AutoTokenizer
 
     from adapter.data.sft import preference, templates
@@ -331,7 +340,7 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     adapter = peft_adapter(str(model), {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}, tmp_path / "adapter")
     got = run_workers(_native, WORLD, str(model), str(data), str(tmp_path), str(adapter), timeout=400)[0]
-    (lora_run, full_run, hf_run), (tp_run, fresh_run, cp_run), said = got
+    (lora_run, full_run, hf_run), (tp_run, fresh_run, resumed, cp_run), said = got
     assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 3, said
     cfg = _cfg(model, data, tmp_path)
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -361,6 +370,11 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
         assert abs(loss - want["loss"]) <= 1e-5 and all(abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k]))
                                                         for k in METRICS), (got, want)
     assert abs(fresh_run[1][-1]["rewards/margins"]) > 1e-3  # the adapters moved the policy off the reference
+    for (start, losses, rewards), whole in zip(resumed, (fresh_run, full_run)):  # resumed at step 2: the same curve
+        flat_got = [*losses, *(r[k] for r in rewards for k in METRICS)]
+        flat_want = [*whole[0][2:], *(r[k] for r in whole[1][2:] for k in METRICS)]
+        assert start == 2 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(flat_got, flat_want)), (
+            flat_got, flat_want)
 
 
 def _native_init(model: Path, out: Path) -> Path:
