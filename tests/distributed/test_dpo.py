@@ -65,11 +65,11 @@ def _argilla() -> list[dict]:
 
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
          objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None,
-         steps: int = STEPS, ckpt: str | None = None):
+         steps: int = STEPS, ckpt: str | None = None, quantize: bool = False):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine},
            "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
-           "lora": {**LORA, "init_from": init_from} if lora else None,
+           "lora": {**LORA, "init_from": init_from, **({"quantize_base": "nf4"} if quantize else {})} if lora else None,
            "parallelism": {"dp_shard_size": WORLD // (tp * cp), "tp_size": tp, "cp_size": cp},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp * cp},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
@@ -535,3 +535,55 @@ def test_kto_matches_trl(tmp_path):
     step = WORLD * KTO_MB * GA  # trained tokens: the rows' completions, not their KL rows'
     assert trained == [sum(per_row[s * step:(s + 1) * step]) for s in range(STEPS)], (trained, per_row)
     assert logs[-1]["kl"] > 1e-4 and abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3
+
+
+def _four(rank, world, model, data, root, adapter, model64):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    m, d, r = Path(model), Path(data), Path(root)
+
+    def cfg(name: str, par: dict, **kw):
+        base = Path(model64) if kw.get("quantize") else m  # NF4 quantises in blocks of 64 input features
+        c = _cfg(base, d, r / name, ev=False, engine=kw.pop("engine", "megatron"), **kw)
+        raw = c.model_dump(mode="json", exclude_none=True)
+        raw["parallelism"] = {**raw["parallelism"], **par}
+        raw["batch"] = {**raw["batch"], "gradient_accumulation_steps": 1}  # four pairs a step, as at 2 ranks × GA 2
+        raw.pop("notes", None)
+        return config.build(raw, env={}, world_size=world)
+
+    out = {}
+    for name, par, kw in (("zero3", {"dp_shard_size": 4}, {}),
+                          ("hsdp", {"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
+                          ("qlora", {"dp_shard_size": 4}, {"init_from": adapter, "quantize": True}),
+                          ("qlora hf", {"dp_shard_size": 4}, {"init_from": adapter, "quantize": True,
+                                                              "engine": "transformers"})):
+        lines: list[str] = []
+        res = train(cfg(name.replace(" ", "-"), par, **kw), log=lines.append)
+        out[name] = (res.losses, res.rewards, [ln for ln in lines if ln.startswith(("engine:", "lora:"))])
+    return out
+
+
+def test_dpo_at_exact_hsdp_and_qlora_on_both_engines(tmp_path):
+    """Four processes: DPO under exact HSDP (dp_replicate=2 × dp_shard=2) gives dp_shard=4's numbers on the native
+    engine; QLoRA (the base in NF4) from a saved adapter gives the same numbers on the native engine and on the
+    transformers engine (PEFT on bitsandbytes' NF4 layers), so the native NF4 path is checked against PEFT's."""
+    from adapter.demo.build import make_tiny_llama
+    from tests.helpers.sft import peft_adapter
+
+    tiny_model(tmp_path, weights=True)
+    model = tmp_path / "model"
+    model64 = make_tiny_llama(tmp_path / "model64", tokenizer_dir=tmp_path / "tok", hidden=64, layers=1, heads=4,
+                              kv_heads=2, seed=0)
+    data = write_jsonl(tmp_path / "pairs.jsonl", _rows())
+    adapter = peft_adapter(str(model64), {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+                           tmp_path / "adapter")
+    got = run_workers(_four, 4, str(model), str(data), str(tmp_path), str(adapter), str(model64), timeout=400)[0]
+    for a, b in (("hsdp", "zero3"), ("qlora", "qlora hf")):
+        flat_a = [*got[a][0], *(r[k] for r in got[a][1] for k in METRICS)]
+        flat_b = [*got[b][0], *(r[k] for r in got[b][1] for k in METRICS)]
+        bad = [(i, x, y) for i, (x, y) in enumerate(zip(flat_a, flat_b)) if abs(x - y) > 1e-5 * max(1.0, abs(y))]
+        assert len(flat_a) == len(flat_b) and not bad, (a, b, bad)
+    assert "Megatron-Core layers" in got["qlora"][2][0] and "transformers' own" in got["qlora hf"][2][0], got
+    assert abs(got["qlora"][0][-1] - got["zero3"][0][-1]) > 1e-3  # the NF4 base and the adapter: another curve
