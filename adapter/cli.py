@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "rehearse":
             p.add_argument("--steps", type=int, default=4, help="steps to rehearse")
             p.add_argument("--seq-len", type=int, help="shorter sequence for the rehearsal")
+            p.add_argument("--gpu", action="store_true", help="every rank on this machine's one GPU (gloo; the "
+                           "layout's CUDA kernels, at the run's precision): a correctness mode, not a speed mode")
         p.set_defaults(func=func)
 
     p = sub.add_parser("checkpoint", help="what a training checkpoint holds: `checkpoint info DIR`")

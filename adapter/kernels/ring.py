@@ -16,13 +16,37 @@ import torch.distributed as dist
 Index = tuple | slice  # where a gradient lands in the block (any tensor index)
 
 
-def shift(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
+def staged(tensor: torch.Tensor, group) -> bool:
+    """Whether the ring stages its blocks through host memory: CUDA tensors over gloo (the shared-GPU mode,
+    adapter/parallel/shared_gpu.py), which sends and receives only host tensors."""
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
+class _Staged:
+    """A receive through host memory: its requests, then the host buffer copied into the device one."""
+
+    def __init__(self, reqs: list, host: torch.Tensor, out: torch.Tensor):
+        self.reqs, self.host, self.out = reqs, host, out
+
+    def wait(self) -> None:
+        for req in self.reqs:
+            req.wait()
+        self.out.copy_(self.host)
+
+
+def shift(tensor: torch.Tensor, group, stage: bool | None = None) -> tuple[torch.Tensor, list]:
     """Start sending `tensor` to the next rank of the ring and receiving the previous rank's; (recv buffer,
-    requests). The send buffer must not change until the requests are waited for (NCCL may still read it)."""
+    requests). The send buffer must not change until the requests are waited for (NCCL may still read it).
+    `stage` (default: `staged`): through host copies, the receive landing in the buffer when waited for."""
     r, n = group.rank(), group.size()
     recv = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % n), group),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)]
+    to, frm = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    if stage if stage is not None else staged(tensor, group):
+        host = tensor.detach().cpu()
+        back = torch.empty_like(host)
+        ops = [dist.P2POp(dist.isend, host, to, group), dist.P2POp(dist.irecv, back, frm, group)]
+        return recv, [_Staged(dist.batch_isend_irecv(ops), back, recv)]
+    ops = [dist.P2POp(dist.isend, tensor, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
     return recv, dist.batch_isend_irecv(ops)
 
 

@@ -23,6 +23,7 @@ from megatron.core import tensor_parallel
 from adapter.config import RunConfig, spell
 from adapter.convert import peft as peft_io
 from adapter.convert.load import load_megatron_checkpoint
+from adapter.errors import bad
 from adapter.kernels.fp8 import install_fp8
 from adapter.modeling import hf_cp, hf_ep, hf_tp
 from adapter.modeling.compile import compile_layers
@@ -43,7 +44,7 @@ from adapter.models import lora as lora_facts
 from adapter.models import source, vocab
 from adapter.models.generic import runs_unpacked
 from adapter.models.resolved import ResolvedRun
-from adapter.parallel import deepspeed_config
+from adapter.parallel import deepspeed_config, shared_gpu
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
@@ -65,14 +66,19 @@ from adapter.train.schedule import lr_factor
 def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
     """NCCL on GPUs, gloo (and DeepSpeed's CPU accelerator) otherwise; env from any launcher. `timeout_s`: the
     process-group timeout (None: DeepSpeed's default). DS_ACCELERATOR=cpu must be set before deepspeed is first
-    imported on a machine without CUDA (adapter/train/worker.py does it), or DeepSpeed warns that it guessed."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    imported on a machine without CUDA (adapter/train/worker.py does it), or DeepSpeed warns that it guessed. In the
+    shared-GPU mode (adapter/parallel/shared_gpu.py) every rank takes cuda:0 and the group is gloo's."""
+    cuda, shared = torch.cuda.is_available(), shared_gpu.on()
+    if shared and not cuda:
+        raise bad(shared_gpu.ENV, "1", "the shared-GPU mode puts every rank on cuda:0, and this machine has no CUDA "
+                  "device", f"unset {shared_gpu.ENV} (or use `nd-adapter rehearse` without --gpu: CPU processes)")
+    if cuda:
+        torch.cuda.set_device(0 if shared else int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
     if not dist.is_initialized():
-        if not torch.cuda.is_available():
+        if not cuda:
             skip_cpu_shm_op()  # a C++ op only DeepSpeed's inference layers use, compiled at start (patches/ds_comm)
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
+        deepspeed.init_distributed(dist_backend="nccl" if cuda and not shared else "gloo", verbose=False,
                                    timeout=default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

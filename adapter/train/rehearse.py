@@ -4,19 +4,19 @@ The model keeps the family, head and KV-head counts and a mixture of experts' to
 rule is exercised) but shrinks head_dim, width, depth, each expert and the number of experts to at most
 `TINY_EXPERTS` or twice top-k, rounded up to whole experts on every ep rank (Qwen3-30B-A3B's 128 experts at ep=4
 become 16: four per rank, top-8 of them; 128 narrow experts made its rehearsal several times slower and exercised
-nothing the 16 do not; the first lines say the count);
-precision becomes fp32
-(CPU). It keeps every rule the real model meets, since the real run has passed them already: a QLoRA base's NF4
-blocks of 64 inside each rank's rows (a head_dim of 8 gives Qwen2-7B's 28 heads a width of 224, so head_dim grows
-to the smallest multiple of 8 that makes the width a multiple of 64 × tp), and a check the tiny model still fails
-is said as the rehearsal's, never as the user's key. One process per rank, gloo + DeepSpeed's CPU accelerator.
-It trains a few steps, saves, resumes from that checkpoint and trains on: config, layout, data and checkpoint
-mistakes surface here instead of on the GPUs. Data files are tokenised when the config has them (with the real
-tokenizer; the tiny model's vocabulary is every id that tokenizer can produce, so a test tokenizer of a thousand
-tokens does not pay for config.json's 128k-row LM head); otherwise synthetic tokens are used.
+nothing the 16 do not; the first lines say the count); precision becomes fp32 (CPU; `--gpu`: the ranks share this
+machine's GPU through gloo at the run's precision, adapter/parallel/shared_gpu.py). It keeps every rule the real
+model meets, since the real run has passed them already: a QLoRA base's NF4 blocks of 64 inside each rank's rows (a
+head_dim of 8 gives Qwen2-7B's 28 heads a width of 224, so head_dim grows to the smallest multiple of 8 that makes
+the width a multiple of 64 × tp), and a check the tiny model still fails is said as the rehearsal's, never as the
+user's key. One process per rank, gloo + DeepSpeed's CPU accelerator. It trains a few steps, saves, resumes from
+that checkpoint and trains on: config, layout, data and checkpoint mistakes surface here instead of on the GPUs.
+Data files are tokenised when the config has them (with the real tokenizer; the tiny model's vocabulary is every id
+that tokenizer can produce, so a test tokenizer of a thousand tokens does not pay for config.json's 128k-row LM
+head); otherwise synthetic tokens are used.
 
-`main` runs in the launching process (torch-free, like `plan`); `in_process` is the procedure every spawned
-training process runs (adapter/train/worker.py).
+`main` runs in the launching process (torch-free, like `plan`); `in_process` is the procedure every spawned training
+process runs (adapter/train/worker.py).
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ from adapter.models.arch import ModelArch, config_path, load_arch
 from adapter.models.lora import NF4_BLOCK
 from adapter.models.resolved import ResolvedRun, resolve_run
 from adapter.models.source import WeightsSource
+from adapter.parallel import shared_gpu
 from adapter.train.preflight import preflight
-from adapter.train.spawn import spawn
+from adapter.train.spawn import GPU_DEVICES, spawn
 
 TINY_HEAD_DIM = 8
 TINY_LAYERS = 2
@@ -148,15 +149,18 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
     ckdir = workdir
     half = max(1, steps // 2)
     seq = rehearsal_seq_len(cfg, seq_len)
-    said = [n for n in cfg.notes if not n.startswith("precision:")]  # the run's own precision is not this one's
-    said.append(f"precision: fp32 (the rehearsal's, on CPU; the run itself: {cfg.precision})")
+    gpu = shared_gpu.on()  # `rehearse --gpu`: the run's own precision on the GPU's kernels
+    said = [n for n in cfg.notes if gpu or not n.startswith("precision:")]  # on CPU the run's is not this one's
+    if not gpu:
+        said.append(f"precision: fp32 (the rehearsal's, on CPU; the run itself: {cfg.precision})")
     upd = {
         "notes": tuple(said),
         "seq_len": seq,
-        "precision": "fp32",
+        "precision": cfg.precision if gpu else "fp32",
         "model": cfg.model.model_copy(update={"checkpoint": None, "init": "random"}),  # the tiny model's own
         "optimizer": cfg.optimizer.model_copy(update={"max_steps": steps, "warmup_steps": min(1, steps),
-                                                      "warmup_ratio": None, "state_dtype": "fp32"}),  # fp32 weights
+                                                      "warmup_ratio": None,
+                                                      "state_dtype": cfg.optimizer.state_dtype if gpu else "fp32"}),
         "checkpoint": cfg.checkpoint.model_copy(update={"dir": ckdir, "save_every": half, "saves_per_epoch": None,
                                                         "export_hf": None}),
         "logging": cfg.logging.model_copy(update={"tensorboard": None, "wandb_project": None, "every": 1}),
@@ -204,6 +208,8 @@ def in_process(run: ResolvedRun, rank: int, *, steps: int, seq_len: int | None, 
 
 
 def main(args) -> int:
+    if getattr(args, "gpu", False) and not any(Path(d).exists() for d in GPU_DEVICES):
+        raise bad("--gpu", True, "this machine shows no GPU device", "rehearse without --gpu (CPU processes)")
     cfg = source.load_config(args.config, world_size=args.nproc, overrides=config.parse_sets(args.set))
     run = resolve_run(cfg)
     # data files are checked (and tokenised) inside, when given; the rehearsal logs to no TensorBoard or W&B
@@ -217,7 +223,8 @@ def main(args) -> int:
         for item in args.set or []:  # the same overrides in every rank
             worker += ["--set", item]
         p = cfg.parallelism
-        print(f"rehearsing on {cfg.world_size} CPU processes: dp_replicate={p.dp_replicate_size} dp_shard="
+        where = "processes sharing this machine's GPU" if getattr(args, "gpu", False) else "CPU processes"
+        print(f"rehearsing on {cfg.world_size} {where}: dp_replicate={p.dp_replicate_size} dp_shard="
               f"{p.dp_shard_size} cp={p.cp_size} tp={p.tp_size}" + (f" ep={p.ep_size}" if p.ep_size > 1 else ""),
               flush=True)
         print(f"the run itself: {announce.weights(run)}; the rehearsal's tiny model starts "
@@ -227,4 +234,7 @@ def main(args) -> int:
             print(f"the rehearsal's tiny model: {tiny} of the {run.arch.num_experts} experts, top "
                   f"{run.arch.experts_per_token} (whole experts on each of the {p.ep_size} expert-parallel ranks)",
                   flush=True)
+        if getattr(args, "gpu", False):  # every rank on cuda:0 through gloo (adapter/parallel/shared_gpu.py)
+            os.environ[shared_gpu.ENV] = "1"  # the ranks inherit it
+            return spawn(cfg.world_size, worker)
         return spawn(cfg.world_size, worker, cpu=True)

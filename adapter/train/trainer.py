@@ -33,7 +33,7 @@ from adapter.errors import DivergedError, bad
 from adapter.models import announce, footprint, lora
 from adapter.models.counts import flops_per_token, num_params
 from adapter.models.resolved import ResolvedRun
-from adapter.parallel import mcore_groups
+from adapter.parallel import mcore_groups, shared_gpu
 from adapter.parallel.layout import Axis
 from adapter.patches.zero import set_hpz_group
 from adapter.train import best as best_ckpt
@@ -173,6 +173,8 @@ class Trainer:
         if self.device.type == "cpu":  # a GPU run started where no GPU is visible must not pass unnoticed
             first.insert(len([n for n in first if n in self.cfg.notes]),
                          "device: CPU (no GPU is visible to this process): training on the CPU with gloo")
+        elif shared_gpu.on():  # every rank on one GPU: a correctness mode (adapter/parallel/shared_gpu.py)
+            first.insert(len([n for n in first if n in self.cfg.notes]), shared_gpu.note(self.world))
         self._say(*first, *(f"warning: {w}" for w in self.run.warnings))
 
     def _resume(self) -> int:

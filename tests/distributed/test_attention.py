@@ -1,4 +1,5 @@
-"""Context parallelism equals cp=1 in outputs and q/k/v gradients, and end to end in GPTModel loss and grads."""
+"""Context parallelism equals cp=1 in outputs and q/k/v gradients, and end to end in GPTModel loss and grads; the
+ring with its blocks staged through host memory (the shared-GPU mode's, adapter/parallel/shared_gpu.py) too."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +25,13 @@ def _worker(rank, world):
     for comm in ("all_gather", "p2p"):
         result[f"cp2_{comm}"], result[f"cp2_{comm}_wrong_order"] = cp_diffs(rank % 2, 2, comm, pairs[rank // 2])
         result[f"cp4_{comm}"], result[f"cp4_{comm}_wrong_order"] = cp_diffs(rank, 4, comm, dist.group.WORLD)
+    from adapter.kernels import ring  # the shared-GPU mode's ring: every block staged through host copies
+
+    plain, ring.staged = ring.staged, lambda tensor, group: True
+    try:
+        result["cp4_p2p_staged"], _ = cp_diffs(rank, 4, "p2p", dist.group.WORLD)
+    finally:
+        ring.staged = plain
     result.update(_gpt_cp_vs_no_cp(rank))
     return result
 
