@@ -81,6 +81,11 @@ def shard(model, ep: int, rank: int, group) -> int:
                                "refuses it at plan time)")
         stacked = [(pname, p) for pname, p in mod.named_parameters(recurse=False)
                    if plan.get(_pattern(f"{name}.{pname}", plan)) == PARAM]
+        if not stacked:  # PEFT's LoRA on the experts' own parameters wraps them (refused beside ep > 1)
+            if ep > 1:
+                raise RuntimeError(f"{name}: no stacked experts to split (generic_run.check_run refuses LoRA on "
+                                   "the experts' parameters beside ep > 1)")
+            continue
         experts = stacked[0][1].shape[0]
         local = experts // ep
         if ep == 1:

@@ -156,6 +156,7 @@ class Engine:
     mpu: DeepSpeedMPU
     conf: dict
     layout: Layout
+    recomputed_layers: int = 0  # the transformers engine's gradient-checkpointed layers (the run's first lines)
 
     @property
     def guard_grads(self) -> bool:
@@ -273,12 +274,13 @@ def grow_vocab(model, run: ResolvedRun, tp_group, device) -> None:
                 w[lo - tp_rank * local:hi - tp_rank * local].copy_(rows[lo - g.rows:hi - g.rows])
 
 
-def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
+def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tuple[Any, int]:
     """transformers' own model of the checkpoint (adapter/modeling/hf_build.py) in the loop's call
     (`CausalLMLosses`): the HF weights read as they are, or random in its shape (seed) where the run starts so;
     at tp > 1 split as its own tensor-parallel plan says (adapter/modeling/hf_tp.py), adapters included; at ep > 1
-    its experts as its expert-parallel plan says (adapter/modeling/hf_ep.py); at cp > 1
-    its attention runs across the CP group (adapter/modeling/hf_cp.py)."""
+    its experts as its expert-parallel plan says (adapter/modeling/hf_ep.py); at cp > 1 its attention runs across
+    the CP group (adapter/modeling/hf_cp.py). Also returns how many decoder layers recompute (gradient_checkpointing;
+    the run's first lines say it)."""
     cfg = run.cfg
     liger = cfg.model.liger if liger_available() else ()  # Triton's kernels: CUDA only
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
@@ -306,9 +308,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype):
     # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)
     model_loss = bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger))
     unpack = runs_unpacked(run.arch.layer_kinds, cfg.document_attention) is not None
-    losses = CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack).to(device)
-    losses.recomputed_layers = recomputed  # the run's first lines say it (adapter/train/trainer.py)
-    return losses
+    return CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack).to(device), recomputed
 
 
 def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:
@@ -318,11 +318,12 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
     cfg, layout = run.cfg, run.layout
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.param_precision]
     tp = layout.tp
+    recomputed = 0
     if run.arch.native:
         model = _native_model(run, groups, device, load_weights, dtype)
         layers = [Layer]
     else:
-        model = _transformers_model(run, groups, device, dtype)
+        model, recomputed = _transformers_model(run, groups, device, dtype)
         # a frozen weight inside a ZeRO-3 leaf module reaches autograd still partitioned (PEFT's base layers,
         # unfrozen_parameters: tests/distributed/test_transformers_engine.py), so such runs gather module by module
         layers = layer_classes(model.model) if all(p.requires_grad for p in model.parameters()) else []
@@ -370,7 +371,7 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         install_zero12_step(engine.optimizer)
     if layout.ep > 1 and stage == 3:
         expert_norm_with_tp(engine.optimizer)
-    return Engine(engine, mpu, conf, layout)
+    return Engine(engine, mpu, conf, layout, recomputed)
 
 
 __all__ = ["Engine", "build_engine", "init_distributed", "param_groups", "add_tp_grad_hooks"]

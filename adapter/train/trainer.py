@@ -149,7 +149,7 @@ class Trainer:
         self._check_disk()
         self.engine = build_engine(self.run, self.groups, self.device,
                                    load_weights=lambda model: cache.load(model, weights_dir))
-        recomputed = getattr(self.engine.ds.module, "recomputed_layers", 0)
+        recomputed = self.engine.recomputed_layers
         if recomputed:  # the transformers engine (the native one says its recompute in the config's lines)
             self._say(f"recompute: transformers' gradient checkpointing on its {recomputed} decoder layers (each "
                       "layer's activations recomputed in backward)")

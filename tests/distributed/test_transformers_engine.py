@@ -319,6 +319,9 @@ def _lora(rank, world, models, root):
         res = train(_cfg(models[name], f"{root}/{name}", name not in HYBRID, lora=LORA,
                          export=f"{root}/{name}/adapter"), log=lines.append)
         out[name] = (res.losses, res.exported, [ln for ln in lines if ln.startswith("lora:")])
+    # LoRA on attention beside expert parallelism (gpt-oss's own EP plan): the experts split, the adapters whole
+    out["gpt_oss ep"] = train(_cfg(models["gpt_oss"], f"{root}/gpt_oss-ep", True, lora=LORA, ep_size=2),
+                              log=lambda s: None).losses
     lines = []  # LoRA at tp=2: B split on colwise bases, A on rowwise ones; the export gathered over TP
     res = train(_cfg(models["phi"], f"{root}/phi-tp", True, lora=LORA, export=f"{root}/phi-tp/adapter",
                      dp_shard_size=1, tp_size=2), log=lines.append)
@@ -347,7 +350,8 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     (bitsandbytes' NF4 base, as transformers' load_in_4bit makes it) under ZeRO-3 against PEFT on the same NF4
     base; Axolotl's unfrozen_parameters (a layer, half of lm_head's rows) against Axolotl's freezing of the HF model;
     8-bit and 4-bit AdamW under ZeRO-3 tracking torch's AdamW; `merge-lora` on the exported adapter giving the same
-    model; LoRA on the experts' fused parameters (`_check_expert_lora`)."""
+    model; LoRA on the experts' fused parameters (`_check_expert_lora`); LoRA beside gpt-oss's expert parallelism
+    (ep=2) on the same curve as at dp_shard=2."""
     import peft
 
     got = run_workers(_lora, 2, models, str(tmp_path), timeout=1200)[0]
@@ -358,6 +362,8 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", name not in HYBRID, lora=LORA),
                           model_out=trained)
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
+        if name == "gpt_oss":
+            assert max(rel(a, b) for a, b in zip(got["gpt_oss ep"], want)) < 1e-4, (got["gpt_oss ep"], want)
         loaded = peft.PeftModel.from_pretrained(reference_model(Path(models[name])), exported)
         probe = _probe(models[name])
         assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4, name
