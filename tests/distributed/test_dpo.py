@@ -298,7 +298,7 @@ def test_dpo_matches_trl(tmp_path):
     assert abs(ref[1][-1][1]["eval_rewards/margins"]) > 1e-4  # the eval sees the trained adapters
 
 
-def _native(rank, world, model, data, root, adapter):
+def _native(rank, world, model, data, root, adapter, orpo_data):
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train
 
@@ -317,7 +317,10 @@ def _native(rank, world, model, data, root, adapter):
     full = train(_cfg(m, d, r / "full", lora=False, engine="megatron"), log=lines.append)
     tp = train(_cfg(m, d, r / "tp", zero=2, tp=2, ev=False, engine="megatron", init_from=adapter), log=lambda s: None)
     cp = train(_cfg(m, d, r / "cp", lora=False, cp=2, engine="megatron"), log=lambda s: None)
-    return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf)], [[tp.losses, tp.rewards],
+    no_ref = [train(_cfg(m, Path(orpo_data) if k == "orpo" else d, r / k, objective=k, engine="megatron",
+                         init_from=adapter), log=lambda s: None) for k in ("orpo", "simpo")]
+    return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf, *no_ref)],
+            [[tp.losses, tp.rewards],
             [fresh.losses, fresh.rewards], [[x.start_step, x.losses, x.rewards] for x in resumed],
             [cp.losses, cp.rewards, cp.eval_losses]], [ln for ln in lines if ln.startswith(("engine:", "DPO ref"))])
 
@@ -327,8 +330,9 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     whose B is not zero, and a full fine-tune, at dp_shard=2 under ZeRO-3, against TRL from the same adapter / the
     same weights: losses, reward metrics and evals. TRL's reference for a pretrained adapter is a frozen copy of it
     (not the base), so both engines' LoRA-from-adapter runs use the starting adapter's log-probabilities (the
-    transformers engine's run too). LoRA at tp=2 and the full run at cp=2 give the same numbers, and fresh LoRA and
-    the full run saved after 2 steps and resumed continue on the same curve."""
+    transformers engine's run too). ORPO and SimPO (no reference) from the same adapter against TRL's ORPOTrainer and
+    CPOTrainer. LoRA at tp=2 and the full run at cp=2 give the same numbers, and fresh LoRA and the full run saved
+    after 2 steps and resumed continue on the same curve."""
     from transformers import AutoTokenizer
 
     from adapter.data.sft import preference, templates
@@ -339,8 +343,11 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     rows = _rows()
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     adapter = peft_adapter(str(model), {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}, tmp_path / "adapter")
-    got = run_workers(_native, WORLD, str(model), str(data), str(tmp_path), str(adapter), timeout=400)[0]
-    (lora_run, full_run, hf_run), (tp_run, fresh_run, resumed, cp_run), said = got
+    argilla = _argilla()
+    orpo_data = write_jsonl(tmp_path / "argilla.jsonl", argilla)
+    got = run_workers(_native, WORLD, str(model), str(data), str(tmp_path), str(adapter), str(orpo_data),
+                      timeout=400)[0]
+    (lora_run, full_run, hf_run, orpo_run, simpo_run), (tp_run, fresh_run, resumed, cp_run), said = got
     assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 3, said
     cfg = _cfg(model, data, tmp_path)
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -354,8 +361,19 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     worst = max(_compare(lora_run, from_adapter, METRICS), _compare(hf_run, from_adapter, METRICS),
                 _compare(full_run, _trl(cfg, model, model, steps, held, tmp_path / "trl-full", lora=False), METRICS))
     assert from_adapter[0][0]["loss"] == pytest.approx(0.6931, abs=1e-4)  # TRL's reference: the starting adapter
+    from adapter.data.sft.preference_orpo import render_argilla  # ORPO and SimPO (no reference) from the adapter
+
+    ocfg = _cfg(model, orpo_data, tmp_path / "orpo", objective="orpo")
+    o_rendered = [dict(zip(("prompt", "chosen", "rejected"), render_argilla(r, tok, template))) for r in argilla]
+    o_train, o_held = preference.split(ocfg, len(argilla))
+    o_steps = [o_rendered[int(o_train[i])] for step in _step_pairs(ocfg, len(o_train)) for i in step]
+    worst = max(worst, _compare(orpo_run, _trl(ocfg, model, model, o_steps, [o_rendered[i] for i in o_held],
+                                               tmp_path / "trl-orpo", orpo=True, adapter=adapter),
+                                (*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")),
+                _compare(simpo_run, _trl(cfg, model, model, steps, held, tmp_path / "trl-simpo", simpo=True,
+                                         adapter=adapter), (*METRICS, "nll_loss")))
     assert sum("the starting adapter's log-probabilities of the 16 pairs" in s for s in said) == 2, said
-    print(f"DPO on the native engine: max |nd-adapter - TRL| / max(1, |TRL|): {worst:.2e}")
+    print(f"DPO, ORPO, SimPO on the native engine: max |nd-adapter - TRL| / max(1, |TRL|): {worst:.2e}")
     for got, want in ((tp_run, lora_run), (cp_run, full_run)):
         flat_got = [*got[0], *(r[k] for r in got[1] for k in METRICS), *(x for _, x in got[2:] and got[2])]
         flat_want = [*want[0], *(r[k] for r in want[1] for k in METRICS), *(x for _, x in got[2:] and want[2])]
