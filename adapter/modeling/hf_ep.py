@@ -73,14 +73,15 @@ def shard(model, ep: int, rank: int, group) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     plan = model_ep_plan(base)
     count = 0  # at ep = 1 the stacked tensors are only marked (a checkpoint of another ep reads them by blocks)
-    for name, style, mod in plan_matches(base, plan):
+    matches = plan_matches(base, plan)
+    params = {name for name, style, mod in matches if style == PARAM and mod is None}  # split with their module
+    for name, style, mod in matches:
         if style == PARAM:
-            continue  # the module's parameters are split with it below
+            continue
         if style != MODULE or mod is None:
             raise RuntimeError(f"{name}: expert-parallel style {style!r} is not built (generic_run.check_run "
                                "refuses it at plan time)")
-        stacked = [(pname, p) for pname, p in mod.named_parameters(recurse=False)
-                   if plan.get(_pattern(f"{name}.{pname}", plan)) == PARAM]
+        stacked = [(pname, p) for pname, p in mod.named_parameters(recurse=False) if f"{name}.{pname}" in params]
         if not stacked:  # PEFT's LoRA on the experts' own parameters wraps them (refused beside ep > 1)
             if ep > 1:
                 raise RuntimeError(f"{name}: no stacked experts to split (generic_run.check_run refuses LoRA on "
@@ -102,16 +103,6 @@ def shard(model, ep: int, rank: int, group) -> int:
         mod.forward = _dispatching_forward(mod.forward, local, ep, group)
         count += 1
     return count
-
-
-def _pattern(path: str, plan: dict[str, str]) -> str | None:
-    """The plan key (with `*` for layer indices) that names `path`."""
-    import re
-
-    for key in plan:
-        if re.fullmatch(re.escape(key).replace(r"\*", r"\d+"), path):
-            return key
-    return None
 
 
 def whole_rows(t: torch.Tensor, group, ep: int) -> torch.Tensor:
