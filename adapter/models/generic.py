@@ -113,6 +113,7 @@ def check_loadable(cfg: dict[str, Any]) -> None:
 def hf_config(cfg: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None):
     """transformers' config object for a config.json (one line for what transformers cannot read)."""
     import transformers
+    from huggingface_hub.errors import StrictDataclassError
 
     name = (cfg.get("architectures") or [None])[0]
     model_type = cfg.get("model_type")
@@ -133,7 +134,7 @@ def hf_config(cfg: dict[str, Any], *, trust_remote_code: bool, model_dir: str | 
         cls = transformers.CONFIG_MAPPING[str(model_type)]
         decode = getattr(cls, "_decode_special_floats", None)  # Infinity/NaN as transformers writes them
         return cls.from_dict(decode(body) if decode else body)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:  # the last: transformers 5's typed fields
         raise bad("model", model_type, f"transformers cannot read this config.json ({e.__class__.__name__}: "
                   f"{str(e).splitlines()[0][:160]})", "fix the model's config.json")
 

@@ -547,3 +547,13 @@ def test_axolotl_torch_compile_runs_eager_on_this_engine_and_says_so(tmp_path):
     assert "torch_compile: true -> model.compile: off: the transformers engine runs its layers eagerly" in notes, notes
     code, _, err = _plan(tmp_path, _write(tmp_path, "phi"), dp_shard_size=1, _gpus=1, _set="model.compile=true")
     assert code == 2 and "compiling layers is not built on the transformers engine" in err, err
+
+
+def test_a_config_value_of_the_wrong_type_for_transformers_is_one_line():
+    """transformers 5 types its config fields (huggingface_hub's strict dataclasses): a null where a bool belongs
+    (found by tests/unit/test_fuzz_cli.py) is the config's error, not an internal one."""
+    from adapter.models.generic import hf_config
+
+    raw = {**tiny_config("gpt_oss").to_dict(), "attention_bias": None}
+    with pytest.raises(UserError, match="^model='gpt_oss': transformers cannot read this config.json"):
+        hf_config(raw, trust_remote_code=False, model_dir=None)
