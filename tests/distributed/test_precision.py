@@ -31,7 +31,7 @@ ROWS = {"bf16": {"bf16": True}, "bf16 deepspeed zero2": {"bf16": True, "deepspee
         "fp32": {}}
 
 
-def _yaml(model_dir: str, root: str, row: str) -> dict:
+def _yaml(model_dir: str, root: str, row: str, rank: int = 0) -> dict:
     from adapter.demo.build import ASSETS
 
     raw = {"base_model": model_dir, "sequence_len": SEQ, "micro_batch_size": 1, "gradient_accumulation_steps": 1,
@@ -41,15 +41,16 @@ def _yaml(model_dir: str, root: str, row: str) -> dict:
            "dataset_prepared_path": f"{root}/prep", "output_dir": f"{root}/{row.replace(' ', '-')}"}
     over = dict(ROWS[row])
     if over.get("deepspeed"):
-        over["deepspeed"] = str(_ds_json(root, int(over["deepspeed"][-1])))
+        over["deepspeed"] = str(_ds_json(root, int(over["deepspeed"][-1]), rank))
     return {**raw, **over}
 
 
-def _ds_json(root: str, stage: int) -> Path:
-    """Axolotl's deepspeed_configs/zero{stage}_bf16.json as it ships ("auto" everywhere, bf16 enabled)."""
+def _ds_json(root: str, stage: int, rank: int) -> Path:
+    """Axolotl's deepspeed_configs/zero{stage}_bf16.json as it ships ("auto" everywhere, bf16 enabled); one file per
+    rank (a rank once read the file while another was rewriting it: empty JSON)."""
     import json
 
-    p = Path(root) / f"zero{stage}_bf16.json"
+    p = Path(root) / f"zero{stage}_bf16.rank{rank}.json"
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     p.write_text(json.dumps({"zero_optimization": zero, "bf16": {"enabled": True}, "gradient_accumulation_steps":
                              "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
@@ -67,7 +68,7 @@ def _worker(rank, world, model_dir, root):
     init_distributed()
     out = {}
     for row in ROWS:
-        cfg = config.build(_yaml(model_dir, root, row), env={}, world_size=world)
+        cfg = config.build(_yaml(model_dir, root, row, rank), env={}, world_size=world)
         t = Trainer(resolve_run(cfg), log=lambda s: None)
         try:
             t.setup(False)
