@@ -32,7 +32,7 @@ HALF = (torch.bfloat16, torch.float16)
 def dtype_error(dtype) -> Exception:
     return bad("precision", str(dtype).removeprefix("torch."),
                "packed documents (data.document_mask) run FlashAttention varlen kernels on GPUs, bf16/fp16 only",
-               "train in bf16, or set data.document_mask: false")
+               "train in bf16 (precision: bf16)")
 
 
 # ---- reference kernels (CPU) -----------------------------------------------------------------------------------
@@ -120,12 +120,10 @@ def block_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=-1):
     """(out [tq, hq, d] in q's dtype, lse [hq, tq] fp32), both contiguous. `window` ≥ 0: each query also sees only
     that many keys before it (FlashAttention's window_size_left; −1: no window)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if not q.is_cuda:
-        _check_max(cu_q, max_q, "query")
+    if not q.is_cuda or q.dtype not in HALF:  # FlashAttention is bf16/fp16 only: fp32 on a GPU runs the reference
+        _check_max(cu_q, max_q, "query")      # (exact; its scores materialised, so slower and larger)
         _check_max(cu_k, max_k, "key")
         return _ref_fwd(q, k, v, cu_q, cu_k, causal, scale, window)
-    if q.dtype not in HALF:
-        raise dtype_error(q.dtype)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                            scale=scale, **_window_kw(window, causal))
     if lse.shape != (q.size(1), q.size(0)):  # the merges index it [heads, tokens] (torch 2.11-2.13 varlen layout)
@@ -140,7 +138,7 @@ def _window_kw(window: int, causal: bool) -> dict:
 def block_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=-1):
     """(dq, dk, dv) of one block given the final out/lse of its query rows; contiguous."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    if not q.is_cuda:
+    if not q.is_cuda or q.dtype not in HALF:
         _check_max(cu_q, max_q, "query")
         _check_max(cu_k, max_k, "key")
         return _ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
@@ -305,8 +303,6 @@ def packed_attention(q, k, v, params, *, scale, group=None, comm="all_gather", w
         if params.cp_size > 1:
             raise ValueError("soft-capped packed attention runs at cp = 1 only")
         return softcapped_packed(q, k, v, params.cu_local, scale, softcap, window)
-    if q.is_cuda and q.dtype not in HALF:
-        raise dtype_error(q.dtype)
     if params.cp_size == 1:
         return varlen_attention(q, k, v, params.cu_local, params.max_host, scale, window)
     return _cp_attention(q, k, v, params, scale, group, comm, window)

@@ -36,6 +36,9 @@ from adapter.modeling.hf_build import (
     liger_available,
     recompute_layers,
 )
+from adapter.modeling.hf_build import (
+    compile_layers as compile_hf_layers,
+)
 from adapter.modeling.lora import add_adapters, load_state
 from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base
@@ -75,11 +78,14 @@ def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
     if cuda:
         torch.cuda.set_device(0 if shared else int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
+    timeout = default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if not cuda:
             skip_cpu_shm_op()  # a C++ op only DeepSpeed's inference layers use, compiled at start (patches/ds_comm)
+        if shared:  # DeepSpeed would bind the group to cuda:LOCAL_RANK (device_id), which one GPU does not have:
+            dist.init_process_group("gloo", timeout=timeout)  # it adopts this group instead
         deepspeed.init_distributed(dist_backend="nccl" if cuda and not shared else "gloo", verbose=False,
-                                   timeout=default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s))
+                                   timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -308,6 +314,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)
     model_loss = bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger))
     unpack = runs_unpacked(run.arch.layer_kinds, cfg.document_attention) is not None
+    if cfg.model.compile:  # after PEFT, TP and EP replaced modules: the graphs trace what trains
+        compile_hf_layers(model, cfg.model.compile_memory_budget)
     return CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack).to(device), recomputed
 
 

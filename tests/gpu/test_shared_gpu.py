@@ -1,7 +1,8 @@
 """GPU host only: multi-rank layouts on the GPU's own kernels with every rank on ONE GPU through gloo (the shared-GPU
 mode, adapter/parallel/shared_gpu.py), each against the same model at one rank on the same GPU and the same batches
 (the global batch kept: one rank accumulates what the layout's data-parallel ranks take). fp32 where the kernels
-allow (≤ 1e-4 relative over 4 steps), bf16 where they need it (FlashAttention's varlen under cp: the bf16 band of
+allow (≤ 1e-4 relative over 4 steps; fp32 packed documents run the reference varlen kernels, FlashAttention
+being bf16/fp16 only), bf16 where they need it (FlashAttention's varlen under cp: the bf16 band of
 the other GPU parity tests, 2e-2). A run saved under one layout resumes under another on the same curve. What this
 mode cannot check: speed, NCCL itself, point-to-point transfers under NCCL, per-GPU memory."""
 from __future__ import annotations
