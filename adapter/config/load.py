@@ -232,9 +232,6 @@ def _not_a_run(raw: dict[str, Any]) -> UserError:
                      f"{what}. Fix: pass the training YAML (native: model, ...; Axolotl: base_model, datasets, ...)")
 
 
-AUTO_COMPILE_ON = "on (each transformer layer compiled)"  # the note of an auto compile turned on (models/resolved.py)
-
-
 def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
     """`model.compile: auto` (what Axolotl's `torch_compile: true` maps to) compiles the layers where the layout lets
     it: not under ZeRO-3, whose parameter gathers compiled layers cannot follow. ZeRO-3 runs when anything is
@@ -245,7 +242,7 @@ def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
                   "under ZeRO-3 (compiled layers cannot follow its parameter gathers), so there is nothing to budget",
                   f"remove it, or set {setting(cfg, 'deepspeed.zero_stage', 2)}")
     key = "torch_compile: true -> model.compile" if cfg.source == "axolotl" else "model.compile: auto"
-    note = (f"{key}: {AUTO_COMPILE_ON}" if on else
+    note = (f"{key}: on (each transformer layer compiled)" if on else
             f"{key}: off: ZeRO-3's parameter gathers run the layers eagerly "
             f"({setting(cfg, 'deepspeed.zero_stage', 2)} would compile them)")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": on}),

@@ -185,12 +185,62 @@ def recompute_layers(model) -> int:
                and type(m).__name__ in set(getattr(model, "_no_split_modules", None) or []))  # the layers it took
 
 
+def compile_layers(model, memory_budget: float | None = None) -> int:
+    """`model.compile: true` on transformers' model: each decoder layer's forward as one torch.compile'd graph (its
+    backward through AOTAutograd), as the native engine compiles its layers (adapter/modeling/compile.py) and for the
+    same reason: a layer's norms, residual adds, casts and RoPE fuse into a few kernels and its per-op Python becomes
+    one guarded call; identical layers share a graph. The layers are transformers' `_no_split_modules` instances,
+    found inside PEFT's wrapping and after tensor parallelism replaced their linears, so the graphs see what trains.
+    What Dynamo cannot trace -- the collectives of tensor, expert and context parallelism (autograd Functions),
+    data-dependent expert routing -- breaks the graph there and runs eagerly: the same values, less fused. Forward
+    only: module hooks (ZeRO's, gradient checkpointing's wrapper around the layer call) stay eager. Returns how
+    many layers. `memory_budget`: AOTAutograd's activation budget, as on the native engine."""
+    if memory_budget is not None:
+        torch._functorch.config.activation_memory_budget = memory_budget
+    # Dynamo keys its caches by code object, and transformers' models share theirs (the checkpointing wrapper every
+    # layer's forward is, the experts' dispatch decorator): a second model trained in the same process (tests, a
+    # rehearsal's workers) once ran on graphs another model left (a granite run after a phi one drifted by 2e-2 at
+    # step 4, exact alone). Each run's layers start from empty caches.
+    torch._dynamo.reset()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    for layer in layers:
+        layer.forward = _compiled_forward(layer)
+    return len(layers)
+
+
+def _compiled_forward(layer):
+    """The layer's forward compiled, gradient checkpointing (transformers' `_gradient_checkpointing_func`) kept
+    eager around it. transformers 5.25 wraps each layer class's forward in its checkpointing (`__wrapped__` is the
+    class's own); compiling that wrapper asks Dynamo to trace torch.utils.checkpoint as a higher-order op, which
+    breaks on the side effect of the hub kernels' context variable -- and the whole layer then ran eagerly (no graph
+    at all). Its own forward compiled inside an eager checkpoint recomputes the compiled forward in backward. Bound
+    to the layer (a method, not a partial), so Dynamo takes the module as an input and identical layers share one
+    graph; each class has its own code object (the wrapper's is shared by every class)."""
+    import types
+    from functools import partial
+
+    cls_forward = type(layer).forward
+    inner = getattr(cls_forward, "__wrapped__", None)
+    if inner is None or cls_forward.__code__.co_name != "forward_with_checkpointing":  # older transformers: the
+        return torch.compile(layer.forward)  # checkpoint wraps the module call, outside forward
+
+    compiled = torch.compile(types.MethodType(inner, layer))
+
+    def forward(*args, **kwargs):
+        if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
+            return layer._gradient_checkpointing_func(partial(compiled, **kwargs), *args)
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
 def layer_classes(model) -> list[type]:
     """The decoder-layer classes (transformers' `_no_split_modules`): ZeRO-3 gathers each one's parameters at once."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "layer_classes", "recompute_layers",
-           "apply_liger",
-           "liger_available"]
+__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "compile_layers", "layer_classes",
+           "recompute_layers", "apply_liger", "liger_available"]

@@ -82,6 +82,8 @@ def engine(run: ResolvedRun) -> str:
                      f"({'K/V all-gathered' if comm == 'all_gather' else 'K/V passed around a ring'}) over "
                      f"{'each packed document' if run.cfg.document_attention else 'each sample'} in {2 * cp} "
                      "load-balanced chunks")
+    if run.cfg.model.compile:  # adapter/modeling/hf_build.compile_layers
+        extra.append("each decoder layer compiled (torch.compile; what Dynamo cannot trace runs eagerly)")
     n = arch.param_count or 0
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
     return (f"engine: transformers' own {arch.architecture} ({arch.engine_reason}; {size} parameters)"

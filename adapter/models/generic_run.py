@@ -234,15 +234,13 @@ def check_run(cfg, arch) -> list[str]:
         (m.unfrozen_parameters is not None and cfg.lora is not None, "model.unfrozen_parameters",
          m.unfrozen_parameters, "freezing base weights beside LoRA adapters"),
         (cfg.precision == "fp8", "precision", cfg.precision, "fp8 matmuls"),
-        (m.compile is True, "model.compile", True, "compiling layers"),
         (cfg.recompute == "selective", "recompute", "selective", "recomputing the attention alone (transformers "
          "checkpoints whole layers)"),
         (cfg.recompute == "full" and not arch.layer_recompute, "recompute", "full", f"recomputing layers ({name} "
          "does not support transformers' gradient checkpointing)"),
         (m.fused_linear_ce, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
         (arch.output_router_logits, "model.output_router_logits", True, "the load-balancing loss")]
-    fixes = {
-             "precision": "use bf16", "model.compile": "remove it (torch_compile: auto leaves it off here)",
+    fixes = {"precision": "use bf16",
              "recompute": "use full (gradient_checkpointing: true) or none" if cfg.recompute == "selective" else
              "turn it off (gradient_checkpointing: false)",
              "model.output_router_logits": "set it false (model_config: {output_router_logits: false})"}

@@ -80,21 +80,6 @@ class ResolvedRun:
         return dataclasses.replace(self, cfg=cfg)
 
 
-def _eager_auto_compile(cfg: RunConfig) -> RunConfig:
-    """`model.compile: auto` (Axolotl's torch_compile: true, a speed key) that the layout turned on: off on the
-    transformers engine, whose layers are not compiled yet, said in its note instead of refusing the file (an
-    explicit `model.compile: true` is still refused there: adapter/models/generic_run.py)."""
-    from adapter.config.load import AUTO_COMPILE_ON
-
-    notes = list(cfg.notes)
-    at = next((i for i, n in enumerate(notes) if n.endswith(AUTO_COMPILE_ON)), None)
-    if not cfg.model.compile or at is None:
-        return cfg
-    notes[at] = notes[at].removesuffix(AUTO_COMPILE_ON) + ("off: the transformers engine runs its layers eagerly "
-                                                          "(compiling them is not built yet)")
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": False}), "notes": tuple(notes)})
-
-
 def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: WeightsSource | None = None,
                 layout: Layout | None = None) -> ResolvedRun:
     """Resolve `cfg` against its model: one line (UserError) for anything the run cannot do. `arch` replaces the
@@ -104,8 +89,6 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
         source.check_converted(cfg)
         arch = source.arch_for(cfg)
     arch, grew = source.grown(cfg, arch)  # data.tokens' new rows (adapter/models/vocab.py)
-    if not arch.native:
-        cfg = _eager_auto_compile(cfg)
     vocab.check_lora(cfg, arch.hf_model_type, grew)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None

@@ -537,16 +537,19 @@ def test_the_rehearsals_tiny_moe_keeps_top_k_within_its_experts():
     assert tiny["num_experts_per_token"] <= tiny["num_experts"], tiny
 
 
-def test_axolotl_torch_compile_runs_eager_on_this_engine_and_says_so(tmp_path):
-    """torch_compile: true (a speed key) is turned on where the layout allows it, then refused by this engine: the
-    llama-4 scout-qlora-single-h100-flex example planned at 8 GPUs (ZeRO-3: off) but its one-GPU rehearsal stopped.
-    It now runs eagerly with a note; an explicit model.compile: true is still one line."""
+def test_axolotl_torch_compile_compiles_this_engines_layers_where_the_layout_lets_it(tmp_path):
+    """torch_compile: true (the llama-4 scout-qlora-single-h100-flex example) compiles transformers' decoder layers
+    as it does the native engine's (adapter/modeling/hf_build.compile_layers), said in the first lines; under ZeRO-3
+    it stays off and says why; an explicit model.compile: true plans too (it once was refused on this engine)."""
     code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), torch_compile=True, dp_shard_size=1, _gpus=1)
     assert code == 0, err
     notes = " ".join(json.loads(out)["notes"])
-    assert "torch_compile: true -> model.compile: off: the transformers engine runs its layers eagerly" in notes, notes
-    code, _, err = _plan(tmp_path, _write(tmp_path, "phi"), dp_shard_size=1, _gpus=1, _set="model.compile=true")
-    assert code == 2 and "compiling layers is not built on the transformers engine" in err, err
+    assert "torch_compile: true -> model.compile: on (each transformer layer compiled)" in notes, notes
+    code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), torch_compile=True, dp_shard_size=2, _gpus=2)
+    assert code == 0, err
+    assert "model.compile: off: ZeRO-3's parameter gathers" in " ".join(json.loads(out)["notes"])
+    code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), dp_shard_size=1, _gpus=1, _set="model.compile=true")
+    assert code == 0 and json.loads(out)["compiled_layers"] is True, err
 
 
 def test_a_config_value_of_the_wrong_type_for_transformers_is_one_line():
