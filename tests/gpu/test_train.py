@@ -115,3 +115,38 @@ def test_resume_moves_between_the_flat_adamw_and_zero_on_cuda(tmp_path):
         whole, s1, moved, s2 = out[precision]
         assert (s1, s2) == (3, 6) and len(moved) == 5, (precision, s1, s2, moved)
         assert max(abs(a - b) / b for a, b in zip(moved, whole[3:])) < tol, (precision, moved, whole)
+
+
+def _hf_compile_worker(rank, world, model_dir, root):
+    from torch._dynamo.utils import counters
+
+    from adapter import config
+    from adapter.demo.build import ASSETS
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train as run
+
+    init_distributed()
+    out = {}
+    for compiled in (False, True):  # the transformers engine, inductor on CUDA, gradient checkpointing inside
+        raw = {"model": {"path": model_dir, "engine": "transformers", "compile": compiled},
+               "seq_len": 256, "precision": "bf16", "recompute": "full",
+               "batch": {"micro_batch_size": 2}, "optimizer": {"lr": 1e-3, "warmup_steps": 0, "max_steps": 6,
+                                                              "schedule": "constant"},
+               "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
+                        "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"}}
+        out[compiled] = run(config.build(raw, env={}, world_size=world), log=lambda s: None).losses
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    return out
+
+
+def test_compiled_layers_on_the_transformers_engine_on_cuda(tmp_path):
+    """Compiled decoder layers of transformers' own model (inductor, bf16, packed documents, gradient
+    checkpointing) follow the eager run inside the bf16 band of the other GPU parity tests."""
+    from adapter.demo.build import make_tiny_llama, train_tokenizer
+
+    tok = train_tokenizer(out_dir=tmp_path / "tok", vocab_size=512)
+    model = make_tiny_llama(tmp_path / "m", tokenizer_dir=tok, hidden=128, layers=2, heads=4, kv_heads=2)
+    got = run_workers(_hf_compile_worker, 1, str(model), str(tmp_path), timeout=600)[0]
+    eager, compiled = got[False], got[True]
+    assert got["graphs"] > 0 and len(compiled) == 6
+    assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager)) < 2e-2, (compiled, eager)
