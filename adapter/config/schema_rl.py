@@ -146,11 +146,6 @@ class RLFields(_Strict):
                       "log-probabilities of each micro-batch's mismatched KL rows, which depend on the sampled "
                       "neighbours (TRL keeps a second copy of the model); only LoRA's reference (the adapters "
                       "disabled) is built", "use adapter: lora (or qlora), or run this config with Axolotl")
-        cp = self.parallelism.cp_size  # type: ignore[attr-defined]
-        if cp > 1:
-            raise bad("context_parallel_size" if ax else "parallelism.cp_size", cp, "KTO's rows split over "
-                      "context-parallel ranks are not checked against TRL yet (DPO, IPO, ORPO and SimPO are)",
-                      "use context_parallel_size: 1")
         d = self.data  # type: ignore[attr-defined]
         if d.val_set_size or d.test_datasets:
             which = "test_datasets" if d.test_datasets else "val_set_size"

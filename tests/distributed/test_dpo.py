@@ -452,16 +452,28 @@ def _kto_rows(order) -> list[dict]:
     return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
 
 
-def _kto_cfg(model: str, data: str, root: str):
+def _kto_cfg(model: str, data: str, root: str, cp: int = 1):
     raw = {"model": {"path": model, "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "kto",
-           "kto": KTO, "lora": LORA, "parallelism": {"dp_shard_size": WORLD},
+           "kto": KTO, "lora": LORA, "parallelism": {"dp_shard_size": WORLD, "cp_size": cp},
            "batch": {"micro_batch_size": KTO_MB, "gradient_accumulation_steps": GA}, "seq_len": SEQ,
            "precision": "fp32", "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
                                               "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
                                               "weight_decay": 0.0},
            "deepspeed": {"zero_stage": 3}, "eval": {"per_epoch": 0},
            "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep"}}
-    return config.build(raw, env={}, world_size=WORLD)
+    return config.build(raw, env={}, world_size=WORLD * cp)
+
+
+def _kto_cp_worker(rank, world, model, data, root):
+    """The same rl: kto run with each row split over 2 context-parallel ranks (cp=2 × dp_shard=2: the same two
+    data-parallel ranks, so the same micro-batches and KL rows as TRL's two processes)."""
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    lines: list[str] = []
+    res = train(_kto_cfg(model, data, f"{root}/cp", cp=2), log=lines.append)
+    return res.losses, res.rewards, [ln for ln in lines if ln.startswith("engine:")]
 
 
 def _kto_worker(rank, world, model, data, root, rendered):
@@ -517,7 +529,8 @@ def test_kto_matches_trl(tmp_path):
     (adapter/train/kto.py: a micro-batch on DP rank r is TRL's per-device batch on process r), TRL given the rows in
     the order Axolotl's shuffle_merged_datasets leaves them (nd-adapter's: the seed's permutation): each step's loss and
     TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps, micro-batches of one label among them
-    (KTO_LABELS); the KL estimate is above 0 by the last step, so the clamp is not what makes them agree."""
+    (KTO_LABELS); the KL estimate is above 0 by the last step, so the clamp is not what makes them agree. The same run
+    with each row split over 2 context-parallel ranks (4 processes) gives TRL's numbers too."""
     import numpy as np
 
     from adapter.data.sft.preference_kto import render
@@ -553,6 +566,13 @@ def test_kto_matches_trl(tmp_path):
     step = WORLD * KTO_MB * GA  # trained tokens: the rows' completions, not their KL rows'
     assert trained == [sum(per_row[s * step:(s + 1) * step]) for s in range(STEPS)], (trained, per_row)
     assert logs[-1]["kl"] > 1e-4 and abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3
+    cp_losses, cp_metrics, said = run_workers(_kto_cp_worker, 2 * WORLD, str(tmp_path / "model"), str(data),
+                                        str(tmp_path), timeout=300)[0]
+    pairs = list(zip(cp_losses, want)) + [(got[k], log[k]) for got, log in zip(cp_metrics, logs) for k in KTO_METRICS]
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
+    print(f"KTO at cp=2 x dp_shard=2: max |nd-adapter - TRL| / max(1, |TRL|): {worst:.2e}")
+    assert "cp=2 through transformers' attention interface" in said[0], said
+    assert len(cp_losses) == STEPS and worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
 
 
 def _four(rank, world, model, data, root, adapter, model64):

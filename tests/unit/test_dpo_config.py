@@ -318,7 +318,6 @@ def test_axolotl_kto_example_plans(tmp_path):
     ({"adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_linear": None},
      "adapter=None: KTO with a full fine-tune needs"),
     ({"val_set_size": 0.1}, "val_set_size=0.1: KTO's eval is not built"),
-    ({"context_parallel_size": 2}, "context_parallel_size=2: KTO's rows split over context-parallel ranks"),
     ({"kto_desirable_weight": -1}, "kto_desirable_weight=-1: must be a number ≥ 0"),
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}, "rl: kto trains on labelled rows"),
