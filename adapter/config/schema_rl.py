@@ -98,16 +98,20 @@ class RLFields(_Strict):
         """(sequences with gradients, forward-only passes) per row of the micro-batch: PREFERENCE_PASSES, less the
         reference's pass where it is a table (`fixed_reference`)."""
         grad, forwards = PREFERENCE_PASSES[self.objective]
-        return grad, 0 if self.fixed_reference() else forwards
+        if not self.fixed_reference():
+            return grad, forwards
+        return grad, 1 if self.objective == "kto" else 0  # KTO's KL rows still go through the policy
 
     def fixed_reference(self) -> bool:
-        """Whether the DPO/IPO reference is the starting model's log-probabilities, computed once before step 1
-        (adapter/train/dpo.reference_table): a full fine-tune's starting weights, and LoRA started from a saved
-        adapter (lora.init_from, Axolotl's lora_model_dir), whose reference TRL makes a frozen copy of that adapter
-        (DPOTrainer's "ref" adapter), not the base. Fresh adapters (B = 0) start as the base, so disabling them each
+        """Whether the DPO/IPO/KTO reference is the starting model's log-probabilities, computed once before step 1
+        (adapter/train/dpo.reference_table; KTO's with its KL rows: adapter/train/kto.reference_table): a full
+        fine-tune's starting weights, and (DPO/IPO) LoRA started from a saved adapter (lora.init_from, Axolotl's
+        lora_model_dir), whose reference TRL makes a frozen copy of that adapter (DPOTrainer's "ref" adapter), not
+        the base. Fresh adapters (B = 0) start as the base, so disabling them each
         step gives their reference without a table."""
         lora = self.lora  # type: ignore[attr-defined]
-        return self.objective in ("dpo", "ipo") and (lora is None or bool(lora.init_from))
+        return (self.objective in ("dpo", "ipo") and (lora is None or bool(lora.init_from))
+                or self.objective == "kto" and lora is None)  # KTO's LoRA: the base (adapters disabled), as TRL
 
     @model_validator(mode="after")
     def _dpo_scope(self) -> RLFields:
@@ -141,11 +145,6 @@ class RLFields(_Strict):
             raise bad("micro_batch_size" if ax else "batch.micro_batch_size", mb, "KTO's KL term pairs each row's "
                       "prompt with another row's completion inside a micro-batch (TRL's per-device batch), and TRL "
                       "refuses a batch of 1 (its KL estimate would be the row's own reward)", "set it to 2 or more")
-        if self.lora is None:  # type: ignore[attr-defined]
-            raise bad("adapter" if ax else "lora", None, "KTO with a full fine-tune needs the starting weights' "
-                      "log-probabilities of each micro-batch's mismatched KL rows, which depend on the sampled "
-                      "neighbours (TRL keeps a second copy of the model); only LoRA's reference (the adapters "
-                      "disabled) is built", "use adapter: lora (or qlora), or run this config with Axolotl")
         d = self.data  # type: ignore[attr-defined]
         if d.val_set_size or d.test_datasets:
             which = "test_datasets" if d.test_datasets else "val_set_size"

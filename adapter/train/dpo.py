@@ -129,6 +129,12 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     t = trainer
     if not t.cfg.fixed_reference():
         return None, None
+    if t.cfg.objective == "kto":  # KL rows: fixed by the in-order sampler's micro-batches (adapter/train/kto.py)
+        table = kto.reference_table(t.engine.ds, t.dataset, t.sampler, group=t.groups.dp, logps=_logps,
+                                    place=lambda b: place(t.run, t.cp_rank, t.device, b))
+        t._say(f"KTO reference: the starting weights' log-probabilities of the {len(t.dataset)} rows and of their KL "
+               "rows, computed once before step 1 (TRL's frozen reference model; its precompute_ref_log_probs)")
+        return table, None
     tables = [None if data is None or not len(data) else
               reference_table(t.engine.ds, data, dp_rank=t.layout.data_rank(t.rank), dp=t.layout.dp,
                               group=t.groups.dp, micro=t.cfg.batch.micro_batch_size,

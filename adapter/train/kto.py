@@ -12,8 +12,9 @@ micro_batch_size there) and the same gradient accumulation; the KL rows are buil
 (`rows`). The one place they part: an epoch's tail that does not fill a round of dp × micro_batch_size rows is skipped
 here (adapter/data/sampler.py) where TRL trains a short last batch.
 
-Per micro-batch, as TRL's `_compute_loss`: the reference (the base with the LoRA adapters disabled, no gradient) of
-the rows and of the KL rows, the policy of the KL rows (no gradient) and of the rows; z = the mean over the
+Per micro-batch, as TRL's `_compute_loss`: the reference (the base with the LoRA adapters disabled, no gradient;
+for a full fine-tune the starting weights' values, computed once before step 1: `reference_table`) of the rows and
+of the KL rows, the policy of the KL rows (no gradient) and of the rows; z = the mean over the
 micro-batch of policy − reference of the KL rows, then the mean of that over the DP ranks' micro-batches of the
 same accumulation step (TRL's gather_for_metrics(kl).mean()), clamped at 0. Per row, r = log-ratio policy/reference
 of its completion's summed log-probabilities: desirable rows desirable_weight·(1 − σ(β(r − z))), undesirable ones
@@ -53,7 +54,42 @@ def rows(b: dict) -> dict:
     out = {k: torch.cat([b[k], v]) for k, v in (("tokens", kl_tok), ("labels", labels), ("loss_mask", loss_mask),
                                                 ("position_ids", b["position_ids"]))}
     out["kto_label"] = torch.cat([b["kto_label"], b["kto_label"]])
+    if "pair" in b:  # each row's index, for its KL row too (a full fine-tune's reference table: `reference_table`)
+        out["pair"] = torch.cat([b["pair"], b["pair"]])
     return out
+
+
+def reference_table(ds, dataset, sampler, *, group, place, logps) -> torch.Tensor:
+    """[rows, 2] the starting weights' log-probabilities of every row's completion and of its KL row (a full
+    fine-tune's reference: TRL keeps a frozen copy of the model; here it is computed once before step 1, as TRL's
+    precompute_ref_log_probs). A row's KL row depends on the rows beside it in its micro-batch, which the in-order
+    sampler (`sampler`, this DP rank's: a fresh copy of the trainer's) fixes for every epoch at a given layout, so
+    each DP rank computes the rows it will train and a resume at another layout computes its own table again.
+    `logps(ds, batch)`: each row's summed completion log-probability (adapter/train/dpo.py)."""
+    import numpy as np
+
+    from adapter.data.sampler import DPSampler
+    from adapter.train.dpo import flat
+
+    n, s = len(dataset), sampler
+    order = iter(DPSampler(n, dp_rank=s.dp_rank, dp_size=s.dp_size, micro_batch=s.micro_batch, shuffle=False))
+    table = None
+    ds.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(s.batches_per_epoch):
+                items = [dataset[i] for i in next(order)]
+                b = place(flat({k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}))
+                lp = logps(ds, b).double()
+                if table is None:
+                    table = torch.zeros(n, 2, dtype=torch.float64, device=lp.device)
+                m = lp.shape[0] // 2
+                table[b["pair"][:m, 0]] = torch.stack([lp[:m], lp[m:]], 1)
+    finally:
+        ds.train()
+    assert table is not None
+    dist.all_reduce(table, group=group)  # each row written by the one DP rank that trains it
+    return table
 
 
 def step_terms(t, batch, logps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +99,12 @@ def step_terms(t, batch, logps) -> tuple[torch.Tensor, torch.Tensor]:
     beta, m = cfg.kto.beta, batch["tokens"].shape[0] // 2
     own = {k: v[:m] for k, v in batch.items()}
     kl_rows = {k: v[m:] for k, v in batch.items()}
-    peft_model = ds.module.model  # adapter/modeling/hf_build.CausalLMLosses holds PEFT's model
     with torch.no_grad():
-        with peft_model.disable_adapter():
-            ref, ref_kl = logps(ds, own), logps(ds, kl_rows)
+        if t.ref_table is not None:  # a full fine-tune: the starting weights' (`reference_table`)
+            ref, ref_kl = (t.ref_table[own["pair"][:, 0], j].to(torch.float32) for j in (0, 1))
+        else:  # LoRA: the base, PEFT's adapters disabled (adapter/modeling/hf_build.CausalLMLosses holds PEFT's model)
+            with ds.module.model.disable_adapter():
+                ref, ref_kl = logps(ds, own), logps(ds, kl_rows)
         pol_kl = logps(ds, kl_rows)
     pol = logps(ds, own)
     good = batch["kto_label"][:m, 0] > 0.5
@@ -106,4 +144,4 @@ def loss_of(cfg, logratio: torch.Tensor, good: torch.Tensor, kl: torch.Tensor) -
                        cfg.kto.undesirable_weight * (1 - F.sigmoid(beta * (kl - logratio))))
 
 
-__all__ = ["METRICS", "KEYS", "rows", "step_terms", "step_metrics", "loss_of"]
+__all__ = ["METRICS", "KEYS", "rows", "reference_table", "step_terms", "step_metrics", "loss_of"]

@@ -431,6 +431,7 @@ def _compare(run, ref, names) -> float:
 
 KTO = {"beta": 0.3, "desirable_weight": 0.7, "undesirable_weight": 1.3}
 KTO_MB = 2  # TRL's per-device batch: the KL rows are built inside it
+KTO_FULL_LR = 1e-3  # a full fine-tune's: its KL estimate rises above 0 (at LoRA's 2e-2 it falls below and is clamped)
 KTO_METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
 
 
@@ -452,11 +453,11 @@ def _kto_rows(order) -> list[dict]:
     return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
 
 
-def _kto_cfg(model: str, data: str, root: str, cp: int = 1):
+def _kto_cfg(model: str, data: str, root: str, cp: int = 1, lora: bool = True, lr: float = LR):
     raw = {"model": {"path": model, "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "kto",
-           "kto": KTO, "lora": LORA, "parallelism": {"dp_shard_size": WORLD, "cp_size": cp},
+           "kto": KTO, "lora": LORA if lora else None, "parallelism": {"dp_shard_size": WORLD, "cp_size": cp},
            "batch": {"micro_batch_size": KTO_MB, "gradient_accumulation_steps": GA}, "seq_len": SEQ,
-           "precision": "fp32", "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
+           "precision": "fp32", "optimizer": {"lr": lr, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
                                               "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
                                               "weight_decay": 0.0},
            "deepspeed": {"zero_stage": 3}, "eval": {"per_epoch": 0},
@@ -476,7 +477,7 @@ def _kto_cp_worker(rank, world, model, data, root):
     return res.losses, res.rewards, [ln for ln in lines if ln.startswith("engine:")]
 
 
-def _kto_worker(rank, world, model, data, root, rendered):
+def _kto_worker(rank, world, model, data, root, rendered, lora=True):
     """nd-adapter's rl: kto run, then TRL's KTOTrainer on the same two processes (accelerate over the same gloo
     group, DDP): (nd-adapter's losses and metrics, TRL's per-micro-batch losses on this rank, TRL's logged metrics)."""
     import torch
@@ -489,7 +490,7 @@ def _kto_worker(rank, world, model, data, root, rendered):
     from tests.helpers.runs import train
 
     init_distributed()
-    cfg = _kto_cfg(model, data, root)
+    cfg = _kto_cfg(model, data, root, lora=lora, lr=LR if lora else KTO_FULL_LR)
     lines: list[str] = []
     res = train(cfg, log=lines.append)
 
@@ -497,7 +498,8 @@ def _kto_worker(rank, world, model, data, root, rendered):
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     hf.config.use_cache = False
     torch.manual_seed(cfg.seed)  # as adapter/modeling/hf_build.add_peft initialises the adapters
-    hf = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    if lora:  # else TRL loads the starting weights again as its frozen reference model
+        hf = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     losses: list[float] = []
     logs: list[dict] = []
 
@@ -514,7 +516,7 @@ def _kto_worker(rank, world, model, data, root, rendered):
     tok = AutoTokenizer.from_pretrained(model)
     tok.pad_token = tok.pad_token or tok.eos_token
     args = KTOConfig(output_dir=f"{root}/trl", per_device_train_batch_size=KTO_MB, gradient_accumulation_steps=GA,
-                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                     max_steps=STEPS, learning_rate=cfg.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
                      weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
                      max_length=SEQ, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=cfg.seed,
                      bf16=False, gradient_checkpointing=False, dataloader_num_workers=0, optim="adamw_torch",
@@ -523,14 +525,18 @@ def _kto_worker(rank, world, model, data, root, rendered):
     return res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines, res.trained_tokens
 
 
-def test_kto_matches_trl(tmp_path):
-    """`rl: kto` (LoRA, dp_shard=2 under ZeRO-3, micro-batches of 2 rows, 2 accumulated: 8 rows a step) against
-    TRL 1.8.0's KTOTrainer on the same two processes with per_device_train_batch_size 2 and the same accumulation
-    (adapter/train/kto.py: a micro-batch on DP rank r is TRL's per-device batch on process r), TRL given the rows in
-    the order Axolotl's shuffle_merged_datasets leaves them (nd-adapter's: the seed's permutation): each step's loss and
-    TRL's logged kl, rewards/* and logps/* agree (≤ 1e-5) over 4 steps, micro-batches of one label among them
-    (KTO_LABELS); the KL estimate is above 0 by the last step, so the clamp is not what makes them agree. The same run
-    with each row split over 2 context-parallel ranks (4 processes) gives TRL's numbers too."""
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_kto_matches_trl(tmp_path, lora):
+    """`rl: kto` (LoRA, and a full fine-tune against TRL's frozen reference model; dp_shard=2 under ZeRO-3,
+    micro-batches of 2 rows, 2 accumulated: 8 rows a step) against TRL 1.8.0's KTOTrainer on the same two processes
+    with per_device_train_batch_size 2 and the same accumulation (adapter/train/kto.py: a micro-batch on DP rank r is
+    TRL's per-device batch on process r), TRL given the rows in the order Axolotl's shuffle_merged_datasets leaves
+    them (nd-adapter's: the seed's permutation): each step's loss and TRL's logged kl, rewards/* and logps/* agree
+    (≤ 1e-5) over 4 steps, micro-batches of one label among them (KTO_LABELS); the KL estimate is above 0 by the last
+    step, so the clamp is not what makes them agree (and the KL rows' reference values count). The same LoRA
+    run with each row split over 2 context-parallel ranks (4 processes) gives TRL's numbers too. The full
+    fine-tune's reference is a table of the starting weights' values of every row and its KL row, computed before
+    step 1 (adapter/train/kto.reference_table)."""
     import numpy as np
 
     from adapter.data.sft.preference_kto import render
@@ -544,7 +550,8 @@ def test_kto_matches_trl(tmp_path):
     rows = _kto_rows(order)
     write_jsonl(data, rows)
     rendered = [dict(zip(("prompt", "completion", "label"), render(rows[i], "chatml.prompt_pairs"))) for i in order]
-    out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, timeout=300)
+    out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, lora,
+                      timeout=300)
     losses, metrics, trl0, logs, lines, trained = out[0]
     trl1 = out[1][2]
     assert len(trl0) == len(trl1) == STEPS * GA and len(logs) == STEPS, (trl0, logs)
@@ -565,7 +572,11 @@ def test_kto_matches_trl(tmp_path):
     per_row = [len(tokenize(tok, r["prompt"], r["completion"], r["completion"])[1]) for r in rendered]
     step = WORLD * KTO_MB * GA  # trained tokens: the rows' completions, not their KL rows'
     assert trained == [sum(per_row[s * step:(s + 1) * step]) for s in range(STEPS)], (trained, per_row)
-    assert logs[-1]["kl"] > 1e-4 and abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3
+    assert abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3
+    assert logs[-1]["kl"] > 1e-4, [g["kl"] for g in logs]  # so the KL rows' reference counts (full: its table)
+    if not lora:
+        assert any(ln.startswith("KTO reference: the starting weights'") for ln in lines), lines
+        return
     cp_losses, cp_metrics, said = run_workers(_kto_cp_worker, 2 * WORLD, str(tmp_path / "model"), str(data),
                                         str(tmp_path), timeout=300)[0]
     pairs = list(zip(cp_losses, want)) + [(got[k], log[k]) for got, log in zip(cp_metrics, logs) for k in KTO_METRICS]

@@ -315,8 +315,6 @@ def test_axolotl_kto_example_plans(tmp_path):
 
 @pytest.mark.parametrize("over, needle", [
     ({"micro_batch_size": 1}, "micro_batch_size=1: KTO's KL term pairs each row's prompt with another row's"),
-    ({"adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_linear": None},
-     "adapter=None: KTO with a full fine-tune needs"),
     ({"val_set_size": 0.1}, "val_set_size=0.1: KTO's eval is not built"),
     ({"kto_desirable_weight": -1}, "kto_desirable_weight=-1: must be a number ≥ 0"),
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
@@ -433,3 +431,13 @@ def test_plan_counts_both_answers_and_the_reference_forward(tmp_path):
     s, d, o = (p["predicted"] for p in (sft, dpo, orpo))
     assert abs(o["step_time_s"] - s["step_time_s"]) < 1e-9  # no reference
     assert abs(d["step_time_s"] - s["step_time_s"] - 0.5 * s["breakdown"]["compute"]) < 1e-9  # LoRA: fwd = 1/2
+
+
+def test_kto_full_fine_tune_takes_a_reference_table_and_keeps_the_policy_pass_over_its_kl_rows():
+    """A full fine-tune's KTO reference is the starting weights' table (adapter/train/kto.reference_table); each
+    step still runs the KL rows through the policy: one forward-only pass a row, not LoRA's three."""
+    full = config.build(_kto(adapter=None, lora_r=None, lora_alpha=None, lora_dropout=None, lora_target_linear=None),
+                        env={}, world_size=1)
+    assert full.lora is None and full.fixed_reference() and full.preference_passes() == (1, 1)
+    lora = config.build(_kto(), env={}, world_size=1)
+    assert not lora.fixed_reference() and lora.preference_passes() == (1, 3)

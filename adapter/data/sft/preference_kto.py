@@ -53,7 +53,8 @@ def render(row: dict, kind: str) -> tuple[str, str, bool]:
 
 class KTODataset:
     """The prepared rows: item i is {tokens, labels, loss_mask, position_ids} [1, seq_len] of its own sequence,
-    and kto_prompt, kto_completion [1, seq_len], kto_len [1, 2] (prompt, completion tokens), kto_label [1, 1]."""
+    and kto_prompt, kto_completion [1, seq_len], kto_len [1, 2] (prompt, completion tokens), kto_label [1, 1], pair
+    [1, 1] (i)."""
 
     def __init__(self, d: Path, seq_len: int, part: str = "rows"):
         z = np.load(d / f"{part}.npz")
@@ -68,7 +69,8 @@ class KTODataset:
         return {**targets(tok[None], mask[None]), "kto_prompt": self.prompt[i][None].astype(np.int64),
                 "kto_completion": self.completion[i][None].astype(np.int64),
                 "kto_len": self.lengths[i][None].astype(np.int64),
-                "kto_label": np.full((1, 1), float(self.labels[i]), np.float32)}
+                "kto_label": np.full((1, 1), float(self.labels[i]), np.float32),
+                "pair": np.full((1, 1), i, np.int64)}  # the row's index: a full fine-tune's reference table
 
 
 def join(prompt: np.ndarray, completion: np.ndarray, lengths, seq: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
