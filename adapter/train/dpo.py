@@ -131,7 +131,8 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return None, None
     if t.cfg.objective == "kto":  # KL rows: fixed by the in-order sampler's micro-batches (adapter/train/kto.py)
         table = kto.reference_table(t.engine.ds, t.dataset, t.sampler, group=t.groups.dp, logps=_logps,
-                                    place=lambda b: place(t.run, t.cp_rank, t.device, b))
+                                    batch_of=lambda items: place(t.run, t.cp_rank, t.device, flat(
+                                        {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]})))
         t._say(f"KTO reference: the starting weights' log-probabilities of the {len(t.dataset)} rows and of their KL "
                "rows, computed once before step 1 (TRL's frozen reference model; its precompute_ref_log_probs)")
         return table, None

@@ -59,17 +59,15 @@ def rows(b: dict) -> dict:
     return out
 
 
-def reference_table(ds, dataset, sampler, *, group, place, logps) -> torch.Tensor:
+def reference_table(ds, dataset, sampler, *, group, batch_of, logps) -> torch.Tensor:
     """[rows, 2] the starting weights' log-probabilities of every row's completion and of its KL row (a full
     fine-tune's reference: TRL keeps a frozen copy of the model; here it is computed once before step 1, as TRL's
     precompute_ref_log_probs). A row's KL row depends on the rows beside it in its micro-batch, which the in-order
     sampler (`sampler`, this DP rank's: a fresh copy of the trainer's) fixes for every epoch at a given layout, so
     each DP rank computes the rows it will train and a resume at another layout computes its own table again.
-    `logps(ds, batch)`: each row's summed completion log-probability (adapter/train/dpo.py)."""
-    import numpy as np
-
+    `batch_of(items)`: a micro-batch's dataset items as the loop's device batch (`rows` applied); `logps(ds, batch)`:
+    each row's summed completion log-probability (both adapter/train/dpo.py's)."""
     from adapter.data.sampler import DPSampler
-    from adapter.train.dpo import flat
 
     n, s = len(dataset), sampler
     order = iter(DPSampler(n, dp_rank=s.dp_rank, dp_size=s.dp_size, micro_batch=s.micro_batch, shuffle=False))
@@ -78,8 +76,7 @@ def reference_table(ds, dataset, sampler, *, group, place, logps) -> torch.Tenso
     try:
         with torch.no_grad():
             for _ in range(s.batches_per_epoch):
-                items = [dataset[i] for i in next(order)]
-                b = place(flat({k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}))
+                b = batch_of([dataset[i] for i in next(order)])
                 lp = logps(ds, b).double()
                 if table is None:
                     table = torch.zeros(n, 2, dtype=torch.float64, device=lp.device)
