@@ -50,6 +50,11 @@ from adapter.train.preference_losses import (
 )
 
 
+def collate(items: list[dict]) -> dict:
+    """Dataset items (numpy arrays) stacked into one host micro-batch of tensors."""
+    return {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
+
+
 def flat(batch: dict) -> dict:
     """[mb, 2, seq] pairs -> [2·mb, seq] rows: every chosen row, then every rejected one (TRL's order). KTO's
     [mb, 1, seq] rows -> [2·mb, seq]: the rows, then their KL rows (adapter/train/kto.py)."""
@@ -107,7 +112,7 @@ def reference_table(ds, dataset, *, dp_rank: int, dp: int, group, micro: int, pl
             for lo in range(0, per, micro):
                 idx = mine[lo:lo + micro]
                 items = [dataset[min(i, n - 1)] for i in idx]
-                b = place(flat({k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}))
+                b = place(flat(collate(items)))
                 lp = _logps(ds, b).double()
                 if table is None:
                     table = torch.zeros(per * dp, 2, dtype=torch.float64, device=lp.device)
@@ -131,8 +136,7 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return None, None
     if t.cfg.objective == "kto":  # KL rows: fixed by the in-order sampler's micro-batches (adapter/train/kto.py)
         table = kto.reference_table(t.engine.ds, t.dataset, t.sampler, group=t.groups.dp, logps=_logps,
-                                    batch_of=lambda items: place(t.run, t.cp_rank, t.device, flat(
-                                        {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]})))
+                                    batch_of=lambda items: place(t.run, t.cp_rank, t.device, flat(collate(items))))
         t._say(f"KTO reference: the starting weights' log-probabilities of the {len(t.dataset)} rows and of their KL "
                "rows, computed once before step 1 (TRL's frozen reference model; its precompute_ref_log_probs)")
         return table, None
@@ -227,7 +231,7 @@ def evaluate(t) -> tuple[float | None, int, dict[str, float]]:
             for r in range(rounds):
                 idx = range(r * per_round + dp_rank * mb, r * per_round + (dp_rank + 1) * mb)
                 items = [val[i] if i < n else dict(val[0]) for i in idx]
-                b = t._on_device(flat({k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}))
+                b = t._on_device(flat(collate(items)))
                 losses, nll, tokens, stats = pair_terms(cfg, ds, b, t.val_ref)
                 w = torch.tensor([float(i < n) for i in idx], dtype=torch.float64, device=t.device)
                 acc[r] = torch.cat([torch.stack([losses.double() @ w, w.sum(), nll.double() @ w, tokens.double() @ w]),
@@ -252,5 +256,5 @@ def line(values: dict[str, float]) -> str:
     return " | ".join(f"{k} {v:.4f}" for k, v in values.items())
 
 
-__all__ = ["METRICS", "flat", "trained", "reference_table", "reference_for", "pair_terms", "step_norm", "step_terms",
-           "step_metrics", "evaluate", "line"]
+__all__ = ["METRICS", "collate", "flat", "trained", "reference_table", "reference_for", "pair_terms", "step_norm",
+           "step_terms", "step_metrics", "evaluate", "line"]
