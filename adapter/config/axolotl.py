@@ -31,6 +31,7 @@ from adapter.config.axolotl_train import (
     SCHEDULE_MAP,
     enabled,
     map_batch,
+    map_dequantize,
     map_lora,
     map_master_weights,
     map_precision,
@@ -61,7 +62,8 @@ KNOWN = MARKERS | {
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
-    "auto_resume_from_checkpoints", "trust_remote_code", "mean_resizing_embeddings",
+    "auto_resume_from_checkpoints", "trust_remote_code", "mean_resizing_embeddings", "model_quantization_config",
+    "model_quantization_config_kwargs",
 } | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -175,11 +177,13 @@ _SPELLED = {native: key for key, native in (MAP | LORA_MAP).items()} | {
     f"data.{v}": k for k, v in DATA_KEYS.items()} | {"optimizer.betas": "adam_beta1 / adam_beta2",
                                                       "precision": "bf16 / fp16", "lora": "adapter",
                                                       "model.output_router_logits":
-                                                          "model_config.output_router_logits"}
+                                                          "model_config.output_router_logits",
+                                                      "model.dequantize": "model_quantization_config"}
 
 
 def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
     map_precision(raw, out, notes)
+    map_dequantize(raw, out, notes)
     map_batch(raw, out, notes)
     map_schedule(raw, out, notes)
     map_context_parallel(raw, out, notes)

@@ -86,6 +86,31 @@ def enabled(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.lower() in ("true", "auto", "full"))
 
 
+# Axolotl's model_quantization_config (its loaders/model.py): the transformers class it builds from
+# model_quantization_config_kwargs and hands to from_pretrained
+QUANT_CLASSES = ("Mxfp4Config", "FineGrainedFP8Config")
+
+
+def map_dequantize(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """`model_quantization_config: Mxfp4Config` (or FineGrainedFP8Config) with `dequantize: true`: the pre-quantised
+    checkpoint loaded as 16-bit weights that train (model.dequantize; Axolotl's gpt-oss examples). Without
+    `dequantize: true` the codes would stay and train through their own kernels, which nd-adapter does not build."""
+    name, kw = raw.get("model_quantization_config"), raw.get("model_quantization_config_kwargs")
+    if name is None:
+        return
+    if name not in QUANT_CLASSES:
+        raise bad("model_quantization_config", name, f"Axolotl builds {' or '.join(QUANT_CLASSES)} only",
+                  "use one of them, or remove it")
+    if not isinstance(kw, dict) or kw.get("dequantize") is not True:
+        raise bad("model_quantization_config_kwargs", kw, f"{name} without dequantize: true keeps the checkpoint's "
+                  "quantised codes to train through their kernels, which nd-adapter does not build",
+                  "set model_quantization_config_kwargs: {dequantize: true} (16-bit weights that train)")
+    rest = sorted(k for k in kw if k != "dequantize")
+    if rest:
+        notes.append(f"model_quantization_config_kwargs {', '.join(rest)}: no effect on a dequantized checkpoint")
+    set_dotted(out, "model.dequantize", True)
+
+
 def map_precision(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
     """Axolotl: `bf16: true|auto|full` -> bf16, `fp16: true` -> fp16, neither -> fp32 (full precision).
     `bfloat16: true` is bf16 too: its schema calls it "no AMP", but Axolotl's code passes `bf16 or bfloat16` to

@@ -89,9 +89,10 @@ class ModelSection(_Strict):
         "auto", description="what trains the model: megatron (a native family on Megatron-Core layers), "
         "transformers (transformers' own model: any architecture it loads), auto (megatron where a native family "
         "reproduces the checkpoint exactly, else transformers; said in the run's first lines)")
-    trust_remote_code: bool = Field(
-        False, description="run the checkpoint's own modelling code (config.json's auto_map), as transformers' "
-        "trust_remote_code; without it such a checkpoint is refused")
+    trust_remote_code: bool = Field(False, description="run the checkpoint's own modelling code (config.json's "
+                                    "auto_map), as transformers' trust_remote_code; else such a checkpoint is refused")
+    dequantize: bool = Field(False, description="a pre-quantised MXFP4 or FP8 checkpoint loaded as 16-bit weights "
+                             "that train (transformers' Mxfp4Config / FineGrainedFP8Config(dequantize=True))")
     liger: tuple[LigerKernel, ...] = Field((), description="Liger's kernels on the transformers engine (Axolotl's "
                                            "liger_* keys); the native engine runs its own")
     vocab_divisible_by: Int = Field(128, ge=1)
@@ -106,8 +107,7 @@ class ModelSection(_Strict):
     compile: bool | Literal["auto"] = Field(
         False, description="torch.compile each transformer layer (not with ZeRO-3); auto (Axolotl's torch_compile: "
         "true): where the layout allows it, said at run start")
-    # precision: fp8 only (adapter/kernels/fp8.py): how the fp8 operands are scaled (torchao's recipe names), and
-    # which of each layer's linears run in fp8
+    # precision: fp8 only (adapter/kernels/fp8.py): the fp8 operands' scaling (torchao's recipes), the fp8 linears
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     fp8_linears: tuple[Literal["qkv", "proj", "fc1", "fc2"], ...] = Field(("fc1", "fc2"), min_length=1)
     unfrozen_parameters: list[str] | None = Field(

@@ -32,13 +32,15 @@ OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_new
 
 
 def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
-                quantize: str | None = None, device=None, liger: tuple[str, ...] = ()):
+                quantize: str | None = None, device=None, liger: tuple[str, ...] = (), dequantize: bool = False):
     """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
     `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
     NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
     written out first and loaded the same way. `device`: where a random model is initialised (a GPU initialises an
     8B model in seconds, the CPU in minutes). `liger`: Liger's kernels to patch into the model's classes first
-    (`apply_liger`)."""
+    (`apply_liger`). `dequantize` (model.dequantize): an MXFP4 / FP8 checkpoint's codes turned into `dtype` weights by
+    transformers' own loader (its quantization class with dequantize=True, as Axolotl passes it), which then drops
+    the quantization config, so the export is a 16-bit checkpoint; a random model in its shape drops it too."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -52,8 +54,15 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     if quantize:
         model = _quantized(cls, config, model_dir if weights else None, dtype=dtype, quantize=quantize, kw=kw)
     elif weights:
+        if dequantize:
+            from transformers.quantizers.auto import AutoQuantizationConfig
+
+            kw["quantization_config"] = AutoQuantizationConfig.from_dict({**cfg["quantization_config"],
+                                                                          "dequantize": True})
         model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
     else:
+        if dequantize and hasattr(config, "quantization_config"):
+            del config.quantization_config  # random 16-bit weights: nothing is quantised, nor will the export be
         with torch.device(device or "cpu"):
             model = (cls.from_config(config, dtype=dtype, **kw) if remote else
                      cls._from_config(for_class(cls, config), dtype=dtype))

@@ -13,7 +13,7 @@ import math
 from adapter.config import spell
 from adapter.errors import EXIT_REQUEUE
 from adapter.models import families, freeze, lora, source
-from adapter.models.arch import longrope_note
+from adapter.models.arch import ModelArch
 from adapter.models.resolved import ResolvedRun
 
 
@@ -94,7 +94,8 @@ def weights(run: ResolvedRun, resumed: str | None = None, moved: str | None = No
     """Which weights the run starts from: the checkpoint being resumed (`resumed`, saved at another layout when
     `moved` says how), else the record's first weights (source.describe)."""
     if not resumed:
-        return source.describe(run.weights, run.cfg.seed, native=run.arch.native)
+        return source.describe(run.weights, run.cfg.seed, native=run.arch.native,
+                               dequantize=run.cfg.model.dequantize)
     return (f"weights: from the checkpoint {resumed} being resumed"
             + (f" (saved at another layout: {moved}; resharded)" if moved else "")
             + (", the frozen base from the converted weights" if run.lora is not None else "")
@@ -160,4 +161,16 @@ def mixture_of_experts(run: ResolvedRun) -> str:
                "micro-batch's loss" if on else "no load-balancing loss, as transformers then trains") + f" ({why})")
 
 
-__all__ = ["announce", "engine", "weights", "resumed", "signals", "optimizer", "mixture_of_experts"]
+def longrope_note(arch: ModelArch, seq_len: int, packed: bool) -> str | None:
+    """The run's first lines on LongRoPE where its long factors can apply (seq_len past the original context): which
+    batches rotate with them, as transformers decides (max position + 1 > original), None where they cannot."""
+    orig = arch.rope_original_max
+    if arch.rope_long_factor is None or orig is None or seq_len <= orig:
+        return None
+    return (f"rope: LongRoPE's long factors past {orig} positions (original_max_position_embeddings), chosen per "
+            "batch as transformers does: " + ("by each micro-batch's longest packed document" if packed else
+                                              f"every batch, its samples padded to seq_len {seq_len} (as Axolotl "
+                                              "pads them for transformers)"))
+
+
+__all__ = ["announce", "engine", "weights", "resumed", "signals", "optimizer", "mixture_of_experts", "longrope_note"]

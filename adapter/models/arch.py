@@ -191,35 +191,40 @@ def config_path(model: str | Path) -> Path:
     return Path(model) / "config.json" if Path(model).is_dir() else Path(model)
 
 
-def load_arch(model: str | Path, engine: str = "auto", trust_remote_code: bool = False) -> ModelArch:
+def load_arch(model: str | Path, engine: str = "auto", trust_remote_code: bool = False,
+              dequantize: str | None = None) -> ModelArch:
     """Read an HF checkpoint dir or config.json. `engine` (model.engine): "megatron" refuses anything GPTModel
     cannot reproduce exactly; "transformers" trains transformers' own model; "auto" the first where a native family
-    reproduces the checkpoint, else the second (the reason kept in `engine_reason`)."""
+    reproduces the checkpoint, else the second (the reason kept in `engine_reason`). `dequantize`: the config's key
+    that loads an MXFP4 / FP8 checkpoint dequantized, where on (adapter/models/prequant.py)."""
     path = config_path(model)
     if not path.exists():
         if not Path(model).exists() and looks_like_hub_id(str(model)):
             resolve_hub_id(str(model), key="model.path (base_model)")  # raises the hub cache's one line
         raise bad("model", str(model), "no config.json found there",
                   "point `model` at an HF checkpoint directory (with config.json) or at a config.json file")
-    raw = _read_json(path)
-    if engine != "auto":
-        return (arch_from_hf_dict(raw, source=str(path)) if engine == "megatron" else
-                _generic(raw, str(path), "model.engine: transformers", trust_remote_code))
-    try:
-        return arch_from_hf_dict(raw, source=str(path))
-    except NotNative as e:  # a native family, but a feature its layers do not reproduce
-        return _generic(raw, str(path), f"the native engine does not reproduce it: {e}", trust_remote_code)
-    except UnknownArchitecture:
-        name = (raw.get("architectures") or [raw.get("model_type")])[0]
-        return _generic(raw, str(path), f"{name} has no native family (Megatron-Core mapping)", trust_remote_code)
+    raw, src = _read_json(path), str(path)
+    if engine == "megatron":
+        return arch_from_hf_dict(raw, source=src, dequantize=dequantize)
+    why = "model.engine: transformers"
+    if engine == "auto":
+        try:
+            return arch_from_hf_dict(raw, source=src, dequantize=dequantize)
+        except NotNative as e:  # a native family, but a feature its layers do not reproduce
+            why = f"the native engine does not reproduce it: {e}"
+        except UnknownArchitecture:
+            why = f"{(raw.get('architectures') or [raw.get('model_type')])[0]} has no native family (Megatron-Core " \
+                  "mapping)"
+    return _generic(raw, src, why, trust_remote_code, dequantize)
 
 
-def _generic(raw: dict[str, Any], source: str, why: str, trust_remote_code: bool) -> ModelArch:
+def _generic(raw: dict[str, Any], source: str, why: str, trust_remote_code: bool,
+             dequantize: str | None = None) -> ModelArch:
     from adapter.models.generic import generic_arch_fields
 
     if not isinstance(raw, dict) or raw.get("use_bidirectional_attention"):
         raise bad("model", source, "not a causal language model's config.json", "fine-tune a causal checkpoint")
-    check_not_quantised(raw, source)  # bitsandbytes' NF4/int8 codes load into transformers' model, nothing else
+    check_not_quantised(raw, source, dequantize=dequantize)  # bitsandbytes' codes load, MXFP4/FP8 dequantize
     fields = generic_arch_fields(raw, source, trust_remote_code=trust_remote_code, model_dir=str(Path(source).parent))
     return ModelArch(**fields, engine_reason=why)
 
@@ -235,7 +240,7 @@ def _int(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int
     return v
 
 
-def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> ModelArch:
+def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json", dequantize: str | None = None) -> ModelArch:
     if not isinstance(cfg, dict):
         raise bad("model", source, "config.json is not a JSON object", "give a valid HF config.json")
     archs = cfg.get("architectures") or []
@@ -251,7 +256,7 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Model
                   "transformers), which reads the HF weights as they are, without conversion; native families: "
                   f"{', '.join(families.supported_architectures())} (adding a family: docs/adding-a-model.md)")))
     name = name or fam.architectures[0]
-    check_not_quantised(cfg, source, native=unbuilt)
+    check_not_quantised(cfg, source, native=unbuilt, dequantize=dequantize)
     if fam.text_config:  # an image-text checkpoint (Gemma3ForConditionalGeneration): its language model's config
         text = cfg.get("text_config")
         if not isinstance(text, dict):
@@ -484,17 +489,4 @@ def check_tp(arch: ModelArch, tp: int, key: str = "tp") -> None:
                   "use a tp_size that divides the MLP width")
 
 
-__all__ = ["ModelArch", "load_arch", "padded_vocab_size", "arch_from_hf_dict", "config_path", "check_tp", "UserError",
-           "longrope_note"]
-
-
-def longrope_note(arch: ModelArch, seq_len: int, packed: bool) -> str | None:
-    """The run's first lines on LongRoPE where its long factors can apply (seq_len past the original context): which
-    batches rotate with them, as transformers decides (max position + 1 > original), None where they cannot."""
-    orig = arch.rope_original_max
-    if arch.rope_long_factor is None or orig is None or seq_len <= orig:
-        return None
-    return (f"rope: LongRoPE's long factors past {orig} positions (original_max_position_embeddings), chosen per "
-            "batch as transformers does: " + ("by each micro-batch's longest packed document" if packed else
-                                              f"every batch, its samples padded to seq_len {seq_len} (as Axolotl "
-                                              "pads them for transformers)"))
+__all__ = ["ModelArch", "load_arch", "padded_vocab_size", "arch_from_hf_dict", "config_path", "check_tp", "UserError"]

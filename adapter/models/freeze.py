@@ -7,7 +7,8 @@ nd-adapter trains Megatron's tensors, some of which hold several HF parameters (
 up in `linear_fc1`, the input norm with `linear_qkv` in checkpoints): such a tensor is trained when all its HF
 parameters are, frozen when none is, and a pattern that splits it is refused in one line. Row ranges are honoured
 on the embedding and an untied LM head (their rows are vocabulary rows on every TP rank) and refused elsewhere. A
-pattern that matches nothing is refused too: it is a typo or a parameter the model does not have.
+pattern that matches nothing is refused too: it is a typo or a parameter the model does not have (unless what it
+names further in is trained by the other patterns: `refuse_unmatched`).
 
 Torch-free: `plan` counts the trained parameters' gradients and states from here, and the engine sets
 `requires_grad` (and the row masks) from the same answer.
@@ -131,15 +132,25 @@ def resolve(arch: ModelArch, patterns: list[str] | None, key: str = "model.unfro
             out.append(Tensor(module_name(rule, layer), names, _numel(rule, arch, padded), rule.tp_axis, trained,
                               rows))
     if parsed is not None:
-        for p, hit in zip(parsed, used):
-            if not hit:
-                tied = " (lm_head is tied to embed_tokens in this model)" if "lm_head" in p.text and \
-                    arch.tie_embeddings else ""
-                raise bad(key, p.text, f"matches no parameter of {arch.architecture}{tied}",
-                          "names look like model.layers.0.mlp.down_proj.weight or model.embed_tokens.weight")
+        tied = " (lm_head is tied to embed_tokens in this model)" if arch.tie_embeddings else ""
+        refuse_unmatched(parsed, used, {n: t.trained for t in out for n in t.hf}, key, arch.architecture, tied)
         if not any(t.trained for t in out):
             raise bad(key, patterns, "leaves nothing to train", "unfreeze at least one parameter")
     return out
+
+
+def refuse_unmatched(parsed: list[Pattern], used: list[bool], trained: dict[str, bool], key: str, model: str,
+                     tied: str = "") -> None:
+    """One line for a pattern that matches no parameter name from its start: a typo, or a parameter the model does
+    not have. Except where every name it finds further in (`search`) is trained by the other patterns (Axolotl's
+    Mistral Small 4 example lists `embed_tokens` beside `model.language_model.*`): Axolotl skips such a pattern
+    silently, and what it names is trained anyway, so it is honoured."""
+    for p, hit in zip(parsed, used):
+        found = [n for n in trained if p.regex.search(n)]
+        if not hit and not (found and all(trained[n] for n in found)):
+            note = tied if "lm_head" in p.text else ""
+            raise bad(key, p.text, f"matches no parameter of {model}{note}",
+                      "names look like model.layers.0.mlp.down_proj.weight or model.embed_tokens.weight")
 
 
 def describe(tensors: list[Tensor], arch: ModelArch, key: str) -> str:
@@ -167,4 +178,4 @@ def trained_local(tensors, arch: ModelArch, tp: int, *, vocab_divisible_by: int 
     return total
 
 
-__all__ = ["Pattern", "Tensor", "parse", "resolve", "module_name", "describe", "trained_local"]
+__all__ = ["Pattern", "Tensor", "parse", "resolve", "module_name", "describe", "trained_local", "refuse_unmatched"]

@@ -194,10 +194,7 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
                 raise bad(key, parsed[hits[0]].text, "an empty row range", f"give rows within 0..{first}")
             rows = (start, end)
         out.append(freeze.Tensor(name, (name,), numel, None, bool(hits), rows))
-    for pat, hit in zip(parsed, used):
-        if not hit:
-            raise bad(key, pat.text, f"matches no parameter of {cls}",
-                      "names look like model.layers.0.mlp.down_proj.weight or model.embed_tokens.weight")
+    freeze.refuse_unmatched(parsed, used, {t.name: t.trained for t in out}, key, cls)
     if not any(t.trained for t in out):
         raise bad(key, cfg.model.unfrozen_parameters, "leaves nothing to train", "unfreeze at least one parameter")
     return out
@@ -299,10 +296,15 @@ def _check_liger(cfg, arch) -> None:
 
 def check_prequantized(cfg, raw: dict[str, Any]) -> None:
     """A bitsandbytes checkpoint's NF4 / int8 codes (adapter/models/prequant.py) are a frozen base: only a QLoRA run
-    of the same codes trains on them (load_in_4bit for NF4, load_in_8bit for int8), as Axolotl's QLoRA does."""
+    of the same codes trains on them (load_in_4bit for NF4, load_in_8bit for int8), as Axolotl's QLoRA does. A
+    dequantized MXFP4 / FP8 checkpoint is not quantised again."""
     from adapter.config import spell
     from adapter.models.prequant import loadable_codes
 
+    if cfg.model.dequantize and cfg.lora is not None and cfg.lora.quantize_base:
+        raise bad(spell(cfg, "lora.quantize_base"), cfg.lora.quantize_base, "the checkpoint is dequantized as it "
+                  "loads (model.dequantize); quantising those weights again with bitsandbytes is not built",
+                  "use adapter: lora (a 16-bit frozen base)")
     codes = loadable_codes(raw)
     if codes is None:
         return

@@ -69,19 +69,24 @@ def hf_dir(cfg) -> Path:
     return model_dir(cfg.model.path)
 
 
+def dequantize_key(cfg) -> str | None:
+    """`model.dequantize` as the config spells it, where on (adapter/models/prequant.py); else None."""
+    return spell(cfg, "model.dequantize") if cfg.model.dequantize else None
+
+
 def arch_for(cfg) -> ModelArch:
     """The architecture the run trains (from `hf_dir`), with the run's overrides of its config.json. A native family
     whose run asks what the native engine does not build (lora.check_native) trains on the transformers engine under
     `model.engine: auto`, the reason said in its engine line; `megatron` refuses it in that line."""
-    engine, trust = cfg.model.engine, cfg.model.trust_remote_code
-    arch = load_arch(hf_dir(cfg), engine, trust)
+    engine, trust, deq = cfg.model.engine, cfg.model.trust_remote_code, dequantize_key(cfg)
+    arch = load_arch(hf_dir(cfg), engine, trust, deq)
     if arch.native:
         try:
             lora.check_native(cfg, arch)
         except NotNative as e:
             if engine != "auto":
                 raise
-            arch = dataclasses.replace(load_arch(hf_dir(cfg), "transformers", trust),
+            arch = dataclasses.replace(load_arch(hf_dir(cfg), "transformers", trust, deq),
                                        engine_reason=f"the native engine does not reproduce it: {e}")
     return with_overrides(cfg, arch)
 
@@ -103,7 +108,8 @@ def check_converted(cfg) -> None:
         stored = json.loads(meta.read_text()).get("arch", {})
     except (OSError, json.JSONDecodeError, AttributeError):
         raise bad("model.checkpoint", ckpt, f"its {META} is not valid JSON", "convert the checkpoint again")
-    base = with_overrides(cfg, load_arch(model_dir(cfg.model.path), cfg.model.engine, cfg.model.trust_remote_code))
+    base = with_overrides(cfg, load_arch(model_dir(cfg.model.path), cfg.model.engine, cfg.model.trust_remote_code,
+                                         dequantize_key(cfg)))
     diff = [k for k in ARCH_KEYS if k in stored and stored[k] != getattr(base, k)]
     if diff:
         k = diff[0]
@@ -286,12 +292,15 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def describe(w: WeightsSource, seed: int, native: bool = True) -> str:
+def describe(w: WeightsSource, seed: int, native: bool = True, dequantize: bool = False) -> str:
     """The run's first line, in words: which weights it starts from (and whether it converts them first).
-    `native`: False for the transformers engine, which reads the HF weights as they are (no conversion)."""
+    `native`: False for the transformers engine, which reads the HF weights as they are (no conversion), or
+    dequantized (`dequantize`: model.dequantize)."""
     if not native and w.kind == "pretrained":
+        how = ("dequantized by transformers' loader into 16-bit weights that train (model.dequantize)" if dequantize
+               else "read by transformers as they are")
         return (f"weights: fine-tuning from the pre-trained weights in {w.model_dir} ({gb(w.source_bytes)}"
-                f"{', ' + w.dtype if w.dtype else ''}), read by transformers as they are")
+                f"{', ' + w.dtype if w.dtype else ''}), {how}")
     if w.kind == "checkpoint":
         return f"weights: from the converted checkpoint {w.checkpoint} (model.checkpoint)"
     if w.kind == "random":
@@ -304,6 +313,6 @@ def describe(w: WeightsSource, seed: int, native: bool = True) -> str:
             "(later runs and every rank reuse it)")
 
 
-__all__ = ["TRACKER", "RELEASE", "META", "HF_SUBDIR", "WeightsSource", "hf_dir", "arch_for", "tokenizer_dir",
-           "growth", "grown", "vocab_rows",
+__all__ = ["TRACKER", "RELEASE", "META", "HF_SUBDIR", "WeightsSource", "hf_dir", "dequantize_key", "arch_for",
+           "tokenizer_dir", "growth", "grown", "vocab_rows",
            "model_dir", "weight_files", "cache_root", "complete", "resolve", "describe"]

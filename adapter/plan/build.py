@@ -365,7 +365,7 @@ def build_plan(run: ResolvedRun, *, config_path: str | None = None, gpu_mem_gib:
                                                                       refuse=False)] if line],
         weights=Weights(source=w.kind, model_dir=w.model_dir, checkpoint=w.checkpoint, to_convert=w.to_convert,
                         convert_bytes=w.source_bytes if w.to_convert else 0,
-                        description=source.describe(w, cfg.seed, arch.native)),
+                        description=source.describe(w, cfg.seed, arch.native, cfg.model.dequantize)),
         model=arch.to_dict(),
         num_params=counts.num_params(arch),
         mesh=Mesh(order=[a.value for a in ORDER], dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,

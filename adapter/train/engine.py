@@ -292,7 +292,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
                         trust_remote_code=cfg.model.trust_remote_code,
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
-                        liger=liger)
+                        liger=liger, dequantize=cfg.model.dequantize)
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
     recomputed = recompute_layers(model) if cfg.recompute == "full" else 0  # gradient_checkpointing: transformers'
     cp = None

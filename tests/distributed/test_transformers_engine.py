@@ -3,7 +3,8 @@
 4, OLMo 3, Mistral 3's image-text checkpoint), each trained by nd-adapter for 4 steps at dp_shard=2 under ZeRO-3 on
 packed chat data (the hybrids' packed documents run as rows of their own: adapter/modeling/hf_unpack.py), against
 transformers trained on the same prepared samples (each packed example on its own), the same masks and the same
-normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32 on CPU. A native family forced onto the
+normalisation (Σ loss / Σ trained tokens of the step), torch AdamW, fp32 on CPU; gpt-oss as OpenAI ships it (MXFP4
+experts) trains dequantized as transformers loads it and exports 16-bit weights. A native family forced onto the
 transformers engine gives the native engine's losses, so the two engines check each other. Context parallelism
 (cp=2, dp_shard=1) through transformers' attention interface gives transformers' losses on Phi-2, DeepSeek-V3 (MLA,
 on the ring), OLMo 3 (sliding-window and full layers) on packed documents and on StarCoder2 (every layer windowed)
@@ -25,7 +26,7 @@ import pytest
 import yaml
 
 from adapter import config
-from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, prequantized, reference_model
+from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, mxfp4, prequantized, reference_model
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_workers
 from tests.helpers.runs import vocab_of
@@ -47,11 +48,11 @@ CP_ARCHS = {"phi": (True, "all_gather"), "deepseek_v3": (True, "p2p"),  # MLA on
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
          zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
          unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, liger: tuple = (),
-         recompute: str = "none", compile: bool = False, **parallelism):
+         recompute: str = "none", compile: bool = False, dequantize: bool = False, **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
-                     "unfrozen_parameters": unfrozen, "liger": liger, "compile": compile},
+                     "unfrozen_parameters": unfrozen, "liger": liger, "compile": compile, "dequantize": dequantize},
            "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga}, "seq_len": SEQ, "precision": "fp32",
            "recompute": recompute,
@@ -98,6 +99,10 @@ def _worker(rank, world, models, root):
         out[f"{name} compiled"] = (res.losses, [ln for ln in lines if ln.startswith("engine:")],
                                    counters["stats"]["unique_graphs"])  # Dynamo traced the layers (reset per run)
     torch.compile = compile_
+    lines = []  # gpt-oss as OpenAI ships it (MXFP4 experts), dequantized as it loads; exported as 16-bit weights
+    res = train(_cfg(models["gpt_oss-mxfp4"], f"{root}/mxfp4", True, dequantize=True, export=f"{root}/mxfp4/out"),
+                log=lines.append)
+    out["gpt_oss mxfp4"] = (res.losses, [ln for ln in lines if ln.startswith("weights:")], res.exported)
     llama = models["llama"]
     out["llama forced"] = (train(_cfg(llama, f"{root}/forced", True, engine="transformers"),
                                  log=lambda s: None).losses, [])
@@ -117,6 +122,7 @@ def models(tmp_path_factory):
     made = {name: str(make_arch(name, root / name, tok)) for name in MODELS}
     nf4 = str(prequantized(Path(made["phi"]), root / "phi-nf4"))  # bitsandbytes' codes saved: a pre-quantised base
     return {**made, "llama": str(make_model(root / "llama", tok)), "phi-nf4": nf4,
+            "gpt_oss-mxfp4": str(mxfp4(Path(made["gpt_oss"]), root / "gpt_oss-mxfp4")),
             "qwen3_moe": str(make_moe(root / "qwen3_moe", tok, router_loss=False))}
 
 
@@ -129,7 +135,8 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
     from adapter.data.sft import prepare
 
     data = prepare(cfg, model_dir, vocab_of(cfg), builder=True, barrier=None, progress=False).train
-    model = reference_model(Path(model_dir), quantize=cfg.lora.quantize_base if cfg.lora else None)
+    model = reference_model(Path(model_dir), quantize="dequantize" if cfg.model.dequantize else
+                            cfg.lora.quantize_base if cfg.lora else None)
     if cfg.lora is not None:  # PEFT itself, seeded as the run seeds it
         import peft
 
@@ -162,6 +169,16 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
     return losses
 
 
+def _same_weights(exported: str, model) -> None:
+    """The export loads in transformers as it was saved (16-bit weights: no quantization_config) and computes what
+    `model` computes (Adam moves near-zero gradients by ±lr: compare what the weights compute)."""
+    import json
+
+    assert "quantization_config" not in json.loads((Path(exported) / "config.json").read_text())
+    probe = _probe(exported)
+    assert rel(float(hf_loss(reference_model(Path(exported)), probe)), float(hf_loss(model, probe))) < 1e-4
+
+
 def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_zero3(models, tmp_path):
     got = run_workers(_worker, 2, models, str(tmp_path), timeout=1200)[0]
     for name in MODELS:
@@ -189,6 +206,14 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
                           dp=1 if over.get("dp_shard_size") == 1 else 2)
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
         assert "each decoder layer compiled" in said[0] and graphs > 0, (said, graphs)
+    losses, said, exported = got["gpt_oss mxfp4"]
+    trained: list = []
+    want = _reference(models["gpt_oss-mxfp4"], _cfg(models["gpt_oss-mxfp4"], f"{tmp_path}/mxfp4", True,
+                                                    dequantize=True), model_out=trained)
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    assert max(rel(a, b) for a, b in zip(losses, got["gpt_oss"][0])) > 1e-2  # the codes, not the 16-bit original
+    assert "dequantized by transformers' loader into 16-bit weights that train" in said[0], said
+    _same_weights(exported, trained[0])  # a 16-bit checkpoint: no quantization_config left
     native = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/forced", True))
     assert max(rel(a, b) for a, b in zip(got["llama forced"][0], native)) < 1e-4
     losses, said = got["llama liger"]

@@ -78,7 +78,8 @@ def make_arch(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0) ->
 
 def reference_model(model_dir: Path, quantize: str | None = None):
     """transformers' model of a tiny checkpoint, loaded as a user would (fp32); `quantize` "nf4": the base in
-    bitsandbytes' NF4 with double quantisation, as Axolotl's QLoRA loads it; "int8": LLM.int8() (load_in_8bit)."""
+    bitsandbytes' NF4 with double quantisation, as Axolotl's QLoRA loads it; "int8": LLM.int8() (load_in_8bit);
+    "dequantize": an MXFP4 checkpoint as Axolotl's gpt-oss examples load it (Mxfp4Config(dequantize=True))."""
     import json
 
     import torch
@@ -89,8 +90,43 @@ def reference_model(model_dir: Path, quantize: str | None = None):
     bnb = (BitsAndBytesConfig(load_in_8bit=True) if quantize == "int8" else
            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.float32))
+    if quantize == "dequantize":
+        from transformers import Mxfp4Config
+
+        bnb = Mxfp4Config(dequantize=True)
     kw = {"quantization_config": bnb} if quantize else {}
     return auto.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
+
+
+def mxfp4(model_dir: Path, out: Path, seed: int = 1) -> Path:
+    """`model_dir` (a tiny gpt-oss) as OpenAI ships gpt-oss: every expert weight stored as MXFP4 codes -- FP4 pairs
+    per byte in blocks of 32 along the input, an e8m0 exponent per block (`*_blocks`, `*_scales`: transformers'
+    integrations/mxfp4.py reads them) -- with `quantization_config: {quant_method: mxfp4}`. The codes are random,
+    exponents 2^-10..2^-6 (weights of about 0.02), so the dequantized weights are exactly representable."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copyfile(f, out / f.name)
+    g, state = torch.Generator().manual_seed(seed), {}
+    for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, rows, cols = v.shape  # the parameter is [experts, in, out]; the codes run along `in` per `out` row
+            state[f"{k}_blocks"] = torch.randint(0, 256, (e, cols, rows // 32, 16), generator=g, dtype=torch.uint8)
+            state[f"{k}_scales"] = torch.randint(117, 122, (e, cols, rows // 32), generator=g, dtype=torch.uint8)
+        else:
+            state[k] = v
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    conf = json.loads((out / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(conf))
+    return out
 
 
 def prequantized(model_dir: Path, out: Path) -> Path:

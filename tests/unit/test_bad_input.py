@@ -186,7 +186,6 @@ def test_a_pre_quantised_bitsandbytes_base_trains_only_adapters_of_its_codes(tmp
 @pytest.mark.parametrize("quant, method", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "gptq"),
     ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "awq"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt NVFP4"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "compressed-tensors nvfp4-pack"),
     ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bitsandbytes fp4"),  # before transformers stored its method
@@ -198,6 +197,50 @@ def test_every_pre_quantised_base_is_refused_naming_its_method(tmp_path, monkeyp
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and f"quantization_config='{method}" in lines[0], err
     assert "Fix: point base_model (model.path) at the 16-bit checkpoint" in lines[0]
+
+
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}  # DeepSeek-V3's
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}  # gpt-oss's
+DEQUANTIZE = {"model_quantization_config_kwargs": {"dequantize": True}}
+
+
+@pytest.mark.parametrize("quant, top, code, says", [
+    (MXFP4, {}, 2, "quantization_config='mxfp4': {src} is a pre-quantised checkpoint (mxfp4 codes, not 16-bit weights"
+                   "), which trains dequantized. Fix: set model.dequantize: true (Axolotl: model_quantization_config: "
+                   "Mxfp4Config with model_quantization_config_kwargs: {{dequantize: true}})"),
+    (MXFP4, {"model_quantization_config": "Mxfp4Config", **DEQUANTIZE}, 0,
+     "quantization_config='mxfp4': a pre-quantised checkpoint: transformers' loader dequantizes its codes"),
+    (FP8, {"model_quantization_config": "FineGrainedFP8Config", **DEQUANTIZE}, 0, "quantization_config='fp8'"),
+    (MXFP4, {"model_quantization_config": "Mxfp4Config"}, 2, "model_quantization_config_kwargs=None: Mxfp4Config "
+                                                             "without dequantize: true keeps the checkpoint's"),
+    (MXFP4, {"model_quantization_config": "BitsAndBytesConfig", **DEQUANTIZE}, 2,
+     "model_quantization_config='BitsAndBytesConfig': Axolotl builds Mxfp4Config or FineGrainedFP8Config only"),
+    (None, {"model_quantization_config": "Mxfp4Config", **DEQUANTIZE}, 2,
+     "model_quantization_config=True: {src} is not a pre-quantised checkpoint"),
+    (BNB_NF4, {"model_quantization_config": "Mxfp4Config", **DEQUANTIZE}, 2,
+     "model_quantization_config=True: {src} is a bitsandbytes nf4 checkpoint, which transformers does not "
+     "dequantize"),
+    (MXFP4, {"model_quantization_config": "Mxfp4Config", **DEQUANTIZE, "adapter": "qlora", "load_in_4bit": True,
+             "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}, 2,
+     "load_in_4bit='nf4': the checkpoint is dequantized as it loads"),
+])
+def test_mxfp4_and_fp8_checkpoints_train_dequantized_where_the_config_asks(tmp_path, monkeypatch, quant, top, code,
+                                                                          says):
+    """Axolotl's gpt-oss examples load openai/gpt-oss-20b (MXFP4 experts) with model_quantization_config:
+    Mxfp4Config and dequantize: true; without those keys, or where they cannot apply, one line."""
+    _cached(tmp_path, monkeypatch, "org/quantised", quant)
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump({"base_model": "org/quantised", "learning_rate": 1e-5, "sequence_len": 256,
+                                    "micro_batch_size": 1, "num_epochs": 1, **top}))
+    got, out, err = run_cli("plan", str(conf), "--gpus-per-node", "1", "--format", "json")
+    if code:
+        src = next(Path(tmp_path / "hf").rglob("config.json"))
+        lines = err.strip().splitlines()
+        assert got == 2 and len(lines) == 1 and says.format(src=src) in lines[0], err
+        return
+    assert got == 0, err
+    notes = json.loads(out)["notes"]
+    assert any(n.startswith("engine: transformers' own LlamaForCausalLM") and says in n for n in notes), notes
 
 
 def test_gptq_true_over_a_16_bit_base_says_to_use_a_16_bit_base_model(tmp_path, monkeypatch):

@@ -108,7 +108,8 @@ def test_gemma_bad_configs_are_refused_in_one_line():
 def test_longrope_is_announced_where_its_long_factors_can_apply():
     """Phi-3.5-mini (LongRoPE, original 4096): past it the first lines say which batches rotate with the long
     factors (packed: per micro-batch; padded: every batch); within it, or for plain RoPE, nothing."""
-    from adapter.models.arch import load_arch, longrope_note
+    from adapter.models.announce import longrope_note
+    from adapter.models.arch import load_arch
 
     phi = load_arch(ROOT / "configs/models" / "phi-3.5-mini-instruct")
     assert phi.rope_original_max == 4096

@@ -43,6 +43,10 @@ def test_refusals_name_the_pattern_and_the_fix():
         freeze.resolve(TINY, ["^model.layers.0.self_attn.q_proj"])
     with pytest.raises(UserError, match=r"matches no parameter of LlamaForCausalLM"):
         freeze.resolve(TINY, ["layers.1."])  # re.match: names start with model.
+    # a pattern found only further into names it is harmless where those are trained anyway (Axolotl skips it) ...
+    assert "embedding.word_embeddings.weight" in trained(["model.embed", "embed_tokens"])
+    with pytest.raises(UserError, match=r"embed_tokens'?: matches no parameter"):  # ... refused where they are not
+        freeze.resolve(TINY, ["model.layers.0.", "embed_tokens"])
     with pytest.raises(UserError, match=r"row ranges are honoured on embed_tokens and lm_head only"):
         freeze.resolve(TINY, ["^model.layers.0.mlp.down_proj.weight$[:32]"])
     with pytest.raises(UserError, match=r"leaves nothing to train"):
