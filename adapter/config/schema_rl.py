@@ -28,12 +28,12 @@ completion) and z the KL estimate, desirable rows 1 − σ(r − β·z) times `d
 per-device batch) pairs row i's prompt with row i−1's completion (row 0 with the last row's), the policy's minus the
 reference's log-probabilities of those mismatched rows averaged over the micro-batch, then over the data-parallel
 ranks' micro-batches of the same accumulation step (TRL's gather across processes), clamped at 0, no gradient. The
-reference is the base with the LoRA adapters disabled (a full fine-tune is refused: the KL rows' reference depends on
-each micro-batch's neighbours, which a precomputed table does not hold). What the loop does: adapter/train/kto.py.
+reference is the base with the LoRA adapters disabled, or for a full fine-tune the starting weights' log-probabilities
+of every row and of its KL row, computed once before step 1. The eval (val_set_size / test_datasets) is TRL's, in
+rounds of the held-out rows in order. What the loop does: adapter/train/kto.py.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -135,22 +135,16 @@ class RLFields(_Strict):
             raise bad(key("excess_length_strategy"), d.excess_length_strategy, "pairs longer than sequence_len are "
                       "dropped (Axolotl's default); truncate and raise are not built for preference pairs", "remove it")
         if self.objective == "kto":
-            self._kto_scope(ax, key)
+            self._kto_scope(ax)
         return self
 
-    def _kto_scope(self, ax: bool, key: Callable[[str], str]) -> None:
+    def _kto_scope(self, ax: bool) -> None:
         """What KTO's loop does not build, one line each (the module docstring)."""
         mb = self.batch.micro_batch_size  # type: ignore[attr-defined]
         if mb < 2:
             raise bad("micro_batch_size" if ax else "batch.micro_batch_size", mb, "KTO's KL term pairs each row's "
                       "prompt with another row's completion inside a micro-batch (TRL's per-device batch), and TRL "
                       "refuses a batch of 1 (its KL estimate would be the row's own reward)", "set it to 2 or more")
-        d = self.data  # type: ignore[attr-defined]
-        if d.val_set_size or d.test_datasets:
-            which = "test_datasets" if d.test_datasets else "val_set_size"
-            raise bad(key(which), getattr(d, which), "KTO's eval is not built (TRL pairs held-out rows for the KL "
-                      "term in chunks of the training batch size and pads the last eval batch across processes)",
-                      "remove it (val_set_size: 0)")
 
 
 __all__ = ["PREFERENCE_PASSES", "DPOSection", "ORPOSection", "SimPOSection", "KTOSection", "PreferenceFields",

@@ -137,9 +137,11 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if t.cfg.objective == "kto":  # KL rows: fixed by the in-order sampler's micro-batches (adapter/train/kto.py)
         table = kto.reference_table(t.engine.ds, t.dataset, t.sampler, group=t.groups.dp, logps=_logps,
                                     batch_of=lambda items: place(t.run, t.cp_rank, t.device, flat(collate(items))))
-        t._say(f"KTO reference: the starting weights' log-probabilities of the {len(t.dataset)} rows and of their KL "
-               "rows, computed once before step 1 (TRL's frozen reference model; its precompute_ref_log_probs)")
-        return table, None
+        held = t.val_dataset is not None and len(t.val_dataset) > 0
+        t._say(f"KTO reference: the starting weights' log-probabilities of the {len(t.dataset)} rows"
+               + (f" and of the {len(t.val_dataset)} held-out rows" if held else "") + " and of their KL rows, "
+               "computed once before step 1 (TRL's frozen reference model; its precompute_ref_log_probs)")
+        return table, kto.eval_table(t, _logps, lambda items: t._on_device(flat(collate(items)))) if held else None
     tables = [None if data is None or not len(data) else
               reference_table(t.engine.ds, data, dp_rank=t.layout.data_rank(t.rank), dp=t.layout.dp,
                               group=t.groups.dp, micro=t.cfg.batch.micro_batch_size,
@@ -220,6 +222,8 @@ def evaluate(t) -> tuple[float | None, int, dict[str, float]]:
     """(eval_loss, held-out pairs, {metric: value}) over the whole held-out set of trainer `t`, as TRL evaluates
     (module docstring). Every DP rank runs the same number of rounds (ZeRO gathers are collective); the last
     round's missing pairs are copies of pair 0 that count nowhere."""
+    if t.cfg.objective == "kto":  # labelled rows, their KL rows built per chunk: adapter/train/kto.py
+        return kto.evaluate(t, _logps, lambda items: t._on_device(flat(collate(items))))
     val, mb, layout, ds, cfg = t.val_dataset, t.cfg.batch.micro_batch_size, t.layout, t.engine.ds, t.cfg
     n, per_round, dp_rank = len(val), layout.dp * mb, layout.data_rank(t.rank)
     rounds = -(-n // per_round)

@@ -21,6 +21,15 @@ of its completion's summed log-probabilities: desirable rows desirable_weight·(
 undesirable_weight·(1 − σ(β(z − r))); the micro-batch's loss is their mean, and the step's the mean of its
 micro-batches' (TRL's loss/GA summed, averaged over processes by DDP).
 
+The eval (val_set_size / test_datasets) is TRL's `evaluate` with per_device_eval_batch_size = micro_batch_size
+(Axolotl's eval_batch_size default): the held-out rows in order, their KL rows rotated inside consecutive chunks of
+micro_batch_size rows (TRL builds them with the training batch size, the same number), a round of dp chunks, chunk r
+on DP rank r (accelerate's eval sharding); per round the KL estimate is the mean over the round's rows, clamped at 0,
+and each metric the round's value as in training; eval_loss is the mean of every held-out row's loss (HF repeats
+each batch's mean once per row) and every other metric the mean over rounds (TRL's log). A last round short of
+dp × micro_batch_size rows counts only its rows, as a single TRL process's short last batch (accelerate pads it
+across processes with rows from the start). `eval_table`: a full fine-tune's reference of the held-out rows.
+
 Logged, as TRL logs them (each micro-batch's values gathered over the DP ranks, then the mean over the step's
 micro-batches): kl; rewards/chosen and logps/chosen (Σ over the desirable rows of β·r and of the policy's
 log-probability ÷ their count; micro-batches without a desirable row do not count), rewards/rejected and
@@ -121,6 +130,82 @@ def step_terms(t, batch, logps) -> tuple[torch.Tensor, torch.Tensor]:
     return local, stats / dp  # the trainer sums them over the DP ranks, which hold the same values
 
 
+def eval_chunks(n: int, dp: int, mb: int, dp_rank: int) -> list[list[int]]:
+    """This DP rank's held-out rows in each eval round: chunk round·dp + dp_rank of `mb` rows in order (fewer, or
+    none, in a short last round)."""
+    return [list(range(lo, min(lo + mb, n))) for lo in range(dp_rank * mb, -(-n // (dp * mb)) * dp * mb, dp * mb)]
+
+
+def _rounds(t, logps, batch_of, reference: bool):
+    """Per eval round of trainer `t`: ([rows, 5] pol, ref, pol_kl, ref_kl, label of this rank's rows, or None where
+    it has none; their indices). Every DP rank runs the same forwards (ZeRO-3's gathers are collective): a rank
+    without rows runs row 0 and keeps nothing. The reference (`reference`): a full fine-tune's table (`eval_table`,
+    t.val_ref), else the base with the adapters disabled; without it, the policy's values stand in. `batch_of(items)`:
+    dataset items as the loop's device batch, their KL rows (`rows`) beside them (adapter/train/dpo.py's)."""
+    val, ds, mb = t.val_dataset, t.engine.ds, t.cfg.batch.micro_batch_size
+    for idx in eval_chunks(len(val), t.layout.dp, mb, t.layout.data_rank(t.rank)):
+        b = batch_of([val[i] for i in idx or [0]])
+        m = b["tokens"].shape[0] // 2
+        own, kl_rows = {k: v[:m] for k, v in b.items()}, {k: v[m:] for k, v in b.items()}
+        pol, pol_kl = logps(ds, own), logps(ds, kl_rows)
+        ref, ref_kl = pol, pol_kl
+        if reference and t.val_ref is not None:
+            ref, ref_kl = (t.val_ref[own["pair"][:, 0], j].to(pol.dtype) for j in (0, 1))
+        elif reference:
+            with ds.module.model.disable_adapter():  # PEFT's model (adapter/modeling/hf_build.CausalLMLosses)
+                ref, ref_kl = logps(ds, own), logps(ds, kl_rows)
+        label = own["kto_label"][:, 0].to(pol.dtype)
+        yield (torch.stack([pol, ref, pol_kl, ref_kl, label], 1) if idx else None), own["pair"][:, 0]
+
+
+def eval_table(t, logps, batch_of) -> torch.Tensor:
+    """[held-out rows, 2] the starting weights' log-probabilities of each held-out row's completion and of its KL
+    row: a full fine-tune's eval reference (t.val_ref), computed before step 1 with the training rows' table."""
+    table = torch.zeros(len(t.val_dataset), 2, dtype=torch.float64, device=t.device)
+    t.engine.ds.eval()
+    try:
+        with torch.no_grad():
+            for vals, ids in _rounds(t, logps, batch_of, reference=False):
+                if vals is not None:
+                    table[ids] = vals[:, [0, 2]].double()
+    finally:
+        t.engine.ds.train()
+    dist.all_reduce(table, group=t.groups.dp)  # each row written by the one DP rank that holds it
+    return table
+
+
+def evaluate(t, logps, batch_of) -> tuple[float | None, int, dict[str, float]]:
+    """(eval_loss, held-out rows, {metric: value}) of trainer `t` over its held-out rows, as TRL evaluates KTO (the
+    module docstring). `logps(ds, batch)`: each row's summed completion log-probability; `batch_of`: `_rounds`'."""
+    beta, rounds = t.cfg.kto.beta, []
+    t.engine.ds.eval()
+    try:
+        with torch.no_grad():
+            for vals, _ in _rounds(t, logps, batch_of, reference=True):
+                v = torch.zeros(0, 5, device=t.device) if vals is None else vals
+                v = v.double()
+                kl = torch.stack([(v[:, 2] - v[:, 3]).sum(), v.new_tensor(float(len(v)))])
+                dist.all_reduce(kl, group=t.groups.dp)  # over the round's rows, on every DP rank
+                z = (kl[0] / kl[1]).clamp(min=0)
+                good = v[:, 4] > 0.5
+                r, g, b = beta * (v[:, 0] - v[:, 1]), good.double(), (~good).double()
+                sums = torch.stack([loss_of(t.cfg, v[:, 0] - v[:, 1], good, z).sum(), v.new_tensor(float(len(v))),
+                                    g.sum(), b.sum(), r @ g, r @ b, v[:, 0] @ g, v[:, 0] @ b])
+                dist.all_reduce(sums, group=t.groups.dp)
+                rounds.append(torch.cat([sums, z[None]]))
+    finally:
+        t.engine.ds.train()
+    t.clock.reset()  # evaluation is not training time
+    a = torch.stack(rounds).cpu()
+    nc, nr = a[:, 2], a[:, 3]
+    hc, hr = (nc > 0).double(), (nr > 0).double()
+    c_mean, r_mean = a[:, 4] / nc.clamp(min=1), a[:, 5] / nr.clamp(min=1)
+    stats = torch.stack([torch.ones_like(nc), a[:, 8], hc, hc * c_mean, hc * a[:, 6] / nc.clamp(min=1), hr,
+                         hr * r_mean, hr * a[:, 7] / nr.clamp(min=1), hc * hr, hc * hr * (c_mean - r_mean)], 1)
+    count = float(a[:, 1].sum())
+    return (float(a[:, 0].sum()) / count if count else None), int(count), step_metrics(stats.sum(0).tolist())
+
+
 def step_metrics(values) -> dict[str, float]:
     """TRL's logged KTO metrics of a step from `step_terms`' sums over its micro-batches."""
     n, kl, hc, rc, lc, hr, rr, lr, hb, margin = values
@@ -141,4 +226,5 @@ def loss_of(cfg, logratio: torch.Tensor, good: torch.Tensor, kl: torch.Tensor) -
                        cfg.kto.undesirable_weight * (1 - F.sigmoid(beta * (kl - logratio))))
 
 
-__all__ = ["METRICS", "KEYS", "rows", "reference_table", "step_terms", "step_metrics", "loss_of"]
+__all__ = ["METRICS", "KEYS", "rows", "reference_table", "eval_chunks", "eval_table", "evaluate", "step_terms",
+           "step_metrics", "loss_of"]

@@ -374,7 +374,7 @@ class Trainer:
             self._say(f"eval after step {step}: the held-out set has no trained tokens")
             return False
         self.result.eval_losses.append((step, loss))
-        what = (f"{count} eval pairs | {dpo.line(extra)}" if pairs else
+        what = (f"{count} eval {'rows' if self.cfg.objective == 'kto' else 'pairs'} | {dpo.line(extra)}" if pairs else
                 f"{len(self.val_dataset)} eval samples, {count:,} trained tokens")
         self._say(f"eval after step {step} | eval_loss {loss:.4f} | {what}")
         self.result.eval_rewards += [(step, extra)] if pairs else []

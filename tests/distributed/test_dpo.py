@@ -22,7 +22,7 @@ evals, agree. So do `rl: ipo` (the DPO pairs, LoRA) against TRL's DPOTrainer wit
 
 `rl: kto` (test_kto_matches_trl, its own worker: TRL's KL term is gathered across processes, so TRL runs on the
 same two processes, after nd-adapter, over the same gloo group) against TRL's KTOTrainer: losses, kl, rewards/* and
-logps/* agree."""
+logps/* agree, and so do its evals of 8 held-out rows."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -439,17 +439,20 @@ KTO_METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logp
 # or only undesirable rows (TRL then logs that side, and the margin, from the step's other micro-batch only), and
 # rounds where one rank holds only desirable rows and the other only undesirable ones
 KTO_LABELS = "TFFT TTTT FFFF TTFF FTTF TFTT FFTF TTFT".replace(" ", "")
+# the held-out rows' labels in eval order (val_set_size 8: two eval rounds of 2 chunks of KTO_MB rows): a chunk of
+# one label, rounds with both
+KTO_HELD = "TFTT FFTF".replace(" ", "")
 
 
 def _kto_rows(order) -> list[dict]:
     """Axolotl's chatml.prompt_pairs rows: prompt, completion, label (some with a system prompt), of different
-    lengths; row order[k] is the k-th trained and gets KTO_LABELS[k]."""
+    lengths; row order[k] is the k-th trained (then the k-th held out) and gets (KTO_LABELS + KTO_HELD)[k]."""
     words = "red green blue small large quick slow bright dark warm cold soft".split()
     rows = [{"prompt": f"Describe the {words[i % 12]} thing number {i}.",
              "completion": " ".join(words[: 2 + i % 5]) + "." if i % 3 else f"No {i}" + " idea" * (1 + i % 3)}
-            for i in range(len(KTO_LABELS))]
+            for i in range(len(order))]
     for k, i in enumerate(order):
-        rows[i]["label"] = KTO_LABELS[k] == "T"
+        rows[i]["label"] = (KTO_LABELS + KTO_HELD)[k] == "T"
     return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
 
 
@@ -460,8 +463,9 @@ def _kto_cfg(model: str, data: str, root: str, cp: int = 1, lora: bool = True, l
            "precision": "fp32", "optimizer": {"lr": lr, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
                                               "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
                                               "weight_decay": 0.0},
-           "deepspeed": {"zero_stage": 3}, "eval": {"per_epoch": 0},
-           "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep"}}
+           "deepspeed": {"zero_stage": 3}, "eval": {"every": EVERY},
+           "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep",
+                    "val_set_size": len(KTO_HELD)}}
     return config.build(raw, env={}, world_size=WORLD * cp)
 
 
@@ -474,10 +478,10 @@ def _kto_cp_worker(rank, world, model, data, root):
     init_distributed()
     lines: list[str] = []
     res = train(_kto_cfg(model, data, f"{root}/cp", cp=2), log=lines.append)
-    return res.losses, res.rewards, [ln for ln in lines if ln.startswith("engine:")]
+    return res.losses, res.rewards, [ln for ln in lines if ln.startswith("engine:")], res.eval_losses, res.eval_rewards
 
 
-def _kto_worker(rank, world, model, data, root, rendered, lora=True):
+def _kto_worker(rank, world, model, data, root, rendered, held, lora=True):
     """nd-adapter's rl: kto run, then TRL's KTOTrainer on the same two processes (accelerate over the same gloo
     group, DDP): (nd-adapter's losses and metrics, TRL's per-micro-batch losses on this rank, TRL's logged metrics)."""
     import torch
@@ -506,7 +510,8 @@ def _kto_worker(rank, world, model, data, root, rendered, lora=True):
     class Recorded(KTOTrainer):
         def _compute_loss(self, model, inputs, return_outputs):
             loss = super()._compute_loss(model, inputs, return_outputs)
-            losses.append(float(loss.detach()))
+            if self.model.training:  # the eval's batches come through here too
+                losses.append(float(loss.detach()))
             return loss
 
         def log(self, logs_, start_time=None):
@@ -520,9 +525,12 @@ def _kto_worker(rank, world, model, data, root, rendered, lora=True):
                      weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
                      max_length=SEQ, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=cfg.seed,
                      bf16=False, gradient_checkpointing=False, dataloader_num_workers=0, optim="adamw_torch",
-                     remove_unused_columns=False, **KTO)
-    Recorded(model=hf, args=args, train_dataset=Dataset.from_list(rendered), processing_class=tok).train()
-    return res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines, res.trained_tokens
+                     remove_unused_columns=False, eval_strategy="steps", eval_steps=EVERY, eval_on_start=True,
+                     per_device_eval_batch_size=KTO_MB, **KTO)
+    Recorded(model=hf, args=args, train_dataset=Dataset.from_list(rendered), eval_dataset=Dataset.from_list(held),
+             processing_class=tok).train()
+    return (res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines,
+            res.trained_tokens, (res.eval_losses, res.eval_rewards), [g for g in logs if "eval_loss" in g])
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -533,10 +541,13 @@ def test_kto_matches_trl(tmp_path, lora):
     TRL's per-device batch on process r), TRL given the rows in the order Axolotl's shuffle_merged_datasets leaves
     them (nd-adapter's: the seed's permutation): each step's loss and TRL's logged kl, rewards/* and logps/* agree
     (≤ 1e-5) over 4 steps, micro-batches of one label among them (KTO_LABELS); the KL estimate is above 0 by the last
-    step, so the clamp is not what makes them agree (and the KL rows' reference values count). The same LoRA
-    run with each row split over 2 context-parallel ranks (4 processes) gives TRL's numbers too. The full
-    fine-tune's reference is a table of the starting weights' values of every row and its KL row, computed before
-    step 1 (adapter/train/kto.reference_table)."""
+    step, so the clamp is not what makes them agree (and the KL rows' reference values count). 8 rows held out
+    (val_set_size, the tail of the shuffled rows) are evaluated before step 1 and every 2 steps, as TRL's evaluate
+    with eval_on_start and per_device_eval_batch_size 2 on the same processes: eval_loss, eval_kl (above its clamp)
+    and every eval_rewards/* and eval_logps/* agree. The same LoRA run with each row split over 2 context-parallel
+    ranks (4 processes) gives TRL's numbers too, evals included. The full fine-tune's reference is a table of the
+    starting weights' values of every row and its KL row, computed before step 1 (adapter/train/kto.reference_table;
+    the held-out rows': kto.eval_table)."""
     import numpy as np
 
     from adapter.data.sft.preference_kto import render
@@ -545,14 +556,16 @@ def test_kto_matches_trl(tmp_path, lora):
     data = tmp_path / "kto.jsonl"
     cfg = _kto_cfg(str(tmp_path / "model"), str(data), str(tmp_path))
     assert cfg.data.shuffle_merged_datasets  # Axolotl's default: the rows shuffled once with the seed
-    assert len(KTO_LABELS) == WORLD * KTO_MB * GA * STEPS
-    order = np.random.default_rng(cfg.data.seed).permutation(len(KTO_LABELS))
+    assert len(KTO_LABELS) == WORLD * KTO_MB * GA * STEPS and len(KTO_HELD) == 2 * WORLD * KTO_MB
+    order = np.random.default_rng(cfg.data.seed).permutation(len(KTO_LABELS) + len(KTO_HELD))
     rows = _kto_rows(order)
     write_jsonl(data, rows)
     rendered = [dict(zip(("prompt", "completion", "label"), render(rows[i], "chatml.prompt_pairs"))) for i in order]
-    out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, lora,
+    # Axolotl's split: the tail of the shuffled rows held out (train_test_split, shuffle=False), both in that order
+    rendered, held = rendered[:len(KTO_LABELS)], rendered[len(KTO_LABELS):]
+    out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, held, lora,
                       timeout=300)
-    losses, metrics, trl0, logs, lines, trained = out[0]
+    losses, metrics, trl0, logs, lines, trained, evals, trl_evals = out[0]
     trl1 = out[1][2]
     assert len(trl0) == len(trl1) == STEPS * GA and len(logs) == STEPS, (trl0, logs)
     want = [(sum(trl0[s * GA:(s + 1) * GA]) + sum(trl1[s * GA:(s + 1) * GA])) / (2 * GA) for s in range(STEPS)]
@@ -563,7 +576,15 @@ def test_kto_matches_trl(tmp_path, lora):
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
     print(f"KTO: max |nd-adapter - TRL| / max(1, |TRL|) over {len(pairs)} losses and metrics: {worst:.2e}")
     assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
+    assert [s for s, _ in evals[0]] == [0, 2, 4] and len(trl_evals) == 3, (evals, trl_evals)  # TRL's eval_on_start
+    for (_, loss), (_, got), trl_eval in zip(*evals, trl_evals):
+        assert set(got) == set(KTO_METRICS), got
+        pairs += [(loss, trl_eval["eval_loss"])] + [(got[k], trl_eval[f"eval_{k}"]) for k in KTO_METRICS]
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
+    print(f"KTO with its eval: max |nd-adapter - TRL| / max(1, |TRL|) over {len(pairs)} values: {worst:.2e}")
+    assert worst <= 1e-5, [(a, b) for a, b in pairs if abs(a - b) > 1e-5 * max(1.0, abs(b))]
     assert any(" | kl " in ln for ln in lines), lines
+    assert any(ln.startswith("eval after step 2 | eval_loss ") and "| 8 eval rows | kl " in ln for ln in lines), lines
     from transformers import AutoTokenizer
 
     from adapter.data.sft.preference import tokenize
@@ -573,13 +594,17 @@ def test_kto_matches_trl(tmp_path, lora):
     step = WORLD * KTO_MB * GA  # trained tokens: the rows' completions, not their KL rows'
     assert trained == [sum(per_row[s * step:(s + 1) * step]) for s in range(STEPS)], (trained, per_row)
     assert abs(logs[-1]["rewards/margins"] - logs[0]["rewards/margins"]) > 1e-3
-    assert logs[-1]["kl"] > 1e-4, [g["kl"] for g in logs]  # so the KL rows' reference counts (full: its table)
+    # the KL estimate above its clamp, so the KL rows' reference values count (a full fine-tune's: its tables)
+    assert max(g["kl"] for g in logs) > 1e-4 and max(w["eval_kl"] for w in trl_evals) > 1e-4, (logs, trl_evals)
     if not lora:
-        assert any(ln.startswith("KTO reference: the starting weights'") for ln in lines), lines
+        assert any(ln.startswith("KTO reference: the starting weights' log-probabilities of the 32 rows and of the "
+                                 "8 held-out rows") for ln in lines), lines
         return
-    cp_losses, cp_metrics, said = run_workers(_kto_cp_worker, 2 * WORLD, str(tmp_path / "model"), str(data),
-                                        str(tmp_path), timeout=300)[0]
+    cp_losses, cp_metrics, said, cp_eval, cp_eval_metrics = run_workers(
+        _kto_cp_worker, 2 * WORLD, str(tmp_path / "model"), str(data), str(tmp_path), timeout=300)[0]
     pairs = list(zip(cp_losses, want)) + [(got[k], log[k]) for got, log in zip(cp_metrics, logs) for k in KTO_METRICS]
+    pairs += [(loss, w["eval_loss"]) for (_, loss), w in zip(cp_eval, trl_evals)]
+    pairs += [(got[k], w[f"eval_{k}"]) for (_, got), w in zip(cp_eval_metrics, trl_evals) for k in KTO_METRICS]
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
     print(f"KTO at cp=2 x dp_shard=2: max |nd-adapter - TRL| / max(1, |TRL|): {worst:.2e}")
     assert "cp=2 through transformers' attention interface" in said[0], said

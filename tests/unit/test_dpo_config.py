@@ -315,7 +315,6 @@ def test_axolotl_kto_example_plans(tmp_path):
 
 @pytest.mark.parametrize("over, needle", [
     ({"micro_batch_size": 1}, "micro_batch_size=1: KTO's KL term pairs each row's prompt with another row's"),
-    ({"val_set_size": 0.1}, "val_set_size=0.1: KTO's eval is not built"),
     ({"kto_desirable_weight": -1}, "kto_desirable_weight=-1: must be a number ≥ 0"),
     ({"orpo_alpha": 0.5}, "orpo_alpha=0.5: ORPO's weight: Axolotl would hand it to this trainer as beta"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}, "rl: kto trains on labelled rows"),
@@ -380,6 +379,11 @@ def test_kto_rows_render_as_axolotl_and_tokenise_as_trl(tmp_path):
     assert "desirable" in preference.stats_lines(out)[2]
     shown = preference_kto.any_debug_lines(out, tok, 2)
     assert len(shown) == 2 and shown[0].startswith("row 0 ") and ", -100)" in shown[0]
+    held = prepare_rows(config.build({**raw, "val_set_size": 2}, env={}, world_size=1), tok_dir,
+                        source.vocab_rows(cfg))  # Axolotl's split: the shuffled rows' tail, both sides in its order
+    assert held.train.rows.tolist() + held.val.rows.tolist() == out.train.rows.tolist()
+    assert len(held.val) == 2 and "held out (val_set_size): 2 rows for the eval, 2 rows to train on" in \
+        "\n".join(preference.stats_lines(held))
 
 
 def test_kto_types_render_as_axolotls_own_transforms():

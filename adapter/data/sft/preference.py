@@ -245,7 +245,7 @@ def stats_lines(data: PairData) -> list[str]:
                    "undesirable")
     if data.val is not None:
         k = "test_datasets" if data.stats.get("val_source") == "test_datasets" else "val_set_size"
-        out.append(f"  held out ({k}): {len(data.val)} pairs for the eval, {len(data.train)} pairs to train on")
+        out.append(f"  held out ({k}): {len(data.val)} {what} for the eval, {len(data.train)} {what} to train on")
     return out
 
 

@@ -16,6 +16,10 @@ i−1's completion inside a micro-batch: adapter/train/kto.py), in the order the
 merged rows once with its seed (`shuffle_merged_datasets`, on by default; here the seed's permutation, as SFT's
 prepare.py, not the datasets library's) and TRL's KTOConfig then samples them in that order every epoch (its KL
 pairs are fixed neighbours in it), so the loop reads them in order (adapter/train/batches.py).
+
+Held out as for the other objectives (Axolotl's utils/data/rl.py): `test_datasets` prepared the same way, else
+`val_set_size` rows from the tail of that shuffled order (train_test_split with shuffle=False), both sides kept in
+it: TRL evaluates its eval rows in order too, their KL rows built the same way (adapter/train/kto.evaluate).
 """
 from __future__ import annotations
 
@@ -27,11 +31,19 @@ import numpy as np
 from adapter.data.sft import formats, sources
 from adapter.data.sft.preference import PairData, prepare_pairs, tokenize
 from adapter.data.sft.preference import debug_lines as pair_lines
-from adapter.data.sft.prepare import cache_key, load_tokenizer, names, pad_id, prepared_root, resolve_all
+from adapter.data.sft.prepare import (
+    cache_key,
+    load_tokenizer,
+    names,
+    pad_id,
+    prepared_root,
+    resolve_all,
+    val_fraction,
+)
 from adapter.errors import bad
 from adapter.osutil import build_once
 
-VERSION = 1
+VERSION = 2  # 2: the held-out rows (val_set_size / test_datasets)
 # (system turn, user turn + assistant header, end of the answer) of Axolotl's two KTO templates
 MARKUP = {"llama3": ("<|start_header_id|>system<|end_header_id|>\n\n{}<|eot_id|>",
                      "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant"
@@ -97,12 +109,12 @@ def fits(tok, prompt: str, completion: str, seq_len: int) -> bool:
     return sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in (prompt, completion)) <= seq_len
 
 
-def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path) -> dict:
-    tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+def _rows(cfg, tok, resolved, vocab_size: int, hf_dir: Path, first: int = 0):
+    """(prompts, completions, lengths, labels, stats) of the rows of `resolved` that fit (each id array padded)."""
     seq, pad = cfg.seq_len, (pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id))
     prompts, completions, lengths, labels, stats = [], [], [], [], []
-    for n, (entry, where, kind, src) in enumerate(resolved):
-        ds = sources.load(src, entry, out / "hf")
+    for n, (entry, where, kind, src) in enumerate(resolved, first):
+        ds = sources.load(src, entry, hf_dir)
         formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
         kept = dropped = 0
         for i, row in enumerate(ds):
@@ -128,14 +140,40 @@ def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path) -> di
             kept += 1
         stats.append({"dataset": n, "type": kind, "path": src.location, "rows": len(ds), "dropped_too_long": dropped,
                       "kept": kept})
-    if not prompts:
-        raise bad(names(cfg)[1]("datasets"), "...", f"no row fits sequence_len {cfg.seq_len}", "raise sequence_len")
+    return prompts, completions, lengths, labels, stats
+
+
+def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path) -> dict:
+    tok = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+    pad = pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id)
+    k = names(cfg)[1]
+    parts = []
+    for which, entries, first in (("datasets", resolved, 0), ("test_datasets", test, len(resolved))):
+        if not entries:
+            continue
+        rows = _rows(cfg, tok, entries, vocab_size, out / "hf", first)
+        if not rows[0]:
+            raise bad(k(which), "...", f"no row fits sequence_len {cfg.seq_len}", "raise sequence_len")
+        parts.append(rows)
+    prompts, completions, lengths, labels, stats = parts[0]
     n = len(prompts)
     order = np.random.default_rng(cfg.data.seed).permutation(n) if cfg.data.shuffle_merged_datasets else np.arange(n)
-    np.savez(out / "rows.npz", prompt=np.stack(prompts)[order], completion=np.stack(completions)[order],
-             length=np.asarray(lengths)[order], label=np.asarray(labels, bool)[order], rows=order, pad=np.asarray(pad))
-    manifest = {"v": VERSION, "seq_len": seq, "datasets": stats, "pairs": len(prompts), "val_pairs": 0,
-                "desirable": int(sum(labels)), "chat_template": None}
+    n_val = 0 if test else val_fraction(cfg, n)
+    sets = {"rows": (np.stack(prompts), np.stack(completions), np.asarray(lengths), np.asarray(labels, bool),
+                     order[:n - n_val])}
+    if test:
+        t_p, t_c, t_l, t_lab, t_stats = parts[1]
+        stats = stats + t_stats
+        sets["val"] = (np.stack(t_p), np.stack(t_c), np.asarray(t_l), np.asarray(t_lab, bool), np.arange(len(t_p)))
+    elif n_val:
+        sets["val"] = (*sets["rows"][:4], order[n - n_val:])
+    for name, (p, c, ln, lab, idx) in sets.items():
+        np.savez(out / f"{name}.npz", prompt=p[idx], completion=c[idx], length=ln[idx], label=lab[idx], rows=idx,
+                 pad=np.asarray(pad))
+    val = sets["val"][4] if "val" in sets else []
+    manifest = {"v": VERSION, "seq_len": cfg.seq_len, "datasets": stats, "pairs": n - n_val, "val_pairs": len(val),
+                "val_source": "test_datasets" if test else "val_set_size",
+                "desirable": int(np.asarray(labels, bool)[order[:n - n_val]].sum()), "chat_template": None}
     (out / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
@@ -143,16 +181,17 @@ def _build(cfg, resolved, tokenizer_dir: Path, vocab_size: int, out: Path) -> di
 def prepare_kto(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True, barrier=None) -> PairData:
     """The prepared rows of `cfg.data.datasets`, built once on the `builder` rank (prepare.prepare's contract)."""
     tokenizer_dir = Path(tokenizer_dir)
-    resolved = resolve_all(cfg)
+    resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     root = prepared_root(cfg)
-    name = f"kto{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size, [])}"
+    name = f"kto{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size, test)}"
     reused = (root / name / "manifest.json").is_file()
-    final = build_once(root, name, lambda tmp: _build(cfg, resolved, tokenizer_dir, vocab_size, tmp),
+    final = build_once(root, name, lambda tmp: _build(cfg, resolved, test, tokenizer_dir, vocab_size, tmp),
                        builder=builder, barrier=barrier,
                        unseen=(names(cfg)[1]("prepared_path"), "the prepared rows", "put it on storage shared with "
                                "the builder rank"))
     m = json.loads((final / "manifest.json").read_text())
-    return PairData(KTODataset(final, cfg.seq_len), m, None, final, reused, None)  # type: ignore[arg-type]
+    val = KTODataset(final, cfg.seq_len, "val") if (final / "val.npz").is_file() else None
+    return PairData(KTODataset(final, cfg.seq_len), m, None, final, reused, val)  # type: ignore[arg-type]
 
 
 def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
