@@ -456,14 +456,15 @@ def _kto_rows(order) -> list[dict]:
     return [{**r, "system": "Be brief."} if i % 4 == 1 else r for i, r in enumerate(rows)]
 
 
-def _kto_cfg(model: str, data: str, root: str, cp: int = 1, lora: bool = True, lr: float = LR):
+def _kto_cfg(model: str, data: str, root: str, cp: int = 1, lora: bool = True, lr: float = LR, steps: int = STEPS,
+             ckpt: str | None = None):
     raw = {"model": {"path": model, "cache_dir": f"{root}/cache", "engine": "transformers"}, "objective": "kto",
            "kto": KTO, "lora": LORA if lora else None, "parallelism": {"dp_shard_size": WORLD, "cp_size": cp},
            "batch": {"micro_batch_size": KTO_MB, "gradient_accumulation_steps": GA}, "seq_len": SEQ,
-           "precision": "fp32", "optimizer": {"lr": lr, "schedule": "constant", "warmup_steps": 0, "max_steps": STEPS,
+           "precision": "fp32", "optimizer": {"lr": lr, "schedule": "constant", "warmup_steps": 0, "max_steps": steps,
                                               "clip_grad": 1e12, "betas": [0.9, 0.999], "eps": EPS,
                                               "weight_decay": 0.0},
-           "deepspeed": {"zero_stage": 3}, "eval": {"every": EVERY},
+           "deepspeed": {"zero_stage": 3}, "eval": {"every": EVERY}, "checkpoint": {"dir": ckpt},
            "data": {"datasets": [{"path": data, "type": "chatml.prompt_pairs"}], "prepared_path": f"{root}/prep",
                     "val_set_size": len(KTO_HELD)}}
     return config.build(raw, env={}, world_size=WORLD * cp)
@@ -497,6 +498,12 @@ def _kto_worker(rank, world, model, data, root, rendered, held, lora=True):
     cfg = _kto_cfg(model, data, root, lora=lora, lr=LR if lora else KTO_FULL_LR)
     lines: list[str] = []
     res = train(cfg, log=lines.append)
+    resumed = None
+    if not lora:  # saved after 2 steps, resumed to 4: the resumed run's tables from the starting weights again
+        ck, lr = f"{root}/ck", KTO_FULL_LR
+        train(_kto_cfg(model, data, f"{root}/cut", lora=False, lr=lr, steps=2, ckpt=ck), log=lambda s: None)
+        r = train(_kto_cfg(model, data, f"{root}/cut", lora=False, lr=lr, ckpt=ck), resume=True, log=lambda s: None)
+        resumed = (r.start_step, r.losses, r.rewards, r.eval_losses, r.eval_rewards)
 
     torch.manual_seed(cfg.seed)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -530,7 +537,7 @@ def _kto_worker(rank, world, model, data, root, rendered, held, lora=True):
     Recorded(model=hf, args=args, train_dataset=Dataset.from_list(rendered), eval_dataset=Dataset.from_list(held),
              processing_class=tok).train()
     return (res.losses, res.rewards, losses, [g for g in logs if "kl" in g], lines,
-            res.trained_tokens, (res.eval_losses, res.eval_rewards), [g for g in logs if "eval_loss" in g])
+            res.trained_tokens, (res.eval_losses, res.eval_rewards), [g for g in logs if "eval_loss" in g], resumed)
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -547,7 +554,7 @@ def test_kto_matches_trl(tmp_path, lora):
     and every eval_rewards/* and eval_logps/* agree. The same LoRA run with each row split over 2 context-parallel
     ranks (4 processes) gives TRL's numbers too, evals included. The full fine-tune's reference is a table of the
     starting weights' values of every row and its KL row, computed before step 1 (adapter/train/kto.reference_table;
-    the held-out rows': kto.eval_table)."""
+    the held-out rows': kto.eval_table), computed again by a run resumed after step 2, which stays on the curve."""
     import numpy as np
 
     from adapter.data.sft.preference_kto import render
@@ -565,7 +572,7 @@ def test_kto_matches_trl(tmp_path, lora):
     rendered, held = rendered[:len(KTO_LABELS)], rendered[len(KTO_LABELS):]
     out = run_workers(_kto_worker, WORLD, str(tmp_path / "model"), str(data), str(tmp_path), rendered, held, lora,
                       timeout=300)
-    losses, metrics, trl0, logs, lines, trained, evals, trl_evals = out[0]
+    losses, metrics, trl0, logs, lines, trained, evals, trl_evals, resumed = out[0]
     trl1 = out[1][2]
     assert len(trl0) == len(trl1) == STEPS * GA and len(logs) == STEPS, (trl0, logs)
     want = [(sum(trl0[s * GA:(s + 1) * GA]) + sum(trl1[s * GA:(s + 1) * GA])) / (2 * GA) for s in range(STEPS)]
@@ -599,6 +606,11 @@ def test_kto_matches_trl(tmp_path, lora):
     if not lora:
         assert any(ln.startswith("KTO reference: the starting weights' log-probabilities of the 32 rows and of the "
                                  "8 held-out rows") for ln in lines), lines
+        start, r_losses, r_metrics, r_evals, r_eval_metrics = resumed  # on the uninterrupted run's curve
+        assert start == 2 and [s for s, _ in r_evals] == [4], (start, r_evals)
+        again = list(zip(r_losses, losses[2:])) + [(g[k], w[k]) for g, w in zip(r_metrics, metrics[2:]) for k in g]
+        again += [(r_evals[0][1], evals[0][-1][1])] + [(v, evals[1][-1][1][k]) for k, v in r_eval_metrics[0][1].items()]
+        assert max(abs(a - b) / max(1.0, abs(b)) for a, b in again) <= 1e-5, again
         return
     cp_losses, cp_metrics, said, cp_eval, cp_eval_metrics = run_workers(
         _kto_cp_worker, 2 * WORLD, str(tmp_path / "model"), str(data), str(tmp_path), timeout=300)[0]
