@@ -23,16 +23,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from adapter.errors import bad
 from adapter.kernels import ring
 
 HALF = (torch.bfloat16, torch.float16)
-
-
-def dtype_error(dtype) -> Exception:
-    return bad("precision", str(dtype).removeprefix("torch."),
-               "packed documents (data.document_mask) run FlashAttention varlen kernels on GPUs, bf16/fp16 only",
-               "train in bf16 (precision: bf16)")
 
 
 # ---- reference kernels (CPU) -----------------------------------------------------------------------------------
@@ -321,4 +314,4 @@ def _cp_attention(q, k, v, params, scale, group, comm, window=None):
 
 
 __all__ = ["window_mask", "math_attention", "softcapped_packed", "packed_attention", "varlen_attention", "varlen",
-           "block_fwd", "block_bwd", "ring_tasks", "dtype_error"]
+           "block_fwd", "block_bwd", "ring_tasks"]

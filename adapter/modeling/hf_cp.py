@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from adapter.kernels.attention import _p2p_dtype_error, context_parallel_attention, normalize_cp_comm_type
-from adapter.kernels.varlen import HALF, dtype_error, packed_attention
+from adapter.kernels.varlen import HALF, packed_attention
 from adapter.patches.mcore import install_cpu_shims
 
 NAME = "nd_adapter_cp"  # the name in transformers' AttentionInterface and AttentionMaskInterface
@@ -96,14 +96,15 @@ def no_mask(*args, **kwargs):
     return None
 
 
-def install(model, *, dtype: torch.dtype, flash: bool, comm: str) -> None:
-    """Register the function under NAME and switch `model` (and its sub-models) to it. `flash`: the kernels are
-    FlashAttention's (a GPU with packed documents or the ring), bf16/fp16 only: refused here, before the first
-    step."""
+def install(model, *, dtype: torch.dtype, gpu: bool, comm: str) -> None:
+    """Register the function under NAME and switch `model` (and its sub-models) to it. On a GPU (`gpu`) the ring
+    (cp_comm_type p2p) runs FlashAttention's kernels, bf16/fp16 only: fp32 there is refused before the first step,
+    as the native engine refuses it; all_gather's varlen runs fp32 through the exact reference kernels
+    (adapter/kernels/varlen.block_fwd), on either engine."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    if flash and dtype not in HALF:
-        raise dtype_error(dtype) if normalize_cp_comm_type(comm) == "all_gather" else _p2p_dtype_error(dtype)
+    if gpu and dtype not in HALF and normalize_cp_comm_type(comm) == "p2p":
+        raise _p2p_dtype_error(dtype)
     install_cpu_shims()  # Megatron's gathers allocate on "the current CUDA device"; CPU runs need the shim
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, no_mask)

@@ -298,8 +298,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     cp = None
     if run.layout.cp > 1:
         comm = cfg.parallelism.cp_comm_type
-        hf_cp.install(model, dtype=dtype, comm=comm, flash=torch.device(device).type == "cuda"
-                      and (cfg.document_attention or comm == "p2p"))
+        hf_cp.install(model, dtype=dtype, comm=comm, gpu=torch.device(device).type == "cuda")
         cp = (groups.cp, comm)
     if run.peft is not None:  # PEFT's own LoRA layers, as Axolotl builds them
         model = add_peft(model, run.peft, seed=cfg.seed)
