@@ -128,10 +128,7 @@ def _preference_note(cfg: RunConfig) -> list[str]:
 
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
     """What a mixture-of-experts model cannot run yet, each in one line."""
-    name = arch.architecture
-    if cfg.model.unfrozen_parameters is not None:
-        raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "
-                  f"mixture-of-experts model ({name}) is not built yet", "remove the key to train every parameter")
+    name = arch.architecture  # (freezing parts of one trains on the transformers engine: lora.check_native)
     if cfg.precision == "fp8":
         raise bad("precision", "fp8", f"fp8 experts ({name}) are not built", "use precision: bf16")
     if cfg.parallelism.tp_size > 1 and not cfg.use_sequence_parallel:

@@ -249,7 +249,7 @@ def check_native(cfg, arch: ModelArch) -> None:
     both engines (adapter/train/dpo.py) but for KTO, a mixture of experts (its load-balancing term in a pair loss),
     the fused linear cross-entropy (it returns a sum, not the per-token losses a pair's log-probability needs) and a
     reference beside trained embeddings (PEFT's disabled adapters use the original embed_tokens / lm_head, which the
-    native adapters train in place)."""
+    native adapters train in place). Freezing parts of a mixture of experts (`unfrozen_parameters`) likewise."""
     if cfg.objective != "sft":
         key, value = ("rl" if cfg.source == "axolotl" else "objective"), cfg.objective
         fix = "set model.engine: auto (or transformers), which runs it on transformers' model"
@@ -259,6 +259,10 @@ def check_native(cfg, arch: ModelArch) -> None:
                          (trained_embedding, "a DPO reference beside LoRA's modules_to_save")):
             if on:
                 raise unbuilt(key, value, f"{what} is built on the transformers engine only", fix)
+    if arch.moe and cfg.model.unfrozen_parameters is not None:  # the native experts are grouped across layers' ranks
+        raise unbuilt(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "
+                      "mixture-of-experts model is built on the transformers engine only",
+                      "set model.engine: auto (or transformers), which freezes by transformers' own parameter names")
     if cfg.lora is not None and cfg.lora.target_parameters:
         raise unbuilt(spell(cfg, "lora.target_parameters"), cfg.lora.target_parameters, "LoRA on parameters "
                       "(PEFT's target_parameters) is built on the transformers engine only",

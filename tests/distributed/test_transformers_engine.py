@@ -391,6 +391,9 @@ def _lora(rank, world, models, root):
     lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
+    lines = []  # a native mixture of experts with unfrozen_parameters: `auto` takes the transformers engine
+    out["moe unfrozen"] = (train(_cfg(models["qwen3_moe"], f"{root}/moe-unfrozen", True, unfrozen=UNFROZEN),
+                                 log=lines.append).losses, [ln for ln in lines if ln.startswith("engine:")])
     out.update(_expert_lora(models, root))
     return out
 
@@ -452,6 +455,11 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     want = _reference(models["phi"], _cfg(models["phi"], f"{tmp_path}/unfrozen", True, unfrozen=UNFROZEN))
     assert max(rel(a, b) for a, b in zip(got["unfrozen"], want)) < 1e-4, (got["unfrozen"], want)
     assert "lm_head.weight rows 0:512" in got["unfrozen said"][0], got["unfrozen said"]
+    losses, said = got["moe unfrozen"]
+    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/moe-unfrozen", True,
+                                                unfrozen=UNFROZEN))
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    assert "freezing parts of a mixture-of-experts model is built on the transformers engine only" in said[0], said
     _check_expert_lora(got, models, tmp_path)
 
 
