@@ -135,6 +135,40 @@ def add_peft(model, spec, *, seed: int):
     return peft.get_peft_model(model, peft.LoraConfig(**spec.lora_config()))
 
 
+class LoadBalancing:
+    """transformers' load-balancing loss on its own model (output_router_logits), as its Trainer adds it: every
+    forward (one micro-batch of one DP process) adds router_aux_loss_coef × the model's own `load_balancing_loss_func`
+    of that forward's router logits, over the micro-batch's real tokens (padding left out, as the native engine's
+    statistic: adapter/modeling/moe.py), unaveraged over processes. The loop reads it as it reads the native engine's
+    (`enabled`, `coef`, `scale`, `value`) and adds `attached()` -- the term with its graph -- to the micro-batch's
+    loss (the native routers inject their gradient instead)."""
+
+    def __init__(self, model, coef: float):
+        import sys
+
+        from adapter.errors import bad
+
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps it
+        self.fn = getattr(sys.modules[type(inner).__module__], "load_balancing_loss_func", None)
+        self.num_experts, self.top_k = (getattr(inner, k, None) for k in ("num_experts", "num_experts_per_tok"))
+        if self.fn is None or not self.num_experts or not self.top_k:
+            raise bad("model.output_router_logits", True, f"transformers' {type(inner).__name__} adds no "
+                      "load-balancing loss of its own", "set it false (model_config: {output_router_logits: false})")
+        self.coef, self.scale, self.enabled = coef, 1.0, coef > 0
+        self.last: torch.Tensor | None = None
+
+    def record(self, router_logits, real: torch.Tensor | None) -> None:
+        self.last = self.fn(router_logits, self.num_experts, self.top_k, real).float()
+
+    def value(self) -> torch.Tensor:
+        assert self.last is not None
+        return self.last.detach()
+
+    def attached(self) -> torch.Tensor:
+        assert self.last is not None
+        return self.coef * self.last
+
+
 class CausalLMLosses(torch.nn.Module):
     """The loop's call on a transformers model: per-token cross-entropy [b, s] in fp32 (module docstring), or, with
     `model_loss` (Liger's cross-entropy kernels patched in), the model's own loss over the trained tokens: their
@@ -145,37 +179,46 @@ class CausalLMLosses(torch.nn.Module):
     cp_comm_type) where the model's attention runs through hf_cp (installed on it), else None. `unpack`: the model has
     recurrent layers, so packed documents run as rows of their own (adapter/modeling/hf_unpack.py)."""
 
-    def __init__(self, model, model_loss: bool = False, cp: tuple | None = None, unpack: bool = False):
+    def __init__(self, model, model_loss: bool = False, cp: tuple | None = None, unpack: bool = False,
+                 aux_coef: float = 0.0):
         super().__init__()
         self.model = model
         self.model_loss = model_loss
         self.cp = cp
         self.unpack = unpack  # recurrent layers: packed documents run as rows of their own (hf_unpack)
+        self.moe_aux = LoadBalancing(model, aux_coef) if aux_coef > 0 else None  # output_router_logits
+        self.routed = hasattr(model.config.get_text_config(), "output_router_logits")  # a mixture of experts
         prepare(model)
 
     def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
-                **_):
+                padding_mask=None, **_):
         if self.unpack and position_ids is not None and hf_unpack.is_packed(position_ids):
             index, valid = hf_unpack.documents_of(position_ids, loss_mask)
             rows = [hf_unpack.unpack(index, x) for x in (tokens, labels)]
             mask = None if loss_mask is None else hf_unpack.unpack(index, loss_mask) * valid
             positions = torch.arange(index.shape[1], device=tokens.device).expand_as(index)
-            out = self._losses(rows[0], positions, labels=rows[1], loss_mask=mask)
+            real = valid if padding_mask is None else hf_unpack.unpack(index, padding_mask.float()) * valid
+            out = self._losses(rows[0], positions, labels=rows[1], loss_mask=mask, real=real)
             return out if out.dim() == 0 else hf_unpack.repack(index, valid, out, tokens.shape)
         return self._losses(tokens, position_ids, labels=labels, loss_mask=loss_mask,
-                            packed_seq_params=packed_seq_params)
+                            packed_seq_params=packed_seq_params, real=padding_mask)
 
-    def _losses(self, tokens, position_ids, *, labels, loss_mask, packed_seq_params=None):
+    def _losses(self, tokens, position_ids, *, labels, loss_mask, packed_seq_params=None, real=None):
         across = hf_cp.forward(*self.cp, packed_seq_params) if self.cp else nullcontext()
         if self.model_loss and loss_mask is not None:
             target = torch.where(loss_mask > 0, labels, torch.full_like(labels, -100))
             one = torch.ones((), device=tokens.device)
+            off = {"output_router_logits": False} if self.routed else {}  # its loss: the tokens' alone
             with documents(position_ids), across:
                 out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, labels=target,
-                                 shift_labels=target, num_items_in_batch=one)
+                                 shift_labels=target, num_items_in_batch=one, **off)
             return out.loss.float()
+        aux = self.moe_aux if self.moe_aux is not None and self.training and torch.is_grad_enabled() else None
+        routers = {"output_router_logits": True} if aux is not None else {}
         with documents(position_ids), across:  # every model's masks confine attention to the packed documents
-            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
+            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, **routers)
+        if aux is not None:  # the real tokens' routing statistic (transformers' attention-masked one)
+            aux.record(out.router_logits, None if real is None else real.to(torch.long))
         logits = out.logits.float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 

@@ -65,6 +65,11 @@ class AuxLoss:
         c, p, r = self.totals()
         return self.num_experts * (c * p).sum() / (r * r)
 
+    def attached(self) -> float:
+        """What the loop adds to the micro-batch's loss: nothing, the routers inject this loss's gradient in backward
+        (`_InjectAuxGrad`; the transformers engine's adds its term: adapter/modeling/hf_build.LoadBalancing)."""
+        return 0.0
+
     def row_grad(self) -> torch.Tensor:
         """d(scale · coef · aux) / d(softmax_e of one row), one value per expert."""
         c, _, r = self.totals()

@@ -34,7 +34,7 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
     if cfg.checkpoint.exit_signals:
         lines.append(signals(cfg.checkpoint.exit_signals, cfg.checkpoint.dir))
     lines.append(optimizer(run, gpu=gpu))
-    if arch.moe:
+    if arch.moe or arch.output_router_logits:  # either engine's
         lines.append(mixture_of_experts(run))
     text = families.family(arch.family).export_as
     if text:  # an image-text checkpoint: what is trained and exported is its language model only
@@ -156,7 +156,8 @@ def mixture_of_experts(run: ResolvedRun) -> str:
     why = (f"{spell(cfg, 'model.output_router_logits')}: {str(over).lower()}" if over is not None
            else f"output_router_logits: {str(arch.output_router_logits).lower()} in config.json")
     on = arch.output_router_logits and arch.router_aux_loss_coef > 0
-    return (f"mixture of experts: {arch.num_experts} experts, top {arch.experts_per_token}, "
+    head = f"{arch.num_experts} experts, top {arch.experts_per_token}" if arch.moe else "transformers' own modules"
+    return (f"mixture of experts: {head}, "
             + (f"load-balancing loss × router_aux_loss_coef {arch.router_aux_loss_coef:g} added to every "
                "micro-batch's loss" if on else "no load-balancing loss, as transformers then trains") + f" ({why})")
 

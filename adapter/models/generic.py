@@ -317,7 +317,8 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         ep_params=facts["ep_params"],
         attention_features=facts["attention"], layer_recompute=facts["recompute"],
         image_text=image_text, remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
-        output_router_logits=bool(text.get("output_router_logits")))
+        output_router_logits=bool(text.get("output_router_logits")),
+        router_aux_loss_coef=float(text.get("router_aux_loss_coef") or 0.0))
 
 
 # The rehearsal's tiny copy of an arbitrary config (adapter/train/rehearse.py): every size key transformers' configs

@@ -236,7 +236,13 @@ def check_run(cfg, arch) -> list[str]:
         (cfg.recompute == "full" and not arch.layer_recompute, "recompute", "full", f"recomputing layers ({name} "
          "does not support transformers' gradient checkpointing)"),
         (m.fused_linear_ce, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
-        (arch.output_router_logits, "model.output_router_logits", True, "the load-balancing loss")]
+        # the load-balancing loss: a statistic over the micro-batch's tokens, which tp's and cp's ranks would each
+        # compute over their own; a preference loss's forwards (reference, KL rows) would each add one
+        (arch.output_router_logits and (p.tp_size > 1 or p.cp_size > 1 or cfg.objective != "sft" or any(
+            "cross_entropy" in k for k in m.liger)), "model.output_router_logits", True, "the load-balancing loss "
+         "beside tensor or context parallelism, a preference objective or Liger's cross-entropy"),
+        (arch.output_router_logits and not _balancing(arch.hf_model_type), "model.output_router_logits", True,
+         f"a load-balancing loss for {name} (transformers' own model defines none)")]
     fixes = {"precision": "use bf16",
              "recompute": "use full (gradient_checkpointing: true) or none" if cfg.recompute == "selective" else
              "turn it off (gradient_checkpointing: false)",
@@ -245,6 +251,18 @@ def check_run(cfg, arch) -> list[str]:
         if on:
             raise bad(spell(cfg, key), value, f"{what} is not built {why}", fixes.get(key, "remove it"))
     return notes
+
+
+def _balancing(model_type: str) -> bool:
+    """Whether transformers' modelling file of `model_type` defines its load_balancing_loss_func (the transformers
+    engine adds it per forward: adapter/modeling/hf_build.LoadBalancing). Remote code: checked when it is built."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return True
+    return hasattr(module, "load_balancing_loss_func")
 
 
 def _check_ep(cfg, arch, ep: int, why: str) -> None:

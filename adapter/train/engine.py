@@ -315,7 +315,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     unpack = runs_unpacked(run.arch.layer_kinds, cfg.document_attention) is not None
     if cfg.model.compile:  # after PEFT, TP and EP replaced modules: the graphs trace what trains
         compile_hf_layers(model, cfg.model.compile_memory_budget)
-    return CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack).to(device), recomputed
+    aux = run.arch.router_aux_loss_coef if run.arch.output_router_logits else 0.0  # the load-balancing loss
+    return CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux).to(device), recomputed
 
 
 def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:

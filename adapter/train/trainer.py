@@ -155,9 +155,9 @@ class Trainer:
                       "layer's activations recomputed in backward)")
         self.cp_rank = self.layout.coords(self.rank)[Axis.CP]
         self.ref_table, self.val_ref = dpo.reference_for(self)  # DPO of every weight: its reference, before a resume
-        if self.arch.moe:  # what is trained: transformers adds the load-balancing loss when the config says so
-            aux = self.engine.ds.module.moe_aux
-            self.moe_aux = aux if aux.enabled else None
+        # what is trained: transformers adds the load-balancing loss when the config says so (either engine's)
+        aux = getattr(self.engine.ds.module, "moe_aux", None)
+        self.moe_aux = aux if aux is not None and aux.enabled else None
         self.result.start_step = self._resume() if resume else 0
         self.tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
         self.flops_per_token = self._flops(self.cfg.seq_len)
@@ -228,7 +228,7 @@ class Trainer:
 
     def _loss_sum(self, batch):
         """Σ per-token loss × loss_mask over this rank's slice of the micro-batch (fp32)."""
-        return masked_loss_sum(self.engine.ds, batch, moe=self.arch.moe)
+        return masked_loss_sum(self.engine.ds, batch, moe=self.arch.moe or self.moe_aux is not None)
 
     # --- one step -------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batches, previous: PendingStep | None) -> PendingStep:
@@ -264,8 +264,9 @@ class Trainer:
                     local = self._loss_sum(batch) / denom.float()
                 if aux is not None:  # the same on every CP and TP rank of the micro-batch: counted once over CP
                     summed[2] += aux.value().double() / layout.cp
-            with record_function("nd.backward"):
-                ds.backward(local * undo_average, scale_wrt_gas=False)
+            with record_function("nd.backward"):  # the transformers engine's load-balancing term: with its graph
+                attached = aux.attached() if aux is not None else 0.0
+                ds.backward((local + attached) * undo_average, scale_wrt_gas=False)
                 engine.after_backward()
             if previous is not None:
                 self.report(previous)

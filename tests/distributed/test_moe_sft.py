@@ -5,7 +5,9 @@ objective as its Trainer has it: every forward (one micro-batch of one DP proces
 statistic over that micro-batch's real tokens, unaveraged over processes. So the layouts train different objectives
 (one micro-batch of two samples against two of one), and the reference follows each: losses, aux losses and the
 gradient norm (every expert counted once). A reference without the auxiliary loss differs: the test sees it; a
-run with `model.output_router_logits: false` (Axolotl's model_config) over the config's true equals it.
+run with `model.output_router_logits: false` (Axolotl's model_config) over the config's true equals it. Qwen3-MoE
+on the transformers engine (transformers' own model and its own load_balancing_loss_func) at dp_shard=2 and ep=2
+gives the same losses, aux losses and gradient norms.
 
 Qwen3-MoE also saves after 2 steps at tp=2, resumes at dp_shard=2 (the experts' [gate; up] re-cut per TP rank)
 and exports: steps 3 and 4 equal the reference that switches objective there, and transformers loads the export
@@ -40,11 +42,11 @@ ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v
 
 
 def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: str = "cosine", aux=None,
-         lora=None, quantize_base=None, **checkpoint):
+         lora=None, quantize_base=None, engine: str = "auto", **checkpoint):
     from adapter.demo.build import ASSETS
 
     parallelism, micro = LAYOUTS[layout] if layout != "hsdp" else (HSDP, 1)
-    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache"}, "parallelism": parallelism,
+    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine}, "parallelism": parallelism,
            "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": 1}, "seq_len": SEQ,
            "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": schedule, "warmup_steps": WARMUP if schedule == "cosine" else 0,
@@ -74,6 +76,11 @@ def _worker(rank, world, models, root):
             res = run(_cfg(models[fam], f"{root}/{fam}", name), log=quiet)
             out[f"{fam} {name}"] = (res.losses, res.aux_losses, res.grad_norms)
     out["aux off"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "tp=2", aux=False), log=quiet).losses
+    for name in ("dp_shard=2", "ep=2"):  # transformers' own model: its own load_balancing_loss_func, added per forward
+        said: list[str] = []
+        res = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", name, engine="transformers"), log=said.append)
+        out[f"hf {name}"] = (res.losses, res.aux_losses, res.grad_norms,
+                             [ln for ln in said if ln.startswith("mixture of experts:")])
     for name in ("tp=2", "dp_shard=2", "ep=2", "ep=2 zero2"):
         out[f"lora {name}"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", name, schedule="constant",
                                        lora=models["adapter"]), log=quiet).losses
@@ -188,6 +195,13 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
         assert max(rel(a, b) for a, b in zip(got[f"{fam} tp=2"][0], without)) > 1e-4
         if fam == "qwen3_moe":  # model.output_router_logits: false over config.json's true trains without it
             assert all(rel(a, b) <= 2e-6 for a, b in zip(got["aux off"], without)), (got["aux off"], without)
+            for name in ("dp_shard=2", "ep=2"):  # the transformers engine: the same objective, the same numbers
+                ref, ref_aux, _ = _reference(models[fam], data, cfg, [GROUPS[name]] * STEPS)
+                losses, auxes, norms, said = got[f"hf {name}"]
+                assert all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), (name, losses, ref)
+                assert len(auxes) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(auxes, ref_aux)), (auxes, ref_aux)
+                assert all(rel(a, b) <= 1e-5 for a, b in zip(norms, _reference.norms)), (norms, _reference.norms)
+                assert "load-balancing loss × router_aux_loss_coef" in said[0], said
     cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "tp=2")
     data = prepare(cfg, models["qwen3_moe"], vocab_of(cfg), builder=True, barrier=None, progress=False)
     # LoRA on the attention of a mixture of experts, with the load-balancing loss: against transformers + PEFT

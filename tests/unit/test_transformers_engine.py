@@ -560,3 +560,25 @@ def test_a_config_value_of_the_wrong_type_for_transformers_is_one_line():
     raw = {**tiny_config("gpt_oss").to_dict(), "attention_bias": None}
     with pytest.raises(UserError, match="^model='gpt_oss': transformers cannot read this config.json"):
         hf_config(raw, trust_remote_code=False, model_dir=None)
+
+
+@pytest.mark.parametrize("model, top, says", [
+    ("gpt_oss", {}, None),  # dp_shard=2: built (tests/distributed/test_moe_sft.py checks it against transformers)
+    ("gpt_oss", {"tensor_parallel_size": 2, "dp_shard_size": 1},
+     "the load-balancing loss beside tensor or context parallelism"),
+    ("deepseek_v3", {"context_parallel_size": 2, "dp_shard_size": 1},
+     "the load-balancing loss beside tensor or context parallelism"),
+    ("deepseek_v3", {}, "a load-balancing loss for DeepseekV3ForCausalLM (transformers' own model defines none)"),
+])
+def test_the_load_balancing_loss_on_the_transformers_engine(tmp_path, model, top, says):
+    """Axolotl's Mixtral examples set model_config: {output_router_logits: true}: on transformers' gpt-oss the run
+    adds its own load_balancing_loss_func per forward and says so; where a statistic over the micro-batch's tokens
+    would be each rank's own (tp, cp), or the model has none (DeepSeek-V3), one line."""
+    code, out, err = _plan(tmp_path, _write(tmp_path, model, router_aux_loss_coef=0.02),
+                           model_config={"output_router_logits": True}, **top)
+    if says is None:
+        assert code == 0, err
+        assert any(n.startswith("mixture of experts: transformers' own modules, load-balancing loss × "
+                                "router_aux_loss_coef 0.02") for n in json.loads(out)["notes"]), out
+    else:
+        assert code == 2 and err.count("\n") == 1 and f"model_config.output_router_logits=True: {says}" in err, err
