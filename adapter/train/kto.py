@@ -122,12 +122,19 @@ def step_terms(t, batch, logps) -> tuple[torch.Tensor, torch.Tensor]:
     dist.all_reduce(sums, group=t.groups.dp)  # TRL's gather over processes: the same values on every rank
     kl = (sums[0] / dp).clamp(min=0).to(ratio.dtype)
     local = loss_of(cfg, ratio, good, kl).mean() / (cfg.grad_accum * dp)
-    nc, nr = sums[1], sums[2]
-    hc, hr = (nc > 0).double(), (nr > 0).double()
-    c_mean, r_mean = sums[3] / nc.clamp(min=1), sums[4] / nr.clamp(min=1)
-    stats = torch.stack([torch.ones_like(nc), kl.double(), hc, hc * c_mean, hc * sums[5] / nc.clamp(min=1), hr,
-                         hr * r_mean, hr * sums[6] / nr.clamp(min=1), hc * hr, hc * hr * (c_mean - r_mean)])
+    stats = _stats(kl.double(), *sums[1:7])
     return local, stats / dp  # the trainer sums them over the DP ranks, which hold the same values
+
+
+def _stats(kl, nc, nr, rc, rr, lc, lr) -> torch.Tensor:
+    """One batch's (a step's micro-batch round, or an eval round's: then each argument a column over the rounds)
+    TRL metrics as `step_metrics` sums them: [1, kl, has chosen, rewards/chosen, logps/chosen, has rejected,
+    rewards/rejected, logps/rejected, has both, margin], from the KL estimate, the desirable / undesirable rows'
+    counts and their sums of rewards (rc, rr) and log-probabilities (lc, lr); a side without rows counts nowhere."""
+    hc, hr = (nc > 0).double(), (nr > 0).double()
+    c_mean, r_mean = rc / nc.clamp(min=1), rr / nr.clamp(min=1)
+    return torch.stack([torch.ones_like(nc), kl, hc, hc * c_mean, hc * lc / nc.clamp(min=1), hr, hr * r_mean,
+                        hr * lr / nr.clamp(min=1), hc * hr, hc * hr * (c_mean - r_mean)], -1)
 
 
 def eval_chunks(n: int, dp: int, mb: int, dp_rank: int) -> list[list[int]]:
@@ -196,12 +203,8 @@ def evaluate(t, logps, batch_of) -> tuple[float | None, int, dict[str, float]]:
     finally:
         t.engine.ds.train()
     t.clock.reset()  # evaluation is not training time
-    a = torch.stack(rounds).cpu()
-    nc, nr = a[:, 2], a[:, 3]
-    hc, hr = (nc > 0).double(), (nr > 0).double()
-    c_mean, r_mean = a[:, 4] / nc.clamp(min=1), a[:, 5] / nr.clamp(min=1)
-    stats = torch.stack([torch.ones_like(nc), a[:, 8], hc, hc * c_mean, hc * a[:, 6] / nc.clamp(min=1), hr,
-                         hr * r_mean, hr * a[:, 7] / nr.clamp(min=1), hc * hr, hc * hr * (c_mean - r_mean)], 1)
+    a = torch.stack(rounds).cpu()  # per round: loss, rows, nc, nr, rc, rr, lc, lr, kl
+    stats = _stats(a[:, 8], *a[:, 2:8].unbind(1))
     count = float(a[:, 1].sum())
     return (float(a[:, 0].sum()) / count if count else None), int(count), step_metrics(stats.sum(0).tolist())
 
