@@ -109,6 +109,7 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
 
     from transformers import BitsAndBytesConfig
 
+    from adapter.patches.bnb_cpu import one_cpu_path
     from adapter.patches.bnb_int8 import int8_any_rank_input
 
     int8_any_rank_input()  # an 8-bit base (asked, or stored so) on 4-D inputs (GLM-4.7-Flash's kv_b_proj)
@@ -117,11 +118,14 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
            BitsAndBytesConfig(load_in_8bit=True))
     if model_dir is not None and getattr(config, "quantization_config", None) is not None:
         # a pre-quantised bitsandbytes checkpoint (adapter/models/prequant.py): its stored codes, loaded as they are
-        return cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
-    with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
-        if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
-            cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)
-        return cls.from_pretrained(model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
+        model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
+    else:
+        with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
+            if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
+                cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)
+            model = cls.from_pretrained(model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
+    one_cpu_path(model)  # eval-mode forwards (the eval, reference tables) compute as training ones on any CPU
+    return model
 
 
 def add_peft(model, spec, *, seed: int):

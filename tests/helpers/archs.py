@@ -95,7 +95,10 @@ def reference_model(model_dir: Path, quantize: str | None = None):
 
         bnb = Mxfp4Config(dequantize=True)
     kw = {"quantization_config": bnb} if quantize else {}
-    return auto.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
+    model = auto.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
+    # in training mode, as transformers' Trainer trains it: from_pretrained's eval mode makes bitsandbytes' NF4 layers
+    # on an AVX512-BF16 CPU switch to their bf16 inference kernel for good (adapter/patches/bnb_cpu.py)
+    return model.train() if quantize in ("nf4", "int8") else model
 
 
 def mxfp4(model_dir: Path, out: Path, seed: int = 1) -> Path:

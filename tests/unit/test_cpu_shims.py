@@ -60,3 +60,22 @@ def test_bitsandbytes_int8_linear_takes_a_4d_input_as_its_rows():
         got = lin(x)
         want = lin(x.reshape(2, 12, 16)).reshape(2, 3, 4, 8)
         assert got.shape == (2, 3, 4, 8) and torch.equal(got, want), train
+
+
+def test_bitsandbytes_nf4_linear_computes_eval_forwards_as_training_ones():
+    """On an AVX512-BF16 CPU bitsandbytes 0.50 repacks an NF4 weight for its bf16 inference kernel at the first
+    eval-mode forward and keeps it so; after one_cpu_path the eval forward and every later training forward give the
+    training path's numbers (on other CPUs the branch is never taken: the same assertions hold)."""
+    import bitsandbytes as bnb
+
+    from adapter.patches.bnb_cpu import one_cpu_path
+
+    torch.manual_seed(0)
+    lin = bnb.nn.Linear4bit(64, 128, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    lin.weight = bnb.nn.Params4bit(torch.randn(128, 64) * 0.02, requires_grad=False, quant_type="nf4")
+    lin = lin.to("cpu")
+    x = torch.randn(3, 64)
+    want = lin.train()(x)
+    one_cpu_path(torch.nn.Sequential(lin))
+    assert torch.equal(lin.eval()(x), want) and torch.equal(lin.train()(x), want)
+    assert not getattr(lin.weight.quant_state, "packing_format_for_cpu", False)
