@@ -22,7 +22,9 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check adapter tests bench launch
 	$(VENV)/bin/mypy
-	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	# one-process tests on both cores; the multi-process ones (gloo ranks, launched jobs) one at a time
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --durations=10 tests/unit
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25 tests --ignore=tests/unit
 
 plan-example: setup
 	$(VENV)/bin/nd-adapter plan configs/llama-3.1-8b-hsdp-tp.yaml --nodes 2 --gpus-per-node 8
