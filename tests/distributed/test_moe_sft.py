@@ -42,11 +42,12 @@ ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v
 
 
 def _cfg(model_dir: str, root: str, layout: str, steps: int = STEPS, schedule: str = "cosine", aux=None,
-         lora=None, quantize_base=None, engine: str = "auto", **checkpoint):
+         lora=None, quantize_base=None, engine: str = "auto", compile: bool = False, **checkpoint):
     from adapter.demo.build import ASSETS
 
     parallelism, micro = LAYOUTS[layout] if layout != "hsdp" else (HSDP, 1)
-    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine}, "parallelism": parallelism,
+    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine, "compile": compile},
+           "parallelism": parallelism,
            "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": 1}, "seq_len": SEQ,
            "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": schedule, "warmup_steps": WARMUP if schedule == "cosine" else 0,
@@ -81,6 +82,18 @@ def _worker(rank, world, models, root):
         res = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", name, engine="transformers"), log=said.append)
         out[f"hf {name}"] = (res.losses, res.aux_losses, res.grad_norms,
                              [ln for ln in said if ln.startswith("mixture of experts:")])
+    # ... with its decoder layers compiled (the router-logit hooks inside the compiled layers; Dynamo + AOTAutograd)
+    import functools
+
+    import torch
+
+    eager_compile, torch.compile = torch.compile, functools.partial(torch.compile, backend="aot_eager")
+    try:
+        res = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", "ep=2 zero2", engine="transformers", compile=True),
+                  log=quiet)
+        out["hf compiled"] = (res.losses, res.aux_losses, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    finally:
+        torch.compile = eager_compile
     for name in ("tp=2", "dp_shard=2", "ep=2", "ep=2 zero2"):
         out[f"lora {name}"] = run(_cfg(models["qwen3_moe"], f"{root}/qwen3_moe", name, schedule="constant",
                                        lora=models["adapter"]), log=quiet).losses
@@ -202,6 +215,9 @@ def test_moe_sft_matches_transformers_with_its_aux_loss_at_tp2_and_dp_shard2(mod
                 assert len(auxes) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(auxes, ref_aux)), (auxes, ref_aux)
                 assert all(rel(a, b) <= 1e-5 for a, b in zip(norms, _reference.norms)), (norms, _reference.norms)
                 assert "load-balancing loss × router_aux_loss_coef" in said[0], said
+            losses, auxes, graphs = got["hf compiled"]  # ep=2 under ZeRO-2, each decoder layer compiled
+            assert graphs > 0 and all(rel(a, b) <= 2e-6 for a, b in zip(losses, ref)), (graphs, losses, ref)
+            assert len(auxes) == STEPS and all(rel(a, b) <= 2e-6 for a, b in zip(auxes, ref_aux)), (auxes, ref_aux)
     cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qwen3_moe", "tp=2")
     data = prepare(cfg, models["qwen3_moe"], vocab_of(cfg), builder=True, barrier=None, progress=False)
     # LoRA on the attention of a mixture of experts, with the load-balancing loss: against transformers + PEFT
