@@ -39,9 +39,10 @@ LOSS_OPTIONS = {
                    "give rl_beta instead, or set rl: orpo"),
 }
 # read here; the speed / memory options are noted (nd-adapter's own forward runs the pairs)
-NOTED = ("dpo_padding_free", "dpo_use_liger_kernel", "precompute_ref_log_probs", "max_prompt_len")
+NOTED = ("dpo_use_liger_kernel", "precompute_ref_log_probs", "max_prompt_len")
 KTO_KEYS = ("kto_desirable_weight", "kto_undesirable_weight")  # read by rl: kto only
-RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *LOSS_OPTIONS, *NOTED, *KTO_KEYS}
+RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", "dpo_padding_free", *LOSS_OPTIONS, *NOTED,
+           *KTO_KEYS}
 
 
 def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
@@ -98,6 +99,15 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         how = "rl: ipo" if raw.get("rl") == "ipo" else "rl: dpo with dpo_loss_type ipo" if rl == "ipo" else "rl: dpo"
         notes.append(f"{how} -> objective: {rl} (TRL's {'ipo' if rl == 'ipo' else 'sigmoid'} loss, beta {shown}, "
                      f"reference = {ref})")
+    free = raw.get("dpo_padding_free")
+    if free is not None and not isinstance(free, bool):
+        raise bad("dpo_padding_free", free, "must be true or false", "give dpo_padding_free: true, or remove it")
+    if free and rl in ("dpo", "ipo"):  # Axolotl hands it to TRL's DPOConfig only
+        out.setdefault("dpo", {})["padding_free"] = True
+        notes.append("dpo_padding_free: true -> dpo.padding_free (each micro-batch's sequences as one stream of "
+                     "their real tokens, attention confined to each: TRL's padding_free)")
+    elif free is not None:
+        notes.append(f"dpo_padding_free: not read by {rl.upper()} (Axolotl hands it to TRL's DPO trainer only)")
     if rl != "kto" and any(raw.get(k) is not None for k in KTO_KEYS):
         notes.append(f"{', '.join(k for k in KTO_KEYS if raw.get(k) is not None)}: read by rl: kto only")
     ignored = [k for k in ignores if raw.get(k) is not None and not (rl == "ipo" and k == "dpo_loss_type")]

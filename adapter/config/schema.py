@@ -478,9 +478,9 @@ class RunConfig(RLFields, _Strict):
     @property
     def document_attention(self) -> bool:
         """Attention confined to each example of a packed sample: asked for, or implied by packed SFT data (train or
-        eval; harmless on unpacked samples, whose one example comes before its padding)."""
-        d = self.data
-        return d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing))
+        eval; harmless on unpacked samples, whose one example comes before its padding) or padding-free pairs."""
+        d, pairs = self.data, self.padding_free_pairs()
+        return d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing)) or pairs
 
     @property
     def param_precision(self) -> str:

@@ -49,6 +49,9 @@ class _Strict(BaseModel):
 class DPOSection(_Strict):
     beta: Float = Field(0.1, gt=0, description="TRL's beta (Axolotl's rl_beta / trl.beta; TRL's default 0.1): the "
                                                "strength of the pull towards the reference")
+    padding_free: bool = Field(False, description="TRL's padding_free (Axolotl's dpo_padding_free): each micro-batch's "
+                               "chosen and rejected sequences run as one stream of their real tokens, attention "
+                               "confined to each sequence, no padding computed (the same numbers; any pair objective)")
 
 
 class ORPOSection(_Strict):
@@ -102,6 +105,10 @@ class RLFields(_Strict):
             return grad, forwards
         return grad, 1 if self.objective == "kto" else 0  # KTO's KL rows still go through the policy
 
+    def padding_free_pairs(self) -> bool:
+        """Whether a micro-batch's preference sequences run as one stream without padding (dpo.padding_free)."""
+        return self.dpo.padding_free and self.objective in ("dpo", "ipo", "orpo", "simpo")
+
     def fixed_reference(self) -> bool:
         """Whether the DPO/IPO/KTO reference is the starting model's log-probabilities, computed once before step 1
         (adapter/train/dpo.reference_table; KTO's with its KL rows: adapter/train/kto.reference_table): a full
@@ -136,6 +143,13 @@ class RLFields(_Strict):
                       "dropped (Axolotl's default); truncate and raise are not built for preference pairs", "remove it")
         if self.objective == "kto":
             self._kto_scope(ax)
+        return self
+
+    @model_validator(mode="after")
+    def _padding_free_scope(self) -> RLFields:
+        if self.dpo.padding_free and not self.padding_free_pairs():
+            raise bad("dpo.padding_free", True, f"it packs preference pairs; objective {self.objective} has none "
+                      "(KTO's rows and their KL rows run padded)", "remove it")
         return self
 
     def _kto_scope(self, ax: bool) -> None:

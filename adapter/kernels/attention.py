@@ -22,6 +22,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -93,6 +94,25 @@ def whole_from_cp(local: torch.Tensor, group, cp_size: int, cp_rank: int) -> tor
     """The inverse of split_for_cp over the CP group, with the gradient of a computation every CP rank repeats
     (preference objectives' per-sequence sums: adapter/train/dpo.py)."""
     return _WholeFromCP.apply(local, group, cp_size, cp_rank)
+
+
+def sum_over_cp(partial: torch.Tensor, group) -> torch.Tensor:
+    """Σ over the CP group of tensors each rank filled at its own tokens (0 elsewhere), with the gradient of a
+    computation every CP rank repeats on the sum: each rank's own entries get the sum's gradient as it is (no
+    reduction: every rank computed the same one)."""
+    return _SumOverCP.apply(partial, group)
+
+
+class _SumOverCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial, group):
+        out = partial.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _sdpa(q, k, v, **kw):
@@ -333,5 +353,5 @@ class SDPAttention(MegatronModule):
         return varlen_attention(q, k, v, cu.to(torch.int32), max_len, self.scale)
 
 
-__all__ = ["SDPAttention", "split_for_cp", "whole_from_cp", "context_parallel_attention", "normalize_cp_comm_type",
-           "CP_COMM_TYPES"]
+__all__ = ["SDPAttention", "split_for_cp", "whole_from_cp", "sum_over_cp", "context_parallel_attention",
+           "normalize_cp_comm_type", "CP_COMM_TYPES"]

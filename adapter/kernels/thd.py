@@ -103,13 +103,14 @@ def document_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 def pack_batch(batch: dict[str, torch.Tensor], *, cp_size: int = 1, cp_rank: int = 0,
-               multiple: int = 1) -> tuple[dict[str, torch.Tensor], PackedDocs]:
+               multiple: int = 1, carry: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], PackedDocs]:
     """The FULL micro-batch ([b, s] tensors on the host: tokens, labels, loss_mask, segment_ids) -> this CP rank's
     [1, T] tokens / labels / loss_mask / position_ids and its PackedDocs. Same result on every rank of a CP group
-    but for its own chunks; the trained tokens over the group are exactly the batch's."""
+    but for its own chunks; the trained tokens over the group are exactly the batch's. `carry`: more per-token keys
+    laid out alike (0 on the stream's padding)."""
     seg = batch["segment_ids"].cpu()
     b, s = seg.shape
-    flat = {k: batch[k].cpu().reshape(-1) for k in KEYS if k in batch}
+    flat = {k: batch[k].cpu().reshape(-1) for k in (*KEYS, *carry) if k in batch}
     lens = document_lengths(seg)
     starts = torch.cumsum(lens, 0) - lens
     g = 2 * cp_size if cp_size > 1 else 1
@@ -147,6 +148,20 @@ def pack_batch(batch: dict[str, torch.Tensor], *, cp_size: int = 1, cp_rank: int
     return out, params
 
 
+def rows_to_stream(rows: dict[str, torch.Tensor], lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Right-padded [r, s] rows (tokens, labels, loss_mask) -> one [1, T] stream of each row's first `lengths`
+    tokens, T = Σ lengths, no padding (TRL's padding_free): positions restarting at each row, `segment_ids`
+    numbering the rows, `row_index` each token's place in the flattened [r·s] rows (where per-token results go
+    back) and `real` 1 (0 wherever pack_batch pads the stream)."""
+    r, s = rows["tokens"].shape
+    index = (torch.arange(s)[None, :] < lengths[:, None]).flatten().nonzero().flatten()
+    out = {k: rows[k].reshape(-1)[index][None] for k in ("tokens", "labels", "loss_mask")}
+    out["position_ids"] = (index % s)[None]
+    out["segment_ids"] = (index // s)[None]
+    out["row_index"], out["real"] = index[None], torch.ones(1, len(index), dtype=torch.int64)
+    return out
+
+
 def _all_gather_plan(params: PackedDocs, c: torch.Tensor, cp: int, r: int) -> None:
     """Where each local query chunk's causal key prefix lies in the all-gathered K|V ([cp ranks × local stream]):
     chunk j of document i is held by rank j (early part) or 2·cp−1−j (late part), at the document's chunk offset."""
@@ -163,4 +178,5 @@ def _all_gather_plan(params: PackedDocs, c: torch.Tensor, cp: int, r: int) -> No
     params.ag_max_k = int(k_lens.max())
 
 
-__all__ = ["PackedDocs", "pack_batch", "document_lengths", "local_multiple", "cu_seqlens", "document_attention_mask"]
+__all__ = ["PackedDocs", "pack_batch", "rows_to_stream", "document_lengths", "local_multiple", "cu_seqlens",
+           "document_attention_mask"]

@@ -19,7 +19,7 @@ from adapter.data.sft.bins import trim_tail
 from adapter.data.sft.report import stats_lines
 from adapter.errors import bad
 from adapter.kernels.attention import split_for_cp
-from adapter.kernels.thd import local_multiple, pack_batch
+from adapter.kernels.thd import local_multiple, pack_batch, rows_to_stream
 from adapter.models import source
 from adapter.models.resolved import ResolvedRun
 
@@ -94,6 +94,8 @@ def place(run: ResolvedRun, cp_rank: int, device, b):
     (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params" -- on both engines
     alike, but for transformers' model at cp = 1, whose masks confine documents by their positions (hf_build)."""
     cfg, layout = run.cfg, run.layout
+    if cfg.padding_free_pairs():
+        return _padding_free(run, cp_rank, device, b)
     packed = None
     if not run.arch.native and not cfg.document_attention and ("position_ids" in b or layout.cp > 1):
         # transformers' model: one causal stream per sample, as the native engine runs it
@@ -113,6 +115,22 @@ def place(run: ResolvedRun, cp_rank: int, device, b):
     if packed is not None:
         b["packed_seq_params"] = packed.to(device)
     return b
+
+
+def _padding_free(run: ResolvedRun, cp_rank: int, device, b):
+    """Preference rows ([rows, s], right-padded) kept whole for the per-sequence sums, and beside them, under pf_*,
+    what the model runs: one stream of the rows' real tokens (this CP rank's chunks of each), documents confined
+    as packed SFT's are on either engine, `pf_row_index` / `pf_real` saying where each token's loss goes back
+    (adapter/train/dpo.py)."""
+    cfg, layout = run.cfg, run.layout
+    sp_tp = layout.tp if cfg.use_sequence_parallel else 1
+    stream = rows_to_stream(b, b["seq_mask"].sum(1).long() + 1)  # seq_mask: every position but the row's last
+    stream, packed = pack_batch(stream, cp_size=layout.cp, cp_rank=cp_rank, carry=("row_index", "real"),
+                                multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))
+    out = {**b, **{f"pf_{k}": v for k, v in stream.items()}}
+    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    out["pf_packed_seq_params"] = packed.to(device)
+    return out
 
 
 __all__ = ["RunData", "TRIM_MULTIPLE", "load", "trim", "place"]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from adapter.kernels.attention import whole_from_cp
+from adapter.kernels.attention import sum_over_cp, whole_from_cp
 from adapter.train import kto
 from adapter.train.preference_losses import DPO_METRICS as METRICS
 from adapter.train.preference_losses import (
@@ -68,10 +68,31 @@ def trained(b: dict) -> torch.Tensor:
     return b["loss_mask"][:b["loss_mask"].shape[0] // 2] if "kto_label" in b else b["loss_mask"]
 
 
+PADDING_FREE = ("pairs: padding-free (dpo.padding_free, TRL's padding_free): each micro-batch's sequences run as one "
+                "stream of their real tokens, attention confined to each sequence; no padding is computed")
+
+
+def computed(cfg, b: dict) -> float:
+    """Positions a host micro-batch runs: all of its rows, or padding-free pairs' real tokens only."""
+    if cfg.padding_free_pairs():
+        return float(b["seq_mask"].sum()) + b["seq_mask"].shape[0]
+    return float(b["loss_mask"].numel())
+
+
 def _token_losses(ds, batch) -> torch.Tensor:
     """[rows, seq] per-token losses of the whole sequences; at cp > 1 each rank's model runs its slice (the batch's
     cp_* keys: adapter/train/batches.place) and the slices are put back together, so the per-sequence sums and the
     loss are the same on every CP rank (each rank's gradient flows through its own tokens)."""
+    if "pf_tokens" in batch:  # padding-free: the stream's losses put back in their rows (adapter/train/batches.py)
+        out = ds(batch["pf_tokens"], batch["pf_position_ids"], None, labels=batch["pf_labels"],
+                 loss_mask=batch["pf_loss_mask"], packed_seq_params=batch["pf_packed_seq_params"])
+        rows, real = batch["loss_mask"], batch["pf_real"][0].bool()
+        whole = out.new_zeros(rows.numel(), dtype=torch.float32).index_add(
+            0, batch["pf_row_index"][0][real], out[0][real].float())
+        group = parallel_state.get_context_parallel_group()
+        if dist.get_world_size(group) > 1:  # each CP rank ran its chunks of every sequence
+            whole = sum_over_cp(whole, group)
+        return whole.view(rows.shape)
     cp = "cp_tokens" in batch
     k = (lambda n: f"cp_{n}") if cp else (lambda n: n)
     out = ds(batch[k("tokens")], batch[k("position_ids")], None, labels=batch[k("labels")],
@@ -260,5 +281,5 @@ def line(values: dict[str, float]) -> str:
     return " | ".join(f"{k} {v:.4f}" for k, v in values.items())
 
 
-__all__ = ["METRICS", "collate", "flat", "trained", "reference_table", "reference_for", "pair_terms", "step_norm",
-           "step_terms", "step_metrics", "evaluate", "line"]
+__all__ = ["METRICS", "PADDING_FREE", "collate", "flat", "trained", "computed", "reference_table", "reference_for",
+           "pair_terms", "step_norm", "step_terms", "step_metrics", "evaluate", "line"]

@@ -155,6 +155,8 @@ class Trainer:
                       "layer's activations recomputed in backward)")
         self.cp_rank = self.layout.coords(self.rank)[Axis.CP]
         self.ref_table, self.val_ref = dpo.reference_for(self)  # DPO of every weight: its reference, before a resume
+        if cfg.padding_free_pairs():
+            self._say(dpo.PADDING_FREE)
         # what is trained: transformers adds the load-balancing loss when the config says so (either engine's)
         aux = getattr(self.engine.ds.module, "moe_aux", None)
         self.moe_aux = aux if aux is not None and aux.enabled else None
@@ -243,8 +245,8 @@ class Trainer:
         norm = dpo.step_norm(self, micro) if pairs else None  # the step's pairs (and chosen NLL tokens)
         rewards = 0
         tokens = torch.tensor([sum(float(dpo.trained(b).double().sum()) for b in micro),  # waits for nothing
-                               sum(b["loss_mask"].numel() for b in micro)], dtype=torch.float64).to(device,
-                                                                                                  non_blocking=True)
+                               sum(dpo.computed(self.cfg, b) for b in micro)], dtype=torch.float64).to(device,
+                                                                                                     non_blocking=True)
         dist.all_reduce(tokens, group=self.groups.dp)  # whole samples: tp/cp ranks of a dp rank count the same
         denom = torch.clamp(tokens, min=1.0)[0]  # a step without trained tokens: loss and gradients 0, not NaN
         # undo DeepSpeed's gradient averages over dp_shard×cp (or dp×cp) and exact HSDP's over dp_replicate

@@ -65,13 +65,14 @@ def _argilla() -> list[dict]:
 
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
          objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None,
-         steps: int = STEPS, ckpt: str | None = None, quantize: bool = False):
+         steps: int = STEPS, ckpt: str | None = None, quantize: bool = False, free: bool = False, mb: int = 1):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine},
-           "objective": objective, "dpo": {"beta": BETA}, "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
+           "objective": objective, "dpo": {"beta": BETA, "padding_free": free}, "orpo": {"alpha": ALPHA},
+           "simpo": SIMPO,
            "lora": {**LORA, "init_from": init_from, **({"quantize_base": "nf4"} if quantize else {})} if lora else None,
            "parallelism": {"dp_shard_size": WORLD // (tp * cp), "tp_size": tp, "cp_size": cp},
-           "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": GA * tp * cp},  # four pairs a step
+           "batch": {"micro_batch_size": mb, "gradient_accumulation_steps": GA * tp * cp // mb},  # four pairs a step
            "seq_len": SEQ, "precision": "fp32",
            "optimizer": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12,
                          "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0},
@@ -319,10 +320,18 @@ def _native(rank, world, model, data, root, adapter, orpo_data):
     cp = train(_cfg(m, d, r / "cp", lora=False, cp=2, engine="megatron"), log=lambda s: None)
     no_ref = [train(_cfg(m, Path(orpo_data) if k == "orpo" else d, r / k, objective=k, engine="megatron",
                          init_from=adapter), log=lambda s: None) for k in ("orpo", "simpo")]
-    return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf, *no_ref)],
+    # padding-free (TRL's padding_free): each micro-batch's sequences as one stream of their real tokens
+    free = [train(_cfg(m, d, r / "pf-tp", zero=2, tp=2, engine="megatron", init_from=adapter, free=True),
+                  log=lines.append),
+            train(_cfg(m, d, r / "pf-cp", lora=False, cp=2, engine="megatron", free=True), log=lambda s: None),
+            train(_cfg(m, d, r / "pf-hf", init_from=adapter, free=True, mb=2), log=lambda s: None),
+            train(_cfg(m, d, r / "pf-simpo", objective="simpo", engine="megatron", init_from=adapter, free=True),
+                  log=lambda s: None)]
+    return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf, *no_ref, *free)],
             [[tp.losses, tp.rewards],
             [fresh.losses, fresh.rewards], [[x.start_step, x.losses, x.rewards] for x in resumed],
-            [cp.losses, cp.rewards, cp.eval_losses]], [ln for ln in lines if ln.startswith(("engine:", "DPO ref"))])
+            [cp.losses, cp.rewards, cp.eval_losses]],
+            [ln for ln in lines if ln.startswith(("engine:", "DPO ref", "pairs: padding-free"))])
 
 
 def test_dpo_on_the_native_engine_matches_trl(tmp_path):
@@ -347,8 +356,8 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     orpo_data = write_jsonl(tmp_path / "argilla.jsonl", argilla)
     got = run_workers(_native, WORLD, str(model), str(data), str(tmp_path), str(adapter), str(orpo_data),
                       timeout=400)[0]
-    (lora_run, full_run, hf_run, orpo_run, simpo_run), (tp_run, fresh_run, resumed, cp_run), said = got
-    assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 3, said
+    (lora_run, full_run, hf_run, orpo_run, simpo_run, *free), (tp_run, fresh_run, resumed, cp_run), said = got
+    assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 4, said
     cfg = _cfg(model, data, tmp_path)
     tok = AutoTokenizer.from_pretrained(str(model))
     template = templates.resolve_template("chatml", None, tok, "")
@@ -372,11 +381,20 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
                                 (*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")),
                 _compare(simpo_run, _trl(cfg, model, model, steps, held, tmp_path / "trl-simpo", simpo=True,
                                          adapter=adapter), (*METRICS, "nll_loss")))
-    assert sum("the starting adapter's log-probabilities of the 16 pairs" in s for s in said) == 2, said
+    assert sum("the starting adapter's log-probabilities of the 16 pairs" in s for s in said) == 3, said
     print(f"DPO, ORPO, SimPO on the native engine: max |nd-adapter - TRL| / max(1, |TRL|): {worst:.2e}")
     for got, want in ((tp_run, lora_run), (cp_run, full_run)):
         flat_got = [*got[0], *(r[k] for r in got[1] for k in METRICS), *(x for _, x in got[2:] and got[2])]
         flat_want = [*want[0], *(r[k] for r in want[1] for k in METRICS), *(x for _, x in got[2:] and want[2])]
+        bad = [(i, a, b) for i, (a, b) in enumerate(zip(flat_got, flat_want)) if abs(a - b) > 1e-5 * max(1.0, abs(b))]
+        assert len(flat_got) == len(flat_want) and not bad, bad
+    # padding-free: tp=2 (+SP), a full fine-tune at cp=2, the transformers engine with two pairs a micro-batch,
+    # SimPO: each the numbers of its padded run (losses, metrics, evals)
+    assert sum(s.startswith("pairs: padding-free") for s in said) == 1, said  # what it runs: tests/unit/test_dpo_config.py
+    for run, want in zip(free, (lora_run, full_run, hf_run, simpo_run)):
+        names = list(want[1][0])
+        flat_got = [*run[0], *(r[k] for r in run[1] for k in names), *(x for _, x in run[2])]
+        flat_want = [*want[0], *(r[k] for r in want[1] for k in names), *(x for _, x in want[2])]
         bad = [(i, a, b) for i, (a, b) in enumerate(zip(flat_got, flat_want)) if abs(a - b) > 1e-5 * max(1.0, abs(b))]
         assert len(flat_got) == len(flat_want) and not bad, bad
     assert abs(lora_run[0][-1] - full_run[0][-1]) > 1e-3  # two different runs

@@ -445,3 +445,41 @@ def test_kto_full_fine_tune_takes_a_reference_table_and_keeps_the_policy_pass_ov
     assert full.lora is None and full.fixed_reference() and full.preference_passes() == (1, 1)
     lora = config.build(_kto(), env={}, world_size=1)
     assert not lora.fixed_reference() and lora.preference_passes() == (1, 3)
+
+
+def test_dpo_padding_free_maps_and_runs_the_rows_real_tokens_as_one_stream(monkeypatch):
+    """Axolotl's dpo_padding_free (TRL's padding_free) -> dpo.padding_free for rl: dpo / ipo only (the trainers
+    Axolotl hands it to); the loss path then runs the model once on a [1, T] stream of the rows' real tokens
+    (T = Σ lengths, rounded as packed documents are) with positions restarting per row, and puts each token's loss
+    back at its row and column (the distributed equality with padded runs: tests/distributed/test_dpo.py)."""
+    import torch
+
+    from adapter.train import batches, dpo
+
+    cfg = config.build(_example(dpo_padding_free=True), env={}, world_size=1)
+    assert cfg.dpo.padding_free and cfg.padding_free_pairs() and cfg.document_attention
+    assert any(n.startswith("dpo_padding_free: true -> dpo.padding_free") for n in cfg.notes)
+    orpo = config.build(_example(rl="orpo", dpo_padding_free=True), env={}, world_size=1)
+    assert not orpo.padding_free_pairs() and any("dpo_padding_free: not read by ORPO" in n for n in orpo.notes)
+    with pytest.raises(UserError, match="dpo_padding_free"):
+        config.build(_example(dpo_padding_free="yes"), env={}, world_size=1)
+    lengths = torch.tensor([5, 3, 7, 2])  # chosen, chosen, rejected, rejected of two pairs
+    s = 9
+    pos = torch.arange(s).expand(4, s)
+    rows = {"tokens": torch.randint(3, 50, (4, s)), "loss_mask": (pos >= 1).float() * (pos < lengths[:, None] - 1),
+            "seq_mask": (pos < lengths[:, None] - 1).float()}
+    rows["labels"] = torch.roll(rows["tokens"], -1, 1)
+    run = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(cp=1, tp=1))
+    b = batches.place(run, 0, "cpu", rows)
+    calls = []
+
+    def model(tokens, position_ids, mask, *, labels, loss_mask, packed_seq_params):  # loss = the token id
+        calls.append((tokens.shape, position_ids[0].tolist()))
+        return tokens.float()
+
+    monkeypatch.setattr(dpo.parallel_state, "get_context_parallel_group", lambda: None)
+    monkeypatch.setattr(dpo.dist, "get_world_size", lambda group=None: 1)
+    out = dpo._token_losses(model, b)
+    assert calls[0][0] == (1, int(lengths.sum())) and calls[0][1][:6] == [0, 1, 2, 3, 4, 0], calls
+    real = pos < lengths[:, None]
+    assert torch.equal(out, torch.where(real, rows["tokens"].float(), 0.0))
