@@ -55,7 +55,8 @@ def parse_steps(log: str, skip: int = 2) -> dict | None:
 def yaml_model_path(cfg_file: Path) -> str:
     import yaml
 
-    return yaml.safe_load(cfg_file.read_text())["model"]["path"]
+    raw = yaml.safe_load(cfg_file.read_text())
+    return raw["base_model"] if "base_model" in raw else raw["model"]["path"]
 
 
 def parse_result(log: str) -> dict | None:
@@ -94,8 +95,18 @@ ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget 
 }
 
 
+AXOLOTL_VARIANTS = {"": [], "torch_compile": ["--set", "model.compile=true"],  # the YAML as written; + compile
+                    "torch_compile, linear CE": ["--set", "model.compile=true", *LINEAR_CE]}
+
+
 def ours(a) -> dict[str, tuple[str, list[str]]]:
-    """Row name -> (config, extra arguments)."""
+    """Row name -> (config, extra arguments). `--axolotl`: bench/configs/axolotl/<shape>.yaml, an Axolotl YAML as a
+    user writes it (its precision keys decide weights, masters and moments), on synthetic tokens."""
+    if a.gpus == 1 and a.axolotl:
+        cfg = f"bench/configs/axolotl/{ONE_GPU[a.shape]}.yaml"
+        return {f"nd-adapter Axolotl YAML ({a.shape}{', ' + v if v else ''})": (cfg, ["--set", "data.synthetic=true",
+                                                                                     *sets])
+                for v, sets in AXOLOTL_VARIANTS.items()}
     if a.gpus == 1:
         cfg = f"bench/configs/{ONE_GPU[a.shape]}-1gpu.yaml"
         return {f"nd-adapter 1 GPU ({a.shape}{', ' + v if v else ''})": (cfg, sets)
@@ -167,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--only", nargs="*", help="substrings of the rows to run (=name: that row only)")
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--axolotl", action="store_true", help="1 GPU: our rows from bench/configs/axolotl/<shape>.yaml")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp/compare"))
     a = ap.parse_args(argv)
@@ -186,7 +198,7 @@ def main(argv=None) -> int:
             from adapter.models.counts import num_params
 
             model = (ROOT / ours_cfg).parent / yaml_model_path(ROOT / ours_cfg)
-            states = 8 if "optimizer.state_dtype=bf16" in ours(a)[name][1] else OUR_STATE_BYTES
+            states = 8 if "optimizer.state_dtype=bf16" in ours(a)[name][1] or a.axolotl else OUR_STATE_BYTES
             rows[name].update(num_params=num_params(load_arch(model)), model_state_bytes_per_param=states)
         print(name, json.dumps(rows[name]), flush=True)
     if a.gpus == 1:
