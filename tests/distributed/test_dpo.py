@@ -389,8 +389,9 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
         bad = [(i, a, b) for i, (a, b) in enumerate(zip(flat_got, flat_want)) if abs(a - b) > 1e-5 * max(1.0, abs(b))]
         assert len(flat_got) == len(flat_want) and not bad, bad
     # padding-free: tp=2 (+SP), a full fine-tune at cp=2, the transformers engine with two pairs a micro-batch,
-    # SimPO: each the numbers of its padded run (losses, metrics, evals)
-    assert sum(s.startswith("pairs: padding-free") for s in said) == 1, said  # what it runs: tests/unit/test_dpo_config.py
+    # SimPO: each the numbers of its padded run (losses, metrics, evals); what the model then runs is checked in
+    # tests/unit/test_dpo_config.py
+    assert sum(s.startswith("pairs: padding-free") for s in said) == 1, said
     for run, want in zip(free, (lora_run, full_run, hf_run, simpo_run)):
         names = list(want[1][0])
         flat_got = [*run[0], *(r[k] for r in run[1] for k in names), *(x for _, x in run[2])]
