@@ -177,12 +177,15 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
     return tokens, completion, lengths, stats, template
 
 
-def split(cfg, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(training, held-out) indices of n prepared pairs for val_set_size: the tail of the seed's permutation
-    (shuffle_merged_datasets) or of the pairs in order; the training ones kept in their prepared order."""
+def split(cfg, n: int, *, shuffled: bool = False, held: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) indices of n prepared rows for val_set_size (none where `held` is off: test_datasets
+    give them): the tail of the seed's permutation (shuffle_merged_datasets) or of the rows in order; the training
+    ones in their prepared order, or (`shuffled`: KTO, whose TRL trainer samples its rows in this order) the
+    permutation's."""
     order = np.random.default_rng(cfg.data.seed).permutation(n) if cfg.data.shuffle_merged_datasets else np.arange(n)
-    n_val = val_fraction(cfg, n)
-    return np.sort(order[:n - n_val]), order[n - n_val:]
+    n_val = val_fraction(cfg, n) if held else 0
+    train = order[:n - n_val]
+    return (train if shuffled else np.sort(train)), order[n - n_val:]
 
 
 def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:

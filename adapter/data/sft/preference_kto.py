@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from adapter.data.sft import formats, sources
-from adapter.data.sft.preference import PairData, prepare_pairs, tokenize
+from adapter.data.sft.preference import PairData, prepare_pairs, split, tokenize
 from adapter.data.sft.preference import debug_lines as pair_lines
 from adapter.data.sft.prepare import (
     cache_key,
@@ -38,7 +38,6 @@ from adapter.data.sft.prepare import (
     pad_id,
     prepared_root,
     resolve_all,
-    val_fraction,
 )
 from adapter.errors import bad
 from adapter.osutil import build_once
@@ -157,23 +156,21 @@ def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path)
         parts.append(rows)
     prompts, completions, lengths, labels, stats = parts[0]
     n = len(prompts)
-    order = np.random.default_rng(cfg.data.seed).permutation(n) if cfg.data.shuffle_merged_datasets else np.arange(n)
-    n_val = 0 if test else val_fraction(cfg, n)
-    sets = {"rows": (np.stack(prompts), np.stack(completions), np.asarray(lengths), np.asarray(labels, bool),
-                     order[:n - n_val])}
+    train, held = split(cfg, n, shuffled=True, held=not test)
+    sets = {"rows": (np.stack(prompts), np.stack(completions), np.asarray(lengths), np.asarray(labels, bool), train)}
     if test:
         t_p, t_c, t_l, t_lab, t_stats = parts[1]
         stats = stats + t_stats
         sets["val"] = (np.stack(t_p), np.stack(t_c), np.asarray(t_l), np.asarray(t_lab, bool), np.arange(len(t_p)))
-    elif n_val:
-        sets["val"] = (*sets["rows"][:4], order[n - n_val:])
+    elif len(held):
+        sets["val"] = (*sets["rows"][:4], held)
     for name, (p, c, ln, lab, idx) in sets.items():
         np.savez(out / f"{name}.npz", prompt=p[idx], completion=c[idx], length=ln[idx], label=lab[idx], rows=idx,
                  pad=np.asarray(pad))
     val = sets["val"][4] if "val" in sets else []
-    manifest = {"v": VERSION, "seq_len": cfg.seq_len, "datasets": stats, "pairs": n - n_val, "val_pairs": len(val),
+    manifest = {"v": VERSION, "seq_len": cfg.seq_len, "datasets": stats, "pairs": len(train), "val_pairs": len(val),
                 "val_source": "test_datasets" if test else "val_set_size",
-                "desirable": int(np.asarray(labels, bool)[order[:n - n_val]].sum()), "chat_template": None}
+                "desirable": int(np.asarray(labels, bool)[train].sum()), "chat_template": None}
     (out / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
