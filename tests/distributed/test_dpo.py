@@ -97,6 +97,9 @@ def _worker(rank, world, model, data, root, orpo_data):
             for k in ("ipo", "simpo")]
     cp = [train(_cfg(Path(model), Path(data), Path(root) / f"cp-{lora}", lora=lora, cp=2), log=lambda s: None)
           for lora in (True, False)]  # ZeRO-3 over the CP ranks; a full fine-tune's reference table at cp=2 too
+    # padding-free at cp=2: each sequence of the stream split into the CP ranks' chunks (transformers' attention
+    # interface with nd-adapter's CP attention), the losses summed back into their rows
+    cp.append(train(_cfg(Path(model), Path(data), Path(root) / "cp-free", cp=2, free=True), log=lambda s: None))
     tp_more = [train(_cfg(Path(model), Path(d), Path(root) / f"{k}-{par}", zero=2, ev=False, objective=k,
                           **{par: 2}), log=lambda s: None)
                for par in ("tp", "cp") for k, d in (("orpo", orpo_data), ("simpo", data))]
@@ -287,7 +290,8 @@ def test_dpo_matches_trl(tmp_path):
         for a, b in zip([*a_losses, *(r[k] for r in a_rewards for k in r)],
                         [*b_losses, *(r[k] for r in b_rewards for k in r)]):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
-    for got, want in zip(cp_runs, (lora_run, full_run)):  # cp=2: each pair's sequences split over the CP ranks
+    assert len(cp_runs) == 3
+    for got, want in zip(cp_runs, (lora_run, full_run, lora_run)):  # cp=2: each pair's sequences split over CP
         # (the eval's metrics are means of per-round means, a round being dp × micro-batch pairs as TRL's batch on
         # dp processes: cp=2 has one DP rank, so only the eval loss, a mean over pairs, is the same)
         flat_got = [*got[0], *(r[k] for r in got[1] for k in METRICS), *(x for _, x in got[2])]
