@@ -16,6 +16,7 @@ import torch.distributed as dist
 from adapter.data import DPSampler, PackedDataset, SyntheticData, build_token_cache
 from adapter.data.sft import prepare
 from adapter.data.sft.bins import trim_tail
+from adapter.data.sft.preference import row_lengths
 from adapter.data.sft.report import stats_lines
 from adapter.errors import bad
 from adapter.kernels.attention import split_for_cp
@@ -124,7 +125,7 @@ def _padding_free(run: ResolvedRun, cp_rank: int, device, b):
     (adapter/train/dpo.py)."""
     cfg, layout = run.cfg, run.layout
     sp_tp = layout.tp if cfg.use_sequence_parallel else 1
-    stream = rows_to_stream(b, b["seq_mask"].sum(1).long() + 1)  # seq_mask: every position but the row's last
+    stream = rows_to_stream(b, row_lengths(b).long())
     stream, packed = pack_batch(stream, cp_size=layout.cp, cp_rank=cp_rank, carry=("row_index", "real"),
                                 multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))
     out = {**b, **{f"pf_{k}": v for k, v in stream.items()}}

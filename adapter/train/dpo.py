@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
+from adapter.data.sft.preference import row_lengths
 from adapter.kernels.attention import sum_over_cp, whole_from_cp
 from adapter.train import kto
 from adapter.train.preference_losses import DPO_METRICS as METRICS
@@ -75,7 +76,7 @@ PADDING_FREE = ("pairs: padding-free (dpo.padding_free, TRL's padding_free): eac
 def computed(cfg, b: dict) -> float:
     """Positions a host micro-batch runs: all of its rows, or padding-free pairs' real tokens only."""
     if cfg.padding_free_pairs():
-        return float(b["seq_mask"].sum()) + b["seq_mask"].shape[0]
+        return float(row_lengths(b).sum())
     return float(b["loss_mask"].numel())
 
 

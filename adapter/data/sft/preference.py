@@ -77,6 +77,12 @@ class PairDataset:
                 "pair": np.full((2, 1), i, np.int64)}
 
 
+def row_lengths(b):
+    """Tokens of each row of a micro-batch of prepared pairs ([rows, seq] arrays or tensors): its seq_mask covers
+    every position but a sequence's last."""
+    return b["seq_mask"].sum(1) + 1
+
+
 @dataclass
 class PairData:
     train: PairDataset
@@ -265,5 +271,5 @@ def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
     return out
 
 
-__all__ = ["PairDataset", "PairData", "render", "fits", "tokenize", "split", "prepare_pairs", "stats_lines",
-           "debug_lines"]
+__all__ = ["row_lengths", "PairDataset", "PairData", "render", "fits", "tokenize", "split", "prepare_pairs",
+           "stats_lines", "debug_lines"]
