@@ -99,9 +99,7 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         how = "rl: ipo" if raw.get("rl") == "ipo" else "rl: dpo with dpo_loss_type ipo" if rl == "ipo" else "rl: dpo"
         notes.append(f"{how} -> objective: {rl} (TRL's {'ipo' if rl == 'ipo' else 'sigmoid'} loss, beta {shown}, "
                      f"reference = {ref})")
-    free = raw.get("dpo_padding_free")
-    if free is not None and not isinstance(free, bool):
-        raise bad("dpo_padding_free", free, "must be true or false", "give dpo_padding_free: true, or remove it")
+    free = raw.get("dpo_padding_free")  # a boolean as Axolotl's schema reads it (axolotl_values)
     if free and rl in ("dpo", "ipo"):  # Axolotl hands it to TRL's DPOConfig only
         out.setdefault("dpo", {})["padding_free"] = True
         notes.append("dpo_padding_free: true -> dpo.padding_free (each micro-batch's sequences as one stream of "

@@ -31,7 +31,7 @@ STEPS = int | float | None  # whole steps or a fraction of the run (warmup_steps
 TYPES: dict[str, Any] = {
     **dict.fromkeys((
         "auto_find_batch_size", "auto_resume_from_checkpoints", "bfloat16", "curriculum_sampling",
-        "dataset_exact_deduplication", "eager_attention", "eval_sample_packing", "flash_attention",
+        "dataset_exact_deduplication", "dpo_padding_free", "eager_attention", "eval_sample_packing", "flash_attention",
         "flash_attn_cross_entropy", "flash_attn_fuse_mlp", "flash_attn_rms_norm", "flash_optimum", "flex_attention",
         "float16", "float32", "fp16", "fp8", "gptq", "greater_is_better", "load_best_model_at_end", "load_in_4bit",
         "load_in_8bit", "lora_embedding_kernel", "lora_fan_in_fan_out", "lora_mlp_kernel", "lora_o_kernel",

@@ -461,8 +461,9 @@ def test_dpo_padding_free_maps_and_runs_the_rows_real_tokens_as_one_stream(monke
     assert any(n.startswith("dpo_padding_free: true -> dpo.padding_free") for n in cfg.notes)
     orpo = config.build(_example(rl="orpo", dpo_padding_free=True), env={}, world_size=1)
     assert not orpo.padding_free_pairs() and any("dpo_padding_free: not read by ORPO" in n for n in orpo.notes)
+    assert config.build(_example(dpo_padding_free="yes"), env={}, world_size=1).dpo.padding_free  # as Axolotl reads
     with pytest.raises(UserError, match="dpo_padding_free"):
-        config.build(_example(dpo_padding_free="yes"), env={}, world_size=1)
+        config.build(_example(dpo_padding_free="maybe"), env={}, world_size=1)
     lengths = torch.tensor([5, 3, 7, 2])  # chosen, chosen, rejected, rejected of two pairs
     s = 9
     pos = torch.arange(s).expand(4, s)
