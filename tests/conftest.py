@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.why import WHY_KEY
+from tests.helpers.why import WHY_KEY, say_at_the_end
 
 GPU_DIR = Path(__file__).parent / "gpu"
 
@@ -30,3 +30,16 @@ def pytest_terminal_summary(terminalreporter, config):
     for why in config.stash.get(WHY_KEY, []):
         terminalreporter.write_sep("=", "why a shared fixture failed")
         terminalreporter.write_line(why.rstrip())
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist each worker's reasons travel to the controller, which prints the run's last lines."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["why"] = session.config.stash.get(WHY_KEY, [])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for why in getattr(node, "workeroutput", {}).get("why", []):
+        say_at_the_end(node.config, why)

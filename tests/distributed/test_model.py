@@ -241,8 +241,15 @@ def test_fused_kernels_match_unfused():
 def _compile_worker(rank, world):
     """`model.compile`: at tp=1 every layer is one graph (no breaks) shared by all layers, and loss and gradients
     match eager; at tp=2 the graph breaks at Megatron's linears but the math is unchanged."""
+    import functools
+
     import torch._dynamo
     from torch._dynamo.utils import counters
+
+    # Dynamo's capture, AOTAutograd's decompositions and its min-cut partitioner (the memory budget) without
+    # inductor's C++ code generation, which no user runs (CUDA's Triton path: tests/gpu/test_packed.py) and which
+    # cost this test 40 s of CI; this worker process only
+    torch.compile = functools.partial(torch.compile, backend="aot_eager_decomp_partition")
 
     from adapter.kernels.thd import pack_batch
     from adapter.modeling.compile import compile_layers

@@ -20,11 +20,11 @@ LAYOUTS = {"dp_shard=4": ((1, 4, 1, 1), {}), "tp=2,dp_shard=2": ((1, 2, 1, 2), {
            # and so must layer gathers under activation recompute (the layer's forward runs again in backward)
            "dp_shard=4 (per-module gathers)": ((1, 4, 1, 1), {"deepspeed.gather_granularity": "module"}),
            "tp=2,dp_shard=2 (full recompute)": ((1, 2, 1, 2), {"recompute": "full"}),
-           # torch.compile'd layers (graph breaks at Megatron's TP linears) under ZeRO-2's gradient hooks: traced by
-           # dynamo and split by AOTAutograd as in a run, its kernels left to eager (_parity_worker); inductor's own
-           # code against eager is test_model.py::test_compiled_layers_match_eager (C++ codegen: 30 s more here)
-           "tp=2,dp_shard=2 (ZeRO-2, compiled layers)": ((1, 2, 1, 2), {"deepspeed.zero_stage": 2,
-                                                                         "model.compile": True})}
+           # torch.compile'd layers (one graph a layer, the linears plain F.linear: tp = 1) under ZeRO-2's gradient
+           # hooks: traced by dynamo and split by AOTAutograd as in a run, its kernels left to eager (_parity_worker);
+           # tp = 2 (graph breaks at Megatron's linears, 7 s more here) against eager is
+           # test_model.py::test_compiled_layers_match_eager, inductor's code tests/gpu/test_packed.py
+           "dp_shard=4 (ZeRO-2, compiled layers)": ((1, 4, 1, 1), {"deepspeed.zero_stage": 2, "model.compile": True})}
 
 
 MASKED = {"dp_shard=4 +document_mask": ((1, 4, 1, 1), {"data.document_mask": True}),
