@@ -1,4 +1,5 @@
-"""DeepSpeed's communication backend on CPUs, without the shared-memory op it compiles at start.
+"""DeepSpeed's communication set-up where it assumes one process per device: CPUs (the shared-memory op it compiles
+at start) and the shared-GPU mode (every rank on cuda:0).
 
 On its CPU accelerator DeepSpeed 0.19.8's TorchBackend builds `deepspeed_shm_comm` (a C++ extension, JIT-compiled
 into ~/.cache/torch_extensions) in `init_distributed`, for one caller: `inference_all_reduce`, which only its
@@ -24,4 +25,20 @@ def skip_cpu_shm_op() -> None:
     ds_torch.build_shm_op = lambda: None
 
 
-__all__ = ["skip_cpu_shm_op"]
+def one_cuda_device(accelerator) -> None:
+    """The shared-GPU mode (adapter/parallel/shared_gpu.py): DeepSpeed 0.19.8 takes the environment's LOCAL_RANK as
+    the CUDA device index in a dozen places (the engine's `set_device(local_rank)`, ZeRO-3's `zero.Init` device,
+    its contiguous-memory buffers...), and one GPU has no cuda:1, so rank 1 failed at `deepspeed.initialize`
+    ("invalid device ordinal"; found on the GPU host). LOCAL_RANK itself stays the rank's (a node-local file
+    leader reads it); this instance of DeepSpeed's CUDA accelerator maps every device index to 0."""
+    require("deepspeed", TESTED_DEEPSPEED_VERSIONS, "the shared-GPU mode (every rank's device index taken as 0)")
+    if getattr(accelerator, "_name", None) != "cuda":
+        raise RuntimeError(f"the shared-GPU mode needs DeepSpeed's CUDA accelerator, not {accelerator!r}")
+    import torch
+
+    accelerator.device_name = lambda device_index=None: "cuda" if device_index is None else "cuda:0"
+    accelerator.device = lambda device_index=None: torch.device("cuda", None if device_index is None else 0)
+    accelerator.set_device = lambda device_index: torch.cuda.set_device(0)
+
+
+__all__ = ["one_cuda_device", "skip_cpu_shm_op"]

@@ -16,6 +16,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import default_pg_timeout
 from deepspeed.utils import set_z3_leaf_modules
 from megatron.core import tensor_parallel
@@ -51,7 +52,7 @@ from adapter.parallel import deepspeed_config, shared_gpu
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
-from adapter.patches.ds_comm import skip_cpu_shm_op
+from adapter.patches.ds_comm import one_cuda_device, skip_cpu_shm_op
 from adapter.patches.zero import (
     average_over_replicas,
     drive_flat_optimizer,
@@ -77,6 +78,8 @@ def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
                   "device", f"unset {shared_gpu.ENV} (or use `nd-adapter rehearse` without --gpu: CPU processes)")
     if cuda:
         torch.cuda.set_device(0 if shared else int(os.environ.get("LOCAL_RANK", 0)))
+    if shared:
+        one_cuda_device(get_accelerator())
     deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
     timeout = default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
     if not dist.is_initialized():

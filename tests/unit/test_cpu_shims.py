@@ -79,3 +79,20 @@ def test_bitsandbytes_nf4_linear_computes_eval_forwards_as_training_ones():
     one_cpu_path(torch.nn.Sequential(lin))
     assert torch.equal(lin.eval()(x), want) and torch.equal(lin.train()(x), want)
     assert not getattr(lin.weight.quant_state, "packing_format_for_cpu", False)
+
+
+def test_the_shared_gpu_mode_puts_every_deepspeed_device_index_on_cuda_0(monkeypatch):
+    """DeepSpeed takes LOCAL_RANK as the CUDA index (engine, zero.Init); one GPU has no cuda:1."""
+    import torch
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    from adapter.patches.ds_comm import one_cuda_device
+
+    acc, chosen = CUDA_Accelerator(), []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert acc.device_name(1) == "cuda:1"  # DeepSpeed's own answer: no such device on one GPU
+    one_cuda_device(acc)
+    acc.set_device(1)
+    assert (acc.device_name(1), acc.device_name(), acc.device(3), chosen) == ("cuda:0", "cuda", torch.device("cuda", 0),
+                                                                              [0])
+    assert CUDA_Accelerator().device_name(1) == "cuda:1"  # the instance, not the class
