@@ -43,6 +43,8 @@ class PackedDocs(PackedSeqParams):
     ag_cu_q: torch.Tensor = None     # int32 [2n+1]: the stream as 2n query sequences (early chunks, late chunks)
     ag_cu_k: torch.Tensor = None     # int32 [2n+1]: their key prefixes in the ag_index stream
     ag_max_k: int = None
+    kv_index: torch.Tensor = None    # cp=1, shared prompts (pairs_to_shared_stream): rows of K|V forming each query
+    kv_cu: torch.Tensor = None       # sequence's keys, and int32 boundaries of those key sequences
     max_host: torch.Tensor = None    # CPU int64 [2]: longest query and key sequence of the attention call (stays on
                                      # the host: the kernels take ints, and torch.compile guards no tensor values)
 
@@ -162,6 +164,56 @@ def rows_to_stream(rows: dict[str, torch.Tensor], lengths: torch.Tensor) -> dict
     return out
 
 
+def pairs_to_shared_stream(rows: dict[str, torch.Tensor], lengths: torch.Tensor, shared: torch.Tensor,
+                           multiple: int = 1) -> tuple[dict[str, torch.Tensor], PackedDocs]:
+    """[2m, s] pair rows (m chosen rows, then their m rejected ones) -> one [1, T] stream in which each pair's first
+    `shared[i]` tokens (its prompt: identical in both rows and trained in neither, preference.shared_prefix) run
+    once, for the model and the reference alike.
+
+    Pair i is two query sequences: [prefix | chosen's rest] (causal over itself, exactly its padded row's attention)
+    and [rejected's rest], whose keys are the prefix's and its own (`kv_index` gathers them, `kv_cu` bounds them;
+    the varlen kernels align a query sequence shorter than its keys bottom-right, so each rejected token sees the
+    prefix and its own predecessors, as in its row). Positions are the rows' columns, so RoPE is the rows'; `labels`
+    and `loss_mask` are the rows' at each token's column, so the prefix's last token predicts the chosen answer and
+    the rejected part starts at the same column again (that token runs twice: once per answer it predicts).
+    `row_index` says where each token's loss goes back (the prefix: to the chosen row, the only one that reads a
+    prompt token's loss: ORPO's NLL); `real` is 0 on the padding that rounds T to `multiple` (one sequence of its
+    own). The attention of the whole stream costs what two rows of their real tokens cost, less the prompt once."""
+    r, s = rows["tokens"].shape
+    m = r // 2
+    pair = torch.arange(m)
+    rest = lengths[m:] - shared
+    q_lens = torch.stack([lengths[:m], rest], 1).flatten()                 # [2m]: chosen, rejected of each pair
+    q_starts = torch.stack([pair * s, (m + pair) * s + shared], 1).flatten()  # their first tokens in the rows
+    index = _ranges(q_starts, q_lens)
+    n = int(q_lens.sum())
+    extra = -n % multiple
+    out = {k: rows[k].reshape(-1)[index] for k in ("tokens", "labels", "loss_mask")}
+    out["position_ids"], out["row_index"] = index % s, index
+    out["real"] = torch.ones(n, dtype=torch.int64)
+    if extra:
+        out = {k: torch.cat([v, v.new_zeros(extra)]) for k, v in out.items()}
+        out["position_ids"][n:] = torch.arange(extra)
+        q_lens = torch.cat([q_lens, q_lens.new_tensor([extra])])
+    offset = torch.cumsum(q_lens, 0) - q_lens                              # each query sequence in the stream
+    kv_starts = torch.stack([offset[0:2 * m:2], offset[0:2 * m:2], offset[1:2 * m:2]], 1).flatten()
+    kv_lens = torch.stack([lengths[:m], shared, rest], 1).flatten()        # chosen: itself; rejected: prefix, itself
+    if extra:
+        kv_starts, kv_lens = torch.cat([kv_starts, offset[-1:]]), torch.cat([kv_lens, kv_lens.new_tensor([extra])])
+    seq_k = torch.stack([lengths[:m], shared + rest], 1).flatten()
+    if extra:
+        seq_k = torch.cat([seq_k, seq_k.new_tensor([extra])])
+    pos = out["position_ids"]
+    cu_q, cu_k = _cu(q_lens), _cu(seq_k)
+    max_q, max_k = int(q_lens.max()), int(seq_k.max())
+    params = PackedDocs(qkv_format="sbhd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q,
+                        cu_seqlens_kv_padded=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, positions=pos,
+                        rope_len=max(s, extra), longest=int(lengths.max()), cu_local=cu_q, max_local=max_q,
+                        kv_index=_ranges(kv_starts, kv_lens), kv_cu=cu_k,
+                        max_host=torch.tensor([max_q, max_k]))
+    return {k: v[None] for k, v in out.items()}, params
+
+
 def _all_gather_plan(params: PackedDocs, c: torch.Tensor, cp: int, r: int) -> None:
     """Where each local query chunk's causal key prefix lies in the all-gathered K|V ([cp ranks × local stream]):
     chunk j of document i is held by rank j (early part) or 2·cp−1−j (late part), at the document's chunk offset."""
@@ -178,5 +230,5 @@ def _all_gather_plan(params: PackedDocs, c: torch.Tensor, cp: int, r: int) -> No
     params.ag_max_k = int(k_lens.max())
 
 
-__all__ = ["PackedDocs", "pack_batch", "rows_to_stream", "document_lengths", "local_multiple", "cu_seqlens",
-           "document_attention_mask"]
+__all__ = ["PackedDocs", "pack_batch", "rows_to_stream", "pairs_to_shared_stream", "document_lengths",
+           "local_multiple", "cu_seqlens", "document_attention_mask"]

@@ -292,10 +292,15 @@ def packed_attention(q, k, v, params, *, scale, group=None, comm="all_gather", w
 
     `params`: adapter.kernels.thd.PackedDocs for this rank (its cp_size must match `group`). `window`: a sliding
     window (every scheme but the ring); `softcap`: soft-capped scores (cp = 1; SDPAttention refuses the rest)."""
-    if softcap is not None:
+    if softcap is not None and params.kv_index is None:
         if params.cp_size > 1:
             raise ValueError("soft-capped packed attention runs at cp = 1 only")
         return softcapped_packed(q, k, v, params.cu_local, scale, softcap, window)
+    if params.kv_index is not None:  # shared prompts (thd.pairs_to_shared_stream): each query sequence's keys
+        if softcap is not None or params.cp_size > 1:  # gathered, aligned bottom-right
+            raise ValueError("packed pairs with a shared prompt run at cp = 1 without soft-capping")
+        ks, vs = (t.index_select(0, params.kv_index) for t in (k, v))
+        return varlen(q, ks, vs, params.cu_local, params.kv_cu, params.max_host, True, scale, window)
     if params.cp_size == 1:
         return varlen_attention(q, k, v, params.cu_local, params.max_host, scale, window)
     return _cp_attention(q, k, v, params, scale, group, comm, window)

@@ -126,6 +126,27 @@ def _preference_note(cfg: RunConfig) -> list[str]:
             "against a GPU run)"]
 
 
+def prompt_sharing(cfg: RunConfig, arch: ModelArch, cp: int) -> str | None:
+    """None where a preference pair's prompt runs once for both answers (dpo.share_prompt, adapter/kernels/thd.
+    pairs_to_shared_stream), else why not. `true` where it is not built is refused in one line."""
+    if cfg.objective not in ("dpo", "ipo", "orpo", "simpo"):
+        return "no preference pairs"
+    setting = cfg.dpo.share_prompt
+    why = ("dpo.share_prompt: false" if setting is False else
+           "the transformers engine confines each sequence by its restarting positions (its own masks)"
+           if not arch.native else
+           "context parallelism splits each sequence into chunks of its own" if cp > 1 else
+           f"{arch.architecture}'s soft-capped attention scores run per sequence" if arch.attn_softcap else
+           "a mixture of experts: its load-balancing statistics count each prompt twice, as TRL's batch does"
+           if arch.moe else
+           "compiled layers take one stream length (model.compile)" if cfg.model.compile else
+           f"model.attention: {cfg.model.attention} (nd-adapter's varlen attention shares it: sdpa)"
+           if cfg.model.attention != "sdpa" else None)
+    if setting is True and why is not None:
+        raise bad("dpo.share_prompt", True, f"not built here: {why}", "set dpo.share_prompt: auto (or false)")
+    return why
+
+
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
     """What a mixture-of-experts model cannot run yet, each in one line."""
     name = arch.architecture  # (freezing parts of one trains on the transformers engine: lora.check_native)

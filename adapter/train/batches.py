@@ -16,11 +16,11 @@ import torch.distributed as dist
 from adapter.data import DPSampler, PackedDataset, SyntheticData, build_token_cache
 from adapter.data.sft import prepare
 from adapter.data.sft.bins import trim_tail
-from adapter.data.sft.preference import row_lengths
+from adapter.data.sft.preference import row_lengths, shared_prefix
 from adapter.data.sft.report import stats_lines
 from adapter.errors import bad
 from adapter.kernels.attention import split_for_cp
-from adapter.kernels.thd import local_multiple, pack_batch, rows_to_stream
+from adapter.kernels.thd import local_multiple, pack_batch, pairs_to_shared_stream, rows_to_stream
 from adapter.models import source
 from adapter.models.resolved import ResolvedRun
 
@@ -95,7 +95,7 @@ def place(run: ResolvedRun, cp_rank: int, device, b):
     (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params" -- on both engines
     alike, but for transformers' model at cp = 1, whose masks confine documents by their positions (hf_build)."""
     cfg, layout = run.cfg, run.layout
-    if cfg.padding_free_pairs():
+    if cfg.padding_free_pairs() or run.shares_prompt:
         return _padding_free(run, cp_rank, device, b)
     packed = None
     if not run.arch.native and not cfg.document_attention and ("position_ids" in b or layout.cp > 1):
@@ -125,9 +125,11 @@ def _padding_free(run: ResolvedRun, cp_rank: int, device, b):
     (adapter/train/dpo.py)."""
     cfg, layout = run.cfg, run.layout
     sp_tp = layout.tp if cfg.use_sequence_parallel else 1
-    stream = rows_to_stream(b, row_lengths(b).long())
-    stream, packed = pack_batch(stream, cp_size=layout.cp, cp_rank=cp_rank, carry=("row_index", "real"),
-                                multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))
+    if run.shares_prompt:  # each pair's prompt once (cp = 1: checks.prompt_sharing)
+        stream, packed = pairs_to_shared_stream(b, row_lengths(b).long(), shared_prefix(b), multiple=sp_tp)
+    else:
+        stream, packed = pack_batch(rows_to_stream(b, row_lengths(b).long()), cp_size=layout.cp, cp_rank=cp_rank,
+                                    carry=("row_index", "real"), multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))
     out = {**b, **{f"pf_{k}": v for k, v in stream.items()}}
     out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     out["pf_packed_seq_params"] = packed.to(device)

@@ -36,8 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from adapter.data.sft.preference import row_lengths
+from adapter.data.sft.preference import row_lengths, shared_prefix
 from adapter.kernels.attention import sum_over_cp, whole_from_cp
+from adapter.models.checks import prompt_sharing
 from adapter.train import kto
 from adapter.train.preference_losses import DPO_METRICS as METRICS
 from adapter.train.preference_losses import (
@@ -73,9 +74,29 @@ PADDING_FREE = ("pairs: padding-free (dpo.padding_free, TRL's padding_free): eac
                 "stream of their real tokens, attention confined to each sequence; no padding is computed")
 
 
-def computed(cfg, b: dict) -> float:
-    """Positions a host micro-batch runs: all of its rows, or padding-free pairs' real tokens only."""
-    if cfg.padding_free_pairs():
+SHARED_PROMPT = ("pairs: each pair's prompt runs once for both answers (dpo.share_prompt: auto; the same numbers), "
+                 "its sequences as one stream of their real tokens without padding")
+
+
+def sharing_line(run) -> str | None:
+    """The first lines' word on how a run's pairs reach the model (None: padded rows, said by nobody)."""
+    if run.shares_prompt:
+        return SHARED_PROMPT
+    if run.cfg.objective not in ("dpo", "ipo", "orpo", "simpo"):
+        return None
+    why = prompt_sharing(run.cfg, run.arch, run.layout.cp)
+    off = f"; the prompt is not shared: {why}" if why and why != "dpo.share_prompt: false" else ""
+    if run.cfg.padding_free_pairs():
+        return PADDING_FREE + off
+    return f"pairs: one padded row per answer{off}" if off else None
+
+
+def computed(run, b: dict) -> float:
+    """Positions a host micro-batch runs: all of its rows, padding-free pairs' real tokens only, or those less each
+    shared prompt's second copy."""
+    if run.shares_prompt:
+        return float(row_lengths(b).sum() - shared_prefix(b).sum())
+    if run.cfg.padding_free_pairs():
         return float(row_lengths(b).sum())
     return float(b["loss_mask"].numel())
 
@@ -282,5 +303,6 @@ def line(values: dict[str, float]) -> str:
     return " | ".join(f"{k} {v:.4f}" for k, v in values.items())
 
 
-__all__ = ["METRICS", "PADDING_FREE", "collate", "flat", "trained", "computed", "reference_table", "reference_for",
-           "pair_terms", "step_norm", "step_terms", "step_metrics", "evaluate", "line"]
+__all__ = ["METRICS", "PADDING_FREE", "SHARED_PROMPT", "sharing_line", "collate", "flat", "trained", "computed",
+           "reference_table", "reference_for", "pair_terms", "step_norm", "step_terms", "step_metrics",
+           "evaluate", "line"]

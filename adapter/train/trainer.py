@@ -155,8 +155,9 @@ class Trainer:
                       "layer's activations recomputed in backward)")
         self.cp_rank = self.layout.coords(self.rank)[Axis.CP]
         self.ref_table, self.val_ref = dpo.reference_for(self)  # DPO of every weight: its reference, before a resume
-        if cfg.padding_free_pairs():
-            self._say(dpo.PADDING_FREE)
+        pairs = dpo.sharing_line(self.run)  # padded rows, padding-free, or each prompt once
+        if pairs:
+            self._say(pairs)
         # what is trained: transformers adds the load-balancing loss when the config says so (either engine's)
         aux = getattr(self.engine.ds.module, "moe_aux", None)
         self.moe_aux = aux if aux is not None and aux.enabled else None
@@ -245,7 +246,7 @@ class Trainer:
         norm = dpo.step_norm(self, micro) if pairs else None  # the step's pairs (and chosen NLL tokens)
         rewards = 0
         tokens = torch.tensor([sum(float(dpo.trained(b).double().sum()) for b in micro),  # waits for nothing
-                               sum(dpo.computed(self.cfg, b) for b in micro)], dtype=torch.float64).to(device,
+                               sum(dpo.computed(self.run, b) for b in micro)], dtype=torch.float64).to(device,
                                                                                                      non_blocking=True)
         dist.all_reduce(tokens, group=self.groups.dp)  # whole samples: tp/cp ranks of a dp rank count the same
         denom = torch.clamp(tokens, min=1.0)[0]  # a step without trained tokens: loss and gradients 0, not NaN

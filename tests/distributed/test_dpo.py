@@ -65,11 +65,12 @@ def _argilla() -> list[dict]:
 
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
          objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None,
-         steps: int = STEPS, ckpt: str | None = None, quantize: bool = False, free: bool = False, mb: int = 1):
+         steps: int = STEPS, ckpt: str | None = None, quantize: bool = False, free: bool = False, mb: int = 1,
+         share: str | bool = "auto"):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine},
-           "objective": objective, "dpo": {"beta": BETA, "padding_free": free}, "orpo": {"alpha": ALPHA},
-           "simpo": SIMPO,
+           "objective": objective, "dpo": {"beta": BETA, "padding_free": free, "share_prompt": share},
+           "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
            "lora": {**LORA, "init_from": init_from, **({"quantize_base": "nf4"} if quantize else {})} if lora else None,
            "parallelism": {"dp_shard_size": WORLD // (tp * cp), "tp_size": tp, "cp_size": cp},
            "batch": {"micro_batch_size": mb, "gradient_accumulation_steps": GA * tp * cp // mb},  # four pairs a step
@@ -325,17 +326,18 @@ def _native(rank, world, model, data, root, adapter, orpo_data):
     no_ref = [train(_cfg(m, Path(orpo_data) if k == "orpo" else d, r / k, objective=k, engine="megatron",
                          init_from=adapter), log=lambda s: None) for k in ("orpo", "simpo")]
     # padding-free (TRL's padding_free): each micro-batch's sequences as one stream of their real tokens
-    free = [train(_cfg(m, d, r / "pf-tp", zero=2, tp=2, engine="megatron", init_from=adapter, free=True),
-                  log=lines.append),
+    free = [train(_cfg(m, d, r / "pf-tp", zero=2, tp=2, engine="megatron", init_from=adapter, free=True,
+                       share=False), log=lines.append),
             train(_cfg(m, d, r / "pf-cp", lora=False, cp=2, engine="megatron", free=True), log=lambda s: None),
             train(_cfg(m, d, r / "pf-hf", init_from=adapter, free=True, mb=2), log=lambda s: None),
-            train(_cfg(m, d, r / "pf-simpo", objective="simpo", engine="megatron", init_from=adapter, free=True),
-                  log=lambda s: None)]
+            train(_cfg(m, d, r / "pf-simpo", objective="simpo", engine="megatron", init_from=adapter, free=True,
+                       share=False), log=lambda s: None),
+            train(_cfg(m, d, r / "shared-mb2", engine="megatron", init_from=adapter, mb=2), log=lambda s: None)]
     return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf, *no_ref, *free)],
             [[tp.losses, tp.rewards],
             [fresh.losses, fresh.rewards], [[x.start_step, x.losses, x.rewards] for x in resumed],
             [cp.losses, cp.rewards, cp.eval_losses]],
-            [ln for ln in lines if ln.startswith(("engine:", "DPO ref", "pairs: padding-free"))])
+            [ln for ln in lines if ln.startswith(("engine:", "DPO ref", "pairs:"))])
 
 
 def test_dpo_on_the_native_engine_matches_trl(tmp_path):
@@ -392,11 +394,18 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
         flat_want = [*want[0], *(r[k] for r in want[1] for k in METRICS), *(x for _, x in got[2:] and want[2])]
         bad = [(i, a, b) for i, (a, b) in enumerate(zip(flat_got, flat_want)) if abs(a - b) > 1e-5 * max(1.0, abs(b))]
         assert len(flat_got) == len(flat_want) and not bad, bad
-    # padding-free: tp=2 (+SP), a full fine-tune at cp=2, the transformers engine with two pairs a micro-batch,
-    # SimPO: each the numbers of its padded run (losses, metrics, evals); what the model then runs is checked in
-    # tests/unit/test_dpo_config.py
+    # padding-free (no prompt shared): tp=2 (+SP), a full fine-tune at cp=2, the transformers engine with two pairs
+    # a micro-batch, SimPO; and a shared prompt with two pairs a micro-batch: each the numbers of the run it is
+    # compared with (losses, metrics, evals), itself checked against TRL above; what the model then runs is checked
+    # in tests/unit/test_dpo_config.py
     assert sum(s.startswith("pairs: padding-free") for s in said) == 1, said
-    for run, want in zip(free, (lora_run, full_run, hf_run, simpo_run)):
+    # every native run at cp 1 ran each pair's prompt once (dpo.share_prompt: auto), so the comparisons with TRL
+    # above check that path: LoRA, the full run, ORPO, SimPO, tp=2 (+SP), the resumes; and above, two pairs a
+    # micro-batch (one stream) against one
+    assert sum(s.startswith("pairs: each pair's prompt runs once") for s in said) == 3, said
+    assert sum(s.startswith("pairs: one padded row per answer; the prompt is not shared: the transformers engine")
+               for s in said) == 1, said
+    for run, want in zip(free, (lora_run, full_run, hf_run, simpo_run, lora_run), strict=True):
         names = list(want[1][0])
         flat_got = [*run[0], *(r[k] for r in run[1] for k in names), *(x for _, x in run[2])]
         flat_want = [*want[0], *(r[k] for r in want[1] for k in names), *(x for _, x in want[2])]

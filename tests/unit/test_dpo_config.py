@@ -470,7 +470,7 @@ def test_dpo_padding_free_maps_and_runs_the_rows_real_tokens_as_one_stream(monke
     rows = {"tokens": torch.randint(3, 50, (4, s)), "loss_mask": (pos >= 1).float() * (pos < lengths[:, None] - 1),
             "seq_mask": (pos < lengths[:, None] - 1).float()}
     rows["labels"] = torch.roll(rows["tokens"], -1, 1)
-    run = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(cp=1, tp=1))
+    run = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(cp=1, tp=1), shares_prompt=False)
     b = batches.place(run, 0, "cpu", rows)
     calls = []
 
@@ -484,3 +484,65 @@ def test_dpo_padding_free_maps_and_runs_the_rows_real_tokens_as_one_stream(monke
     assert calls[0][0] == (1, int(lengths.sum())) and calls[0][1][:6] == [0, 1, 2, 3, 4, 0], calls
     real = pos < lengths[:, None]
     assert torch.equal(out, torch.where(real, rows["tokens"].float(), 0.0))
+
+
+def test_a_shared_prompt_runs_once_and_every_token_sees_what_its_row_shows_it(monkeypatch):
+    """dpo.share_prompt: each pair's common untrained prefix runs once; the stream's attention (the varlen kernels,
+    the rejected part's keys gathered) equals each row's own causal attention token for token, and each token's
+    loss lands at its row and column. `auto` takes it on the native engine at cp 1 and says why not elsewhere;
+    `true` where it is not built is one line."""
+    import torch
+
+    from adapter.data.sft.preference import row_lengths, shared_prefix
+    from adapter.kernels.varlen import packed_attention
+    from adapter.models.checks import prompt_sharing
+    from adapter.train import batches, dpo
+
+    s, lengths, prompt = 12, [9, 7, 10, 5], [5, 3]  # chosen, chosen, rejected, rejected of two pairs
+    g = torch.Generator().manual_seed(0)
+    rows = {k: torch.zeros(4, s, dtype=torch.long) for k in ("tokens", "labels")}
+    rows |= {k: torch.zeros(4, s) for k in ("loss_mask", "seq_mask")}
+    for i, n in enumerate(lengths):
+        rows["tokens"][i, :n] = torch.randint(1, 50, (n,), generator=g)
+    for i, p in enumerate(prompt):
+        rows["tokens"][2 + i, :p] = rows["tokens"][i, :p]
+    for i, n in enumerate(lengths):
+        rows["labels"][i, :n - 1] = rows["tokens"][i, 1:n]
+        rows["loss_mask"][i, prompt[i % 2] - 1:n - 1] = 1
+        rows["seq_mask"][i, :n - 1] = 1
+    assert shared_prefix(rows).tolist() == [4, 2]  # the prompt less its last token, which predicts the answer
+    cfg = config.build(_example(), env={}, world_size=1)
+    run = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(cp=1, tp=1), shares_prompt=True)
+    b = batches.place(run, 0, "cpu", rows)
+    assert dpo.computed(run, rows) == sum(lengths) - 6 == int(b["pf_real"].sum())
+    stream, params = b["pf_tokens"][0], b["pf_packed_seq_params"]
+    h, d = 2, 4
+    w, at = torch.randn(50, 3, h, d, generator=g), torch.randn(s, 3, h, d, generator=g)
+
+    def qkv(tokens, pos):  # a token's q, k, v depend on its id and position only, as in a layer's first attention
+        x = w[tokens] + at[pos]
+        return x[:, 0], x[:, 1], x[:, 2]
+
+    out = packed_attention(*qkv(stream, b["pf_position_ids"][0]), params, scale=0.5)
+    for j in b["pf_real"][0].nonzero().flatten().tolist():
+        row, col = divmod(int(b["pf_row_index"][0, j]), s)
+        q, k, v = qkv(rows["tokens"][row, :col + 1], torch.arange(col + 1))
+        want = torch.einsum("hk,khd->hd", torch.softmax(torch.einsum("hd,khd->hk", q[-1], k) * 0.5, -1), v)
+        assert torch.allclose(out[j], want, atol=1e-5), (j, row, col)
+
+    monkeypatch.setattr(dpo.parallel_state, "get_context_parallel_group", lambda: None)
+    monkeypatch.setattr(dpo.dist, "get_world_size", lambda group=None: 1)
+    got = dpo._token_losses(lambda tokens, *a, **kw: tokens.float(), b)  # loss = the token id
+    pos = torch.arange(s).expand(4, s)
+    real = pos < row_lengths(rows)[:, None]
+    real[2, :4], real[3, :2] = False, False  # a rejected row's shared prefix ran once, for its chosen row
+    assert torch.equal(got, torch.where(real, rows["tokens"].float(), 0.0))
+
+    arch = SimpleNamespace(native=True, attn_softcap=None, moe=False, architecture="LlamaForCausalLM")
+    assert prompt_sharing(cfg, arch, 1) is None
+    assert "transformers engine" in prompt_sharing(cfg, SimpleNamespace(**{**vars(arch), "native": False}), 1)
+    assert "context parallelism" in prompt_sharing(cfg, arch, 2)
+    assert cfg.dpo.share_prompt == "auto"  # Axolotl's keys: auto
+    native = cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"share_prompt": True})})
+    with pytest.raises(UserError, match=r"dpo.share_prompt=True.*context parallelism.*auto"):
+        prompt_sharing(native, arch, 2)

@@ -83,6 +83,18 @@ def row_lengths(b):
     return b["seq_mask"].sum(1) + 1
 
 
+def shared_prefix(b):
+    """[pairs] int64: each pair's leading tokens that both of its rows hold and neither trains on (its prompt, less
+    the last token, which predicts a different first answer token in each row), from a [rows, seq] micro-batch of
+    tensors, chosen rows first: what a shared stream runs once (adapter/kernels/thd.pairs_to_shared_stream). Every
+    row keeps at least its last token of its own."""
+    m = b["tokens"].shape[0] // 2
+    both = lambda k: (b[k][:m], b[k][m:])  # noqa: E731
+    (tc, tr), (lc, lr), (sc, sr) = both("tokens"), both("loss_mask"), both("seq_mask")
+    same = (tc == tr) & (lc == 0) & (lr == 0) & (sc > 0) & (sr > 0)
+    return same.long().cumprod(1).sum(1)
+
+
 @dataclass
 class PairData:
     train: PairDataset
