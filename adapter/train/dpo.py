@@ -108,9 +108,11 @@ def _token_losses(ds, batch) -> torch.Tensor:
     if "pf_tokens" in batch:  # padding-free: the stream's losses put back in their rows (adapter/train/batches.py)
         out = ds(batch["pf_tokens"], batch["pf_position_ids"], None, labels=batch["pf_labels"],
                  loss_mask=batch["pf_loss_mask"], packed_seq_params=batch["pf_packed_seq_params"])
-        rows, real = batch["loss_mask"], batch["pf_real"][0].bool()
+        rows, real = batch["loss_mask"], batch["pf_real"][0]
+        # every stream position, its padding's losses zeroed (its row_index is 0): a boolean selection would make
+        # the host wait for the forward (its size is data-dependent) before it can queue the next one
         whole = out.new_zeros(rows.numel(), dtype=torch.float32).index_add(
-            0, batch["pf_row_index"][0][real], out[0][real].float())
+            0, batch["pf_row_index"][0], torch.where(real > 0, out[0].float(), 0.0))
         group = parallel_state.get_context_parallel_group()
         if dist.get_world_size(group) > 1:  # each CP rank ran its chunks of every sequence
             whole = sum_over_cp(whole, group)
