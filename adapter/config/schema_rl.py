@@ -54,9 +54,9 @@ class DPOSection(_Strict):
                                "confined to each sequence, no padding computed (the same numbers; any pair objective)")
     share_prompt: Literal["auto"] | bool = Field(
         "auto", description="run each pair's prompt once for both answers (the same numbers; the policy's and the "
-        "reference's forwards compute ~25% fewer tokens on a typical pair): auto = wherever it is built (the "
-        "Megatron-Core engine, cp 1, no soft-capped attention, no mixture of experts, eager layers), said in the "
-        "first lines; true refuses a run where it is not built; false keeps one sequence per answer")
+        "reference's forwards compute ~25% fewer tokens on a typical pair): auto = wherever it is built (cp 1, "
+        "attention the varlen kernels compute, no recurrent layers, no mixture of experts, eager layers), said in "
+        "the first lines; true refuses a run where it is not built; false keeps one sequence per answer")
 
 
 class ORPOSection(_Strict):

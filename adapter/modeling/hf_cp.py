@@ -2,7 +2,9 @@
 load-balanced part of the sequence (its global positions, or each packed document's own), and one attention
 function, registered in transformers' attention interface, does the attention across the CP group with the native
 engine's kernels (adapter/kernels/attention.py for one causal stream per sample, adapter/kernels/varlen.py for
-packed documents): all-gathered K|V or the ring, sliding windows included (all-gather only).
+packed documents): all-gathered K|V or the ring, sliding windows included (all-gather only). At cp = 1 the same
+function runs preference pairs whose prompt is shared (adapter/kernels/thd.pairs_to_shared_stream: the rejected
+answer's keys gathered as [prompt | itself]), which transformers' position-built masks cannot describe.
 
 Why through the attention interface and not a split of the model: it is transformers' public seam for attention
 kernels (`AttentionInterface.register`; models declare `_supports_attention_backend`), so everything before and after
@@ -75,7 +77,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     # unequal head dims (MLA: values narrower than queries): zero columns give the kernels equal ones and change
     # neither the scores (the scale is fixed above) nor the output's first dv columns
     query, key, value = (F.pad(t, (0, d - t.size(-1))) if t.size(-1) < d else t for t in (query, key, value))
-    span = state.packed.max_seqlen_q if state.packed is not None else query.size(2) * state.group.size()
+    span = (max(state.packed.max_seqlen_q, state.packed.max_seqlen_kv or 0) if state.packed is not None else
+            query.size(2) * state.group.size())  # (a shared prompt's rejected queries: keys longer than queries)
     if sliding_window is not None and sliding_window >= span:  # no query has a key outside it (the longest
         sliding_window = None                                   # padded document, or the whole sample)
     if state.packed is not None:  # [1, h, T, d] -> [T, h, d]: the rank's stream of document chunks

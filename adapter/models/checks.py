@@ -5,6 +5,7 @@ from adapter.config import RunConfig, spell
 from adapter.errors import bad
 from adapter.models import freeze, generic_run, lora
 from adapter.models.arch import ModelArch, check_tp
+from adapter.models.generic import unsplittable
 
 
 def _check_cp_chunks(cfg: RunConfig) -> None:
@@ -133,18 +134,32 @@ def prompt_sharing(cfg: RunConfig, arch: ModelArch, cp: int) -> str | None:
         return "no preference pairs"
     setting = cfg.dpo.share_prompt
     why = ("dpo.share_prompt: false" if setting is False else
-           "the transformers engine confines each sequence by its restarting positions (its own masks)"
-           if not arch.native else
            "context parallelism splits each sequence into chunks of its own" if cp > 1 else
            f"{arch.architecture}'s soft-capped attention scores run per sequence" if arch.attn_softcap else
            "a mixture of experts: its load-balancing statistics count each prompt twice, as TRL's batch does"
            if arch.moe else
            "compiled layers take one stream length (model.compile)" if cfg.model.compile else
            f"model.attention: {cfg.model.attention} (nd-adapter's varlen attention shares it: sdpa)"
-           if cfg.model.attention != "sdpa" else None)
+           if cfg.model.attention != "sdpa" else None if arch.native else _transformers_attention(arch))
     if setting is True and why is not None:
         raise bad("dpo.share_prompt", True, f"not built here: {why}", "set dpo.share_prompt: auto (or false)")
     return why
+
+
+# generic.attention_features the shared stream's kernels do not compute (the transformers engine runs it through
+# the attention function adapter/modeling/hf_cp.py registers, at cp 1 as at cp > 1)
+_NOT_SHARED = {"interface": "does not declare transformers' attention interface", "sinks": "has attention sinks",
+               "chunked": "attends in chunks", "softcap": "soft-caps its scores", "dropout": "has attention dropout",
+               "dynamic_rope": "chooses its RoPE frequencies by the longest position in the forward"}
+
+
+def _transformers_attention(arch: ModelArch) -> str | None:
+    """Why the transformers engine cannot share a prompt on this model, or None."""
+    kind = unsplittable(arch.layer_kinds)
+    if kind:
+        return f"its {kind} layers carry a state along the sequence"
+    found = [_NOT_SHARED[f.split(":")[0]] for f in arch.attention_features if f.split(":")[0] in _NOT_SHARED]
+    return f"{arch.architecture}'s attention {found[0]}" if found else None
 
 
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:

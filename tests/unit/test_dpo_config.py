@@ -538,9 +538,14 @@ def test_a_shared_prompt_runs_once_and_every_token_sees_what_its_row_shows_it(mo
     real[2, :4], real[3, :2] = False, False  # a rejected row's shared prefix ran once, for its chosen row
     assert torch.equal(got, torch.where(real, rows["tokens"].float(), 0.0))
 
-    arch = SimpleNamespace(native=True, attn_softcap=None, moe=False, architecture="LlamaForCausalLM")
+    arch = SimpleNamespace(native=True, attn_softcap=None, moe=False, architecture="LlamaForCausalLM",
+                           layer_kinds=(), attention_features=())
     assert prompt_sharing(cfg, arch, 1) is None
-    assert "transformers engine" in prompt_sharing(cfg, SimpleNamespace(**{**vars(arch), "native": False}), 1)
+    hf = {**vars(arch), "native": False}  # the transformers engine: its attention function, where the model allows
+    assert prompt_sharing(cfg, SimpleNamespace(**hf), 1) is None
+    assert "attention sinks" in prompt_sharing(cfg, SimpleNamespace(**{**hf, "attention_features": ("sinks",)}), 1)
+    assert "linear_attention layers carry a state" in prompt_sharing(
+        cfg, SimpleNamespace(**{**hf, "layer_kinds": ("full_attention", "linear_attention")}), 1)
     assert "context parallelism" in prompt_sharing(cfg, arch, 2)
     assert cfg.dpo.share_prompt == "auto"  # Axolotl's keys: auto
     native = cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"share_prompt": True})})
