@@ -34,7 +34,8 @@ OURS = {"nd-adapter dp_shard=2 (ZeRO-2)": "bench/configs/llama-3.2-1b-dp2.yaml",
 PEERS = ("accelerate-fsdp2", "accelerate-tp", "deepspeed-hf")
 ONE_GPU = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b",  # shape -> configs/models/<name>, bench/configs/<name>-1gpu.yaml
            "phi4-mini": "phi-4-mini-shape", "gemma3-4b": "gemma-3-4b-shape",
-           "qwen3-moe-8l": "qwen3-30b-a3b-8l-shape"}  # its peers run transformers' grouped_mm experts
+           "qwen3-moe-8l": "qwen3-30b-a3b-8l-shape",  # its peers run transformers' grouped_mm experts
+           "olmo3-8l": "olmo3-7b-8l-shape"}  # no native family: nd-adapter's transformers engine
 ONE_GPU_PEERS = ("hf", "hf-compile", "hf-liger")
 OUR_STATE_BYTES = 16  # bf16 weights + bf16 grads + fp32 master + fp32 Adam moments (optimizer.state_dtype: bf16: 8)
 

@@ -67,7 +67,8 @@ def main(argv=None) -> None:
 
         patch = {"llama": liger.apply_liger_kernel_to_llama, "phi3": liger.apply_liger_kernel_to_phi3,
                  "gemma3_text": liger.apply_liger_kernel_to_gemma3_text,
-                 "qwen3_moe": getattr(liger, "apply_liger_kernel_to_qwen3_moe", None)}[cfg.model_type]
+                 "qwen3_moe": getattr(liger, "apply_liger_kernel_to_qwen3_moe", None),
+                 "olmo3": getattr(liger, "apply_liger_kernel_to_olmo3", None)}[cfg.model_type]
         # Liger's RoPE rotates whole heads: a partial-rotary model (Phi-4-mini) keeps transformers' own
         # a mixture of experts keeps transformers' grouped_mm experts (Liger's swiglu swaps in its own expert module)
         moe = bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
