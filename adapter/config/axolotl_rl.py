@@ -39,9 +39,10 @@ LOSS_OPTIONS = {
                    "give rl_beta instead, or set rl: orpo"),
 }
 # read here; the speed / memory options are noted (nd-adapter's own forward runs the pairs)
-NOTED = ("dpo_use_liger_kernel", "precompute_ref_log_probs", "max_prompt_len")
+NOTED = ("dpo_use_liger_kernel", "max_prompt_len")
 KTO_KEYS = ("kto_desirable_weight", "kto_undesirable_weight")  # read by rl: kto only
-RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", "dpo_padding_free", *LOSS_OPTIONS, *NOTED,
+RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", "dpo_padding_free",
+           "precompute_ref_log_probs", *LOSS_OPTIONS, *NOTED,
            *KTO_KEYS}
 
 
@@ -106,6 +107,14 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
                      "their real tokens, attention confined to each: TRL's padding_free)")
     elif free is not None:
         notes.append(f"dpo_padding_free: not read by {rl.upper()} (Axolotl hands it to TRL's DPO trainer only)")
+    pre = raw.get("precompute_ref_log_probs")  # a boolean as Axolotl's schema reads it (axolotl_values)
+    if pre and rl in ("dpo", "ipo"):  # Axolotl hands it to TRL's DPOConfig only
+        out.setdefault("dpo", {})["precompute_ref"] = True
+        notes.append("precompute_ref_log_probs: true -> dpo.precompute_ref (the reference's log-probabilities of "
+                     "every pair computed once before step 1; no reference forward in a step)")
+    elif pre is not None:
+        notes.append(f"precompute_ref_log_probs: not read by {rl.upper()} (Axolotl hands it to TRL's DPO trainer "
+                     "only)")
     if rl != "kto" and any(raw.get(k) is not None for k in KTO_KEYS):
         notes.append(f"{', '.join(k for k in KTO_KEYS if raw.get(k) is not None)}: read by rl: kto only")
     ignored = [k for k in ignores if raw.get(k) is not None and not (rl == "ipo" and k == "dpo_loss_type")]
@@ -114,8 +123,9 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
                      "apply them to it)")
     said = [k for k in NOTED if raw.get(k) is not None]
     if said:
-        notes.append(f"{', '.join(said)}: noted, no effect (speed or memory options of TRL's trainer; max_prompt_len "
-                     "does not reach TRL 1.8.0's DPO in Axolotl either)")
+        notes.append(f"{', '.join(said)}: noted, no effect (dpo_use_liger_kernel: TRL's fused loss, which "
+                     "nd-adapter's own loss replaces; max_prompt_len does not reach TRL 1.8.0's DPO in Axolotl "
+                     "either)")
     other = sorted(k for k in trl if k != "beta")
     if other:
         notes.append(f"ignored trl keys (not read by {rl.upper()}): {', '.join(other)}")

@@ -52,6 +52,11 @@ class DPOSection(_Strict):
     padding_free: bool = Field(False, description="TRL's padding_free (Axolotl's dpo_padding_free): each micro-batch's "
                                "chosen and rejected sequences run as one stream of their real tokens, attention "
                                "confined to each sequence, no padding computed (the same numbers; any pair objective)")
+    precompute_ref: bool = Field(False, description="TRL's precompute_ref_log_probs (Axolotl's key of that name, "
+                                 "rl: dpo / ipo): the reference's log-probabilities of every pair (and held-out "
+                                 "pair) computed once before step 1, so no step runs a reference forward; a full "
+                                 "fine-tune and LoRA from a saved adapter always do this; fresh LoRA's reference is "
+                                 "the base either way, so the numbers are the same")
     share_prompt: Literal["auto"] | bool = Field(
         "auto", description="run each pair's prompt once for both answers (the same numbers; the policy's and the "
         "reference's forwards compute ~25% fewer tokens on a typical pair): auto = wherever it is built (cp 1, "
@@ -122,7 +127,7 @@ class RLFields(_Strict):
         the base. Fresh adapters (B = 0) start as the base, so disabling them each
         step gives their reference without a table."""
         lora = self.lora  # type: ignore[attr-defined]
-        return (self.objective in ("dpo", "ipo") and (lora is None or bool(lora.init_from))
+        return (self.objective in ("dpo", "ipo") and (lora is None or bool(lora.init_from) or self.dpo.precompute_ref)
                 or self.objective == "kto" and lora is None)  # KTO's LoRA: the base (adapters disabled), as TRL
 
     @model_validator(mode="after")
@@ -152,6 +157,9 @@ class RLFields(_Strict):
 
     @model_validator(mode="after")
     def _padding_free_scope(self) -> RLFields:
+        if self.dpo.precompute_ref and self.objective not in ("dpo", "ipo"):
+            raise bad("dpo.precompute_ref", True, f"objective {self.objective} has no reference model to precompute "
+                      "here (ORPO and SimPO have none; KTO's is not built as a table for LoRA)", "remove it")
         if self.dpo.share_prompt is True and self.objective not in ("dpo", "ipo", "orpo", "simpo"):
             raise bad("dpo.share_prompt", True, f"it shares a pair's prompt between its answers; objective "
                       f"{self.objective} has no pairs", "remove it")

@@ -193,10 +193,13 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
                               place=lambda b: place(t.run, t.cp_rank, t.device, b))
               for data in (t.dataset, t.val_dataset)]
     held = f" and of the {len(t.val_dataset)} held-out pairs" if tables[1] is not None else ""
-    name, start = t.cfg.objective.upper(), "starting adapter's" if t.run.adapters else "starting weights'"
+    saved = t.cfg.lora is not None and bool(t.cfg.lora.init_from)  # (either engine's adapters)
+    name = t.cfg.objective.upper()
+    start = ("starting adapter's" if saved else "base's (fresh LoRA adapters: B = 0)" if t.run.adapters else
+             "starting weights'")
     t._say(f"{name} reference: the {start} log-probabilities of the {len(t.dataset)} pairs{held}, computed once "
            "before step 1 (TRL's precompute_ref_log_probs" + ("; TRL's frozen copy of a pretrained adapter)" if
-                                                             t.run.adapters else ")"))
+                                                             saved else ")"))
     return tables[0], tables[1]
 
 

@@ -66,10 +66,11 @@ def _argilla() -> list[dict]:
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
          objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None,
          steps: int = STEPS, ckpt: str | None = None, quantize: bool = False, free: bool = False, mb: int = 1,
-         share: str | bool = "auto"):
+         share: str | bool = "auto", pre: bool = False):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
     raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine},
-           "objective": objective, "dpo": {"beta": BETA, "padding_free": free, "share_prompt": share},
+           "objective": objective, "dpo": {"beta": BETA, "padding_free": free, "share_prompt": share,
+                                                   "precompute_ref": pre},
            "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
            "lora": {**LORA, "init_from": init_from, **({"quantize_base": "nf4"} if quantize else {})} if lora else None,
            "parallelism": {"dp_shard_size": WORLD // (tp * cp), "tp_size": tp, "cp_size": cp},
@@ -317,6 +318,8 @@ def _native(rank, world, model, data, root, adapter, orpo_data):
     lora = train(_cfg(m, d, r / "lora", engine="megatron", init_from=adapter), log=lines.append)
     hf = train(_cfg(m, d, r / "hf", init_from=adapter), log=lines.append)  # the transformers engine, PEFT's
     fresh = train(_cfg(m, d, r / "fresh", engine="megatron", ev=False), log=lines.append)  # B = 0: adapters off
+    # precompute_ref_log_probs: fresh LoRA's reference (the base) as a table before step 1, no reference forward
+    pre = train(_cfg(m, d, r / "fresh-pre", engine="megatron", ev=False, pre=True), log=lines.append)
     resumed = []  # saved after 2 steps, resumed to 4: fresh LoRA, and the full run (its table before the load)
     for name, kw in (("fresh", {}), ("full", {"lora": False})):
         ck = str(r / f"ck-{name}")
@@ -339,6 +342,7 @@ def _native(rank, world, model, data, root, adapter, orpo_data):
     return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf, *no_ref, *free)],
             [[tp.losses, tp.rewards],
             [fresh.losses, fresh.rewards], [[x.start_step, x.losses, x.rewards] for x in resumed],
+            [pre.losses, pre.rewards],
             [cp.losses, cp.rewards, cp.eval_losses]],
             [ln for ln in lines if ln.startswith(("engine:", "DPO ref", "pairs:"))])
 
@@ -365,8 +369,8 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     orpo_data = write_jsonl(tmp_path / "argilla.jsonl", argilla)
     got = run_workers(_native, WORLD, str(model), str(data), str(tmp_path), str(adapter), str(orpo_data),
                       timeout=400)[0]
-    (lora_run, full_run, hf_run, orpo_run, simpo_run, *free), (tp_run, fresh_run, resumed, cp_run), said = got
-    assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 4, said
+    (lora_run, full_run, hf_run, orpo_run, simpo_run, *free), (tp_run, fresh_run, resumed, pre_run, cp_run), said = got
+    assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 5, said
     cfg = _cfg(model, data, tmp_path)
     tok = AutoTokenizer.from_pretrained(str(model))
     template = templates.resolve_template("chatml", None, tok, "")
@@ -405,7 +409,7 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     # every native run at cp 1 ran each pair's prompt once (dpo.share_prompt: auto), so the comparisons with TRL
     # above check that path: LoRA, the full run, ORPO, SimPO, tp=2 (+SP), the resumes; and above, two pairs a
     # micro-batch (one stream) against one
-    assert sum(s.startswith("pairs: each pair's prompt runs once") for s in said) == 4, said  # and the hf run
+    assert sum(s.startswith("pairs: each pair's prompt runs once") for s in said) == 5, said  # and the hf run
     for run, want in zip(free, (lora_run, full_run, hf_run, simpo_run, lora_run), strict=True):
         names = list(want[1][0])
         flat_got = [*run[0], *(r[k] for r in run[1] for k in names), *(x for _, x in run[2])]
@@ -421,6 +425,12 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
         assert abs(loss - want["loss"]) <= 1e-5 and all(abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k]))
                                                         for k in METRICS), (got, want)
     assert abs(fresh_run[1][-1]["rewards/margins"]) > 1e-3  # the adapters moved the policy off the reference
+    flat_pre = [*pre_run[0], *(r[k] for r in pre_run[1] for k in METRICS)]
+    flat_fresh = [*fresh_run[0], *(r[k] for r in fresh_run[1] for k in METRICS)]
+    assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(flat_pre, flat_fresh, strict=True)), (
+        flat_pre, flat_fresh)
+    assert sum("reference: the base's (fresh LoRA adapters: B = 0) log-probabilities of the 16 pairs" in s
+               for s in said) == 1, said
     for (start, losses, rewards), whole in zip(resumed, (fresh_run, full_run)):  # resumed at step 2: the same curve
         flat_got = [*losses, *(r[k] for r in rewards for k in METRICS)]
         flat_want = [*whole[0][2:], *(r[k] for r in whole[1][2:] for k in METRICS)]

@@ -551,3 +551,18 @@ def test_a_shared_prompt_runs_once_and_every_token_sees_what_its_row_shows_it(mo
     native = cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"share_prompt": True})})
     with pytest.raises(UserError, match=r"dpo.share_prompt=True.*context parallelism.*auto"):
         prompt_sharing(native, arch, 2)
+
+
+def test_precompute_ref_log_probs_makes_fresh_lora_s_reference_a_table():
+    """Axolotl's precompute_ref_log_probs (TRL's, rl: dpo / ipo) -> dpo.precompute_ref: the reference (the base, for
+    fresh adapters) is a table computed once, so plan counts no reference forward; other rl values say it is not
+    read; a value that is not a boolean is one line."""
+    cfg = config.build(_example(precompute_ref_log_probs=True), env={}, world_size=1)
+    assert cfg.dpo.precompute_ref and cfg.fixed_reference() and cfg.preference_passes() == (2, 0)
+    assert any(n.startswith("precompute_ref_log_probs: true -> dpo.precompute_ref") for n in cfg.notes)
+    plain = config.build(_example(), env={}, world_size=1)
+    assert not plain.fixed_reference() and plain.preference_passes() == (2, 1)
+    orpo = config.build(_example(rl="orpo", precompute_ref_log_probs=True), env={}, world_size=1)
+    assert not orpo.dpo.precompute_ref and any("precompute_ref_log_probs: not read by ORPO" in n for n in orpo.notes)
+    with pytest.raises(UserError, match="precompute_ref_log_probs"):
+        config.build(_example(precompute_ref_log_probs="maybe"), env={}, world_size=1)
