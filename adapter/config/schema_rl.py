@@ -60,8 +60,8 @@ class DPOSection(_Strict):
     share_prompt: Literal["auto"] | bool = Field(
         "auto", description="run each pair's prompt once for both answers (the same numbers; the policy's and the "
         "reference's forwards compute ~25% fewer tokens on a typical pair): auto = wherever it is built (cp 1, "
-        "attention the varlen kernels compute, no recurrent layers, no mixture of experts, eager layers), said in "
-        "the first lines; true refuses a run where it is not built; false keeps one sequence per answer")
+        "attention the varlen kernels compute, no recurrent layers, no trained load-balancing loss, eager layers), "
+        "said in the first lines; true refuses a run where it is not built; false keeps one sequence per answer")
 
 
 class ORPOSection(_Strict):

@@ -716,3 +716,33 @@ def test_dpo_at_exact_hsdp_and_qlora_on_both_engines(tmp_path):
         assert len(flat_a) == len(flat_b) and not bad, (a, b, bad)
     assert "Megatron-Core layers" in got["qlora"][2][0] and "transformers' own" in got["qlora hf"][2][0], got
     assert abs(got["qlora"][0][-1] - got["zero3"][0][-1]) > 1e-3  # the NF4 base and the adapter: another curve
+
+
+def _moe_pairs(rank, world, model, data, root):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    out = {}
+    for share in ("auto", False):
+        lines: list[str] = []
+        res = train(_cfg(Path(model), Path(data), Path(root) / str(share), share=share), log=lines.append)
+        out[share] = ([*res.losses, *(r[k] for r in res.rewards for k in METRICS), *(x for _, x in res.eval_losses)],
+                      [ln for ln in lines if ln.startswith("pairs:")])
+    return out
+
+
+def test_a_mixture_of_experts_shares_its_prompts_where_no_balancing_loss_trains(tmp_path):
+    """A mixture of experts without the load-balancing loss routes each token on its own, so its pairs run each
+    prompt once (the transformers engine, which DPO on a mixture of experts takes) with the numbers of one sequence
+    per answer: losses, reward metrics, evals."""
+    from tests.helpers.sft import make_moe
+
+    tiny_model(tmp_path, weights=True)
+    moe = make_moe(tmp_path / "moe", tmp_path / "tok", router_loss=False)
+    data = write_jsonl(tmp_path / "pairs.jsonl", _rows())
+    got = run_workers(_moe_pairs, WORLD, str(moe), str(data), str(tmp_path), timeout=400)[0]
+    (shared, said), (rows, _) = got["auto"], got[False]
+    assert said and said[0].startswith("pairs: each pair's prompt runs once"), said
+    bad = [(i, a, b) for i, (a, b) in enumerate(zip(shared, rows, strict=True)) if abs(a - b) > 1e-5 * max(1, abs(b))]
+    assert not bad, bad
