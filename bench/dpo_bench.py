@@ -201,7 +201,13 @@ def run_ours(a, work: Path, out: Path, env: dict) -> dict:
     # the trainer's own clock: positions computed / tok/s (its rows trimmed to a multiple of 64)
     t = res.get("tokens")
     if t:
-        computed = 2 * min(a.seq_len, -(-(t["prompt_ids"] + max(t["chosen_ids"], t["rejected_ids"])) // 64) * 64)
+        said = [s for _, s in lines]
+        if any(s.startswith("pairs: each pair's prompt runs once") for s in said):  # dpo.share_prompt: the
+            computed = t["prompt_ids"] + t["chosen_ids"] + t["rejected_ids"] + 1  # prompt's last token runs twice
+        elif any(s.startswith("pairs: padding-free") for s in said):
+            computed = 2 * t["prompt_ids"] + t["chosen_ids"] + t["rejected_ids"]
+        else:  # padded rows, trimmed to a multiple of 64
+            computed = 2 * min(a.seq_len, -(-(t["prompt_ids"] + max(t["chosen_ids"], t["rejected_ids"])) // 64) * 64)
         clock = [computed / tps for _, s, _, tps, _ in steps if s > a.warmup]
         res["step_s_clock"] = round(sum(clock) / len(clock), 4)
         if res["step_s"] < 0.5 * res["step_s_clock"]:  # the lines came in a burst (buffered): the wall says nothing
