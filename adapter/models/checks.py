@@ -27,7 +27,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
-        return warnings + _preference_note(cfg), None, None
+        return warnings + _preference_note(cfg, arch), None, None
     tp, cp, seq = cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.seq_len
     check_tp(arch, tp, key=spell(cfg, "parallelism.tp_size"))
     ep = cfg.parallelism.ep_size
@@ -111,10 +111,10 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
                         "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
-    return warnings + _preference_note(cfg), spec, unfrozen
+    return warnings + _preference_note(cfg, arch), spec, unfrozen
 
 
-def _preference_note(cfg: RunConfig) -> list[str]:
+def _preference_note(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """What plan counts of a preference objective, from the one table of its passes (config.PREFERENCE_PASSES)."""
     if cfg.objective == "sft":
         return []
@@ -123,8 +123,11 @@ def _preference_note(cfg: RunConfig) -> list[str]:
     extra = f" and {forwards} forward-only pass{'es' if forwards > 1 else ''} over them a step at a forward's " \
         "share of the step" if forwards else (" (its reference: a table computed once before step 1)"
                                               if cfg.fixed_reference() else "")
-    return [f"objective {cfg.objective}: plan counts {rows} as sequences of the micro-batch{extra} (not yet checked "
-            "against a GPU run)"]
+    shared = ("; each prompt runs once for both answers (dpo.share_prompt), which plan still counts twice: its "
+              "memory and time are an upper bound" if prompt_sharing(cfg, arch, cfg.parallelism.cp_size) is None
+              else "")
+    return [f"objective {cfg.objective}: plan counts {rows} as sequences of the micro-batch{extra}{shared} (not yet "
+            "checked against a GPU run)"]
 
 
 def prompt_sharing(cfg: RunConfig, arch: ModelArch, cp: int) -> str | None:
