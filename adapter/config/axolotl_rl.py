@@ -41,8 +41,12 @@ LOSS_OPTIONS = {
 # read here; the speed / memory options are noted (nd-adapter's own forward runs the pairs)
 NOTED = ("dpo_use_liger_kernel", "max_prompt_len")
 KTO_KEYS = ("kto_desirable_weight", "kto_undesirable_weight")  # read by rl: kto only
-RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", "dpo_padding_free",
-           "precompute_ref_log_probs", *LOSS_OPTIONS, *NOTED,
+DPO_FLAGS = {  # Axolotl's boolean for TRL's DPOConfig -> the dpo: key it sets, what it does
+    "dpo_padding_free": ("padding_free", "each micro-batch's sequences as one stream of their real tokens, "
+                                         "attention confined to each: TRL's padding_free"),
+    "precompute_ref_log_probs": ("precompute_ref", "the reference's log-probabilities of every pair computed once "
+                                                   "before step 1; no reference forward in a step")}
+RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *DPO_FLAGS, *LOSS_OPTIONS, *NOTED,
            *KTO_KEYS}
 
 
@@ -100,21 +104,13 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         how = "rl: ipo" if raw.get("rl") == "ipo" else "rl: dpo with dpo_loss_type ipo" if rl == "ipo" else "rl: dpo"
         notes.append(f"{how} -> objective: {rl} (TRL's {'ipo' if rl == 'ipo' else 'sigmoid'} loss, beta {shown}, "
                      f"reference = {ref})")
-    free = raw.get("dpo_padding_free")  # a boolean as Axolotl's schema reads it (axolotl_values)
-    if free and rl in ("dpo", "ipo"):  # Axolotl hands it to TRL's DPOConfig only
-        out.setdefault("dpo", {})["padding_free"] = True
-        notes.append("dpo_padding_free: true -> dpo.padding_free (each micro-batch's sequences as one stream of "
-                     "their real tokens, attention confined to each: TRL's padding_free)")
-    elif free is not None:
-        notes.append(f"dpo_padding_free: not read by {rl.upper()} (Axolotl hands it to TRL's DPO trainer only)")
-    pre = raw.get("precompute_ref_log_probs")  # a boolean as Axolotl's schema reads it (axolotl_values)
-    if pre and rl in ("dpo", "ipo"):  # Axolotl hands it to TRL's DPOConfig only
-        out.setdefault("dpo", {})["precompute_ref"] = True
-        notes.append("precompute_ref_log_probs: true -> dpo.precompute_ref (the reference's log-probabilities of "
-                     "every pair computed once before step 1; no reference forward in a step)")
-    elif pre is not None:
-        notes.append(f"precompute_ref_log_probs: not read by {rl.upper()} (Axolotl hands it to TRL's DPO trainer "
-                     "only)")
+    for key, (native, what) in DPO_FLAGS.items():  # booleans as Axolotl's schema reads them (axolotl_values)
+        value = raw.get(key)
+        if value and rl in ("dpo", "ipo"):  # Axolotl hands them to TRL's DPOConfig only
+            out.setdefault("dpo", {})[native] = True
+            notes.append(f"{key}: true -> dpo.{native} ({what})")
+        elif value is not None:
+            notes.append(f"{key}: not read by {rl.upper()} (Axolotl hands it to TRL's DPO trainer only)")
     if rl != "kto" and any(raw.get(k) is not None for k in KTO_KEYS):
         notes.append(f"{', '.join(k for k in KTO_KEYS if raw.get(k) is not None)}: read by rl: kto only")
     ignored = [k for k in ignores if raw.get(k) is not None and not (rl == "ipo" and k == "dpo_loss_type")]

@@ -95,6 +95,7 @@ class PreferenceFields(_Strict):
 # (the reference with fresh LoRA adapters disabled; KTO: its KL rows through the policy and both through the
 # reference). A fixed reference (`fixed_reference`) is a table computed once instead: no pass a step.
 PREFERENCE_PASSES = {"dpo": (2, 1), "ipo": (2, 1), "orpo": (2, 0), "simpo": (2, 0), "kto": (1, 3)}
+PAIR_OBJECTIVES = tuple(k for k, (grad, _) in PREFERENCE_PASSES.items() if grad == 2)  # chosen and rejected
 
 
 class RLFields(_Strict):
@@ -117,7 +118,7 @@ class RLFields(_Strict):
 
     def padding_free_pairs(self) -> bool:
         """Whether a micro-batch's preference sequences run as one stream without padding (dpo.padding_free)."""
-        return self.dpo.padding_free and self.objective in ("dpo", "ipo", "orpo", "simpo")
+        return self.dpo.padding_free and self.objective in PAIR_OBJECTIVES
 
     def fixed_reference(self) -> bool:
         """Whether the DPO/IPO/KTO reference is the starting model's log-probabilities, computed once before step 1
@@ -160,7 +161,7 @@ class RLFields(_Strict):
         if self.dpo.precompute_ref and self.objective not in ("dpo", "ipo"):
             raise bad("dpo.precompute_ref", True, f"objective {self.objective} has no reference model to precompute "
                       "here (ORPO and SimPO have none; KTO's is not built as a table for LoRA)", "remove it")
-        if self.dpo.share_prompt is True and self.objective not in ("dpo", "ipo", "orpo", "simpo"):
+        if self.dpo.share_prompt is True and self.objective not in PAIR_OBJECTIVES:
             raise bad("dpo.share_prompt", True, f"it shares a pair's prompt between its answers; objective "
                       f"{self.objective} has no pairs", "remove it")
         if self.dpo.padding_free and not self.padding_free_pairs():

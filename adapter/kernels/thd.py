@@ -191,18 +191,15 @@ def pairs_to_shared_stream(rows: dict[str, torch.Tensor], lengths: torch.Tensor,
     out = {k: rows[k].reshape(-1)[index] for k in ("tokens", "labels", "loss_mask")}
     out["position_ids"], out["row_index"] = index % s, index
     out["real"] = torch.ones(n, dtype=torch.int64)
-    if extra:
+    offset = torch.cumsum(q_lens, 0) - q_lens                              # each query sequence in the stream
+    kv_starts = torch.stack([offset[0::2], offset[0::2], offset[1::2]], 1).flatten()
+    kv_lens = torch.stack([lengths[:m], shared, rest], 1).flatten()        # chosen: itself; rejected: prefix, itself
+    seq_k = torch.stack([lengths[:m], shared + rest], 1).flatten()
+    if extra:  # the padding: one more sequence, its keys itself
         out = {k: torch.cat([v, v.new_zeros(extra)]) for k, v in out.items()}
         out["position_ids"][n:] = torch.arange(extra)
-        q_lens = torch.cat([q_lens, q_lens.new_tensor([extra])])
-    offset = torch.cumsum(q_lens, 0) - q_lens                              # each query sequence in the stream
-    kv_starts = torch.stack([offset[0:2 * m:2], offset[0:2 * m:2], offset[1:2 * m:2]], 1).flatten()
-    kv_lens = torch.stack([lengths[:m], shared, rest], 1).flatten()        # chosen: itself; rejected: prefix, itself
-    if extra:
-        kv_starts, kv_lens = torch.cat([kv_starts, offset[-1:]]), torch.cat([kv_lens, kv_lens.new_tensor([extra])])
-    seq_k = torch.stack([lengths[:m], shared + rest], 1).flatten()
-    if extra:
-        seq_k = torch.cat([seq_k, seq_k.new_tensor([extra])])
+        q_lens, seq_k, kv_lens = (torch.cat([t, t.new_tensor([extra])]) for t in (q_lens, seq_k, kv_lens))
+        kv_starts = torch.cat([kv_starts, kv_starts.new_tensor([n])])
     pos = out["position_ids"]
     cu_q, cu_k = _cu(q_lens), _cu(seq_k)
     max_q, max_k = int(q_lens.max()), int(seq_k.max())

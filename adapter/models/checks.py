@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from adapter.config import RunConfig, spell
+from adapter.config.schema_rl import PAIR_OBJECTIVES
 from adapter.errors import bad
 from adapter.models import freeze, generic_run, lora
 from adapter.models.arch import ModelArch, check_tp
@@ -130,11 +131,14 @@ def _preference_note(cfg: RunConfig, arch: ModelArch) -> list[str]:
             "checked against a GPU run)"]
 
 
+NO_PAIRS = "no preference pairs"
+
+
 def prompt_sharing(cfg: RunConfig, arch: ModelArch, cp: int) -> str | None:
     """None where a preference pair's prompt runs once for both answers (dpo.share_prompt, adapter/kernels/thd.
     pairs_to_shared_stream), else why not. `true` where it is not built is refused in one line."""
-    if cfg.objective not in ("dpo", "ipo", "orpo", "simpo"):
-        return "no preference pairs"
+    if cfg.objective not in PAIR_OBJECTIVES:
+        return NO_PAIRS
     setting = cfg.dpo.share_prompt
     why = ("dpo.share_prompt: false" if setting is False else
            "context parallelism splits each sequence into chunks of its own" if cp > 1 else

@@ -38,7 +38,13 @@ class ResolvedRun:
     warnings: tuple[str, ...] = ()             # what the run can do but should not (models/checks.py)
     peft: generic_run.PeftSpec | None = None       # the transformers engine's adapters (PEFT's LoRA on its model)
     vocab: Growth | None = None                # data.tokens: what it adds (arch.vocab_size already counts the rows)
-    shares_prompt: bool = False                # each preference pair's prompt runs once (checks.prompt_sharing)
+    unshared: str | None = checks.NO_PAIRS     # why a pair's prompt does not run once; None: it does
+                                               # (checks.prompt_sharing, read once here)
+
+    @property
+    def shares_prompt(self) -> bool:
+        """Whether each preference pair's prompt runs once for both answers (dpo.share_prompt)."""
+        return self.unshared is None
 
     @property
     def adapters(self) -> bool:
@@ -111,12 +117,11 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     if not arch.native:
         generic_run.check_liger_stage(cfg, stage)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
-    shares = checks.prompt_sharing(cfg, arch, layout.cp) is None
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),
                        weights=weights or source.resolve(cfg, arch.native),
                        zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings), peft=peft, vocab=grew,
-                       shares_prompt=shares)
+                       unshared=checks.prompt_sharing(cfg, arch, layout.cp))
 
 
 __all__ = ["ResolvedRun", "resolve_run"]

@@ -38,7 +38,7 @@ from megatron.core import parallel_state
 
 from adapter.data.sft.preference import row_lengths, shared_prefix
 from adapter.kernels.attention import sum_over_cp, whole_from_cp
-from adapter.models.checks import prompt_sharing
+from adapter.models.checks import NO_PAIRS
 from adapter.train import kto
 from adapter.train.preference_losses import DPO_METRICS as METRICS
 from adapter.train.preference_losses import (
@@ -80,12 +80,12 @@ SHARED_PROMPT = ("pairs: each pair's prompt runs once for both answers (dpo.shar
 
 def sharing_line(run) -> str | None:
     """The first lines' word on how a run's pairs reach the model (None: padded rows, said by nobody)."""
-    if run.shares_prompt:
+    why = run.unshared
+    if why is None:
         return SHARED_PROMPT
-    if run.cfg.objective not in ("dpo", "ipo", "orpo", "simpo"):
+    if why == NO_PAIRS:
         return None
-    why = prompt_sharing(run.cfg, run.arch, run.layout.cp)
-    off = f"; the prompt is not shared: {why}" if why and why != "dpo.share_prompt: false" else ""
+    off = f"; the prompt is not shared: {why}" if why != "dpo.share_prompt: false" else ""
     if run.cfg.padding_free_pairs():
         return PADDING_FREE + off
     return f"pairs: one padded row per answer{off}" if off else None
