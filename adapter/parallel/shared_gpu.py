@@ -6,7 +6,9 @@ for the first time on the user's 8-GPU job. NCCL refuses two ranks on one device
 all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter_tensor, all_to_all_single and barrier (measured on
 the 1×H200 host with torch 2.11: the project's shared notes); it cannot send or receive them point to point, so the
 context-parallel ring (adapter/kernels/ring.py, the one point-to-point user) stages its blocks through host memory
-in this mode only.
+in this mode only. Two other switches, in this mode only: DeepSpeed's device index is always 0
+(patches/ds_comm.one_cuda_device), and Megatron's uneven gathers and reduce-scatters (the alltoall MoE dispatcher at
+tp > 1), which gloo lacks, become exact all_reduces (patches/mcore.uneven_gloo_collectives).
 
 On with `ND_ADAPTER_SHARED_GPU=1` in the ranks' environment (`nd-adapter rehearse --gpu` sets it; so can a user in
 front of `nd-adapter train` or a launch script): every rank then selects cuda:0 and the process group is gloo's

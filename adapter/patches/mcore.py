@@ -4,7 +4,8 @@
 * RowParallelLinear's group lookup without its per-forward warning (`quiet_row_parallel_group`, for torch.compile);
 * our fused RoPE plugged into the extension point TransformerEngine would fill (`install_rope_fusion`);
 * GPTModel's preprocessing result with per-token RoPE angles for packed documents (`with_rotary`);
-* a linear layer's matmul implementation (`set_linear_impl`: plain `F.linear` at tp = 1 under torch.compile, fp8).
+* a linear layer's matmul implementation (`set_linear_impl`: plain `F.linear` at tp = 1 under torch.compile, fp8);
+* uneven gathers and reduce-scatters over gloo (`uneven_gloo_collectives`, the shared-GPU mode).
 
 CPU shims.
 
@@ -168,6 +169,48 @@ def set_linear_impl(linear, matmul) -> None:
     linear._forward_impl = impl
 
 
+_MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+def uneven_gloo_collectives() -> None:
+    """The shared-GPU mode (adapter/parallel/shared_gpu.py): gloo has no uneven all_gather or reduce_scatter, and
+    Megatron's alltoall MoE dispatcher (the CUDA one) uses both at tp > 1, gathering each expert's tokens over the
+    tp ranks with per-rank counts (`output_split_sizes`) and scattering the results back (`input_split_sizes`): ep=2 ×
+    tp=2 failed at its first step ("ProcessGroupGloo::allgather: invalid tensor size"; found on the GPU host). Over
+    a gloo group those two calls become one all_reduce each, exact: a gather is a sum of zero-filled slots each rank
+    fills its own of, a reduce-scatter the rank's slice of the summed input. Other groups and even splits run
+    Megatron's own code."""
+    require("megatron-core", TESTED_MEGATRON_VERSIONS, "uneven collectives over gloo (the shared-GPU mode)")
+    mappings = importlib.import_module(_MAPPINGS)
+    if getattr(mappings._gather_along_first_dim, "_nd_uneven", False):
+        return
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def on_gloo(group, sizes) -> bool:
+        return sizes is not None and group is not None and group.size() > 1 \
+            and torch.distributed.get_backend(group) == "gloo"
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if not on_gloo(group, output_split_sizes):
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        start = sum(output_split_sizes[:group.rank()])
+        out = input_.new_zeros((sum(output_split_sizes), *input_.shape[1:]))
+        out[start:start + input_.shape[0]] = input_
+        torch.distributed.all_reduce(out, group=group)
+        return out
+
+    def scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if not on_gloo(group, input_split_sizes):
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[:group.rank()])
+        return total[start:start + input_split_sizes[group.rank()]].clone()
+
+    gather_uneven._nd_uneven = scatter_uneven._nd_uneven = True  # type: ignore[attr-defined]
+    mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather_uneven, scatter_uneven
+
+
 def check_preprocess() -> None:
     """`with_rotary` knows GPTModel._preprocess's result layout of the tested versions only."""
     require("megatron-core", TESTED_MEGATRON_VERSIONS, "per-token RoPE for packed documents (adapter/patches/mcore.py)")
@@ -185,5 +228,5 @@ def with_decoder_input(preprocessed: tuple, decoder_input: torch.Tensor) -> tupl
 
 
 __all__ = ["with_decoder_input", "TESTED_MEGATRON_VERSIONS", "install_cpu_shims",
-           "check", "megatron_version", "quiet_row_parallel_group",
+           "check", "megatron_version", "quiet_row_parallel_group", "uneven_gloo_collectives",
            "install_rope_fusion", "fused_rope_is", "check_preprocess", "with_rotary", "set_linear_impl"]

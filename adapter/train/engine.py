@@ -53,6 +53,7 @@ from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
 from adapter.parallel.layout import Layout
 from adapter.parallel.mcore_groups import Groups
 from adapter.patches.ds_comm import one_cuda_device, skip_cpu_shm_op
+from adapter.patches.mcore import uneven_gloo_collectives
 from adapter.patches.zero import (
     average_over_replicas,
     drive_flat_optimizer,
@@ -80,6 +81,7 @@ def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
         torch.cuda.set_device(0 if shared else int(os.environ.get("LOCAL_RANK", 0)))
     if shared:
         one_cuda_device(get_accelerator())
+        uneven_gloo_collectives()  # Megatron's CUDA MoE dispatcher gathers uneven token counts (patches/mcore)
     deepspeed.utils.logger.setLevel(logging.ERROR)  # its per-rank INFO/WARNING chatter drowns the step log
     timeout = default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
     if not dist.is_initialized():

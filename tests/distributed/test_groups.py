@@ -128,3 +128,35 @@ def _fake_worker(rank, world, shapes):
 def test_megatron_groups_every_rank_fake_backend():
     (problems,) = run_workers(_fake_worker, 1, FAKE_SHAPES, timeout=300)
     assert not problems, "\n".join(problems[:20])
+
+
+def _uneven(rank, world):
+    """Megatron's sequence-parallel gather and its backward with per-rank counts (what the alltoall MoE dispatcher
+    runs at tp > 1) over a gloo group, with the shared-GPU mode's patch."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    from adapter.patches.mcore import uneven_gloo_collectives
+
+    dist.init_process_group("gloo")
+    uneven_gloo_collectives()
+    sizes = [3, 5]
+    x = torch.arange(sizes[rank] * 2, dtype=torch.float32).reshape(-1, 2).add(100 * rank).requires_grad_()
+    out = mappings.gather_from_sequence_parallel_region(x, group=dist.group.WORLD, output_split_sizes=sizes)
+    (out * torch.arange(1, 9, dtype=torch.float32)[:, None]).sum().backward()  # each row's weight: its position + 1
+    return out.detach().tolist(), x.grad.tolist()  # lists: a tensor's shared storage dies with its process
+
+
+def test_uneven_gather_and_its_backward_over_gloo():
+    """gloo has no uneven all_gather or reduce_scatter: without the patch the first call fails ("invalid tensor
+    size", as ep=2 × tp=2 did on the GPU host in the shared-GPU mode). With it: every rank holds every row in rank
+    order, and the backward's reduce-scatter gives each rank the summed gradient of its own rows (both ranks weight
+    a row alike, so twice its weight)."""
+    import torch
+
+    (g0, d0), (g1, d1) = (tuple(map(torch.tensor, r)) for r in run_workers(_uneven, 2))
+    want = torch.cat([torch.arange(6.).reshape(3, 2), torch.arange(10.).reshape(5, 2) + 100])
+    assert torch.equal(g0, want) and torch.equal(g1, want)
+    w = 2 * torch.arange(1, 9, dtype=torch.float32)[:, None].expand(8, 2)
+    assert torch.equal(d0, w[:3]) and torch.equal(d1, w[3:])

@@ -143,3 +143,25 @@ def test_save_at_one_layout_resume_at_another_on_one_gpu(results):
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want[2:]))
     print(f"save at tp=2, resume at dp_shard=2: max |resumed - 1 rank| / |1 rank|: {worst:.2e} (fp32)")
     assert start == 2 and len(got) == 2 and worst <= FP32_BAND, (got, want)
+
+
+def test_rehearse_gpu_runs_a_users_layout_on_the_one_gpu(tmp_path):
+    """`nd-adapter rehearse --gpu`: a user's 4-rank layout (tp=2 × ZeRO-3 dp_shard=2, bf16, the Llama-3.1-8B shape
+    shrunk by the rehearsal) trains, saves and resumes with all its ranks on this machine's one GPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{path: {root / 'configs/models/llama-3.1-8b'}}}\n"
+                   "parallelism: {tp_size: 2, dp_shard_size: 2}\nseq_len: 1024\nprecision: bf16\n"
+                   "data: {synthetic: true}\noptimizer: {max_steps: 10}\nhardware: {gpus_per_node: 4}\n")
+    p = subprocess.run([sys.executable, "-m", "adapter", "rehearse", "--config", str(cfg), "--steps", "2", "--gpu"],
+                       capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                                              os.environ.get("PYTHONPATH")]))})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "all 4 ranks on cuda:0 through gloo" in p.stdout, p.stdout[-2000:]
+    assert "rehearsal ok: 4 processes, layout 1x2x1x2, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]
