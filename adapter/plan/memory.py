@@ -83,15 +83,30 @@ def lora_activations(spec: lora.LoraSpec, arch: ModelArch, *, seq: int, micro: i
 
 
 def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, sp: bool, attention: str,
-                      cp_comm: str = "all_gather", bytes_per: int = 2, packed: bool = False) -> int:
+                      cp_comm: str = "all_gather", bytes_per: int = 2, packed: bool = False, eager: bool = False,
+                      fused_mlp: bool = True) -> int:
     """Bytes one layer keeps for backward, for one micro-batch on one rank.
 
     `packed`: packed documents (adapter/kernels/varlen.py): the same per-token terms, no s×s mask; under all-gather
     CP the saved K,V are every local query chunk's causal key prefix, (2·cp+1)/(2·cp) of the sequence. The
-    per-document CP padding (< 2·cp tokens per document) is not counted."""
+    per-document CP padding (< 2·cp tokens per document) is not counted.
+
+    `eager` (no `model.compile`): what autograd keeps op by op where a compiled layer's partitioner recomputes it
+    instead. Gemma's norms (`norm_offset`: normed and scaled in fp32, adapter/modeling/gpt.RMSNorm) keep an fp32
+    copy of their input and their fp32 normed output, 8 bytes an element against the 16-bit input a compiled layer
+    keeps (measured with saved-tensor hooks: tests/unit/test_memory.py); on one H200 the Gemma-3-4B shape's eager
+    peak was 123.2 GiB where this model without it said 90.4 (docs/BENCHMARKS.md, 2026-12-05, "plan against the
+    measured one-GPU runs"). A gated MLP whose activation is not fused (GeGLU always: Megatron fuses SwiGLU only;
+    SwiGLU with `fused_mlp` false) keeps the activation's output beside its product: 4 FFN-wide tensors, not 3."""
     s, b, h = seq // cp, micro, arch.hidden_size
     qd, kvd, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.routed_ffn
-    norm_side = bytes_per * s * b * h * 4 // (tp if sp else 1)       # 2 norm inputs + qkv and fc1 inputs
+    shard = tp if sp else 1
+    norm_side = bytes_per * s * b * h * 4 // shard                   # 2 norm inputs + qkv and fc1 inputs
+    # every norm keeps its input: the 2 pre-norms (above), GLM-4's and Gemma's 2 post-norms, the q/k norms
+    norm_bytes = 8 if eager and arch.norm_offset else bytes_per
+    norm_side += (norm_bytes - bytes_per) * s * b * h * 2 // shard
+    norm_side += norm_bytes * s * b * h * 2 // tp if arch.post_norms else 0  # on linear_proj / fc2's reduced output
+    norm_side += norm_bytes * s * b * (qd + kvd) // tp if arch.qk_norm else 0
     kv_len = seq if (cp > 1 and cp_comm == "all_gather") else s         # all-gather CP keeps the gathered K,V
     if packed and cp > 1 and cp_comm == "all_gather":
         kv_len = seq * (2 * cp + 1) // (2 * cp)                          # the key prefixes of both local chunks
@@ -106,6 +121,8 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
         attn += (2 * bytes_per + 4) * s * kv_len * b * arch.num_heads // tp
         attn += 2 * bytes_per * kv_len * b * (qd - kvd) // tp
     mlp = bytes_per * s * b * 3 * f // tp                                # fc1 out (gate, up) + swiglu out
+    if eager and (arch.activation != "silu" or not fused_mlp):
+        mlp += bytes_per * s * b * f // tp                               # + the activation's output
     if arch.moe:  # each token's k copies sent to its experts (fc1's input) and their outputs before the weighting
         mlp += 2 * bytes_per * s * b * arch.experts_per_token * h // (tp if sp else 1)
     return norm_side + attn + mlp
@@ -196,7 +213,8 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     sp = cfg.use_sequence_parallel and tp > 1
     packed = cfg.document_attention
     one = layer_activations(arch, seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=tp, cp=cp, sp=sp,
-                            attention=cfg.model.attention, cp_comm=p.cp_comm_type, bytes_per=pb, packed=packed)
+                            attention=cfg.model.attention, cp_comm=p.cp_comm_type, bytes_per=pb, packed=packed,
+                            eager=not cfg.model.compile, fused_mlp=cfg.model.fused_kernels is not False)
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     one -= fp8_freed(cfg, arch, tokens=s * b)
     spec = run.lora

@@ -93,13 +93,27 @@ def attention_seconds(arch: ModelArch, *, micro: int, seq: int, cp: int, tp: int
 def layer_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused: bool,
                        compiled: bool = False) -> float:
     """Bytes one layer's memory-bound kernels move, fwd+bwd (backward ≈ 2× forward): two RMSNorms (r+w) and two
-    residual adds (2r+w) on the hidden states, sharded over tp by sequence parallelism; RoPE on q and k; SwiGLU."""
+    residual adds (2r+w) on the hidden states, sharded over tp by sequence parallelism; the post-norms and q/k norms
+    of the families that have them; RoPE on q and k; the gated MLP's activation.
+
+    Eager Gemma (`norm_offset`: normed and scaled in fp32, adapter/modeling/gpt.RMSNorm) runs each norm as four
+    kernels through fp32 copies, and its GeGLU unfused (gelu 2+2, product 4+2: 10 bytes an element of the FFN
+    against the fused SwiGLU's 6); compiled layers fuse both. The norms' weight is fitted, not counted: one H200
+    (Gemma-3-4B shape, seq 4096, micro-batch 2) took 515 ms a step eager against 408 compiled (docs/BENCHMARKS.md,
+    2026-12-05, "plan against the measured one-GPU runs"), which 16 bytes an element per norm reproduces (+1%) at
+    the profile's fitted elementwise rate; the four kernels' raw traffic (upcast 2+4, rms_norm 4+4, scale 4+4, cast
+    back 4+2 = 28) over-predicts by 18%, the fp32 kernels running nearer the copy rate than the mixed ones the rate
+    was fitted on."""
     h, f = arch.hidden_size, arch.routed_ffn
     qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    hidden = (2 * 4 + 2 * 6) * tokens * h / (tp if sp else 1) * (COMPILED_HIDDEN if compiled else 1)
+    shard = tp if sp else 1
+    norm = 16 if arch.norm_offset and not compiled else 4
+    hidden = (2 * norm + 2 * 6) * tokens * h / shard * (COMPILED_HIDDEN if compiled else 1)
+    hidden += 2 * norm * tokens * h / shard if arch.post_norms else 0
+    hidden += norm * tokens * (qd + kvd) / tp if arch.qk_norm else 0
     rope = 4 * tokens * (qd + kvd) / tp * (1 if fused else UNFUSED_ROPE)
-    swiglu = 6 * tokens * f / tp
-    return 3 * (hidden + rope + swiglu)
+    act = (6 if compiled or (fused and arch.activation == "silu") else 10) * tokens * f / tp
+    return 3 * (hidden + rope + act)
 
 
 def head_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused: bool, vocab: int,

@@ -244,3 +244,43 @@ def test_compiled_fp8_layers_keep_less():
     assert base.activations - fc1.activations == 2 * 2 * tokens * 64
     assert base.activations_full_recompute - fp8.activations_full_recompute == 2 * tokens * (64 + 128)  # one layer
     assert eager.activations == base.activations
+
+
+def test_eager_gemma_layers_count_what_autograd_keeps():
+    """Without `model.compile` Gemma's norms (scaled by 1 + w, computed in fp32: adapter/modeling/gpt.RMSNorm) keep
+    8 bytes an element (measured here with saved-tensor hooks, deduplicated by storage: the fp32 input copy and the
+    fp32 normed output), not the 16-bit input a compiled layer keeps; its unfused GeGLU keeps the activation's output
+    too. The plan adds exactly that for the eager layers (2 pre-norms, 2 post-norms, q/k norms, one FFN-wide tensor);
+    against the GPU's measured peaks: tests/unit/test_plan_validation.py."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from adapter.modeling.gpt import RMSNorm
+
+    conf = SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.bfloat16, sequence_parallel=False,
+                           layernorm_zero_centered_gamma=True)
+    norm, x = RMSNorm(conf, 64, eps=1e-6), torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        norm(x)
+    per_element = sum(n for n in saved.values() if n >= x.numel()) / x.numel()
+    assert per_element == 8
+
+    from adapter.models.arch import load_arch
+
+    root = Path(__file__).resolve().parents[2]
+
+    gemma = load_arch(root / "configs/models/gemma-3-4b-shape")
+    assert gemma.norm_offset and gemma.post_norms and gemma.qk_norm and gemma.activation == "gelu_tanh"
+    kw = dict(seq=64, micro=2, tp=1, cp=1, sp=False, attention="sdpa")
+    tokens, h, f = 128, gemma.hidden_size, gemma.routed_ffn
+    qk = (gemma.num_heads + gemma.num_kv_heads) * gemma.head_dim
+    added = memory.layer_activations(gemma, eager=True, **kw) - memory.layer_activations(gemma, **kw)
+    assert added == (per_element - 2) * tokens * (2 * h + 2 * h + qk) + 2 * tokens * f
