@@ -1,4 +1,5 @@
-"""`plan`'s predicted tokens/s/GPU against every nd-adapter GPU run recorded in docs/BENCHMARKS.md and NOTES.md.
+"""`plan`'s predicted tokens/s/GPU (and peak memory, where recorded) against the nd-adapter GPU runs recorded in
+docs/BENCHMARKS.md and NOTES.md.
 
     python bench/plan_vs_measured.py            # the validation table (markdown), CPU only, ~1 s
     python bench/plan_vs_measured.py --json     # the same rows as JSON
@@ -72,11 +73,25 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
      "2026-12-01 s5 call 5", "current"),
     ("3B one GPU, fp8 + linear CE chunk 2048 (final)", "llama-3.2-3b-1gpu", {"model.compile": True, **FP8_LCE}, 1,
      28080, "2026-12-01 s5 call 5", "current"),
+    ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, compiled (moe_layer_s fitted here)",
+     "qwen3-30b-a3b-8l-shape-1gpu", {"optimizer.state_dtype": "bf16", "model.compile": True}, 1, 55500,
+     "2026-12-03 21:40-22:18 (55.1k-55.9k)", "current"),
+    ("Qwen3-30B-A3B 8 layers, one GPU, eager (fp32 states)", "qwen3-30b-a3b-8l-shape-1gpu", {}, 1, 43200,
+     "2026-12-05 plan against the measured one-GPU runs", "current"),
+    ("Gemma-3-4B shape, one GPU, eager (its norms' traffic fitted here)", "gemma-3-4b-shape-1gpu",
+     {"model.compile": False}, 1, 15900, "2026-12-05 plan against the measured one-GPU runs", "current"),
+    ("Gemma-3-4B shape, one GPU, compiled", "gemma-3-4b-shape-1gpu", {}, 1, 20114, "2026-12-03 07:58 (bf16 rerun)",
+     "current"),
+    ("Phi-4-mini shape, one GPU, eager", "phi-4-mini-shape-1gpu", {"model.compile": False}, 1, 20400,
+     "2026-12-05 plan against the measured one-GPU runs", "current"),
+    ("Phi-4-mini shape, one GPU, compiled", "phi-4-mini-shape-1gpu", {}, 1, 20486, "2026-12-03 07:58 (bf16 rerun)",
+     "current"),
     ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, compiled", "qwen3-30b-a3b-8l-shape-1gpu",
-     {"optimizer.state_dtype": "bf16", "model.compile": True}, 1, 51765, "2026-12-03 13:44", "current"),
+     {"optimizer.state_dtype": "bf16", "model.compile": True}, 1, 51765, "2026-12-03 13:44",
+     "before 2d3bb85/a077fa9 (the MoE layer's Triton kernels, its dispatch without host syncs)"),
     ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, eager", "qwen3-30b-a3b-8l-shape-1gpu",
      {"optimizer.state_dtype": "bf16"}, 1, 42919, "2026-12-03 13:37",
-     "current but the gradient norm's one-tensor read"),
+     "before 2d3bb85/a077fa9 (the MoE layer's Triton kernels, its dispatch without host syncs)"),
     # older code paths
     ("1B dp_shard=2 ZeRO-2, compiled", "llama-3.2-1b-dp2", {"deepspeed.reduce_bucket_size": 500_000_000}, 2, 50223,
      "s4 final table", "before s5 (host waits, bucket 5e8)"),
@@ -128,6 +143,22 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
     ("8B QLoRA (NF4) r16, one GPU, eager", "llama-3.1-8b-lora-1gpu",
      {"lora.quantize_base": "nf4", "model.compile": False}, 1, 14248, "2026-12-02 lora_bench", "current"),
 ]
+# Measured peaks (torch.cuda.max_memory_allocated, GiB) of one-GPU runs on today's code path: (label, config,
+# overrides, measured peak GiB, source). The ±10% target applies to each.
+PEAKS: list[tuple[str, str, dict, float, str]] = [
+    ("1B one GPU, flat AdamW, compiled", "llama-3.2-1b-1gpu", {}, 30.07, "2026-12-02 (60,204 tokens/s row)"),
+    ("Gemma-3-4B shape, one GPU, eager", "gemma-3-4b-shape-1gpu", {"model.compile": False}, 123.2,
+     "2026-12-05 plan against the measured one-GPU runs"),
+    ("Gemma-3-4B shape, one GPU, compiled", "gemma-3-4b-shape-1gpu", {}, 92.7, "2026-12-03 07:58"),
+    ("Phi-4-mini shape, one GPU, compiled", "phi-4-mini-shape-1gpu", {}, 80.3, "2026-12-03 07:58"),
+    ("Phi-4-mini shape, one GPU, eager", "phi-4-mini-shape-1gpu", {"model.compile": False}, 80.3,
+     "2026-12-05 plan against the measured one-GPU runs"),
+    ("Qwen3-30B-A3B 8 layers, one GPU, eager (fp32 states)", "qwen3-30b-a3b-8l-shape-1gpu", {}, 83.7,
+     "2026-12-03 (every fp32-state row)"),
+    ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, compiled", "qwen3-30b-a3b-8l-shape-1gpu",
+     {"optimizer.state_dtype": "bf16", "model.compile": True}, 41.9, "2026-12-03 21:40-22:18"),
+]
+
 # Recorded but not predictable: their code path is gone (ZeRO-3 over a group of one, DeepSpeed stage 0, unfused
 # AdamW), or the run forced a stage through `deepspeed.overrides` that plan does not model, or used a model shape
 # with no config.json (the 8B shape cut to 16 layers).
@@ -163,6 +194,22 @@ def rows() -> list[dict]:
                     "error": p["tokens_per_s_per_gpu"] / measured - 1, "source": source, "code": code,
                     "bottleneck": p["bottleneck"], "breakdown_ms": {k: round(v * 1e3, 1)
                                                                     for k, v in p["breakdown"].items()}})
+    return out
+
+
+def peak_rows() -> list[dict]:
+    from adapter import config
+    from adapter.models.resolved import resolve_run
+    from adapter.plan.build import build_plan
+    from adapter.plan.memory import GIB
+
+    out = []
+    for label, cfg_name, over, measured, source in PEAKS:
+        path = ROOT / "bench/configs" / f"{cfg_name}.yaml"
+        plan = build_plan(resolve_run(config.load(path, overrides=over, world_size=1)), config_path=str(path))
+        peak = plan.memory.peak / GIB
+        out.append({"run": label, "measured_gib": measured, "predicted_gib": round(peak, 1),
+                    "error": peak / measured - 1, "source": source})
     return out
 
 
@@ -221,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     table = rows()
     if a.json:
-        print(json.dumps({"runs": table, "side_by_side": search_check()}, indent=2))
+        print(json.dumps({"runs": table, "peaks": peak_rows(), "side_by_side": search_check()}, indent=2))
         return 0
     print("| run | GPUs | code | measured | predicted | error | predicted bottleneck |")
     print("|---|---|---|---|---|---|---|")
@@ -230,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * r['error']:+.1f}% | {r['bottleneck'].split(' (')[0]} |")
     for label, measured, why in NOT_MODELLED:
         print(f"| {label} | | not modelled: {why} | {measured:,} | – | – | |")
+    print("\n| run (peak memory) | measured GiB | predicted GiB | error |")
+    print("|---|---|---|---|")
+    for r in peak_rows():
+        print(f"| {r['run']} ({r['source']}) | {r['measured_gib']} | {r['predicted_gib']} | {100 * r['error']:+.1f}% |")
     print("\n| measured side by side | measured tokens/s/GPU (search rank) | search's pick of these | fastest measured "
           "| pick vs fastest | search's first row (predicted) |")
     print("|---|---|---|---|---|---|")

@@ -240,7 +240,16 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
         logits = s * b * (vp // tp) * 2 * pb
 
     during_step = weights + grads + optim + step_transient
-    during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits
+    if deepspeed_config.flat_at_stage(cfg, stage):
+        # the flat AdamW leaves the gradients autograd's own, freed after each step (adapter/train/optim.py): they
+        # grow as backward frees the activations, so the peak is the activations with the first gradients backward
+        # makes (the output layer's, or the tied embedding's) or all the gradients, whichever is larger. One H200,
+        # Qwen3-MoE shape, bf16 states: 41.9 GiB measured, where the gradients beside the activations said 48.6
+        # (docs/BENCHMARKS.md, 2026-12-05, "plan against the measured one-GPU runs")
+        head = min(grads, pb * (lp.output or lp.embedding))
+        during_fwd_bwd = weights + optim + gathered + buckets + max(acts + logits + head, grads)
+    else:
+        during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits
     return MemoryEstimate(weights=weights, gradients=grads, optimizer=optim, gathered_params=gathered,
                           comm_buffers=buckets + step_transient, activations=acts,
                           activations_no_recompute=no_rc, activations_full_recompute=full_rc, logits=logits,

@@ -218,8 +218,10 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         layer_bytes += lora_memory_bytes(spec, tokens=tokens, tp=tp, sp=sp)
     Q, q_bytes, _ = quantized_base(run, tp)  # a 4/8-bit base: each linear dequantised in forward and backward
     layer_bytes += 2 * Q * (q_bytes + (2 if cfg.param_precision in ("bf16", "fp16") else 4))
+    # the flat AdamW reads autograd's own gradients (adapter/train/optim.py): no copy into a contiguous buffer
+    copied = 0 if flat_at_stage(cfg, stage) else trained
     mem = (layer_bytes + head_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, vocab=vocab,
-                                           local_params=trained)) / prof.elementwise_bytes_per_s
+                                           local_params=copied)) / prof.elementwise_bytes_per_s
     recompute = (g_fwd + attn / ATTN_FWD_BWD + layer_bytes / 3 / prof.elementwise_bytes_per_s) if full else \
         attn / ATTN_FWD_BWD if selective else 0.0
     compute_mb = gemm + attn + mem + recompute

@@ -251,7 +251,7 @@ def test_eager_gemma_layers_count_what_autograd_keeps():
     8 bytes an element (measured here with saved-tensor hooks, deduplicated by storage: the fp32 input copy and the
     fp32 normed output), not the 16-bit input a compiled layer keeps; its unfused GeGLU keeps the activation's output
     too. The plan adds exactly that for the eager layers (2 pre-norms, 2 post-norms, q/k norms, one FFN-wide tensor);
-    against the GPU's measured peaks: tests/unit/test_plan_validation.py."""
+    against the GPU's measured peaks: tests/unit/test_timing.py."""
     from pathlib import Path
     from types import SimpleNamespace
 

@@ -232,6 +232,15 @@ def test_predictions_match_the_recorded_gpu_runs():
     assert max(one_b.values(), key=lambda r: r["predicted"]) is fastest
 
 
+def test_peaks_match_the_recorded_gpu_runs():
+    """Every recorded one-GPU peak (bench/plan_vs_measured.PEAKS: eager and compiled, dense, Gemma's and Phi's
+    layers, MoE, fp32 and bf16 states) predicted within ±10%."""
+    rows = _validation().peak_rows()
+    assert len(rows) >= 7
+    bad = [(r["run"], round(100 * r["error"], 1)) for r in rows if abs(r["error"]) > 0.10]
+    assert not bad, bad
+
+
 def test_search_picks_the_fastest_of_the_layouts_measured_side_by_side():
     for group in _validation().search_check():
         assert all(r["rank"] is not None for r in group["runs"]), group   # every measured layout is a valid one
