@@ -157,6 +157,11 @@ PEAKS: list[tuple[str, str, dict, float, str]] = [
      "2026-12-03 (every fp32-state row)"),
     ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, compiled", "qwen3-30b-a3b-8l-shape-1gpu",
      {"optimizer.state_dtype": "bf16", "model.compile": True}, 41.9, "2026-12-03 21:40-22:18"),
+    ("8B LoRA r16 all linears, one GPU, compiled", "llama-3.1-8b-lora-1gpu", {}, 35.97, "2026-12-02 lora_bench"),
+    ("8B QLoRA (NF4) r16, one GPU, compiled", "llama-3.1-8b-lora-1gpu", {"lora.quantize_base": "nf4"}, 26.63,
+     "2026-12-02 lora_bench (quant_linear op)"),
+    ("8B QLoRA (NF4) r16, one GPU, eager", "llama-3.1-8b-lora-1gpu",
+     {"lora.quantize_base": "nf4", "model.compile": False}, 26.60, "2026-12-02 lora_bench"),
 ]
 
 # Recorded but not predictable: their code path is gone (ZeRO-3 over a group of one, DeepSpeed stage 0, unfused
