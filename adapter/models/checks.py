@@ -105,8 +105,8 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if arch.moe:
         warnings.append(f"{arch.architecture} is a mixture of experts: the step time models the experts as one "
                         "GEMM over the routed tokens (grouped GEMMs, model.moe_grouped_gemm); its host cost is "
-                        "fitted to one measured shape on one H200 (eager); it predicts that shape's compiled run "
-                        "~16% slow (docs/BENCHMARKS.md, 2026-12-03)")
+                        "fitted to one measured shape on one H200 (compiled, bf16 states), whose eager fp32-state "
+                        "run it predicts within 5% (docs/BENCHMARKS.md, 2026-12-05)")
     if cfg.precision == "fp8" and not cfg.model.compile:
         warnings.append("precision fp8 without model.compile: the fp8 casts run unfused and cost more than the "
                         "fp8 matmuls save")
