@@ -28,6 +28,8 @@ MODULE = {"deepspeed.gather_granularity": "module"}                             
 ONE_GPU = {"parallelism.dp_shard_size": 1, "hardware.gpus_per_node": 1}
 B3 = {"model.path": str(ROOT / "configs/models/llama-3.2-3b")}
 FP8_LCE = {"precision": "fp8", "model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 2048}
+HF_ENGINE = {"model.engine": "transformers", "model.compile": False}  # bench/compare.py's transformers-engine rows
+HF_LIGER = {**HF_ENGINE, "model.liger": ["rope", "rms_norm", "glu_activation", "fused_linear_cross_entropy"]}
 DS = {"optimizer.impl": "deepspeed"}  # runs with nothing to shard, measured before the flat AdamW (2026-12-01 s3)
 
 # (label, config, overrides, GPUs, measured tokens/s/GPU, source, code)
@@ -86,6 +88,16 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
      "2026-12-05 plan against the measured one-GPU runs", "current"),
     ("Phi-4-mini shape, one GPU, compiled", "phi-4-mini-shape-1gpu", {}, 1, 20486, "2026-12-03 07:58 (bf16 rerun)",
      "current"),
+    ("3B one GPU, transformers engine (eager, fp32 states)", "llama-3.2-3b-1gpu", HF_ENGINE, 1, 19464,
+     "2026-12-04 11:42", "current"),
+    ("3B one GPU, transformers engine + Liger", "llama-3.2-3b-1gpu", HF_LIGER, 1, 24302, "2026-12-04 14:42",
+     "current"),
+    ("3B one GPU, transformers engine + Liger, bf16 states", "llama-3.2-3b-1gpu",
+     {**HF_LIGER, "optimizer.state_dtype": "bf16"}, 1, 25008, "2026-12-04 14:42", "current"),
+    ("8B LoRA r16, one GPU, transformers engine (PEFT)", "llama-3.1-8b-lora-1gpu", HF_ENGINE, 1, 8489,
+     "2026-12-04 11:42", "current"),
+    ("8B LoRA r16, one GPU, transformers engine (PEFT) + Liger", "llama-3.1-8b-lora-1gpu", HF_LIGER, 1, 10071,
+     "2026-12-04 14:42", "current"),
     ("Qwen3-30B-A3B 8 layers, one GPU, bf16 states, compiled", "qwen3-30b-a3b-8l-shape-1gpu",
      {"optimizer.state_dtype": "bf16", "model.compile": True}, 1, 51765, "2026-12-03 13:44",
      "before 2d3bb85/a077fa9 (the MoE layer's Triton kernels, its dispatch without host syncs)"),
@@ -162,6 +174,13 @@ PEAKS: list[tuple[str, str, dict, float, str]] = [
      "2026-12-02 lora_bench (quant_linear op)"),
     ("8B QLoRA (NF4) r16, one GPU, eager", "llama-3.1-8b-lora-1gpu",
      {"lora.quantize_base": "nf4", "model.compile": False}, 26.60, "2026-12-02 lora_bench"),
+    ("3B one GPU, transformers engine (eager, fp32 states)", "llama-3.2-3b-1gpu", HF_ENGINE, 81.9, "2026-12-04 11:42"),
+    ("3B one GPU, transformers engine + Liger", "llama-3.2-3b-1gpu", HF_LIGER, 62.2, "2026-12-04 14:42"),
+    ("3B one GPU, transformers engine + Liger, bf16 states", "llama-3.2-3b-1gpu",
+     {**HF_LIGER, "optimizer.state_dtype": "bf16"}, 38.3, "2026-12-04 14:42"),
+    ("8B LoRA r16, one GPU, transformers engine (PEFT)", "llama-3.1-8b-lora-1gpu", HF_ENGINE, 57.4, "2026-12-04 11:42"),
+    ("8B LoRA r16, one GPU, transformers engine (PEFT) + Liger", "llama-3.1-8b-lora-1gpu", HF_LIGER, 46.36,
+     "2026-12-04 14:42"),
 ]
 
 # Recorded but not predictable: their code path is gone (ZeRO-3 over a group of one, DeepSpeed stage 0, unfused

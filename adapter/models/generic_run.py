@@ -39,6 +39,8 @@ class PeftSpec:
     target_parameters: tuple[str, ...] = ()  # PEFT's target_parameters: parameter names (fused 3-D expert weights)
     linears: tuple[int, int] = (0, 0)       # weights of the linears a 4/8-bit base quantises (all but the output
                                             # layer, as transformers' bitsandbytes loading skips it), the largest one
+    adapter_inputs: int = 0                 # Σ in_features of the linears that carry an adapter (plan: what PEFT's
+                                            # fp32 adapters keep and move of their inputs)
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -82,8 +84,8 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
     if params:  # Axolotl passes lora_target_modules or [] beside them: the parameters alone when none are listed
         _check_parameters(cfg, params, c.dropout, text, trust_remote_code, model_dir)
     try:
-        added, trained, matched, default, linears = _peft_counts(text, trust_remote_code, model_dir,
-                                                                 json.dumps(kw, sort_keys=True))
+        added, trained, matched, default, linears, inputs = _peft_counts(text, trust_remote_code, model_dir,
+                                                                         json.dumps(kw, sort_keys=True))
     except (ValueError, TypeError, KeyError) as e:
         cls = meta_facts(text, trust_remote_code, model_dir)["cls"]
         problem = f"PEFT cannot apply it to {cls}: {str(e).splitlines()[0][:200]}"
@@ -98,7 +100,7 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True, problem,
                   "name modules the model has (its linear layers' names), or use lora_target_linear: true")
     return dataclasses.replace(spec, added=added, trained=trained, matched=matched, linears=linears,
-                               target_modules=targets or (() if params else default))
+                               target_modules=targets or (() if params else default), adapter_inputs=inputs)
 
 
 def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text: str, trust_remote_code: bool,
@@ -133,8 +135,8 @@ def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text:
 @functools.lru_cache(maxsize=8)
 def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | None, lora_kw: str):
     """(adapter parameters, trained parameters, adapted module names, PEFT's default targets, (weights of the
-    linears bitsandbytes would quantise, the largest)) of PEFT's LoRA on the meta-device model; cached, as `plan
-    --search` resolves one run per candidate layout."""
+    linears bitsandbytes would quantise, the largest), Σ in_features of the adapted linears) of PEFT's LoRA on the
+    meta-device model; cached, as `plan --search` resolves one run per candidate layout."""
     import peft
     import torch
 
@@ -147,7 +149,10 @@ def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | Non
     added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
     matched = sorted({_adapted(n, m) for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
     default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
-    return added, trained, tuple(matched), tuple(default), (sum(sizes), max(sizes, default=0))
+    inputs = sum(m.lora_A["default"].in_features for m in wrapped.modules()
+                 if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict) and "default" in m.lora_A
+                 and isinstance(m.lora_A["default"], torch.nn.Linear))
+    return added, trained, tuple(matched), tuple(default), (sum(sizes), max(sizes, default=0)), inputs
 
 
 def _adapted(name: str, module) -> str:

@@ -84,7 +84,7 @@ def lora_activations(spec: lora.LoraSpec, arch: ModelArch, *, seq: int, micro: i
 
 def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int, sp: bool, attention: str,
                       cp_comm: str = "all_gather", bytes_per: int = 2, packed: bool = False, eager: bool = False,
-                      fused_mlp: bool = True) -> int:
+                      fused_mlp: bool = True, hf_norms: bool = False) -> int:
     """Bytes one layer keeps for backward, for one micro-batch on one rank.
 
     `packed`: packed documents (adapter/kernels/varlen.py): the same per-token terms, no s×s mask; under all-gather
@@ -97,13 +97,16 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     keeps (measured with saved-tensor hooks: tests/unit/test_memory.py); on one H200 the Gemma-3-4B shape's eager
     peak was 123.2 GiB where this model without it said 90.4 (docs/BENCHMARKS.md, 2026-12-05, "plan against the
     measured one-GPU runs"). A gated MLP whose activation is not fused (GeGLU always: Megatron fuses SwiGLU only;
-    SwiGLU with `fused_mlp` false) keeps the activation's output beside its product: 4 FFN-wide tensors, not 3."""
+    SwiGLU with `fused_mlp` false) keeps the activation's output beside its product: 4 FFN-wide tensors, not 3.
+    `hf_norms`: transformers' own eager RMSNorms (the transformers engine without Liger's): upcast to fp32, normed,
+    cast back and scaled, keeping the fp32 copy and the 16-bit normed values, 6 bytes an element (measured with
+    saved-tensor hooks on LlamaRMSNorm; its ops are the same on CPU and CUDA)."""
     s, b, h = seq // cp, micro, arch.hidden_size
     qd, kvd, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.routed_ffn
     shard = tp if sp else 1
     norm_side = bytes_per * s * b * h * 4 // shard                   # 2 norm inputs + qkv and fc1 inputs
     # every norm keeps its input: the 2 pre-norms (above), GLM-4's and Gemma's 2 post-norms, the q/k norms
-    norm_bytes = 8 if eager and arch.norm_offset else bytes_per
+    norm_bytes = 8 if eager and arch.norm_offset else 6 if eager and hf_norms and bytes_per == 2 else bytes_per
     norm_side += (norm_bytes - bytes_per) * s * b * h * 2 // shard
     norm_side += norm_bytes * s * b * h * 2 // tp if arch.post_norms else 0  # on linear_proj / fc2's reduced output
     norm_side += norm_bytes * s * b * (qd + kvd) // tp if arch.qk_norm else 0
@@ -126,6 +129,24 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     if arch.moe:  # each token's k copies sent to its experts (fc1's input) and their outputs before the weighting
         mlp += 2 * bytes_per * s * b * arch.experts_per_token * h // (tp if sp else 1)
     return norm_side + attn + mlp
+
+
+def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
+    """What PEFT's adapters on the transformers engine keep beyond the layer's own activations. PEFT keeps them in
+    fp32 over a 16-bit base (get_peft_model's autocast_adapter_dtype, as Axolotl loads them): each adapted linear
+    casts its input to fp32 and keeps that copy for the adapter's weight gradient (measured with saved-tensor hooks:
+    one copy per adapted linear, q, k and v each their own), while a frozen base linear keeps nothing of its input.
+    With every linear adapted (`all-linear`) the layer's 16-bit inputs of q/k/v, gate/up and down are then kept by
+    nothing else (the attention's output still is, by the attention). One H200, Llama-3.1-8B shape, r 16 on all
+    linears: 46.36 GiB measured with Liger, 57.4 without, where the native layer's count said 33.8 / 45.1
+    (docs/BENCHMARKS.md, 2026-12-04 and 2026-12-05)."""
+    peft, cfg, arch = run.peft, run.cfg, run.arch
+    if peft is None or not peft.adapter_inputs or cfg.param_precision not in ("bf16", "fp16"):
+        return 0
+    keep = 4 * tokens * peft.adapter_inputs
+    if peft.target_modules == "all-linear":
+        keep -= 2 * tokens * (2 * arch.hidden_size + arch.routed_ffn) * arch.num_layers
+    return max(0, keep)
 
 
 def whole_layer_graphs(cfg: RunConfig) -> bool:
@@ -214,15 +235,18 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     packed = cfg.document_attention
     one = layer_activations(arch, seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=tp, cp=cp, sp=sp,
                             attention=cfg.model.attention, cp_comm=p.cp_comm_type, bytes_per=pb, packed=packed,
-                            eager=not cfg.model.compile, fused_mlp=cfg.model.fused_kernels is not False)
+                            eager=not cfg.model.compile, hf_norms=not arch.native and "rms_norm" not in cfg.model.liger,
+                            fused_mlp=cfg.model.fused_kernels is not False and (arch.native or
+                                                                                "glu_activation" in cfg.model.liger))
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     one -= fp8_freed(cfg, arch, tokens=s * b)
     spec = run.lora
     adapters = [0] * L if spec is None else lora_activations(spec, arch, seq=s, micro=b, tp=tp, sp=sp, bytes_per=pb)
     layer_input = pb * s * b * h // (tp if sp else 1)
     rope = 4 * s * b * arch.head_dim if packed else 0                    # packed: one fp32 RoPE angle row per token
-    no_rc = L * one + sum(adapters) + 3 * layer_input + rope             # + embedding out, final norm in/out
-    full_rc = L * layer_input + one + max(adapters) + 3 * layer_input + rope  # inputs kept, one layer recomputed
+    peft = peft_activations(run, tokens=s * b)
+    no_rc = L * one + sum(adapters) + peft + 3 * layer_input + rope      # + embedding out, final norm in/out
+    full_rc = L * layer_input + one + max(adapters) + peft // L + 3 * layer_input + rope  # inputs kept, one layer
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)

@@ -51,6 +51,10 @@ FP8_MLP_SPEEDUP = 1.25        # precision fp8: the MLP GEMMs' fwd+bwd time, cast
 COMPILED_HIDDEN = 0.6       # compiled layers fuse each residual add with the next norm: 12 of the 20 bytes/element
 COMPILE_BREAKS = 1.2        # ...but at tp > 1 (a graph break at every Megatron linear), cp > 1 or selective recompute
 #                             nothing fuses and each break costs host time: -8% measured at tp=2 (1B, session 4)
+PEFT_FP32_BYTES = 24         # PEFT's fp32 adapters over a 16-bit base, per element of each adapted linear's input:
+#                             the cast 2+4, A's forward read 4, its weight gradient's read 4, the input gradient's fp32
+#                             write and its cast-and-add into the 16-bit one 4+2+4. One H200, Llama-3.1-8B, r 16 on
+#                             all linears: 10,071 tokens/s with Liger where plan said 12,263 without this (−18%)
 UNFUSED_ROPE = 5            # unfused RoPE (mul/cat/neg/add per q and k) moves ~5× the fused kernel's bytes (~12 ms
 #                             per step on the 1B shape, BENCHMARKS session 2)
 
@@ -91,7 +95,7 @@ def attention_seconds(arch: ModelArch, *, micro: int, seq: int, cp: int, tp: int
 
 
 def layer_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused: bool,
-                       compiled: bool = False) -> float:
+                       compiled: bool = False, hf_norms: bool = False, fused_act: bool = True) -> float:
     """Bytes one layer's memory-bound kernels move, fwd+bwd (backward ≈ 2× forward): two RMSNorms (r+w) and two
     residual adds (2r+w) on the hidden states, sharded over tp by sequence parallelism; the post-norms and q/k norms
     of the families that have them; RoPE on q and k; the gated MLP's activation.
@@ -103,16 +107,19 @@ def layer_memory_bytes(arch: ModelArch, *, tokens: int, tp: int, sp: bool, fused
     2026-12-05, "plan against the measured one-GPU runs"), which 16 bytes an element per norm reproduces (+1%) at
     the profile's fitted elementwise rate; the four kernels' raw traffic (upcast 2+4, rms_norm 4+4, scale 4+4, cast
     back 4+2 = 28) over-predicts by 18%, the fp32 kernels running nearer the copy rate than the mixed ones the rate
-    was fitted on."""
+    was fitted on. `hf_norms` (transformers' own eager RMSNorms: upcast, square, mean, rsqrt, scale, cast back,
+    weight) and an unfused activation (`fused_act` false: transformers' act_fn(gate) * up) are counted alike: the
+    transformers engine without Liger's kernels ran 19,464 tokens/s on the Llama-3.2-3B shape where plan said
+    23,579 without them (docs/BENCHMARKS.md, 2026-12-04 11:42)."""
     h, f = arch.hidden_size, arch.routed_ffn
     qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     shard = tp if sp else 1
-    norm = 16 if arch.norm_offset and not compiled else 4
+    norm = 16 if (arch.norm_offset or hf_norms) and not compiled else 4
     hidden = (2 * norm + 2 * 6) * tokens * h / shard * (COMPILED_HIDDEN if compiled else 1)
     hidden += 2 * norm * tokens * h / shard if arch.post_norms else 0
     hidden += norm * tokens * (qd + kvd) / tp if arch.qk_norm else 0
     rope = 4 * tokens * (qd + kvd) / tp * (1 if fused else UNFUSED_ROPE)
-    act = (6 if compiled or (fused and arch.activation == "silu") else 10) * tokens * f / tp
+    act = (6 if compiled or (fused and fused_act and arch.activation == "silu") else 10) * tokens * f / tp
     return 3 * (hidden + rope + act)
 
 
@@ -213,9 +220,14 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         g_fwd += g_adapters  # what full recompute runs again
     attn = sum(attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
                                  kind=cfg.model.attention, window=arch.window(i)) for i in range(L))
-    layer_bytes = L * layer_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, compiled=compiled)
+    liger = cfg.model.liger
+    layer_bytes = L * layer_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, compiled=compiled,
+                                         hf_norms=not arch.native and "rms_norm" not in liger,
+                                         fused_act=arch.native or "glu_activation" in liger)
     if spec is not None:
         layer_bytes += lora_memory_bytes(spec, tokens=tokens, tp=tp, sp=sp)
+    if run.peft is not None and cfg.param_precision in ("bf16", "fp16"):  # PEFT's fp32 adapters (plan/memory.py)
+        layer_bytes += PEFT_FP32_BYTES * tokens * run.peft.adapter_inputs
     Q, q_bytes, _ = quantized_base(run, tp)  # a 4/8-bit base: each linear dequantised in forward and backward
     layer_bytes += 2 * Q * (q_bytes + (2 if cfg.param_precision in ("bf16", "fp16") else 4))
     # the flat AdamW reads autograd's own gradients (adapter/train/optim.py): no copy into a contiguous buffer

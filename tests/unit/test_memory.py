@@ -284,3 +284,37 @@ def test_eager_gemma_layers_count_what_autograd_keeps():
     qk = (gemma.num_heads + gemma.num_kv_heads) * gemma.head_dim
     added = memory.layer_activations(gemma, eager=True, **kw) - memory.layer_activations(gemma, **kw)
     assert added == (per_element - 2) * tokens * (2 * h + 2 * h + qk) + 2 * tokens * f
+
+
+def test_peft_fp32_adapters_keep_an_fp32_copy_of_each_adapted_input():
+    """What plan counts of PEFT's LoRA on the transformers engine (memory.peft_activations): get_peft_model keeps
+    the adapters in fp32 over a bf16 base, and each adapted linear keeps an fp32 copy of its input (q, k and v each
+    their own): measured here on transformers' Llama with saved-tensor hooks, against Σ in_features of the adapted
+    linears as the plan counts them on the meta-device model (generic_run._peft_counts)."""
+    import json
+
+    import peft
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from adapter.models.generic_run import _peft_counts
+
+    conf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}
+    kw = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
+    inputs = _peft_counts(json.dumps(conf, sort_keys=True), False, None, json.dumps(kw, sort_keys=True))[-1]
+    assert inputs == 2 * (5 * 64 + 64 + 160)  # per layer: q, k, v, gate, up (hidden), o (heads × dim), down (FFN)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in conf.items() if k != "architectures"}))
+    model = peft.get_peft_model(model.to(torch.bfloat16), peft.LoraConfig(**kw))
+    tokens, saved = 16, {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(input_ids=torch.randint(0, 128, (1, tokens)))
+    copies = [t for t in saved.values() if t.dtype == torch.float32 and t.dim() == 2 and t.shape[0] == tokens
+              and t.shape[1] in (64, 160)]  # (the fp32 norms keep [1, tokens, hidden] copies of their own)
+    assert sum(t.numel() for t in copies) * 4 == 4 * tokens * inputs

@@ -234,9 +234,10 @@ def test_predictions_match_the_recorded_gpu_runs():
 
 def test_peaks_match_the_recorded_gpu_runs():
     """Every recorded one-GPU peak (bench/plan_vs_measured.PEAKS: eager and compiled, dense, Gemma's and Phi's
-    layers, MoE, fp32 and bf16 states, LoRA and QLoRA) predicted within ±10%."""
+    layers, MoE, fp32 and bf16 states, LoRA and QLoRA, the transformers engine with and without Liger, PEFT's
+    LoRA) predicted within ±10%."""
     rows = _validation().peak_rows()
-    assert len(rows) >= 10
+    assert len(rows) >= 15
     bad = [(r["run"], round(100 * r["error"], 1)) for r in rows if abs(r["error"]) > 0.10]
     assert not bad, bad
 
