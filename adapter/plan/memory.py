@@ -144,7 +144,7 @@ def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
     if peft is None or not peft.adapter_inputs or cfg.param_precision not in ("bf16", "fp16"):
         return 0
     keep = 4 * tokens * peft.adapter_inputs
-    if peft.target_modules == "all-linear":
+    if peft.target_modules == "all-linear" and not arch.moe:  # (a mixture's experts are not all nn.Linear)
         keep -= 2 * tokens * (2 * arch.hidden_size + arch.routed_ffn) * arch.num_layers
     return max(0, keep)
 
