@@ -149,9 +149,12 @@ def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | Non
     added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
     matched = sorted({_adapted(n, m) for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
     default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
-    inputs = sum(m.lora_A["default"].in_features for m in wrapped.modules()
-                 if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict) and "default" in m.lora_A
-                 and isinstance(m.lora_A["default"], torch.nn.Linear))
+    inputs = 0
+    for m in wrapped.modules():
+        a = getattr(m, "lora_A", None)
+        first = a["default"] if isinstance(a, torch.nn.ModuleDict) and "default" in a else None
+        if isinstance(first, torch.nn.Linear):  # (a parameter's adapter, PEFT's ParamWrapper, has no input to cast)
+            inputs += first.in_features
     return added, trained, tuple(matched), tuple(default), (sum(sizes), max(sizes, default=0)), inputs
 
 
