@@ -196,14 +196,19 @@ NOT_MODELLED = [
 ]
 
 
-def predict(cfg_name: str, overrides: dict, gpus: int) -> dict:
+def _plan(cfg_name: str, overrides: dict, gpus: int):
+    """`plan` of a bench config with the run's overrides."""
     from adapter import config
     from adapter.models.resolved import resolve_run
     from adapter.plan.build import build_plan
 
     path = ROOT / "bench/configs" / f"{cfg_name}.yaml"
     cfg = config.load(path, overrides=overrides, world_size=gpus)
-    plan = build_plan(resolve_run(cfg), config_path=str(path))
+    return build_plan(resolve_run(cfg), config_path=str(path))
+
+
+def predict(cfg_name: str, overrides: dict, gpus: int) -> dict:
+    plan = _plan(cfg_name, overrides, gpus)
     assert plan.predicted is not None
     return {"tokens_per_s_per_gpu": plan.predicted.tokens_per_s_per_gpu, "step_time_s": plan.predicted.step_time_s,
             "breakdown": plan.predicted.breakdown, "bottleneck": plan.predicted.bottleneck}
@@ -222,16 +227,11 @@ def rows() -> list[dict]:
 
 
 def peak_rows() -> list[dict]:
-    from adapter import config
-    from adapter.models.resolved import resolve_run
-    from adapter.plan.build import build_plan
     from adapter.plan.memory import GIB
 
     out = []
     for label, cfg_name, over, measured, source in PEAKS:
-        path = ROOT / "bench/configs" / f"{cfg_name}.yaml"
-        plan = build_plan(resolve_run(config.load(path, overrides=over, world_size=1)), config_path=str(path))
-        peak = plan.memory.peak / GIB
+        peak = _plan(cfg_name, over, 1).memory.peak / GIB
         out.append({"run": label, "measured_gib": measured, "predicted_gib": round(peak, 1),
                     "error": peak / measured - 1, "source": source})
     return out

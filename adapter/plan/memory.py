@@ -131,6 +131,19 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     return norm_side + attn + mlp
 
 
+def unfused_ops(cfg: RunConfig, arch: ModelArch) -> tuple[bool, bool]:
+    """(transformers' own RMSNorms run: the transformers engine without Liger's, whether the gated activation runs
+    fused: the native engine's, or Liger's SwiGLU), read by the memory and the time model alike."""
+    return not arch.native and "rms_norm" not in cfg.model.liger, arch.native or "glu_activation" in cfg.model.liger
+
+
+def peft_fp32_inputs(run: ResolvedRun) -> int:
+    """Σ in_features of the linears whose PEFT adapters run in fp32 over a 16-bit base (the transformers engine's
+    LoRA: get_peft_model's autocast_adapter_dtype, as Axolotl loads them); 0 where there are none."""
+    peft = run.peft
+    return peft.adapter_inputs if peft is not None and run.cfg.param_precision in ("bf16", "fp16") else 0
+
+
 def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
     """What PEFT's adapters on the transformers engine keep beyond the layer's own activations. PEFT keeps them in
     fp32 over a 16-bit base (get_peft_model's autocast_adapter_dtype, as Axolotl loads them): each adapted linear
@@ -140,10 +153,10 @@ def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
     nothing else (the attention's output still is, by the attention). One H200, Llama-3.1-8B shape, r 16 on all
     linears: 46.36 GiB measured with Liger, 57.4 without, where the native layer's count said 33.8 / 45.1
     (docs/BENCHMARKS.md, 2026-12-04 and 2026-12-05)."""
-    peft, cfg, arch = run.peft, run.cfg, run.arch
-    if peft is None or not peft.adapter_inputs or cfg.param_precision not in ("bf16", "fp16"):
+    inputs, arch, peft = peft_fp32_inputs(run), run.arch, run.peft
+    if not inputs or peft is None:
         return 0
-    keep = 4 * tokens * peft.adapter_inputs
+    keep = 4 * tokens * inputs
     if peft.target_modules == "all-linear" and not arch.moe:  # (a mixture's experts are not all nn.Linear)
         keep -= 2 * tokens * (2 * arch.hidden_size + arch.routed_ffn) * arch.num_layers
     return max(0, keep)
@@ -233,11 +246,11 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
 
     sp = cfg.use_sequence_parallel and tp > 1
     packed = cfg.document_attention
+    hf_norms, fused_act = unfused_ops(cfg, arch)
     one = layer_activations(arch, seq=cfg.seq_len, micro=cfg.batch.micro_batch_size, tp=tp, cp=cp, sp=sp,
                             attention=cfg.model.attention, cp_comm=p.cp_comm_type, bytes_per=pb, packed=packed,
-                            eager=not cfg.model.compile, hf_norms=not arch.native and "rms_norm" not in cfg.model.liger,
-                            fused_mlp=cfg.model.fused_kernels is not False and (arch.native or
-                                                                                "glu_activation" in cfg.model.liger))
+                            eager=not cfg.model.compile, hf_norms=hf_norms,
+                            fused_mlp=cfg.model.fused_kernels is not False and fused_act)
     s, b, h = cfg.seq_len // cp, cfg.batch.micro_batch_size, arch.hidden_size
     one -= fp8_freed(cfg, arch, tokens=s * b)
     spec = run.lora

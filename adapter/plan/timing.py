@@ -33,7 +33,7 @@ from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_ste
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import whole_layer_graphs
+from adapter.plan.memory import peft_fp32_inputs, unfused_ops, whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414
@@ -220,14 +220,12 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         g_fwd += g_adapters  # what full recompute runs again
     attn = sum(attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
                                  kind=cfg.model.attention, window=arch.window(i)) for i in range(L))
-    liger = cfg.model.liger
+    hf_norms, fused_act = unfused_ops(cfg, arch)
     layer_bytes = L * layer_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, compiled=compiled,
-                                         hf_norms=not arch.native and "rms_norm" not in liger,
-                                         fused_act=arch.native or "glu_activation" in liger)
+                                         hf_norms=hf_norms, fused_act=fused_act)
     if spec is not None:
         layer_bytes += lora_memory_bytes(spec, tokens=tokens, tp=tp, sp=sp)
-    if run.peft is not None and cfg.param_precision in ("bf16", "fp16"):  # PEFT's fp32 adapters (plan/memory.py)
-        layer_bytes += PEFT_FP32_BYTES * tokens * run.peft.adapter_inputs
+    layer_bytes += PEFT_FP32_BYTES * tokens * peft_fp32_inputs(run)  # PEFT's fp32 adapters (plan/memory.py)
     Q, q_bytes, _ = quantized_base(run, tp)  # a 4/8-bit base: each linear dequantised in forward and backward
     layer_bytes += 2 * Q * (q_bytes + (2 if cfg.param_precision in ("bf16", "fp16") else 4))
     # the flat AdamW reads autograd's own gradients (adapter/train/optim.py): no copy into a contiguous buffer
