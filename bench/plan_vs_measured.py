@@ -204,7 +204,7 @@ def _plan(cfg_name: str, overrides: dict, gpus: int):
 
     path = ROOT / "bench/configs" / f"{cfg_name}.yaml"
     cfg = config.load(path, overrides=overrides, world_size=gpus)
-    return build_plan(resolve_run(cfg), config_path=str(path))
+    return build_plan(resolve_run(cfg, gpu=True), config_path=str(path))
 
 
 def predict(cfg_name: str, overrides: dict, gpus: int) -> dict:

@@ -201,8 +201,8 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
     over = raw.get("model_config", raw.get("overrides_of_model_config")) or {}
     if "output_router_logits" in over:  # the only override mapped (axolotl_scope refuses the rest)
         set_dotted(out, "model.output_router_logits", over["output_router_logits"])
-    if enabled(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
-        set_dotted(out, "model.compile", "auto")
+    if "torch_compile" in raw:  # a speed key: compiled wherever the layout lets it (config/load.py); unset: auto
+        set_dotted(out, "model.compile", "if_possible" if enabled(raw["torch_compile"]) else False)
     liger = [k for k in typing.get_args(LigerKernel) if enabled(raw.get(f"liger_{k}"))]
     if liger:  # honoured on the transformers engine (adapter/modeling/hf_build.py); the native engine notes them
         set_dotted(out, "model.liger", liger)

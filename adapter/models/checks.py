@@ -1,7 +1,7 @@
 """Checks that need both the run config and the model's architecture (the config alone cannot know head counts)."""
 from __future__ import annotations
 
-from adapter.config import RunConfig, spell
+from adapter.config import RunConfig, compile_note, spell
 from adapter.config.schema_rl import PAIR_OBJECTIVES
 from adapter.errors import bad
 from adapter.models import freeze, generic_run, lora
@@ -178,3 +178,18 @@ def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
         raise bad(spell(cfg, "sequence_parallel"), False, "Megatron-Core's mixture-of-experts layer "
                   "trains with tensor parallelism only beside sequence parallelism",
                   "remove the key (it is on by default when tp_size > 1)")
+
+
+def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConfig:
+    """`model.compile: auto` after the config's own reasons (config/load.py): off on a CPU (compiling costs minutes of
+    CPU time there and nothing was measured faster) and on the transformers engine (its compiled layers are correct
+    on CUDA, tests/gpu/test_train.py, but not yet measured faster), with the first line said again."""
+    if not (cfg.compile_auto and cfg.model.compile):
+        return cfg
+    why = ("no GPU is visible to this process (compiled layers were measured faster on GPUs only)" if not gpu else
+           None if arch.native else "the transformers engine's compiled layers are not measured faster yet")
+    if why is None:
+        return cfg
+    notes = tuple(compile_note(cfg, why) if n == compile_note(cfg, None) else n for n in cfg.notes)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": False}), "notes": notes})
+
