@@ -282,7 +282,7 @@ def auto_compile_off(cfg: RunConfig) -> str | None:
 def _compile_key(cfg: RunConfig) -> str:
     if cfg.source == "axolotl":
         return "torch_compile: true -> model.compile" if cfg.model.compile == "if_possible" else \
-            "model.compile: auto (torch_compile unset)"
+            "torch_compile unset -> model.compile: auto"
     return f"model.compile: {cfg.model.compile}"
 
 

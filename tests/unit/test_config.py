@@ -259,7 +259,7 @@ def test_compiled_layers_by_default_where_measured_faster():
     from types import SimpleNamespace
 
     def said(cfg):
-        return [n for n in cfg.notes if n.startswith("model.compile")]
+        return [n for n in cfg.notes if "model.compile: auto" in n]
 
     one = {"parallelism.dp_shard_size": 1, "data.synthetic": True}
     cfg = config.build(native(**one), env={}, world_size=1)
@@ -290,7 +290,7 @@ def test_compiled_layers_by_default_where_measured_faster():
             "datasets": [{"path": "x.jsonl", "type": "chat_template"}]}
     cfg = config.build(base, env={}, world_size=1)
     assert cfg.model.compile is True and cfg.compile_auto and said(cfg)[0].startswith(
-        "model.compile: auto (torch_compile unset): on"), cfg.notes
+        "torch_compile unset -> model.compile: auto: on"), cfg.notes
     cfg = config.build({**base, "torch_compile": False}, env={}, world_size=1)
     assert cfg.model.compile is False and not said(cfg) and not cfg.compile_auto
 
