@@ -41,7 +41,7 @@ def _raw(model_dir: str, root: str, par: dict, precision: str, extra: dict, ga: 
     ga = ga or 4 // _dp(par)
     from adapter.demo.build import ASSETS
 
-    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache"}, "parallelism": {**par},
+    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "compile": False}, "parallelism": {**par},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga},
            "seq_len": SEQ, "precision": precision, "checkpoint": {"dir": ckpt},
            "optimizer": {"lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12},
