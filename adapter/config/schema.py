@@ -98,12 +98,12 @@ class ModelSection(_Strict):
     vocab_divisible_by: Int = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
-    fused_linear_ce: bool = Field(
-        False, description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits): less "
-                           "memory, slower on one H200 (docs/BENCHMARKS.md)")
+    fused_linear_ce: bool | Literal["auto"] = Field(
+        "auto", description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits); auto: "
+        "nd-adapter's kernel wherever it applies (the native engine, a token-level loss), said at run start")
     fused_linear_ce_chunk: Int | None = Field(
         None, ge=16, description="tokens per chunk of the fused linear CE (then nd-adapter's kernel, also at tp = 1); "
-        "unset: Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
+        "unset: true takes Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
     compile: bool | Literal["auto", "if_possible"] = Field(
         "auto", description="torch.compile each transformer layer: true (not with ZeRO-3), auto (where measured "
         "faster: config/load.py), if_possible (Axolotl's torch_compile: true: where the layout lets it)")
@@ -134,7 +134,7 @@ class ModelSection(_Strict):
         if self.compile_memory_budget is not None and not self.compile:
             raise ValueError("model.compile_memory_budget applies to compiled layers only: set model.compile: true "
                              "or remove it")
-        if self.fused_linear_ce_chunk is not None and not self.fused_linear_ce:
+        if self.fused_linear_ce_chunk is not None and self.fused_linear_ce is False:
             raise ValueError("model.fused_linear_ce_chunk applies to the fused linear CE only: set "
                              "model.fused_linear_ce: true or remove it")
         return self

@@ -10,8 +10,8 @@
 
 * Linear + cross-entropy (`linear_cross_entropy`): the output layer's matmul and the loss in token chunks, the
   gradients computed in the forward, so the [tokens × vocab/tp] logits and their gradient never exist whole (2 × 2 GB
-  per micro-batch on the 1B shape at seq 4096 × 2). At tp = 1 on GPUs Liger's kernel does it (the kernel Axolotl
-  users run); ours, vocab-parallel, where the vocabulary is split over TP or Liger is absent.
+  per micro-batch on the 1B shape at seq 4096 × 2). Ours, vocab-parallel, is the default (`model.fused_linear_ce:
+  auto`: faster than Liger's small chunks); `true` without a chunk takes Liger's kernel at tp = 1 on GPUs.
 
 The math runs eagerly on CPU (what CI checks against Megatron's references) and is compiled on CUDA.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from adapter.models.counts import linear_ce_chunk
 from adapter.patches import mcore
 
 
@@ -92,6 +93,23 @@ def _ce_grad(logits, target, lse, grad_loss, vocab_start):
     return ((torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)).to(logits.dtype)
 
 
+@_compiled_on_cuda
+def _softcap(logits, cap):
+    """Gemma 2's final soft-capping, cap · tanh(logits / cap), as its model computes it (in the logits' dtype)."""
+    return torch.tanh(logits / cap) * cap
+
+
+@_compiled_on_cuda
+def _ce_grad_softcapped(capped, target, lse, grad_loss, vocab_start, cap):
+    """`_ce_grad` of soft-capped logits carried through the cap: d/dz [c · tanh(z / c)] = 1 − (capped / c)²."""
+    x = capped.float()
+    local = target - vocab_start
+    cols = torch.arange(x.size(-1), device=x.device)
+    one_hot = (cols == local.unsqueeze(-1)).float()
+    grad = (torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)
+    return (grad * (1 - (x / cap) ** 2)).to(capped.dtype)
+
+
 def _row_max(logits: torch.Tensor) -> torch.Tensor:
     """fp32 max over this rank's real columns; −inf where it holds none (only padding), so the TP max ignores it."""
     if logits.size(-1) == 0:
@@ -149,28 +167,30 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 # ---- linear + cross-entropy ---------------------------------------------------------------------------------------
 
-CHUNK_BYTES = 1 << 29  # fp32 bytes of one chunk's logits: ~1k tokens of a 128k vocabulary
-MIN_CHUNK = 256        # tokens: below this the chunk's GEMMs get inefficient
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Σ_t w_t · CE(h_t · Wᵀ, y_t) with W's rows (the vocabulary) split over `group`, token chunk by token chunk.
 
     The loss is a weighted sum, so the gradients can be computed in the forward; the backward only scales them by the
-    upstream scalar. `hidden` must already be the TP-replicated input (Megatron's copy/gather op in front reduces
-    its gradient over TP, as for the output layer's own input)."""
+    upstream scalar. Only the gradients autograd can ask for are computed: none under no_grad (evaluation), and no
+    output-weight gradient where that weight is frozen (adapters), which saves one [tokens × vocab × hidden] GEMM and
+    a weight-sized buffer. `hidden` must already be the TP-replicated input (Megatron's copy/gather op in front
+    reduces its gradient over TP, as for the output layer's own input). `softcap`: Gemma 2's final
+    cap · tanh(logits / cap), applied to each chunk's logits as the model applies it to all of them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, weights, group, chunk, real):
+    def forward(ctx, hidden, weight, target, weights, group, chunk, real, softcap, grads):
         tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         start = (dist.get_rank(group) if tp > 1 else 0) * weight.size(0)
-        grad_h = torch.zeros_like(hidden) if real == 0 else torch.empty_like(hidden)
-        grad_w = torch.zeros_like(weight)
-        w_real, g_real = weight[:real], grad_w[:real]  # the padding rows: no logits, no gradient
+        need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        grad_h = (torch.zeros_like(hidden) if real == 0 else torch.empty_like(hidden)) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        w_real = weight[:real]  # the padding rows: no logits, no gradient
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for lo in range(0, hidden.size(0), chunk):
             h, y, w = hidden[lo:lo + chunk], target[lo:lo + chunk], weights[lo:lo + chunk].float()
             logits = h @ w_real.t()
+            if softcap is not None:
+                logits = _softcap(logits, softcap)
             row_max = _row_max(logits)
             if tp > 1:
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -179,18 +199,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dist.all_reduce(partials, group=group)
             lse = row_max + partials[0].log()
             total += ((lse - partials[1]) * w).sum()
-            if real:
-                d = _ce_grad(logits, y, lse, w, start)  # (softmax − one_hot) · w
-                grad_h[lo:lo + chunk] = d @ w_real
-                g_real.addmm_(d.t(), h)
+            if real and (need_h or need_w):
+                d = (_ce_grad(logits, y, lse, w, start) if softcap is None else  # (softmax − one_hot) · w
+                     _ce_grad_softcapped(logits, y, lse, w, start, softcap))
+                if need_h:
+                    grad_h[lo:lo + chunk] = d @ w_real
+                if need_w:
+                    grad_w[:real].addmm_(d.t(), h)
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype),
-                None, None, None, None, None)
+        return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
+                None if grad_w is None else grad_w * grad_total.to(grad_w.dtype),
+                None, None, None, None, None, None, None)
 
 
 def _liger_linear_cross_entropy():
@@ -203,19 +227,24 @@ def _liger_linear_cross_entropy():
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor,
-                         group=None, chunk: int | None = None, real: int | None = None) -> torch.Tensor:
+                         group=None, chunk: int | None = None, real: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """Σ over tokens of loss_mask · CE(hidden · weightᵀ, target), fp32 scalar; hidden [t, h], weight [v/tp, h] (this
     rank's vocabulary slice), target and loss_mask [t]. loss_mask is 0/1 (untrained tokens), as the loop's data is.
-    `real`: how many of the slice's rows are real vocabulary (the rest is padding, left out; default all)."""
+    `real`: how many of the slice's rows are real vocabulary (the rest is padding, left out; default all).
+    `chunk`: tokens per chunk of ours; None: Liger's kernel where it runs (tp = 1, CUDA, installed, no soft-capping),
+    else ours at adapter.models.counts.linear_ce_chunk tokens. `softcap`: the final logits' soft-capping (Gemma 2)."""
     tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     real = weight.size(0) if real is None else real
-    if tp == 1 and hidden.is_cuda and chunk is None:
+    if tp == 1 and hidden.is_cuda and chunk is None and softcap is None:
         liger = _liger_linear_cross_entropy()
         if liger is not None:
             masked = torch.where(loss_mask > 0, target, torch.full_like(target, -100))
             return liger(hidden, weight[:real], masked, ignore_index=-100, reduction="sum").float()
-    chunk = chunk or max(MIN_CHUNK, CHUNK_BYTES // (4 * weight.size(0)))
-    return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk, real)
+    chunk = chunk or linear_ce_chunk(weight.size(0))
+    # grad mode as the caller has it (forward itself always runs without it): none computed for evaluation
+    return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk, real, softcap,
+                                     torch.is_grad_enabled())
 
 
 __all__ = ["fused_rope", "install_rope_fusion", "rope_tables", "vocab_parallel_cross_entropy", "linear_cross_entropy"]

@@ -100,6 +100,7 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     gpu = _cuda() if gpu is None else gpu
     cfg = checks.compile_where_it_runs(cfg, arch, gpu)
     arch, grew = source.grown(cfg, arch)  # data.tokens' new rows (adapter/models/vocab.py)
+    cfg = checks.linear_ce_where_it_applies(cfg, arch)
     vocab.check_lora(cfg, arch.hf_model_type, grew)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None

@@ -24,6 +24,7 @@ from adapter.models.counts import (
     attention_flops,
     flops_per_token,
     layer_gemms,
+    linear_ce_chunk,
     local_params,
     param_tensors,
 )
@@ -212,6 +213,13 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     if cfg.precision == "fp8":  # the MLP's two GEMMs (the last two shapes) in fp8, casts included
         g_fwd -= L * gemm_seconds(shapes[2:], prof) * (1 - 1 / FP8_MLP_SPEEDUP)
     g_head = gemm_seconds([(tokens, vocab // tp, arch.hidden_size)], prof)
+    if cfg.model.fused_linear_ce and arch.native:  # ours, in token chunks (Liger's is not modelled)
+        # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account
+        # for 0.9 of the +2.4 ms measured at 1,024-token chunks (0.4 of 1.1 at 2,048); the rest, ~0.2 ms a chunk, is
+        # not modelled (1% of that step), since a per-chunk constant would swamp small models
+        chunk = min(tokens, cfg.model.fused_linear_ce_chunk or linear_ce_chunk(vocab // tp))
+        g_head = gemm_seconds([(chunk, vocab // tp, arch.hidden_size)] * (tokens // chunk)
+                              + [(tokens % chunk, vocab // tp, arch.hidden_size)] * bool(tokens % chunk), prof)
     if spec is None:
         gemm = 3 * (g_fwd + g_head)
     else:  # frozen weights: forward and input gradient only; the adapters (and a trained LM head) all three

@@ -314,7 +314,9 @@ def test_8bit_adamw_on_every_optimizer_path_resumes_exactly_and_tracks_fp32(demo
     for name in ("zero3", "zero2", "flat", "zero2 4-bit"):
         got = r[name]
         assert got["start"] == 2 and got["cut"] == got["whole"], (name, got)  # bit-identical on CPU
-        assert got["whole"][0] == r["fp32"][0] and got["whole"] != r["fp32"], (name, got, r["fp32"])
+        # the same first step (to the fused loss's summation order, which differs between tp = 4 and tp = 2)
+        assert abs(got["whole"][0] - r["fp32"][0]) <= 1e-6 * r["fp32"][0] and got["whole"] != r["fp32"], \
+            (name, got, r["fp32"])
         assert max(abs(a - b) / b for a, b in zip(got["whole"], r["fp32"])) < 2e-3, (name, got, r["fp32"])
     assert r["zero3"]["said"] == ["optimizer: DeepSpeed's ZeRO-3 stepping bitsandbytes' AdamW8bit (fp32 master "
                                   "partitions, 8-bit moments)"]

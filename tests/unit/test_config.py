@@ -227,7 +227,7 @@ def test_bad_yaml_file(tmp_path):
 def test_rule_fp8_and_linear_ce_keys():
     with pytest.raises(UserError, match=r"model.fused_linear_ce_chunk applies to the fused linear CE only.*"
                                         r"set model.fused_linear_ce: true"):
-        config.build(native(**{"model.fused_linear_ce_chunk": 2048}), env={})
+        config.build(native(**{"model.fused_linear_ce": False, "model.fused_linear_ce_chunk": 2048}), env={})
     with pytest.raises(UserError, match=r"model.fp8_linears.*'attn'"):
         config.build(native(**{"precision": "fp8", "model.fp8_linears": ["attn"]}), env={})
     with pytest.raises(UserError, match=r"model.fp8_recipe='delayed'"):
