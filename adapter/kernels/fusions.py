@@ -100,14 +100,17 @@ def _softcap(logits, cap):
 
 
 @_compiled_on_cuda
-def _ce_grad_softcapped(capped, target, lse, grad_loss, vocab_start, cap):
-    """`_ce_grad` of soft-capped logits carried through the cap: d/dz [c · tanh(z / c)] = 1 − (capped / c)²."""
-    x = capped.float()
+def _ce_grad_into(logits, target, lse, grad_loss, vocab_start, cap):
+    """`_ce_grad` written over the logits themselves (one chunk's buffer, not two), carried through Gemma 2's
+    soft-capping where `cap` is given: d/dz [c · tanh(z / c)] = 1 − (capped / c)²."""
+    x = logits.float()
     local = target - vocab_start
     cols = torch.arange(x.size(-1), device=x.device)
     one_hot = (cols == local.unsqueeze(-1)).float()
     grad = (torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)
-    return (grad * (1 - (x / cap) ** 2)).to(capped.dtype)
+    if cap is not None:
+        grad = grad * (1 - (x / cap) ** 2)
+    return logits.copy_(grad)
 
 
 def _row_max(logits: torch.Tensor) -> torch.Tensor:
@@ -200,12 +203,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = row_max + partials[0].log()
             total += ((lse - partials[1]) * w).sum()
             if real and (need_h or need_w):
-                d = (_ce_grad(logits, y, lse, w, start) if softcap is None else  # (softmax − one_hot) · w
-                     _ce_grad_softcapped(logits, y, lse, w, start, softcap))
+                d = _ce_grad_into(logits, y, lse, w, start, softcap)  # (softmax − one_hot) · w, over the logits
                 if need_h:
                     grad_h[lo:lo + chunk] = d @ w_real
                 if need_w:
                     grad_w[:real].addmm_(d.t(), h)
+                del d
+            del logits  # before the next chunk's: one chunk's logits exist at a time
         ctx.save_for_backward(grad_h, grad_w)
         return total
 

@@ -279,11 +279,12 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     head_grad = pb * (lp.output or lp.embedding) if head_trains(run) else 0
     if linear_ce:
         # linear + CE in token chunks: the output weight's gradient (counted as head_grad) and the hidden states'
-        # gradient, computed in the forward, wait for backward; one chunk's logits (+ fp32 working copy) exist at a
-        # time (Liger's chunk: tokens·hidden / vocab rows, so one chunk's logits are the size of the hidden states)
+        # gradient, computed in the forward, wait for backward; one chunk's logits exist at a time, ours with their
+        # gradient written over them (adapter/kernels/fusions.py), Liger's with an fp32 working copy (its chunk:
+        # tokens·hidden / vocab rows, so one chunk's logits are the size of the hidden states)
         chunk = (max(1, s * b * h // vp) if liger_ce else
                  min(s * b, cfg.model.fused_linear_ce_chunk or linear_ce_chunk(vp // tp)))
-        logits = pb * s * b * h + chunk * (vp // tp) * (pb + 4)
+        logits = pb * s * b * h + chunk * (vp // tp) * (pb + 4 if liger_ce else pb)
     elif not fused or not arch.native:  # Megatron's CE, or transformers' logits: an fp32 copy + the saved exp
         logits = s * b * (vp // tp) * (pb + 4 + 4)
     else:                                                               # adapter.kernels.fusions: logits + their grad
