@@ -199,13 +199,16 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     262k vocabulary 8 GiB; transformers + Liger, the peer, never holds them either), wherever it applies: the native
     engine (the transformers engine computes its model's own loss; Liger's fused kernel where its key asks) and a
     token-level loss (a preference objective needs each token's log-probability, and the kernel returns their
-    sum). On, it is nd-adapter's kernel at `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step,
+    sum), outside fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
+    `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step,
     docs/BENCHMARKS.md), not Liger's (+8 ms), which `true` keeps at tp = 1 on GPUs. The first lines say which."""
     if cfg.model.fused_linear_ce != "auto":
         return cfg
-    why = (None if arch.native and cfg.objective == "sft" else
-           "the transformers engine computes its model's own loss" if not arch.native else
-           f"{cfg.objective} needs each token's log-probability (the fused kernel returns their sum)")
+    why = ("the transformers engine computes its model's own loss" if not arch.native else
+           f"{cfg.objective} needs each token's log-probability (the fused kernel returns their sum)"
+           if cfg.objective != "sft" else
+           "fp16: the kernel's output-weight gradient, a sum over the micro-batch's tokens computed before the loss "
+           "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else None)
     chunk = cfg.model.fused_linear_ce_chunk
     if why is None and chunk is None:
         chunk = linear_ce_chunk(padded_vocab_size(arch.vocab_size, cfg.parallelism.tp_size,

@@ -295,6 +295,39 @@ def test_compiled_layers_by_default_where_measured_faster():
     assert cfg.model.compile is False and not said(cfg) and not cfg.compile_auto
 
 
+def test_fused_linear_ce_by_default_where_it_applies():
+    """`model.fused_linear_ce: auto`, the default: on for a token-level loss on the native engine, in chunks of a
+    multiple of 128 tokens of the padded vocabulary per tp rank (or the chunk asked), said in one first line; off, with
+    the reason, on the transformers engine, for a preference objective and in fp16. `true` and `false` stay."""
+    from types import SimpleNamespace
+
+    def said(cfg):
+        return [n for n in cfg.notes if n.startswith("model.fused_linear_ce: auto")]
+
+    arch = SimpleNamespace(native=True, vocab_size=128256)
+    cfg = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), arch)
+    assert cfg.model.fused_linear_ce is True and cfg.model.fused_linear_ce_chunk == 1024
+    assert said(cfg) == ["model.fused_linear_ce: auto: on (output layer + cross-entropy in chunks of 1024 tokens: "
+                         "no [tokens x vocab] logits)"]
+    tp2 = config.build(native(**{"data.synthetic": True, "parallelism.tp_size": 2}), env={}, world_size=2)
+    assert checks.linear_ce_where_it_applies(tp2, arch).model.fused_linear_ce_chunk == 2048  # half the rows a rank
+    asked = config.build(native(**{"data.synthetic": True, "model.fused_linear_ce_chunk": 300}), env={})
+    assert checks.linear_ce_where_it_applies(asked, arch).model.fused_linear_ce_chunk == 300
+    pairs = {"objective": "dpo", "data.synthetic": False,
+             "data.datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}
+    for over, engine, why in (({}, False, "the transformers engine computes its model's own loss"),
+                              (pairs, True, "dpo needs each token's log-probability"),
+                              ({"precision": "fp16"}, True, "fp16: the kernel's output-weight gradient")):
+        got = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True, **over}), env={}),
+                                                SimpleNamespace(native=engine, vocab_size=128256))
+        assert got.model.fused_linear_ce is False and got.model.fused_linear_ce_chunk is None
+        assert len(said(got)) == 1 and said(got)[0].startswith(f"model.fused_linear_ce: auto: off: {why}"), got.notes
+    for value in (True, False):
+        kept = config.build(native(**{"data.synthetic": True, "model.fused_linear_ce": value}), env={})
+        got = checks.linear_ce_where_it_applies(kept, SimpleNamespace(native=False, vocab_size=128256))
+        assert got.model.fused_linear_ce is value and not said(got)
+
+
 def test_longrope_is_read_as_transformers_reads_it():
     """Phi-3.5-mini / Phi-4-mini: the short and long factors, the default attention factor sqrt(1 + ln(max/orig) /
     ln(orig)); a seq_len past original_max_position_embeddings runs (the long factors per micro-batch:
