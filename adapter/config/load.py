@@ -244,7 +244,8 @@ def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
     value is kept marked as auto's.
 
     `if_possible` (Axolotl's `torch_compile: true`): the user asked, so the layers compile wherever the layout lets
-    them, on either engine and device: not under ZeRO-3, whose parameter gathers compiled layers cannot follow."""
+    them, on either engine and device: not under ZeRO-3, where compiled layers (the native engine's, with
+    `model.compile: true`) are correct but not yet measured faster."""
     auto = cfg.model.compile == "auto"
     why = auto_compile_off(cfg) if auto else _zero3_off(cfg)
     if why is not None and cfg.model.compile_memory_budget is not None:
@@ -259,8 +260,8 @@ def _zero3_off(cfg: RunConfig) -> str | None:
     """ZeRO-3 runs when anything is sharded (dp or cp > 1) and deepspeed.zero_stage is 3
     (adapter/parallel/deepspeed_config.zero_stage)."""
     if cfg.dp_size * cfg.parallelism.cp_size > 1 and cfg.deepspeed.zero_stage == 3:
-        return f"ZeRO-3's parameter gathers run the layers eagerly ({setting(cfg, 'deepspeed.zero_stage', 2)} " \
-               "would compile them)"
+        return f"ZeRO-3's parameter gathers: compiled layers under them are not measured faster yet " \
+               f"({setting(cfg, 'deepspeed.zero_stage', 2)} would compile them)"
     return None
 
 

@@ -105,8 +105,8 @@ class ModelSection(_Strict):
         None, ge=16, description="tokens per chunk of the fused linear CE (then nd-adapter's kernel, also at tp = 1); "
         "unset: true takes Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
     compile: bool | Literal["auto", "if_possible"] = Field(
-        "auto", description="torch.compile each transformer layer: true (not with ZeRO-3), auto (where measured "
-        "faster: config/load.py), if_possible (Axolotl's torch_compile: true: where the layout lets it)")
+        "auto", description="torch.compile each transformer layer: true (ZeRO-3: native engine), auto (where "
+        "measured faster: config/load.py), if_possible (Axolotl's torch_compile: true: where the layout lets it)")
     # precision: fp8 only (adapter/kernels/fp8.py): the fp8 operands' scaling (torchao's recipes), the fp8 linears
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     fp8_linears: tuple[Literal["qkv", "proj", "fc1", "fc2"], ...] = Field(("fc1", "fc2"), min_length=1)

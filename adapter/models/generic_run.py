@@ -345,13 +345,18 @@ def check_prequantized(cfg, raw: dict[str, Any]) -> None:
 def check_liger_stage(cfg, stage: int) -> None:
     """Liger's fused linear cross-entropy reads lm_head's weight outside lm_head's forward: under ZeRO-3 (with
     something to partition: `stage` is the run's, adapter/parallel/deepspeed_config.zero_stage) it would read a
-    partition."""
-    from adapter.config import spell
+    partition. Compiled layers under ZeRO-3 are built on the native engine only (its layers are ZeRO-3's gather
+    units; here a layer with frozen weights is gathered module by module, inside the graph)."""
+    from adapter.config import setting, spell
 
     if "fused_linear_cross_entropy" in cfg.model.liger and stage == 3:
         raise bad(spell(cfg, "model.liger"), "fused_linear_cross_entropy", "Liger's fused linear cross-entropy "
                   "reads lm_head's weight outside its forward, where ZeRO-3 has partitioned it", "use ZeRO-2 "
                   "(deepspeed.zero_stage: 2), or remove liger_fused_linear_cross_entropy")
+    if cfg.model.compile and stage == 3:
+        raise bad(spell(cfg, "model.compile"), True, "compiled layers under ZeRO-3 are built on the native engine "
+                  "only (the transformers engine's ZeRO-3 gathers can run inside a layer's graph)",
+                  f"use ZeRO-2 (deepspeed.zero_stage: 2), or {setting(cfg, 'model.compile', False)}")
 
 
 # generic.attention_features -> why context parallelism cannot run it exactly (adapter/modeling/hf_cp.py)
