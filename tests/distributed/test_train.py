@@ -127,7 +127,7 @@ def _zero3_whole_layers_worker(rank, world, demo):
                        ("linear CE, compiled", {"model.compile": True})):
         saved = {"parameter": 0, "view": 0}
 
-        def pack(t):
+        def pack(t, saved=saved):
             if id(t) in params:
                 saved["parameter"] += 1
             elif t.numel() and any(p.numel() and t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
