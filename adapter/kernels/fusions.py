@@ -83,14 +83,18 @@ def _ce_partials(logits, target, row_max, vocab_start):
     return torch.stack((sum_exp, torch.where(held, picked, torch.zeros_like(picked))))
 
 
-@_compiled_on_cuda
-def _ce_grad(logits, target, lse, grad_loss, vocab_start):
-    """(softmax − one_hot(target)) · dloss, in the logits' dtype."""
-    x = logits.float()
+def _softmax_minus_target(x, target, lse, grad_loss, vocab_start):
+    """(softmax − one_hot(target)) · dloss in fp32: the cross-entropy's gradient with respect to fp32 logits `x`."""
     local = target - vocab_start
     cols = torch.arange(x.size(-1), device=x.device)
     one_hot = (cols == local.unsqueeze(-1)).float()
-    return ((torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)).to(logits.dtype)
+    return (torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)
+
+
+@_compiled_on_cuda
+def _ce_grad(logits, target, lse, grad_loss, vocab_start):
+    """(softmax − one_hot(target)) · dloss, in the logits' dtype."""
+    return _softmax_minus_target(logits.float(), target, lse, grad_loss, vocab_start).to(logits.dtype)
 
 
 @_compiled_on_cuda
@@ -104,10 +108,7 @@ def _ce_grad_into(logits, target, lse, grad_loss, vocab_start, cap):
     """`_ce_grad` written over the logits themselves (one chunk's buffer, not two), carried through Gemma 2's
     soft-capping where `cap` is given: d/dz [c · tanh(z / c)] = 1 − (capped / c)²."""
     x = logits.float()
-    local = target - vocab_start
-    cols = torch.arange(x.size(-1), device=x.device)
-    one_hot = (cols == local.unsqueeze(-1)).float()
-    grad = (torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)
+    grad = _softmax_minus_target(x, target, lse, grad_loss, vocab_start)
     if cap is not None:
         grad = grad * (1 - (x / cap) ** 2)
     return logits.copy_(grad)
