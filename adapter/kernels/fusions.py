@@ -25,12 +25,21 @@ from adapter.patches import mcore
 
 
 def _compiled_on_cuda(fn):
+    """`fn` compiled for each shape it meets on CUDA, eager elsewhere. `.any_length` is the same compiled once with
+    a symbolic first dimension: for a shape that changes every call (the fused linear CE's last, shorter chunk of
+    an unpacked micro-batch), where a graph per shape would pass Dynamo's recompile limit and fall back to eager
+    kernels with their fp32 temporaries."""
     compiled = torch.compile(fn, dynamic=False)
+    dynamic = torch.compile(fn, dynamic=True)
 
     def call(*args):
         return (compiled if args[0].is_cuda else fn)(*args)
 
+    def any_length(*args):
+        return (dynamic if args[0].is_cuda else fn)(*args)
+
     call.__doc__, call.__name__ = fn.__doc__, fn.__name__
+    call.any_length = any_length  # type: ignore[attr-defined]
     return call
 
 
@@ -121,10 +130,10 @@ def _row_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.amax(-1).float()
 
 
-def _partials(logits, target, row_max, start):
+def _partials(logits, target, row_max, start, any_length=False):
     if logits.size(-1) == 0:
         return torch.zeros(2, logits.size(0), device=logits.device)
-    return _ce_partials(logits, target, row_max, start)
+    return (_ce_partials.any_length if any_length else _ce_partials)(logits, target, row_max, start)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -192,19 +201,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for lo in range(0, hidden.size(0), chunk):
             h, y, w = hidden[lo:lo + chunk], target[lo:lo + chunk], weights[lo:lo + chunk].float()
+            short = h.size(0) < chunk  # the last chunk: its length changes with the micro-batch's (unpacked SFT)
             logits = h @ w_real.t()
             if softcap is not None:
-                logits = _softcap(logits, softcap)
+                logits = (_softcap.any_length if short else _softcap)(logits, softcap)
             row_max = _row_max(logits)
             if tp > 1:
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            partials = _partials(logits, y, row_max, start)  # Σ exp(x − max), the target's logit where held
+            partials = _partials(logits, y, row_max, start, short)  # Σ exp(x − max), the target's logit where held
             if tp > 1:
                 dist.all_reduce(partials, group=group)
             lse = row_max + partials[0].log()
             total += ((lse - partials[1]) * w).sum()
-            if real and (need_h or need_w):
-                d = _ce_grad_into(logits, y, lse, w, start, softcap)  # (softmax − one_hot) · w, over the logits
+            if real and (need_h or need_w):  # (softmax − one_hot) · w, over the logits
+                d = (_ce_grad_into.any_length if short else _ce_grad_into)(logits, y, lse, w, start, softcap)
                 if need_h:
                     grad_h[lo:lo + chunk] = d @ w_real
                 if need_w:
