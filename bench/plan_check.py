@@ -1,7 +1,7 @@
 """`plan` against one-GPU runs of the families and modes its validation table (bench/plan_vs_measured.py) has no
 measured row for yet: soft-capped attention and final logits (Gemma 2), GLM-4's extra norms, Phi-3's packed linears
-with LongRoPE, QLoRA on the transformers engine; each at the defaults (compiled layers and the fused linear CE where
-`auto` puts them), so the rows also measure what those defaults hold.
+with LongRoPE, QLoRA on the transformers engine; each at nd-adapter's defaults, so the rows also measure what those
+defaults hold.
 
     python bench/plan_check.py --dry-run           # plan's predictions and the commands (any machine)
     python bench/plan_check.py --out /tmp/pc       # on the GPU host: every row, then the table (+ rows.json)
