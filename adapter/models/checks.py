@@ -192,7 +192,6 @@ def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConf
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": False}), "notes": notes})
 
 
-
 def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     """`model.fused_linear_ce: auto` (the default): the output layer and the cross-entropy in token chunks, so the
     [tokens × vocab] logits and their gradient never exist whole (the 1B shape at seq 4096 × 2: 3.9 GiB, Gemma 3's
@@ -200,8 +199,8 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     engine (the transformers engine computes its model's own loss; Liger's fused kernel where its key asks) and a
     token-level loss (a preference objective needs each token's log-probability, and the kernel returns their
     sum), outside fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
-    `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step,
-    docs/BENCHMARKS.md), not Liger's (+8 ms), which `true` keeps at tp = 1 on GPUs. The first lines say which."""
+    `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step, docs/BENCHMARKS.md), not Liger's (+8 ms),
+    which `true` keeps at tp = 1 on GPUs. The first lines say which."""
     if cfg.model.fused_linear_ce != "auto":
         return cfg
     why = ("the transformers engine computes its model's own loss" if not arch.native else

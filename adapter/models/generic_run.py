@@ -342,11 +342,12 @@ def check_prequantized(cfg, raw: dict[str, Any]) -> None:
                   f"{bits}: true, or point base_model (model.path) at the 16-bit checkpoint")
 
 
-def check_liger_stage(cfg, stage: int) -> None:
-    """Liger's fused linear cross-entropy reads lm_head's weight outside lm_head's forward: under ZeRO-3 (with
-    something to partition: `stage` is the run's, adapter/parallel/deepspeed_config.zero_stage) it would read a
-    partition. Compiled layers under ZeRO-3 are built on the native engine only (its layers are ZeRO-3's gather
-    units; here a layer with frozen weights is gathered module by module, inside the graph)."""
+def check_zero3(cfg, stage: int) -> None:
+    """What this engine does not run under ZeRO-3 (with something to partition: `stage` is the run's,
+    adapter/parallel/deepspeed_config.zero_stage). Liger's fused linear cross-entropy reads lm_head's weight outside
+    lm_head's forward, where it would read a partition. Compiled layers under ZeRO-3 are built on the native engine
+    only (its layers are ZeRO-3's gather units; here a layer with frozen weights is gathered module by module, inside
+    the graph)."""
     from adapter.config import setting, spell
 
     if "fused_linear_cross_entropy" in cfg.model.liger and stage == 3:
@@ -457,4 +458,4 @@ def quantized_base_zero3(cfg, stage: int):
 
 
 __all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "quantized_base_zero3",
-           "check_run", "check_liger_stage", "check_prequantized"]
+           "check_run", "check_zero3", "check_prequantized"]

@@ -120,7 +120,7 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     if peft is not None:
         cfg = generic_run.quantized_base_zero3(cfg, stage)
     if not arch.native:
-        generic_run.check_liger_stage(cfg, stage)
+        generic_run.check_zero3(cfg, stage)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),

@@ -136,6 +136,12 @@ def unfused_ops(cfg: RunConfig, arch: ModelArch) -> tuple[bool, bool]:
     return not arch.native and "rms_norm" not in cfg.model.liger, arch.native or "glu_activation" in cfg.model.liger
 
 
+def ours_chunk(cfg: RunConfig, *, vocab_rows: int, tokens: int) -> int:
+    """Tokens per chunk of nd-adapter's fused linear CE in this run (the chunk `auto` resolved or the one asked;
+    else the kernel's default), at most the micro-batch's tokens; read by the memory and the time model alike."""
+    return min(tokens, cfg.model.fused_linear_ce_chunk or linear_ce_chunk(vocab_rows))
+
+
 def head_trains(run: ResolvedRun) -> bool:
     """Whether the output layer (or the tied embedding it reads) gets a gradient: not under adapters that leave it
     frozen (lm_head / embed_tokens outside modules_to_save), whose fused linear CE then computes no weight gradient.
@@ -282,8 +288,7 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
         # gradient, computed in the forward, wait for backward; one chunk's logits exist at a time, ours with their
         # gradient written over them (adapter/kernels/fusions.py), Liger's with an fp32 working copy (its chunk:
         # tokens·hidden / vocab rows, so one chunk's logits are the size of the hidden states)
-        chunk = (max(1, s * b * h // vp) if liger_ce else
-                 min(s * b, cfg.model.fused_linear_ce_chunk or linear_ce_chunk(vp // tp)))
+        chunk = max(1, s * b * h // vp) if liger_ce else ours_chunk(cfg, vocab_rows=vp // tp, tokens=s * b)
         logits = pb * s * b * h + chunk * (vp // tp) * (pb + 4 if liger_ce else pb)
     elif not fused or not arch.native:  # Megatron's CE, or transformers' logits: an fp32 copy + the saved exp
         logits = s * b * (vp // tp) * (pb + 4 + 4)

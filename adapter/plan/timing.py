@@ -24,7 +24,6 @@ from adapter.models.counts import (
     attention_flops,
     flops_per_token,
     layer_gemms,
-    linear_ce_chunk,
     local_params,
     param_tensors,
 )
@@ -34,7 +33,7 @@ from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_ste
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import peft_fp32_inputs, unfused_ops, whole_layer_graphs
+from adapter.plan.memory import ours_chunk, peft_fp32_inputs, unfused_ops, whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414
@@ -217,7 +216,7 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account
         # for 0.9 of the +2.4 ms measured at 1,024-token chunks (0.4 of 1.1 at 2,048); the rest, ~0.2 ms a chunk, is
         # not modelled (1% of that step), since a per-chunk constant would swamp small models
-        chunk = min(tokens, cfg.model.fused_linear_ce_chunk or linear_ce_chunk(vocab // tp))
+        chunk = ours_chunk(cfg, vocab_rows=vocab // tp, tokens=tokens)
         g_head = gemm_seconds([(chunk, vocab // tp, arch.hidden_size)] * (tokens // chunk)
                               + [(tokens % chunk, vocab // tp, arch.hidden_size)] * bool(tokens % chunk), prof)
     if spec is None:
