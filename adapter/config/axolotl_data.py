@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from adapter.config.schema import DatasetEntry, set_dotted
+from adapter.config.schema import set_dotted
+from adapter.config.schema_data import DatasetEntry
 from adapter.errors import bad
 
 # Axolotl's dataset keys: top-level key -> data.<key>; `datasets:` entries are checked key by key.
@@ -19,6 +20,7 @@ DATA_KEYS = {
     "special_tokens": "special_tokens", "dataset_processes": "num_proc", "dataset_num_proc": "num_proc",
     "resize_token_embeddings_to_32x": "resize_vocab_to_32x", "tokens": "tokens",
     "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
+    "curriculum_sampling": "curriculum", "sample_packing_sequentially": "pack_in_order",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)
 ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings

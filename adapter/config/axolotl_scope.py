@@ -60,8 +60,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
                        "config with Axolotl"),
     "dataset_shard_num": ("training on one shard of the data is not supported",
                           "shard the files yourself, or remove dataset_shard_num / dataset_shard_idx"),
-    "curriculum_sampling": ("curriculum (unshuffled) order is not supported: the sampler shuffles every epoch",
-                            "remove curriculum_sampling"),
     "use_pose": ("PoSE position ids are not supported", "remove use_pose"),
     "s2_attention": ("shifted-sparse attention is not supported (attention here is exact and causal)",
                      "remove s2_attention"),

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 
 from adapter.config import accelerate, axolotl
 from adapter.config.hub import looks_like_hub_id, resolve_hub_id
-from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, DatasetEntry, RunConfig, set_dotted
+from adapter.config.schema import ENV_PREFIX, SIZE_KEYS, RunConfig, set_dotted
+from adapter.config.schema_data import DatasetEntry
 from adapter.config.values import MAX_WORLD, check_path, check_tree
 from adapter.errors import UserError, bad
 

@@ -36,14 +36,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from adapter.config.values import Float
+from adapter.config.values import Strict as _Strict
 from adapter.errors import bad
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DPOSection(_Strict):

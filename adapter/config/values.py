@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, StrictInt, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictInt, TypeAdapter, ValidationError
 
 from adapter.errors import UserError, bad
 
@@ -127,3 +127,9 @@ Jinja = Annotated[str, AfterValidator(lambda v: v if "{" in v else _path(v))]  #
 
 __all__ = ["MAX_DEPTH", "MAX_INT", "MAX_WORLD", "NAME_MAX", "PATH_MAX", "check_tree", "lax_bool", "path_problem",
            "check_path", "Float", "Int", "Size", "PathStr", "Jinja"]
+
+
+class Strict(BaseModel):
+    """Every config section's base: unknown keys refused (a typo never silently changes a run), frozen, and numbers
+    finite (Float, Int, Size, PathStr above bound the rest)."""
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

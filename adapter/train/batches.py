@@ -38,6 +38,13 @@ class RunData:
     chat_template: str | None = None
 
 
+def shuffles(cfg) -> bool:
+    """Whether each epoch takes the samples in a new seeded order: not for KTO (TRL's KTOTrainer samples its rows in
+    the order they were prepared: adapter/train/kto.py) nor under data.curriculum (Axolotl's curriculum_sampling: a
+    SequentialSampler), which train them in their prepared order every epoch."""
+    return cfg.objective != "kto" and not cfg.data.curriculum
+
+
 def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
     """Packed, resumable batches for this rank's data shard: SFT datasets (masked examples, a held-out part),
     pretraining text, or synthetic tokens when the run has no data. Collective: rank 0 builds, the rest wait."""
@@ -70,7 +77,7 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
         dataset = PackedDataset(tok, cfg.seq_len)
     sampler = DPSampler(len(dataset), dp_rank=layout.data_rank(rank), dp_size=layout.dp,
                         micro_batch=cfg.batch.micro_batch_size, seed=cfg.data.seed,
-                        shuffle=cfg.objective != "kto",  # TRL's KTO samples in order (adapter/train/kto.py)
+                        shuffle=shuffles(cfg),
                         data_key="datasets" if sft else "data.files")
     return RunData(dataset, sampler, sft, val, template)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter.config.schema import DatasetEntry
+from adapter.config.schema_data import DatasetEntry
 from adapter.data.sft import templates
 from adapter.errors import UserError
 from tests.helpers.sft_data import runs, tiny_model

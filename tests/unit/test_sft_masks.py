@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from adapter.config.schema import DatasetEntry
+from adapter.config.schema_data import DatasetEntry
 from adapter.data.sft import formats, templates
 from adapter.data.sft.prepare import load_tokenizer
 from adapter.demo.build import CHAT_DATA

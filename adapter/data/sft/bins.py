@@ -1,10 +1,11 @@
 """Examples -> fixed-length training samples ("bins"), and the item API the sampler and loop read.
 
-An example is stored as its tokens and, per position, the target that position is trained to predict (the next
-token of the same example where that token's label is trained, else -1). So a position never predicts across
-examples: the last token of every example has no target. With packing, whole examples go into bins of seq_len
-tokens by best fit, in the (seeded, shuffled) example order; no example is split across bins. Without packing,
-each example gets a bin of its own. The rest of a bin is padding: pad tokens, never trained, one more segment.
+An example is stored as its tokens and, per position, the target that position is trained to predict (the next token
+of the same example where that token's label is trained, else -1). So a position never predicts across examples: the
+last token of every example has no target. With packing, whole examples go into bins of seq_len tokens by best fit
+(or next fit: data.pack_in_order), in the (seeded, shuffled) example order; no example is split across bins. Without
+packing, each example gets a bin of its own. The rest of a bin is padding: pad tokens, never trained, one more
+segment.
 """
 from __future__ import annotations
 
@@ -69,12 +70,29 @@ def best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
+def next_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins in the examples' order: each example joins the last bin where it fits, else opens the next (Axolotl's
+    sample_packing_sequentially), so that bins taken in order meet the examples in the order given."""
+    bins: list[list[int]] = []
+    left = 0
+    for i, n in enumerate(lengths.tolist()):
+        if bins and n <= left:
+            bins[-1].append(i)
+            left -= n
+        else:
+            bins.append([i])
+            left = capacity - n
+    return bins
+
+
 def write_split(d: Path, ids: np.ndarray, tgt: np.ndarray, offsets: np.ndarray, seq_len: int,
-                pack: bool) -> dict:
-    """Bin the examples (in their current order) and write them to `d`; returns the split's statistics."""
+                pack: bool, in_order: bool = False) -> dict:
+    """Bin the examples (in their current order; packed by best fit, or by next fit `in_order`) and write them to
+    `d`; returns the split's statistics."""
     d.mkdir(parents=True, exist_ok=True)
     lengths = np.diff(offsets)
-    groups = best_fit(lengths, seq_len) if pack else [[i] for i in range(len(lengths))]
+    groups = ((next_fit if in_order else best_fit)(lengths, seq_len) if pack else
+              [[i] for i in range(len(lengths))])
     order = np.asarray([i for g in groups for i in g], dtype=np.int64)
     idx, ex = ragged_take(offsets, order)
     bins = np.zeros(len(groups) + 1, dtype=np.int64)
@@ -147,4 +165,4 @@ def trim_tail(batch: dict, multiple: int) -> dict:
     return batch if keep == s else {k: v[:, :keep] for k, v in batch.items()}
 
 
-__all__ = ["SFTDataset", "best_fit", "targets", "ragged_take", "write_split", "trim_tail"]
+__all__ = ["SFTDataset", "best_fit", "next_fit", "targets", "ragged_take", "write_split", "trim_tail"]

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from adapter.data.sft import formats, sources, templates
+from adapter.data.sft.order import merged_order
 from adapter.data.sft.preference_orpo import render_argilla, tokenize_orpo
 from adapter.data.sft.prepare import (
     cache_key,
@@ -195,15 +196,15 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
     return tokens, completion, lengths, stats, template
 
 
-def split(cfg, n: int, *, shuffled: bool = False, held: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(training, held-out) indices of n prepared rows for val_set_size (none where `held` is off: test_datasets
-    give them): the tail of the seed's permutation (shuffle_merged_datasets) or of the rows in order; the training
-    ones in their prepared order, or (`shuffled`: KTO, whose TRL trainer samples its rows in this order) the
-    permutation's."""
-    order = np.random.default_rng(cfg.data.seed).permutation(n) if cfg.data.shuffle_merged_datasets else np.arange(n)
+def split(cfg, n: int, datasets: int, *, shuffled: bool = False, held: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) indices of n prepared rows of `datasets` datasets for val_set_size (none where `held` is
+    off: test_datasets give them): the tail of the merged order (prepare.merged_order: the seed's permutation, or
+    the rows in order); the training ones in their prepared order, or in the merged order where the rows are
+    trained in it (`shuffled`: KTO, whose TRL trainer samples its rows in this order; data.curriculum)."""
+    order = merged_order(cfg, n, datasets)
     n_val = val_fraction(cfg, n) if held else 0
     train = order[:n - n_val]
-    return (train if shuffled else np.sort(train)), order[n - n_val:]
+    return (train if shuffled or cfg.data.curriculum else np.sort(train)), order[n - n_val:]
 
 
 def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path, progress: bool) -> dict:
@@ -219,9 +220,9 @@ def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path,
             raise bad(k("test_datasets"), "...", f"no pair fits sequence_len {cfg.seq_len}", "raise sequence_len")
         stats += t_stats
         parts["val"] = (np.stack(t_tok), np.stack(t_comp), np.asarray(t_len), np.arange(len(t_tok)))
-        train, val = np.arange(len(tokens)), None
+        train, val = split(cfg, len(tokens), len(resolved), held=False)
     else:
-        train, val = split(cfg, len(tokens))
+        train, val = split(cfg, len(tokens), len(resolved))
     tok_all, comp_all, len_all = np.stack(tokens), np.stack(completion), np.asarray(lengths)
     parts["pairs"] = (tok_all[train], comp_all[train], len_all[train], train)
     if val is not None and len(val):

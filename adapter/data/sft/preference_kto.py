@@ -156,7 +156,7 @@ def _build(cfg, resolved, test, tokenizer_dir: Path, vocab_size: int, out: Path)
         parts.append(rows)
     prompts, completions, lengths, labels, stats = parts[0]
     n = len(prompts)
-    train, held = split(cfg, n, shuffled=True, held=not test)
+    train, held = split(cfg, n, len(resolved), shuffled=True, held=not test)
     sets = {"rows": (np.stack(prompts), np.stack(completions), np.asarray(lengths), np.asarray(labels, bool), train)}
     if test:
         t_p, t_c, t_l, t_lab, t_stats = parts[1]

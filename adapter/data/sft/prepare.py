@@ -27,6 +27,7 @@ import numpy as np
 from adapter.config import spell
 from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.bins import SFTDataset, ragged_take, targets, write_split
+from adapter.data.sft.order import merged_order, merged_shuffled
 from adapter.data.token_cache import TOKENIZER_FILES
 from adapter.errors import bad
 from adapter.osutil import build_once, check_room
@@ -115,6 +116,7 @@ def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int, test=()) -> s
     knobs = {k: getattr(d, k) for k in RESULT_KEYS}
     knobs["special_tokens"] = d.special_tokens.model_dump()
     knobs.update({"tokens": list(d.tokens)} if d.tokens else {})  # unset: older caches keep their names
+    knobs.update({k: True for k in ("curriculum", "pack_in_order") if getattr(d, k)})  # likewise
     for jinja in [d.chat_template_jinja] + [e.chat_template_jinja for e, *_ in [*resolved, *test]]:
         if jinja and "{" not in jinja and Path(jinja).is_file():  # a template file: its contents count
             knobs.setdefault("jinja_files", []).append(hashlib.sha256(Path(jinja).read_bytes()).hexdigest())
@@ -335,7 +337,7 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
         per_dataset += t_stats
         test_parts = (t_ids, t_tgt, t_off)
     shutil.rmtree(work, ignore_errors=True)
-    order = (np.random.default_rng(d.seed).permutation(n) if d.shuffle_merged_datasets else np.arange(n))
+    order = merged_order(cfg, n, len(resolved))
     n_val = val_fraction(cfg, n)
     split = {"train": order[:n - n_val], "val": order[n - n_val:]}
     total = {k: sum(st.get(k, 0) for st in per_dataset) for k in
@@ -344,7 +346,8 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
     total["duplicates"] = sum(duplicates.values())
     result = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "datasets": per_dataset, "total": total,
               "pad_id": pad_id(tok), "eos_token": tok.eos_token, "eos_missing": eos_missing,
-              "duplicates": duplicates, "val_source": "test_datasets" if test else "val_set_size"}
+              "duplicates": duplicates, "val_source": "test_datasets" if test else "val_set_size",
+              "merged_shuffled": merged_shuffled(cfg, len(resolved))}
     eval_pack = d.sample_packing if d.eval_sample_packing is None else d.eval_sample_packing
     tokens = len(ids) + (len(test_parts[0]) if test_parts is not None else 0)
     check_room(out, 8 * tokens + 16 * (n + 1 + (len(test_parts[2]) if test_parts is not None else 0)) + 4096)
@@ -353,9 +356,9 @@ def _build_inner(cfg, resolved, tokenizer_dir, vocab_size, out: Path, progress: 
             continue
         idx, off = ragged_take(offsets, pick)
         result[name] = write_split(out / name, ids[idx], tgt[idx], off, cfg.seq_len,
-                                   d.sample_packing if name == "train" else eval_pack)
+                                   d.sample_packing if name == "train" else eval_pack, d.pack_in_order)
     if test_parts is not None:
-        result["val"] = write_split(out / "val", *test_parts, cfg.seq_len, eval_pack)
+        result["val"] = write_split(out / "val", *test_parts, cfg.seq_len, eval_pack, d.pack_in_order)
     chosen = None
     if used_templates:
         chosen = used_templates[0]
@@ -439,7 +442,8 @@ def notes_for(cfg, result: dict) -> list[str]:
     if result.get("val") and result.get("val_source") == "test_datasets":
         out.append(f"eval set: {result['val']['examples']} examples from {key('test_datasets')}")
     elif result.get("val"):
-        how = f"shuffled with seed {d.seed}" if d.shuffle_merged_datasets else "unshuffled"
+        how = f"shuffled with seed {d.seed}" if result.get("merged_shuffled", d.shuffle_merged_datasets) else \
+            "unshuffled"
         out.append(f"{key('val_set_size')}={d.val_set_size:g}: {result['val']['examples']} examples held out "
                    f"(the tail of the merged data, {how})")
     for s in result["datasets"]:
