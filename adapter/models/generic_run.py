@@ -458,14 +458,9 @@ def quantized_base_zero3(cfg, stage: int):
     stays whole on every rank: said in the first lines and counted so by `plan`. `cfg` with that note."""
     if cfg.lora is None or not cfg.lora.quantize_base or stage != 3:
         return cfg
-    if cfg.lora.quantize_experts:
-        from adapter.config import spell
-
-        raise bad(spell(cfg, "lora.quantize_experts"), True, "4-bit experts under ZeRO-3 are not built (their "
-                  "bitsandbytes parametrisation is not partitioned)", "use ZeRO-2 (deepspeed.zero_stage: 2, or "
-                  "fsdp_config.reshard_after_forward: false), which keeps the quantised base whole on every rank")
-    note = ("ZeRO-3 partitions the NF4 base's codes over the data-parallel ranks and gathers a layer's at a time "
-            "(their quantisation statistics whole on every rank)" if cfg.lora.quantize_base == "nf4" else
+    note = ("ZeRO-3 partitions the NF4 base's codes" + (" (the experts' too)" if cfg.lora.quantize_experts else "")
+            + " over the data-parallel ranks and gathers a layer's at a time (their quantisation statistics whole on "
+            "every rank)" if cfg.lora.quantize_base == "nf4" else
             "under ZeRO-3 the int8 base stays whole on every rank (LLM.int8() keeps its own reference to the codes); "
             "adapters, gradients and optimizer states are sharded")
     return cfg.model_copy(update={"notes": cfg.notes if note in cfg.notes else (*cfg.notes, note)})

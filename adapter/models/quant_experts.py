@@ -20,8 +20,9 @@ def is_expert_weight(name: str, dims: int) -> bool:
 def check(cfg) -> None:
     """What `lora.quantize_experts` needs, each in one line as Axolotl's schema refuses it (a 4/8-bit base; not with
     lora_target_linear) or where it is not built here (an 8-bit base: Axolotl's own int8 parametrisation; LoRA on the
-    quantised experts themselves, which Axolotl patches PEFT for; experts split over ep ranks; ZeRO-3:
-    generic_run.quantized_base_zero3)."""
+    quantised experts themselves, which Axolotl patches PEFT for; experts split over ep ranks). Under ZeRO-3 the codes
+    are partitioned like any frozen parameter: reading the weight calls its parametrisation module, whose hooks
+    gather them (generic_run.quantized_base_zero3)."""
     from adapter.config import spell
 
     c, key = cfg.lora, spell(cfg, "lora.quantize_experts")

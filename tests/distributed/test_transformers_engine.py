@@ -401,10 +401,11 @@ def _lora(rank, world, models, root):
     lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
-    lines = []  # quantize_moe_experts on a native mixture: `auto` takes the transformers engine; ZeRO-2 (3 refuses)
-    out["qlora experts"] = (train(_cfg(models["qwen3_moe"], f"{root}/qlora-experts", True, lora=QEXPERTS, zero=2),
-                                  log=lines.append).losses,
-                            [ln for ln in lines if ln.startswith(("engine:", "lora:"))])
+    lines = []  # quantize_moe_experts on a native mixture: `auto` takes the transformers engine; ZeRO-3 with every
+    cfg = _cfg(models["qwen3_moe"], f"{root}/qlora-experts", True, lora=QEXPERTS)  # parameter partitioned
+    cfg = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"param_persistence_threshold": 0})})
+    out["qlora experts"] = (train(cfg, log=lines.append).losses,
+                            [ln for ln in lines if ln.startswith(("engine:", "lora:")) or "base's codes" in ln])
     lines = []  # a native mixture of experts with unfrozen_parameters: `auto` takes the transformers engine
     out["moe unfrozen"] = (train(_cfg(models["qwen3_moe"], f"{root}/moe-unfrozen", True, unfrozen=UNFROZEN),
                                  log=lines.append).losses, [ln for ln in lines if ln.startswith("engine:")])
@@ -476,14 +477,15 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert "freezing parts of a mixture-of-experts model is built on the transformers engine only" in said[0], said
     _check_expert_lora(got, models, tmp_path)
     losses, said = got["qlora experts"]
-    cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qlora-experts", True, lora=QEXPERTS, zero=2)
-    want = _reference(models["qwen3_moe"], cfg)
+    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/qlora-experts", True,
+                                                lora=QEXPERTS))
     assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
     plain = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/qlora-experts", True,
-                                                 lora={**QEXPERTS, "quantize_experts": False}, zero=2))
+                                                 lora={**QEXPERTS, "quantize_experts": False}))
     assert max(rel(a, b) for a, b in zip(losses, plain)) > 1e-4, (losses, plain)  # the experts' codes count
     assert "4-bit experts are built on the transformers engine only" in said[0], said
     assert "3-D expert weights" in said[1] and "quantised too" in said[1], said
+    assert any("NF4 base's codes (the experts' too)" in ln for ln in said), said
 
 
 def _resume_one_rank(rank, world, models, root):

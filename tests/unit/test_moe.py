@@ -430,15 +430,16 @@ def test_axolotl_quantize_moe_experts_on_the_transformers_engine_and_its_refusal
     held, _, largest = footprint.quantized_base(run, 1)
     assert run.peft.experts and sum(run.peft.experts) == experts and held > experts
     assert largest == 2 * arch.num_experts * arch.hidden_size * arch.expert_ffn_hidden_size  # gate_up_proj, whole
+    p.write_text(head + qlora + attention + "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n")
+    code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")  # ZeRO-3 partitions the experts' codes too
+    assert code == 0 and "NF4 base's codes (the experts' too)" in " ".join(out.split()), err + out
     for extra, needle in (("adapter: lora\nquantize_moe_experts: true\n" + attention, "the base is 16-bit"),
                           ("adapter: lora\nload_in_8bit: true\nquantize_moe_experts: true\n" + attention,
                            "8-bit experts"),
                           (qlora + "lora_target_linear: true\n", "Axolotl refuses lora_target_linear beside it"),
                           (qlora + "lora_target_parameters: [mlp.experts.gate_up_proj]\n",
                            "LoRA on the quantised experts' own weights"),
-                          (qlora + attention + "expert_parallel_size: 2\n", "expert-parallel ranks"),
-                          (qlora + attention + "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n",
-                           "4-bit experts under ZeRO-3 are not built")):
+                          (qlora + attention + "expert_parallel_size: 2\n", "expert-parallel ranks")):
         p.write_text(head + extra)
         code, _, err = run_cli("plan", str(p), "--gpus-per-node", "2")
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (extra, err)
