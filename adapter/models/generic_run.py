@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapter.errors import bad
+from adapter.models import quant_experts
 from adapter.models.generic import meta_facts, meta_model, runs_unpacked, unsplittable
 
 _KEPT = "the other weights in the run's precision (no prepare_model_for_kbit_training fp32 upcast)"
@@ -41,6 +42,7 @@ class PeftSpec:
                                             # layer, as transformers' bitsandbytes loading skips it), the largest one
     adapter_inputs: int = 0                 # Σ in_features of the linears that carry an adapter (plan: what PEFT's
                                             # fp32 adapters keep and move of their inputs)
+    experts: tuple[int, ...] | None = None  # quantize_experts: each quantised expert weight's size (None: not asked)
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -59,6 +61,10 @@ class PeftSpec:
                 + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
                 + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
                 "the base frozen" + (f", {QUANTIZED[self.quantize_base]}" if self.quantize_base else "")
+                + ("" if self.experts is None else
+                   f"; {len(self.experts)} 3-D expert weights ({sum(self.experts) / 1e6:,.2f}M) quantised too, by "
+                   "bitsandbytes' NF4 parametrisation (Axolotl's quantize_moe_experts), dequantised at each use"
+                   if self.experts else "; quantize_moe_experts: the model has no 3-D expert weights to quantise")
                 + (f"; adapters start from {self.init_from}" if self.init_from else ""))
 
 
@@ -81,6 +87,11 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
     if not targets and not params:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
     text = json.dumps(config_json, sort_keys=True)
+    experts = None
+    if c.quantize_experts:  # Axolotl's quantize_moe_experts (adapter/models/quant_experts.py)
+        quant_experts.check(cfg)
+        experts = tuple(n for name, n, _, dims in _parameters(text, trust_remote_code, model_dir)[1]
+                        if quant_experts.is_expert_weight(name, dims))
     if params:  # Axolotl passes lora_target_modules or [] beside them: the parameters alone when none are listed
         _check_parameters(cfg, params, c.dropout, text, trust_remote_code, model_dir)
     try:
@@ -99,8 +110,11 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         key = "lora.target_linear" if c.target_linear else "lora.target_modules"
         raise bad(spell(cfg, key), c.target_modules if not c.target_linear else True, problem,
                   "name modules the model has (its linear layers' names), or use lora_target_linear: true")
+    if experts:  # plan: the expert weights quantised beside the linears, one whole 3-D weight dequantised at a time
+        linears = (linears[0] + sum(experts), max(linears[1], max(experts)))
     return dataclasses.replace(spec, added=added, trained=trained, matched=matched, linears=linears,
-                               target_modules=targets or (() if params else default), adapter_inputs=inputs)
+                               target_modules=targets or (() if params else default), adapter_inputs=inputs,
+                               experts=experts)
 
 
 def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text: str, trust_remote_code: bool,
@@ -450,8 +464,9 @@ def quantized_base_zero3(cfg, stage: int):
     stays whole on every rank: said in the first lines and counted so by `plan`. `cfg` with that note."""
     if cfg.lora is None or not cfg.lora.quantize_base or stage != 3:
         return cfg
-    note = ("ZeRO-3 partitions the NF4 base's codes over the data-parallel ranks and gathers a layer's at a time "
-            "(their quantisation statistics whole on every rank)" if cfg.lora.quantize_base == "nf4" else
+    note = ("ZeRO-3 partitions the NF4 base's codes" + (" (the experts' too)" if cfg.lora.quantize_experts else "")
+            + " over the data-parallel ranks and gathers a layer's at a time (their quantisation statistics whole on "
+            "every rank)" if cfg.lora.quantize_base == "nf4" else
             "under ZeRO-3 the int8 base stays whole on every rank (LLM.int8() keeps its own reference to the codes); "
             "adapters, gradients and optimizer states are sharded")
     return cfg.model_copy(update={"notes": cfg.notes if note in cfg.notes else (*cfg.notes, note)})

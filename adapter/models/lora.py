@@ -264,6 +264,9 @@ def check_native(cfg, arch: ModelArch) -> None:
         raise unbuilt(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "
                       "mixture-of-experts model is built on the transformers engine only",
                       "set model.engine: auto (or transformers), which freezes by transformers' own parameter names")
+    if cfg.lora is not None and cfg.lora.quantize_experts and arch.moe:
+        raise unbuilt(spell(cfg, "lora.quantize_experts"), True, "4-bit experts are built on the transformers engine "
+                      "only", "set model.engine: auto (or transformers), which quantises transformers' own experts")
     if cfg.lora is not None and cfg.lora.target_parameters:
         raise unbuilt(spell(cfg, "lora.target_parameters"), cfg.lora.target_parameters, "LoRA on parameters "
                       "(PEFT's target_parameters) is built on the transformers engine only",

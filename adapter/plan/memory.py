@@ -170,12 +170,17 @@ def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
     linears: 46.36 GiB measured with Liger, 57.4 without, where the native layer's count said 33.8 / 45.1
     (docs/BENCHMARKS.md, 2026-12-04 and 2026-12-05)."""
     inputs, arch, peft = peft_fp32_inputs(run), run.arch, run.peft
-    if not inputs or peft is None:
+    if peft is None:
         return 0
+    # 4-bit experts (quantize_experts): each layer's whole dequantised expert weights are kept for its backward (the
+    # input's gradient multiplies by them; bitsandbytes' parametrisation dequantises outside autograd)
+    experts = (2 if run.cfg.param_precision in ("bf16", "fp16") else 4) * sum(peft.experts or ())
+    if not inputs:
+        return experts
     keep = 4 * tokens * inputs
     if peft.target_modules == "all-linear" and not arch.moe:  # (a mixture's experts are not all nn.Linear)
         keep -= 2 * tokens * (2 * arch.hidden_size + arch.routed_ffn) * arch.num_layers
-    return max(0, keep)
+    return max(0, keep) + experts
 
 
 def whole_layer_graphs(cfg: RunConfig) -> bool:

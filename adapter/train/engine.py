@@ -35,6 +35,7 @@ from adapter.modeling.hf_build import (
     build_model,
     layer_classes,
     liger_available,
+    move_expert_states,
     recompute_layers,
 )
 from adapter.modeling.hf_build import (
@@ -297,7 +298,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     model = build_model(run.weights.model_dir, weights=run.weights.kind == "pretrained", dtype=dtype, seed=cfg.seed,
                         trust_remote_code=cfg.model.trust_remote_code,
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
-                        liger=liger, dequantize=cfg.model.dequantize)
+                        liger=liger, dequantize=cfg.model.dequantize,
+                        quantize_experts=run.peft is not None and bool(run.peft.experts))
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
     recomputed = recompute_layers(model) if cfg.recompute == "full" else 0  # gradient_checkpointing: transformers'
     cp = None
@@ -321,7 +323,10 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     if cfg.model.compile:  # after PEFT, TP and EP replaced modules: the graphs trace what trains
         compile_hf_layers(model, cfg.model.compile_memory_budget)
     aux = run.arch.router_aux_loss_coef if run.arch.output_router_logits else 0.0  # the load-balancing loss
-    return CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux).to(device), recomputed
+    losses = CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux).to(device)
+    if run.peft is not None and run.peft.experts:
+        move_expert_states(model, device)
+    return losses, recomputed
 
 
 def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:

@@ -145,6 +145,13 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
             target_parameters=c.target_parameters, task_type="CAUSAL_LM"))
+    if cfg.lora is not None and cfg.lora.quantize_experts:  # as Axolotl's loader (monkeypatch/moe_quant.py)
+        from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+        for name, p in list(model.named_parameters()):
+            if p.dim() >= 3 and "expert" in name.lower():
+                mod, _, pname = name.rpartition(".")
+                replace_parameter_4bit(model.get_submodule(mod), pname, compress_statistics=True, quant_type="nf4")
     if cfg.model.unfrozen_parameters is not None:  # Axolotl's freezing on the HF model
         axolotl_freeze(model, cfg.model.unfrozen_parameters)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -307,6 +314,9 @@ def test_layouts_resume_at_another_layout_and_export_on_a_dense_a_moe_and_a_hybr
 
 LORA = {"r": 4, "alpha": 8, "target_linear": True}
 QLORA = {**LORA, "quantize_base": "nf4"}
+# Axolotl's quantize_moe_experts: the attention adapted, the experts' 3-D weights NF4 beside the NF4 linears
+QEXPERTS = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "quantize_base": "nf4",
+            "quantize_experts": True}
 UNFROZEN = ["^model.layers.1.", "^lm_head.weight[:512]"]
 EXPERTS = {"r": 4, "alpha": 8, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
 
@@ -391,6 +401,11 @@ def _lora(rank, world, models, root):
     lines = []  # unfrozen_parameters on transformers' names: one layer and half of lm_head's rows
     out["unfrozen"] = train(_cfg(models["phi"], f"{root}/unfrozen", True, unfrozen=UNFROZEN), log=lines.append).losses
     out["unfrozen said"] = [ln for ln in lines if "tensors trained" in ln]
+    lines = []  # quantize_moe_experts on a native mixture: `auto` takes the transformers engine; ZeRO-3 with every
+    cfg = _cfg(models["qwen3_moe"], f"{root}/qlora-experts", True, lora=QEXPERTS)  # parameter partitioned
+    cfg = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"param_persistence_threshold": 0})})
+    out["qlora experts"] = (train(cfg, log=lines.append).losses,
+                            [ln for ln in lines if ln.startswith(("engine:", "lora:")) or "base's codes" in ln])
     lines = []  # a native mixture of experts with unfrozen_parameters: `auto` takes the transformers engine
     out["moe unfrozen"] = (train(_cfg(models["qwen3_moe"], f"{root}/moe-unfrozen", True, unfrozen=UNFROZEN),
                                  log=lines.append).losses, [ln for ln in lines if ln.startswith("engine:")])
@@ -461,6 +476,16 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
     assert "freezing parts of a mixture-of-experts model is built on the transformers engine only" in said[0], said
     _check_expert_lora(got, models, tmp_path)
+    losses, said = got["qlora experts"]
+    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/qlora-experts", True,
+                                                lora=QEXPERTS))
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    plain = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/qlora-experts", True,
+                                                 lora={**QEXPERTS, "quantize_experts": False}))
+    assert max(rel(a, b) for a, b in zip(losses, plain)) > 1e-4, (losses, plain)  # the experts' codes count
+    assert "4-bit experts are built on the transformers engine only" in said[0], said
+    assert "3-D expert weights" in said[1] and "quantised too" in said[1], said
+    assert any("NF4 base's codes (the experts' too)" in ln for ln in said), said
 
 
 def _resume_one_rank(rank, world, models, root):

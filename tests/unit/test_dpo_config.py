@@ -170,7 +170,7 @@ def test_held_out_pairs(tmp_path):
             "dataset_prepared_path": str(tmp_path / "prep")}
     cfg = config.build({**base, "val_set_size": 0.3}, env={})
     pairs = preference.prepare_pairs(cfg, tok_dir, source.vocab_rows(cfg))
-    train, held = preference.split(cfg, 7, 1)
+    train, held = preference.split(cfg, 7)
     assert len(held) == 3 and sorted([*train, *held]) == list(range(7))  # ceil(0.3 · 7)
     assert pairs.val is not None and pairs.val.rows.tolist() == held.tolist() and pairs.train.rows.tolist() == [
         *train]

@@ -403,3 +403,43 @@ def test_lora_flops_count_the_weights_a_token_passes_through(name):
     adapters = spec.r * sum(t.linear.inp + t.linear.out for t in spec.targets)
     attention = 12 * arch.num_layers * arch.num_heads * arch.head_dim * 4096
     assert lora.flops_per_token(spec, arch, 4096) == 4 * counts.matmul_params(arch) + 6 * adapters + attention
+
+
+def test_axolotl_quantize_moe_experts_on_the_transformers_engine_and_its_refusals(tmp_path):
+    """Axolotl's `quantize_moe_experts` (its Qwen3.5 / GLM / Nemotron QLoRA examples): the native family moves to the
+    transformers engine, plan counts the experts' 3-D weights as 4-bit (the loss equality is
+    tests/distributed/test_transformers_engine.py); what Axolotl's schema refuses beside it, and what is not built,
+    one line each."""
+    from adapter import config
+    from adapter.models import footprint
+    from adapter.models.resolved import resolve_run
+
+    head = (f"base_model: {MODELS / 'qwen3-30b-a3b'}\nsequence_len: 2048\nmax_steps: 1\nlearning_rate: 1e-4\n"
+            "lora_r: 8\nlora_alpha: 16\n")
+    qlora = "adapter: qlora\nload_in_4bit: true\nquantize_moe_experts: true\n"
+    attention = "lora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
+    p = tmp_path / "ok.yaml"
+    p.write_text(head + qlora + attention)
+    code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")
+    flat = " ".join(out.split())
+    assert code == 0 and "transformers' own Qwen3MoeForCausalLM" in flat and "quantised too" in flat, err + out
+    cfg = config.load(p, world_size=2)
+    run = resolve_run(cfg)
+    arch = load_arch(MODELS / "qwen3-30b-a3b")
+    experts = arch.num_layers * 3 * arch.num_experts * arch.hidden_size * arch.expert_ffn_hidden_size
+    held, _, largest = footprint.quantized_base(run, 1)
+    assert run.peft.experts and sum(run.peft.experts) == experts and held > experts
+    assert largest == 2 * arch.num_experts * arch.hidden_size * arch.expert_ffn_hidden_size  # gate_up_proj, whole
+    p.write_text(head + qlora + attention + "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n")
+    code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")  # ZeRO-3 partitions the experts' codes too
+    assert code == 0 and "NF4 base's codes (the experts' too)" in " ".join(out.split()), err + out
+    for extra, needle in (("adapter: lora\nquantize_moe_experts: true\n" + attention, "the base is 16-bit"),
+                          ("adapter: lora\nload_in_8bit: true\nquantize_moe_experts: true\n" + attention,
+                           "8-bit experts"),
+                          (qlora + "lora_target_linear: true\n", "Axolotl refuses lora_target_linear beside it"),
+                          (qlora + "lora_target_parameters: [mlp.experts.gate_up_proj]\n",
+                           "LoRA on the quantised experts' own weights"),
+                          (qlora + attention + "expert_parallel_size: 2\n", "expert-parallel ranks")):
+        p.write_text(head + extra)
+        code, _, err = run_cli("plan", str(p), "--gpus-per-node", "2")
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (extra, err)
