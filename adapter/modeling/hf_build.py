@@ -42,8 +42,8 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     (`apply_liger`). `dequantize` (model.dequantize): an MXFP4 / FP8 checkpoint's codes turned into `dtype` weights by
     transformers' own loader (its quantization class with dequantize=True, as Axolotl passes it), which then drops
     the quantization config, so the export is a 16-bit checkpoint; a random model in its shape drops it too.
-    `quantize_experts` (with `quantize` nf4): the mixture's 3-D expert weights quantised as well
-    (`quantize_expert_weights`)."""
+    `quantize_experts`: the mixture's 3-D expert weights quantised as well, in `quantize`'s format
+    (adapter/modeling/hf_quant_experts.py)."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -57,7 +57,9 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     if quantize:
         model = _quantized(cls, config, model_dir if weights else None, dtype=dtype, quantize=quantize, kw=kw)
         if quantize_experts:
-            quantize_expert_weights(model)
+            from adapter.modeling.hf_quant_experts import quantize_expert_weights
+
+            quantize_expert_weights(model, quantize)
     elif weights:
         if dequantize:
             from transformers.quantizers.auto import AutoQuantizationConfig
@@ -131,32 +133,6 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
             model = cls.from_pretrained(model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
     one_cpu_path(model)  # eval-mode forwards (the eval, reference tables) compute as training ones on any CPU
     return model
-
-
-def quantize_expert_weights(model) -> int:
-    """Axolotl's quantize_moe_experts on the loaded model: every 3-D expert weight (models/quant_experts.py's rule)
-    replaced by its NF4 codes through bitsandbytes' own parametrisation (double quantisation, blocks of 64), which
-    dequantises the whole weight at each use, as Axolotl's loader does (on the CPU here, where this engine builds
-    the model: the same codes bitsandbytes makes on a GPU). Returns how many were quantised."""
-    from bitsandbytes.nn.parametrize import replace_parameter_4bit
-
-    from adapter.models.quant_experts import is_expert_weight
-
-    todo = [(name.rpartition(".")[0], name.rpartition(".")[2]) for name, p in model.named_parameters()
-            if is_expert_weight(name, p.dim())]
-    for mod, pname in todo:
-        replace_parameter_4bit(model.get_submodule(mod), pname, compress_statistics=True, quant_type="nf4")
-    return len(todo)
-
-
-def move_expert_states(model, device) -> None:
-    """bitsandbytes' parametrisation keeps a quantised weight's statistics (QuantState) outside the module's tensors,
-    so `model.to(device)` moves the codes but not them: moved here after it."""
-    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
-
-    for m in model.modules():
-        if isinstance(m, Bnb4bitParametrization):
-            m.quant_state.to(device)
 
 
 def add_peft(model, spec, *, seed: int):

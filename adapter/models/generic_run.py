@@ -62,8 +62,10 @@ class PeftSpec:
                 + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
                 "the base frozen" + (f", {QUANTIZED[self.quantize_base]}" if self.quantize_base else "")
                 + ("" if self.experts is None else
-                   f"; {len(self.experts)} 3-D expert weights ({sum(self.experts) / 1e6:,.2f}M) quantised too, by "
-                   "bitsandbytes' NF4 parametrisation (Axolotl's quantize_moe_experts), dequantised at each use"
+                   f"; {len(self.experts)} 3-D expert weights ({sum(self.experts) / 1e6:,.2f}M) quantised too, "
+                   + ("by bitsandbytes' NF4 parametrisation" if self.quantize_base == "nf4" else
+                      "in int8 by Axolotl's parametrisation (bitsandbytes' row-wise absmax)")
+                   + " (Axolotl's quantize_moe_experts), dequantised at each use"
                    if self.experts else "; quantize_moe_experts: the model has no 3-D expert weights to quantise")
                 + (f"; adapters start from {self.init_from}" if self.init_from else ""))
 

@@ -1,9 +1,8 @@
 """Axolotl's `quantize_moe_experts` (`lora.quantize_experts`): a mixture's fused 3-D expert weights, which
-transformers keeps as parameters of their own and bitsandbytes' 4-bit loading leaves 16-bit, quantised to NF4 too by
-bitsandbytes' parametrisation (`replace_parameter_4bit`, double quantisation), as Axolotl's loader does at 067b021
-(monkeypatch/moe_quant.py): each use dequantises the whole weight (a layer's experts at once). The transformers engine
-only (a native family's run moves there: lora.check_native); torch-free facts here, the quantising in
-adapter/modeling/hf_build.py.
+transformers keeps as parameters of their own and bitsandbytes' 4/8-bit loading leaves 16-bit, quantised too, in the
+base's format (NF4 or int8), through a parametrisation as Axolotl's loader does at 067b021 (monkeypatch/moe_quant.py):
+each use dequantises the whole weight (a layer's experts at once). The transformers engine only (a native family's
+run moves there: lora.check_native); torch-free facts here, the quantising in adapter/modeling/hf_quant_experts.py.
 """
 from __future__ import annotations
 
@@ -19,17 +18,15 @@ def is_expert_weight(name: str, dims: int) -> bool:
 
 def check(cfg) -> None:
     """What `lora.quantize_experts` needs, each in one line as Axolotl's schema refuses it (a 4/8-bit base; not with
-    lora_target_linear) or where it is not built here (an 8-bit base: Axolotl's own int8 parametrisation; LoRA on the
-    quantised experts themselves, which Axolotl patches PEFT for; experts split over ep ranks). Under ZeRO-3 the codes
-    are partitioned like any frozen parameter: reading the weight calls its parametrisation module, whose hooks
-    gather them (generic_run.quantized_base_zero3)."""
+    lora_target_linear) or where it is not built here (LoRA on the quantised experts themselves, which Axolotl
+    patches PEFT for; experts split over ep ranks). Under ZeRO-3 the codes are partitioned like any frozen
+    parameter: reading the weight calls its parametrisation module, whose hooks gather them
+    (generic_run.quantized_base_zero3)."""
     from adapter.config import spell
 
     c, key = cfg.lora, spell(cfg, "lora.quantize_experts")
     problem = (("it quantises the experts as the base is quantised, and the base is 16-bit",
                 "set load_in_4bit: true (adapter: qlora), or remove it") if not c.quantize_base else
-               ("8-bit experts (Axolotl's int8 parametrisation) are not built", "use load_in_4bit: true, or remove it")
-               if c.quantize_base == "int8" else
                ("Axolotl refuses lora_target_linear beside it", "list lora_target_modules instead")
                if c.target_linear else
                ("LoRA on the quantised experts' own weights (lora_target_parameters) is not built",

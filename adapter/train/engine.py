@@ -35,12 +35,12 @@ from adapter.modeling.hf_build import (
     build_model,
     layer_classes,
     liger_available,
-    move_expert_states,
     recompute_layers,
 )
 from adapter.modeling.hf_build import (
     compile_layers as compile_hf_layers,
 )
+from adapter.modeling.hf_quant_experts import move_expert_states
 from adapter.modeling.lora import add_adapters, load_state
 from adapter.modeling.moe import deposit_expert_grads
 from adapter.modeling.quant import quantize_base

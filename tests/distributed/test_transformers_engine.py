@@ -146,12 +146,7 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
             r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
             target_parameters=c.target_parameters, task_type="CAUSAL_LM"))
     if cfg.lora is not None and cfg.lora.quantize_experts:  # as Axolotl's loader (monkeypatch/moe_quant.py)
-        from bitsandbytes.nn.parametrize import replace_parameter_4bit
-
-        for name, p in list(model.named_parameters()):
-            if p.dim() >= 3 and "expert" in name.lower():
-                mod, _, pname = name.rpartition(".")
-                replace_parameter_4bit(model.get_submodule(mod), pname, compress_statistics=True, quant_type="nf4")
+        _axolotl_quantize_experts(model, cfg.lora.quantize_base)
     if cfg.model.unfrozen_parameters is not None:  # Axolotl's freezing on the HF model
         axolotl_freeze(model, cfg.model.unfrozen_parameters)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -174,6 +169,37 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
     if model_out is not None:
         model_out.append(model)
     return losses
+
+
+def _axolotl_quantize_experts(model, fmt: str) -> None:
+    """Axolotl 067b021's quantize_moe_experts (monkeypatch/moe_quant.py), on every >= 3-D parameter naming an expert:
+    bitsandbytes' replace_parameter_4bit for a 4-bit base; for an 8-bit one Axolotl's own parametrisation (int8 codes
+    of the fp16 weight, dequantised by int8_vectorwise_dequant), written out from its source, with the weight seen as
+    rows of its last dimension (bitsandbytes' CUDA op does that itself, its CPU op needs it done)."""
+    import bitsandbytes.functional as bnbf
+    import torch
+    import torch.nn.utils.parametrize as P
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    class Bnb8bitParametrization(torch.nn.Module):
+        def __init__(self, row_stats):
+            super().__init__()
+            self.register_buffer("row_stats", row_stats)
+
+        @torch.no_grad()
+        def forward(self, q):
+            return bnbf.int8_vectorwise_dequant(q.reshape(-1, q.shape[-1]), self.row_stats).reshape(q.shape)
+
+    for name, p in list(model.named_parameters()):
+        if p.dim() >= 3 and "expert" in name.lower():
+            mod, _, pname = name.rpartition(".")
+            module = model.get_submodule(mod)
+            if fmt == "nf4":
+                replace_parameter_4bit(module, pname, compress_statistics=True, quant_type="nf4")
+                continue
+            codes, stats, _ = bnbf.int8_vectorwise_quant(p.data.reshape(-1, p.shape[-1]).to(torch.float16))
+            setattr(module, pname, torch.nn.Parameter(codes.reshape(p.shape), requires_grad=False))
+            P.register_parametrization(module, pname, Bnb8bitParametrization(stats), unsafe=True)
 
 
 def _same_weights(exported: str, model) -> None:
@@ -317,6 +343,7 @@ QLORA = {**LORA, "quantize_base": "nf4"}
 # Axolotl's quantize_moe_experts: the attention adapted, the experts' 3-D weights NF4 beside the NF4 linears
 QEXPERTS = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "quantize_base": "nf4",
             "quantize_experts": True}
+INT8_EXPERTS = {**QEXPERTS, "quantize_base": "int8"}
 UNFROZEN = ["^model.layers.1.", "^lm_head.weight[:512]"]
 EXPERTS = {"r": 4, "alpha": 8, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
 
@@ -406,6 +433,9 @@ def _lora(rank, world, models, root):
     cfg = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"param_persistence_threshold": 0})})
     out["qlora experts"] = (train(cfg, log=lines.append).losses,
                             [ln for ln in lines if ln.startswith(("engine:", "lora:")) or "base's codes" in ln])
+    lines = []  # the same with an 8-bit base: Axolotl's own int8 parametrisation of the experts
+    out["int8 experts"] = (train(_cfg(models["qwen3_moe"], f"{root}/int8-experts", True, lora=INT8_EXPERTS),
+                                 log=lines.append).losses, [ln for ln in lines if ln.startswith("lora:")])
     lines = []  # a native mixture of experts with unfrozen_parameters: `auto` takes the transformers engine
     out["moe unfrozen"] = (train(_cfg(models["qwen3_moe"], f"{root}/moe-unfrozen", True, unfrozen=UNFROZEN),
                                  log=lines.append).losses, [ln for ln in lines if ln.startswith("engine:")])
@@ -486,6 +516,14 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     for needle in ("4-bit experts are built on the transformers engine only", "3-D expert weights (",
                    "NF4 base's codes (the experts' too)"):
         assert any(needle in ln for ln in said), (needle, said)
+    losses, said = got["int8 experts"]
+    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/int8-experts", True,
+                                                lora=INT8_EXPERTS))
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    plain = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/int8-experts", True,
+                                                 lora={**INT8_EXPERTS, "quantize_experts": False}))
+    assert max(rel(a, b) for a, b in zip(losses, plain)) > 1e-5, (losses, plain)
+    assert "in int8 by Axolotl's parametrisation" in said[0], said
 
 
 def _resume_one_rank(rank, world, models, root):

@@ -433,9 +433,10 @@ def test_axolotl_quantize_moe_experts_on_the_transformers_engine_and_its_refusal
     p.write_text(head + qlora + attention + "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n")
     code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")  # ZeRO-3 partitions the experts' codes too
     assert code == 0 and "NF4 base's codes (the experts' too)" in " ".join(out.split()), err + out
+    p.write_text(head + "adapter: lora\nload_in_8bit: true\nquantize_moe_experts: true\n" + attention)
+    code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")  # GLM-4.7-Flash's examples: an 8-bit base
+    assert code == 0 and "in int8 by Axolotl's parametrisation" in " ".join(out.split()), err + out
     for extra, needle in (("adapter: lora\nquantize_moe_experts: true\n" + attention, "the base is 16-bit"),
-                          ("adapter: lora\nload_in_8bit: true\nquantize_moe_experts: true\n" + attention,
-                           "8-bit experts"),
                           (qlora + "lora_target_linear: true\n", "Axolotl refuses lora_target_linear beside it"),
                           (qlora + "lora_target_parameters: [mlp.experts.gate_up_proj]\n",
                            "LoRA on the quantised experts' own weights"),
