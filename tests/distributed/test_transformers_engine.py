@@ -433,6 +433,12 @@ def _lora(rank, world, models, root):
     cfg = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"param_persistence_threshold": 0})})
     out["qlora experts"] = (train(cfg, log=lines.append).losses,
                             [ln for ln in lines if ln.startswith(("engine:", "lora:")) or "base's codes" in ln])
+    ck = f"{root}/qlora-experts-ckpt"  # saved at step 2 (adapters and optimizer), resumed: the base quantised again
+    train(cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"max_steps": 2}),
+                                 "checkpoint": cfg.checkpoint.model_copy(update={"dir": ck})}), log=lambda s: None)
+    resumed = train(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"dir": ck})}),
+                    resume=True, log=lambda s: None)
+    out["qlora experts resumed"] = (resumed.start_step, resumed.losses)
     lines = []  # the same with an 8-bit base: Axolotl's own int8 parametrisation of the experts
     out["int8 experts"] = (train(_cfg(models["qwen3_moe"], f"{root}/int8-experts", True, lora=INT8_EXPERTS),
                                  log=lines.append).losses, [ln for ln in lines if ln.startswith("lora:")])
@@ -516,6 +522,7 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     for needle in ("4-bit experts are built on the transformers engine only", "3-D expert weights (",
                    "NF4 base's codes (the experts' too)"):
         assert any(needle in ln for ln in said), (needle, said)
+    assert got["qlora experts resumed"] == (2, losses[2:]), (got["qlora experts resumed"], losses)
     losses, said = got["int8 experts"]
     want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/int8-experts", True,
                                                 lora=INT8_EXPERTS))
