@@ -513,24 +513,24 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     assert "freezing parts of a mixture-of-experts model is built on the transformers engine only" in said[0], said
     _check_expert_lora(got, models, tmp_path)
     losses, said = got["qlora experts"]
-    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/qlora-experts", True,
-                                                lora=QEXPERTS))
-    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
-    plain = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/qlora-experts", True,
-                                                 lora={**QEXPERTS, "quantize_experts": False}))
-    assert max(rel(a, b) for a, b in zip(losses, plain)) > 1e-4, (losses, plain)  # the experts' codes count
+    _same_as_quantized_experts(losses, QEXPERTS, f"{tmp_path}/qlora-experts", models, apart=1e-4)
     for needle in ("4-bit experts are built on the transformers engine only", "3-D expert weights (",
                    "NF4 base's codes (the experts' too)"):
         assert any(needle in ln for ln in said), (needle, said)
     assert got["qlora experts resumed"] == (2, losses[2:]), (got["qlora experts resumed"], losses)
     losses, said = got["int8 experts"]
-    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/int8-experts", True,
-                                                lora=INT8_EXPERTS))
-    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
-    plain = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], f"{tmp_path}/int8-experts", True,
-                                                 lora={**INT8_EXPERTS, "quantize_experts": False}))
-    assert max(rel(a, b) for a, b in zip(losses, plain)) > 1e-5, (losses, plain)
+    _same_as_quantized_experts(losses, INT8_EXPERTS, f"{tmp_path}/int8-experts", models, apart=1e-5)
     assert "in int8 by Axolotl's parametrisation" in said[0], said
+
+
+def _same_as_quantized_experts(losses, lora: dict, root: str, models, apart: float) -> None:
+    """`losses` equal transformers + PEFT with Axolotl's quantised experts (`lora`) and at least `apart` away from the
+    same run with 16-bit experts: the experts' codes are what it trained on."""
+    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], root, True, lora=lora))
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    plain = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], root, True,
+                                                 lora={**lora, "quantize_experts": False}))
+    assert max(rel(a, b) for a, b in zip(losses, plain)) > apart, (losses, plain)
 
 
 def _resume_one_rank(rank, world, models, root):
