@@ -1,0 +1,27 @@
+#!/bin/bash
+# One device call of the GPU host (run with carry [".whl"]): install the carried wheels (../shared/tools/gpu-wheels.sh;
+# for `suite`, also pytest-xdist and execnet from /opt/pypi/files), then run the named parts in order while time is
+# left, each part's log under $OUT. A session's device budget rarely allows two calls after failed starts: `suite`
+# runs the whole GPU suite on two pytest workers (file by file) so that it fits one call.
+# usage: bash bench/gpu_batch.sh DEADLINE_S part...
+#   parts: suite | suite-a | suite-b | cmp-<shape> (bench/compare.py --axolotl, beside transformers + Liger; the MoE
+#          shape beside transformers' grouped_mm at micro-batch 1) | plancheck | dpoattn
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+end=$(( $(date +%s) + $1 )); shift
+left() { echo $(( end - $(date +%s) )); }
+for part in "$@"; do
+  t=$(left); [ "$t" -lt 40 ] && { echo "SKIP $part (no time)"; continue; }
+  echo "=== $part (${t}s left) $(date -u +%H:%M:%S)"
+  case $part in
+    suite) timeout $t python3 -m pytest -m gpu tests/gpu -n 2 --dist loadfile -q -p no:cacheprovider --durations=12 > $OUT/suite.log 2>&1; echo rc=$?; tail -30 $OUT/suite.log;;
+    suite-a) timeout $t python3 -m pytest -m gpu tests/gpu/test_shared_gpu.py tests/gpu/test_fusions.py tests/gpu/test_train.py -q -p no:cacheprovider --durations=10 > $OUT/suite-a.log 2>&1; echo rc=$?; tail -25 $OUT/suite-a.log;;
+    suite-b) timeout $t python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --durations=10 --ignore tests/gpu/test_shared_gpu.py --ignore tests/gpu/test_fusions.py --ignore tests/gpu/test_train.py > $OUT/suite-b.log 2>&1; echo rc=$?; tail -25 $OUT/suite-b.log;;
+    cmp-*) s=${part#cmp-}; peer="=hf-liger"; mb=2; [ $s = qwen3-moe-8l ] && { peer="=hf"; mb=1; }
+      timeout $t python3 bench/compare.py --gpus 1 --axolotl --shape $s --micro-batch $mb --steps 10 --only "=nd-adapter Axolotl YAML ($s)" "$peer" --log-dir $OUT/cmp-$s > $OUT/cmp-$s.log 2>&1; echo rc=$?; tail -12 $OUT/cmp-$s.log;;
+    plancheck) timeout $t python3 bench/plan_check.py --out $OUT/pc --timeout 150 > $OUT/pc.log 2>&1; echo rc=$?; tail -20 $OUT/pc.log;;
+    dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"
