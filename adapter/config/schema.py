@@ -341,8 +341,8 @@ class LoraSection(_Strict):
     quantize_base: Literal["nf4", "int8"] | None = Field(
         None, description="the frozen base's decoder linears quantised: nf4 (QLoRA, Axolotl's load_in_4bit) or int8 "
                           "(load_in_8bit); null keeps them 16-bit")
-    quantize_experts: bool = Field(False, description="a mixture's 3-D expert weights quantised too, in NF4 as "
-                                   "bitsandbytes' parametrisation does it (Axolotl's quantize_moe_experts)")
+    quantize_experts: bool = Field(False, description="a mixture's 3-D expert weights quantised too, in the base's "
+                                   "format, as Axolotl's quantize_moe_experts does it")
 
 
 class RunConfig(RLFields, _Strict):

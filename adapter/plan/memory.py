@@ -172,7 +172,7 @@ def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
     inputs, arch, peft = peft_fp32_inputs(run), run.arch, run.peft
     if peft is None:
         return 0
-    # 4-bit experts (quantize_experts): each layer's whole dequantised expert weights are kept for its backward (the
+    # quantised experts (quantize_experts): each layer's whole dequantised expert weights are kept for its backward (the
     # input's gradient multiplies by them; bitsandbytes' parametrisation dequantises outside autograd)
     experts = (2 if run.cfg.param_precision in ("bf16", "fp16") else 4) * sum(peft.experts or ())
     if not inputs:

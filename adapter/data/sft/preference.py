@@ -199,7 +199,7 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
 def split(cfg, n: int, datasets: int = 1, *, shuffled: bool = False,
           held: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(training, held-out) indices of n prepared rows of `datasets` datasets for val_set_size (none where `held` is
-    off: test_datasets give them): the tail of the merged order (prepare.merged_order: the seed's permutation, or
+    off: test_datasets give them): the tail of the merged order (order.merged_order: the seed's permutation, or
     the rows in order); the training ones in their prepared order, or in the merged order where the rows are
     trained in it (`shuffled`: KTO, whose TRL trainer samples its rows in this order; data.curriculum)."""
     order = merged_order(cfg, n, datasets)
