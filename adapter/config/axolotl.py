@@ -62,8 +62,8 @@ KNOWN = MARKERS | {
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
-    "auto_resume_from_checkpoints", "trust_remote_code", "mean_resizing_embeddings", "model_quantization_config",
-    "model_quantization_config_kwargs",
+    "auto_resume_from_checkpoints", "trust_remote_code", "save_strategy", "mean_resizing_embeddings",
+    "model_quantization_config", "model_quantization_config_kwargs",
 } | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -178,7 +178,8 @@ _SPELLED = {native: key for key, native in (MAP | LORA_MAP).items()} | {
                                                       "precision": "bf16 / fp16", "lora": "adapter",
                                                       "model.output_router_logits":
                                                           "model_config.output_router_logits",
-                                                      "model.dequantize": "model_quantization_config"}
+                                                      "model.dequantize": "model_quantization_config",
+                                                      "checkpoint.export_hf": "output_dir"}
 
 
 def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
