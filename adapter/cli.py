@@ -83,8 +83,8 @@ def cmd_plan(args) -> int:
         print(found.model_dump_json(indent=2)) if args.format == "json" else render_search(found, top=args.top)
         return 0
     cfg = source.load_config(args.config, overrides={**config.parse_sets(args.set), **flags}, world_size=world)
-    run = resolve_run(cfg)  # the model's reasons first, then the data's that need no file: what preprocess refuses
-    check_choices(cfg)
+    run = resolve_run(cfg, gpu=True)  # the model's reasons first, then the data's that need no file: what
+    check_choices(cfg)  # preprocess refuses; plan plans for GPUs
     doc = build_plan(run, config_path=args.config, gpu_mem_gib=args.gpu_mem_gib)
     doc.notes.extend(_resume_note(cfg, doc.model["architecture"]))
     if args.format == "json":

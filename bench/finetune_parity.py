@@ -109,6 +109,7 @@ def run_ours(out: Path, paths: dict, a) -> list[float]:
     else:  # no converted checkpoint named: the run converts base_model's weights into its cache itself
         shutil.rmtree(out / "weights-cache", ignore_errors=True)
         model = {"path": str(paths["model"]), "init": "pretrained", "cache_dir": str(out / "weights-cache")}
+    model["compile"] = False  # eager, as the reference runs (compiled layers have their own tests)
     cfg = {"model": model, "seq_len": a.seq, "precision": a.precision,
            "batch": {"micro_batch_size": a.mbs, "gradient_accumulation_steps": 1},
            "optimizer": {"lr": a.lr, "schedule": "constant", "warmup_steps": 0, "max_steps": a.steps,

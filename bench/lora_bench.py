@@ -54,7 +54,7 @@ def predicted(sets: list[str]) -> dict:
 
     over = [sets[i + 1] for i in range(0, len(sets), 2)]
     cfg = config.load(ROOT / CONFIG, overrides=config.parse_sets(over), world_size=1)
-    plan = build_plan(resolve_run(cfg), config_path=str(ROOT / CONFIG))
+    plan = build_plan(resolve_run(cfg, gpu=True), config_path=str(ROOT / CONFIG))
     return {"tokens_per_s_per_gpu": round(plan.predicted.tokens_per_s_per_gpu),
             "peak_gib": round(plan.memory.peak / 2**30, 2)}
 

@@ -203,8 +203,9 @@ def _plan(cfg_name: str, overrides: dict, gpus: int):
     from adapter.plan.build import build_plan
 
     path = ROOT / "bench/configs" / f"{cfg_name}.yaml"
-    cfg = config.load(path, overrides=overrides, world_size=gpus)
-    return build_plan(resolve_run(cfg), config_path=str(path))
+    # every recorded run before the fused linear CE's `auto` default computed whole logits, unless its row says
+    cfg = config.load(path, overrides={"model.fused_linear_ce": False, **overrides}, world_size=gpus)
+    return build_plan(resolve_run(cfg, gpu=True), config_path=str(path))
 
 
 def predict(cfg_name: str, overrides: dict, gpus: int) -> dict:

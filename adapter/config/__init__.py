@@ -5,6 +5,7 @@ dialect (`axolotl.py`: its booleans and numbers read in `axolotl_values.py`, its
 a validated, frozen `RunConfig`."""
 from adapter.config.load import (
     build,
+    compile_note,
     load,
     model_path_of,
     parse_sets,
@@ -16,5 +17,5 @@ from adapter.config.load import (
 )
 from adapter.config.schema import RunConfig, set_dotted
 
-__all__ = ["RunConfig", "build", "load", "model_path_of", "parse_sets", "read_yaml", "resolve_model_path",
-           "set_dotted", "setting", "spell", "with_grad_accum"]
+__all__ = ["RunConfig", "build", "compile_note", "load", "model_path_of", "parse_sets", "read_yaml",
+           "resolve_model_path", "set_dotted", "setting", "spell", "with_grad_accum"]

@@ -62,8 +62,8 @@ KNOWN = MARKERS | {
     "wandb_entity", "wandb_mode", "unfrozen_parameters", "pretraining_dataset", "reinit_weights", "save_only_model",
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
-    "auto_resume_from_checkpoints", "trust_remote_code", "mean_resizing_embeddings", "model_quantization_config",
-    "model_quantization_config_kwargs",
+    "auto_resume_from_checkpoints", "trust_remote_code", "save_strategy", "mean_resizing_embeddings",
+    "model_quantization_config", "model_quantization_config_kwargs",
 } | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -178,7 +178,8 @@ _SPELLED = {native: key for key, native in (MAP | LORA_MAP).items()} | {
                                                       "precision": "bf16 / fp16", "lora": "adapter",
                                                       "model.output_router_logits":
                                                           "model_config.output_router_logits",
-                                                      "model.dequantize": "model_quantization_config"}
+                                                      "model.dequantize": "model_quantization_config",
+                                                      "checkpoint.export_hf": "output_dir"}
 
 
 def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:
@@ -201,8 +202,8 @@ def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ign
     over = raw.get("model_config", raw.get("overrides_of_model_config")) or {}
     if "output_router_logits" in over:  # the only override mapped (axolotl_scope refuses the rest)
         set_dotted(out, "model.output_router_logits", over["output_router_logits"])
-    if enabled(raw.get("torch_compile")):  # a speed key: compiled layers where the layout allows (config/load.py)
-        set_dotted(out, "model.compile", "auto")
+    if "torch_compile" in raw:  # a speed key: compiled wherever the layout lets it (config/load.py); unset: auto
+        set_dotted(out, "model.compile", "if_possible" if enabled(raw["torch_compile"]) else False)
     liger = [k for k in typing.get_args(LigerKernel) if enabled(raw.get(f"liger_{k}"))]
     if liger:  # honoured on the transformers engine (adapter/modeling/hf_build.py); the native engine notes them
         set_dotted(out, "model.liger", liger)

@@ -13,7 +13,7 @@ from adapter.config.values import check_path, check_tree
 from adapter.errors import bad
 
 # Keys that choose a peer's kernels: nd-adapter always runs its own (adapter/kernels: SDPA attention, fused RoPE,
-# SwiGLU and vocab-parallel cross-entropy), so they get one line saying so.
+# SwiGLU and its fused linear cross-entropy), so they get one line saying so.
 KERNEL_KEYS = {"attn_implementation", "flash_attention", "sdp_attention", "xformers_attention", "flex_attention",
                "sage_attention", "eager_attention", "flash_attn_cross_entropy", "flash_attn_fuse_mlp",
                "flash_attn_rms_norm", "flash_optimum", "cut_cross_entropy", "liger_rope", "liger_rms_norm",
@@ -174,7 +174,7 @@ def kernel_note(raw: dict[str, Any], ignored: list[str]) -> str | None:
     if not named:
         return None
     liger = any(k.startswith("liger_") for k in named)
-    return ("kernels: nd-adapter's own are used (SDPA attention, fused RoPE, SwiGLU and vocab-parallel cross-entropy)"
+    return ("kernels: nd-adapter's own are used (SDPA attention, fused RoPE, SwiGLU and a fused linear cross-entropy)"
             f", not the ones named by {', '.join(named)}"
             + ("; on the transformers engine Liger's named kernels are applied (model.liger)" if liger else ""))
 

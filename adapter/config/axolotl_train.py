@@ -172,13 +172,45 @@ def map_schedule(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> 
     if raw.get("max_steps") is None and raw.get("num_epochs") is None:
         set_dotted(out, "optimizer.num_epochs", 1.0)
         notes.append("num_epochs: 1 (Axolotl's default: neither num_epochs nor max_steps is set)")
-    if raw.get("save_steps") is None and raw.get("saves_per_epoch") is None and raw.get("datasets"):
-        set_dotted(out, "checkpoint.saves_per_epoch", 1)  # Axolotl's save_strategy "epoch"
+    if not map_save_strategy(raw, out, notes) and raw.get("save_steps") is None \
+            and raw.get("saves_per_epoch") is None and raw.get("datasets"):
+        set_dotted(out, "checkpoint.saves_per_epoch", 1)  # Axolotl's default save_strategy "epoch"
     if raw.get("save_total_limit") is None:
         set_dotted(out, "checkpoint.keep_last", 4)  # Axolotl's default save_total_limit
     if raw.get("output_dir") is not None:  # Axolotl's convention: checkpoints and the final model in output_dir
         set_dotted(out, "checkpoint.export_hf", raw["output_dir"])
     map_best(raw, out, notes)
+
+
+def map_save_strategy(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> bool:
+    """HF's save_strategy as Axolotl passes it (core/builders/base.py): save_steps wins ("steps"); else the value;
+    else "epoch". "no" writes no checkpoint at all, and output_dir still gets the trained model at the end
+    (Axolotl's save_model). True when it decided the cadence."""
+    value = raw.get("save_strategy")
+    value = "no" if value is False else value  # YAML 1.1 reads an unquoted no as false
+    if value is None or value == "best":  # "best": map_best refuses it
+        return False
+    if value not in ("no", "steps", "epoch"):
+        raise bad("save_strategy", value, "not one of HF's save strategies", 'set "no", "steps" or "epoch"')
+    if raw.get("save_steps") is not None and value != "steps":  # Axolotl's own check (schemas/validation.py)
+        raise bad("save_strategy", value, f"save_steps={raw['save_steps']!r} asks for saves every N steps",
+                  "set save_strategy: steps, or remove save_steps")
+    if value == "no":
+        if raw.get("saves_per_epoch") is not None:
+            raise bad("save_strategy", value, f"saves_per_epoch={raw['saves_per_epoch']!r} asks for saves",
+                      "remove one of them")
+        set_dotted(out, "checkpoint.dir", None)
+        notes.append("save_strategy: no -> no checkpoints (nothing to --resume from, a preemption signal saves "
+                     "nothing)" + (f"; the trained model goes to output_dir {raw['output_dir']} at the end"
+                                   if raw.get("output_dir") is not None else ""))
+        return True
+    if value == "steps" and raw.get("save_steps") is None:
+        set_dotted(out, "checkpoint.save_every", 500)  # HF TrainingArguments' save_steps default
+        notes.append("save_strategy: steps without save_steps -> a checkpoint every 500 steps (HF's default)")
+        return True
+    if value == "epoch" and raw.get("saves_per_epoch") is None:
+        set_dotted(out, "checkpoint.saves_per_epoch", 1)
+    return True
 
 
 def map_best(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:

@@ -96,15 +96,15 @@ class ModelSection(_Strict):
     vocab_divisible_by: Int = Field(128, ge=1)
     fused_kernels: bool | None = Field(
         None, description="fused RoPE, SwiGLU and cross-entropy without TransformerEngine; default: on GPUs")
-    fused_linear_ce: bool = Field(
-        False, description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits): less "
-                           "memory, slower on one H200 (docs/BENCHMARKS.md)")
+    fused_linear_ce: bool | Literal["auto"] = Field(
+        "auto", description="output layer + cross-entropy fused in token chunks (no [tokens x vocab] logits); auto: "
+        "nd-adapter's kernel wherever it applies (the native engine, a token-level loss), said at run start")
     fused_linear_ce_chunk: Int | None = Field(
         None, ge=16, description="tokens per chunk of the fused linear CE (then nd-adapter's kernel, also at tp = 1); "
-        "unset: Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
-    compile: bool | Literal["auto"] = Field(
-        False, description="torch.compile each transformer layer (not with ZeRO-3); auto (Axolotl's torch_compile: "
-        "true): where the layout allows it, said at run start")
+        "unset: true takes Liger's kernel at tp = 1 on GPUs, else ours at ~1k tokens per chunk")
+    compile: bool | Literal["auto", "if_possible"] = Field(
+        "auto", description="torch.compile each transformer layer: true (ZeRO-3: native engine), auto (where "
+        "measured faster: config/load.py), if_possible (Axolotl's torch_compile: true: where the layout lets it)")
     # precision: fp8 only (adapter/kernels/fp8.py): the fp8 operands' scaling (torchao's recipes), the fp8 linears
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     fp8_linears: tuple[Literal["qkv", "proj", "fc1", "fc2"], ...] = Field(("fc1", "fc2"), min_length=1)
@@ -132,7 +132,7 @@ class ModelSection(_Strict):
         if self.compile_memory_budget is not None and not self.compile:
             raise ValueError("model.compile_memory_budget applies to compiled layers only: set model.compile: true "
                              "or remove it")
-        if self.fused_linear_ce_chunk is not None and not self.fused_linear_ce:
+        if self.fused_linear_ce_chunk is not None and self.fused_linear_ce is False:
             raise ValueError("model.fused_linear_ce_chunk applies to the fused linear CE only: set "
                              "model.fused_linear_ce: true or remove it")
         return self
@@ -351,8 +351,7 @@ class RunConfig(RLFields, _Strict):
     parallelism: ParallelismConfig = ParallelismConfig()
     batch: BatchSection = BatchSection()
     seq_len: Int = Field(2048, ge=1)
-    # fp8: bf16 training whose matmuls in model.fp8_linears (default the MLP's) run in fp8 (adapter/kernels/fp8.py;
-    # tp = 1, GPUs of compute capability 8.9+, or emulated on CPU)
+    # fp8: bf16 training, model.fp8_linears' matmuls in fp8 (adapter/kernels/fp8.py; tp = 1, CC 8.9+ or CPU emulated)
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism; default: on when tp > 1")
     recompute: Literal["none", "selective", "full"] = "none"
@@ -369,6 +368,7 @@ class RunConfig(RLFields, _Strict):
     source: str = Field("native", description="which dialect the file was written in")
     notes: tuple[str, ...] = Field((), description="what the dialect mapping must tell the user at run start "
                                    "(ignored keys, mapped keys); printed once, by global rank 0 (and by `plan`)")
+    compile_auto: bool = Field(False, description="set by the loader: model.compile came from auto")
 
     @model_validator(mode="after")
     def _lr_order(self) -> RunConfig:

@@ -10,8 +10,8 @@
 
 * Linear + cross-entropy (`linear_cross_entropy`): the output layer's matmul and the loss in token chunks, the
   gradients computed in the forward, so the [tokens × vocab/tp] logits and their gradient never exist whole (2 × 2 GB
-  per micro-batch on the 1B shape at seq 4096 × 2). At tp = 1 on GPUs Liger's kernel does it (the kernel Axolotl
-  users run); ours, vocab-parallel, where the vocabulary is split over TP or Liger is absent.
+  per micro-batch on the 1B shape at seq 4096 × 2). Ours, vocab-parallel, is the default (`model.fused_linear_ce:
+  auto`: faster than Liger's small chunks); `true` without a chunk takes Liger's kernel at tp = 1 on GPUs.
 
 The math runs eagerly on CPU (what CI checks against Megatron's references) and is compiled on CUDA.
 """
@@ -20,16 +20,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from adapter.models.counts import linear_ce_chunk
 from adapter.patches import mcore
 
 
 def _compiled_on_cuda(fn):
+    """`fn` compiled for each shape it meets on CUDA, eager elsewhere. `.any_length` is the same compiled once with
+    a symbolic first dimension: for a shape that changes every call (the fused linear CE's last, shorter chunk of
+    an unpacked micro-batch), where a graph per shape would pass Dynamo's recompile limit and fall back to eager
+    kernels with their fp32 temporaries."""
     compiled = torch.compile(fn, dynamic=False)
+    dynamic = torch.compile(fn, dynamic=True)
 
     def call(*args):
         return (compiled if args[0].is_cuda else fn)(*args)
 
+    def any_length(*args):
+        return (dynamic if args[0].is_cuda else fn)(*args)
+
     call.__doc__, call.__name__ = fn.__doc__, fn.__name__
+    call.any_length = any_length  # type: ignore[attr-defined]
     return call
 
 
@@ -82,14 +92,35 @@ def _ce_partials(logits, target, row_max, vocab_start):
     return torch.stack((sum_exp, torch.where(held, picked, torch.zeros_like(picked))))
 
 
-@_compiled_on_cuda
-def _ce_grad(logits, target, lse, grad_loss, vocab_start):
-    """(softmax − one_hot(target)) · dloss, in the logits' dtype."""
-    x = logits.float()
+def _softmax_minus_target(x, target, lse, grad_loss, vocab_start):
+    """(softmax − one_hot(target)) · dloss in fp32: the cross-entropy's gradient with respect to fp32 logits `x`."""
     local = target - vocab_start
     cols = torch.arange(x.size(-1), device=x.device)
     one_hot = (cols == local.unsqueeze(-1)).float()
-    return ((torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)).to(logits.dtype)
+    return (torch.exp(x - lse.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)
+
+
+@_compiled_on_cuda
+def _ce_grad(logits, target, lse, grad_loss, vocab_start):
+    """(softmax − one_hot(target)) · dloss, in the logits' dtype."""
+    return _softmax_minus_target(logits.float(), target, lse, grad_loss, vocab_start).to(logits.dtype)
+
+
+@_compiled_on_cuda
+def _softcap(logits, cap):
+    """Gemma 2's final soft-capping, cap · tanh(logits / cap), as its model computes it (in the logits' dtype)."""
+    return torch.tanh(logits / cap) * cap
+
+
+@_compiled_on_cuda
+def _ce_grad_into(logits, target, lse, grad_loss, vocab_start, cap):
+    """`_ce_grad` written over the logits themselves (one chunk's buffer, not two), carried through Gemma 2's
+    soft-capping where `cap` is given: d/dz [c · tanh(z / c)] = 1 − (capped / c)²."""
+    x = logits.float()
+    grad = _softmax_minus_target(x, target, lse, grad_loss, vocab_start)
+    if cap is not None:
+        grad = grad * (1 - (x / cap) ** 2)
+    return logits.copy_(grad)
 
 
 def _row_max(logits: torch.Tensor) -> torch.Tensor:
@@ -99,10 +130,10 @@ def _row_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.amax(-1).float()
 
 
-def _partials(logits, target, row_max, start):
+def _partials(logits, target, row_max, start, any_length=False):
     if logits.size(-1) == 0:
         return torch.zeros(2, logits.size(0), device=logits.device)
-    return _ce_partials(logits, target, row_max, start)
+    return (_ce_partials.any_length if any_length else _ce_partials)(logits, target, row_max, start)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -149,48 +180,56 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 # ---- linear + cross-entropy ---------------------------------------------------------------------------------------
 
-CHUNK_BYTES = 1 << 29  # fp32 bytes of one chunk's logits: ~1k tokens of a 128k vocabulary
-MIN_CHUNK = 256        # tokens: below this the chunk's GEMMs get inefficient
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Σ_t w_t · CE(h_t · Wᵀ, y_t) with W's rows (the vocabulary) split over `group`, token chunk by token chunk.
 
     The loss is a weighted sum, so the gradients can be computed in the forward; the backward only scales them by the
-    upstream scalar. `hidden` must already be the TP-replicated input (Megatron's copy/gather op in front reduces
-    its gradient over TP, as for the output layer's own input)."""
+    upstream scalar. Only the gradients autograd can ask for are computed: none under no_grad (evaluation), and no
+    output-weight gradient where that weight is frozen (adapters), which saves one [tokens × vocab × hidden] GEMM and
+    a weight-sized buffer. `hidden` must already be the TP-replicated input (Megatron's copy/gather op in front
+    reduces its gradient over TP, as for the output layer's own input). `softcap`: Gemma 2's final
+    cap · tanh(logits / cap), applied to each chunk's logits as the model applies it to all of them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, weights, group, chunk, real):
+    def forward(ctx, hidden, weight, target, weights, group, chunk, real, softcap, grads):
         tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         start = (dist.get_rank(group) if tp > 1 else 0) * weight.size(0)
-        grad_h = torch.zeros_like(hidden) if real == 0 else torch.empty_like(hidden)
-        grad_w = torch.zeros_like(weight)
-        w_real, g_real = weight[:real], grad_w[:real]  # the padding rows: no logits, no gradient
+        need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        grad_h = (torch.zeros_like(hidden) if real == 0 else torch.empty_like(hidden)) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        w_real = weight[:real]  # the padding rows: no logits, no gradient
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for lo in range(0, hidden.size(0), chunk):
             h, y, w = hidden[lo:lo + chunk], target[lo:lo + chunk], weights[lo:lo + chunk].float()
+            short = h.size(0) < chunk  # the last chunk: its length changes with the micro-batch's (unpacked SFT)
             logits = h @ w_real.t()
+            if softcap is not None:
+                logits = (_softcap.any_length if short else _softcap)(logits, softcap)
             row_max = _row_max(logits)
             if tp > 1:
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            partials = _partials(logits, y, row_max, start)  # Σ exp(x − max), the target's logit where held
+            partials = _partials(logits, y, row_max, start, short)  # Σ exp(x − max), the target's logit where held
             if tp > 1:
                 dist.all_reduce(partials, group=group)
             lse = row_max + partials[0].log()
             total += ((lse - partials[1]) * w).sum()
-            if real:
-                d = _ce_grad(logits, y, lse, w, start)  # (softmax − one_hot) · w
-                grad_h[lo:lo + chunk] = d @ w_real
-                g_real.addmm_(d.t(), h)
+            if real and (need_h or need_w):  # (softmax − one_hot) · w, over the logits
+                d = (_ce_grad_into.any_length if short else _ce_grad_into)(logits, y, lse, w, start, softcap)
+                if need_h:
+                    grad_h[lo:lo + chunk] = d @ w_real
+                if need_w:
+                    grad_w[:real].addmm_(d.t(), h)
+                del d
+            del logits  # before the next chunk's: one chunk's logits exist at a time
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype),
-                None, None, None, None, None)
+        return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
+                None if grad_w is None else grad_w * grad_total.to(grad_w.dtype),
+                None, None, None, None, None, None, None)
 
 
 def _liger_linear_cross_entropy():
@@ -203,19 +242,24 @@ def _liger_linear_cross_entropy():
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor,
-                         group=None, chunk: int | None = None, real: int | None = None) -> torch.Tensor:
+                         group=None, chunk: int | None = None, real: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """Σ over tokens of loss_mask · CE(hidden · weightᵀ, target), fp32 scalar; hidden [t, h], weight [v/tp, h] (this
     rank's vocabulary slice), target and loss_mask [t]. loss_mask is 0/1 (untrained tokens), as the loop's data is.
-    `real`: how many of the slice's rows are real vocabulary (the rest is padding, left out; default all)."""
+    `real`: how many of the slice's rows are real vocabulary (the rest is padding, left out; default all).
+    `chunk`: tokens per chunk of ours; None: Liger's kernel where it runs (tp = 1, CUDA, installed, no soft-capping),
+    else ours at adapter.models.counts.linear_ce_chunk tokens. `softcap`: the final logits' soft-capping (Gemma 2)."""
     tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     real = weight.size(0) if real is None else real
-    if tp == 1 and hidden.is_cuda and chunk is None:
+    if tp == 1 and hidden.is_cuda and chunk is None and softcap is None:
         liger = _liger_linear_cross_entropy()
         if liger is not None:
             masked = torch.where(loss_mask > 0, target, torch.full_like(target, -100))
             return liger(hidden, weight[:real], masked, ignore_index=-100, reduction="sum").float()
-    chunk = chunk or max(MIN_CHUNK, CHUNK_BYTES // (4 * weight.size(0)))
-    return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk, real)
+    chunk = chunk or linear_ce_chunk(weight.size(0))
+    # grad mode as the caller has it (forward itself always runs without it): none computed for evaluation
+    return _LinearCrossEntropy.apply(hidden, weight, target, loss_mask, group, chunk, real, softcap,
+                                     torch.is_grad_enabled())
 
 
 __all__ = ["fused_rope", "install_rope_fusion", "rope_tables", "vocab_parallel_cross_entropy", "linear_cross_entropy"]

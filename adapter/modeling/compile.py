@@ -14,9 +14,14 @@ docs/BENCHMARKS.md, 2026-12-01, third session, lever 2). With nothing to communi
 else.
 
 Where it stops: Megatron's tensor-parallel linears are autograd Functions with asynchronous collectives, which
-Dynamo does not trace, so with tp > 1 the graph breaks at every linear (correct, but little is fused). ZeRO-3
-swaps parameter storage in and out around each gather unit, which a compiled graph's saved tensors do not follow,
-so `deepspeed_config.zero_stage` refuses the combination.
+Dynamo does not trace, so with tp > 1 the graph breaks at every linear (correct, but little is fused).
+
+Under ZeRO-3 each layer is one gather unit (`deepspeed.gather_granularity: layer`, a ZeRO-3 leaf module): its hooks
+run around the compiled forward, never inside it, so the graph always sees the layer's whole weights; and
+AOTAutograd saves the parameters themselves for backward (no view of a gathered weight: checked with saved-tensor
+hooks, tests/distributed/test_train.py), so ZeRO-3's release empties them and its re-gather before the layer's
+backward refills them, as in eager mode. Per-module gathers would run inside the graph: refused there
+(`deepspeed_config.zero_stage`). `model.compile: auto` leaves ZeRO-3 eager until it is measured faster there.
 """
 from __future__ import annotations
 

@@ -340,9 +340,6 @@ class FusedLossGPTModel(PackedGPTModel):
     def __init__(self, *args, linear_ce: bool = False, linear_ce_chunk: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.linear_ce, self.linear_ce_chunk = linear_ce, linear_ce_chunk
-        if linear_ce and self.final_softcap is not None:
-            raise bad("model.fused_linear_ce", True, "the fused linear cross-entropy has no final-logit soft-capping "
-                      "(Gemma 2's final_logit_softcapping)", "set model.fused_linear_ce: false for this model")
         if linear_ce:  # the override below replaces Megatron's private _postprocess for training batches
             require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused linear cross-entropy (GPTModel._postprocess)")
 
@@ -365,7 +362,8 @@ class FusedLossGPTModel(PackedGPTModel):
                   else self.output_layer.weight)
         return linear_cross_entropy(h.reshape(-1, h.size(-1)), weight, labels.t().reshape(-1),
                                     loss_mask.t().reshape(-1).float(), group if tp > 1 else None,
-                                    chunk=self.linear_ce_chunk, real=self.local_real_vocab(weight.size(0)))
+                                    chunk=self.linear_ce_chunk, real=self.local_real_vocab(weight.size(0)),
+                                    softcap=self.final_softcap)
 
 
 def build_gpt_model(arch: ModelArch, *, tp: int = 1, cp: int = 1, padded_vocab: int | None = None,

@@ -1,11 +1,12 @@
 """Checks that need both the run config and the model's architecture (the config alone cannot know head counts)."""
 from __future__ import annotations
 
-from adapter.config import RunConfig, spell
+from adapter.config import RunConfig, compile_note, spell
 from adapter.config.schema_rl import PAIR_OBJECTIVES
 from adapter.errors import bad
 from adapter.models import freeze, generic_run, lora
-from adapter.models.arch import ModelArch, check_tp
+from adapter.models.arch import ModelArch, check_tp, padded_vocab_size
+from adapter.models.counts import linear_ce_chunk
 from adapter.models.generic import unsplittable
 
 
@@ -87,9 +88,6 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
                                           or arch.local_rope_theta is not None):
         raise bad("model.attention", cfg.model.attention, f"{arch.architecture}'s sliding windows, soft-capping or "
                   "per-layer RoPE run in nd-adapter's attention only", "set model.attention: sdpa (the default)")
-    if arch.final_softcap is not None and cfg.model.fused_linear_ce:
-        raise bad("model.fused_linear_ce", True, f"the fused linear cross-entropy does not soft-cap the logits "
-                  f"({arch.architecture}'s final_logit_softcapping)", "set model.fused_linear_ce: false")
     _check_cp_chunks(cfg)
     if cfg.use_sequence_parallel and tp > 1 and (seq // cp) % tp:
         raise bad(spell(cfg, "seq_len"), seq, f"the per-cp-rank sequence {seq // cp} is not divisible by tp_size={tp} "
@@ -178,3 +176,44 @@ def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
         raise bad(spell(cfg, "sequence_parallel"), False, "Megatron-Core's mixture-of-experts layer "
                   "trains with tensor parallelism only beside sequence parallelism",
                   "remove the key (it is on by default when tp_size > 1)")
+
+
+def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConfig:
+    """`model.compile: auto` after the config's own reasons (config/load.py): off on a CPU (compiling costs minutes of
+    CPU time there and nothing was measured faster) and on the transformers engine (its compiled layers are correct
+    on CUDA, tests/gpu/test_train.py, but not yet measured faster), with the first line said again."""
+    if not (cfg.compile_auto and cfg.model.compile):
+        return cfg
+    why = ("no GPU is visible to this process (compiled layers were measured faster on GPUs only)" if not gpu else
+           None if arch.native else "the transformers engine's compiled layers are not measured faster yet")
+    if why is None:
+        return cfg
+    notes = tuple(compile_note(cfg, why) if n == compile_note(cfg, None) else n for n in cfg.notes)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": False}), "notes": notes})
+
+
+def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
+    """`model.fused_linear_ce: auto` (the default): the output layer and the cross-entropy in token chunks, so the
+    [tokens × vocab] logits and their gradient never exist whole (the 1B shape at seq 4096 × 2: 3.9 GiB, Gemma 3's
+    262k vocabulary 8 GiB; transformers + Liger, the peer, never holds them either), wherever it applies: the native
+    engine (the transformers engine computes its model's own loss; Liger's fused kernel where its key asks) and a
+    token-level loss (a preference objective needs each token's log-probability, and the kernel returns their
+    sum), outside fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
+    `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step, docs/BENCHMARKS.md), not Liger's (+8 ms),
+    which `true` keeps at tp = 1 on GPUs. The first lines say which."""
+    if cfg.model.fused_linear_ce != "auto":
+        return cfg
+    why = ("the transformers engine computes its model's own loss" if not arch.native else
+           f"{cfg.objective} needs each token's log-probability (the fused kernel returns their sum)"
+           if cfg.objective != "sft" else
+           "fp16: the kernel's output-weight gradient, a sum over the micro-batch's tokens computed before the loss "
+           "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else None)
+    chunk = cfg.model.fused_linear_ce_chunk
+    if why is None and chunk is None:
+        chunk = linear_ce_chunk(padded_vocab_size(arch.vocab_size, cfg.parallelism.tp_size,
+                                                  cfg.model.vocab_divisible_by) // cfg.parallelism.tp_size)
+    note = (f"model.fused_linear_ce: auto: on (output layer + cross-entropy in chunks of {chunk} tokens: no "
+            "[tokens x vocab] logits)" if why is None else f"model.fused_linear_ce: auto: off: {why}")
+    model = cfg.model.model_copy(update={"fused_linear_ce": why is None,
+                                         "fused_linear_ce_chunk": chunk if why is None else None})
+    return cfg.model_copy(update={"model": model, "notes": (*cfg.notes, note)})

@@ -231,6 +231,20 @@ def attention_flops(arch: ModelArch, *, seq_len: int, sequences: int, doc_len: i
     return ATTN_FWD_BWD * (4 * pairs * (arch.num_heads if heads is None else heads) * arch.head_dim * sequences)
 
 
-__all__ = ["Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params", "LocalParams",
-           "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended", "flops_per_token",
-           "ATTN_FWD_BWD", "attention_pairs", "attention_flops"]
+LINEAR_CE_CHUNK_BYTES = 1 << 29  # fp32 bytes of one chunk's logits in the fused linear cross-entropy
+LINEAR_CE_MIN_CHUNK = 256        # tokens: below this a chunk's GEMMs get inefficient
+
+
+def linear_ce_chunk(vocab_rows: int) -> int:
+    """Tokens per chunk of nd-adapter's fused linear cross-entropy (adapter/kernels/fusions.py) over a vocabulary
+    slice of `vocab_rows` (padded vocabulary / tp): one chunk's logits about LINEAR_CE_CHUNK_BYTES in fp32 (1,024
+    tokens of a 128k vocabulary, 512 of Gemma 3's 262k), a multiple of 128 tokens. One H200, 1B shape, output layer
+    + CE over 8,192 tokens: 1,024-token chunks cost +2.4 ms against the unfused loss and hold 1.25 GiB where its
+    logits and their gradient hold 3.9 (docs/BENCHMARKS.md). The kernel, the run's first lines and `plan` read it."""
+    tokens = LINEAR_CE_CHUNK_BYTES // (4 * max(1, vocab_rows))
+    return max(LINEAR_CE_MIN_CHUNK, 128 * round(tokens / 128))  # GEMM-friendly: a multiple of 128 tokens
+
+
+__all__ = ["linear_ce_chunk", "Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params",
+           "LocalParams", "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended",
+           "flops_per_token", "ATTN_FWD_BWD", "attention_pairs", "attention_flops"]

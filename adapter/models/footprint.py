@@ -107,25 +107,45 @@ def check_disk(run: ResolvedRun, *, stage: int, saves: int, existing: int = 0,
     """The line the first lines say about the checkpoints' disk use; a one-line refusal (UserError) when the
     retention cannot fit the free space of `checkpoint.dir`. `saves`: checkpoints the run will write; `existing`:
     those already in the directory (counted in the used space, pruned as the run goes). `refuse=False` (plan): the
-    line says that they will not fit instead."""
+    line says that they will not fit instead. A run without checkpoints (Axolotl's save_strategy: no) still checks
+    its export."""
     cfg = run.cfg
     c = cfg.checkpoint
     if not c.dir or saves < 1:
-        return None
+        return _check_export(run, free=free, refuse=refuse)
     size = checkpoint_bytes(run, stage)
     at_once = min(saves + existing, c.keep_last + 1)  # a new one is written before the oldest is pruned
     need = max(1, at_once - existing) * size + export_bytes(run)
     free = shutil.disk_usage(_existing_dir(Path(c.dir))).free if free is None else free
     said = (f"checkpoints: {size / GB:.1f} GB each, up to {at_once} at once "
-            f"({spell(cfg, 'checkpoint.keep_last')}={c.keep_last} + the one being written); {need / GB:.1f} GB more "
-            f"with the export, {free / GB:.1f} GB free in {c.dir}")
+            f"({spell(cfg, 'checkpoint.keep_last')}={c.keep_last} + the one being written); {need / GB:.1f} GB "
+            f"needed with the export, {free / GB:.1f} GB free in {c.dir}")
     if need > free and not refuse:  # plan: said as a warning
         return f"{said}: the checkpoints will NOT fit"
+    if need > free and at_once - existing <= 1:  # one checkpoint already too large: the retention is not the cause
+        raise bad(spell(cfg, "checkpoint.dir"), c.dir, f"the run's checkpoint will not fit: {said}",
+                  f"point {spell(cfg, 'checkpoint.dir')} at a larger disk, or free space there")
     if need > free:
         raise bad(spell(cfg, "checkpoint.keep_last"), c.keep_last, f"the run's checkpoints will not fit: {said}",
                   f"lower {spell(cfg, 'checkpoint.keep_last')}, save less often ({spell(cfg, 'checkpoint.save_every')}"
                   f" / {spell(cfg, 'checkpoint.saves_per_epoch')}), or point {spell(cfg, 'checkpoint.dir')} at a "
                   "larger disk")
+    return said
+
+
+def _check_export(run: ResolvedRun, *, free: int | None, refuse: bool) -> str | None:
+    """The export alone (no checkpoints): one line, or a refusal naming the export's key when it cannot fit."""
+    cfg = run.cfg
+    out, need = cfg.checkpoint.export_hf, export_bytes(run)
+    if not out or not need:
+        return None
+    free = shutil.disk_usage(_existing_dir(Path(out))).free if free is None else free
+    said = f"export: {need / GB:.1f} GB at the end, {free / GB:.1f} GB free in {out}"
+    if need > free and not refuse:
+        return f"{said}: it will NOT fit"
+    if need > free:
+        key = spell(cfg, "checkpoint.export_hf")
+        raise bad(key, out, f"the trained model will not fit: {said}", f"point {key} at a larger disk")
     return said
 
 

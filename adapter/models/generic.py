@@ -134,7 +134,8 @@ def hf_config(cfg: dict[str, Any], *, trust_remote_code: bool, model_dir: str | 
         cls = transformers.CONFIG_MAPPING[str(model_type)]
         decode = getattr(cls, "_decode_special_floats", None)  # Infinity/NaN as transformers writes them
         return cls.from_dict(decode(body) if decode else body)
-    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:  # the last: transformers 5's typed fields
+    except (TypeError, ValueError, KeyError, AttributeError, StrictDataclassError) as e:  # the last: transformers 5's
+        # typed fields; AttributeError: a field in another version's shape (a flat rope_parameters in 5.17)
         raise bad("model", model_type, f"transformers cannot read this config.json ({e.__class__.__name__}: "
                   f"{str(e).splitlines()[0][:160]})", "fix the model's config.json")
 

@@ -259,7 +259,7 @@ def check_run(cfg, arch) -> list[str]:
          "checkpoints whole layers)"),
         (cfg.recompute == "full" and not arch.layer_recompute, "recompute", "full", f"recomputing layers ({name} "
          "does not support transformers' gradient checkpointing)"),
-        (m.fused_linear_ce, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
+        (m.fused_linear_ce is True, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
         # the load-balancing loss: a statistic over the micro-batch's tokens, which tp's and cp's ranks would each
         # compute over their own; a preference loss's forwards (reference, KL rows) would each add one
         (arch.output_router_logits and (p.tp_size > 1 or p.cp_size > 1 or cfg.objective != "sft" or any(
@@ -358,16 +358,22 @@ def check_prequantized(cfg, raw: dict[str, Any]) -> None:
                   f"{bits}: true, or point base_model (model.path) at the 16-bit checkpoint")
 
 
-def check_liger_stage(cfg, stage: int) -> None:
-    """Liger's fused linear cross-entropy reads lm_head's weight outside lm_head's forward: under ZeRO-3 (with
-    something to partition: `stage` is the run's, adapter/parallel/deepspeed_config.zero_stage) it would read a
-    partition."""
-    from adapter.config import spell
+def check_zero3(cfg, stage: int) -> None:
+    """What this engine does not run under ZeRO-3 (with something to partition: `stage` is the run's,
+    adapter/parallel/deepspeed_config.zero_stage). Liger's fused linear cross-entropy reads lm_head's weight outside
+    lm_head's forward, where it would read a partition. Compiled layers under ZeRO-3 are built on the native engine
+    only (its layers are ZeRO-3's gather units; here a layer with frozen weights is gathered module by module, inside
+    the graph)."""
+    from adapter.config import setting, spell
 
     if "fused_linear_cross_entropy" in cfg.model.liger and stage == 3:
         raise bad(spell(cfg, "model.liger"), "fused_linear_cross_entropy", "Liger's fused linear cross-entropy "
                   "reads lm_head's weight outside its forward, where ZeRO-3 has partitioned it", "use ZeRO-2 "
                   "(deepspeed.zero_stage: 2), or remove liger_fused_linear_cross_entropy")
+    if cfg.model.compile and stage == 3:
+        raise bad(spell(cfg, "model.compile"), True, "compiled layers under ZeRO-3 are built on the native engine "
+                  "only (the transformers engine's ZeRO-3 gathers can run inside a layer's graph)",
+                  f"use ZeRO-2 (deepspeed.zero_stage: 2), or {setting(cfg, 'model.compile', False)}")
 
 
 # generic.attention_features -> why context parallelism cannot run it exactly (adapter/modeling/hf_cp.py)
@@ -469,4 +475,4 @@ def quantized_base_zero3(cfg, stage: int):
 
 
 __all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "quantized_base_zero3",
-           "check_run", "check_liger_stage", "check_prequantized"]
+           "check_run", "check_zero3", "check_prequantized"]

@@ -255,7 +255,8 @@ def check_native(cfg, arch: ModelArch) -> None:
         fix = "set model.engine: auto (or transformers), which runs it on transformers' model"
         trained_embedding = cfg.lora is not None and bool(cfg.lora.modules_to_save) and cfg.objective in ("dpo", "ipo")
         for on, what in ((cfg.objective == "kto", "KTO"), (arch.moe, "a preference objective on a mixture of experts"),
-                         (cfg.model.fused_linear_ce, "a preference objective with the fused linear cross-entropy"),
+                         (cfg.model.fused_linear_ce is True,
+                          "a preference objective with the fused linear cross-entropy"),
                          (trained_embedding, "a DPO reference beside LoRA's modules_to_save")):
             if on:
                 raise unbuilt(key, value, f"{what} is built on the transformers engine only", fix)

@@ -40,6 +40,7 @@ class ResolvedRun:
     vocab: Growth | None = None                # data.tokens: what it adds (arch.vocab_size already counts the rows)
     unshared: str | None = checks.NO_PAIRS     # why a pair's prompt does not run once; None: it does
                                                # (checks.prompt_sharing, read once here)
+    gpu: bool = True                           # whether it trains on GPUs (model.compile: auto asked it)
 
     @property
     def shares_prompt(self) -> bool:
@@ -79,7 +80,7 @@ class ResolvedRun:
         """The same model and weights under another config (plan's replicate-mode comparison): the config's own
         decisions are taken again."""
         base = dataclasses.replace(self.arch, vocab_size=self.vocab.rows) if self.vocab is not None else self.arch
-        return resolve_run(cfg, arch=base, weights=self.weights)
+        return resolve_run(cfg, arch=base, weights=self.weights, gpu=self.gpu)
 
     def with_length(self, cfg: RunConfig) -> ResolvedRun:
         """This run with `cfg`, which differs from its own only in the length and cadences the schedule writes in
@@ -88,14 +89,18 @@ class ResolvedRun:
 
 
 def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: WeightsSource | None = None,
-                layout: Layout | None = None) -> ResolvedRun:
+                layout: Layout | None = None, gpu: bool | None = None) -> ResolvedRun:
     """Resolve `cfg` against its model: one line (UserError) for anything the run cannot do. `arch` replaces the
     checkpoint's (a rehearsal's tiny model, `plan --search`'s shared one); `weights` and `layout`, when given, are
-    reused instead of being looked up again (search evaluates hundreds of layouts of one run)."""
+    reused instead of being looked up again (search evaluates hundreds of layouts of one run). `gpu`: whether the
+    run trains on GPUs (plan: true, the machine it plans for; None: whether this process sees one)."""
     if arch is None:
         source.check_converted(cfg)
         arch = source.arch_for(cfg)
+    gpu = _cuda() if gpu is None else gpu
+    cfg = checks.compile_where_it_runs(cfg, arch, gpu)
     arch, grew = source.grown(cfg, arch)  # data.tokens' new rows (adapter/models/vocab.py)
+    cfg = checks.linear_ce_where_it_applies(cfg, arch)
     vocab.check_lora(cfg, arch.hf_model_type, grew)
     warnings, spec, unfrozen = checks.checked(cfg, arch)  # before the mesh: the model's reasons come first
     peft = None
@@ -115,13 +120,20 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
     if peft is not None:
         cfg = generic_run.quantized_base_zero3(cfg, stage)
     if not arch.native:
-        generic_run.check_liger_stage(cfg, stage)
+        generic_run.check_zero3(cfg, stage)
     flat = deepspeed_config.flat_optimizer(cfg, layout)
     return ResolvedRun(cfg=cfg, arch=arch, layout=layout, lora=spec,
                        unfrozen=None if unfrozen is None else tuple(unfrozen),
                        weights=weights or source.resolve(cfg, arch.native),
                        zero_stage=stage, flat_optimizer=flat, warnings=tuple(warnings), peft=peft, vocab=grew,
-                       unshared=checks.prompt_sharing(cfg, arch, layout.cp))
+                       unshared=checks.prompt_sharing(cfg, arch, layout.cp), gpu=gpu)
+
+
+def _cuda() -> bool:
+    """Whether this process trains on a GPU (torch imported only when asked, never by `plan`)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 __all__ = ["ResolvedRun", "resolve_run"]

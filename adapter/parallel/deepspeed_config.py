@@ -34,11 +34,11 @@ def zero_stage(cfg: RunConfig, layout: Layout) -> int:
 def _zero_stage(cfg: RunConfig, layout: Layout) -> int:
     if partition_size(cfg, layout) == 1 and layout.dp_replicate == 1:
         return 1
-    if cfg.deepspeed.zero_stage == 3 and cfg.model.compile:
+    if cfg.deepspeed.zero_stage == 3 and cfg.model.compile and cfg.deepspeed.gather_granularity == "module":
         raise bad(spell(cfg, "model.compile"), True,
-                  "compiled layers cannot follow ZeRO-3's parameter gathers (adapter/modeling/compile.py)",
-                  f"set {setting(cfg, 'deepspeed.zero_stage', 2)} (whole bf16 weights per GPU), or "
-                  f"{setting(cfg, 'model.compile', False)}")
+                  "compiled layers under ZeRO-3 need each layer gathered whole before its graph runs; per-module "
+                  "gathers would run inside it (adapter/modeling/compile.py)",
+                  f"set deepspeed.gather_granularity: layer (the default), or {setting(cfg, 'model.compile', False)}")
     if cfg.deepspeed.zero_stage == 2 and layout.dp_replicate > 1:
         raise bad(spell(cfg, "deepspeed.zero_stage"), 2, "dp_replicate_size > 1 needs ZeRO-3 (exact HSDP averages "
                   "ZeRO-3's gradient partitions over replicas; hpZ is a ZeRO-3 feature)",

@@ -13,13 +13,12 @@ from dataclasses import asdict, dataclass
 from adapter.config import RunConfig
 from adapter.models import counts, lora
 from adapter.models.arch import ModelArch, padded_vocab_size
-from adapter.models.counts import expert_params, local_params
+from adapter.models.counts import expert_params, linear_ce_chunk, local_params
 from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
 from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config
 
 GIB = 2**30
-CHUNK_BYTES = 1 << 29  # adapter/kernels/fusions.py's token chunk of the fused linear cross-entropy (fp32 logits bytes)
 SUB_GROUP = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (ZeRO-3 steps that many at a time)
 
 # name -> (device memory as torch reports it (`mem_get_info` total), dense bf16 peak FLOP/s). H200: measured on the
@@ -135,6 +134,23 @@ def unfused_ops(cfg: RunConfig, arch: ModelArch) -> tuple[bool, bool]:
     """(transformers' own RMSNorms run: the transformers engine without Liger's, whether the gated activation runs
     fused: the native engine's, or Liger's SwiGLU), read by the memory and the time model alike."""
     return not arch.native and "rms_norm" not in cfg.model.liger, arch.native or "glu_activation" in cfg.model.liger
+
+
+def ours_chunk(cfg: RunConfig, *, vocab_rows: int, tokens: int) -> int:
+    """Tokens per chunk of nd-adapter's fused linear CE in this run (the chunk `auto` resolved or the one asked;
+    else the kernel's default), at most the micro-batch's tokens; read by the memory and the time model alike."""
+    return min(tokens, cfg.model.fused_linear_ce_chunk or linear_ce_chunk(vocab_rows))
+
+
+def head_trains(run: ResolvedRun) -> bool:
+    """Whether the output layer (or the tied embedding it reads) gets a gradient: not under adapters that leave it
+    frozen (lm_head / embed_tokens outside modules_to_save), whose fused linear CE then computes no weight gradient.
+    `unfrozen_parameters` is counted as training it (its row ranges still make whole-weight gradients)."""
+    if run.lora is not None:
+        return bool(run.lora.modules_to_save)
+    if run.peft is not None:
+        return bool(run.peft.modules_to_save)
+    return True
 
 
 def peft_fp32_inputs(run: ResolvedRun) -> int:
@@ -269,13 +285,16 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)
     liger_ce = not arch.native and "fused_linear_cross_entropy" in cfg.model.liger
-    if cfg.model.fused_linear_ce or liger_ce:
-        # linear + CE in token chunks: the output weight's gradient and the hidden states' gradient, computed in the
-        # forward, wait for backward; one chunk's logits (+ fp32 working copy) exist at a time (Liger's chunk:
+    linear_ce = bool(cfg.model.fused_linear_ce) or liger_ce
+    # the output weight's gradient (or the tied embedding's): the first one backward makes, unless adapters freeze it
+    head_grad = pb * (lp.output or lp.embedding) if head_trains(run) else 0
+    if linear_ce:
+        # linear + CE in token chunks: the output weight's gradient (counted as head_grad) and the hidden states'
+        # gradient, computed in the forward, wait for backward; one chunk's logits exist at a time, ours with their
+        # gradient written over them (adapter/kernels/fusions.py), Liger's with an fp32 working copy (its chunk:
         # tokens·hidden / vocab rows, so one chunk's logits are the size of the hidden states)
-        chunk = (max(1, s * b * h // vp) if liger_ce else
-                 min(s * b, cfg.model.fused_linear_ce_chunk or max(256, CHUNK_BYTES // (4 * (vp // tp)))))
-        logits = pb * (vp // tp) * h + pb * s * b * h + chunk * (vp // tp) * (pb + 4)
+        chunk = max(1, s * b * h // vp) if liger_ce else ours_chunk(cfg, vocab_rows=vp // tp, tokens=s * b)
+        logits = pb * s * b * h + chunk * (vp // tp) * (pb + 4 if liger_ce else pb)
     elif not fused or not arch.native:  # Megatron's CE, or transformers' logits: an fp32 copy + the saved exp
         logits = s * b * (vp // tp) * (pb + 4 + 4)
     else:                                                               # adapter.kernels.fusions: logits + their grad
@@ -288,10 +307,9 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
         # makes (the output layer's, or the tied embedding's) or all the gradients, whichever is larger. One H200,
         # Qwen3-MoE shape, bf16 states: 41.9 GiB measured, where the gradients beside the activations said 48.6
         # (docs/BENCHMARKS.md, 2026-12-05, "plan against the measured one-GPU runs")
-        head = min(grads, pb * (lp.output or lp.embedding))
-        during_fwd_bwd = weights + optim + gathered + buckets + max(acts + logits + head, grads)
-    else:
-        during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits
+        during_fwd_bwd = weights + optim + gathered + buckets + max(acts + logits + min(grads, head_grad), grads)
+    else:  # the gradients are held whole; the fused kernel's output-weight gradient is a buffer beside them
+        during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits + (head_grad if linear_ce else 0)
     return MemoryEstimate(weights=weights, gradients=grads, optimizer=optim, gathered_params=gathered,
                           comm_buffers=buckets + step_transient, activations=acts,
                           activations_no_recompute=no_rc, activations_full_recompute=full_rc, logits=logits,

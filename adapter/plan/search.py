@@ -181,14 +181,14 @@ def candidate_config(base: RunConfig, cand: Candidate, nodes: int, gpus_per_node
                                                        "replicate_mode": cand.replicate_mode}),
         "model": base.model.model_copy(update={"compile": cand.compile}),
         "hardware": base.hardware.model_copy(update={"nodes": nodes, "gpus_per_node": gpus_per_node}),
-        "recompute": cand.recompute, "sequence_parallel": cand.sp})
+        "recompute": cand.recompute, "sequence_parallel": cand.sp, "compile_auto": False})  # the candidate's own
 
 
 def evaluate(base: RunConfig, arch: ModelArch, cand: Candidate, layout: Layout, prof: Profile, capacity: int,
              nodes: int) -> SearchRow:
     """One candidate's row; raises UserError when the project refuses the layout."""
     run = resolve_run(candidate_config(base, cand, nodes, layout.gpus_per_node), arch=arch, weights=RANDOM,
-                      layout=layout)
+                      layout=layout, gpu=True)
     stage = run.zero_stage
     mem = memory.estimate(run, partition_size=run.partition_size, gpu_capacity=capacity, stage=stage)
     st = timing.predict(run, prof, stage=stage, rows=traffic.estimate(run))

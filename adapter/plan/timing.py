@@ -33,7 +33,7 @@ from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_ste
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import peft_fp32_inputs, unfused_ops, whole_layer_graphs
+from adapter.plan.memory import ours_chunk, peft_fp32_inputs, unfused_ops, whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414
@@ -212,6 +212,13 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     if cfg.precision == "fp8":  # the MLP's two GEMMs (the last two shapes) in fp8, casts included
         g_fwd -= L * gemm_seconds(shapes[2:], prof) * (1 - 1 / FP8_MLP_SPEEDUP)
     g_head = gemm_seconds([(tokens, vocab // tp, arch.hidden_size)], prof)
+    if cfg.model.fused_linear_ce and arch.native:  # ours, in token chunks (Liger's is not modelled)
+        # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account
+        # for 0.9 of the +2.4 ms measured at 1,024-token chunks (0.4 of 1.1 at 2,048); the rest, ~0.2 ms a chunk, is
+        # not modelled (1% of that step), since a per-chunk constant would swamp small models
+        chunk = ours_chunk(cfg, vocab_rows=vocab // tp, tokens=tokens)
+        g_head = gemm_seconds([(chunk, vocab // tp, arch.hidden_size)] * (tokens // chunk)
+                              + [(tokens % chunk, vocab // tp, arch.hidden_size)] * bool(tokens % chunk), prof)
     if spec is None:
         gemm = 3 * (g_fwd + g_head)
     else:  # frozen weights: forward and input gradient only; the adapters (and a trained LM head) all three

@@ -335,7 +335,9 @@ def test_compiled_layers_match_eager():
 def _linear_ce_worker(rank, world):
     """The fused linear + cross-entropy (tokens in chunks, gradients in the forward) against GPTModel's own output
     layer + cross-entropy: the masked loss sum and every parameter's gradient, fp32, at tp 1 and 2 (with and without
-    sequence parallelism), tied and untied, with an uneven 0/1 loss mask and chunks that do not divide the tokens."""
+    sequence parallelism), tied and untied, with an uneven 0/1 loss mask and chunks that do not divide the tokens;
+    and at tp 2 with Gemma 2's final soft-capping (a cap small enough to bend these logits)."""
+    import dataclasses
     from unittest import mock
 
     from adapter.kernels import fusions
@@ -346,22 +348,24 @@ def _linear_ce_worker(rank, world):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
     mask = (torch.rand(2, SEQ, generator=g) > 0.4).float()
-    for tp, sp, tie in ((1, False, False), (1, False, True), (2, False, False), (2, True, True)):
+    for tp, sp, tie, cap in ((1, False, False, None), (1, False, True, None), (2, False, False, None),
+                             (2, True, True, None), (2, False, False, 0.05)):
         if tp > world:
             continue
         init_megatron(tp=tp)
-        arch = arch_from_hf_dict(hf_config("llama", tie_word_embeddings=tie).to_dict())
+        arch = dataclasses.replace(arch_from_hf_dict(hf_config("llama", tie_word_embeddings=tie).to_dict()),
+                                   final_softcap=cap)
         res = []
         for linear_ce in (False, True):
             torch.manual_seed(0)
             model = build_gpt_model(arch, tp=tp, sequence_parallel=sp, fused_kernels=True, linear_ce=linear_ce)
-            with mock.patch.multiple(fusions, MIN_CHUNK=1, CHUNK_BYTES=4 * 7 * model.vocab_size // tp):  # 7 tokens
+            with mock.patch.object(fusions, "linear_ce_chunk", lambda rows: 7):  # 7 tokens a chunk
                 out_ = model(ids[:, :-1], None, None, labels=ids[:, 1:], loss_mask=mask)
             total = out_ if out_.dim() == 0 else (out_.float() * mask).sum()
             total.backward()
             res.append((total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
         (l0, g0), (l1, g1) = res
-        key = f"tp{tp}{'_sp' if sp else ''}{'_tied' if tie else ''}"
+        key = f"tp{tp}{'_sp' if sp else ''}{'_tied' if tie else ''}{'_softcap' if cap else ''}"
         out[key] = (abs(l0 - l1).item() / abs(l0).item(), max((g0[n] - g1[n]).abs().max().item() for n in g0),
                     res[1][0].dim())
     return out
@@ -369,7 +373,7 @@ def _linear_ce_worker(rank, world):
 
 def test_fused_linear_cross_entropy_matches_unfused():
     for r in run_workers(_linear_ce_worker, 2, timeout=300):
-        assert set(r) == {"tp1", "tp1_tied", "tp2", "tp2_sp_tied"}, r
+        assert set(r) == {"tp1", "tp1_tied", "tp2", "tp2_sp_tied", "tp2_softcap"}, r
         for key, (loss_rel, grad_diff, ndim) in r.items():
             assert ndim == 0 and loss_rel <= TOL and grad_diff <= TOL, (key, r[key])
 

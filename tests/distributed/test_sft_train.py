@@ -294,12 +294,15 @@ def test_axolotl_yaml_through_nd_adapter_train(model_dir, tmp_path):
     assert (out / "tokenizer.json").is_file() and (out / "latest").read_text() == "global_step2"
     # what plan promises is what the run says: its notes are the run's first lines (one source: models/announce.py);
     # the disk line is taken again at run start with that moment's free space, and plan's word on resuming the
-    # checkpoint now in output_dir is plan's own
+    # checkpoint now in output_dir is plan's own; plan plans for GPUs, so its compiled-layers line is the GPU's
+    # (this run, on CPUs, says its own)
     plan = _nd("plan", "run.yaml", "--format", "json", "--set", "data.synthetic=true", "--set",
                "model.cache_dir=cache", cwd=tmp_path)
-    notes = [n for n in json.loads(plan.stdout)["notes"] if not n.startswith(("checkpoints:", "--resume would"))]
+    notes = [n for n in json.loads(plan.stdout)["notes"] if not n.startswith(("checkpoints:", "--resume would"))
+             and "model.compile: auto" not in n]
     missing = [n for n in notes if n not in p.stdout.splitlines()]
     assert len(notes) >= 5 and missing == [], (missing, p.stdout[:3000])
+    assert sum("model.compile: auto: off" in ln for ln in p.stdout.splitlines()) == 1, p.stdout[:3000]
 
 
 def test_weights_refusals_are_one_line_before_any_process(model_dir, tmp_path):

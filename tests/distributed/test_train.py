@@ -97,6 +97,67 @@ def test_bf16_grad_norm_counts_tp_shards_once(demo):
         assert all(abs(a - b) / a < 0.01 for a, b in zip(ref, other)), norms
 
 
+def _zero3_whole_layers_worker(rank, world, demo):
+    """dp_shard=2 under ZeRO-3 with every parameter partitioned (persistence threshold 0, as a real model's are):
+    the whole logits, the fused linear CE (reading the output weight outside the output layer's forward), and
+    compiled layers beside it (Dynamo + AOTAutograd's partitioner, without inductor's C++), with the saved tensors
+    that point into a parameter's storage counted by whether they are the parameter itself."""
+    import functools
+
+    import torch
+
+    torch.compile = functools.partial(torch.compile, backend="aot_eager_decomp_partition")  # this worker only
+
+    from adapter.train import trainer
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train as run
+
+    init_distributed()
+    params: dict[int, torch.nn.Parameter] = {}
+    build = trainer.build_engine
+
+    def kept(*a, **k):  # the model's parameters, to tell them from views into their storage
+        engine = build(*a, **k)
+        params.update({id(p): p for p in engine.ds.module.parameters()})
+        return engine
+
+    trainer.build_engine = kept
+    out = {}
+    for name, over in (("whole logits", {"model.fused_linear_ce": False}), ("linear CE", {}),
+                       ("linear CE, compiled", {"model.compile": True})):
+        saved = {"parameter": 0, "view": 0}
+
+        def pack(t, saved=saved):
+            if id(t) in params:
+                saved["parameter"] += 1
+            elif t.numel() and any(p.numel() and t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                                   for p in params.values()):
+                saved["view"] += 1
+            return t
+
+        cfg = run_config(demo, (1, 2, 1, 1), steps=3, world=2, **{"deepspeed.zero_stage": 3,
+                                                                  "deepspeed.param_persistence_threshold": 0, **over})
+        lines: list[str] = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out[name] = run(cfg, log=lines.append).losses
+        out[f"{name} saved"] = saved
+        out[f"{name} said"] = [ln for ln in lines if "fused_linear_ce" in ln]
+    from torch._dynamo.utils import counters
+
+    out["graphs"] = counters["stats"]["unique_graphs"]  # the compiled run's layers (one graph, shared)
+    return out
+
+
+def test_zero3_partitioned_weights_under_the_fused_linear_ce_and_compiled_layers(demo):
+    r = run_workers(_zero3_whole_layers_worker, 2, demo, timeout=600)[0]
+    ref = r["whole logits"]
+    for name in ("linear CE", "linear CE, compiled"):
+        assert max(abs(a - b) / b for a, b in zip(ref, r[name])) < 1e-6, (name, ref, r[name])
+    assert r["linear CE, compiled saved"]["view"] == 0 and r["linear CE, compiled saved"]["parameter"] > 0, r
+    assert any("chunks of" in ln for ln in r["linear CE said"]), r["linear CE said"]
+    assert r["graphs"] >= 1, r
+
+
 def _whole_then_cut(demo, shape, steps, cut_at, prefix, over, resume_over=None, log=None):
     """The same run whole (its lines to `log`), and cut: `cut_at` steps, then resumed in a fresh engine up to
     `steps`. Checkpoints go to `prefix`-whole and `prefix`-cut."""
@@ -314,7 +375,9 @@ def test_8bit_adamw_on_every_optimizer_path_resumes_exactly_and_tracks_fp32(demo
     for name in ("zero3", "zero2", "flat", "zero2 4-bit"):
         got = r[name]
         assert got["start"] == 2 and got["cut"] == got["whole"], (name, got)  # bit-identical on CPU
-        assert got["whole"][0] == r["fp32"][0] and got["whole"] != r["fp32"], (name, got, r["fp32"])
+        # the same first step (to the fused loss's summation order, which differs between tp = 4 and tp = 2)
+        assert abs(got["whole"][0] - r["fp32"][0]) <= 1e-6 * r["fp32"][0] and got["whole"] != r["fp32"], \
+            (name, got, r["fp32"])
         assert max(abs(a - b) / b for a, b in zip(got["whole"], r["fp32"])) < 2e-3, (name, got, r["fp32"])
     assert r["zero3"]["said"] == ["optimizer: DeepSpeed's ZeRO-3 stepping bitsandbytes' AdamW8bit (fp32 master "
                                   "partitions, 8-bit moments)"]

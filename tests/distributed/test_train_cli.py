@@ -64,7 +64,9 @@ BAD = {  # name: (config overrides, extra CLI args, text the one line must conta
     "missing data file": ({"data.files": ["no/such.jsonl"]}, (), "data.files="),
     "wrong text_key": ({"data.text_key": "content"}, (), "data.text_key='content'"),
     "model.checkpoint not converted": ({"model.checkpoint": "MODEL"}, (), "nd-adapter convert hf-to-megatron"),
-    "compiled layers under ZeRO-3": ({"model.compile": True}, (), "model.compile=True"),
+    "compiled layers under per-module ZeRO-3 gathers": ({"model.compile": True,
+                                                         "deepspeed.gather_granularity": "module"}, (),
+                                                        "model.compile=True: compiled layers under ZeRO-3 need"),
     "flat AdamW with something to shard": ({"optimizer.impl": "flat"}, (), "optimizer.impl='flat': it needs a layout"),
     "damaged converted checkpoint": ({"model.checkpoint": "DAMAGED"}, (), "does not match the checksum"),
     # SFT datasets are checked before any process starts too (adapter/data/sft check)

@@ -22,6 +22,7 @@ LAYOUTS = {
                                 {"lora": {**LORA, "quantize_base": "nf4"}}),
     "cp=2 packed documents (varlen)": ({"cp_size": 2, "dp_shard_size": 1}, 2, "bf16", {}),
     "dp_shard=2 ZeRO-3": ({"dp_shard_size": 2}, 2, "fp32", {}),
+    "dp_shard=2 ZeRO-3, compiled layers (inductor)": ({"dp_shard_size": 2}, 2, "fp32", {"compile": True}),
     "exact HSDP 2 × 2": ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, "fp32", {}),
     "ep=2 Qwen3-MoE": ({"dp_shard_size": 2, "ep_size": 2}, 2, "fp32", {"moe": True}),
     "ep=2 × tp=2 Qwen3-MoE": ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, 4, "fp32", {"moe": True}),
@@ -41,7 +42,7 @@ def _raw(model_dir: str, root: str, par: dict, precision: str, extra: dict, ga: 
     ga = ga or 4 // _dp(par)
     from adapter.demo.build import ASSETS
 
-    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache"}, "parallelism": {**par},
+    raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "compile": False}, "parallelism": {**par},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga},
            "seq_len": SEQ, "precision": precision, "checkpoint": {"dir": ckpt},
            "optimizer": {"lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "max_steps": steps, "clip_grad": 1e12},
@@ -49,6 +50,9 @@ def _raw(model_dir: str, root: str, par: dict, precision: str, extra: dict, ga: 
                     "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"}}
     if "lora" in extra:
         raw["lora"] = extra["lora"]
+    if extra.get("compile"):  # compiled layers (the 1-rank reference compiles too), every parameter partitioned
+        raw["model"]["compile"] = True
+        raw["deepspeed"] = {"param_persistence_threshold": 0}
     return raw
 
 

@@ -48,7 +48,8 @@ def _zero2_worker(rank, world, model_dir, patched):
     if not patched:  # DeepSpeed's own stage-2 epilogue and step, host waits included
         zero.install_zero12_step = lambda optimizer: None
     init_distributed()
-    raw = {"model": {"path": model_dir}, "parallelism": {"dp_shard_size": world}, "seq_len": 256, "precision": "fp32",
+    raw = {"model": {"path": model_dir, "compile": False}, "parallelism": {"dp_shard_size": world}, "seq_len": 256,
+           "precision": "fp32",
            "batch": {"micro_batch_size": 2}, "optimizer": {"lr": 1e-3, "warmup_steps": 0, "max_steps": 8,
                                                           "schedule": "constant", "clip_grad": 0.5},
            "deepspeed": {"zero_stage": 2, "reduce_bucket_size": 20000}, "data": {"synthetic": True}}
@@ -83,7 +84,7 @@ def _reshard_worker(rank, world, model_dir, root):
     init_distributed()
 
     def cfg(precision, steps, impl, ckpt=None):
-        raw = {"model": {"path": model_dir}, "seq_len": 256, "precision": precision,
+        raw = {"model": {"path": model_dir, "compile": False}, "seq_len": 256, "precision": precision,
                "batch": {"micro_batch_size": 2}, "data": {"synthetic": True},
                "optimizer": {"lr": 1e-3, "warmup_steps": 0, "max_steps": steps, "schedule": "constant",
                              "impl": impl}}

@@ -51,6 +51,24 @@ def test_schedule_keys_and_output_dir():
     assert build(eval_steps=0.25).eval.every == 0.25 and build(save_steps=50).checkpoint.save_every == 50
 
 
+
+def test_save_strategy_as_axolotl_passes_it_to_hf():
+    """"no": no checkpoint, the model still exported to output_dir; "steps" alone: HF's 500; "epoch": one per
+    epoch; Axolotl's own mismatch checks refused in one line."""
+    out = {"output_dir": "out", "datasets": [{"path": "x.jsonl", "type": "alpaca"}]}
+    for no in ("no", False):  # an unquoted `no` is YAML's false
+        c = build(save_strategy=no, **out).checkpoint
+        assert (c.dir, c.export_hf, c.save_every, c.saves_per_epoch) == (None, "out", 0, None)
+    assert build(save_strategy="steps", **out).checkpoint.save_every == 500
+    assert build(save_strategy="epoch", output_dir="out").checkpoint.saves_per_epoch == 1
+    assert build(save_strategy="steps", save_steps=20, **out).checkpoint.save_every == 20
+    for keys, needle in (({"save_strategy": "no", "save_steps": 20}, "^save_strategy='no': save_steps=20"),
+                         ({"save_strategy": "epoch", "save_steps": 20}, "set save_strategy: steps"),
+                         ({"save_strategy": "no", "saves_per_epoch": 2}, "saves_per_epoch=2 asks for saves"),
+                         ({"save_strategy": "sometimes"}, "^save_strategy='sometimes': not one of HF's")):
+        with pytest.raises(UserError, match=needle):
+            build(**keys, **out)
+
 def test_context_parallel_block_and_flat_keys():
     cfg = build(world=8, context_parallel={"size": 8, "backend": "auto", "rotate_method": "allgather",
                                            "load_balance": "head_tail", "ring_impl": "auto"})

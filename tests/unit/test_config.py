@@ -227,7 +227,7 @@ def test_bad_yaml_file(tmp_path):
 def test_rule_fp8_and_linear_ce_keys():
     with pytest.raises(UserError, match=r"model.fused_linear_ce_chunk applies to the fused linear CE only.*"
                                         r"set model.fused_linear_ce: true"):
-        config.build(native(**{"model.fused_linear_ce_chunk": 2048}), env={})
+        config.build(native(**{"model.fused_linear_ce": False, "model.fused_linear_ce_chunk": 2048}), env={})
     with pytest.raises(UserError, match=r"model.fp8_linears.*'attn'"):
         config.build(native(**{"precision": "fp8", "model.fp8_linears": ["attn"]}), env={})
     with pytest.raises(UserError, match=r"model.fp8_recipe='delayed'"):
@@ -245,11 +245,88 @@ def test_axolotl_torch_compile_compiles_where_the_layout_allows():
         assert cfg.model.compile is on, (world, extra)
         said = [n for n in cfg.notes if n.startswith("torch_compile: true -> model.compile")]
         assert said == [f"torch_compile: true -> model.compile: {'on' if on else 'off'}" + (
-            " (each transformer layer compiled)" if on else ": ZeRO-3's parameter gathers run the layers eagerly "
-            "(fsdp_config.reshard_after_forward: false would compile them)")], cfg.notes  # the file's own words
+            " (each transformer layer compiled)" if on else ": ZeRO-3's parameter gathers: compiled layers under "
+            "them are not measured faster yet (fsdp_config.reshard_after_forward: false would compile them)")], \
+            cfg.notes  # the file's own words
         assert not any("ignored" in n and "torch_compile," in n + "," for n in cfg.notes)
-    with pytest.raises(UserError, match=r"model.compile_memory_budget=0.5: model.compile: auto is off under ZeRO-3"):
+    with pytest.raises(UserError, match=r"compile_memory_budget=0.5: model.compile: auto is off here \(ZeRO-3's"):
         config.build(native(**{"model.compile": "auto", "model.compile_memory_budget": 0.5}), env={}, world_size=2)
+
+
+def test_compiled_layers_by_default_where_measured_faster():
+    """`model.compile: auto`, the default: on for a full fine-tune of fixed-shape batches at tp = cp = 1 outside
+    ZeRO-3 on a GPU and the native engine; off, with the reason in one first line, everywhere else. Axolotl's file
+    without torch_compile gets auto, `torch_compile: false` gets false (no line)."""
+    from types import SimpleNamespace
+
+    def said(cfg):
+        return [n for n in cfg.notes if "model.compile: auto" in n]
+
+    one = {"parallelism.dp_shard_size": 1, "data.synthetic": True}
+    cfg = config.build(native(**one), env={}, world_size=1)
+    assert cfg.model.compile is True and cfg.compile_auto
+    assert said(cfg) == ["model.compile: auto: on (each transformer layer compiled at the first step: measured "
+                         "faster on one GPU)"]
+    packed = {"data.synthetic": False, "data.datasets": [{"path": "x.jsonl", "type": "chat_template"}]}
+    pairs = {**packed, "objective": "dpo", "data.datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}
+    for over, why in (({"parallelism.tp_size": 2}, "tp > 1 breaks the graph"), ({"recompute": "full"}, "recompute"),
+                      ({"lora": {"r": 4}}, "adapters: QLoRA ran 6% slower"), (pairs, "dpo's micro"),
+                      (packed, "unpacked SFT micro-batches are cut"),
+                      ({"parallelism.dp_shard_size": 2, "deepspeed.zero_stage": 3}, "ZeRO-3's parameter gathers")):
+        world = over.get("parallelism.tp_size", 1) * over.get("parallelism.dp_shard_size", 1)
+        cfg = config.build(native(**{**one, **over}), env={}, world_size=world)
+        assert cfg.model.compile is False and len(said(cfg)) == 1 and why in said(cfg)[0], (over, cfg.notes)
+        assert said(cfg)[0].endswith("model.compile: true compiles anyway") != ("ZeRO-3" in why), said(cfg)
+    packed_on = config.build(native(**{**one, **packed, "data.sample_packing": True}), env={}, world_size=1)
+    assert packed_on.model.compile is True
+    # the model's engine and the device: only auto's value is taken back
+    for gpu, native_engine, on, why in ((True, True, True, None), (False, True, False, "no GPU is visible"),
+                                        (True, False, False, "the transformers engine's compiled layers")):
+        got = checks.compile_where_it_runs(packed_on, SimpleNamespace(native=native_engine), gpu)
+        assert got.model.compile is on and len(said(got)) == 1, said(got)
+        assert (why is None and "on (" in said(got)[0]) or why in said(got)[0], said(got)
+    asked = config.build(native(**{**one, "model.compile": True}), env={}, world_size=1)
+    assert checks.compile_where_it_runs(asked, SimpleNamespace(native=False), False).model.compile is True
+    base = {"base_model": str(LLAMA8B), "micro_batch_size": 1, "learning_rate": 1e-5, "sample_packing": True,
+            "datasets": [{"path": "x.jsonl", "type": "chat_template"}]}
+    cfg = config.build(base, env={}, world_size=1)
+    assert cfg.model.compile is True and cfg.compile_auto and said(cfg)[0].startswith(
+        "torch_compile unset -> model.compile: auto: on"), cfg.notes
+    cfg = config.build({**base, "torch_compile": False}, env={}, world_size=1)
+    assert cfg.model.compile is False and not said(cfg) and not cfg.compile_auto
+
+
+def test_fused_linear_ce_by_default_where_it_applies():
+    """`model.fused_linear_ce: auto`, the default: on for a token-level loss on the native engine, in chunks of a
+    multiple of 128 tokens of the padded vocabulary per tp rank (or the chunk asked), said in one first line; off, with
+    the reason, on the transformers engine, for a preference objective and in fp16. `true` and `false` stay."""
+    from types import SimpleNamespace
+
+    def said(cfg):
+        return [n for n in cfg.notes if n.startswith("model.fused_linear_ce: auto")]
+
+    arch = SimpleNamespace(native=True, vocab_size=128256)
+    cfg = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), arch)
+    assert cfg.model.fused_linear_ce is True and cfg.model.fused_linear_ce_chunk == 1024
+    assert said(cfg) == ["model.fused_linear_ce: auto: on (output layer + cross-entropy in chunks of 1024 tokens: "
+                         "no [tokens x vocab] logits)"]
+    tp2 = config.build(native(**{"data.synthetic": True, "parallelism.tp_size": 2}), env={}, world_size=2)
+    assert checks.linear_ce_where_it_applies(tp2, arch).model.fused_linear_ce_chunk == 2048  # half the rows a rank
+    asked = config.build(native(**{"data.synthetic": True, "model.fused_linear_ce_chunk": 300}), env={})
+    assert checks.linear_ce_where_it_applies(asked, arch).model.fused_linear_ce_chunk == 300
+    pairs = {"objective": "dpo", "data.synthetic": False,
+             "data.datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}
+    for over, engine, why in (({}, False, "the transformers engine computes its model's own loss"),
+                              (pairs, True, "dpo needs each token's log-probability"),
+                              ({"precision": "fp16"}, True, "fp16: the kernel's output-weight gradient")):
+        got = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True, **over}), env={}),
+                                                SimpleNamespace(native=engine, vocab_size=128256))
+        assert got.model.fused_linear_ce is False and got.model.fused_linear_ce_chunk is None
+        assert len(said(got)) == 1 and said(got)[0].startswith(f"model.fused_linear_ce: auto: off: {why}"), got.notes
+    for value in (True, False):
+        kept = config.build(native(**{"data.synthetic": True, "model.fused_linear_ce": value}), env={})
+        got = checks.linear_ce_where_it_applies(kept, SimpleNamespace(native=False, vocab_size=128256))
+        assert got.model.fused_linear_ce is value and not said(got)
 
 
 def test_longrope_is_read_as_transformers_reads_it():

@@ -66,3 +66,22 @@ def test_saving_a_large_checkpoint_often_is_said():
     assert said.startswith("a 17 GB checkpoint every 3 steps") and "checkpoint.save_every" in said
     assert footprint.cadence_warning(planned(cfg(), arch), stage=1, every=500) is None
     assert footprint.cadence_warning(planned(cfg(lora={"r": 8}), arch), stage=1, every=3) is None  # adapters: small
+
+
+def test_one_checkpoint_too_large_names_the_directory_and_no_checkpoints_still_checks_the_export():
+    """save_total_limit is not the cause when the run writes one checkpoint (it used to be named as the fix), and
+    Axolotl's save_strategy: no writes none: the export alone is checked, under output_dir's name."""
+    arch = load_arch(MODEL)
+    base = {"base_model": str(MODEL), "sequence_len": 1024, "max_steps": 12, "output_dir": "/tmp/o",
+            "learning_rate": 1e-5, "bf16": True}
+    one = config.build(base, env={}, world_size=1)
+    with pytest.raises(UserError, match=r"^output_dir='/tmp/o': the run's checkpoint will not fit: .* Fix: point "
+                       r"output_dir at a larger disk"):
+        footprint.check_disk(planned(one, arch), stage=1, saves=1, free=1)
+    none = config.build({**base, "save_strategy": "no"}, env={}, world_size=1)
+    assert none.checkpoint.dir is None and none.checkpoint.export_hf == "/tmp/o"
+    assert footprint.check_disk(planned(none, arch), stage=1, saves=0, free=10**13).startswith(
+        f"export: {2 * num_params(arch) / 1e9:.1f} GB at the end")
+    with pytest.raises(UserError, match=r"^output_dir='/tmp/o': the trained model will not fit: .* Fix: point "
+                       r"output_dir at a larger disk"):
+        footprint.check_disk(planned(none, arch), stage=1, saves=0, free=1)

@@ -33,7 +33,7 @@ def test_padded_vocab_and_local_params():
 
 
 def test_model_states_and_activations_by_hand():
-    est = memory.estimate(planned(cfg(), TINY), partition_size=2, gpu_capacity=10**9)
+    est = memory.estimate(planned(cfg(**{"model.fused_linear_ce": False}), TINY), partition_size=2, gpu_capacity=10**9)
     shard = 102720 // 2
     assert (est.weights, est.gradients, est.optimizer) == (2 * shard, 2 * shard, 12 * shard)
     # one layer, s=32 b=2 h=64 tp=2 with sequence parallel, bf16:
@@ -43,14 +43,17 @@ def test_model_states_and_activations_by_hand():
     assert est.activations_no_recompute == 2 * 53760 + 3 * 4096 == 119808
     assert est.activations_full_recompute == 2 * 4096 + 53760 + 3 * 4096 == 74240
     assert est.logits == 32 * 2 * 512 * (2 + 2) == 131072               # fused CE: bf16 logits and their grad
-    # fused linear + CE: the output weight's grad (512 rows per tp rank × 64) and the hidden states' grad (32·2 tokens
-    # × 64), bf16, plus one chunk of logits: all 64 tokens (< 256) × 512 × (2 + 4)
-    chunked = memory.estimate(planned(cfg(**{"model.fused_linear_ce": True}), TINY), partition_size=2, gpu_capacity=1)
-    assert chunked.logits == 2 * 512 * 64 + 2 * 32 * 2 * 64 + 64 * 512 * (2 + 4) == 270336
+    # fused linear + CE (the default, auto): the hidden states' grad (32·2 tokens × 64), bf16, plus one chunk of
+    # bf16 logits, their gradient written over them: all 64 tokens (< 256) × 512; the output weight's grad (512 rows
+    # per tp rank × 64, bf16) is a buffer of its own beside ZeRO's gradients, computed in the forward
+    chunked = memory.estimate(planned(cfg(), TINY), partition_size=2, gpu_capacity=1)
+    assert chunked.logits == 2 * 32 * 2 * 64 + 64 * 512 * 2 == 73728
+    assert chunked.peak - est.peak == chunked.logits + 2 * 512 * 64 - est.logits
     small = memory.estimate(planned(cfg(**{"model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 16}), TINY),
                             partition_size=2, gpu_capacity=1)
-    assert small.logits == 2 * 512 * 64 + 2 * 32 * 2 * 64 + 16 * 512 * (2 + 4)   # the chunk asked for
-    unfused = memory.estimate(planned(cfg(**{"model.fused_kernels": False}), TINY), partition_size=2, gpu_capacity=1)
+    assert small.logits == 2 * 32 * 2 * 64 + 16 * 512 * 2   # the chunk asked for
+    unfused = memory.estimate(planned(cfg(**{"model.fused_kernels": False, "model.fused_linear_ce": False}), TINY),
+                              partition_size=2, gpu_capacity=1)
     assert unfused.logits == 32 * 2 * 512 * (2 + 4 + 4) == 327680      # Megatron's CE: + fp32 copy + saved exp
     assert est.activations == est.activations_no_recompute
     assert memory.estimate(planned(cfg(recompute="full"), TINY), partition_size=2, gpu_capacity=1).activations == 74240

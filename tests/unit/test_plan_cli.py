@@ -174,7 +174,8 @@ def test_set_overrides_zero_stage_and_hint():
                          (("--set", "nonsense"), "--set='nonsense': expected key.path=value"),
                          (("--set", "deepspeed.zero_stage=1"), "deepspeed.zero_stage"),
                          (("--set", "logging.profile_steps=[3, 2]"), "logging.profile_steps"),
-                         (("--set", "model.compile=true"), "model.compile=True: compiled layers cannot follow ZeRO-3")):
+                         (("--set", "model.compile=true", "--set", "deepspeed.gather_granularity=module"),
+                          "model.compile=True: compiled layers under ZeRO-3 need each layer gathered whole")):
         code, out, err = run_cli("plan", CFG16, "--nodes", "2", "--gpus-per-node", "8", *argv)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
 

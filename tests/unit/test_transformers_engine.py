@@ -540,7 +540,8 @@ def test_the_rehearsals_tiny_moe_keeps_top_k_within_its_experts():
 def test_axolotl_torch_compile_compiles_this_engines_layers_where_the_layout_lets_it(tmp_path):
     """torch_compile: true (the llama-4 scout-qlora-single-h100-flex example) compiles transformers' decoder layers
     as it does the native engine's (adapter/modeling/hf_build.compile_layers), said in the first lines; under ZeRO-3
-    it stays off and says why; an explicit model.compile: true plans too (it once was refused on this engine)."""
+    it stays off and says why; an explicit model.compile: true plans too (it once was refused on this engine), but
+    not under ZeRO-3."""
     code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), torch_compile=True, dp_shard_size=1, _gpus=1)
     assert code == 0, err
     notes = " ".join(json.loads(out)["notes"])
@@ -550,6 +551,10 @@ def test_axolotl_torch_compile_compiles_this_engines_layers_where_the_layout_let
     assert "model.compile: off: ZeRO-3's parameter gathers" in " ".join(json.loads(out)["notes"])
     code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), dp_shard_size=1, _gpus=1, _set="model.compile=true")
     assert code == 0 and json.loads(out)["compiled_layers"] is True, err
+    # under ZeRO-3 an explicit true is the native engine's only (here a frozen layer gathers module by module)
+    code, out, err = _plan(tmp_path, _write(tmp_path, "phi"), dp_shard_size=2, _gpus=2, _set="model.compile=true")
+    assert code == 2 and "compiled layers under ZeRO-3 are built on the native engine only" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_a_config_value_of_the_wrong_type_for_transformers_is_one_line():
