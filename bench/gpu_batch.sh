@@ -7,7 +7,8 @@
 #   parts: suite | suite-a | suite-b | cmp-<shape> (bench/compare.py --axolotl, beside transformers + Liger; the MoE
 #          shape beside transformers' grouped_mm at micro-batch 1) | plancheck | pc-<row label word> |
 #          row-<shape>:<variant> (bench/compare.py 1-GPU config, beside transformers + Liger) | prof-<shape>
-#          (a profile of steps 7-8 of the shape's Axolotl YAML, bench/trace_summary.py's digest) | dpoattn
+#          (a profile of steps 7-8 of the shape's Axolotl YAML, bench/trace_summary.py's digest) | lora-<shape>
+#          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) | dpoattn
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -27,6 +28,8 @@ for part in "$@"; do
       echo rc=$?; tail -6 $OUT/pc-$w.log;;
     row-*) s=${part#row-}; s=${s%%:*}; v=${part#*:}  # row-<shape>:<variant of compare.py's ONE_GPU_VARIANTS>
       timeout $t python3 bench/compare.py --gpus 1 --shape $s --micro-batch 2 --steps 10 --only "=nd-adapter 1 GPU ($s, $v)" "=hf-liger" --log-dir $OUT/row-$s > $OUT/row-$s.log 2>&1; echo rc=$?; tail -8 $OUT/row-$s.log;;
+    lora-*) s=${part#lora-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
+      timeout $t python3 bench/lora_bench.py --config bench/configs/$y-1gpu.yaml --model configs/models/$y/config.json --only "nd-adapter LoRA (transformers engine, Liger)" "peer LoRA" --set lora.r=16 lora.alpha=32 lora.target_linear=true batch.micro_batch_size=1 --log-dir $OUT/lora-$s > $OUT/lora-$s.log 2>&1; echo rc=$?; tail -6 $OUT/lora-$s.log;;
     prof-*) s=${part#prof-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       timeout $t deepspeed --num_gpus=1 launch/train.py --config bench/configs/axolotl/$y.yaml --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
       cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;

@@ -38,23 +38,23 @@ VERSUS = {"nd-adapter LoRA": "peer LoRA", "nd-adapter QLoRA (NF4)": "peer QLoRA"
 
 
 def commands(a) -> dict[str, list[str]]:
-    cmds = {name: ["deepspeed", "--num_gpus=1", "launch/train.py", "--config", CONFIG, *sets,
+    cmds = {name: ["deepspeed", "--num_gpus=1", "launch/train.py", "--config", a.config, *sets,
                    *(x for kv in a.set for x in ("--set", kv))] for name, sets in OURS.items()}
     for name, extra in PEERS.items():
         for gc in ((False, True) if a.gc else (False,)):
-            cmds[name + (" + gc" if gc else "")] = [sys.executable, "bench/peer_lora.py", "--model-config", MODEL,
+            cmds[name + (" + gc" if gc else "")] = [sys.executable, "bench/peer_lora.py", "--model-config", a.model,
                                                     "--steps", str(a.steps), *extra, *(["--gc"] if gc else [])]
     return {k: v for k, v in cmds.items() if not a.only or any(o in k for o in a.only)}
 
 
-def predicted(sets: list[str]) -> dict:
+def predicted(config_path: str, sets: list[str]) -> dict:
     from adapter import config
     from adapter.models.resolved import resolve_run
     from adapter.plan.build import build_plan
 
     over = [sets[i + 1] for i in range(0, len(sets), 2)]
-    cfg = config.load(ROOT / CONFIG, overrides=config.parse_sets(over), world_size=1)
-    plan = build_plan(resolve_run(cfg, gpu=True), config_path=str(ROOT / CONFIG))
+    cfg = config.load(ROOT / config_path, overrides=config.parse_sets(over), world_size=1)
+    plan = build_plan(resolve_run(cfg, gpu=True), config_path=str(ROOT / config_path))
     return {"tokens_per_s_per_gpu": round(plan.predicted.tokens_per_s_per_gpu),
             "peak_gib": round(plan.memory.peak / 2**30, 2)}
 
@@ -62,6 +62,8 @@ def predicted(sets: list[str]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--config", default=CONFIG, help="our rows' config (its model's other shapes: with --model)")
+    ap.add_argument("--model", default=MODEL, help="the peers' config.json")
     ap.add_argument("--gc", action="store_true", help="also the peers with gradient checkpointing")
     ap.add_argument("--only", nargs="*", help="substrings of the rows to run")
     ap.add_argument("--set", nargs="*", default=[], help="overrides for our rows (KEY=VALUE)")
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp/lora-bench"))
     a = ap.parse_args(argv)
     cmds = commands(a)
-    plans = {name: predicted(sets + [x for kv in a.set for x in ("--set", kv)]) for name, sets in OURS.items()}
+    plans = {name: predicted(a.config, sets + [x for kv in a.set for x in ("--set", kv)])
+             for name, sets in OURS.items() if not a.only or any(o in name for o in a.only)}
     if a.dry_run:
         for name, cmd in cmds.items():
             print(f"{name}: {' '.join(cmd)}" + (f"   plan: {json.dumps(plans[name])}" if name in plans else ""))

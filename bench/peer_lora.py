@@ -33,16 +33,13 @@ def main(argv=None) -> None:
     from adapter.models import lora
     from adapter.models.arch import load_arch
     from adapter.train.metrics import mfu
-    from bench.peers import timed
+    from bench.peers import apply_liger, timed
 
     src = os.path.dirname(os.path.abspath(a.model_config))
     cfg = AutoConfig.from_pretrained(src)
     arch = load_arch(a.model_config)
-    if not a.no_liger:  # before the model is built: it patches transformers' Llama modules
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
+    if not a.no_liger:  # before the model is built: it patches transformers' modules of the model's family
+        apply_liger(cfg)
     ckpt = f"/tmp/peer-lora-{os.path.basename(src)}"
     if not os.path.exists(f"{ckpt}/config.json"):
         torch.manual_seed(0)

@@ -45,6 +45,23 @@ def timed(step, warmup: int, steps: int):
     return (time.perf_counter() - t) / steps, loss
 
 
+def apply_liger(cfg) -> None:
+    """Liger's kernels for the model's family, as Axolotl's liger_* keys apply them (before the model is built: it
+    patches transformers' modules): RoPE, RMSNorm, the gated activation, the fused linear cross-entropy."""
+    import liger_kernel.transformers as liger
+
+    patch = {"llama": liger.apply_liger_kernel_to_llama, "phi3": liger.apply_liger_kernel_to_phi3,
+             "gemma3_text": liger.apply_liger_kernel_to_gemma3_text,
+             "qwen3_moe": getattr(liger, "apply_liger_kernel_to_qwen3_moe", None),
+             "olmo3": getattr(liger, "apply_liger_kernel_to_olmo3", None)}[cfg.model_type]
+    # Liger's RoPE rotates whole heads: a partial-rotary model (Phi-4-mini) keeps transformers' own
+    # a mixture of experts keeps transformers' grouped_mm experts (Liger's swiglu swaps in its own expert module)
+    moe = bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
+    glu = {"geglu": True} if cfg.model_type.startswith("gemma") else {"swiglu": not moe}
+    patch(rope=getattr(cfg, "partial_rotary_factor", 1.0) in (None, 1.0), rms_norm=True, cross_entropy=False,
+          fused_linear_cross_entropy=True, **glu)
+
+
 def main(argv=None) -> None:
     a = parse(argv)
     import torch
@@ -63,18 +80,7 @@ def main(argv=None) -> None:
     ckpt = f"/tmp/peer-{os.path.basename(os.path.dirname(os.path.abspath(a.model_config)))}"
     single = a.mode in ("hf", "hf-compile", "hf-liger")
     if a.mode == "hf-liger":  # before the model is built: it patches transformers' modules of the model's family
-        import liger_kernel.transformers as liger
-
-        patch = {"llama": liger.apply_liger_kernel_to_llama, "phi3": liger.apply_liger_kernel_to_phi3,
-                 "gemma3_text": liger.apply_liger_kernel_to_gemma3_text,
-                 "qwen3_moe": getattr(liger, "apply_liger_kernel_to_qwen3_moe", None),
-                 "olmo3": getattr(liger, "apply_liger_kernel_to_olmo3", None)}[cfg.model_type]
-        # Liger's RoPE rotates whole heads: a partial-rotary model (Phi-4-mini) keeps transformers' own
-        # a mixture of experts keeps transformers' grouped_mm experts (Liger's swiglu swaps in its own expert module)
-        moe = bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
-        glu = {"geglu": True} if cfg.model_type.startswith("gemma") else {"swiglu": not moe}
-        patch(rope=getattr(cfg, "partial_rotary_factor", 1.0) in (None, 1.0), rms_norm=True, cross_entropy=False,
-              fused_linear_cross_entropy=True, **glu)
+        apply_liger(cfg)
     if a.mode == "deepspeed-hf":
         import deepspeed
 

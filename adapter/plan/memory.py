@@ -118,9 +118,12 @@ def layer_activations(arch: ModelArch, *, seq: int, micro: int, tp: int, cp: int
     if attention == "local":                                             # unfused: scores + softmax, S×S
         attn += 2 * bytes_per * s * kv_len * b * arch.num_heads // tp
     if arch.attn_softcap is not None:  # soft-capped scores are materialised (kernels/varlen.math_attention, cp = 1):
-        # tanh's output, the fp32 softmax and its 16-bit copy, S×S per head (a window masks them, it does not shrink
-        # them; packed, the worst case: one document the length of the sequence), and K, V repeated to every head
-        attn += (2 * bytes_per + 4) * s * kv_len * b * arch.num_heads // tp
+        # eager: tanh's output, the fp32 softmax and its 16-bit copy, S×S per head; a compiled layer keeps two 16-bit
+        # S×S tensors (the scores and the probabilities; saved-tensor hooks, tests/unit/test_memory.py; on one H200
+        # the Gemma-2-9B shape cut to 8 layers peaked at 43.3 GiB where the eager count said 58.0). A window masks
+        # them, it does not shrink them; packed, the worst case: one document the length of the sequence. And K, V
+        # repeated to every head.
+        attn += (2 * bytes_per + (4 if eager else 0)) * s * kv_len * b * arch.num_heads // tp
         attn += 2 * bytes_per * kv_len * b * (qd - kvd) // tp
     mlp = bytes_per * s * b * 3 * f // tp                                # fc1 out (gate, up) + swiglu out
     if eager and (arch.activation != "silu" or not fused_mlp):
