@@ -238,8 +238,9 @@ def recompute_layers(model) -> int:
     """`recompute: full` (Axolotl's gradient_checkpointing: true) as transformers runs it: its own gradient
     checkpointing, each decoder layer's activations dropped after its forward and recomputed in backward, with
     torch's non-reentrant checkpoint (it gives a frozen base's LoRA adapters and ZeRO-3's re-gathered parameters
-    their gradients; the same losses and gradients, RNG state restored for dropout)."""
-    kwargs = {"use_reentrant": False}
+    their gradients; the same losses and gradients, RNG state restored for dropout). Its `context_fn` hands the
+    recomputation the forward's attention state (hf_cp.recompute_context): backward runs outside that forward."""
+    kwargs = {"use_reentrant": False, "context_fn": hf_cp.recompute_context}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.25's name; the older one warns there
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
