@@ -649,3 +649,15 @@ def test_every_command_takes_overrides_in_the_file_s_spelling(ep_example):
         assert code == 2 and "expert_parallel_size=3: does not divide num_experts=128" in err, (verb, err)
     code, _, err = run_cli("plan", str(ep_example), "--set", "dp_shard_sizee=4")
     assert code == 2 and "dp_shard_sizee=4: unknown key" in err, err
+
+
+def test_mistral_common_tokenizer_is_refused_as_axolotl_would_use_it():
+    """Axolotl tokenises with mistral-common when tokenizer_use_mistral_common is true, and turns it on itself for a
+    Magistral model: either way the HF tokenizer would train other ids, so it is refused in one line; false runs."""
+    with pytest.raises(UserError, match=r"^tokenizer_use_mistral_common=True: mistral-common's tokenizer"):
+        build(tokenizer_use_mistral_common=True)
+    with pytest.raises(UserError, match=r"^tokenizer_use_mistral_common=None: Axolotl turns it on for a Magistral "
+                       r"model.* Fix: set tokenizer_use_mistral_common: false"):
+        build(base_model_config="mistralai/Magistral-Small-2509")
+    cfg = build(base_model_config="mistralai/Magistral-Small-2509", tokenizer_use_mistral_common=False)
+    assert not any("ignored" in n for n in cfg.notes)
