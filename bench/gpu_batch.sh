@@ -8,7 +8,8 @@
 #          shape beside transformers' grouped_mm at micro-batch 1) | plancheck | pc-<row label word> |
 #          row-<shape>:<variant> (bench/compare.py 1-GPU config, beside transformers + Liger) | prof-<shape>
 #          (a profile of steps 7-8 of the shape's Axolotl YAML, bench/trace_summary.py's digest) | lora-<shape>
-#          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) | dpoattn
+#          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) |
+#          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -28,11 +29,14 @@ for part in "$@"; do
       echo rc=$?; tail -6 $OUT/pc-$w.log;;
     row-*) s=${part#row-}; s=${s%%:*}; v=${part#*:}  # row-<shape>:<variant of compare.py's ONE_GPU_VARIANTS>
       timeout $t python3 bench/compare.py --gpus 1 --shape $s --micro-batch 2 --steps 10 --only "=nd-adapter 1 GPU ($s, $v)" "=hf-liger" --log-dir $OUT/row-$s > $OUT/row-$s.log 2>&1; echo rc=$?; tail -8 $OUT/row-$s.log;;
+    mempeer-*) s=${part#mempeer-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
+      ND_MEMORY_SNAPSHOT=/tmp/peer-$s.pickle timeout $t torchrun --nproc-per-node=1 bench/peers.py hf-liger --model-config configs/models/$y/config.json --seq 4096 --micro-batch 2 --steps 4 > $OUT/mempeer-$s.log 2>&1; echo rc=$?
+      python3 bench/memory_peak.py /tmp/peer-$s.pickle > $OUT/mempeer-$s.txt 2>&1; head -30 $OUT/mempeer-$s.txt;;
     lora-*) s=${part#lora-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       timeout $t python3 bench/lora_bench.py --config bench/configs/$y-1gpu.yaml --model configs/models/$y/config.json --only "nd-adapter LoRA (transformers engine, Liger)" "peer LoRA" --set lora.r=16 lora.alpha=32 lora.target_linear=true batch.micro_batch_size=1 --log-dir $OUT/lora-$s > $OUT/lora-$s.log 2>&1; echo rc=$?; tail -6 $OUT/lora-$s.log;;
     prof-*) s=${part#prof-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       timeout $t deepspeed --num_gpus=1 launch/train.py --config bench/configs/axolotl/$y.yaml --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
-      cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
+      cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
     dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;
   esac
 done

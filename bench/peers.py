@@ -31,7 +31,9 @@ def parse(argv=None):
 
 
 def timed(step, warmup: int, steps: int):
-    """(seconds per step, the last step's loss) after `warmup` untimed steps; the peak memory counts the timed ones."""
+    """(seconds per step, the last step's loss) after `warmup` untimed steps; the peak memory counts the timed ones.
+    With ND_MEMORY_SNAPSHOT=path, one more step runs after them under the CUDA allocator's history, dumped there for
+    bench/memory_peak.py (as nd-adapter's logging.profile_steps writes its own)."""
     import torch
 
     for _ in range(warmup):
@@ -42,7 +44,15 @@ def timed(step, warmup: int, steps: int):
     for _ in range(steps):
         loss = step()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps, loss
+    took = (time.perf_counter() - t) / steps
+    snapshot = os.environ.get("ND_MEMORY_SNAPSHOT")
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=500_000)
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return took, loss
 
 
 def apply_liger(cfg) -> None:

@@ -1,8 +1,10 @@
 """Optional torch-profiler window over a few training steps (Megatron-LM's --profile-step-start/--profile-step-end).
 
 Before anything is tuned, see where the time goes: this writes, per profiled rank, a gzipped Chrome trace
-(open in Perfetto or chrome://tracing; `bench/trace_summary.py` digests it) and the op table sorted by GPU time.
-Nothing is imported or recorded unless `logging.profile_steps` is set.
+(open in Perfetto or chrome://tracing; `bench/trace_summary.py` digests it) and the op table sorted by GPU time; on
+CUDA also where the memory goes: the caching allocator's history over the window (torch.cuda.memory's snapshot,
+`memory-rank{r}.pickle`: open it at pytorch.org/memory_viz; `bench/memory_peak.py` lists what is alive at the
+window's peak and which lines allocated it). Nothing is imported or recorded unless `logging.profile_steps` is set.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class StepProfiler:
             # with_stack: the Python frames around each host wait (a `.to()`, `bool(tensor)`, a device sync) name
             # the line that drained the GPU's queue; `bench/trace_summary.py` lists them
             self._prof = torch.profiler.profile(activities=acts, with_stack=True)
+            if torch.cuda.is_available():  # every allocation and free of the window, with its Python frames
+                torch.cuda.memory._record_memory_history(max_entries=500_000)
             self._prof.__enter__()
 
     def finish(self, step: int) -> bool:
@@ -40,6 +44,9 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
+        if torch.cuda.is_available():
+            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory-rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         trace = self.dir / f"trace-rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as dst:

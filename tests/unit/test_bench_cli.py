@@ -58,6 +58,29 @@ def test_trace_summary_on_a_synthetic_trace():
     assert ts.summarize([]) == {"error": "no GPU kernels in this trace"}
 
 
+def test_memory_peak_on_a_synthetic_snapshot():
+    """The allocator's history replayed: the peak, what was alive from before the window (less what the window
+    freed of it), and the window's live blocks grouped by the first frame outside torch."""
+    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "bench/memory_peak.py")
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+    ours = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/work/main/adapter/modeling/gpt.py", "line": 42, "name": "forward"}]
+    ce = [{"filename": "/work/main/adapter/kernels/linear_ce.py", "line": 7, "name": "chunk"}]
+    a = lambda addr, size, frames: {"action": "alloc", "addr": addr, "size": size, "frames": frames}  # noqa
+    f = lambda addr, size: {"action": "free_completed", "addr": addr, "size": size}  # noqa
+    trace = [a(1, 100, ours), a(2, 50, ours), f(9, 30), a(3, 400, ce), f(3, 400), a(4, 10, ce), f(1, 100)]
+    # at the end: 50 + 10 from the window, and 1000 - 30 from before it
+    segments = [{"device": 0, "blocks": [{"size": 970, "state": "active_allocated"},
+                                         {"size": 50, "state": "active_allocated"},
+                                         {"size": 10, "state": "active_allocated"},
+                                         {"size": 4000, "state": "inactive"}]}]
+    r = mp.at_peak({"segments": segments, "device_traces": [trace]})
+    assert r["peak"] == 1000 + 100 + 50 - 30 + 400 and r["before_window"] == 970
+    assert r["by_site"] == {"adapter/modeling/gpt.py:42 forward": (2, 150), "adapter/kernels/linear_ce.py:7 chunk":
+                            (1, 400)}
+
+
 def test_packed_attention_bench_helpers():
     spec = importlib.util.spec_from_file_location("pab", ROOT / "bench/packed_attention_bench.py")
     pab = importlib.util.module_from_spec(spec)
