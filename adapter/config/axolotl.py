@@ -63,7 +63,7 @@ KNOWN = MARKERS | {
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
     "auto_resume_from_checkpoints", "trust_remote_code", "save_strategy", "mean_resizing_embeddings",
-    "model_quantization_config", "model_quantization_config_kwargs",
+    "model_quantization_config", "model_quantization_config_kwargs", "group_by_length",
 } | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 

@@ -46,6 +46,11 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "peft": ("LoftQ initialisation (peft.loftq_config) is not supported", "remove it"),
     "peft_layer_replication": ("duplicating layers changes the architecture; not supported", _FULL),
     # quantised weights
+    "llama4_linearized_experts": ("Axolotl's linearized Llama 4 experts (one nn.Linear per expert, the layout of its "
+                                  "*-Linearized checkpoints, quantised and targeted as linears) are not built: "
+                                  "transformers' Llama 4 keeps each layer's experts as 3-D weights",
+                                  "remove it and point base_model at the original Llama 4 checkpoint, or run this "
+                                  "config with Axolotl"),
     "gptq": ("GPTQ-quantised base weights are not supported", _16BIT),
     "qat": ("quantisation-aware training is not supported", "remove qat"),
     "fp8": ("Axolotl's FP8 (torchao float8 on every linear) is not what nd-adapter runs", "use bf16: true, or "
@@ -55,6 +60,9 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     # rl: mapped (rl: dpo) or refused in one line by axolotl_rl.py
     "reward_model": ("reward-model training (a scalar head) is not supported", _SFT),
     "process_reward_model": ("process-reward-model training is not supported", _SFT),
+    "use_eaft": ("Entropy-Aware Focal Training (each token's loss weighted by the entropy of its top-k logits) is not "
+                 "built", "remove use_eaft (and eaft_alpha, eaft_k) for plain cross-entropy, or run this config with "
+                 "Axolotl"),
     "kd_trainer": ("knowledge distillation is not supported", "remove the KD plugin and its kd_* keys"),
     # data and tokens
     "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),
@@ -113,6 +121,11 @@ def check_scope(raw: dict[str, Any]) -> None:
     for key, (why, fix) in UNSUPPORTED.items():
         if key in raw and is_on(raw[key]):
             raise bad(key, raw[key], why, fix)
+    if is_on(raw.get("group_by_length")) and not is_on(raw.get("sample_packing")) \
+            and not is_on(raw.get("curriculum_sampling")):  # HF's sampler then (Axolotl's trainer: without packing)
+        raise bad("group_by_length", raw["group_by_length"], "HF's length-grouped sampler (micro-batches of similar "
+                  "lengths) is not built: the batches would differ", "remove it (random order), or set "
+                  "sample_packing: true")
     names = (raw.get(k) for k in ("base_model", "base_model_config", "tokenizer_config"))
     if "tokenizer_use_mistral_common" not in raw and any("magistral" in str(n or "").lower() for n in names):
         raise bad("tokenizer_use_mistral_common", None, "Axolotl turns it on for a Magistral model (its schema's "

@@ -661,3 +661,16 @@ def test_mistral_common_tokenizer_is_refused_as_axolotl_would_use_it():
         build(base_model_config="mistralai/Magistral-Small-2509")
     cfg = build(base_model_config="mistralai/Magistral-Small-2509", tokenizer_use_mistral_common=False)
     assert not any("ignored" in n for n in cfg.notes)
+
+
+def test_keys_that_change_the_loss_the_order_or_the_experts_are_refused_not_dropped():
+    """use_eaft (Axolotl's entropy-weighted loss), group_by_length without packing (HF's length-grouped sampler) and
+    llama4_linearized_experts (its per-expert linears) were dropped as ignored keys; each changes what trains."""
+    for keys, needle in (({"use_eaft": True, "eaft_alpha": 1.0}, r"^use_eaft=True: Entropy-Aware Focal Training"),
+                         ({"group_by_length": True}, r"^group_by_length=True: HF's length-grouped sampler"),
+                         ({"llama4_linearized_experts": True}, r"^llama4_linearized_experts=True: Axolotl's linear")):
+        with pytest.raises(UserError, match=needle):
+            build(**keys)
+    cfg = build(group_by_length=True, sample_packing=True)  # Axolotl's trainer ignores it beside packing
+    assert not any("group_by_length" in n for n in cfg.notes)
+    assert not any("group_by_length" in n for n in build(group_by_length=False).notes)
