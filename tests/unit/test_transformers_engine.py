@@ -610,3 +610,24 @@ def test_own_attention_at_cp1_where_the_kernels_compute_the_models_attention(tmp
     sinks = run("gpt_oss")
     assert not sinks.own_attention and "sinks" in checks.own_attention(sinks.cfg, sinks.arch)
     assert "nd-adapter's kernels" not in announce.engine(sinks)
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_started_random(tmp_path):
+    """transformers only warns when a checkpoint lacks some of the model's weights and starts them random (a save in
+    another module layout loads that way); the transformers engine refuses it in one line naming model.path."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from adapter.modeling.hf_build import build_model
+
+    d = tmp_path / "phi"
+    AutoModelForCausalLM.from_config(tiny_config("phi")).save_pretrained(d)
+    assert build_model(str(d), weights=True, dtype=torch.float32, seed=0, trust_remote_code=False) is not None
+    f = d / "model.safetensors"
+    tensors = load_file(f)
+    dropped = next(k for k in tensors if "layers.1.mlp" in k)
+    save_file({k: v for k, v in tensors.items() if k != dropped}, f, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=rf"^model.path='{d}': the checkpoint lacks 1 of the weights of "
+                       rf"PhiForCausalLM \(e.g. {dropped}\), which would start random"):
+        build_model(str(d), weights=True, dtype=torch.float32, seed=0, trust_remote_code=False)
