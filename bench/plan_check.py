@@ -61,7 +61,8 @@ def predicted(over: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="plan-check", help="directory for the logs and rows.json")
+    ap.add_argument("--out", default="/tmp/plan-check", help="directory for the logs and rows.json (not the "
+                    "checkout: a dry run writes rows.json too)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=420, help="seconds per row")
     ap.add_argument("--only", nargs="*", help="rows whose label contains any of these")

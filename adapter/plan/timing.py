@@ -98,13 +98,12 @@ def attention_seconds(arch: ModelArch, *, micro: int, seq: int, cp: int, tp: int
     the GEMM rate (a causal mask or a window skips none of them) and their elementwise passes (SOFTCAP_BYTES) at the
     elementwise rate. Counted as flash attention they were 22% fast on one H200 (Gemma-2-9B shape cut to 8 layers:
     29,057 tokens/s measured, 35,408 predicted; docs/BENCHMARKS.md, 2026-12-06)."""
+    span = min(doc_len or seq, seq)
     if arch.attn_softcap is not None and kind == "sdpa":
-        span = min(doc_len or seq, seq)
         heads, d = micro * (seq // span) * arch.num_heads // tp, arch.head_dim
         scores = heads * span * span
         return 3 * gemm_seconds([(span, span, d), (span, d, span)], prof) * heads + \
             SOFTCAP_BYTES[compiled] * scores / prof.elementwise_bytes_per_s
-    span = min(doc_len or seq, seq)
     flops = attention_flops(arch, seq_len=seq, sequences=micro, doc_len=doc_len, heads=arch.num_heads // tp,
                             windows=[window]) / cp
     rate = prof.attention.rate(span / cp if doc_len is None else span)

@@ -51,7 +51,6 @@ def test_schedule_keys_and_output_dir():
     assert build(eval_steps=0.25).eval.every == 0.25 and build(save_steps=50).checkpoint.save_every == 50
 
 
-
 def test_save_strategy_as_axolotl_passes_it_to_hf():
     """"no": no checkpoint, the model still exported to output_dir; "steps" alone: HF's 500; "epoch": one per
     epoch; Axolotl's own mismatch checks refused in one line."""
@@ -68,6 +67,7 @@ def test_save_strategy_as_axolotl_passes_it_to_hf():
                          ({"save_strategy": "sometimes"}, "^save_strategy='sometimes': not one of HF's")):
         with pytest.raises(UserError, match=needle):
             build(**keys, **out)
+
 
 def test_context_parallel_block_and_flat_keys():
     cfg = build(world=8, context_parallel={"size": 8, "backend": "auto", "rotate_method": "allgather",
