@@ -125,6 +125,31 @@ def _sdpa(q, k, v, **kw):
     return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw)
 
 
+def local_attention(q, k, v, *, scale, window=None, softcap=None, dropout_p=0.0, mask=None, causal=True):
+    """One rank's whole sequences (cp = 1, no packing): [b, h, s, d] q and [b, hk, s, d] k/v -> [b, h, s, d], as
+    both engines run them. Plain causal attention is SDPA's (flash); a sliding `window` shorter than the sequence
+    runs FlashAttention's windowed kernel on a GPU (each sample one sequence of a varlen call), where SDPA would
+    take a materialised mask and leave flash (transformers' own sdpa path does that); soft-capped scores are
+    materialised (math_attention). `mask`: True = attend, beside or instead of `causal`."""
+    window = window if window is not None and window < k.size(2) else None
+    if window is None and softcap is None:
+        return _sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, dropout_p=dropout_p)
+    if not causal and mask is None:
+        raise bad("attention_mask", "none (not causal)", "sliding windows are causal here", "use causal masks")
+    allowed = window_mask(q.size(2), k.size(2), window, q.device) if causal else mask
+    if causal and mask is not None:
+        allowed = allowed & mask
+    if softcap is not None:
+        return math_attention(q, k, v, scale, allowed, softcap, dropout_p)
+    if q.is_cuda and mask is None and not dropout_p and q.dtype in (torch.bfloat16, torch.float16):
+        b, s = q.size(0), q.size(2)
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        flat = [t.transpose(1, 2).reshape(b * s, t.size(1), t.size(3)) for t in (q, k, v)]
+        out = varlen(*flat, cu, cu, (s, s), True, scale, window)
+        return out.view(b, s, *out.shape[1:]).transpose(1, 2)
+    return _sdpa(q, k, v, attn_mask=allowed, scale=scale, dropout_p=dropout_p)
+
+
 def _all_gather_attention(q, k, v, scale, group, dropout_p, window=None):
     """q/k/v: [s_local, b, heads, d] (Megatron layout). Returns [b, heads, s_local, d]."""
     cp, r = group.size(), group.rank()
@@ -306,31 +331,9 @@ class SDPAttention(MegatronModule):
                 mask_type = attn_mask_type or self.attn_mask_type
                 causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
                 mask = None if attention_mask is None else ~attention_mask
-                window = self.window if self.window is not None and self.window < k.size(2) else None
-                if window is not None or self.softcap is not None:
-                    out = self._windowed(q, k, v, mask, causal, window, p)
-                else:
-                    out = _sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, dropout_p=p)
+                out = local_attention(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap,
+                                      dropout_p=p, mask=mask, causal=causal)
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
-
-    def _windowed(self, q, k, v, mask, causal, window, p):
-        """[b, h, s, d] attention with a sliding window and/or soft-capped scores (cp = 1, no packing). A window
-        alone on a GPU runs FlashAttention's windowed kernel (each sample one sequence of a varlen call); the rest
-        builds the mask (and, with soft-capping, the scores)."""
-        if not causal and mask is None:
-            raise bad("attention_mask", "none (not causal)", "sliding windows are causal here", "use causal masks")
-        allowed = window_mask(q.size(2), k.size(2), window, q.device) if causal else mask
-        if causal and mask is not None:
-            allowed = allowed & mask
-        if self.softcap is not None:
-            return math_attention(q, k, v, self.scale, allowed, self.softcap, p)
-        if q.is_cuda and mask is None and not p and q.dtype in (torch.bfloat16, torch.float16):
-            b, s = q.size(0), q.size(2)
-            cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-            flat = [t.transpose(1, 2).reshape(b * s, t.size(1), t.size(3)) for t in (q, k, v)]
-            out = varlen(*flat, cu, cu, (s, s), True, self.scale, window)
-            return out.view(b, s, *out.shape[1:]).transpose(1, 2)
-        return _sdpa(q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=p)
 
     def _packed(self, q, k, v, params, p):
         """Packed documents (adapter/kernels/varlen.py): our PackedDocs ([t, 1, heads, d], any cp) or Megatron's own
@@ -353,5 +356,5 @@ class SDPAttention(MegatronModule):
         return varlen_attention(q, k, v, cu.to(torch.int32), max_len, self.scale)
 
 
-__all__ = ["SDPAttention", "split_for_cp", "whole_from_cp", "sum_over_cp", "context_parallel_attention",
-           "normalize_cp_comm_type", "CP_COMM_TYPES"]
+__all__ = ["SDPAttention", "local_attention", "split_for_cp", "whole_from_cp", "sum_over_cp",
+           "context_parallel_attention", "normalize_cp_comm_type", "CP_COMM_TYPES"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adapter.errors import bad
 from adapter.modeling import hf_cp, hf_unpack
 from adapter.models.generic import for_class, hf_config, model_class
 from adapter.patches.hf_masks import documents, prepare
@@ -66,7 +67,7 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
 
             kw["quantization_config"] = AutoQuantizationConfig.from_dict({**cfg["quantization_config"],
                                                                           "dequantize": True})
-        model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
+        model = _from_pretrained(cls, model_dir, config=config, dtype=dtype, **kw)
     else:
         if dequantize and hasattr(config, "quantization_config"):
             del config.quantization_config  # random 16-bit weights: nothing is quantised, nor will the export be
@@ -77,6 +78,19 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     for name, p in model.named_parameters():
         if any(t in name for t in OTHER_TOWERS):
             p.requires_grad_(False)
+    return model
+
+
+def _from_pretrained(cls, model_dir: str, **kw):
+    """transformers' from_pretrained, refusing in one line a checkpoint that lacks some of the model's weights:
+    transformers would only warn and start them random (a checkpoint saved in another module layout, such as
+    Axolotl's linearized Llama 4 experts, loads that way), and the run would train another model."""
+    model, info = cls.from_pretrained(model_dir, output_loading_info=True, **kw)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise bad("model.path", model_dir, f"the checkpoint lacks {len(missing)} of the weights of "
+                  f"{cls.__name__} (e.g. {', '.join(missing[:3])}), which would start random",
+                  "point it at a checkpoint saved by this transformers class (a complete save_pretrained directory)")
     return model
 
 
@@ -125,12 +139,12 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
            BitsAndBytesConfig(load_in_8bit=True))
     if model_dir is not None and getattr(config, "quantization_config", None) is not None:
         # a pre-quantised bitsandbytes checkpoint (adapter/models/prequant.py): its stored codes, loaded as they are
-        model = cls.from_pretrained(model_dir, config=config, dtype=dtype, **kw)
+        model = _from_pretrained(cls, model_dir, config=config, dtype=dtype, **kw)
     else:
         with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
             if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
                 cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)
-            model = cls.from_pretrained(model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
+            model = _from_pretrained(cls, model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
     one_cpu_path(model)  # eval-mode forwards (the eval, reference tables) compute as training ones on any CPU
     return model
 
@@ -238,8 +252,9 @@ def recompute_layers(model) -> int:
     """`recompute: full` (Axolotl's gradient_checkpointing: true) as transformers runs it: its own gradient
     checkpointing, each decoder layer's activations dropped after its forward and recomputed in backward, with
     torch's non-reentrant checkpoint (it gives a frozen base's LoRA adapters and ZeRO-3's re-gathered parameters
-    their gradients; the same losses and gradients, RNG state restored for dropout)."""
-    kwargs = {"use_reentrant": False}
+    their gradients; the same losses and gradients, RNG state restored for dropout). Its `context_fn` hands the
+    recomputation the forward's attention state (hf_cp.recompute_context): backward runs outside that forward."""
+    kwargs = {"use_reentrant": False, "context_fn": hf_cp.recompute_context}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.25's name; the older one warns there
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

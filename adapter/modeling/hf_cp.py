@@ -4,7 +4,10 @@ function, registered in transformers' attention interface, does the attention ac
 engine's kernels (adapter/kernels/attention.py for one causal stream per sample, adapter/kernels/varlen.py for
 packed documents): all-gathered K|V or the ring, sliding windows included (all-gather only). At cp = 1 the same
 function runs preference pairs whose prompt is shared (adapter/kernels/thd.pairs_to_shared_stream: the rejected
-answer's keys gathered as [prompt | itself]), which transformers' position-built masks cannot describe.
+answer's keys gathered as [prompt | itself]), which transformers' position-built masks cannot describe, and every
+model whose attention those kernels compute (checks.own_attention): packed documents by their boundaries, and
+whole sequences through adapter/kernels/attention.local_attention (flash attention with a sliding window, where
+transformers' sdpa path would take a materialised mask).
 
 Why through the attention interface and not a split of the model: it is transformers' public seam for attention
 kernels (`AttentionInterface.register`; models declare `_supports_attention_backend`), so everything before and after
@@ -26,7 +29,7 @@ attention-interface documentation describes them for custom functions.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +37,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapter.kernels.attention import _p2p_dtype_error, context_parallel_attention, normalize_cp_comm_type
+from adapter.kernels.attention import (
+    _p2p_dtype_error,
+    context_parallel_attention,
+    local_attention,
+    normalize_cp_comm_type,
+)
 from adapter.kernels.varlen import HALF, packed_attention
 from adapter.patches.mcore import install_cpu_shims
 
@@ -77,6 +85,9 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     # unequal head dims (MLA: values narrower than queries): zero columns give the kernels equal ones and change
     # neither the scores (the scale is fixed above) nor the output's first dv columns
     query, key, value = (F.pad(t, (0, d - t.size(-1))) if t.size(-1) < d else t for t in (query, key, value))
+    if state.packed is None and state.group.size() == 1:  # cp = 1, whole sequences (checks.own_attention)
+        out = local_attention(query, key, value, scale=scale, window=sliding_window)
+        return out.transpose(1, 2)[..., :dv].contiguous(), None
     span = (max(state.packed.max_seqlen_q, state.packed.max_seqlen_kv or 0) if state.packed is not None else
             query.size(2) * state.group.size())  # (a shared prompt's rejected queries: keys longer than queries)
     if sliding_window is not None and sliding_window >= span:  # no query has a key outside it (the longest
@@ -132,4 +143,21 @@ def forward(group, comm: str, packed=None) -> Iterator[_Forward]:
                            "does not run through transformers' attention interface")
 
 
-__all__ = ["NAME", "attention", "no_mask", "install", "forward"]
+def recompute_context():
+    """torch.utils.checkpoint's `context_fn` for transformers' gradient checkpointing: called as a layer's forward
+    runs, it returns (nothing for the forward, the forward's state for the recomputation), since backward runs the
+    layer again after `forward`'s context has ended (and on autograd's thread, which a ContextVar does not reach)."""
+    state = _STATE.get()
+    return nullcontext(), (nullcontext() if state is None else _restored(state))
+
+
+@contextmanager
+def _restored(state: _Forward) -> Iterator[None]:
+    token = _STATE.set(state)
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+__all__ = ["NAME", "attention", "no_mask", "install", "forward", "recompute_context"]

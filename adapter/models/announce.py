@@ -82,6 +82,9 @@ def engine(run: ResolvedRun) -> str:
                      f"({'K/V all-gathered' if comm == 'all_gather' else 'K/V passed around a ring'}) over "
                      f"{'each packed document' if run.cfg.document_attention else 'each sample'} in {2 * cp} "
                      "load-balanced chunks")
+    elif run.own_attention:  # adapter/modeling/hf_cp.py at cp = 1
+        extra.append("attention through transformers' attention interface on nd-adapter's kernels (flash attention "
+                     "with sliding windows, packed documents by their boundaries)")
     if run.cfg.model.compile:  # adapter/modeling/hf_build.compile_layers
         extra.append("each decoder layer compiled (torch.compile; what Dynamo cannot trace runs eagerly)")
     n = arch.param_count or 0

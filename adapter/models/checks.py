@@ -167,6 +167,20 @@ def _transformers_attention(arch: ModelArch) -> str | None:
     return f"{arch.architecture}'s attention {found[0]}" if found else None
 
 
+def own_attention(cfg: RunConfig, arch: ModelArch) -> str | None:
+    """Why the transformers engine keeps transformers' own attention at cp = 1, or None: it runs nd-adapter's kernels
+    through the attention interface (adapter/modeling/hf_cp.py: flash attention with a sliding window, packed
+    documents by their boundaries), where transformers' sdpa path would take a materialised S×S mask and leave
+    flash (masking_utils builds one for a window whenever the keys reach it: Olmo-3's layers at seq 4096 ran
+    unflashed). The model's attention must be what those kernels compute (_transformers_attention); compiled layers
+    keep transformers' own (the function's per-forward state is not traced)."""
+    if cfg.model.attention != "sdpa":
+        return f"model.attention: {cfg.model.attention}"
+    if cfg.model.compile:
+        return "compiled layers (model.compile)"
+    return _transformers_attention(arch)
+
+
 def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
     """What a mixture-of-experts model cannot run yet, each in one line."""
     name = arch.architecture  # (freezing parts of one trains on the transformers engine: lora.check_native)

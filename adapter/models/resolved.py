@@ -48,6 +48,12 @@ class ResolvedRun:
         return self.unshared is None
 
     @property
+    def own_attention(self) -> bool:
+        """Whether the transformers engine's attention runs nd-adapter's kernels at cp = 1 (checks.own_attention), as
+        it does at cp > 1 (adapter/modeling/hf_cp.py)."""
+        return not self.arch.native and self.layout.cp == 1 and checks.own_attention(self.cfg, self.arch) is None
+
+    @property
     def adapters(self) -> bool:
         """Whether the run trains adapters on a frozen base (either engine): its checkpoints hold only those."""
         return self.lora is not None or self.peft is not None

@@ -100,7 +100,8 @@ CP_MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # what the mo
 def place(run: ResolvedRun, cp_rank: int, device, b):
     """This rank's part of a host micro-batch, on the device: its CP slice, or, for documents
     (cfg.document_attention), one packed stream with its PackedDocs under "packed_seq_params" -- on both engines
-    alike, but for transformers' model at cp = 1, whose masks confine documents by their positions (hf_build)."""
+    alike, but for transformers' own attention at cp = 1 (checks.own_attention), whose masks confine documents by
+    their positions (hf_build)."""
     cfg, layout = run.cfg, run.layout
     if cfg.padding_free_pairs() or run.shares_prompt:
         return _padding_free(run, cp_rank, device, b)
@@ -109,7 +110,7 @@ def place(run: ResolvedRun, cp_rank: int, device, b):
         # transformers' model: one causal stream per sample, as the native engine runs it
         b = {**b, "position_ids": torch.arange(b["tokens"].shape[1]).expand_as(b["tokens"])}
     # (transformers' model at cp = 1 keeps its documents as positions that restart at each one)
-    if cfg.document_attention and (run.arch.native or layout.cp > 1):
+    if cfg.document_attention and (run.arch.native or layout.cp > 1 or run.own_attention):
         sp_tp = layout.tp if cfg.use_sequence_parallel else 1
         b, packed = pack_batch(b, cp_size=layout.cp, cp_rank=cp_rank,
                                multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))

@@ -303,7 +303,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
     recomputed = recompute_layers(model) if cfg.recompute == "full" else 0  # gradient_checkpointing: transformers'
     cp = None
-    if run.layout.cp > 1 or run.shares_prompt:  # (at cp 1: the shared prompts' key gather, checks.prompt_sharing)
+    if run.layout.cp > 1 or run.shares_prompt or run.own_attention:  # (at cp 1: the shared prompts' key gather,
+        # checks.prompt_sharing; flash attention for windows and packed documents, checks.own_attention)
         comm = cfg.parallelism.cp_comm_type if run.layout.cp > 1 else "all_gather"
         hf_cp.install(model, dtype=dtype, comm=comm, gpu=torch.device(device).type == "cuda")
         cp = (groups.cp, comm)

@@ -76,6 +76,8 @@ def _worker(rank, world, models, root):
         lines: list[str] = []  # packed, the hybrids too (their documents run as rows of their own: hf_unpack)
         res = train(_cfg(models[name], f"{root}/{name}", True), log=lines.append)
         out[name] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
+    lines = []  # whole rows at cp = 1: its sliding-window layers through local_attention (checks.own_attention)
+    out["olmo3 rows"] = (train(_cfg(models["olmo3"], f"{root}/olmo3-rows", False), log=lines.append).losses, lines)
     for name in TP_ARCHS:  # tensor parallelism from the model's own plan: MLA's split rope key, gathered q/k/v
         lines = []
         res = train(_cfg(models[name], f"{root}/{name}-tp", True, dp_shard_size=1, tp_size=2), log=lines.append)
@@ -221,6 +223,13 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
             assert "its language model trains on text, the other towers frozen" in said[0]
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", True))
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
+    # at cp = 1 on nd-adapter's kernels (packed documents by their boundaries: checks.own_attention) where they
+    # compute the model's attention; not beside sinks (gpt-oss), chunked attention (Llama 4) or a hybrid's layers
+    own = {name for name in MODELS if "nd-adapter's kernels" in got[name][1][0]}
+    assert {"phi", "olmo3", "starcoder2", "deepseek_v3", "mistral3"} <= own, own
+    assert not own & {"gpt_oss", "llama4_text", *HYBRID}, own
+    want = _reference(models["olmo3"], _cfg(models["olmo3"], f"{tmp_path}/olmo3-rows", False))
+    assert max(rel(a, b) for a, b in zip(got["olmo3 rows"][0], want)) < 1e-4, (got["olmo3 rows"][0], want)
     for name in TP_ARCHS:
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}-tp", True, dp_shard_size=1,
                                              tp_size=2), dp=1)

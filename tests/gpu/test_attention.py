@@ -59,3 +59,39 @@ def test_cp2_both_schemes_on_cuda_match_cp1():
         for k, v in r.items():
             if not k.startswith("ms_"):  # (error, bf16 tolerance, error of a wrong chunk order): meets the tolerance,
                 assert v[0] <= v[1] and v[2] > 10 * v[0], (k, v)  # and is far from what a layout bug gives
+
+
+def test_transformers_engine_own_attention_follows_its_sdpa_on_cuda():
+    """An Olmo-3 model (sliding-window and full layers, window 64 < seq 256), bf16 on CUDA: its attention on
+    nd-adapter's kernels at cp = 1 (hf_cp: flash's windowed varlen; checks.own_attention) against transformers' own
+    sdpa path (a materialised window mask), same weights and tokens: the loss and every gradient within bf16
+    rounding of each other."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from adapter.modeling import hf_cp
+    from tests.helpers.archs import tiny_config
+
+    class One:  # cp = 1: the attention function reads only the group's size
+        def size(self):
+            return 1
+
+    cfg = tiny_config("olmo3")
+    cfg.sliding_window, cfg.head_dim = 64, 64
+    cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads = 256, 4, 2
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to("cuda", torch.bfloat16)
+    ours = copy.deepcopy(theirs)
+    hf_cp.install(ours, dtype=torch.bfloat16, gpu=True, comm="all_gather")
+    ids = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    loss_theirs = theirs(input_ids=ids, labels=ids, use_cache=False).loss
+    with hf_cp.forward(One(), "all_gather") as state:
+        loss_ours = ours(input_ids=ids, labels=ids, use_cache=False).loss
+    assert state.calls == cfg.num_hidden_layers
+    loss_theirs.backward()
+    loss_ours.backward()
+    assert abs(loss_ours.item() - loss_theirs.item()) < 2e-2 * abs(loss_theirs.item())
+    for (name, a), b in zip(theirs.named_parameters(), ours.parameters()):
+        scale = a.grad.float().abs().max().item() + 1e-6
+        assert (a.grad.float() - b.grad.float()).abs().max().item() < 0.05 * scale, name

@@ -54,3 +54,27 @@ def test_linear_ce_leaves_out_padding_on_cuda(chunk):
     assert (h.grad - h_ref.grad).abs().max().item() <= 1e-5 * h_ref.grad.abs().max().item() + 1e-7
     assert (w.grad[:REAL] - w_ref.grad).abs().max().item() <= 1e-5 * w_ref.grad.abs().max().item() + 1e-7
     assert w.grad[REAL:].abs().max().item() == 0.0
+
+
+def test_linear_ce_backward_scales_its_gradients_in_place_on_cuda():
+    """nd-adapter's chunked linear CE computes its gradients in the forward; backward scales them by the upstream
+    scalar in place, so no second output-weight-sized buffer appears at the start of backward (the step's peak)."""
+    from adapter.kernels.fusions import linear_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vocab, hidden_size, tokens = 32768, 1024, 2048
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=g).bfloat16().requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    loss = linear_cross_entropy(hidden, weight, target, torch.ones(tokens, device="cuda"), chunk=512).sum() / tokens
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - before
+    assert grown < weight.numel() * weight.element_size() // 4, grown  # the copy was a whole weight-sized buffer
+    ref_w = weight.detach().float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(hidden.detach().float() @ ref_w.t(), target)
+    ref.backward()
+    assert (weight.grad.float() - ref_w.grad).abs().max().item() < 2e-2 * ref_w.grad.abs().max().item()

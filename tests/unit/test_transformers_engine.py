@@ -587,3 +587,47 @@ def test_the_load_balancing_loss_on_the_transformers_engine(tmp_path, model, top
                                 "router_aux_loss_coef 0.02") for n in json.loads(out)["notes"]), out
     else:
         assert code == 2 and err.count("\n") == 1 and f"model_config.output_router_logits=True: {says}" in err, err
+
+
+def test_own_attention_at_cp1_where_the_kernels_compute_the_models_attention(tmp_path):
+    """At cp = 1 the transformers engine runs its attention on nd-adapter's kernels (flash with sliding windows,
+    packed documents by their boundaries: checks.own_attention) where they compute what the model asks; attention
+    sinks (gpt-oss), compiled layers or another model.attention keep transformers' own, and the engine line says
+    which."""
+    from adapter import config
+    from adapter.models import announce, checks
+    from tests.helpers.runs import planned
+
+    def run(model_type, **model):
+        d = _write(tmp_path, model_type)
+        cfg = config.build({"model": {"path": str(d), **model}, "seq_len": 64, "data": {"synthetic": True}},
+                           env={}, world_size=1)
+        return planned(cfg, load_arch(d))
+
+    olmo = run("olmo3")
+    assert olmo.own_attention and "nd-adapter's kernels" in announce.engine(olmo)
+    assert checks.own_attention(run("olmo3", compile=True).cfg, olmo.arch) == "compiled layers (model.compile)"
+    sinks = run("gpt_oss")
+    assert not sinks.own_attention and "sinks" in checks.own_attention(sinks.cfg, sinks.arch)
+    assert "nd-adapter's kernels" not in announce.engine(sinks)
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_started_random(tmp_path):
+    """transformers only warns when a checkpoint lacks some of the model's weights and starts them random (a save in
+    another module layout loads that way); the transformers engine refuses it in one line naming model.path."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from adapter.modeling.hf_build import build_model
+
+    d = tmp_path / "phi"
+    AutoModelForCausalLM.from_config(tiny_config("phi")).save_pretrained(d)
+    assert build_model(str(d), weights=True, dtype=torch.float32, seed=0, trust_remote_code=False) is not None
+    f = d / "model.safetensors"
+    tensors = load_file(f)
+    dropped = next(k for k in tensors if "layers.1.mlp" in k)
+    save_file({k: v for k, v in tensors.items() if k != dropped}, f, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=rf"^model.path='{d}': the checkpoint lacks 1 of the weights of "
+                       rf"PhiForCausalLM \(e.g. {dropped}\), which would start random"):
+        build_model(str(d), weights=True, dtype=torch.float32, seed=0, trust_remote_code=False)
