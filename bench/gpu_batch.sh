@@ -35,6 +35,7 @@ for part in "$@"; do
     lora-*) s=${part#lora-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       timeout $t python3 bench/lora_bench.py --config bench/configs/$y-1gpu.yaml --model configs/models/$y/config.json --only "nd-adapter LoRA (transformers engine, Liger)" "peer LoRA" --set lora.r=16 lora.alpha=32 lora.target_linear=true batch.micro_batch_size=1 --log-dir $OUT/lora-$s > $OUT/lora-$s.log 2>&1; echo rc=$?; tail -6 $OUT/lora-$s.log;;
     prof-*) s=${part#prof-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
+      rm -rf /tmp/axolotl-out/$y  # a cmp- part's checkpoints there would (rightly) refuse a fresh run
       timeout $t deepspeed --num_gpus=1 launch/train.py --config bench/configs/axolotl/$y.yaml --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
       cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
     dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;

@@ -23,7 +23,7 @@ def site(frames: list[dict]) -> str:
     """The first frame outside torch (and Python's own plumbing): who asked for the block."""
     for f in frames or []:
         name = f.get("filename", "")
-        if name and not any(tag in name for tag in _INTERNAL):
+        if name.endswith(".py") and not any(tag in name for tag in _INTERNAL):  # C++ frames come first ("??")
             short = name.split("site-packages/")[-1].split("/work/main/")[-1]
             return f"{short}:{f.get('line')} {f.get('name')}"
     return "(torch internals)"
