@@ -32,9 +32,9 @@ HF_ENGINE = {"model.engine": "transformers", "model.compile": False}  # bench/co
 HF_LIGER = {**HF_ENGINE, "model.liger": ["rope", "rms_norm", "glu_activation", "fused_linear_cross_entropy"]}
 DS = {"optimizer.impl": "deepspeed"}
 AUTO = {"model.fused_linear_ce": "auto"}  # the defaults since 2026-12-06 (compile-auto merged): rows measured on them
-OLMO_MISS = ("miss, not modelled yet: the transformers engine's eager step on its own flash attention (checks."
-             "own_attention) still runs 23-26% slower than plan says, full and QLoRA (LoRA: +10%); profile it (bench/gpu_batch.sh prof-) "
-             "before fitting anything")
+OLMO_MISS = ("miss, not modelled yet: the transformers engine's eager step on its own flash attention "
+             "(checks.own_attention) still runs 23-26% slower than plan says, full and QLoRA (LoRA: +10%); "
+             "profile it (bench/gpu_batch.sh prof-) before fitting anything")
 
 
 def PC(shape: str, gpu: str = "h200") -> dict:

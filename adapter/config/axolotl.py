@@ -163,7 +163,7 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
                      "pre-trained ones)")
     map_lora(raw, out, notes)
     map_rl(raw, out, notes)
-    map_data(raw, out)
+    map_data(raw, out, notes)
     map_pretraining(raw.get("pretraining_dataset"), out, notes, has_sft=bool(raw.get("datasets")))
     ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]
     map_training(raw, out, notes, ignored)

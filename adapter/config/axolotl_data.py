@@ -21,6 +21,7 @@ DATA_KEYS = {
     "resize_token_embeddings_to_32x": "resize_vocab_to_32x", "tokens": "tokens",
     "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
     "curriculum_sampling": "curriculum", "sample_packing_sequentially": "pack_in_order",
+    "tokenizer_use_mistral_common": "mistral_common",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)
 ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings
@@ -102,7 +103,16 @@ def _entry(i: int, entry: Any, key: str = "datasets") -> dict[str, Any]:
     return out
 
 
-def map_data(raw: dict[str, Any], out: dict[str, Any]) -> None:
+def map_data(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    names = (raw.get(k) for k in ("base_model", "base_model_config", "tokenizer_config"))
+    if raw.get("tokenizer_use_mistral_common") is None and any("magistral" in str(n or "").lower() for n in names):
+        raw = {**raw, "tokenizer_use_mistral_common": True}  # Axolotl's schema (check_tokenizer_use_mistral_common)
+        notes.append("tokenizer_use_mistral_common: true (Axolotl turns it on for a Magistral model): chats are "
+                     "encoded with mistral-common")
+    if raw.get("tokenizer_use_mistral_common") and (raw.get("chat_template") or raw.get("chat_template_jinja")):
+        notes.append("chat_template: not used with tokenizer_use_mistral_common (mistral-common encodes the chats; "
+                     "Axolotl passes no template then either)")
+        raw = {k: v for k, v in raw.items() if k not in ("chat_template", "chat_template_jinja")}
     if raw.get("test_datasets") and raw.get("val_set_size"):
         raise bad("val_set_size", raw["val_set_size"], "Axolotl takes test_datasets or val_set_size, not both",
                   "drop val_set_size (the test datasets are the eval set)")

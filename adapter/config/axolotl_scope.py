@@ -22,12 +22,6 @@ _LORA = "remove it for plain LoRA (adapter: lora), or run this config with Axolo
 _VOCAB = "remove it, and give new tokens under tokens: (they get new embedding rows)"
 
 # key -> (why it cannot be honoured, the fix)
-# tokenizer_use_mistral_common: Axolotl then tokenises with mistral-common (HFMistralTokenizer) and encodes chats
-# with it (MistralStrategy), not with the checkpoint's HF tokenizer and chat template
-_MISTRAL_COMMON = ("mistral-common's tokenizer and chat encoding (Axolotl's MistralStrategy) are not built here; the "
-                   "checkpoint's HF tokenizer and chat template can give other token ids and masks")
-_HF_TOKENIZER = ("set tokenizer_use_mistral_common: false to train on the HF tokenizer and its chat template, or run "
-                 "this config with Axolotl")
 UNSUPPORTED: dict[str, tuple[str, str]] = {
     # adapters, freezing (adapter: lora|qlora and their keys are mapped in axolotl_train.py's map_lora)
     "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
@@ -72,7 +66,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
                        "(Axolotl's multimodal path); nd-adapter trains the language model on text",
                        "remove processor_type (and skip_prepare_dataset) and give text conversations, or run this "
                        "config with Axolotl"),
-    "tokenizer_use_mistral_common": (_MISTRAL_COMMON, _HF_TOKENIZER),
     "dataset_shard_num": ("training on one shard of the data is not supported",
                           "shard the files yourself, or remove dataset_shard_num / dataset_shard_idx"),
     "use_pose": ("PoSE position ids are not supported", "remove use_pose"),
@@ -126,10 +119,6 @@ def check_scope(raw: dict[str, Any]) -> None:
         raise bad("group_by_length", raw["group_by_length"], "HF's length-grouped sampler (micro-batches of similar "
                   "lengths) is not built: the batches would differ", "remove it (random order), or set "
                   "sample_packing: true")
-    names = (raw.get(k) for k in ("base_model", "base_model_config", "tokenizer_config"))
-    if "tokenizer_use_mistral_common" not in raw and any("magistral" in str(n or "").lower() for n in names):
-        raise bad("tokenizer_use_mistral_common", None, "Axolotl turns it on for a Magistral model (its schema's "
-                  f"check_tokenizer_use_mistral_common): {_MISTRAL_COMMON}", _HF_TOKENIZER)
     kind = raw.get("model_type")
     if kind is not None and not (isinstance(kind, str) and kind.endswith(CAUSAL_CLASSES)):
         raise bad("model_type", kind, "nd-adapter trains causal language models (next-token loss on the model's "

@@ -80,6 +80,9 @@ class DataSection(Strict):
     eot_tokens: list[str] | None = Field(
         None, description="tokens that end a turn, trained per train_on_eot (Axolotl's eot_tokens); unset: the EOS")
     special_tokens: SpecialTokens = SpecialTokens()
+    mistral_common: bool = Field(False, description="tokenise and encode chats with mistral-common (the checkpoint's "
+                                 "tekken.json, transformers' MistralCommonBackend in finetuning mode), not the HF "
+                                 "tokenizer and a chat template (Axolotl's tokenizer_use_mistral_common)")
     tokens: list[str] = Field(default_factory=list, description="Axolotl's tokens (adapter/models/vocab.py)")
     resize_vocab_to_32x: bool = Field(False, description="Axolotl's resize_token_embeddings_to_32x: an embedding "
                                       "with fewer rows than the tokenizer rounded up to 32 grows (data.tokens' rule)")
@@ -97,6 +100,10 @@ class DataSection(Strict):
             raise ValueError("data.datasets (SFT) cannot be combined with data.files or data.synthetic: give one")
         if self.test_datasets and not self.datasets:
             raise ValueError("data.test_datasets needs data.datasets to train on: list the training data too")
+        if self.mistral_common and (self.tokens or self.resize_vocab_to_32x
+                                    or self.special_tokens.model_dump(exclude_none=True)):
+            raise ValueError("data.mistral_common encodes with the checkpoint's own mistral-common vocabulary, to "
+                             "which no token can be added: remove tokens / special_tokens / resize_vocab_to_32x")
         if self.test_datasets and self.val_set_size:
             raise ValueError("data.test_datasets and data.val_set_size both choose the eval set: give one "
                              "(Axolotl refuses both too)")

@@ -168,7 +168,7 @@ def vocab_rows(cfg) -> int:
 def tokenizer_dir(cfg) -> Path:
     """The first of (the converted checkpoint's hf/, model.path) that holds tokenizer files."""
     for cand in (Path(cfg.model.checkpoint) / HF_SUBDIR if cfg.model.checkpoint else None, model_dir(cfg.model.path)):
-        if cand is not None and cand.is_dir() and any(cand.glob("tokenizer*")):
+        if cand is not None and cand.is_dir() and (any(cand.glob("tokenizer*")) or (cand / "tekken.json").is_file()):
             return cand
     raise bad("model.path", cfg.model.path, "no tokenizer files found there (or in the checkpoint's hf/)",
               "point model.path at the HF checkpoint directory that holds the tokenizer")

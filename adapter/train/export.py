@@ -38,7 +38,8 @@ _STALE = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.
 
 
 # what the transformers engine's export copies from the checkpoint beside transformers' save_pretrained
-SIDE_FILES = ("tokenizer", "special_tokens", "preprocessor", "processor", "chat_template", "vocab", "merges")
+SIDE_FILES = ("tokenizer", "special_tokens", "preprocessor", "processor", "chat_template", "vocab", "merges",
+              "tekken")  # tekken.json: mistral-common's tokenizer (data.mistral_common)
 
 
 def write_chat_template(hf_dir: Path, template: str) -> None:

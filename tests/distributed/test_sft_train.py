@@ -305,6 +305,37 @@ def test_axolotl_yaml_through_nd_adapter_train(model_dir, tmp_path):
     assert sum("model.compile: auto: off" in ln for ln in p.stdout.splitlines()) == 1, p.stdout[:3000]
 
 
+def test_mistral_common_yaml_trains_and_exports_its_tokenizer(tmp_path):
+    """Axolotl's mistral examples' road (tokenizer_use_mistral_common: a checkpoint whose tokenizer is tekken.json
+    alone): preprocessed by mistral-common (masks: tests/unit/test_mistral_common.py), trained, exported with
+    tekken.json, which transformers' MistralCommonBackend loads back."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+    from tests.helpers.sft_data import MISTRAL_CONV as CONV
+    from tests.helpers.sft_data import tekken_model, write_jsonl
+
+    model = tekken_model(tmp_path / "Ministral-tiny")
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig.from_pretrained(model)).save_pretrained(model)
+    rows = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CONV}] * 8)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "base_model": str(model), "tokenizer_use_mistral_common": True, "sequence_len": 64, "micro_batch_size": 2,
+        "max_steps": 2, "learning_rate": 1e-3, "output_dir": "./out", "save_strategy": "no",
+        "datasets": [{"path": str(rows), "type": "chat_template"}], "dataset_prepared_path": "prepared"}))
+    p = _nd("train", "--config", "run.yaml", "--set", "model.cache_dir=cache", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step 2/2" in p.stdout and "Traceback" not in p.stdout + p.stderr
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    out = tmp_path / "out"
+    tok = MistralCommonBackend.from_pretrained(str(out), mode=ValidationMode.finetuning)
+    ids = torch.tensor([tok.apply_chat_template(CONV, tokenize=True, return_dict=False)])
+    assert AutoModelForCausalLM.from_pretrained(out)(ids).logits.isfinite().all()
+
+
 def test_weights_refusals_are_one_line_before_any_process(model_dir, tmp_path):
     import yaml
 

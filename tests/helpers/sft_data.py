@@ -51,3 +51,31 @@ def runs(ids, labels, tok) -> list[tuple[str, bool]]:
     if group:
         out.append((tok.decode(group), flag))
     return out
+
+
+MISTRAL_CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "the answer"}, {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "in the end"}]  # for tekken_model's tokenizer
+
+
+def tekken_model(root: Path) -> Path:
+    """A Mistral model directory whose tokenizer is mistral-common's alone (tekken.json, no tokenizer.json): the 256
+    bytes and a few merges behind mistral-common's v7 control tokens ([INST], [SYSTEM_PROMPT], ...: ids below 100)."""
+    import base64
+
+    from transformers import MistralConfig
+
+    root.mkdir(parents=True, exist_ok=True)
+    merges = [b" t", b"he", b" the", b"in", b"er", b"an"]
+    vocab = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(), "token_str": None} for i in range(256)]
+    vocab += [{"rank": 256 + j, "token_bytes": base64.b64encode(m).decode(), "token_str": m.decode()}
+              for j, m in enumerate(merges)]
+    pattern = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    conf = {"pattern": pattern, "num_vocab_tokens": len(vocab), "default_vocab_size": 100 + len(vocab),
+            "default_num_special_tokens": 100, "version": "v7"}
+    (root / "tekken.json").write_text(json.dumps({"config": conf, "vocab": vocab, "version": 1, "type": "Tekken"}))
+    MistralConfig(vocab_size=100 + len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, architectures=["MistralForCausalLM"]
+                  ).save_pretrained(root)
+    return root

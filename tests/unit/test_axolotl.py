@@ -651,16 +651,14 @@ def test_every_command_takes_overrides_in_the_file_s_spelling(ep_example):
     assert code == 2 and "dp_shard_sizee=4: unknown key" in err, err
 
 
-def test_mistral_common_tokenizer_is_refused_as_axolotl_would_use_it():
+def test_mistral_common_tokenizer_is_mapped_as_axolotl_uses_it():
     """Axolotl tokenises with mistral-common when tokenizer_use_mistral_common is true, and turns it on itself for a
-    Magistral model: either way the HF tokenizer would train other ids, so it is refused in one line; false runs."""
-    with pytest.raises(UserError, match=r"^tokenizer_use_mistral_common=True: mistral-common's tokenizer"):
-        build(tokenizer_use_mistral_common=True)
-    with pytest.raises(UserError, match=r"^tokenizer_use_mistral_common=None: Axolotl turns it on for a Magistral "
-                       r"model.* Fix: set tokenizer_use_mistral_common: false"):
-        build(base_model_config="mistralai/Magistral-Small-2509")
+    Magistral model (tests/unit/test_mistral_common.py: what it encodes); false keeps the HF tokenizer."""
+    assert build(tokenizer_use_mistral_common=True).data.mistral_common
+    cfg = build(base_model_config="mistralai/Magistral-Small-2509")
+    assert cfg.data.mistral_common and any("Axolotl turns it on for a Magistral model" in n for n in cfg.notes)
     cfg = build(base_model_config="mistralai/Magistral-Small-2509", tokenizer_use_mistral_common=False)
-    assert not any("ignored" in n for n in cfg.notes)
+    assert not cfg.data.mistral_common and not any("ignored" in n for n in cfg.notes)
 
 
 def test_keys_that_change_the_loss_the_order_or_the_experts_are_refused_not_dropped():

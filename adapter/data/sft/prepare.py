@@ -28,12 +28,13 @@ from adapter.config import spell
 from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.bins import SFTDataset, ragged_take, targets, write_split
 from adapter.data.sft.order import merged_order, merged_shuffled
+from adapter.data.sft.tokenizer import load_tokenizer
 from adapter.data.token_cache import TOKENIZER_FILES
 from adapter.errors import bad
 from adapter.osutil import build_once, check_room
 
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
-TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
+TOKENIZER_KEY_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json", "tekken.json")
 RESULT_KEYS = ("train_on_inputs", "sample_packing", "eval_sample_packing", "excess_length_strategy", "val_set_size",
                "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "special_tokens", "seed",
                "eot_tokens",
@@ -97,7 +98,11 @@ def check_choices(cfg) -> None:
     for test, entries in ((False, d.datasets), (True, d.test_datasets)):
         for i, entry in enumerate(entries):
             at = f"{key('test_datasets')}[{i}]" if test else where(i)
-            formats.kind_of(entry, at, cfg.objective)
+            kind = formats.kind_of(entry, at, cfg.objective)
+            if d.mistral_common and kind != "chat_template":
+                raise bad(f"{at}.type", kind, f"{key('mistral_common')} encodes conversations (type: "
+                          "chat_template) with mistral-common; other types and preference pairs through it are not "
+                          "built", f"use type: chat_template, or set {key('mistral_common')}: false")
             if entry.chat_template is not None or entry.chat_template_jinja is not None:
                 templates.check_choice(entry.chat_template, entry.chat_template_jinja, f"{at}.")
 
@@ -116,7 +121,7 @@ def cache_key(cfg, resolved, tokenizer_dir: Path, vocab_size: int, test=()) -> s
     knobs = {k: getattr(d, k) for k in RESULT_KEYS}
     knobs["special_tokens"] = d.special_tokens.model_dump()
     knobs.update({"tokens": list(d.tokens)} if d.tokens else {})  # unset: older caches keep their names
-    knobs.update({k: True for k in ("curriculum", "pack_in_order") if getattr(d, k)})  # likewise
+    knobs.update({k: True for k in ("curriculum", "pack_in_order", "mistral_common") if getattr(d, k)})  # likewise
     for jinja in [d.chat_template_jinja] + [e.chat_template_jinja for e, *_ in [*resolved, *test]]:
         if jinja and "{" not in jinja and Path(jinja).is_file():  # a template file: its contents count
             knobs.setdefault("jinja_files", []).append(hashlib.sha256(Path(jinja).read_bytes()).hexdigest())
@@ -146,40 +151,6 @@ def val_fraction(cfg, n: int | None) -> int:
 
 # --- tokenizer -----------------------------------------------------------------------------------------------------
 
-def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
-    """The checkpoint's tokenizer with the config's `special_tokens` set and its `tokens` added, in Axolotl's order
-    (loaders/tokenizer.py: each named special token, then `tokens`, then additional_special_tokens; new ones get
-    new ids, which adapter/models/vocab.py counted for the run's embedding rows); `vocab_size`: those rows."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer  # heavy: imported where used (adapter/data/__init__.py)
-
-    _, key = names(cfg)
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-    def added(t: str):
-        return AddedToken(t, rstrip=False, lstrip=False, normalized=False)
-
-    given = cfg.data.special_tokens.model_dump(exclude_none=True)
-    additional = given.pop("additional_special_tokens", None)
-    for name, value in given.items():
-        tok.add_special_tokens({name: added(value)})
-    if cfg.data.tokens:  # as Axolotl adds them (adapter/models/vocab.py): a token the vocabulary has gets no new id
-        tok.add_tokens([added(t) for t in cfg.data.tokens])
-    if additional:
-        tok.add_special_tokens({"additional_special_tokens": additional})
-    rows = -(-len(tok) // 32) * 32 if cfg.data.resize_vocab_to_32x else len(tok)
-    if rows > vocab_size:  # the run's vocabulary was grown from tokenizer.json: this tokenizer must agree with it
-        which = "tokens" if cfg.data.tokens else "resize_vocab_to_32x" if cfg.data.resize_vocab_to_32x else \
-            "special_tokens"
-        raise bad(key(which), getattr(cfg.data, which), f"the tokenizer transformers loads has {len(tok)} tokens "
-                  f"({rows} rows), more than the {vocab_size} embedding rows counted from its tokenizer.json",
-                  "save the tokenizer again (tokenizer.json and tokenizer_config.json must hold the same tokens)")
-    if not getattr(tok, "is_fast", False):
-        raise bad("model.path", str(tokenizer_dir), "the tokenizer has no fast (tokenizer.json) version, which "
-                  "masking needs for character offsets", "save the tokenizer with tokenizer.json")
-    return tok
-
-
 # --- one entry -----------------------------------------------------------------------------------------------------
 
 def _flat(ds, column: str, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +176,10 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
         (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
     formats.check_columns(entry, kind, list(ds.column_names), where, src.location)
     chat = None
-    if kind == "chat_template":
+    if kind == "chat_template" and cfg.data.mistral_common:  # mistral-common encodes the chat: no template
+        chat = templates.ChatFormatter(entry, tok, None, train_on_inputs=cfg.data.train_on_inputs, where=where,
+                                       eot_tokens=cfg.data.eot_tokens, eot_key=f"{top_prefix(cfg)}eot_tokens")
+    elif kind == "chat_template":
         top = cfg.data
         if entry.chat_template is not None or entry.chat_template_jinja is not None:  # the entry's own wins
             template = templates.resolve_template(entry.chat_template, entry.chat_template_jinja, tok, f"{where}.")

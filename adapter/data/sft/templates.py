@@ -105,7 +105,7 @@ def check_template_tokens(template: str, tok, key: str, choice: str) -> None:
                       "(tokenizer_default) or a chat_template_jinja written with tokens the vocabulary has")
 
 
-def _lcp(a: str, b: str) -> int:
+def _lcp(a: str | list[int], b: str | list[int]) -> int:
     """Length of the common prefix, by bisection over slice comparisons (C speed on long conversations)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -120,7 +120,7 @@ def _lcp(a: str, b: str) -> int:
     return lo
 
 
-def _lcs(a: str, b: str) -> int:
+def _lcs(a: str | list[int], b: str | list[int]) -> int:
     n = min(len(a), len(b))
     if n == 0 or a[len(a) - n:] == b[len(b) - n:]:
         return n
@@ -137,8 +137,11 @@ def _lcs(a: str, b: str) -> int:
 class ChatFormatter:
     """Conversation rows -> (input_ids, labels with -100, whether a trained turn had no EOS after it)."""
 
-    def __init__(self, entry, tok, template: str, *, train_on_inputs: bool, where: str,
+    def __init__(self, entry, tok, template: str | None, *, train_on_inputs: bool, where: str,
                  eot_tokens: list[str] | None = None, eot_key: str = "eot_tokens"):
+        """`template` None: `tok` is a mistral-common tokenizer (data.mistral_common) that encodes the turns to ids
+        itself; turns are then found by the same sentinel swap over token ids (Axolotl's find_turn does exactly
+        that), and the EOS alone ends a turn (Axolotl's MistralStrategy: mistral-common has no EOT tokens)."""
         self.tok, self.template, self.where = tok, template, where
         self.field = entry.field_messages
         self.field_system, self.field_tools = entry.field_system, entry.field_tools
@@ -156,8 +159,9 @@ class ChatFormatter:
         self.drop_system = entry.drop_system_message
         self.eos = tok.eos_token_id
         train_on_eot = entry.train_on_eot or self.train_on_eos
-        eot = [t for t in (eot_tokens or []) if t in template]  # as Axolotl: tokens the template never writes drop
-        if tok.eos_token in eot or not eot_tokens:
+        # as Axolotl: tokens the template never writes drop
+        eot = [t for t in (eot_tokens or []) if template is not None and t in template]
+        if tok.eos_token in eot or not eot_tokens or template is None:
             if train_on_eot != self.train_on_eos:  # one token, two rules (Axolotl raises the same conflict)
                 raise bad(f"{where}.train_on_eot", train_on_eot, f"the end-of-turn token is the EOS "
                           f"({tok.eos_token}) here, so it cannot differ from train_on_eos={self.train_on_eos}",
@@ -232,6 +236,29 @@ class ChatFormatter:
             raise bad(self.where, f"row {idx}", f"the chat template failed on it: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}", "fix the row or use a template that accepts it")
 
+    def encode(self, turns, tools, idx: int) -> list[int]:
+        """mistral-common's ids of the conversation (its own encoding of the instruct format; finetuning mode)."""
+        try:
+            return list(self.tok.apply_chat_template(turns, tools=tools or None, tokenize=True,
+                                                     return_dict=False))
+        except UserError:
+            raise
+        except Exception as e:  # mistral-common's validation (roles, order, the last turn the assistant's)
+            raise bad(self.where, f"row {idx}", f"mistral-common refused it: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}", "fix the row (a conversation ending with the "
+                      "assistant's turn, roles user/assistant/system/tool)")
+
+    def token_span(self, turns, i: int, tools, ids: list[int], idx: int) -> tuple[int, int]:
+        """[first, after) of turn i's content in `ids`: where they differ from the ids with that turn's content
+        swapped for a sentinel (common prefix and suffix, over both sentinels): `content_span` over token ids."""
+        first, back = len(ids), len(ids)
+        for sentinel in SENTINELS:
+            other = self.encode([*turns[:i], {"role": turns[i]["role"], "content": sentinel}, *turns[i + 1:]],
+                                tools, idx)
+            first = min(first, _lcp(ids, other))
+            back = min(back, _lcs(ids, other))
+        return first, max(first, len(ids) - back)
+
     def content_span(self, turns, i: int, tools, text: str, idx: int) -> tuple[int, int]:
         """[start, end) of turn i's rendered content in `text` (the rendering of `turns`): where it differs from the
         rendering with that turn replaced by its role and a sentinel content alone, as Axolotl's `find_turn` builds
@@ -248,27 +275,31 @@ class ChatFormatter:
     def __call__(self, row: dict[str, Any], idx: int) -> tuple[list[int], list[int], bool]:
         turns = self.turns(row, idx)
         tools = row.get(self.field_tools)
-        text = self.render(turns, tools, idx)
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-        starts, ends = offsets[:, 0], offsets[:, 1]
+        if self.template is None:  # mistral-common: ids directly, turns found over ids
+            ids = self.encode(turns, tools, idx)
+        else:
+            text = self.render(turns, tools, idx)
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+            starts, ends = offsets[:, 0], offsets[:, 1]
         labels = [IGNORE] * len(ids)
         found, eos_missing = {}, False  # end marker -> its last index found (train option "last")
         for i, turn in enumerate(turns):
             trained = self.train_on_inputs or turn["role"] in self.train_roles
             if not trained and "all" not in (self.train_on_eos, *(o for _, o in self.eot)):
                 continue
-            s, e = self.content_span(turns, i, tools, text, idx)
-            first = int(np.searchsorted(ends, s, side="right"))  # first token ending after s
-            if e > s:
-                last = int(np.searchsorted(starts, e, side="left")) - 1  # last token starting before e
-                if trained:
-                    for j in range(first, last + 1):
-                        labels[j] = ids[j]
-                after = last + 1
-            else:  # empty content: its EOS may still follow
-                after = int(np.searchsorted(starts, s, side="left"))
+            if self.template is None:
+                first, after = self.token_span(turns, i, tools, ids, idx)
+            else:
+                s, e = self.content_span(turns, i, tools, text, idx)
+                first = int(np.searchsorted(ends, s, side="right"))  # first token ending after s
+                after = int(np.searchsorted(starts, e, side="left"))  # past the last token starting before e
+                if e <= s:  # empty content: nothing trained, its EOS may still follow
+                    first = after = int(np.searchsorted(starts, s, side="left"))
+            if trained:
+                for j in range(first, after):
+                    labels[j] = ids[j]
             window = ids[after:after + EOS_WINDOW]
             ended = False
             for n, (marks, option) in enumerate(((({self.eos} if self.eos is not None else set()),
