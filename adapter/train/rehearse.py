@@ -124,6 +124,10 @@ def tokenizer_vocab(cfg: RunConfig) -> int | None:
         tok_dir = source.tokenizer_dir(cfg)
     except UserError:
         return None
+    if cfg.data.mistral_common:  # a tekken.json alone: mistral-common's own vocabulary
+        from adapter.data.sft.tokenizer import load_tokenizer
+
+        return len(load_tokenizer(cfg, tok_dir, 0))
     return max(AutoTokenizer.from_pretrained(str(tok_dir)).get_vocab().values()) + 1
 
 
