@@ -9,7 +9,9 @@
 #          row-<shape>:<variant> (bench/compare.py 1-GPU config, beside transformers + Liger) | prof-<shape>
 #          (a profile of steps 7-8 of the shape's Axolotl YAML, bench/trace_summary.py's digest) | lora-<shape>
 #          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) |
-#          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn
+#          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn | dpo-<mode>
+#          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoprof (a LoRA DPO step's profile, the
+#          shared-prompt stream and the padded rows)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -39,6 +41,15 @@ for part in "$@"; do
       timeout $t deepspeed --num_gpus=1 launch/train.py --config bench/configs/axolotl/$y.yaml --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
       cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
     dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;
+    dpo-*) m=${part#dpo-}  # dpo-lora | dpo-qlora | dpo-full: bench/dpo_bench.py beside TRL + Liger
+      timeout $t python3 bench/dpo_bench.py --mode $m --rows ours,trl-liger --out $OUT/dpo-$m > $OUT/dpo-$m.log 2>&1
+      echo rc=$?; tail -8 $OUT/dpo-$m.log;;
+    dpoprof) for sp in auto false; do  # one LoRA DPO step profiled, the shared-prompt stream and the padded rows
+        timeout $(( $(left) / 2 )) python3 bench/dpo_bench.py --mode lora --rows ours --out $OUT/dpoprof-$sp \
+          --ours-set dpo.share_prompt=$sp --ours-set 'logging.profile_steps=[6,7]' \
+          --ours-set logging.profile_dir=/tmp/dpoprof-$sp > $OUT/dpoprof-$sp.log 2>&1; echo "$sp rc=$?"
+        python3 bench/trace_summary.py /tmp/dpoprof-$sp/trace-rank0.json.gz --top 25 > $OUT/dpoprof-$sp.txt 2>&1
+        head -32 $OUT/dpoprof-$sp.txt; done;;
   esac
 done
 echo "=== done $(date -u +%H:%M:%S)"
