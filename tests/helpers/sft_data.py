@@ -58,11 +58,13 @@ MISTRAL_CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
                 {"role": "assistant", "content": "in the end"}]  # for tekken_model's tokenizer
 
 
-def tekken_model(root: Path) -> Path:
+def tekken_model(root: Path, version: str = "v7") -> Path:
     """A Mistral model directory whose tokenizer is mistral-common's alone (tekken.json, no tokenizer.json): the 256
-    bytes and a few merges behind mistral-common's v7 control tokens ([INST], [SYSTEM_PROMPT], ...: ids below 100)."""
+    bytes and a few merges behind mistral-common's control tokens ([INST], [SYSTEM_PROMPT], ...: ids below 100);
+    v13 (Magistral's generation, with [THINK]) lists them in the file, as its tokenizers do."""
     import base64
 
+    from mistral_common.tokens.tokenizers.base import SpecialTokens
     from transformers import MistralConfig
 
     root.mkdir(parents=True, exist_ok=True)
@@ -73,8 +75,12 @@ def tekken_model(root: Path) -> Path:
     pattern = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
     conf = {"pattern": pattern, "num_vocab_tokens": len(vocab), "default_vocab_size": 100 + len(vocab),
-            "default_num_special_tokens": 100, "version": "v7"}
-    (root / "tekken.json").write_text(json.dumps({"config": conf, "vocab": vocab, "version": 1, "type": "Tekken"}))
+            "default_num_special_tokens": 100, "version": version}
+    tekken = {"config": conf, "vocab": vocab, "version": 1, "type": "Tekken"}
+    if version != "v7":
+        tekken["special_tokens"] = [{"rank": i, "token_str": t.value, "is_control": True}
+                                    for i, t in enumerate(SpecialTokens)]
+    (root / "tekken.json").write_text(json.dumps(tekken))
     MistralConfig(vocab_size=100 + len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, architectures=["MistralForCausalLM"]
                   ).save_pretrained(root)

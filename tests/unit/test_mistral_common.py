@@ -74,6 +74,23 @@ def test_the_axolotl_keys_and_what_cannot_go_with_them(model, tmp_path):
         check_choices(alpaca)
 
 
+def test_thinking_parts_as_magistral_think_examples_write_them(tmp_path):
+    """Axolotl's magistral/think example: content as parts, the assistant's reasoning a `thinking` part, which
+    mistral-common (v13) encodes between [THINK] and [/THINK]; the turn, reasoning and answer, is trained as
+    Axolotl's find_turn finds it (the whole content swapped for its dummy); an image part is still refused."""
+    f, tok = formatter(tekken_model(tmp_path / "v13", "v13"), tmp_path)
+    conv = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": "hi there"}]},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "the answer"},
+                                              {"type": "text", "text": "in the end"}]}]
+    ids, labels, _ = f({"messages": conv}, 0)
+    assert (ids, labels) == axolotl_labels(tok, conv)
+    assert [t for t, trained in runs(ids, labels, tok) if trained] == ["[THINK]the answer[/THINK]in the end</s>"]
+    conv[1]["content"].append({"type": "image", "image": "x.png"})
+    with pytest.raises(UserError, match=r"message 1 has a part of type 'image'"):
+        f({"messages": conv}, 0)
+
+
 def test_a_conversation_mistral_common_refuses_is_one_line(model, tmp_path):
     f, _ = formatter(model, tmp_path)
     with pytest.raises(UserError, match=r"^datasets\[0\]='row 3': mistral-common refused it: .*Expected last role"):

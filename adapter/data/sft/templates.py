@@ -206,7 +206,8 @@ class ChatFormatter:
                           f"{self.mapping['role']!r} is {type(turn['role']).__name__}, not a role name",
                           "map role onto the field that holds the role's name (roles: maps names)")
             content = turn.get("content")
-            other = next((p.get("type") for p in content if isinstance(p, dict) and p.get("type") != "text"),
+            kinds = ("text",) if self.template is not None else ("text", "thinking")  # mistral-common: ThinkChunk
+            other = next((p.get("type") for p in content if isinstance(p, dict) and p.get("type") not in kinds),
                          None) if isinstance(content, list) else None
             if other is not None:  # Axolotl's templates write a placeholder token for it (gemma3: <start_of_image>)
                 raise bad(self.where, f"row {idx}", f"message {n} has a part of type {other!r}: image and audio "
