@@ -109,6 +109,14 @@ def map_data(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
         raw = {**raw, "tokenizer_use_mistral_common": True}  # Axolotl's schema (check_tokenizer_use_mistral_common)
         notes.append("tokenizer_use_mistral_common: true (Axolotl turns it on for a Magistral model): chats are "
                      "encoded with mistral-common")
+    if raw.get("tokenizer_use_mistral_common"):
+        clash = next((k for k in ("pretraining_dataset", "tokens", "special_tokens", "resize_token_embeddings_to_32x")
+                      if raw.get(k)), None)
+        if clash is not None:
+            raise bad("tokenizer_use_mistral_common", True, f"mistral-common encodes conversations with the "
+                      f"checkpoint's own vocabulary; {clash} needs the HF tokenizer" + (
+                          " (pretraining text)" if clash == "pretraining_dataset" else " (tokens added to it)"),
+                      f"set tokenizer_use_mistral_common: false, or remove {clash}")
     if raw.get("tokenizer_use_mistral_common") and (raw.get("chat_template") or raw.get("chat_template_jinja")):
         notes.append("chat_template: not used with tokenizer_use_mistral_common (mistral-common encodes the chats; "
                      "Axolotl passes no template then either)")

@@ -100,6 +100,9 @@ class DataSection(Strict):
             raise ValueError("data.datasets (SFT) cannot be combined with data.files or data.synthetic: give one")
         if self.test_datasets and not self.datasets:
             raise ValueError("data.test_datasets needs data.datasets to train on: list the training data too")
+        if self.mistral_common and self.files:
+            raise ValueError("data.mistral_common encodes conversations (datasets of type chat_template); "
+                             "pretraining files are tokenised by the HF tokenizer: set it to false")
         if self.mistral_common and (self.tokens or self.resize_vocab_to_32x
                                     or self.special_tokens.model_dump(exclude_none=True)):
             raise ValueError("data.mistral_common encodes with the checkpoint's own mistral-common vocabulary, to "

@@ -66,9 +66,13 @@ def test_the_axolotl_keys_and_what_cannot_go_with_them(model, tmp_path):
     off = axolotl_cfg(magistral, [{"path": "x", "type": "chat_template"}], tmp_path,
                       tokenizer_use_mistral_common=False)
     assert not off.data.mistral_common
-    with pytest.raises(UserError, match=r"no token can be added"):
+    with pytest.raises(UserError, match=r"^tokenizer_use_mistral_common=True: .* tokens needs the HF tokenizer"):
         axolotl_cfg(model, [{"path": "x", "type": "chat_template"}], tmp_path, tokenizer_use_mistral_common=True,
                     tokens=["<x>"])
+    (tmp_path / "corpus.jsonl").write_text('{"text": "a b c"}\n')
+    with pytest.raises(UserError, match=r"^tokenizer_use_mistral_common=True: .* pretraining_dataset needs the HF"):
+        config.build({"base_model": str(model), "tokenizer_use_mistral_common": True, "learning_rate": 1e-5,
+                      "pretraining_dataset": [{"path": str(tmp_path / "corpus.jsonl")}]}, env={})
     alpaca = axolotl_cfg(model, [{"path": "x", "type": "alpaca"}], tmp_path, tokenizer_use_mistral_common=True)
     with pytest.raises(UserError, match=r"^datasets\[0\]\.type='alpaca': tokenizer_use_mistral_common encodes"):
         check_choices(alpaca)
@@ -107,6 +111,8 @@ def test_without_a_mistral_common_tokenizer_file_one_line(tmp_path):
 
 
 def test_native_key(model, tmp_path):
+    with pytest.raises(UserError, match=r"no token can be added"):
+        config.build({"model": {"path": str(model)}, "data": {"mistral_common": True, "tokens": ["<x>"]}}, env={})
     cfg = config.build({"model": {"path": str(model)}, "data": {"mistral_common": True, "datasets": [
         {"path": "x", "type": "chat_template"}]}}, env={})
     e = DatasetEntry(path="x", type="chat_template")
