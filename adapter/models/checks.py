@@ -43,9 +43,13 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     if arch.moe:
         _check_moe(cfg, arch)
     if cfg.model.unfrozen_parameters is not None and cfg.lora is not None:
+        theirs = (" (Axolotl applies it after LoRA, to the PEFT model's names, base_model.model.*: it freezes "
+                  "every parameter no pattern matches, the adapters included, and patterns written for the base "
+                  "model's names match none there)" if cfg.source == "axolotl" else "")
         raise bad(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "a LoRA run trains its "
                   "adapters (and modules_to_save) on a frozen base; unfrozen_parameters would train base weights "
-                  "too", f"remove it, or list embed_tokens / lm_head under {spell(cfg, 'lora.modules_to_save')}")
+                  f"too{theirs}", f"remove it, or list embed_tokens / lm_head under "
+                  f"{spell(cfg, 'lora.modules_to_save')}")
     unfrozen = spec = None
     if cfg.model.unfrozen_parameters is not None:  # patterns that split a tensor or match nothing: refused here
         unfrozen = freeze.resolve(arch, cfg.model.unfrozen_parameters, spell(cfg, "model.unfrozen_parameters"),
