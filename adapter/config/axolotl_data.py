@@ -107,9 +107,11 @@ def map_data(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
     names = (raw.get(k) for k in ("base_model", "base_model_config", "tokenizer_config"))
     if raw.get("tokenizer_use_mistral_common") is None and any("magistral" in str(n or "").lower() for n in names):
         raw = {**raw, "tokenizer_use_mistral_common": True}  # Axolotl's schema (check_tokenizer_use_mistral_common)
-        notes.append("tokenizer_use_mistral_common: true (Axolotl turns it on for a Magistral model): chats are "
-                     "encoded with mistral-common")
+        notes.append("tokenizer_use_mistral_common: true (Axolotl turns it on for a Magistral model)")
     if raw.get("tokenizer_use_mistral_common"):
+        notes.append("tokenizer_use_mistral_common -> data.mistral_common: chats encoded by mistral-common from the "
+                     "checkpoint's tekken.json, each trained turn found over token ids as Axolotl's MistralStrategy "
+                     "finds it (the EOS ends a turn)")
         clash = next((k for k in ("pretraining_dataset", "tokens", "special_tokens", "resize_token_embeddings_to_32x")
                       if raw.get(k)), None)
         if clash is not None:
