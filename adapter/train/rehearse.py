@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from adapter import config
-from adapter.config import RunConfig
+from adapter.config import RunConfig, spell
 from adapter.errors import UserError, bad
 from adapter.models import announce, generic, source
 from adapter.models.arch import ModelArch, config_path, load_arch
@@ -125,9 +125,9 @@ def tokenizer_vocab(cfg: RunConfig) -> int | None:
     except UserError:
         return None
     if cfg.data.mistral_common:  # a tekken.json alone: mistral-common's own vocabulary
-        from adapter.data.sft.tokenizer import load_tokenizer
+        from adapter.data.sft.tokenizer import mistral_tokenizer
 
-        return len(load_tokenizer(cfg, tok_dir, 0))
+        return len(mistral_tokenizer(tok_dir, spell(cfg, "data.mistral_common")))
     return max(AutoTokenizer.from_pretrained(str(tok_dir)).get_vocab().values()) + 1
 
 

@@ -143,6 +143,7 @@ class ChatFormatter:
         itself; turns are then found by the same sentinel swap over token ids (Axolotl's find_turn does exactly
         that), and the EOS alone ends a turn (Axolotl's MistralStrategy: mistral-common has no EOT tokens)."""
         self.tok, self.template, self.where = tok, template, where
+        self.part_kinds = ("text",) if template is not None else ("text", "thinking")  # mistral-common: ThinkChunk
         self.field = entry.field_messages
         self.field_system, self.field_tools = entry.field_system, entry.field_tools
         self.mapping = {"role": "role", "content": "content", **(entry.message_property_mappings or {})}
@@ -206,8 +207,8 @@ class ChatFormatter:
                           f"{self.mapping['role']!r} is {type(turn['role']).__name__}, not a role name",
                           "map role onto the field that holds the role's name (roles: maps names)")
             content = turn.get("content")
-            kinds = ("text",) if self.template is not None else ("text", "thinking")  # mistral-common: ThinkChunk
-            other = next((p.get("type") for p in content if isinstance(p, dict) and p.get("type") not in kinds),
+            other = next((p.get("type") for p in content
+                          if isinstance(p, dict) and p.get("type") not in self.part_kinds),
                          None) if isinstance(content, list) else None
             if other is not None:  # Axolotl's templates write a placeholder token for it (gemma3: <start_of_image>)
                 raise bad(self.where, f"row {idx}", f"message {n} has a part of type {other!r}: image and audio "

@@ -14,12 +14,12 @@ def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
     """The checkpoint's tokenizer with the config's `special_tokens` set and its `tokens` added, in Axolotl's order
     (loaders/tokenizer.py: each named special token, then `tokens`, then additional_special_tokens; new ones get
     new ids, which adapter/models/vocab.py counted for the run's embedding rows); `vocab_size`: those rows."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer  # heavy: imported where used (adapter/data/__init__.py)
-
     key = lambda k: spell(cfg, f"data.{k}")  # noqa: E731  (as the user wrote it)
     if cfg.data.mistral_common:
         return mistral_tokenizer(tokenizer_dir, key("mistral_common"))
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer  # heavy: imported where used (adapter/data/__init__.py)
+
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     def added(t: str):
@@ -44,7 +44,6 @@ def load_tokenizer(cfg, tokenizer_dir: Path, vocab_size: int):
         raise bad("model.path", str(tokenizer_dir), "the tokenizer has no fast (tokenizer.json) version, which "
                   "masking needs for character offsets", "save the tokenizer with tokenizer.json")
     return tok
-
 
 
 def mistral_tokenizer(tokenizer_dir: Path, where: str):
