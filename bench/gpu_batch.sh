@@ -10,8 +10,8 @@
 #          (a profile of steps 7-8 of the shape's Axolotl YAML, bench/trace_summary.py's digest) | lora-<shape>
 #          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) |
 #          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn | dpo-<mode>
-#          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoprof (a LoRA DPO step's profile, the
-#          shared-prompt stream and the padded rows)
+#          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoc-<mode> (ours alone, compiled layers) |
+#          dpoprof[-auto|-false] (a LoRA DPO step's profile, the shared-prompt stream and/or the padded rows)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -44,12 +44,16 @@ for part in "$@"; do
     dpo-*) m=${part#dpo-}  # dpo-lora | dpo-qlora | dpo-full: bench/dpo_bench.py beside TRL + Liger
       timeout $t python3 bench/dpo_bench.py --mode $m --rows ours,trl-liger --out $OUT/dpo-$m > $OUT/dpo-$m.log 2>&1
       echo rc=$?; tail -8 $OUT/dpo-$m.log;;
-    dpoprof) for sp in auto false; do  # one LoRA DPO step profiled, the shared-prompt stream and the padded rows
+    dpoc-*) m=${part#dpoc-}  # nd-adapter's row alone, compiled layers (model.compile: true)
+      timeout $t python3 bench/dpo_bench.py --mode $m --rows ours --ours-set model.compile=true --out $OUT/dpoc-$m \
+        > $OUT/dpoc-$m.log 2>&1; echo rc=$?; tail -3 $OUT/dpoc-$m.log;;
+    dpoprof*) sps=${part#dpoprof}; sps=${sps#-}; for sp in ${sps:-auto false}; do  # a LoRA DPO step's profile:
+        # the shared-prompt stream (auto) and the padded rows (false), with where the forward's host time goes
         timeout $(( $(left) / 2 )) python3 bench/dpo_bench.py --mode lora --rows ours --out $OUT/dpoprof-$sp \
           --ours-set dpo.share_prompt=$sp --ours-set 'logging.profile_steps=[6,7]' \
           --ours-set logging.profile_dir=/tmp/dpoprof-$sp > $OUT/dpoprof-$sp.log 2>&1; echo "$sp rc=$?"
-        python3 bench/trace_summary.py /tmp/dpoprof-$sp/trace-rank0.json.gz --top 25 > $OUT/dpoprof-$sp.txt 2>&1
-        head -32 $OUT/dpoprof-$sp.txt; done;;
+        python3 bench/trace_summary.py /tmp/dpoprof-$sp/trace-rank0.json.gz --top 30 --host nd.forward \
+          > $OUT/dpoprof-$sp.txt 2>&1; head -12 $OUT/dpoprof-$sp.txt; done;;
   esac
 done
 echo "=== done $(date -u +%H:%M:%S)"

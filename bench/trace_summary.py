@@ -5,7 +5,9 @@
 Prints the profiled window's wall time, how much of it the GPU was busy (union of kernel intervals over all
 streams), GPU time by kernel family, compute-stream time inside each `nd.*` phase, the NCCL time no other kernel
 overlaps, GPU idle per phase, the host waits (syncs, blocking copies) with the Python frames that caused them, and
-the top kernels.
+the top kernels. `--host nd.forward` adds where the host's time goes inside that phase (the forward of a step bound
+by the CPU): its outermost torch ops and CUDA runtime calls by count and time, and the project's and Megatron's Python
+functions by inclusive time.
 """
 from __future__ import annotations
 
@@ -111,6 +113,40 @@ def summarize(events: list[dict], top: int = 20) -> dict:
                     [:top]]}
 
 
+def _outermost(events: list[dict]) -> list[dict]:
+    """The events not nested inside another of the list on their thread (events are [ts, ts + dur] intervals)."""
+    out, end = [], {}
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end.get(e.get("tid"), float("-inf")):
+            out.append(e)
+            end[e.get("tid")] = e["ts"] + e["dur"]
+    return out
+
+
+def host_digest(events: list[dict], phase: str, top: int = 25) -> list[str]:
+    """Where the host's time goes inside every span of `phase` (CPU side): outermost torch ops, CUDA runtime calls,
+    and adapter/ and megatron/ Python functions (inclusive), each as total ms, calls."""
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("name") == phase
+             and e.get("cat") != "gpu_user_annotation"]
+    inside = [e for e in events if e.get("ph") == "X" and any(a <= e["ts"] and e["ts"] + e["dur"] <= b
+                                                               for a, b in spans)]
+    total = sum(b - a for a, b in spans)
+    lines = [f"host inside {phase}: {len(spans)} spans, {total / 1e3:.1f} ms"]
+    groups = (("outermost torch ops", _outermost([e for e in inside if e.get("cat") == "cpu_op"])),
+              ("CUDA runtime calls", [e for e in inside if e.get("cat") == "cuda_runtime"]),
+              ("Python (adapter/, megatron/; inclusive)", [e for e in inside if e.get("cat") == "python_function"
+                                                          and re.search(r"(^|/)(adapter|megatron)/", e["name"])]))
+    for title, evs in groups:
+        agg = defaultdict(lambda: [0.0, 0])
+        for e in evs:
+            agg[e["name"]][0] += e["dur"]
+            agg[e["name"]][1] += 1
+        lines.append(f"  {title}: {len(evs)} calls, {sum(e['dur'] for e in evs) / 1e3:.1f} ms")
+        lines += [f"    {t / 1e3:8.2f} {c:6d}  {n[:100]}" for n, (t, c) in
+                  sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]]
+    return lines
+
+
 def render(s: dict) -> str:
     if "error" in s:
         return s["error"]
@@ -132,11 +168,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--host", default=None, help="a phase (nd.forward): where the host's time goes inside it")
     a = ap.parse_args(argv)
     opener = gzip.open if a.trace.endswith(".gz") else open
     with opener(a.trace, "rt") as f:
         data = json.load(f)
-    print(render(summarize(data["traceEvents"] if isinstance(data, dict) else data, a.top)))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    print(render(summarize(events, a.top)))
+    if a.host:
+        print("\n".join(host_digest(events, a.host, a.top)))
     return 0
 
 

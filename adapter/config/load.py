@@ -268,15 +268,15 @@ def _zero3_off(cfg: RunConfig) -> str | None:
 
 def auto_compile_off(cfg: RunConfig) -> str | None:
     """Why `model.compile: auto` leaves the layers eager from the config alone; None: compile them."""
-    p, d = cfg.parallelism, cfg.data
+    p = cfg.parallelism
     reasons = [
         (p.tp_size > 1, "tp > 1 breaks the graph at every Megatron linear (measured 8% slower)"),
         (p.cp_size > 1, "cp > 1 breaks the graph at the context-parallel attention (not measured faster)"),
         (cfg.recompute != "none", f"recompute {cfg.recompute} breaks or repeats the graphs (not measured faster)"),
         (cfg.lora is not None, "adapters: QLoRA ran 6% slower compiled, LoRA was not measured faster"),
         (cfg.objective != "sft", f"{cfg.objective}'s micro-batches change length every step (a graph each)"),
-        (bool(d.datasets) and not d.sample_packing, "unpacked SFT micro-batches are cut to their longest example, "
-                                                     "a new length (and graph) nearly every step"),
+        (cfg.objective == "sft" and not cfg.steady_lengths, "unpacked SFT micro-batches are cut to their longest "
+                                                             "example, a new length nearly every step"),
     ]
     return _zero3_off(cfg) or next((why for off, why in reasons if off), None)
 

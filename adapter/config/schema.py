@@ -395,6 +395,14 @@ class RunConfig(RLFields, _Strict):
         return d.document_mask or bool(d.datasets and (d.sample_packing or d.eval_sample_packing)) or pairs
 
     @property
+    def steady_lengths(self) -> bool:
+        """Whether every micro-batch has one length: packed (or synthetic, or streamed pretraining) SFT. Preference
+        micro-batches and unpacked SFT ones are cut to their longest sequence (or run as a stream of their real
+        tokens), a new length nearly every step: compiled layers then take the length as a symbol
+        (adapter/modeling/compile.py)."""
+        return self.objective == "sft" and not (bool(self.data.datasets) and not self.data.sample_packing)
+
+    @property
     def param_precision(self) -> str:
         """The weights' and activations' precision: fp8 runs keep bf16 everywhere outside the fp8 matmuls."""
         return "bf16" if self.precision == "fp8" else self.precision

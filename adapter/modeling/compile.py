@@ -32,8 +32,13 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from adapter.patches.mcore import quiet_row_parallel_group, set_linear_impl
 
 
-def compile_layers(model: torch.nn.Module, memory_budget: float | None = None) -> int:
+def compile_layers(model: torch.nn.Module, memory_budget: float | None = None, steady: bool = True) -> int:
     """Compile every decoder layer in place (forward only: module hooks stay eager). Returns how many.
+
+    `steady`: every micro-batch has one length (packed SFT), so the graphs are static. Otherwise (preference pairs,
+    unpacked SFT: RunConfig.steady_lengths) torch's automatic dynamic shapes: the first length compiles static, the
+    second recompiles with the length as a symbol, and that graph serves every later one (static graphs would
+    recompile at each new length until torch's recompile limit, then run eager).
 
     `memory_budget` (0-1]: AOTAutograd's activation memory budget for the layers' backward graphs: below 1 its
     partitioner recomputes the cheapest activations (pointwise ops first) instead of saving them. It is a process-wide
@@ -50,10 +55,30 @@ def compile_layers(model: torch.nn.Module, memory_budget: float | None = None) -
     for layer in layers:
         if hasattr(layer.mlp, "router"):  # a mixture of experts: its attention half only (the token dispatcher's
             # graph fails AOTAutograd: "Node ... was invalid, but is output", torch 2.13); the experts stay eager
-            layer._forward_attention = torch.compile(layer._forward_attention, dynamic=False)
+            layer._forward_attention = torch.compile(layer._forward_attention, dynamic=False if steady else None)
         else:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
+            layer.forward = _one_stride(torch.compile(layer.forward, dynamic=False if steady else None))
     return len(layers)
 
 
-__all__ = ["compile_layers"]
+def _one_stride(compiled):
+    """The compiled forward, its hidden states [s, 1, h] given one stride for their size-1 batch dimension.
+
+    The first layer's input is the embedding's output transposed ([1, s, h] -> [s, 1, h], batch stride s·h; torch
+    calls it contiguous, so Megatron's `.contiguous()` keeps it), every later layer's a layer's output (batch stride
+    h). Dynamo guards on strides, so the two would compile two graphs, and with the length a symbol the guard on
+    s·h fails at every new length (a recompile each, seen on the DPO stream; a view with the other stride is guarded
+    through its base). The first layer's input is copied to batch stride h: one [s, h] copy a forward."""
+    def forward(*args, **kwargs):
+        if args:
+            args = (_canonical(args[0]), *args[1:])
+        elif "hidden_states" in kwargs:
+            kwargs["hidden_states"] = _canonical(kwargs["hidden_states"])
+        return compiled(*args, **kwargs)
+    return forward
+
+
+def _canonical(x):
+    if isinstance(x, torch.Tensor) and x.dim() == 3 and x.size(1) == 1 and x.stride(1) != x.size(2):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x

@@ -147,7 +147,6 @@ def prompt_sharing(cfg: RunConfig, arch: ModelArch, cp: int) -> str | None:
            f"{arch.architecture}'s soft-capped attention scores run per sequence" if arch.attn_softcap else
            "a mixture of experts with its load-balancing loss trained: its statistic counts each prompt twice, as "
            "TRL's batch does" if arch.moe and arch.output_router_logits and arch.router_aux_loss_coef > 0 else
-           "compiled layers take one stream length (model.compile)" if cfg.model.compile else
            f"model.attention: {cfg.model.attention} (nd-adapter's varlen attention shares it: sdpa)"
            if cfg.model.attention != "sdpa" else None if arch.native else _transformers_attention(arch))
     if setting is True and why is not None:

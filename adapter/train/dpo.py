@@ -252,8 +252,8 @@ def step_terms(t, batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     local = losses.sum() / norm[0].float()
     if TOKEN_METRICS[t.cfg.objective]:  # ORPO's / SimPO's NLL: Σ over the step's chosen tokens / their count
         local = local + nll_weight(t.cfg) * nll.sum() / norm[1].clamp(min=1).float()
-    head = torch.stack([torch.tensor(float(losses.shape[0]), device=losses.device), nll.detach().sum(),
-                        tokens.sum()])
+    # the pair count as a fill, not a host scalar's copy: that copy would make the host wait for the forward
+    head = torch.stack([losses.new_full((), float(losses.shape[0])), nll.detach().sum(), tokens.sum()])
     return local, torch.cat([head, stats.sum(0)]).double()
 
 

@@ -254,7 +254,7 @@ def _native_model(run: ResolvedRun, groups: Groups, device, load_weights, dtype)
     if cfg.precision == "fp8":
         install_fp8(model, cfg.model.fp8_recipe, cfg.model.fp8_linears)
     if cfg.model.compile:
-        compile_layers(model, cfg.model.compile_memory_budget)
+        compile_layers(model, cfg.model.compile_memory_budget, steady=cfg.steady_lengths)
     add_tp_grad_hooks(model, groups.tp)
     return model
 

@@ -66,9 +66,9 @@ def _argilla() -> list[dict]:
 def _cfg(model: Path, data: Path, root: Path, zero: int = 3, tp: int = 1, lora: bool = True, ev: bool = True,
          objective: str = "dpo", cp: int = 1, engine: str = "transformers", init_from: str | None = None,
          steps: int = STEPS, ckpt: str | None = None, quantize: bool = False, free: bool = False, mb: int = 1,
-         share: str | bool = "auto", pre: bool = False):
+         share: str | bool = "auto", pre: bool = False, compile: bool = False):
     kind = "chat_template.argilla" if objective == "orpo" else "chat_template.default"
-    raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine},
+    raw = {"model": {"path": str(model), "cache_dir": f"{root}/cache", "engine": engine, "compile": compile},
            "objective": objective, "dpo": {"beta": BETA, "padding_free": free, "share_prompt": share,
                                                    "precompute_ref": pre},
            "orpo": {"alpha": ALPHA}, "simpo": SIMPO,
@@ -309,6 +309,10 @@ def test_dpo_matches_trl(tmp_path):
 
 
 def _native(rank, world, model, data, root, adapter, orpo_data):
+    import functools
+
+    import torch
+
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train
 
@@ -339,6 +343,16 @@ def _native(rank, world, model, data, root, adapter, orpo_data):
             train(_cfg(m, d, r / "pf-simpo", objective="simpo", engine="megatron", init_from=adapter, free=True,
                        share=False), log=lambda s: None),
             train(_cfg(m, d, r / "shared-mb2", engine="megatron", init_from=adapter, mb=2), log=lambda s: None)]
+    # compiled layers on the shared-prompt stream, whose length changes with every micro-batch (a symbol after its
+    # second value): Dynamo and AOTAutograd here (aot_eager: no inductor C++ on CPU; inductor's code runs on the GPU
+    # host, tests/gpu/test_dpo.py)
+    plain = torch.compile
+    torch.compile = functools.partial(plain, backend="aot_eager")
+    try:
+        free.append(train(_cfg(m, d, r / "shared-compiled", zero=2, engine="megatron", init_from=adapter,
+                               compile=True), log=lines.append))
+    finally:
+        torch.compile = plain
     return ([[x.losses, x.rewards, x.eval_losses, x.eval_rewards] for x in (lora, full, hf, *no_ref, *free)],
             [[tp.losses, tp.rewards],
             [fresh.losses, fresh.rewards], [[x.start_step, x.losses, x.rewards] for x in resumed],
@@ -370,7 +384,7 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
     got = run_workers(_native, WORLD, str(model), str(data), str(tmp_path), str(adapter), str(orpo_data),
                       timeout=400)[0]
     (lora_run, full_run, hf_run, orpo_run, simpo_run, *free), (tp_run, fresh_run, resumed, pre_run, cp_run), said = got
-    assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 5, said
+    assert len([s for s in said if s.startswith("engine: Megatron-Core layers (llama family")]) == 6, said
     cfg = _cfg(model, data, tmp_path)
     tok = AutoTokenizer.from_pretrained(str(model))
     template = templates.resolve_template("chatml", None, tok, "")
@@ -394,7 +408,7 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
                                 (*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")),
                 _compare(simpo_run, _trl(cfg, model, model, steps, held, tmp_path / "trl-simpo", simpo=True,
                                          adapter=adapter), (*METRICS, "nll_loss")))
-    assert sum("the starting adapter's log-probabilities of the 16 pairs" in s for s in said) == 3, said
+    assert sum("the starting adapter's log-probabilities of the 16 pairs" in s for s in said) == 4, said
     print(f"DPO, ORPO, SimPO on the native engine: max |nd-adapter - TRL| / max(1, |TRL|): {worst:.2e}")
     for got, want in ((tp_run, lora_run), (cp_run, full_run)):
         flat_got = [*got[0], *(r[k] for r in got[1] for k in METRICS), *(x for _, x in got[2:] and got[2])]
@@ -402,15 +416,16 @@ def test_dpo_on_the_native_engine_matches_trl(tmp_path):
         bad = [(i, a, b) for i, (a, b) in enumerate(zip(flat_got, flat_want)) if abs(a - b) > 1e-5 * max(1.0, abs(b))]
         assert len(flat_got) == len(flat_want) and not bad, bad
     # padding-free (no prompt shared): tp=2 (+SP), a full fine-tune at cp=2, the transformers engine with two pairs
-    # a micro-batch, SimPO; and a shared prompt with two pairs a micro-batch: each the numbers of the run it is
+    # a micro-batch, SimPO; a shared prompt with two pairs a micro-batch, and one through compiled layers (ZeRO-2;
+    # its stream's length a symbol of the graphs): each the numbers of the run it is
     # compared with (losses, metrics, evals), itself checked against TRL above; what the model then runs is checked
     # in tests/unit/test_dpo_config.py
     assert sum(s.startswith("pairs: padding-free") for s in said) == 1, said
     # every native run at cp 1 ran each pair's prompt once (dpo.share_prompt: auto), so the comparisons with TRL
     # above check that path: LoRA, the full run, ORPO, SimPO, tp=2 (+SP), the resumes; and above, two pairs a
     # micro-batch (one stream) against one
-    assert sum(s.startswith("pairs: each pair's prompt runs once") for s in said) == 5, said  # and the hf run
-    for run, want in zip(free, (lora_run, full_run, hf_run, simpo_run, lora_run), strict=True):
+    assert sum(s.startswith("pairs: each pair's prompt runs once") for s in said) == 6, said  # and the hf run
+    for run, want in zip(free, (lora_run, full_run, hf_run, simpo_run, lora_run, lora_run), strict=True):
         names = list(want[1][0])
         flat_got = [*run[0], *(r[k] for r in run[1] for k in names), *(x for _, x in run[2])]
         flat_want = [*want[0], *(r[k] for r in want[1] for k in names), *(x for _, x in want[2])]
