@@ -236,11 +236,12 @@ def _not_a_run(raw: dict[str, Any]) -> UserError:
 def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
     """`model.compile: auto` (the default): compiled layers where they are correct and were measured faster on one
     GPU (docs/BENCHMARKS.md: Gemma-3-4B +26% and 30 GiB less, the 1B and 3B shapes +2-4%, Phi-4-mini equal, the MoE
-    attention halves +6%; every row a full fine-tune of fixed-shape batches at tp = cp = 1). Off, with the reason in
-    the run's first lines, where that is not so: ZeRO-3 (its parameter gathers), tp > 1 (a graph break at every
-    Megatron linear: -8% measured), cp > 1 and recompute (graph breaks, not measured), adapters (QLoRA ran 6% slower
-    compiled; LoRA eager not measured), preference objectives and unpacked SFT (their micro-batches change length,
-    and each length compiles a graph). The model's engine and the device are asked later (adapter/models/resolved.py:
+    attention halves +6%, each a full fine-tune of fixed-shape batches at tp = cp = 1; LoRA DPO on the Llama-3.1-8B
+    shape +26% at the same memory, its stream's length a symbol of the graphs). Off, with the reason in the run's
+    first lines, where that is not so: ZeRO-3 (its parameter gathers), tp > 1 (a graph break at every Megatron
+    linear: -8% measured), cp > 1 and recompute (graph breaks, not measured), a quantised base (QLoRA SFT ran 6%
+    slower compiled), LoRA SFT, the other preference runs and unpacked SFT (not measured faster). The model's engine
+    and the device are asked later (adapter/models/resolved.py:
     the transformers engine's compiled layers are not measured faster yet; a CPU is never compiled for), so the
     value is kept marked as auto's.
 
@@ -273,8 +274,11 @@ def auto_compile_off(cfg: RunConfig) -> str | None:
         (p.tp_size > 1, "tp > 1 breaks the graph at every Megatron linear (measured 8% slower)"),
         (p.cp_size > 1, "cp > 1 breaks the graph at the context-parallel attention (not measured faster)"),
         (cfg.recompute != "none", f"recompute {cfg.recompute} breaks or repeats the graphs (not measured faster)"),
-        (cfg.lora is not None, "adapters: QLoRA ran 6% slower compiled, LoRA was not measured faster"),
-        (cfg.objective != "sft", f"{cfg.objective}'s micro-batches change length every step (a graph each)"),
+        (cfg.lora is not None and cfg.lora.quantize_base is not None, "a quantised base: QLoRA SFT ran 6% slower "
+                                                                      "compiled"),
+        (cfg.lora is not None and cfg.objective == "sft", "adapters: LoRA SFT was not measured faster compiled"),
+        (cfg.objective != "sft" and not (cfg.lora is not None and cfg.objective in ("dpo", "ipo")),
+         f"{cfg.objective}{'' if cfg.lora else ' of every weight'} was not measured faster compiled (LoRA DPO was)"),
         (cfg.objective == "sft" and not cfg.steady_lengths, "unpacked SFT micro-batches are cut to their longest "
                                                              "example, a new length nearly every step"),
     ]

@@ -254,9 +254,9 @@ def test_axolotl_torch_compile_compiles_where_the_layout_allows():
 
 
 def test_compiled_layers_by_default_where_measured_faster():
-    """`model.compile: auto`, the default: on for a full fine-tune of fixed-shape batches at tp = cp = 1 outside
-    ZeRO-3 on a GPU and the native engine; off, with the reason in one first line, everywhere else. Axolotl's file
-    without torch_compile gets auto, `torch_compile: false` gets false (no line)."""
+    """`model.compile: auto`, the default: on for a full fine-tune of fixed-shape batches and for LoRA DPO at
+    tp = cp = 1 outside ZeRO-3 on a GPU and the native engine; off, with the reason in one first line, everywhere
+    else. Axolotl's file without torch_compile gets auto, `torch_compile: false` gets false (no line)."""
     from types import SimpleNamespace
 
     def said(cfg):
@@ -270,7 +270,10 @@ def test_compiled_layers_by_default_where_measured_faster():
     packed = {"data.synthetic": False, "data.datasets": [{"path": "x.jsonl", "type": "chat_template"}]}
     pairs = {**packed, "objective": "dpo", "data.datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}
     for over, why in (({"parallelism.tp_size": 2}, "tp > 1 breaks the graph"), ({"recompute": "full"}, "recompute"),
-                      ({"lora": {"r": 4}}, "adapters: QLoRA ran 6% slower"), (pairs, "dpo's micro"),
+                      ({"lora": {"r": 4}}, "adapters: LoRA SFT was not measured faster"),
+                      ({**pairs, "lora": {"r": 4, "quantize_base": "nf4"}}, "a quantised base: QLoRA SFT"),
+                      (pairs, "dpo of every weight was not measured faster compiled (LoRA DPO was)"),
+                      ({**pairs, "objective": "orpo", "lora": {"r": 4}}, "orpo was not measured faster"),
                       (packed, "unpacked SFT micro-batches are cut"),
                       ({"parallelism.dp_shard_size": 2, "deepspeed.zero_stage": 3}, "ZeRO-3's parameter gathers")):
         world = over.get("parallelism.tp_size", 1) * over.get("parallelism.dp_shard_size", 1)
@@ -279,6 +282,8 @@ def test_compiled_layers_by_default_where_measured_faster():
         assert said(cfg)[0].endswith("model.compile: true compiles anyway") != ("ZeRO-3" in why), said(cfg)
     packed_on = config.build(native(**{**one, **packed, "data.sample_packing": True}), env={}, world_size=1)
     assert packed_on.model.compile is True
+    lora_dpo = config.build(native(**{**one, **pairs, "lora": {"r": 4}}), env={}, world_size=1)
+    assert lora_dpo.model.compile is True and said(lora_dpo)[0].startswith("model.compile: auto: on"), lora_dpo.notes
     # the model's engine and the device: only auto's value is taken back
     for gpu, native_engine, on, why in ((True, True, True, None), (False, True, False, "no GPU is visible"),
                                         (True, False, False, "the transformers engine's compiled layers")):
