@@ -82,3 +82,6 @@ def _canonical(x):
     if isinstance(x, torch.Tensor) and x.dim() == 3 and x.size(1) == 1 and x.stride(1) != x.size(2):
         return x.clone(memory_format=torch.contiguous_format)
     return x
+
+
+__all__ = ["compile_layers"]

@@ -197,12 +197,15 @@ def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
 
 def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConfig:
     """`model.compile: auto` after the config's own reasons (config/load.py): off on a CPU (compiling costs minutes of
-    CPU time there and nothing was measured faster) and on the transformers engine (its compiled layers are correct
-    on CUDA, tests/gpu/test_train.py, but not yet measured faster), with the first line said again."""
+    CPU time there and nothing was measured faster), on the transformers engine (its compiled layers are correct
+    on CUDA, tests/gpu/test_train.py, but not yet measured faster) and for a preference objective on a mixture of
+    experts (LoRA DPO was measured on a dense model), with the first line said again."""
     if not (cfg.compile_auto and cfg.model.compile):
         return cfg
     why = ("no GPU is visible to this process (compiled layers were measured faster on GPUs only)" if not gpu else
-           None if arch.native else "the transformers engine's compiled layers are not measured faster yet")
+           "the transformers engine's compiled layers are not measured faster yet" if not arch.native else
+           f"{cfg.objective} on a mixture of experts was not measured faster compiled (LoRA DPO was, on a dense "
+           "model)" if arch.moe and cfg.objective != "sft" else None)
     if why is None:
         return cfg
     notes = tuple(compile_note(cfg, why) if n == compile_note(cfg, None) else n for n in cfg.notes)

@@ -287,9 +287,13 @@ def test_compiled_layers_by_default_where_measured_faster():
     # the model's engine and the device: only auto's value is taken back
     for gpu, native_engine, on, why in ((True, True, True, None), (False, True, False, "no GPU is visible"),
                                         (True, False, False, "the transformers engine's compiled layers")):
-        got = checks.compile_where_it_runs(packed_on, SimpleNamespace(native=native_engine), gpu)
+        got = checks.compile_where_it_runs(packed_on, SimpleNamespace(native=native_engine, moe=False), gpu)
         assert got.model.compile is on and len(said(got)) == 1, said(got)
         assert (why is None and "on (" in said(got)[0]) or why in said(got)[0], said(got)
+    for moe in (False, True):  # LoRA DPO was measured on a dense model
+        got = checks.compile_where_it_runs(lora_dpo, SimpleNamespace(native=True, moe=moe), True)
+        assert got.model.compile is not moe and len(said(got)) == 1, said(got)
+        assert not moe or "dpo on a mixture of experts was not measured faster" in said(got)[0], said(got)
     asked = config.build(native(**{**one, "model.compile": True}), env={}, world_size=1)
     assert checks.compile_where_it_runs(asked, SimpleNamespace(native=False), False).model.compile is True
     base = {"base_model": str(LLAMA8B), "micro_batch_size": 1, "learning_rate": 1e-5, "sample_packing": True,
