@@ -39,7 +39,7 @@ for part in "$@"; do
     prof-*) s=${part#prof-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       rm -rf /tmp/axolotl-out/$y  # a cmp- part's checkpoints there would (rightly) refuse a fresh run
       timeout $t deepspeed --num_gpus=1 launch/train.py --config bench/configs/axolotl/$y.yaml --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
-      cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
+      cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 --host nd.forward > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
     dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;
     dpo-*) m=${part#dpo-}  # dpo-lora | dpo-qlora | dpo-full: bench/dpo_bench.py beside TRL + Liger
       timeout $t python3 bench/dpo_bench.py --mode $m --rows ours,trl-liger --out $OUT/dpo-$m > $OUT/dpo-$m.log 2>&1

@@ -269,7 +269,7 @@ def _zero3_off(cfg: RunConfig) -> str | None:
 
 def auto_compile_off(cfg: RunConfig) -> str | None:
     """Why `model.compile: auto` leaves the layers eager from the config alone; None: compile them."""
-    p = cfg.parallelism
+    p, d = cfg.parallelism, cfg.data
     reasons = [
         (p.tp_size > 1, "tp > 1 breaks the graph at every Megatron linear (measured 8% slower)"),
         (p.cp_size > 1, "cp > 1 breaks the graph at the context-parallel attention (not measured faster)"),
@@ -279,8 +279,8 @@ def auto_compile_off(cfg: RunConfig) -> str | None:
         (cfg.lora is not None and cfg.objective == "sft", "adapters: LoRA SFT was not measured faster compiled"),
         (cfg.objective != "sft" and not (cfg.lora is not None and cfg.objective in ("dpo", "ipo")),
          f"{cfg.objective}{'' if cfg.lora else ' of every weight'} was not measured faster compiled (LoRA DPO was)"),
-        (cfg.objective == "sft" and not cfg.steady_lengths, "unpacked SFT micro-batches are cut to their longest "
-                                                             "example, a new length nearly every step"),
+        (cfg.objective == "sft" and bool(d.datasets) and not d.sample_packing,
+         "unpacked SFT (micro-batches cut to their longest example) was not measured faster compiled"),
     ]
     return _zero3_off(cfg) or next((why for off, why in reasons if off), None)
 

@@ -274,7 +274,7 @@ def test_compiled_layers_by_default_where_measured_faster():
                       ({**pairs, "lora": {"r": 4, "quantize_base": "nf4"}}, "a quantised base: QLoRA SFT"),
                       (pairs, "dpo of every weight was not measured faster compiled (LoRA DPO was)"),
                       ({**pairs, "objective": "orpo", "lora": {"r": 4}}, "orpo was not measured faster"),
-                      (packed, "unpacked SFT micro-batches are cut"),
+                      (packed, "unpacked SFT (micro-batches cut to their longest example)"),
                       ({"parallelism.dp_shard_size": 2, "deepspeed.zero_stage": 3}, "ZeRO-3's parameter gathers")):
         world = over.get("parallelism.tp_size", 1) * over.get("parallelism.dp_shard_size", 1)
         cfg = config.build(native(**{**one, **over}), env={}, world_size=world)
