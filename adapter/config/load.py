@@ -297,8 +297,10 @@ def compile_note(cfg: RunConfig, why: str | None) -> str:
     key = _compile_key(cfg if cfg.model.compile in ("auto", "if_possible") else
                        cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": "auto"})}))
     if why is None:
+        again = "" if cfg.steady_lengths else ("; once more at the first micro-batch of another length, the length "
+                                                "then a symbol of the graph")
         return f"{key}: on (each transformer layer compiled" + (
-            " at the first step: measured faster on one GPU)" if "auto" in key else ")")
+            " at the first step: measured faster on one GPU" if "auto" in key else "") + again + ")"
     fix = f"; {setting(cfg, 'model.compile', True)} compiles anyway" if "auto" in key and \
         not why.startswith("ZeRO-3") else ""
     return f"{key}: off: {why}{fix}"

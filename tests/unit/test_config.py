@@ -283,7 +283,9 @@ def test_compiled_layers_by_default_where_measured_faster():
     packed_on = config.build(native(**{**one, **packed, "data.sample_packing": True}), env={}, world_size=1)
     assert packed_on.model.compile is True
     lora_dpo = config.build(native(**{**one, **pairs, "lora": {"r": 4}}), env={}, world_size=1)
-    assert lora_dpo.model.compile is True and said(lora_dpo)[0].startswith("model.compile: auto: on"), lora_dpo.notes
+    assert lora_dpo.model.compile is True and said(lora_dpo) == [
+        "model.compile: auto: on (each transformer layer compiled at the first step: measured faster on one GPU; once "
+        "more at the first micro-batch of another length, the length then a symbol of the graph)"], lora_dpo.notes
     # the model's engine and the device: only auto's value is taken back
     for gpu, native_engine, on, why in ((True, True, True, None), (False, True, False, "no GPU is visible"),
                                         (True, False, False, "the transformers engine's compiled layers")):
