@@ -129,8 +129,9 @@ def _preference_note(cfg: RunConfig, arch: ModelArch) -> list[str]:
     shared = ("; each prompt runs once for both answers (dpo.share_prompt), which plan still counts twice: its "
               "memory and time are an upper bound" if prompt_sharing(cfg, arch, cfg.parallelism.cp_size) is None
               else "")
-    return [f"objective {cfg.objective}: plan counts {rows} as sequences of the micro-batch{extra}{shared} (not yet "
-            "checked against a GPU run)"]
+    return [f"objective {cfg.objective}: plan counts {rows} as sequences of the micro-batch{extra}{shared}; each "
+            "sequence at sequence_len, so where the pairs are shorter plan's figures are an upper bound too (LoRA DPO "
+            "against one H100: docs/BENCHMARKS.md)"]
 
 
 NO_PAIRS = "no preference pairs"
