@@ -197,6 +197,7 @@ def run_ours(a, work: Path, out: Path, env: dict) -> dict:
     last = a.warmup + a.steps
     if rc != 0 or not steps or steps[-1][1] != last:
         return {**res, "error": f"exit {rc}, {len(steps)} step lines; see {out / f'{a.mode}-ours.log'}"}
+    res["said"] = [s[:140] for _, s in lines if s.startswith(("pairs:", "model.compile", "torch_compile"))][:2]
     at = {s: t for t, s, *_ in steps}
     res["step_s"] = (at[last] - at[a.warmup]) / (last - a.warmup)  # line k is said once step k + 1 is queued
     # the trainer's own clock: positions computed / tok/s (its rows trimmed to a multiple of 64)
