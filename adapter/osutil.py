@@ -1,9 +1,11 @@
 """Small OS helpers shared by conversion and training (kept here so neither package imports the other)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -13,10 +15,29 @@ from typing import Any
 
 from adapter.errors import UserError, bad
 
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+BELOW_EPHEMERAL = 12_000  # how many ports under the kernel's ephemeral range `free_port` draws from
+
 
 def free_port() -> int:
-    """A TCP port free on this host right now (for MASTER_PORT of locally spawned process groups)."""
-    with socket.socket() as s:
+    """A TCP port free on this host right now (for MASTER_PORT of locally spawned process groups), drawn at random
+    from the ports just below the kernel's ephemeral range. A port the kernel hands out (bind to 0) is the very kind
+    every gloo connection of every other job on the node takes too: two CI runs lost their rendezvous that way (a
+    store port reused, "Connection reset by peer"). Below that range only another explicit choice can collide."""
+    low = 32_768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(EPHEMERAL.read_text().split()[0])
+    rng = random.SystemRandom()
+    if low - BELOW_EPHEMERAL >= 1_024:
+        for _ in range(64):
+            port = rng.randrange(low - BELOW_EPHEMERAL, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # an unusual range (or every draw taken): let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

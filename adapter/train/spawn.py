@@ -56,6 +56,7 @@ SERVER_BLOCKED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, 
 PORT_RETRY = "ND_ADAPTER_PORT_RETRY"  # set for the ranks: rank 0 may end with EXIT_PORT_TAKEN instead of failing
 EXIT_PORT_TAKEN = 98  # EADDRINUSE's number: another process took MASTER_PORT first; the ranks start again
 PORT_ATTEMPTS = 3
+PORT_NOTE = "nd-adapter: MASTER_PORT was taken by another process"  # a notice, not the run's error
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core", "transformers", "adapter.train.trainer")
 IMPORT_ENV = ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "OMP_NUM_THREADS")  # read when those modules are imported
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, ROCm, WSL: ranks there stay separate interpreters
@@ -73,8 +74,8 @@ def spawn(nproc: int, worker_args: list[str], *, cpu: bool = False, exit_signals
                            retry=attempt + 1 < PORT_ATTEMPTS)
         if code != EXIT_PORT_TAKEN:
             return code
-        print(f"nd-adapter: MASTER_PORT was taken by another process before rank 0 bound it; starting the "
-              f"{nproc} rank(s) again on another port", file=sys.stderr, flush=True)
+        print(f"{PORT_NOTE} before rank 0 bound it; starting the {nproc} rank(s) again on another port",
+              file=sys.stderr, flush=True)
     return code
 
 

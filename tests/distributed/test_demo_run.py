@@ -14,6 +14,7 @@ import pytest
 
 from adapter import config
 from adapter.demo import run as demo_run
+from tests.helpers.cli import said
 from tests.helpers.why import say_at_the_end
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +147,7 @@ def test_resume_that_cannot_move_is_refused_and_touches_nothing(quick):
                         "--set", "optimizer.name=adamw_8bit"], cwd=out, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
-    lines = r.stderr.strip().splitlines()
+    lines = said(r.stderr)
     assert len(lines) == 1 and lines[0].startswith("nd-adapter: error: checkpoint.dir='checkpoints': cannot resume "
                                                    "global_step"), r.stderr[-3000:]
     assert "8-bit optimizer moments" in lines[0] and "Fix:" in lines[0]

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.cli import said
 from tests.helpers.sft import make_model, rel
 
 pytestmark = pytest.mark.slow
@@ -34,14 +35,27 @@ STEPS = 16
 STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+)")
 
 
+SLOW_START = """
+import time
+import adapter.train.preempt as preempt
+_stop_later = preempt.stop_later
+def _late():
+    time.sleep(60)
+    _stop_later()
+preempt.stop_later = _late
+"""
+
+
 def _losses(text: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in map(STEP.match, text.splitlines()) if m}
 
 
-def _train(cfg: Path, *extra: str) -> subprocess.Popen:
+def _train(cfg: Path, *extra: str, pythonpath: Path | None = None) -> subprocess.Popen:
     """`nd-adapter train` in a session of its own: os.killpg(p.pid, ...) signals the whole job, `_job(p.pid)`
-    lists what is left of it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    lists what is left of it. `pythonpath` goes first on the job's path (a sitecustomize module there runs in every
+    process of it)."""
+    path = f"{pythonpath}:{ROOT}" if pythonpath else str(ROOT)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "adapter", "train", "--config", str(cfg), *extra], cwd=cfg.parent,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -103,7 +117,7 @@ def test_sigterm_to_the_job_saves_exits_75_and_resumes_exactly(base):
     for line in p.stdout:  # the run is training: stop it as a cluster would
         seen.append(line)
         if line.startswith("signals: SIGTERM, SIGUSR1 finish the current step"):
-            said = line
+            signals_line = line
         if line.startswith("step 3/"):
             time.sleep(0.3)
             os.killpg(p.pid, signal.SIGTERM)
@@ -111,13 +125,13 @@ def test_sigterm_to_the_job_saves_exits_75_and_resumes_exactly(base):
     rest, err = p.communicate(timeout=600)
     out = "".join(seen) + rest
     assert p.returncode == 75, (out[-2000:], err[-2000:])
-    assert "status 75 (requeue" in said
+    assert "status 75 (requeue" in signals_line
     m = re.search(r"nd-adapter: stopped by SIGTERM after step (\d+): checkpoint (\S+) saved; continue with --resume",
                   err)
     assert m, err[-2000:]
     stopped = int(m.group(1))
     assert 3 <= stopped < STEPS and max(_losses(out)) == stopped, out[-2000:]
-    assert len([ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]) == 1, err[-2000:]
+    assert len([ln for ln in said(err) if ln.startswith("nd-adapter:")]) == 1, err[-2000:]
     assert (tmp_path / "ck-cut/latest").read_text().strip() == f"global_step{stopped}"
     assert not list((tmp_path / "ck-cut").glob("tmp-*"))  # complete, published
     assert all(_losses(out)[k] == reference[k] for k in range(1, stopped + 1))
@@ -152,7 +166,7 @@ def _says_what_it_holds(root: Path, cfg: Path) -> None:
     assert "resumable by this layout, resharded from another layout (dp_shard 2 there, 4 here, tp 2 there, 1 here)" \
         in " ".join(p.stdout.split()), p.stdout[-3000:]
     p = _cli("train", "--config", str(cfg), "--resume", *moved, "--set", "optimizer.name=adamw_8bit", cwd=root)
-    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("nd-adapter:")]
+    lines = [ln for ln in said(p.stderr) if ln.startswith("nd-adapter:")]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
     assert f"cannot resume global_step{STEPS}: 8-bit optimizer moments" in lines[0], lines
     p = _cli("checkpoint", "info", str(root / "nowhere"), cwd=root)
@@ -180,7 +194,7 @@ def test_a_failed_save_is_one_line_and_the_last_checkpoint_resumes(base):
     p = subprocess.run([sys.executable, "-m", "adapter", "train", "--config", str(cfg), "--resume"], cwd=root,
                        env=env, capture_output=True, text=True, timeout=600, preexec_fn=small_files)
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-2000:])
-    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("nd-adapter:")]
+    lines = [ln for ln in said(p.stderr) if ln.startswith("nd-adapter:")]
     assert len(lines) == 1 and "writing the checkpoint of step 4 failed" in lines[0], p.stderr[-3000:]
     assert "global_step2 is the last complete checkpoint" in lines[0] and "Traceback" not in p.stderr
     assert (root / "ck-disk/latest").read_text().strip() == "global_step2"
@@ -201,7 +215,7 @@ def test_retention_that_cannot_fit_is_refused_before_step_one(tmp_path):
     p = _train(cfg)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 2, (out[-2000:], err[-2000:])
-    line = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
+    line = [ln for ln in said(err) if ln.startswith("nd-adapter:")]
     assert len(line) == 1 and line[0].startswith("nd-adapter: error: checkpoint.keep_last=100: the run's "
                                                  "checkpoints will not fit: checkpoints: 96.4 GB each, up to 101 at "
                                                  "once"), err
@@ -213,7 +227,10 @@ def test_sigterm_to_the_job_before_step_one_ends_it_at_once(base):
     once with status 75 and one line, and leaves nothing running. It used to end in status 1 (the fork server
     died of it), or, sent before the ranks started, leave the launcher dead without a word and its ranks running."""
     root, raw, _ = base
-    p = _train(_cfg(root / "early.yaml", _two(raw, 500), root / "ck-early"))
+    slow = root / "slow-start"  # the ranks reach their training loop 60 s late: the signal surely comes first
+    slow.mkdir(exist_ok=True)  # (setup takes ~1 s here; a busy CI machine once read the line after step 2)
+    (slow / "sitecustomize.py").write_text(SLOW_START)
+    p = _train(_cfg(root / "early.yaml", _two(raw, 500), root / "ck-early"), pythonpath=slow)
     for line in p.stdout:
         if line.startswith("signals: "):  # rank 0 is setting up: converted weights, data, the engine to come
             os.killpg(p.pid, signal.SIGTERM)
@@ -222,7 +239,7 @@ def test_sigterm_to_the_job_before_step_one_ends_it_at_once(base):
     out, err = p.communicate(timeout=120)
     took = time.monotonic() - t
     assert p.returncode == 75, (out[-2000:], err[-2000:])
-    assert [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")] == [
+    assert [ln for ln in said(err) if ln.startswith("nd-adapter:")] == [
         "nd-adapter: stopped by SIGTERM before step 1: nothing to save (exit status 75: requeue)"], err[-3000:]
     assert "Traceback" not in err and "Exception" not in err, err[-3000:]
     assert took < 15 and not _ends(p.pid, within=10), took
@@ -291,7 +308,7 @@ def _ends_at_once_in_one_line(p, t: float, ranks: list, line: str) -> None:
     out, err = p.communicate(timeout=300)
     assert time.monotonic() - t < 60
     assert p.returncode == 1, (out[-2000:], err[-2000:])
-    assert [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")] == [line], err[-2000:]
+    assert [ln for ln in said(err) if ln.startswith("nd-adapter:")] == [line], err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     time.sleep(1)
     assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
@@ -309,7 +326,7 @@ def test_a_damaged_checkpoint_or_directory_is_one_line_and_changes_nothing(base)
 
     def one_line(p: subprocess.Popen, *needles: str) -> str:
         out, err = p.communicate(timeout=600)
-        lines = [ln for ln in err.splitlines() if ln.startswith("nd-adapter:")]
+        lines = [ln for ln in said(err) if ln.startswith("nd-adapter:")]
         assert p.returncode == 2 and len(lines) == 1, (out[-2000:], err[-3000:])
         assert all(n in lines[0] for n in needles) and "Traceback" not in out + err, lines[0]
         return lines[0]

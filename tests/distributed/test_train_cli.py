@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from adapter import config
+from tests.helpers.cli import said
 from tests.helpers.dist import run_workers
 from tests.helpers.hf import flip_chunk
 
@@ -91,7 +92,7 @@ def test_bad_input_is_one_line_status_2_and_writes_nothing(tiny, tmp_path, case)
     cfg_file.write_text(yaml.safe_dump(raw_config(tiny, ckpt_dir, **over)))
     r = _nd_train(cfg_file, *extra)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = r.stderr.strip().splitlines()
+    lines = said(r.stderr)
     assert len(lines) == 1 and lines[0].startswith("nd-adapter: error: "), r.stderr
     assert needle in lines[0] and "Fix:" in lines[0], lines[0]
     assert "Traceback" not in r.stderr + r.stdout

@@ -16,20 +16,14 @@ import gc
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from adapter.osutil import free_port
 from adapter.train.spawn import PRELOAD as RANK_PRELOAD
 from adapter.train.spawn import default_warnings, forkserver
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, q) -> None:

@@ -38,3 +38,15 @@ def test_a_taken_master_port_starts_the_ranks_again(tmp_path, monkeypatch, capfd
         held.close()
     err = capfd.readouterr().err
     assert err.count("MASTER_PORT was taken by another process") == 1, err
+
+
+def test_master_ports_are_drawn_below_the_ephemeral_range():
+    """Ports the kernel hands out (bind to 0) are the ones every gloo connection on the node takes too; MASTER_PORT
+    comes from below that range, where only another explicit choice can collide."""
+    from adapter.osutil import EPHEMERAL, free_port
+
+    low = int(EPHEMERAL.read_text().split()[0]) if EPHEMERAL.exists() else 32_768
+    ports = {free_port() for _ in range(20)}
+    assert all(1_024 <= p < low for p in ports) and len(ports) > 1, (low, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free when chosen
