@@ -2,7 +2,11 @@
 (bf16 logits, adapter/kernels/fusions.py's cross-entropy), Liger's fused linear cross-entropy, and ours in token
 chunks of several sizes; forward + backward time and the memory each holds above its inputs.
 
-    python bench/linear_ce_bench.py [--tokens 8192]
+    python bench/linear_ce_bench.py [--tokens 8192] [--vocab 100278,100352 --hidden olmo3=4096]
+
+`--vocab` takes several sizes: a vocabulary that is not a multiple of 8 (Olmo's 100,278) gives the logits a row
+stride cuBLAS's aligned kernels cannot take; the transformers engine keeps the checkpoint's own vocabulary, the native
+engine pads it (model.vocab_divisible_by), so the pair shows what that costs.
 """
 from __future__ import annotations
 
@@ -43,12 +47,16 @@ def kinds():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--vocab", default=str(VOCAB), help="comma-separated vocabulary sizes")
+    ap.add_argument("--hidden", nargs="*", help="NAME=SIZE hidden sizes (default: the 1B and 3B shapes)")
     a = ap.parse_args()
-    for shape, hid in HIDDEN.items():
+    hidden = dict(kv.split("=") for kv in a.hidden) if a.hidden else HIDDEN
+    for (shape, hid), vocab in ((sh, int(v)) for sh in hidden.items() for v in a.vocab.split(",")):
+        hid, shape = int(hid), f"{shape} V{vocab}"
         torch.manual_seed(0)
         h = torch.randn(a.tokens, hid, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(VOCAB, hid, device="cuda") / hid ** 0.5).to(torch.bfloat16).requires_grad_()
-        y = torch.randint(0, VOCAB, (a.tokens,), device="cuda")
+        w = (torch.randn(vocab, hid, device="cuda") / hid ** 0.5).to(torch.bfloat16).requires_grad_()
+        y = torch.randint(0, vocab, (a.tokens,), device="cuda")
         mask = torch.ones(a.tokens, device="cuda")
         ref = None
         for name, fn in kinds().items():
