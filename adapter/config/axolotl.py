@@ -24,7 +24,7 @@ from adapter.config.axolotl_parallel import (
     map_expert_parallel,
     map_fsdp,
 )
-from adapter.config.axolotl_rl import RL_KEYS, map_rl
+from adapter.config.axolotl_rl import RL_KEYS, map_reward, map_rl
 from adapter.config.axolotl_train import (
     LORA_KEYS,
     LORA_MAP,
@@ -163,6 +163,7 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
                      "pre-trained ones)")
     map_lora(raw, out, notes)
     map_rl(raw, out, notes)
+    map_reward(raw, out, notes)
     map_data(raw, out, notes)
     map_pretraining(raw.get("pretraining_dataset"), out, notes, has_sft=bool(raw.get("datasets")))
     ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]

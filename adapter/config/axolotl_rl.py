@@ -14,6 +14,10 @@ refused: Axolotl would hand it to TRL as beta), `kto_desirable_weight` / `kto_un
 them (`value or 1.0`: unset or 0 is 1.0); the DPO / SimPO options do not reach that trainer and are noted.
 Every other `rl:` value, and any DPO option that would change the loss, is refused in one line: a preference config
 run as something else would finish and export a model that is not the one asked for.
+
+`reward_model: true` (with `model_type: AutoModelForSequenceClassification`, `num_labels: 1`) is TRL's RewardTrainer
+as Axolotl's AxolotlRewardTrainer runs it: `center_rewards_coefficient` passed when set, the pairs Axolotl's
+`bradley_terry.chat_template` type renders (adapter/data/sft/preference_bt.py).
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ DPO_FLAGS = {  # Axolotl's boolean for TRL's DPOConfig -> the dpo: key it sets, 
                                          "attention confined to each: TRL's padding_free"),
     "precompute_ref_log_probs": ("precompute_ref", "the reference's log-probabilities of every pair computed once "
                                                    "before step 1; no reference forward in a step")}
-RL_KEYS = {"rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *DPO_FLAGS, *LOSS_OPTIONS, *NOTED,
+REWARD_KEYS = ("reward_model", "center_rewards_coefficient", "num_labels")
+RL_KEYS = {*REWARD_KEYS, "rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *DPO_FLAGS, *LOSS_OPTIONS, *NOTED,
            *KTO_KEYS}
 
 
@@ -127,6 +132,32 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         notes.append(f"ignored trl keys (not read by {rl.upper()}): {', '.join(other)}")
 
 
+def map_reward(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """`reward_model: true` -> objective: reward (reward.center_coefficient from center_rewards_coefficient);
+    `num_labels` other than 1 and `rl:` beside it are refused in one line (TRL refuses the first too)."""
+    if not is_on(raw.get("reward_model")):
+        for key in ("center_rewards_coefficient", "num_labels"):
+            if raw.get(key) is not None:
+                notes.append(f"{key}: read by reward_model: true only")
+        return
+    if is_on(raw.get("rl")):
+        raise bad("reward_model", True, f"a reward model and rl: {raw['rl']} are two objectives",
+                  "remove one of them")
+    labels = raw.get("num_labels")
+    if labels is not None and labels != 1:
+        raise bad("num_labels", labels, "a reward model has one label: its scalar reward (TRL's RewardTrainer "
+                  "refuses another count)", "set num_labels: 1")
+    c = raw.get("center_rewards_coefficient")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0):
+        raise bad("center_rewards_coefficient", c, "must be a number ≥ 0", "give e.g. 0.01, or remove it")
+    out["objective"] = "reward"
+    if c is not None:
+        out.setdefault("reward", {})["center_coefficient"] = float(c)
+    notes.append("reward_model: true -> objective: reward (TRL's RewardTrainer: the checkpoint's sequence-"
+                 "classification class scoring each answer at its last token, loss −log σ(r_chosen − r_rejected)"
+                 + (f" + {c}·(r_chosen + r_rejected)²" if c else "") + ", no reference)")
+
+
 def _kto(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: float) -> None:
     """kto_desirable_weight / kto_undesirable_weight onto `kto:`, as Axolotl passes them (`value or 1.0`)."""
     weights = []
@@ -164,4 +195,4 @@ def _simpo(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: flo
                  "no reference)")
 
 
-__all__ = ["map_rl", "RL_KEYS", "ONLINE", "BUILT"]
+__all__ = ["map_rl", "map_reward", "RL_KEYS", "REWARD_KEYS", "ONLINE", "BUILT"]

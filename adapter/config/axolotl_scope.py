@@ -52,7 +52,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "float16": ("pure fp16 training is not supported", "use fp16: true (fp16 compute, fp32 master weights)"),
     # other objectives
     # rl: mapped (rl: dpo) or refused in one line by axolotl_rl.py
-    "reward_model": ("reward-model training (a scalar head) is not supported", _SFT),
     "process_reward_model": ("process-reward-model training is not supported", _SFT),
     "use_eaft": ("Entropy-Aware Focal Training (each token's loss weighted by the entropy of its top-k logits) is not "
                  "built", "remove use_eaft (and eaft_alpha, eaft_k) for plain cross-entropy, or run this config with "
@@ -120,9 +119,11 @@ def check_scope(raw: dict[str, Any]) -> None:
                   "lengths) is not built: the batches would differ", "remove it (random order), or set "
                   "sample_packing: true")
     kind = raw.get("model_type")
-    if kind is not None and not (isinstance(kind, str) and kind.endswith(CAUSAL_CLASSES)):
+    scores = is_on(raw.get("reward_model")) and isinstance(kind, str) and kind.endswith("ForSequenceClassification")
+    if kind is not None and not (isinstance(kind, str) and kind.endswith(CAUSAL_CLASSES)) and not scores:
         raise bad("model_type", kind, "nd-adapter trains causal language models (next-token loss on the model's "
-                  "LM head); another head (sequence classification, reward, ...) is not what it trains",
+                  "LM head), and reward models (reward_model: true) with a sequence-classification head; this head "
+                  "is not what it trains",
                   "remove it (or use AutoModelForCausalLM), or run this config with Axolotl")
     rev = raw.get("model_revision")
     if rev not in (None, "main"):

@@ -31,6 +31,11 @@ ranks' micro-batches of the same accumulation step (TRL's gather across processe
 reference is the base with the LoRA adapters disabled, or for a full fine-tune the starting weights' log-probabilities
 of every row and of its KL row, computed once before step 1. The eval (val_set_size / test_datasets) is TRL's, in
 rounds of the held-out rows in order. What the loop does: adapter/train/kto.py.
+
+A reward model (Axolotl's `reward_model: true`) is TRL 1.8.0's RewardTrainer: transformers' sequence-classification
+class of the checkpoint with one label scores each sequence at its last token that is not the pad token; per pair
+−log σ(r_chosen − r_rejected), plus `reward.center_coefficient` (TRL's center_rewards_coefficient) times
+(r_chosen + r_rejected)², averaged over the step's pairs. No reference. What the loop does: adapter/train/reward.py.
 """
 from __future__ import annotations
 
@@ -81,6 +86,12 @@ class KTOSection(_Strict):
                                                              "kto_undesirable_weight; an unset or 0 one is 1.0)")
 
 
+class RewardSection(_Strict):
+    center_coefficient: Float | None = Field(None, ge=0, description="TRL's center_rewards_coefficient (Axolotl's key "
+                                             "of that name): the weight of (r_chosen + r_rejected)² in each pair's "
+                                             "loss, pulling rewards towards mean zero; unset = none")
+
+
 class PreferenceFields(_Strict):
     """A preference entry's columns (Axolotl's chat_template.default): the chosen and rejected answers."""
     field_chosen: str = "chosen"
@@ -91,19 +102,21 @@ class PreferenceFields(_Strict):
 # with gradients (both answers of a pair; KTO: the row), and forward-only passes over that many sequences a step
 # (the reference with fresh LoRA adapters disabled; KTO: its KL rows through the policy and both through the
 # reference). A fixed reference (`fixed_reference`) is a table computed once instead: no pass a step.
-PREFERENCE_PASSES = {"dpo": (2, 1), "ipo": (2, 1), "orpo": (2, 0), "simpo": (2, 0), "kto": (1, 3)}
+PREFERENCE_PASSES = {"dpo": (2, 1), "ipo": (2, 1), "orpo": (2, 0), "simpo": (2, 0), "kto": (1, 3), "reward": (2, 0)}
 PAIR_OBJECTIVES = tuple(k for k, (grad, _) in PREFERENCE_PASSES.items() if grad == 2)  # chosen and rejected
 
 
 class RLFields(_Strict):
-    """`objective: dpo` / `ipo` / `orpo` / `simpo` / `kto` with its section (ipo reads dpo.beta); refused where the
-    loop does not build it (one line each)."""
-    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo", "kto"] = Field(
-        "sft", description="sft (next-token loss), dpo, ipo, orpo or simpo (preference pairs), kto (labelled rows)")
+    """`objective: dpo` / `ipo` / `orpo` / `simpo` / `kto` / `reward` with its section (ipo reads dpo.beta); refused
+    where the loop does not build it (one line each)."""
+    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo", "kto", "reward"] = Field(
+        "sft", description="sft (next-token loss), dpo, ipo, orpo or simpo (preference pairs), kto (labelled rows), "
+        "reward (a reward model scoring each answer of a pair: TRL's RewardTrainer)")
     dpo: DPOSection = DPOSection()
     orpo: ORPOSection = ORPOSection()
     simpo: SimPOSection = SimPOSection()
     kto: KTOSection = KTOSection()
+    reward: RewardSection = RewardSection()
 
     def preference_passes(self) -> tuple[int, int]:
         """(sequences with gradients, forward-only passes) per row of the micro-batch: PREFERENCE_PASSES, less the
@@ -115,7 +128,7 @@ class RLFields(_Strict):
 
     def padding_free_pairs(self) -> bool:
         """Whether a micro-batch's preference sequences run as one stream without padding (dpo.padding_free)."""
-        return self.dpo.padding_free and self.objective in PAIR_OBJECTIVES
+        return self.dpo.padding_free and self.objective in PAIR_OBJECTIVES and self.objective != "reward"
 
     def fixed_reference(self) -> bool:
         """Whether the DPO/IPO/KTO reference is the starting model's log-probabilities, computed once before step 1
@@ -134,6 +147,7 @@ class RLFields(_Strict):
             return self
         rl, kind = self.objective.upper(), "chat_template.argilla" if self.objective == "orpo" else (
             "llama3.ultra or another of Axolotl's KTO types" if self.objective == "kto" else
+            "bradley_terry.chat_template (system, input, chosen, rejected)" if self.objective == "reward" else
             "chat_template.default with field_messages, field_chosen, field_rejected")
         d, ax = self.data, self.source == "axolotl"  # type: ignore[attr-defined]
         key = (lambda k: k) if ax else (lambda k: f"data.{k}")  # these data keys: Axolotl's top-level names
@@ -151,6 +165,8 @@ class RLFields(_Strict):
                       "dropped (Axolotl's default); truncate and raise are not built for preference pairs", "remove it")
         if self.objective == "kto":
             self._kto_scope(ax)
+        if self.objective == "reward":
+            self._reward_scope(ax)
         return self
 
     @model_validator(mode="after")
@@ -166,6 +182,20 @@ class RLFields(_Strict):
                       "(KTO's rows and their KL rows run padded)", "remove it")
         return self
 
+    def _reward_scope(self, ax: bool) -> None:
+        """What the reward model's loop does not build, one line each (adapter/train/reward.py)."""
+        p = self.parallelism  # type: ignore[attr-defined]
+        if self.lora is not None:  # type: ignore[attr-defined]
+            raise bad("adapter" if ax else "lora", "lora", "LoRA on a reward model (PEFT's sequence-classification "
+                      "task, its score head trained beside the adapters) is not built", "remove the adapter for a "
+                      "full fine-tune of the reward model, or run this config with Axolotl")
+        for key, size in (("tensor_parallel_size" if ax else "parallelism.tp_size", p.tp_size),
+                          ("context_parallel_size" if ax else "parallelism.cp_size", p.cp_size)):
+            if size > 1:
+                raise bad(key, size, "a reward model's score head reads each sequence's last token; splitting "
+                          "the model or the sequence over ranks is not built for it", "set it to 1 (dp_shard_size "
+                          "and ZeRO shard a reward model)")
+
     def _kto_scope(self, ax: bool) -> None:
         """What KTO's loop does not build, one line each (the module docstring)."""
         mb = self.batch.micro_batch_size  # type: ignore[attr-defined]
@@ -175,5 +205,5 @@ class RLFields(_Strict):
                       "refuses a batch of 1 (its KL estimate would be the row's own reward)", "set it to 2 or more")
 
 
-__all__ = ["PREFERENCE_PASSES", "DPOSection", "ORPOSection", "SimPOSection", "KTOSection", "PreferenceFields",
-           "RLFields"]
+__all__ = ["PREFERENCE_PASSES", "RewardSection", "DPOSection", "ORPOSection", "SimPOSection", "KTOSection",
+           "PreferenceFields", "RLFields"]

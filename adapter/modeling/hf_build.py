@@ -34,7 +34,7 @@ OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_new
 
 def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
                 quantize: str | None = None, device=None, liger: tuple[str, ...] = (), dequantize: bool = False,
-                quantize_experts: bool = False):
+                quantize_experts: bool = False, scores: int | None = None):
     """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
     `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
     NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
@@ -44,7 +44,10 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     transformers' own loader (its quantization class with dequantize=True, as Axolotl passes it), which then drops
     the quantization config, so the export is a 16-bit checkpoint; a random model in its shape drops it too.
     `quantize_experts`: the mixture's 3-D expert weights quantised as well, in `quantize`'s format
-    (adapter/modeling/hf_quant_experts.py)."""
+    (adapter/modeling/hf_quant_experts.py). `scores` (a reward model: the pad token's id): the checkpoint's
+    sequence-classification class with one label instead, its score read at each row's last token that is not that
+    token (TRL's RewardTrainer sets config.pad_token_id so); a checkpoint without a score head (a causal LM's) gets a
+    new one, initialised by transformers as it initialises a missing head."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -52,7 +55,11 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     if liger:
         apply_liger(str(cfg.get("model_type")), liger)
     remote = bool(cfg.get("auto_map"))
-    cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
+    if scores is not None:
+        cls = scoring_class(config, remote)
+        config.num_labels, config.pad_token_id = 1, scores
+    else:
+        cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
     torch.manual_seed(seed)
     kw = {"trust_remote_code": True} if remote else {}
     if quantize:
@@ -67,7 +74,7 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
 
             kw["quantization_config"] = AutoQuantizationConfig.from_dict({**cfg["quantization_config"],
                                                                           "dequantize": True})
-        model = _from_pretrained(cls, model_dir, config=config, dtype=dtype, **kw)
+        model = _from_pretrained(cls, model_dir, config=config, dtype=dtype, new=("score.",) if scores else (), **kw)
     else:
         if dequantize and hasattr(config, "quantization_config"):
             del config.quantization_config  # random 16-bit weights: nothing is quantised, nor will the export be
@@ -81,12 +88,27 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     return model
 
 
-def _from_pretrained(cls, model_dir: str, **kw):
+def scoring_class(config, remote: bool):
+    """transformers' sequence-classification class of the checkpoint's model type (a reward model's)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    name = auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+    if remote or not name or not hasattr(transformers, name):
+        raise bad("model_type", "AutoModelForSequenceClassification", f"transformers has no sequence-classification "
+                  f"class for model_type {config.model_type!r}" + (" built into it (this checkpoint brings its "
+                                                                   "own code)" if remote else ""),
+                  "train the reward model from a checkpoint of a model type transformers classifies")
+    return getattr(transformers, name)
+
+
+def _from_pretrained(cls, model_dir: str, new: tuple[str, ...] = (), **kw):
     """transformers' from_pretrained, refusing in one line a checkpoint that lacks some of the model's weights:
     transformers would only warn and start them random (a checkpoint saved in another module layout, such as
-    Axolotl's linearized Llama 4 experts, loads that way), and the run would train another model."""
+    Axolotl's linearized Llama 4 experts, loads that way), and the run would train another model. Weights under
+    the `new` prefixes may be missing: a head the run adds (a reward model's score on a causal LM)."""
     model, info = cls.from_pretrained(model_dir, output_loading_info=True, **kw)
-    missing = sorted(info.get("missing_keys") or [])
+    missing = sorted(k for k in info.get("missing_keys") or [] if not k.startswith(new))
     if missing:
         raise bad("model.path", model_dir, f"the checkpoint lacks {len(missing)} of the weights of "
                   f"{cls.__name__} (e.g. {', '.join(missing[:3])}), which would start random",
@@ -248,6 +270,23 @@ class CausalLMLosses(torch.nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 
 
+class RewardScores(torch.nn.Module):
+    """The loop's call on a reward model (transformers' sequence-classification class, one label): each row's
+    score [rows] in fp32, as the model pools it (its last token that is not the pad token). The rows come right-
+    padded with the pad token and without an attention mask: a real token attends only to those before it, so
+    the pooled token's score is the one TRL gets with its mask."""
+
+    def __init__(self, model, cp: tuple | None = None):
+        super().__init__()
+        self.model = model
+        self.cp = cp  # nd-adapter's attention kernels at cp = 1 (checks.own_attention), as CausalLMLosses runs them
+
+    def forward(self, tokens, position_ids, attention_mask=None, **_):
+        with hf_cp.forward(*self.cp, None) if self.cp else nullcontext():
+            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
+        return out.logits[:, 0].float()
+
+
 def recompute_layers(model) -> int:
     """`recompute: full` (Axolotl's gradient_checkpointing: true) as transformers runs it: its own gradient
     checkpointing, each decoder layer's activations dropped after its forward and recomputed in backward, with
@@ -320,5 +359,5 @@ def layer_classes(model) -> list[type]:
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "compile_layers", "layer_classes",
-           "recompute_layers", "apply_liger", "liger_available"]
+__all__ = ["OTHER_TOWERS", "build_model", "scoring_class", "add_peft", "CausalLMLosses", "RewardScores",
+           "compile_layers", "layer_classes", "recompute_layers", "apply_liger", "liger_available"]

@@ -116,6 +116,7 @@ class ModelArch:
     layer_recompute: bool = True        # transformers' gradient checkpointing (supports_gradient_checkpointing)
     image_text: bool = False            # an image-text checkpoint: its language model trains on text
     remote_code: bool = False           # built by the checkpoint's own code (trust_remote_code)
+    score_head: bool = False            # a one-label score in place of the LM head: a reward model (source.scoring)
 
     @property
     def native(self) -> bool:

@@ -129,9 +129,9 @@ def _preference_note(cfg: RunConfig, arch: ModelArch) -> list[str]:
     shared = ("; each prompt runs once for both answers (dpo.share_prompt), which plan still counts twice: its "
               "memory and time are an upper bound" if prompt_sharing(cfg, arch, cfg.parallelism.cp_size) is None
               else "")
+    checked = " (LoRA DPO against one H100: docs/BENCHMARKS.md)" if cfg.objective in ("dpo", "ipo") else ""
     return [f"objective {cfg.objective}: plan counts {rows} as sequences of the micro-batch{extra}{shared}; each "
-            "sequence at sequence_len, so where the pairs are shorter plan's figures are an upper bound too (LoRA DPO "
-            "against one H100: docs/BENCHMARKS.md)"]
+            f"sequence at sequence_len, so where the pairs are shorter plan's figures are an upper bound too{checked}"]
 
 
 NO_PAIRS = "no preference pairs"
@@ -144,6 +144,7 @@ def prompt_sharing(cfg: RunConfig, arch: ModelArch, cp: int) -> str | None:
         return NO_PAIRS
     setting = cfg.dpo.share_prompt
     why = ("dpo.share_prompt: false" if setting is False else
+           "a reward model scores each whole sequence at its own last token" if cfg.objective == "reward" else
            "context parallelism splits each sequence into chunks of its own" if cp > 1 else
            f"{arch.architecture}'s soft-capped attention scores run per sequence" if arch.attn_softcap else
            "a mixture of experts with its load-balancing loss trained: its statistic counts each prompt twice, as "

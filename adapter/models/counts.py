@@ -151,13 +151,14 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128, ep: in
     if arch.param_count is not None:  # the transformers engine: its exact total, spread evenly over the layers
         vocab = arch.vocab_size * arch.hidden_size
         vtp = tp if tp > 1 and arch.vocab_size % tp == 0 else 1  # the plan splits the vocabulary where tp divides it
-        outer = vocab * (1 if arch.tie_embeddings else 2) + arch.hidden_size
+        out = arch.hidden_size if arch.score_head else 0 if arch.tie_embeddings else vocab  # score, or LM head
+        outer = vocab + out + arch.hidden_size
         split = next((s[1] for s in arch.tp_shares if s[0] == tp), 0)  # what its TP plan splits (generic.py)
         body = max(0, split - (outer - arch.hidden_size if vtp > 1 else 0))
         experts = arch.ep_params if ep > 1 else 0  # what its EP plan splits (the experts are not TP-split beside it)
         per_layer = (max(0, arch.param_count - outer - body - experts) + body // tp + experts // ep) \
             // max(1, arch.num_layers)
-        return LocalParams(layer=per_layer, embedding=vocab // vtp, output=0 if arch.tie_embeddings else vocab // vtp,
+        return LocalParams(layer=per_layer, embedding=vocab // vtp, output=out if arch.score_head else out // vtp,
                            final_norm=arch.hidden_size)
     return LocalParams(layer=sum(lin.local(tp, ep) for lin in linears(arch)) + layer_norm_params(arch),
                        embedding=emb, output=0 if arch.tie_embeddings else emb, final_norm=arch.hidden_size)

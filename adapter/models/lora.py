@@ -251,10 +251,13 @@ def check_native(cfg, arch: ModelArch) -> None:
     reference beside trained embeddings (PEFT's disabled adapters use the original embed_tokens / lm_head, which the
     native adapters train in place). Freezing parts of a mixture of experts (`unfrozen_parameters`) likewise."""
     if cfg.objective != "sft":
-        key, value = ("rl" if cfg.source == "axolotl" else "objective"), cfg.objective
+        key, value = ("objective", cfg.objective) if cfg.source != "axolotl" else \
+            ("reward_model", True) if cfg.objective == "reward" else ("rl", cfg.objective)
         fix = "set model.engine: auto (or transformers), which runs it on transformers' model"
         trained_embedding = cfg.lora is not None and bool(cfg.lora.modules_to_save) and cfg.objective in ("dpo", "ipo")
-        for on, what in ((cfg.objective == "kto", "KTO"), (arch.moe, "a preference objective on a mixture of experts"),
+        for on, what in ((cfg.objective == "kto", "KTO"),
+                         (cfg.objective == "reward", "a reward model (a sequence-classification head)"),
+                         (arch.moe, "a preference objective on a mixture of experts"),
                          (cfg.model.fused_linear_ce is True,
                           "a preference objective with the fused linear cross-entropy"),
                          (trained_embedding, "a DPO reference beside LoRA's modules_to_save")):

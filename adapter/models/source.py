@@ -88,7 +88,26 @@ def arch_for(cfg) -> ModelArch:
                 raise
             arch = dataclasses.replace(load_arch(hf_dir(cfg), "transformers", trust, deq),
                                        engine_reason=f"the native engine does not reproduce it: {e}")
-    return with_overrides(cfg, arch)
+    return scoring(cfg, with_overrides(cfg, arch))
+
+
+def scoring(cfg, arch: ModelArch) -> ModelArch:
+    """A reward model's architecture (`objective: reward`): transformers' sequence-classification class of the model
+    type, one label in place of the LM head, so its name, parameter count and head are the ones that train (the
+    facts were read from the causal LM: adapter/models/generic.py)."""
+    if cfg.objective != "reward" or arch.native:
+        return arch
+    from transformers.models.auto import modeling_auto as auto
+
+    name = auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(arch.hf_model_type)
+    if not name:
+        raise bad("model_type", "AutoModelForSequenceClassification", f"transformers has no sequence-classification "
+                  f"class for model_type {arch.hf_model_type!r}",
+                  "train the reward model from a checkpoint of a model type transformers classifies")
+    h = arch.hidden_size
+    head = 0 if arch.tie_embeddings else arch.vocab_size * h
+    count = None if arch.param_count is None else arch.param_count - head + h
+    return dataclasses.replace(arch, architecture=name, score_head=True, param_count=count)
 
 
 # Fields of ModelArch that must agree between the config's model and a converted checkpoint.

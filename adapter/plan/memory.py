@@ -291,7 +291,9 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     linear_ce = bool(cfg.model.fused_linear_ce) or liger_ce
     # the output weight's gradient (or the tied embedding's): the first one backward makes, unless adapters freeze it
     head_grad = pb * (lp.output or lp.embedding) if head_trains(run) else 0
-    if linear_ce:
+    if arch.score_head:  # a reward model: one fp32 score per position, no vocabulary
+        logits = 4 * s * b
+    elif linear_ce:
         # linear + CE in token chunks: the output weight's gradient (counted as head_grad) and the hidden states'
         # gradient, computed in the forward, wait for backward; one chunk's logits exist at a time, ours with their
         # gradient written over them (adapter/kernels/fusions.py), Liger's with an fp32 working copy (its chunk:

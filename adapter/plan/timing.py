@@ -217,7 +217,7 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     lp = local_params(arch, tp, cfg.model.vocab_divisible_by)
     P, trained = held_and_trained(run, tp)
     spec = run.lora
-    vocab = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
+    vocab = tp if arch.score_head else padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     full, selective = cfg.recompute == "full", cfg.recompute == "selective"
     compiled = whole_layer_graphs(cfg)
     broken = cfg.model.compile and not compiled

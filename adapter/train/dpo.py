@@ -50,6 +50,7 @@ from adapter.train.preference_losses import (
     orpo_terms,
     simpo_terms,
 )
+from adapter.train.reward import reward_terms
 
 
 def collate(items: list[dict]) -> dict:
@@ -212,6 +213,8 @@ def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None
         return orpo_terms(_token_losses(ds, batch), batch, cfg.orpo.alpha)
     if cfg.objective == "simpo":  # no reference either
         return simpo_terms(_token_losses(ds, batch), batch, cfg)
+    if cfg.objective == "reward":  # a score per sequence (adapter/train/reward.py)
+        return reward_terms(cfg, ds, batch)
     beta = cfg.dpo.beta
     if table is not None:
         ids = batch["pair"][:, 0]

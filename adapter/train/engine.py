@@ -31,6 +31,7 @@ from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.modeling.hf_build import (
     CausalLMLosses,
+    RewardScores,
     add_peft,
     build_model,
     layer_classes,
@@ -299,7 +300,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                         trust_remote_code=cfg.model.trust_remote_code,
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger, dequantize=cfg.model.dequantize,
-                        quantize_experts=run.peft is not None and bool(run.peft.experts))
+                        quantize_experts=run.peft is not None and bool(run.peft.experts),
+                        scores=reward_pad(run) if cfg.objective == "reward" else None)
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
     recomputed = recompute_layers(model) if cfg.recompute == "full" else 0  # gradient_checkpointing: transformers'
     cp = None
@@ -324,10 +326,20 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     if cfg.model.compile:  # after PEFT, TP and EP replaced modules: the graphs trace what trains
         compile_hf_layers(model, cfg.model.compile_memory_budget)
     aux = run.arch.router_aux_loss_coef if run.arch.output_router_logits else 0.0  # the load-balancing loss
-    losses = CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux).to(device)
+    losses = (RewardScores(model, cp) if cfg.objective == "reward" else
+              CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux)).to(device)
     if run.peft is not None and run.peft.experts:
         move_expert_states(model, device)
     return losses, recomputed
+
+
+def reward_pad(run: ResolvedRun) -> int:
+    """The token a reward model's rows are padded with (the tokenizer's pad token, else EOS: TRL's), which its
+    score pooling skips (config.pad_token_id)."""
+    from adapter.data.sft.prepare import load_tokenizer, pad_id
+    from adapter.models import source
+
+    return pad_id(load_tokenizer(run.cfg, source.tokenizer_dir(run.cfg), run.arch.vocab_size))
 
 
 def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) -> Engine:

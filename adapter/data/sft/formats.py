@@ -48,8 +48,9 @@ ALPACA_NO_INPUT = alpaca_prompt("instruct", "{instruction}", "")
 TYPES = ("completion", "alpaca", "chat_template", "input_output")
 PREFERENCE = "chat_template.default"  # Axolotl's preference type for rl: dpo (adapter/data/sft/preference.py)
 ARGILLA = "chat_template.argilla"  # Axolotl's ORPO preference type (prompt_strategies/orpo/chat_template.py)
+BRADLEY_TERRY = "bradley_terry.chat_template"  # Axolotl's reward-model pairs (prompt_strategies/bradley_terry)
 # the preference type each objective reads (Axolotl loads ipo's and simpo's from prompt_strategies/dpo)
-PAIR_TYPES = {"dpo": PREFERENCE, "ipo": PREFERENCE, "simpo": PREFERENCE, "orpo": ARGILLA}
+PAIR_TYPES = {"dpo": PREFERENCE, "ipo": PREFERENCE, "simpo": PREFERENCE, "orpo": ARGILLA, "reward": BRADLEY_TERRY}
 # Axolotl's KTO types (prompt_strategies/kto/{llama3,chatml}.py): template.strategy (adapter/data/sft/preference_kto.py)
 KTO_TYPES = tuple(f"{t}.{s}" for t in ("llama3", "chatml") for s in ("argilla", "argilla_chat", "intel",
                                                                       "prompt_pairs", "ultra"))
@@ -77,7 +78,7 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
             raise bad(f"{where}.type", t, "not one of Axolotl's alpaca prompt styles",
                       f"use one of {', '.join('alpaca:' + s for s in ALPACA_STYLES)} (or alpaca: instruct)")
         kind = "alpaca"
-    elif t in (PREFERENCE, ARGILLA) or (objective == "kto" and t in KTO_TYPES):
+    elif t in (PREFERENCE, ARGILLA, BRADLEY_TERRY) or (objective == "kto" and t in KTO_TYPES):
         kind = t  # (Axolotl's DPO strategies share the KTO types' names: under rl: dpo they are another type)
     elif t not in TYPES:
         raise bad(f"{where}.type", t, "unknown dataset type",
@@ -89,13 +90,17 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
                   "prompt_strategies/kto)", f"use one of {', '.join(KTO_TYPES)}")
     want = PAIR_TYPES.get(objective)
     if want is not None and kind != want:
-        raise bad(f"{where}.type", t, f"rl: {objective} trains on preference pairs of type {want} (Axolotl loads "
-                  f"rl: {objective}'s types from its prompt_strategies/{'orpo' if want == ARGILLA else 'dpo'})",
-                  f"use type: {want}" + (" (field_messages, field_chosen, field_rejected)" if want == PREFERENCE else
-                                         " (chosen and rejected conversations, optional system / prompt)"))
-    if want is None and kind in (PREFERENCE, ARGILLA):
-        raise bad(f"{where}.type", t, f"{kind} is a preference type (for rl: "
-                  f"{'dpo, ipo or simpo' if kind == PREFERENCE else 'orpo'})", "set rl:, or use type: chat_template")
+        what = "reward_model: true" if objective == "reward" else f"rl: {objective}"
+        home = {ARGILLA: "orpo", BRADLEY_TERRY: "bradley_terry"}.get(want, "dpo")
+        raise bad(f"{where}.type", t, f"{what} trains on preference pairs of type {want} (Axolotl loads "
+                  f"{what}'s types from its prompt_strategies/{home})",
+                  f"use type: {want}" + {PREFERENCE: " (field_messages, field_chosen, field_rejected)",
+                                         BRADLEY_TERRY: " (system, input, chosen, rejected)"}.get(
+                      want, " (chosen and rejected conversations, optional system / prompt)"))
+    if want is None and kind in (PREFERENCE, ARGILLA, BRADLEY_TERRY):
+        user = {PREFERENCE: "rl: dpo, ipo or simpo", ARGILLA: "rl: orpo", BRADLEY_TERRY: "reward_model: true"}[kind]
+        raise bad(f"{where}.type", t, f"{kind} is a preference type (for {user})", "set that, or use type: "
+                  "chat_template")
     given = {k for k in entry.model_fields_set if getattr(entry, k) is not None}
     stray = sorted(given & CHAT_KEYS) if kind not in ("chat_template", PREFERENCE) else []
     stray += sorted(given & PAIR_KEYS) if kind != PREFERENCE else []
@@ -113,7 +118,7 @@ def required_columns(entry, kind: str) -> list[str]:
     return {"completion": [entry.field or "text"], "alpaca": ["instruction", "output"],
             "chat_template": [entry.field_messages], "input_output": ["segments"],
             PREFERENCE: [entry.field_messages, entry.field_chosen, entry.field_rejected],
-            ARGILLA: ["chosen", "rejected"],
+            ARGILLA: ["chosen", "rejected"], BRADLEY_TERRY: ["system", "input", "chosen", "rejected"],
             **{k: KTO_COLUMNS[k.split(".")[1]] for k in KTO_TYPES},
             PRETOKENISED: ["input_ids"]}[kind]
 

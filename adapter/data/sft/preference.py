@@ -1,4 +1,5 @@
-"""Preference pairs for `rl: dpo` (and `ipo`, `simpo`; `orpo`'s rows: preference_orpo.py), prepared as Axolotl
+"""Preference pairs for `rl: dpo` (and `ipo`, `simpo`; `orpo`'s rows: preference_orpo.py; a reward model's:
+preference_bt.py), prepared as Axolotl
 067b021 and TRL 1.8.0 prepare them, once, into the cache.
 
 Axolotl's `chat_template.default` type (prompt_strategies/dpo/chat_template.py) renders three strings per row: the
@@ -35,6 +36,7 @@ import numpy as np
 
 from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.order import merged_order
+from adapter.data.sft.preference_bt import tokenize_bt
 from adapter.data.sft.preference_orpo import render_argilla, tokenize_orpo
 from adapter.data.sft.prepare import (
     cache_key,
@@ -152,6 +154,7 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
     seq, pad = cfg.seq_len, (pad_id(tok) if tok.pad_token_id is None else int(tok.pad_token_id))
     orpo = cfg.objective == "orpo"  # argilla rows, TRL's ORPO tokenisation
     cpo = cfg.objective in ("orpo", "simpo")  # CPOTrainer's tokenize_row is ORPOTrainer's
+    bt = cfg.objective == "reward"  # Axolotl's bradley_terry.chat_template rows (preference_bt.py)
     tokens, completion, lengths, stats, template = [], [], [], [], None
     for n, (entry, where, kind, src) in enumerate(resolved, first):
         ds = sources.load(src, entry, hf)
@@ -163,17 +166,23 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
         kept = dropped = 0
         for i, row in enumerate(ds):
             try:
-                prompt, chosen, rejected = (render_argilla(row, tok, template) if orpo else
-                                            render(row, entry, tok, template))
+                if bt:  # whole conversations, cut to sequence_len (preference_bt.py): each sequence is scored
+                    (c_ids, r_ids), c_p, r_p = tokenize_bt(row, tok, template, seq), 0, 0
+                else:
+                    prompt, chosen, rejected = (render_argilla(row, tok, template) if orpo else
+                                                render(row, entry, tok, template))
             except (KeyError, TypeError, IndexError) as e:
                 raise bad(f"{where}.path", src.location, f"row {i} is not a preference pair of this entry's fields "
                           f"({type(e).__name__}: {e})", "give chosen and rejected conversations (user and assistant "
-                          "turns, role and content)" if orpo else "give field_messages, field_chosen and "
-                          "field_rejected (and roles / message_property_mappings) as the rows spell them") from None
-            if not fits(tok, prompt, chosen, rejected, seq):
+                          "turns, role and content)" if orpo else "give system, input, chosen and rejected strings"
+                          if bt else "give field_messages, field_chosen and field_rejected (and roles / "
+                          "message_property_mappings) as the rows spell them") from None
+            if bt:
+                pass
+            elif not fits(tok, prompt, chosen, rejected, seq):
                 dropped += 1
                 continue
-            if cpo:
+            elif cpo:
                 c_ids, c_p, r_ids, r_p = tokenize_orpo(tok, prompt, chosen, rejected, seq)
             else:
                 p, c, r = tokenize(tok, prompt, chosen, rejected)
@@ -244,7 +253,7 @@ def prepare_pairs(cfg, tokenizer_dir, vocab_size: int, *, builder: bool = True,
     tokenizer_dir = Path(tokenizer_dir)
     resolved, test = resolve_all(cfg), resolve_all(cfg, test=True)
     root = prepared_root(cfg)
-    tag = "cpo" if cfg.objective == "simpo" else "dpo"  # the tokenisation (the rows' types tell ORPO's apart)
+    tag = {"simpo": "cpo", "reward": "bt"}.get(cfg.objective, "dpo")  # the tokenisation (types tell ORPO's apart)
     name = f"{tag}{VERSION}-{cache_key(cfg, resolved, tokenizer_dir, vocab_size, test)}"
     reused = (root / name / "manifest.json").is_file()
     k = names(cfg)[1]
