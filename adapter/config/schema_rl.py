@@ -185,10 +185,11 @@ class RLFields(_Strict):
     def _reward_scope(self, ax: bool) -> None:
         """What the reward model's loop does not build, one line each (adapter/train/reward.py)."""
         p = self.parallelism  # type: ignore[attr-defined]
-        if self.lora is not None:  # type: ignore[attr-defined]
-            raise bad("adapter" if ax else "lora", "lora", "LoRA on a reward model (PEFT's sequence-classification "
-                      "task, its score head trained beside the adapters) is not built", "remove the adapter for a "
-                      "full fine-tune of the reward model, or run this config with Axolotl")
+        lora = self.lora  # type: ignore[attr-defined]
+        if lora is not None and lora.quantize_base is not None:
+            raise bad("adapter" if ax else "lora.quantize_base", "qlora" if ax else lora.quantize_base, "a 4/8-bit "
+                      "base under a reward model's score head is not built", "train LoRA on the 16-bit base "
+                      "(adapter: lora), or run this config with Axolotl")
         for key, size in (("tensor_parallel_size" if ax else "parallelism.tp_size", p.tp_size),
                           ("context_parallel_size" if ax else "parallelism.cp_size", p.cp_size)):
             if size > 1:

@@ -13,7 +13,7 @@ from typing import Any
 
 from adapter.errors import bad
 from adapter.models import quant_experts
-from adapter.models.generic import meta_facts, meta_model, runs_unpacked, unsplittable
+from adapter.models.generic import meta_facts, meta_model, runs_unpacked, text_part, unsplittable
 
 _KEPT = "the other weights in the run's precision (no prepare_model_for_kbit_training fp32 upcast)"
 QUANTIZED = {"nf4": "NF4 through bitsandbytes (transformers' load_in_4bit: double quantisation, blocks of 64); "
@@ -43,6 +43,7 @@ class PeftSpec:
     adapter_inputs: int = 0                 # Σ in_features of the linears that carry an adapter (plan: what PEFT's
                                             # fp32 adapters keep and move of their inputs)
     experts: tuple[int, ...] | None = None  # quantize_experts: each quantised expert weight's size (None: not asked)
+    task_type: str = "CAUSAL_LM"            # PEFT's task: SEQ_CLS for a reward model (its score trained in full)
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -51,7 +52,7 @@ class PeftSpec:
                 else self.target_modules,
                 "target_parameters": list(self.target_parameters) or None,
                 "layers_to_transform": list(self.layers) if self.layers else None,
-                "modules_to_save": list(self.modules_to_save) or None, "task_type": "CAUSAL_LM"}
+                "modules_to_save": list(self.modules_to_save) or None, "task_type": self.task_type}
 
     def describe(self, arch, key: str) -> str:
         total = arch.param_count or 1
@@ -114,9 +115,19 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
                   "name modules the model has (its linear layers' names), or use lora_target_linear: true")
     if experts:  # plan: the expert weights quantised beside the linears, one whole 3-D weight dequantised at a time
         linears = (linears[0] + sum(experts), max(linears[1], max(experts)))
-    return dataclasses.replace(spec, added=added, trained=trained, matched=matched, linears=linears,
+    spec = dataclasses.replace(spec, added=added, trained=trained, matched=matched, linears=linears,
                                target_modules=targets or (() if params else default), adapter_inputs=inputs,
                                experts=experts)
+    return scoring_peft(spec, config_json) if cfg.objective == "reward" else spec
+
+
+def scoring_peft(spec: PeftSpec, config_json: dict[str, Any]) -> PeftSpec:
+    """A reward model's LoRA as Axolotl builds it (its loader picks PEFT's SEQ_CLS task for a sequence classifier):
+    PEFT then trains the score head in full beside the adapters (its classifier modules_to_save) and leaves it out of
+    `all-linear`, as the causal LM's counts above leave out the LM head; the head is one label × hidden."""
+    hidden = int(text_part(config_json)[0].get("hidden_size") or 0)
+    saved = spec.modules_to_save if "score" in spec.modules_to_save else (*spec.modules_to_save, "score")
+    return dataclasses.replace(spec, task_type="SEQ_CLS", modules_to_save=saved, trained=spec.trained + hidden)
 
 
 def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text: str, trust_remote_code: bool,

@@ -1,11 +1,12 @@
 """`reward_model: true` against TRL's own RewardTrainer (1.8.0, Axolotl 067b021's pin): an Axolotl YAML as a user
 writes it (model_type AutoModelForSequenceClassification, num_labels 1, center_rewards_coefficient, pairs of type
 bradley_terry.chat_template) on a tiny Llama sequence-classification checkpoint, full fine-tune, fp32 on CPU, at
-dp_shard 2 under ZeRO-3 and under ZeRO-2 (Axolotl's deepspeed JSONs), four pairs a step: the losses
-and TRL's logged metrics (accuracy, margin, mean_reward) of every step, the held-out eval, and the exported model's
-scores, against TRL run on the same pairs in the same steps (its SequentialSampler over nd-adapter's order). The
-pairs' tokens are checked against Axolotl's rule written out here (the chat template over each whole
-conversation, an empty system turn where the row's system is empty)."""
+dp_shard 2 under ZeRO-3 and under ZeRO-2 (Axolotl's deepspeed JSONs), and LoRA (PEFT's SEQ_CLS task, as Axolotl
+builds it: the score trained in full) under ZeRO-3, four pairs a step: the losses and TRL's logged metrics
+(accuracy, margin, mean_reward) of every step, the held-out eval, and the exported model's scores (a run saved at
+step 2 and resumed continues on the same curve), against TRL run on the same pairs in the same steps (its
+SequentialSampler over nd-adapter's order). The pairs' tokens are checked against Axolotl's rule written out here
+(the chat template over each whole conversation, an empty system turn where the row's system is empty)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,9 +48,12 @@ def _reward_model(root: Path) -> Path:
     return out
 
 
-def _raw(model: Path, data: Path, root: Path, zero: int) -> dict:
-    return {"base_model": str(model), "model_type": "AutoModelForSequenceClassification", "num_labels": 1,
-            "reward_model": True, "center_rewards_coefficient": CENTER, "chat_template": "chatml",
+LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_linear": True}
+
+
+def _raw(model: Path, data: Path, root: Path, zero: int, lora: bool = False) -> dict:
+    return {**(LORA if lora else {}), "base_model": str(model), "model_type": "AutoModelForSequenceClassification",
+            "num_labels": 1, "reward_model": True, "center_rewards_coefficient": CENTER, "chat_template": "chatml",
             "datasets": [{"path": str(data), "type": "bradley_terry.chat_template"}], "sequence_len": SEQ,
             "dataset_prepared_path": str(root / "prep"), "output_dir": str(root / f"out{zero}"),
             "val_set_size": VAL, "micro_batch_size": 1, "gradient_accumulation_steps": GA, "max_steps": STEPS,
@@ -73,7 +77,14 @@ def _worker(rank, world, model, data, root):
         res = train(config.build(_raw(Path(model), Path(data), Path(root), zero), env={}, world_size=world),
                     log=lines.append)
         out[zero] = (res.losses, res.rewards, res.eval_losses, res.eval_rewards, lines)
-    return out
+    lines = []
+    res = train(config.build({**_raw(Path(model), Path(data), Path(root), 3, lora=True), "output_dir":
+                              str(Path(root, "out-lora"))}, env={}, world_size=world), log=lines.append)
+    out["lora"] = (res.losses, res.rewards, res.eval_losses, res.eval_rewards, lines)
+    cut = {**_raw(Path(model), Path(data), Path(root), 3), "output_dir": str(Path(root, "cut"))}  # saved at step 2,
+    train(config.build({**cut, "max_steps": 2}, env={}, world_size=world), log=lambda s: None)  # resumed to 4
+    again = train(config.build(cut, env={}, world_size=world), resume=True, log=lambda s: None)
+    return out, (again.start_step, again.losses, again.rewards)
 
 
 def _ids(tok, template: str, row: dict, answer: str) -> list[int]:
@@ -86,7 +97,7 @@ def _ids(tok, template: str, row: dict, answer: str) -> list[int]:
     return (list(prompt) + list(whole)[len(prompt):])[:SEQ]
 
 
-def _trl(model_dir: Path, order: list[dict], held: list[dict], out: Path):
+def _trl(model_dir: Path, order: list[dict], held: list[dict], out: Path, lora: bool = False):
     """TRL's RewardTrainer on the tokenised pairs in `order` (one step = 4 consecutive pairs), evaluating `held` before
     step 1 and at steps 2 and 4: (per step: loss and metrics, per eval: its logged metrics, the trained model)."""
     import torch
@@ -95,8 +106,13 @@ def _trl(model_dir: Path, order: list[dict], held: list[dict], out: Path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
-    torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32, num_labels=1)
+    if lora:  # Axolotl's LoRA on a sequence classifier: PEFT's SEQ_CLS task (the score trained in full)
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(42)  # the run's seed, as adapter/modeling/hf_build.add_peft draws the adapters
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                                 task_type="SEQ_CLS"))
     seen: list[dict] = []
     evals: list[tuple[int, dict]] = []
 
@@ -143,7 +159,12 @@ def test_reward_model_matches_trl(tmp_path):
     model = _reward_model(tmp_path)
     rows = _rows()
     data = write_jsonl(tmp_path / "bt.jsonl", rows)
-    got = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=600)[0]
+    got, (start, resumed, resumed_rewards) = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path),
+                                                         timeout=600)[0]
+    assert start == 2 and len(resumed) == 2, (start, resumed)  # a checkpoint at step 2 continues on the same curve
+    for a, b in zip(resumed + [r["margin"] for r in resumed_rewards],
+                    got[3][0][2:] + [r["margin"] for r in got[3][1][2:]], strict=True):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (resumed, got[3][0])
     (tmp_path / "zero3.json").write_text('{"zero_optimization": {"stage": 3}}')
     cfg = config.build(_raw(model, data, tmp_path, 3), env={}, world_size=WORLD)
     lines = got[3][4]
@@ -166,19 +187,24 @@ def test_reward_model_matches_trl(tmp_path):
             ids = pairs[int(i)][side]
             assert stored[k, j, :len(ids)].tolist() == ids and set(stored[k, j, len(ids):]) <= {tok.pad_token_id}
     order = [pairs[int(train_rows[i])] for step in _step_pairs(cfg.data.seed, len(train_rows)) for i in step]
-    want_steps, want_evals, trl_model = _trl(model, order, [pairs[int(i)] for i in held_rows], tmp_path / "trl")
+    held = [pairs[int(i)] for i in held_rows]
+    want_steps, want_evals, trl_model = _trl(model, order, held, tmp_path / "trl")
+    lora_steps, lora_evals, trl_lora = _trl(model, order, held, tmp_path / "trl-lora", lora=True)
     assert len(want_steps) == STEPS and [s for s, _ in want_evals] == [0, 2, 4], (want_steps, want_evals)
+    assert any("score trained in full" in ln and "(PEFT on transformers' model)" in ln for ln in got["lora"][4])
     for zero, (losses, rewards, eval_losses, eval_rewards, _) in got.items():
-        for step, (loss, have, want) in enumerate(zip(losses, rewards, want_steps, strict=True), 1):
+        steps, evals = (lora_steps, lora_evals) if zero == "lora" else (want_steps, want_evals)
+        for step, (loss, have, want) in enumerate(zip(losses, rewards, steps, strict=True), 1):
             assert abs(loss - want["loss"]) <= 1e-5, (zero, step, loss, want)
             for k in METRICS:
                 assert abs(have[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (zero, step, k, have[k], want[k])
         assert [s for s, _ in eval_losses] == [0, 2, 4], eval_losses
-        for (s, loss), (_, have), (_, want) in zip(eval_losses, eval_rewards, want_evals, strict=True):
+        for (s, loss), (_, have), (_, want) in zip(eval_losses, eval_rewards, evals, strict=True):
             assert abs(loss - want["eval_loss"]) <= 1e-5, (zero, s, loss, want)
             for k in METRICS:
                 assert abs(have[k] - want[f"eval_{k}"]) <= 1e-5 * max(1.0, abs(want[f"eval_{k}"])), (zero, s, k)
-    assert abs(want_steps[-1]["margin"] - want_steps[0]["margin"]) > 1e-3  # training moved the scores
+    for steps in (want_steps, lora_steps):
+        assert abs(steps[-1]["margin"] - steps[0]["margin"]) > 1e-3  # training moved the scores
 
     # the export is a sequence classifier transformers loads, scoring as TRL's trained model does
     probe = torch.tensor([pairs[0]["chosen_ids"], pairs[1]["rejected_ids"][:len(pairs[0]["chosen_ids"])]])
@@ -190,3 +216,11 @@ def test_reward_model_matches_trl(tmp_path):
             assert exported.config.num_labels == 1 and exported.config.pad_token_id == tok.pad_token_id
             have = exported(input_ids=probe).logits
             assert torch.allclose(have, want, atol=1e-5, rtol=1e-4), (zero, have, want)
+        # the LoRA run's export is PEFT's adapter (the score saved beside it) on the base sequence classifier
+        from peft import PeftModel
+
+        base = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1)
+        base.config.pad_token_id = tok.pad_token_id
+        adapted = PeftModel.from_pretrained(base, str(tmp_path / "out-lora"))
+        trl_lora.eval()
+        assert torch.allclose(adapted(input_ids=probe).logits, trl_lora(input_ids=probe).logits, atol=1e-5, rtol=1e-4)
