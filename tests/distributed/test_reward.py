@@ -14,41 +14,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import run_workers
-from tests.helpers.sft_data import tiny_model, write_jsonl
+from tests.helpers.reward import EPS, bt_ids, reward_model, step_pairs, trl_reward
+from tests.helpers.reward import rows as bt_rows
+from tests.helpers.sft_data import write_jsonl
 
 pytestmark = pytest.mark.slow
-SEQ, LR, STEPS, WORLD, GA, EPS, VAL, CENTER = 64, 1e-2, 4, 2, 2, 1e-8, 4, 0.05
-METRICS = ("accuracy", "margin", "mean_reward")
-
-
-def _rows() -> list[dict]:
-    words = "red green blue small large quick slow bright dark warm cold soft".split()
-    return [{"system": "Be brief." if i % 3 == 0 else "", "input": f"Describe thing {i}.",
-             "chosen": " ".join(words[: 2 + i % 5]) + ".", "rejected": f"No {i}" + " idea" * (1 + i % 3)}
-            for i in range(16 + VAL)]
-
-
-def _reward_model(root: Path) -> Path:
-    """A tiny Llama causal LM's weights under a seeded one-label score head, saved as a sequence classifier."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
-
-    src = tiny_model(root / "t", weights=True)
-    lm = AutoModelForCausalLM.from_pretrained(str(src))
-    cfg = lm.config
-    cfg.num_labels, cfg.architectures = 1, ["LlamaForSequenceClassification"]
-    torch.manual_seed(1)
-    rm = LlamaForSequenceClassification(cfg)
-    rm.model.load_state_dict(lm.model.state_dict())
-    out = root / "rm"
-    rm.save_pretrained(str(out))
-    for f in Path(src).glob("*"):
-        if "token" in f.name or f.suffix == ".jinja":
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
-
-
+SEQ, LR, STEPS, WORLD, GA, VAL, CENTER = 64, 1e-2, 4, 2, 2, 4, 0.05
 LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_linear": True}
+METRICS = ("accuracy", "margin", "mean_reward")
+TRL = {"batch": WORLD * GA, "steps": STEPS, "lr": LR, "seq": SEQ, "center": CENTER, "eval_batch": VAL}
 
 
 def _raw(model: Path, data: Path, root: Path, zero: int, lora: bool = False) -> dict:
@@ -87,67 +61,6 @@ def _worker(rank, world, model, data, root):
     return out, (again.start_step, again.losses, again.rewards)
 
 
-def _ids(tok, template: str, row: dict, answer: str) -> list[int]:
-    """Axolotl's bradley_terry.chat_template ids of one answer (its strategy's legacy path), cut to SEQ."""
-    system = [{"role": "system", "content": row["system"]}]  # its own turn, or the one Axolotl adds for an empty one
-    turns = [*system, {"role": "user", "content": row["input"]}, {"role": "assistant", "content": answer}]
-    prompt = tok.apply_chat_template(turns[:-1], add_generation_prompt=True, tokenize=True, return_dict=False,
-                                     chat_template=template)
-    whole = tok.apply_chat_template(turns, tokenize=True, return_dict=False, chat_template=template)
-    return (list(prompt) + list(whole)[len(prompt):])[:SEQ]
-
-
-def _trl(model_dir: Path, order: list[dict], held: list[dict], out: Path, lora: bool = False):
-    """TRL's RewardTrainer on the tokenised pairs in `order` (one step = 4 consecutive pairs), evaluating `held` before
-    step 1 and at steps 2 and 4: (per step: loss and metrics, per eval: its logged metrics, the trained model)."""
-    import torch
-    from datasets import Dataset
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
-    from trl import RewardConfig, RewardTrainer
-
-    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32, num_labels=1)
-    if lora:  # Axolotl's LoRA on a sequence classifier: PEFT's SEQ_CLS task (the score trained in full)
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(42)  # the run's seed, as adapter/modeling/hf_build.add_peft draws the adapters
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
-                                                 task_type="SEQ_CLS"))
-    seen: list[dict] = []
-    evals: list[tuple[int, dict]] = []
-
-    class Logged(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "eval_loss" in logs:
-                evals.append((state.global_step, dict(logs)))
-            elif logs and "loss" in logs:
-                seen.append(dict(logs))
-
-    class InOrder(RewardTrainer):
-        def _get_train_sampler(self, *a, **k):
-            return SequentialSampler(self.train_dataset)
-
-    args = RewardConfig(output_dir=str(out), per_device_train_batch_size=WORLD * GA, gradient_accumulation_steps=1,
-                        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
-                        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
-                        max_length=SEQ, center_rewards_coefficient=CENTER, logging_steps=1, report_to=[],
-                        use_cpu=True, save_strategy="no", seed=42, bf16=False, dataloader_num_workers=0,
-                        optim="adamw_torch", eval_strategy="steps", eval_steps=2, eval_on_start=True,
-                        per_device_eval_batch_size=VAL)
-    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(order),
-                      eval_dataset=Dataset.from_list(held), callbacks=[Logged()],
-                      processing_class=AutoTokenizer.from_pretrained(str(model_dir)))
-    trainer.train()
-    return seen, evals, trainer.model
-
-
-def _step_pairs(seed: int, n: int) -> list[list[int]]:
-    from adapter.data.sampler import DPSampler
-
-    its = [iter(DPSampler(n, dp_rank=r, dp_size=WORLD, micro_batch=1, seed=seed)) for r in range(WORLD)]
-    return [[int(i) for it in its for _ in range(GA) for i in next(it)] for _ in range(STEPS)]
-
-
 def test_reward_model_matches_trl(tmp_path):
     import numpy as np
     import torch
@@ -156,8 +69,8 @@ def test_reward_model_matches_trl(tmp_path):
     from adapter import config
     from adapter.data.sft import preference, templates
 
-    model = _reward_model(tmp_path)
-    rows = _rows()
+    model = reward_model(tmp_path)
+    rows = bt_rows(16 + VAL)
     data = write_jsonl(tmp_path / "bt.jsonl", rows)
     got, (start, resumed, resumed_rewards) = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path),
                                                          timeout=600)[0]
@@ -177,8 +90,8 @@ def test_reward_model_matches_trl(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(model))
     tok.pad_token = tok.pad_token or tok.eos_token
     template = templates.resolve_template("chatml", None, tok, "")
-    pairs = [{"chosen_ids": _ids(tok, template, r, r["chosen"]), "rejected_ids": _ids(tok, template, r, r["rejected"])}
-             for r in rows]
+    pairs = [{"chosen_ids": bt_ids(tok, template, r, r["chosen"], SEQ),
+              "rejected_ids": bt_ids(tok, template, r, r["rejected"], SEQ)} for r in rows]
     train_rows, held_rows = preference.split(cfg, len(rows))  # nothing is dropped: prepared pair i is row i
     prepared = next(Path(tmp_path, "prep").glob("bt*/pairs.npz"))
     stored = np.load(prepared)["tokens"]
@@ -186,10 +99,11 @@ def test_reward_model_matches_trl(tmp_path):
         for j, side in enumerate(("chosen_ids", "rejected_ids")):
             ids = pairs[int(i)][side]
             assert stored[k, j, :len(ids)].tolist() == ids and set(stored[k, j, len(ids):]) <= {tok.pad_token_id}
-    order = [pairs[int(train_rows[i])] for step in _step_pairs(cfg.data.seed, len(train_rows)) for i in step]
+    steps = step_pairs(cfg.data.seed, len(train_rows), world=WORLD, ga=GA, steps=STEPS)
+    order = [pairs[int(train_rows[i])] for step in steps for i in step]
     held = [pairs[int(i)] for i in held_rows]
-    want_steps, want_evals, trl_model = _trl(model, order, held, tmp_path / "trl")
-    lora_steps, lora_evals, trl_lora = _trl(model, order, held, tmp_path / "trl-lora", lora=True)
+    want_steps, want_evals, trl_model = trl_reward(model, order, held, tmp_path / "trl", **TRL)
+    lora_steps, lora_evals, trl_lora = trl_reward(model, order, held, tmp_path / "trl-lora", lora=True, **TRL)
     assert len(want_steps) == STEPS and [s for s, _ in want_evals] == [0, 2, 4], (want_steps, want_evals)
     assert any("score trained in full" in ln and "(PEFT on transformers' model)" in ln for ln in got["lora"][4])
     for zero, (losses, rewards, eval_losses, eval_rewards, _) in got.items():

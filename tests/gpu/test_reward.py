@@ -1,0 +1,66 @@
+"""GPU host only: a reward model (`reward_model: true`) trained on one GPU through nd-adapter's CUDA path (the
+transformers engine's sequence classifier, nd-adapter's attention kernels through its attention interface) against
+TRL's RewardTrainer on the same GPU and pairs, fp32 with TF32 off on both sides: the same losses and accuracy over
+4 steps of 4 pairs. The exact semantics (CPU, fp32, ZeRO-3/2, LoRA, the eval, resume, the export):
+tests/distributed/test_reward.py."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.dist import run_workers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+SEQ, LR, STEPS, GA, CENTER = 64, 1e-2, 4, 4, 0.05
+
+
+def _worker(rank, world, raw):
+    import torch
+
+    from adapter import config
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    init_distributed()
+    res = train(config.build(raw, env={}, world_size=world), log=lambda s: None)
+    return res.losses, res.rewards
+
+
+def test_reward_model_on_cuda_follows_trl(tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    from adapter import config
+    from adapter.data.sft import preference, templates
+    from tests.helpers.reward import EPS, bt_ids, reward_model, rows, step_pairs, trl_reward
+    from tests.helpers.sft_data import write_jsonl
+
+    assert torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = reward_model(tmp_path)
+    data_rows = rows(20)
+    data = write_jsonl(tmp_path / "bt.jsonl", data_rows)
+    raw = {"base_model": str(model), "model_type": "AutoModelForSequenceClassification", "num_labels": 1,
+           "reward_model": True, "center_rewards_coefficient": CENTER, "chat_template": "chatml",
+           "datasets": [{"path": str(data), "type": "bradley_terry.chat_template"}], "sequence_len": SEQ,
+           "dataset_prepared_path": str(tmp_path / "prep"), "output_dir": str(tmp_path / "out"),
+           "micro_batch_size": 1, "gradient_accumulation_steps": GA, "max_steps": STEPS, "learning_rate": LR,
+           "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0, "adam_epsilon": EPS,
+           "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
+    losses, rewards = run_workers(_worker, 1, raw, timeout=600)[0]
+    tok = AutoTokenizer.from_pretrained(str(model))
+    tok.pad_token = tok.pad_token or tok.eos_token
+    template = templates.resolve_template("chatml", None, tok, "")
+    pairs = [{"chosen_ids": bt_ids(tok, template, r, r["chosen"], SEQ),
+              "rejected_ids": bt_ids(tok, template, r, r["rejected"], SEQ)} for r in data_rows]
+    cfg = config.build(raw, env={}, world_size=1)
+    train_rows, _ = preference.split(cfg, len(data_rows))
+    steps = step_pairs(cfg.data.seed, len(train_rows), world=1, ga=GA, steps=STEPS)
+    order = [pairs[int(train_rows[i])] for step in steps for i in step]
+    want, _, _ = trl_reward(model, order, pairs[:4], tmp_path / "trl", batch=GA, steps=STEPS, lr=LR, seq=SEQ,
+                            center=CENTER, eval_batch=4, cpu=False)
+    assert len(losses) == len(want) == STEPS
+    for got, have, w in zip(losses, rewards, want, strict=True):
+        assert abs(got - w["loss"]) <= 1e-4, (losses, [x["loss"] for x in want])
+        assert have["accuracy"] == w["accuracy"], (rewards, want)
