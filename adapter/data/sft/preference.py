@@ -177,16 +177,15 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
                           "turns, role and content)" if orpo else "give system, input, chosen and rejected strings"
                           if bt else "give field_messages, field_chosen and field_rejected (and roles / "
                           "message_property_mappings) as the rows spell them") from None
-            if bt:
-                pass
-            elif not fits(tok, prompt, chosen, rejected, seq):
-                dropped += 1
-                continue
-            elif cpo:
-                c_ids, c_p, r_ids, r_p = tokenize_orpo(tok, prompt, chosen, rejected, seq)
-            else:
-                p, c, r = tokenize(tok, prompt, chosen, rejected)
-                c_ids, c_p, r_ids, r_p = p + c, len(p), p + r, len(p)
+            if not bt:  # (Axolotl cuts a reward model's pairs to sequence_len and drops none)
+                if not fits(tok, prompt, chosen, rejected, seq):
+                    dropped += 1
+                    continue
+                if cpo:
+                    c_ids, c_p, r_ids, r_p = tokenize_orpo(tok, prompt, chosen, rejected, seq)
+                else:
+                    p, c, r = tokenize(tok, prompt, chosen, rejected)
+                    c_ids, c_p, r_ids, r_p = p + c, len(p), p + r, len(p)
             t = np.full((2, seq), pad, np.int32)
             m = np.zeros((2, seq), np.uint8)
             for j, (ids, start) in enumerate(((c_ids, c_p), (r_ids, r_p))):
