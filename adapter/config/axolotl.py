@@ -63,7 +63,7 @@ KNOWN = MARKERS | {
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
     "auto_resume_from_checkpoints", "trust_remote_code", "save_strategy", "mean_resizing_embeddings",
-    "model_quantization_config", "model_quantization_config_kwargs", "group_by_length",
+    "model_quantization_config", "model_quantization_config_kwargs", "group_by_length", "qat",
 } | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -164,6 +164,10 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     map_lora(raw, out, notes)
     map_rl(raw, out, notes)
     map_reward(raw, out, notes)
+    if axolotl_scope.is_on(raw.get("qat")):  # its keys are Axolotl's QATConfig's (adapter/config/schema_qat.py)
+        out["qat"] = raw["qat"]
+        notes.append("qat: torchao's fake-quantised linears as Axolotl prepares them (transformers engine), the "
+                     "export converted back to plain weights (quantise them afterwards, as `axolotl quantize` does)")
     map_data(raw, out, notes)
     map_pretraining(raw.get("pretraining_dataset"), out, notes, has_sft=bool(raw.get("datasets")))
     ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]

@@ -46,7 +46,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
                                   "remove it and point base_model at the original Llama 4 checkpoint, or run this "
                                   "config with Axolotl"),
     "gptq": ("GPTQ-quantised base weights are not supported", _16BIT),
-    "qat": ("quantisation-aware training is not supported", "remove qat"),
     "fp8": ("Axolotl's FP8 (torchao float8 on every linear) is not what nd-adapter runs", "use bf16: true, or "
             "--set precision=fp8 (nd-adapter's: the MLP matmuls in fp8, tp = 1)"),
     "float16": ("pure fp16 training is not supported", "use fp16: true (fp16 compute, fp32 master weights)"),

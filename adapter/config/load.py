@@ -249,13 +249,17 @@ def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
     them, on either engine and device: not under ZeRO-3, where compiled layers (the native engine's, with
     `model.compile: true`) are correct but not yet measured faster."""
     auto = cfg.model.compile == "auto"
-    why = auto_compile_off(cfg) if auto else _zero3_off(cfg)
+    why = _qat_off(cfg) or (auto_compile_off(cfg) if auto else _zero3_off(cfg))
     if why is not None and cfg.model.compile_memory_budget is not None:
         raise bad("model.compile_memory_budget", cfg.model.compile_memory_budget, f"{_compile_key(cfg)} is off "
                   f"here ({why}), so there is nothing to budget",
                   f"remove it, or set {setting(cfg, 'model.compile', True)}")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": why is None}),
                                   "notes": (*cfg.notes, compile_note(cfg, why)), "compile_auto": auto})
+
+
+def _qat_off(cfg: RunConfig) -> str | None:
+    return "QAT's fake-quantised linears beside compiled layers are not checked" if cfg.qat is not None else None
 
 
 def _zero3_off(cfg: RunConfig) -> str | None:

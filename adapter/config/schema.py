@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, StrictFloat, field_validator, model_validator
 
 from adapter.config.schema_data import DataSection
+from adapter.config.schema_qat import QATFields
 from adapter.config.schema_rl import RLFields
 from adapter.config.values import Float, Int, PathStr, Size, lax_bool
 from adapter.config.values import Strict as _Strict
@@ -345,7 +346,7 @@ class LoraSection(_Strict):
                                    "format, as Axolotl's quantize_moe_experts does it")
 
 
-class RunConfig(RLFields, _Strict):
+class RunConfig(RLFields, QATFields, _Strict):
     model: ModelSection
     lora: LoraSection | None = Field(None, description="LoRA adapters on a frozen base; unset: every weight trains")
     parallelism: ParallelismConfig = ParallelismConfig()

@@ -114,7 +114,9 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
                         "fp8 matmuls save")
     if seq > arch.max_position_embeddings:
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
-    return warnings + _preference_note(cfg, arch), spec, unfrozen
+    qat = ["qat: plan counts no fake-quantisation time or memory (torchao rounds each weight, and each linear's "
+           "input, through the format in every forward; not yet measured on a GPU)"] if cfg.qat is not None else []
+    return warnings + _preference_note(cfg, arch) + qat, spec, unfrozen
 
 
 def _preference_note(cfg: RunConfig, arch: ModelArch) -> list[str]:

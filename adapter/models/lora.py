@@ -263,6 +263,10 @@ def check_native(cfg, arch: ModelArch) -> None:
                          (trained_embedding, "a DPO reference beside LoRA's modules_to_save")):
             if on:
                 raise unbuilt(key, value, f"{what} is built on the transformers engine only", fix)
+    if cfg.qat is not None:
+        raise unbuilt("qat", cfg.qat.weight_dtype, "quantisation-aware training (torchao's fake-quantised linears) is "
+                      "built on the transformers engine only", "set model.engine: auto (or transformers), which "
+                      "fake-quantises transformers' own linears")
     if arch.moe and cfg.model.unfrozen_parameters is not None:  # the native experts are grouped across layers' ranks
         raise unbuilt(spell(cfg, "model.unfrozen_parameters"), cfg.model.unfrozen_parameters, "freezing parts of a "
                       "mixture-of-experts model is built on the transformers engine only",

@@ -26,7 +26,7 @@ from adapter.convert import peft as peft_io
 from adapter.convert.load import load_megatron_checkpoint
 from adapter.errors import bad
 from adapter.kernels.fp8 import install_fp8
-from adapter.modeling import hf_cp, hf_ep, hf_tp
+from adapter.modeling import hf_cp, hf_ep, hf_qat, hf_tp
 from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.modeling.hf_build import (
@@ -303,6 +303,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                         quantize_experts=run.peft is not None and bool(run.peft.experts),
                         scores=reward_pad(run) if cfg.objective == "reward" else None)
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
+    if cfg.qat is not None:  # torchao's fake-quantised linears, as Axolotl prepares them (adapter/modeling/hf_qat.py)
+        hf_qat.prepare(model, cfg.qat)
     recomputed = recompute_layers(model) if cfg.recompute == "full" else 0  # gradient_checkpointing: transformers'
     cp = None
     if run.layout.cp > 1 or run.shares_prompt or run.own_attention:  # (at cp 1: the shared prompts' key gather,

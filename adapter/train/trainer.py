@@ -30,6 +30,7 @@ from torch.profiler import record_function
 from adapter.convert import cache
 from adapter.data import build_batches
 from adapter.errors import DivergedError, bad
+from adapter.modeling import hf_qat
 from adapter.models import announce, footprint, lora
 from adapter.models.counts import flops_per_token, num_params
 from adapter.models.resolved import ResolvedRun
@@ -239,6 +240,7 @@ class Trainer:
         (`report`) after this step's first micro-batch is queued, before its optimizer update."""
         engine, ds, device, layout = self.engine, self.engine.ds, self.device, self.layout
         lr = ds.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on inside its last ds.step()
+        hf_qat.at_step(self.engine.ds.module, self.cfg.qat, step)  # QAT's fake quantisation from its step on
         self.profiler.begin(step)
         self.clock.begin()
         pairs = self.cfg.objective != "sft"  # preference pairs: each micro-batch's rows chosen, then rejected

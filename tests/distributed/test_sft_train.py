@@ -455,3 +455,83 @@ def test_phi3_matches_transformers_with_its_pad_row_held(tmp_path):
     assert len(said) == 2 and f"row {pad} (the pad token" in said[0], said  # said in each run's first lines
     for name, losses in got.items():
         assert len(losses) == 3 and all(rel(a, b) <= 1e-4 for a, b in zip(losses, ref)), (name, losses, ref)
+
+
+# Axolotl's qat settings -> (weight, activation) fake-quantise configs as its _make_qat_config builds them, written
+# out here from its code (utils/quantization.py, Axolotl 067b021)
+QAT = {"int4/int8 from step 2": {"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32,
+                                 "fake_quant_after_n_steps": 1},
+       "mxfp4": {"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "group_size": 32},
+       "fp8/fp8 + embeddings": {"weight_dtype": "fp8", "activation_dtype": "fp8", "quantize_embedding": True}}
+
+
+def _axolotl_qat(model, q: dict) -> None:
+    import torch
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+    from torchao.quantization.qat.fake_quantize_config import (
+        Float8FakeQuantizeConfig,
+        Int4WeightFakeQuantizeConfig,
+        IntxFakeQuantizeConfig,
+    )
+
+    if q["weight_dtype"] == "mxfp4":
+        from torchao.prototype.qat import MXFakeQuantizeConfig
+
+        mx = MXFakeQuantizeConfig(dtype=torch.float4_e2m1fn_x2, block_size=32)
+        quantize_(model, QATConfig(activation_config=mx, weight_config=mx))
+        return
+    if q["weight_dtype"] == "int4":
+        weight = Int4WeightFakeQuantizeConfig(group_size=q["group_size"], activation_dtype=torch.bfloat16)
+        act = IntxFakeQuantizeConfig(dtype=torch.int8, granularity="per_token", is_symmetric=False)
+    else:
+        weight = act = Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn)
+    quantize_(model, QATConfig(weight_config=weight, activation_config=act))
+    if q.get("quantize_embedding"):
+        quantize_(model, QATConfig(weight_config=Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn)),
+                  filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
+
+
+def _axolotl_qat_callback(q: dict):
+    """Axolotl's QATCallback.on_step_begin: off at global step 0, on at fake_quant_after_n_steps."""
+    def before(model, done: int) -> None:
+        from torchao.quantization.qat.linear import FakeQuantizedLinear
+
+        n = q.get("fake_quant_after_n_steps")
+        if n is None or done not in (0, n):
+            return
+        for m in model.modules():
+            if isinstance(m, FakeQuantizedLinear):
+                m.weight_fake_quantizer.enabled = m.activation_fake_quantizer.enabled = done == n
+    return before
+
+
+def _qat_worker(rank, world, model_dir, root):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train as run
+
+    init_distributed()
+    _use_data(MaskedData(TRAINED, SEQ, VOCAB), None)
+    out = {}
+    for name, q in QAT.items():
+        over = {"model.engine": "transformers", **{f"qat.{k}": v for k, v in q.items()}}
+        r = run(sft_config(model_dir, f"{root}/{name.split()[0]}", (2, 1, 1), 2, 1, **over), log=lambda s: None)
+        out[name] = r.losses
+    return out
+
+
+def test_qat_trains_as_axolotl_prepares_it(model_dir, tmp_path):
+    """Axolotl's qat: (int4 weights in groups of 32 with int8 activations, switched on after the first step; MXFP4;
+    fp8 weights and activations with the embeddings fake-quantised too) on the transformers engine at dp_shard 2
+    under ZeRO-3: the losses of transformers' model fake-quantised by torchao as Axolotl's code does it, trained on
+    the same batches, with Axolotl's callback switching it."""
+    train = MaskedData(TRAINED, SEQ, VOCAB)
+    plain = hf_reference(model_dir, train, STEPS, lr=LR)["losses"]
+    got = run_workers(_qat_worker, 2, str(model_dir), str(tmp_path), timeout=900)[0]
+    for name, q in QAT.items():
+        want = hf_reference(model_dir, train, STEPS, lr=LR, prepare=lambda m, q=q: _axolotl_qat(m, q),
+                            before_step=_axolotl_qat_callback(q))["losses"]
+        assert rel(want[2], plain[2]) > 1e-4, (name, want, plain)  # fake quantisation moved the curve
+        for a, b in zip(got[name], want, strict=True):
+            assert rel(a, b) < 1e-5 if b else a == 0.0, (name, got[name], want)
+    assert got["int4/int8 from step 2"][0] == pytest.approx(plain[0], rel=1e-5)  # step 1 without it

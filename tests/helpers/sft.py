@@ -84,10 +84,11 @@ def axolotl_freeze(model, patterns: list[str]) -> None:
 
 
 def hf_reference(hf_dir: str | Path, data, steps: list[list[int]], *, lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 val=None, unfrozen: list[str] | None = None) -> dict:
+                 val=None, unfrozen: list[str] | None = None, prepare=None, before_step=None) -> dict:
     """Train the HF model itself on `steps` (each the sample indices of one optimizer step): losses, grad norms,
     and (with `val`) the held-out loss after the last step, over all of `val` at once. `unfrozen`: Axolotl's
-    unfrozen_parameters (`axolotl_freeze`)."""
+    unfrozen_parameters (`axolotl_freeze`); `prepare(model)` before the optimizer is built, `before_step(model,
+    done)` before each step (`done`: the steps before it; a trainer callback's on_step_begin)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -95,10 +96,14 @@ def hf_reference(hf_dir: str | Path, data, steps: list[list[int]], *, lr: float,
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     if unfrozen is not None:
         axolotl_freeze(model, unfrozen)
+    if prepare is not None:
+        prepare(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, eps=eps,
                             weight_decay=0.0)
     losses, norms = [], []
-    for idx in steps:
+    for done, idx in enumerate(steps):
+        if before_step is not None:
+            before_step(model, done)
         loss = hf_loss(model, batch_of(data, idx))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e12)))
