@@ -517,6 +517,11 @@ def _qat_worker(rank, world, model_dir, root):
         over = {"model.engine": "transformers", **{f"qat.{k}": v for k, v in q.items()}}
         r = run(sft_config(model_dir, f"{root}/{name.split()[0]}", (2, 1, 1), 2, 1, **over), log=lambda s: None)
         out[name] = r.losses
+    q = QAT["int4/int8 from step 2"]  # saved after step 1 (fake quantisation still off), resumed to step 3 (on)
+    over = {"model.engine": "transformers", "checkpoint.dir": f"{root}/ck", **{f"qat.{k}": v for k, v in q.items()}}
+    run(sft_config(model_dir, f"{root}/cut", (2, 1, 1), 2, 1, steps=1, **over), log=lambda s: None)
+    r = run(sft_config(model_dir, f"{root}/cut", (2, 1, 1), 2, 1, **over), resume=True, log=lambda s: None)
+    out["resumed"] = (r.start_step, r.losses)
     return out
 
 
@@ -524,10 +529,13 @@ def test_qat_trains_as_axolotl_prepares_it(model_dir, tmp_path):
     """Axolotl's qat: (int4 weights in groups of 32 with int8 activations, switched on after the first step; MXFP4;
     fp8 weights and activations with the embeddings fake-quantised too) on the transformers engine at dp_shard 2
     under ZeRO-3: the losses of transformers' model fake-quantised by torchao as Axolotl's code does it, trained on
-    the same batches, with Axolotl's callback switching it."""
+    the same batches, with Axolotl's callback switching it; a run saved after step 1 resumes on the same curve."""
     train = MaskedData(TRAINED, SEQ, VOCAB)
     plain = hf_reference(model_dir, train, STEPS, lr=LR)["losses"]
     got = run_workers(_qat_worker, 2, str(model_dir), str(tmp_path), timeout=900)[0]
+    start, resumed = got.pop("resumed")  # a run saved before its fake quantisation starts resumes on the curve
+    assert start == 1 and len(resumed) == 2 and all(rel(a, b) < 1e-6 for a, b in zip(resumed, got[
+        "int4/int8 from step 2"][1:])), (resumed, got["int4/int8 from step 2"])
     for name, q in QAT.items():
         want = hf_reference(model_dir, train, STEPS, lr=LR, prepare=lambda m, q=q: _axolotl_qat(m, q),
                             before_step=_axolotl_qat_callback(q))["losses"]
