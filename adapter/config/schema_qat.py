@@ -64,6 +64,9 @@ class QATFields(_Strict):
             raise bad(key("weight_dtype"), q.weight_dtype, f"with activation_dtype {q.activation_dtype}: not a "
                       f"combination torchao's QAT builds as Axolotl asks it (built: weight/activation {built})",
                       "pick one of those")
+        if q.weight_dtype == "mxfp4" and q.quantize_embedding:
+            raise bad(key("quantize_embedding"), True, "Axolotl's MXFP4 config fake-quantises activations too, "
+                      "which torchao refuses on an embedding (Axolotl's run fails there)", "remove it")
         if q.weight_dtype == "mxfp4" and q.group_size not in (None, 32):
             raise bad(key("group_size"), q.group_size, "MXFP4 scales blocks of 32 (Axolotl refuses another size)",
                       "set it to 32")

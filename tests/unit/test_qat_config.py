@@ -53,6 +53,8 @@ def test_axolotl_qat_examples_map_and_plan(tmp_path, name, want):
      "qat.weight_dtype='int8': with activation_dtype int8: not a combination torchao's QAT builds"),
     ({"qat": {"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "group_size": 16}},
      "qat.group_size=16: MXFP4 scales blocks of 32"),
+    ({"qat": {"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "quantize_embedding": True}},
+     "qat.quantize_embedding=True: Axolotl's MXFP4 config fake-quantises activations too"),
     ({"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
      "adapter='lora': QAT beside LoRA is not built"),
     ({"tensor_parallel_size": 2}, "parallelism.tp_size=2: QAT's fake-quantised linears are built beside data"),
