@@ -190,12 +190,10 @@ class RLFields(_Strict):
             raise bad("adapter" if ax else "lora.quantize_base", "qlora" if ax else lora.quantize_base, "a 4/8-bit "
                       "base under a reward model's score head is not built", "train LoRA on the 16-bit base "
                       "(adapter: lora), or run this config with Axolotl")
-        for key, size in (("tensor_parallel_size" if ax else "parallelism.tp_size", p.tp_size),
-                          ("context_parallel_size" if ax else "parallelism.cp_size", p.cp_size)):
-            if size > 1:
-                raise bad(key, size, "a reward model's score head reads each sequence's last token; splitting "
-                          "the model or the sequence over ranks is not built for it", "set it to 1 (dp_shard_size "
-                          "and ZeRO shard a reward model)")
+        if p.cp_size > 1:
+            raise bad("context_parallel_size" if ax else "parallelism.cp_size", p.cp_size, "a reward model's score "
+                      "head reads each sequence's last token; splitting the sequence over ranks is not built for it",
+                      "set it to 1 (dp_shard_size and tp shard a reward model)")
 
     def _kto_scope(self, ax: bool) -> None:
         """What KTO's loop does not build, one line each (the module docstring)."""

@@ -2,11 +2,12 @@
 writes it (model_type AutoModelForSequenceClassification, num_labels 1, center_rewards_coefficient, pairs of type
 bradley_terry.chat_template) on a tiny Llama sequence-classification checkpoint, full fine-tune, fp32 on CPU, at
 dp_shard 2 under ZeRO-3 and under ZeRO-2 (Axolotl's deepspeed JSONs), and LoRA (PEFT's SEQ_CLS task, as Axolotl
-builds it: the score trained in full) under ZeRO-3, four pairs a step: the losses and TRL's logged metrics
-(accuracy, margin, mean_reward) of every step, the held-out eval, and the exported model's scores (a run saved at
-step 2 and resumed continues on the same curve), against TRL run on the same pairs in the same steps (its
-SequentialSampler over nd-adapter's order). The pairs' tokens are checked against Axolotl's rule written out here
-(the chat template over each whole conversation, an empty system turn where the row's system is empty)."""
+builds it: the score trained in full) under ZeRO-3, and tp=2 (transformers' own plan), four pairs a step: the losses
+and TRL's logged metrics (accuracy, margin, mean_reward) of every step, the held-out eval, and the exported model's
+scores (a run saved at step 2 and resumed continues on the same curve), against TRL run on the same pairs in the
+same steps (its SequentialSampler over nd-adapter's order). The pairs' tokens are checked against Axolotl's rule
+written out here (the chat template over each whole conversation, an empty system turn where the row's system is
+empty)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -55,6 +56,11 @@ def _worker(rank, world, model, data, root):
     res = train(config.build({**_raw(Path(model), Path(data), Path(root), 3, lora=True), "output_dir":
                               str(Path(root, "out-lora"))}, env={}, world_size=world), log=lines.append)
     out["lora"] = (res.losses, res.rewards, res.eval_losses, res.eval_rewards, lines)
+    lines = []  # tp=2 (transformers' own plan; the score head whole on both ranks), one data-parallel rank
+    tp = {**_raw(Path(model), Path(data), Path(root), 2), "output_dir": str(Path(root, "out-tp")), "dp_shard_size": 1,
+          "tensor_parallel_size": 2, "gradient_accumulation_steps": WORLD * GA}
+    res = train(config.build(tp, env={}, world_size=world), log=lines.append)
+    out["tp"] = (res.losses, res.rewards, res.eval_losses, res.eval_rewards, lines)
     cut = {**_raw(Path(model), Path(data), Path(root), 3), "output_dir": str(Path(root, "cut"))}  # saved at step 2,
     train(config.build({**cut, "max_steps": 2}, env={}, world_size=world), log=lambda s: None)  # resumed to 4
     again = train(config.build(cut, env={}, world_size=world), resume=True, log=lambda s: None)
@@ -104,10 +110,15 @@ def test_reward_model_matches_trl(tmp_path):
     held = [pairs[int(i)] for i in held_rows]
     want_steps, want_evals, trl_model = trl_reward(model, order, held, tmp_path / "trl", **TRL)
     lora_steps, lora_evals, trl_lora = trl_reward(model, order, held, tmp_path / "trl-lora", lora=True, **TRL)
+    one = step_pairs(cfg.data.seed, len(train_rows), world=1, ga=WORLD * GA, steps=STEPS)  # tp's one DP rank
+    tp_steps, tp_evals, trl_tp = trl_reward(model, [pairs[int(train_rows[i])] for s in one for i in s], held,
+                                       tmp_path / "trl-tp", **TRL)
     assert len(want_steps) == STEPS and [s for s, _ in want_evals] == [0, 2, 4], (want_steps, want_evals)
     assert any("score trained in full" in ln and "(PEFT on transformers' model)" in ln for ln in got["lora"][4])
+    assert any(ln.startswith("engine:") and "tp=2 from its own tensor-parallel plan" in ln for ln in got["tp"][4])
     for zero, (losses, rewards, eval_losses, eval_rewards, _) in got.items():
-        steps, evals = (lora_steps, lora_evals) if zero == "lora" else (want_steps, want_evals)
+        steps, evals = {"lora": (lora_steps, lora_evals), "tp": (tp_steps, tp_evals)}.get(zero, (want_steps,
+                                                                                                  want_evals))
         for step, (loss, have, want) in enumerate(zip(losses, rewards, steps, strict=True), 1):
             assert abs(loss - want["loss"]) <= 1e-5, (zero, step, loss, want)
             for k in METRICS:
@@ -122,14 +133,13 @@ def test_reward_model_matches_trl(tmp_path):
 
     # the export is a sequence classifier transformers loads, scoring as TRL's trained model does
     probe = torch.tensor([pairs[0]["chosen_ids"], pairs[1]["rejected_ids"][:len(pairs[0]["chosen_ids"])]])
-    trl_model.eval()
     with torch.no_grad():
-        want = trl_model(input_ids=probe).logits
-        for zero in (3, 2):
-            exported = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / f"out{zero}"))
+        for out, trained in (("out3", trl_model), ("out2", trl_model), ("out-tp", trl_tp)):  # tp's gathered whole
+            exported = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / out))
             assert exported.config.num_labels == 1 and exported.config.pad_token_id == tok.pad_token_id
-            have = exported(input_ids=probe).logits
-            assert torch.allclose(have, want, atol=1e-5, rtol=1e-4), (zero, have, want)
+            trained.eval()
+            have, want = exported(input_ids=probe).logits, trained(input_ids=probe).logits
+            assert torch.allclose(have, want, atol=1e-5, rtol=1e-4), (out, have, want)
         # the LoRA run's export is PEFT's adapter (the score saved beside it) on the base sequence classifier
         from peft import PeftModel
 

@@ -46,7 +46,6 @@ def test_axolotl_reward_example_maps_and_plans(tmp_path):
     ({"center_rewards_coefficient": -1}, "center_rewards_coefficient=-1: must be a number ≥ 0"),
     ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
      "adapter='qlora': a 4/8-bit base under a reward model's score head is not built"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: a reward model's score head reads each sequence's last"),
     ({"context_parallel_size": 2}, "context_parallel_size=2: a reward model's score head"),
     ({"datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]},
      "reward_model: true trains on preference pairs of type bradley_terry.chat_template"),
