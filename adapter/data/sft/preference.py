@@ -284,12 +284,14 @@ def debug_lines(data: PairData, tok, samples: int = 3) -> list[str]:
     """The first pairs: prompt, then each answer's (token, label) pairs (label -100 outside the completion); KTO's
     rows: preference_kto.debug_lines."""
     out = []
+    scored = any(d["type"] == formats.BRADLEY_TERRY for d in data.stats["datasets"])  # a reward model's pairs
     for i in range(min(samples, len(data.train))):
         t, m = data.train.tokens[i], data.train.completion[i]
         for j, side in enumerate(("chosen", "rejected")):
             n = int(m[j].nonzero()[0].max()) + 1 if m[j].any() else 0
             pairs = [f"({tok.decode([int(x)])!r}, {int(x) if c else -100})" for x, c in zip(t[j][:n], m[j][:n])]
-            out.append(f"pair {i} {side} ({n} tokens, {int(m[j].sum())} completion): " + " ".join(pairs))
+            what = "scored at its last token" if scored else f"{int(m[j].sum())} completion"
+            out.append(f"pair {i} {side} ({n} tokens, {what}): " + " ".join(pairs))
     return out
 
 
