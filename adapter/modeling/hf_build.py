@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from adapter.errors import bad
 from adapter.modeling import hf_cp, hf_unpack
-from adapter.models.generic import for_class, hf_config, model_class
+from adapter.models.generic import for_class, hf_config, model_class, scoring_class_name
 from adapter.patches.hf_masks import documents, prepare
 
 # parameters of an image-text checkpoint's other towers (vision, audio and their projectors): frozen, as a text
@@ -56,7 +56,9 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
         apply_liger(str(cfg.get("model_type")), liger)
     remote = bool(cfg.get("auto_map"))
     if scores is not None:
-        cls = scoring_class(config, remote)
+        import transformers
+
+        cls = getattr(transformers, scoring_class_name(config.model_type, remote=remote))
         config.num_labels, config.pad_token_id = 1, scores
     else:
         cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
@@ -86,20 +88,6 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
         if any(t in name for t in OTHER_TOWERS):
             p.requires_grad_(False)
     return model
-
-
-def scoring_class(config, remote: bool):
-    """transformers' sequence-classification class of the checkpoint's model type (a reward model's)."""
-    import transformers
-    from transformers.models.auto import modeling_auto as auto
-
-    name = auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
-    if remote or not name or not hasattr(transformers, name):
-        raise bad("model_type", "AutoModelForSequenceClassification", f"transformers has no sequence-classification "
-                  f"class for model_type {config.model_type!r}" + (" built into it (this checkpoint brings its "
-                                                                   "own code)" if remote else ""),
-                  "train the reward model from a checkpoint of a model type transformers classifies")
-    return getattr(transformers, name)
 
 
 def _from_pretrained(cls, model_dir: str, new: tuple[str, ...] = (), **kw):
@@ -359,5 +347,5 @@ def layer_classes(model) -> list[type]:
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "scoring_class", "add_peft", "CausalLMLosses", "RewardScores",
+__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "RewardScores",
            "compile_layers", "layer_classes", "recompute_layers", "apply_liger", "liger_available"]

@@ -44,9 +44,8 @@ def _configs(q, *, embedding: bool = False):
     return weight, act
 
 
-def prepare(model, q) -> int:
-    """Fake-quantise `model`'s linears (and embeddings) in place, before anything wraps or shards them. Returns how
-    many modules now fake-quantise."""
+def prepare(model, q) -> None:
+    """Fake-quantise `model`'s linears (and embeddings) in place, before anything wraps or shards them."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
@@ -55,7 +54,6 @@ def prepare(model, q) -> int:
     if q.quantize_embedding:
         weight, _ = _configs(q, embedding=True)
         quantize_(model, QATConfig(weight_config=weight), filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
-    return sum(1 for m in model.modules() if hasattr(m, "weight_fake_quantizer"))
 
 
 def at_step(model, q, step: int) -> None:

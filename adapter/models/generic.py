@@ -161,6 +161,20 @@ def model_class(config, name: str | None, *, remote: bool):
               f"{config.model_type!r}", "fine-tune a causal (or image-text-to-text) checkpoint")
 
 
+def scoring_class_name(model_type: str, *, remote: bool = False) -> str:
+    """transformers' sequence-classification class for `model_type` (a reward model's), or one line: a model type
+    it does not classify, or a checkpoint that brings its own code."""
+    from transformers.models.auto import modeling_auto as auto
+
+    name = auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
+    if remote or not name:
+        raise bad("model_type", "AutoModelForSequenceClassification", f"transformers has no sequence-classification "
+                  f"class for model_type {model_type!r}" + (" built into it (this checkpoint brings its own code)"
+                                                            if remote else ""),
+                  "train the reward model from a checkpoint of a model type transformers classifies")
+    return name
+
+
 def meta_model(cfg: dict[str, Any], *, trust_remote_code: bool = False, model_dir: str | None = None):
     """(model on the meta device, its class name): shapes without memory, for `plan` and the checks."""
     import torch
@@ -415,7 +429,6 @@ def tiny_config(raw: dict[str, Any], vocab: int, experts: int = 4) -> dict[str, 
     return out
 
 
-__all__ = ["ENGINES", "UNSPLITTABLE", "tiny_config", "text_part", "layer_kinds", "unsplittable", "runs_unpacked",
-           "check_loadable",
-           "hf_config", "model_class", "for_class", "meta_model", "meta_facts", "attention_features",
-           "generic_arch_fields"]
+__all__ = ["scoring_class_name", "ENGINES", "UNSPLITTABLE", "tiny_config", "text_part", "layer_kinds",
+           "unsplittable", "runs_unpacked", "check_loadable", "hf_config", "model_class", "for_class", "meta_model",
+           "meta_facts", "attention_features", "generic_arch_fields"]

@@ -26,7 +26,7 @@ from adapter.config.values import path_problem
 from adapter.errors import UserError, bad
 from adapter.models import lora, vocab
 from adapter.models.arch import ModelArch, NotNative, UnknownArchitecture, config_path, load_arch
-from adapter.models.generic import check_loadable
+from adapter.models.generic import check_loadable, scoring_class_name
 
 # A converted checkpoint's layout (Megatron-LM's for a converted model); adapter/convert writes and reads it.
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -97,13 +97,7 @@ def scoring(cfg, arch: ModelArch) -> ModelArch:
     facts were read from the causal LM: adapter/models/generic.py)."""
     if cfg.objective != "reward" or arch.native:
         return arch
-    from transformers.models.auto import modeling_auto as auto
-
-    name = auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(arch.hf_model_type)
-    if not name:
-        raise bad("model_type", "AutoModelForSequenceClassification", f"transformers has no sequence-classification "
-                  f"class for model_type {arch.hf_model_type!r}",
-                  "train the reward model from a checkpoint of a model type transformers classifies")
+    name = scoring_class_name(arch.hf_model_type, remote=arch.remote_code)
     h = arch.hidden_size
     head = 0 if arch.tie_embeddings else arch.vocab_size * h
     count = None if arch.param_count is None else arch.param_count - head + h

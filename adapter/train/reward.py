@@ -16,10 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from adapter.train.preference_losses import PAIR_METRICS
-
-METRICS = PAIR_METRICS["reward"]
-
 
 def scores(ds, batch) -> torch.Tensor:
     """[rows] scores of a `flat` micro-batch on the device."""
@@ -30,8 +26,8 @@ def scores(ds, batch) -> torch.Tensor:
 
 
 def reward_terms(cfg, ds, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-pair loss with its graph [m], zeros [m] (no NLL term), zeros [m], per-pair metrics [m, 3] in METRICS'
-    order): adapter/train/dpo.pair_terms' contract."""
+    """(per-pair loss with its graph [m], zeros [m] (no NLL term), zeros [m], per-pair metrics [m, 3] in
+    preference_losses.PAIR_METRICS["reward"]'s order): adapter/train/dpo.pair_terms' contract."""
     chosen, rejected = scores(ds, batch).chunk(2)
     losses = -F.logsigmoid(chosen - rejected)
     c = cfg.reward.center_coefficient
@@ -43,4 +39,4 @@ def reward_terms(cfg, ds, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return losses, none, none, stats
 
 
-__all__ = ["METRICS", "scores", "reward_terms"]
+__all__ = ["scores", "reward_terms"]
