@@ -400,8 +400,13 @@ class RunConfig(RLFields, QATFields, _Strict):
         """Whether every micro-batch has one length: packed (or synthetic, or streamed pretraining) SFT. Preference
         micro-batches and unpacked SFT ones are cut to their longest sequence (or run as a stream of their real
         tokens), a new length nearly every step: compiled layers then take the length as a symbol
-        (adapter/modeling/compile.py)."""
-        return self.objective == "sft" and not (bool(self.data.datasets) and not self.data.sample_packing)
+        (adapter/modeling/compile.py). So does an unpacked eval beside packed training (`eval_sample_packing: false`):
+        its batches would otherwise recompile the static graphs at each new length."""
+        d = self.data
+        if self.objective != "sft" or (d.datasets and not d.sample_packing):
+            return False
+        evaluated = bool(d.test_datasets or d.val_set_size)
+        return not (evaluated and d.eval_sample_packing is False)
 
     @property
     def param_precision(self) -> str:

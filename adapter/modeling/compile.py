@@ -55,7 +55,8 @@ def compile_layers(model: torch.nn.Module, memory_budget: float | None = None, s
     for layer in layers:
         if hasattr(layer.mlp, "router"):  # a mixture of experts: its attention half only (the token dispatcher's
             # graph fails AOTAutograd: "Node ... was invalid, but is output", torch 2.13); the experts stay eager
-            layer._forward_attention = torch.compile(layer._forward_attention, dynamic=False if steady else None)
+            layer._forward_attention = _one_stride(
+                torch.compile(layer._forward_attention, dynamic=False if steady else None))
         else:
             layer.forward = _one_stride(torch.compile(layer.forward, dynamic=False if steady else None))
     return len(layers)

@@ -321,9 +321,10 @@ class PackedGPTModel(GPTModel):
             table = torch.stack([table[name] for name in ROPES if name in table])
         table = table if not isinstance(table, dict) or len(table) > 1 else table["global"]
         out = out if table is out[1] else with_rotary(out, table)
-        if self.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype first
+        if self.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype first, kept a
+            # host scalar (a device tensor made here is a blocking host-to-device copy in every forward)
             emb = out[0]
-            out = with_decoder_input(out, emb * torch.tensor(self.embed_scale, dtype=emb.dtype, device=emb.device))
+            out = with_decoder_input(out, emb * torch.tensor(self.embed_scale, dtype=emb.dtype).item())
         return out
 
     def _ropes(self, long: bool = False):

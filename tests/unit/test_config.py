@@ -281,7 +281,11 @@ def test_compiled_layers_by_default_where_measured_faster():
         assert cfg.model.compile is False and len(said(cfg)) == 1 and why in said(cfg)[0], (over, cfg.notes)
         assert said(cfg)[0].endswith("model.compile: true compiles anyway") != ("ZeRO-3" in why), said(cfg)
     packed_on = config.build(native(**{**one, **packed, "data.sample_packing": True}), env={}, world_size=1)
-    assert packed_on.model.compile is True
+    assert packed_on.model.compile is True and packed_on.steady_lengths
+    unpacked_eval = config.build(native(**{**one, **packed, "data.sample_packing": True, "data.val_set_size": 0.1,
+                                           "data.eval_sample_packing": False}), env={}, world_size=1)
+    assert unpacked_eval.model.compile is True and not unpacked_eval.steady_lengths
+    assert said(unpacked_eval)[0].endswith("the length then a symbol of the graph)"), said(unpacked_eval)
     lora_dpo = config.build(native(**{**one, **pairs, "lora": {"r": 4}}), env={}, world_size=1)
     assert lora_dpo.model.compile is True and said(lora_dpo) == [
         "model.compile: auto: on (each transformer layer compiled at the first step: measured faster on one GPU; once "
