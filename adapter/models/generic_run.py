@@ -371,16 +371,12 @@ def check_prequantized(cfg, raw: dict[str, Any]) -> None:
 
 def check_zero3(cfg, stage: int) -> None:
     """What this engine does not run under ZeRO-3 (with something to partition: `stage` is the run's,
-    adapter/parallel/deepspeed_config.zero_stage). Liger's fused linear cross-entropy reads lm_head's weight outside
-    lm_head's forward, where it would read a partition. Compiled layers under ZeRO-3 are built on the native engine
-    only (its layers are ZeRO-3's gather units; here a layer with frozen weights is gathered module by module, inside
-    the graph)."""
+    adapter/parallel/deepspeed_config.zero_stage). Compiled layers under ZeRO-3 are built on the native engine only
+    (its layers are ZeRO-3's gather units; here a layer with frozen weights is gathered module by module, inside the
+    graph). (Liger's fused linear cross-entropy runs: lm_head's weight is gathered for the whole forward,
+    adapter/train/engine._transformers_model.)"""
     from adapter.config import setting, spell
 
-    if "fused_linear_cross_entropy" in cfg.model.liger and stage == 3:
-        raise bad(spell(cfg, "model.liger"), "fused_linear_cross_entropy", "Liger's fused linear cross-entropy "
-                  "reads lm_head's weight outside its forward, where ZeRO-3 has partitioned it", "use ZeRO-2 "
-                  "(deepspeed.zero_stage: 2), or remove liger_fused_linear_cross_entropy")
     if cfg.model.compile and stage == 3:
         raise bad(spell(cfg, "model.compile"), True, "compiled layers under ZeRO-3 are built on the native engine "
                   "only (the transformers engine's ZeRO-3 gathers can run inside a layer's graph)",

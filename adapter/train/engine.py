@@ -330,6 +330,10 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     aux = run.arch.router_aux_loss_coef if run.arch.output_router_logits else 0.0  # the load-balancing loss
     losses = (RewardScores(model, cp) if cfg.objective == "reward" else
               CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux)).to(device)
+    if "fused_linear_cross_entropy" in liger and run.zero_stage == 3:  # Liger's loss reads lm_head's weight in the
+        # model's forward, never calling lm_head: ZeRO-3 gathers it for the whole forward (else a partition of it);
+        # its gradient comes from the loss's forward (Liger computes it there), reduced like any other
+        deepspeed.zero.register_external_parameter(losses, model.get_output_embeddings().weight)
     if run.peft is not None and run.peft.experts:
         move_expert_states(model, device)
     return losses, recomputed

@@ -23,6 +23,8 @@ LAYOUTS = {
     "cp=2 packed documents (varlen)": ({"cp_size": 2, "dp_shard_size": 1}, 2, "bf16", {}),
     "dp_shard=2 ZeRO-3": ({"dp_shard_size": 2}, 2, "fp32", {}),
     "dp_shard=2 ZeRO-3, compiled layers (inductor)": ({"dp_shard_size": 2}, 2, "fp32", {"compile": True}),
+    "dp_shard=2 ZeRO-3, transformers engine + Liger's fused linear CE": (
+        {"dp_shard_size": 2}, 2, "fp32", {"engine": "transformers", "liger": ["fused_linear_cross_entropy"]}),
     "exact HSDP 2 × 2": ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, "fp32", {}),
     "ep=2 Qwen3-MoE": ({"dp_shard_size": 2, "ep_size": 2}, 2, "fp32", {"moe": True}),
     "ep=2 × tp=2 Qwen3-MoE": ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, 4, "fp32", {"moe": True}),
@@ -50,6 +52,9 @@ def _raw(model_dir: str, root: str, par: dict, precision: str, extra: dict, ga: 
                     "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"}}
     if "lora" in extra:
         raw["lora"] = extra["lora"]
+    if "engine" in extra:  # transformers' own model; Liger's loss reads lm_head's weight outside lm_head (ZeRO-3
+        # gathers it as an external parameter of the model: adapter/train/engine._transformers_model)
+        raw["model"].update(engine=extra["engine"], liger=extra["liger"])
     if extra.get("compile"):  # compiled layers (the 1-rank reference compiles too), every parameter partitioned
         raw["model"]["compile"] = True
         raw["deepspeed"] = {"param_persistence_threshold": 0}

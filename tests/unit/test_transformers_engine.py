@@ -82,8 +82,6 @@ def test_plan_names_the_engine_and_counts_the_meta_model(tmp_path):
                                                      "tensor-parallel ranks is not built"),
     ({"context_parallel_size": 2, "dp_shard_size": 1}, "context_parallel_size=2: its linear_attention layers cannot "
                                                        "be split over the sequence"),
-    ({"liger_fused_linear_cross_entropy": True}, "Liger's fused linear cross-entropy reads lm_head's weight outside "
-                                                 "its forward, where ZeRO-3 has partitioned it"),
     ({"liger_cross_entropy": True, "tensor_parallel_size": 2, "dp_shard_size": 1},
      "Liger's cross-entropy needs the whole vocabulary, which tensor parallelism splits"),
     ({"unfrozen_parameters": ["^model.no_such"]}, "unfrozen_parameters='^model.no_such': matches no parameter of "
