@@ -204,17 +204,18 @@ def reference_for(trainer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return tables[0], tables[1]
 
 
-def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None
+def pair_terms(cfg, ds, batch, table: torch.Tensor | None = None, group=None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-pair loss with its graph [m], chosen NLL sums [m] and their token counts [m] (ORPO's; zeros for DPO),
     per-pair metrics [m, K] in PAIR_METRICS' order) of one micro-batch on the device (a `flat` batch). `table`: the
-    precomputed DPO reference (`reference_table`), else LoRA's adapters are disabled."""
+    precomputed DPO reference (`reference_table`), else LoRA's adapters are disabled. `group`: the data-parallel
+    ranks (a reward model's min and max scores are over all of theirs)."""
     if cfg.objective == "orpo":  # no reference (adapter/train/preference_losses.py)
         return orpo_terms(_token_losses(ds, batch), batch, cfg.orpo.alpha)
     if cfg.objective == "simpo":  # no reference either
         return simpo_terms(_token_losses(ds, batch), batch, cfg)
     if cfg.objective == "reward":  # a score per sequence (adapter/train/reward.py)
-        return reward_terms(cfg, ds, batch)
+        return reward_terms(cfg, ds, batch, group)
     beta = cfg.dpo.beta
     if table is not None:
         ids = batch["pair"][:, 0]
@@ -251,7 +252,7 @@ def step_terms(t, batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     for `step_metrics`)."""
     if t.cfg.objective == "kto":  # unpaired rows, a KL term over the micro-batch: adapter/train/kto.py
         return kto.step_terms(t, batch, _logps)
-    losses, nll, tokens, stats = pair_terms(t.cfg, t.engine.ds, batch, t.ref_table)
+    losses, nll, tokens, stats = pair_terms(t.cfg, t.engine.ds, batch, t.ref_table, t.groups.dp)
     local = losses.sum() / norm[0].float()
     if TOKEN_METRICS[t.cfg.objective]:  # ORPO's / SimPO's NLL: Σ over the step's chosen tokens / their count
         local = local + nll_weight(t.cfg) * nll.sum() / norm[1].clamp(min=1).float()
@@ -287,7 +288,7 @@ def evaluate(t) -> tuple[float | None, int, dict[str, float]]:
                 idx = range(r * per_round + dp_rank * mb, r * per_round + (dp_rank + 1) * mb)
                 items = [val[i] if i < n else dict(val[0]) for i in idx]
                 b = t._on_device(flat(collate(items)))
-                losses, nll, tokens, stats = pair_terms(cfg, ds, b, t.val_ref)
+                losses, nll, tokens, stats = pair_terms(cfg, ds, b, t.val_ref, t.groups.dp)
                 w = torch.tensor([float(i < n) for i in idx], dtype=torch.float64, device=t.device)
                 acc[r] = torch.cat([torch.stack([losses.double() @ w, w.sum(), nll.double() @ w, tokens.double() @ w]),
                                     w @ stats.double()])

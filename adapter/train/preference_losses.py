@@ -35,7 +35,8 @@ DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
                "logps/rejected")
 # per-pair metrics (means over pairs), then the token-level ones the step vector carries as sums and counts
 PAIR_METRICS = {"dpo": DPO_METRICS, "ipo": DPO_METRICS, "orpo": (*DPO_METRICS, "log_odds_ratio", "log_odds_chosen"),
-                "simpo": DPO_METRICS, "reward": ("accuracy", "margin", "mean_reward")}  # (adapter/train/reward.py)
+                "simpo": DPO_METRICS,
+                "reward": ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")}  # adapter/train/reward.py
 TOKEN_METRICS = {"dpo": (), "ipo": (), "orpo": ("nll_loss",), "simpo": ("nll_loss",), "reward": ()}
 # which chosen tokens an objective's NLL covers: ORPO every token of the sequence, CPO/SimPO the completion's
 NLL_MASK = {"orpo": "seq_mask", "simpo": "loss_mask"}

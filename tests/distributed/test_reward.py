@@ -3,11 +3,11 @@ writes it (model_type AutoModelForSequenceClassification, num_labels 1, center_r
 bradley_terry.chat_template) on a tiny Llama sequence-classification checkpoint, full fine-tune, fp32 on CPU, at
 dp_shard 2 under ZeRO-3 and under ZeRO-2 (Axolotl's deepspeed JSONs), and LoRA (PEFT's SEQ_CLS task, as Axolotl
 builds it: the score trained in full) under ZeRO-3, and tp=2 (transformers' own plan), four pairs a step: the losses
-and TRL's logged metrics (accuracy, margin, mean_reward) of every step, the held-out eval, and the exported model's
-scores (a run saved at step 2 and resumed continues on the same curve), against TRL run on the same pairs in the
-same steps (its SequentialSampler over nd-adapter's order). The pairs' tokens are checked against Axolotl's rule
-written out here (the chat template over each whole conversation, an empty system turn where the row's system is
-empty)."""
+and TRL's logged metrics (accuracy, margin, mean_reward, min_reward, max_reward) of every step, the held-out eval,
+and the exported model's scores (a run saved at step 2 and resumed continues on the same curve), against TRL run on
+the same pairs in the same steps (its SequentialSampler over nd-adapter's order, each of its batches the DP ranks'
+micro-batch). The pairs' tokens are checked against Axolotl's rule written out here (the chat template over each
+whole conversation, an empty system turn where the row's system is empty)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +22,9 @@ from tests.helpers.sft_data import write_jsonl
 pytestmark = pytest.mark.slow
 SEQ, LR, STEPS, WORLD, GA, VAL, CENTER = 64, 1e-2, 4, 2, 2, 4, 0.05
 LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_linear": True}
-METRICS = ("accuracy", "margin", "mean_reward")
-TRL = {"batch": WORLD * GA, "steps": STEPS, "lr": LR, "seq": SEQ, "center": CENTER, "eval_batch": VAL}
+METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
+# TRL's batches as nd-adapter's micro-batches over its DP ranks (min_reward / max_reward are each batch's extremes)
+TRL = {"batch": WORLD * GA, "ga": GA, "steps": STEPS, "lr": LR, "seq": SEQ, "center": CENTER, "eval_batch": WORLD}
 
 
 def _raw(model: Path, data: Path, root: Path, zero: int, lora: bool = False) -> dict:
@@ -106,13 +107,14 @@ def test_reward_model_matches_trl(tmp_path):
             ids = pairs[int(i)][side]
             assert stored[k, j, :len(ids)].tolist() == ids and set(stored[k, j, len(ids):]) <= {tok.pad_token_id}
     steps = step_pairs(cfg.data.seed, len(train_rows), world=WORLD, ga=GA, steps=STEPS)
-    order = [pairs[int(train_rows[i])] for step in steps for i in step]
+    # TRL's micro-batch j of a step: micro-batch j of every DP rank (step_pairs lists a rank's micro-batches together)
+    order = [pairs[int(train_rows[step[r * GA + j]])] for step in steps for j in range(GA) for r in range(WORLD)]
     held = [pairs[int(i)] for i in held_rows]
     want_steps, want_evals, trl_model = trl_reward(model, order, held, tmp_path / "trl", **TRL)
     lora_steps, lora_evals, trl_lora = trl_reward(model, order, held, tmp_path / "trl-lora", lora=True, **TRL)
     one = step_pairs(cfg.data.seed, len(train_rows), world=1, ga=WORLD * GA, steps=STEPS)  # tp's one DP rank
     tp_steps, tp_evals, trl_tp = trl_reward(model, [pairs[int(train_rows[i])] for s in one for i in s], held,
-                                       tmp_path / "trl-tp", **TRL)
+                                            tmp_path / "trl-tp", **{**TRL, "ga": WORLD * GA, "eval_batch": 1})
     assert len(want_steps) == STEPS and [s for s, _ in want_evals] == [0, 2, 4], (want_steps, want_evals)
     assert any("score trained in full" in ln and "(PEFT on transformers' model)" in ln for ln in got["lora"][4])
     assert any(ln.startswith("engine:") and "tp=2 from its own tensor-parallel plan" in ln for ln in got["tp"][4])

@@ -51,10 +51,10 @@ def bt_ids(tok, template: str, row: dict, answer: str, seq: int) -> list[int]:
 
 
 def trl_reward(model_dir: Path, order: list[dict], held: list[dict], out: Path, *, batch: int, steps: int, lr: float,
-               seq: int, center: float, eval_batch: int, lora: bool = False, cpu: bool = True):
-    """TRL's RewardTrainer on the tokenised pairs in `order` (one step = `batch` consecutive pairs), evaluating
-    `held` before step 1 and every 2 steps: (per step: loss and metrics, per eval: its logged metrics, the trained
-    model). `cpu` false: on the GPU."""
+               seq: int, center: float, eval_batch: int, ga: int = 1, lora: bool = False, cpu: bool = True):
+    """TRL's RewardTrainer on the tokenised pairs in `order` (one step = `batch` consecutive pairs, in `ga` batches),
+    evaluating `held` before step 1 and every 2 steps: (per step: loss and metrics, per eval: its logged metrics, the
+    trained model). `cpu` false: on the GPU."""
     import torch
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
@@ -82,7 +82,7 @@ def trl_reward(model_dir: Path, order: list[dict], held: list[dict], out: Path, 
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
 
-    args = RewardConfig(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+    args = RewardConfig(output_dir=str(out), per_device_train_batch_size=batch // ga, gradient_accumulation_steps=ga,
                         max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
                         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
                         max_length=seq, center_rewards_coefficient=center, logging_steps=1, report_to=[],
