@@ -271,8 +271,8 @@ def test_compiled_layers_by_default_where_measured_faster():
     pairs = {**packed, "objective": "dpo", "data.datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}
     for over, why in (({"parallelism.tp_size": 2}, "tp > 1 breaks the graph"), ({"recompute": "full"}, "recompute"),
                       ({"lora": {"r": 4}}, "adapters: LoRA SFT was not measured faster"),
-                      ({**pairs, "lora": {"r": 4, "quantize_base": "nf4"}}, "a quantised base: QLoRA SFT"),
-                      (pairs, "dpo of every weight was not measured faster compiled (LoRA DPO was)"),
+                      ({"lora": {"r": 4, "quantize_base": "nf4"}}, "a quantised base: QLoRA SFT"),
+                      (pairs, "dpo of every weight was not measured faster compiled (LoRA and QLoRA DPO were)"),
                       ({**pairs, "objective": "orpo", "lora": {"r": 4}}, "orpo was not measured faster"),
                       (packed, "unpacked SFT (micro-batches cut to their longest example)"),
                       ({"parallelism.dp_shard_size": 2, "deepspeed.zero_stage": 3}, "ZeRO-3's parameter gathers")):
@@ -286,6 +286,9 @@ def test_compiled_layers_by_default_where_measured_faster():
                                            "data.eval_sample_packing": False}), env={}, world_size=1)
     assert unpacked_eval.model.compile is True and not unpacked_eval.steady_lengths
     assert said(unpacked_eval)[0].endswith("the length then a symbol of the graph)"), said(unpacked_eval)
+    qlora_dpo = config.build(native(**{**one, **pairs, "lora": {"r": 4, "quantize_base": "nf4"}}), env={},
+                             world_size=1)
+    assert qlora_dpo.model.compile is True, qlora_dpo.notes
     lora_dpo = config.build(native(**{**one, **pairs, "lora": {"r": 4}}), env={}, world_size=1)
     assert lora_dpo.model.compile is True and said(lora_dpo) == [
         "model.compile: auto: on (each transformer layer compiled at the first step: measured faster on one GPU; once "
