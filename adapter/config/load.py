@@ -237,13 +237,12 @@ def _resolve_auto_compile(cfg: RunConfig) -> RunConfig:
     """`model.compile: auto` (the default): compiled layers where they are correct and were measured faster on one
     GPU (docs/BENCHMARKS.md: Gemma-3-4B +26% and 30 GiB less, the 1B and 3B shapes +2-4%, Phi-4-mini equal, the MoE
     attention halves +6%, each a full fine-tune of fixed-shape batches at tp = cp = 1; LoRA DPO on the Llama-3.1-8B
-    shape +26% at the same memory and QLoRA DPO +15% (H100), its stream's length a symbol of the graphs). Off, with the reason in the run's
-    first lines, where that is not so: ZeRO-3 (its parameter gathers), tp > 1 (a graph break at every Megatron
-    linear: -8% measured), cp > 1 and recompute (graph breaks, not measured), QLoRA SFT (6% slower compiled), LoRA
-    SFT, the other preference runs and unpacked SFT (not measured faster). The model's engine
-    and the device are asked later (adapter/models/resolved.py:
-    the transformers engine's compiled layers are not measured faster yet; a CPU is never compiled for), so the
-    value is kept marked as auto's.
+    shape +26% at the same memory and QLoRA DPO +15% (H100), its stream's length a symbol of the graphs). Off, with
+    the reason in the run's first lines, where that is not so: ZeRO-3 (its parameter gathers), tp > 1 (a graph break
+    at every Megatron linear: -8% measured), cp > 1 and recompute (graph breaks, not measured), QLoRA SFT (6% slower
+    compiled), LoRA SFT, the other preference runs and unpacked SFT (not measured faster). The model's engine and
+    the device are asked later (adapter/models/resolved.py: the transformers engine's compiled layers are not
+    measured faster yet; a CPU is never compiled for), so the value is kept marked as auto's.
 
     `if_possible` (Axolotl's `torch_compile: true`): the user asked, so the layers compile wherever the layout lets
     them, on either engine and device: not under ZeRO-3, where compiled layers (the native engine's, with
