@@ -63,7 +63,7 @@ KNOWN = MARKERS | {
     "early_stopping_patience", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
     "auto_resume_from_checkpoints", "trust_remote_code", "save_strategy", "mean_resizing_embeddings",
-    "model_quantization_config", "model_quantization_config_kwargs", "group_by_length", "qat",
+    "model_quantization_config", "model_quantization_config_kwargs", "group_by_length", "qat", "freeze_mm_modules",
 } | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -87,6 +87,7 @@ MAP = {
     "lr_scheduler": "optimizer.schedule", "cosine_min_lr_ratio": "optimizer.min_lr",
     "unfrozen_parameters": "model.unfrozen_parameters", "early_stopping_patience": "eval.early_stopping_patience",
     "load_best_model_at_end": "checkpoint.load_best", "mean_resizing_embeddings": "model.mean_resizing_embeddings",
+    "freeze_mm_modules": "model.freeze_mm_modules",
 } | SCHEDULE_MAP
 
 
@@ -171,6 +172,12 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
     map_data(raw, out, notes)
     map_pretraining(raw.get("pretraining_dataset"), out, notes, has_sft=bool(raw.get("datasets")))
     ignored = [k for k in raw if k not in KNOWN and k not in DATA_KEYS]
+    if raw.get("processor_type"):  # image-text rows: never prepared, every column kept (adapter/data/sft/multimodal)
+        said = [k for k in ("skip_prepare_dataset", "remove_unused_columns") if k in ignored]
+        ignored = [k for k in ignored if k not in said]
+        notes.append(f"processor_type: {raw['processor_type']}: image-text rows batched by the checkpoint's processor "
+                     "at each micro-batch, as Axolotl's multimodal collator does" +
+                     (f" ({', '.join(said)}: implied)" if said else ""))
     map_training(raw, out, notes, ignored)
     if ignored:  # said once, by the run's first lines (and plan), never as a Python warning from every rank
         notes.append(f"ignored Axolotl keys (not used by nd-adapter): {', '.join(sorted(ignored))}")

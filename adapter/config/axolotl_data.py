@@ -21,7 +21,8 @@ DATA_KEYS = {
     "resize_token_embeddings_to_32x": "resize_vocab_to_32x", "tokens": "tokens",
     "test_datasets": "test_datasets", "min_sample_len": "min_sample_len", "dataset_exact_deduplication": "deduplicate",
     "curriculum_sampling": "curriculum", "sample_packing_sequentially": "pack_in_order",
-    "tokenizer_use_mistral_common": "mistral_common",
+    "tokenizer_use_mistral_common": "mistral_common", "processor_type": "processor_type", "image_size": "image_size",
+    "image_resize_algorithm": "image_resize_algorithm", "processor_kwargs": "processor_kwargs",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)
 ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings

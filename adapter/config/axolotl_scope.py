@@ -60,10 +60,8 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),
     "fix_untrained_tokens": ("rewriting the embeddings of untrained tokens is not supported", "remove it"),
     "shrink_embeddings": ("resizing the embeddings is not supported", "remove it"),
-    "processor_type": ("image and audio datasets go through a processor and the model's vision or audio tower "
-                       "(Axolotl's multimodal path); nd-adapter trains the language model on text",
-                       "remove processor_type (and skip_prepare_dataset) and give text conversations, or run this "
-                       "config with Axolotl"),
+    "role_boundaries": ("custom role markers for image-text rows are not built (the format's own are used)",
+                        "remove role_boundaries, or run this config with Axolotl"),
     "dataset_shard_num": ("training on one shard of the data is not supported",
                           "shard the files yourself, or remove dataset_shard_num / dataset_shard_idx"),
     "use_pose": ("PoSE position ids are not supported", "remove use_pose"),

@@ -113,6 +113,8 @@ class ModelSection(_Strict):
         None, description="train only the parameters whose HF names these regexes match (Axolotl's "
         "unfrozen_parameters; `[start:end]` rows on embed_tokens / lm_head); the rest frozen: no gradients, no "
         "optimizer states (adapter/models/freeze.py). Unset: every parameter", min_length=1)
+    freeze_mm_modules: bool = Field(False, description="an image-text model's vision / audio towers and projector "
+                                    "frozen (Axolotl's freeze_mm_modules); else they train as every weight does")
     moe_grouped_gemm: bool = Field(
         True, description="mixture of experts: each expert linear as one grouped GEMM over the local experts "
         "(torch._grouped_mm: bf16 on Hopper or newer, and on CPU; adapter/modeling/moe.py), where it applies; false: "

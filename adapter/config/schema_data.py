@@ -4,7 +4,7 @@ holds every other section, for its size.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -93,6 +93,13 @@ class DataSection(Strict):
         None, ge=1, description="examples with fewer tokens are dropped, counted (Axolotl's min_sample_len)")
     deduplicate: bool = Field(False, description="identical examples kept once, train and test each on its own "
                                                  "(Axolotl's dataset_exact_deduplication)")
+    # image-text conversations through the checkpoint's processor (adapter/data/sft/multimodal.py)
+    processor_type: str | None = Field(None, description="AutoProcessor or a transformers processor class: rows of "
+                                       "messages and images, batched by the processor (Axolotl's processor_type)")
+    image_size: Int | tuple[Int, Int] | None = Field(
+        None, description="the column image letterboxed to a square of this side, or resized to (width, height)")
+    image_resize_algorithm: Literal["bilinear", "bicubic", "lanczos"] = "bilinear"
+    processor_kwargs: dict[str, Any] | None = Field(None, description="passed to the processor's from_pretrained")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSection:
@@ -107,6 +114,12 @@ class DataSection(Strict):
                                     or self.special_tokens.model_dump(exclude_none=True)):
             raise ValueError("data.mistral_common encodes with the checkpoint's own mistral-common vocabulary, to "
                              "which no token can be added: remove tokens / special_tokens / resize_vocab_to_32x")
+        if self.processor_type and (self.sample_packing or self.eval_sample_packing):
+            raise ValueError("data.processor_type: image-text rows are batched by the processor, not packed: set "
+                             "sample_packing: false (Axolotl's multimodal examples do)")
+        if self.processor_type and self.mistral_common:
+            raise ValueError("data.processor_type beside data.mistral_common: mistral-common's image-text processors "
+                             "are not built: remove tokenizer_use_mistral_common, or run this config with Axolotl")
         if self.test_datasets and self.val_set_size:
             raise ValueError("data.test_datasets and data.val_set_size both choose the eval set: give one "
                              "(Axolotl refuses both too)")

@@ -7,10 +7,10 @@ process starts, so torch, transformers, datasets and pyarrow are imported by the
 """
 from adapter.data.documents import JSONL_SUFFIXES, PARQUET_SUFFIXES, TEXT_SUFFIXES, expand_files, iter_documents
 from adapter.data.pretraining import PackedDataset, open_dataset
-from adapter.data.sampler import DPSampler, build_batches
+from adapter.data.sampler import DPSampler, build_batches, collate
 from adapter.data.synthetic import SyntheticData
 from adapter.data.token_cache import CACHE_VERSION, TOKENIZER_FILES, TokenCache, build_token_cache, cache_key
 
 __all__ = ["JSONL_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_SUFFIXES", "expand_files", "iter_documents", "PackedDataset",
-           "open_dataset", "DPSampler", "build_batches", "SyntheticData", "CACHE_VERSION", "TOKENIZER_FILES",
+           "open_dataset", "DPSampler", "build_batches", "collate", "SyntheticData", "CACHE_VERSION", "TOKENIZER_FILES",
            "TokenCache", "build_token_cache", "cache_key"]

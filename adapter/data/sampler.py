@@ -72,8 +72,16 @@ def build_batches(dataset, sampler: DPSampler) -> Iterator[dict[str, Any]]:
     """Endless dicts of [micro_batch, seq_len] tensors from `dataset[i]` (e.g. a PackedDataset): tokens, labels,
     position_ids, segment_ids (int64) and
     loss_mask (float32). Take `sampler.state_dict()` between steps: it counts exactly the batches yielded so far."""
-    import torch  # only in training processes (adapter/data/__init__.py)
 
     for idx in sampler:
-        items = [dataset[i] for i in idx]
-        yield {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
+        yield collate(dataset, [dataset[i] for i in idx])
+
+
+def collate(dataset, items: list[dict]) -> dict[str, Any]:
+    """One micro-batch of `dataset`'s items: the dataset's own `collate` where it has one (image-text rows, which
+    its processor renders: adapter/data/sft/multimodal.py), else their arrays stacked."""
+    import torch
+
+    if hasattr(dataset, "collate"):
+        return dataset.collate(items)
+    return {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}

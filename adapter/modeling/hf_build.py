@@ -28,13 +28,16 @@ from adapter.patches.hf_masks import documents, prepare
 
 # parameters of an image-text checkpoint's other towers (vision, audio and their projectors): frozen, as a text
 # fine-tune of such a checkpoint leaves them (Axolotl trains the language model on text rows)
+# Axolotl's freeze_mm_modules: a parameter whose dotted name has one of these components (utils/freeze.py)
+MM_MODULES = {"vision_tower", "vision_model", "vision_encoder", "embed_vision", "multi_modal_projector", "visual",
+              "audio_tower", "audio_model", "embed_audio"}
 OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_newline", "embed_vision",
                 "embed_audio", "mm_projector")
 
 
 def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
                 quantize: str | None = None, device=None, liger: tuple[str, ...] = (), dequantize: bool = False,
-                quantize_experts: bool = False, scores: int | None = None):
+                quantize_experts: bool = False, scores: int | None = None, towers: str = "frozen"):
     """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
     `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
     NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
@@ -47,7 +50,9 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     (adapter/modeling/hf_quant_experts.py). `scores` (a reward model: the pad token's id): the checkpoint's
     sequence-classification class with one label instead, its score read at each row's last token that is not that
     token (TRL's RewardTrainer sets config.pad_token_id so); a checkpoint without a score head (a causal LM's) gets a
-    new one, initialised by transformers as it initialises a missing head."""
+    new one, initialised by transformers as it initialises a missing head. `towers`: an image-text checkpoint's other
+    towers "frozen" (a run on text), "trained" (an image-text run: everything trains, as Axolotl's), or "mm_frozen"
+    (Axolotl's freeze_mm_modules: parameters under a module named in MM_MODULES)."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -85,7 +90,8 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
                      cls._from_config(for_class(cls, config), dtype=dtype))
     model.config.use_cache = False
     for name, p in model.named_parameters():
-        if any(t in name for t in OTHER_TOWERS):
+        if (towers == "frozen" and any(t in name for t in OTHER_TOWERS)) or (
+                towers == "mm_frozen" and MM_MODULES & set(name.split("."))):
             p.requires_grad_(False)
     return model
 
@@ -226,7 +232,10 @@ class CausalLMLosses(torch.nn.Module):
         prepare(model)
 
     def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
-                padding_mask=None, **_):
+                padding_mask=None, **extra):
+        media = {k[3:]: v for k, v in extra.items() if k.startswith("mm_")}  # an image-text batch (the processor's
+        if media:  # tensors, its attention mask among them): the model places its own positions (M-RoPE, ...)
+            return self._losses(tokens, None, labels=labels, loss_mask=loss_mask, media=media)
         if self.unpack and position_ids is not None and hf_unpack.is_packed(position_ids):
             index, valid = hf_unpack.documents_of(position_ids, loss_mask)
             rows = [hf_unpack.unpack(index, x) for x in (tokens, labels)]
@@ -238,20 +247,21 @@ class CausalLMLosses(torch.nn.Module):
         return self._losses(tokens, position_ids, labels=labels, loss_mask=loss_mask,
                             packed_seq_params=packed_seq_params, real=padding_mask)
 
-    def _losses(self, tokens, position_ids, *, labels, loss_mask, packed_seq_params=None, real=None):
+    def _losses(self, tokens, position_ids, *, labels, loss_mask, packed_seq_params=None, real=None, media=None):
         across = hf_cp.forward(*self.cp, packed_seq_params) if self.cp else nullcontext()
+        media = media or {}
         if self.model_loss and loss_mask is not None:
             target = torch.where(loss_mask > 0, labels, torch.full_like(labels, -100))
             one = torch.ones((), device=tokens.device)
             off = {"output_router_logits": False} if self.routed else {}  # its loss: the tokens' alone
             with documents(position_ids), across:
                 out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, labels=target,
-                                 shift_labels=target, num_items_in_batch=one, **off)
+                                 shift_labels=target, num_items_in_batch=one, **off, **media)
             return out.loss.float()
         aux = self.moe_aux if self.moe_aux is not None and self.training and torch.is_grad_enabled() else None
         routers = {"output_router_logits": True} if aux is not None else {}
         with documents(position_ids), across:  # every model's masks confine attention to the packed documents
-            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, **routers)
+            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, **routers, **media)
         if aux is not None:  # the real tokens' routing statistic (transformers' attention-masked one)
             aux.record(out.router_logits, None if real is None else real.to(torch.long))
         logits = out.logits.float()

@@ -58,7 +58,11 @@ def engine(run: ResolvedRun) -> str:
     if arch.native:
         return f"engine: Megatron-Core layers ({arch.family} family, {arch.architecture})"
     extra = []
-    if arch.image_text:
+    if arch.image_text and run.cfg.data.processor_type:
+        extra.append("an image-text run: the processor's images through the model's own towers, " + (
+            "the towers and projector frozen (freeze_mm_modules)" if run.cfg.model.freeze_mm_modules else
+            "every weight trained (towers too, as Axolotl's)" if run.peft is None else "the adapters trained"))
+    elif arch.image_text:
         extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
     if arch.remote_code:
         extra.append("built by the checkpoint's own code (trust_remote_code: true)")

@@ -185,6 +185,8 @@ def own_attention(cfg: RunConfig, arch: ModelArch) -> str | None:
         return f"model.attention: {cfg.model.attention}"
     if cfg.model.compile:
         return "compiled layers (model.compile)"
+    if cfg.data.processor_type:  # an image tower's bidirectional attention, image tokens seen both ways (Gemma 3)
+        return "image-text rows (the model's own masks over its image tokens)"
     return _transformers_attention(arch)
 
 

@@ -248,6 +248,10 @@ def check_run(cfg, arch) -> list[str]:
         raise bad("model.checkpoint", cfg.model.checkpoint, f"a converted Megatron checkpoint is the native engine's "
                   f"format; {name} trains {why.removeprefix('on ')}", "remove it: the transformers engine reads the "
                   "HF weights in model.path (base_model) as they are")
+    if cfg.data.processor_type:  # image-text rows through the processor
+        from adapter.models.image_text import check
+
+        check(cfg, arch)
     if p.tp_size > 1:
         _check_tp(cfg, arch, p.tp_size)
     if p.cp_size > 1:

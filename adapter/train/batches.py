@@ -59,6 +59,15 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
         dataset, val, template = sft.train, sft.val, sft.chat_template
         for line in pair_lines(sft) if rank == 0 else []:
             log(line.strip())
+    elif cfg.data.processor_type:  # image-text rows, batched by the processor (adapter/data/sft/multimodal.py)
+        from adapter.data.sft import multimodal
+
+        dataset, val, template = multimodal.load(cfg, run.weights.model_dir, source.tokenizer_dir(cfg),
+                                                 run.arch.vocab_size, zero3=run.zero_stage == 3)
+        sft = dataset
+        if rank == 0:
+            log(f"data: {len(dataset)} image-text rows" + (f", {len(val)} held out" if val is not None else "") +
+                f"; each micro-batch rendered by the processor (the {dataset.strategy_label()} format)")
     elif cfg.data.datasets and not synthetic:
         sft = prepare(cfg, source.tokenizer_dir(cfg), run.arch.vocab_size, builder=rank == 0, barrier=dist.barrier,
                       progress=rank == 0)
@@ -88,7 +97,7 @@ def trim(run: ResolvedRun, sft: bool, b, eval: bool = False):
     cfg, layout = run.cfg, run.layout
     d = cfg.data
     packed = (d.eval_sample_packing if eval and d.eval_sample_packing is not None else d.sample_packing)
-    if not sft or packed or cfg.document_attention:
+    if not sft or packed or cfg.document_attention or d.processor_type:  # (image tokens stay with their images)
         return b
     sp_tp = layout.tp if cfg.use_sequence_parallel else 1
     return trim_tail(b, math.lcm(TRIM_MULTIPLE, 2 * layout.cp * sp_tp))

@@ -301,7 +301,9 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger, dequantize=cfg.model.dequantize,
                         quantize_experts=run.peft is not None and bool(run.peft.experts),
-                        scores=reward_pad(run) if cfg.objective == "reward" else None)
+                        scores=reward_pad(run) if cfg.objective == "reward" else None,
+                        towers=("mm_frozen" if cfg.model.freeze_mm_modules else "trained") if cfg.data.processor_type
+                        else "frozen")
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself
     if cfg.qat is not None:  # torchao's fake-quantised linears, as Axolotl prepares them (adapter/modeling/hf_qat.py)
         hf_qat.prepare(model, cfg.qat)
@@ -363,7 +365,8 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         model, recomputed = _transformers_model(run, groups, device, dtype)
         # a frozen weight inside a ZeRO-3 leaf module reaches autograd still partitioned (PEFT's base layers,
         # unfrozen_parameters: tests/distributed/test_transformers_engine.py), so such runs gather module by module
-        layers = layer_classes(model.model) if all(p.requires_grad for p in model.parameters()) else []
+        layers = layer_classes(model.model) if all(p.requires_grad for p in model.parameters()) and \
+            not cfg.data.processor_type else []  # (an image-text model's towers: gathered module by module too)
     hsdp = cfg.deepspeed.replicate_mode == "hsdp" or layout.dp_replicate == 1
     mpu = DeepSpeedMPU(tp_group=groups.tp, partition_group=groups.dp_shard_cp if hsdp else groups.dp_cp,
                        dp_world_size=layout.dp, replica_group=groups.dp_replicate if hsdp else None)

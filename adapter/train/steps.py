@@ -53,7 +53,8 @@ def masked_loss_sum(model, batch, moe: bool = False):
     mixture of experts (`moe`) gets the batch's attention_mask as Megatron's padding_mask: padding is routed but
     left out of the load-balancing statistic, as transformers leaves it out."""
     extra = {"padding_mask": batch["attention_mask"].bool()} if moe and "attention_mask" in batch else {}
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
+    extra.update({k: v for k, v in batch.items() if k.startswith("mm_")})  # an image-text batch's processor tensors
+    out = model(batch["tokens"], batch.get("position_ids"), None, labels=batch["labels"], loss_mask=batch["loss_mask"],
                 packed_seq_params=batch.get("packed_seq_params"), **extra)
     return out.float() if out.dim() == 0 else (out.float() * batch["loss_mask"]).sum()
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from adapter.convert import cache
-from adapter.data import build_batches
+from adapter.data import build_batches, collate
 from adapter.errors import DivergedError, bad
 from adapter.modeling import hf_qat
 from adapter.models import announce, footprint, lora
@@ -362,8 +362,7 @@ class Trainer:
                         if i >= n:
                             it["loss_mask"] = np.zeros_like(it["loss_mask"])
                         items.append(it)
-                    batch = self._on_device(self._trim({k: torch.from_numpy(np.stack([it[k] for it in items]))
-                                                        for k in items[0]}, eval=True))
+                    batch = self._on_device(self._trim(collate(val, items), eval=True))
                     sums += torch.stack([self._loss_sum(batch).double(), batch["loss_mask"].double().sum()])
         finally:
             ds.train()

@@ -481,8 +481,8 @@ def test_rehearsal_keeps_examples_and_says_its_own_precision(tmp_path):
 
 
 def test_plan_says_what_preprocess_would_refuse_of_the_data(tmp_path):
-    """A chat template neither Axolotl nor nd-adapter ships and an image dataset (Axolotl's processor_type, as its
-    vision examples set it) are refused by plan in one line, as preprocess refuses them; the names Axolotl ships
+    """A chat template neither Axolotl nor nd-adapter ships and processor_type on a text-only checkpoint (no tower
+    for its images) are refused by plan in one line, as preprocess refuses them; the names Axolotl ships
     (qwen_25, qwen3, ...) plan, and preprocess renders them (tests/unit/test_chat_templates.py)."""
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
@@ -492,7 +492,7 @@ def test_plan_says_what_preprocess_would_refuse_of_the_data(tmp_path):
                       ({"datasets": [chat], "chat_template": "llama9"},
                        "chat_template='llama9': not a chat template Axolotl or nd-adapter ships"),
                       ({"datasets": [chat], "processor_type": "AutoProcessor", "skip_prepare_dataset": True},
-                       "processor_type='AutoProcessor': image and audio datasets go through a processor"),
+                       "processor_type='AutoProcessor': LlamaForCausalLM has no vision or audio tower"),
                       ({"datasets": [chat], "chat_template": "qwen_25"}, None),
                       ({"datasets": [{**chat, "chat_template": "qwen3"}]}, None)):
         yml = tmp_path / "run.yaml"

@@ -54,6 +54,16 @@ def main(args) -> int:
         raise bad("datasets", [], "preprocess prepares SFT datasets and the config has none",
                   "list them under datasets: (Axolotl) or data.datasets (native)")
     tok_dir, vocab = source.tokenizer_dir(cfg), source.vocab_rows(cfg)
+    if cfg.data.processor_type:  # image-text rows: nothing is prepared ahead (adapter/data/sft/multimodal.py)
+        from adapter.data.sft import multimodal
+
+        train, val, _ = multimodal.load(cfg, source.model_dir(cfg.model.path), tok_dir, vocab)
+        print(f"image-text rows: {len(train)} to train" + (f", {len(val)} held out" if val is not None else "") +
+              f" ({train.strategy_label()}); nothing is prepared ahead: each micro-batch is rendered by the "
+              "processor when it trains (Axolotl's skip_prepare_dataset)")
+        if args.debug:
+            print("\n".join(multimodal.debug_lines(train, args.samples)))
+        return 0
     if cfg.objective != "sft":  # preference pairs
         from adapter.data.sft import preference, preference_kto
 

@@ -1,0 +1,393 @@
+"""Image-text conversations as Axolotl 067b021's multimodal path feeds them (`processor_type` with
+`skip_prepare_dataset`): rows read as they are, turned into a batch by the checkpoint's processor at each
+micro-batch, labels masked by the chat format's role markers.
+
+Nothing is tokenised ahead (Axolotl prepares nothing either): each micro-batch's rows are normalised as Axolotl's
+ProcessingStrategy does (a `field_messages` / `messages` column, ShareGPT `conversations` mapped to roles, text
+content made a content list; the first image of an `images` / `image` column loaded, resized when `image_size` is
+set, and put at the bare image placeholder of the last message that has one, else appended to the first user turn),
+then `processor.apply_chat_template(..., padding=True)` renders, tokenises and pads them and builds the image
+tensors. Labels are the input ids, less padding, the model's media tokens and, where the format has role markers,
+every token outside a trained role's turn (Axolotl's `_compute_role_keep_mask`: `roles_to_train`, `train_on_eos`,
+`train_on_inputs`). No sequence is cut: Axolotl's collator ignores sequence_len here.
+
+The formats are records (STRATEGIES: role markers and media tokens), picked as Axolotl's get_processing_strategy
+picks them: by the chat template's name, else the processor's class, else the base format (media tokens only, every
+other token trained, as Axolotl warns). Formats not written here are refused in one line.
+"""
+from __future__ import annotations
+
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from adapter.errors import bad
+
+# role markers: (role, start, end, include_start, include_end); an empty end runs to the end of the sequence
+Marker = tuple[str, str, str, bool, bool]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One of Axolotl's ProcessingStrategy classes as data: its role markers and the tokens never trained."""
+    markers: tuple[Marker, ...] = ()
+    media: tuple[str, ...] = ("<processor.image_token>",)  # token strings; "<processor.x>": the processor's x
+    soft_token_fallback: int | None = None  # Gemma 3: <image_soft_token>'s id where the vocabulary lacks it
+
+
+def _turns(fmt: str, end: str, roles: tuple[str, ...], names: dict[str, str] | None = None) -> tuple[Marker, ...]:
+    names = names or {}
+    return tuple((r, fmt.format(names.get(r, r)), end, False, True) for r in roles)
+
+
+_CHATML = _turns("<|im_start|>{}\n", "<|im_end|>", ("system", "user", "assistant"))
+_LLAMA_ROLES = ("system", "user", "assistant", "ipython", "tool")
+STRATEGIES: dict[str, Strategy] = {
+    "base": Strategy(),
+    "qwen2_vl": Strategy(_CHATML, ("<|image_pad|>",)),
+    "qwen3_5": Strategy(_CHATML, ("<|image_pad|>", "<|video_pad|>")),
+    # Gemma 3's template folds the system turn into the first user turn: no system marker
+    "gemma3": Strategy(_turns("<start_of_turn>{}\n", "<end_of_turn>", ("assistant", "user"), {"assistant": "model"}),
+                       ("<tokenizer.boi_token>", "<image_soft_token>"), soft_token_fallback=262144),
+    "llama3_2_vision": Strategy(_turns("<|start_header_id|>{}<|end_header_id|>\n\n", "<|eot_id|>", _LLAMA_ROLES)),
+    "llama4": Strategy(_turns("<|header_start|>{}<|header_end|>\n\n", "<|eot|>", _LLAMA_ROLES)),
+    "smolvlm2": Strategy((), ("<image>",)),
+}
+# Axolotl's formats not written here (their own markers or media rules): refused in one line
+UNBUILT_TEMPLATES = ("gemma3n", "gemma4", "gemma4_unified", "pixtral", "mistral_v7_tekken")
+UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor", "Glm4vProcessor", "Glm46VProcessor",
+                      "InternVLProcessor", "PaddleOCRVLProcessor")
+TRAIN_ON_EOS = ("turn", "all", "none", "last")
+RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
+
+
+def strategy_name(chat_template: str | None, processor) -> str:
+    """Axolotl's choice of format: the chat template's name, else the processor's class, else "base"."""
+    if chat_template in UNBUILT_TEMPLATES:
+        raise bad("chat_template", chat_template, f"the {chat_template} image-text format (its role markers and media "
+                  "tokens) is not built for processor_type runs", f"use one of {', '.join(STRATEGIES)}")
+    if chat_template in STRATEGIES:
+        return chat_template
+    cls = type(processor).__name__
+    if cls in UNBUILT_PROCESSORS:
+        raise bad("processor_type", cls, f"{cls}'s image-text format (its media tokens) is not built",
+                  "run this config with Axolotl")
+    return "smolvlm2" if cls == "SmolVLMProcessor" else "base"
+
+
+def media_ids(strategy: Strategy, processor) -> list[int]:
+    """The token ids never trained besides padding: the format's media tokens, resolved as Axolotl resolves them."""
+    tok = processor.tokenizer
+    out = []
+    for m in strategy.media:
+        if m.startswith("<processor.") or m.startswith("<tokenizer."):
+            owner, attr = (processor, m[11:-1]) if m.startswith("<processor.") else (tok, m[11:-1])
+            m = getattr(owner, attr, None)
+            if m is None:
+                continue
+        i = tok.convert_tokens_to_ids(m)
+        if i is None or i == getattr(tok, "unk_token_id", None):
+            if strategy.soft_token_fallback is not None and m == "<image_soft_token>":
+                out.append(strategy.soft_token_fallback)
+            continue
+        out.append(int(i))
+    return out
+
+
+def boundaries(strategy: Strategy, tok) -> list[tuple[str, list[int], list[int], bool, bool]]:
+    """The markers as token ids (`encode(..., add_special_tokens=False)`); a start that encodes to nothing is
+    dropped, and without the end marker the format has no role boundaries (Axolotl's _build_role_boundaries)."""
+    out = []
+    for role, start, end, inc_start, inc_end in strategy.markers:
+        end_ids = tok.encode(end, add_special_tokens=False) if end else []
+        if end and not end_ids:
+            return []
+        start_ids = tok.encode(start, add_special_tokens=False)
+        if start_ids:
+            out.append((role, start_ids, end_ids, inc_start, inc_end))
+    return out
+
+
+def role_keep(ids: list[int], bounds, roles: set[str], train_on_eos: str) -> list[bool]:
+    """Axolotl's _compute_role_keep_mask for one row: scanning left to right, the longest start marker at a position
+    (the first declared on a tie) opens a turn that runs to its end marker (or the sequence's end); a trained role's
+    content is kept, its start marker where include_start, its end marker where include_end and train_on_eos is
+    "turn" or "all" ("last": only the last trained turn's); "all" keeps other roles' end markers too. An end marker
+    not included is not consumed (it may open the next turn)."""
+    n, keep, j = len(ids), [False] * len(ids), 0
+    last = None
+
+    def at(k, seq):
+        return bool(seq) and k + len(seq) <= n and ids[k:k + len(seq)] == seq
+
+    while j < n:
+        best = None
+        for b in bounds:
+            if at(j, b[1]) and (best is None or len(b[1]) > len(best[1])):
+                best = b
+        if best is None:
+            j += 1
+            continue
+        role, start, end, inc_start, inc_end = best
+        content = j + len(start)
+        after, found = n, False
+        if end:
+            k = content
+            while k < n and not at(k, end):
+                k += 1
+            after, found = (k + len(end), True) if k < n else (n, False)
+        stop = after - len(end) if found else after
+        if role in roles:
+            if inc_start:
+                keep[j:content] = [True] * (content - j)
+            keep[content:stop] = [True] * (stop - content)
+            if found and inc_end and train_on_eos not in ("none", "last"):
+                keep[stop:after] = [True] * (after - stop)
+            if found and inc_end and train_on_eos == "last":
+                last = (stop, after)
+        elif found and inc_end and train_on_eos == "all":
+            keep[stop:after] = [True] * (after - stop)
+        j = after - len(end) if found and not inc_end and end else after
+    if train_on_eos == "last" and last is not None:
+        keep[last[0]:last[1]] = [True] * (last[1] - last[0])
+    return keep
+
+
+def _content(message: dict) -> dict | None:
+    c = message["content"]
+    if isinstance(c, str):
+        return {"role": message["role"], "content": [{"type": "text", "text": c}]}
+    return {"role": message["role"], "content": c} if isinstance(c, list) else None  # other types: dropped
+
+
+def _without_none(x):
+    if isinstance(x, dict):
+        return {k: _without_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_without_none(v) for v in x]
+    return x
+
+
+def normalise(row: dict, *, fields: tuple[str, ...], image_size, resample: str) -> dict:
+    """One row as Axolotl's ProcessingStrategy.__call__ leaves it: {"messages": [...]} with the column image placed."""
+    from PIL import Image, ImageOps
+    from transformers.image_utils import load_image
+
+    row = dict(row)
+    field = next((f for f in (*fields, "messages") if row.get(f) is not None), None)
+    if field is not None and field not in ("messages", "conversations"):
+        msgs = row.pop(field)
+        legacy = bool(msgs) and isinstance(msgs[0], dict) and "from" in msgs[0] and "value" in msgs[0]
+        row["conversations" if legacy else "messages"] = msgs
+        if legacy:
+            row.pop("messages", None)
+    if row.get("messages") is not None:
+        row = deepcopy(row)
+    elif row.get("conversations") is not None:
+        names = {"human": "user", "gpt": "assistant"}
+        row = {**deepcopy({k: v for k, v in row.items() if k != "conversations"}),
+               "messages": [{"role": names.get(c["from"], c["from"]), "content": c["value"]}
+                            for c in row["conversations"]]}
+    else:
+        raise bad("datasets", sorted(row), "a row without `messages` (or `conversations`, or the entry's "
+                  "field_messages)", "give each row its conversation under messages")
+    row["messages"] = [m for m in (_content(m) for m in row["messages"]) if m is not None]
+    key = next((k for k in ("images", "image") if k in row), None)
+    if key is not None and row[key] is not None:
+        value = row[key]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise bad("datasets", key, f"the `{key}` column must hold a list of images", f"write {key}: [path]")
+        img = load_image(value[0])
+        img = ImageOps.exif_transpose(img).convert("RGB") if isinstance(img, Image.Image) else img
+        if image_size is not None:
+            method = getattr(Image.Resampling, resample)
+            img = (img.resize(tuple(image_size), method) if isinstance(image_size, (list, tuple)) else
+                   ImageOps.pad(img, (image_size, image_size), method=method, color=(0, 0, 0)))
+        at, first_user = None, None
+        for i, m in enumerate(row["messages"]):
+            if first_user is None and m["role"] == "user":
+                first_user = i
+            for k, c in enumerate(m["content"]):  # the first bare placeholder of the last message that has one
+                if c.get("type") == "image" and not ({"image", "url", "path", "base64"} & set(c)):
+                    at = (i, k)
+                    break
+        if at is not None:
+            row["messages"][at[0]]["content"][at[1]]["image"] = img
+        else:
+            row["messages"][first_user or 0]["content"].append({"type": "image", "image": img})
+    return _without_none(row)
+
+
+class MultimodalRows:
+    """A run's image-text rows, indexable like the prepared SFT sets: item i is {"row": [i], "loss_mask": [1]}
+    (the trainer's eval zeroes "loss_mask" for its filler copies), and `collate` builds a micro-batch's tensors:
+    tokens, next-token labels and loss_mask [b, s], and every tensor the processor returns under `mm_<name>`
+    (attention_mask, pixel_values, image_grid_thw, token_type_ids, ...), which the model takes as they are."""
+
+    def __init__(self, rows, processor, strategy: str, *, chat_template: str | None, fields: tuple[str, ...],
+                 image_size=None, resample: str = "BILINEAR", train_on_inputs: bool = False,
+                 roles: tuple[str, ...] = ("assistant",), train_on_eos: str = "turn"):
+        self.rows, self.processor, self.strategy = rows, processor, STRATEGIES[strategy]
+        self.chat_template, self.fields, self.image_size, self.resample = chat_template, fields, image_size, resample
+        self.train_on_inputs, self.roles, self.train_on_eos = train_on_inputs, set(roles), train_on_eos
+        self.bounds = boundaries(self.strategy, processor.tokenizer)
+        self.media = media_ids(self.strategy, processor)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def strategy_label(self) -> str:
+        """The format's name and what it trains, for the run's data line."""
+        name = next(k for k, v in STRATEGIES.items() if v is self.strategy)
+        trained = ("every token" if self.train_on_inputs else f"the {', '.join(sorted(self.roles))} turns" if
+                   self.bounds else "every token but padding and media (no role markers, as Axolotl's base format)")
+        return f"{name}: {trained} trained"
+
+    def __getitem__(self, i: int) -> dict:
+        return {"row": np.array([i], dtype=np.int64), "loss_mask": np.ones(1, dtype=np.float32)}
+
+    def labels(self, ids) -> np.ndarray:
+        """Axolotl's process_labels: [b, s] input ids with untrained tokens -100 (no shift)."""
+        ids = np.asarray(ids)
+        keep = np.ones(ids.shape, dtype=bool)
+        if not self.train_on_inputs and self.bounds:
+            keep = np.array([role_keep(r.tolist(), self.bounds, self.roles, self.train_on_eos) for r in ids])
+        pad = getattr(self.processor.tokenizer, "pad_token_id", None)
+        for t in ([pad] if pad is not None else []) + self.media:
+            keep &= ids != t
+        return np.where(keep, ids, -100)
+
+    def collate(self, items: list[dict]) -> dict:
+        import torch
+
+        rows = [normalise(self.rows[int(it["row"][0])], fields=self.fields, image_size=self.image_size,
+                          resample=self.resample) for it in items]
+        batch = self.processor.apply_chat_template([r["messages"] for r in rows], add_generation_prompt=False,
+                                                   tokenize=True, return_tensors="pt", return_dict=True,
+                                                   chat_template=self.chat_template,
+                                                   processor_kwargs={"padding": True})
+        ids = batch.pop("input_ids")
+        target = torch.from_numpy(self.labels(ids.numpy()))
+        flags = torch.tensor([float(it["loss_mask"][0]) for it in items])
+        labels = torch.zeros_like(ids)
+        labels[:, :-1] = ids[:, 1:]
+        mask = torch.zeros(ids.shape, dtype=torch.float32)
+        mask[:, :-1] = (target[:, 1:] != -100).float() * flags[:, None]
+        return {"tokens": ids, "labels": labels, "loss_mask": mask, **{f"mm_{k}": v for k, v in batch.items()}}
+
+
+def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
+         ) -> tuple[MultimodalRows, MultimodalRows | None, str | None]:
+    """(training rows, held-out rows or None, the chat template) of a processor_type run: the checkpoint's processor
+    (AutoProcessor or the named class, `processor_kwargs` to its from_pretrained) with the run's tokenizer in it (its
+    special tokens and tokens added), the datasets' rows merged in order, `val_set_size`'s share held out as for
+    preference rows. The template: `chat_template` by name or jinja, else the tokenizer's, else the processor's.
+    `image_size` unset takes the checkpoint's vision_config.image_size, as Axolotl fills it in. `zero3`: every row
+    must carry an image (its `images` column): ZeRO-3 gathers the vision tower's weights collectively, so a micro-
+    batch without one on a rank whose peers have some would stall them (Axolotl's ZeRO-3 runs stall there too)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import datasets
+    import transformers
+
+    from adapter.config import spell
+    from adapter.data.sft import sources, templates
+    from adapter.data.sft.preference import split
+    from adapter.data.sft.tokenizer import load_tokenizer
+
+    d = cfg.data
+    name = d.processor_type or "AutoProcessor"
+    cls = getattr(transformers, name, None)
+    if cls is None or not hasattr(cls, "from_pretrained") or not name.endswith("Processor"):
+        raise bad(spell(cfg, "data.processor_type"), name, "not a processor class of transformers",
+                  "use AutoProcessor")
+    try:
+        processor = cls.from_pretrained(str(model_dir), trust_remote_code=cfg.model.trust_remote_code,
+                                        **(d.processor_kwargs or {}))
+    except (OSError, ValueError, TypeError) as e:
+        raise bad(spell(cfg, "data.processor_type"), name, f"the checkpoint's processor does not load from "
+                  f"{model_dir}: {str(e).splitlines()[0][:160]}", "point base_model at a directory with the "
+                  "processor's files (preprocessor_config.json / processor_config.json)") from None
+    processor.tokenizer = load_tokenizer(cfg, tokenizer_dir, vocab_size)
+    choice = d.chat_template if d.chat_template != "tokenizer_default" else None
+    template = (templates.resolve_template(choice, d.chat_template_jinja, processor.tokenizer, templates_prefix(cfg))
+                if choice or d.chat_template_jinja else getattr(processor.tokenizer, "chat_template", None))
+    strategy = strategy_name(choice, processor)
+    size = d.image_size
+    if size is None:
+        vision = json.loads((Path(model_dir) / "config.json").read_text()).get("vision_config") or {}
+        size = vision.get("image_size")
+        size = tuple(size) if isinstance(size, list) else size
+    keep = tempfile.TemporaryDirectory(prefix="nd-mm-")  # datasets' arrow files of local jsonl, this process's
+    parts, first = [], d.datasets[0] if d.datasets else None
+    for entries, test in ((d.datasets, False), (d.test_datasets, True)):
+        loaded = [sources.load(sources.resolve(e, f"{'test_' if test else ''}datasets[{i}]"), e, Path(keep.name))
+                  for i, e in enumerate(entries)]
+        parts.append(datasets.concatenate_datasets(loaded) if len(loaded) > 1 else (loaded[0] if loaded else None))
+    bare = sum(_without_images(p) for p in parts if p is not None) if zero3 else 0
+    if bare:
+        raise bad(spell(cfg, "data.processor_type"), name, f"{bare} row(s) without an image (an empty `images` "
+                  "column) under ZeRO-3, whose vision-tower gathers every rank must join",
+                  "give every row an image, or use ZeRO-2 (deepspeed zero_optimization.stage: 2)")
+    fields = tuple(dict.fromkeys(e.field_messages for e in d.datasets if e.field_messages))
+    roles = tuple(first.roles_to_train) if first is not None and first.roles_to_train is not None else ("assistant",)
+    eos = (first.train_on_eos if first is not None else None) or "turn"
+    resample = RESAMPLE[d.image_resize_algorithm]
+
+    def rows(ds):
+        out = MultimodalRows(ds, processor, strategy, chat_template=template, fields=fields, image_size=size,
+                             resample=resample, train_on_inputs=d.train_on_inputs, roles=roles, train_on_eos=eos)
+        out.keep = keep  # the arrow files live as long as the rows
+        return out
+
+    train, test = parts
+    if test is not None:
+        return rows(train), rows(test), template
+    tr, held = split(cfg, len(train))
+    return rows(train.select(tr)), (rows(train.select(held)) if len(held) else None), template
+
+
+def _without_images(ds) -> int:
+    """Rows whose `images` / `image` column is missing, null or empty (read from the arrow table: nothing decoded)."""
+    import pyarrow.compute as pc
+
+    key = next((k for k in ("images", "image") if k in ds.column_names), None)
+    if key is None:
+        return len(ds)
+    col = ds.data.column(key)
+    n = pc.list_value_length(col) if hasattr(col.type, "value_type") else pc.if_else(pc.is_null(col), 0, 1)
+    return int(pc.sum(pc.fill_null(pc.equal(n, 0), True)).as_py() or 0)
+
+
+def debug_lines(rows: MultimodalRows, samples: int) -> list[str]:
+    """`preprocess --debug`: the first rows as the processor renders them, the trained tokens in ⟦ ⟧."""
+    tok, out = rows.processor.tokenizer, []
+    for i in range(min(samples, len(rows))):
+        b = rows.collate([rows[i]])
+        ids, mask = b["tokens"][0].tolist(), [0.0] + b["loss_mask"][0].tolist()[:-1]  # token k trained: mask[k-1]
+        text, open_ = "", False
+        for t, m in zip(ids, mask):
+            if bool(m) != open_:
+                text += "⟦" if m else "⟧"
+                open_ = bool(m)
+            text += tok.decode([t])
+        extra = ", ".join(f"{k[3:]} {tuple(v.shape)}" for k, v in b.items() if k.startswith("mm_"))
+        out.append(f"row {i}: {len(ids)} tokens, {int(sum(mask))} trained; {extra}\n{text + ('⟧' if open_ else '')}")
+    return out
+
+
+def templates_prefix(cfg) -> str:
+    return "" if cfg.source == "axolotl" else "data."
+
+
+def media_kwargs(batch: dict) -> dict[str, Any]:
+    """The processor's tensors of a device micro-batch, named as the model takes them."""
+    return {k[3:]: v for k, v in batch.items() if k.startswith("mm_")}
+
+
+__all__ = ["Strategy", "STRATEGIES", "TRAIN_ON_EOS", "RESAMPLE", "strategy_name", "media_ids", "boundaries",
+           "role_keep", "normalise", "MultimodalRows", "load", "debug_lines", "media_kwargs"]

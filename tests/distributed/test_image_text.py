@@ -1,0 +1,194 @@
+"""Image-text SFT (`processor_type: AutoProcessor`, Axolotl's multimodal path) against transformers' own
+Gemma3ForConditionalGeneration (and PEFT for LoRA) trained on the same micro-batches, fp32 on CPU, two processes:
+an Axolotl YAML as its Gemma 3 vision example writes it (skip_prepare_dataset, chat_template gemma3, rows of
+`messages` with an `images` column), a full fine-tune under ZeRO-3 (every weight trained, the vision tower too, and
+the held-out loss), freeze_mm_modules under ZeRO-2 (the towers and projector frozen), and LoRA on the language
+model's linears (a lora_target_modules regex, as the examples give) under ZeRO-3. Each micro-batch of the reference
+is built here from the rows (the image put at the user turn's placeholder, the processor's chat template, its
+padding) and labelled by the format's rule written out here: only the assistant turns' tokens, their <end_of_turn>
+included, are trained; never padding or image tokens. The step's loss is the sum over its trained tokens divided by
+their count over every rank and micro-batch, as transformers' Trainer normalises."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.dist import run_workers
+from tests.helpers.image_text import ANSWERS, gemma3_vlm, rows
+from tests.helpers.sft_data import write_jsonl
+
+pytestmark = pytest.mark.slow
+WORLD, MB, GA, STEPS, LR, N, VAL = 2, 2, 2, 3, 2e-3, 14, 2
+SIZE = 28  # the tiny tower's vision_config.image_size
+REGEX = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
+RUNS = {"full": ({}, 3), "frozen towers": ({"freeze_mm_modules": True}, 2),
+        "lora": ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                  "lora_target_modules": REGEX}, 3)}
+
+
+def _raw(model: Path, data: Path, root: Path, name: str) -> dict:
+    extra, zero = RUNS[name]
+    (root / f"zero{zero}.json").write_text(json.dumps({"zero_optimization": {"stage": zero}}))
+    return {"base_model": str(model), "processor_type": "AutoProcessor", "skip_prepare_dataset": True,
+            "remove_unused_columns": False, "sample_packing": False, "chat_template": "gemma3",
+            "datasets": [{"path": str(data), "type": "chat_template"}], "sequence_len": 256,
+            "dataset_prepared_path": str(root / "prep"), "output_dir": str(root / f"out-{name.split()[0]}"),
+            "val_set_size": VAL, "micro_batch_size": MB, "gradient_accumulation_steps": GA,
+            "max_steps": STEPS, "learning_rate": LR, "lr_scheduler": "constant", "warmup_steps": 0,
+            "weight_decay": 0.0, "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused", "dp_shard_size": WORLD,
+            "deepspeed": str(root / f"zero{zero}.json"), **extra}
+
+
+def _worker(rank, world, model, data, root):
+    from adapter import config
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    init_distributed()
+    out = {}
+    for name in RUNS:
+        lines: list[str] = []
+        res = train(config.build(_raw(Path(model), Path(data), Path(root), name), env={}, world_size=world),
+                    log=lines.append)
+        out[name] = (res.losses, res.eval_losses, lines)
+    return out
+
+
+def _batch(processor, rows: list[dict]):
+    """A micro-batch as the reference builds it: the image at the placeholder, the processor's rendering, labels
+    by the format's rule (module docstring)."""
+    import torch
+    from PIL import Image, ImageOps
+
+    convs = []
+    for r in rows:
+        msgs = json.loads(json.dumps(r["messages"]))
+        for m in msgs:
+            m["content"] = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
+            for c in m["content"]:
+                if c.get("type") == "image":  # letterboxed to the tower's image_size, as Axolotl fills it in
+                    img = Image.open(r["images"][0]).convert("RGB")
+                    c["image"] = ImageOps.pad(img, (SIZE, SIZE), method=Image.Resampling.BILINEAR, color=(0, 0, 0))
+        convs.append(msgs)
+    b = processor.apply_chat_template(convs, add_generation_prompt=False, tokenize=True, return_tensors="pt",
+                                      return_dict=True, processor_kwargs={"padding": True})
+    tok = processor.tokenizer
+    start = tok.encode("<start_of_turn>model\n", add_special_tokens=False)
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    labels = torch.full_like(b["input_ids"], -100)
+    for i, ids in enumerate(b["input_ids"].tolist()):
+        j = 0
+        while j < len(ids):
+            if ids[j:j + len(start)] == start:
+                k = j + len(start)
+                while k < len(ids) and ids[k] != end:
+                    labels[i, k] = ids[k]
+                    k += 1
+                if k < len(ids):
+                    labels[i, k] = end
+                j = k
+            j += 1
+    media = {tok.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<image_soft_token>")}
+    for t in media | {tok.pad_token_id}:
+        labels[b["input_ids"] == t] = -100
+    return b, labels
+
+
+def _reference(model_dir: Path, data_rows, order, held, kind: str):
+    """transformers' model (PEFT's for LoRA) trained on `order` (per step: the micro-batches of every rank, each a
+    list of rows): losses per step, and the held-out loss (Σ over its tokens / their count) after the last."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    processor.tokenizer.chat_template = processor.chat_template
+    model = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    if kind == "frozen towers":  # Axolotl's freeze_mm_modules
+        for n, p in model.named_parameters():
+            if {"vision_tower", "multi_modal_projector"} & set(n.split(".")):
+                p.requires_grad_(False)
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(42)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=REGEX))
+    model.train()  # as transformers' Trainer trains it
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    def sums(micro):
+        b, labels = _batch(processor, micro)
+        logits = model(**b).logits.float()
+        target = labels[:, 1:]
+        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+        return ce, int((target != -100).sum())
+
+    losses = []
+    for step in order:
+        parts = [_batch(processor, m)[1][:, 1:].ne(-100).sum().item() for m in step]
+        count = sum(parts)
+        total = 0.0
+        for m in step:
+            ce, _ = sums(m)
+            (ce / count).backward()
+            total += float(ce.detach()) / count
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    model.eval()
+    with torch.no_grad():
+        ce, n = sums(held)
+    return losses, float(ce) / n, model
+
+
+def test_image_text_sft_matches_transformers(tmp_path):
+    import numpy as np
+    from transformers import AutoProcessor
+
+    from adapter import config
+    from adapter.data.sampler import DPSampler
+    from adapter.data.sft.multimodal import MultimodalRows, load
+    from adapter.errors import UserError
+
+    model = gemma3_vlm(tmp_path)
+    data_rows = rows(tmp_path, N)
+    data = write_jsonl(tmp_path / "mm.jsonl", data_rows)
+    got = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=900)[0]
+
+    cfg = config.build(_raw(model, data, tmp_path, "full"), env={}, world_size=WORLD)
+    train_set, held_set, _ = load(cfg, model, model, 10 ** 6)
+    assert isinstance(train_set, MultimodalRows) and held_set is not None and len(held_set) == VAL
+    # the format's labels: only the answers (and their <end_of_turn>) are trained, never the image tokens
+    processor = AutoProcessor.from_pretrained(str(model))
+    tok = processor.tokenizer
+    batch = train_set.collate([train_set[i] for i in range(4)])
+    for i in range(4):
+        trained = batch["labels"][i][batch["loss_mask"][i] > 0].tolist()
+        row = train_set.rows[i]
+        assert tok.decode(trained) == row["messages"][-1]["content"] + "<end_of_turn>", tok.decode(trained)
+    assert "mm_pixel_values" in batch and "mm_token_type_ids" in batch and "mm_attention_mask" in batch
+
+    # the same rows in the same micro-batches: each step, micro-batch j of every rank (DPSampler's order)
+    split_train = [train_set.rows[i] for i in range(len(train_set))]
+    its = [iter(DPSampler(len(split_train), dp_rank=r, dp_size=WORLD, micro_batch=MB, seed=cfg.data.seed))
+           for r in range(WORLD)]
+    order = [[[split_train[int(i)] for i in next(it)] for it in its for _ in range(GA)] for _ in range(STEPS)]
+    held = [held_set.rows[i] for i in range(len(held_set))]
+    for name in RUNS:
+        losses, evals, lines = got[name]
+        want, want_eval, _ = _reference(model, data_rows, order, held, name)
+        assert len(losses) == STEPS and np.allclose(losses, want, rtol=1e-5, atol=0), (name, losses, want)
+        assert abs(want[-1] - want[0]) > 1e-3, want  # it trained
+        assert any("an image-text run" in ln for ln in lines), lines
+        assert evals and abs(evals[-1][1] - want_eval) <= 1e-5 * abs(want_eval), (evals, want_eval)
+    assert any("freeze_mm_modules" in ln for ln in got["frozen towers"][2])
+    assert set(ANSWERS) >= {r["messages"][-1]["content"] for r in data_rows}
+
+    # under ZeRO-3 a row without an image is refused before training (its rank would skip the tower's gathers)
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", rows(tmp_path, N, text_only=True))
+    with pytest.raises(UserError, match=r"processor_type='AutoProcessor': 7 row\(s\) without an image"):
+        load(config.build(_raw(model, mixed, tmp_path, "full"), env={}, world_size=WORLD), model, model, 10 ** 6,
+             zero3=True)

@@ -1,0 +1,74 @@
+"""`processor_type` as Axolotl's vision examples write it: gemma3/gemma-3-4b-vision-qlora.yml plans unchanged on the
+transformers engine (the checkpoint's shape, no weights); what image-text runs do not build is refused in one line
+naming the key and the fix; the role-marker scan equals Axolotl's rule on hand-made rows. Training against
+transformers (+ PEFT): tests/distributed/test_image_text.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adapter import config
+from adapter.data.sft.multimodal import role_keep
+from tests.helpers.cli import run_cli
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "axolotl"
+EXAMPLE = FIXTURES / "gemma-3-4b-vision-qlora.yml"
+SHAPE = Path(__file__).parents[2] / "configs" / "models" / "gemma-3-4b-it" / "config.json"
+
+
+def _model() -> dict:
+    """The checkpoint's config.json with its text config's vocabulary written out (transformers' default)."""
+    import json
+
+    conf = json.loads(SHAPE.read_text())
+    conf["text_config"].setdefault("vocab_size", 262208)
+    return conf
+
+
+def test_axolotl_vision_example_plans_on_the_transformers_engine(tmp_path):
+    from tests.helpers.axolotl_home import with_local_model
+
+    cfg = config.build(yaml.safe_load(EXAMPLE.read_text()), env={}, world_size=1)
+    assert cfg.data.processor_type == "AutoProcessor" and not cfg.data.sample_packing
+    said = [n for n in cfg.notes if n.startswith("processor_type: AutoProcessor")]
+    assert said and "skip_prepare_dataset, remove_unused_columns: implied" in said[0], cfg.notes
+    assert not any("ignored" in n and "skip_prepare_dataset" in n for n in cfg.notes), cfg.notes
+    path = with_local_model(EXAMPLE, tmp_path, _model(), drop=())
+    code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1")
+    flat = " ".join(out.split())
+    assert code == 0 and "engine: transformers' own Gemma3ForConditionalGeneration" in flat, (out[-3000:], err)
+    assert "an image-text run" in flat and "the adapters trained" in flat, flat[-3000:]
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"tensor_parallel_size": 2, "_gpus": 2}, "processor_type='AutoProcessor': tensor, context or expert parallelism"),
+    ({"role_boundaries": [{"role": "assistant", "start": "<x>"}]}, "role_boundaries="),
+    ({"lora_target_linear": True}, "lora_target_linear beside image-text rows"),
+    ({"sample_packing": True}, "image-text rows are batched by the processor, not packed"),
+    ({"rl": "dpo"}, "dpo on image-text rows is not built"),
+])
+def test_what_image_text_runs_do_not_build_is_one_line(tmp_path, over, says):
+    from tests.helpers.axolotl_home import with_local_model
+
+    gpus = str(over.pop("_gpus", 1))
+    path = with_local_model(EXAMPLE, tmp_path, _model(), drop=(), **over)
+    code, out, err = run_cli("plan", str(path), "--gpus-per-node", gpus)
+    assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_role_markers_scan_as_axolotl():
+    """Axolotl's _compute_role_keep_mask on ids: [S u U E] user turn, [S a A E] assistant turn (S start, E end)."""
+    S, U, A, E, X = 1, 2, 3, 9, 7
+    bounds = [("user", [S, U], [E], False, True), ("assistant", [S, A], [E], False, True)]
+    ids = [X, S, U, 5, E, S, A, 6, 6, E, X, S, A, 8]  # the last turn has no end: it runs to the sequence's end
+    keep = lambda eos, roles=("assistant",): [i for i, k in enumerate(role_keep(ids, bounds, set(roles), eos)) if k]  # noqa: E731
+    assert keep("turn") == [7, 8, 9, 13]
+    assert keep("none") == [7, 8, 13]
+    assert keep("last") == [7, 8, 9, 13]  # the last trained turn with an end marker is the first one
+    assert keep("all") == [4, 7, 8, 9, 13]  # the user turn's end marker too
+    assert keep("turn", ("user", "assistant")) == [3, 4, 7, 8, 9, 13]
+    inc = [("user", [S, U], [S, A], False, False), ("assistant", [S, A], [E], True, True)]  # a shared marker
+    assert [i for i, k in enumerate(role_keep([S, U, 5, S, A, 6, E], inc, {"assistant"}, "turn")) if k] == \
+        [3, 4, 5, 6]
