@@ -309,7 +309,9 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
     ffn = _first(text, ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"))
     ffn = ffn if isinstance(ffn, int) and ffn > 0 else 4 * hidden
     layers = _positive({"num_hidden_layers": layer_count(text)}, ("num_hidden_layers",), source)
-    vocab = _positive(text, ("vocab_size",), source)
+    vocab = _positive(text, ("vocab_size",), source, default=None if "vocab_size" in text else getattr(
+        hf_config(cfg, trust_remote_code=trust_remote_code, model_dir=model_dir).get_text_config(), "vocab_size",
+        None))  # unset: transformers' default for the config class (Gemma 3's text config leaves it out)
     arch = (cfg.get("architectures") or [facts["cls"]])[0]
     kinds = text.get("layer_types")
     window = text.get("sliding_window")

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from adapter.errors import bad
 
+# Axolotl's image-text formats not written as records yet (adapter/data/sft/multimodal.STRATEGIES), by chat template
+# name and by processor class (Axolotl picks the format by them)
+UNBUILT_TEMPLATES = ("gemma3n", "gemma4", "gemma4_unified", "pixtral", "mistral_v7_tekken")
+UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor", "Glm4vProcessor", "Glm46VProcessor",
+                      "InternVLProcessor", "PaddleOCRVLProcessor")
+
 
 def check(cfg, arch) -> None:
     """What an image-text run does not build yet, each refused in one line (plan says it too): a checkpoint without
@@ -13,6 +19,14 @@ def check(cfg, arch) -> None:
     from adapter.config import spell
 
     p, key, value = cfg.parallelism, spell(cfg, "data.processor_type"), cfg.data.processor_type
+    if cfg.data.chat_template in UNBUILT_TEMPLATES:
+        raise bad(spell(cfg, "data.chat_template"), cfg.data.chat_template, f"the {cfg.data.chat_template} "
+                  "image-text format (its role markers and media tokens) is not built for processor_type runs",
+                  "run this config with Axolotl")
+    cls = processor_class(cfg.model.path)
+    if cls in UNBUILT_PROCESSORS:
+        raise bad(key, value, f"{cls}'s image-text format (its media tokens) is not built",
+                  "run this config with Axolotl")
     if not arch.image_text:
         raise bad(key, value, f"{arch.architecture} has no vision or audio tower for the processor to feed",
                   "remove processor_type (and skip_prepare_dataset) to train on text conversations")
@@ -30,4 +44,26 @@ def check(cfg, arch) -> None:
             raise bad(key, value, f"{what} is not built", fix)
 
 
-__all__ = ["check"]
+def processor_class(model_path) -> str | None:
+    """The processor class the checkpoint's processor files name (read as JSON: no processor is built)."""
+    import json
+
+    from adapter.models.source import model_dir
+
+    try:
+        d = model_dir(model_path)
+    except Exception:  # (the model's path is checked, in one line, where it is read)
+        return None
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = d / name
+        if f.is_file():
+            try:
+                cls = json.loads(f.read_text()).get("processor_class")
+            except (OSError, ValueError):
+                continue
+            if isinstance(cls, str):
+                return cls
+    return None
+
+
+__all__ = ["UNBUILT_TEMPLATES", "UNBUILT_PROCESSORS", "check", "processor_class"]

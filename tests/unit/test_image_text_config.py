@@ -48,6 +48,7 @@ def test_axolotl_vision_example_plans_on_the_transformers_engine(tmp_path):
     ({"lora_target_linear": True}, "lora_target_linear beside image-text rows"),
     ({"sample_packing": True}, "image-text rows are batched by the processor, not packed"),
     ({"rl": "dpo"}, "dpo on image-text rows is not built"),
+    ({"chat_template": "pixtral"}, "chat_template='pixtral': the pixtral image-text format"),
 ])
 def test_what_image_text_runs_do_not_build_is_one_line(tmp_path, over, says):
     from tests.helpers.axolotl_home import with_local_model

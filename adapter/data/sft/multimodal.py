@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from adapter.errors import bad
+from adapter.models.image_text import UNBUILT_PROCESSORS, UNBUILT_TEMPLATES
 
 # role markers: (role, start, end, include_start, include_end); an empty end runs to the end of the sequence
 Marker = tuple[str, str, str, bool, bool]
@@ -55,10 +56,6 @@ STRATEGIES: dict[str, Strategy] = {
     "llama4": Strategy(_turns("<|header_start|>{}<|header_end|>\n\n", "<|eot|>", _LLAMA_ROLES)),
     "smolvlm2": Strategy((), ("<image>",)),
 }
-# Axolotl's formats not written here (their own markers or media rules): refused in one line
-UNBUILT_TEMPLATES = ("gemma3n", "gemma4", "gemma4_unified", "pixtral", "mistral_v7_tekken")
-UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor", "Glm4vProcessor", "Glm46VProcessor",
-                      "InternVLProcessor", "PaddleOCRVLProcessor")
 TRAIN_ON_EOS = ("turn", "all", "none", "last")
 RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 
