@@ -7,9 +7,8 @@ from adapter.errors import bad
 
 # Axolotl's image-text formats not written as records yet (adapter/data/sft/multimodal.STRATEGIES), by chat template
 # name and by processor class (Axolotl picks the format by them)
-UNBUILT_TEMPLATES = ("gemma3n", "gemma4", "gemma4_unified", "pixtral", "mistral_v7_tekken")
-UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor", "Glm4vProcessor", "Glm46VProcessor",
-                      "InternVLProcessor", "PaddleOCRVLProcessor")
+UNBUILT_TEMPLATES = ("gemma3n", "gemma4", "gemma4_unified")
+UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor")
 
 
 def check(cfg, arch) -> None:

@@ -48,7 +48,7 @@ def test_axolotl_vision_example_plans_on_the_transformers_engine(tmp_path):
     ({"lora_target_linear": True}, "lora_target_linear beside image-text rows"),
     ({"sample_packing": True}, "image-text rows are batched by the processor, not packed"),
     ({"rl": "dpo"}, "dpo on image-text rows is not built"),
-    ({"chat_template": "pixtral"}, "chat_template='pixtral': the pixtral image-text format"),
+    ({"chat_template": "gemma4"}, "chat_template='gemma4': the gemma4 image-text format"),
 ])
 def test_what_image_text_runs_do_not_build_is_one_line(tmp_path, over, says):
     from tests.helpers.axolotl_home import with_local_model
@@ -73,3 +73,28 @@ def test_role_markers_scan_as_axolotl():
     inc = [("user", [S, U], [S, A], False, False), ("assistant", [S, A], [E], True, True)]  # a shared marker
     assert [i for i, k in enumerate(role_keep([S, U, 5, S, A, 6, E], inc, {"assistant"}, "turn")) if k] == \
         [3, 4, 5, 6]
+
+
+def test_formats_are_picked_as_axolotl_picks_them():
+    """The chat template's name, else the processor's class (PaddleOCR-VL's first), else the base format; each
+    record's markers resolved on a tokenizer ("<eos>": its EOS id; a marker that does not encode is dropped)."""
+    from types import SimpleNamespace
+
+    from adapter.data.sft.multimodal import STRATEGIES, boundaries, media_ids, strategy_name
+
+    def proc(name, **attrs):
+        return type(name, (), attrs)()
+
+    assert strategy_name("qwen2_vl", proc("Qwen2VLProcessor")) == "qwen2_vl"
+    assert strategy_name("llava", proc("LlavaProcessor")) == "base"
+    assert strategy_name(None, proc("Glm46VProcessor")) == "glm4v"
+    assert strategy_name("qwen2_vl", proc("PaddleOCRVLProcessor")) == "paddleocr_vl"
+    assert strategy_name(None, proc("SmolVLMProcessor")) == "smolvlm2"
+    vocab = {"[INST]": 5, "[/INST]": 6, "[IMG]": 7}
+    tok = SimpleNamespace(eos_token_id=2, unk_token_id=0, encode=lambda s, add_special_tokens: [vocab[s]] if s in
+                          vocab else [], convert_tokens_to_ids=lambda t: vocab.get(t, 0))
+    assert boundaries(STRATEGIES["pixtral"], tok) == [("user", [5], [6], False, False),
+                                                      ("assistant", [6], [2], False, True)]
+    assert boundaries(STRATEGIES["mistral_v7_tekken"], tok) == boundaries(STRATEGIES["pixtral"], tok)  # no system
+    assert media_ids(STRATEGIES["pixtral"], SimpleNamespace(tokenizer=tok, image_token="[IMG]")) == [7]
+    assert media_ids(STRATEGIES["internvl"], SimpleNamespace(tokenizer=tok, image_ids=[11, 12])) == [11, 12]

@@ -26,7 +26,8 @@ import numpy as np
 from adapter.errors import bad
 from adapter.models.image_text import UNBUILT_PROCESSORS, UNBUILT_TEMPLATES
 
-# role markers: (role, start, end, include_start, include_end); an empty end runs to the end of the sequence
+# role markers: (role, start, end, include_start, include_end); an empty end runs to the end of the sequence, "<eos>"
+# is the tokenizer's EOS id
 Marker = tuple[str, str, str, bool, bool]
 
 
@@ -34,7 +35,8 @@ Marker = tuple[str, str, str, bool, bool]
 class Strategy:
     """One of Axolotl's ProcessingStrategy classes as data: its role markers and the tokens never trained."""
     markers: tuple[Marker, ...] = ()
-    media: tuple[str, ...] = ("<processor.image_token>",)  # token strings; "<processor.x>": the processor's x
+    media: tuple[str, ...] = ("<processor.image_token>",)  # token strings; "<processor.x>": the processor's x (a
+    # token, or a list of token ids)
     soft_token_fallback: int | None = None  # Gemma 3: <image_soft_token>'s id where the vocabulary lacks it
 
 
@@ -45,6 +47,8 @@ def _turns(fmt: str, end: str, roles: tuple[str, ...], names: dict[str, str] | N
 
 _CHATML = _turns("<|im_start|>{}\n", "<|im_end|>", ("system", "user", "assistant"))
 _LLAMA_ROLES = ("system", "user", "assistant", "ipython", "tool")
+# Pixtral's [/INST] ends the user turn and opens the assistant's: the user's end is not consumed
+_INST = (("user", "[INST]", "[/INST]", False, False), ("assistant", "[/INST]", "<eos>", False, True))
 STRATEGIES: dict[str, Strategy] = {
     "base": Strategy(),
     "qwen2_vl": Strategy(_CHATML, ("<|image_pad|>",)),
@@ -54,8 +58,19 @@ STRATEGIES: dict[str, Strategy] = {
                        ("<tokenizer.boi_token>", "<image_soft_token>"), soft_token_fallback=262144),
     "llama3_2_vision": Strategy(_turns("<|start_header_id|>{}<|end_header_id|>\n\n", "<|eot_id|>", _LLAMA_ROLES)),
     "llama4": Strategy(_turns("<|header_start|>{}<|header_end|>\n\n", "<|eot|>", _LLAMA_ROLES)),
+    "pixtral": Strategy(_INST),
+    "mistral_v7_tekken": Strategy((("system", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", False, True), *_INST)),
     "smolvlm2": Strategy((), ("<image>",)),
+    "glm4v": Strategy((), ("<|image|>", "<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>",
+                           "<|end_of_video|>")),
+    "internvl": Strategy((), ("<processor.image_ids>",)),
+    "paddleocr_vl": Strategy((("user", "User:", "Assistant:\n", False, False),
+                              ("assistant", "Assistant:\n", "<eos>", False, True))),
 }
+# the formats Axolotl picks by the processor's class where the chat template names none of the above (PaddleOCR-VL's
+# before the template: Axolotl's model-support registry)
+BY_PROCESSOR = {"SmolVLMProcessor": "smolvlm2", "Glm4vProcessor": "glm4v", "Glm46VProcessor": "glm4v",
+                "InternVLProcessor": "internvl", "PaddleOCRVLProcessor": "paddleocr_vl"}
 TRAIN_ON_EOS = ("turn", "all", "none", "last")
 RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 
@@ -65,13 +80,15 @@ def strategy_name(chat_template: str | None, processor) -> str:
     if chat_template in UNBUILT_TEMPLATES:
         raise bad("chat_template", chat_template, f"the {chat_template} image-text format (its role markers and media "
                   "tokens) is not built for processor_type runs", f"use one of {', '.join(STRATEGIES)}")
+    cls = type(processor).__name__
+    if cls == "PaddleOCRVLProcessor":
+        return BY_PROCESSOR[cls]
     if chat_template in STRATEGIES:
         return chat_template
-    cls = type(processor).__name__
     if cls in UNBUILT_PROCESSORS:
         raise bad("processor_type", cls, f"{cls}'s image-text format (its media tokens) is not built",
                   "run this config with Axolotl")
-    return "smolvlm2" if cls == "SmolVLMProcessor" else "base"
+    return BY_PROCESSOR.get(cls, "base")
 
 
 def media_ids(strategy: Strategy, processor) -> list[int]:
@@ -84,6 +101,9 @@ def media_ids(strategy: Strategy, processor) -> list[int]:
             m = getattr(owner, attr, None)
             if m is None:
                 continue
+            if isinstance(m, (list, tuple)):  # ids already (InternVL's image_ids)
+                out += [int(i) for i in m if i is not None]
+                continue
         i = tok.convert_tokens_to_ids(m)
         if i is None or i == getattr(tok, "unk_token_id", None):
             if strategy.soft_token_fallback is not None and m == "<image_soft_token>":
@@ -94,13 +114,15 @@ def media_ids(strategy: Strategy, processor) -> list[int]:
 
 
 def boundaries(strategy: Strategy, tok) -> list[tuple[str, list[int], list[int], bool, bool]]:
-    """The markers as token ids (`encode(..., add_special_tokens=False)`); a start that encodes to nothing is
-    dropped, and without the end marker the format has no role boundaries (Axolotl's _build_role_boundaries)."""
+    """The markers as token ids (`encode(..., add_special_tokens=False)`; "<eos>": the EOS id); a marker whose start
+    or end encodes to nothing is dropped (Axolotl's _build_role_boundaries)."""
     out = []
     for role, start, end, inc_start, inc_end in strategy.markers:
-        end_ids = tok.encode(end, add_special_tokens=False) if end else []
+        eos = getattr(tok, "eos_token_id", None)
+        end_ids = ([eos] if eos is not None else []) if end == "<eos>" else \
+            tok.encode(end, add_special_tokens=False) if end else []
         if end and not end_ids:
-            return []
+            continue
         start_ids = tok.encode(start, add_special_tokens=False)
         if start_ids:
             out.append((role, start_ids, end_ids, inc_start, inc_end))
