@@ -725,8 +725,13 @@ def test_dpo_at_exact_hsdp_and_qlora_on_both_engines(tmp_path):
                            tmp_path / "adapter")
     got = run_workers(_four, 4, str(model), str(data), str(tmp_path), str(adapter), str(model64), timeout=400)[0]
     for a, b in (("hsdp", "zero3"), ("qlora", "qlora hf")):
-        flat_a = [*got[a][0], *(r[k] for r in got[a][1] for k in METRICS)]
-        flat_b = [*got[b][0], *(r[k] for r in got[b][1] for k in METRICS)]
+        # accuracy counts r_chosen > r_rejected: where both rewards are zero to within fp32 noise (step 1 from a
+        # saved adapter, the policy still its reference) the comparison is a coin toss of the CPU's rounding
+        ties = [i for i, r in enumerate(got[b][1]) if max(abs(r["rewards/chosen"]), abs(r["rewards/rejected"])) < 1e-5]
+        flat_a = [*got[a][0], *(r[k] for i, r in enumerate(got[a][1]) for k in METRICS
+                                if not (k == "rewards/accuracies" and i in ties))]
+        flat_b = [*got[b][0], *(r[k] for i, r in enumerate(got[b][1]) for k in METRICS
+                                if not (k == "rewards/accuracies" and i in ties))]
         bad = [(i, x, y) for i, (x, y) in enumerate(zip(flat_a, flat_b)) if abs(x - y) > 1e-5 * max(1.0, abs(y))]
         assert len(flat_a) == len(flat_b) and not bad, (a, b, bad)
     assert "Megatron-Core layers" in got["qlora"][2][0] and "transformers' own" in got["qlora hf"][2][0], got

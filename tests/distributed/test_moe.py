@@ -141,7 +141,10 @@ def _grouped_vs_loop(ids, ckpt):
     assert len(calls) == 4 * arch.num_layers and ga.keys() == gb.keys()  # fc1 and fc2 of every layer, grouped
     return {"loss": (a - b).abs().item(), "grads": max((ga[n] - gb[n]).abs().max().item() for n in ga),
             "compiled_loss": ((a - c).abs() / a.abs()).item(),  # a sum over every token: relative
-            "compiled_grads": max((ga[n] - gc[n]).abs().max().item() for n in ga)}
+            # relative to the largest gradient: inductor's CPU code reorders the sums by the machine's vector width
+            # (1.0e-5 absolute on one CI machine, under it on another)
+            "compiled_grads": max((ga[n] - gc[n]).abs().max().item() for n in ga) /
+            max(ga[n].abs().max().item() for n in ga)}
 
 
 def _local_vs_megatron(ids, ckpt):
