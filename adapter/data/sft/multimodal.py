@@ -371,12 +371,13 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
 
 
 def _without_images(ds) -> int:
-    """Rows whose `images` / `image` column is missing, null or empty (read from the arrow table: nothing decoded)."""
+    """Rows whose `images` / `image` column is null or empty (read from the arrow table: nothing decoded). Without
+    such a column the images are in the messages' content, which is not read ahead: 0."""
     import pyarrow.compute as pc
 
     key = next((k for k in ("images", "image") if k in ds.column_names), None)
     if key is None:
-        return len(ds)
+        return 0
     col = ds.data.column(key)
     n = pc.list_value_length(col) if hasattr(col.type, "value_type") else pc.if_else(pc.is_null(col), 0, 1)
     return int(pc.sum(pc.fill_null(pc.equal(n, 0), True)).as_py() or 0)
