@@ -7,7 +7,7 @@ from adapter.errors import bad
 
 # Axolotl's image-text formats not written as records yet (adapter/data/sft/multimodal.STRATEGIES), by chat template
 # name and by processor class (Axolotl picks the format by them)
-UNBUILT_TEMPLATES = ("gemma3n", "gemma4", "gemma4_unified")
+UNBUILT_TEMPLATES = ("gemma3n",)
 UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor")
 
 

@@ -48,7 +48,7 @@ def test_axolotl_vision_example_plans_on_the_transformers_engine(tmp_path):
     ({"lora_target_linear": True}, "lora_target_linear beside image-text rows"),
     ({"sample_packing": True}, "image-text rows are batched by the processor, not packed"),
     ({"rl": "dpo"}, "dpo on image-text rows is not built"),
-    ({"chat_template": "gemma4"}, "chat_template='gemma4': the gemma4 image-text format"),
+    ({"chat_template": "gemma3n"}, "chat_template='gemma3n': the gemma3n image-text format"),
 ])
 def test_what_image_text_runs_do_not_build_is_one_line(tmp_path, over, says):
     from tests.helpers.axolotl_home import with_local_model
@@ -90,6 +90,7 @@ def test_formats_are_picked_as_axolotl_picks_them():
     assert strategy_name(None, proc("Glm46VProcessor")) == "glm4v"
     assert strategy_name("qwen2_vl", proc("PaddleOCRVLProcessor")) == "paddleocr_vl"
     assert strategy_name(None, proc("SmolVLMProcessor")) == "smolvlm2"
+    assert strategy_name("gemma4_unified", proc("Gemma4Processor")) == "gemma4"
     vocab = {"[INST]": 5, "[/INST]": 6, "[IMG]": 7}
     tok = SimpleNamespace(eos_token_id=2, unk_token_id=0, encode=lambda s, add_special_tokens: [vocab[s]] if s in
                           vocab else [], convert_tokens_to_ids=lambda t: vocab.get(t, 0))
@@ -98,3 +99,6 @@ def test_formats_are_picked_as_axolotl_picks_them():
     assert boundaries(STRATEGIES["mistral_v7_tekken"], tok) == boundaries(STRATEGIES["pixtral"], tok)  # no system
     assert media_ids(STRATEGIES["pixtral"], SimpleNamespace(tokenizer=tok, image_token="[IMG]")) == [7]
     assert media_ids(STRATEGIES["internvl"], SimpleNamespace(tokenizer=tok, image_ids=[11, 12])) == [11, 12]
+    tok.image_token_id, tok.audio_token_id = 13, 0  # (0: the unknown token's id, as a missing one resolves)
+    assert media_ids(STRATEGIES["gemma4"], SimpleNamespace(tokenizer=tok, image_token="[IMG]", boi_token="[INST]",
+                                                           video_token_id=14)) == [7, 13, 5, 14]

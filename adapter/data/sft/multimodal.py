@@ -58,6 +58,11 @@ STRATEGIES: dict[str, Strategy] = {
                        ("<tokenizer.boi_token>", "<image_soft_token>"), soft_token_fallback=262144),
     "llama3_2_vision": Strategy(_turns("<|start_header_id|>{}<|end_header_id|>\n\n", "<|eot_id|>", _LLAMA_ROLES)),
     "llama4": Strategy(_turns("<|header_start|>{}<|header_end|>\n\n", "<|eot|>", _LLAMA_ROLES)),
+    # Gemma 4: its turn markers; every media token and delimiter the processor and tokenizer name
+    "gemma4": Strategy(_turns("<|turn>{}\n", "<turn|>", ("assistant", "user", "system"), {"assistant": "model"}),
+                       ("<processor.image_token>", "<tokenizer.image_token_id>", "<tokenizer.audio_token_id>",
+                        "<processor.boi_token>", "<processor.eoi_token>", "<processor.boa_token>",
+                        "<processor.eoa_token>", "<processor.video_token_id>")),
     "pixtral": Strategy(_INST),
     "mistral_v7_tekken": Strategy((("system", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", False, True), *_INST)),
     "smolvlm2": Strategy((), ("<image>",)),
@@ -85,6 +90,8 @@ def strategy_name(chat_template: str | None, processor) -> str:
         return BY_PROCESSOR[cls]
     if chat_template in STRATEGIES:
         return chat_template
+    if chat_template == "gemma4_unified":  # Gemma 4's turns and media tokens (Axolotl's subclass changes nothing)
+        return "gemma4"
     if cls in UNBUILT_PROCESSORS:
         raise bad("processor_type", cls, f"{cls}'s image-text format (its media tokens) is not built",
                   "run this config with Axolotl")
@@ -103,6 +110,9 @@ def media_ids(strategy: Strategy, processor) -> list[int]:
                 continue
             if isinstance(m, (list, tuple)):  # ids already (InternVL's image_ids)
                 out += [int(i) for i in m if i is not None]
+                continue
+            if isinstance(m, int):  # an id (Gemma 4's image_token_id, ...)
+                out += [m] if m != getattr(tok, "unk_token_id", None) else []
                 continue
         i = tok.convert_tokens_to_ids(m)
         if i is None or i == getattr(tok, "unk_token_id", None):
