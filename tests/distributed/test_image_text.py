@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import run_workers
-from tests.helpers.image_text import ANSWERS, gemma3_vlm, rows
+from tests.helpers.image_text import ANSWERS, gemma3_vlm, reference, rows
 from tests.helpers.sft_data import write_jsonl
 
 pytestmark = pytest.mark.slow
 WORLD, MB, GA, STEPS, LR, N, VAL = 2, 2, 2, 3, 2e-3, 14, 2
-SIZE = 28  # the tiny tower's vision_config.image_size
 REGEX = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
 RUNS = {"full": ({}, 3), "frozen towers": ({"freeze_mm_modules": True}, 2),
         "lora": ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
@@ -54,94 +53,6 @@ def _worker(rank, world, model, data, root):
                     log=lines.append)
         out[name] = (res.losses, res.eval_losses, lines)
     return out
-
-
-def _batch(processor, rows: list[dict]):
-    """A micro-batch as the reference builds it: the image at the placeholder, the processor's rendering, labels
-    by the format's rule (module docstring)."""
-    import torch
-    from PIL import Image, ImageOps
-
-    convs = []
-    for r in rows:
-        msgs = json.loads(json.dumps(r["messages"]))
-        for m in msgs:
-            m["content"] = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
-            for c in m["content"]:
-                if c.get("type") == "image":  # letterboxed to the tower's image_size, as Axolotl fills it in
-                    img = Image.open(r["images"][0]).convert("RGB")
-                    c["image"] = ImageOps.pad(img, (SIZE, SIZE), method=Image.Resampling.BILINEAR, color=(0, 0, 0))
-        convs.append(msgs)
-    b = processor.apply_chat_template(convs, add_generation_prompt=False, tokenize=True, return_tensors="pt",
-                                      return_dict=True, processor_kwargs={"padding": True})
-    tok = processor.tokenizer
-    start = tok.encode("<start_of_turn>model\n", add_special_tokens=False)
-    end = tok.convert_tokens_to_ids("<end_of_turn>")
-    labels = torch.full_like(b["input_ids"], -100)
-    for i, ids in enumerate(b["input_ids"].tolist()):
-        j = 0
-        while j < len(ids):
-            if ids[j:j + len(start)] == start:
-                k = j + len(start)
-                while k < len(ids) and ids[k] != end:
-                    labels[i, k] = ids[k]
-                    k += 1
-                if k < len(ids):
-                    labels[i, k] = end
-                j = k
-            j += 1
-    media = {tok.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<image_soft_token>")}
-    for t in media | {tok.pad_token_id}:
-        labels[b["input_ids"] == t] = -100
-    return b, labels
-
-
-def _reference(model_dir: Path, data_rows, order, held, kind: str):
-    """transformers' model (PEFT's for LoRA) trained on `order` (per step: the micro-batches of every rank, each a
-    list of rows): losses per step, and the held-out loss (Σ over its tokens / their count) after the last."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(str(model_dir))
-    processor.tokenizer.chat_template = processor.chat_template
-    model = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
-    if kind == "frozen towers":  # Axolotl's freeze_mm_modules
-        for n, p in model.named_parameters():
-            if {"vision_tower", "multi_modal_projector"} & set(n.split(".")):
-                p.requires_grad_(False)
-    if kind == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(42)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=REGEX))
-    model.train()  # as transformers' Trainer trains it
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-    def sums(micro):
-        b, labels = _batch(processor, micro)
-        logits = model(**b).logits.float()
-        target = labels[:, 1:]
-        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
-        return ce, int((target != -100).sum())
-
-    losses = []
-    for step in order:
-        parts = [_batch(processor, m)[1][:, 1:].ne(-100).sum().item() for m in step]
-        count = sum(parts)
-        total = 0.0
-        for m in step:
-            ce, _ = sums(m)
-            (ce / count).backward()
-            total += float(ce.detach()) / count
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    model.eval()
-    with torch.no_grad():
-        ce, n = sums(held)
-    return losses, float(ce) / n, model
 
 
 def test_image_text_sft_matches_transformers(tmp_path):
@@ -179,7 +90,8 @@ def test_image_text_sft_matches_transformers(tmp_path):
     held = [held_set.rows[i] for i in range(len(held_set))]
     for name in RUNS:
         losses, evals, lines = got[name]
-        want, want_eval, _ = _reference(model, data_rows, order, held, name)
+        want, want_eval, _ = reference(model, order, held, lr=LR, freeze_towers=name == "frozen towers",
+                                       lora=REGEX if name == "lora" else None)
         assert len(losses) == STEPS and np.allclose(losses, want, rtol=1e-5, atol=0), (name, losses, want)
         assert abs(want[-1] - want[0]) > 1e-3, want  # it trained
         assert any("an image-text run" in ln for ln in lines), lines

@@ -4,9 +4,11 @@ template), and image-text rows of Axolotl's multimodal format: `messages` with a
 `images` column of PNG paths."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ANSWERS = ["the cat sat", "on the mat", "hello world", "the mat sat on the cat"]
+SIZE = 28  # the tiny tower's vision_config.image_size
 
 
 def gemma3_vlm(root: Path, seed: int = 0) -> Path:
@@ -82,4 +84,96 @@ def rows(root: Path, n: int, text_only: bool = False) -> list[dict]:
     return out
 
 
-__all__ = ["ANSWERS", "gemma3_vlm", "rows"]
+def batch(processor, rows: list[dict], size: int = SIZE):
+    """A micro-batch as the reference builds it: the image at the placeholder, the processor's rendering, labels
+    by the format's rule (module docstring)."""
+    import torch
+    from PIL import Image, ImageOps
+
+    convs = []
+    for r in rows:
+        msgs = json.loads(json.dumps(r["messages"]))
+        for m in msgs:
+            m["content"] = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
+            for c in m["content"]:
+                if c.get("type") == "image":  # letterboxed to the tower's image_size, as Axolotl fills it in
+                    img = Image.open(r["images"][0]).convert("RGB")
+                    c["image"] = ImageOps.pad(img, (size, size), method=Image.Resampling.BILINEAR, color=(0, 0, 0))
+        convs.append(msgs)
+    b = processor.apply_chat_template(convs, add_generation_prompt=False, tokenize=True, return_tensors="pt",
+                                      return_dict=True, processor_kwargs={"padding": True})
+    tok = processor.tokenizer
+    start = tok.encode("<start_of_turn>model\n", add_special_tokens=False)
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    labels = torch.full_like(b["input_ids"], -100)
+    for i, ids in enumerate(b["input_ids"].tolist()):
+        j = 0
+        while j < len(ids):
+            if ids[j:j + len(start)] == start:
+                k = j + len(start)
+                while k < len(ids) and ids[k] != end:
+                    labels[i, k] = ids[k]
+                    k += 1
+                if k < len(ids):
+                    labels[i, k] = end
+                j = k
+            j += 1
+    media = {tok.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<image_soft_token>")}
+    for t in media | {tok.pad_token_id}:
+        labels[b["input_ids"] == t] = -100
+    return b, labels
+
+
+def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = False, lora: str | None = None,
+              device: str = "cpu"):
+    """transformers' model (PEFT's for LoRA on the modules the regex `lora` names; the towers and projector frozen
+    with `freeze_towers`, as Axolotl's freeze_mm_modules) trained on `order` (per step: the micro-batches of every
+    rank, each a list of rows) with AdamW (Axolotl's betas, no decay): losses per step, and the held-out loss (Σ over
+    its tokens / their count) after the last, and the model."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    processor.tokenizer.chat_template = processor.chat_template
+    model = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    if freeze_towers:  # Axolotl's freeze_mm_modules
+        for n, p in model.named_parameters():
+            if {"vision_tower", "multi_modal_projector"} & set(n.split(".")):
+                p.requires_grad_(False)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(42)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=lora))
+    model.train()  # as transformers' Trainer trains it
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    def sums(micro):
+        b, labels = batch(processor, micro)
+        b, labels = b.to(device), labels.to(device)
+        logits = model(**b).logits.float()
+        target = labels[:, 1:]
+        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+        return ce, int((target != -100).sum())
+
+    losses = []
+    for step in order:
+        parts = [batch(processor, m)[1][:, 1:].ne(-100).sum().item() for m in step]
+        count = sum(parts)
+        total = 0.0
+        for m in step:
+            ce, _ = sums(m)
+            (ce / count).backward()
+            total += float(ce.detach()) / count
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    model.eval()
+    with torch.no_grad():
+        ce, n = sums(held)
+    return losses, float(ce) / n, model
+
+
+__all__ = ["ANSWERS", "SIZE", "gemma3_vlm", "rows", "batch", "reference"]

@@ -1,0 +1,58 @@
+"""GPU host only: an image-text run (`processor_type`, Axolotl's multimodal path) on one GPU through nd-adapter's
+CUDA path (the transformers engine's Gemma3ForConditionalGeneration fed by the processor's tensors) against
+transformers' own model on the same GPU and micro-batches, fp32 with TF32 off on both sides: the same losses over 3
+steps and the same held-out loss. The exact semantics on CPU (ZeRO-3/2, freeze_mm_modules, LoRA):
+tests/distributed/test_image_text.py."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.dist import run_workers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+MB, GA, STEPS, LR, N, VAL = 2, 2, 3, 2e-3, 14, 2
+
+
+def _worker(rank, world, raw):
+    import torch
+
+    from adapter import config
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    init_distributed()
+    res = train(config.build(raw, env={}, world_size=world), log=lambda s: None)
+    return res.losses, res.eval_losses
+
+
+def test_image_text_run_on_cuda_follows_transformers(tmp_path):
+    import torch
+
+    from adapter import config
+    from adapter.data.sampler import DPSampler
+    from adapter.data.sft.multimodal import load
+    from tests.helpers.image_text import gemma3_vlm, reference, rows
+    from tests.helpers.sft_data import write_jsonl
+
+    assert torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = gemma3_vlm(tmp_path)
+    data = write_jsonl(tmp_path / "mm.jsonl", rows(tmp_path, N))
+    raw = {"base_model": str(model), "processor_type": "AutoProcessor", "skip_prepare_dataset": True,
+           "sample_packing": False, "chat_template": "gemma3",
+           "datasets": [{"path": str(data), "type": "chat_template"}],
+           "sequence_len": 256, "dataset_prepared_path": str(tmp_path / "prep"), "output_dir": str(tmp_path / "out"),
+           "val_set_size": VAL, "micro_batch_size": MB, "gradient_accumulation_steps": GA, "max_steps": STEPS,
+           "learning_rate": LR, "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+           "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
+    losses, evals = run_workers(_worker, 1, raw, timeout=600)[0]
+    cfg = config.build(raw, env={}, world_size=1)
+    train_set, held_set, _ = load(cfg, model, model, 10 ** 6)
+    it = iter(DPSampler(len(train_set), dp_rank=0, dp_size=1, micro_batch=MB, seed=cfg.data.seed))
+    order = [[[train_set.rows[int(i)] for i in next(it)] for _ in range(GA)] for _ in range(STEPS)]
+    want, want_eval, _ = reference(model, order, [held_set.rows[i] for i in range(len(held_set))], lr=LR,
+                                   device="cuda")
+    assert len(losses) == STEPS and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, want)), (losses, want)
+    assert evals and abs(evals[-1][1] - want_eval) <= 1e-4 * abs(want_eval), (evals, want_eval)
