@@ -28,8 +28,7 @@ RUNS = {"full": ({}, 3), "frozen towers": ({"freeze_mm_modules": True}, 2),
 
 
 def _raw(model: Path, data: Path, root: Path, name: str) -> dict:
-    extra, zero = RUNS[name]
-    (root / f"zero{zero}.json").write_text(json.dumps({"zero_optimization": {"stage": zero}}))
+    extra, zero = RUNS[name]  # (the DeepSpeed JSONs: written once by the test, before any rank reads them)
     return {"base_model": str(model), "processor_type": "AutoProcessor", "skip_prepare_dataset": True,
             "remove_unused_columns": False, "sample_packing": False, "chat_template": "gemma3",
             "datasets": [{"path": str(data), "type": "chat_template"}], "sequence_len": 256,
@@ -67,6 +66,8 @@ def test_image_text_sft_matches_transformers(tmp_path):
     model = gemma3_vlm(tmp_path)
     data_rows = rows(tmp_path, N)
     data = write_jsonl(tmp_path / "mm.jsonl", data_rows)
+    for zero in (2, 3):
+        (tmp_path / f"zero{zero}.json").write_text(json.dumps({"zero_optimization": {"stage": zero}}))
     got = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=900)[0]
 
     cfg = config.build(_raw(model, data, tmp_path, "full"), env={}, world_size=WORLD)
@@ -99,6 +100,10 @@ def test_image_text_sft_matches_transformers(tmp_path):
     assert any("freeze_mm_modules" in ln for ln in got["frozen towers"][2])
     assert set(ANSWERS) >= {r["messages"][-1]["content"] for r in data_rows}
 
+    # an image path that is not a file is said before training, in one line
+    gone = write_jsonl(tmp_path / "gone.jsonl", [{**data_rows[0], "images": [str(tmp_path / "no.png")]}, *data_rows])
+    with pytest.raises(UserError, match=r"1 image path\(s\) of the `images` column are not files"):
+        load(config.build(_raw(model, gone, tmp_path, "full"), env={}, world_size=WORLD), model, model, 10 ** 6)
     # under ZeRO-3 a row without an image is refused before training (its rank would skip the tower's gathers)
     mixed = write_jsonl(tmp_path / "mixed.jsonl", rows(tmp_path, N, text_only=True))
     with pytest.raises(UserError, match=r"processor_type='AutoProcessor': 7 row\(s\) without an image"):

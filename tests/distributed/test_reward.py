@@ -10,6 +10,7 @@ micro-batch). The pairs' tokens are checked against Axolotl's rule written out h
 whole conversation, an empty system turn where the row's system is empty)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,6 @@ def _raw(model: Path, data: Path, root: Path, zero: int, lora: bool = False) -> 
 
 
 def _worker(rank, world, model, data, root):
-    import json
-
     from adapter import config
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train
@@ -48,7 +47,6 @@ def _worker(rank, world, model, data, root):
     init_distributed()
     out = {}
     for zero in (3, 2):
-        Path(root, f"zero{zero}.json").write_text(json.dumps({"zero_optimization": {"stage": zero}}))
         lines: list[str] = []
         res = train(config.build(_raw(Path(model), Path(data), Path(root), zero), env={}, world_size=world),
                     log=lines.append)
@@ -79,13 +77,14 @@ def test_reward_model_matches_trl(tmp_path):
     model = reward_model(tmp_path)
     rows = bt_rows(16 + VAL)
     data = write_jsonl(tmp_path / "bt.jsonl", rows)
+    for zero in (3, 2):  # written once, before any rank reads them
+        (tmp_path / f"zero{zero}.json").write_text(json.dumps({"zero_optimization": {"stage": zero}}))
     got, (start, resumed, resumed_rewards) = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path),
                                                          timeout=600)[0]
     assert start == 2 and len(resumed) == 2, (start, resumed)  # a checkpoint at step 2 continues on the same curve
     for a, b in zip(resumed + [r["margin"] for r in resumed_rewards],
                     got[3][0][2:] + [r["margin"] for r in got[3][1][2:]], strict=True):
         assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (resumed, got[3][0])
-    (tmp_path / "zero3.json").write_text('{"zero_optimization": {"stage": 3}}')
     cfg = config.build(_raw(model, data, tmp_path, 3), env={}, world_size=WORLD)
     lines = got[3][4]
     said = [[ln for ln in got[z][4] if ln.startswith("optimizer: ")] for z in (3, 2)]

@@ -35,8 +35,8 @@ Marker = tuple[str, str, str, bool, bool]
 class Strategy:
     """One of Axolotl's ProcessingStrategy classes as data: its role markers and the tokens never trained."""
     markers: tuple[Marker, ...] = ()
-    media: tuple[str, ...] = ("<processor.image_token>",)  # token strings; "<processor.x>": the processor's x (a
-    # token, or a list of token ids)
+    media: tuple[str, ...] = ("<processor.image_token>",)  # token strings; "<processor.x>" / "<tokenizer.x>": that
+    # object's attribute x (a token, a token's id, or a list of ids), skipped where it has none
     soft_token_fallback: int | None = None  # Gemma 3: <image_soft_token>'s id where the vocabulary lacks it
 
 
@@ -76,7 +76,6 @@ STRATEGIES: dict[str, Strategy] = {
 # before the template: Axolotl's model-support registry)
 BY_PROCESSOR = {"SmolVLMProcessor": "smolvlm2", "Glm4vProcessor": "glm4v", "Glm46VProcessor": "glm4v",
                 "InternVLProcessor": "internvl", "PaddleOCRVLProcessor": "paddleocr_vl"}
-TRAIN_ON_EOS = ("turn", "all", "none", "last")
 RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 
 
@@ -228,7 +227,12 @@ def normalise(row: dict, *, fields: tuple[str, ...], image_size, resample: str) 
         value = row[key]
         if not isinstance(value, (list, tuple)) or not value:
             raise bad("datasets", key, f"the `{key}` column must hold a list of images", f"write {key}: [path]")
-        img = load_image(value[0])
+        try:
+            img = load_image(value[0])
+        except (OSError, ValueError) as e:  # a missing file, an offline URL, bytes PIL cannot read
+            raise bad("datasets", str(value[0])[:120], f"an image that does not load ({str(e).splitlines()[0][:120]})",
+                      "give a readable file (a relative path is read from the working directory, as Axolotl reads "
+                      "it), or embed the image in the dataset") from None
         img = ImageOps.exif_transpose(img).convert("RGB") if isinstance(img, Image.Image) else img
         if image_size is not None:
             method = getattr(Image.Resampling, resample)
@@ -357,6 +361,11 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
         loaded = [sources.load(sources.resolve(e, f"{'test_' if test else ''}datasets[{i}]"), e, Path(keep.name))
                   for i, e in enumerate(entries)]
         parts.append(datasets.concatenate_datasets(loaded) if len(loaded) > 1 else (loaded[0] if loaded else None))
+    for p in parts:  # image paths that do not exist: said now, not at the step that reaches them
+        missing = _missing_files(p) if p is not None else []
+        if missing:
+            raise bad("datasets", missing[0], f"{len(missing)} image path(s) of the `images` column are not files",
+                      "fix the paths (a relative one is read from the working directory, as Axolotl reads it)")
     bare = sum(_without_images(p) for p in parts if p is not None) if zero3 else 0
     if bare:
         raise bad(spell(cfg, "data.processor_type"), name, f"{bare} row(s) without an image (an empty `images` "
@@ -410,6 +419,23 @@ def debug_lines(rows: MultimodalRows, samples: int) -> list[str]:
     return out
 
 
+def _missing_files(ds) -> list[str]:
+    """The `images` / `image` column's string entries that are neither a file, a URL nor inline data (read from the
+    arrow table; embedded images are not strings)."""
+    import os
+
+    key = next((k for k in ("images", "image") if k in ds.column_names), None)
+    if key is None:
+        return []
+    out = []
+    for value in ds.data.column(key).to_pylist():
+        for v in (value if isinstance(value, list) else [value])[:1]:  # (the first image is the one used)
+            if isinstance(v, str) and not v.startswith(("http://", "https://", "data:")) and len(v) < 4096 \
+                    and not os.path.isfile(v):
+                out.append(v)
+    return out
+
+
 def templates_prefix(cfg) -> str:
     return "" if cfg.source == "axolotl" else "data."
 
@@ -419,5 +445,5 @@ def media_kwargs(batch: dict) -> dict[str, Any]:
     return {k[3:]: v for k, v in batch.items() if k.startswith("mm_")}
 
 
-__all__ = ["Strategy", "STRATEGIES", "TRAIN_ON_EOS", "RESAMPLE", "strategy_name", "media_ids", "boundaries",
+__all__ = ["Strategy", "STRATEGIES", "BY_PROCESSOR", "RESAMPLE", "strategy_name", "media_ids", "boundaries",
            "role_keep", "normalise", "MultimodalRows", "load", "debug_lines", "media_kwargs"]
