@@ -8,23 +8,10 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.dist import run_workers
+from tests.helpers.runs import cuda_train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MB, GA, STEPS, LR, N, VAL = 2, 2, 3, 2e-3, 14, 2
-
-
-def _worker(rank, world, raw):
-    import torch
-
-    from adapter import config
-    from adapter.train.engine import init_distributed
-    from tests.helpers.runs import train
-
-    torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    init_distributed()
-    res = train(config.build(raw, env={}, world_size=world), log=lambda s: None)
-    return res.losses, res.eval_losses
 
 
 def test_image_text_run_on_cuda_follows_transformers(tmp_path):
@@ -47,7 +34,7 @@ def test_image_text_run_on_cuda_follows_transformers(tmp_path):
            "val_set_size": VAL, "micro_batch_size": MB, "gradient_accumulation_steps": GA, "max_steps": STEPS,
            "learning_rate": LR, "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
            "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
-    losses, evals = run_workers(_worker, 1, raw, timeout=600)[0]
+    losses, evals = run_workers(cuda_train, 1, raw, ("losses", "eval_losses"), timeout=600)[0]
     cfg = config.build(raw, env={}, world_size=1)
     train_set, held_set, _ = load(cfg, model, model, 10 ** 6)
     it = iter(DPSampler(len(train_set), dp_rank=0, dp_size=1, micro_batch=MB, seed=cfg.data.seed))

@@ -8,23 +8,10 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.dist import run_workers
+from tests.helpers.runs import cuda_train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 SEQ, LR, STEPS, GA, CENTER = 64, 1e-2, 4, 4, 0.05
-
-
-def _worker(rank, world, raw):
-    import torch
-
-    from adapter import config
-    from adapter.train.engine import init_distributed
-    from tests.helpers.runs import train
-
-    torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    init_distributed()
-    res = train(config.build(raw, env={}, world_size=world), log=lambda s: None)
-    return res.losses, res.rewards
 
 
 def test_reward_model_on_cuda_follows_trl(tmp_path):
@@ -48,7 +35,7 @@ def test_reward_model_on_cuda_follows_trl(tmp_path):
            "micro_batch_size": 1, "gradient_accumulation_steps": GA, "max_steps": STEPS, "learning_rate": LR,
            "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0, "adam_epsilon": EPS,
            "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
-    losses, rewards = run_workers(_worker, 1, raw, timeout=600)[0]
+    losses, rewards = run_workers(cuda_train, 1, raw, ("losses", "rewards"), timeout=600)[0]
     tok = AutoTokenizer.from_pretrained(str(model))
     tok.pad_token = tok.pad_token or tok.eos_token
     template = templates.resolve_template("chatml", None, tok, "")

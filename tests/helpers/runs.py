@@ -26,3 +26,18 @@ def train(cfg, *, arch=None, **kw):
     from adapter.train.trainer import run
 
     return run(resolve_run(cfg, arch=arch), **kw)
+
+
+def cuda_train(rank, world, raw: dict, fields: tuple[str, ...]):
+    """A GPU test's rank (run_workers' function): `raw` trained on cuda:rank in fp32 with TF32 off (the reference
+    runs so too), the named fields of its result."""
+    import torch
+
+    from adapter import config
+    from adapter.train.engine import init_distributed
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    init_distributed()
+    res = train(config.build(raw, env={}, world_size=world), log=lambda s: None)
+    return tuple(getattr(res, f) for f in fields)
