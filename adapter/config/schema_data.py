@@ -114,12 +114,6 @@ class DataSection(Strict):
                                     or self.special_tokens.model_dump(exclude_none=True)):
             raise ValueError("data.mistral_common encodes with the checkpoint's own mistral-common vocabulary, to "
                              "which no token can be added: remove tokens / special_tokens / resize_vocab_to_32x")
-        if self.processor_type and (self.sample_packing or self.eval_sample_packing):
-            raise ValueError("data.processor_type: image-text rows are batched by the processor, not packed: set "
-                             "sample_packing: false (Axolotl's multimodal examples do)")
-        if self.processor_type and self.mistral_common:
-            raise ValueError("data.processor_type beside data.mistral_common: mistral-common's image-text processors "
-                             "are not built: remove tokenizer_use_mistral_common, or run this config with Axolotl")
         if self.test_datasets and self.val_set_size:
             raise ValueError("data.test_datasets and data.val_set_size both choose the eval set: give one "
                              "(Axolotl refuses both too)")

@@ -26,11 +26,11 @@ from adapter.modeling import hf_cp, hf_unpack
 from adapter.models.generic import for_class, hf_config, model_class, scoring_class_name
 from adapter.patches.hf_masks import documents, prepare
 
-# parameters of an image-text checkpoint's other towers (vision, audio and their projectors): frozen, as a text
-# fine-tune of such a checkpoint leaves them (Axolotl trains the language model on text rows)
 # Axolotl's freeze_mm_modules: a parameter whose dotted name has one of these components (utils/freeze.py)
 MM_MODULES = {"vision_tower", "vision_model", "vision_encoder", "embed_vision", "multi_modal_projector", "visual",
               "audio_tower", "audio_model", "embed_audio"}
+# parameters of an image-text checkpoint's other towers (vision, audio and their projectors): frozen, as a text
+# fine-tune of such a checkpoint leaves them (Axolotl trains the language model on text rows)
 OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_newline", "embed_vision",
                 "embed_audio", "mm_projector")
 

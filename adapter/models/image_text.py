@@ -12,12 +12,20 @@ UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor")
 
 
 def check(cfg, arch) -> None:
-    """What an image-text run does not build yet, each refused in one line (plan says it too): a checkpoint without
-    another tower, tp / cp / ep > 1, a preference objective, Liger's cross-entropy, compiled layers, and LoRA's
-    target_linear (Axolotl's list of every linear's name, the vision tower's among them)."""
+    """What an image-text run does not build yet, each refused in one line (plan says it too): packing,
+    mistral-common, the formats not written, a checkpoint without another tower, tp / cp / ep > 1, a preference
+    objective, Liger's cross-entropy, compiled layers, and LoRA's target_linear (Axolotl's list of every linear's
+    name, the vision tower's among them)."""
     from adapter.config import spell
 
     p, key, value = cfg.parallelism, spell(cfg, "data.processor_type"), cfg.data.processor_type
+    d = cfg.data
+    if d.sample_packing or d.eval_sample_packing:
+        raise bad(spell(cfg, "data.sample_packing"), True, "image-text rows are batched by the processor, not packed",
+                  "set sample_packing: false (Axolotl's multimodal examples do)")
+    if d.mistral_common:
+        raise bad(spell(cfg, "data.mistral_common"), True, "mistral-common's image-text processors are not built "
+                  "beside processor_type", "remove tokenizer_use_mistral_common, or run this config with Axolotl")
     if cfg.data.chat_template in UNBUILT_TEMPLATES:
         raise bad(spell(cfg, "data.chat_template"), cfg.data.chat_template, f"the {cfg.data.chat_template} "
                   "image-text format (its role markers and media tokens) is not built for processor_type runs",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -77,6 +76,11 @@ STRATEGIES: dict[str, Strategy] = {
 BY_PROCESSOR = {"SmolVLMProcessor": "smolvlm2", "Glm4vProcessor": "glm4v", "Glm46VProcessor": "glm4v",
                 "InternVLProcessor": "internvl", "PaddleOCRVLProcessor": "paddleocr_vl"}
 RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
+IMAGE_COLUMNS = ("images", "image")  # a row's image column, the first of these it has (Axolotl's)
+
+
+def _image_column(names) -> str | None:
+    return next((k for k in IMAGE_COLUMNS if k in names), None)
 
 
 def strategy_name(chat_template: str | None, processor) -> str:
@@ -222,7 +226,7 @@ def normalise(row: dict, *, fields: tuple[str, ...], image_size, resample: str) 
         raise bad("datasets", sorted(row), "a row without `messages` (or `conversations`, or the entry's "
                   "field_messages)", "give each row its conversation under messages")
     row["messages"] = [m for m in (_content(m) for m in row["messages"]) if m is not None]
-    key = next((k for k in ("images", "image") if k in row), None)
+    key = _image_column(row)
     if key is not None and row[key] is not None:
         value = row[key]
         if not isinstance(value, (list, tuple)) or not value:
@@ -330,6 +334,7 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
     from adapter.config import spell
     from adapter.data.sft import sources, templates
     from adapter.data.sft.preference import split
+    from adapter.data.sft.prepare import top_prefix
     from adapter.data.sft.tokenizer import load_tokenizer
 
     d = cfg.data
@@ -347,7 +352,7 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
                   "processor's files (preprocessor_config.json / processor_config.json)") from None
     processor.tokenizer = load_tokenizer(cfg, tokenizer_dir, vocab_size)
     choice = d.chat_template if d.chat_template != "tokenizer_default" else None
-    template = (templates.resolve_template(choice, d.chat_template_jinja, processor.tokenizer, templates_prefix(cfg))
+    template = (templates.resolve_template(choice, d.chat_template_jinja, processor.tokenizer, top_prefix(cfg))
                 if choice or d.chat_template_jinja else getattr(processor.tokenizer, "chat_template", None))
     strategy = strategy_name(choice, processor)
     size = d.image_size
@@ -394,7 +399,7 @@ def _without_images(ds) -> int:
     such a column the images are in the messages' content, which is not read ahead: 0."""
     import pyarrow.compute as pc
 
-    key = next((k for k in ("images", "image") if k in ds.column_names), None)
+    key = _image_column(ds.column_names)
     if key is None:
         return 0
     col = ds.data.column(key)
@@ -424,7 +429,7 @@ def _missing_files(ds) -> list[str]:
     arrow table; embedded images are not strings)."""
     import os
 
-    key = next((k for k in ("images", "image") if k in ds.column_names), None)
+    key = _image_column(ds.column_names)
     if key is None:
         return []
     out = []
@@ -436,14 +441,5 @@ def _missing_files(ds) -> list[str]:
     return out
 
 
-def templates_prefix(cfg) -> str:
-    return "" if cfg.source == "axolotl" else "data."
-
-
-def media_kwargs(batch: dict) -> dict[str, Any]:
-    """The processor's tensors of a device micro-batch, named as the model takes them."""
-    return {k[3:]: v for k, v in batch.items() if k.startswith("mm_")}
-
-
 __all__ = ["Strategy", "STRATEGIES", "BY_PROCESSOR", "RESAMPLE", "strategy_name", "media_ids", "boundaries",
-           "role_keep", "normalise", "MultimodalRows", "load", "debug_lines", "media_kwargs"]
+           "role_keep", "normalise", "MultimodalRows", "load", "debug_lines"]
