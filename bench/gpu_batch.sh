@@ -7,7 +7,7 @@
 #   parts: suite | suite-a | suite-b | cmp-<shape> (bench/compare.py --axolotl, beside transformers + Liger; the MoE
 #          shape beside transformers' grouped_mm at micro-batch 1) | plancheck | pc-<row label word> |
 #          row-<shape>:<variant> (bench/compare.py 1-GPU config, beside transformers + Liger) | prof-<shape>
-#          (a profile of steps 7-8 of the shape's Axolotl YAML, bench/trace_summary.py's digest) | lora-<shape>
+#          (a profile of steps 7-8 of the shape's Axolotl YAML or 1-GPU config, bench/trace_summary.py's digest) | lora-<shape>
 #          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) |
 #          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn | dpo-<mode>
 #          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoc-<mode> (ours alone, compiled layers) |
@@ -39,7 +39,8 @@ for part in "$@"; do
       timeout $t python3 bench/lora_bench.py --config bench/configs/$y-1gpu.yaml --model configs/models/$y/config.json --only "nd-adapter LoRA (transformers engine, Liger)" "peer LoRA" --set lora.r=16 lora.alpha=32 lora.target_linear=true batch.micro_batch_size=1 --log-dir $OUT/lora-$s > $OUT/lora-$s.log 2>&1; echo rc=$?; tail -6 $OUT/lora-$s.log;;
     prof-*) s=${part#prof-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       rm -rf /tmp/axolotl-out/$y  # a cmp- part's checkpoints there would (rightly) refuse a fresh run
-      timeout $t deepspeed --num_gpus=1 launch/train.py --config bench/configs/axolotl/$y.yaml --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
+      c=bench/configs/axolotl/$y.yaml; [ -f $c ] || c=bench/configs/$y-1gpu.yaml  # no Axolotl YAML: the 1-GPU config
+      timeout $t deepspeed --num_gpus=1 launch/train.py --config $c --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
       cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 --host nd.forward > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
     lce-olmo3) timeout $t python3 bench/linear_ce_bench.py --vocab 100278,100352 --hidden olmo3=4096 > $OUT/$part.log 2>&1
       echo rc=$?; tail -12 $OUT/$part.log;;
