@@ -4,7 +4,7 @@
 # left, each part's log under $OUT. A session's device budget rarely allows two calls after failed starts: `suite`
 # runs the whole GPU suite on two pytest workers (file by file) so that it fits one call.
 # usage: bash bench/gpu_batch.sh DEADLINE_S part...
-#   parts: suite | suite-a | suite-b | cmp-<shape> (bench/compare.py --axolotl, beside transformers + Liger; the MoE
+#   parts: suite | suite-a | suite-b | t-<name> (tests/gpu/test_<name>.py alone) | cmp-<shape> (bench/compare.py --axolotl, beside transformers + Liger; the MoE
 #          shape beside transformers' grouped_mm at micro-batch 1) | plancheck | pc-<row label word> |
 #          row-<shape>:<variant> (bench/compare.py 1-GPU config, beside transformers + Liger) | prof-<shape>
 #          (a profile of steps 7-8 of the shape's Axolotl YAML or 1-GPU config, bench/trace_summary.py's digest) | lora-<shape>
@@ -23,6 +23,8 @@ for part in "$@"; do
   echo "=== $part (${t}s left) $(date -u +%H:%M:%S)"
   case $part in
     suite) timeout $t python3 -m pytest -m gpu tests/gpu -n 2 --dist loadfile -q -p no:cacheprovider --durations=12 > $OUT/suite.log 2>&1; echo rc=$?; tail -30 $OUT/suite.log;;
+    t-*) f=tests/gpu/test_${part#t-}.py  # one GPU test file, at most 300 s
+      timeout $(( t < 300 ? t : 300 )) python3 -m pytest -m gpu $f -q -p no:cacheprovider --durations=5 > $OUT/$part.log 2>&1; echo rc=$?; tail -25 $OUT/$part.log;;
     suite-a) timeout $t python3 -m pytest -m gpu tests/gpu/test_shared_gpu.py tests/gpu/test_fusions.py tests/gpu/test_train.py -q -p no:cacheprovider --durations=10 > $OUT/suite-a.log 2>&1; echo rc=$?; tail -25 $OUT/suite-a.log;;
     suite-b) timeout $t python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --durations=10 --ignore tests/gpu/test_shared_gpu.py --ignore tests/gpu/test_fusions.py --ignore tests/gpu/test_train.py > $OUT/suite-b.log 2>&1; echo rc=$?; tail -25 $OUT/suite-b.log;;
     cmp-*) s=${part#cmp-}; peer="=hf-liger"; mb=2; [ $s = qwen3-moe-8l ] && { peer="=hf"; mb=1; }
