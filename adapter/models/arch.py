@@ -155,6 +155,15 @@ def padded_vocab_size(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def output_rows(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> int:
+    """The output layer's rows on one TP rank, as the run's engine holds them: the native engine's padded
+    vocabulary slice; the transformers engine keeps the checkpoint's vocabulary, split over tp where tp divides it
+    (else replicated: adapter/modeling/hf_tp.py). Olmo-3's 100,278 rows stay unaligned there, which `plan` times."""
+    if arch.native:
+        return padded_vocab_size(arch.vocab_size, tp, divisible_by) // tp
+    return arch.vocab_size // tp if arch.vocab_size % tp == 0 else arch.vocab_size
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())

@@ -246,6 +246,16 @@ def linear_ce_chunk(vocab_rows: int) -> int:
     return max(LINEAR_CE_MIN_CHUNK, 128 * round(tokens / 128))  # GEMM-friendly: a multiple of 128 tokens
 
 
-__all__ = ["linear_ce_chunk", "Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params",
+def liger_linear_ce_chunk(tokens: int, vocab_rows: int, hidden: int) -> int:
+    """Tokens per chunk of Liger's fused linear cross-entropy (liger-kernel 0.8.5,
+    ops/fused_linear_cross_entropy.py: one chunk's logits about the size of the hidden states, rounded up to a power
+    of two, at most all the tokens): Olmo-3's 100,278 rows at 4,096 hidden and 8,192 tokens, 512. The memory and the
+    time model read it."""
+    per = -(-tokens // -(-vocab_rows // hidden))
+    return min(tokens, 1 << max(0, (per - 1).bit_length()))
+
+
+__all__ = ["linear_ce_chunk", "liger_linear_ce_chunk",
+           "Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params",
            "LocalParams", "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended",
            "flops_per_token", "ATTN_FWD_BWD", "attention_pairs", "attention_flops"]

@@ -27,15 +27,24 @@ class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+GEMM_ALIGN = 8  # bf16 elements in 16 bytes: the row stride cuBLAS's fast kernels (TMA on Hopper) need
+
+
 class Gemm(_Doc):
-    """Achieved bf16 matmul rate: max_flops · Π d/(d + half_dim) over the three dimensions (small dims waste)."""
+    """Achieved bf16 matmul rate: max_flops · Π d/(d + half_dim) over the three dimensions (small dims waste),
+    times `unaligned` where n or k -- a row stride of one of the operands in forward or backward -- is not a multiple
+    of GEMM_ALIGN elements: cuBLAS then falls back to kernels with 4-byte loads. One H100, Olmo-3's output layer
+    (8,192 tokens × 4,096 × 100,278 rows) forward + both backward GEMMs: 81.3 ms, against 29.1 ms at 100,352 rows
+    (bench/linear_ce_bench.py, docs/BENCHMARKS.md 2026-12-06): 0.36 of the rate."""
 
     max_flops: float = Field(gt=0)
     half_dim: float = Field(ge=0)
+    unaligned: float = Field(default=0.36, gt=0, le=1)
 
     def rate(self, m: int, n: int, k: int) -> float:
         c = self.half_dim
-        return self.max_flops * (m / (m + c)) * (n / (n + c)) * (k / (k + c))
+        aligned = n % GEMM_ALIGN == 0 and k % GEMM_ALIGN == 0
+        return self.max_flops * (m / (m + c)) * (n / (n + c)) * (k / (k + c)) * (1.0 if aligned else self.unaligned)
 
 
 class Attention(_Doc):

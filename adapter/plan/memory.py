@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models import counts, lora
-from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.arch import ModelArch, output_rows, padded_vocab_size
 from adapter.models.counts import expert_params, linear_ce_chunk, local_params
 from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
 from adapter.models.resolved import ResolvedRun
@@ -286,6 +286,7 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     full_rc = L * layer_input + one + max(adapters) + peft // L + 3 * layer_input + rope  # inputs kept, one layer
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
+    rows = output_rows(arch, tp, cfg.model.vocab_divisible_by)        # one rank's, as its engine holds them
     fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)
     liger_ce = not arch.native and "fused_linear_cross_entropy" in cfg.model.liger
     linear_ce = bool(cfg.model.fused_linear_ce) or liger_ce
@@ -297,11 +298,12 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
         # linear + CE in token chunks: the output weight's gradient (counted as head_grad) and the hidden states'
         # gradient, computed in the forward, wait for backward; one chunk's logits exist at a time, ours with their
         # gradient written over them (adapter/kernels/fusions.py), Liger's with an fp32 working copy (its chunk:
-        # tokens·hidden / vocab rows, so one chunk's logits are the size of the hidden states)
-        chunk = max(1, s * b * h // vp) if liger_ce else ours_chunk(cfg, vocab_rows=vp // tp, tokens=s * b)
-        logits = pb * s * b * h + chunk * (vp // tp) * (pb + 4 if liger_ce else pb)
+        # tokens·hidden / vocab rows, rounded up to a power of two: counts.liger_linear_ce_chunk)
+        chunk = counts.liger_linear_ce_chunk(s * b, rows, h) if liger_ce else \
+            ours_chunk(cfg, vocab_rows=vp // tp, tokens=s * b)
+        logits = pb * s * b * h + chunk * rows * (pb + 4 if liger_ce else pb)
     elif not fused or not arch.native:  # Megatron's CE, or transformers' logits: an fp32 copy + the saved exp
-        logits = s * b * (vp // tp) * (pb + 4 + 4)
+        logits = s * b * rows * (pb + 4 + 4)
     else:                                                               # adapter.kernels.fusions: logits + their grad
         logits = s * b * (vp // tp) * 2 * pb
 

@@ -18,12 +18,13 @@ from math import ceil
 from typing import Any
 
 from adapter.models import lora
-from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.arch import ModelArch, output_rows, padded_vocab_size
 from adapter.models.counts import (
     ATTN_FWD_BWD,
     attention_flops,
     flops_per_token,
     layer_gemms,
+    liger_linear_ce_chunk,
     local_params,
     param_tensors,
 )
@@ -229,14 +230,19 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     g_fwd = L * gemm_seconds(shapes, prof)
     if cfg.precision == "fp8":  # the MLP's two GEMMs (the last two shapes) in fp8, casts included
         g_fwd -= L * gemm_seconds(shapes[2:], prof) * (1 - 1 / FP8_MLP_SPEEDUP)
-    g_head = gemm_seconds([(tokens, vocab // tp, arch.hidden_size)], prof)
-    if cfg.model.fused_linear_ce and arch.native:  # ours, in token chunks (Liger's is not modelled)
+    # one rank's output rows as its engine holds them: the transformers engine's stay unaligned where the
+    # checkpoint's are (Olmo-3's 100,278: the GEMMs at 0.36 of the rate, hardware.Gemm)
+    rows = 1 if arch.score_head else output_rows(arch, tp, cfg.model.vocab_divisible_by)
+    chunk = tokens
+    if cfg.model.fused_linear_ce and arch.native:  # ours, in token chunks
         # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account
         # for 0.9 of the +2.4 ms measured at 1,024-token chunks (0.4 of 1.1 at 2,048); the rest, ~0.2 ms a chunk, is
         # not modelled (1% of that step), since a per-chunk constant would swamp small models
         chunk = ours_chunk(cfg, vocab_rows=vocab // tp, tokens=tokens)
-        g_head = gemm_seconds([(chunk, vocab // tp, arch.hidden_size)] * (tokens // chunk)
-                              + [(tokens % chunk, vocab // tp, arch.hidden_size)] * bool(tokens % chunk), prof)
+    elif not arch.native and not arch.score_head and "fused_linear_cross_entropy" in cfg.model.liger:  # Liger's
+        chunk = liger_linear_ce_chunk(tokens, rows, arch.hidden_size)
+    g_head = gemm_seconds([(chunk, rows, arch.hidden_size)] * (tokens // chunk)
+                          + [(tokens % chunk, rows, arch.hidden_size)] * bool(tokens % chunk), prof)
     if spec is None:
         gemm = 3 * (g_fwd + g_head)
     else:  # frozen weights: forward and input gradient only; the adapters (and a trained LM head) all three
