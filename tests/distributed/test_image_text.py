@@ -22,16 +22,17 @@ from tests.helpers.sft_data import write_jsonl
 pytestmark = pytest.mark.slow
 WORLD, MB, GA, STEPS, LR, N, VAL = 2, 2, 2, 3, 2e-3, 14, 2
 REGEX = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
-RUNS = {"full": ({}, 3), "frozen towers": ({"freeze_mm_modules": True}, 2),
+RUNS = {"full": ({}, 3, "mm"), "frozen towers": ({"freeze_mm_modules": True}, 2, "mm"),
         "lora": ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-                  "lora_target_modules": REGEX}, 3)}
+                  "lora_target_modules": REGEX}, 3, "mm"),
+        "mixed rows": ({}, 3, "mixed")}  # one row in four with an image: micro-batches without any, under ZeRO-3
 
 
-def _raw(model: Path, data: Path, root: Path, name: str) -> dict:
-    extra, zero = RUNS[name]  # (the DeepSpeed JSONs: written once by the test, before any rank reads them)
+def _raw(model: Path, root: Path, name: str) -> dict:
+    extra, zero, data = RUNS[name]  # (the DeepSpeed JSONs: written once by the test, before any rank reads them)
     return {"base_model": str(model), "processor_type": "AutoProcessor", "skip_prepare_dataset": True,
             "remove_unused_columns": False, "sample_packing": False, "chat_template": "gemma3",
-            "datasets": [{"path": str(data), "type": "chat_template"}], "sequence_len": 256,
+            "datasets": [{"path": str(root / f"{data}.jsonl"), "type": "chat_template"}], "sequence_len": 256,
             "dataset_prepared_path": str(root / "prep"), "output_dir": str(root / f"out-{name.split()[0]}"),
             "val_set_size": VAL, "micro_batch_size": MB, "gradient_accumulation_steps": GA,
             "max_steps": STEPS, "learning_rate": LR, "lr_scheduler": "constant", "warmup_steps": 0,
@@ -39,7 +40,7 @@ def _raw(model: Path, data: Path, root: Path, name: str) -> dict:
             "deepspeed": str(root / f"zero{zero}.json"), **extra}
 
 
-def _worker(rank, world, model, data, root):
+def _worker(rank, world, model, root):
     from adapter import config
     from adapter.train.engine import init_distributed
     from tests.helpers.runs import train
@@ -48,7 +49,7 @@ def _worker(rank, world, model, data, root):
     out = {}
     for name in RUNS:
         lines: list[str] = []
-        res = train(config.build(_raw(Path(model), Path(data), Path(root), name), env={}, world_size=world),
+        res = train(config.build(_raw(Path(model), Path(root), name), env={}, world_size=world),
                     log=lines.append)
         out[name] = (res.losses, res.eval_losses, lines)
     return out
@@ -65,12 +66,13 @@ def test_image_text_sft_matches_transformers(tmp_path):
 
     model = gemma3_vlm(tmp_path)
     data_rows = rows(tmp_path, N)
-    data = write_jsonl(tmp_path / "mm.jsonl", data_rows)
+    write_jsonl(tmp_path / "mm.jsonl", data_rows)
+    write_jsonl(tmp_path / "mixed.jsonl", rows(tmp_path, N, images_every=4))
     for zero in (2, 3):
         (tmp_path / f"zero{zero}.json").write_text(json.dumps({"zero_optimization": {"stage": zero}}))
-    got = run_workers(_worker, WORLD, str(model), str(data), str(tmp_path), timeout=900)[0]
+    got = run_workers(_worker, WORLD, str(model), str(tmp_path), timeout=900)[0]
 
-    cfg = config.build(_raw(model, data, tmp_path, "full"), env={}, world_size=WORLD)
+    cfg = config.build(_raw(model, tmp_path, "full"), env={}, world_size=WORLD)
     train_set, held_set, _ = load(cfg, model, model, 10 ** 6)
     assert isinstance(train_set, MultimodalRows) and held_set is not None and len(held_set) == VAL
     # the format's labels: only the answers (and their <end_of_turn>) are trained, never the image tokens
@@ -83,14 +85,21 @@ def test_image_text_sft_matches_transformers(tmp_path):
         assert tok.decode(trained) == row["messages"][-1]["content"] + "<end_of_turn>", tok.decode(trained)
     assert "mm_pixel_values" in batch and "mm_token_type_ids" in batch and "mm_attention_mask" in batch
 
-    # the same rows in the same micro-batches: each step, micro-batch j of every rank (DPSampler's order)
-    split_train = [train_set.rows[i] for i in range(len(train_set))]
-    its = [iter(DPSampler(len(split_train), dp_rank=r, dp_size=WORLD, micro_batch=MB, seed=cfg.data.seed))
-           for r in range(WORLD)]
-    order = [[[split_train[int(i)] for i in next(it)] for it in its for _ in range(GA)] for _ in range(STEPS)]
-    held = [held_set.rows[i] for i in range(len(held_set))]
+    def same_batches(name):
+        """The same rows in the same micro-batches: each step, micro-batch j of every rank (DPSampler's order)."""
+        c = config.build(_raw(model, tmp_path, name), env={}, world_size=WORLD)
+        tr, he, _ = load(c, model, model, 10 ** 6)
+        split_train = [tr.rows[i] for i in range(len(tr))]
+        its = [iter(DPSampler(len(split_train), dp_rank=r, dp_size=WORLD, micro_batch=MB, seed=c.data.seed))
+               for r in range(WORLD)]
+        order = [[[split_train[int(i)] for i in next(it)] for it in its for _ in range(GA)] for _ in range(STEPS)]
+        return order, [he.rows[i] for i in range(len(he))]
+
     for name in RUNS:
         losses, evals, lines = got[name]
+        order, held = same_batches(name)
+        if name == "mixed rows":  # the filler ran: some rank's micro-batch held no image
+            assert any(not any(r.get("images") for r in micro) for step in order for micro in step)
         want, want_eval, _ = reference(model, order, held, lr=LR, freeze_towers=name == "frozen towers",
                                        lora=REGEX if name == "lora" else None)
         assert len(losses) == STEPS and np.allclose(losses, want, rtol=1e-5, atol=0), (name, losses, want)
@@ -101,11 +110,27 @@ def test_image_text_sft_matches_transformers(tmp_path):
     assert set(ANSWERS) >= {r["messages"][-1]["content"] for r in data_rows}
 
     # an image path that is not a file is said before training, in one line
-    gone = write_jsonl(tmp_path / "gone.jsonl", [{**data_rows[0], "images": [str(tmp_path / "no.png")]}, *data_rows])
+    raw = _raw(model, tmp_path, "full")
+    raw["datasets"][0]["path"] = str(write_jsonl(tmp_path / "gone.jsonl", [
+        {**data_rows[0], "images": [str(tmp_path / "no.png")]}, *data_rows]))
     with pytest.raises(UserError, match=r"1 image path\(s\) of the `images` column are not files"):
-        load(config.build(_raw(model, gone, tmp_path, "full"), env={}, world_size=WORLD), model, model, 10 ** 6)
-    # under ZeRO-3 a row without an image is refused before training (its rank would skip the tower's gathers)
-    mixed = write_jsonl(tmp_path / "mixed.jsonl", rows(tmp_path, N, text_only=True))
-    with pytest.raises(UserError, match=r"processor_type='AutoProcessor': 7 row\(s\) without an image"):
-        load(config.build(_raw(model, mixed, tmp_path, "full"), env={}, world_size=WORLD), model, model, 10 ** 6,
-             zero3=True)
+        load(config.build(raw, env={}, world_size=WORLD), model, model, 10 ** 6)
+    # under ZeRO-3 a micro-batch without an image gets an untrained row with a blank one, below the rows, which keep
+    # their tokens and padding (left or right) exactly
+    mixed, _, _ = load(config.build(_raw(model, tmp_path, "mixed rows"), env={}, world_size=WORLD), model, model,
+                       10 ** 6, zero3=True)
+    bare = [i for i in range(len(mixed)) if not mixed.rows[i].get("images")][:2]
+    for side in ("right", "left"):
+        mixed.processor.tokenizer.padding_side = side
+        mixed.blank_filler = False  # the same rows without the filler, for comparison
+        want_b = mixed.collate([mixed[i] for i in bare])
+        mixed.blank_filler = True
+        got_b = mixed.collate([mixed[i] for i in bare])
+        n, s = want_b["tokens"].shape
+        assert got_b["tokens"].shape[0] == n + 1 and "mm_pixel_values" in got_b and "mm_pixel_values" not in want_b
+        assert not got_b["loss_mask"][n].any()
+        for k in ("tokens", "loss_mask", "mm_attention_mask"):
+            assert (got_b[k][:n, :s] == want_b[k]).all(), (side, k)
+        trained = want_b["loss_mask"] > 0
+        assert (got_b["labels"][:n, :s][trained] == want_b["labels"][trained]).all()
+        assert not got_b["mm_attention_mask"][:n, s:].any() and not got_b["loss_mask"][:, s:].any()

@@ -60,9 +60,9 @@ def gemma3_vlm(root: Path, seed: int = 0) -> Path:
     return out
 
 
-def rows(root: Path, n: int, text_only: bool = False) -> list[dict]:
-    """n rows, each with an image (a PNG of its own size under root/img, a bare placeholder in the user turn), but
-    every other one without (`text_only`); a system turn on every third."""
+def rows(root: Path, n: int, images_every: int = 1) -> list[dict]:
+    """n rows, row i with an image where i % images_every == 0 (a PNG of its own size under root/img, a bare
+    placeholder in the user turn), the others text alone; a system turn on every third."""
     import numpy as np
     from PIL import Image
 
@@ -73,7 +73,7 @@ def rows(root: Path, n: int, text_only: bool = False) -> list[dict]:
         row: dict = {"messages": []}
         if i % 3 == 0:
             row["messages"].append({"role": "system", "content": "image"})
-        if not (text_only and i % 2):
+        if i % images_every == 0:
             path = root / "img" / f"{i}.png"
             Image.fromarray((np.random.RandomState(i).rand(20 + 4 * i, 36, 3) * 255).astype("uint8")).save(path)
             user = [{"type": "image"}, *user]

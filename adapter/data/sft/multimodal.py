@@ -265,7 +265,8 @@ class MultimodalRows:
 
     def __init__(self, rows, processor, strategy: str, *, chat_template: str | None, fields: tuple[str, ...],
                  image_size=None, resample: str = "BILINEAR", train_on_inputs: bool = False,
-                 roles: tuple[str, ...] = ("assistant",), train_on_eos: str = "turn"):
+                 roles: tuple[str, ...] = ("assistant",), train_on_eos: str = "turn", blank_filler: bool = False):
+        self.blank_filler = blank_filler  # ZeRO-3: a micro-batch without an image gets a blank one (`collate`)
         self.rows, self.processor, self.strategy = rows, processor, STRATEGIES[strategy]
         self.chat_template, self.fields, self.image_size, self.resample = chat_template, fields, image_size, resample
         self.train_on_inputs, self.roles, self.train_on_eos = train_on_inputs, set(roles), train_on_eos
@@ -285,6 +286,26 @@ class MultimodalRows:
     def __getitem__(self, i: int) -> dict:
         return {"row": np.array([i], dtype=np.int64), "loss_mask": np.ones(1, dtype=np.float32)}
 
+    def _render(self, conversations: list) -> dict:
+        """One micro-batch as the processor renders it (Axolotl's collator: the chat template, padding=True)."""
+        return dict(self.processor.apply_chat_template(conversations, add_generation_prompt=False, tokenize=True,
+                                                       return_tensors="pt", return_dict=True,
+                                                       chat_template=self.chat_template,
+                                                       processor_kwargs={"padding": True}))
+
+    def filler(self) -> dict:
+        """The row a micro-batch without an image gets under ZeRO-3: a user turn holding one black image of
+        `image_size` (224 pixels where unset), nothing of it trained. ZeRO-3 gathers the vision tower's weights
+        collectively, at each call of the tower: a rank whose micro-batch had no image would skip the tower while its
+        peers wait in its gathers. With the filler every rank calls the tower in every forward (and its backward),
+        in the model's own order. It is rendered apart and joined below the rows as `_with_filler` says, so the
+        rows' tokens, positions and losses are the ones they have without it; its own tokens are not trained."""
+        from PIL import Image
+
+        size = self.image_size or 224
+        img = Image.new("RGB", tuple(size) if isinstance(size, (list, tuple)) else (size, size))
+        return {"messages": [{"role": "user", "content": [{"type": "image", "image": img}]}]}
+
     def labels(self, ids) -> np.ndarray:
         """Axolotl's process_labels: [b, s] input ids with untrained tokens -100 (no shift)."""
         ids = np.asarray(ids)
@@ -301,13 +322,15 @@ class MultimodalRows:
 
         rows = [normalise(self.rows[int(it["row"][0])], fields=self.fields, image_size=self.image_size,
                           resample=self.resample) for it in items]
-        batch = self.processor.apply_chat_template([r["messages"] for r in rows], add_generation_prompt=False,
-                                                   tokenize=True, return_tensors="pt", return_dict=True,
-                                                   chat_template=self.chat_template,
-                                                   processor_kwargs={"padding": True})
+        flags = [float(it["loss_mask"][0]) for it in items]
+        batch = self._render([r["messages"] for r in rows])
+        if self.blank_filler and not any(map(_has_image, rows)):
+            batch = _with_filler(batch, self._render([self.filler()["messages"]]),
+                                 getattr(self.processor.tokenizer, "pad_token_id", None) or 0)
+            flags.append(0.0)
         ids = batch.pop("input_ids")
         target = torch.from_numpy(self.labels(ids.numpy()))
-        flags = torch.tensor([float(it["loss_mask"][0]) for it in items])
+        flags = torch.tensor(flags)
         labels = torch.zeros_like(ids)
         labels[:, :-1] = ids[:, 1:]
         mask = torch.zeros(ids.shape, dtype=torch.float32)
@@ -321,9 +344,9 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
     (AutoProcessor or the named class, `processor_kwargs` to its from_pretrained) with the run's tokenizer in it (its
     special tokens and tokens added), the datasets' rows merged in order, `val_set_size`'s share held out as for
     preference rows. The template: `chat_template` by name or jinja, else the tokenizer's, else the processor's.
-    `image_size` unset takes the checkpoint's vision_config.image_size, as Axolotl fills it in. `zero3`: every row
-    must carry an image (its `images` column): ZeRO-3 gathers the vision tower's weights collectively, so a micro-
-    batch without one on a rank whose peers have some would stall them (Axolotl's ZeRO-3 runs stall there too)."""
+    `image_size` unset takes the checkpoint's vision_config.image_size, as Axolotl fills it in. `zero3`: a micro-
+    batch without an image gets a blank one in an untrained row (MultimodalRows.filler: ZeRO-3 gathers the vision
+    tower's weights collectively, so a rank that skipped the tower would stall its peers)."""
     import json
     import tempfile
     from pathlib import Path
@@ -371,11 +394,6 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
         if missing:
             raise bad("datasets", missing[0], f"{len(missing)} image path(s) of the `images` column are not files",
                       "fix the paths (a relative one is read from the working directory, as Axolotl reads it)")
-    bare = sum(_without_images(p) for p in parts if p is not None) if zero3 else 0
-    if bare:
-        raise bad(spell(cfg, "data.processor_type"), name, f"{bare} row(s) without an image (an empty `images` "
-                  "column) under ZeRO-3, whose vision-tower gathers every rank must join",
-                  "give every row an image, or use ZeRO-2 (deepspeed zero_optimization.stage: 2)")
     fields = tuple(dict.fromkeys(e.field_messages for e in d.datasets if e.field_messages))
     roles = tuple(first.roles_to_train) if first is not None and first.roles_to_train is not None else ("assistant",)
     eos = (first.train_on_eos if first is not None else None) or "turn"
@@ -383,7 +401,8 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
 
     def rows(ds):
         out = MultimodalRows(ds, processor, strategy, chat_template=template, fields=fields, image_size=size,
-                             resample=resample, train_on_inputs=d.train_on_inputs, roles=roles, train_on_eos=eos)
+                             resample=resample, train_on_inputs=d.train_on_inputs, roles=roles, train_on_eos=eos,
+                             blank_filler=zero3)
         out.keep = keep  # the arrow files live as long as the rows
         return out
 
@@ -394,17 +413,37 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
     return rows(train.select(tr)), (rows(train.select(held)) if len(held) else None), template
 
 
-def _without_images(ds) -> int:
-    """Rows whose `images` / `image` column is null or empty (read from the arrow table: nothing decoded). Without
-    such a column the images are in the messages' content, which is not read ahead: 0."""
-    import pyarrow.compute as pc
+def _with_filler(batch: dict, filler: dict, pad: int) -> dict:
+    """The rows' batch with the filler's below it. Both are padded on the right to the longer length (the rows
+    keep the processor's own padding, left or right, and only gain padding after their last token, which a causal
+    model's tokens never attend to); [rows, length] tensors (ids, attention mask, token types) are joined row-wise,
+    the filler's media tensors (pixel values, image grids: the rows have none) taken as they are."""
+    import torch
+    import torch.nn.functional as F
 
-    key = _image_column(ds.column_names)
-    if key is None:
-        return 0
-    col = ds.data.column(key)
-    n = pc.list_value_length(col) if hasattr(col.type, "value_type") else pc.if_else(pc.is_null(col), 0, 1)
-    return int(pc.sum(pc.fill_null(pc.equal(n, 0), True)).as_py() or 0)
+    ids = batch["input_ids"]
+    length = max(ids.shape[1], filler["input_ids"].shape[1])
+
+    def widen(t, fill):
+        return F.pad(t, (0, length - t.shape[1]), value=fill)
+
+    out = {}
+    for k in dict.fromkeys([*batch, *filler]):
+        a, b = batch.get(k), filler.get(k)
+        if a is None or b is None:
+            out[k] = b if a is None else a
+        elif a.dim() == 2 and a.shape[0] == ids.shape[0] and a.shape[1] == ids.shape[1]:
+            fill = pad if k == "input_ids" else 0
+            out[k] = torch.cat([widen(a, fill), widen(b, fill)])
+        else:
+            out[k] = torch.cat([a, b])
+    return out
+
+
+def _has_image(row: dict) -> bool:
+    """Whether a normalised row carries an image (placed from its column, or given in its messages' content)."""
+    return any(c.get("type") == "image" and ({"image", "url", "path", "base64"} & set(c))
+               for m in row["messages"] for c in m["content"])
 
 
 def debug_lines(rows: MultimodalRows, samples: int) -> list[str]:
