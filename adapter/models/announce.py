@@ -14,6 +14,7 @@ from adapter.config import spell
 from adapter.errors import EXIT_REQUEUE
 from adapter.models import families, freeze, lora, source
 from adapter.models.arch import ModelArch
+from adapter.models.counts import vision_patches
 from adapter.models.resolved import ResolvedRun
 
 
@@ -52,6 +53,10 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
     return lines
 
 
+def _pixels(size) -> str:
+    return f"{size[0]}x{size[1]}" if isinstance(size, (list, tuple)) else str(size)
+
+
 def engine(run: ResolvedRun) -> str:
     """Which engine trains the model, and why (model.engine; adapter/models/generic.py)."""
     arch = run.arch
@@ -62,6 +67,11 @@ def engine(run: ResolvedRun) -> str:
         extra.append("an image-text run: the processor's images through the model's own towers, " + (
             "the towers and projector frozen (freeze_mm_modules)" if run.cfg.model.freeze_mm_modules else
             "every weight trained (towers too, as Axolotl's)" if run.peft is None else "the adapters trained"))
+        v = arch.vision
+        image = run.cfg.data.image_size or (v[3] if v else 0)
+        if v and image:  # what plan counts: one image a row (the first of its images column)
+            extra.append(f"each row's image at {_pixels(image)} pixels: {vision_patches(v, image)} patches through the "
+                         f"{v[0]}-layer vision tower")
     elif arch.image_text:
         extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
     if arch.remote_code:

@@ -114,6 +114,9 @@ class ModelArch:
     ep_params: int = 0                  # ... and the parameters it splits (all layers)
     attention_features: tuple[str, ...] = ()  # what context parallelism must know (generic.attention_features)
     layer_recompute: bool = True        # transformers' gradient checkpointing (supports_gradient_checkpointing)
+    # an image-text checkpoint's vision tower: (layers, hidden, ffn, image_size (0: none in config.json), patch
+    # size), what `plan` counts of the images' activations and FLOPs (generic.vision_tower); None: none
+    vision: tuple[int, int, int, int, int] | None = None
     image_text: bool = False            # an image-text checkpoint: its language model trains on text
     remote_code: bool = False           # built by the checkpoint's own code (trust_remote_code)
     score_head: bool = False            # a one-label score in place of the LM head: a reward model (source.scoring)
@@ -153,15 +156,6 @@ def padded_vocab_size(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
     dropped on export). One definition for the model builder, the converter and the memory model."""
     multiple = divisible_by * tp
     return -(-vocab // multiple) * multiple
-
-
-def output_rows(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> int:
-    """The output layer's rows on one TP rank, as the run's engine holds them: the native engine's padded
-    vocabulary slice; the transformers engine keeps the checkpoint's vocabulary, split over tp where tp divides it
-    (else replicated: adapter/modeling/hf_tp.py). Olmo-3's 100,278 rows stay unaligned there, which `plan` times."""
-    if arch.native:
-        return padded_vocab_size(arch.vocab_size, tp, divisible_by) // tp
-    return arch.vocab_size // tp if arch.vocab_size % tp == 0 else arch.vocab_size
 
 
 def _read_json(path: Path) -> dict[str, Any]:

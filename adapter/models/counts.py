@@ -246,6 +246,38 @@ def linear_ce_chunk(vocab_rows: int) -> int:
     return max(LINEAR_CE_MIN_CHUNK, 128 * round(tokens / 128))  # GEMM-friendly: a multiple of 128 tokens
 
 
+def vision_patches(vision: tuple[int, int, int, int, int], image_size: int | tuple | list | None) -> int:
+    """Patches the vision tower sees per image: (size / patch)², at the run's `image_size` (Axolotl's letterbox;
+    a pair: width × height) or the checkpoint's; 0 where neither says."""
+    size = image_size or vision[3]
+    w, h = (size[0], size[1]) if isinstance(size, (list, tuple)) else (size, size)
+    return (w // vision[4]) * (h // vision[4])
+
+
+def vision_gemms(vision: tuple[int, int, int, int, int], patches: int) -> list[tuple[int, int, int]]:
+    """One vision layer's forward GEMMs over `patches` rows (a ViT block: q, k, v and the output projection, the
+    MLP's two linears), and its bidirectional attention counted as two GEMMs (scores, then the values)."""
+    _, h, f, _, _ = vision
+    return [(patches, h, h)] * 4 + [(patches, f, h), (patches, h, f), (patches, patches, h), (patches, h, patches)]
+
+
+def vision_activation_bytes(vision: tuple[int, int, int, int, int], patches: int, bytes_per: int) -> int:
+    """What a trained vision tower keeps for backward per image: per layer and patch its two norms' inputs and
+    outputs, q, k, v, the attention output and the MLP's two FFN-wide tensors (8·hidden + 2·ffn elements; SDPA keeps
+    no scores)."""
+    layers, h, f, _, _ = vision
+    return layers * patches * bytes_per * (8 * h + 2 * f)
+
+
+def output_rows(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> int:
+    """The output layer's rows on one TP rank, as the run's engine holds them: the native engine's padded
+    vocabulary slice; the transformers engine keeps the checkpoint's vocabulary, split over tp where tp divides it
+    (else replicated: adapter/modeling/hf_tp.py). Olmo-3's 100,278 rows stay unaligned there, which `plan` times."""
+    if arch.native:
+        return padded_vocab_size(arch.vocab_size, tp, divisible_by) // tp
+    return arch.vocab_size // tp if arch.vocab_size % tp == 0 else arch.vocab_size
+
+
 def liger_linear_ce_chunk(tokens: int, vocab_rows: int, hidden: int) -> int:
     """Tokens per chunk of Liger's fused linear cross-entropy (liger-kernel 0.8.5,
     ops/fused_linear_cross_entropy.py: one chunk's logits about the size of the hidden states, rounded up to a power
@@ -255,7 +287,8 @@ def liger_linear_ce_chunk(tokens: int, vocab_rows: int, hidden: int) -> int:
     return min(tokens, 1 << max(0, (per - 1).bit_length()))
 
 
-__all__ = ["linear_ce_chunk", "liger_linear_ce_chunk",
+__all__ = ["linear_ce_chunk", "liger_linear_ce_chunk", "output_rows", "vision_patches", "vision_gemms",
+           "vision_activation_bytes",
            "Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params",
            "LocalParams", "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended",
            "flops_per_token", "ATTN_FWD_BWD", "attention_pairs", "attention_flops"]

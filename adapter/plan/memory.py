@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models import counts, lora
-from adapter.models.arch import ModelArch, output_rows, padded_vocab_size
-from adapter.models.counts import expert_params, linear_ce_chunk, local_params
+from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.counts import expert_params, linear_ce_chunk, local_params, output_rows
 from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
 from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config
@@ -186,6 +186,19 @@ def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
     return max(0, keep) + experts
 
 
+def vision_load(run: ResolvedRun) -> tuple[int, int, bool]:
+    """(images per micro-batch, patches the vision tower sees per image, whether it trains) of an image-text run:
+    one image a row, as Axolotl's multimodal path takes each row's first (ZeRO-3's blank filler, at most one more
+    where a micro-batch has none, is not counted); the tower trains in a full fine-tune without freeze_mm_modules
+    (adapters and unfrozen_parameters leave it frozen: its forward only, nothing kept). Read by the memory and the
+    time model alike; (0, 0, False) for text runs and towers config.json does not describe."""
+    cfg, v = run.cfg, run.arch.vision
+    if v is None or not cfg.data.processor_type:
+        return 0, 0, False
+    trained = run.peft is None and run.lora is None and run.unfrozen is None and not cfg.model.freeze_mm_modules
+    return cfg.batch.micro_batch_size, counts.vision_patches(v, cfg.data.image_size), trained
+
+
 def whole_layer_graphs(cfg: RunConfig) -> bool:
     """`model.compile` gives one whole graph per layer only at tp = cp = 1 without selective recompute (elsewhere the
     graph breaks at Megatron's linears, the CP attention or the recompute boundary: adapter/modeling/compile.py)."""
@@ -284,6 +297,13 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     peft = peft_activations(run, tokens=s * b)
     no_rc = L * one + sum(adapters) + peft + 3 * layer_input + rope      # + embedding out, final norm in/out
     full_rc = L * layer_input + one + max(adapters) + peft // L + 3 * layer_input + rope  # inputs kept, one layer
+    images, patches, tower_trains = vision_load(run)
+    v = arch.vision
+    if tower_trains and patches and v is not None:  # a trained vision tower's layers (transformers checkpoints them
+        # too: their inputs alone)
+        kept = counts.vision_activation_bytes(v, patches, pb) * images
+        no_rc += kept
+        full_rc += images * patches * pb * v[1] * v[0] + kept // v[0]
     acts = full_rc if cfg.recompute == "full" else no_rc
     vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     rows = output_rows(arch, tp, cfg.model.vocab_divisible_by)        # one rank's, as its engine holds them

@@ -18,7 +18,7 @@ from math import ceil
 from typing import Any
 
 from adapter.models import lora
-from adapter.models.arch import ModelArch, output_rows, padded_vocab_size
+from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.counts import (
     ATTN_FWD_BWD,
     attention_flops,
@@ -26,7 +26,9 @@ from adapter.models.counts import (
     layer_gemms,
     liger_linear_ce_chunk,
     local_params,
+    output_rows,
     param_tensors,
+    vision_gemms,
 )
 from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.models.resolved import ResolvedRun
@@ -34,7 +36,7 @@ from adapter.parallel.deepspeed_config import flat_at_stage, skips_nonfinite_ste
 from adapter.parallel.layout import Layout
 from adapter.plan import traffic
 from adapter.plan.hardware import Profile
-from adapter.plan.memory import ours_chunk, peft_fp32_inputs, unfused_ops, whole_layer_graphs
+from adapter.plan.memory import ours_chunk, peft_fp32_inputs, unfused_ops, vision_load, whole_layer_graphs
 
 COMPONENTS = ("compute", "tp_comm", "dp_comm", "cp_comm", "optimizer", "host")
 LOCAL_ATTENTION = 15 / 509  # Megatron's unfused attention ran at 15 TFLOP/s where SDPA reached 349-414
@@ -232,7 +234,7 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         g_fwd -= L * gemm_seconds(shapes[2:], prof) * (1 - 1 / FP8_MLP_SPEEDUP)
     # one rank's output rows as its engine holds them: the transformers engine's stay unaligned where the
     # checkpoint's are (Olmo-3's 100,278: the GEMMs at 0.36 of the rate, hardware.Gemm)
-    rows = 1 if arch.score_head else output_rows(arch, tp, cfg.model.vocab_divisible_by)
+    head_rows = 1 if arch.score_head else output_rows(arch, tp, cfg.model.vocab_divisible_by)
     chunk = tokens
     if cfg.model.fused_linear_ce and arch.native:  # ours, in token chunks
         # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account
@@ -240,15 +242,19 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         # not modelled (1% of that step), since a per-chunk constant would swamp small models
         chunk = ours_chunk(cfg, vocab_rows=vocab // tp, tokens=tokens)
     elif not arch.native and not arch.score_head and "fused_linear_cross_entropy" in cfg.model.liger:  # Liger's
-        chunk = liger_linear_ce_chunk(tokens, rows, arch.hidden_size)
-    g_head = gemm_seconds([(chunk, rows, arch.hidden_size)] * (tokens // chunk)
-                          + [(tokens % chunk, rows, arch.hidden_size)] * bool(tokens % chunk), prof)
+        chunk = liger_linear_ce_chunk(tokens, head_rows, arch.hidden_size)
+    g_head = gemm_seconds([(chunk, head_rows, arch.hidden_size)] * (tokens // chunk)
+                          + [(tokens % chunk, head_rows, arch.hidden_size)] * bool(tokens % chunk), prof)
     if spec is None:
         gemm = 3 * (g_fwd + g_head)
     else:  # frozen weights: forward and input gradient only; the adapters (and a trained LM head) all three
         g_adapters = gemm_seconds(lora_gemms(spec, tokens=tokens, tp=tp, sp=sp), prof)
         gemm = 2 * g_fwd + (3 if "lm_head" in spec.modules_to_save else 2) * g_head + 3 * g_adapters
         g_fwd += g_adapters  # what full recompute runs again
+    images, patches, tower_trains = vision_load(run)
+    if patches and arch.vision is not None:  # the vision tower on each image: forward, and backward where it trains
+        g_vision = images * arch.vision[0] * gemm_seconds(vision_gemms(arch.vision, patches), prof)
+        gemm += (3 if tower_trains else 1) * g_vision
     attn = sum(attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
                                  kind=cfg.model.attention, window=arch.window(i), compiled=compiled)
                for i in range(L))

@@ -104,13 +104,12 @@ def test_liger_chunk_and_the_engines_output_rows():
     """Liger's fused linear CE chunks the tokens so that one chunk's logits are about the hidden states' size, rounded
     up to a power of two (its own example: 16,384 tokens, 32,000 rows, hidden 4,096: 2,048); the transformers engine
     keeps the checkpoint's rows (Olmo-3's unaligned 100,278), the native engine pads them (Megatron's rule)."""
-    from adapter.models.arch import output_rows
-
     assert counts.liger_linear_ce_chunk(16384, 32000, 4096) == 2048
     assert counts.liger_linear_ce_chunk(8192, 100278, 4096) == 512       # cdiv(8192, 25) = 328 -> 512
     assert counts.liger_linear_ce_chunk(100, 32000, 4096) == 16
     assert counts.liger_linear_ce_chunk(64, 1000, 4096) == 64            # the whole micro-batch at most
     native = llama(vocab_size=100278)
     hf = dataclasses.replace(native, engine="transformers")
-    assert output_rows(native) == 100352 and output_rows(native, tp=2) == 50176
-    assert output_rows(hf) == 100278 and output_rows(hf, tp=2) == 50139 and output_rows(hf, tp=4) == 100278
+    assert counts.output_rows(native) == 100352 and counts.output_rows(native, tp=2) == 50176
+    assert counts.output_rows(hf) == 100278 and counts.output_rows(hf, tp=2) == 50139
+    assert counts.output_rows(hf, tp=4) == 100278

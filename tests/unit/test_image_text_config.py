@@ -102,3 +102,29 @@ def test_formats_are_picked_as_axolotl_picks_them():
     tok.image_token_id, tok.audio_token_id = 13, 0  # (0: the unknown token's id, as a missing one resolves)
     assert media_ids(STRATEGIES["gemma4"], SimpleNamespace(tokenizer=tok, image_token="[IMG]", boi_token="[INST]",
                                                            video_token_id=14)) == [7, 13, 5, 14]
+
+
+def test_plan_counts_the_vision_towers_images(tmp_path):
+    """plan counts one image a row through the vision tower (Gemma 3's SigLIP: 27 layers, 896 px / 14 = 4,096
+    patches an image): a full fine-tune keeps the tower's activations for backward (8·hidden + 2·ffn elements a
+    patch and layer) and runs its backward; freeze_mm_modules runs its forward alone and keeps nothing."""
+    import json
+
+    from tests.helpers.axolotl_home import with_local_model
+
+    def planned(name, **keys):
+        path = with_local_model(EXAMPLE, tmp_path / name, _model(), micro_batch_size=2, **keys, drop=(
+            "adapter", "load_in_4bit", "lora_model_dir", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"))
+        code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1", "--format", "json")
+        assert code == 0, err
+        return json.loads(out)
+
+    full, frozen = planned("full", gradient_checkpointing=False), planned("frozen", freeze_mm_modules=True,
+                                                                          gradient_checkpointing=False)
+    kept = 2 * 27 * 4096 * 2 * (8 * 1152 + 2 * 4304)  # two images in bf16
+    assert full["memory"]["activations"] - frozen["memory"]["activations"] == kept
+    # the example's gradient_checkpointing: transformers recomputes the tower's layers too, keeping their inputs
+    rc, rc_frozen = planned("rc"), planned("rc frozen", freeze_mm_modules=True)
+    assert rc["memory"]["activations"] - rc_frozen["memory"]["activations"] == 2 * 4096 * 2 * 1152 * 27 + kept // 27
+    assert full["predicted"]["step_time_s"] > frozen["predicted"]["step_time_s"]
+    assert "896 pixels: 4096 patches through the 27-layer vision tower" in json.dumps(full)
