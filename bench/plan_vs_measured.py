@@ -28,7 +28,8 @@ MODULE = {"deepspeed.gather_granularity": "module"}                             
 ONE_GPU = {"parallelism.dp_shard_size": 1, "hardware.gpus_per_node": 1}
 B3 = {"model.path": str(ROOT / "configs/models/llama-3.2-3b")}
 FP8_LCE = {"precision": "fp8", "model.fused_linear_ce": True, "model.fused_linear_ce_chunk": 2048}
-HF_ENGINE = {"model.engine": "transformers", "model.compile": False}  # bench/compare.py's transformers-engine rows
+HF_ENGINE = {"model.engine": "transformers", "model.compile": False,  # bench/compare.py's transformers-engine rows,
+             "model.fused_linear_ce": False}  # measured on the model's own loss (before the fused CE took it)
 HF_LIGER = {**HF_ENGINE, "model.liger": ["rope", "rms_norm", "glu_activation", "fused_linear_cross_entropy"]}
 DS = {"optimizer.impl": "deepspeed"}
 AUTO = {"model.fused_linear_ce": "auto"}  # the defaults since 2026-12-06 (compile-auto merged): rows measured on them
@@ -133,7 +134,8 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
      "2026-12-06 06:00 (H100; 29,513 at 03:21 before own attention)", "current"),
     ("Olmo-3 shape, 8 layers, QLoRA (NF4) r16, transformers engine, micro-batch 1", "plan-check-1gpu",
      {**PC("olmo3-7b-8l-shape", "h100-80gb"), "optimizer.state_dtype": "fp32", "lora.r": 16, "lora.alpha": 32,
-      "lora.target_linear": True, "lora.quantize_base": "nf4", "batch.micro_batch_size": 1}, 1, 23036,
+      "lora.target_linear": True, "lora.quantize_base": "nf4", "batch.micro_batch_size": 1,
+      "model.fused_linear_ce": False}, 1, 23036,
      "2026-12-06 06:03 plan_check (H100; 21,500 at 03:18 before own attention)", "current"),
     ("Olmo-3 shape, 8 layers, LoRA r16, transformers engine + Liger, micro-batch 1", "olmo3-7b-8l-shape-1gpu",
      {"hardware.gpu": "h100-80gb", "lora.r": 16, "lora.alpha": 32, "lora.target_linear": True,
@@ -225,7 +227,8 @@ PEAKS: list[tuple[str, str, dict, float, str]] = [
      {**PC("glm-4-9b-8l-shape"), "model.fused_linear_ce": False}, 30.02, "2026-12-06 03:14 plan_check"),
     ("Olmo-3 shape, 8 layers, QLoRA (NF4) r16, transformers engine, micro-batch 1", "plan-check-1gpu",
      {**PC("olmo3-7b-8l-shape"), "optimizer.state_dtype": "fp32", "lora.r": 16, "lora.alpha": 32,
-      "lora.target_linear": True, "lora.quantize_base": "nf4", "batch.micro_batch_size": 1}, 16.53,
+      "lora.target_linear": True, "lora.quantize_base": "nf4", "batch.micro_batch_size": 1,
+      "model.fused_linear_ce": False}, 16.53,
      "2026-12-06 06:03 plan_check (H100; 16.71 at 03:14)"),
     ("Olmo-3 shape, 8 layers, transformers engine + Liger, bf16 states", "olmo3-7b-8l-shape-1gpu",
      {"optimizer.state_dtype": "bf16", **AUTO}, 23.86, "2026-12-06 06:00 (H100; beside transformers + Liger's 24.2)"),

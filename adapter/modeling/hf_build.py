@@ -221,10 +221,11 @@ class CausalLMLosses(torch.nn.Module):
     recurrent layers, so packed documents run as rows of their own (adapter/modeling/hf_unpack.py)."""
 
     def __init__(self, model, model_loss: bool = False, cp: tuple | None = None, unpack: bool = False,
-                 aux_coef: float = 0.0):
+                 aux_coef: float = 0.0, linear_ce: tuple[int, float | None] | None = None):
         super().__init__()
         self.model = model
         self.model_loss = model_loss
+        self.linear_ce = linear_ce  # (tokens a chunk, final soft-cap): the fused linear CE (`_fused_loss`)
         self.cp = cp
         self.unpack = unpack  # recurrent layers: packed documents run as rows of their own (hf_unpack)
         self.moe_aux = LoadBalancing(model, aux_coef) if aux_coef > 0 else None  # output_router_logits
@@ -260,12 +261,33 @@ class CausalLMLosses(torch.nn.Module):
             return out.loss.float()
         aux = self.moe_aux if self.moe_aux is not None and self.training and torch.is_grad_enabled() else None
         routers = {"output_router_logits": True} if aux is not None else {}
+        if self.linear_ce is not None and loss_mask is not None and not media:
+            return self._fused_loss(tokens, position_ids, labels, loss_mask, across, aux, routers, real)
         with documents(position_ids), across:  # every model's masks confine attention to the packed documents
             out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False, **routers, **media)
         if aux is not None:  # the real tokens' routing statistic (transformers' attention-masked one)
             aux.record(out.router_logits, None if real is None else real.to(torch.long))
         logits = out.logits.float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+
+
+    def _fused_loss(self, tokens, position_ids, labels, loss_mask, across, aux, routers, real):
+        """`model.fused_linear_ce` on the transformers engine: the model's body (`model.model`, with PEFT's layers in
+        it) gives the last hidden states, and nd-adapter's kernel takes them with lm_head's weight, in token chunks:
+        Σ loss_mask · CE, one fp32 scalar (as with `model_loss`), the [tokens × vocab] logits never whole. Only for
+        models whose forward does nothing else between the two (generic.plain_head; Gemma's final soft-capping is
+        the kernel's `softcap`)."""
+        from adapter.kernels.fusions import linear_cross_entropy
+
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        with documents(position_ids), across:
+            out = base.model(input_ids=tokens, position_ids=position_ids, use_cache=False, **routers)
+        if aux is not None:
+            aux.record(out.router_logits, None if real is None else real.to(torch.long))
+        h = out.last_hidden_state
+        chunk, cap = self.linear_ce
+        return linear_cross_entropy(h.reshape(-1, h.size(-1)), base.get_output_embeddings().weight,
+                                    labels.reshape(-1), loss_mask.reshape(-1), chunk=chunk, softcap=cap)
 
 
 class RewardScores(torch.nn.Module):

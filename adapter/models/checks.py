@@ -5,8 +5,8 @@ from adapter.config import RunConfig, compile_note, spell
 from adapter.config.schema_rl import PAIR_OBJECTIVES
 from adapter.errors import bad
 from adapter.models import freeze, generic_run, lora
-from adapter.models.arch import ModelArch, check_tp, padded_vocab_size
-from adapter.models.counts import linear_ce_chunk
+from adapter.models.arch import ModelArch, check_tp
+from adapter.models.counts import linear_ce_chunk, output_rows
 from adapter.models.generic import unsplittable
 
 
@@ -218,26 +218,41 @@ def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConf
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": False}), "notes": notes})
 
 
+def hf_linear_ce_off(cfg: RunConfig, arch: ModelArch) -> str | None:
+    """Why the transformers engine keeps its model's own loss (or Liger's), or None where nd-adapter's fused linear
+    CE computes it over the body's hidden states (adapter/modeling/hf_build.CausalLMLosses)."""
+    return ("Liger's cross-entropy kernel computes the loss (its key asks)" if
+            {"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger) else
+            f"{arch.architecture}'s forward does more than lm_head over its body's output: its own loss"
+            if not arch.plain_head else
+            "image-text rows: the model's own loss" if cfg.data.processor_type else
+            "tensor parallelism splits the transformers engine's output layer: its own loss"
+            if cfg.parallelism.tp_size > 1 else None)
+
+
 def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     """`model.fused_linear_ce: auto` (the default): the output layer and the cross-entropy in token chunks, so the
     [tokens × vocab] logits and their gradient never exist whole (the 1B shape at seq 4096 × 2: 3.9 GiB, Gemma 3's
     262k vocabulary 8 GiB; transformers + Liger, the peer, never holds them either), wherever it applies: the native
-    engine (the transformers engine computes its model's own loss; Liger's fused kernel where its key asks) and a
-    token-level loss (a preference objective needs each token's log-probability, and the kernel returns their
-    sum), outside fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
+    engine, and the transformers engine where the model's logits are lm_head over its body's output (hf_linear_ce_
+    off says where not: Liger's kernel where its key asks, other heads, image-text rows, tp), for a token-level
+    loss (a preference objective needs each token's log-probability, and the kernel returns their sum), outside
+    fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
     `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step, docs/BENCHMARKS.md), not Liger's (+8 ms),
     which `true` keeps at tp = 1 on GPUs. The first lines say which."""
+    if cfg.model.fused_linear_ce is True and not arch.native and hf_linear_ce_off(cfg, arch):
+        raise bad(spell(cfg, "model.fused_linear_ce"), True, f"the fused linear cross-entropy is not built on the "
+                  f"transformers engine here ({hf_linear_ce_off(cfg, arch)})", "remove it")
     if cfg.model.fused_linear_ce != "auto":
         return cfg
-    why = ("the transformers engine computes its model's own loss" if not arch.native else
-           f"{cfg.objective} needs each token's log-probability (the fused kernel returns their sum)"
+    why = (f"{cfg.objective} needs each token's log-probability (the fused kernel returns their sum)"
            if cfg.objective != "sft" else
            "fp16: the kernel's output-weight gradient, a sum over the micro-batch's tokens computed before the loss "
-           "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else None)
+           "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else
+           None if arch.native else hf_linear_ce_off(cfg, arch))
     chunk = cfg.model.fused_linear_ce_chunk
     if why is None and chunk is None:
-        chunk = linear_ce_chunk(padded_vocab_size(arch.vocab_size, cfg.parallelism.tp_size,
-                                                  cfg.model.vocab_divisible_by) // cfg.parallelism.tp_size)
+        chunk = linear_ce_chunk(output_rows(arch, cfg.parallelism.tp_size, cfg.model.vocab_divisible_by))
     note = (f"model.fused_linear_ce: auto: on (output layer + cross-entropy in chunks of {chunk} tokens: no "
             "[tokens x vocab] logits)" if why is None else f"model.fused_linear_ce: auto: off: {why}")
     model = cfg.model.model_copy(update={"fused_linear_ce": why is None,

@@ -239,8 +239,44 @@ def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None)
     return {"params": sum(params.values()), "tied": bool(tied), "tp_shares": shares, "ep_experts": ep_experts,
             "ep_params": ep_params,
             "cls": cls, "embedding": emb.weight.numel() if emb is not None else 0,
-            "attention": attention_features(model, text),
+            "attention": attention_features(model, text), "plain_head": plain_head(model),
             "recompute": bool(getattr(model, "supports_gradient_checkpointing", False))}
+
+
+# What a causal LM's forward may do between its body's output and its loss for the fused linear CE to compute the
+# same loss from the body's hidden states and lm_head's weight (transformers 5.17-5.25's lines): cut the positions
+# kept, apply lm_head, and Gemma's final soft-capping (which the kernel applies per chunk, from the config).
+_PLAIN_HEAD = {"hidden_states = outputs.last_hidden_state", "hidden_states = outputs[0]",
+               "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
+               "slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep",
+               "logits = self.lm_head(hidden_states)", "logits = self.lm_head(hidden_states[:, slice_indices, :])",
+               "if self.config.final_logit_softcapping is not None:",
+               "logits = logits / self.config.final_logit_softcapping", "logits = torch.tanh(logits)",
+               "logits = logits * self.config.final_logit_softcapping"}
+
+
+def plain_head(model: Any) -> bool:
+    """Whether the model's logits are lm_head (a bias-free linear) over its body's (`self.model`) last hidden state,
+    soft-capped at most (the lines of its forward between the two, checked against _PLAIN_HEAD): then nd-adapter's
+    fused linear CE computes its loss exactly. Cohere's logit scale, Granite's logits scaling, and any forward this
+    does not recognise keep the model's own loss."""
+    import inspect
+
+    import torch
+
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or not hasattr(model, "model"):
+        return False
+    try:
+        src = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    start, end = src.find("= self.model("), src.find("loss = None")
+    cut = src.find("hidden_states = outputs", start)
+    if start < 0 or end < 0 or cut < 0 or cut > end:
+        return False
+    lines = {ln.split("#")[0].strip() for ln in src[cut:end].splitlines()} - {""}
+    return lines <= _PLAIN_HEAD
 
 
 def _ep_split(model: Any) -> tuple[int, int]:
@@ -354,7 +390,8 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         attention_features=facts["attention"], layer_recompute=facts["recompute"],
         image_text=image_text, vision=vision_tower(cfg) if image_text else None,
         remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
-        output_router_logits=bool(text.get("output_router_logits")),
+        output_router_logits=bool(text.get("output_router_logits")), plain_head=facts["plain_head"],
+        final_softcap=float(text["final_logit_softcapping"]) if text.get("final_logit_softcapping") else None,
         router_aux_loss_coef=float(text.get("router_aux_loss_coef") or 0.0))
 
 

@@ -274,7 +274,6 @@ def check_run(cfg, arch) -> list[str]:
          "checkpoints whole layers)"),
         (cfg.recompute == "full" and not arch.layer_recompute, "recompute", "full", f"recomputing layers ({name} "
          "does not support transformers' gradient checkpointing)"),
-        (m.fused_linear_ce is True, "model.fused_linear_ce", True, "the fused linear cross-entropy"),
         # the load-balancing loss: a statistic over the micro-batch's tokens, which tp's and cp's ranks would each
         # compute over their own; a preference loss's forwards (reference, KL rows) would each add one
         (arch.output_router_logits and (p.tp_size > 1 or p.cp_size > 1 or cfg.objective != "sft" or any(

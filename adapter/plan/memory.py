@@ -320,7 +320,7 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
         # gradient written over them (adapter/kernels/fusions.py), Liger's with an fp32 working copy (its chunk:
         # tokens·hidden / vocab rows, rounded up to a power of two: counts.liger_linear_ce_chunk)
         chunk = counts.liger_linear_ce_chunk(s * b, rows, h) if liger_ce else \
-            ours_chunk(cfg, vocab_rows=vp // tp, tokens=s * b)
+            ours_chunk(cfg, vocab_rows=rows, tokens=s * b)
         logits = pb * s * b * h + chunk * rows * (pb + 4 if liger_ce else pb)
     elif not fused or not arch.native:  # Megatron's CE, or transformers' logits: an fp32 copy + the saved exp
         logits = s * b * rows * (pb + 4 + 4)

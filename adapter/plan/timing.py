@@ -236,11 +236,14 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     # checkpoint's are (Olmo-3's 100,278: the GEMMs at 0.36 of the rate, hardware.Gemm)
     head_rows = 1 if arch.score_head else output_rows(arch, tp, cfg.model.vocab_divisible_by)
     chunk = tokens
-    if cfg.model.fused_linear_ce and arch.native:  # ours, in token chunks
+    if cfg.model.fused_linear_ce:  # ours, in token chunks (either engine)
         # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account
         # for 0.9 of the +2.4 ms measured at 1,024-token chunks (0.4 of 1.1 at 2,048); the rest, ~0.2 ms a chunk, is
-        # not modelled (1% of that step), since a per-chunk constant would swamp small models
-        chunk = ours_chunk(cfg, vocab_rows=vocab // tp, tokens=tokens)
+        # not modelled (1% of that step), since a per-chunk constant would swamp small models. Its logits' rows are
+        # padded to 128 columns where the vocabulary slice is not a multiple of 8 (adapter/kernels/fusions.py): the
+        # GEMMs at the aligned rate
+        chunk = ours_chunk(cfg, vocab_rows=head_rows, tokens=tokens)
+        head_rows = -(-head_rows // 128) * 128 if head_rows % 8 else head_rows
     elif not arch.native and not arch.score_head and "fused_linear_cross_entropy" in cfg.model.liger:  # Liger's
         chunk = liger_linear_ce_chunk(tokens, head_rows, arch.hidden_size)
     g_head = gemm_seconds([(chunk, head_rows, arch.hidden_size)] * (tokens // chunk)

@@ -330,11 +330,14 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     if cfg.model.compile:  # after PEFT, TP and EP replaced modules: the graphs trace what trains
         compile_hf_layers(model, cfg.model.compile_memory_budget)
     aux = run.arch.router_aux_loss_coef if run.arch.output_router_logits else 0.0  # the load-balancing loss
+    # the fused linear CE (checks.linear_ce_where_it_applies): nd-adapter's kernel over the body's hidden states
+    linear_ce = (cfg.model.fused_linear_ce_chunk, run.arch.final_softcap) if cfg.model.fused_linear_ce else None
     losses = (RewardScores(model, cp) if cfg.objective == "reward" else
-              CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux)).to(device)
-    if "fused_linear_cross_entropy" in liger and run.zero_stage == 3:  # Liger's loss reads lm_head's weight in the
-        # model's forward, never calling lm_head: ZeRO-3 gathers it for the whole forward (else a partition of it);
-        # its gradient comes from the loss's forward (Liger computes it there), reduced like any other
+              CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux,
+                             linear_ce=linear_ce)).to(device)
+    if ("fused_linear_cross_entropy" in liger or linear_ce) and run.zero_stage == 3:  # the fused loss (Liger's or
+        # ours) reads lm_head's weight, never calling lm_head: ZeRO-3 gathers it for the whole forward (else a
+        # partition of it); its gradient comes from the loss's forward (computed there), reduced like any other
         deepspeed.zero.register_external_parameter(losses, model.get_output_embeddings().weight)
     if run.peft is not None and run.peft.experts:
         move_expert_states(model, device)

@@ -316,14 +316,19 @@ def test_compiled_layers_by_default_where_measured_faster():
 
 def test_fused_linear_ce_by_default_where_it_applies():
     """`model.fused_linear_ce: auto`, the default: on for a token-level loss on the native engine, in chunks of a
-    multiple of 128 tokens of the padded vocabulary per tp rank (or the chunk asked), said in one first line; off, with
-    the reason, on the transformers engine, for a preference objective and in fp16. `true` and `false` stay."""
+    multiple of 128 tokens of the padded vocabulary per tp rank (or the chunk asked), said in one first line, and on
+    the transformers engine where the model's logits are lm_head over its body's output (its own rows); off, with
+    the reason, for other heads, beside Liger's cross-entropy, for a preference objective and in fp16. `true` and
+    `false` stay."""
     from types import SimpleNamespace
 
     def said(cfg):
         return [n for n in cfg.notes if n.startswith("model.fused_linear_ce: auto")]
 
     arch = SimpleNamespace(native=True, vocab_size=128256)
+    hf = SimpleNamespace(native=False, vocab_size=100278, plain_head=True, architecture="Olmo3ForCausalLM")
+    got = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), hf)
+    assert got.model.fused_linear_ce is True and got.model.fused_linear_ce_chunk == 1280  # 100,278 rows
     cfg = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), arch)
     assert cfg.model.fused_linear_ce is True and cfg.model.fused_linear_ce_chunk == 1024
     assert said(cfg) == ["model.fused_linear_ce: auto: on (output layer + cross-entropy in chunks of 1024 tokens: "
@@ -334,17 +339,23 @@ def test_fused_linear_ce_by_default_where_it_applies():
     assert checks.linear_ce_where_it_applies(asked, arch).model.fused_linear_ce_chunk == 300
     pairs = {"objective": "dpo", "data.synthetic": False,
              "data.datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}
-    for over, engine, why in (({}, False, "the transformers engine computes its model's own loss"),
-                              (pairs, True, "dpo needs each token's log-probability"),
-                              ({"precision": "fp16"}, True, "fp16: the kernel's output-weight gradient")):
+    scaled = SimpleNamespace(native=False, vocab_size=300, plain_head=False, architecture="GraniteForCausalLM")
+    for over, engine, why in (({}, scaled, "GraniteForCausalLM's forward does more than lm_head"),
+                              ({"model.liger": ["fused_linear_cross_entropy"]}, hf, "Liger's cross-entropy kernel"),
+                              (pairs, arch, "dpo needs each token's log-probability"),
+                              ({"precision": "fp16"}, arch, "fp16: the kernel's output-weight gradient")):
         got = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True, **over}), env={}),
-                                                SimpleNamespace(native=engine, vocab_size=128256))
+                                                engine)
         assert got.model.fused_linear_ce is False and got.model.fused_linear_ce_chunk is None
         assert len(said(got)) == 1 and said(got)[0].startswith(f"model.fused_linear_ce: auto: off: {why}"), got.notes
     for value in (True, False):
         kept = config.build(native(**{"data.synthetic": True, "model.fused_linear_ce": value}), env={})
-        got = checks.linear_ce_where_it_applies(kept, SimpleNamespace(native=False, vocab_size=128256))
+        got = checks.linear_ce_where_it_applies(kept, hf)
         assert got.model.fused_linear_ce is value and not said(got)
+    with pytest.raises(UserError, match="model.fused_linear_ce=True: the fused linear cross-entropy is not built on "
+                       "the transformers engine here .GraniteForCausalLM's forward does more"):
+        checks.linear_ce_where_it_applies(kept.model_copy(update={"model": kept.model.model_copy(
+            update={"fused_linear_ce": True})}), scaled)
 
 
 def test_longrope_is_read_as_transformers_reads_it():

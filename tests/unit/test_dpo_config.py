@@ -421,7 +421,8 @@ def test_plan_counts_both_answers_and_the_reference_forward(tmp_path):
         path = with_local_model(FIXTURES / "instruct-dpo-lora-8b.yml", tmp_path / name, drop=(), load_in_8bit=False,
                                 bf16=True, **keys)
         code, out, err = run_cli("plan", str(path), "--gpus-per-node", "1", "--gpu", "h200", "--format", "json",
-                                 "--set", "model.engine=transformers")  # DPO's engine (auto takes it for DPO)
+                                 "--set", "model.engine=transformers",  # DPO's engine (auto takes it for DPO)
+                                 "--set", "model.fused_linear_ce=false")  # the SFT run's loss as DPO's: whole logits
         assert code == 0, err
         return json.loads(out)
 

@@ -22,7 +22,8 @@ def _case(seed=0):
 
 @pytest.mark.parametrize("cap", [None, 3.0])
 def test_loss_and_gradients_equal_the_unfused_ones(cap):
-    """45 real rows of 50 (the rest vocabulary padding), 8-token chunks that do not divide 37 tokens."""
+    """45 real rows of 50 (the rest vocabulary padding; 45 is not a multiple of 8, so the logits sit in a buffer
+    with padded rows), 8-token chunks that do not divide 37 tokens."""
     h, w, y, mask = _case()
     z = h @ w[:45].t()
     z = z if cap is None else torch.tanh(z / cap) * cap

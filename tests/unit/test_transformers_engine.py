@@ -629,3 +629,22 @@ def test_a_checkpoint_missing_weights_is_refused_not_started_random(tmp_path):
     with pytest.raises(UserError, match=rf"^model.path='{d}': the checkpoint lacks 1 of the weights of "
                        rf"PhiForCausalLM \(e.g. {dropped}\), which would start random"):
         build_model(str(d), weights=True, dtype=torch.float32, seed=0, trust_remote_code=False)
+
+
+@pytest.mark.parametrize("model_type, plain", [("olmo3", True), ("llama", True), ("gemma3_text", True),
+                                               ("phi", False), ("gpt_neox", False), ("granite", False),
+                                               ("cohere", False)])
+def test_the_fused_linear_ce_takes_models_whose_logits_are_lm_head_over_their_body(model_type, plain):
+    """generic.plain_head reads the model's forward: lm_head (bias-free) over `self.model`'s last hidden state, with
+    at most Gemma's final soft-capping, takes nd-adapter's fused linear CE; Phi's biased lm_head, GPT-NeoX's other
+    body, Granite's logits scaling and Cohere's logit scale keep their own loss."""
+    import transformers
+
+    from adapter.models import generic
+    from tests.helpers.archs import TINY
+
+    conf = transformers.CONFIG_MAPPING[model_type](**TINY, pad_token_id=None, bos_token_id=1, eos_token_id=2).to_dict()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    conf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    assert generic.meta_facts(json.dumps(conf, sort_keys=True), False, None)["plain_head"] is plain
