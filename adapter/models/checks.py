@@ -221,10 +221,16 @@ def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConf
 def hf_linear_ce_off(cfg: RunConfig, arch: ModelArch) -> str | None:
     """Why the transformers engine keeps its model's own loss (or Liger's), or None where nd-adapter's fused linear
     CE computes it over the body's hidden states (adapter/modeling/hf_build.CausalLMLosses)."""
+    lora = cfg.lora
+    head_adapted = lora is not None and ("lm_head" in lora.modules_to_save or "lm_head" in (
+        lora.target_modules if isinstance(lora.target_modules, str) else " ".join(lora.target_modules or ())))
     return ("Liger's cross-entropy kernel computes the loss (its key asks)" if
             {"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger) else
             f"{arch.architecture}'s forward does more than lm_head over its body's output: its own loss"
             if not arch.plain_head else
+            "lm_head is an adapter's module (lora_modules_to_save / lora_target_modules): its own loss"
+            if head_adapted else
+            "qat: the output layer may be fake-quantised: its own loss" if cfg.qat is not None else
             "image-text rows: the model's own loss" if cfg.data.processor_type else
             "tensor parallelism splits the transformers engine's output layer: its own loss"
             if cfg.parallelism.tp_size > 1 else None)

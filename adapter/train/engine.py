@@ -332,6 +332,10 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     aux = run.arch.router_aux_loss_coef if run.arch.output_router_logits else 0.0  # the load-balancing loss
     # the fused linear CE (checks.linear_ce_where_it_applies): nd-adapter's kernel over the body's hidden states
     linear_ce = (cfg.model.fused_linear_ce_chunk, run.arch.final_softcap) if cfg.model.fused_linear_ce else None
+    head = model.get_output_embeddings()
+    if linear_ce and (type(head) is not torch.nn.Linear or head.bias is not None):  # what checks did not foresee
+        raise bad("model.fused_linear_ce", True, f"lm_head is a {type(head).__name__} here (an adapter, QAT or "
+                  "another wrapper): the fused kernel would read a weight the model does not use", "set it false")
     losses = (RewardScores(model, cp) if cfg.objective == "reward" else
               CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux,
                              linear_ce=linear_ce)).to(device)

@@ -342,6 +342,7 @@ def test_fused_linear_ce_by_default_where_it_applies():
     scaled = SimpleNamespace(native=False, vocab_size=300, plain_head=False, architecture="GraniteForCausalLM")
     for over, engine, why in (({}, scaled, "GraniteForCausalLM's forward does more than lm_head"),
                               ({"model.liger": ["fused_linear_cross_entropy"]}, hf, "Liger's cross-entropy kernel"),
+                              ({"lora.r": 8, "lora.modules_to_save": ["lm_head"]}, hf, "lm_head is an adapter's"),
                               (pairs, arch, "dpo needs each token's log-probability"),
                               ({"precision": "fp16"}, arch, "fp16: the kernel's output-weight gradient")):
         got = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True, **over}), env={}),
