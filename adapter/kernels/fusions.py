@@ -180,6 +180,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 # ---- linear + cross-entropy ---------------------------------------------------------------------------------------
 
+# The padded logits rows below run on CPU (tests/unit/test_linear_ce.py); on CUDA they wait for the GPU suite
+# (tests/gpu/test_fusions.py) and a measurement of the unaligned vocabulary (bench/gpu_batch.sh lce-olmo3)
+PAD_ROWS_ON_CUDA = False
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Σ_t w_t · CE(h_t · Wᵀ, y_t) with W's rows (the vocabulary) split over `group`, token chunk by token chunk.
 
@@ -202,7 +207,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # a vocabulary slice whose width is not a multiple of 8 (Olmo-3's 100,278 rows) would give the logits a row
         # stride cuBLAS runs at a third of its rate (4-byte loads) in all three GEMMs that touch them: they are
         # written into a buffer whose rows are padded to 128 columns, of which only the first `real` are used
-        stride = -(-real // 128) * 128 if real % 8 else 0
+        stride = -(-real // 128) * 128 if real % 8 and (PAD_ROWS_ON_CUDA or not hidden.is_cuda) else 0
         buf = torch.empty(min(chunk, hidden.size(0)), stride, dtype=hidden.dtype, device=hidden.device) \
             if stride else None
         for lo in range(0, hidden.size(0), chunk):

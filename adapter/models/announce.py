@@ -76,6 +76,8 @@ def engine(run: ResolvedRun) -> str:
         extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
     if arch.remote_code:
         extra.append("built by the checkpoint's own code (trust_remote_code: true)")
+    if run.cfg.model.fused_linear_ce:  # adapter/modeling/hf_build.CausalLMLosses
+        extra.append("its loss by nd-adapter's fused linear CE over the body's hidden states and lm_head's weight")
     if run.cfg.model.liger:
         extra.append(f"Liger's {', '.join(run.cfg.model.liger)} kernels where CUDA runs them (transformers' own on "
                      "CPU)")

@@ -218,6 +218,12 @@ def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConf
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": False}), "notes": notes})
 
 
+# `auto` keeps the transformers engine's own loss until its fused path is measured on a GPU (it equals transformers on
+# CPU at every layout tested: tests/distributed/test_transformers_engine.py); `true` runs it wherever it applies
+HF_LINEAR_CE_UNMEASURED = ("on the transformers engine not yet measured on a GPU: the model's own loss "
+                           "(model.fused_linear_ce: true runs nd-adapter's kernel)")
+
+
 def hf_linear_ce_off(cfg: RunConfig, arch: ModelArch) -> str | None:
     """Why the transformers engine keeps its model's own loss (or Liger's), or None where nd-adapter's fused linear
     CE computes it over the body's hidden states (adapter/modeling/hf_build.CausalLMLosses)."""
@@ -240,8 +246,8 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     """`model.fused_linear_ce: auto` (the default): the output layer and the cross-entropy in token chunks, so the
     [tokens × vocab] logits and their gradient never exist whole (the 1B shape at seq 4096 × 2: 3.9 GiB, Gemma 3's
     262k vocabulary 8 GiB; transformers + Liger, the peer, never holds them either), wherever it applies: the native
-    engine, and the transformers engine where the model's logits are lm_head over its body's output (hf_linear_ce_
-    off says where not: Liger's kernel where its key asks, other heads, image-text rows, tp), for a token-level
+    engine (on the transformers engine it applies where the model's logits are lm_head over its body's output,
+    hf_linear_ce_off says where not; `auto` leaves it off there until measured on a GPU), for a token-level
     loss (a preference objective needs each token's log-probability, and the kernel returns their sum), outside
     fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
     `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step, docs/BENCHMARKS.md), not Liger's (+8 ms),
@@ -255,7 +261,7 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
            if cfg.objective != "sft" else
            "fp16: the kernel's output-weight gradient, a sum over the micro-batch's tokens computed before the loss "
            "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else
-           None if arch.native else hf_linear_ce_off(cfg, arch))
+           None if arch.native else hf_linear_ce_off(cfg, arch) or HF_LINEAR_CE_UNMEASURED)
     chunk = cfg.model.fused_linear_ce_chunk
     if why is None and chunk is None:
         chunk = linear_ce_chunk(output_rows(arch, cfg.parallelism.tp_size, cfg.model.vocab_divisible_by))

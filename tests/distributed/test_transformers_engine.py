@@ -45,14 +45,20 @@ CP_ARCHS = {"phi": (True, "all_gather"), "deepseek_v3": (True, "p2p"),  # MLA on
             "starcoder2": (False, "all_gather")}  # one causal stream per sample, every layer windowed
 
 
+# nd-adapter's fused linear CE over the body's hidden states (model.fused_linear_ce: true): MoE, MLA, hybrid, windows
+FUSED_CE = ("olmo3", "starcoder2", "deepseek_v3", "qwen3_next", "gpt_oss")
+
+
 def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int = 2, steps: int = STEPS,
          zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
          unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, liger: tuple = (),
-         recompute: str = "none", compile: bool = False, dequantize: bool = False, **parallelism):
+         recompute: str = "none", compile: bool = False, dequantize: bool = False, fused_ce: bool | str = "auto",
+         **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
-                     "unfrozen_parameters": unfrozen, "liger": liger, "compile": compile, "dequantize": dequantize},
+                     "unfrozen_parameters": unfrozen, "liger": liger, "compile": compile, "dequantize": dequantize,
+                     "fused_linear_ce": fused_ce},
            "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga}, "seq_len": SEQ, "precision": "fp32",
            "recompute": recompute,
@@ -74,7 +80,7 @@ def _worker(rank, world, models, root):
     out = {}
     for name in MODELS:  # the fixture's native models train below (llama) or in the LoRA test (qwen3_moe)
         lines: list[str] = []  # packed, the hybrids too (their documents run as rows of their own: hf_unpack)
-        res = train(_cfg(models[name], f"{root}/{name}", True), log=lines.append)
+        res = train(_cfg(models[name], f"{root}/{name}", True, fused_ce=name in FUSED_CE or "auto"), log=lines.append)
         out[name] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     lines = []  # whole rows at cp = 1: its sliding-window layers through local_attention (checks.own_attention)
     out["olmo3 rows"] = (train(_cfg(models["olmo3"], f"{root}/olmo3-rows", False), log=lines.append).losses, lines)
@@ -84,8 +90,8 @@ def _worker(rank, world, models, root):
         out[f"{name} tp"] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     for name, (pack, comm) in CP_ARCHS.items():
         lines = []
-        res = train(_cfg(models[name], f"{root}/{name}", pack, dp_shard_size=1, cp_size=2, cp_comm_type=comm),
-                    log=lines.append)
+        res = train(_cfg(models[name], f"{root}/{name}", pack, dp_shard_size=1, cp_size=2, cp_comm_type=comm,
+                         fused_ce=name in FUSED_CE or "auto"), log=lines.append)  # each rank's chunk of tokens
         out[f"{name} cp"] = (res.losses, [ln for ln in lines if ln.startswith("engine:")])
     import functools
 
@@ -221,6 +227,7 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
         assert len(said) == 1 and "engine: transformers' own" in said[0] and "no native family" in said[0], said
         if name in VISION:
             assert "its language model trains on text, the other towers frozen" in said[0]
+        assert (name in FUSED_CE) == ("nd-adapter's fused linear CE over the body's hidden states" in said[0]), said
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}", True))
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
     # at cp = 1 on nd-adapter's kernels (packed documents by their boundaries: checks.own_attention) where they
@@ -242,6 +249,7 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
         losses, said = got[f"{name} cp"]
         assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, comm, losses, want)
         assert "cp=2 through transformers' attention interface" in said[0], said
+        assert (name in FUSED_CE) == ("fused linear CE" in said[0]), said
     for name, over in COMPILED.items():
         losses, said, graphs = got[f"{name} compiled"]
         want = _reference(models[name], _cfg(models[name], f"{tmp_path}/{name}-compiled", True, **over),

@@ -316,10 +316,10 @@ def test_compiled_layers_by_default_where_measured_faster():
 
 def test_fused_linear_ce_by_default_where_it_applies():
     """`model.fused_linear_ce: auto`, the default: on for a token-level loss on the native engine, in chunks of a
-    multiple of 128 tokens of the padded vocabulary per tp rank (or the chunk asked), said in one first line, and on
-    the transformers engine where the model's logits are lm_head over its body's output (its own rows); off, with
-    the reason, for other heads, beside Liger's cross-entropy, for a preference objective and in fp16. `true` and
-    `false` stay."""
+    multiple of 128 tokens of the padded vocabulary per tp rank (or the chunk asked), said in one first line; off,
+    with the reason, on the transformers engine (where it applies, models whose logits are lm_head over their body's
+    output, until measured on a GPU; other heads, beside Liger's cross-entropy), for a preference objective and in
+    fp16. `true` and `false` stay; `true` where it does not apply is one line."""
     from types import SimpleNamespace
 
     def said(cfg):
@@ -328,7 +328,8 @@ def test_fused_linear_ce_by_default_where_it_applies():
     arch = SimpleNamespace(native=True, vocab_size=128256)
     hf = SimpleNamespace(native=False, vocab_size=100278, plain_head=True, architecture="Olmo3ForCausalLM")
     got = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), hf)
-    assert got.model.fused_linear_ce is True and got.model.fused_linear_ce_chunk == 1280  # 100,278 rows
+    assert got.model.fused_linear_ce is False and said(got)[0].endswith(checks.HF_LINEAR_CE_UNMEASURED)
+    assert checks.hf_linear_ce_off(got, hf) is None  # it applies: `true` runs it
     cfg = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), arch)
     assert cfg.model.fused_linear_ce is True and cfg.model.fused_linear_ce_chunk == 1024
     assert said(cfg) == ["model.fused_linear_ce: auto: on (output layer + cross-entropy in chunks of 1024 tokens: "
