@@ -41,7 +41,19 @@ def kinds():
                                                    reduction="sum")
     for chunk in (1024, 2048, 4096):
         out[f"ours, chunk {chunk}"] = lambda h, w, y, mask, c=chunk: linear_cross_entropy(h, w, y, mask, chunk=c)
+    out["ours, chunk 1024, padded rows"] = padded_rows  # an unaligned vocabulary's logits in rows of 128 columns
     return out
+
+
+def padded_rows(h, w, y, mask):
+    """Ours with fusions.PAD_ROWS_ON_CUDA on (the same as chunk 1024 where the vocabulary is a multiple of 8)."""
+    from adapter.kernels import fusions
+
+    fusions.PAD_ROWS_ON_CUDA = True
+    try:
+        return linear_cross_entropy(h, w, y, mask, chunk=1024)
+    finally:
+        fusions.PAD_ROWS_ON_CUDA = False
 
 
 def main():
