@@ -36,24 +36,29 @@ def test_vocab_parallel_ce_leaves_out_padding_on_cuda():
     assert logits.grad[:, REAL:].abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("chunk", [None, 128])  # None: Liger's kernel where installed; 128: ours, in chunks
-def test_linear_ce_leaves_out_padding_on_cuda(chunk):
+# None: Liger's kernel where installed; 128: ours, in chunks; 1,003 real rows: ours with the logits in rows padded
+# to 128 columns (fusions.PAD_ROWS_ON_CUDA, an unaligned vocabulary's row stride)
+@pytest.mark.parametrize("chunk, real", [(None, REAL), (128, REAL), (128, 1003)])
+def test_linear_ce_leaves_out_padding_on_cuda(chunk, real, monkeypatch):
     import torch.nn.functional as F
 
+    from adapter.kernels import fusions
     from adapter.kernels.fusions import linear_cross_entropy
 
+    monkeypatch.setattr(fusions, "PAD_ROWS_ON_CUDA", real % 8 != 0)
     hidden, weight, target = _case()
+    weight[REAL:real] = torch.randn(real - REAL, HIDDEN, device="cuda") * 0.1
     mask = (torch.arange(TOKENS, device="cuda") % 3 != 0).float()
-    h_ref, w_ref = hidden.clone().requires_grad_(), weight[:REAL].clone().requires_grad_()
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight[:real].clone().requires_grad_()
     ref = (F.cross_entropy(h_ref @ w_ref.t(), target, reduction="none") * mask).sum()
     ref.backward()
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    got = linear_cross_entropy(h, w, target, mask, chunk=chunk, real=REAL)
+    got = linear_cross_entropy(h, w, target, mask, chunk=chunk, real=real)
     got.backward()
     assert abs(got.item() - ref.item()) / ref.item() <= 1e-5
     assert (h.grad - h_ref.grad).abs().max().item() <= 1e-5 * h_ref.grad.abs().max().item() + 1e-7
-    assert (w.grad[:REAL] - w_ref.grad).abs().max().item() <= 1e-5 * w_ref.grad.abs().max().item() + 1e-7
-    assert w.grad[REAL:].abs().max().item() == 0.0
+    assert (w.grad[:real] - w_ref.grad).abs().max().item() <= 1e-5 * w_ref.grad.abs().max().item() + 1e-7
+    assert w.grad[real:].abs().max().item() == 0.0
 
 
 def test_linear_ce_backward_scales_its_gradients_in_place_on_cuda():
