@@ -128,21 +128,25 @@ def _hf_compile_worker(rank, world, model_dir, root):
 
     init_distributed()
     out = {}
-    for compiled in (False, True):  # the transformers engine, inductor on CUDA, gradient checkpointing inside
-        raw = {"model": {"path": model_dir, "engine": "transformers", "compile": compiled},
+    variants = {False: {}, True: {"compile": True}, "fused CE": {"fused_linear_ce": True}}
+    for compiled, model in variants.items():  # the transformers engine, inductor on CUDA, checkpointing inside;
+        # and eager with nd-adapter's fused linear CE over the body's hidden states
+        raw = {"model": {"path": model_dir, "engine": "transformers", **model},
                "seq_len": 256, "precision": "bf16", "recompute": "full",
                "batch": {"micro_batch_size": 2}, "optimizer": {"lr": 1e-3, "warmup_steps": 0, "max_steps": 6,
                                                               "schedule": "constant"},
                "data": {"datasets": [{"path": str(ASSETS / "chat_genesis.jsonl"), "type": "chat_template"}],
                         "chat_template": "chatml", "sample_packing": True, "prepared_path": f"{root}/prep"}}
         out[compiled] = run(config.build(raw, env={}, world_size=world), log=lambda s: None).losses
-    out["graphs"] = counters["stats"]["unique_graphs"]
+        if compiled is True:
+            out["graphs"] = counters["stats"]["unique_graphs"]
     return out
 
 
 def test_compiled_layers_on_the_transformers_engine_on_cuda(tmp_path):
     """Compiled decoder layers of transformers' own model (inductor, bf16, packed documents, gradient
-    checkpointing) follow the eager run inside the bf16 band of the other GPU parity tests."""
+    checkpointing), and its loss by nd-adapter's fused linear CE (model.fused_linear_ce: true), follow the eager run
+    inside the bf16 band of the other GPU parity tests."""
     from adapter.demo.build import make_tiny_llama, train_tokenizer
 
     tok = train_tokenizer(out_dir=tmp_path / "tok", vocab_size=512)
@@ -151,3 +155,4 @@ def test_compiled_layers_on_the_transformers_engine_on_cuda(tmp_path):
     eager, compiled = got[False], got[True]
     assert got["graphs"] > 0 and len(compiled) == 6
     assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager)) < 2e-2, (compiled, eager)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got["fused CE"], eager)) < 2e-2, (got["fused CE"], eager)
