@@ -46,14 +46,15 @@ def kinds():
 
 
 def padded_rows(h, w, y, mask):
-    """Ours with fusions.PAD_ROWS_ON_CUDA on (the same as chunk 1024 where the vocabulary is a multiple of 8)."""
-    from adapter.kernels import fusions
+    """Ours with counts.LINEAR_CE_PAD_ROWS_ON_CUDA on (the same as chunk 1024 where the vocabulary is a multiple
+    of 8)."""
+    from adapter.models import counts
 
-    fusions.PAD_ROWS_ON_CUDA = True
+    counts.LINEAR_CE_PAD_ROWS_ON_CUDA = True
     try:
         return linear_cross_entropy(h, w, y, mask, chunk=1024)
     finally:
-        fusions.PAD_ROWS_ON_CUDA = False
+        counts.LINEAR_CE_PAD_ROWS_ON_CUDA = False
 
 
 def main():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from adapter.models.counts import linear_ce_chunk
+from adapter.models.counts import linear_ce_chunk, linear_ce_row_stride
 from adapter.patches import mcore
 
 
@@ -180,11 +180,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 # ---- linear + cross-entropy ---------------------------------------------------------------------------------------
 
-# The padded logits rows below run on CPU (tests/unit/test_linear_ce.py); on CUDA they wait for the GPU suite
-# (tests/gpu/test_fusions.py) and a measurement of the unaligned vocabulary (bench/gpu_batch.sh lce-olmo3)
-PAD_ROWS_ON_CUDA = False
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Σ_t w_t · CE(h_t · Wᵀ, y_t) with W's rows (the vocabulary) split over `group`, token chunk by token chunk.
 
@@ -204,12 +199,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if need_w else None
         w_real = weight[:real]  # the padding rows: no logits, no gradient
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # a vocabulary slice whose width is not a multiple of 8 (Olmo-3's 100,278 rows) would give the logits a row
-        # stride cuBLAS runs at a third of its rate (4-byte loads) in all three GEMMs that touch them: they are
-        # written into a buffer whose rows are padded to 128 columns, of which only the first `real` are used
-        stride = -(-real // 128) * 128 if real % 8 and (PAD_ROWS_ON_CUDA or not hidden.is_cuda) else 0
+        # an unaligned vocabulary slice's logits go into rows padded to 128 columns, of which only the first `real`
+        # are used (counts.linear_ce_row_stride: cuBLAS's aligned kernels)
+        stride = linear_ce_row_stride(real, hidden.is_cuda)
         buf = torch.empty(min(chunk, hidden.size(0)), stride, dtype=hidden.dtype, device=hidden.device) \
-            if stride else None
+            if stride != real else None
         for lo in range(0, hidden.size(0), chunk):
             h, y, w = hidden[lo:lo + chunk], target[lo:lo + chunk], weights[lo:lo + chunk].float()
             short = h.size(0) < chunk  # the last chunk: its length changes with the micro-batch's (unpacked SFT)

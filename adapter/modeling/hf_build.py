@@ -270,7 +270,6 @@ class CausalLMLosses(torch.nn.Module):
         logits = out.logits.float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 
-
     def _fused_loss(self, tokens, position_ids, labels, loss_mask, across, aux, routers, real):
         """`model.fused_linear_ce` on the transformers engine: the model's body (`model.model`, with PEFT's layers in
         it) gives the last hidden states, and nd-adapter's kernel takes them with lm_head's weight, in token chunks:

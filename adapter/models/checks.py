@@ -252,16 +252,17 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
     `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step, docs/BENCHMARKS.md), not Liger's (+8 ms),
     which `true` keeps at tp = 1 on GPUs. The first lines say which."""
-    if cfg.model.fused_linear_ce is True and not arch.native and hf_linear_ce_off(cfg, arch):
+    off = None if arch.native else hf_linear_ce_off(cfg, arch)
+    if cfg.model.fused_linear_ce is True and off:
         raise bad(spell(cfg, "model.fused_linear_ce"), True, f"the fused linear cross-entropy is not built on the "
-                  f"transformers engine here ({hf_linear_ce_off(cfg, arch)})", "remove it")
+                  f"transformers engine here ({off})", "remove it")
     if cfg.model.fused_linear_ce != "auto":
         return cfg
     why = (f"{cfg.objective} needs each token's log-probability (the fused kernel returns their sum)"
            if cfg.objective != "sft" else
            "fp16: the kernel's output-weight gradient, a sum over the micro-batch's tokens computed before the loss "
            "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else
-           None if arch.native else hf_linear_ce_off(cfg, arch) or HF_LINEAR_CE_UNMEASURED)
+           None if arch.native else off or HF_LINEAR_CE_UNMEASURED)
     chunk = cfg.model.fused_linear_ce_chunk
     if why is None and chunk is None:
         chunk = linear_ce_chunk(output_rows(arch, cfg.parallelism.tp_size, cfg.model.vocab_divisible_by))

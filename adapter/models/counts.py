@@ -278,6 +278,21 @@ def output_rows(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> int:
     return arch.vocab_size // tp if arch.vocab_size % tp == 0 else arch.vocab_size
 
 
+# The fused linear CE's padded logits rows (below) run on CPU (tests/unit/test_linear_ce.py); on CUDA they wait for
+# the GPU suite (tests/gpu/test_fusions.py) and a measurement at an unaligned vocabulary (bench/gpu_batch.sh lce-olmo3)
+LINEAR_CE_PAD_ROWS_ON_CUDA = False
+
+
+def linear_ce_row_stride(rows: int, cuda: bool = True) -> int:
+    """Columns a row of the fused linear CE's logits takes for a vocabulary slice of `rows` (the kernel and `plan`
+    read it): `rows`, or where that is not a multiple of 8 (Olmo-3's 100,278) and the padding runs on this device,
+    `rows` rounded up to 128. An unaligned row stride makes cuBLAS run all three GEMMs that touch the logits on its
+    4-byte-load kernels, at 0.36 of the rate (one H100, docs/BENCHMARKS.md 2026-12-06)."""
+    if rows % 8 and (LINEAR_CE_PAD_ROWS_ON_CUDA or not cuda):
+        return -(-rows // 128) * 128
+    return rows
+
+
 def liger_linear_ce_chunk(tokens: int, vocab_rows: int, hidden: int) -> int:
     """Tokens per chunk of Liger's fused linear cross-entropy (liger-kernel 0.8.5,
     ops/fused_linear_cross_entropy.py: one chunk's logits about the size of the hidden states, rounded up to a power
@@ -287,8 +302,8 @@ def liger_linear_ce_chunk(tokens: int, vocab_rows: int, hidden: int) -> int:
     return min(tokens, 1 << max(0, (per - 1).bit_length()))
 
 
-__all__ = ["linear_ce_chunk", "liger_linear_ce_chunk", "output_rows", "vision_patches", "vision_gemms",
-           "vision_activation_bytes",
+__all__ = ["linear_ce_chunk", "linear_ce_row_stride", "liger_linear_ce_chunk", "output_rows", "vision_patches",
+           "vision_gemms", "vision_activation_bytes",
            "Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params",
            "LocalParams", "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended",
            "flops_per_token", "ATTN_FWD_BWD", "attention_pairs", "attention_flops"]

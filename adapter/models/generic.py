@@ -255,6 +255,13 @@ _PLAIN_HEAD = {"hidden_states = outputs.last_hidden_state", "hidden_states = out
                "logits = logits * self.config.final_logit_softcapping"}
 
 
+def plain_linear(module: Any) -> bool:
+    """A bias-free torch Linear, nothing wrapped around it (PEFT, QAT): the weight the fused linear CE reads."""
+    import torch
+
+    return type(module) is torch.nn.Linear and module.bias is None
+
+
 def plain_head(model: Any) -> bool:
     """Whether the model's logits are lm_head (a bias-free linear) over its body's (`self.model`) last hidden state,
     soft-capped at most (the lines of its forward between the two, checked against _PLAIN_HEAD): then nd-adapter's
@@ -262,10 +269,7 @@ def plain_head(model: Any) -> bool:
     does not recognise keep the model's own loss."""
     import inspect
 
-    import torch
-
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None or not hasattr(model, "model"):
+    if not plain_linear(model.get_output_embeddings()) or not hasattr(model, "model"):
         return False
     try:
         src = inspect.getsource(type(model).forward)

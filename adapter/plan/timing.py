@@ -25,6 +25,7 @@ from adapter.models.counts import (
     flops_per_token,
     layer_gemms,
     liger_linear_ce_chunk,
+    linear_ce_row_stride,
     local_params,
     output_rows,
     param_tensors,
@@ -239,11 +240,10 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     if cfg.model.fused_linear_ce:  # ours, in token chunks (either engine)
         # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account
         # for 0.9 of the +2.4 ms measured at 1,024-token chunks (0.4 of 1.1 at 2,048); the rest, ~0.2 ms a chunk, is
-        # not modelled (1% of that step), since a per-chunk constant would swamp small models. Its logits' rows are
-        # padded to 128 columns where the vocabulary slice is not a multiple of 8 (adapter/kernels/fusions.py): the
-        # GEMMs at the aligned rate
+        # not modelled (1% of that step), since a per-chunk constant would swamp small models. Its logits' row stride
+        # where the kernel pads an unaligned slice's rows (counts.linear_ce_row_stride)
         chunk = ours_chunk(cfg, vocab_rows=head_rows, tokens=tokens)
-        head_rows = -(-head_rows // 128) * 128 if head_rows % 8 else head_rows
+        head_rows = linear_ce_row_stride(head_rows)
     elif not arch.native and not arch.score_head and "fused_linear_cross_entropy" in cfg.model.liger:  # Liger's
         chunk = liger_linear_ce_chunk(tokens, head_rows, arch.hidden_size)
     g_head = gemm_seconds([(chunk, head_rows, arch.hidden_size)] * (tokens // chunk)

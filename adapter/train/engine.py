@@ -48,7 +48,7 @@ from adapter.modeling.quant import quantize_base
 from adapter.models import freeze as freeze_facts
 from adapter.models import lora as lora_facts
 from adapter.models import source, vocab
-from adapter.models.generic import runs_unpacked
+from adapter.models.generic import plain_linear, runs_unpacked
 from adapter.models.resolved import ResolvedRun
 from adapter.parallel import deepspeed_config, shared_gpu
 from adapter.parallel.deepspeed_mpu import DeepSpeedMPU
@@ -333,9 +333,10 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     # the fused linear CE (checks.linear_ce_where_it_applies): nd-adapter's kernel over the body's hidden states
     linear_ce = (cfg.model.fused_linear_ce_chunk, run.arch.final_softcap) if cfg.model.fused_linear_ce else None
     head = model.get_output_embeddings()
-    if linear_ce and (type(head) is not torch.nn.Linear or head.bias is not None):  # what checks did not foresee
-        raise bad("model.fused_linear_ce", True, f"lm_head is a {type(head).__name__} here (an adapter, QAT or "
-                  "another wrapper): the fused kernel would read a weight the model does not use", "set it false")
+    if linear_ce and not plain_linear(head):  # a wrapper checks did not foresee
+        raise bad(spell(cfg, "model.fused_linear_ce"), True, f"lm_head is a {type(head).__name__} here (an adapter, "
+                  "QAT or another wrapper): the fused kernel would read a weight the model does not use",
+                  "set it false")
     losses = (RewardScores(model, cp) if cfg.objective == "reward" else
               CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux,
                              linear_ce=linear_ce)).to(device)

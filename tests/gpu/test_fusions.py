@@ -37,15 +37,15 @@ def test_vocab_parallel_ce_leaves_out_padding_on_cuda():
 
 
 # None: Liger's kernel where installed; 128: ours, in chunks; 1,003 real rows: ours with the logits in rows padded
-# to 128 columns (fusions.PAD_ROWS_ON_CUDA, an unaligned vocabulary's row stride)
+# to 128 columns (counts.LINEAR_CE_PAD_ROWS_ON_CUDA, an unaligned vocabulary's row stride)
 @pytest.mark.parametrize("chunk, real", [(None, REAL), (128, REAL), (128, 1003)])
 def test_linear_ce_leaves_out_padding_on_cuda(chunk, real, monkeypatch):
     import torch.nn.functional as F
 
-    from adapter.kernels import fusions
     from adapter.kernels.fusions import linear_cross_entropy
+    from adapter.models import counts
 
-    monkeypatch.setattr(fusions, "PAD_ROWS_ON_CUDA", real % 8 != 0)
+    monkeypatch.setattr(counts, "LINEAR_CE_PAD_ROWS_ON_CUDA", real % 8 != 0)
     hidden, weight, target = _case()
     weight[REAL:real] = torch.randn(real - REAL, HIDDEN, device="cuda") * 0.1
     mask = (torch.arange(TOKENS, device="cuda") % 3 != 0).float()
