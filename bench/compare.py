@@ -86,7 +86,7 @@ ONE_GPU_VARIANTS = {  # our 1-GPU rows: the default (flat AdamW), memory-budget 
     "bf16 states, compiled layers": ["--set", "optimizer.state_dtype=bf16", "--set", "model.compile=true"],
     # the transformers engine with nd-adapter's fused linear CE in place of Liger's (the other Liger kernels kept)
     "bf16 states, our linear CE": ["--set", "optimizer.state_dtype=bf16", "--set",
-                                   "model.liger=[rope,rms_norm,glu_activation]"],
+                                   "model.liger=[rope,rms_norm,glu_activation]", "--set", "model.fused_linear_ce=true"],
     "bf16 states, compiled layers, linear CE": ["--set", "optimizer.state_dtype=bf16", "--set", "model.compile=true",
                                                 *LINEAR_CE],
     # the same model trained by the transformers engine (transformers' own modules under nd-adapter's loop and ZeRO)
