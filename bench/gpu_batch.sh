@@ -6,7 +6,7 @@
 # usage: bash bench/gpu_batch.sh DEADLINE_S part...
 #   parts: suite | suite-a | suite-b | t-<name> (tests/gpu/test_<name>.py alone) | cmp-<shape> (bench/compare.py --axolotl, beside transformers + Liger; the MoE
 #          shape beside transformers' grouped_mm at micro-batch 1) | plancheck | pc-<row label word> |
-#          row-<shape>:<variant> (bench/compare.py 1-GPU config, beside transformers + Liger) | prof-<shape>
+#          row-<shape>:<variant>[+<variant>] (bench/compare.py 1-GPU config, beside transformers + Liger) | prof-<shape>
 #          (a profile of steps 7-8 of the shape's Axolotl YAML or 1-GPU config, bench/trace_summary.py's digest) | lora-<shape>
 #          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) |
 #          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn | dpo-<mode>
@@ -33,8 +33,9 @@ for part in "$@"; do
     plancheck) timeout $t python3 bench/plan_check.py --out $OUT/pc --timeout 150 > $OUT/pc.log 2>&1; echo rc=$?; tail -20 $OUT/pc.log;;
     pc-*) w=${part#pc-}; timeout $t python3 bench/plan_check.py --out $OUT/pc-$w --timeout 150 --only "$w" > $OUT/pc-$w.log 2>&1
       echo rc=$?; tail -6 $OUT/pc-$w.log;;
-    row-*) s=${part#row-}; s=${s%%:*}; v=${part#*:}  # row-<shape>:<variant of compare.py's ONE_GPU_VARIANTS>
-      timeout $t python3 bench/compare.py --gpus 1 --shape $s --micro-batch 2 --steps 10 --only "=nd-adapter 1 GPU ($s, $v)" "=hf-liger" --log-dir $OUT/row-$s > $OUT/row-$s.log 2>&1; echo rc=$?; tail -8 $OUT/row-$s.log;;
+    row-*) s=${part#row-}; s=${s%%:*}; only=()  # row-<shape>:<variant>[+<variant>...] of compare.py's ONE_GPU_VARIANTS
+      IFS='+' read -ra vs <<< "${part#*:}"; for v in "${vs[@]}"; do only+=("=nd-adapter 1 GPU ($s, $v)"); done
+      timeout $t python3 bench/compare.py --gpus 1 --shape $s --micro-batch 2 --steps 10 --only "${only[@]}" "=hf-liger" --log-dir $OUT/row-$s > $OUT/row-$s.log 2>&1; echo rc=$?; tail -8 $OUT/row-$s.log;;
     mempeer-*) s=${part#mempeer-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       ND_MEMORY_SNAPSHOT=/tmp/peer-$s.pickle timeout $t torchrun --nproc-per-node=1 bench/peers.py hf-liger --model-config configs/models/$y/config.json --seq 4096 --micro-batch 2 --steps 4 > $OUT/mempeer-$s.log 2>&1; echo rc=$?
       python3 bench/memory_peak.py /tmp/peer-$s.pickle > $OUT/mempeer-$s.txt 2>&1; head -30 $OUT/mempeer-$s.txt;;
