@@ -1,7 +1,9 @@
 """Does a host->device copy of a pageable micro-batch wait for the GPU? Queue ~50 ms of GEMMs, then time the host
 side of `tensor.to("cuda", non_blocking=True)` from pageable and from pinned memory, at sizes a micro-batch's
-tensors have (a [2, 4096] int64 tensor is 64 KiB). A host time near the queued work means the copy drained the
-stream first, so the next forward starts with an empty GPU queue (adapter/train/batches.place pins for this).
+tensors have (a [2, 4096] int64 tensor is 64 KiB). A host time near the queued work would mean the copy drained the
+stream first, so that the next forward started on an empty GPU queue. One H100 (2026-12-06, docs/BENCHMARKS.md): every
+size up to 1 MiB returned at once from pageable memory (0.1-0.3 ms), and pinning it first cost more host time than it
+saved, so adapter/train/batches.place copies pageable micro-batches with non_blocking.
 
     python3 bench/h2d_sync.py
 """

@@ -57,20 +57,10 @@ class PackedDocs(PackedSeqParams):
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in moved.items():
             if isinstance(v, torch.Tensor) and k != "max_host":
-                moved[k] = to_device(v, device) if non_blocking else v.to(device)
+                moved[k] = v.to(device, non_blocking=non_blocking)
                 if v.dtype == torch.int32:
                     torch._dynamo.maybe_mark_dynamic(moved[k], 0)
         return PackedDocs(**moved)
-
-
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device` without the host waiting for the GPU. A copy from pageable host memory is staged by the
-    driver, which first drains the stream: the host would wait for every kernel queued so far (the previous step's
-    backward and update), and the next forward would then start on an empty GPU queue, bound by the host. So a CUDA
-    copy goes through pinned memory (torch's caching host allocator keeps the block until the copy has run)."""
-    if device is not None and torch.device(device).type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -237,5 +227,5 @@ def _all_gather_plan(params: PackedDocs, c: torch.Tensor, cp: int, r: int) -> No
     params.ag_max_k = int(k_lens.max())
 
 
-__all__ = ["PackedDocs", "to_device", "pack_batch", "rows_to_stream", "pairs_to_shared_stream", "document_lengths",
+__all__ = ["PackedDocs", "pack_batch", "rows_to_stream", "pairs_to_shared_stream", "document_lengths",
            "local_multiple", "cu_seqlens", "document_attention_mask"]

@@ -20,7 +20,7 @@ from adapter.data.sft.preference import row_lengths, shared_prefix
 from adapter.data.sft.report import stats_lines
 from adapter.errors import bad
 from adapter.kernels.attention import split_for_cp
-from adapter.kernels.thd import local_multiple, pack_batch, pairs_to_shared_stream, rows_to_stream, to_device
+from adapter.kernels.thd import local_multiple, pack_batch, pairs_to_shared_stream, rows_to_stream
 from adapter.models import source
 from adapter.models.resolved import ResolvedRun
 
@@ -128,7 +128,8 @@ def place(run: ResolvedRun, cp_rank: int, device, b):
         b = {**b, **{f"cp_{k}": split_for_cp(b[k], layout.cp, cp_rank, seq_dim=1) for k in CP_MODEL_KEYS}}
     elif layout.cp > 1:
         b = {k: split_for_cp(v, layout.cp, cp_rank, seq_dim=1) for k, v in b.items()}
-    b = {k: to_device(v, device) for k, v in b.items()}  # (pinned: a pageable copy would wait for the GPU)
+    # non_blocking: a blocking host->device copy would wait for every kernel queued so far (the previous step)
+    b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
     if packed is not None:
         b["packed_seq_params"] = packed.to(device)
     return b
@@ -147,7 +148,7 @@ def _padding_free(run: ResolvedRun, cp_rank: int, device, b):
         stream, packed = pack_batch(rows_to_stream(b, row_lengths(b).long()), cp_size=layout.cp, cp_rank=cp_rank,
                                     carry=("row_index", "real"), multiple=local_multiple(cfg.seq_len, layout.cp, sp_tp))
     out = {**b, **{f"pf_{k}": v for k, v in stream.items()}}
-    out = {k: to_device(v, device) for k, v in out.items()}
+    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     out["pf_packed_seq_params"] = packed.to(device)
     return out
 
