@@ -35,7 +35,8 @@ for part in "$@"; do
       echo rc=$?; tail -6 $OUT/pc-$w.log;;
     row-*) s=${part#row-}; s=${s%%:*}; only=()  # row-<shape>:<variant>[+<variant>...] of compare.py's ONE_GPU_VARIANTS
       IFS='+' read -ra vs <<< "${part#*:}"; for v in "${vs[@]}"; do only+=("=nd-adapter 1 GPU ($s, $v)"); done
-      timeout $t python3 bench/compare.py --gpus 1 --shape $s --micro-batch 2 --steps 10 --only "${only[@]}" "=hf-liger" --log-dir $OUT/row-$s > $OUT/row-$s.log 2>&1; echo rc=$?; tail -8 $OUT/row-$s.log;;
+      timeout $t python3 bench/compare.py --gpus 1 --shape $s --micro-batch 2 --steps 10 --only "${only[@]}" "=hf-liger" --log-dir $OUT/row-$s > $OUT/row-$s.log 2>&1; echo rc=$?; tail -8 $OUT/row-$s.log
+      for f in $OUT/row-$s/*.log; do grep -q "tok/s" "$f" || { echo "--- $f"; grep -v Warning "$f" | tail -4; }; done;;
     mempeer-*) s=${part#mempeer-}; y=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.compare import ONE_GPU; print(ONE_GPU['$s'])")
       ND_MEMORY_SNAPSHOT=/tmp/peer-$s.pickle timeout $t torchrun --nproc-per-node=1 bench/peers.py hf-liger --model-config configs/models/$y/config.json --seq 4096 --micro-batch 2 --steps 4 > $OUT/mempeer-$s.log 2>&1; echo rc=$?
       python3 bench/memory_peak.py /tmp/peer-$s.pickle > $OUT/mempeer-$s.txt 2>&1; head -30 $OUT/mempeer-$s.txt;;
