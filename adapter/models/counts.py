@@ -278,9 +278,11 @@ def output_rows(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> int:
     return arch.vocab_size // tp if arch.vocab_size % tp == 0 else arch.vocab_size
 
 
-# The fused linear CE's padded logits rows (below) run on CPU (tests/unit/test_linear_ce.py); on CUDA they wait for
-# the GPU suite (tests/gpu/test_fusions.py) and a measurement at an unaligned vocabulary (bench/gpu_batch.sh lce-olmo3)
-LINEAR_CE_PAD_ROWS_ON_CUDA = False
+# The fused linear CE's padded logits rows (below), on CUDA too: at Olmo-3's 100,278 rows they took the output layer
+# + CE from 87.4 to 73.6 ms on one H100 (bench/gpu_batch.sh lce-olmo3, docs/BENCHMARKS.md 2026-12-06 18:21), and
+# they equal the reference there (tests/gpu/test_fusions.py, with the last rows' GEMMs apart); False keeps the
+# checkpoint's own stride (bench/linear_ce_bench.py times both)
+LINEAR_CE_PAD_ROWS_ON_CUDA = True
 
 
 def linear_ce_row_stride(rows: int, cuda: bool = True) -> int:
