@@ -62,7 +62,8 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         return
     if rl in ONLINE:
         raise bad("rl", rl, f"{rl.upper()} is an online method: it generates completions with the policy during "
-                  "training (Axolotl runs vLLM beside the trainer), which nd-adapter does not do",
+                  "training (rollouts Axolotl samples through vLLM or the trainer's own generate), which nd-adapter "
+                  "does not do",
                   "run this config with Axolotl, or train DPO on fixed preference pairs (rl: dpo)")
     if rl not in BUILT:
         raise bad("rl", rl, f"only rl: {', '.join(BUILT)} are built", "use rl: dpo, or run this config with Axolotl")
