@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from adapter.config import RunConfig
 from adapter.models import counts, lora
-from adapter.models.arch import ModelArch, padded_vocab_size
+from adapter.models.arch import ModelArch
 from adapter.models.counts import expert_params, linear_ce_chunk, local_params, output_rows
 from adapter.models.footprint import held_and_trained, optimizer_bytes, quantized_base
 from adapter.models.resolved import ResolvedRun
@@ -305,7 +305,6 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
         no_rc += kept
         full_rc += images * patches * pb * v[1] * v[0] + kept // v[0]
     acts = full_rc if cfg.recompute == "full" else no_rc
-    vp = padded_vocab_size(arch.vocab_size, tp, cfg.model.vocab_divisible_by)
     rows = output_rows(arch, tp, cfg.model.vocab_divisible_by)        # one rank's, as its engine holds them
     fused = cfg.model.fused_kernels is not False                        # unset: on (plan assumes GPUs)
     liger_ce = not arch.native and "fused_linear_cross_entropy" in cfg.model.liger
@@ -325,7 +324,7 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     elif not fused or not arch.native:  # Megatron's CE, or transformers' logits: an fp32 copy + the saved exp
         logits = s * b * rows * (pb + 4 + 4)
     else:                                                               # adapter.kernels.fusions: logits + their grad
-        logits = s * b * (vp // tp) * 2 * pb
+        logits = s * b * rows * 2 * pb
 
     during_step = weights + grads + optim + step_transient
     if deepspeed_config.flat_at_stage(cfg, stage):

@@ -343,7 +343,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
     if ("fused_linear_cross_entropy" in liger or linear_ce) and run.zero_stage == 3:  # the fused loss (Liger's or
         # ours) reads lm_head's weight, never calling lm_head: ZeRO-3 gathers it for the whole forward (else a
         # partition of it); its gradient comes from the loss's forward (computed there), reduced like any other
-        deepspeed.zero.register_external_parameter(losses, model.get_output_embeddings().weight)
+        deepspeed.zero.register_external_parameter(losses, head.weight)
     if run.peft is not None and run.peft.experts:
         move_expert_states(model, device)
     return losses, recomputed
