@@ -13,7 +13,8 @@
 #          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoc-<mode> (ours alone, compiled layers) |
 #          dpoprof[-auto|-false] (a LoRA DPO step's profile, the shared-prompt stream and/or the padded rows) |
 #          lce-olmo3 (output layer + CE at Olmo's unaligned vocabulary and at it padded to 128) |
-#          h2d (bench/h2d_sync.py: does a pageable host->device copy wait for the GPU's queue)
+#          h2d (bench/h2d_sync.py: does a pageable host->device copy wait for the GPU's queue) |
+#          vision (bench/vision_plan_check.py: plan against image-text runs at gemma-3-4b-it's vision tower)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -53,6 +54,8 @@ for part in "$@"; do
       cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 --host nd.forward > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
     lce-olmo3) timeout $t python3 bench/linear_ce_bench.py --vocab 100278,100352 --hidden olmo3=4096 > $OUT/$part.log 2>&1
       echo rc=$?; tail -12 $OUT/$part.log;;
+    vision) timeout $t python3 bench/vision_plan_check.py --out /tmp/vpc > $OUT/vision.log 2>&1; echo rc=$?
+      cp /tmp/vpc/*.log $OUT/ 2>/dev/null; grep -v Warning $OUT/vision.log | tail -8;;
     h2d) timeout $t python3 bench/h2d_sync.py > $OUT/h2d.log 2>&1; echo rc=$?; cat $OUT/h2d.log;;
     dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;
     dpo-*) m=${part#dpo-}  # dpo-lora | dpo-qlora | dpo-full: bench/dpo_bench.py beside TRL + Liger

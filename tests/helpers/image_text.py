@@ -11,8 +11,11 @@ ANSWERS = ["the cat sat", "on the mat", "hello world", "the mat sat on the cat"]
 SIZE = 28  # the tiny tower's vision_config.image_size
 
 
-def gemma3_vlm(root: Path, seed: int = 0) -> Path:
-    """root/model: config, random weights, tokenizer and processor files."""
+def gemma3_vlm(root: Path, seed: int = 0, *, text: dict | None = None, vision: dict | None = None,
+               image_seq_length: int = 4, spread: float = 3.0) -> Path:
+    """root/model: config, random weights, tokenizer and processor files. `text` / `vision` override the tiny
+    shape's text_config / vision_config keys (bench/vision_plan_check.py builds gemma-3-4b-it's tower this way),
+    `image_seq_length` the soft tokens per image (a square whose side divides the tower's patches per side)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -39,23 +42,26 @@ def gemma3_vlm(root: Path, seed: int = 0) -> Path:
                                      "image_token": "<image_soft_token>"})
     ft.chat_template = BUILTIN["gemma3"]
     out = root / "model"
-    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
-                                tokenizer=ft, chat_template=BUILTIN["gemma3"], image_seq_length=4)
+    vision = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     image_size=SIZE, patch_size=7), **(vision or {})}
+    side = vision["image_size"]
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": side, "width": side}),
+                                tokenizer=ft, chat_template=BUILTIN["gemma3"], image_seq_length=image_seq_length)
     processor.save_pretrained(out)
     ids = ft.convert_tokens_to_ids
     cfg = Gemma3Config(
-        text_config=dict(vocab_size=len(ft), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                         pad_token_id=ids("<pad>"), bos_token_id=ids("<bos>"), eos_token_id=ids("<eos>")),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=7),
-        mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
-        image_token_index=ids("<image_soft_token>"), architectures=["Gemma3ForConditionalGeneration"])
+        text_config={**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, sliding_window=8), **(text or {}),
+                     **dict(vocab_size=len(ft), pad_token_id=ids("<pad>"), bos_token_id=ids("<bos>"),
+                            eos_token_id=ids("<eos>"))},
+        vision_config=vision, mm_tokens_per_image=image_seq_length, boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"), image_token_index=ids("<image_soft_token>"),
+        architectures=["Gemma3ForConditionalGeneration"])
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(cfg)
     with torch.no_grad():  # spread the weights (HF's 0.02 init leaves every loss near log V)
         for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
+            p.mul_(spread) if p.dim() > 1 and spread != 1.0 else None
     model.save_pretrained(out)
     return out
 
