@@ -246,7 +246,7 @@ def linear_ce_chunk(vocab_rows: int) -> int:
     return max(LINEAR_CE_MIN_CHUNK, 128 * round(tokens / 128))  # GEMM-friendly: a multiple of 128 tokens
 
 
-def vision_patches(vision: tuple[int, int, int, int, int], image_size: int | tuple | list | None) -> int:
+def vision_patches(vision: tuple[int, ...], image_size: int | tuple | list | None) -> int:
     """Patches the vision tower sees per image: (size / patch)², at the run's `image_size` (Axolotl's letterbox;
     a pair: width × height) or the checkpoint's; 0 where neither says."""
     size = image_size or vision[3]
@@ -254,19 +254,21 @@ def vision_patches(vision: tuple[int, int, int, int, int], image_size: int | tup
     return (w // vision[4]) * (h // vision[4])
 
 
-def vision_gemms(vision: tuple[int, int, int, int, int], patches: int) -> list[tuple[int, int, int]]:
+def vision_gemms(vision: tuple[int, ...], patches: int) -> list[tuple[int, int, int]]:
     """One vision layer's forward GEMMs over `patches` rows (a ViT block: q, k, v and the output projection, the
-    MLP's two linears), and its bidirectional attention counted as two GEMMs (scores, then the values)."""
-    _, h, f, _, _ = vision
-    return [(patches, h, h)] * 4 + [(patches, f, h), (patches, h, f), (patches, patches, h), (patches, h, patches)]
+    MLP's linears: fc1 and fc2, or gate, up and down), and its bidirectional attention counted as two GEMMs (scores,
+    then the values)."""
+    _, h, f, _, _, ffn_in = vision
+    return [(patches, h, h)] * 4 + [(patches, f, h)] * ffn_in + [(patches, h, f), (patches, patches, h),
+                                                                  (patches, h, patches)]
 
 
-def vision_activation_bytes(vision: tuple[int, int, int, int, int], patches: int, bytes_per: int) -> int:
+def vision_activation_bytes(vision: tuple[int, ...], patches: int, bytes_per: int) -> int:
     """What a trained vision tower keeps for backward per image: per layer and patch its two norms' inputs and
-    outputs, q, k, v, the attention output and the MLP's two FFN-wide tensors (8·hidden + 2·ffn elements; SDPA keeps
-    no scores)."""
-    layers, h, f, _, _ = vision
-    return layers * patches * bytes_per * (8 * h + 2 * f)
+    outputs, q, k, v, the attention output (SDPA keeps no scores) and the MLP's FFN-wide tensors: fc1's output and
+    its activation (2·ffn), or gate, up, the activated gate and the product (4·ffn): 8·hidden + 2·ffn·inputs."""
+    layers, h, f, _, _, ffn_in = vision
+    return layers * patches * bytes_per * (8 * h + 2 * ffn_in * f)
 
 
 def output_rows(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> int:

@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from adapter.errors import bad
+from adapter.models import image_text as image_text_facts
 from adapter.models.tp_plan import model_plan, plan_matches, split_numel
 
 ENGINES = ("auto", "megatron", "transformers")
@@ -327,25 +328,6 @@ def attention_features(model: Any, text: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
-def vision_tower(cfg: dict[str, Any]) -> tuple[int, int, int, int, int] | None:
-    """(layers, hidden, ffn, image_size or 0, patch size) of an image-text checkpoint's vision tower, read from its
-    vision_config as the ViT-style towers name them (SigLIP's hidden_size / num_hidden_layers, Qwen2-VL's embed_dim /
-    depth / mlp_ratio: its hidden_size there is the merger's output); None where it names no depth, width or patch."""
-    v = cfg.get("vision_config")
-    if not isinstance(v, dict):
-        return None
-    layers = _first(v, ("num_hidden_layers", "depth", "num_layers", "n_layers"))
-    hidden = _first(v, ("embed_dim", "hidden_size", "width", "d_model"))
-    patch = _first(v, ("patch_size", "spatial_patch_size"))
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (layers, hidden, patch)):
-        return None
-    ffn = _first(v, ("intermediate_size",))
-    ffn = ffn if isinstance(ffn, int) and ffn > 0 else int(hidden * float(v.get("mlp_ratio") or 4))
-    size = v.get("image_size")
-    size = size[0] if isinstance(size, (list, tuple)) and size else size
-    return layers, hidden, ffn, size if isinstance(size, int) and size > 0 else 0, patch
-
-
 TP_SIZES = tuple(range(2, 17))  # the tp sizes `plan` knows a rank's share for (a plan's widths divide few others)
 
 
@@ -392,7 +374,7 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         layer_kinds=layer_kinds(cfg), tp_shares=facts["tp_shares"], ep_experts=facts["ep_experts"],
         ep_params=facts["ep_params"],
         attention_features=facts["attention"], layer_recompute=facts["recompute"],
-        image_text=image_text, vision=vision_tower(cfg) if image_text else None,
+        image_text=image_text, vision=image_text_facts.vision_tower(cfg) if image_text else None,
         remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
         output_router_logits=bool(text.get("output_router_logits")), plain_head=facts["plain_head"],
         final_softcap=float(text["final_logit_softcapping"]) if text.get("final_logit_softcapping") else None,

@@ -128,3 +128,20 @@ def test_plan_counts_the_vision_towers_images(tmp_path):
     assert rc["memory"]["activations"] - rc_frozen["memory"]["activations"] == 2 * 4096 * 2 * 1152 * 27 + kept // 27
     assert full["predicted"]["step_time_s"] > frozen["predicted"]["step_time_s"]
     assert "896 pixels: 4096 patches through the 27-layer vision tower" in json.dumps(full)
+
+
+def test_gated_vision_mlps_count_three_linears():
+    """Qwen2.5-VL's (and Pixtral's, Gemma 4's, GLM-4V's) vision blocks have a gated MLP: plan counts gate, up and
+    down and the four FFN-wide tensors their backward keeps; SigLIP's and Qwen2-VL's fc1 / fc2 two linears."""
+    from adapter.models.counts import vision_activation_bytes, vision_gemms
+    from adapter.models.image_text import vision_tower
+
+    qwen25 = vision_tower({"vision_config": {"model_type": "qwen2_5_vl_vision", "depth": 32, "hidden_size": 1280,
+                                             "intermediate_size": 3420, "patch_size": 14, "out_hidden_size": 3584}})
+    qwen2 = vision_tower({"vision_config": {"model_type": "qwen2_vl", "depth": 32, "embed_dim": 1280, "mlp_ratio": 4,
+                                            "hidden_size": 3584, "patch_size": 14}})
+    assert qwen25 == (32, 1280, 3420, 0, 14, 2) and qwen2 == (32, 1280, 5120, 0, 14, 1)
+    assert vision_gemms(qwen25, 100).count((100, 3420, 1280)) == 2 and vision_gemms(qwen2, 100).count(
+        (100, 5120, 1280)) == 1
+    assert vision_activation_bytes(qwen25, 10, 2) == 32 * 10 * 2 * (8 * 1280 + 4 * 3420)
+    assert vision_activation_bytes(qwen2, 10, 2) == 32 * 10 * 2 * (8 * 1280 + 2 * 5120)
