@@ -1,5 +1,5 @@
 """`plan` against one-GPU image-text runs: the vision tower's terms in plan's memory and step time
-(adapter/plan/memory.py vision_load, adapter/models/counts.py vision_*) had no measured row (issue 50).
+(adapter/plan/memory.py vision_load, adapter/models/counts.py vision_*) had no measured row before 2026-12-06.
 
 Builds a Gemma 3 image-text checkpoint with gemma-3-4b-it's vision tower (SigLIP: 27 layers, 1,152 wide, FFN
 4,304; 896-pixel images in 14-pixel patches, so 4,096 patches an image, pooled to 256 soft tokens), `--text-layers`

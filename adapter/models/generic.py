@@ -20,8 +20,8 @@ import re
 from typing import Any
 
 from adapter.errors import bad
-from adapter.models import image_text as image_text_facts
 from adapter.models.tp_plan import model_plan, plan_matches, split_numel
+from adapter.models.vision import vision_tower
 
 ENGINES = ("auto", "megatron", "transformers")
 
@@ -374,7 +374,7 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
         layer_kinds=layer_kinds(cfg), tp_shares=facts["tp_shares"], ep_experts=facts["ep_experts"],
         ep_params=facts["ep_params"],
         attention_features=facts["attention"], layer_recompute=facts["recompute"],
-        image_text=image_text, vision=image_text_facts.vision_tower(cfg) if image_text else None,
+        image_text=image_text, vision=vision_tower(cfg) if image_text else None,
         remote_code=bool(cfg.get("auto_map")) and trust_remote_code,
         output_router_logits=bool(text.get("output_router_logits")), plain_head=facts["plain_head"],
         final_softcap=float(text["final_logit_softcapping"]) if text.get("final_logit_softcapping") else None,

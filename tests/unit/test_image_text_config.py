@@ -134,7 +134,7 @@ def test_gated_vision_mlps_count_three_linears():
     """Qwen2.5-VL's (and Pixtral's, Gemma 4's, GLM-4V's) vision blocks have a gated MLP: plan counts gate, up and
     down and the four FFN-wide tensors their backward keeps; SigLIP's and Qwen2-VL's fc1 / fc2 two linears."""
     from adapter.models.counts import vision_activation_bytes, vision_gemms
-    from adapter.models.image_text import vision_tower
+    from adapter.models.vision import vision_tower
 
     qwen25 = vision_tower({"vision_config": {"model_type": "qwen2_5_vl_vision", "depth": 32, "hidden_size": 1280,
                                              "intermediate_size": 3420, "patch_size": 14, "out_hidden_size": 3584}})
