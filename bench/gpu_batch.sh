@@ -12,7 +12,7 @@
 #          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn | dpo-<mode>
 #          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoc-<mode> (ours alone, compiled layers) |
 #          dpoprof[-auto|-false] (a LoRA DPO step's profile, the shared-prompt stream and/or the padded rows) |
-#          lce-olmo3 (output layer + CE at Olmo's unaligned vocabulary and at it padded to 128) |
+#          lce-1b (the same at the 1B shape: our chunks of 256 to 4,096 tokens beside Liger's) | lce-olmo3 (output layer + CE at Olmo's unaligned vocabulary and at it padded to 128) |
 #          h2d (bench/h2d_sync.py: does a pageable host->device copy wait for the GPU's queue) |
 #          vision (bench/vision_plan_check.py: plan against image-text runs at gemma-3-4b-it's vision tower)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -52,6 +52,7 @@ for part in "$@"; do
       c=bench/configs/axolotl/$y.yaml; [ -f $c ] || c=bench/configs/$y-1gpu.yaml  # no Axolotl YAML: the 1-GPU config
       timeout $t deepspeed --num_gpus=1 launch/train.py --config $c --set data.synthetic=true --set 'logging.profile_steps=[7,8]' --set logging.profile_dir=/tmp/prof-$s > $OUT/prof-$s.log 2>&1; echo rc=$?
       cp /tmp/prof-$s/ops-rank0.txt $OUT/prof-$s-ops.txt; python3 bench/memory_peak.py /tmp/prof-$s/memory-rank0.pickle > $OUT/prof-$s-memory.txt 2>&1; head -30 $OUT/prof-$s-memory.txt; python3 bench/trace_summary.py /tmp/prof-$s/trace-rank0.json.gz --top 25 --host nd.forward > $OUT/prof-$s.txt 2>&1; head -40 $OUT/prof-$s.txt;;
+    lce-1b) timeout $t python3 bench/linear_ce_bench.py --hidden 1b=2048 > $OUT/$part.log 2>&1; echo rc=$?; tail -9 $OUT/$part.log;;
     lce-olmo3) timeout $t python3 bench/linear_ce_bench.py --vocab 100278,100352 --hidden olmo3=4096 > $OUT/$part.log 2>&1
       echo rc=$?; tail -12 $OUT/$part.log;;
     vision) timeout $t python3 bench/vision_plan_check.py --out /tmp/vpc > $OUT/vision.log 2>&1; echo rc=$?

@@ -40,7 +40,7 @@ def kinds():
     if liger is not None:
         out["liger"] = lambda h, w, y, mask: liger(h, w, torch.where(mask > 0, y, -100), ignore_index=-100,
                                                    reduction="sum")
-    for chunk in (1024, 2048, 4096):
+    for chunk in (256, 512, 1024, 2048, 4096):  # 256: Liger's own chunk at the 1B shape (counts.liger_linear_ce_chunk)
         out[f"ours, chunk {chunk}"] = lambda h, w, y, mask, c=chunk: linear_cross_entropy(h, w, y, mask, chunk=c)
     # an unaligned vocabulary's logits in the checkpoint's own row stride (the default pads them to 128 columns)
     out["ours, chunk 1024, unpadded rows"] = functools.partial(with_padding, False)
