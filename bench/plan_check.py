@@ -46,15 +46,15 @@ def sets(over: dict) -> list[str]:
     return out
 
 
-def predicted(over: dict) -> dict:
-    """plan's peak memory (GiB) and tokens/s for the row, for the GPU the config names."""
+def predicted(over: dict, path: Path = ROOT / CONFIG) -> dict:
+    """plan's peak memory (GiB) and tokens/s for the row (the config at `path` with `over`), for the GPU it names."""
     from adapter import config
     from adapter.models.resolved import resolve_run
     from adapter.plan.build import build_plan
     from adapter.plan.memory import GIB
 
-    cfg = config.load(ROOT / CONFIG, overrides=over, world_size=1)
-    plan = build_plan(resolve_run(cfg, gpu=True), config_path=str(ROOT / CONFIG))
+    cfg = config.load(path, overrides=over, world_size=1)
+    plan = build_plan(resolve_run(cfg, gpu=True), config_path=str(path))
     return {"peak_gib": round(plan.memory.peak / GIB, 2),
             "tokens_per_s_per_gpu": round(plan.predicted.tokens_per_s_per_gpu) if plan.predicted else None}
 
@@ -81,6 +81,12 @@ def main(argv=None) -> int:
             row["measured"] = parse_steps(run_logged(label, cmd, str(out), a.timeout))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    write_table(out, rows)
+    return 0
+
+
+def write_table(out: Path, rows: list[dict]) -> None:
+    """rows.json under `out`, and the markdown table of measured against planned (bench/vision_plan_check.py too)."""
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     print("\n| run | measured GiB | plan GiB | error | measured tok/s | plan tok/s | error |")
     print("|---|---|---|---|---|---|---|")
@@ -91,7 +97,6 @@ def main(argv=None) -> int:
                if m.get("tokens_per_s_per_gpu") and p["tokens_per_s_per_gpu"] else "")
         print(f"| {r['run']} | {m.get('peak_gib', '')} | {p['peak_gib']} | {mem} | "
               f"{m.get('tokens_per_s_per_gpu', '')} | {p['tokens_per_s_per_gpu']} | {tps} |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.compare import parse_steps, run_logged  # noqa: E402
+from bench.plan_check import predicted, write_table  # noqa: E402
 
 TOWER = json.loads((ROOT / "configs/models/gemma-3-4b-it/config.json").read_text())["vision_config"]
 TARGETS = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"  # the example's
@@ -87,18 +88,6 @@ def example(model: Path, data: Path, length: int, out: Path, steps: int) -> dict
             "save_strategy": "no", "weight_decay": 0.0}
 
 
-def predicted(yaml_path: Path) -> dict:
-    from adapter import config
-    from adapter.models.resolved import resolve_run
-    from adapter.plan.build import build_plan
-    from adapter.plan.memory import GIB
-
-    cfg = config.load(yaml_path, world_size=1)
-    plan = build_plan(resolve_run(cfg, gpu=True), config_path=str(yaml_path))
-    return {"peak_gib": round(plan.memory.peak / GIB, 2),
-            "tokens_per_s_per_gpu": round(plan.predicted.tokens_per_s_per_gpu) if plan.predicted else None}
-
-
 def main(argv=None) -> int:
     import yaml
 
@@ -123,23 +112,14 @@ def main(argv=None) -> int:
         raw = {k: v for k, v in {**raw, **diff}.items() if v is not None}
         path = out / f"{label.split()[0]}.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        row = {"run": label, "yaml": str(path), "plan": predicted(path)}
+        row = {"run": label, "yaml": str(path), "plan": predicted({}, path)}
         if not a.dry_run:
             subprocess.run(["rm", "-rf", raw["output_dir"]], check=False)
             cmd = ["deepspeed", "--num_gpus=1", "launch/train.py", "--config", str(path)]
             row["measured"] = parse_steps(run_logged(label, cmd, str(out), a.timeout))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    (out / "rows.json").write_text(json.dumps(rows, indent=1))
-    print("\n| run | measured GiB | plan GiB | error | measured tok/s | plan tok/s | error |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        m, p = r.get("measured") or {}, r["plan"]
-        mem = f"{p['peak_gib'] / m['peak_gib'] - 1:+.1%}" if m.get("peak_gib") else ""
-        tps = (f"{p['tokens_per_s_per_gpu'] / m['tokens_per_s_per_gpu'] - 1:+.1%}"
-               if m.get("tokens_per_s_per_gpu") and p["tokens_per_s_per_gpu"] else "")
-        print(f"| {r['run']} | {m.get('peak_gib', '')} | {p['peak_gib']} | {mem} | "
-              f"{m.get('tokens_per_s_per_gpu', '')} | {p['tokens_per_s_per_gpu']} | {tps} |")
+    write_table(out, rows)
     return 0
 
 
