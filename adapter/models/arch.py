@@ -115,7 +115,7 @@ class ModelArch:
     attention_features: tuple[str, ...] = ()  # what context parallelism must know (generic.attention_features)
     layer_recompute: bool = True        # transformers' gradient checkpointing (supports_gradient_checkpointing)
     # an image-text checkpoint's vision tower: (layers, hidden, ffn, image_size (0: none in config.json), patch
-    # size, MLP input linears), what `plan` counts of the images' activations and FLOPs (generic.vision_tower)
+    # size, MLP input linears), what `plan` counts of the images' activations and FLOPs (vision.vision_tower)
     vision: tuple[int, int, int, int, int, int] | None = None
     plain_head: bool = False  # the transformers engine: its loss computable from the body's output (generic.plain_head)
     image_text: bool = False            # an image-text checkpoint: its language model trains on text
