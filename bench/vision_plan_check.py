@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
         row = {"run": label, "yaml": str(path), "plan": predicted({}, path)}
         if not a.dry_run:
-            subprocess.run(["rm", "-rf", raw["output_dir"]], check=False)
+            shutil.rmtree(raw["output_dir"], ignore_errors=True)  # a run left there would (rightly) refuse a fresh one
             cmd = ["deepspeed", "--num_gpus=1", "launch/train.py", "--config", str(path)]
             row["measured"] = parse_steps(run_logged(label, cmd, str(out), a.timeout))
         rows.append(row)
