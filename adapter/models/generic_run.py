@@ -1,7 +1,8 @@
 """What a run on the transformers engine trains, and what that engine does not run yet: PEFT's LoRA (and QLoRA's
-bitsandbytes base) and Axolotl's `unfrozen_parameters` on transformers' own model, each counted on the model built on
-the meta device (adapter/models/generic.py), and the one-line refusals of `check_run`. Torch-free to import: the
-meta-device model is built (torch, transformers, peft) only when a transformers-engine run is resolved.
+bitsandbytes base) on transformers' own model, counted on the model built on the meta device
+(adapter/models/generic.py; `unfrozen_parameters` there: adapter/models/generic_freeze.py), and the one-line
+refusals of `check_run`. Torch-free to import: the meta-device model is built (torch, transformers, peft) only when
+a transformers-engine run is resolved.
 """
 from __future__ import annotations
 
@@ -199,40 +200,6 @@ def _parameters(config_text: str, trust_remote_code: bool, model_dir: str | None
     `_peft_counts`."""
     model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
     return cls, tuple((n, p.numel(), p.shape[0] if p.dim() else 1, p.dim()) for n, p in model.named_parameters())
-
-
-def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, model_dir: str | None):
-    """Axolotl's `unfrozen_parameters` on transformers' own parameter names (its utils/freeze.py: `re.match`, a dot
-    is a dot, a trailing [start:end] trains only those rows of the first dimension, on any parameter): one
-    freeze.Tensor per parameter of the meta-device model. A pattern matching nothing, or nothing left to train: one
-    line."""
-    from adapter.config import spell
-    from adapter.models import freeze
-
-    key = spell(cfg, "model.unfrozen_parameters")
-    parsed = freeze.parse(cfg.model.unfrozen_parameters, key)
-    cls, params = _parameters(json.dumps(config_json, sort_keys=True), trust_remote_code, model_dir)
-    used, out = [False] * len(parsed), []
-    for name, numel, first, _ in params:
-        hits = [j for j, pat in enumerate(parsed) if pat.regex.match(name)]
-        for j in hits:
-            used[j] = True
-        ranges = {parsed[j].rows for j in hits}
-        rows = None
-        if hits and None not in ranges:  # every matching pattern names rows: those (one range) are trained
-            if len(ranges) > 1:
-                raise bad(key, [parsed[j].text for j in hits], f"gives {name} more than one row range",
-                          "give its rows in one pattern")
-            start, end = next(iter(ranges))  # type: ignore[misc]
-            end = first if end is None else min(end, first)
-            if start >= end:
-                raise bad(key, parsed[hits[0]].text, "an empty row range", f"give rows within 0..{first}")
-            rows = (start, end)
-        out.append(freeze.Tensor(name, (name,), numel, None, bool(hits), rows))
-    freeze.refuse_unmatched(parsed, used, {t.name: t.trained for t in out}, key, cls)
-    if not any(t.trained for t in out):
-        raise bad(key, cfg.model.unfrozen_parameters, "leaves nothing to train", "unfreeze at least one parameter")
-    return out
 
 
 def check_run(cfg, arch) -> list[str]:
@@ -484,5 +451,5 @@ def quantized_base_zero3(cfg, stage: int):
     return cfg.model_copy(update={"notes": cfg.notes if note in cfg.notes else (*cfg.notes, note)})
 
 
-__all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "resolve_unfrozen", "quantized_base_stage", "quantized_base_zero3",
+__all__ = ["QUANTIZED", "PeftSpec", "resolve_peft", "quantized_base_stage", "quantized_base_zero3",
            "check_run", "check_zero3", "check_prequantized"]

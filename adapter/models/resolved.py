@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from adapter.config import RunConfig
-from adapter.models import checks, freeze, generic_run, lora, source, vocab
+from adapter.models import checks, freeze, generic_freeze, generic_run, lora, source, vocab
 from adapter.models.arch import ModelArch, config_path
 from adapter.models.source import WeightsSource
 from adapter.models.vocab import Growth
@@ -118,7 +118,9 @@ def resolve_run(cfg: RunConfig, *, arch: ModelArch | None = None, weights: Weigh
         if cfg.lora is not None:
             peft = generic_run.resolve_peft(cfg, raw, trust_remote_code=trust, model_dir=str(src))
         elif cfg.model.unfrozen_parameters is not None:
-            unfrozen = generic_run.resolve_unfrozen(cfg, raw, trust_remote_code=trust, model_dir=str(src))
+            unfrozen, note = generic_freeze.resolve_unfrozen(cfg, raw, trust_remote_code=trust, model_dir=str(src))
+            if note is not None:
+                cfg = cfg.model_copy(update={"notes": (*cfg.notes, note)})
     layout = layout or Layout.from_config(cfg.parallelism, cfg.hardware.gpus_per_node)
     if peft is not None:
         cfg = generic_run.quantized_base_stage(cfg, layout.dp_replicate)

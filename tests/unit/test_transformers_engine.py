@@ -648,3 +648,35 @@ def test_the_fused_linear_ce_takes_models_whose_logits_are_lm_head_over_their_bo
 
     conf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     assert generic.meta_facts(json.dumps(conf, sort_keys=True), False, None)["plain_head"] is plain
+
+
+def test_unfrozen_patterns_in_the_checkpoints_names_train_the_tensors_transformers_fuses_them_into(tmp_path):
+    """Axolotl's Mixtral 8x22B examples name `block_sparse_moe.gate` / `.experts`, the checkpoint's names, which
+    transformers 5 loads as mlp.gate and the fused mlp.experts.gate_up_proj / down_proj: trained there, said in the
+    first lines; a pattern taking some of a fused tensor's experts, or rows of one, is one line."""
+    from transformers import MixtralConfig
+
+    from adapter.config import load
+    from adapter.models.generic_freeze import resolve_unfrozen
+
+    d = tmp_path / "mixtral"
+    MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+                  architectures=["MixtralForCausalLM"]).save_pretrained(d)
+    code, out, err = _plan(tmp_path, d, unfrozen_parameters=[
+        "^lm_head.weight$", "model.layers.1.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts"])
+    assert code == 0, err
+    assert any("3 of MixtralForCausalLM's tensors matched by the checkpoint's names" in n and
+               "model.layers.1.block_sparse_moe" in n for n in json.loads(out)["notes"]), out
+    cfg = load(tmp_path / "run.yaml")
+    tensors, _ = resolve_unfrozen(cfg.model_copy(update={"model": cfg.model.model_copy(update={
+        "unfrozen_parameters": ["model.layers.1.block_sparse_moe.experts", "^lm_head"]})}),
+        json.loads((d / "config.json").read_text()), trust_remote_code=False, model_dir=str(d))
+    assert {t.name for t in tensors if t.trained} == {
+        "lm_head.weight", "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    for pattern, says in (("model.layers.1.block_sparse_moe.experts.0.", "which MixtralForCausalLM holds in one "
+                                                                          "tensor (model.layers.1.mlp.experts."),
+                          ("model.layers.1.block_sparse_moe.gate.weight[0:2]", "a row range on the checkpoint's "
+                                                                                "name of model.layers.1.mlp.gate")):
+        code, out, err = _plan(tmp_path, d, unfrozen_parameters=[pattern])
+        assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
