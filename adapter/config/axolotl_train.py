@@ -29,14 +29,19 @@ SCHEDULE_MAP = {"num_epochs": "optimizer.num_epochs", "warmup_ratio": "optimizer
 
 def map_lora(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
     """`adapter: lora|qlora` and the lora_* keys -> the `lora:` section, with PEFT's defaults where Axolotl passes
-    None on (lora_r 8, lora_alpha 8). A LoRA key without `adapter`, a QLoRA without `load_in_4bit`, or 4-bit weights
-    without an adapter are refused, as Axolotl refuses or ignores them: a run must do what its file says."""
+    None on (lora_r 8, lora_alpha 8). A QLoRA without `load_in_4bit`, or 8/4-bit weights without an adapter are
+    refused, as Axolotl refuses them; lora_* keys without `adapter` are unused, as in Axolotl (its full fine-tune
+    examples keep them beside an empty `adapter:`), and the first lines say so."""
     adapter = raw.get("adapter")
     given = [k for k in (*LORA_MAP, "load_in_8bit") if axolotl_scope.is_on(raw.get(k))]
     if not adapter:
-        if given:
-            raise bad(given[0], raw[given[0]], "a LoRA setting without `adapter` would train every weight",
-                      f"set adapter: lora (or qlora with load_in_4bit: true), or remove {given[0]}")
+        for k in ("load_in_4bit", "load_in_8bit"):  # Axolotl refuses an 8/4-bit base without an adapter
+            if axolotl_scope.is_on(raw.get(k)):
+                raise bad(k, raw[k], "a LoRA setting without `adapter` would train every weight",
+                          f"set adapter: lora (or qlora with load_in_4bit: true), or remove {k}")
+        if given:  # Axolotl's full fine-tune examples keep lora_* keys beside an empty `adapter:`; it ignores them
+            notes.append(f"{', '.join(given)}: unused, as in Axolotl: `adapter` is unset, so this is a full fine-tune "
+                         "of every weight (set adapter: lora to train adapters instead)")
         return
     if adapter not in ("lora", "qlora"):
         raise bad("adapter", adapter, "only LoRA and QLoRA adapters are supported",

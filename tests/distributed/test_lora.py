@@ -299,7 +299,7 @@ def test_bad_lora_input_is_one_line_status_2_and_writes_nothing(setup, tmp_path)
                            "lora_target_modules='c_attn': matches no linear of this llama model's layers"),
         "rank 0": ({"adapter": "lora", "lora_r": 0}, "lora_r=0: the adapter rank must be a positive integer"),
         "qlora without 4-bit": ({"adapter": "qlora"}, "adapter='qlora': QLoRA trains adapters on a 4-bit base"),
-        "lora key without adapter": ({"lora_r": 16}, "lora_r=16: a LoRA setting without `adapter`"),
+        "8-bit base without adapter": ({"load_in_8bit": True}, "load_in_8bit=True: a LoRA setting without `adapter`"),
         "adapter of another rank": ({"adapter": "lora", "lora_r": 16, "lora_alpha": 16,
                                      "lora_model_dir": adapters["q/v, rslora"]},
                                     "lora_model_dir='r=8': the adapter's rank differs from this run's 16"),

@@ -177,7 +177,6 @@ def test_lora_fan_in_fan_out_is_taken_and_changes_nothing_as_in_peft():
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"lora_r": 16}, r"lora_r=16: a LoRA setting without `adapter`.*set adapter: lora"),
     ({"adapter": "qlora"}, r"adapter='qlora': .*needs load_in_4bit: true"),
     ({"load_in_4bit": True}, r"load_in_4bit.*without `adapter`"),
     ({"load_in_8bit": True}, r"load_in_8bit=True: a LoRA setting without `adapter`"),
@@ -192,6 +191,15 @@ def test_axolotl_lora_refusals(extra, match):
     with pytest.raises(UserError, match=match) as e:
         build(extra)
     assert "\n" not in str(e.value)
+
+
+def test_lora_keys_without_an_adapter_are_a_full_fine_tune_as_in_axolotl():
+    """Axolotl's full fine-tune examples (falcon config-7b, mpt-7b, redpajama) keep lora_* keys beside an empty
+    `adapter:`; Axolotl ignores them and trains every weight, and so does nd-adapter, saying so."""
+    cfg = build({"adapter": None, "lora_r": 64, "lora_alpha": 32, "lora_target_linear": True})
+    assert cfg.lora is None
+    assert any(n.startswith("lora_r, lora_alpha, lora_target_linear: unused, as in Axolotl: `adapter` is unset, so "
+                            "this is a full fine-tune") for n in cfg.notes), cfg.notes
 
 
 def test_plan_counts_what_a_lora_run_holds_and_trains():
