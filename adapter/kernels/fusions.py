@@ -231,11 +231,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += ((lse - partials[1]) * w).sum()
             if real and (need_h or need_w):  # (softmax − one_hot) · w, over the logits
                 d = (_ce_grad_into.any_length if short else _ce_grad_into)(logits, y, lse, w, start, softcap)
-                if need_h and k8 == real:  # aligned rows: one GEMM (the path every GPU run so far took)
-                    grad_h[lo:lo + chunk] = d @ w_real
-                elif need_h:
+                if need_h:  # into grad_h's rows (no temporary), the unaligned rows' < 8 apart
                     torch.mm(d[:, :k8], w_real[:k8], out=grad_h[lo:lo + chunk])
-                    grad_h[lo:lo + chunk].addmm_(d[:, k8:], w_real[k8:])
+                    if k8 < real:
+                        grad_h[lo:lo + chunk].addmm_(d[:, k8:], w_real[k8:])
                 if need_w:
                     grad_w[:real].addmm_(d.t(), h)
                 del d
