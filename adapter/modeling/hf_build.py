@@ -167,13 +167,29 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
 
 def add_peft(model, spec, *, seed: int):
     """PEFT's LoRA on the model (`spec`: adapter/models/generic_run.PeftSpec): adapters initialised from `seed` (A
-    Kaiming-uniform, B zero, as PEFT does), or started from a PEFT adapter directory (`lora_model_dir`)."""
+    Kaiming-uniform, B zero, as PEFT does), or started from a PEFT adapter directory (`lora_model_dir`). Expert
+    weights that are both quantised (quantize_moe_experts) and adapted (target_parameters) are quantised here, after
+    PEFT wrapped them (`experts_after_peft`): PEFT then nests its wrappers in the weights' definition order, as on a
+    16-bit base (Axolotl's loader patches PEFT for that order), so the saved adapter loads on the original model."""
     import peft
 
     torch.manual_seed(seed)
     if spec.init_from:
-        return peft.PeftModel.from_pretrained(model, spec.init_from, is_trainable=True)
-    return peft.get_peft_model(model, peft.LoraConfig(**spec.lora_config()))
+        wrapped = peft.PeftModel.from_pretrained(model, spec.init_from, is_trainable=True)
+    else:
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(**spec.lora_config()))
+    if experts_after_peft(spec):
+        from adapter.modeling.hf_quant_experts import quantize_expert_weights
+        from adapter.patches.peft_params import stacked_parametrisations
+
+        stacked_parametrisations()  # PEFT's delta over the dequantising parametrisation, each forward
+        quantize_expert_weights(wrapped, spec.quantize_base)
+    return wrapped
+
+
+def experts_after_peft(spec) -> bool:
+    """Whether the expert weights are quantised after PEFT wraps them (`add_peft`) rather than at load."""
+    return spec is not None and bool(spec.experts) and bool(spec.target_parameters)
 
 
 class LoadBalancing:

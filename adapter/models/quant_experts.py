@@ -18,8 +18,9 @@ def is_expert_weight(name: str, dims: int) -> bool:
 
 def check(cfg) -> None:
     """What `lora.quantize_experts` needs, each in one line as Axolotl's schema refuses it (a 4/8-bit base; not with
-    lora_target_linear) or where it is not built here (LoRA on the quantised experts themselves, which Axolotl
-    patches PEFT for; experts split over ep ranks). Under ZeRO-3 the codes are partitioned like any frozen
+    lora_target_linear) or where it is not built here (experts split over ep ranks). LoRA on the quantised experts
+    themselves (lora_target_parameters) is PEFT's delta over the dequantised weight, as Axolotl's patched PEFT
+    computes it (adapter/modeling/hf_build.add_peft). Under ZeRO-3 the codes are partitioned like any frozen
     parameter: reading the weight calls its parametrisation module, whose hooks gather them
     (generic_run.quantized_base_zero3)."""
     from adapter.config import spell
@@ -29,9 +30,6 @@ def check(cfg) -> None:
                 "set load_in_4bit: true (adapter: qlora), or remove it") if not c.quantize_base else
                ("Axolotl refuses lora_target_linear beside it", "list lora_target_modules instead")
                if c.target_linear else
-               ("LoRA on the quantised experts' own weights (lora_target_parameters) is not built",
-                "remove lora_target_parameters (adapters on the attention and shared linears train), or "
-                "quantize_moe_experts") if c.target_parameters else
                ("experts split over expert-parallel ranks are not built 4-bit",
                 "use expert_parallel_size: 1") if cfg.parallelism.ep_size > 1 else None)
     if problem is not None:

@@ -145,6 +145,8 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
     data = prepare(cfg, model_dir, vocab_of(cfg), builder=True, barrier=None, progress=False).train
     model = reference_model(Path(model_dir), quantize="dequantize" if cfg.model.dequantize else
                             cfg.lora.quantize_base if cfg.lora else None)
+    if cfg.lora is not None and cfg.lora.quantize_experts and cfg.lora.target_parameters:
+        _nf4_round_trip_experts(model)  # adapted quantised experts: PEFT's delta over the dequantised weights
     if cfg.lora is not None:  # PEFT itself, seeded as the run seeds it
         import peft
 
@@ -153,7 +155,9 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
             target_parameters=c.target_parameters, task_type="CAUSAL_LM"))
-    if cfg.lora is not None and cfg.lora.quantize_experts:  # as Axolotl's loader (monkeypatch/moe_quant.py)
+    if cfg.lora is not None and cfg.lora.quantize_experts and cfg.lora.target_parameters:
+        pass  # the experts already hold their NF4 round trip as plain weights (before PEFT, below)
+    elif cfg.lora is not None and cfg.lora.quantize_experts:  # as Axolotl's loader (monkeypatch/moe_quant.py)
         _axolotl_quantize_experts(model, cfg.lora.quantize_base)
     if cfg.model.unfrozen_parameters is not None:  # Axolotl's freezing on the HF model
         axolotl_freeze(model, cfg.model.unfrozen_parameters)
@@ -208,6 +212,18 @@ def _axolotl_quantize_experts(model, fmt: str) -> None:
             codes, stats, _ = bnbf.int8_vectorwise_quant(p.data.reshape(-1, p.shape[-1]).to(torch.float16))
             setattr(module, pname, torch.nn.Parameter(codes.reshape(p.shape), requires_grad=False))
             P.register_parametrization(module, pname, Bnb8bitParametrization(stats), unsafe=True)
+
+
+def _nf4_round_trip_experts(model) -> None:
+    """Every 3-D expert weight replaced by bitsandbytes' NF4 round trip (double quantisation, blocks of 64), held as
+    ordinary weights: what a quantised expert weight computes, with nothing parametrised."""
+    import bitsandbytes.functional as bnbf
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 3 and "expert" in name.lower():
+                p.copy_(bnbf.dequantize_4bit(*bnbf.quantize_4bit(p.data, compress_statistics=True, quant_type="nf4")))
 
 
 def _same_weights(exported: str, model) -> None:
@@ -363,6 +379,8 @@ QEXPERTS = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj",
 INT8_EXPERTS = {**QEXPERTS, "quantize_base": "int8"}
 UNFROZEN = ["^model.layers.1.", "^lm_head.weight[:512]"]
 EXPERTS = {"r": 4, "alpha": 8, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+# Axolotl's Gemma 4 26B-A4B QLoRA: the experts quantised (NF4) and adapted too, beside the attention's adapters
+QEXPERT_LORA = {**QEXPERTS, "target_parameters": EXPERTS["target_parameters"]}
 
 
 def _expert_lora(models, root) -> dict:
@@ -376,6 +394,10 @@ def _expert_lora(models, root) -> dict:
         res = train(_cfg(models[name], f"{root}/{name}-experts", True, lora=EXPERTS, zero=zero,
                          export=f"{root}/{name}-experts/adapter"), log=lines.append)
         out[f"{name} experts"] = (res.losses, res.exported, [ln for ln in lines if ln.startswith(("lora:", "engine:"))])
+    lines = []  # the experts NF4 and adapted (quantize_moe_experts + lora_target_parameters), ZeRO-3, exported
+    res = train(_cfg(models["qwen3_moe"], f"{root}/qexperts", True, lora=QEXPERT_LORA,
+                     export=f"{root}/qexperts/adapter"), log=lines.append)
+    out["qexperts"] = (res.losses, res.exported, [ln for ln in lines if ln.startswith("lora:")])
     return out
 
 
@@ -410,6 +432,20 @@ def _check_expert_lora(got: dict, models, tmp_path) -> None:
         assert code == 0, err
         merged = reference_model(tmp_path / "merged-experts")
         assert rel(float(hf_loss(merged, probe)), float(hf_loss(trained[0], probe))) < 1e-4
+    # quantised and adapted experts: PEFT over the NF4 round trip of the expert weights (plain values, `_reference`),
+    # and the export loads in PEFT on that base, computing what the trained model computes
+    losses, exported, said = got["qexperts"]
+    trained = []
+    cfg = _cfg(models["qwen3_moe"], f"{tmp_path}/qexperts", True, lora=QEXPERT_LORA)
+    want = _reference(models["qwen3_moe"], cfg, model_out=trained)
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    assert "experts.down_proj, experts.gate_up_proj" in said[0] and "quantised too" in said[0], said
+    base = reference_model(Path(models["qwen3_moe"]), quantize="nf4")
+    _nf4_round_trip_experts(base)
+    probe = _probe(models["qwen3_moe"])
+    loaded = peft.PeftModel.from_pretrained(base, exported)
+    loaded.train()  # bitsandbytes' NF4 linears take another CPU kernel in eval mode (patches/bnb_cpu.py)
+    assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4
 
 
 def _lora(rank, world, models, root):

@@ -407,9 +407,9 @@ def test_lora_flops_count_the_weights_a_token_passes_through(name):
 
 def test_axolotl_quantize_moe_experts_on_the_transformers_engine_and_its_refusals(tmp_path):
     """Axolotl's `quantize_moe_experts` (its Qwen3.5 / GLM / Nemotron QLoRA examples): the native family moves to the
-    transformers engine, plan counts the experts' 3-D weights as 4-bit (the loss equality is
-    tests/distributed/test_transformers_engine.py); what Axolotl's schema refuses beside it, and what is not built,
-    one line each."""
+    transformers engine, plan counts the experts' 3-D weights as 4-bit, adapted too where lora_target_parameters
+    names them (the loss equality is tests/distributed/test_transformers_engine.py); what Axolotl's schema refuses
+    beside it, and what is not built, one line each."""
     from adapter import config
     from adapter.models import footprint
     from adapter.models.resolved import resolve_run
@@ -433,13 +433,15 @@ def test_axolotl_quantize_moe_experts_on_the_transformers_engine_and_its_refusal
     p.write_text(head + qlora + attention + "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n")
     code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")  # ZeRO-3 partitions the experts' codes too
     assert code == 0 and "NF4 base's codes (the experts' too)" in " ".join(out.split()), err + out
+    p.write_text(head + qlora + attention + "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n")
+    code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")  # the quantised experts adapted too (Gemma 4's)
+    flat = " ".join(out.split())
+    assert code == 0 and "experts.down_proj, experts.gate_up_proj" in flat and "quantised too" in flat, err + out
     p.write_text(head + "adapter: lora\nload_in_8bit: true\nquantize_moe_experts: true\n" + attention)
     code, out, err = run_cli("plan", str(p), "--gpus-per-node", "2")  # GLM-4.7-Flash's examples: an 8-bit base
     assert code == 0 and "in int8 by Axolotl's parametrisation" in " ".join(out.split()), err + out
     for extra, needle in (("adapter: lora\nquantize_moe_experts: true\n" + attention, "the base is 16-bit"),
                           (qlora + "lora_target_linear: true\n", "Axolotl refuses lora_target_linear beside it"),
-                          (qlora + "lora_target_parameters: [mlp.experts.gate_up_proj]\n",
-                           "LoRA on the quantised experts' own weights"),
                           (qlora + attention + "expert_parallel_size: 2\n", "expert-parallel ranks")):
         p.write_text(head + extra)
         code, _, err = run_cli("plan", str(p), "--gpus-per-node", "2")
