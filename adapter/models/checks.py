@@ -204,12 +204,14 @@ def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
 def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConfig:
     """`model.compile: auto` after the config's own reasons (config/load.py): off on a CPU (compiling costs minutes of
     CPU time there and nothing was measured faster), on the transformers engine (its compiled layers are correct
-    on CUDA, tests/gpu/test_train.py, but not yet measured faster) and for a preference objective on a mixture of
-    experts (LoRA DPO was measured on a dense model), with the first line said again."""
+    on CUDA, tests/gpu/test_train.py, and were measured 12% slower than eager on the Olmo-3 shape) and for a
+    preference objective on a mixture of experts (LoRA DPO was measured on a dense model), with the first line said
+    again."""
     if not (cfg.compile_auto and cfg.model.compile):
         return cfg
     why = ("no GPU is visible to this process (compiled layers were measured faster on GPUs only)" if not gpu else
-           "the transformers engine's compiled layers are not measured faster yet" if not arch.native else
+           "the transformers engine's compiled layers were measured slower (Olmo-3 shape, 8 layers, one H100: "
+           "28.2k tokens/s compiled, 31.8-32.0k eager)" if not arch.native else
            f"{cfg.objective} on a mixture of experts was not measured faster compiled (LoRA DPO was, on a dense "
            "model)" if arch.moe and cfg.objective != "sft" else None)
     if why is None:
@@ -218,10 +220,12 @@ def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConf
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": False}), "notes": notes})
 
 
-# `auto` keeps the transformers engine's own loss until its fused path is measured on a GPU (it equals transformers on
-# CPU at every layout tested: tests/distributed/test_transformers_engine.py); `true` runs it wherever it applies
-HF_LINEAR_CE_UNMEASURED = ("on the transformers engine not yet measured on a GPU: the model's own loss "
-                           "(model.fused_linear_ce: true runs nd-adapter's kernel)")
+# `auto` keeps the transformers engine's own loss (or Liger's): its fused path, equal to transformers on CPU at every
+# layout tested (tests/distributed/test_transformers_engine.py), was measured no faster there than Liger's and held
+# more memory (docs/BENCHMARKS.md 2026-12-07); `true` runs it wherever it applies
+HF_LINEAR_CE_UNMEASURED = ("on the transformers engine measured no faster than Liger's and 0.6 GiB larger (Olmo-3 "
+                           "shape, one H100): the model's own loss (model.fused_linear_ce: true runs nd-adapter's "
+                           "kernel)")
 
 
 def hf_linear_ce_off(cfg: RunConfig, arch: ModelArch) -> str | None:
@@ -247,9 +251,9 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     [tokens × vocab] logits and their gradient never exist whole (the 1B shape at seq 4096 × 2: 3.9 GiB, Gemma 3's
     262k vocabulary 8 GiB; transformers + Liger, the peer, never holds them either), wherever it applies: the native
     engine (on the transformers engine it applies where the model's logits are lm_head over its body's output,
-    hf_linear_ce_off says where not; `auto` leaves it off there until measured on a GPU), for a token-level
-    loss (a preference objective needs each token's log-probability, and the kernel returns their sum), outside
-    fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
+    hf_linear_ce_off says where not; `auto` leaves it off there: measured no faster than Liger's, and larger), for
+    a token-level loss (a preference objective needs each token's log-probability, and the kernel returns their
+    sum), outside fp16 (its gradients are formed in the forward, unscaled). On, it is nd-adapter's kernel at
     `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step, docs/BENCHMARKS.md), not Liger's (+8 ms),
     which `true` keeps at tp = 1 on GPUs. The first lines say which."""
     off = None if arch.native else hf_linear_ce_off(cfg, arch)
