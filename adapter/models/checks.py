@@ -223,7 +223,7 @@ def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConf
 # `auto` keeps the transformers engine's own loss (or Liger's): its fused path, equal to transformers on CPU at every
 # layout tested (tests/distributed/test_transformers_engine.py), was measured no faster there than Liger's and held
 # more memory (docs/BENCHMARKS.md 2026-12-07); `true` runs it wherever it applies
-HF_LINEAR_CE_UNMEASURED = ("on the transformers engine measured no faster than Liger's and 0.6 GiB larger (Olmo-3 "
+HF_LINEAR_CE_NO_FASTER = ("on the transformers engine measured no faster than Liger's and 0.6 GiB larger (Olmo-3 "
                            "shape, one H100): the model's own loss (model.fused_linear_ce: true runs nd-adapter's "
                            "kernel)")
 
@@ -266,7 +266,7 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
            if cfg.objective != "sft" else
            "fp16: the kernel's output-weight gradient, a sum over the micro-batch's tokens computed before the loss "
            "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else
-           None if arch.native else off or HF_LINEAR_CE_UNMEASURED)
+           None if arch.native else off or HF_LINEAR_CE_NO_FASTER)
     chunk = cfg.model.fused_linear_ce_chunk
     if why is None and chunk is None:
         chunk = linear_ce_chunk(output_rows(arch, cfg.parallelism.tp_size, cfg.model.vocab_divisible_by))

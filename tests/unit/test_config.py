@@ -328,7 +328,7 @@ def test_fused_linear_ce_by_default_where_it_applies():
     arch = SimpleNamespace(native=True, vocab_size=128256)
     hf = SimpleNamespace(native=False, vocab_size=100278, plain_head=True, architecture="Olmo3ForCausalLM")
     got = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), hf)
-    assert got.model.fused_linear_ce is False and said(got)[0].endswith(checks.HF_LINEAR_CE_UNMEASURED)
+    assert got.model.fused_linear_ce is False and said(got)[0].endswith(checks.HF_LINEAR_CE_NO_FASTER)
     assert checks.hf_linear_ce_off(got, hf) is None  # it applies: `true` runs it
     cfg = checks.linear_ce_where_it_applies(config.build(native(**{"data.synthetic": True}), env={}), arch)
     assert cfg.model.fused_linear_ce is True and cfg.model.fused_linear_ce_chunk == 1024
