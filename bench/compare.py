@@ -26,8 +26,9 @@ from statistics import mean
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) .*?\| ([\d,]+) tok/s/GPU(?: \| MFU ([\d.]+)%)?"
-                  r"(?: \| peak_mem ([\d.]+) GiB)?")
+# (runs with masked rows also log the trained tokens' rate after the total's: skipped, so MFU and the peak parse)
+STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) .*?\| ([\d,]+) tok/s/GPU(?: \| [\d,]+ trained tok/s/GPU)?"
+                  r"(?: \| MFU ([\d.]+)%)?(?: \| peak_mem ([\d.]+) GiB)?")
 OURS = {"nd-adapter dp_shard=2 (ZeRO-2)": "bench/configs/llama-3.2-1b-dp2.yaml",
         "nd-adapter dp_shard=2 (ZeRO-3)": "bench/configs/llama-3.2-1b-dp2-zero3.yaml",
         "nd-adapter tp=2": "bench/configs/llama-3.2-1b-tp2.yaml"}

@@ -34,6 +34,10 @@ HF_LIGER = {**HF_ENGINE, "model.liger": ["rope", "rms_norm", "glu_activation", "
 DS = {"optimizer.impl": "deepspeed"}
 AUTO = {"model.fused_linear_ce": "auto"}  # the defaults since 2026-12-06 (compile-auto merged): rows measured on them
 
+OLMO_BF16 = {"optimizer.state_dtype": "bf16", "hardware.gpu": "h100-80gb", **AUTO}
+OLMO_OUR_CE = {**OLMO_BF16, "model.liger": ["rope", "rms_norm", "glu_activation"], "model.fused_linear_ce": True}
+
+
 def PC(shape: str, gpu: str = "h200") -> dict:
     """bench/plan_check.py's rows (plan-check-1gpu.yaml on a model shape, bf16 states), on the card they ran on."""
     return {"model.path": str(ROOT / "configs/models" / shape), "optimizer.state_dtype": "bf16",
@@ -140,6 +144,14 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
     ("Olmo-3 shape, 8 layers, LoRA r16, transformers engine + Liger, micro-batch 1", "olmo3-7b-8l-shape-1gpu",
      {"hardware.gpu": "h100-80gb", "lora.r": 16, "lora.alpha": 32, "lora.target_linear": True,
       "batch.micro_batch_size": 1, **AUTO}, 1, 30454, "2026-12-06 06:01 lora_bench (H100)", "current"),
+    # the transformers engine's compiled layers and nd-adapter's fused CE on it, both off under `auto` since they
+    # were measured (no faster): plan does not model their slowdown, so these stand as listed misses
+    ("Olmo-3 shape, 8 layers, transformers engine, compiled layers, one GPU, bf16 states", "olmo3-7b-8l-shape-1gpu",
+     {**OLMO_BF16, "model.compile": True}, 1, 28231, "2026-12-07 00:27 (H100; transformers + Liger 28,131)",
+     "listed miss: compiled on the transformers engine (auto: off, measured slower)"),
+    ("Olmo-3 shape, 8 layers, transformers engine, nd-adapter's fused CE, one GPU, bf16 states",
+     "olmo3-7b-8l-shape-1gpu", OLMO_OUR_CE, 1, 31792, "2026-12-07 00:27 (H100)",
+     "listed miss: our fused CE on the transformers engine (auto: off, no faster than Liger's)"),
     # older code paths
     ("1B dp_shard=2 ZeRO-2, compiled", "llama-3.2-1b-dp2", {"deepspeed.reduce_bucket_size": 500_000_000}, 2, 50223,
      "s4 final table", "before s5 (host waits, bucket 5e8)"),
@@ -232,6 +244,10 @@ PEAKS: list[tuple[str, str, dict, float, str]] = [
      "2026-12-06 06:03 plan_check (H100; 16.71 at 03:14)"),
     ("Olmo-3 shape, 8 layers, transformers engine + Liger, bf16 states", "olmo3-7b-8l-shape-1gpu",
      {"optimizer.state_dtype": "bf16", **AUTO}, 23.86, "2026-12-06 06:00 (H100; beside transformers + Liger's 24.2)"),
+    ("Olmo-3 shape, 8 layers, transformers engine, compiled layers, bf16 states", "olmo3-7b-8l-shape-1gpu",
+     {**OLMO_BF16, "model.compile": True}, 24.86, "2026-12-07 00:27 (H100)"),
+    ("Olmo-3 shape, 8 layers, transformers engine, nd-adapter's fused CE, bf16 states", "olmo3-7b-8l-shape-1gpu",
+     OLMO_OUR_CE, 24.43, "2026-12-07 00:27 (H100)"),
     ("Olmo-3 shape, 8 layers, LoRA r16, transformers engine + Liger, micro-batch 1", "olmo3-7b-8l-shape-1gpu",
      {"lora.r": 16, "lora.alpha": 32, "lora.target_linear": True, "batch.micro_batch_size": 1, **AUTO}, 12.74,
      "2026-12-06 06:01 lora_bench (H100; PEFT + Liger 12.94)"),

@@ -29,6 +29,10 @@ def test_parse_and_render(capsys):
     assert "torchrun --nproc-per-node=2 bench/peers.py accelerate-fsdp2" in out
     assert "deepspeed --num_gpus=2 launch/train.py --config bench/configs/llama-3.2-1b-tp2.yaml" in out
     assert compare.parse_steps("nothing") is None and compare.parse_result("") is None
+    masked = "\n".join(f"step {i}/3 | loss 1.0 | lr 1e-4 | grad_norm 1.0 | 7,000 tok/s/GPU | 4,000 trained tok/s/GPU | "
+                       f"MFU 1.5% | peak_mem 14.07 GiB" for i in (1, 2, 3))  # a run with masked rows
+    assert compare.parse_steps(masked, skip=0) == {"tokens_per_s_per_gpu": 7000, "mfu": 0.015, "peak_gib": 14.07,
+                                                    "loss": 1.0}
 
 
 def test_trace_summary_on_a_synthetic_trace():
