@@ -72,9 +72,9 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
         if not hits and any(by_saved):
             on = [s for s, h in zip(saved, by_saved) if h]
             if len(on) < len(saved):
-                first = parsed[next(j for h in by_saved for j in h)].text
+                pattern = parsed[next(j for h in by_saved for j in h)].text
                 off = [s for s, h in zip(saved, by_saved) if not h]
-                raise bad(key, first, f"trains the checkpoint's {_shown(on)} but not {_shown(off)}, which {cls} "
+                raise bad(key, pattern, f"trains the checkpoint's {_shown(on)} but not {_shown(off)}, which {cls} "
                           f"holds in one tensor ({name})", "unfreeze all of them or none")
             hits = sorted({j for h in by_saved for j in h})
             if any(parsed[j].rows for j in hits):
