@@ -170,9 +170,12 @@ def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int, tp
 
 
 def _written_by_rank0(out: Path, rank: int, name: str, write) -> None:
-    """Rank 0 writes the export into a fresh directory beside `out` (`write(dir)`), then publishes it there."""
+    """Rank 0 writes the export into a fresh directory beside `out` (`write(dir)`), then publishes it there. `out`'s
+    parent is made first: a run that saved no checkpoint (Axolotl's save_strategy: no) may never have created it,
+    and the export is the end of the run (2026-12-07: an image-text run trained fully, then failed here)."""
     if rank != 0:
         return
+    out.parent.mkdir(parents=True, exist_ok=True)
     built = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent)) / name
     try:
         write(built)
