@@ -37,7 +37,7 @@ OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_new
 
 def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
                 quantize: str | None = None, device=None, liger: tuple[str, ...] = (), dequantize: bool = False,
-                quantize_experts: bool = False, scores: int | None = None, towers: str = "frozen"):
+                scores: int | None = None, towers: str = "frozen"):
     """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
     `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
     NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
@@ -46,11 +46,11 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     (`apply_liger`). `dequantize` (model.dequantize): an MXFP4 / FP8 checkpoint's codes turned into `dtype` weights by
     transformers' own loader (its quantization class with dequantize=True, as Axolotl passes it), which then drops
     the quantization config, so the export is a 16-bit checkpoint; a random model in its shape drops it too.
-    `quantize_experts`: the mixture's 3-D expert weights quantised as well, in `quantize`'s format
-    (adapter/modeling/hf_quant_experts.py). `scores` (a reward model: the pad token's id): the checkpoint's
-    sequence-classification class with one label instead, its score read at each row's last token that is not that
-    token (TRL's RewardTrainer sets config.pad_token_id so); a checkpoint without a score head (a causal LM's) gets a
-    new one, initialised by transformers as it initialises a missing head. `towers`: an image-text checkpoint's other
+    A mixture's 3-D expert weights (quantize_moe_experts) are quantised later, by `add_peft`. `scores` (a reward
+    model: the pad token's id): the checkpoint's sequence-classification class with one label instead, its score
+    read at each row's last token that is not that token (TRL's RewardTrainer sets config.pad_token_id so); a
+    checkpoint without a score head (a causal LM's) gets a new one, initialised by transformers as it initialises a
+    missing head. `towers`: an image-text checkpoint's other
     towers "frozen" (a run on text), "trained" (an image-text run: everything trains, as Axolotl's), or "mm_frozen"
     (Axolotl's freeze_mm_modules: parameters under a module named in MM_MODULES)."""
     import json
@@ -71,10 +71,6 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     kw = {"trust_remote_code": True} if remote else {}
     if quantize:
         model = _quantized(cls, config, model_dir if weights else None, dtype=dtype, quantize=quantize, kw=kw)
-        if quantize_experts:
-            from adapter.modeling.hf_quant_experts import quantize_expert_weights
-
-            quantize_expert_weights(model, quantize)
     elif weights:
         if dequantize:
             from transformers.quantizers.auto import AutoQuantizationConfig
@@ -167,10 +163,12 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
 
 def add_peft(model, spec, *, seed: int):
     """PEFT's LoRA on the model (`spec`: adapter/models/generic_run.PeftSpec): adapters initialised from `seed` (A
-    Kaiming-uniform, B zero, as PEFT does), or started from a PEFT adapter directory (`lora_model_dir`). Expert
-    weights that are both quantised (quantize_moe_experts) and adapted (target_parameters) are quantised here, after
-    PEFT wrapped them (`experts_after_peft`): PEFT then nests its wrappers in the weights' definition order, as on a
-    16-bit base (Axolotl's loader patches PEFT for that order), so the saved adapter loads on the original model."""
+    Kaiming-uniform, B zero, as PEFT does), or started from a PEFT adapter directory (`lora_model_dir`). Then the
+    mixture's 3-D expert weights where the run quantises them too (quantize_moe_experts: `spec.experts`), in the
+    base's format (adapter/modeling/hf_quant_experts.py). After PEFT, so that where PEFT adapts them as well
+    (target_parameters) it nests its wrappers in the weights' definition order, as on a 16-bit base (Axolotl's
+    loader patches PEFT for that order), and the saved adapter loads on the original model; adapters on other
+    modules are the same either way round."""
     import peft
 
     torch.manual_seed(seed)
@@ -178,18 +176,15 @@ def add_peft(model, spec, *, seed: int):
         wrapped = peft.PeftModel.from_pretrained(model, spec.init_from, is_trainable=True)
     else:
         wrapped = peft.get_peft_model(model, peft.LoraConfig(**spec.lora_config()))
-    if experts_after_peft(spec):
+    if spec.experts:
         from adapter.modeling.hf_quant_experts import quantize_expert_weights
-        from adapter.patches.peft_params import stacked_parametrisations
 
-        stacked_parametrisations()  # PEFT's delta over the dequantising parametrisation, each forward
+        if spec.target_parameters:
+            from adapter.patches.peft_params import stacked_parametrisations
+
+            stacked_parametrisations()  # PEFT's delta over the dequantising parametrisation, each forward
         quantize_expert_weights(wrapped, spec.quantize_base)
     return wrapped
-
-
-def experts_after_peft(spec) -> bool:
-    """Whether the expert weights are quantised after PEFT wraps them (`add_peft`) rather than at load."""
-    return spec is not None and bool(spec.experts) and bool(spec.target_parameters)
 
 
 class LoadBalancing:

@@ -34,7 +34,6 @@ from adapter.modeling.hf_build import (
     RewardScores,
     add_peft,
     build_model,
-    experts_after_peft,
     layer_classes,
     liger_available,
     recompute_layers,
@@ -301,8 +300,6 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                         trust_remote_code=cfg.model.trust_remote_code,
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger, dequantize=cfg.model.dequantize,
-                        quantize_experts=run.peft is not None and bool(run.peft.experts)
-                        and not experts_after_peft(run.peft),
                         scores=reward_pad(run) if cfg.objective == "reward" else None,
                         towers=("mm_frozen" if cfg.model.freeze_mm_modules else "trained") if cfg.data.processor_type
                         else "frozen")

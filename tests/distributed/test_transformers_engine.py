@@ -29,6 +29,7 @@ from adapter import config
 from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, mxfp4, prequantized, reference_model
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_workers
+from tests.helpers.quant_expert_lora import nf4_round_trip_experts
 from tests.helpers.runs import vocab_of
 from tests.helpers.sft import axolotl_freeze, batch_of, hf_loss, make_model, make_moe, packed_examples, rel
 
@@ -146,7 +147,7 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
     model = reference_model(Path(model_dir), quantize="dequantize" if cfg.model.dequantize else
                             cfg.lora.quantize_base if cfg.lora else None)
     if cfg.lora is not None and cfg.lora.quantize_experts and cfg.lora.target_parameters:
-        _nf4_round_trip_experts(model)  # adapted quantised experts: PEFT's delta over the dequantised weights
+        nf4_round_trip_experts(model)  # adapted quantised experts: PEFT's delta over the dequantised weights
     if cfg.lora is not None:  # PEFT itself, seeded as the run seeds it
         import peft
 
@@ -155,9 +156,8 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
             target_parameters=c.target_parameters, task_type="CAUSAL_LM"))
-    if cfg.lora is not None and cfg.lora.quantize_experts and cfg.lora.target_parameters:
-        pass  # the experts already hold their NF4 round trip as plain weights (before PEFT, below)
-    elif cfg.lora is not None and cfg.lora.quantize_experts:  # as Axolotl's loader (monkeypatch/moe_quant.py)
+    if cfg.lora is not None and cfg.lora.quantize_experts and not cfg.lora.target_parameters:  # as Axolotl's loader
+        # (monkeypatch/moe_quant.py); adapted experts hold their NF4 round trip as plain weights instead (above)
         _axolotl_quantize_experts(model, cfg.lora.quantize_base)
     if cfg.model.unfrozen_parameters is not None:  # Axolotl's freezing on the HF model
         axolotl_freeze(model, cfg.model.unfrozen_parameters)
@@ -212,18 +212,6 @@ def _axolotl_quantize_experts(model, fmt: str) -> None:
             codes, stats, _ = bnbf.int8_vectorwise_quant(p.data.reshape(-1, p.shape[-1]).to(torch.float16))
             setattr(module, pname, torch.nn.Parameter(codes.reshape(p.shape), requires_grad=False))
             P.register_parametrization(module, pname, Bnb8bitParametrization(stats), unsafe=True)
-
-
-def _nf4_round_trip_experts(model) -> None:
-    """Every 3-D expert weight replaced by bitsandbytes' NF4 round trip (double quantisation, blocks of 64), held as
-    ordinary weights: what a quantised expert weight computes, with nothing parametrised."""
-    import bitsandbytes.functional as bnbf
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 3 and "expert" in name.lower():
-                p.copy_(bnbf.dequantize_4bit(*bnbf.quantize_4bit(p.data, compress_statistics=True, quant_type="nf4")))
 
 
 def _same_weights(exported: str, model) -> None:
@@ -441,7 +429,7 @@ def _check_expert_lora(got: dict, models, tmp_path) -> None:
     assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
     assert "experts.down_proj, experts.gate_up_proj" in said[0] and "quantised too" in said[0], said
     base = reference_model(Path(models["qwen3_moe"]), quantize="nf4")
-    _nf4_round_trip_experts(base)
+    nf4_round_trip_experts(base)
     probe = _probe(models["qwen3_moe"])
     loaded = peft.PeftModel.from_pretrained(base, exported)
     loaded.train()  # bitsandbytes' NF4 linears take another CPU kernel in eval mode (patches/bnb_cpu.py)

@@ -18,6 +18,17 @@ def tiny_moe(device: str):
     return AutoModelForCausalLM.from_config(cfg).to(device)
 
 
+def nf4_round_trip_experts(model) -> None:
+    """Every 3-D expert weight replaced by bitsandbytes' NF4 round trip (double quantisation, blocks of 64), held as
+    ordinary weights: what a quantised expert weight computes, with nothing parametrised."""
+    import bitsandbytes.functional as F
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 3 and "expert" in name.lower():
+                p.copy_(F.dequantize_4bit(*F.quantize_4bit(p.data, compress_statistics=True, quant_type="nf4")))
+
+
 def _train(model, device: str, steps: int = 3) -> list[float]:
     g = torch.Generator().manual_seed(1)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
@@ -35,7 +46,6 @@ def _train(model, device: str, steps: int = 3) -> list[float]:
 def compare(device: str) -> None:
     """Three SGD steps each way: equal losses, only the dequantising parametrisation left after the forwards, and
     the saved adapter PEFT's own (its wrappers nested as on a 16-bit base)."""
-    import bitsandbytes.functional as F
     import peft
 
     from adapter.modeling.hf_build import add_peft
@@ -46,10 +56,7 @@ def compare(device: str) -> None:
                     experts=(1,))
     ours = add_peft(tiny_moe(device), spec, seed=7)
     ref = tiny_moe(device)
-    with torch.no_grad():  # bitsandbytes' NF4 round trip, as plain weights
-        for name, p in ref.named_parameters():
-            if p.dim() == 3 and "expert" in name:
-                p.copy_(F.dequantize_4bit(*F.quantize_4bit(p.data, compress_statistics=True, quant_type="nf4")))
+    nf4_round_trip_experts(ref)
     torch.manual_seed(7)
     ref = peft.get_peft_model(ref, peft.LoraConfig(**spec.lora_config()))
     for m in (ours, ref):  # B starts at zero: give it values, so the deltas count from the first step
