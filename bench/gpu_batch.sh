@@ -14,7 +14,8 @@
 #          dpoprof[-auto|-false] (a LoRA DPO step's profile, the shared-prompt stream and/or the padded rows) |
 #          lce-1b (the same at the 1B shape: our chunks of 256 to 4,096 tokens beside Liger's) | lce-olmo3 (output layer + CE at Olmo's unaligned vocabulary and at it padded to 128) |
 #          h2d (bench/h2d_sync.py: does a pageable host->device copy wait for the GPU's queue) |
-#          vision (bench/vision_plan_check.py: plan against image-text runs at gemma-3-4b-it's vision tower)
+#          vision (bench/vision_plan_check.py: plan against image-text runs at gemma-3-4b-it's vision tower) |
+#          vprof-<row> (a profile and memory peak of that vision row: QLoRA or full)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -57,6 +58,12 @@ for part in "$@"; do
       echo rc=$?; tail -12 $OUT/$part.log;;
     vision) timeout $t python3 bench/vision_plan_check.py --out /tmp/vpc > $OUT/vision.log 2>&1; echo rc=$?
       cp /tmp/vpc/*.log $OUT/ 2>/dev/null; grep -v Warning $OUT/vision.log | tail -8;;
+    vprof-*) r=${part#vprof-}  # vprof-QLoRA | vprof-full: a profile of steps 5-6 of that vision_plan_check row
+      [ -f /tmp/vpc/$r.yaml ] || python3 bench/vision_plan_check.py --out /tmp/vpc --dry-run > $OUT/vprof-build.log 2>&1
+      rm -rf /tmp/vpc/$r/run; timeout $t deepspeed --num_gpus=1 launch/train.py --config /tmp/vpc/$r.yaml --set 'logging.profile_steps=[5,6]' \
+        --set logging.profile_dir=/tmp/vprof-$r > $OUT/$part.log 2>&1; echo rc=$?; grep -v Warning $OUT/$part.log | grep "tok/s" | tail -3
+      python3 bench/memory_peak.py /tmp/vprof-$r/memory-rank0.pickle > $OUT/$part-memory.txt 2>&1; head -25 $OUT/$part-memory.txt
+      python3 bench/trace_summary.py /tmp/vprof-$r/trace-rank0.json.gz --top 25 --host nd.forward > $OUT/$part.txt 2>&1; head -45 $OUT/$part.txt;;
     h2d) timeout $t python3 bench/h2d_sync.py > $OUT/h2d.log 2>&1; echo rc=$?; cat $OUT/h2d.log;;
     dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;
     dpo-*) m=${part#dpo-}  # dpo-lora | dpo-qlora | dpo-full: bench/dpo_bench.py beside TRL + Liger

@@ -255,12 +255,33 @@ def vision_patches(vision: tuple[int, ...], image_size: int | tuple | list | Non
 
 
 def vision_gemms(vision: tuple[int, ...], patches: int) -> list[tuple[int, int, int]]:
-    """One vision layer's forward GEMMs over `patches` rows (a ViT block: q, k, v and the output projection, the
-    MLP's linears: fc1 and fc2, or gate, up and down), and its bidirectional attention counted as two GEMMs (scores,
-    then the values)."""
+    """One vision layer's forward linears over `patches` rows (a ViT block: q, k, v and the output projection, the
+    MLP's linears: fc1 and fc2, or gate, up and down). Its attention is `vision_attention_flops`."""
     _, h, f, _, _, ffn_in = vision
-    return [(patches, h, h)] * 4 + [(patches, f, h)] * ffn_in + [(patches, h, f), (patches, patches, h),
-                                                                  (patches, h, patches)]
+    return [(patches, h, h)] * 4 + [(patches, f, h)] * ffn_in + [(patches, h, f)]
+
+
+def vision_attention_flops(vision: tuple[int, ...], patches: int) -> float:
+    """One vision layer's bidirectional attention over one image's `patches`, forward + backward, counted as the
+    flash-attention rate counts it (plan/hardware.Attention: 3.5 × the forward's 4·s²·hidden; no causal half). One
+    H100, gemma-3-4b-it's tower (4,096 patches, 16 heads of 72): 173 ms of cuDNN attention a step of 8 images,
+    where this count at the profile's rate for a 4,096 span says 168 (docs/BENCHMARKS.md, 2026-12-07); counted as
+    two GEMMs at the GEMM rate it said 72."""
+    return 3.5 * 4 * patches * patches * vision[1]
+
+
+# Bytes an eager vision layer's memory-bound kernels move per patch, forward (in units of the layer's 16-bit
+# elements): LayerNorm 2 + 2 (read, write), the attention output's copy back from heads 2, two residual adds 3 + 3
+# = 12 a hidden element; the MLP's activation 2 (read fc1's output, write) and a gated MLP's product 3 more an FFN
+# element. Backward moves about twice the forward, as plan counts the text layers (plan/timing.layer_memory_bytes).
+VISION_HIDDEN_PASSES, VISION_FFN_PASSES = 12, 2
+
+
+def vision_memory_bytes(vision: tuple[int, ...], patches: int, bytes_per: int) -> int:
+    """Forward + backward bytes of one vision layer's elementwise kernels over one image's `patches` (eager:
+    transformers' towers are not compiled here)."""
+    _, h, f, _, _, ffn_in = vision
+    return 3 * patches * bytes_per * (VISION_HIDDEN_PASSES * h + (VISION_FFN_PASSES + 3 * (ffn_in - 1)) * f)
 
 
 def vision_activation_bytes(vision: tuple[int, ...], patches: int, bytes_per: int) -> int:
@@ -307,7 +328,7 @@ def liger_linear_ce_chunk(tokens: int, vocab_rows: int, hidden: int) -> int:
 
 
 __all__ = ["linear_ce_chunk", "linear_ce_row_stride", "liger_linear_ce_chunk", "output_rows", "vision_patches",
-           "vision_gemms", "vision_activation_bytes",
+           "vision_gemms", "vision_attention_flops", "vision_memory_bytes", "vision_activation_bytes",
            "Linear", "linears", "fused_linears", "layer_norm_params", "layer_params", "num_params",
            "LocalParams", "local_params", "param_tensors", "layer_gemms", "matmul_params", "attended",
            "flops_per_token", "ATTN_FWD_BWD", "attention_pairs", "attention_flops"]

@@ -333,7 +333,11 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
         # makes (the output layer's, or the tied embedding's) or all the gradients, whichever is larger. One H200,
         # Qwen3-MoE shape, bf16 states: 41.9 GiB measured, where the gradients beside the activations said 48.6
         # (docs/BENCHMARKS.md, 2026-12-05, "plan against the measured one-GPU runs")
-        during_fwd_bwd = weights + optim + gathered + buckets + max(acts + logits + min(grads, head_grad), grads)
+        # With gradient accumulation the later micro-batches run their forward beside the earlier ones' gradients,
+        # all of them: one H100, an image-text full fine-tune at grad-accum 4, 14.07 GiB measured where the first
+        # micro-batch's peak said 12.16 (docs/BENCHMARKS.md, 2026-12-07)
+        early = grads if cfg.grad_accum > 1 else min(grads, head_grad)
+        during_fwd_bwd = weights + optim + gathered + buckets + max(acts + logits + early, grads)
     else:  # the gradients are held whole; the fused kernel's output-weight gradient is a buffer beside them
         during_fwd_bwd = weights + grads + optim + gathered + buckets + acts + logits + (head_grad if linear_ce else 0)
     return MemoryEstimate(weights=weights, gradients=grads, optimizer=optim, gathered_params=gathered,

@@ -29,7 +29,9 @@ from adapter.models.counts import (
     local_params,
     output_rows,
     param_tensors,
+    vision_attention_flops,
     vision_gemms,
+    vision_memory_bytes,
 )
 from adapter.models.footprint import held_and_trained, quantized_base
 from adapter.models.resolved import ResolvedRun
@@ -254,11 +256,9 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         g_adapters = gemm_seconds(lora_gemms(spec, tokens=tokens, tp=tp, sp=sp), prof)
         gemm = 2 * g_fwd + (3 if "lm_head" in spec.modules_to_save else 2) * g_head + 3 * g_adapters
         g_fwd += g_adapters  # what full recompute runs again
-    images, patches, tower_trains = vision_load(run)
-    if patches and arch.vision is not None:  # the vision tower on each image: forward, and backward where it trains
-        g_vision = images * arch.vision[0] * gemm_seconds(vision_gemms(arch.vision, patches), prof)
-        gemm += (3 if tower_trains else 1) * g_vision
-    attn = sum(attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
+    v_gemm, v_attn, v_mem, v_host = vision_seconds(run, prof)
+    gemm += v_gemm
+    attn = v_attn + sum(attention_seconds(arch, micro=b, seq=cfg.seq_len, cp=cp, tp=tp, prof=prof, doc_len=doc_len,
                                  kind=cfg.model.attention, window=arch.window(i), compiled=compiled)
                for i in range(L))
     hf_norms, fused_act = unfused_ops(cfg, arch)
@@ -271,7 +271,7 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     layer_bytes += 2 * Q * (q_bytes + (2 if cfg.param_precision in ("bf16", "fp16") else 4))
     # the flat AdamW reads autograd's own gradients (adapter/train/optim.py): no copy into a contiguous buffer
     copied = 0 if flat_at_stage(cfg, stage) else trained
-    mem = (layer_bytes + head_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, vocab=vocab,
+    mem = v_mem + (layer_bytes + head_memory_bytes(arch, tokens=tokens, tp=tp, sp=sp, fused=fused, vocab=vocab,
                                            local_params=copied)) / prof.elementwise_bytes_per_s
     recompute = (g_fwd + attn / ATTN_FWD_BWD + layer_bytes / 3 / prof.elementwise_bytes_per_s) if full else \
         attn / ATTN_FWD_BWD if selective else 0.0
@@ -320,7 +320,7 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     layer_host = hw.compiled_layer_s if compiled else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
     if arch.moe:  # its MoE half stays eager (adapter/modeling/compile.py): the attention half's share, then the rest
         layer_host = layer_host / 2 + hw.moe_layer_s - hw.layer_s / 2
-    host_mb = L * layer_host * rc + tensors * hw.param_s + \
+    host_mb = L * layer_host * rc + v_host + tensors * hw.param_s + \
         (tp_calls * hw.tp_collective_s if tp > 1 else 0.0)
     stall_mb = 2 * units * hw.zero3_unit_s * rc if stage == 3 else 0.0   # hooks run even over a group of one
     gpu_mb = compute_mb + tp_mb + cp_mb + ep_mb + dp_mb
@@ -350,6 +350,31 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
                     breakdown=breakdown,
                     compute_detail=detail, bottleneck=bottleneck(breakdown, detail, layout),
                     profile=prof.source_path or prof.name)
+
+
+def vision_seconds(run: ResolvedRun, prof: Profile) -> tuple[float, float, float, float]:
+    """(GEMM, attention, elementwise and host seconds) of an image-text run's vision tower per micro-batch: each
+    image through every layer, forward, and backward where the tower trains (a frozen tower: the forward's third
+    of the GEMMs and the elementwise bytes, 1/ATTN_FWD_BWD of the attention); a trained tower under full recompute
+    runs its forward twice (transformers checkpoints its layers too). Its layers are transformers' own and eager,
+    each a layer of host time like an eager text layer's (Host.layer_s). One H100, gemma-3-4b-it's tower at 896
+    pixels, full fine-tune, 8 images a step: the forward was host-bound (the GPU idle 267 of its 420 ms, profiled)
+    and the backward GPU-bound (docs/BENCHMARKS.md, 2026-12-07). Zeros for text runs. The processor's time is not
+    counted: on a GPU a worker renders the micro-batches ahead (data.num_workers)."""
+    images, patches, trains = vision_load(run)
+    v = run.arch.vision
+    if not patches or v is None:
+        return 0.0, 0.0, 0.0, 0.0
+    layers, pb = v[0], 2 if run.cfg.param_precision in ("bf16", "fp16") else 4
+    gemm = images * layers * gemm_seconds(vision_gemms(v, patches), prof)
+    attn = images * layers * vision_attention_flops(v, patches) / prof.attention.rate(patches)
+    mem = images * layers * vision_memory_bytes(v, patches, pb) / prof.elementwise_bytes_per_s
+    host = layers * prof.host.layer_s
+    if not trains:
+        return gemm, attn / ATTN_FWD_BWD, mem / 3, host
+    if run.cfg.recompute == "full":
+        return 4 * gemm, attn * (1 + 1 / ATTN_FWD_BWD), mem * 4 / 3, 1.5 * host
+    return 3 * gemm, attn, mem, host
 
 
 def bottleneck(breakdown: dict[str, float], detail: dict[str, float], layout: Layout) -> str:

@@ -127,6 +127,17 @@ def test_plan_counts_the_vision_towers_images(tmp_path):
     rc, rc_frozen = planned("rc"), planned("rc frozen", freeze_mm_modules=True)
     assert rc["memory"]["activations"] - rc_frozen["memory"]["activations"] == 2 * 4096 * 2 * 1152 * 27 + kept // 27
     assert full["predicted"]["step_time_s"] > frozen["predicted"]["step_time_s"]
+    # the tower's attention: bidirectional over 4,096 patches at the profile's flash rate for that span (a trained
+    # tower's forward and backward, a frozen one's forward alone), 8 images a step (micro-batch 2 × grad-accum 4)
+    from adapter.plan.hardware import read
+
+    tower = 8 * 27 * 3.5 * 4 * 4096 ** 2 * 1152 / read(full["predicted"]["profile"]).attention.rate(4096)
+    text = full["predicted"]["compute_detail"]["attention"] - tower
+    assert text > 0  # the language model's own
+    assert abs(frozen["predicted"]["compute_detail"]["attention"] - (text + tower / 3.5)) < 1e-9
+    # grad-accum 4 on the flat AdamW: micro-batches 2-4 run their forward beside all the gradients
+    m = full["memory"]
+    assert m["peak"] >= m["weights"] + m["optimizer"] + m["gradients"] + m["activations"] + m["logits"]
     assert "896 pixels: 4096 patches through the 27-layer vision tower" in json.dumps(full)
 
 
