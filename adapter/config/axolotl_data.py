@@ -23,6 +23,8 @@ DATA_KEYS = {
     "curriculum_sampling": "curriculum", "sample_packing_sequentially": "pack_in_order",
     "tokenizer_use_mistral_common": "mistral_common", "processor_type": "processor_type", "image_size": "image_size",
     "image_resize_algorithm": "image_resize_algorithm", "processor_kwargs": "processor_kwargs",
+    "dataloader_num_workers": "num_workers", "dataloader_prefetch_factor": "prefetch_factor",
+    "dataloader_pin_memory": "pin_memory",
 }
 ENTRY_KEYS = set(DatasetEntry.model_fields)
 ENTRY_ALIASES = {"message_field_role": "role", "message_field_content": "content"}  # Axolotl's deprecated spellings

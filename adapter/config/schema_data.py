@@ -100,6 +100,13 @@ class DataSection(Strict):
         None, description="the column image letterboxed to a square of this side, or resized to (width, height)")
     image_resize_algorithm: Literal["bilinear", "bicubic", "lanczos"] = "bilinear"
     processor_kwargs: dict[str, Any] | None = Field(None, description="passed to the processor's from_pretrained")
+    num_workers: Int | None = Field(
+        None, ge=0, description="worker processes per rank rendering micro-batches ahead (Axolotl's "
+        "dataloader_num_workers); unset: 1 for image-text rows (their processor) on a GPU, else 0")
+    prefetch_factor: Int = Field(2, ge=1, description="micro-batches each worker renders ahead (Axolotl's "
+                                 "dataloader_prefetch_factor)")
+    pin_memory: bool = Field(True, description="workers' batches in page-locked memory on CUDA (Axolotl's "
+                             "dataloader_pin_memory)")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSection:

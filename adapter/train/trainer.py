@@ -411,7 +411,12 @@ class Trainer:
         cfg, result, sched = self.cfg, self.result, self.schedule
         start, max_steps = result.start_step, cfg.optimizer.max_steps
         save_every, eval_every = cfg.checkpoint.save_every, sched.eval_every
-        batches = build_batches(self.dataset, self.sampler)
+        # image-text rows are rendered by their processor at collate time: on a GPU, ahead in a worker process (on
+        # CPU processes a worker would take the cores the model runs on)
+        d, cuda = cfg.data, self.device.type == "cuda"
+        workers = d.num_workers if d.num_workers is not None else int(cuda and hasattr(self.dataset, "collate"))
+        batches = build_batches(self.dataset, self.sampler, workers=workers, prefetch=d.prefetch_factor,
+                                pin=d.pin_memory and cuda)
         self.preempt.stop_at_step_boundaries()  # until here a signal ended the job at once: nothing to save yet
         pending: PendingStep | None = None  # the last step, until its numbers are read on the host
         if self.finished_at is not None:  # the resumed run had ended by early stopping: nothing more to train

@@ -25,7 +25,8 @@ REGEX = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|
 RUNS = {"full": ({}, 3, "mm"), "frozen towers": ({"freeze_mm_modules": True}, 2, "mm"),
         "lora": ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
                   "lora_target_modules": REGEX}, 3, "mm"),
-        "mixed rows": ({}, 3, "mixed")}  # one row in four with an image: micro-batches without any, under ZeRO-3
+        # one row in four with an image: micro-batches without any, under ZeRO-3; rendered ahead in a worker process
+        "mixed rows": ({"dataloader_num_workers": 1}, 3, "mixed")}
 
 
 def _raw(model: Path, root: Path, name: str) -> dict:

@@ -114,6 +114,48 @@ def test_build_batches_shapes_and_masks():
                                    [False, False, False, True], [True, True, True, False]]
 
 
+class _Rendered:
+    """A dataset whose `collate` does the work (as image-text rows' processor does); row 13 is a bad row."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"row": np.array([i])}
+
+    def collate(self, items):
+        import torch
+
+        rows = [int(it["row"][0]) for it in items]
+        if 13 in rows:
+            raise UserError("datasets[0] row 13: the image cannot be read. Fix: mend or drop the row")
+        return {"tokens": torch.tensor(rows)[:, None] * torch.ones(1, 3, dtype=torch.int64)}
+
+
+def test_worker_batches_equal_and_resume_exact():
+    """Micro-batches rendered ahead by worker processes: the same batches in the same order, the sampler's state
+    that of the batches handed over (not of those rendered ahead), and a worker's UserError raised as it is."""
+    def run(workers, n=12, take=5, state=None):
+        s = D.DPSampler(n, dp_rank=1, dp_size=2, micro_batch=2, seed=3)
+        if state:
+            s.load_state_dict(state)
+        it = D.build_batches(_Rendered(n), s, workers=workers, prefetch=3)
+        got = [next(it)["tokens"][:, 0].tolist() for _ in range(take)]
+        return got, s.state_dict()
+
+    plain, plain_state = run(0)
+    ahead, ahead_state = run(2)
+    assert ahead == plain and ahead_state == plain_state  # 5 of 6 batches an epoch handed over: mid-epoch 2
+    assert run(2, state=ahead_state)[0] == run(0, state=plain_state)[0]  # resumed: the same next batches
+    with pytest.raises(UserError, match="^datasets\\[0\\] row 13: the image cannot be read"):
+        for _ in D.build_batches(_Rendered(16), D.DPSampler(16, dp_rank=0, dp_size=1, micro_batch=16,
+                                                            shuffle=False), workers=1):
+            pass
+
+
 # --- files, tokenizer, cache ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
