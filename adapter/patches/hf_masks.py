@@ -9,6 +9,10 @@ does: gpt-oss, for one, builds its masks without them, so its packed documents w
 the wrappers pass this forward's positions when the model's call left them out. Outside `documents`, and for a call
 that passes positions, a padding mask or a cache, nothing changes.
 
+The sliding-window builder's wrapper also hands a window at least as long as the sequence (no cache) to
+`create_causal_mask`: every causal pair is inside such a window, so the masks are equal, and the causal one lets
+SDPA run is_causal on its flash kernels, where transformers materialises the window's mask from kv_length >= window.
+
 Checked against transformers 5.25 (CI): the builders' names and their `position_ids` parameter (fifth, or by name);
 another version is used when its builders have that signature (checked at `prepare`), else refused in one line.
 """
@@ -27,20 +31,41 @@ _POSITIONS: ContextVar = ContextVar("nd_adapter_positions", default=None)
 _POSITION_ARG = 4  # config, inputs_embeds, attention_mask, cache, position_ids
 
 
+def _arg(args, kwargs, i: int, *names: str):
+    for name in names:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return args[i] if len(args) > i else None
+
+
 def _wrap(builder):
+    sliding = builder.__name__ == "create_sliding_window_causal_mask"
+
     def build(*args, **kwargs):
         pos = _POSITIONS.get()
+        embeds = _arg(args, kwargs, 1, "inputs_embeds")
+        no_cache = _arg(args, kwargs, 3, "cache", "past_key_values") is None
         if (pos is not None and len(args) <= _POSITION_ARG and kwargs.get("position_ids") is None
-                and kwargs.get("attention_mask", args[2] if len(args) > 2 else None) is None
-                and kwargs.get("cache", args[3] if len(args) > 3 else None) is None):
-            embeds = kwargs.get("inputs_embeds", args[1] if len(args) > 1 else None)
+                and _arg(args, kwargs, 2, "attention_mask") is None and no_cache):
             if embeds is not None and embeds.shape[1] == pos.shape[1]:  # this forward's sequence, not another tower's
                 kwargs["position_ids"] = pos.to(embeds.device)
+        window = getattr(_arg(args, kwargs, 0, "config"), "sliding_window", None)
+        if sliding and no_cache and embeds is not None and isinstance(window, int) and embeds.shape[1] <= window:
+            # a window as long as the sequence keeps every causal pair (q - kv < window): the causal mask itself,
+            # which SDPA runs as is_causal on its flash kernels. transformers materialises this one from
+            # kv_length >= window (masking_utils._ignore_causal_mask_sdpa), so Olmo-3's sliding layers at
+            # seq = window = 4,096 ran without flash attention for us and for transformers alike
+            return _causal(builder)(*args, **kwargs)
         return builder(*args, **kwargs)
 
     build.__wrapped__ = builder
     build.nd_adapter_documents = True
     return build
+
+
+def _causal(builder):
+    """transformers' create_causal_mask beside `builder` (its own module's, for the same signature)."""
+    return sys.modules[builder.__module__].create_causal_mask
 
 
 def _takes_positions(builder) -> bool:
