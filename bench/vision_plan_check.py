@@ -11,6 +11,7 @@ gemma-3-4b-vision-qlora.yml with local paths and `max_steps`:
 - "QLoRA (the example)": NF4 language model, adapters on its linears, gradient checkpointing: the tower runs its
   forward only;
 - "full fine-tune": no adapter, bf16, AdamW (fused): the tower trains (its activations kept, three GEMMs each).
+- "compiled full fine-tune": the same with `torch_compile: true` (the tower's layers compiled with the text's).
 
     python bench/vision_plan_check.py --dry-run          # plan's predictions (any machine; builds the checkpoint)
     python bench/vision_plan_check.py --out /tmp/vpc     # on the GPU host: train each row, then the table
@@ -43,6 +44,7 @@ ROWS: dict[str, dict] = {
                        "lora_dropout": None, "lora_target_modules": None, "optimizer": "adamw_torch_fused",
                        "gradient_checkpointing": False, "gradient_checkpointing_kwargs": None},
 }
+ROWS["compiled full fine-tune"] = {**ROWS["full fine-tune"], "torch_compile": True}  # the tower's layers compiled too
 
 
 def build(root: Path, text_layers: int) -> tuple[Path, Path, int]:

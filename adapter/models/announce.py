@@ -102,7 +102,8 @@ def engine(run: ResolvedRun) -> str:
         extra.append("attention through transformers' attention interface on nd-adapter's kernels (flash attention "
                      "with sliding windows, packed documents by their boundaries)")
     if run.cfg.model.compile:  # adapter/modeling/hf_build.compile_layers
-        extra.append("each decoder layer compiled (torch.compile; what Dynamo cannot trace runs eagerly)")
+        extra.append(f"each decoder layer{' and vision layer' if run.cfg.data.processor_type else ''} compiled "
+                     "(torch.compile; what Dynamo cannot trace runs eagerly)")
     n = arch.param_count or 0
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
     return (f"engine: transformers' own {arch.architecture} ({arch.engine_reason}; {size} parameters)"

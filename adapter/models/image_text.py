@@ -14,7 +14,7 @@ UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor")
 def check(cfg, arch) -> None:
     """What an image-text run does not build yet, each refused in one line (plan says it too): packing,
     mistral-common, the formats not written, a checkpoint without another tower, tp / cp / ep > 1, a preference
-    objective, Liger's cross-entropy, compiled layers, and LoRA's target_linear (Axolotl's list of every linear's
+    objective, Liger's cross-entropy, and LoRA's target_linear (Axolotl's list of every linear's
     name, the vision tower's among them)."""
     from adapter.config import spell
 
@@ -42,8 +42,6 @@ def check(cfg, arch) -> None:
                           (cfg.objective != "sft", f"{cfg.objective} on image-text rows", "train SFT on them"),
                           (any("cross_entropy" in k for k in cfg.model.liger), "Liger's cross-entropy beside "
                            "image-text rows", "remove liger_cross_entropy / liger_fused_linear_cross_entropy"),
-                          (cfg.model.compile is True, "compiled layers beside image-text rows",
-                           "remove torch_compile (model.compile: false)"),
                           (cfg.lora is not None and cfg.lora.target_linear, "lora_target_linear beside image-text "
                            "rows (Axolotl adds every linear's name, the vision tower's too)",
                            "list the modules under lora_target_modules (Axolotl's examples give a regex)")):

@@ -356,8 +356,8 @@ def vision_seconds(run: ResolvedRun, prof: Profile) -> tuple[float, float, float
     """(GEMM, attention, elementwise and host seconds) of an image-text run's vision tower per micro-batch: each
     image through every layer, forward, and backward where the tower trains (a frozen tower: the forward's third
     of the GEMMs and the elementwise bytes, 1/ATTN_FWD_BWD of the attention); a trained tower under full recompute
-    runs its forward twice (transformers checkpoints its layers too). Its layers are transformers' own and eager,
-    each a layer of host time like an eager text layer's (Host.layer_s). One H100, gemma-3-4b-it's tower at 896
+    runs its forward twice (transformers checkpoints its layers too). Its layers are transformers' own, each a layer
+    of host time like a text layer's (Host.layer_s, or compiled_layer_s). One H100, gemma-3-4b-it's tower at 896
     pixels, full fine-tune, 8 images a step: the forward was host-bound (the GPU idle 267 of its 420 ms, profiled)
     and the backward GPU-bound (docs/BENCHMARKS.md, 2026-12-07). Zeros for text runs. The processor's time is not
     counted: on a GPU a worker renders the micro-batches ahead (data.num_workers)."""
@@ -369,7 +369,9 @@ def vision_seconds(run: ResolvedRun, prof: Profile) -> tuple[float, float, float
     gemm = images * layers * gemm_seconds(vision_gemms(v, patches), prof)
     attn = images * layers * vision_attention_flops(v, patches) / prof.attention.rate(patches)
     mem = images * layers * vision_memory_bytes(v, patches, pb) / prof.elementwise_bytes_per_s
-    host = layers * prof.host.layer_s
+    # compiled layers (model.compile: true) compile the tower's too (a checkpoint's _no_split_modules): one guarded
+    # call a layer; their fused elementwise kernels are not counted (not measured), the eager bytes are
+    host = layers * (prof.host.compiled_layer_s if whole_layer_graphs(run.cfg) else prof.host.layer_s)
     if not trains:
         return gemm, attn / ATTN_FWD_BWD, mem / 3, host
     if run.cfg.recompute == "full":

@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MB, GA, STEPS, LR, N, VAL = 2, 2, 3, 2e-3, 14, 2
 
 
-def test_image_text_run_on_cuda_follows_transformers(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_image_text_run_on_cuda_follows_transformers(tmp_path, compiled):
+    """`compiled`: torch_compile: true, the vision tower's layers compiled with the language model's."""
     import torch
 
     from adapter import config
@@ -33,7 +35,7 @@ def test_image_text_run_on_cuda_follows_transformers(tmp_path):
            "sequence_len": 256, "dataset_prepared_path": str(tmp_path / "prep"), "output_dir": str(tmp_path / "out"),
            "val_set_size": VAL, "micro_batch_size": MB, "gradient_accumulation_steps": GA, "max_steps": STEPS,
            "learning_rate": LR, "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-           "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
+           "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused", "torch_compile": compiled}
     losses, evals = run_workers(cuda_train, 1, raw, ("losses", "eval_losses"), timeout=600)[0]
     cfg = config.build(raw, env={}, world_size=1)
     train_set, held_set, _ = load(cfg, model, model, 10 ** 6)
@@ -41,5 +43,6 @@ def test_image_text_run_on_cuda_follows_transformers(tmp_path):
     order = [[[train_set.rows[int(i)] for i in next(it)] for _ in range(GA)] for _ in range(STEPS)]
     want, want_eval, _ = reference(model, order, [held_set.rows[i] for i in range(len(held_set))], lr=LR,
                                    device="cuda")
-    assert len(losses) == STEPS and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, want)), (losses, want)
-    assert evals and abs(evals[-1][1] - want_eval) <= 1e-4 * abs(want_eval), (evals, want_eval)
+    tol = 1e-3 if compiled else 1e-4  # inductor's own reduction orders (fp32)
+    assert len(losses) == STEPS and all(abs(a - b) <= tol * abs(b) for a, b in zip(losses, want)), (losses, want)
+    assert evals and abs(evals[-1][1] - want_eval) <= tol * abs(want_eval), (evals, want_eval)
