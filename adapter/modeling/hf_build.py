@@ -332,6 +332,42 @@ def recompute_layers(model) -> int:
                and type(m).__name__ in set(getattr(model, "_no_split_modules", None) or []))  # the layers it took
 
 
+def drop_frozen_input_grads(model) -> list[str]:
+    """Undo transformers' input-gradient hook on the embeddings of sub-models that train nothing; their classes.
+
+    Turning checkpointing on (recompute_layers) calls `enable_input_require_grads`, which hooks the input embeddings
+    of every PreTrainedModel inside the model -- an image-text model's vision tower's patch embedding too. Its
+    output then asks for a gradient, so a frozen tower (QLoRA on the language model, as Axolotl's Gemma 3 example)
+    builds its whole autograd graph, is recomputed layer by layer in backward and back-propagated for a gradient
+    that reaches no trained parameter: upstream of that embedding are only the pixels. Every trained parameter's
+    gradient is the same without it (the non-reentrant checkpoint needs no input gradient; a trained sub-model
+    keeps its hook). An embedding a trained sub-model also takes as its input keeps the hook."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    subs = [m for m in base.modules() if isinstance(m, PreTrainedModel)]
+
+    def embeddings(m):
+        try:
+            return m.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            return None
+
+    trains = {id(m): any(p.requires_grad for p in m.parameters()) for m in subs}
+    kept = {id(embeddings(m)) for m in subs if trains[id(m)]}
+    dropped = []
+    for m in subs:
+        emb = embeddings(m)
+        if trains[id(m)] or emb is None or id(emb) in kept:
+            continue
+        hooks = emb._forward_hooks
+        found = [k for k, fn in hooks.items() if getattr(fn, "__name__", "") == "make_inputs_require_grads"]
+        for key in found:  # (transformers 5.25 hooks a tower's embedding once for each model that holds it)
+            del hooks[key]
+        dropped += [type(m).__name__] * bool(found)
+    return dropped
+
+
 def compile_layers(model, memory_budget: float | None = None) -> int:
     """`model.compile: true` on transformers' model: each decoder layer's forward as one torch.compile'd graph (its
     backward through AOTAutograd), as the native engine compiles its layers (adapter/modeling/compile.py) and for the
@@ -389,5 +425,5 @@ def layer_classes(model) -> list[type]:
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "RewardScores",
+__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "RewardScores", "drop_frozen_input_grads",
            "compile_layers", "layer_classes", "recompute_layers", "apply_liger", "liger_available"]

@@ -34,6 +34,7 @@ from adapter.modeling.hf_build import (
     RewardScores,
     add_peft,
     build_model,
+    drop_frozen_input_grads,
     layer_classes,
     liger_available,
     recompute_layers,
@@ -323,6 +324,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
         hf_ep.shard(model, run.layout.ep, dist.get_rank(groups.ep) if run.layout.ep > 1 else 0, groups.ep)
     if run.unfrozen is not None:  # unfrozen_parameters, on transformers' own names
         freeze(model, list(run.unfrozen), 0, 1)
+    if recomputed:  # a frozen tower's input-gradient hook (checkpointing's) would back-propagate through it
+        drop_frozen_input_grads(model)
     # the model's own loss where Liger's cross-entropy is asked (transformers' loss function where it is not there)
     model_loss = bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger))
     unpack = runs_unpacked(run.arch.layer_kinds, cfg.document_attention) is not None
