@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 WORLD, MB, GA, STEPS, LR, N, VAL = 2, 2, 2, 3, 2e-3, 14, 2
 REGEX = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
 RUNS = {"full": ({}, 3, "mm"), "frozen towers": ({"freeze_mm_modules": True}, 2, "mm"),
+        # with gradient checkpointing: the frozen tower runs no backward (hf_build.drop_frozen_input_grads)
         "lora": ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-                  "lora_target_modules": REGEX}, 3, "mm"),
+                  "lora_target_modules": REGEX, "gradient_checkpointing": True}, 3, "mm"),
         # one row in four with an image: micro-batches without any, under ZeRO-3; rendered ahead in a worker process
         "mixed rows": ({"dataloader_num_workers": 1}, 3, "mixed")}
 
