@@ -128,6 +128,13 @@ def map_fsdp(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored
     legacy = raw.get("fsdp")
     if not block and not legacy:
         return
+    shard = raw.get("dp_shard_size")
+    if shard == 1 and not isinstance(shard, bool) and (raw.get("expert_parallel_size") or 1) == 1:
+        # Axolotl (utils/distributed._get_parallel_config_kwargs) gives FSDP the GPUs the other sizes leave when
+        # dp_shard_size is 1: here an unset dp_shard_size does the same
+        (out.get("parallelism") or {}).pop("dp_shard_size", None)
+        notes.append("dp_shard_size: 1 beside FSDP: the GPUs the other sizes leave are sharded over, as Axolotl "
+                     "does (an unset dp_shard_size)")
     stage, why = 3, "FSDP's default (reshard after forward)"
     if legacy:
         if not isinstance(legacy, (str, list)):

@@ -173,6 +173,12 @@ def test_fsdp_maps_onto_zero_stages():
     assert build(world=2, fsdp_config={"fsdp_reshard_after_forward": True}).deepspeed.zero_stage == 3  # old prefix
     assert build(world=2, fsdp=["shard_grad_op", "auto_wrap"]).deepspeed.zero_stage == 2
     assert not any(n.startswith("FSDP") for n in build().notes)  # no FSDP keys: nothing said
+    # dp_shard_size: 1 (and dp_replicate_size: 1) beside FSDP: Axolotl shards over the GPUs left (falcon-e's DPO)
+    fill = build(world=4, dp_shard_size=1, dp_replicate_size=1, fsdp_version=2, fsdp_config={"reshard_after_forward":
+                                                                                             True})
+    assert fill.parallelism.dp_shard_size == 4 and any("dp_shard_size: 1 beside FSDP" in n for n in fill.notes)
+    with pytest.raises(UserError, match="but the world size is 4"):  # without FSDP Axolotl refuses it too
+        build(world=4, dp_shard_size=1, dp_replicate_size=1)
 
 
 def test_kernel_keys_get_one_line_and_other_plugins_are_ignored_or_refused():
