@@ -3,6 +3,9 @@ a local HF cache (tests/helpers/axolotl_home.py): how many pass, and the first r
 
     python bench/axolotl_examples.py --axolotl ~/src/axolotl [--gpus-per-node 8] [--show-failures]
 
+A YAML whose parallel sizes multiply to another GPU count than a node's is planned on that count (on as many
+nodes, or one node of fewer GPUs), as its user would launch it.
+
 Not a test: a survey of how many of Axolotl's examples pass (once 4 of 252), to re-run as keys are built.
 """
 from __future__ import annotations
@@ -44,10 +47,18 @@ def main() -> int:
         os.chdir(a.axolotl)  # Axolotl reads deepspeed_configs/... relative to its checkout
         try:
             for ex in examples:
-                out, err = io.StringIO(), io.StringIO()
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    code = cli(["plan", str(ex), "--gpus-per-node", str(a.gpus_per_node)])
-                line = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ""
+                nodes, gpn = 1, a.gpus_per_node
+                while True:  # a YAML whose sizes name another GPU count (its product): planned on that many, on
+                    # as many nodes as it takes (llama-3_1-8b-hsdp-tp: 16) or on one node of fewer (a "4gpu" one)
+                    out, err = io.StringIO(), io.StringIO()
+                    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                        code = cli(["plan", str(ex), "--gpus-per-node", str(gpn), "--nodes", str(nodes)])
+                    line = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ""
+                    m = re.search(r"= (\d+) GPUs, but the world size is", line)
+                    n = int(m.group(1)) if m else 0
+                    if (nodes, gpn) != (1, a.gpus_per_node) or not n or (n > gpn and n % gpn) or (n < gpn and gpn % n):
+                        break
+                    nodes, gpn = (n // gpn, gpn) if n > gpn else (1, n)
                 if code == 0:
                     passed += 1
                 else:
