@@ -9,9 +9,11 @@ does: gpt-oss, for one, builds its masks without them, so its packed documents w
 the wrappers pass this forward's positions when the model's call left them out. Outside `documents`, and for a call
 that passes positions, a padding mask or a cache, nothing changes.
 
-The sliding-window builder's wrapper also hands a window at least as long as the sequence (no cache) to
-`create_causal_mask`: every causal pair is inside such a window, so the masks are equal, and the causal one lets
-SDPA run is_causal on its flash kernels, where transformers materialises the window's mask from kv_length >= window.
+SDPA's mask builder evaluates a model's own mask functions by broadcasting, where the first mask of the same
+structure was equal to transformers' vmapped one (`_sdpa`). The sliding-window builder's wrapper hands a window at
+least as long as the sequence (no cache) to `create_causal_mask`: every causal pair is inside such a window, so the
+masks are equal, and the causal one lets SDPA run is_causal on its flash kernels, where transformers materialises
+the window's mask from kv_length >= window.
 
 Checked against transformers 5.25 (CI): the builders' names and their `position_ids` parameter (fifth, or by name);
 another version is used when its builders have that signature (checked at `prepare`), else refused in one line.
@@ -86,6 +88,9 @@ def prepare(model) -> None:
     if installed("transformers") not in TESTED and not all(_takes_positions(getattr(mu, b, None)) for b in BUILDERS):
         require("transformers", TESTED, "packed-document masks for the transformers engine")  # one line
 
+    sdpa = mu.AttentionMaskInterface._global_mapping.get("sdpa")
+    if sdpa is not None and not getattr(sdpa, "nd_adapter_broadcast", False):
+        mu.AttentionMaskInterface.register("sdpa", _sdpa(sdpa))
     for name in {type(m).__module__ for m in model.modules()}:
         module = sys.modules.get(name)
         for builder in BUILDERS:
@@ -93,6 +98,63 @@ def prepare(model) -> None:
             if found is not None and found is getattr(mu, builder) and not getattr(found, "nd_adapter_documents",
                                                                                     False):
                 setattr(module, builder, _wrap(found))
+
+
+# A mask function's structure -> whether transformers' broadcast evaluation of it equalled the vmapped one
+_BROADCAST: dict[tuple, bool] = {}
+
+
+def _structure(fn, depth: int = 0) -> tuple:
+    """The code object of a mask function and those of every function its closure holds (or_masks / and_masks keep
+    theirs in a tuple): two masks of one structure run the same code, over other tensors."""
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 8:
+        return (type(fn).__qualname__,)
+    inner = []
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        inner += [_structure(g, depth + 1) for g in (value if isinstance(value, (tuple, list)) else (value,))
+                  if callable(g) and hasattr(g, "__code__")]
+    return (code, *inner)
+
+
+def _sdpa(sdpa_mask):
+    """transformers' SDPA mask builder, evaluating custom mask functions by broadcasting where that was checked.
+
+    transformers vmaps a mask function over batch, head, query and key (four nested vmaps) whenever the model adds
+    its own (`or_mask_function` / `and_mask_function`: Gemma 3's image tokens seen both ways), since it cannot
+    know the function is index-based; one H100 on transformers 5.17 took 14.7 ms a call there, two calls a
+    micro-batch with the GPU idle (docs/BENCHMARKS.md, 2026-12-07). Its broadcast path gives the same mask for an
+    index-based function in a fraction of that (3.6 against 6.7 ms on CPU). The first mask of each structure is
+    built both ways and compared: equal, that structure takes the broadcast path from then on; different or
+    failing (a function indexing one axis at a time), it keeps the vmap, as transformers does."""
+    def build(*args, **kwargs):
+        if not kwargs.get("use_vmap"):
+            return sdpa_mask(*args, **kwargs)
+        key = _structure(kwargs.get("mask_function"))
+        checked = _BROADCAST.get(key)
+        if checked is False:
+            return sdpa_mask(*args, **kwargs)
+        try:
+            fast = sdpa_mask(*args, **{**kwargs, "use_vmap": False})
+        except Exception:  # noqa: BLE001 -- not index-based under broadcasting: transformers' own way
+            _BROADCAST[key] = False
+            return sdpa_mask(*args, **kwargs)
+        if checked is None:
+            import torch
+
+            slow = sdpa_mask(*args, **kwargs)
+            _BROADCAST[key] = same = (fast is None and slow is None) or (
+                fast is not None and slow is not None and fast.shape == slow.shape and bool(torch.equal(fast, slow)))
+            if not same:
+                return slow
+        return fast
+
+    build.nd_adapter_broadcast = True
+    return build
 
 
 @contextmanager

@@ -48,3 +48,48 @@ def test_window_as_long_as_the_sequence_is_causal():
         assert not wrapped(model.config, long, None, None)[0, 0, 11, 0]
     finally:
         olmo3.create_sliding_window_causal_mask, olmo3.create_causal_mask = original, causal
+
+
+def test_model_mask_functions_by_broadcasting_where_checked_equal():
+    """A model's own mask functions (Gemma 3's image tokens seen both ways) are evaluated by broadcasting once the
+    first mask of their structure equalled transformers' vmap; one that indexes an axis at a time keeps the vmap."""
+    import transformers.masking_utils as mu
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3 import modeling_gemma3 as g3
+
+    from adapter.patches import hf_masks
+
+    cfg = Gemma3TextConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                           num_hidden_layers=2, intermediate_size=32, vocab_size=50, sliding_window=6)
+    cfg._attn_implementation = "sdpa"
+    emb = torch.zeros(2, 12, 32)
+
+    def masks(tt, pad=None):
+        block = g3.get_block_sequence_ids_for_mask(tt)
+        return g3.create_masks_for_vision_model(config=cfg, inputs_embeds=emb, attention_mask=pad, cache=None,
+                                               position_ids=None, block_sequence_ids=block)
+
+    cases = []
+    for lo, hi in ((2, 6), (0, 9), (7, 12)):  # the image's tokens at other places, then left padding
+        tt = torch.zeros(2, 12, dtype=torch.long)
+        tt[0, lo:hi] = 1
+        cases += [(tt, None), (tt, torch.tensor([[0, 0] + [1] * 10, [1] * 12]))]
+    want = [masks(*c) for c in cases]
+
+    def one_axis(batch_idx, head_idx, q_idx, kv_idx):  # right under vmap, not under broadcasting
+        return cases[0][0][batch_idx][q_idx] == 1
+
+    odd_want = mu.create_causal_mask(cfg, emb, None, None, or_mask_function=one_axis)
+    original = mu.AttentionMaskInterface._global_mapping["sdpa"]
+    hf_masks._BROADCAST.clear()
+    try:
+        hf_masks.prepare(torch.nn.Linear(1, 1))
+        assert mu.AttentionMaskInterface._global_mapping["sdpa"].nd_adapter_broadcast
+        got = [masks(*c) for c in cases]
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(got, want) for k in a)
+        assert True in hf_masks._BROADCAST.values() and False not in hf_masks._BROADCAST.values()
+        assert torch.equal(mu.create_causal_mask(cfg, emb, None, None, or_mask_function=one_axis), odd_want)
+        assert False in hf_masks._BROADCAST.values()  # the one-axis function stays on the vmap
+    finally:
+        mu.AttentionMaskInterface._global_mapping["sdpa"] = original
+        hf_masks._BROADCAST.clear()
