@@ -1,7 +1,9 @@
 """Samples -> one deterministic, resumable micro-batch stream per data-parallel rank."""
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -68,8 +70,8 @@ class DPSampler:
         self.seed, self.shuffle = state["seed"], state["shuffle"]  # the checkpoint's order wins, for exact resume
 
 
-def build_batches(dataset, sampler: DPSampler, *, workers: int = 0, prefetch: int = 2,
-                  pin: bool = False) -> Iterator[dict[str, Any]]:
+def build_batches(dataset, sampler: DPSampler, *, workers: int = 0, prefetch: int = 2, pin: bool = False,
+                  stop_signals: tuple[int, ...] = ()) -> Iterator[dict[str, Any]]:
     """Endless dicts of [micro_batch, seq_len] tensors from `dataset[i]` (e.g. a PackedDataset): tokens, labels,
     position_ids, segment_ids (int64) and loss_mask (float32). Take `sampler.state_dict()` between steps: it counts
     exactly the batches yielded so far.
@@ -79,7 +81,11 @@ def build_batches(dataset, sampler: DPSampler, *, workers: int = 0, prefetch: in
     `dataloader_num_workers` does. Worth it only where `collate` does real work: an image-text dataset's processor
     took about 200 ms of a 0.7 s step on one H100, with the GPU idle (docs/BENCHMARKS.md 2026-12-07). The workers
     draw their indices from a copy of `sampler`; `sampler` itself moves on as each batch is handed over, so a
-    checkpoint's state is that of the batches trained, not of those rendered ahead, and resume stays exact."""
+    checkpoint's state is that of the batches trained, not of those rendered ahead, and resume stays exact.
+    `stop_signals` (checkpoint.exit_signals, and SIGINT) are ignored by the workers: a cluster's SIGTERM reaches
+    every process of the job, and a worker it ended would end the training process at its next batch (torch's
+    DataLoader raises on a dead worker), before the step the signal asks to finish and save. The workers end with
+    the loader, or with the training process."""
     if workers <= 0:
         for idx in sampler:
             yield collate(dataset, [dataset[i] for i in idx])
@@ -90,7 +96,8 @@ def build_batches(dataset, sampler: DPSampler, *, workers: int = 0, prefetch: in
 
     ahead = copy.deepcopy(sampler)
     loader = DataLoader(_MicroBatches(dataset), sampler=ahead, batch_size=None, collate_fn=_as_is,
-                        num_workers=workers, prefetch_factor=prefetch, pin_memory=pin)
+                        num_workers=workers, prefetch_factor=prefetch, pin_memory=pin,
+                        worker_init_fn=partial(_ignore_signals, (*stop_signals, int(signal.SIGINT))))
     for batch, _ in zip(loader, sampler):
         if isinstance(batch, _Failed):  # a worker's error, raised here as it is (one line for a UserError)
             raise batch.error
@@ -113,6 +120,11 @@ class _MicroBatches:
 class _Failed:
     def __init__(self, error: Exception):
         self.error = error
+
+
+def _ignore_signals(signals: tuple[int, ...], _worker: int) -> None:
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _as_is(batch):

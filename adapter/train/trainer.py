@@ -45,7 +45,7 @@ from adapter.train.batches import place, trim
 from adapter.train.best import Best
 from adapter.train.engine import build_engine
 from adapter.train.export import export_run
-from adapter.train.preempt import Preemption
+from adapter.train.preempt import Preemption, parse
 from adapter.train.profile import StepProfiler
 from adapter.train.steps import LOSS, NONFINITE, STOP, PendingStep, masked_loss_sum, nonfinite
 
@@ -416,7 +416,7 @@ class Trainer:
         d, cuda = cfg.data, self.device.type == "cuda"
         workers = d.num_workers if d.num_workers is not None else int(cuda and hasattr(self.dataset, "collate"))
         batches = build_batches(self.dataset, self.sampler, workers=workers, prefetch=d.prefetch_factor,
-                                pin=d.pin_memory and cuda)
+                                pin=d.pin_memory and cuda, stop_signals=tuple(parse(cfg.checkpoint.exit_signals)))
         self.preempt.stop_at_step_boundaries()  # until here a signal ended the job at once: nothing to save yet
         pending: PendingStep | None = None  # the last step, until its numbers are read on the host
         if self.finished_at is not None:  # the resumed run had ended by early stopping: nothing more to train

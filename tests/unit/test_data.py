@@ -150,6 +150,23 @@ def test_worker_batches_equal_and_resume_exact():
     ahead, ahead_state = run(2)
     assert ahead == plain and ahead_state == plain_state  # 5 of 6 batches an epoch handed over: mid-epoch 2
     assert run(2, state=ahead_state)[0] == run(0, state=plain_state)[0]  # resumed: the same next batches
+    # a cluster's SIGTERM reaches the workers too: they stay, and the step the signal asks to finish gets its batches
+    import multiprocessing
+    import os
+    import signal
+
+    it = D.build_batches(_Rendered(12), D.DPSampler(12, dp_rank=0, dp_size=1, micro_batch=2, shuffle=False),
+                         workers=1, stop_signals=(int(signal.SIGTERM),))
+    assert next(it)["tokens"][:, 0].tolist() == [0, 1]
+    workers = multiprocessing.active_children()
+    assert workers
+    for w in workers:
+        os.kill(w.pid, signal.SIGTERM)
+    import time
+
+    time.sleep(0.5)
+    assert [next(it)["tokens"][0, 0].item() for _ in range(4)] == [2, 4, 6, 8] and all(w.is_alive() for w in workers)
+    it.close()
     with pytest.raises(UserError, match="^datasets\\[0\\] row 13: the image cannot be read"):
         for _ in D.build_batches(_Rendered(16), D.DPSampler(16, dp_rank=0, dp_size=1, micro_batch=16,
                                                             shuffle=False), workers=1):
