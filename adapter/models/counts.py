@@ -263,11 +263,11 @@ def vision_gemms(vision: tuple[int, ...], patches: int) -> list[tuple[int, int, 
 
 def vision_attention_flops(vision: tuple[int, ...], patches: int) -> float:
     """One vision layer's bidirectional attention over one image's `patches`, forward + backward, counted as the
-    flash-attention rate counts it (plan/hardware.Attention: 3.5 × the forward's 4·s²·hidden; no causal half). One
-    H100, gemma-3-4b-it's tower (4,096 patches, 16 heads of 72): 173 ms of cuDNN attention a step of 8 images,
-    where this count at the profile's rate for a 4,096 span says 168 (docs/BENCHMARKS.md, 2026-12-07); counted as
-    two GEMMs at the GEMM rate it said 72."""
-    return 3.5 * 4 * patches * patches * vision[1]
+    flash-attention rate counts it (plan/hardware.Attention: ATTN_FWD_BWD × the forward's 4·s²·hidden; no causal
+    half). One H100, gemma-3-4b-it's tower (4,096 patches, 16 heads of 72): 173 ms of cuDNN attention a step of 8
+    images, where this count at the profile's rate for a 4,096 span says 168 (docs/BENCHMARKS.md, 2026-12-07);
+    counted as two GEMMs at the GEMM rate it said 72."""
+    return ATTN_FWD_BWD * 4 * patches * patches * vision[1]
 
 
 # Bytes an eager vision layer's memory-bound kernels move per patch, forward (in units of the layer's 16-bit

@@ -51,8 +51,8 @@ def _wrap(builder):
                 and _arg(args, kwargs, 2, "attention_mask") is None and no_cache):
             if embeds is not None and embeds.shape[1] == pos.shape[1]:  # this forward's sequence, not another tower's
                 kwargs["position_ids"] = pos.to(embeds.device)
-        window = getattr(_arg(args, kwargs, 0, "config"), "sliding_window", None)
-        if sliding and no_cache and embeds is not None and isinstance(window, int) and embeds.shape[1] <= window:
+        window = getattr(_arg(args, kwargs, 0, "config"), "sliding_window", None) if sliding else None
+        if no_cache and embeds is not None and isinstance(window, int) and embeds.shape[1] <= window:
             # a window as long as the sequence keeps every causal pair (q - kv < window): the causal mask itself,
             # which SDPA runs as is_causal on its flash kernels. transformers materialises this one from
             # kv_length >= window (masking_utils._ignore_causal_mask_sdpa), so Olmo-3's sliding layers at
@@ -128,9 +128,9 @@ def _sdpa(sdpa_mask):
     its own (`or_mask_function` / `and_mask_function`: Gemma 3's image tokens seen both ways), since it cannot
     know the function is index-based; one H100 on transformers 5.17 took 14.7 ms a call there, two calls a
     micro-batch with the GPU idle (docs/BENCHMARKS.md, 2026-12-07). Its broadcast path gives the same mask for an
-    index-based function in a fraction of that (3.6 against 6.7 ms on CPU). The first mask of each structure is
-    built both ways and compared: equal, that structure takes the broadcast path from then on; different or
-    failing (a function indexing one axis at a time), it keeps the vmap, as transformers does."""
+    index-based function in a fraction of that (Gemma 3's two masks on CPU: 3.3 against 6.8 ms). The first mask
+    of each structure is built both ways and compared: equal, that structure takes the broadcast path from then
+    on; different or failing (a function indexing one axis at a time), it keeps the vmap, as transformers does."""
     def build(*args, **kwargs):
         if not kwargs.get("use_vmap"):
             return sdpa_mask(*args, **kwargs)

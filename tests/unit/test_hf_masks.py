@@ -25,6 +25,7 @@ def test_window_as_long_as_the_sequence_is_causal():
     ids = torch.randint(0, 64, (2, 8))
     before = model(input_ids=ids).logits
     original, causal = olmo3.create_sliding_window_causal_mask, olmo3.create_causal_mask
+    sdpa = mu.AttentionMaskInterface._global_mapping["sdpa"]
     prepare(model)
     try:
         wrapped = olmo3.create_sliding_window_causal_mask
@@ -48,6 +49,7 @@ def test_window_as_long_as_the_sequence_is_causal():
         assert not wrapped(model.config, long, None, None)[0, 0, 11, 0]
     finally:
         olmo3.create_sliding_window_causal_mask, olmo3.create_causal_mask = original, causal
+        mu.AttentionMaskInterface._global_mapping["sdpa"] = sdpa
 
 
 def test_model_mask_functions_by_broadcasting_where_checked_equal():
