@@ -64,6 +64,7 @@ KNOWN = MARKERS | {
     "model_config", "overrides_of_model_config",  # output_router_logits mapped, the rest refused (axolotl_scope)
     "auto_resume_from_checkpoints", "trust_remote_code", "save_strategy", "mean_resizing_embeddings",
     "model_quantization_config", "model_quantization_config_kwargs", "group_by_length", "qat", "freeze_mm_modules",
+    "llama4_linearized_experts",
 } | KEYS | LORA_KEYS | RL_KEYS
 SEQUENCE_LEN, SEED = 512, 42  # its schema's defaults
 
@@ -87,7 +88,7 @@ MAP = {
     "lr_scheduler": "optimizer.schedule", "cosine_min_lr_ratio": "optimizer.min_lr",
     "unfrozen_parameters": "model.unfrozen_parameters", "early_stopping_patience": "eval.early_stopping_patience",
     "load_best_model_at_end": "checkpoint.load_best", "mean_resizing_embeddings": "model.mean_resizing_embeddings",
-    "freeze_mm_modules": "model.freeze_mm_modules",
+    "freeze_mm_modules": "model.freeze_mm_modules", "llama4_linearized_experts": "model.linearized_experts",
 } | SCHEDULE_MAP
 
 

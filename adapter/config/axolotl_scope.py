@@ -40,11 +40,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "peft": ("LoftQ initialisation (peft.loftq_config) is not supported", "remove it"),
     "peft_layer_replication": ("duplicating layers changes the architecture; not supported", _FULL),
     # quantised weights
-    "llama4_linearized_experts": ("Axolotl's linearized Llama 4 experts (one nn.Linear per expert, the layout of its "
-                                  "*-Linearized checkpoints, quantised and targeted as linears) are not built: "
-                                  "transformers' Llama 4 keeps each layer's experts as 3-D weights",
-                                  "remove it and point base_model at the original Llama 4 checkpoint, or run this "
-                                  "config with Axolotl"),
     "gptq": ("GPTQ-quantised base weights are not supported", _16BIT),
     "fp8": ("Axolotl's FP8 (torchao float8 on every linear) is not what nd-adapter runs", "use bf16: true, or "
             "--set precision=fp8 (nd-adapter's: the MLP matmuls in fp8, tp = 1)"),

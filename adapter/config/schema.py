@@ -92,6 +92,9 @@ class ModelSection(_Strict):
                                     "auto_map), as transformers' trust_remote_code; else such a checkpoint is refused")
     dequantize: bool = Field(False, description="a pre-quantised MXFP4 or FP8 checkpoint loaded as 16-bit weights "
                              "that train (transformers' Mxfp4Config / FineGrainedFP8Config(dequantize=True))")
+    linearized_experts: bool = Field(False, description="the checkpoint holds a mixture's experts as one linear per "
+                                     "expert and projection (Axolotl's llama4_linearized_experts, its *-Linearized "
+                                     "Llama 4 checkpoints): built so, and exported in transformers' fused layout")
     liger: tuple[LigerKernel, ...] = Field((), description="Liger's kernels on the transformers engine (Axolotl's "
                                            "liger_* keys); the native engine runs its own")
     vocab_divisible_by: Int = Field(128, ge=1)

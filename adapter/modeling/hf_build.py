@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from adapter.errors import bad
 from adapter.modeling import hf_cp, hf_unpack
+from adapter.modeling.hf_linearized import building
 from adapter.models.generic import for_class, hf_config, model_class, scoring_class_name
+from adapter.models.linearized import LAYOUTS, for_model_type
 from adapter.patches.hf_masks import documents, prepare
 
 # Axolotl's freeze_mm_modules: a parameter whose dotted name has one of these components (utils/freeze.py)
@@ -37,7 +39,7 @@ OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_new
 
 def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
                 quantize: str | None = None, device=None, liger: tuple[str, ...] = (), dequantize: bool = False,
-                scores: int | None = None, towers: str = "frozen"):
+                scores: int | None = None, towers: str = "frozen", linearized: bool = False):
     """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
     `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
     NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
@@ -52,7 +54,8 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     checkpoint without a score head (a causal LM's) gets a new one, initialised by transformers as it initialises a
     missing head. `towers`: an image-text checkpoint's other
     towers "frozen" (a run on text), "trained" (an image-text run: everything trains, as Axolotl's), or "mm_frozen"
-    (Axolotl's freeze_mm_modules: parameters under a module named in MM_MODULES)."""
+    (Axolotl's freeze_mm_modules: parameters under a module named in MM_MODULES). `linearized`
+    (model.linearized_experts): the experts built and loaded as Axolotl's per-expert linears (hf_linearized.py)."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -69,6 +72,19 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
         cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
     torch.manual_seed(seed)
     kw = {"trust_remote_code": True} if remote else {}
+    with building(for_model_type(str(cfg.get("model_type"))) if linearized else None):
+        model = _built(cls, config, cfg, model_dir, weights=weights, dtype=dtype, quantize=quantize,
+                       dequantize=dequantize, scores=scores, device=device, remote=remote, kw=kw)
+    model.config.use_cache = False
+    for name, p in model.named_parameters():
+        if (towers == "frozen" and any(t in name for t in OTHER_TOWERS)) or (
+                towers == "mm_frozen" and MM_MODULES & set(name.split("."))):
+            p.requires_grad_(False)
+    return model
+
+
+def _built(cls, config, cfg: dict, model_dir: str, *, weights: bool, dtype, quantize, dequantize, scores, device,
+           remote: bool, kw: dict):
     if quantize:
         model = _quantized(cls, config, model_dir if weights else None, dtype=dtype, quantize=quantize, kw=kw)
     elif weights:
@@ -84,11 +100,6 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
         with torch.device(device or "cpu"):
             model = (cls.from_config(config, dtype=dtype, **kw) if remote else
                      cls._from_config(for_class(cls, config), dtype=dtype))
-    model.config.use_cache = False
-    for name, p in model.named_parameters():
-        if (towers == "frozen" and any(t in name for t in OTHER_TOWERS)) or (
-                towers == "mm_frozen" and MM_MODULES & set(name.split("."))):
-            p.requires_grad_(False)
     return model
 
 
@@ -99,6 +110,15 @@ def _from_pretrained(cls, model_dir: str, new: tuple[str, ...] = (), **kw):
     the `new` prefixes may be missing: a head the run adds (a reward model's score on a causal LM)."""
     model, info = cls.from_pretrained(model_dir, output_loading_info=True, **kw)
     missing = sorted(k for k in info.get("missing_keys") or [] if not k.startswith(new))
+    unexpected = list(info.get("unexpected_keys") or [])
+    for record in LAYOUTS:  # a checkpoint in one expert layout read as the other
+        linear = {lin.name for lin in record.linears}
+        stored = any(linear & set(k.split(".")) for k in unexpected)
+        wanted = any(linear & set(k.split(".")) for k in missing)
+        if stored or wanted:
+            held = "per-expert linears (Axolotl-linearized)" if stored else "transformers' fused layout"
+            raise bad(record.axolotl_key, wanted, f"{model_dir} holds its experts in {held}",
+                      f"set {record.axolotl_key}: {str(stored).lower()} (model.linearized_experts)")
     if missing:
         raise bad("model.path", model_dir, f"the checkpoint lacks {len(missing)} of the weights of "
                   f"{cls.__name__} (e.g. {', '.join(missing[:3])}), which would start random",

@@ -76,6 +76,11 @@ def engine(run: ResolvedRun) -> str:
         extra.append("an image-text checkpoint: its language model trains on text, the other towers frozen")
     if arch.remote_code:
         extra.append("built by the checkpoint's own code (trust_remote_code: true)")
+    if run.cfg.model.linearized_experts:
+        key = spell(run.cfg, "model.linearized_experts")
+        extra.append(f"its experts as one linear per expert and projection ({key}: Axolotl's layout, 4-bit where "
+                     "the base is)"
+                     + (", exported in transformers' fused layout" if run.peft is None else ""))
     if run.cfg.model.fused_linear_ce:  # adapter/modeling/hf_build.CausalLMLosses
         extra.append("its loss by nd-adapter's fused linear CE over the body's hidden states and lm_head's weight")
     if run.cfg.model.liger:

@@ -197,11 +197,12 @@ def config_path(model: str | Path) -> Path:
 
 
 def load_arch(model: str | Path, engine: str = "auto", trust_remote_code: bool = False,
-              dequantize: str | None = None) -> ModelArch:
+              dequantize: str | None = None, linearized: bool = False) -> ModelArch:
     """Read an HF checkpoint dir or config.json. `engine` (model.engine): "megatron" refuses anything GPTModel
     cannot reproduce exactly; "transformers" trains transformers' own model; "auto" the first where a native family
     reproduces the checkpoint, else the second (the reason kept in `engine_reason`). `dequantize`: the config's key
-    that loads an MXFP4 / FP8 checkpoint dequantized, where on (adapter/models/prequant.py)."""
+    that loads an MXFP4 / FP8 checkpoint dequantized, where on (adapter/models/prequant.py). `linearized`: its
+    experts held as Axolotl's per-expert linears (adapter/models/linearized.py)."""
     path = config_path(model)
     if not path.exists():
         if not Path(model).exists() and looks_like_hub_id(str(model)):
@@ -220,17 +221,18 @@ def load_arch(model: str | Path, engine: str = "auto", trust_remote_code: bool =
         except UnknownArchitecture:
             why = f"{(raw.get('architectures') or [raw.get('model_type')])[0]} has no native family (Megatron-Core " \
                   "mapping)"
-    return _generic(raw, src, why, trust_remote_code, dequantize)
+    return _generic(raw, src, why, trust_remote_code, dequantize, linearized)
 
 
 def _generic(raw: dict[str, Any], source: str, why: str, trust_remote_code: bool,
-             dequantize: str | None = None) -> ModelArch:
+             dequantize: str | None = None, linearized: bool = False) -> ModelArch:
     from adapter.models.generic import generic_arch_fields
 
     if not isinstance(raw, dict) or raw.get("use_bidirectional_attention"):
         raise bad("model", source, "not a causal language model's config.json", "fine-tune a causal checkpoint")
     check_not_quantised(raw, source, dequantize=dequantize)  # bitsandbytes' codes load, MXFP4/FP8 dequantize
-    fields = generic_arch_fields(raw, source, trust_remote_code=trust_remote_code, model_dir=str(Path(source).parent))
+    fields = generic_arch_fields(raw, source, trust_remote_code=trust_remote_code, model_dir=str(Path(source).parent),
+                                 linearized=linearized)
     return ModelArch(**fields, engine_reason=why)
 
 

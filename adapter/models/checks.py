@@ -4,7 +4,7 @@ from __future__ import annotations
 from adapter.config import RunConfig, compile_note, spell
 from adapter.config.schema_rl import PAIR_OBJECTIVES
 from adapter.errors import bad
-from adapter.models import freeze, generic_run, lora
+from adapter.models import freeze, generic_run, linearized, lora
 from adapter.models.arch import ModelArch, check_tp
 from adapter.models.counts import linear_ce_chunk, output_rows
 from adapter.models.generic import unsplittable
@@ -26,6 +26,7 @@ def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
 def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec | None, list[freeze.Tensor] | None]:
     """`check`, also returning what it resolved on the way: the LoRA spec and the unfrozen_parameters tensors
     (adapter/models/resolved.py keeps them, so nothing resolves them again)."""
+    linearized.check(cfg, arch)
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
@@ -204,14 +205,15 @@ def _check_moe(cfg: RunConfig, arch: ModelArch) -> None:
 def compile_where_it_runs(cfg: RunConfig, arch: ModelArch, gpu: bool) -> RunConfig:
     """`model.compile: auto` after the config's own reasons (config/load.py): off on a CPU (compiling costs minutes of
     CPU time there and nothing was measured faster), on the transformers engine (its compiled layers are correct
-    on CUDA, tests/gpu/test_train.py, and were measured 12% slower than eager on the Olmo-3 shape) and for a
+    on CUDA, tests/gpu/test_train.py, and were measured 2% slower than eager on the Olmo-3 shape with the
+    sliding-window masks on flash, 2026-12-07; 12% before) and for a
     preference objective on a mixture of experts (LoRA DPO was measured on a dense model), with the first line said
     again."""
     if not (cfg.compile_auto and cfg.model.compile):
         return cfg
     why = ("no GPU is visible to this process (compiled layers were measured faster on GPUs only)" if not gpu else
            "the transformers engine's compiled layers were measured slower (Olmo-3 shape, 8 layers, one H100: "
-           "28.2k tokens/s compiled, 31.8-32.0k eager)" if not arch.native else
+           "30.7k tokens/s compiled, 31.5k eager, bf16 states)" if not arch.native else
            f"{cfg.objective} on a mixture of experts was not measured faster compiled (LoRA DPO was, on a dense "
            "model)" if arch.moe and cfg.objective != "sft" else None)
     if why is None:

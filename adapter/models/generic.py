@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from adapter.errors import bad
+from adapter.models import linearized as linearized_layout
 from adapter.models.tp_plan import model_plan, plan_matches, split_numel
 from adapter.models.vision import vision_tower
 
@@ -176,8 +177,10 @@ def scoring_class_name(model_type: str, *, remote: bool = False) -> str:
     return name
 
 
-def meta_model(cfg: dict[str, Any], *, trust_remote_code: bool = False, model_dir: str | None = None):
-    """(model on the meta device, its class name): shapes without memory, for `plan` and the checks."""
+def meta_model(cfg: dict[str, Any], *, trust_remote_code: bool = False, model_dir: str | None = None,
+               linearized: bool = False):
+    """(model on the meta device, its class name): shapes without memory, for `plan` and the checks. `linearized`
+    (model.linearized_experts): its experts in Axolotl's per-expert linears (adapter/models/linearized.py)."""
     import torch
 
     config = hf_config(cfg, trust_remote_code=trust_remote_code, model_dir=model_dir)
@@ -200,6 +203,9 @@ def meta_model(cfg: dict[str, Any], *, trust_remote_code: bool = False, model_di
         raise bad("model", shown, f"transformers cannot build {shown} from this config.json "
                   f"({e.__class__.__name__}: {_first_line(e)})", "fix the model's config.json (compare it with the "
                   "published checkpoint's)") from e
+    record = linearized_layout.for_model_type(str(cfg.get("model_type"))) if linearized else None
+    if record is not None:
+        linearized_layout.meta_layout(model, record)
     return model, type(model).__name__
 
 
@@ -224,11 +230,13 @@ def _missing_code(name, e: OSError):
 
 
 @functools.lru_cache(maxsize=16)
-def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None) -> dict[str, Any]:
+def meta_facts(config_text: str, trust_remote_code: bool, model_dir: str | None,
+               linearized: bool = False) -> dict[str, Any]:
     """Exact facts of the model transformers builds from this config, on the meta device: parameter count, whether
     the input and output embeddings are one tensor, whether it ships a tensor-parallel plan, the class it builds.
     Raises UserError (one line) when transformers cannot build it."""
-    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir,
+                            linearized=linearized)
     params = {id(p): p.numel() for p in model.parameters()}
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()
@@ -337,9 +345,10 @@ def _tp_share(model: Any, tp: int) -> tuple[int, str]:
 
 
 def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: bool = False,
-                        model_dir: str | None = None) -> dict[str, Any]:
+                        model_dir: str | None = None, linearized: bool = False) -> dict[str, Any]:
     """ModelArch's fields for the transformers engine (adapter/models/arch.py builds the record)."""
-    facts = meta_facts(json.dumps(cfg, sort_keys=True), trust_remote_code, model_dir)  # loadable at all: first
+    # loadable at all: first
+    facts = meta_facts(json.dumps(cfg, sort_keys=True), trust_remote_code, model_dir, linearized)
     text, image_text = text_part(cfg)
     hidden = _positive(text, ("hidden_size", "n_embd", "d_model", "dim"), source)
     heads = _positive(text, ("num_attention_heads", "n_head", "num_heads", "n_heads"), source, default=1)

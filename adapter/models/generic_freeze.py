@@ -43,11 +43,12 @@ def _shown(names: list[str]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def parameters(config_text: str, trust_remote_code: bool, model_dir: str | None):
+def parameters(config_text: str, trust_remote_code: bool, model_dir: str | None, linearized: bool = False):
     """(class name, ((name, numel, rows, checkpoint names), ...)) of the meta-device model; the checkpoint names are
     () where the checkpoint spells the parameter as transformers does. Cached: `plan --search` resolves one run per
     candidate layout."""
-    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir,
+                            linearized=linearized)
     out = []
     for name, p in model.named_parameters():
         saved = checkpoint_names(model, name, p)
@@ -64,7 +65,8 @@ def resolve_unfrozen(cfg, config_json: dict[str, Any], *, trust_remote_code: boo
 
     key = spell(cfg, "model.unfrozen_parameters")
     parsed = freeze.parse(cfg.model.unfrozen_parameters, key)
-    cls, params = parameters(json.dumps(config_json, sort_keys=True), trust_remote_code, model_dir)
+    cls, params = parameters(json.dumps(config_json, sort_keys=True), trust_remote_code, model_dir,
+                             cfg.model.linearized_experts)
     used, out, renamed = [False] * len(parsed), [], []
     for name, numel, first, saved in params:
         hits = [j for j, pat in enumerate(parsed) if pat.regex.match(name)]

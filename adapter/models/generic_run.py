@@ -91,18 +91,19 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
     if not targets and not params:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
     text = json.dumps(config_json, sort_keys=True)
+    lin = cfg.model.linearized_experts  # the meta model in Axolotl's per-expert linears (adapter/models/linearized.py)
     experts = None
     if c.quantize_experts:  # Axolotl's quantize_moe_experts (adapter/models/quant_experts.py)
         quant_experts.check(cfg)
-        experts = tuple(n for name, n, _, dims in _parameters(text, trust_remote_code, model_dir)[1]
+        experts = tuple(n for name, n, _, dims in _parameters(text, trust_remote_code, model_dir, lin)[1]
                         if quant_experts.is_expert_weight(name, dims))
     if params:  # Axolotl passes lora_target_modules or [] beside them: the parameters alone when none are listed
         _check_parameters(cfg, params, c.dropout, text, trust_remote_code, model_dir)
     try:
         added, trained, matched, default, linears, inputs = _peft_counts(text, trust_remote_code, model_dir,
-                                                                         json.dumps(kw, sort_keys=True))
+                                                                         json.dumps(kw, sort_keys=True), lin)
     except (ValueError, TypeError, KeyError) as e:
-        cls = meta_facts(text, trust_remote_code, model_dir)["cls"]
+        cls = meta_facts(text, trust_remote_code, model_dir, lin)["cls"]
         problem = f"PEFT cannot apply it to {cls}: {str(e).splitlines()[0][:200]}"
         if params and ("nn.Parameter" in str(e) or not targets):  # a parameter of a targeted module, say
             raise bad(spell(cfg, "lora.target_parameters"), list(params), problem, "name parameters of modules "
@@ -145,7 +146,7 @@ def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text:
     if dropout:
         raise bad(spell(cfg, "lora.dropout"), dropout, f"PEFT adds the adapters of {key} to the weights before the "
                   "layer runs, so there is no input to drop out", f"set {spell(cfg, 'lora.dropout')}: 0")
-    cls, named = _parameters(config_text, trust_remote_code, model_dir)
+    cls, named = _parameters(config_text, trust_remote_code, model_dir, cfg.model.linearized_experts)
     for entry in params:
         if not any(name == entry or name.endswith("." + entry) for name, *_ in named):
             fused = sorted({".".join(name.split(".")[-2:]) for name, _, _, dims in named if dims == 3})
@@ -161,21 +162,23 @@ def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text:
 
 
 @functools.lru_cache(maxsize=8)
-def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | None, lora_kw: str):
+def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | None, lora_kw: str,
+                 linearized: bool = False):
     """(adapter parameters, trained parameters, adapted module names, PEFT's default targets, (weights of the
     linears bitsandbytes would quantise, the largest), Σ in_features of the adapted linears) of PEFT's LoRA on the
     meta-device model; cached, as `plan --search` resolves one run per candidate layout."""
     import peft
     import torch
 
-    model, _ = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    model, _ = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir,
+                          linearized=linearized)
     out = model.get_output_embeddings()
     sizes = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not out]
     with torch.device("meta"):
         wrapped = peft.get_peft_model(model, peft.LoraConfig(**json.loads(lora_kw)))
     trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     added = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
-    matched = sorted({_adapted(n, m) for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
+    matched = _collapsed({_adapted(n, m) for n, m in wrapped.named_modules() if len(getattr(m, "lora_A", {})) > 0})
     default = getattr(wrapped.peft_config["default"], "target_modules", None) or ()  # PEFT's for the model type
     inputs = 0
     for m in wrapped.modules():
@@ -188,17 +191,32 @@ def _peft_counts(config_text: str, trust_remote_code: bool, model_dir: str | Non
 
 def _adapted(name: str, module) -> str:
     """What a PEFT layer adapts, as `describe` names it: its module's last name (q_proj), or for a parameter
-    (PEFT's ParamWrapper, nested on the module that holds it) the module's and the parameter's (experts.down_proj)."""
+    (PEFT's ParamWrapper, nested on the module that holds it) the module's and the parameter's (experts.down_proj);
+    an entry of a module list by the list's name and its index (linearized experts: gate_projs.3)."""
     param = getattr(module, "parameter_name", None)
-    last = name.replace(".base_layer", "").split(".")[-1]
+    parts = name.replace(".base_layer", "").split(".")
+    last = ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
     return f"{last}.{param}" if param else last
 
 
+def _collapsed(names: set[str]) -> list[str]:
+    """Sorted, with more than four entries of one module list said once (gate_projs.0-15: 16 of them)."""
+    lists: dict[str, list[int]] = {}
+    for n in names:
+        head, _, idx = n.rpartition(".")
+        if head and idx.isdigit():
+            lists.setdefault(head, []).append(int(idx))
+    out = {n for n in names if n.rpartition(".")[0] not in lists or len(lists[n.rpartition(".")[0]]) <= 4}
+    out |= {f"{head}.{min(ix)}-{max(ix)} ({len(ix)} of them)" for head, ix in lists.items() if len(ix) > 4}
+    return sorted(out)
+
+
 @functools.lru_cache(maxsize=8)
-def _parameters(config_text: str, trust_remote_code: bool, model_dir: str | None):
+def _parameters(config_text: str, trust_remote_code: bool, model_dir: str | None, linearized: bool = False):
     """(class name, ((parameter name, numel, rows, dims), ...)) of the meta-device model; cached like
     `_peft_counts`."""
-    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir)
+    model, cls = meta_model(json.loads(config_text), trust_remote_code=trust_remote_code, model_dir=model_dir,
+                            linearized=linearized)
     return cls, tuple((n, p.numel(), p.shape[0] if p.dim() else 1, p.dim()) for n, p in model.named_parameters())
 
 

@@ -79,14 +79,14 @@ def arch_for(cfg) -> ModelArch:
     whose run asks what the native engine does not build (lora.check_native) trains on the transformers engine under
     `model.engine: auto`, the reason said in its engine line; `megatron` refuses it in that line."""
     engine, trust, deq = cfg.model.engine, cfg.model.trust_remote_code, dequantize_key(cfg)
-    arch = load_arch(hf_dir(cfg), engine, trust, deq)
+    arch = load_arch(hf_dir(cfg), engine, trust, deq, cfg.model.linearized_experts)
     if arch.native:
         try:
             lora.check_native(cfg, arch)
         except NotNative as e:
             if engine != "auto":
                 raise
-            arch = dataclasses.replace(load_arch(hf_dir(cfg), "transformers", trust, deq),
+            arch = dataclasses.replace(load_arch(hf_dir(cfg), "transformers", trust, deq, cfg.model.linearized_experts),
                                        engine_reason=f"the native engine does not reproduce it: {e}")
     return scoring(cfg, with_overrides(cfg, arch))
 

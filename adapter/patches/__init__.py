@@ -1,7 +1,8 @@
 """Everything that reaches into a third-party library's internals, in one place (Megatron-Core: `mcore.py`;
 DeepSpeed ZeRO: `zero.py`, its checkpoint files: `zero_files.py`; torch.distributed.checkpoint: `dcp.py`;
 transformers' mask builders: `hf_masks.py`; DeepSpeed's CPU communication set-up: `ds_comm.py`; bitsandbytes'
-8-bit linear: `bnb_int8.py`; PEFT's LoRA over a parametrised weight: `peft_params.py`).
+8-bit linear: `bnb_int8.py`; PEFT's LoRA over a parametrised weight: `peft_params.py`; a transformers class
+bound to a subclass while a model is built: `hf_classes.py`).
 
 Each patch names the versions it was checked against and refuses any other with one line before it changes
 anything (`require`): an upgrade then fails loudly instead of mis-training. `ND_ADAPTER_ALLOW_UNTESTED=1` tries an

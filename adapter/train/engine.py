@@ -302,6 +302,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger, dequantize=cfg.model.dequantize,
                         scores=reward_pad(run) if cfg.objective == "reward" else None,
+                        linearized=cfg.model.linearized_experts,
                         towers=("mm_frozen" if cfg.model.freeze_mm_modules else "trained") if cfg.data.processor_type
                         else "frozen")
     vocab.resize_hf(model, run.vocab, seed=cfg.seed)  # data.tokens' rows, by transformers itself

@@ -28,8 +28,10 @@ from adapter.convert import megatron_io as mio
 from adapter.convert import peft as peft_io
 from adapter.convert.to_hf import megatron_to_hf
 from adapter.data.sft.prepare import load_tokenizer
+from adapter.modeling.hf_linearized import fused_state
 from adapter.modeling.hf_tp import whole_state
 from adapter.modeling.lora import full_state
+from adapter.models import linearized
 from adapter.models.source import hf_dir, tokenizer_dir
 
 # files an earlier export may have left that this one would not overwrite (other shard counts, no chat template)
@@ -164,6 +166,11 @@ def export_transformers(engine, arch, cfg, out_dir: str | Path, *, rank: int, tp
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
         state.update(whole_state(model, tp_group, tp, ep_group=ep_group, ep=cfg.parallelism.ep_size))
+        record = linearized.for_model_type(arch.hf_model_type) if cfg.model.linearized_experts else None
+        if record is not None:  # back in transformers' layout: the export loads in transformers as it is
+            fused = fused_state(state, record)
+            state.clear()
+            state.update(fused)
         _written_by_rank0(out, rank, "hf", write)
     dist.barrier()
     return out

@@ -107,7 +107,7 @@ def tiny_transformers(cfg: RunConfig, arch: ModelArch, vocab: int | None, workdi
     tmp.write_text(json.dumps(generic.tiny_config(raw, rows, max(experts, 4)), indent=2))
     os.replace(tmp, out / "config.json")
     try:
-        tiny = load_arch(out, "transformers", cfg.model.trust_remote_code)
+        tiny = load_arch(out, "transformers", cfg.model.trust_remote_code, linearized=cfg.model.linearized_experts)
     except UserError as e:
         raise bad("rehearse", arch.architecture, f"the tiny copy of its config does not build ({e})",
                   "plan the run and start it directly; the rehearsal cannot shrink this architecture yet") from None

@@ -8,7 +8,8 @@ experts) trains dequantized as transformers loads it and exports 16-bit weights.
 transformers engine gives the native engine's losses, so the two engines check each other. Context parallelism
 (cp=2, dp_shard=1) through transformers' attention interface gives transformers' losses on Phi-2, DeepSeek-V3 (MLA,
 on the ring), OLMo 3 (sliding-window and full layers) on packed documents and on StarCoder2 (every layer windowed)
-unpacked, and says so in the run's first lines.
+unpacked, and says so in the run's first lines. Llama 4 in Axolotl's linearized layout (one linear per expert) gives
+the losses of transformers' Llama 4 on the same weights, and exports in transformers' layout.
 
 On a dense, a mixture-of-experts and a hybrid model, 4 processes: dp_shard=4 under ZeRO-3, exact HSDP (dp_replicate=2
 × dp_shard=2) and tensor parallelism from the model's own plan (tp=2 × dp_shard=2, two micro-batches a step) give
@@ -26,7 +27,7 @@ import pytest
 import yaml
 
 from adapter import config
-from tests.helpers.archs import ARCHS, HYBRID, VISION, make_arch, mxfp4, prequantized, reference_model
+from tests.helpers.archs import ARCHS, HYBRID, VISION, linearized, make_arch, mxfp4, prequantized, reference_model
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_workers
 from tests.helpers.quant_expert_lora import nf4_round_trip_experts
@@ -54,12 +55,12 @@ def _cfg(model_dir: str, root: str, pack: bool, engine: str = "auto", world: int
          zero: int = 3, ckpt: str | None = None, export: str | None = None, lora: dict | None = None,
          unfrozen: list[str] | None = None, optimizer: str = "adamw", ga: int = 1, liger: tuple = (),
          recompute: str = "none", compile: bool = False, dequantize: bool = False, fused_ce: bool | str = "auto",
-         **parallelism):
+         linearized: bool = False, **parallelism):
     from adapter.demo.build import ASSETS
 
     raw = {"model": {"path": model_dir, "cache_dir": f"{root}/cache", "engine": engine,
                      "unfrozen_parameters": unfrozen, "liger": liger, "compile": compile, "dequantize": dequantize,
-                     "fused_linear_ce": fused_ce},
+                     "fused_linear_ce": fused_ce, "linearized_experts": linearized},
            "parallelism": {"dp_shard_size": world, **parallelism},
            "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": ga}, "seq_len": SEQ, "precision": "fp32",
            "recompute": recompute,
@@ -112,6 +113,10 @@ def _worker(rank, world, models, root):
     res = train(_cfg(models["gpt_oss-mxfp4"], f"{root}/mxfp4", True, dequantize=True, export=f"{root}/mxfp4/out"),
                 log=lines.append)
     out["gpt_oss mxfp4"] = (res.losses, [ln for ln in lines if ln.startswith("weights:")], res.exported)
+    lines = []  # Axolotl's linearized Llama 4 experts: transformers' model of the same weights, exported in its layout
+    res = train(_cfg(models["llama4_text-linearized"], f"{root}/linearized", True, linearized=True,
+                     export=f"{root}/linearized/out"), log=lines.append)
+    out["llama4 linearized"] = (res.losses, [ln for ln in lines if ln.startswith("engine:")], res.exported)
     llama = models["llama"]
     out["llama forced"] = (train(_cfg(llama, f"{root}/forced", True, engine="transformers"),
                                  log=lambda s: None).losses, [])
@@ -131,6 +136,7 @@ def models(tmp_path_factory):
     made = {name: str(make_arch(name, root / name, tok)) for name in MODELS}
     nf4 = str(prequantized(Path(made["phi"]), root / "phi-nf4"))  # bitsandbytes' codes saved: a pre-quantised base
     return {**made, "llama": str(make_model(root / "llama", tok)), "phi-nf4": nf4,
+            "llama4_text-linearized": str(linearized(Path(made["llama4_text"]), root / "llama4-linearized")),
             "gpt_oss-mxfp4": str(mxfp4(Path(made["gpt_oss"]), root / "gpt_oss-mxfp4")),
             "qwen3_moe": str(make_moe(root / "qwen3_moe", tok, router_loss=False))}
 
@@ -268,6 +274,14 @@ def test_architectures_no_native_family_covers_match_transformers_at_dp_shard2_z
     assert max(rel(a, b) for a, b in zip(losses, got["gpt_oss"][0])) > 1e-2  # the codes, not the 16-bit original
     assert "dequantized by transformers' loader into 16-bit weights that train" in said[0], said
     _same_weights(exported, trained[0])  # a 16-bit checkpoint: no quantization_config left
+    losses, said, exported = got["llama4 linearized"]
+    trained = []  # transformers' own Llama 4 on the checkpoint the linearized one was written from
+    want = _reference(models["llama4_text"], _cfg(models["llama4_text-linearized"], f"{tmp_path}/linearized", True,
+                                                  linearized=True), model_out=trained)
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    assert "its experts as one linear per expert and projection (model.linearized_experts: Axolotl's layout" in \
+        said[0] and "exported in transformers' fused layout" in said[0], said
+    _same_weights(exported, trained[0])  # transformers' layout: loads in transformers with no weight missing
     native = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/forced", True))
     assert max(rel(a, b) for a, b in zip(got["llama forced"][0], native)) < 1e-4
     losses, said = got["llama liger"]

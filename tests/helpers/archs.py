@@ -132,6 +132,25 @@ def mxfp4(model_dir: Path, out: Path, seed: int = 1) -> Path:
     return out
 
 
+def linearized(model_dir: Path, out: Path) -> Path:
+    """`model_dir` (a Llama 4 checkpoint in transformers' layout) rewritten in Axolotl's linearized layout (one linear
+    per expert and projection: its *-Linearized checkpoints), config.json and tokenizer as they are."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from adapter.modeling.hf_linearized import linearized_state
+    from adapter.models.linearized import LLAMA4
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copyfile(f, out / f.name)
+    state = linearized_state(load_file(str(Path(model_dir) / "model.safetensors")), LLAMA4)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def prequantized(model_dir: Path, out: Path) -> Path:
     """`model_dir` loaded as transformers' load_in_4bit loads it (NF4, double quantisation: Axolotl's QLoRA) and saved
     with its codes and quantization_config: a pre-quantised bitsandbytes checkpoint, with the tokenizer beside it."""
