@@ -317,7 +317,7 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
     grouped_grads = arch.moe and cfg.model.moe_grouped_gemm and cfg.param_precision == "bf16" and \
         flat_at_stage(cfg, stage)
     tensors = param_tensors(arch, layout.ep, grouped_grads)[1]
-    layer_host = hw.compiled_layer_s if compiled else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
+    layer_host = hw.compiled_layer_s if compiled and arch.native else hw.layer_s * (COMPILE_BREAKS if broken else 1.0)
     if arch.moe:  # its MoE half stays eager (adapter/modeling/compile.py): the attention half's share, then the rest
         layer_host = layer_host / 2 + hw.moe_layer_s - hw.layer_s / 2
     host_mb = L * layer_host * rc + v_host + tensors * hw.param_s + \
@@ -369,9 +369,11 @@ def vision_seconds(run: ResolvedRun, prof: Profile) -> tuple[float, float, float
     gemm = images * layers * gemm_seconds(vision_gemms(v, patches), prof)
     attn = images * layers * vision_attention_flops(v, patches) / prof.attention.rate(patches)
     mem = images * layers * vision_memory_bytes(v, patches, pb) / prof.elementwise_bytes_per_s
-    # compiled layers (model.compile: true) compile the tower's too (a checkpoint's _no_split_modules): one guarded
-    # call a layer; their fused elementwise kernels are not counted (not measured), the eager bytes are
-    host = layers * (prof.host.compiled_layer_s if whole_layer_graphs(run.cfg) else prof.host.layer_s)
+    # compiled layers (model.compile: true) compile the tower's too (a checkpoint's _no_split_modules); their fused
+    # elementwise kernels are not counted (not measured), the eager bytes are. transformers' compiled layers spend
+    # the host time of eager ones (one H100, this tower's row: ~1.9 ms a layer forward, ~2.4 backward, either way:
+    # docs/BENCHMARKS.md, 2026-12-07 05:10), so a layer of host time is layer_s here, compiled or not
+    host = layers * prof.host.layer_s
     if not trains:
         return gemm, attn / ATTN_FWD_BWD, mem / 3, host
     if run.cfg.recompute == "full":
