@@ -24,7 +24,7 @@ from adapter.config.axolotl_parallel import (
     map_expert_parallel,
     map_fsdp,
 )
-from adapter.config.axolotl_rl import RL_KEYS, map_reward, map_rl
+from adapter.config.axolotl_rl import RL_KEYS, map_eaft, map_reward, map_rl
 from adapter.config.axolotl_train import (
     LORA_KEYS,
     LORA_MAP,
@@ -165,6 +165,7 @@ def from_axolotl(raw: dict[str, Any]) -> dict[str, Any]:
                      "pre-trained ones)")
     map_lora(raw, out, notes)
     map_rl(raw, out, notes)
+    map_eaft(raw, out, notes)
     map_reward(raw, out, notes)
     if axolotl_scope.is_on(raw.get("qat")):  # its keys are Axolotl's QATConfig's (adapter/config/schema_qat.py)
         out["qat"] = raw["qat"]
@@ -192,7 +193,8 @@ _SPELLED = {native: key for key, native in (MAP | LORA_MAP).items()} | {
                                                       "model.output_router_logits":
                                                           "model_config.output_router_logits",
                                                       "model.dequantize": "model_quantization_config",
-                                                      "checkpoint.export_hf": "output_dir"}
+                                                      "checkpoint.export_hf": "output_dir", "eaft": "use_eaft",
+                                                      "eaft.alpha": "eaft_alpha", "eaft.k": "eaft_k"}
 
 
 def map_training(raw: dict[str, Any], out: dict[str, Any], notes: list[str], ignored: list[str]) -> None:

@@ -51,8 +51,9 @@ DPO_FLAGS = {  # Axolotl's boolean for TRL's DPOConfig -> the dpo: key it sets, 
     "precompute_ref_log_probs": ("precompute_ref", "the reference's log-probabilities of every pair computed once "
                                                    "before step 1; no reference forward in a step")}
 REWARD_KEYS = ("reward_model", "center_rewards_coefficient", "num_labels")
+EAFT_KEYS = ("use_eaft", "eaft_alpha", "eaft_k")
 RL_KEYS = {*REWARD_KEYS, "rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *DPO_FLAGS, *LOSS_OPTIONS, *NOTED,
-           *KTO_KEYS}
+           *KTO_KEYS, *EAFT_KEYS}
 
 
 def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
@@ -159,6 +160,20 @@ def map_reward(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> No
                  + (f" + {c}·(r_chosen + r_rejected)²" if c else "") + ", no reference)")
 
 
+def map_eaft(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """`use_eaft: true` -> eaft: {alpha: eaft_alpha, k: eaft_k} (Axolotl's defaults 1.0 and 20 where unset or null);
+    without it eaft_alpha / eaft_k do nothing in Axolotl (its trainer builder reads them only beside use_eaft)."""
+    if not is_on(raw.get("use_eaft")):
+        said = [k for k in EAFT_KEYS[1:] if raw.get(k) is not None]
+        if said:
+            notes.append(f"{', '.join(said)}: read beside use_eaft: true only, as in Axolotl")
+        return
+    alpha, k = raw.get("eaft_alpha"), raw.get("eaft_k")
+    out["eaft"] = {"alpha": 1.0 if alpha is None else alpha, "k": 20 if k is None else k}
+    notes.append(f"use_eaft: true -> eaft: each token's loss × (entropy of the softmax over its "
+                 f"{out['eaft']['k']} largest logits)^{out['eaft']['alpha']}, without gradient (Axolotl's EAFT loss)")
+
+
 def _kto(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: float) -> None:
     """kto_desirable_weight / kto_undesirable_weight onto `kto:`, as Axolotl passes them (`value or 1.0`)."""
     weights = []
@@ -196,4 +211,4 @@ def _simpo(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: flo
                  "no reference)")
 
 
-__all__ = ["map_rl", "map_reward", "RL_KEYS", "REWARD_KEYS", "ONLINE", "BUILT"]
+__all__ = ["map_rl", "map_reward", "map_eaft", "RL_KEYS", "REWARD_KEYS", "ONLINE", "BUILT"]

@@ -47,9 +47,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     # other objectives
     # rl: mapped (rl: dpo) or refused in one line by axolotl_rl.py
     "process_reward_model": ("process-reward-model training is not supported", _SFT),
-    "use_eaft": ("Entropy-Aware Focal Training (each token's loss weighted by the entropy of its top-k logits) is not "
-                 "built", "remove use_eaft (and eaft_alpha, eaft_k) for plain cross-entropy, or run this config with "
-                 "Axolotl"),
     "kd_trainer": ("knowledge distillation is not supported", "remove the KD plugin and its kd_* keys"),
     # data and tokens
     "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),

@@ -43,7 +43,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from adapter.config.values import Float
+from adapter.config.values import Float, Int
 from adapter.config.values import Strict as _Strict
 from adapter.errors import bad
 
@@ -86,6 +86,13 @@ class KTOSection(_Strict):
                                                              "kto_undesirable_weight; an unset or 0 one is 1.0)")
 
 
+class EAFTSection(_Strict):
+    """Entropy-Aware Focal Training on a supervised run (Axolotl's use_eaft, eaft_alpha, eaft_k): each token's loss
+    times (entropy of the softmax over its k largest logits)^alpha, without gradient (adapter/kernels/eaft.py)."""
+    alpha: Float = Field(1.0, ge=0, description="the entropy's exponent (eaft_alpha; Axolotl's default 1.0)")
+    k: Int = Field(20, ge=1, description="how many of the largest logits the entropy is taken over (eaft_k; 20)")
+
+
 class RewardSection(_Strict):
     center_coefficient: Float | None = Field(None, ge=0, description="TRL's center_rewards_coefficient (Axolotl's key "
                                              "of that name): the weight of (r_chosen + r_rejected)² in each pair's "
@@ -117,6 +124,8 @@ class RLFields(_Strict):
     simpo: SimPOSection = SimPOSection()
     kto: KTOSection = KTOSection()
     reward: RewardSection = RewardSection()
+    eaft: EAFTSection | None = Field(None, description="Entropy-Aware Focal Training weights on the next-token loss "
+                                     "(Axolotl's use_eaft); unset: plain cross-entropy")
 
     def preference_passes(self) -> tuple[int, int]:
         """(sequences with gradients, forward-only passes) per row of the micro-batch: PREFERENCE_PASSES, less the

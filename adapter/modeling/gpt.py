@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from adapter.errors import bad
 from adapter.kernels.attention import SDPAttention, normalize_cp_comm_type
+from adapter.kernels.eaft import entropy_weights
 from adapter.kernels.fusions import (
     fused_rope,
     install_rope_fusion,
@@ -253,6 +254,7 @@ class PackedGPTModel(GPTModel):
                 kv_channels=self.config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
                 rotary_interleaved=self.config.rotary_interleaved, rotary_base=local_rope_base,
                 use_cpu_initialization=self.config.use_cpu_initialization, cp_group=self.pg_collection.cp)
+        self.eaft: tuple[int, float] | None = None  # (k, alpha): EAFT's per-token weights (`token_weights`)
         self.final_softcap = final_softcap
         if final_softcap is not None:  # Gemma 2: logits = c·tanh(logits / c), before every loss and every reader
             self.output_layer.register_forward_hook(
@@ -274,13 +276,26 @@ class PackedGPTModel(GPTModel):
         tp_rank = self.pg_collection.tp.rank()
         return max(0, min(local, self.real_vocab_size - tp_rank * local))
 
+    def token_weights(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """EAFT's weight of each token [b, s] from its logits [s, b, v/tp] (adapter/kernels/eaft.py; the top-k
+        merged over TP), or None without `eaft`."""
+        if self.eaft is None:
+            return None
+        k, alpha = self.eaft
+        w = entropy_weights(logits, k, alpha, real=self.local_real_vocab(logits.size(-1)),
+                            group=self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None,
+                            vocab=self.real_vocab_size)
+        return w.transpose(0, 1)
+
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Megatron's cross-entropy with the padding columns at −inf: zero-initialised padding rows give logit 0, which
         would enter every softmax (a loss and gradients unlike the HF model's). In place: nothing saved the logits."""
         valid = self.local_real_vocab(logits.size(-1))
+        weights = self.token_weights(logits)  # before the loss: Megatron's may work on the logits in place
         if valid < logits.size(-1):
             logits[..., valid:] = float("-inf")
-        return super().compute_language_model_loss(labels, logits)
+        loss = super().compute_language_model_loss(labels, logits)
+        return loss if weights is None else loss * weights
 
     def set_long_rope(self, inv_freq: torch.Tensor, original_max: int) -> None:
         """LongRoPE's long factors: a micro-batch whose positions go past `original_max` rotates with these
@@ -345,9 +360,11 @@ class FusedLossGPTModel(PackedGPTModel):
             require("megatron-core", TESTED_MEGATRON_VERSIONS, "fused linear cross-entropy (GPTModel._postprocess)")
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        weights = self.token_weights(logits)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp,  # logits [s, b, v]
                                             real=self.local_real_vocab(logits.size(-1)))
-        return loss.transpose(0, 1).contiguous()
+        loss = loss.transpose(0, 1).contiguous()
+        return loss if weights is None else loss * weights
 
     def _postprocess(self, **kw):
         labels, loss_mask = kw.get("labels"), kw.get("loss_mask")

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from adapter.errors import bad
+from adapter.kernels.eaft import entropy_weights
 from adapter.modeling import hf_cp, hf_unpack
 from adapter.modeling.hf_linearized import building
 from adapter.models.generic import for_class, hf_config, model_class, scoring_class_name
@@ -252,9 +253,11 @@ class CausalLMLosses(torch.nn.Module):
     recurrent layers, so packed documents run as rows of their own (adapter/modeling/hf_unpack.py)."""
 
     def __init__(self, model, model_loss: bool = False, cp: tuple | None = None, unpack: bool = False,
-                 aux_coef: float = 0.0, linear_ce: tuple[int, float | None] | None = None):
+                 aux_coef: float = 0.0, linear_ce: tuple[int, float | None] | None = None,
+                 eaft: tuple[int, float] | None = None):
         super().__init__()
         self.model = model
+        self.eaft = eaft  # (k, alpha): each token's loss × its logits' top-k entropy^alpha (adapter/kernels/eaft.py)
         self.model_loss = model_loss
         self.linear_ce = linear_ce  # (tokens a chunk, final soft-cap): the fused linear CE (`_fused_loss`)
         self.cp = cp
@@ -299,7 +302,11 @@ class CausalLMLosses(torch.nn.Module):
         if aux is not None:  # the real tokens' routing statistic (transformers' attention-masked one)
             aux.record(out.router_logits, None if real is None else real.to(torch.long))
         logits = out.logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        if self.eaft is None:
+            return loss
+        k, alpha = self.eaft
+        return loss * entropy_weights(logits, k, alpha)
 
     def _fused_loss(self, tokens, position_ids, labels, loss_mask, across, aux, routers, real):
         """`model.fused_linear_ce` on the transformers engine: the model's body (`model.model`, with PEFT's layers in

@@ -18,6 +18,21 @@ def _check_cp_chunks(cfg: RunConfig) -> None:
                   "chunks)", f"use a seq_len that is a multiple of {2 * cp}")
 
 
+def _check_eaft(cfg: RunConfig) -> None:
+    """EAFT reweights the next-token loss of a supervised run, computed from the logits: another objective, or a loss
+    that Liger's kernels compute inside the model (no logits reach nd-adapter), is refused in one line."""
+    if cfg.eaft is None:
+        return
+    key = spell(cfg, "eaft")
+    if cfg.objective != "sft":
+        raise bad(key, True, f"EAFT weighs the next-token loss of supervised fine-tuning; {cfg.objective} has a loss "
+                  "of its own", f"remove {key}")
+    liger = {"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger)
+    if liger:
+        raise bad(key, True, f"Liger's {', '.join(sorted(liger))} computes the loss inside the model, where EAFT's "
+                  "weights cannot reach it", "turn off liger_cross_entropy / liger_fused_linear_cross_entropy")
+
+
 def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     return checked(cfg, arch)[0]
@@ -27,6 +42,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     """`check`, also returning what it resolved on the way: the LoRA spec and the unfrozen_parameters tensors
     (adapter/models/resolved.py keeps them, so nothing resolves them again)."""
     linearized.check(cfg, arch)
+    _check_eaft(cfg)
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
@@ -259,6 +275,11 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
     `linear_ce_chunk` tokens a chunk (one H200, 1B shape: +2.4 ms a step, docs/BENCHMARKS.md), not Liger's (+8 ms),
     which `true` keeps at tp = 1 on GPUs. The first lines say which."""
     off = None if arch.native else hf_linear_ce_off(cfg, arch)
+    if cfg.eaft is not None:  # its weights are read off each token's logits (adapter/kernels/eaft.py)
+        off = off or "EAFT weighs each token by its logits' top-k entropy, so the logits are built"
+    if cfg.model.fused_linear_ce is True and cfg.eaft is not None:
+        raise bad(spell(cfg, "model.fused_linear_ce"), True, f"{off}; the fused kernel never builds them",
+                  f"remove it (or {spell(cfg, 'eaft')})")
     if cfg.model.fused_linear_ce is True and off:
         raise bad(spell(cfg, "model.fused_linear_ce"), True, f"the fused linear cross-entropy is not built on the "
                   f"transformers engine here ({off})", "remove it")
@@ -268,7 +289,7 @@ def linear_ce_where_it_applies(cfg: RunConfig, arch: ModelArch) -> RunConfig:
            if cfg.objective != "sft" else
            "fp16: the kernel's output-weight gradient, a sum over the micro-batch's tokens computed before the loss "
            "scale reaches it, could overflow fp16's range" if cfg.precision == "fp16" else
-           None if arch.native else off or HF_LINEAR_CE_NO_FASTER)
+           off if cfg.eaft is not None else None if arch.native else off or HF_LINEAR_CE_NO_FASTER)
     chunk = cfg.model.fused_linear_ce_chunk
     if why is None and chunk is None:
         chunk = linear_ce_chunk(output_rows(arch, cfg.parallelism.tp_size, cfg.model.vocab_divisible_by))

@@ -230,6 +230,7 @@ def _native_model(run: ResolvedRun, groups: Groups, device, load_weights, dtype)
                             linear_ce=cfg.model.fused_linear_ce, linear_ce_chunk=cfg.model.fused_linear_ce_chunk,
                             moe_grouped_gemm=cfg.model.moe_grouped_gemm)
     model.rope_padded_len = cfg.seq_len  # LongRoPE decides unpacked batches by the padded length, as transformers
+    model.eaft = (cfg.eaft.k, cfg.eaft.alpha) if cfg.eaft is not None else None  # EAFT's per-token weights
     loaded = False
     if load_weights is not None:
         loaded = bool(load_weights(model))
@@ -342,7 +343,8 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                   "set it false")
     losses = (RewardScores(model, cp) if cfg.objective == "reward" else
               CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux,
-                             linear_ce=linear_ce)).to(device)
+                             linear_ce=linear_ce,
+                             eaft=(cfg.eaft.k, cfg.eaft.alpha) if cfg.eaft is not None else None)).to(device)
     if ("fused_linear_cross_entropy" in liger or linear_ce) and run.zero_stage == 3:  # the fused loss (Liger's or
         # ours) reads lm_head's weight, never calling lm_head: ZeRO-3 gathers it for the whole forward (else a
         # partition of it); its gradient comes from the loss's forward (computed there), reduced like any other

@@ -125,6 +125,44 @@ CHATML = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['conten
           "{% if add_generation_prompt %}<|begin_of_text|>assistant\n{% endif %}")
 
 
+EAFT = {"k": 5, "alpha": 0.7}  # k well below the vocabulary, alpha off 1
+EAFT_LAYOUTS = {  # Megatron's cross-entropy and nd-adapter's fused one, both with the vocabulary split over tp
+    "tp 2, Megatron's CE": ((1, 1, 2), 2, 2, {}),
+    "tp 2, fused kernels": ((1, 1, 2), 2, 2, {"model.fused_kernels": True}),
+    "dp_shard 2": ((2, 1, 1), 2, 1, {}),
+    "cp 2": ((1, 2, 1), 2, 2, {}),
+    "transformers engine, dp_shard 2": ((2, 1, 1), 2, 1, {"model.engine": "transformers"}),
+}
+
+
+def _eaft_worker(rank, world, model_dir, root):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train as run
+
+    init_distributed()
+    _use_data(MaskedData(TRAINED, SEQ, VOCAB), MaskedData(VAL, SEQ, VOCAB, seed=1))
+    out = {}
+    for name, (shape, mb, ga, over) in EAFT_LAYOUTS.items():
+        r = run(sft_config(model_dir, f"{root}/{len(out)}", shape, mb, ga, eaft=EAFT, **over), log=lambda s: None)
+        out[name] = {"losses": r.losses, "eval": r.eval_losses}
+    return out
+
+
+def test_eaft_weighs_each_token_as_axolotl_on_every_layout(model_dir, tmp_path):
+    """Axolotl's use_eaft (eaft:) gives the losses of transformers trained with Axolotl's EAFT loss on the same
+    batches, held-out loss included, at tp=2 (the top-k merged over the split vocabulary), dp_shard=2, cp=2 and on
+    the transformers engine; the weights differ enough from plain cross-entropy for the test to fail without them."""
+    ref = hf_reference(model_dir, MaskedData(TRAINED, SEQ, VOCAB), STEPS, lr=LR, val=MaskedData(VAL, SEQ, VOCAB,
+                       seed=1), eaft=(EAFT["k"], EAFT["alpha"]))
+    plain = hf_reference(model_dir, MaskedData(TRAINED, SEQ, VOCAB), STEPS[:1], lr=LR)
+    assert rel(plain["losses"][0], ref["losses"][0]) > 0.05, (plain, ref)
+    results = run_workers(_eaft_worker, 2, str(model_dir), str(tmp_path), timeout=900)
+    for name, got in results[0].items():
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert rel(a, b) < 1e-5 if b else a == 0.0, (name, got["losses"], ref["losses"])
+        assert rel(got["eval"][-1][1], ref["eval_loss"]) < 1e-5, (name, got["eval"], ref["eval_loss"])
+
+
 def _weights_worker(rank, world, model_dir, root):
     import shutil
 

@@ -37,13 +37,24 @@ def batch_of(data, indices) -> dict:
     return {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
 
 
-def hf_loss(model, batch):
-    """Σ per-token cross-entropy over trained tokens / their number (at least 1): the step's loss."""
+def hf_loss(model, batch, eaft: tuple[int, float] | None = None):
+    """Σ per-token cross-entropy over trained tokens / their number (at least 1): the step's loss. `eaft` (k, alpha):
+    each trained token's loss weighted as Axolotl's EAFT loss weighs it (monkeypatch/loss/eaft.py: the entropy of
+    the softmax over the token's k largest logits, to the power alpha, without gradient; the sum over the trained
+    tokens divided by their number, HF's num_items_in_batch)."""
+    import torch
     import torch.nn.functional as F
 
     logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits.float()
-    ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    flat = logits.flatten(0, 1)
+    ce = F.cross_entropy(flat, batch["labels"].flatten(), reduction="none")
     mask = batch["loss_mask"].flatten()
+    if eaft is not None:
+        k, alpha = eaft
+        with torch.no_grad():
+            p = F.softmax(torch.topk(flat, k=min(k, flat.size(-1)), dim=-1).values, dim=-1)
+            weights = (-(p * torch.log(p + 1e-10)).sum(dim=-1)) ** alpha
+        ce = ce * weights
     return (ce * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -84,11 +95,13 @@ def axolotl_freeze(model, patterns: list[str]) -> None:
 
 
 def hf_reference(hf_dir: str | Path, data, steps: list[list[int]], *, lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 val=None, unfrozen: list[str] | None = None, prepare=None, before_step=None) -> dict:
+                 val=None, unfrozen: list[str] | None = None, prepare=None, before_step=None,
+                 eaft: tuple[int, float] | None = None) -> dict:
     """Train the HF model itself on `steps` (each the sample indices of one optimizer step): losses, grad norms,
     and (with `val`) the held-out loss after the last step, over all of `val` at once. `unfrozen`: Axolotl's
     unfrozen_parameters (`axolotl_freeze`); `prepare(model)` before the optimizer is built, `before_step(model,
-    done)` before each step (`done`: the steps before it; a trainer callback's on_step_begin)."""
+    done)` before each step (`done`: the steps before it; a trainer callback's on_step_begin); `eaft`: Axolotl's EAFT
+    loss (`hf_loss`), in training and in the held-out loss, as HF's Trainer uses a compute_loss_func in both."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +117,7 @@ def hf_reference(hf_dir: str | Path, data, steps: list[list[int]], *, lr: float,
     for done, idx in enumerate(steps):
         if before_step is not None:
             before_step(model, done)
-        loss = hf_loss(model, batch_of(data, idx))
+        loss = hf_loss(model, batch_of(data, idx), eaft)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e12)))
         losses.append(float(loss.detach()))
@@ -113,7 +126,7 @@ def hf_reference(hf_dir: str | Path, data, steps: list[list[int]], *, lr: float,
     out = {"losses": losses, "grad_norms": norms}
     if val is not None:
         with torch.no_grad():
-            out["eval_loss"] = float(hf_loss(model, batch_of(val, range(len(val)))))
+            out["eval_loss"] = float(hf_loss(model, batch_of(val, range(len(val))), eaft))
     return out
 
 
