@@ -47,6 +47,9 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
     rope = longrope_note(arch, cfg.seq_len, cfg.document_attention)
     if rope:
         lines.append(rope)
+    if cfg.eaft is not None and cfg.source != "axolotl":  # (Axolotl's mapping says it in its note)
+        lines.append(f"loss: EAFT: each token's cross-entropy × (entropy of the softmax over its {cfg.eaft.k} largest "
+                     f"logits)^{cfg.eaft.alpha:g}, without gradient (train and eval)")
     if cfg.precision == "fp8":
         lines.append(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
                      "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")

@@ -85,3 +85,13 @@ def test_the_fused_linear_ce_goes_off_for_it_and_is_refused_when_asked():
     cfg = _axolotl(use_eaft=True, liger_fused_linear_cross_entropy=True)
     with pytest.raises(UserError, match=r"^use_eaft=True: Liger's fused_linear_cross_entropy computes the loss"):
         resolve_run(cfg, gpu=False)
+
+
+def test_a_native_config_says_it_in_the_first_lines():
+    from adapter.models import announce
+    from adapter.models.resolved import resolve_run
+
+    raw = {"model": {"path": MODEL}, "seq_len": 64, "eaft": {"k": 7}}
+    lines = announce.announce(resolve_run(config.build(raw, env={}, world_size=1), gpu=False), gpu=False)
+    assert any(ln.startswith("loss: EAFT: each token's cross-entropy × (entropy of the softmax over its 7 largest "
+                             "logits)^1, without gradient") for ln in lines), lines
