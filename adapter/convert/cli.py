@@ -83,7 +83,8 @@ def run_merge(args) -> int:
     key = "--adapter" if args.adapter else spell(cfg, "lora.init_from")
     if spec is None:  # the transformers engine's adapter: PEFT's own merge on transformers' model
         done = peft.merge_transformers(source.hf_dir(cfg), adapter_dir, out, key=key, dtype=parse_dtype(args.dtype),
-                                       trust_remote_code=cfg.model.trust_remote_code)
+                                       trust_remote_code=cfg.model.trust_remote_code,
+                                       linearized=cfg.model.linearized_experts)
     else:
         done = peft.merge(source.hf_dir(cfg), adapter_dir, out, spec, arch, key=key, dtype=parse_dtype(args.dtype))
     print(f"merged {adapter_dir} into {source.hf_dir(cfg)}: wrote {done} (in fp32, stored as "

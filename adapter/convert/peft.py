@@ -117,14 +117,21 @@ def merge(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, sp
 
 
 def merge_transformers(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, *, key: str,
-                       dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> Path:
+                       dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+                       linearized: bool = False) -> Path:
     """The transformers engine's adapters (PEFT's own format, on transformers' module names): PEFT's
     `merge_and_unload` on the base loaded in fp32, saved in the base's dtype (or `dtype`) with its side files, as
-    `axolotl merge-lora` does; published by one rename."""
+    `axolotl merge-lora` does; published by one rename. A base that lacks some of the model's weights is refused in
+    one line (transformers would start them random and merge into those). `linearized` (model.linearized_experts):
+    the base's experts are Axolotl's per-expert linears, built so to take the adapter, and the merged model is
+    written in transformers' fused layout, as the training export writes it."""
     import peft
     from transformers import AutoConfig
 
+    from adapter.modeling.hf_build import from_pretrained_whole
+    from adapter.modeling.hf_linearized import building, fused_state
     from adapter.models.generic import model_class
+    from adapter.models.linearized import for_model_type
 
     out = Path(out_dir).absolute()
     if out.exists():
@@ -135,13 +142,18 @@ def merge_transformers(base_dir: str | Path, adapter_dir: str | Path, out_dir: s
     config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=trust_remote_code)
     cls = model_class(config, (base_conf.get("architectures") or [None])[0], remote=bool(base_conf.get("auto_map")))
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    model = cls.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
+    record = for_model_type(str(base_conf.get("model_type"))) if linearized else None
+    with building(record):
+        model = from_pretrained_whole(cls, str(base_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
     merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
     built = Path(tempfile.mkdtemp(prefix=f".{out.name}.merge-", dir=out.parent))
     try:
         merged.to(dtype or (stored if isinstance(stored, torch.dtype) else getattr(torch, str(stored))))
-        merged.save_pretrained(str(built))
+        if record is not None:  # back in transformers' layout
+            merged.save_pretrained(str(built), state_dict=fused_state(merged.state_dict(), record))
+        else:
+            merged.save_pretrained(str(built))
         for side in Path(adapter_dir).iterdir():  # the tokenizer and chat template the run trained with
             if side.is_file() and side.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copyfile(side, built / side.name)

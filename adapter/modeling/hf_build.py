@@ -94,7 +94,8 @@ def _built(cls, config, cfg: dict, model_dir: str, *, weights: bool, dtype, quan
 
             kw["quantization_config"] = AutoQuantizationConfig.from_dict({**cfg["quantization_config"],
                                                                           "dequantize": True})
-        model = _from_pretrained(cls, model_dir, config=config, dtype=dtype, new=("score.",) if scores else (), **kw)
+        model = from_pretrained_whole(cls, model_dir, config=config, dtype=dtype, new=("score.",) if scores else (),
+                                      **kw)
     else:
         if dequantize and hasattr(config, "quantization_config"):
             del config.quantization_config  # random 16-bit weights: nothing is quantised, nor will the export be
@@ -104,7 +105,7 @@ def _built(cls, config, cfg: dict, model_dir: str, *, weights: bool, dtype, quan
     return model
 
 
-def _from_pretrained(cls, model_dir: str, new: tuple[str, ...] = (), **kw):
+def from_pretrained_whole(cls, model_dir: str, new: tuple[str, ...] = (), **kw):
     """transformers' from_pretrained, refusing in one line a checkpoint that lacks some of the model's weights:
     transformers would only warn and start them random (a checkpoint saved in another module layout, such as
     Axolotl's linearized Llama 4 experts, loads that way), and the run would train another model. Weights under
@@ -172,12 +173,13 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
            BitsAndBytesConfig(load_in_8bit=True))
     if model_dir is not None and getattr(config, "quantization_config", None) is not None:
         # a pre-quantised bitsandbytes checkpoint (adapter/models/prequant.py): its stored codes, loaded as they are
-        model = _from_pretrained(cls, model_dir, config=config, dtype=dtype, **kw)
+        model = from_pretrained_whole(cls, model_dir, config=config, dtype=dtype, **kw)
     else:
         with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
             if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
                 cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)
-            model = _from_pretrained(cls, model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb, **kw)
+            model = from_pretrained_whole(cls, model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb,
+                                          **kw)
     one_cpu_path(model)  # eval-mode forwards (the eval, reference tables) compute as training ones on any CPU
     return model
 

@@ -100,3 +100,35 @@ def test_another_model_has_no_linearized_layout(tmp_path):
 
     with pytest.raises(UserError, match="has no linearized expert layout"):
         resolve_run(_run(tiny_model(tmp_path / "tok")), gpu=False)
+
+
+def test_merge_lora_takes_the_adapter_on_the_linearized_base_and_writes_transformers_layout(llama4, tmp_path):
+    """`nd-adapter merge-lora` of a linearized run: PEFT's merge on the base built in its layout (an adapter on one
+    expert's projection included), written in transformers' fused layout, so that transformers' own Llama 4 loads
+    it and computes what the adapted model computes; without the key the base is refused in one line (transformers
+    would have started the fused experts random and merged into those)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adapter.convert.peft import merge_transformers
+    from adapter.modeling.hf_build import build_model
+
+    lin = llama4[1]
+    model = build_model(str(lin), weights=True, dtype=torch.float32, seed=0, trust_remote_code=False, linearized=True)
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_projs.0"]))
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # PEFT starts B at zero: a merge of that would change nothing
+    adapted.save_pretrained(str(tmp_path / "adapter"))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = adapted(tokens).logits
+    out = merge_transformers(lin, tmp_path / "adapter", tmp_path / "merged", key="--adapter", linearized=True)
+    merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(merged(tokens).logits, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(UserError, match="llama4_linearized_experts: true"):
+        merge_transformers(lin, tmp_path / "adapter", tmp_path / "merged-2", key="--adapter")
+    assert not (tmp_path / "merged-2").exists()
