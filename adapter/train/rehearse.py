@@ -171,12 +171,38 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
         "data": cfg.data.model_copy(update={"cache_dir": cfg.data.cache_dir or f"{ckdir}/token-cache",
                                             **_sft_rehearsal(cfg, ckdir, seq)}),
     }
-    try:  # its weights: random (model.init above)
-        return resolve_run(cfg.model_copy(update=upd), arch=tiny, weights=weights)
-    except UserError as e:  # the run itself passed every check (main): what fails here is the rehearsal's doing
-        raise UserError(f"the rehearsal's tiny model ({tiny.num_heads} heads of {tiny.head_dim}, hidden "
-                        f"{tiny.hidden_size}) fails a check the model itself passes, an nd-adapter bug to report "
-                        f"(nothing in the config to change): {e}") from None
+    left_out: list[str] = []
+    while True:
+        try:  # its weights: random (model.init above)
+            return resolve_run(cfg.model_copy(update=upd), arch=tiny, weights=weights)
+        except UserError as e:  # the run itself passed every check (main): what fails here is the rehearsal's doing
+            pattern = _unmatched(cfg, str(e))
+            kept = [p for p in upd["model"].unfrozen_parameters or [] if p != pattern]
+            if pattern is None or not kept:
+                raise UserError(f"the rehearsal's tiny model ({tiny.num_heads} heads of {tiny.head_dim}, hidden "
+                                f"{tiny.hidden_size}) fails a check the model itself passes, an nd-adapter bug to "
+                                f"report (nothing in the config to change): {e}") from None
+            left_out.append(pattern)  # names a layer past the tiny model's TINY_LAYERS (the run itself has it)
+            upd["model"] = upd["model"].model_copy(update={"unfrozen_parameters": kept})
+            upd["notes"] = (*said, f"rehearsal: {spell(cfg, 'model.unfrozen_parameters')} patterns that match "
+                            f"nothing in the {tiny.num_layers}-layer tiny model are left out here (the run itself "
+                            f"matches them): {', '.join(left_out)}")
+
+
+def _unmatched(cfg: RunConfig, error: str) -> str | None:
+    """The unfrozen_parameters pattern a refusal names as matching no parameter (adapter/models/freeze.py's line),
+    else None."""
+    import ast
+
+    key = spell(cfg, "model.unfrozen_parameters")
+    head, sep, rest = error.partition(": matches no parameter of ")
+    if not sep or not head.startswith(f"{key}="):
+        return None
+    try:
+        value = ast.literal_eval(head[len(key) + 1:])
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, str) and value in (cfg.model.unfrozen_parameters or []) else None
 
 
 def _sft_rehearsal(cfg: RunConfig, workdir: str, seq: int) -> dict:

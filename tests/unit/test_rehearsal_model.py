@@ -73,3 +73,23 @@ def test_a_rule_the_tiny_model_breaks_is_said_as_the_rehearsal_s(tmp_path, monke
     with pytest.raises(UserError, match=r"^the rehearsal's tiny model \(28 heads of 8, hidden 224\) fails a check the "
                                         r"model itself passes, an nd-adapter bug"):
         rehearse.rehearsal(run, 2, None, str(tmp_path / "work"))
+
+
+def test_unfrozen_patterns_past_the_tiny_model_s_layers_are_left_out_and_said(tmp_path):
+    """Axolotl's Mixtral 8x22B examples unfreeze layers 44-55: the tiny copy has two, so those patterns match nothing
+    there. The rehearsal leaves them out (said in its first lines) and rehearses the rest of the freezing, instead of
+    calling the user's run an nd-adapter bug; a config whose every pattern is lost that way is still said as one."""
+    from adapter import config
+
+    model = str(ROOT / "configs/models/llama-3.2-1b")  # 16 layers, tied embeddings
+    patterns = ["^model.embed_tokens.weight$", "model.layers.1[2-5].mlp.down_proj"]
+    raw = {"model": {"path": model, "unfrozen_parameters": patterns}, "seq_len": 64}
+    run = resolve_run(config.build(raw, env={}, world_size=1))
+    tiny = rehearse.rehearsal(run, 2, None, str(tmp_path / "work"))
+    assert tiny.cfg.model.unfrozen_parameters == patterns[:1]
+    assert any("rehearsal: model.unfrozen_parameters patterns that match nothing in the 2-layer tiny model are "
+               f"left out here (the run itself matches them): {patterns[1]}" in n for n in tiny.cfg.notes)
+    raw["model"]["unfrozen_parameters"] = patterns[1:]
+    run = resolve_run(config.build(raw, env={}, world_size=1))
+    with pytest.raises(UserError, match=r"^the rehearsal's tiny model .* an nd-adapter bug"):
+        rehearse.rehearsal(run, 2, None, str(tmp_path / "work2"))
