@@ -12,7 +12,8 @@ What stands in, so that nothing is downloaded (HF_HUB_OFFLINE=1):
   - each `datasets` / `test_datasets` / `pretraining_dataset` entry: a small JSONL whose columns fit the entry's
     `type` (alpaca's instruction/input/output, chat_template's messages under field_messages with the entry's
     message_property_mappings and roles, completion text under `field`, long enough for `min_sample_len`,
-    input_output segments, chat_template.default preference pairs, pre-tokenised input_ids). The YAML is
+    input_output segments, chat_template.default preference pairs, a reward model's Bradley-Terry pairs,
+    pre-tokenised input_ids). The YAML is
     otherwise unchanged; it runs from a working directory of its own holding a link to the checkout's
     deepspeed_configs/, as a user runs an example from a checkout.
 
@@ -135,6 +136,9 @@ def stand_in_rows(entry: dict, raw: dict, n: int = 64) -> list[dict]:
                      "label": i % 2 == 0} for i in range(n)]
         return [{USER_FIELD.get(strategy, "prompt"): f"Name the number after {i}.", "system": "Be brief.",
                  "completion": f"It is {i + 1 + i % 2}.", "label": i % 2 == 0} for i in range(n)]
+    if t == "bradley_terry.chat_template":  # a reward model's pairs (adapter/data/sft/preference_bt.py)
+        return [{"system": "Be brief.", "input": f"Name the number after {i}.",
+                 "chosen": f"The number after {i} is {i + 1}.", "rejected": f"It is {i + 7}."} for i in range(n)]
     if t == "chat_template.argilla":  # rl: orpo's rows: chosen and rejected conversations (preference_orpo.py)
         def talk(i: int, answer: str) -> list[dict]:
             return [{"role": "user", "content": f"Name the number after {i}."},

@@ -84,3 +84,29 @@ def test_bradley_terry_conversation_is_axolotls():
     row["system"] = "Be brief."
     assert conversation(row, "No.")[0] == {"role": "system", "content": "Be brief."} and \
         len(conversation(row, "No.")) == 3
+
+
+def test_a_template_without_a_system_role_is_one_line_and_drop_system_message_honoured(tmp_path):
+    """Axolotl's Gemma 2 reward-model example: its gemma template raises on the system turn the Bradley-Terry
+    strategy adds (the row's system column), which was an internal error with a traceback; it is one line naming the
+    row and the dataset key that drops the system turn, which Axolotl hands this strategy too and which now works."""
+    from tests.helpers.reward import reward_model, rows
+    from tests.helpers.sft_data import write_jsonl
+
+    model = reward_model(tmp_path)
+    data = write_jsonl(tmp_path / "bt.jsonl", rows(6))
+    raw = {"base_model": str(model), "reward_model": True, "chat_template": "gemma", "sequence_len": 64,
+           "datasets": [{"path": str(data), "type": "bradley_terry.chat_template"}], "micro_batch_size": 1,
+           "dataset_prepared_path": str(tmp_path / "prep"), "output_dir": str(tmp_path / "out"), "max_steps": 1,
+           "learning_rate": 1e-5}
+    conf = tmp_path / "rm.yaml"
+    conf.write_text(yaml.safe_dump(raw))
+    code, _, err = run_cli("preprocess", "--config", str(conf))
+    line = err.strip().splitlines()[-1]  # (after datasets' own progress line)
+    assert code == 2 and line.startswith("nd-adapter: error: datasets[0]='row 0': the chat template failed on it: "
+                                         "TemplateError: System role not supported"), err
+    assert "drop_system_message: true" in line
+    raw["datasets"][0]["drop_system_message"] = True
+    conf.write_text(yaml.safe_dump(raw))
+    code, out, err = run_cli("preprocess", "--config", str(conf))
+    assert code == 0, err

@@ -102,7 +102,9 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
         raise bad(f"{where}.type", t, f"{kind} is a preference type (for {user})", "set that, or use type: "
                   "chat_template")
     given = {k for k in entry.model_fields_set if getattr(entry, k) is not None}
-    stray = sorted(given & CHAT_KEYS) if kind not in ("chat_template", PREFERENCE) else []
+    # a reward model's rows: the template and drop_system_message are read (Axolotl's bradley_terry prompter takes them)
+    bt_keys = {"chat_template", "chat_template_jinja", "drop_system_message"} if kind == BRADLEY_TERRY else set()
+    stray = sorted(given & CHAT_KEYS - bt_keys) if kind not in ("chat_template", PREFERENCE) else []
     stray += sorted(given & PAIR_KEYS) if kind != PREFERENCE else []
     if entry.field is not None and kind != "completion":
         stray.append("field")

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jinja2.exceptions import TemplateError
 
 from adapter.data.sft import formats, sources, templates
 from adapter.data.sft.order import merged_order
@@ -167,7 +168,7 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
         for i, row in enumerate(ds):
             try:
                 if bt:  # whole conversations, cut to sequence_len (preference_bt.py): each sequence is scored
-                    (c_ids, r_ids), c_p, r_p = tokenize_bt(row, tok, template, seq), 0, 0
+                    (c_ids, r_ids), c_p, r_p = tokenize_bt(row, tok, template, seq, entry.drop_system_message), 0, 0
                 else:
                     prompt, chosen, rejected = (render_argilla(row, tok, template) if orpo else
                                                 render(row, entry, tok, template))
@@ -177,6 +178,11 @@ def _pairs(cfg, tok, resolved, vocab_size: int, hf: Path, first: int = 0) -> tup
                           "turns, role and content)" if orpo else "give system, input, chosen and rejected strings"
                           if bt else "give field_messages, field_chosen and field_rejected (and roles / "
                           "message_property_mappings) as the rows spell them") from None
+            except TemplateError as e:  # the template's own raise_exception (Gemma's: no system role)
+                raise bad(where, f"row {i}", f"the chat template failed on it: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}", "set drop_system_message: true on this "
+                          "dataset if it names the system role, or use a chat template that accepts the rows"
+                          ) from None
             if not bt:  # (Axolotl cuts a reward model's pairs to sequence_len and drops none)
                 if not fits(tok, prompt, chosen, rejected, seq):
                     dropped += 1

@@ -17,20 +17,22 @@ from __future__ import annotations
 from typing import Any
 
 
-def conversation(row: dict[str, Any], answer: str) -> list[dict[str, Any]]:
-    """The turns Axolotl's strategy renders for one answer of a row."""
+def conversation(row: dict[str, Any], answer: str, drop_system: bool = False) -> list[dict[str, Any]]:
+    """The turns Axolotl's strategy renders for one answer of a row; `drop_system` (the entry's drop_system_message,
+    which Axolotl hands this strategy's prompter): without the system turn."""
     messages = ([{"role": "system", "content": row["system"]}] if row["system"] else []) + [
         {"role": "user", "content": row["input"]}, {"role": "assistant", "content": answer}]
     if messages[0]["role"] != "system":  # ChatTemplateStrategy.get_conversation_thread: field_system is in the row
         messages = [{"role": "system", "content": row["system"]}, *messages]
-    return messages
+    return messages[1:] if drop_system else messages
 
 
-def tokenize_bt(row: dict[str, Any], tok, template: str, seq_len: int) -> tuple[list[int], list[int]]:
+def tokenize_bt(row: dict[str, Any], tok, template: str, seq_len: int,
+                drop_system: bool = False) -> tuple[list[int], list[int]]:
     """(chosen ids, rejected ids) of one row."""
     out = []
     for key in ("chosen", "rejected"):
-        turns = conversation(row, row[key])
+        turns = conversation(row, row[key], drop_system)
         prompt = tok.apply_chat_template(turns[:-1], add_generation_prompt=True, chat_template=template,
                                          tokenize=True, return_dict=False)
         whole = tok.apply_chat_template(turns, add_generation_prompt=False, chat_template=template, tokenize=True,
