@@ -178,7 +178,12 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
         except UserError as e:  # the run itself passed every check (main): what fails here is the rehearsal's doing
             pattern = _unmatched(cfg, str(e))
             kept = [p for p in upd["model"].unfrozen_parameters or [] if p != pattern]
-            if pattern is None or not kept:
+            if pattern is not None and not kept:  # every pattern names layers the tiny copy lacks
+                key = spell(cfg, "model.unfrozen_parameters")
+                raise bad("rehearse", key, f"the rehearsal's {tiny.num_layers}-layer tiny model has none of the "
+                          f"parameters {key} names ({', '.join([*left_out, pattern])}), so it cannot train a copy "
+                          "of this run", "plan the run and start it directly") from None
+            if pattern is None:
                 raise UserError(f"the rehearsal's tiny model ({tiny.num_heads} heads of {tiny.head_dim}, hidden "
                                 f"{tiny.hidden_size}) fails a check the model itself passes, an nd-adapter bug to "
                                 f"report (nothing in the config to change): {e}") from None
