@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from adapter.errors import bad
+from adapter.errors import UserError, bad
 from adapter.models.arch import ModelArch, padded_vocab_size
 from adapter.models.families import table_for
 from adapter.models.mapping import LAYER, Rule, Vocab, hf_shape
@@ -139,6 +139,15 @@ def resolve(arch: ModelArch, patterns: list[str] | None, key: str = "model.unfro
     return out
 
 
+class UnmatchedPattern(UserError):
+    """`refuse_unmatched`'s line, with the pattern it names (the rehearsal leaves out patterns that name layers its
+    tiny copy lacks: adapter/train/rehearse.py)."""
+
+    def __init__(self, message: str, pattern: str):
+        super().__init__(message)
+        self.pattern = pattern
+
+
 def refuse_unmatched(parsed: list[Pattern], used: list[bool], trained: dict[str, bool], key: str, model: str,
                      tied: str = "") -> None:
     """One line for a pattern that matches no parameter name from its start: a typo, or a parameter the model does
@@ -149,8 +158,9 @@ def refuse_unmatched(parsed: list[Pattern], used: list[bool], trained: dict[str,
         found = [n for n in trained if p.regex.search(n)]
         if not hit and not (found and all(trained[n] for n in found)):
             note = tied if "lm_head" in p.text else ""
-            raise bad(key, p.text, f"matches no parameter of {model}{note}",
-                      "names look like model.layers.0.mlp.down_proj.weight or model.embed_tokens.weight")
+            raise UnmatchedPattern(str(bad(key, p.text, f"matches no parameter of {model}{note}",
+                                           "names look like model.layers.0.mlp.down_proj.weight or "
+                                           "model.embed_tokens.weight")), p.text)
 
 
 def describe(tensors: list[Tensor], arch: ModelArch, key: str) -> str:
@@ -178,4 +188,5 @@ def trained_local(tensors, arch: ModelArch, tp: int, *, vocab_divisible_by: int 
     return total
 
 
-__all__ = ["Pattern", "Tensor", "parse", "resolve", "module_name", "describe", "trained_local", "refuse_unmatched"]
+__all__ = ["Pattern", "Tensor", "parse", "resolve", "module_name", "describe", "trained_local", "refuse_unmatched",
+           "UnmatchedPattern"]

@@ -77,8 +77,6 @@ def check(cfg, arch) -> Linearized | None:
         known = ", ".join(t for r in LAYOUTS for t in r.model_types[:1])
         raise bad(key, True, f"{arch.architecture} has no linearized expert layout (built for: {known})",
                   "remove it: the checkpoint is in transformers' own layout")
-    if arch.native:
-        raise bad(key, True, "linearized experts are a transformers-engine layout", "set model.engine: transformers")
     if cfg.parallelism.tp_size > 1:
         raise bad(key, True, "tensor parallelism over linearized experts is not built (transformers' plan splits "
                   "the fused expert weights)", "use tensor_parallel_size: 1 and shard with dp_shard_size (ZeRO-3)")
@@ -86,11 +84,9 @@ def check(cfg, arch) -> Linearized | None:
 
 
 def sizes(record: Linearized, text: Any) -> tuple[int, list[tuple[ExpertLinear, int, int]]]:
-    """(experts, [(projection, in_features, out_features)]) from the text config (an object or a dict)."""
-    def get(key: str) -> int:
-        return int(text[key] if isinstance(text, dict) else getattr(text, key))
-
-    return get(record.experts_key), [(lin, get(lin.in_key), get(lin.out_key)) for lin in record.linears]
+    """(experts, [(projection, in_features, out_features)]) from the text config."""
+    return (int(getattr(text, record.experts_key)),
+            [(lin, int(getattr(text, lin.in_key)), int(getattr(text, lin.out_key))) for lin in record.linears])
 
 
 def meta_layout(model: Any, record: Linearized) -> int:

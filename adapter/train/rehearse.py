@@ -33,6 +33,7 @@ from adapter.config import RunConfig, spell
 from adapter.errors import UserError, bad
 from adapter.models import announce, generic, source
 from adapter.models.arch import ModelArch, config_path, load_arch
+from adapter.models.freeze import UnmatchedPattern
 from adapter.models.lora import NF4_BLOCK
 from adapter.models.resolved import ResolvedRun, resolve_run
 from adapter.models.source import WeightsSource
@@ -176,7 +177,7 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
         try:  # its weights: random (model.init above)
             return resolve_run(cfg.model_copy(update=upd), arch=tiny, weights=weights)
         except UserError as e:  # the run itself passed every check (main): what fails here is the rehearsal's doing
-            pattern = _unmatched(cfg, str(e))
+            pattern = e.pattern if isinstance(e, UnmatchedPattern) else None
             kept = [p for p in upd["model"].unfrozen_parameters or [] if p != pattern]
             if pattern is not None and not kept:  # every pattern names layers the tiny copy lacks
                 key = spell(cfg, "model.unfrozen_parameters")
@@ -192,22 +193,6 @@ def rehearsal(run: ResolvedRun, steps: int, seq_len: int | None, workdir: str) -
             upd["notes"] = (*said, f"rehearsal: {spell(cfg, 'model.unfrozen_parameters')} patterns that match "
                             f"nothing in the {tiny.num_layers}-layer tiny model are left out here (the run itself "
                             f"matches them): {', '.join(left_out)}")
-
-
-def _unmatched(cfg: RunConfig, error: str) -> str | None:
-    """The unfrozen_parameters pattern a refusal names as matching no parameter (adapter/models/freeze.py's line),
-    else None."""
-    import ast
-
-    key = spell(cfg, "model.unfrozen_parameters")
-    head, sep, rest = error.partition(": matches no parameter of ")
-    if not sep or not head.startswith(f"{key}="):
-        return None
-    try:
-        value = ast.literal_eval(head[len(key) + 1:])
-    except (ValueError, SyntaxError):
-        return None
-    return value if isinstance(value, str) and value in (cfg.model.unfrozen_parameters or []) else None
 
 
 def _sft_rehearsal(cfg: RunConfig, workdir: str, seq: int) -> dict:
