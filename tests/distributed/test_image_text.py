@@ -3,11 +3,13 @@ Gemma3ForConditionalGeneration (and PEFT for LoRA) trained on the same micro-bat
 an Axolotl YAML as its Gemma 3 vision example writes it (skip_prepare_dataset, chat_template gemma3, rows of
 `messages` with an `images` column), a full fine-tune under ZeRO-3 (every weight trained, the vision tower too, and
 the held-out loss), freeze_mm_modules under ZeRO-2 (the towers and projector frozen), and LoRA on the language
-model's linears (a lora_target_modules regex, as the examples give) under ZeRO-3. Each micro-batch of the reference
-is built here from the rows (the image put at the user turn's placeholder, the processor's chat template, its
-padding) and labelled by the format's rule written out here: only the assistant turns' tokens, their <end_of_turn>
-included, are trained; never padding or image tokens. The step's loss is the sum over its trained tokens divided by
-their count over every rank and micro-batch, as transformers' Trainer normalises."""
+model's linears (a lora_target_modules regex, as the examples give) under ZeRO-3; and a second family, Qwen2.5-VL
+(chat_template qwen2_vl: M-RoPE positions and a windowed vision tower), under ZeRO-3. Each micro-batch of the
+reference is built here from the rows (the image put at the user turn's placeholder, the processor's chat template,
+its padding) and labelled by the format's rule written out in tests/helpers/image_text.FAMILIES: only the assistant
+turns' tokens, their closing marker included, are trained; never padding or image tokens. The step's loss is the sum
+over its trained tokens divided by their count over every rank and micro-batch, as transformers' Trainer
+normalises."""
 from __future__ import annotations
 
 import json
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import run_workers
-from tests.helpers.image_text import ANSWERS, gemma3_vlm, reference, rows
+from tests.helpers.image_text import ANSWERS, gemma3_vlm, qwen2_5_vlm, reference, rows
 from tests.helpers.sft_data import write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -27,12 +29,38 @@ RUNS = {"full": ({}, 3, "mm"), "frozen towers": ({"freeze_mm_modules": True}, 2,
         "lora": ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
                   "lora_target_modules": REGEX, "gradient_checkpointing": True}, 3, "mm"),
         # one row in four with an image: micro-batches without any, under ZeRO-3; rendered ahead in a worker process
-        "mixed rows": ({"dataloader_num_workers": 1}, 3, "mixed")}
+        "mixed rows": ({"dataloader_num_workers": 1}, 3, "mixed"),
+        # another family: Qwen2.5-VL (M-RoPE positions the model places from the image grids, a windowed vision
+        # tower over a flat patch list), ZeRO-3 with micro-batches that need the blank filler
+        "qwen": ({"chat_template": "qwen2_vl"}, 3, "mixed")}
+FAMILY = {"qwen": "qwen2_5_vl"}
+
+
+def _model_of(root: Path, name: str) -> Path:
+    return root / ("qwen" if name in FAMILY else "model")
+
+
+def _qwen_processor_here(monkeypatch=None):
+    """AutoProcessor loads Qwen2.5-VL's processor only with torchvision (its video processor), which CPU CI lacks: the
+    test's processor (tests/helpers/image_text.qwen_processor) stands in for it, in this process alone."""
+    import transformers
+
+    from tests.helpers.image_text import qwen_processor
+
+    real = transformers.AutoProcessor.from_pretrained.__func__
+
+    def load(cls, path, *a, **k):
+        return qwen_processor(Path(path)) if Path(path).name == "qwen" else real(cls, path, *a, **k)
+    if monkeypatch is None:  # a worker process of its own
+        transformers.AutoProcessor.from_pretrained = classmethod(load)
+    else:
+        monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", classmethod(load))
 
 
 def _raw(model: Path, root: Path, name: str) -> dict:
     extra, zero, data = RUNS[name]  # (the DeepSpeed JSONs: written once by the test, before any rank reads them)
-    return {"base_model": str(model), "processor_type": "AutoProcessor", "skip_prepare_dataset": True,
+    base = _model_of(root, name) if name in FAMILY else model
+    return {"base_model": str(base), "processor_type": "AutoProcessor", "skip_prepare_dataset": True,
             "remove_unused_columns": False, "sample_packing": False, "chat_template": "gemma3",
             "datasets": [{"path": str(root / f"{data}.jsonl"), "type": "chat_template"}], "sequence_len": 256,
             "dataset_prepared_path": str(root / "prep"), "output_dir": str(root / f"out-{name.split()[0]}"),
@@ -48,6 +76,7 @@ def _worker(rank, world, model, root):
     from tests.helpers.runs import train
 
     init_distributed()
+    _qwen_processor_here()
     out = {}
     for name in RUNS:
         lines: list[str] = []
@@ -57,7 +86,7 @@ def _worker(rank, world, model, root):
     return out
 
 
-def test_image_text_sft_matches_transformers(tmp_path):
+def test_image_text_sft_matches_transformers(tmp_path, monkeypatch):
     import numpy as np
     from transformers import AutoProcessor
 
@@ -67,6 +96,7 @@ def test_image_text_sft_matches_transformers(tmp_path):
     from adapter.errors import UserError
 
     model = gemma3_vlm(tmp_path)
+    qwen2_5_vlm(tmp_path)
     data_rows = rows(tmp_path, N)
     write_jsonl(tmp_path / "mm.jsonl", data_rows)
     write_jsonl(tmp_path / "mixed.jsonl", rows(tmp_path, N, images_every=4))
@@ -87,10 +117,13 @@ def test_image_text_sft_matches_transformers(tmp_path):
         assert tok.decode(trained) == row["messages"][-1]["content"] + "<end_of_turn>", tok.decode(trained)
     assert "mm_pixel_values" in batch and "mm_token_type_ids" in batch and "mm_attention_mask" in batch
 
+    _qwen_processor_here(monkeypatch)
+
     def same_batches(name):
         """The same rows in the same micro-batches: each step, micro-batch j of every rank (DPSampler's order)."""
         c = config.build(_raw(model, tmp_path, name), env={}, world_size=WORLD)
-        tr, he, _ = load(c, model, model, 10 ** 6)
+        m = _model_of(tmp_path, name)
+        tr, he, _ = load(c, m, m, 10 ** 6)
         split_train = [tr.rows[i] for i in range(len(tr))]
         its = [iter(DPSampler(len(split_train), dp_rank=r, dp_size=WORLD, micro_batch=MB, seed=c.data.seed))
                for r in range(WORLD)]
@@ -100,10 +133,11 @@ def test_image_text_sft_matches_transformers(tmp_path):
     for name in RUNS:
         losses, evals, lines = got[name]
         order, held = same_batches(name)
-        if name == "mixed rows":  # the filler ran: some rank's micro-batch held no image
+        if name in ("mixed rows", "qwen"):  # the filler ran: some rank's micro-batch held no image
             assert any(not any(r.get("images") for r in micro) for step in order for micro in step)
-        want, want_eval, _ = reference(model, order, held, lr=LR, freeze_towers=name == "frozen towers",
-                                       lora=REGEX if name == "lora" else None)
+        want, want_eval, _ = reference(_model_of(tmp_path, name), order, held, lr=LR,
+                                       freeze_towers=name == "frozen towers", lora=REGEX if name == "lora" else None,
+                                       family=FAMILY.get(name, "gemma3"))
         assert len(losses) == STEPS and np.allclose(losses, want, rtol=1e-5, atol=0), (name, losses, want)
         assert abs(want[-1] - want[0]) > 1e-3, want  # it trained
         assert any("an image-text run" in ln for ln in lines), lines

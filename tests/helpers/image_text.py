@@ -90,12 +90,24 @@ def rows(root: Path, n: int, images_every: int = 1) -> list[dict]:
     return out
 
 
-def batch(processor, rows: list[dict], size: int = SIZE):
+# each family's reference rule: its model class, the assistant turn's opening and closing markers (the answer and
+# its closing marker trained), its media tokens (never trained), and the side its images are letterboxed to (None:
+# left as they are, the processor resizes them)
+FAMILIES = {
+    "gemma3": dict(model="Gemma3ForConditionalGeneration", start="<start_of_turn>model\n", end="<end_of_turn>",
+                   media=("<start_of_image>", "<image_soft_token>"), size=SIZE),
+    "qwen2_5_vl": dict(model="Qwen2_5_VLForConditionalGeneration", start="<|im_start|>assistant\n", end="<|im_end|>",
+                       media=("<|image_pad|>",), size=None),
+}
+
+
+def batch(processor, rows: list[dict], size: int | None = SIZE, family: str = "gemma3"):
     """A micro-batch as the reference builds it: the image at the placeholder, the processor's rendering, labels
-    by the format's rule (module docstring)."""
+    by the format's rule (module docstring; FAMILIES)."""
     import torch
     from PIL import Image, ImageOps
 
+    fam = FAMILIES[family]
     convs = []
     for r in rows:
         msgs = json.loads(json.dumps(r["messages"]))
@@ -104,13 +116,14 @@ def batch(processor, rows: list[dict], size: int = SIZE):
             for c in m["content"]:
                 if c.get("type") == "image":  # letterboxed to the tower's image_size, as Axolotl fills it in
                     img = Image.open(r["images"][0]).convert("RGB")
-                    c["image"] = ImageOps.pad(img, (size, size), method=Image.Resampling.BILINEAR, color=(0, 0, 0))
+                    c["image"] = img if size is None else ImageOps.pad(
+                        img, (size, size), method=Image.Resampling.BILINEAR, color=(0, 0, 0))
         convs.append(msgs)
     b = processor.apply_chat_template(convs, add_generation_prompt=False, tokenize=True, return_tensors="pt",
                                       return_dict=True, processor_kwargs={"padding": True})
     tok = processor.tokenizer
-    start = tok.encode("<start_of_turn>model\n", add_special_tokens=False)
-    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    start = tok.encode(fam["start"], add_special_tokens=False)
+    end = tok.convert_tokens_to_ids(fam["end"])
     labels = torch.full_like(b["input_ids"], -100)
     for i, ids in enumerate(b["input_ids"].tolist()):
         j = 0
@@ -124,25 +137,28 @@ def batch(processor, rows: list[dict], size: int = SIZE):
                     labels[i, k] = end
                 j = k
             j += 1
-    media = {tok.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<image_soft_token>")}
+    media = {tok.convert_tokens_to_ids(t) for t in fam["media"]}
     for t in media | {tok.pad_token_id}:
         labels[b["input_ids"] == t] = -100
     return b, labels
 
 
 def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = False, lora: str | None = None,
-              device: str = "cpu"):
+              device: str = "cpu", family: str = "gemma3"):
     """transformers' model (PEFT's for LoRA on the modules the regex `lora` names; the towers and projector frozen
     with `freeze_towers`, as Axolotl's freeze_mm_modules) trained on `order` (per step: the micro-batches of every
     rank, each a list of rows) with AdamW (Axolotl's betas, no decay): losses per step, and the held-out loss (Σ over
     its tokens / their count) after the last, and the model."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+    import transformers
+    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(str(model_dir))
+    fam = FAMILIES[family]
+    processor = qwen_processor(model_dir) if family == "qwen2_5_vl" else AutoProcessor.from_pretrained(str(model_dir))
     processor.tokenizer.chat_template = processor.chat_template
-    model = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    cls = getattr(transformers, fam["model"])
+    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     if freeze_towers:  # Axolotl's freeze_mm_modules
         for n, p in model.named_parameters():
             if {"vision_tower", "multi_modal_projector"} & set(n.split(".")):
@@ -157,7 +173,7 @@ def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = 
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
     def sums(micro):
-        b, labels = batch(processor, micro)
+        b, labels = batch(processor, micro, fam["size"], family)
         b, labels = b.to(device), labels.to(device)
         logits = model(**b).logits.float()
         target = labels[:, 1:]
@@ -166,7 +182,7 @@ def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = 
 
     losses = []
     for step in order:
-        parts = [batch(processor, m)[1][:, 1:].ne(-100).sum().item() for m in step]
+        parts = [batch(processor, m, fam["size"], family)[1][:, 1:].ne(-100).sum().item() for m in step]
         count = sum(parts)
         total = 0.0
         for m in step:
@@ -182,4 +198,70 @@ def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = 
     return losses, float(ce) / n, model
 
 
-__all__ = ["ANSWERS", "SIZE", "gemma3_vlm", "rows", "batch", "reference"]
+def qwen2_5_vlm(root: Path, seed: int = 0) -> Path:
+    """root/qwen: a tiny Qwen2.5-VL checkpoint (two vision blocks, one of them windowed; M-RoPE text layers) with its
+    tokenizer, image processor and chat template; `qwen_processor` builds its processor. Saved without the video
+    processor, which transformers builds only with torchvision (not a dependency here)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from adapter.data.sft.templates import BUILTIN
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(ANSWERS) + " user assistant system describe image what is this"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ft = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    out = root / "qwen"
+    out.mkdir(parents=True, exist_ok=True)
+    ft.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(BUILTIN["qwen2_vl"])
+    # 28-pixel patches merged 2 × 2: a 56-pixel square is one merged token a side
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56 * 4, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(out)
+    ids = ft.convert_tokens_to_ids
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(ft), pad_token_id=ids("<|endoftext|>"),
+                         eos_token_id=ids("<|im_end|>"), bos_token_id=None,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[1], window_size=56),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        architectures=["Qwen2_5_VLForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+    model.save_pretrained(out)
+    return out
+
+
+def qwen_processor(model_dir: Path):
+    """Qwen2_5_VLProcessor over the checkpoint's image processor and tokenizer, without its video processor
+    (transformers' class check asks for one; nothing here renders video)."""
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    proc = object.__new__(Qwen2_5_VLProcessor)
+    proc.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+    proc.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    proc.video_processor = None
+    proc.chat_template = (model_dir / "chat_template.jinja").read_text()
+    for k in ("image_token", "video_token"):
+        setattr(proc, k, getattr(proc.tokenizer, k))
+    proc.image_token_id = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
+    proc.video_token_id = proc.tokenizer.convert_tokens_to_ids(proc.video_token)
+    return proc
+
+
+__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "qwen2_5_vlm", "qwen_processor", "rows", "batch", "reference"]

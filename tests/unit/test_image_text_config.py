@@ -156,3 +156,25 @@ def test_gated_vision_mlps_count_three_linears():
         (100, 5120, 1280)) == 1
     assert vision_activation_bytes(qwen25, 10, 2) == 32 * 10 * 2 * (8 * 1280 + 4 * 3420)
     assert vision_activation_bytes(qwen2, 10, 2) == 32 * 10 * 2 * (8 * 1280 + 2 * 5120)
+
+
+def test_a_processor_needing_an_absent_package_is_one_line(tmp_path, monkeypatch):
+    """transformers raises ImportError where a processor's part needs a missing backend (Qwen2-VL's video processor
+    and torchvision): said in one line naming the package, not a traceback."""
+    import transformers
+
+    from adapter.data.sft.multimodal import load
+    from adapter.errors import UserError
+
+    def lacking(*_a, **_k):
+        raise ImportError("\nQwen2VLVideoProcessor requires the Torchvision library but it was not found in your "
+                          "environment. Check out the instructions on the\ninstallation page: ...")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", lacking)
+    raw = {**yaml.safe_load(EXAMPLE.read_text()), "datasets": [{"path": str(tmp_path / "x.jsonl"),
+                                                               "type": "chat_template"}]}
+    with pytest.raises(UserError) as e:
+        load(config.build(raw, env={}, world_size=1), tmp_path, tmp_path, 100)
+    line = str(e.value)
+    assert "\n" not in line and "Qwen2VLVideoProcessor requires the Torchvision library" in line, line
+    assert "install torchvision" in line, line

@@ -369,6 +369,12 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
     try:
         processor = cls.from_pretrained(str(model_dir), trust_remote_code=cfg.model.trust_remote_code,
                                         **(d.processor_kwargs or {}))
+    except ImportError as e:  # transformers' requires_backends: e.g. Qwen2-VL's video processor needs torchvision
+        said = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        package = "torchvision" if "torchvision" in str(e).lower() else "the package it names"
+        raise bad(spell(cfg, "data.processor_type"), name, f"the checkpoint's processor needs a package this "
+                  f"environment lacks: {said[:160]}", f"install {package} (the build that matches your torch), "
+                  "as Axolotl's environment has it") from None
     except (OSError, ValueError, TypeError) as e:
         raise bad(spell(cfg, "data.processor_type"), name, f"the checkpoint's processor does not load from "
                   f"{model_dir}: {str(e).splitlines()[0][:160]}", "point base_model at a directory with the "
