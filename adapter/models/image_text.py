@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from adapter.errors import bad
 
-# Axolotl's image-text formats not written as records yet (adapter/data/sft/multimodal.STRATEGIES), by chat template
-# name and by processor class (Axolotl picks the format by them)
+# Axolotl's image-text formats not written as records yet (adapter/data/sft/multimodal_formats.STRATEGIES), by chat
+# template name and by processor class (Axolotl picks the format by them)
 UNBUILT_TEMPLATES = ("gemma3n",)
 UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor")
 

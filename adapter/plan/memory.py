@@ -188,8 +188,8 @@ def peft_activations(run: ResolvedRun, *, tokens: int) -> int:
 
 def vision_load(run: ResolvedRun) -> tuple[int, int, bool]:
     """(images per micro-batch, patches the vision tower sees per image, whether it trains) of an image-text run:
-    one image a row, as Axolotl's multimodal path takes each row's first (ZeRO-3's blank filler, at most one more
-    where a micro-batch has none, is not counted); the tower trains in a full fine-tune without freeze_mm_modules
+    one image a row, as Axolotl's multimodal path takes each row's first (the blank filler of ZeRO-3 or dp > 1, one
+    more where a micro-batch has none, is not counted); the tower trains in a full fine-tune without freeze_mm_modules
     (adapters and unfrozen_parameters leave it frozen: its forward only, nothing kept). Read by the memory and the
     time model alike; (0, 0, False) for text runs and towers config.json does not describe."""
     cfg, v = run.cfg, run.arch.vision

@@ -62,8 +62,10 @@ def load(run: ResolvedRun, rank: int, *, synthetic: bool, log=print) -> RunData:
     elif cfg.data.processor_type:  # image-text rows, batched by the processor (adapter/data/sft/multimodal.py)
         from adapter.data.sft import multimodal
 
+        # every rank runs the towers in every micro-batch where their weights are gathered (ZeRO-3) or their
+        # gradients reduced (any data parallelism): multimodal.MultimodalRows.filler
         dataset, val, template = multimodal.load(cfg, run.weights.model_dir, source.tokenizer_dir(cfg),
-                                                 run.arch.vocab_size, zero3=run.zero_stage == 3)
+                                                 run.arch.vocab_size, filler=run.zero_stage == 3 or layout.dp > 1)
         sft = dataset
         if rank == 0:
             log(f"data: {len(dataset)} image-text rows" + (f", {len(val)} held out" if val is not None else "") +

@@ -98,6 +98,8 @@ FAMILIES = {
                    media=("<start_of_image>", "<image_soft_token>"), size=SIZE),
     "qwen2_5_vl": dict(model="Qwen2_5_VLForConditionalGeneration", start="<|im_start|>assistant\n", end="<|im_end|>",
                        media=("<|image_pad|>",), size=None),
+    "mllama": dict(model="MllamaForConditionalGeneration", start="<|start_header_id|>assistant<|end_header_id|>\n\n",
+                   end="<|eot_id|>", media=("<|image|>",), size=SIZE),
 }
 
 
@@ -246,6 +248,49 @@ def qwen2_5_vlm(root: Path, seed: int = 0) -> Path:
     return out
 
 
+def mllama_vlm(root: Path, seed: int = 0) -> Path:
+    """root/mllama: a tiny Llama 3.2 Vision checkpoint (MllamaForConditionalGeneration: a tiled vision tower whose
+    states the language model reads by a cross-attention layer) with its processor and chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor, PreTrainedTokenizerFast
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    from adapter.data.sft.templates import BUILTIN
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|image|>", "<|finetune_right_pad_id|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(ANSWERS) + " user assistant system describe image what is this"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ft = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                 pad_token="<|finetune_right_pad_id|>")
+    out = root / "mllama"
+    MllamaProcessor(image_processor=MllamaImageProcessorPil(size={"height": SIZE, "width": SIZE}, max_image_tiles=2),
+                    tokenizer=ft, chat_template=BUILTIN["llama3_2_vision"]).save_pretrained(out)
+    ids = ft.convert_tokens_to_ids
+    cfg = MllamaConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                           intermediate_size=64, vision_output_dim=96, image_size=SIZE, patch_size=14,
+                           max_num_tiles=2, intermediate_layers_indices=[0, 1],
+                           supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]]),
+        text_config=dict(vocab_size=len(ft) + 8, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, cross_attention_layers=[1],
+                         bos_token_id=ids("<|begin_of_text|>"), eos_token_id=ids("<|eot_id|>"),
+                         pad_token_id=ids("<|finetune_right_pad_id|>")),
+        image_token_index=ids("<|image|>"), architectures=["MllamaForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = MllamaForConditionalGeneration(cfg)
+    with torch.no_grad():  # (the cross-attention gates start at 0 in transformers: spread, they let the image in)
+        for n, p in model.named_parameters():
+            p.mul_(3.0) if p.dim() > 1 else p.fill_(0.5) if "gate" in n else None
+    model.save_pretrained(out)
+    return out
+
+
 def qwen_processor(model_dir: Path):
     """Qwen2_5_VLProcessor over the checkpoint's image processor and tokenizer, without its video processor
     (transformers' class check asks for one; nothing here renders video)."""
@@ -264,4 +309,5 @@ def qwen_processor(model_dir: Path):
     return proc
 
 
-__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "qwen2_5_vlm", "qwen_processor", "rows", "batch", "reference"]
+__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "mllama_vlm", "qwen2_5_vlm", "qwen_processor", "rows", "batch",
+           "reference"]

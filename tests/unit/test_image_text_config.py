@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from adapter import config
-from adapter.data.sft.multimodal import role_keep
+from adapter.data.sft.multimodal_formats import role_keep
 from tests.helpers.cli import run_cli
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "axolotl"
@@ -80,7 +80,7 @@ def test_formats_are_picked_as_axolotl_picks_them():
     record's markers resolved on a tokenizer ("<eos>": its EOS id; a marker that does not encode is dropped)."""
     from types import SimpleNamespace
 
-    from adapter.data.sft.multimodal import STRATEGIES, boundaries, media_ids, strategy_name
+    from adapter.data.sft.multimodal_formats import STRATEGIES, boundaries, media_ids, strategy_name
 
     def proc(name, **attrs):
         return type(name, (), attrs)()

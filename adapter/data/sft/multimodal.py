@@ -11,180 +11,25 @@ tensors. Labels are the input ids, less padding, the model's media tokens and, w
 every token outside a trained role's turn (Axolotl's `_compute_role_keep_mask`: `roles_to_train`, `train_on_eos`,
 `train_on_inputs`). No sequence is cut: Axolotl's collator ignores sequence_len here.
 
-The formats are records (STRATEGIES: role markers and media tokens), picked as Axolotl's get_processing_strategy
-picks them: by the chat template's name, else the processor's class, else the base format (media tokens only, every
-other token trained, as Axolotl warns). Formats not written here are refused in one line.
+The formats (role markers and media tokens) are records in adapter/data/sft/multimodal_formats.py.
 """
 from __future__ import annotations
 
 from copy import deepcopy
-from dataclasses import dataclass
 
 import numpy as np
 
+from adapter.data.sft.multimodal_formats import STRATEGIES, boundaries, media_ids, role_keep, strategy_name
 from adapter.errors import bad
-from adapter.models.image_text import UNBUILT_PROCESSORS, UNBUILT_TEMPLATES
 
-# role markers: (role, start, end, include_start, include_end); an empty end runs to the end of the sequence, "<eos>"
-# is the tokenizer's EOS id
-Marker = tuple[str, str, str, bool, bool]
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One of Axolotl's ProcessingStrategy classes as data: its role markers and the tokens never trained."""
-    markers: tuple[Marker, ...] = ()
-    media: tuple[str, ...] = ("<processor.image_token>",)  # token strings; "<processor.x>" / "<tokenizer.x>": that
-    # object's attribute x (a token, a token's id, or a list of ids), skipped where it has none
-    soft_token_fallback: int | None = None  # Gemma 3: <image_soft_token>'s id where the vocabulary lacks it
-
-
-def _turns(fmt: str, end: str, roles: tuple[str, ...], names: dict[str, str] | None = None) -> tuple[Marker, ...]:
-    names = names or {}
-    return tuple((r, fmt.format(names.get(r, r)), end, False, True) for r in roles)
-
-
-_CHATML = _turns("<|im_start|>{}\n", "<|im_end|>", ("system", "user", "assistant"))
-_LLAMA_ROLES = ("system", "user", "assistant", "ipython", "tool")
-# Pixtral's [/INST] ends the user turn and opens the assistant's: the user's end is not consumed
-_INST = (("user", "[INST]", "[/INST]", False, False), ("assistant", "[/INST]", "<eos>", False, True))
-STRATEGIES: dict[str, Strategy] = {
-    "base": Strategy(),
-    "qwen2_vl": Strategy(_CHATML, ("<|image_pad|>",)),
-    "qwen3_5": Strategy(_CHATML, ("<|image_pad|>", "<|video_pad|>")),
-    # Gemma 3's template folds the system turn into the first user turn: no system marker
-    "gemma3": Strategy(_turns("<start_of_turn>{}\n", "<end_of_turn>", ("assistant", "user"), {"assistant": "model"}),
-                       ("<tokenizer.boi_token>", "<image_soft_token>"), soft_token_fallback=262144),
-    "llama3_2_vision": Strategy(_turns("<|start_header_id|>{}<|end_header_id|>\n\n", "<|eot_id|>", _LLAMA_ROLES)),
-    "llama4": Strategy(_turns("<|header_start|>{}<|header_end|>\n\n", "<|eot|>", _LLAMA_ROLES)),
-    # Gemma 4: its turn markers; every media token and delimiter the processor and tokenizer name
-    "gemma4": Strategy(_turns("<|turn>{}\n", "<turn|>", ("assistant", "user", "system"), {"assistant": "model"}),
-                       ("<processor.image_token>", "<tokenizer.image_token_id>", "<tokenizer.audio_token_id>",
-                        "<processor.boi_token>", "<processor.eoi_token>", "<processor.boa_token>",
-                        "<processor.eoa_token>", "<processor.video_token_id>")),
-    "pixtral": Strategy(_INST),
-    "mistral_v7_tekken": Strategy((("system", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", False, True), *_INST)),
-    "smolvlm2": Strategy((), ("<image>",)),
-    "glm4v": Strategy((), ("<|image|>", "<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>",
-                           "<|end_of_video|>")),
-    "internvl": Strategy((), ("<processor.image_ids>",)),
-    "paddleocr_vl": Strategy((("user", "User:", "Assistant:\n", False, False),
-                              ("assistant", "Assistant:\n", "<eos>", False, True))),
-}
-# the formats Axolotl picks by the processor's class where the chat template names none of the above (PaddleOCR-VL's
-# before the template: Axolotl's model-support registry)
-BY_PROCESSOR = {"SmolVLMProcessor": "smolvlm2", "Glm4vProcessor": "glm4v", "Glm46VProcessor": "glm4v",
-                "InternVLProcessor": "internvl", "PaddleOCRVLProcessor": "paddleocr_vl"}
+# models whose language layers read the image by cross-attention, run only in micro-batches that hold one
+CROSS_ATTENTION = ("mllama",)
 RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 IMAGE_COLUMNS = ("images", "image")  # a row's image column, the first of these it has (Axolotl's)
 
 
 def _image_column(names) -> str | None:
     return next((k for k in IMAGE_COLUMNS if k in names), None)
-
-
-def strategy_name(chat_template: str | None, processor) -> str:
-    """Axolotl's choice of format: the chat template's name, else the processor's class, else "base"."""
-    if chat_template in UNBUILT_TEMPLATES:
-        raise bad("chat_template", chat_template, f"the {chat_template} image-text format (its role markers and media "
-                  "tokens) is not built for processor_type runs", f"use one of {', '.join(STRATEGIES)}")
-    cls = type(processor).__name__
-    if cls == "PaddleOCRVLProcessor":
-        return BY_PROCESSOR[cls]
-    if chat_template in STRATEGIES:
-        return chat_template
-    if chat_template == "gemma4_unified":  # Gemma 4's turns and media tokens (Axolotl's subclass changes nothing)
-        return "gemma4"
-    if cls in UNBUILT_PROCESSORS:
-        raise bad("processor_type", cls, f"{cls}'s image-text format (its media tokens) is not built",
-                  "run this config with Axolotl")
-    return BY_PROCESSOR.get(cls, "base")
-
-
-def media_ids(strategy: Strategy, processor) -> list[int]:
-    """The token ids never trained besides padding: the format's media tokens, resolved as Axolotl resolves them."""
-    tok = processor.tokenizer
-    out = []
-    for m in strategy.media:
-        if m.startswith("<processor.") or m.startswith("<tokenizer."):
-            owner, attr = (processor, m[11:-1]) if m.startswith("<processor.") else (tok, m[11:-1])
-            m = getattr(owner, attr, None)
-            if m is None:
-                continue
-            if isinstance(m, (list, tuple)):  # ids already (InternVL's image_ids)
-                out += [int(i) for i in m if i is not None]
-                continue
-            if isinstance(m, int):  # an id (Gemma 4's image_token_id, ...)
-                out += [m] if m != getattr(tok, "unk_token_id", None) else []
-                continue
-        i = tok.convert_tokens_to_ids(m)
-        if i is None or i == getattr(tok, "unk_token_id", None):
-            if strategy.soft_token_fallback is not None and m == "<image_soft_token>":
-                out.append(strategy.soft_token_fallback)
-            continue
-        out.append(int(i))
-    return out
-
-
-def boundaries(strategy: Strategy, tok) -> list[tuple[str, list[int], list[int], bool, bool]]:
-    """The markers as token ids (`encode(..., add_special_tokens=False)`; "<eos>": the EOS id); a marker whose start
-    or end encodes to nothing is dropped (Axolotl's _build_role_boundaries)."""
-    out = []
-    for role, start, end, inc_start, inc_end in strategy.markers:
-        eos = getattr(tok, "eos_token_id", None)
-        end_ids = ([eos] if eos is not None else []) if end == "<eos>" else \
-            tok.encode(end, add_special_tokens=False) if end else []
-        if end and not end_ids:
-            continue
-        start_ids = tok.encode(start, add_special_tokens=False)
-        if start_ids:
-            out.append((role, start_ids, end_ids, inc_start, inc_end))
-    return out
-
-
-def role_keep(ids: list[int], bounds, roles: set[str], train_on_eos: str) -> list[bool]:
-    """Axolotl's _compute_role_keep_mask for one row: scanning left to right, the longest start marker at a position
-    (the first declared on a tie) opens a turn that runs to its end marker (or the sequence's end); a trained role's
-    content is kept, its start marker where include_start, its end marker where include_end and train_on_eos is
-    "turn" or "all" ("last": only the last trained turn's); "all" keeps other roles' end markers too. An end marker
-    not included is not consumed (it may open the next turn)."""
-    n, keep, j = len(ids), [False] * len(ids), 0
-    last = None
-
-    def at(k, seq):
-        return bool(seq) and k + len(seq) <= n and ids[k:k + len(seq)] == seq
-
-    while j < n:
-        best = None
-        for b in bounds:
-            if at(j, b[1]) and (best is None or len(b[1]) > len(best[1])):
-                best = b
-        if best is None:
-            j += 1
-            continue
-        role, start, end, inc_start, inc_end = best
-        content = j + len(start)
-        after, found = n, False
-        if end:
-            k = content
-            while k < n and not at(k, end):
-                k += 1
-            after, found = (k + len(end), True) if k < n else (n, False)
-        stop = after - len(end) if found else after
-        if role in roles:
-            if inc_start:
-                keep[j:content] = [True] * (content - j)
-            keep[content:stop] = [True] * (stop - content)
-            if found and inc_end and train_on_eos not in ("none", "last"):
-                keep[stop:after] = [True] * (after - stop)
-            if found and inc_end and train_on_eos == "last":
-                last = (stop, after)
-        elif found and inc_end and train_on_eos == "all":
-            keep[stop:after] = [True] * (after - stop)
-        j = after - len(end) if found and not inc_end and end else after
-    if train_on_eos == "last" and last is not None:
-        keep[last[0]:last[1]] = [True] * (last[1] - last[0])
-    return keep
 
 
 def _content(message: dict) -> dict | None:
@@ -202,8 +47,9 @@ def _without_none(x):
     return x
 
 
-def normalise(row: dict, *, fields: tuple[str, ...], image_size, resample: str) -> dict:
-    """One row as Axolotl's ProcessingStrategy.__call__ leaves it: {"messages": [...]} with the column image placed."""
+def normalise(row: dict, *, fields: tuple[str, ...], image_size, resample: str, load: bool = True) -> dict:
+    """One row as Axolotl's ProcessingStrategy.__call__ leaves it: {"messages": [...]} with the column image placed
+    (`load` False: its path or URL placed unread, for rendering the chat template's text alone)."""
     from PIL import Image, ImageOps
     from transformers.image_utils import load_image
 
@@ -232,7 +78,7 @@ def normalise(row: dict, *, fields: tuple[str, ...], image_size, resample: str) 
         if not isinstance(value, (list, tuple)) or not value:
             raise bad("datasets", key, f"the `{key}` column must hold a list of images", f"write {key}: [path]")
         try:
-            img = load_image(value[0])
+            img = load_image(value[0]) if load else value[0]
         except (OSError, ValueError) as e:  # a missing file, an offline URL, bytes PIL cannot read
             raise bad("datasets", str(value[0])[:120], f"an image that does not load ({str(e).splitlines()[0][:120]})",
                       "give a readable file (a relative path is read from the working directory, as Axolotl reads "
@@ -266,7 +112,7 @@ class MultimodalRows:
     def __init__(self, rows, processor, strategy: str, *, chat_template: str | None, fields: tuple[str, ...],
                  image_size=None, resample: str = "BILINEAR", train_on_inputs: bool = False,
                  roles: tuple[str, ...] = ("assistant",), train_on_eos: str = "turn", blank_filler: bool = False):
-        self.blank_filler = blank_filler  # ZeRO-3: a micro-batch without an image gets a blank one (`collate`)
+        self.blank_filler = blank_filler  # a micro-batch without an image gets a blank one (`filler`)
         self.rows, self.processor, self.strategy = rows, processor, STRATEGIES[strategy]
         self.chat_template, self.fields, self.image_size, self.resample = chat_template, fields, image_size, resample
         self.train_on_inputs, self.roles, self.train_on_eos = train_on_inputs, set(roles), train_on_eos
@@ -294,12 +140,14 @@ class MultimodalRows:
                                                        processor_kwargs={"padding": True}))
 
     def filler(self) -> dict:
-        """The row a micro-batch without an image gets under ZeRO-3: a user turn holding one black image of
-        `image_size` (224 pixels where unset), nothing of it trained. ZeRO-3 gathers the vision tower's weights
-        collectively, at each call of the tower: a rank whose micro-batch had no image would skip the tower while its
-        peers wait in its gathers. With the filler every rank calls the tower in every forward (and its backward),
-        in the model's own order. It is rendered apart and joined below the rows as `_with_filler` says, so the
-        rows' tokens, positions and losses are the ones they have without it; its own tokens are not trained."""
+        """The row a micro-batch without an image gets under ZeRO-3 or data parallelism: a user turn holding one
+        black image of `image_size` (224 pixels where unset), nothing of it trained. ZeRO-3 gathers the vision
+        tower's weights collectively at each call of the tower, and ZeRO-1/2 reduce the gradients in buckets that
+        every rank fills alike: a rank whose micro-batch had no image would skip the tower while its peers wait in
+        its gathers, or reduce a bucket of other parameters than theirs (DeepSpeed fails in its all-reduce). With
+        the filler every rank calls the tower in every forward (and its backward), in the model's own order. It is
+        rendered apart and joined below the rows as `_with_filler` says, so the rows' tokens, positions and losses
+        are the ones they have without it; its own tokens are not trained, so the tower's gradient is the rows'."""
         from PIL import Image
 
         size = self.image_size or 224
@@ -317,13 +165,36 @@ class MultimodalRows:
             keep &= ids != t
         return np.where(keep, ids, -100)
 
+    def check_template(self, at: list[int] | None = None) -> None:
+        """Render the chat template's text for rows `at` (every row where None), images unread: a row the template
+        refuses (Llama 3.2 Vision's raises on a system turn beside an image) is one line naming it, before training
+        (`preprocess`) or at the micro-batch that holds it, not a template's traceback."""
+        from jinja2.exceptions import TemplateError
+
+        for i in range(len(self.rows)) if at is None else at:
+            conv = normalise(self.rows[i], fields=self.fields, image_size=None, resample=self.resample, load=False)
+            try:
+                self.processor.apply_chat_template([conv["messages"]], tokenize=False, add_generation_prompt=False,
+                                                   chat_template=self.chat_template)
+            except TemplateError as e:
+                first = next((c.get("text") for m in conv["messages"] for c in m["content"] if c.get("text")), "")
+                raise bad("datasets", first[:60], f"the chat template refuses the row whose text starts so: "
+                          f"{str(e)[:160].rstrip('.')}",
+                          "fix or drop the row (e.g. its system turn), or set a chat_template that renders it") \
+                    from None
+
     def collate(self, items: list[dict]) -> dict:
         import torch
+        from jinja2.exceptions import TemplateError
 
         rows = [normalise(self.rows[int(it["row"][0])], fields=self.fields, image_size=self.image_size,
                           resample=self.resample) for it in items]
         flags = [float(it["loss_mask"][0]) for it in items]
-        batch = self._render([r["messages"] for r in rows])
+        try:
+            batch = self._render([r["messages"] for r in rows])
+        except TemplateError:
+            self.check_template([int(it["row"][0]) for it in items])  # names the row
+            raise
         if self.blank_filler and not any(map(_has_image, rows)):
             batch = _with_filler(batch, self._render([self.filler()["messages"]]),
                                  getattr(self.processor.tokenizer, "pad_token_id", None) or 0)
@@ -338,15 +209,15 @@ class MultimodalRows:
         return {"tokens": ids, "labels": labels, "loss_mask": mask, **{f"mm_{k}": v for k, v in batch.items()}}
 
 
-def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
+def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, filler: bool = False
          ) -> tuple[MultimodalRows, MultimodalRows | None, str | None]:
     """(training rows, held-out rows or None, the chat template) of a processor_type run: the checkpoint's processor
     (AutoProcessor or the named class, `processor_kwargs` to its from_pretrained) with the run's tokenizer in it (its
     special tokens and tokens added), the datasets' rows merged in order, `val_set_size`'s share held out as for
     preference rows. The template: `chat_template` by name or jinja, else the tokenizer's, else the processor's.
-    `image_size` unset takes the checkpoint's vision_config.image_size, as Axolotl fills it in. `zero3`: a micro-
-    batch without an image gets a blank one in an untrained row (MultimodalRows.filler: ZeRO-3 gathers the vision
-    tower's weights collectively, so a rank that skipped the tower would stall its peers)."""
+    `image_size` unset takes the checkpoint's vision_config.image_size, as Axolotl fills it in. `filler`: a
+    micro-batch without an image gets a blank one in an untrained row (MultimodalRows.filler: under ZeRO-3 or data
+    parallelism a rank that skipped the vision tower would stall its peers)."""
     import json
     import tempfile
     from pathlib import Path
@@ -385,8 +256,9 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
                 if choice or d.chat_template_jinja else getattr(processor.tokenizer, "chat_template", None))
     strategy = strategy_name(choice, processor)
     size = d.image_size
+    conf = json.loads((Path(model_dir) / "config.json").read_text())
     if size is None:
-        vision = json.loads((Path(model_dir) / "config.json").read_text()).get("vision_config") or {}
+        vision = conf.get("vision_config") or {}
         size = vision.get("image_size")
         size = tuple(size) if isinstance(size, list) else size
     keep = tempfile.TemporaryDirectory(prefix="nd-mm-")  # datasets' arrow files of local jsonl, this process's
@@ -405,10 +277,13 @@ def load(cfg, model_dir, tokenizer_dir, vocab_size: int, *, zero3: bool = False
     eos = (first.train_on_eos if first is not None else None) or "turn"
     resample = RESAMPLE[d.image_resize_algorithm]
 
+    if filler and conf.get("model_type") in CROSS_ATTENTION:
+        _every_row_has_an_image(parts, fields, resample)
+
     def rows(ds):
         out = MultimodalRows(ds, processor, strategy, chat_template=template, fields=fields, image_size=size,
                              resample=resample, train_on_inputs=d.train_on_inputs, roles=roles, train_on_eos=eos,
-                             blank_filler=zero3)
+                             blank_filler=filler)
         out.keep = keep  # the arrow files live as long as the rows
         return out
 
@@ -469,6 +344,22 @@ def debug_lines(rows: MultimodalRows, samples: int) -> list[str]:
     return out
 
 
+def _every_row_has_an_image(parts, fields: tuple[str, ...], resample: str) -> None:
+    """Llama 3.2 Vision (Mllama) reads the image through cross-attention layers inside the language model, which it
+    runs only in micro-batches holding an image. Under ZeRO-3 or data parallelism every rank must run them in every
+    micro-batch (MultimodalRows.filler), but a blank image would change the text rows' results there (a row without
+    an image still attends to the batch's vision states in those layers), so rows without one are refused."""
+    for p in parts:
+        if p is None:
+            continue
+        for row in p:
+            if not _has_image(normalise(row, fields=fields, image_size=None, resample=resample, load=False)):
+                raise bad("datasets", sorted(row)[:6], "a row without an image: Llama 3.2 Vision runs its cross-"
+                          "attention layers only in micro-batches with one, and under ZeRO-3 or data parallelism "
+                          "every rank must run them (a blank image would change the text rows' results)",
+                          "give every row an image, or train on one data-parallel rank without ZeRO-3")
+
+
 def _missing_files(ds) -> list[str]:
     """The `images` / `image` column's string entries that are neither a file, a URL nor inline data (read from the
     arrow table; embedded images are not strings)."""
@@ -486,5 +377,4 @@ def _missing_files(ds) -> list[str]:
     return out
 
 
-__all__ = ["Strategy", "STRATEGIES", "BY_PROCESSOR", "RESAMPLE", "strategy_name", "media_ids", "boundaries",
-           "role_keep", "normalise", "MultimodalRows", "load", "debug_lines"]
+__all__ = ["RESAMPLE", "CROSS_ATTENTION", "normalise", "MultimodalRows", "load", "debug_lines"]

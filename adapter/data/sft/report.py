@@ -58,6 +58,8 @@ def main(args) -> int:
         from adapter.data.sft import multimodal
 
         train, val, _ = multimodal.load(cfg, source.model_dir(cfg.model.path), tok_dir, vocab)
+        for part in (train, val) if val is not None else (train,):  # a row the chat template refuses: said now
+            part.check_template()
         print(f"image-text rows: {len(train)} to train" + (f", {len(val)} held out" if val is not None else "") +
               f" ({train.strategy_label()}); nothing is prepared ahead: each micro-batch is rendered by the "
               "processor when it trains (Axolotl's skip_prepare_dataset)")
