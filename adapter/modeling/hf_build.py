@@ -166,6 +166,7 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
 
     from adapter.patches.bnb_cpu import one_cpu_path
     from adapter.patches.bnb_int8 import int8_any_rank_input
+    from adapter.patches.hf_save import save_on_this_rank
 
     int8_any_rank_input()  # an 8-bit base (asked, or stored so) on 4-D inputs (GLM-4.7-Flash's kv_b_proj)
     bnb = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -177,7 +178,7 @@ def _quantized(cls, config, model_dir: str | None, *, dtype, quantize: str, kw: 
     else:
         with tempfile.TemporaryDirectory(prefix="nd-random-base-") as tmp:
             if model_dir is None:  # random weights in the model's shape, then loaded as a checkpoint would be
-                cls._from_config(for_class(cls, config), dtype=dtype).save_pretrained(tmp)
+                save_on_this_rank(cls._from_config(for_class(cls, config), dtype=dtype), tmp)
             model = from_pretrained_whole(cls, model_dir or tmp, config=config, dtype=dtype, quantization_config=bnb,
                                           **kw)
     one_cpu_path(model)  # eval-mode forwards (the eval, reference tables) compute as training ones on any CPU

@@ -91,17 +91,25 @@ def tiny_arch(arch: ModelArch, tp: int, vocab: int | None, block: int = 1, ep: i
                                expert_ffn_hidden_size=2 * TINY_HEAD_DIM * tp if arch.moe else None)
 
 
+# a checkpoint's processor and tokenizer files, which an image-text run's AutoProcessor reads beside config.json
+_PROCESSOR_FILES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
+_NOT_PROCESSOR = ("config.json", "generation_config.json")
+
+
 def tiny_transformers(cfg: RunConfig, arch: ModelArch, vocab: int | None, workdir: str):
     """The transformers engine's tiny model: config.json cut small (adapter/models/generic.py `tiny_config`), written
     into the rehearsal's directory (each rank writes the same file, atomically) with the checkpoint's own code
-    files for remote code; (its ModelArch, the random weights it starts from)."""
+    files for remote code and, for an image-text run, its processor's files; (its ModelArch, the random weights it
+    starts from)."""
     src = source.hf_dir(cfg)
     raw = json.loads(config_path(src).read_text())
     rows = SYNTHETIC_VOCAB if vocab is None else min(arch.vocab_size, -(-vocab // 32) * 32)
     out = Path(workdir) / "tiny-model"
     out.mkdir(parents=True, exist_ok=True)
-    for code in Path(src).glob("*.py"):
-        shutil.copyfile(code, out / code.name)
+    for f in Path(src).iterdir():  # remote code; an image-text run's processor files (its processor loads from here)
+        if f.is_file() and (f.suffix == ".py" or cfg.data.processor_type and f.name not in _NOT_PROCESSOR
+                            and f.suffix in _PROCESSOR_FILES and not f.name.endswith(".index.json")):
+            shutil.copyfile(f, out / f.name)
     tmp = out / f".config.{os.getpid()}.json"
     ep = cfg.parallelism.ep_size  # whole, equally many experts on each expert-parallel rank
     experts = min(arch.ep_experts, -(-4 // ep) * ep) if arch.ep_experts else 4

@@ -115,3 +115,26 @@ def test_rehearse_a_transformers_engine_model_with_peft_lora(tmp_path):
     assert "rehearsal ok: 2 processes, layout 1x2x1x1, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]
     assert "engine: transformers' own GptOssForCausalLM" in p.stdout
     assert "(PEFT on transformers' model)" in p.stdout
+
+
+@pytest.mark.slow
+def test_rehearse_axolotl_vision_qlora_at_dp2(tmp_path):
+    """Axolotl's Gemma 3 vision QLoRA example, unchanged but for its checkpoint (a tiny image-text one with its
+    processor) and its rows (one in three with an image), at dp_shard 2: the tiny copy carries the checkpoint's
+    processor files, every rank builds its random 4-bit base (transformers 5.25 saves only on rank 0 under a process
+    group: adapter/patches/hf_save.py), and micro-batches without an image get the blank filler, so DeepSpeed's
+    gradient buckets agree across the ranks. It trains, saves and resumes."""
+    import yaml
+
+    from tests.helpers.image_text import gemma3_vlm, rows
+    from tests.helpers.sft_data import write_jsonl
+
+    raw = yaml.safe_load((ROOT / "tests/fixtures/axolotl/gemma-3-4b-vision-qlora.yml").read_text())
+    raw.update(base_model=str(gemma3_vlm(tmp_path)), output_dir=str(tmp_path / "out"), dp_shard_size=2,
+               datasets=[{"path": str(write_jsonl(tmp_path / "mm.jsonl", rows(tmp_path, 24, images_every=3))),
+                          "type": "chat_template"}])
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    p = rehearse(str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rehearsal ok: 2 processes, layout 1x2x1x1, saved at step 1 and resumed" in p.stdout, p.stdout[-2000:]
