@@ -54,18 +54,18 @@ def _positive(cfg: dict[str, Any], keys: tuple[str, ...], source: str, default: 
     return v
 
 
-_LAYER_COUNT = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-_PATTERNS = ("layer_types", "layers_block_type", "layer_block_types")
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "layer_block_types")
 
 
 def layer_count(text: dict[str, Any]) -> int | None:
     """The language model's depth: its count key, or else the length of its per-layer pattern, as transformers
     reads it (Nemotron-H's config of transformers 5 keeps `num_hidden_layers` None beside `layers_block_type`)."""
-    n = _first(text, _LAYER_COUNT)
+    n = _first(text, LAYER_COUNT_KEYS)
     if n is not None:
         return n
-    pattern = next((text[k] for k in (*_PATTERNS, "hybrid_override_pattern") if isinstance(text.get(k), (list, str))
-                    and text.get(k)), None)
+    pattern = next((text[k] for k in (*LAYER_KIND_KEYS, "hybrid_override_pattern")
+                    if isinstance(text.get(k), (list, str)) and text.get(k)), None)
     return len(pattern) if pattern is not None else None
 
 
@@ -393,96 +393,8 @@ def generic_arch_fields(cfg: dict[str, Any], source: str, *, trust_remote_code: 
 # The rehearsal's tiny copy of an arbitrary config (adapter/train/rehearse.py): every size key transformers' configs
 # use, set small and mutually consistent (heads × head_dim = hidden; Mamba's heads × head size = expand × hidden);
 # layer patterns cut to one layer of each kind, in the model's order; counts (experts, top-k) capped but kept.
-_TINY = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "n_inner": 128,
-         "ffn_dim": 128, "intermediate_size_mlp": 128, "moe_intermediate_size": 32, "expert_intermediate_size": 32,
-         "shared_expert_intermediate_size": 32, "shared_intermediate_size": 32, "head_dim": 16,
-         "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
-         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "linear_key_head_dim": 8,
-         "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "mamba_d_state": 8,
-         "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_d_conv": 4, "chunk_size": 16, "attention_chunk_size": 16,
-         "max_position_embeddings": 4096, "rotary_dim": 8, "partial_rotary_factor": None}
-_CAPS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-         "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_top_k": 2, "n_group": 1, "topk_group": 1,
-         "first_k_dense_replace": 1,
-         "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2}
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-def tiny_config(raw: dict[str, Any], vocab: int, experts: int = 4) -> dict[str, Any]:
-    """A small config.json of the same architecture, every structural feature kept (adapter/train/rehearse.py
-    builds the rehearsal's model from it); `vocab`: its vocabulary; `experts`: the most experts a layer keeps (more
-    than 4 where expert parallelism needs whole experts on more ranks)."""
-    caps = {**_CAPS, **{k: experts for k in _EXPERT_KEYS}}
-    out = {k: v for k, v in raw.items() if k != "quantization_config"}  # the rehearsal quantises as it loads
-    text, nested = (dict(raw["text_config"]), True) if text_part(raw)[0] is not raw else (out, False)
-    for k, v in _TINY.items():
-        if k in text and (v is None or isinstance(text[k], int)):
-            if v is None:
-                text.pop(k)
-            else:
-                text[k] = v
-    for k, cap in caps.items():
-        if isinstance(text.get(k), int):
-            text[k] = min(text[k], cap)
-    for sub in ("attn_config", "ffn_config"):  # DBRX keeps its attention and expert sizes in sub-configs
-        if isinstance(text.get(sub), dict):
-            part = dict(text[sub])
-            for k, v in {**_TINY, "ffn_hidden_size": 128}.items():
-                if isinstance(part.get(k), int) and v is not None:
-                    part[k] = v
-            for k, cap in {**caps, "kv_n_heads": 2, "moe_num_experts": experts, "moe_top_k": 2}.items():
-                if isinstance(part.get(k), int):
-                    part[k] = min(part[k], cap)
-            text[sub] = part
-    heads = text.get("num_attention_heads", 4)
-    source = text_part(raw)[0] if nested else raw
-    if text.get("num_key_value_heads") and (heads % text["num_key_value_heads"]
-                                            or source.get("num_key_value_heads") == source.get("num_attention_heads")):
-        text["num_key_value_heads"] = heads  # as many as the heads where the model has (MLA computes a key per head)
-    if "mamba_n_heads" in text or "mamba_d_head" in text:  # heads × head size = expand × hidden
-        text["mamba_n_heads"], text["mamba_d_head"] = 4, (text.get("mamba_expand") or 2) * 64 // 4
-        if "mamba_d_ssm" in text:
-            text["mamba_d_ssm"] = (text.get("mamba_expand") or 2) * 64
-    n = layer_count(text)
-    n = n if isinstance(n, int) else 2
-    kinds = next((text[k] for k in _PATTERNS if isinstance(text.get(k), list)), None)
-    pattern = text.get("hybrid_override_pattern")  # Nemotron-H's string, a character per layer
-    if kinds is None and isinstance(pattern, str) and len(pattern) == n:
-        kinds = list(pattern)
-    keep = sorted({kinds.index(k) for k in kinds}) if kinds else [0, 1]  # the first layer of each kind, in order
-    if len(keep) < 2:
-        keep = list(range(min(2, n)))
-    if isinstance(text.get("first_k_dense_replace"), int):  # dense layers first (DeepSeek): one, then the rest
-        text["first_k_dense_replace"] = 1
-        keep = [0, *[i for i in keep if i >= 1]] if len(keep) > 1 else [0, 1]
-    for k, v in list(text.items()):  # every per-layer setting cut to the kept layers (lists, layer-indexed maps)
-        if isinstance(v, list) and len(v) == n and n > 1:
-            text[k] = [v[i] for i in keep if i < len(v)]
-        elif isinstance(v, dict) and v and all(str(i).isdigit() and int(i) < n for i in v):
-            text[k] = {str(j): v[str(i)] if str(i) in v else v.get(i) for j, i in enumerate(keep)
-                       if str(i) in v or i in v}
-    if isinstance(pattern, str) and len(pattern) == n:
-        text["hybrid_override_pattern"] = "".join(pattern[i] for i in keep)
-    layers = len(keep)
-    for k in ("intermediate_size", "layer_intermediate_size"):  # per-layer widths (Gemma 3n): one per kept layer
-        if isinstance(text.get(k), list):
-            text[k] = [128] * layers
-    for k in _LAYER_COUNT:
-        if isinstance(text.get(k), int):
-            text[k] = layers
-    text["vocab_size"] = vocab
-    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(text.get(k), int) and text[k] >= vocab:
-            text[k] = None
-    if nested:
-        out["text_config"] = text
-        vision = out.get("vision_config")
-        if isinstance(vision, dict):  # the other towers: as small as their own keys allow
-            out["vision_config"] = {**vision, **{k: v for k, v in {"hidden_size": 32, "intermediate_size": 64,
-                                                                    "num_hidden_layers": 1, "depth": 1,
-                                                                    "num_attention_heads": 2, "num_heads": 2}.items()
-                                                if isinstance(vision.get(k), int)}}
-    return out
 
 
-__all__ = ["scoring_class_name", "ENGINES", "UNSPLITTABLE", "tiny_config", "text_part", "layer_kinds",
-           "unsplittable", "runs_unpacked", "check_loadable", "hf_config", "model_class", "for_class", "meta_model",
-           "meta_facts", "attention_features", "generic_arch_fields"]
+__all__ = ["scoring_class_name", "ENGINES", "UNSPLITTABLE", "LAYER_COUNT_KEYS", "LAYER_KIND_KEYS", "text_part",
+           "layer_count", "layer_kinds", "unsplittable", "runs_unpacked", "check_loadable", "hf_config", "model_class",
+           "for_class", "meta_model", "meta_facts", "attention_features", "generic_arch_fields"]

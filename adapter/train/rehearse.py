@@ -31,12 +31,13 @@ from pathlib import Path
 from adapter import config
 from adapter.config import RunConfig, spell
 from adapter.errors import UserError, bad
-from adapter.models import announce, generic, source
+from adapter.models import announce, source
 from adapter.models.arch import ModelArch, config_path, load_arch
 from adapter.models.freeze import UnmatchedPattern
 from adapter.models.lora import NF4_BLOCK
 from adapter.models.resolved import ResolvedRun, resolve_run
 from adapter.models.source import WeightsSource
+from adapter.models.tiny import tiny_config
 from adapter.parallel import shared_gpu
 from adapter.train.preflight import preflight
 from adapter.train.spawn import GPU_DEVICES, spawn
@@ -97,7 +98,7 @@ _NOT_PROCESSOR = ("config.json", "generation_config.json")
 
 
 def tiny_transformers(cfg: RunConfig, arch: ModelArch, vocab: int | None, workdir: str):
-    """The transformers engine's tiny model: config.json cut small (adapter/models/generic.py `tiny_config`), written
+    """The transformers engine's tiny model: config.json cut small (adapter/models/tiny.py), written
     into the rehearsal's directory (each rank writes the same file, atomically) with the checkpoint's own code
     files for remote code and, for an image-text run, its processor's files; (its ModelArch, the random weights it
     starts from)."""
@@ -113,7 +114,7 @@ def tiny_transformers(cfg: RunConfig, arch: ModelArch, vocab: int | None, workdi
     tmp = out / f".config.{os.getpid()}.json"
     ep = cfg.parallelism.ep_size  # whole, equally many experts on each expert-parallel rank
     experts = min(arch.ep_experts, -(-4 // ep) * ep) if arch.ep_experts else 4
-    tmp.write_text(json.dumps(generic.tiny_config(raw, rows, max(experts, 4)), indent=2))
+    tmp.write_text(json.dumps(tiny_config(raw, rows, max(experts, 4)), indent=2))
     os.replace(tmp, out / "config.json")
     try:
         tiny = load_arch(out, "transformers", cfg.model.trust_remote_code, linearized=cfg.model.linearized_experts)

@@ -440,16 +440,16 @@ def test_the_rehearsals_tiny_mla_model_keeps_a_key_per_head():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from adapter.models import generic
+    from adapter.models import tiny as tiny_mod
 
     for model_type, over in (("deepseek_v2", {"num_experts_per_tok": 6}), ("glm4_moe_lite", {})):
         raw = {**AutoConfig.for_model(model_type).to_dict(), **over}
         assert raw["num_key_value_heads"] == raw["num_attention_heads"]
-        tiny = generic.tiny_config(raw, 256)
+        tiny = tiny_mod.tiny_config(raw, 256)
         assert tiny["num_key_value_heads"] == tiny["num_attention_heads"] == 4, tiny
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny))
         assert model(input_ids=torch.randint(0, 256, (1, 8))).logits.shape == (1, 8, 256)
-    gqa = generic.tiny_config({**AutoConfig.for_model("llama").to_dict(), "num_key_value_heads": 8}, 256)
+    gqa = tiny_mod.tiny_config({**AutoConfig.for_model("llama").to_dict(), "num_key_value_heads": 8}, 256)
     assert (gqa["num_attention_heads"], gqa["num_key_value_heads"]) == (4, 2)  # grouped stays grouped
 
 
@@ -459,10 +459,10 @@ def test_the_rehearsals_tiny_dbrx_cuts_its_sub_configs():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from adapter.models import generic
+    from adapter.models import tiny as tiny_mod
     from tests.helpers.axolotl_home import model_config
 
-    tiny = generic.tiny_config(model_config("LnL-AI/dbrx-base-converted-v2"), 256)  # archived/dbrx's base
+    tiny = tiny_mod.tiny_config(model_config("LnL-AI/dbrx-base-converted-v2"), 256)  # archived/dbrx's base
     assert tiny["n_heads"] == 4 and tiny["attn_config"]["kv_n_heads"] <= 2, tiny
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny))
     assert model(input_ids=torch.randint(0, 256, (1, 8))).logits.shape == (1, 8, 256)
@@ -474,7 +474,7 @@ def test_a_depth_given_only_by_the_layer_pattern_is_read_and_cut_as_transformers
     "num_hidden_layers=None: must be a positive integer", and a rehearsal's tiny model kept every layer."""
     from transformers import AutoConfig
 
-    from adapter.models import generic
+    from adapter.models import tiny as tiny_mod
 
     raw = AutoConfig.for_model("nemotron_h").to_dict()
     assert raw.get("num_hidden_layers") is None and len(raw["layers_block_type"]) == 4
@@ -485,7 +485,7 @@ def test_a_depth_given_only_by_the_layer_pattern_is_read_and_cut_as_transformers
     assert arch.engine == "transformers" and arch.num_layers == 4
     old = {**raw, "layers_block_type": None, "num_hidden_layers": 12, "hybrid_override_pattern": "MEM*EMEM*EME"}
     old.pop("layers_block_type")
-    tiny = generic.tiny_config(old, 256)
+    tiny = tiny_mod.tiny_config(old, 256)
     assert tiny["hybrid_override_pattern"] == "ME*" and tiny["num_hidden_layers"] == 3, tiny
     assert AutoConfig.for_model(**tiny).layers_block_type == ["linear_attention", "moe", "full_attention"]
 
@@ -528,10 +528,10 @@ def test_recompute_the_transformers_engine_cannot_do_is_one_line(tmp_path, monke
 def test_the_rehearsals_tiny_moe_keeps_top_k_within_its_experts():
     """Kimi-Linear names its top-k `num_experts_per_token`: the tiny config cut its 256 experts to 4 but kept top 8,
     and the rehearsal of Axolotl's kimi-linear example failed in the router's topk (found by the examples sweep)."""
-    from adapter.models import generic
+    from adapter.models import tiny as tiny_mod
     from tests.helpers.axolotl_home import model_config
 
-    tiny = generic.tiny_config(model_config("moonshotai/Kimi-Linear-48B-A3B-Instruct"), 256)
+    tiny = tiny_mod.tiny_config(model_config("moonshotai/Kimi-Linear-48B-A3B-Instruct"), 256)
     assert tiny["num_experts_per_token"] <= tiny["num_experts"], tiny
 
 
@@ -680,3 +680,44 @@ def test_unfrozen_patterns_in_the_checkpoints_names_train_the_tensors_transforme
                                                                                 "name of model.layers.1.mlp.gate")):
         code, out, err = _plan(tmp_path, d, unfrozen_parameters=[pattern])
         assert code == 2 and err.count("\n") == 1 and says in err and "Fix:" in err, err
+
+
+def test_the_rehearsals_tiny_image_text_models_take_an_image():
+    """The rehearsal's tiny copies of image-text checkpoints keep their towers' layer-indexed settings consistent:
+    Qwen2-VL's merger (hidden_size beside embed_dim) and Qwen2.5-VL's (out_hidden_size) give the tiny language
+    model's width, M-RoPE's sections sum to the tiny head's rotary half (Qwen2-VL, Qwen2.5-VL and GLM-4.6V split
+    it: [16, 24, 24] against 8 failed), Mllama's tower hands on a layer it has (intermediate_layers_indices 3..30 of
+    one layer failed) and its language model keeps a cross-attention layer. Each takes an image and a text."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from adapter.models import tiny as tiny_mod
+    from tests.helpers.axolotl_home import model_config
+
+    for repo in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "zai-org/GLM-4.6V-Flash"):
+        raw = model_config(repo)
+        conf = AutoConfig.for_model(**tiny_mod.tiny_config(raw, raw["text_config"]["vocab_size"]))
+        model = AutoModelForImageTextToText.from_config(conf)
+        v = conf.vision_config
+        grid = torch.tensor([[1, 4, 4]])
+        img = getattr(conf, "image_token_id", None) or conf.image_token_index
+        start = getattr(conf, "vision_start_token_id", None) or conf.image_start_token_id
+        end = getattr(conf, "vision_end_token_id", None) or conf.image_end_token_id
+        ids = torch.tensor([[5, 6, start, *[img] * (16 // v.spatial_merge_size ** 2), end, 7, 8]])
+        pixels = torch.randn(16, 3 * v.temporal_patch_size * v.patch_size ** 2)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels, image_grid_thw=grid,
+                    mm_token_type_ids=(ids == img).long())
+        assert out.logits.shape[:2] == ids.shape, repo
+    raw = model_config("alpindale/Llama-3.2-11B-Vision-Instruct")
+    tiny = tiny_mod.tiny_config(raw, 128256)
+    assert tiny["text_config"]["cross_attention_layers"] == [1] and tiny["text_config"]["num_hidden_layers"] == 2
+    conf = AutoConfig.for_model(**tiny)
+    model = AutoModelForImageTextToText.from_config(conf)
+    v = conf.vision_config
+    ids = torch.tensor([[128000, conf.image_token_index, 5, 6, 7]])
+    tile = [1] + [0] * (v.max_num_tiles - 1)  # one tile of the image
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                pixel_values=torch.randn(1, 1, v.max_num_tiles, 3, v.image_size, v.image_size),
+                aspect_ratio_ids=torch.tensor([[1]]), aspect_ratio_mask=torch.tensor([[tile]]),
+                cross_attention_mask=torch.tensor([[[tile]] * 5]))
+    assert out.logits.shape[:2] == ids.shape
