@@ -96,9 +96,14 @@ def map_expert_parallel(raw: dict[str, Any], out: dict[str, Any], notes: list[st
     and every rank reads its own data. Megatron lays ep over the data-parallel ranks instead, so the data-parallel
     size here is dp_shard × ep: the same arithmetic, the dense weights sharded over all of them."""
     cap = raw.get("expert_parallel_token_capacity")
-    if cap is not None:
-        raise bad("expert_parallel_token_capacity", cap, "a per-expert token cap drops routed tokens; nd-adapter's "
-                  "experts are dropless, as transformers'", "remove it")
+    if cap is not None:  # Axolotl's cap: the most (token, expert) slots one expert takes in a rank's forward
+        tokens = int(raw.get("micro_batch_size") or 1) * int(raw.get("sequence_len") or 2048)
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < tokens:
+            raise bad("expert_parallel_token_capacity", cap, f"a per-expert token cap below a micro-batch's {tokens:,} "
+                      "tokens may drop routed tokens; nd-adapter's experts are dropless, as transformers'",
+                      f"remove it (a cap of {tokens:,} or more drops nothing and is accepted)")
+        notes.append(f"expert_parallel_token_capacity: {cap:,}: no expert can receive more than a micro-batch's "
+                     f"{tokens:,} tokens, so nothing is dropped: the dropless experts compute the same")
     ep = raw.get("expert_parallel_size")
     if ep is None or ep == 1:
         return

@@ -251,7 +251,7 @@ def test_expert_parallelism_on_a_dense_model_or_uneven_experts_or_beside_hpz_ref
 
 def test_axolotl_expert_parallel_size(tmp_path):
     """Axolotl's ep axis sits beside dp_shard (ep × dp_shard = world); here it lies within the data-parallel ranks:
-    dp_shard × ep of them. Its token cap (dropping routed tokens) is refused."""
+    dp_shard × ep of them. Its token cap is refused where it could drop routed tokens, accepted where it cannot."""
     from adapter import config
 
     base = {"base_model": str(MODELS / "qwen3-30b-a3b"), "sequence_len": 2048, "max_steps": 1, "learning_rate": 1e-5,
@@ -259,9 +259,14 @@ def test_axolotl_expert_parallel_size(tmp_path):
     cfg = config.build({**base, "expert_parallel_size": 2, "dp_shard_size": 2}, env={}, world_size=4)
     assert (cfg.parallelism.ep_size, cfg.parallelism.dp_shard_size) == (2, 4)
     assert any(n.startswith("expert_parallel_size: 2 -> parallelism.ep_size: 2") for n in cfg.notes)
-    with pytest.raises(UserError, match=r"^expert_parallel_token_capacity=1024: a per-expert token cap"):
+    with pytest.raises(UserError, match=r"^expert_parallel_token_capacity=1024: a per-expert token cap below a "
+                       r"micro-batch's 2,048 tokens may drop"):
         config.build({**base, "expert_parallel_size": 2, "expert_parallel_token_capacity": 1024}, env={},
                      world_size=4)
+    # a cap no expert can reach (a token takes an expert once): nothing dropped, accepted and said (GLM-5.2's example)
+    cfg = config.build({**base, "expert_parallel_size": 2, "expert_parallel_token_capacity": 1_000_000}, env={},
+                       world_size=4)
+    assert any(n.startswith("expert_parallel_token_capacity: 1,000,000: no expert can receive more") for n in cfg.notes)
 
 
 def test_expert_weights_are_read_in_place_where_they_share_a_buffer():
