@@ -194,6 +194,7 @@ _SPELLED = {native: key for key, native in (MAP | LORA_MAP).items()} | {
                                                           "model_config.output_router_logits",
                                                       "model.dequantize": "model_quantization_config",
                                                       "checkpoint.export_hf": "output_dir", "eaft": "use_eaft",
+                                                      "model.num_labels": "num_labels",
                                                       "eaft.alpha": "eaft_alpha", "eaft.k": "eaft_k"}
 
 

@@ -50,7 +50,7 @@ DPO_FLAGS = {  # Axolotl's boolean for TRL's DPOConfig -> the dpo: key it sets, 
                                          "attention confined to each: TRL's padding_free"),
     "precompute_ref_log_probs": ("precompute_ref", "the reference's log-probabilities of every pair computed once "
                                                    "before step 1; no reference forward in a step")}
-REWARD_KEYS = ("reward_model", "center_rewards_coefficient", "num_labels")
+REWARD_KEYS = ("reward_model", "center_rewards_coefficient", "num_labels", "process_reward_model")
 EAFT_KEYS = ("use_eaft", "eaft_alpha", "eaft_k")
 RL_KEYS = {*REWARD_KEYS, "rl", "rl_beta", "dpo_beta", "beta", "trl", "dpo_loss_type", *DPO_FLAGS, *LOSS_OPTIONS, *NOTED,
            *KTO_KEYS, *EAFT_KEYS}
@@ -134,9 +134,33 @@ def map_rl(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         notes.append(f"ignored trl keys (not read by {rl.upper()}): {', '.join(other)}")
 
 
+def map_process_reward(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """`process_reward_model: true` -> model.num_labels (Axolotl's num_labels, its default 2): TRL's PRMTrainer, the
+    checkpoint's token-classification class trained on the class of each step's last token (stepwise_supervised
+    rows), with the model's dropout off (PRMConfig's disable_dropout) and the eval's accuracy over labelled tokens.
+    Beside `rl:` or `reward_model` it is refused in one line."""
+    if not is_on(raw.get("process_reward_model")):
+        return
+    for key in ("rl", "reward_model"):
+        if is_on(raw.get(key)):
+            raise bad("process_reward_model", True, f"a process reward model and {key}: {raw[key]} are two "
+                      "objectives", "remove one of them")
+    labels = raw.get("num_labels")
+    labels = 2 if labels is None else labels
+    if isinstance(labels, bool) or not isinstance(labels, int) or labels < 2:
+        raise bad("num_labels", labels, "a process reward model classifies each step's last token into at least "
+                  "two classes", "set num_labels: 2 (or more), or remove it")
+    out.setdefault("model", {})["num_labels"] = labels
+    notes.append(f"process_reward_model: true -> model.num_labels: {labels} (TRL's PRMTrainer: the checkpoint's "
+                 "token-classification class, cross-entropy on each step's last token, dropout off, the eval's "
+                 "accuracy over the labelled tokens)")
+
+
 def map_reward(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
     """`reward_model: true` -> objective: reward (reward.center_coefficient from center_rewards_coefficient);
     `num_labels` other than 1 and `rl:` beside it are refused in one line (TRL refuses the first too)."""
+    if is_on(raw.get("process_reward_model")):
+        return map_process_reward(raw, out, notes)
     if not is_on(raw.get("reward_model")):
         for key in ("center_rewards_coefficient", "num_labels"):
             if raw.get(key) is not None:
@@ -211,4 +235,4 @@ def _simpo(raw: dict[str, Any], out: dict[str, Any], notes: list[str], beta: flo
                  "no reference)")
 
 
-__all__ = ["map_rl", "map_reward", "map_eaft", "RL_KEYS", "REWARD_KEYS", "ONLINE", "BUILT"]
+__all__ = ["map_process_reward", "map_rl", "map_reward", "map_eaft", "RL_KEYS", "REWARD_KEYS", "ONLINE", "BUILT"]

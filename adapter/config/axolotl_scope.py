@@ -46,7 +46,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "float16": ("pure fp16 training is not supported", "use fp16: true (fp16 compute, fp32 master weights)"),
     # other objectives
     # rl: mapped (rl: dpo) or refused in one line by axolotl_rl.py
-    "process_reward_model": ("process-reward-model training is not supported", _SFT),
     "kd_trainer": ("knowledge distillation is not supported", "remove the KD plugin and its kd_* keys"),
     # data and tokens
     "added_tokens_overrides": ("renaming tokens changes the vocabulary", _VOCAB),
@@ -109,11 +108,13 @@ def check_scope(raw: dict[str, Any]) -> None:
                   "sample_packing: true")
     kind = raw.get("model_type")
     scores = is_on(raw.get("reward_model")) and isinstance(kind, str) and kind.endswith("ForSequenceClassification")
+    scores |= is_on(raw.get("process_reward_model")) and isinstance(kind, str) and kind.endswith(
+        "ForTokenClassification")
     if kind is not None and not (isinstance(kind, str) and kind.endswith(CAUSAL_CLASSES)) and not scores:
         raise bad("model_type", kind, "nd-adapter trains causal language models (next-token loss on the model's "
-                  "LM head), and reward models (reward_model: true) with a sequence-classification head; this head "
-                  "is not what it trains",
-                  "remove it (or use AutoModelForCausalLM), or run this config with Axolotl")
+                  "LM head), reward models (reward_model: true) with a sequence-classification head and process "
+                  "reward models (process_reward_model: true) with a token-classification head; this head is not "
+                  "what it trains", "remove it (or use AutoModelForCausalLM), or run this config with Axolotl")
     rev = raw.get("model_revision")
     if rev not in (None, "main"):
         raise bad("model_revision", rev, "only the cached default revision of base_model is read",

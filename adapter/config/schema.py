@@ -118,6 +118,9 @@ class ModelSection(_Strict):
         "optimizer states (adapter/models/freeze.py). Unset: every parameter", min_length=1)
     freeze_mm_modules: bool = Field(False, description="an image-text model's vision / audio towers and projector "
                                     "frozen (Axolotl's freeze_mm_modules); else they train as every weight does")
+    num_labels: Int | None = Field(None, ge=2, description="a token-classification head with this many classes in "
+                                   "place of the LM head, trained on each labelled token's class (a process reward "
+                                   "model: Axolotl's process_reward_model, TRL's PRMTrainer); unset: the LM head")
     moe_grouped_gemm: bool = Field(
         True, description="mixture of experts: each expert linear as one grouped GEMM over the local experts "
         "(torch._grouped_mm: bf16 on Hopper or newer, and on CPU; adapter/modeling/moe.py), where it applies; false: "

@@ -37,6 +37,13 @@ class DatasetEntry(PreferenceFields, Strict):
     chat_template: str | None = None
     chat_template_jinja: Jinja | None = None
     drop_system_message: bool = False
+    # stepwise_supervised rows (a process reward model's: prompt, completions, labels), Axolotl's entry keys
+    step_separator: str = Field("\n", description="stepwise_supervised: the text after each step, its last token "
+                                "the one labelled")
+    max_completion_length: Int | None = Field(None, ge=1, description="stepwise_supervised: the steps' tokens cut "
+                                              "to this many")
+    train_on_last_step_only: bool = Field(False, description="stepwise_supervised: only the last step's label "
+                                          "trained")
 
 
 class SpecialTokens(Strict):

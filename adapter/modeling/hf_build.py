@@ -40,7 +40,8 @@ OTHER_TOWERS = ("vision", "visual", "audio", "multi_modal_projector", "image_new
 
 def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int, trust_remote_code: bool,
                 quantize: str | None = None, device=None, liger: tuple[str, ...] = (), dequantize: bool = False,
-                scores: int | None = None, towers: str = "frozen", linearized: bool = False):
+                scores: int | None = None, towers: str = "frozen", linearized: bool = False,
+                classes: int | None = None):
     """The model to train, on the CPU: the checkpoint's weights (`weights`) or a random one in its shape (seed).
     `quantize` ("nf4" / "int8"): its linears loaded as bitsandbytes quantises them (transformers' load_in_4bit with
     NF4 and double quantisation, as Axolotl's QLoRA asks; load_in_8bit), computing in `dtype`; a random base is
@@ -69,13 +70,23 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
 
         cls = getattr(transformers, scoring_class_name(config.model_type, remote=remote))
         config.num_labels, config.pad_token_id = 1, scores
+    elif classes is not None:  # a process reward model: the token-classification class, `classes` outputs
+        import transformers
+
+        cls = getattr(transformers, scoring_class_name(config.model_type, remote=remote, tokens=True))
+        config.num_labels = classes
     else:
         cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
     torch.manual_seed(seed)
     kw = {"trust_remote_code": True} if remote else {}
     with building(for_model_type(str(cfg.get("model_type"))) if linearized else None):
         model = _built(cls, config, cfg, model_dir, weights=weights, dtype=dtype, quantize=quantize,
-                       dequantize=dequantize, scores=scores, device=device, remote=remote, kw=kw)
+                       dequantize=dequantize, scores=scores is not None or classes is not None, device=device,
+                       remote=remote, kw=kw)
+    if classes is not None:  # TRL's PRMConfig.disable_dropout (its default): every dropout of the model off
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
     model.config.use_cache = False
     for name, p in model.named_parameters():
         if (towers == "frozen" and any(t in name for t in OTHER_TOWERS)) or (
@@ -94,8 +105,8 @@ def _built(cls, config, cfg: dict, model_dir: str, *, weights: bool, dtype, quan
 
             kw["quantization_config"] = AutoQuantizationConfig.from_dict({**cfg["quantization_config"],
                                                                           "dequantize": True})
-        model = from_pretrained_whole(cls, model_dir, config=config, dtype=dtype, new=("score.",) if scores else (),
-                                      **kw)
+        model = from_pretrained_whole(cls, model_dir, config=config, dtype=dtype,
+                                      new=("score.", "classifier.") if scores else (), **kw)
     else:
         if dequantize and hasattr(config, "quantization_config"):
             del config.quantization_config  # random 16-bit weights: nothing is quantised, nor will the export be
@@ -330,23 +341,6 @@ class CausalLMLosses(torch.nn.Module):
                                     labels.reshape(-1), loss_mask.reshape(-1), chunk=chunk, softcap=cap)
 
 
-class RewardScores(torch.nn.Module):
-    """The loop's call on a reward model (transformers' sequence-classification class, one label): each row's
-    score [rows] in fp32, as the model pools it (its last token that is not the pad token). The rows come right-
-    padded with the pad token and without an attention mask: a real token attends only to those before it, so
-    the pooled token's score is the one TRL gets with its mask."""
-
-    def __init__(self, model, cp: tuple | None = None):
-        super().__init__()
-        self.model = model
-        self.cp = cp  # nd-adapter's attention kernels at cp = 1 (checks.own_attention), as CausalLMLosses runs them
-
-    def forward(self, tokens, position_ids, attention_mask=None, **_):
-        with hf_cp.forward(*self.cp, None) if self.cp else nullcontext():
-            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
-        return out.logits[:, 0].float()
-
-
 def recompute_layers(model) -> int:
     """`recompute: full` (Axolotl's gradient_checkpointing: true) as transformers runs it: its own gradient
     checkpointing, each decoder layer's activations dropped after its forward and recomputed in backward, with
@@ -455,5 +449,5 @@ def layer_classes(model) -> list[type]:
     return list({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "RewardScores", "drop_frozen_input_grads",
+__all__ = ["OTHER_TOWERS", "build_model", "add_peft", "CausalLMLosses", "drop_frozen_input_grads",
            "compile_layers", "layer_classes", "recompute_layers", "apply_liger", "liger_available"]

@@ -120,7 +120,8 @@ class ModelArch:
     plain_head: bool = False  # the transformers engine: its loss computable from the body's output (generic.plain_head)
     image_text: bool = False            # an image-text checkpoint: its language model trains on text
     remote_code: bool = False           # built by the checkpoint's own code (trust_remote_code)
-    score_head: bool = False            # a one-label score in place of the LM head: a reward model (source.scoring)
+    score_head: bool = False            # a score head in place of the LM head: a reward model (source.scoring)
+    score_labels: int = 1               # its outputs: one (a reward), or the classes of a process reward model
 
     @property
     def native(self) -> bool:

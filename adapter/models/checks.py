@@ -33,6 +33,40 @@ def _check_eaft(cfg: RunConfig) -> None:
                   "weights cannot reach it", "turn off liger_cross_entropy / liger_fused_linear_cross_entropy")
 
 
+def _check_token_labels(cfg: RunConfig) -> None:
+    """A process reward model (model.num_labels: a token-classification head, TRL's PRMTrainer) trains on rows whose
+    labels are classes (stepwise_supervised, or pre-tokenised rows with class labels), and stepwise_supervised rows
+    train nothing else; what it is not built beside is refused in one line."""
+    d, n = cfg.data, cfg.model.num_labels
+    entries = [*d.datasets, *d.test_datasets]
+    steps = next((e for e in entries if e.type == "stepwise_supervised"), None)
+    if n is None:
+        if steps is not None:
+            raise bad(spell(cfg, "data.datasets"), "type: stepwise_supervised", "a process reward model's rows (a "
+                      "class per step) train a token-classification head", "set process_reward_model: true "
+                      "(model.num_labels: 2)")
+        return
+    key = spell(cfg, "model.num_labels")
+    other = next((e.type for e in entries if e.type not in ("stepwise_supervised", None)), None)
+    for on, what, fix in (
+            (cfg.objective != "sft", f"{cfg.objective} has an objective of its own", f"remove {key}"),
+            (not d.datasets, "it trains on labelled rows, and the run has none (synthetic or pretraining tokens "
+             "would be read as classes)", "give datasets of type stepwise_supervised"),
+            (other is not None, f"its rows' labels are classes: a {other} dataset's are token ids",
+             "use type: stepwise_supervised (or pre-tokenised rows with class labels)"),
+            (bool(d.processor_type), "image-text rows are not built for it", "remove processor_type"),
+            (cfg.eaft is not None, "EAFT weighs a next-token loss", f"remove {spell(cfg, 'eaft')}"),
+            (bool({"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger)),
+             "Liger's cross-entropy computes a next-token loss", "turn off liger_cross_entropy / "
+             "liger_fused_linear_cross_entropy"),
+            (cfg.parallelism.tp_size > 1 or cfg.parallelism.cp_size > 1, "tensor and context parallelism are not "
+             "built for its head", "use dp_shard_size (ZeRO) instead"),
+            (cfg.lora is not None and cfg.lora.quantize_base is not None, "a 4/8-bit base under its head is not "
+             "built (as for a reward model's)", "train LoRA on the 16-bit base (adapter: lora)")):
+        if on:
+            raise bad(key, n, f"a process reward model: {what}", fix)
+
+
 def check(cfg: RunConfig, arch: ModelArch) -> list[str]:
     """Raise UserError for a layout the model cannot run; return warnings for ones it can but should not."""
     return checked(cfg, arch)[0]
@@ -43,6 +77,7 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
     (adapter/models/resolved.py keeps them, so nothing resolves them again)."""
     linearized.check(cfg, arch)
     _check_eaft(cfg)
+    _check_token_labels(cfg)
     if not arch.native:  # transformers' own model: its limits, not the Megatron layers'
         warnings = generic_run.check_run(cfg, arch)
         _check_cp_chunks(cfg)
@@ -252,7 +287,9 @@ def hf_linear_ce_off(cfg: RunConfig, arch: ModelArch) -> str | None:
     lora = cfg.lora
     head_adapted = lora is not None and ("lm_head" in lora.modules_to_save or "lm_head" in (
         lora.target_modules if isinstance(lora.target_modules, str) else " ".join(lora.target_modules or ())))
-    return ("Liger's cross-entropy kernel computes the loss (its key asks)" if
+    return ("a process reward model's token-classification head: its classes' cross-entropy"
+            if cfg.model.num_labels is not None else
+            "Liger's cross-entropy kernel computes the loss (its key asks)" if
             {"cross_entropy", "fused_linear_cross_entropy"} & set(cfg.model.liger) else
             f"{arch.architecture}'s forward does more than lm_head over its body's output: its own loss"
             if not arch.plain_head else

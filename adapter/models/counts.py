@@ -151,7 +151,10 @@ def local_params(arch: ModelArch, tp: int, vocab_divisible_by: int = 128, ep: in
     if arch.param_count is not None:  # the transformers engine: its exact total, spread evenly over the layers
         vocab = arch.vocab_size * arch.hidden_size
         vtp = tp if tp > 1 and arch.vocab_size % tp == 0 else 1  # the plan splits the vocabulary where tp divides it
-        out = arch.hidden_size if arch.score_head else 0 if arch.tie_embeddings else vocab  # score, or LM head
+        # the score head (a reward model's one bias-free label; a token classifier's classes, each with a bias), or
+        # the LM head
+        out = ((arch.hidden_size + (arch.score_labels > 1)) * arch.score_labels if arch.score_head else
+               0 if arch.tie_embeddings else vocab)
         outer = vocab + out + arch.hidden_size
         split = next((s[1] for s in arch.tp_shares if s[0] == tp), 0)  # what its TP plan splits (generic.py)
         body = max(0, split - (outer - arch.hidden_size if vtp > 1 else 0))

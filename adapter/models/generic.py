@@ -163,17 +163,22 @@ def model_class(config, name: str | None, *, remote: bool):
               f"{config.model_type!r}", "fine-tune a causal (or image-text-to-text) checkpoint")
 
 
-def scoring_class_name(model_type: str, *, remote: bool = False) -> str:
-    """transformers' sequence-classification class for `model_type` (a reward model's), or one line: a model type
-    it does not classify, or a checkpoint that brings its own code."""
+def scoring_class_name(model_type: str, *, remote: bool = False, tokens: bool = False) -> str:
+    """transformers' sequence-classification class for `model_type` (a reward model's; `tokens`: its token-
+    classification class, a process reward model's), or one line: a model type it does not classify, or a
+    checkpoint that brings its own code."""
     from transformers.models.auto import modeling_auto as auto
 
-    name = auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
+    table = (auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES if tokens else
+             auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    kind = "token" if tokens else "sequence"
+    name = table.get(model_type)
     if remote or not name:
-        raise bad("model_type", "AutoModelForSequenceClassification", f"transformers has no sequence-classification "
-                  f"class for model_type {model_type!r}" + (" built into it (this checkpoint brings its own code)"
-                                                            if remote else ""),
-                  "train the reward model from a checkpoint of a model type transformers classifies")
+        raise bad("model_type", f"AutoModelFor{kind.title()}Classification", f"transformers has no {kind}-"
+                  f"classification class for model_type {model_type!r}" + (
+                      " built into it (this checkpoint brings its own code)" if remote else ""),
+                  f"train the {'process ' if tokens else ''}reward model from a checkpoint of a model type "
+                  "transformers classifies")
     return name
 
 

@@ -120,16 +120,20 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
     spec = dataclasses.replace(spec, added=added, trained=trained, matched=matched, linears=linears,
                                target_modules=targets or (() if params else default), adapter_inputs=inputs,
                                experts=experts)
-    return scoring_peft(spec, config_json) if cfg.objective == "reward" else spec
+    scored = cfg.objective == "reward" or cfg.model.num_labels is not None
+    return scoring_peft(spec, config_json, cfg.model.num_labels) if scored else spec
 
 
-def scoring_peft(spec: PeftSpec, config_json: dict[str, Any]) -> PeftSpec:
-    """A reward model's LoRA as Axolotl builds it (its loader picks PEFT's SEQ_CLS task for a sequence classifier):
-    PEFT then trains the score head in full beside the adapters (its classifier modules_to_save) and leaves it out of
-    `all-linear`, as the causal LM's counts above leave out the LM head; the head is one label × hidden."""
+def scoring_peft(spec: PeftSpec, config_json: dict[str, Any], classes: int | None = None) -> PeftSpec:
+    """A reward model's LoRA as Axolotl builds it (its loader picks PEFT's SEQ_CLS task for a sequence classifier,
+    TOKEN_CLS for a process reward model's token classifier): PEFT then trains the score head in full beside the
+    adapters (its classifier modules_to_save) and leaves it out of `all-linear`, as the causal LM's counts above
+    leave out the LM head; the head is one label × hidden (a token classifier's: `classes` × hidden, and a bias)."""
     hidden = int(text_part(config_json)[0].get("hidden_size") or 0)
     saved = spec.modules_to_save if "score" in spec.modules_to_save else (*spec.modules_to_save, "score")
-    return dataclasses.replace(spec, task_type="SEQ_CLS", modules_to_save=saved, trained=spec.trained + hidden)
+    head = hidden if classes is None else (hidden + 1) * classes
+    return dataclasses.replace(spec, task_type="SEQ_CLS" if classes is None else "TOKEN_CLS", modules_to_save=saved,
+                               trained=spec.trained + head)
 
 
 def _check_parameters(cfg, params: tuple[str, ...], dropout: float, config_text: str, trust_remote_code: bool,

@@ -263,6 +263,10 @@ def check_native(cfg, arch: ModelArch) -> None:
                          (trained_embedding, "a DPO reference beside LoRA's modules_to_save")):
             if on:
                 raise unbuilt(key, value, f"{what} is built on the transformers engine only", fix)
+    if cfg.model.num_labels is not None:
+        raise unbuilt(spell(cfg, "model.num_labels"), cfg.model.num_labels, "a process reward model (a token-"
+                      "classification head) is built on the transformers engine only",
+                      "set model.engine: auto (or transformers), which trains transformers' token classifier")
     if cfg.data.processor_type:
         raise unbuilt(spell(cfg, "data.processor_type"), cfg.data.processor_type, "image-text training (the "
                       "model's vision tower fed by the processor) is built on the transformers engine only",

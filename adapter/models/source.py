@@ -93,15 +93,19 @@ def arch_for(cfg) -> ModelArch:
 
 def scoring(cfg, arch: ModelArch) -> ModelArch:
     """A reward model's architecture (`objective: reward`): transformers' sequence-classification class of the model
-    type, one label in place of the LM head, so its name, parameter count and head are the ones that train (the
-    facts were read from the causal LM: adapter/models/generic.py)."""
-    if cfg.objective != "reward" or arch.native:
+    type, one label in place of the LM head; a process reward model's (`model.num_labels`): its token-classification
+    class, a head of num_labels outputs with their bias; so its name, parameter count and head are the ones that
+    train (the facts were read from the causal LM: adapter/models/generic.py)."""
+    classes = cfg.model.num_labels
+    if (cfg.objective != "reward" and classes is None) or arch.native:
         return arch
-    name = scoring_class_name(arch.hf_model_type, remote=arch.remote_code)
+    name = scoring_class_name(arch.hf_model_type, remote=arch.remote_code, tokens=classes is not None)
     h = arch.hidden_size
     head = 0 if arch.tie_embeddings else arch.vocab_size * h
-    count = None if arch.param_count is None else arch.param_count - head + h
-    return dataclasses.replace(arch, architecture=name, score_head=True, param_count=count)
+    added = h if classes is None else (h + 1) * classes
+    count = None if arch.param_count is None else arch.param_count - head + added
+    return dataclasses.replace(arch, architecture=name, score_head=True, score_labels=classes or 1,
+                               param_count=count)
 
 
 # Fields of ModelArch that must agree between the config's model and a converted checkpoint.

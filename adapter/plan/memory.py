@@ -311,8 +311,8 @@ def estimate(run: ResolvedRun, *, partition_size: int, gpu_capacity: int, stage:
     linear_ce = bool(cfg.model.fused_linear_ce) or liger_ce
     # the output weight's gradient (or the tied embedding's): the first one backward makes, unless adapters freeze it
     head_grad = pb * (lp.output or lp.embedding) if head_trains(run) else 0
-    if arch.score_head:  # a reward model: one fp32 score per position, no vocabulary
-        logits = 4 * s * b
+    if arch.score_head:  # a reward model: one fp32 score per position (a process reward model: a class's each)
+        logits = 4 * s * b * arch.score_labels
     elif linear_ce:
         # linear + CE in token chunks: the output weight's gradient (counted as head_grad) and the hidden states'
         # gradient, computed in the forward, wait for backward; one chunk's logits exist at a time, ours with their

@@ -237,7 +237,7 @@ def predict(run: ResolvedRun, prof: Profile, *, stage: int,
         g_fwd -= L * gemm_seconds(shapes[2:], prof) * (1 - 1 / FP8_MLP_SPEEDUP)
     # one rank's output rows as its engine holds them: the transformers engine's stay unaligned where the
     # checkpoint's are (Olmo-3's 100,278: the GEMMs at 0.36 of the rate, hardware.Gemm)
-    head_rows = 1 if arch.score_head else output_rows(arch, tp, cfg.model.vocab_divisible_by)
+    head_rows = arch.score_labels if arch.score_head else output_rows(arch, tp, cfg.model.vocab_divisible_by)
     chunk = tokens
     if cfg.model.fused_linear_ce:  # ours, in token chunks (either engine)
         # the chunks' smaller GEMMs only: one H200, 1B shape, 8,192 tokens (bench/linear_ce_bench.py), they account

@@ -31,7 +31,6 @@ from adapter.modeling.compile import compile_layers
 from adapter.modeling.gpt import Layer, build_gpt_model, padded_vocab_size, tp_grad_sum_params
 from adapter.modeling.hf_build import (
     CausalLMLosses,
-    RewardScores,
     add_peft,
     build_model,
     drop_frozen_input_grads,
@@ -42,6 +41,7 @@ from adapter.modeling.hf_build import (
 from adapter.modeling.hf_build import (
     compile_layers as compile_hf_layers,
 )
+from adapter.modeling.hf_heads import RewardScores, TokenClassLosses
 from adapter.modeling.hf_quant_experts import move_expert_states
 from adapter.modeling.lora import add_adapters, load_state
 from adapter.modeling.moe import deposit_expert_grads
@@ -302,7 +302,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                         trust_remote_code=cfg.model.trust_remote_code,
                         quantize=run.peft.quantize_base if run.peft is not None else None, device=device,
                         liger=liger, dequantize=cfg.model.dequantize,
-                        scores=reward_pad(run) if cfg.objective == "reward" else None,
+                        scores=reward_pad(run) if cfg.objective == "reward" else None, classes=cfg.model.num_labels,
                         linearized=cfg.model.linearized_experts,
                         towers=("mm_frozen" if cfg.model.freeze_mm_modules else "trained") if cfg.data.processor_type
                         else "frozen")
@@ -342,6 +342,7 @@ def _transformers_model(run: ResolvedRun, groups: Groups, device, dtype) -> tupl
                   "QAT or another wrapper): the fused kernel would read a weight the model does not use",
                   "set it false")
     losses = (RewardScores(model, cp) if cfg.objective == "reward" else
+              TokenClassLosses(model, cp) if cfg.model.num_labels is not None else
               CausalLMLosses(model, model_loss=model_loss, cp=cp, unpack=unpack, aux_coef=aux,
                              linear_ce=linear_ce,
                              eaft=(cfg.eaft.k, cfg.eaft.alpha) if cfg.eaft is not None else None)).to(device)

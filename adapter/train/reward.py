@@ -1,7 +1,7 @@
 """A reward model's pair terms (`objective: reward`, Axolotl's `reward_model: true`): TRL 1.8.0's RewardTrainer.
 
 A micro-batch of pairs runs as one [2·mb, seq] batch, chosen rows first (TRL's DataCollatorForPreference lays them out
-so), through transformers' sequence-classification model with one label (adapter/modeling/hf_build.RewardScores),
+so), through transformers' sequence-classification model with one label (adapter/modeling/hf_heads.RewardScores),
 which scores each row at its last token that is not the pad token. Per pair, with r_c and r_r the chosen and
 rejected rows' scores: loss −log σ(r_c − r_r), plus `reward.center_coefficient` · (r_c + r_r)² where set (TRL's
 center_rewards_coefficient: its mean of the squared sums over the batch is the mean of these per-pair terms). The

@@ -1,12 +1,16 @@
 """One optimizer step's numbers: the device vector they travel in (one all-reduce and one host copy, read one
 micro-batch late so the host never waits for the GPU between steps), their reading on the host, and the masked loss
-sum every micro-batch contributes (the loss normalisation is adapter/train/trainer.py's module docstring)."""
+sum every micro-batch contributes (the loss normalisation is adapter/train/trainer.py's module docstring), and the
+held-out loss computed the same way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
+from adapter.data import collate
 from adapter.train import metrics
 
 
@@ -67,5 +71,37 @@ def nonfinite(grad_norm, device):
     return (~torch.isfinite(g) | (g < 0)).double()
 
 
-__all__ = ["StepStats", "PendingStep", "masked_loss_sum", "nonfinite", "LOSS", "NONFINITE", "TRAINED_TOKENS",
-           "COMPUTED_TOKENS", "GRAD_NORM", "GRAD_NORM_ON_DEVICE", "STOP", "AUX"]
+def held_out_loss(trainer) -> tuple[float | None, int, dict[str, float]]:
+    """(loss, trained tokens, extra metrics) over the whole held-out set: Σ per-token loss / trained tokens, the
+    training step's masking and normalisation, no gradients; extra: a token classifier's accuracy over its labelled
+    tokens (TRL's PRMTrainer compute_accuracy), else nothing. Every DP rank runs the same number of micro-batches
+    (ZeRO gathers are collective); the last round is padded with fully masked copies of sample 0."""
+    val, mb, layout = trainer.val_dataset, trainer.cfg.batch.micro_batch_size, trainer.layout
+    n, per_round, dp_rank = len(val), layout.dp * mb, layout.data_rank(trainer.rank)
+    sums = torch.zeros(3, dtype=torch.float64, device=trainer.device)  # + a token classifier's hits (hf_heads)
+    ds = trainer.engine.ds
+    head = getattr(ds, "module", ds)
+    hits = hasattr(head, "hits")
+    ds.eval()
+    try:
+        with torch.no_grad():
+            for r in range(-(-n // per_round)):
+                items = []
+                for i in range(r * per_round + dp_rank * mb, r * per_round + (dp_rank + 1) * mb):
+                    it = val[i] if i < n else dict(val[0])
+                    if i >= n:
+                        it["loss_mask"] = np.zeros_like(it["loss_mask"])
+                    items.append(it)
+                batch = trainer._on_device(trainer._trim(collate(val, items), eval=True))
+                sums[:2] += torch.stack([trainer._loss_sum(batch).double(), batch["loss_mask"].double().sum()])
+                sums[2] += head.hits.double() if hits else 0.0
+    finally:
+        ds.train()
+    dist.all_reduce(sums, group=trainer.groups.dp_cp)
+    total, count, right = sums.tolist()
+    trainer.clock.reset()  # evaluation is not training time
+    return (total / count if count else None), int(count), ({"accuracy": right / count} if hits and count else {})
+
+
+__all__ = ["StepStats", "PendingStep", "masked_loss_sum", "nonfinite", "held_out_loss", "LOSS", "NONFINITE",
+           "TRAINED_TOKENS", "COMPUTED_TOKENS", "GRAD_NORM", "GRAD_NORM_ON_DEVICE", "STOP", "AUX"]

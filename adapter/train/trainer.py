@@ -22,13 +22,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from adapter.convert import cache
-from adapter.data import build_batches, collate
+from adapter.data import build_batches
 from adapter.errors import DivergedError, bad
 from adapter.modeling import hf_qat
 from adapter.models import announce, footprint, lora
@@ -47,7 +46,7 @@ from adapter.train.engine import build_engine
 from adapter.train.export import export_run
 from adapter.train.preempt import Preemption, parse
 from adapter.train.profile import StepProfiler
-from adapter.train.steps import LOSS, NONFINITE, STOP, PendingStep, masked_loss_sum, nonfinite
+from adapter.train.steps import LOSS, NONFINITE, STOP, PendingStep, held_out_loss, masked_loss_sum, nonfinite
 
 
 @dataclass
@@ -345,44 +344,25 @@ class Trainer:
                                    "mfu": m, **extra, **rewards})
 
     def evaluate(self) -> tuple[float | None, int]:
-        """(loss, trained tokens) over the whole held-out set: Σ per-token loss / trained tokens, the training
-        step's masking and normalisation, no gradients. Every DP rank runs the same number of micro-batches (ZeRO
-        gathers are collective); the last round is padded with fully masked copies of sample 0."""
-        val, mb, layout = self.val_dataset, self.cfg.batch.micro_batch_size, self.layout
-        n, per_round, dp_rank = len(val), layout.dp * mb, layout.data_rank(self.rank)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        ds = self.engine.ds
-        ds.eval()
-        try:
-            with torch.no_grad():
-                for r in range(-(-n // per_round)):
-                    items = []
-                    for i in range(r * per_round + dp_rank * mb, r * per_round + (dp_rank + 1) * mb):
-                        it = val[i] if i < n else dict(val[0])
-                        if i >= n:
-                            it["loss_mask"] = np.zeros_like(it["loss_mask"])
-                        items.append(it)
-                    batch = self._on_device(self._trim(collate(val, items), eval=True))
-                    sums += torch.stack([self._loss_sum(batch).double(), batch["loss_mask"].double().sum()])
-        finally:
-            ds.train()
-        dist.all_reduce(sums, group=self.groups.dp_cp)
-        total, count = sums.tolist()
-        self.clock.reset()  # evaluation is not training time
-        return (total / count if count else None), int(count)
+        """(loss, trained tokens) over the whole held-out set (steps.held_out_loss); a token classifier's accuracy
+        in `eval_extra`."""
+        loss, count, self.eval_extra = held_out_loss(self)
+        return loss, count
 
     def _eval(self, step: int) -> bool:
         """Evaluate after `step`; True when early stopping ends the run here."""
         pairs = self.cfg.objective != "sft"  # TRL's eval of preference pairs (adapter/train/dpo.py)
         loss, count, extra = dpo.evaluate(self) if pairs else (*self.evaluate(), {})
+        extra = extra or getattr(self, "eval_extra", {})
         if loss is None:
             self._say(f"eval after step {step}: the held-out set has no trained tokens")
             return False
         self.result.eval_losses.append((step, loss))
         what = (f"{count} eval {'rows' if self.cfg.objective == 'kto' else 'pairs'} | {dpo.line(extra)}" if pairs else
-                f"{len(self.val_dataset)} eval samples, {count:,} trained tokens")
+                f"{len(self.val_dataset)} eval samples, {count:,} trained tokens" + "".join(
+                    f" | eval_{k} {v:.4f}" for k, v in extra.items()))
         self._say(f"eval after step {step} | eval_loss {loss:.4f} | {what}")
-        self.result.eval_rewards += [(step, extra)] if pairs else []
+        self.result.eval_rewards += [(step, extra)] if extra else []  # (a token classifier's: its accuracy)
         self.sink.log(step, {"eval_loss": loss, **{f"eval_{k}": v for k, v in extra.items()}})
         return self.best.observe(step, loss)
 

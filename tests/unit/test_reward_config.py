@@ -52,7 +52,8 @@ def test_axolotl_reward_example_maps_and_plans(tmp_path):
     ({"reward_model": False}, "model_type='AutoModelForSequenceClassification': nd-adapter trains causal"),
     ({"reward_model": None, "model_type": None}, "bradley_terry.chat_template is a preference type (for "
                                                  "reward_model: true)"),
-    ({"process_reward_model": True}, "process_reward_model=True: process-reward-model training is not supported"),
+    ({"process_reward_model": True}, "process_reward_model=True: a process reward model and reward_model: True are "
+                                     "two objectives"),
 ])
 def test_unbuilt_reward_settings_refused_in_one_line(over, needle):
     from adapter.data.sft.prepare import check_choices

@@ -8,6 +8,9 @@
                 each, as Axolotl does.
   chat_template messages rendered by a chat template (templates.py).
   input_output  `segments: [{label, text}]`, each tokenised without specials, trained where label is true.
+  stepwise_supervised  a process reward model's rows (prompt, completions: the steps, labels: each step's class),
+                as Axolotl's stepwise strategy: each step and `step_separator` tokenised apart, the step's last
+                token labelled with its class (the labels are classes here, not token ids: model.num_labels).
   (no type)     pre-tokenised rows: input_ids, optional labels (-100 = masked; absent = all trained) and
                 attention_mask (0 = padding, dropped).
 Every returned row is one example; labels follow the HF convention (aligned with input_ids, unshifted).
@@ -45,7 +48,9 @@ def alpaca_prompt(style: str, instruction: str, input: str) -> str:
 
 
 ALPACA_NO_INPUT = alpaca_prompt("instruct", "{instruction}", "")
-TYPES = ("completion", "alpaca", "chat_template", "input_output")
+TYPES = ("completion", "alpaca", "chat_template", "input_output", "stepwise_supervised")
+STEPWISE = "stepwise_supervised"
+STEP_KEYS = {"step_separator", "max_completion_length", "train_on_last_step_only"}
 PREFERENCE = "chat_template.default"  # Axolotl's preference type for rl: dpo (adapter/data/sft/preference.py)
 ARGILLA = "chat_template.argilla"  # Axolotl's ORPO preference type (prompt_strategies/orpo/chat_template.py)
 BRADLEY_TERRY = "bradley_terry.chat_template"  # Axolotl's reward-model pairs (prompt_strategies/bradley_terry)
@@ -106,19 +111,27 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
     bt_keys = {"chat_template", "chat_template_jinja", "drop_system_message"} if kind == BRADLEY_TERRY else set()
     stray = sorted(given & CHAT_KEYS - bt_keys) if kind not in ("chat_template", PREFERENCE) else []
     stray += sorted(given & PAIR_KEYS) if kind != PREFERENCE else []
+    stray += sorted(given & STEP_KEYS) if kind != STEPWISE else []
     if entry.field is not None and kind != "completion":
         stray.append("field")
     if stray:
         raise bad(f"{where}.{stray[0]}", getattr(entry, stray[0]), f"only applies to type "
-                  f"{'completion' if stray[0] == 'field' else PREFERENCE if stray[0] in PAIR_KEYS else 'chat_template'}"
+                  f"{_home_of(stray[0])}"
                   f", not {t}",
                   "remove it or change the entry's type")
     return kind
 
 
+def _home_of(key: str) -> str:
+    """The type an entry key belongs to."""
+    return ("completion" if key == "field" else PREFERENCE if key in PAIR_KEYS else STEPWISE if key in STEP_KEYS
+            else "chat_template")
+
+
 def required_columns(entry, kind: str) -> list[str]:
     return {"completion": [entry.field or "text"], "alpaca": ["instruction", "output"],
             "chat_template": [entry.field_messages], "input_output": ["segments"],
+            STEPWISE: ["prompt", "completions", "labels"],
             PREFERENCE: [entry.field_messages, entry.field_chosen, entry.field_rejected],
             ARGILLA: ["chosen", "rejected"], BRADLEY_TERRY: ["system", "input", "chosen", "rejected"],
             **{k: KTO_COLUMNS[k.split(".")[1]] for k in KTO_TYPES},
@@ -147,7 +160,7 @@ def _text(value: Any, where: str, column: str, idx: int, *, optional: bool = Fal
 
 
 def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool, where: str,
-                   chat=None) -> Callable[[dict[str, list], list[int]], dict[str, list]]:
+                   chat=None, classes: int | None = None) -> Callable[[dict[str, list], list[int]], dict[str, list]]:
     """A batched map function: columns of a batch + row indices -> input_ids, labels, eos_missing and (chat) the
     roles outside the entry's role mapping, per example."""
     eos, bos = tok.eos_token_id, tok.bos_token_id
@@ -221,6 +234,9 @@ def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool
             return out(rows)
         return input_output
 
+    if kind == STEPWISE:
+        return _stepwise(entry, tok, seq_len=seq_len, where=where, classes=classes, out=out)
+
     def pretokenised(batch, idx):
         rows = []
         labels_col, mask_col = batch.get("labels"), batch.get("attention_mask")
@@ -243,5 +259,42 @@ def make_formatter(kind: str, entry, tok, *, seq_len: int, train_on_inputs: bool
     return pretokenised
 
 
-__all__ = ["TYPES", "PRETOKENISED", "ALPACA_STYLES", "ALPACA_NO_INPUT", "alpaca_prompt", "kind_of", "required_columns",
-           "check_columns", "make_formatter"]
+def _stepwise(entry, tok, *, seq_len: int, where: str, classes: int | None, out):
+    """Axolotl 067b021's StepwiseSupervisedPromptTokenizingStrategy (after TRL's PRMTrainer.tokenize_row): the prompt
+    and each step tokenised without specials, `step_separator`'s tokens after every step, the step's label (its
+    class: a bool counts 0/1) on the separator's last token, -100 elsewhere; the steps cut to max_completion_length,
+    the tokenizer's BOS before the prompt where it has one, the whole cut to sequence_len. A row whose labels do not
+    pair with its steps, or a class outside model.num_labels, is one line (Axolotl would misalign or fail later)."""
+    sep = tok.encode(entry.step_separator, add_special_tokens=False)
+    last_only, cap, bos = entry.train_on_last_step_only, entry.max_completion_length, tok.bos_token_id
+
+    def stepwise(batch, idx):
+        rows = []
+        for prompt, steps, labels, i in zip(batch["prompt"], batch["completions"], batch["labels"], idx):
+            prompt = _text(prompt, where, "prompt", i)
+            if not isinstance(steps, list) or not isinstance(labels, list) or len(steps) != len(labels) or not steps:
+                raise bad(where, f"row {i}", "completions and labels must be lists of the same length, one label per "
+                          "step", "give each step its label (true/false or a class number)")
+            if any(isinstance(x, float) or not isinstance(x, (bool, int)) or not 0 <= int(x) < (classes or 2)
+                   for x in labels):
+                raise bad(where, f"row {i}", f"its labels {labels[:8]} are not classes 0 to {(classes or 2) - 1}",
+                          "label each step true/false or with a class below model.num_labels (num_labels)")
+            classes_of = [int(x) for x in labels]
+            if last_only:
+                classes_of = [IGNORE] * (len(classes_of) - 1) + classes_of[-1:]
+            ids: list[int] = []
+            tags: list[int] = []
+            for step, c in zip(steps, classes_of):
+                piece = tok(_text(step, where, "completions", i), add_special_tokens=False)["input_ids"] + sep
+                ids += piece
+                tags += [IGNORE] * (len(piece) - 1) + [c]
+            if cap:
+                ids, tags = ids[:cap], tags[:cap]
+            head = ([bos] if bos is not None else []) + tok(prompt, add_special_tokens=False)["input_ids"]
+            rows.append(((head + ids)[:seq_len], ([IGNORE] * len(head) + tags)[:seq_len], False))
+        return out(rows)
+    return stepwise
+
+
+__all__ = ["TYPES", "STEPWISE", "PRETOKENISED", "ALPACA_STYLES", "ALPACA_NO_INPUT", "alpaca_prompt", "kind_of",
+           "required_columns", "check_columns", "make_formatter"]

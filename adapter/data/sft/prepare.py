@@ -188,7 +188,7 @@ def _entry_examples(cfg, tok, entry, where: str, kind: str, src, workdir: Path, 
         chat = templates.ChatFormatter(entry, tok, template, train_on_inputs=cfg.data.train_on_inputs, where=where,
                                        eot_tokens=cfg.data.eot_tokens, eot_key=f"{top_prefix(cfg)}eot_tokens")
     fn = formats.make_formatter(kind, entry, tok, seq_len=cfg.seq_len, train_on_inputs=cfg.data.train_on_inputs,
-                                where=where, chat=chat)
+                                where=where, chat=chat, classes=cfg.model.num_labels)
     big = len(ds) >= PARALLEL_ROWS
     procs = cfg.data.num_proc or (min(8, os.cpu_count() or 1) if big else None)
     if not big:

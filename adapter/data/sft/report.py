@@ -1,6 +1,7 @@
 """`nd-adapter preprocess`: build (or reuse) the prepared SFT data the run will use, print what it holds, and with
 `--debug` the (token, label) pairs of a few samples, as Axolotl's `preprocess --debug` shows them: the label is
-the token itself where it is a trained target, -100 where it is not (the first token of an example never is)."""
+the token itself where it is a trained target (a process reward model's: its class), -100 where it is not (the
+first token of an example never is)."""
 from __future__ import annotations
 
 import numpy as np
@@ -43,7 +44,8 @@ def debug_lines(data, tok, samples: int = 3) -> list[str]:
             a, b = int(bounds[k]), int(bounds[k + 1])
             ids = item["tokens"][a:b]
             trained = np.r_[False, item["loss_mask"][a:b - 1] > 0]  # position j-1 predicts token j
-            pairs = [f"({tok.decode([int(t)])!r}, {int(t) if m else IGNORE})" for t, m in zip(ids, trained)]
+            target = np.r_[IGNORE, item["labels"][a:b - 1]]  # its label: the token (a token classifier's: its class)
+            pairs = [f"({tok.decode([int(t)])!r}, {int(c) if m else IGNORE})" for t, c, m in zip(ids, target, trained)]
             out.append(f"sample {i} example {k} ({b - a} tokens, {int(trained.sum())} trained): " + " ".join(pairs))
     return out
 
