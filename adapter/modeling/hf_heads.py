@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from adapter.modeling import hf_cp
-from adapter.patches.hf_masks import documents
+from adapter.patches.hf_masks import documents, prepare
 
 
 class RewardScores(torch.nn.Module):
@@ -42,6 +42,7 @@ class TokenClassLosses(torch.nn.Module):
         self.model = model
         self.cp = cp  # nd-adapter's attention kernels at cp = 1 (checks.own_attention), as CausalLMLosses runs them
         self.hits = None
+        prepare(model)  # packed rows' masks, whatever the model hands its mask builders (adapter/patches/hf_masks)
 
     def forward(self, tokens, position_ids, attention_mask=None, *, labels, loss_mask=None, packed_seq_params=None,
                 **_):

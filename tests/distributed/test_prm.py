@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import run_workers
-from tests.helpers.prm import prm_model, rows, step_ids, trl_prm
+from tests.helpers.prm import prepared_rows, prm_model, rows, step_ids, trl_prm
 from tests.helpers.reward import EPS, step_pairs
 from tests.helpers.sft_data import write_jsonl
 
@@ -74,16 +74,7 @@ def test_process_reward_model_matches_trl(tmp_path):
     sft = prepare(cfg, model, vocab_of(cfg), builder=True, barrier=None, progress=False)
     assert sft.reused  # the runs' own prepared samples
 
-    def row_of(sample) -> dict:
-        """The prepared sample as TRL's row: its tokens (Axolotl's ids, checked) and classes (unshifted back)."""
-        n = int(sample["attention_mask"].sum())  # one unpacked example, then padding
-        ids = sample["tokens"][:n].tolist()
-        labels = [-100] + [int(c) if m else -100 for c, m in zip(sample["labels"][:n - 1], sample["loss_mask"])]
-        assert (ids, labels) in want, (ids, labels)
-        return {"input_ids": ids, "labels": labels}
-
-    train_rows = [row_of(sft.train[i]) for i in range(len(sft.train))]
-    held = [row_of(sft.val[i]) for i in range(len(sft.val))]
+    train_rows, held = prepared_rows(sft.train, want), prepared_rows(sft.val, want)
     assert len(train_rows) == 16 and len(held) == VAL
     steps = step_pairs(cfg.data.seed, len(train_rows), world=WORLD, ga=GA, steps=STEPS)
     # TRL's batch j of a step: micro-batch j of every DP rank (step_pairs lists a rank's micro-batches together)

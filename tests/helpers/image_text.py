@@ -200,27 +200,34 @@ def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = 
     return losses, float(ce) / n, model
 
 
-def qwen2_5_vlm(root: Path, seed: int = 0) -> Path:
-    """root/qwen: a tiny Qwen2.5-VL checkpoint (two vision blocks, one of them windowed; M-RoPE text layers) with its
-    tokenizer, image processor and chat template; `qwen_processor` builds its processor. Saved without the video
-    processor, which transformers builds only with torchvision (not a dependency here)."""
-    import torch
+def _tokenizer(specials: list[str], **kw):
+    """A byte-level BPE tokenizer of 300 tokens over the rows' words, with the family's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import PreTrainedTokenizerFast
 
-    from adapter.data.sft.templates import BUILTIN
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([" ".join(ANSWERS) + " user assistant system describe image what is this"] * 20,
                             trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    ft = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+
+
+def qwen2_5_vlm(root: Path, seed: int = 0) -> Path:
+    """root/qwen: a tiny Qwen2.5-VL checkpoint (two vision blocks, one of them windowed; M-RoPE text layers) with its
+    tokenizer, image processor and chat template; `qwen_processor` builds its processor. Saved without the video
+    processor, which transformers builds only with torchvision (not a dependency here)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from adapter.data.sft.templates import BUILTIN
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    ft = _tokenizer(specials, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                    extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
     out = root / "qwen"
     out.mkdir(parents=True, exist_ok=True)
     ft.save_pretrained(out)
@@ -252,22 +259,15 @@ def mllama_vlm(root: Path, seed: int = 0) -> Path:
     """root/mllama: a tiny Llama 3.2 Vision checkpoint (MllamaForConditionalGeneration: a tiled vision tower whose
     states the language model reads by a cross-attention layer) with its processor and chat template."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor, PreTrainedTokenizerFast
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor
     from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
 
     from adapter.data.sft.templates import BUILTIN
 
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                 "<|image|>", "<|finetune_right_pad_id|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([" ".join(ANSWERS) + " user assistant system describe image what is this"] * 20,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    ft = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-                                 pad_token="<|finetune_right_pad_id|>")
+    ft = _tokenizer(specials, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                    pad_token="<|finetune_right_pad_id|>")
     out = root / "mllama"
     MllamaProcessor(image_processor=MllamaImageProcessorPil(size={"height": SIZE, "width": SIZE}, max_image_tiles=2),
                     tokenizer=ft, chat_template=BUILTIN["llama3_2_vision"]).save_pretrained(out)

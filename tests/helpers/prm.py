@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.reward import EPS
-from tests.helpers.sft_data import tiny_model
+from tests.helpers.reward import EPS, classifier, in_order
 
 IGNORE = -100
 
@@ -26,25 +25,9 @@ def rows(n: int) -> list[dict]:
 
 
 def prm_model(root: Path) -> Path:
-    """A tiny Llama causal LM's weights under a seeded two-class token head, saved as a token classifier."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaForTokenClassification
-
-    src = tiny_model(root / "t", weights=True)
-    lm = AutoModelForCausalLM.from_pretrained(str(src))
-    cfg = lm.config
-    cfg.num_labels, cfg.architectures = 2, ["LlamaForTokenClassification"]
-    torch.manual_seed(1)
-    m = LlamaForTokenClassification(cfg)
-    m.model.load_state_dict(lm.model.state_dict())
-    with torch.no_grad():
-        m.score.weight.mul_(20.0)  # (a head that moves the loss off log 2 within a few steps)
-    out = root / "prm"
-    m.save_pretrained(str(out))
-    for f in Path(src).glob("*"):
-        if "token" in f.name or f.suffix == ".jinja":
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
+    """A tiny Llama causal LM's weights under a seeded two-class token head (spread, so that the loss moves off log 2
+    within a few steps), saved as a token classifier."""
+    return classifier(root, "LlamaForTokenClassification", 2, "prm", head_scale=20.0)
 
 
 def step_ids(tok, row: dict, *, sep: str = "\n", seq: int, last_only: bool = False) -> tuple[list[int], list[int]]:
@@ -64,15 +47,28 @@ def step_ids(tok, row: dict, *, sep: str = "\n", seq: int, last_only: bool = Fal
     return (head + ids)[:seq], ([IGNORE] * len(head) + tags)[:seq]
 
 
+def prepared_rows(part, want: list[tuple[list[int], list[int]]]) -> list[dict]:
+    """The prepared samples of `part` (one unpacked row each) as TRL's rows: their tokens (each checked to be one of
+    `want`'s, Axolotl's ids) and classes (the loop's shifted labels unshifted back)."""
+    out = []
+    for i in range(len(part)):
+        sample = part[i]
+        n = int(sample["attention_mask"].sum())  # one unpacked example, then padding
+        ids = sample["tokens"][:n].tolist()
+        labels = [IGNORE] + [int(c) if m else IGNORE for c, m in zip(sample["labels"][:n - 1], sample["loss_mask"])]
+        assert (ids, labels) in want, (ids, labels)
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
 def trl_prm(model_dir: Path, order: list[dict], held: list[dict], out: Path, *, batch: int, steps: int, lr: float,
-            ga: int = 1, lora: bool = False):
+            ga: int = 1, lora: bool = False, cpu: bool = True):
     """TRL's PRMTrainer (1.8.0's, Axolotl's base class) on the tokenised rows in `order` (input_ids, labels; one step
     = `batch` consecutive rows in `ga` batches), evaluating `held` in one batch before step 1 and every 2 steps:
-    (per step: its logged loss, per eval: its logged metrics, the trained model)."""
+    (per step: its logged loss, per eval: its logged metrics, the trained model). `cpu` false: on the GPU."""
     import torch
     from datasets import Dataset
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForTokenClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
     from trl.experimental.prm import PRMConfig, PRMTrainer
 
     model = AutoModelForTokenClassification.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -85,32 +81,19 @@ def trl_prm(model_dir: Path, order: list[dict], held: list[dict], out: Path, *, 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="TOKEN_CLS",
                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                  "up_proj", "down_proj"]))
-    seen: list[dict] = []
-    evals: list[tuple[int, dict]] = []
-
-    class Logged(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "eval_loss" in logs:
-                evals.append((state.global_step, dict(logs)))
-            elif logs and "loss" in logs:
-                seen.append(dict(logs))
-
-    class InOrder(PRMTrainer):
-        def _get_train_sampler(self, *a, **k):
-            return SequentialSampler(self.train_dataset)
-
+    InOrder, logged, seen, evals = in_order(PRMTrainer)
     args = PRMConfig(output_dir=str(out), per_device_train_batch_size=batch // ga, gradient_accumulation_steps=ga,
                      max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
                      weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
-                     logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=42, bf16=False,
+                     logging_steps=1, report_to=[], use_cpu=cpu, save_strategy="no", seed=42, bf16=False,
                      dataloader_num_workers=0, optim="adamw_torch", eval_strategy="steps", eval_steps=2,
                      eval_on_start=True, per_device_eval_batch_size=len(held))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.pad_token = tok.pad_token or tok.eos_token  # (its collator pads; the padding is masked and unlabelled)
     trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(order),
-                      eval_dataset=Dataset.from_list(held), callbacks=[Logged()], processing_class=tok)
+                      eval_dataset=Dataset.from_list(held), callbacks=[logged], processing_class=tok)
     trainer.train()
     return seen, evals, trainer.model
 
 
-__all__ = ["rows", "prm_model", "step_ids", "trl_prm"]
+__all__ = ["rows", "prm_model", "step_ids", "prepared_rows", "trl_prm"]

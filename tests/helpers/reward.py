@@ -19,18 +19,26 @@ def rows(n: int) -> list[dict]:
 
 def reward_model(root: Path) -> Path:
     """A tiny Llama causal LM's weights under a seeded one-label score head, saved as a sequence classifier."""
+    return classifier(root, "LlamaForSequenceClassification", 1, "rm")
+
+
+def classifier(root: Path, cls_name: str, labels: int, name: str, head_scale: float = 1.0) -> Path:
+    """A tiny Llama causal LM's body under a seeded `labels`-output score head (× `head_scale`), saved as transformers'
+    `cls_name` in root/name with the LM's tokenizer files."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
+    import transformers
 
     src = tiny_model(root / "t", weights=True)
-    lm = AutoModelForCausalLM.from_pretrained(str(src))
+    lm = transformers.AutoModelForCausalLM.from_pretrained(str(src))
     cfg = lm.config
-    cfg.num_labels, cfg.architectures = 1, ["LlamaForSequenceClassification"]
+    cfg.num_labels, cfg.architectures = labels, [cls_name]
     torch.manual_seed(1)
-    rm = LlamaForSequenceClassification(cfg)
-    rm.model.load_state_dict(lm.model.state_dict())
-    out = root / "rm"
-    rm.save_pretrained(str(out))
+    m = getattr(transformers, cls_name)(cfg)
+    m.model.load_state_dict(lm.model.state_dict())
+    with torch.no_grad():
+        m.score.weight.mul_(head_scale)
+    out = root / name
+    m.save_pretrained(str(out))
     for f in Path(src).glob("*"):
         if "token" in f.name or f.suffix == ".jinja":
             (out / f.name).write_bytes(f.read_bytes())
@@ -57,8 +65,7 @@ def trl_reward(model_dir: Path, order: list[dict], held: list[dict], out: Path, 
     trained model). `cpu` false: on the GPU."""
     import torch
     from datasets import Dataset
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32, num_labels=1)
@@ -68,6 +75,27 @@ def trl_reward(model_dir: Path, order: list[dict], held: list[dict], out: Path, 
         torch.manual_seed(42)  # the run's seed, as adapter/modeling/hf_build.add_peft draws the adapters
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
                                                  task_type="SEQ_CLS"))
+    InOrder, logged, seen, evals = in_order(RewardTrainer)
+    args = RewardConfig(output_dir=str(out), per_device_train_batch_size=batch // ga, gradient_accumulation_steps=ga,
+                        max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+                        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
+                        max_length=seq, center_rewards_coefficient=center, logging_steps=1, report_to=[],
+                        use_cpu=cpu, save_strategy="no", seed=42, bf16=False, dataloader_num_workers=0,
+                        optim="adamw_torch", eval_strategy="steps", eval_steps=2, eval_on_start=True,
+                        per_device_eval_batch_size=eval_batch)
+    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(order),
+                      eval_dataset=Dataset.from_list(held), callbacks=[logged],
+                      processing_class=AutoTokenizer.from_pretrained(str(model_dir)))
+    trainer.train()
+    return seen, evals, trainer.model
+
+
+def in_order(trainer_cls):
+    """(a subclass of a TRL trainer that takes its train rows in order, a callback that records its logs, the step
+    logs it records, the eval logs it records (step, logs))."""
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+
     seen: list[dict] = []
     evals: list[tuple[int, dict]] = []
 
@@ -78,22 +106,11 @@ def trl_reward(model_dir: Path, order: list[dict], held: list[dict], out: Path, 
             elif logs and "loss" in logs:
                 seen.append(dict(logs))
 
-    class InOrder(RewardTrainer):
+    class InOrder(trainer_cls):
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
 
-    args = RewardConfig(output_dir=str(out), per_device_train_batch_size=batch // ga, gradient_accumulation_steps=ga,
-                        max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
-                        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=EPS, max_grad_norm=0.0,
-                        max_length=seq, center_rewards_coefficient=center, logging_steps=1, report_to=[],
-                        use_cpu=cpu, save_strategy="no", seed=42, bf16=False, dataloader_num_workers=0,
-                        optim="adamw_torch", eval_strategy="steps", eval_steps=2, eval_on_start=True,
-                        per_device_eval_batch_size=eval_batch)
-    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(order),
-                      eval_dataset=Dataset.from_list(held), callbacks=[Logged()],
-                      processing_class=AutoTokenizer.from_pretrained(str(model_dir)))
-    trainer.train()
-    return seen, evals, trainer.model
+    return InOrder, Logged(), seen, evals
 
 
 def step_pairs(seed: int, n: int, *, world: int, ga: int, steps: int) -> list[list[int]]:
@@ -104,4 +121,4 @@ def step_pairs(seed: int, n: int, *, world: int, ga: int, steps: int) -> list[li
     return [[int(i) for it in its for _ in range(ga) for i in next(it)] for _ in range(steps)]
 
 
-__all__ = ["EPS", "rows", "reward_model", "bt_ids", "trl_reward", "step_pairs"]
+__all__ = ["EPS", "rows", "reward_model", "classifier", "bt_ids", "trl_reward", "in_order", "step_pairs"]

@@ -102,3 +102,34 @@ def test_rows_it_cannot_label_are_one_line(prm):
         code, out, err = run_cli("preprocess", "--config", str(path))
         said = [ln for ln in err.splitlines() if ln.startswith("nd-adapter: error:")]
         assert code == 2 and len(said) == 1 and says in said[0] and "row 0" in said[0], (out[-1500:], err)
+
+
+def test_packed_rows_classify_as_they_do_alone(prm):
+    """Packed (sample_packing), each row's labelled tokens get the losses they get alone: the loop's next-token
+    layout (labels shifted left, masked across a row's end) undone per position, and attention kept within rows."""
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from adapter.data.sft.bins import targets
+    from adapter.modeling.hf_heads import TokenClassLosses
+
+    root, model_dir, _ = prm
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForTokenClassification.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    a, b = (step_ids(tok, r, seq=64) for r in rows(2))
+    losses = TokenClassLosses(model)
+
+    def run(ids, labels, offsets):
+        import numpy as np
+
+        tgt = targets(np.array(labels), np.array(offsets))
+        pos = torch.cat([torch.arange(offsets[k + 1] - offsets[k]) for k in range(len(offsets) - 1)])
+        with torch.no_grad():
+            out = losses(torch.tensor([ids]), pos[None], labels=torch.tensor([np.maximum(tgt, 0)]),
+                         loss_mask=torch.tensor([(tgt >= 0).astype("float32")]))
+        return out[0], torch.tensor(tgt >= 0)
+
+    packed, mask = run(a[0] + b[0], a[1] + b[1], [0, len(a[0]), len(a[0]) + len(b[0])])
+    alone = [run(ids, labels, [0, len(ids)]) for ids, labels in (a, b)]
+    want = torch.cat([loss[m] for loss, m in alone])
+    assert int(mask.sum()) == len(want) > 2 and torch.allclose(packed[mask], want, atol=1e-5), (packed[mask], want)
