@@ -125,7 +125,7 @@ def test_packed_rows_classify_as_they_do_alone(prm):
         tgt = targets(np.array(labels), np.array(offsets))
         pos = torch.cat([torch.arange(offsets[k + 1] - offsets[k]) for k in range(len(offsets) - 1)])
         with torch.no_grad():
-            out = losses(torch.tensor([ids]), pos[None], labels=torch.tensor([np.maximum(tgt, 0)]),
+            out = losses(torch.tensor([ids]), pos[None], labels=torch.tensor([np.maximum(tgt, 0).astype("int64")]),
                          loss_mask=torch.tensor([(tgt >= 0).astype("float32")]))
         return out[0], torch.tensor(tgt >= 0)
 
@@ -133,3 +133,17 @@ def test_packed_rows_classify_as_they_do_alone(prm):
     alone = [run(ids, labels, [0, len(ids)]) for ids, labels in (a, b)]
     want = torch.cat([loss[m] for loss, m in alone])
     assert int(mask.sum()) == len(want) > 2 and torch.allclose(packed[mask], want, atol=1e-5), (packed[mask], want)
+
+
+def test_stepwise_keys_at_their_defaults_are_not_stray():
+    """A config written back out (model_dump) holds every entry key, the stepwise ones at their defaults: another
+    type's entry says nothing of them (DPO runs rebuilt from a dump were refused); set to something, they are."""
+    from adapter.config.schema_data import DatasetEntry
+    from adapter.data.sft.formats import kind_of
+
+    pairs = DatasetEntry(path="x.jsonl", type="chat_template.default")
+    entry = DatasetEntry.model_validate(pairs.model_dump())
+    assert "step_separator" in entry.model_fields_set
+    assert kind_of(entry, "datasets[0]", "dpo") == "chat_template.default"
+    with pytest.raises(UserError, match="train_on_last_step_only=True: only applies to type stepwise_supervised"):
+        kind_of(DatasetEntry(path="x.jsonl", type="chat_template", train_on_last_step_only=True), "datasets[0]")

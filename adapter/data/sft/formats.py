@@ -111,7 +111,8 @@ def kind_of(entry, where: str, objective: str = "sft") -> str:
     bt_keys = {"chat_template", "chat_template_jinja", "drop_system_message"} if kind == BRADLEY_TERRY else set()
     stray = sorted(given & CHAT_KEYS - bt_keys) if kind not in ("chat_template", PREFERENCE) else []
     stray += sorted(given & PAIR_KEYS) if kind != PREFERENCE else []
-    stray += sorted(given & STEP_KEYS) if kind != STEPWISE else []
+    if kind != STEPWISE:  # (a stepwise key at its default, as a config written back out holds it, says nothing)
+        stray += sorted(k for k in given & STEP_KEYS if getattr(entry, k) != type(entry).model_fields[k].default)
     if entry.field is not None and kind != "completion":
         stray.append("field")
     if stray:
