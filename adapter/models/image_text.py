@@ -9,6 +9,9 @@ from adapter.errors import bad
 # template name and by processor class (Axolotl picks the format by them)
 UNBUILT_TEMPLATES = ("gemma3n",)
 UNBUILT_PROCESSORS = ("VoxtralProcessor", "Mistral3Processor")
+# model types whose language layers read the image by cross-attention, run only in micro-batches that hold one
+# (adapter/data/sft/multimodal.py refuses rows without an image where every rank must run them)
+CROSS_ATTENTION = ("mllama",)
 
 
 def check(cfg, arch) -> None:
@@ -71,4 +74,4 @@ def processor_class(model_path) -> str | None:
     return None
 
 
-__all__ = ["UNBUILT_TEMPLATES", "UNBUILT_PROCESSORS", "check", "processor_class"]
+__all__ = ["CROSS_ATTENTION", "UNBUILT_TEMPLATES", "UNBUILT_PROCESSORS", "check", "processor_class"]

@@ -21,9 +21,8 @@ import numpy as np
 
 from adapter.data.sft.multimodal_formats import STRATEGIES, boundaries, media_ids, role_keep, strategy_name
 from adapter.errors import bad
+from adapter.models.image_text import CROSS_ATTENTION
 
-# models whose language layers read the image by cross-attention, run only in micro-batches that hold one
-CROSS_ATTENTION = ("mllama",)
 RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 IMAGE_COLUMNS = ("images", "image")  # a row's image column, the first of these it has (Axolotl's)
 
@@ -377,4 +376,4 @@ def _missing_files(ds) -> list[str]:
     return out
 
 
-__all__ = ["RESAMPLE", "CROSS_ATTENTION", "normalise", "MultimodalRows", "load", "debug_lines"]
+__all__ = ["RESAMPLE", "normalise", "MultimodalRows", "load", "debug_lines"]
