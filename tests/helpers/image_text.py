@@ -291,6 +291,18 @@ def mllama_vlm(root: Path, seed: int = 0) -> Path:
     return out
 
 
+def save_qwen_processor(model_dir: Path) -> None:
+    """Qwen2_5_VLProcessor saved whole into the checkpoint (its video processor too: needs torchvision, which the GPU
+    host has), so that AutoProcessor loads it as it loads a real Qwen2.5-VL checkpoint's."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    Qwen2_5_VLProcessor(image_processor=AutoImageProcessor.from_pretrained(str(model_dir)),
+                        tokenizer=AutoTokenizer.from_pretrained(str(model_dir)),
+                        video_processor=Qwen2VLVideoProcessor(),
+                        chat_template=(model_dir / "chat_template.jinja").read_text()).save_pretrained(str(model_dir))
+
+
 def qwen_processor(model_dir: Path):
     """Qwen2_5_VLProcessor over the checkpoint's image processor and tokenizer, without its video processor
     (transformers' class check asks for one; nothing here renders video)."""
@@ -309,5 +321,5 @@ def qwen_processor(model_dir: Path):
     return proc
 
 
-__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "mllama_vlm", "qwen2_5_vlm", "qwen_processor", "rows", "batch",
-           "reference"]
+__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "mllama_vlm", "qwen2_5_vlm", "qwen_processor",
+           "save_qwen_processor", "rows", "batch", "reference"]
