@@ -85,3 +85,24 @@ def test_what_mllama_refuses_is_one_line(mllama):
     load(cfg, model_dir, model_dir, 10 ** 6)  # one rank: text rows skip the layers, as transformers does
     with pytest.raises(UserError, match="a row without an image: Llama 3.2 Vision runs its cross-attention"):
         load(cfg, model_dir, model_dir, 10 ** 6, filler=True)
+
+
+def test_a_processor_refusing_a_micro_batch_is_one_line(mllama):
+    """transformers 5.17's MllamaProcessor refuses a batch mixing rows with and without images (5.25's takes it;
+    the GPU host has 5.17): its ValueError is one line naming the micro-batch's first row, not a traceback."""
+    from adapter import config
+    from adapter.data.sft.multimodal import load
+    from adapter.errors import UserError
+
+    root, model_dir = mllama
+    data = write_jsonl(root / "mix.jsonl", _no_system(rows(root, 4, images_every=2)))
+    train, _, _ = load(config.build(_raw(model_dir, data), env={}, world_size=1), model_dir, model_dir, 10 ** 6)
+
+    def refuses(*_a, **_k):
+        raise ValueError("If a batch of text is provided, there should be either no images or at least one image "
+                         "per sample")
+
+    train.processor.apply_chat_template = refuses
+    with pytest.raises(UserError, match=r"MllamaProcessor refuses the micro-batch holding the row whose text starts "
+                                        r"so: If a batch of text is provided"):
+        train.collate([train[0], train[1]])

@@ -194,6 +194,13 @@ class MultimodalRows:
         except TemplateError:
             self.check_template([int(it["row"][0]) for it in items])  # names the row
             raise
+        except ValueError as e:  # the processor refusing the batch (transformers 5.17's Mllama: no mix of rows with
+            # and without images), said in one line as Axolotl's collator would meet it
+            first = next((c.get("text") for m in rows[0]["messages"] for c in m["content"] if c.get("text")), "")
+            raise bad("datasets", first[:60], f"{type(self.processor).__name__} refuses the micro-batch holding the "
+                      f"row whose text starts so: {str(e).splitlines()[0][:160]}", "change the rows as it asks "
+                      "(e.g. give every row an image), or use a transformers version whose processor takes them") \
+                from None
         if self.blank_filler and not any(map(_has_image, rows)):
             batch = _with_filler(batch, self._render([self.filler()["messages"]]),
                                  getattr(self.processor.tokenizer, "pad_token_id", None) or 0)
