@@ -158,6 +158,10 @@ def stand_in_rows(entry: dict, raw: dict, n: int = 64) -> list[dict]:
                  entry.get("field_rejected") or "rejected": answer(f"It is {i + 7}, I think.")} for i in range(n)]
     if t.startswith("chat_template"):
         return [{entry.get("field_messages") or "messages": _messages(entry, i)} for i in range(n)]
+    if t == "stepwise_supervised":  # a process reward model's rows (adapter/data/sft/formats.py)
+        from tests.helpers.prm import rows as step_rows
+
+        return step_rows(n)
     if t == "input_output":
         return [{"segments": [{"label": False, "text": f"Q: what follows {i}?\n"},
                               {"label": True, "text": f"A: {i + 1}.\n"}]} for i in range(n)]
