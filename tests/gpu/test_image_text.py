@@ -48,25 +48,32 @@ def test_image_text_run_on_cuda_follows_transformers(tmp_path, compiled):
     assert evals and abs(evals[-1][1] - want_eval) <= tol * abs(want_eval), (evals, want_eval)
 
 
-def test_qwen_image_text_run_on_cuda_follows_transformers(tmp_path):
-    """Qwen2.5-VL (M-RoPE, a windowed vision tower) through the checkpoint's real processor (AutoProcessor: its video
-    processor needs torchvision, which the GPU host has and CPU CI lacks), one row in two with an image: the same
-    losses over 3 steps and the held-out loss as transformers' own model on the same GPU and micro-batches."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "pixtral"])
+def test_more_families_on_cuda_follow_transformers(tmp_path, family):
+    """Qwen2.5-VL (M-RoPE, a windowed vision tower) and Pixtral (LLaVA over a Pixtral tower, [INST] turns) through
+    the checkpoint's real processor (AutoProcessor: they need torchvision, which the GPU host has and CPU CI lacks),
+    one row in two with an image (no system turns: Pixtral's template folds them in): the same losses over 3 steps
+    and the held-out loss as transformers' own model on the same GPU and micro-batches."""
     import torch
 
     from adapter import config
     from adapter.data.sampler import DPSampler
     from adapter.data.sft.multimodal import load
-    from tests.helpers.image_text import qwen2_5_vlm, reference, rows, save_qwen_processor
+    from tests.helpers.image_text import pixtral_vlm, qwen2_5_vlm, reference, rows, save_qwen_processor
     from tests.helpers.sft_data import write_jsonl
 
     assert torch.cuda.is_available()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model = qwen2_5_vlm(tmp_path)
-    save_qwen_processor(model)
-    data = write_jsonl(tmp_path / "mm.jsonl", rows(tmp_path, N, images_every=2))
+    if family == "qwen2_5_vl":
+        model = qwen2_5_vlm(tmp_path)
+        save_qwen_processor(model)
+    else:
+        model = pixtral_vlm(tmp_path)
+    data_rows = [{**r, "messages": [m for m in r["messages"] if m["role"] != "system"]}
+                 for r in rows(tmp_path, N, images_every=2)]
+    data = write_jsonl(tmp_path / "mm.jsonl", data_rows)
     raw = {"base_model": str(model), "processor_type": "AutoProcessor", "skip_prepare_dataset": True,
-           "sample_packing": False, "chat_template": "qwen2_vl",
+           "sample_packing": False, "chat_template": {"qwen2_5_vl": "qwen2_vl"}.get(family, family),
            "datasets": [{"path": str(data), "type": "chat_template"}],
            "sequence_len": 256, "dataset_prepared_path": str(tmp_path / "prep"), "output_dir": str(tmp_path / "out"),
            "val_set_size": VAL, "micro_batch_size": MB, "gradient_accumulation_steps": GA, "max_steps": STEPS,
@@ -75,10 +82,10 @@ def test_qwen_image_text_run_on_cuda_follows_transformers(tmp_path):
     losses, evals = run_workers(cuda_train, 1, raw, ("losses", "eval_losses"), timeout=600)[0]
     cfg = config.build(raw, env={}, world_size=1)
     train_set, held_set, _ = load(cfg, model, model, 10 ** 6)
-    assert type(train_set.processor).__name__ == "Qwen2_5_VLProcessor"
+    assert type(train_set.processor).__name__ == {"qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(family, "PixtralProcessor")
     it = iter(DPSampler(len(train_set), dp_rank=0, dp_size=1, micro_batch=MB, seed=cfg.data.seed))
     order = [[[train_set.rows[int(i)] for i in next(it)] for _ in range(GA)] for _ in range(STEPS)]
     want, want_eval, _ = reference(model, order, [held_set.rows[i] for i in range(len(held_set))], lr=LR,
-                                   device="cuda", family="qwen2_5_vl")
+                                   device="cuda", family=family)
     assert len(losses) == STEPS and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, want)), (losses, want)
     assert evals and abs(evals[-1][1] - want_eval) <= 1e-4 * abs(want_eval), (evals, want_eval)

@@ -98,6 +98,8 @@ FAMILIES = {
                    media=("<start_of_image>", "<image_soft_token>"), size=SIZE),
     "qwen2_5_vl": dict(model="Qwen2_5_VLForConditionalGeneration", start="<|im_start|>assistant\n", end="<|im_end|>",
                        media=("<|image_pad|>",), size=None),
+    # Pixtral: the assistant's turn runs from [/INST] to the EOS (its format record's markers)
+    "pixtral": dict(model="LlavaForConditionalGeneration", start="[/INST]", end="</s>", media=("[IMG]",), size=56),
     "mllama": dict(model="MllamaForConditionalGeneration", start="<|start_header_id|>assistant<|end_header_id|>\n\n",
                    end="<|eot_id|>", media=("<|image|>",), size=SIZE),
 }
@@ -157,7 +159,12 @@ def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = 
     from transformers import AutoProcessor
 
     fam = FAMILIES[family]
-    processor = qwen_processor(model_dir) if family == "qwen2_5_vl" else AutoProcessor.from_pretrained(str(model_dir))
+    try:
+        processor = AutoProcessor.from_pretrained(str(model_dir))
+    except (ImportError, AttributeError):  # Qwen's video processor without torchvision (CPU CI): the test's own
+        if family != "qwen2_5_vl":
+            raise
+        processor = qwen_processor(model_dir)
     processor.tokenizer.chat_template = processor.chat_template
     cls = getattr(transformers, fam["model"])
     model = cls.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
@@ -291,6 +298,39 @@ def mllama_vlm(root: Path, seed: int = 0) -> Path:
     return out
 
 
+def pixtral_vlm(root: Path, seed: int = 0) -> Path:
+    """root/pixtral: a tiny Pixtral checkpoint (LlavaForConditionalGeneration over a Pixtral vision tower, Mistral
+    text layers) with its PixtralProcessor (transformers builds it only with torchvision: the GPU host has it)."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, PixtralProcessor
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from adapter.data.sft.templates import BUILTIN
+
+    ft = _tokenizer(["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>"],
+                    bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+    out = root / "pixtral"
+    PixtralProcessor(image_processor=PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14), tokenizer=ft,
+                     patch_size=14, spatial_merge_size=1, chat_template=BUILTIN["pixtral"], image_token="[IMG]",
+                     image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]").save_pretrained(out)
+    ids = ft.convert_tokens_to_ids
+    cfg = LlavaConfig(
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=56, patch_size=14, head_dim=16),
+        text_config=dict(model_type="mistral", vocab_size=len(ft), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         pad_token_id=ids("<pad>")),
+        image_token_index=ids("[IMG]"), vision_feature_layer=-1, vision_feature_select_strategy="full",
+        projector_hidden_act="gelu", multimodal_projector_bias=True, architectures=["LlavaForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+    model.save_pretrained(out)
+    return out
+
+
 def save_qwen_processor(model_dir: Path) -> None:
     """Qwen2_5_VLProcessor saved whole into the checkpoint (its video processor too: needs torchvision, which the GPU
     host has), so that AutoProcessor loads it as it loads a real Qwen2.5-VL checkpoint's."""
@@ -321,5 +361,5 @@ def qwen_processor(model_dir: Path):
     return proc
 
 
-__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "mllama_vlm", "qwen2_5_vlm", "qwen_processor",
-           "save_qwen_processor", "rows", "batch", "reference"]
+__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "mllama_vlm", "pixtral_vlm", "qwen2_5_vlm",
+           "qwen_processor", "save_qwen_processor", "rows", "batch", "reference"]
