@@ -207,6 +207,19 @@ def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = 
     return losses, float(ce) / n, model
 
 
+def _saved(cls, cfg, out: Path, seed: int) -> Path:
+    """`cls(cfg)` from `seed`, its matrices spread (× 3: HF's 0.02 init leaves every loss near log V), saved to out."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+    model.save_pretrained(out)
+    return out
+
+
 def _tokenizer(specials: list[str], **kw):
     """A byte-level BPE tokenizer of 300 tokens over the rows' words, with the family's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -225,7 +238,6 @@ def qwen2_5_vlm(root: Path, seed: int = 0) -> Path:
     """root/qwen: a tiny Qwen2.5-VL checkpoint (two vision blocks, one of them windowed; M-RoPE text layers) with its
     tokenizer, image processor and chat template; `qwen_processor` builds its processor. Saved without the video
     processor, which transformers builds only with torchvision (not a dependency here)."""
-    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -253,13 +265,7 @@ def qwen2_5_vlm(root: Path, seed: int = 0) -> Path:
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
         architectures=["Qwen2_5_VLForConditionalGeneration"])
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-    model.save_pretrained(out)
-    return out
+    return _saved(Qwen2_5_VLForConditionalGeneration, cfg, out, seed)
 
 
 def mllama_vlm(root: Path, seed: int = 0) -> Path:
@@ -301,7 +307,6 @@ def mllama_vlm(root: Path, seed: int = 0) -> Path:
 def pixtral_vlm(root: Path, seed: int = 0) -> Path:
     """root/pixtral: a tiny Pixtral checkpoint (LlavaForConditionalGeneration over a Pixtral vision tower, Mistral
     text layers) with its PixtralProcessor (transformers builds it only with torchvision: the GPU host has it)."""
-    import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration, PixtralProcessor
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
@@ -322,13 +327,7 @@ def pixtral_vlm(root: Path, seed: int = 0) -> Path:
                          pad_token_id=ids("<pad>")),
         image_token_index=ids("[IMG]"), vision_feature_layer=-1, vision_feature_select_strategy="full",
         projector_hidden_act="gelu", multimodal_projector_bias=True, architectures=["LlavaForConditionalGeneration"])
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-    model.save_pretrained(out)
-    return out
+    return _saved(LlavaForConditionalGeneration, cfg, out, seed)
 
 
 def save_qwen_processor(model_dir: Path) -> None:
