@@ -98,6 +98,8 @@ FAMILIES = {
                    media=("<start_of_image>", "<image_soft_token>"), size=SIZE),
     "qwen2_5_vl": dict(model="Qwen2_5_VLForConditionalGeneration", start="<|im_start|>assistant\n", end="<|im_end|>",
                        media=("<|image_pad|>",), size=None),
+    # LLaVA 1.5 (chat_template llava): Axolotl's base format, no role markers
+    "llava": dict(model="LlavaForConditionalGeneration", start=None, end=None, media=("<image>",), size=SIZE),
     # Pixtral: the assistant's turn runs from [/INST] to the EOS (its format record's markers)
     "pixtral": dict(model="LlavaForConditionalGeneration", start="[/INST]", end="</s>", media=("[IMG]",), size=56),
     "mllama": dict(model="MllamaForConditionalGeneration", start="<|start_header_id|>assistant<|end_header_id|>\n\n",
@@ -108,7 +110,6 @@ FAMILIES = {
 def batch(processor, rows: list[dict], size: int | None = SIZE, family: str = "gemma3"):
     """A micro-batch as the reference builds it: the image at the placeholder, the processor's rendering, labels
     by the format's rule (module docstring; FAMILIES)."""
-    import torch
     from PIL import Image, ImageOps
 
     fam = FAMILIES[family]
@@ -126,10 +127,23 @@ def batch(processor, rows: list[dict], size: int | None = SIZE, family: str = "g
     b = processor.apply_chat_template(convs, add_generation_prompt=False, tokenize=True, return_tensors="pt",
                                       return_dict=True, processor_kwargs={"padding": True})
     tok = processor.tokenizer
-    start = tok.encode(fam["start"], add_special_tokens=False)
-    end = tok.convert_tokens_to_ids(fam["end"])
-    labels = torch.full_like(b["input_ids"], -100)
-    for i, ids in enumerate(b["input_ids"].tolist()):
+    if fam["start"] is None:  # Axolotl's base format (no role markers): every token trained but padding and media
+        labels = b["input_ids"].clone()
+    else:
+        labels = _turn_labels(b["input_ids"], tok.encode(fam["start"], add_special_tokens=False),
+                              tok.convert_tokens_to_ids(fam["end"]))
+    media = {tok.convert_tokens_to_ids(t) for t in fam["media"]}
+    for t in media | {tok.pad_token_id}:
+        labels[b["input_ids"] == t] = -100
+    return b, labels
+
+
+def _turn_labels(input_ids, start: list[int], end: int):
+    """Each turn that opens with `start` trained to its `end` token, that included; every other token -100."""
+    import torch
+
+    labels = torch.full_like(input_ids, -100)
+    for i, ids in enumerate(input_ids.tolist()):
         j = 0
         while j < len(ids):
             if ids[j:j + len(start)] == start:
@@ -141,10 +155,7 @@ def batch(processor, rows: list[dict], size: int | None = SIZE, family: str = "g
                     labels[i, k] = end
                 j = k
             j += 1
-    media = {tok.convert_tokens_to_ids(t) for t in fam["media"]}
-    for t in media | {tok.pad_token_id}:
-        labels[b["input_ids"] == t] = -100
-    return b, labels
+    return labels
 
 
 def reference(model_dir: Path, order, held, *, lr: float, freeze_towers: bool = False, lora: str | None = None,
@@ -304,6 +315,32 @@ def mllama_vlm(root: Path, seed: int = 0) -> Path:
     return out
 
 
+def llava_vlm(root: Path, seed: int = 0) -> Path:
+    """root/llava: a tiny LLaVA 1.5 checkpoint (a CLIP vision tower, Llama text layers) with its LlavaProcessor
+    (CLIP's image processor over PIL: no torchvision needed) and the llava chat template."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from adapter.data.sft.templates import BUILTIN
+
+    ft = _tokenizer(["<s>", "</s>", "<unk>", "<image>", "<pad>"], bos_token="<s>", eos_token="</s>",
+                    unk_token="<unk>", pad_token="<pad>")
+    out = root / "llava"
+    LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": SIZE},
+                                                         crop_size={"height": SIZE, "width": SIZE}),
+                   tokenizer=ft, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=BUILTIN["llava"], image_token="<image>").save_pretrained(out)
+    ids = ft.convert_tokens_to_ids
+    cfg = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=SIZE, patch_size=14, projection_dim=32),
+        text_config=dict(model_type="llama", vocab_size=len(ft), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, pad_token_id=ids("<pad>")),
+        image_token_index=ids("<image>"), vision_feature_layer=-2, vision_feature_select_strategy="default",
+        architectures=["LlavaForConditionalGeneration"])
+    return _saved(LlavaForConditionalGeneration, cfg, out, seed)
+
+
 def pixtral_vlm(root: Path, seed: int = 0) -> Path:
     """root/pixtral: a tiny Pixtral checkpoint (LlavaForConditionalGeneration over a Pixtral vision tower, Mistral
     text layers) with its PixtralProcessor (transformers builds it only with torchvision: the GPU host has it)."""
@@ -360,5 +397,5 @@ def qwen_processor(model_dir: Path):
     return proc
 
 
-__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "mllama_vlm", "pixtral_vlm", "qwen2_5_vlm",
+__all__ = ["ANSWERS", "SIZE", "FAMILIES", "gemma3_vlm", "llava_vlm", "mllama_vlm", "pixtral_vlm", "qwen2_5_vlm",
            "qwen_processor", "save_qwen_processor", "rows", "batch", "reference"]

@@ -1,7 +1,8 @@
-"""Image-text families beyond Gemma 3 and Qwen2.5-VL (tests/distributed/test_image_text.py): Llama 3.2 Vision
-(Mllama), whose language model reads the image through cross-attention layers, tiles and aspect-ratio ids. One
-micro-batch through nd-adapter's rows and loss against transformers' own model on the processor's batch, labelled by
-the format's rule (tests/helpers/image_text.FAMILIES), fp32 on CPU; and what its chat template and layers refuse."""
+"""Image-text families beyond Gemma 3 and Qwen2.5-VL (tests/distributed/test_image_text.py): LLaVA 1.5 (the base
+format) and Llama 3.2 Vision (Mllama, whose language model reads the image through cross-attention layers, tiles and
+aspect-ratio ids). One micro-batch each through nd-adapter's rows and loss against transformers' own model on the
+processor's batch, labelled by the format's rule (tests/helpers/image_text.FAMILIES), fp32 on CPU; and what Llama 3.2
+Vision's chat template and layers refuse."""
 from __future__ import annotations
 
 import pytest
@@ -106,3 +107,34 @@ def test_a_processor_refusing_a_micro_batch_is_one_line(mllama):
     with pytest.raises(UserError, match=r"MllamaProcessor refuses the micro-batch holding the row whose text starts "
                                         r"so: If a batch of text is provided"):
         train.collate([train[0], train[1]])
+
+
+def test_llava_rows_and_loss_match_transformers(tmp_path):
+    """LLaVA 1.5 (chat_template llava: Axolotl's base format, every token trained but padding and the image tokens)
+    through load(): one micro-batch each of images alone, an image beside a text row, and text alone, as transformers'
+    loss on the processor's batch."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from adapter import config
+    from adapter.data.sft.multimodal import load
+    from adapter.modeling.hf_build import CausalLMLosses
+    from tests.helpers.image_text import llava_vlm
+
+    model_dir = llava_vlm(tmp_path)
+    data = write_jsonl(tmp_path / "l.jsonl", rows(tmp_path, 8, images_every=2))
+    cfg = config.build(_raw(model_dir, data, chat_template="llava"), env={}, world_size=1)
+    train, _, _ = load(cfg, model_dir, model_dir, 10 ** 6)
+    assert train.strategy_label().startswith("base:"), train.strategy_label()
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).train()
+    for idx in ([0, 2], [0, 1], [1, 3]):
+        b = train.collate([train[i] for i in idx])
+        media = {k: v for k, v in b.items() if k.startswith("mm_")}
+        per_token = CausalLMLosses(model)(b["tokens"], None, labels=b["labels"], loss_mask=b["loss_mask"], **media)
+        got = (per_token * b["loss_mask"]).sum() / b["loss_mask"].sum()
+        ref, labels = batch(processor, [train.rows[i] for i in idx], family="llava")
+        logits = model(**ref).logits.float()
+        want = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        assert torch.allclose(got, want, rtol=1e-5, atol=0), (idx, float(got), float(want))
