@@ -65,16 +65,13 @@ def build_model(model_dir: str, *, weights: bool, dtype: torch.dtype, seed: int,
     if liger:
         apply_liger(str(cfg.get("model_type")), liger)
     remote = bool(cfg.get("auto_map"))
-    if scores is not None:
+    if scores is not None or classes is not None:  # a reward model's one label; a process reward model's classes
         import transformers
 
-        cls = getattr(transformers, scoring_class_name(config.model_type, remote=remote))
-        config.num_labels, config.pad_token_id = 1, scores
-    elif classes is not None:  # a process reward model: the token-classification class, `classes` outputs
-        import transformers
-
-        cls = getattr(transformers, scoring_class_name(config.model_type, remote=remote, tokens=True))
-        config.num_labels = classes
+        cls = getattr(transformers, scoring_class_name(config.model_type, remote=remote, tokens=classes is not None))
+        config.num_labels = classes or 1
+        if scores is not None:
+            config.pad_token_id = scores
     else:
         cls = model_class(config, (cfg.get("architectures") or [None])[0], remote=remote)
     torch.manual_seed(seed)

@@ -34,8 +34,8 @@ class TokenClassLosses(torch.nn.Module):
     classification loss computes it. The loop hands every model its next-token layout (adapter/data/sft/bins.py
     shifts the labels one to the left, so `labels[:, t]` is token t+1's class and `loss_mask[:, t]` says whether it
     has one); position t's loss here is therefore token t+1's: its logits against its class. The sum over the loss
-    mask, divided by the labelled tokens of the step, is TRL's loss. `hits` holds the last forward's correctly
-    classified labelled tokens (argmax == class, the eval's accuracy: TRL's compute_accuracy)."""
+    mask, divided by the labelled tokens of the step, is TRL's loss. `hits` holds the last eval-mode forward's
+    correctly classified labelled tokens (argmax == class, the eval's accuracy: TRL's compute_accuracy)."""
 
     def __init__(self, model, cp: tuple | None = None):
         super().__init__()
@@ -53,7 +53,7 @@ class TokenClassLosses(torch.nn.Module):
         target = labels[:, :-1]
         loss = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
         loss[:, :-1] = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view_as(target)
-        if loss_mask is not None:
+        if loss_mask is not None and not self.training:  # (read by the eval only)
             with torch.no_grad():
                 right = (logits.argmax(-1) == target).float() * loss_mask[:, :-1]
                 self.hits = right.sum()

@@ -343,17 +343,10 @@ class Trainer:
                                    "trained_tokens_per_s_per_gpu": trained, "trained_tokens": s.trained_tokens,
                                    "mfu": m, **extra, **rewards})
 
-    def evaluate(self) -> tuple[float | None, int]:
-        """(loss, trained tokens) over the whole held-out set (steps.held_out_loss); a token classifier's accuracy
-        in `eval_extra`."""
-        loss, count, self.eval_extra = held_out_loss(self)
-        return loss, count
-
     def _eval(self, step: int) -> bool:
         """Evaluate after `step`; True when early stopping ends the run here."""
         pairs = self.cfg.objective != "sft"  # TRL's eval of preference pairs (adapter/train/dpo.py)
-        loss, count, extra = dpo.evaluate(self) if pairs else (*self.evaluate(), {})
-        extra = extra or getattr(self, "eval_extra", {})
+        loss, count, extra = dpo.evaluate(self) if pairs else held_out_loss(self)
         if loss is None:
             self._say(f"eval after step {step}: the held-out set has no trained tokens")
             return False

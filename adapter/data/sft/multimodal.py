@@ -176,11 +176,9 @@ class MultimodalRows:
                 self.processor.apply_chat_template([conv["messages"]], tokenize=False, add_generation_prompt=False,
                                                    chat_template=self.chat_template)
             except TemplateError as e:
-                first = next((c.get("text") for m in conv["messages"] for c in m["content"] if c.get("text")), "")
-                raise bad("datasets", first[:60], f"the chat template refuses the row whose text starts so: "
-                          f"{str(e)[:160].rstrip('.')}",
-                          "fix or drop the row (e.g. its system turn), or set a chat_template that renders it") \
-                    from None
+                raise bad("datasets", _first_text(conv["messages"]), "the chat template refuses the row whose text "
+                          f"starts so: {str(e)[:160].rstrip('.')}", "fix or drop the row (e.g. its system turn), or "
+                          "set a chat_template that renders it") from None
 
     def collate(self, items: list[dict]) -> dict:
         import torch
@@ -196,11 +194,10 @@ class MultimodalRows:
             raise
         except ValueError as e:  # the processor refusing the batch (transformers 5.17's Mllama: no mix of rows with
             # and without images), said in one line as Axolotl's collator would meet it
-            first = next((c.get("text") for m in rows[0]["messages"] for c in m["content"] if c.get("text")), "")
-            raise bad("datasets", first[:60], f"{type(self.processor).__name__} refuses the micro-batch holding the "
-                      f"row whose text starts so: {str(e).splitlines()[0][:160]}", "change the rows as it asks "
-                      "(e.g. give every row an image), or use a transformers version whose processor takes them") \
-                from None
+            raise bad("datasets", _first_text(rows[0]["messages"]), f"{type(self.processor).__name__} refuses "
+                      f"the micro-batch holding the row whose text starts so: {str(e).splitlines()[0][:160]}",
+                      "change the rows as it asks (e.g. give every row an image), or use a transformers version "
+                      "whose processor takes them") from None
         if self.blank_filler and not any(map(_has_image, rows)):
             batch = _with_filler(batch, self._render([self.filler()["messages"]]),
                                  getattr(self.processor.tokenizer, "pad_token_id", None) or 0)
@@ -325,6 +322,11 @@ def _with_filler(batch: dict, filler: dict, pad: int) -> dict:
         else:
             out[k] = torch.cat([a, b])
     return out
+
+
+def _first_text(messages: list[dict]) -> str:
+    """A normalised conversation's first text, cut to 60 characters: how a one-line error names its row."""
+    return next((c.get("text") for m in messages for c in m["content"] if c.get("text")), "")[:60]
 
 
 def _has_image(row: dict) -> bool:
