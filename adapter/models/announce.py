@@ -50,6 +50,10 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
     if cfg.eaft is not None and cfg.source != "axolotl":  # (Axolotl's mapping says it in its note)
         lines.append(f"loss: EAFT: each token's cross-entropy × (entropy of the softmax over its {cfg.eaft.k} largest "
                      f"logits)^{cfg.eaft.alpha:g}, without gradient (train and eval)")
+    if cfg.model.num_labels is not None and cfg.source != "axolotl":  # (Axolotl's mapping says it in its note)
+        lines.append(f"loss: a process reward model: {arch.architecture} with {cfg.model.num_labels} classes, "
+                     "cross-entropy on each labelled token, every dropout of the model off (TRL's PRMTrainer), "
+                     "eval_accuracy beside eval_loss")
     if cfg.precision == "fp8":
         lines.append(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
                      "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")

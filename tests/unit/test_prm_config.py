@@ -147,3 +147,17 @@ def test_stepwise_keys_at_their_defaults_are_not_stray():
     assert kind_of(entry, "datasets[0]", "dpo") == "chat_template.default"
     with pytest.raises(UserError, match="train_on_last_step_only=True: only applies to type stepwise_supervised"):
         kind_of(DatasetEntry(path="x.jsonl", type="chat_template", train_on_last_step_only=True), "datasets[0]")
+
+
+def test_a_native_config_says_what_it_trains(prm):
+    """A native config (model.num_labels) says the head, the loss and the dropout it turns off in its first lines, as
+    the Axolotl mapping's note does."""
+    from adapter.models import announce
+    from adapter.models.resolved import resolve_run
+
+    root, model, data = prm
+    cfg = config.build({"model": {"path": str(model), "num_labels": 2}, "seq_len": 128,
+                        "data": {"datasets": [{"path": str(data), "type": "stepwise_supervised"}]}}, env={})
+    lines = announce.announce(resolve_run(cfg))
+    assert any(ln.startswith("loss: a process reward model: LlamaForTokenClassification with 2 classes") and
+               "every dropout of the model off" in ln for ln in lines), lines
