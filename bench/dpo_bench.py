@@ -10,8 +10,9 @@ model, nd-adapter's the starting weights' log-probabilities computed once before
 `precompute_ref_log_probs`, the same reference as nd-adapter's). Sigmoid loss, beta 0.1, one pair a step (micro-batch
 1, no accumulation), bf16 weights (Axolotl's `bf16: true` on one GPU), AdamW (TRL: torch's fused; nd-adapter: what
 `optimizer: adamw_torch_fused` maps to), lr 5e-6, no gradient checkpointing, no torch_compile key (TRL eager;
-nd-adapter's default `model.compile: auto` compiles its layers for LoRA, not for QLoRA or the full run:
-`--ours-set model.compile=true|false` to choose). Liger on the TRL side only: nd-adapter's YAML sets no kernel keys.
+nd-adapter's default `model.compile: auto` compiles its layers in all three modes (DPO and SimPO were measured
+faster compiled, docs/BENCHMARKS.md 2026-12-07): `--ours-set model.compile=true|false` to choose). Liger on the TRL
+side only: nd-adapter's YAML sets no kernel keys.
 
 Why the rows are the same work: both read the same JSONL of plain prompt / chosen / rejected strings, tokenised by
 the same word-level tokenizer built here (word `wI` -> id I, no BOS; TRL and nd-adapter append the EOS to each

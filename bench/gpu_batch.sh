@@ -10,7 +10,8 @@
 #          (a profile of steps 7-8 of the shape's Axolotl YAML or 1-GPU config, bench/trace_summary.py's digest) | lora-<shape>
 #          (LoRA r16 on the shape's 1-GPU config, transformers engine + Liger, beside PEFT + Liger) |
 #          mempeer-<shape> (transformers + Liger's memory peak, by allocating line) | dpoattn | dpo-<mode>
-#          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoc-<mode> (ours alone, compiled layers) |
+#          (bench/dpo_bench.py lora|qlora|full beside TRL + Liger) | dpoc-<mode>[@objective] / dpoe-<mode>[@objective] (ours alone, compiled / eager layers) |
+#          sftc-lora (LoRA SFT on the 8B shape, eager then compiled layers) | attn (bench/attn_bench.py; FlashAttention-4 if installed) |
 #          dpoprof[-auto|-false] (a LoRA DPO step's profile, the shared-prompt stream and/or the padded rows) |
 #          lce-1b (the same at the 1B shape: our chunks of 256 to 4,096 tokens beside Liger's) | lce-olmo3 (output layer + CE at Olmo's unaligned vocabulary and at it padded to 128) |
 #          h2d (bench/h2d_sync.py: does a pageable host->device copy wait for the GPU's queue) |
@@ -64,14 +65,20 @@ for part in "$@"; do
         --set logging.profile_dir=/tmp/vprof-$r > $OUT/$part.log 2>&1; echo rc=$?; grep -v Warning $OUT/$part.log | grep "tok/s" | tail -3
       python3 bench/memory_peak.py /tmp/vprof-$r/memory-rank0.pickle > $OUT/$part-memory.txt 2>&1; head -25 $OUT/$part-memory.txt
       python3 bench/trace_summary.py /tmp/vprof-$r/trace-rank0.json.gz --top 25 --host nd.forward > $OUT/$part.txt 2>&1; head -45 $OUT/$part.txt;;
+    attn) timeout $t python3 bench/attn_bench.py > $OUT/attn.log 2>&1; echo rc=$?; grep -v Warning $OUT/attn.log | tail -20;;
     h2d) timeout $t python3 bench/h2d_sync.py > $OUT/h2d.log 2>&1; echo rc=$?; cat $OUT/h2d.log;;
     dpoattn) timeout $t python3 bench/dpo_attention_bench.py > $OUT/dpoattn.log 2>&1; echo rc=$?; tail -12 $OUT/dpoattn.log;;
     dpo-*) m=${part#dpo-}  # dpo-lora | dpo-qlora | dpo-full: bench/dpo_bench.py beside TRL + Liger
       timeout $t python3 bench/dpo_bench.py --mode $m --rows ours,trl-liger --out $OUT/dpo-$m > $OUT/dpo-$m.log 2>&1
       echo rc=$?; tail -8 $OUT/dpo-$m.log;;
-    dpoc-*) m=${part#dpoc-}  # nd-adapter's row alone, compiled layers (model.compile: true)
-      timeout $t python3 bench/dpo_bench.py --mode $m --rows ours --ours-set model.compile=true --out $OUT/dpoc-$m \
-        > $OUT/dpoc-$m.log 2>&1; echo rc=$?; tail -3 $OUT/dpoc-$m.log;;
+    sftc-lora) c=bench/configs/llama-3.1-8b-lora-1gpu.yaml  # LoRA SFT (8B shape), eager then compiled layers, ours alone
+      for v in false true; do timeout $(( $(left) / 2 )) deepspeed --num_gpus=1 launch/train.py --config $c --set model.compile=$v \
+        > $OUT/sftc-lora-$v.log 2>&1; echo "compile=$v rc=$?"; grep -v Warning $OUT/sftc-lora-$v.log | grep -E "tok/s|compile" | tail -4; done;;
+    dpoe-*|dpoc-*) m=${part#dpo?-}; o=(); [[ $m == *@* ]] && { o=(--ours-set objective=${m#*@}); m=${m%@*}; }
+      # nd-adapter's row alone, eager (dpoe-) or compiled (dpoc-) layers; MODE@OBJECTIVE: another pair objective
+      c=true; [[ $part == dpoe-* ]] && c=false
+      timeout $t python3 bench/dpo_bench.py --mode $m --rows ours --ours-set model.compile=$c "${o[@]}" --out $OUT/${part/@/-} \
+        > $OUT/${part/@/-}.log 2>&1; echo rc=$?; tail -3 $OUT/${part/@/-}.log;;
     dpoprof*) sps=${part#dpoprof}; sps=${sps#-}; for sp in ${sps:-auto false}; do  # a LoRA DPO step's profile:
         # the shared-prompt stream (auto) and the padded rows (false), with where the forward's host time goes
         timeout $(( $(left) / 2 )) python3 bench/dpo_bench.py --mode lora --rows ours --out $OUT/dpoprof-$sp \

@@ -254,7 +254,7 @@ def test_axolotl_torch_compile_compiles_where_the_layout_allows():
 
 
 def test_compiled_layers_by_default_where_measured_faster():
-    """`model.compile: auto`, the default: on for a full fine-tune of fixed-shape batches and for LoRA DPO at
+    """`model.compile: auto`, the default: on for SFT of fixed-shape batches (full or LoRA), DPO and SimPO at
     tp = cp = 1 outside ZeRO-3 on a GPU and the native engine; off, with the reason in one first line, everywhere
     else. Axolotl's file without torch_compile gets auto, `torch_compile: false` gets false (no line)."""
     from types import SimpleNamespace
@@ -270,10 +270,9 @@ def test_compiled_layers_by_default_where_measured_faster():
     packed = {"data.synthetic": False, "data.datasets": [{"path": "x.jsonl", "type": "chat_template"}]}
     pairs = {**packed, "objective": "dpo", "data.datasets": [{"path": "x.jsonl", "type": "chat_template.default"}]}
     for over, why in (({"parallelism.tp_size": 2}, "tp > 1 breaks the graph"), ({"recompute": "full"}, "recompute"),
-                      ({"lora": {"r": 4}}, "adapters: LoRA SFT was not measured faster"),
                       ({"lora": {"r": 4, "quantize_base": "nf4"}}, "a quantised base: QLoRA SFT"),
-                      (pairs, "dpo of every weight was not measured faster compiled (LoRA and QLoRA DPO were)"),
-                      ({**pairs, "objective": "orpo", "lora": {"r": 4}}, "orpo was not measured faster"),
+                      ({**pairs, "objective": "orpo", "lora": {"r": 4}},
+                       "orpo was not measured faster compiled (SFT, DPO and SimPO were)"),
                       (packed, "unpacked SFT (micro-batches cut to their longest example)"),
                       ({"parallelism.dp_shard_size": 2, "deepspeed.zero_stage": 3}, "ZeRO-3's parameter gathers")):
         world = over.get("parallelism.tp_size", 1) * over.get("parallelism.dp_shard_size", 1)
@@ -286,9 +285,11 @@ def test_compiled_layers_by_default_where_measured_faster():
                                            "data.eval_sample_packing": False}), env={}, world_size=1)
     assert unpacked_eval.model.compile is True and not unpacked_eval.steady_lengths
     assert said(unpacked_eval)[0].endswith("the length then a symbol of the graph)"), said(unpacked_eval)
-    qlora_dpo = config.build(native(**{**one, **pairs, "lora": {"r": 4, "quantize_base": "nf4"}}), env={},
-                             world_size=1)
-    assert qlora_dpo.model.compile is True, qlora_dpo.notes
+    # measured faster compiled on one H100: LoRA SFT, full and QLoRA DPO, SimPO with and without adapters
+    for over in ({"lora": {"r": 4}}, pairs, {**pairs, "lora": {"r": 4, "quantize_base": "nf4"}},
+                 {**pairs, "objective": "simpo"}, {**pairs, "objective": "simpo", "lora": {"r": 4}}):
+        on = config.build(native(**{**one, **over}), env={}, world_size=1)
+        assert on.model.compile is True and "on (" in said(on)[0], (over, on.notes)
     lora_dpo = config.build(native(**{**one, **pairs, "lora": {"r": 4}}), env={}, world_size=1)
     assert lora_dpo.model.compile is True and said(lora_dpo) == [
         "model.compile: auto: on (each transformer layer compiled at the first step: measured faster on one GPU; once "
