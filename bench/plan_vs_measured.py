@@ -202,6 +202,10 @@ RUNS: list[tuple[str, str, dict, int, float, str, str]] = [
      "2026-12-02 lora_bench (quant_linear op)", "current"),
     ("8B QLoRA (NF4) r16, one GPU, eager", "llama-3.1-8b-lora-1gpu",
      {"lora.quantize_base": "nf4", "model.compile": False}, 1, 14248, "2026-12-02 lora_bench", "current"),
+    ("8B LoRA r16 all linears, one GPU, eager (H100)", "llama-3.1-8b-lora-1gpu",
+     {"model.compile": False, "hardware.gpu": "h100-80gb"}, 1, 14531, "2026-12-07 10:17 sftc-lora", "current"),
+    ("8B LoRA r16 all linears, one GPU, compiled (H100)", "llama-3.1-8b-lora-1gpu", {"hardware.gpu": "h100-80gb"}, 1,
+     14856, "2026-12-07 10:17 sftc-lora", "current"),
 ]
 # Measured peaks (torch.cuda.max_memory_allocated, GiB) of one-GPU runs on today's code path: (label, config,
 # overrides, measured peak GiB, source). The ±10% target applies to each.
@@ -222,6 +226,10 @@ PEAKS: list[tuple[str, str, dict, float, str]] = [
      "2026-12-02 lora_bench (quant_linear op)"),
     ("8B QLoRA (NF4) r16, one GPU, eager", "llama-3.1-8b-lora-1gpu",
      {"lora.quantize_base": "nf4", "model.compile": False}, 26.60, "2026-12-02 lora_bench"),
+    ("8B LoRA r16 all linears, one GPU, eager (H100)", "llama-3.1-8b-lora-1gpu",
+     {"model.compile": False, "hardware.gpu": "h100-80gb"}, 33.06, "2026-12-07 10:17 sftc-lora"),
+    ("8B LoRA r16 all linears, one GPU, compiled (H100)", "llama-3.1-8b-lora-1gpu", {"hardware.gpu": "h100-80gb"},
+     33.15, "2026-12-07 10:17 sftc-lora"),
     ("3B one GPU, transformers engine (eager, fp32 states)", "llama-3.2-3b-1gpu", HF_ENGINE, 81.9, "2026-12-04 11:42"),
     ("3B one GPU, transformers engine + Liger", "llama-3.2-3b-1gpu", HF_LIGER, 62.2, "2026-12-04 14:42"),
     ("3B one GPU, transformers engine + Liger, bf16 states", "llama-3.2-3b-1gpu",

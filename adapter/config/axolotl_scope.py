@@ -27,7 +27,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
     "relora_steps": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
     "relora": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
-    "peft_use_dora": ("DoRA is not supported", "set it to false (LoRA)"),
     "lora_rank_pattern": ("per-module LoRA ranks are not supported", "remove it: lora_r applies to every adapter"),
     "lora_alpha_pattern": ("per-module LoRA alphas are not supported",
                            "remove it: lora_alpha applies to every adapter"),

@@ -18,7 +18,8 @@ PAGING = "paging is not used: the states stay on the GPU (`nd-adapter plan` says
 LORA_MAP = {"lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
             "lora_target_modules": "lora.target_modules", "lora_target_linear": "lora.target_linear",
             "lora_modules_to_save": "lora.modules_to_save", "peft_layers_to_transform": "lora.layers",
-            "peft_use_rslora": "lora.rslora", "lora_model_dir": "lora.init_from", "load_in_4bit": "lora.quantize_base",
+            "peft_use_rslora": "lora.rslora", "peft_use_dora": "lora.use_dora", "lora_model_dir": "lora.init_from",
+            "load_in_4bit": "lora.quantize_base",
             "lora_target_parameters": "lora.target_parameters", "quantize_moe_experts": "lora.quantize_experts"}
 LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_pattern", "peft_init_lora_weights",
                              "load_in_8bit", "lora_fan_in_fan_out"}

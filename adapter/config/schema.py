@@ -346,6 +346,8 @@ class LoraSection(_Strict):
     modules_to_save: list[str] = Field(default_factory=list, description="embed_tokens / lm_head, trained in full")
     layers: list[Int] | None = Field(None, description="only these layer indices (peft_layers_to_transform)")
     rslora: bool = Field(False, description="rank-stabilised scale alpha / sqrt(r) (peft_use_rslora)")
+    use_dora: bool = Field(False, description="DoRA: PEFT's weight-decomposed LoRA, a trained magnitude per output "
+                           "row of each adapted weight (peft_use_dora; the transformers engine)")
     init_from: PathStr | None = Field(None, description="a PEFT adapter directory to start from (lora_model_dir)")
     quantize_base: Literal["nf4", "int8"] | None = Field(
         None, description="the frozen base's decoder linears quantised: nf4 (QLoRA, Axolotl's load_in_4bit) or int8 "

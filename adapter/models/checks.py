@@ -168,6 +168,9 @@ def checked(cfg: RunConfig, arch: ModelArch) -> tuple[list[str], lora.LoraSpec |
         warnings.append(f"seq_len {seq} exceeds the model's max_position_embeddings {arch.max_position_embeddings}")
     qat = ["qat: plan counts no fake-quantisation time or memory (torchao rounds each weight, and each linear's "
            "input, through the format in every forward; not yet measured on a GPU)"] if cfg.qat is not None else []
+    if cfg.lora is not None and cfg.lora.use_dora:
+        qat.append("lora.use_dora: plan counts DoRA's magnitudes but not the time of its weight norms (PEFT's DoRA "
+                   "recomputes each adapted weight's row norms in every forward; not yet measured on a GPU)")
     return warnings + _preference_note(cfg, arch) + qat, spec, unfrozen
 
 

@@ -45,6 +45,7 @@ class PeftSpec:
                                             # fp32 adapters keep and move of their inputs)
     experts: tuple[int, ...] | None = None  # quantize_experts: each quantised expert weight's size (None: not asked)
     task_type: str = "CAUSAL_LM"            # PEFT's task: SEQ_CLS for a reward model (its score trained in full)
+    use_dora: bool = False                  # PEFT's DoRA: a trained magnitude vector beside each adapter
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -53,12 +54,14 @@ class PeftSpec:
                 else self.target_modules,
                 "target_parameters": list(self.target_parameters) or None,
                 "layers_to_transform": list(self.layers) if self.layers else None,
-                "modules_to_save": list(self.modules_to_save) or None, "task_type": self.task_type}
+                "modules_to_save": list(self.modules_to_save) or None, "task_type": self.task_type,
+                **({"use_dora": True} if self.use_dora else {})}
 
     def describe(self, arch, key: str) -> str:
         total = arch.param_count or 1
         size = f"{total / 1e9:.2f}B" if total >= 1e8 else f"{total / 1e6:.2f}M"
-        return (f"{key}: LoRA r {self.r}, alpha {self.alpha:g}{', rslora' if self.rslora else ''} on "
+        kind = "DoRA" if self.use_dora else "LoRA"
+        return (f"{key}: {kind} r {self.r}, alpha {self.alpha:g}{', rslora' if self.rslora else ''} on "
                 f"{', '.join(self.matched)} (PEFT on transformers' model)"
                 + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
                 + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
@@ -86,7 +89,7 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         targets = tuple(c.target_modules) if c.target_modules else ()
     params = tuple(c.target_parameters or ())
     spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
-                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base, params)
+                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base, params, use_dora=c.use_dora)
     kw = spec.lora_config()
     if not targets and not params:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it
@@ -442,6 +445,9 @@ def _check_tp(cfg, arch, tp: int) -> None:
     if cfg.model.unfrozen_parameters is not None:
         raise bad(key, tp, "unfrozen_parameters with tensor parallelism is not built on the transformers engine",
                   flat)
+    if cfg.lora is not None and cfg.lora.use_dora:  # DoRA's norm of each weight row spans a row-split weight
+        raise bad(key, tp, f"DoRA ({spell(cfg, 'lora.use_dora')}) split over tensor-parallel ranks is not built on the "
+                  "transformers engine", flat)
 
 
 def quantized_base_stage(cfg, dp_replicate: int):

@@ -282,6 +282,10 @@ def check_native(cfg, arch: ModelArch) -> None:
     if cfg.lora is not None and cfg.lora.quantize_experts and arch.moe:
         raise unbuilt(spell(cfg, "lora.quantize_experts"), True, "4-bit experts are built on the transformers engine "
                       "only", "set model.engine: auto (or transformers), which quantises transformers' own experts")
+    if cfg.lora is not None and cfg.lora.use_dora:
+        raise unbuilt(spell(cfg, "lora.use_dora"), True, "DoRA (PEFT's weight-decomposed LoRA) is built on the "
+                      "transformers engine only", "set model.engine: auto (or transformers), which trains it with PEFT "
+                      "on transformers' model")
     if cfg.lora is not None and cfg.lora.target_parameters:
         raise unbuilt(spell(cfg, "lora.target_parameters"), cfg.lora.target_parameters, "LoRA on parameters "
                       "(PEFT's target_parameters) is built on the transformers engine only",

@@ -203,7 +203,6 @@ def test_kernel_keys_get_one_line_and_other_plugins_are_ignored_or_refused():
 
 @pytest.mark.parametrize("keys, needle", [
     ({"adapter": "llama-adapter"}, "adapter='llama-adapter': only LoRA and QLoRA adapters are supported"),
-    ({"adapter": "lora", "peft_use_dora": True}, "peft_use_dora=True: DoRA is not supported"),
     ({"load_in_8bit": True}, "load_in_8bit=True: a LoRA setting without `adapter` would train every weight"),
     ({"rl": "grpo"}, "rl='grpo': GRPO is an online method: it generates completions"),
     ({"neftune_noise_alpha": 5}, "neftune_noise_alpha=5: NEFTune"),

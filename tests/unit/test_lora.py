@@ -181,7 +181,6 @@ def test_lora_fan_in_fan_out_is_taken_and_changes_nothing_as_in_peft():
     ({"load_in_4bit": True}, r"load_in_4bit.*without `adapter`"),
     ({"load_in_8bit": True}, r"load_in_8bit=True: a LoRA setting without `adapter`"),
     ({"adapter": "qlora", "load_in_4bit": True, "load_in_8bit": True}, r"load_in_8bit=True: conflicts"),
-    ({"adapter": "lora", "peft_use_dora": True}, r"peft_use_dora=True: DoRA is not supported"),
     ({"adapter": "ia3"}, r"adapter='ia3': only LoRA and QLoRA"),
     ({"adapter": "lora", "peft_init_lora_weights": "gaussian"}, r"peft_init_lora_weights"),
     ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
@@ -250,3 +249,27 @@ def test_plan_counts_what_a_lora_run_holds_and_trains():
     steps = {name: build_plan(resolve_run(c, arch=arch)).predicted.step_time_s
              for name, c in (("full", cfg(lora_on=False)), ("lora", cfg()), ("qlora", cfg("nf4")))}
     assert steps["lora"] < 0.8 * steps["full"] and steps["lora"] < steps["qlora"] < 1.3 * steps["lora"]
+
+
+def test_dora_runs_on_the_transformers_engine_and_is_refused_elsewhere_in_one_line(tmp_path):
+    """Axolotl's peft_use_dora is PEFT's DoRA (lora.use_dora): on a native family `model.engine: auto` takes the
+    transformers engine and says why; `megatron` and tensor parallelism refuse it in one line (its tests against
+    PEFT: tests/distributed/test_transformers_engine.py)."""
+    from tests.helpers.sft_data import tiny_model
+
+    model = tiny_model(tmp_path)
+    cfg = build({"adapter": "lora", "peft_use_dora": True, "base_model": str(model)})
+    assert cfg.lora is not None and cfg.lora.use_dora
+    run = resolve_run(cfg, gpu=False)
+    assert not run.arch.native and "DoRA (PEFT's weight-decomposed LoRA) is built on the transformers engine only" \
+        in run.arch.engine_reason and run.peft is not None and run.peft.lora_config()["use_dora"] is True
+    assert run.peft.describe(run.arch, "lora").startswith("lora: DoRA r 8")
+    native = cfg.model_copy(update={"model": cfg.model.model_copy(update={"engine": "megatron"})})
+    with pytest.raises(UserError, match=r"peft_use_dora=True: DoRA \(PEFT's weight-decomposed LoRA\) is built on the "
+                                        r"transformers engine only") as e:
+        resolve_run(native, gpu=False)
+    assert "\n" not in str(e.value)
+    tp = config.build({**AXOLOTL, "adapter": "lora", "peft_use_dora": True, "base_model": str(model),
+                       "tensor_parallel_size": 2}, env={}, world_size=2)
+    with pytest.raises(UserError, match=r"tensor_parallel_size=2: DoRA \(peft_use_dora\) split over tensor-parallel"):
+        resolve_run(tp, gpu=False)
