@@ -30,7 +30,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "lora_rank_pattern": ("per-module LoRA ranks are not supported", "remove it: lora_r applies to every adapter"),
     "lora_alpha_pattern": ("per-module LoRA alphas are not supported",
                            "remove it: lora_alpha applies to every adapter"),
-    "loraplus_lr_ratio": ("LoRA+ (a larger learning rate for B) is not supported", _ONE_LR),
     "peft_trainable_token_indices": ("training single token rows beside LoRA is not supported",
                                      "remove it, or list embed_tokens under lora_modules_to_save (all rows)"),
     "peft_ensure_weight_tying": ("tying trained copies of tied embeddings is not supported (each trains alone, as "

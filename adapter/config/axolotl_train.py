@@ -20,7 +20,8 @@ LORA_MAP = {"lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lor
             "lora_modules_to_save": "lora.modules_to_save", "peft_layers_to_transform": "lora.layers",
             "peft_use_rslora": "lora.rslora", "peft_use_dora": "lora.use_dora", "lora_model_dir": "lora.init_from",
             "load_in_4bit": "lora.quantize_base",
-            "lora_target_parameters": "lora.target_parameters", "quantize_moe_experts": "lora.quantize_experts"}
+            "lora_target_parameters": "lora.target_parameters", "quantize_moe_experts": "lora.quantize_experts",
+            "loraplus_lr_ratio": "lora.plus_lr_ratio", "loraplus_lr_embedding": "lora.plus_lr_embedding"}
 LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_pattern", "peft_init_lora_weights",
                              "load_in_8bit", "lora_fan_in_fan_out"}
 # Schedule keys mapped by map_schedule (Axolotl key -> native key)
@@ -34,7 +35,11 @@ def map_lora(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
     refused, as Axolotl refuses them; lora_* keys without `adapter` are unused, as in Axolotl (its full fine-tune
     examples keep them beside an empty `adapter:`), and the first lines say so."""
     adapter = raw.get("adapter")
-    given = [k for k in (*LORA_MAP, "load_in_8bit") if axolotl_scope.is_on(raw.get(k))]
+    given = [k for k in (*LORA_MAP, "load_in_8bit") if axolotl_scope.is_on(raw.get(k)) and k != "loraplus_lr_embedding"]
+    if not adapter and raw.get("loraplus_lr_ratio") is not None:  # Axolotl's trainer applies it to any model
+        raise bad("loraplus_lr_ratio", raw["loraplus_lr_ratio"], "LoRA+ without `adapter`: Axolotl would still group "
+                  "the full fine-tune's parameters as PEFT's create_loraplus_optimizer does (every norm and bias at "
+                  "lr × the ratio, no weight decay anywhere)", "remove it, or set adapter: lora")
     if not adapter:
         for k in ("load_in_4bit", "load_in_8bit"):  # Axolotl refuses an 8/4-bit base without an adapter
             if axolotl_scope.is_on(raw.get(k)):

@@ -57,8 +57,8 @@ TYPES: dict[str, Any] = {
     **dict.fromkeys((
         "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "cosine_constant_lr_ratio",
         "cosine_min_lr_ratio", "embedding_lr", "embedding_lr_scale", "lora_dropout", "loraplus_lr_ratio",
-        "max_grad_norm", "neftune_noise_alpha", "noisy_embedding_alpha", "val_set_size", "warmup_ratio",
-        "weight_decay", "num_epochs"), FLOAT),
+        "loraplus_lr_embedding", "max_grad_norm", "neftune_noise_alpha", "noisy_embedding_alpha", "val_set_size",
+        "warmup_ratio", "weight_decay", "num_epochs"), FLOAT),
     **dict.fromkeys(("eval_steps", "save_steps", "warmup_steps"), STEPS),
 }
 # fsdp_config's keys (its schemas' FSDPConfig; Axolotl also takes them with an `fsdp_` prefix)

@@ -348,6 +348,10 @@ class LoraSection(_Strict):
     rslora: bool = Field(False, description="rank-stabilised scale alpha / sqrt(r) (peft_use_rslora)")
     use_dora: bool = Field(False, description="DoRA: PEFT's weight-decomposed LoRA, a trained magnitude per output "
                            "row of each adapted weight (peft_use_dora; the transformers engine)")
+    plus_lr_ratio: Float | None = Field(None, gt=0, description="LoRA+: each B (and each 1-D trained tensor) at lr × "
+                                        "this, as PEFT's create_loraplus_optimizer groups them (loraplus_lr_ratio)")
+    plus_lr_embedding: Float = Field(1e-6, ge=0, description="LoRA+: the learning rate of LoRA adapters on embedding "
+                                     "layers (loraplus_lr_embedding; PEFT's and Axolotl's default 1e-6)")
     init_from: PathStr | None = Field(None, description="a PEFT adapter directory to start from (lora_model_dir)")
     quantize_base: Literal["nf4", "int8"] | None = Field(
         None, description="the frozen base's decoder linears quantised: nf4 (QLoRA, Axolotl's load_in_4bit) or int8 "

@@ -32,6 +32,8 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
         lines.append(lora.describe(run.lora, arch, spell(cfg, "lora")))
     if run.peft is not None:
         lines.append(run.peft.describe(arch, spell(cfg, "lora")))
+    if cfg.lora is not None and cfg.lora.plus_lr_ratio:
+        lines.append(lora_plus(cfg))
     if cfg.checkpoint.exit_signals:
         lines.append(signals(cfg.checkpoint.exit_signals, cfg.checkpoint.dir))
     lines.append(optimizer(run, gpu=gpu))
@@ -58,6 +60,15 @@ def announce(run: ResolvedRun, *, gpu: bool = True) -> list[str]:
         lines.append(f"precision: fp8 ({cfg.model.fp8_recipe} scaling) for the {', '.join(cfg.model.fp8_linears)} "
                      "matmuls of every layer; weights, other matmuls, attention and the loss in bf16")
     return lines
+
+
+def lora_plus(cfg) -> str:
+    """LoRA+'s learning rates (adapter/train/engine.param_groups), and the weight decay it drops as PEFT does."""
+    c, wd = cfg.lora, cfg.optimizer.weight_decay
+    return (f"{spell(cfg, 'lora.plus_lr_ratio')}: LoRA+ (PEFT's create_loraplus_optimizer, as Axolotl calls it): each "
+            f"B and each 1-D trained tensor at lr × {c.plus_lr_ratio:g}, adapters on embedding layers at "
+            f"{c.plus_lr_embedding:g}, the rest at lr; no weight decay in any group"
+            + (f" ({spell(cfg, 'optimizer.weight_decay')} {wd:g} is not applied, as in Axolotl)" if wd else ""))
 
 
 def _pixels(size) -> str:

@@ -97,10 +97,18 @@ def init_distributed(timeout_s: int | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def param_groups(model, weight_decay: float, names: bool = False):
+def param_groups(model, weight_decay: float, names: bool = False, plus: tuple[float, float, float] | None = None):
     """No weight decay on norms and biases (the usual LLM recipe). Only trained parameters; an empty group (a LoRA
     run has no trained norms) is left out. `names`: each group also lists its parameters' names (the flat AdamW
-    saves them, so a checkpoint can be resharded)."""
+    saves them, so a checkpoint can be resharded).
+
+    `plus` (lr, lora.plus_lr_ratio, lora.plus_lr_embedding): LoRA+'s groups as PEFT's create_loraplus_optimizer
+    makes them where Axolotl calls it: every adapter's B and every 1-D trained tensor (DoRA's magnitudes, a bias) at
+    lr × ratio, the adapters of embedding layers at plus_lr_embedding, the rest (each A, modules_to_save copies) at
+    lr; no weight decay in any group (Axolotl passes PEFT no loraplus_weight_decay, whose default is 0). Each group
+    carries its side (`lora_plus`), from which a resumed run's schedule takes this run's rates (follow_schedule)."""
+    if plus is not None:
+        return _plus_groups(model, names, *plus)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -109,6 +117,29 @@ def param_groups(model, weight_decay: float, names: bool = False):
     groups = [{"params": [p for _, p in ps], "weight_decay": wd} | ({"names": [n for n, _ in ps]} if names else {})
               for ps, wd in ((decay, weight_decay), (no_decay, 0.0))]
     return [g for g in groups if g["params"]]
+
+
+def _plus_groups(model, names: bool, lr: float, ratio: float, embedding_lr: float) -> list[dict]:
+    """LoRA+'s three groups (param_groups): A-side at lr, embedding adapters at embedding_lr, B-side at lr × ratio."""
+    from adapter.modeling.lora import LoraAdapters
+
+    native_b = {id(p) for m in model.modules() if isinstance(m, LoraAdapters) for p in m.B.values()}
+    sides: dict[str, list] = {"a": [], "embedding": [], "b": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        side = "embedding" if "lora_embedding_" in name else \
+            "b" if id(p) in native_b or "lora_B" in name or p.ndim == 1 else "a"
+        sides[side].append((name, p))
+    scales = plus_scales(lr, ratio, embedding_lr)
+    groups = [{"params": [p for _, p in ps], "weight_decay": 0.0, "lr": lr * scales[side], "lora_plus": side}
+              | ({"names": [n for n, _ in ps]} if names else {}) for side, ps in sides.items()]
+    return [g for g in groups if g["params"]]
+
+
+def plus_scales(lr: float, ratio: float, embedding_lr: float) -> dict[str, float]:
+    """Each LoRA+ group's rate over lr (its `lora_plus` side): what the schedule multiplies."""
+    return {"a": 1.0, "embedding": embedding_lr / lr, "b": ratio}
 
 
 def add_tp_grad_hooks(model, tp_group) -> None:
@@ -192,9 +223,11 @@ class Engine:
         sched = self.ds.lr_scheduler
         groups = sched.optimizer.param_groups  # the groups it writes (ZeRO's wrapper hands on the same list)
         old = float(groups[0]["lr"])
-        sched.base_lrs = [cfg.optimizer.lr] * len(groups)
-        for group, factor in zip(groups, sched.lr_lambdas):
-            group["lr"] = cfg.optimizer.lr * factor(sched.last_epoch)
+        lr, c = cfg.optimizer.lr, cfg.lora
+        scales = plus_scales(lr, c.plus_lr_ratio, c.plus_lr_embedding) if c is not None and c.plus_lr_ratio else {}
+        sched.base_lrs = [lr * scales.get(group.get("lora_plus"), 1.0) for group in groups]  # LoRA+'s groups
+        for group, base, factor in zip(groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
         sched._last_lr = [group["lr"] for group in groups]
         return old, float(groups[0]["lr"])
 
@@ -395,15 +428,18 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         experts12 = stage in (1, 2) and any(getattr(p, "nd_expert", False) and p.requires_grad
                                             for p in model.parameters())
 
+    o = cfg.optimizer
+    plus = (o.lr, cfg.lora.plus_lr_ratio, cfg.lora.plus_lr_embedding) if cfg.lora and cfg.lora.plus_lr_ratio \
+        else None
+
     def optimizer_groups(weight_decay: float) -> list[dict]:
-        found = param_groups(model, weight_decay)
+        found = param_groups(model, weight_decay, plus=plus)
         return zero12_expert_groups(found, layout.ep) if experts12 else found
 
     if stage == 3 and cfg.deepspeed.gather_granularity == "layer" and layers:
         set_z3_leaf_modules(model, layers)
     if run.flat_optimizer:
-        o = cfg.optimizer
-        opt = FlatAdamW(param_groups(model, o.weight_decay, names=True), lr=o.lr, betas=o.betas, eps=o.eps,
+        opt = FlatAdamW(param_groups(model, o.weight_decay, names=True, plus=plus), lr=o.lr, betas=o.betas, eps=o.eps,
                         clip_grad=o.clip_grad, tp_group=groups.tp if tp > 1 else None,
                         state_bits=STATE_BITS[o.name], state_dtype=o.state_dtype)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,
@@ -412,7 +448,6 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         drive_flat_optimizer(engine, opt)
         deposit_expert_grads(model)  # nothing hooks per-parameter gradients here (adapter/modeling/moe.py)
     elif cfg.optimizer.name != "adamw":  # ZeRO steps the 8- or 4-bit AdamW on its fp32 partitions
-        o = cfg.optimizer
         opt = zero_client(o.name, optimizer_groups(o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
         with zero12_with_experts(experts12):
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf, mpu=mpu,

@@ -37,6 +37,7 @@ ADAPTERS = {"all seven, r 8": ("untied", {"r": 8, "lora_alpha": 16, "target_modu
             # Gemma 3: all seven beside its sandwich norms (o_proj's and down_proj's adapters add before the
             # post-norm), windows shorter than the examples, tied embeddings
             "gemma3 all seven": ("gemma3", {"r": 8, "lora_alpha": 16, "target_modules": ALL7})}
+PLUS = "lora.plus_lr_ratio"
 # name: adapter, (dp_shard, cp, tp), micro-batch, overrides -- each a world of 2
 RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "tp=2, no SP": ("all seven, r 8", (1, 1, 2), 2, {"sequence_parallel": False}),
@@ -53,7 +54,10 @@ RUNS = {"tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {}),
         "glm4, tp=2 +SP": ("glm4 mixed", (1, 1, 2), 2, {}),
         "glm4, dp_shard=2": ("glm4 mixed", (2, 1, 1), 1, {}),
         "gemma3, tp=2 +SP": ("gemma3 all seven", (1, 1, 2), 2, {}),
-        "gemma3, dp_shard=2": ("gemma3 all seven", (2, 1, 1), 1, {})}
+        "gemma3, dp_shard=2": ("gemma3 all seven", (2, 1, 1), 1, {}),
+        # LoRA+ (Axolotl's loraplus_lr_ratio): B at 16 × lr, PEFT's create_loraplus_optimizer the reference
+        "LoRA+, tp=2 +SP (flat AdamW)": ("all seven, r 8", (1, 1, 2), 2, {PLUS: 16.0}),
+        "LoRA+, dp_shard=2 (ZeRO-3)": ("all seven, r 8", (2, 1, 1), 1, {PLUS: 16.0})}
 
 
 EXPORTS = {"tp=2 +SP (flat AdamW)": "export", "phi3, tp=2 +SP": "export-phi3"}  # run -> its PEFT export's dir
@@ -96,7 +100,7 @@ def _parity_worker(rank, world, models, adapters, root):
         finally:
             t.close()
         out[name] = {"losses": r.losses, "before": before, "after": after, "optimized": optimized,
-                     "said": [ln for ln in lines if ln.startswith(("lora:", "exported"))]}
+                     "said": [ln for ln in lines if ln.startswith(("lora:", "exported", "lora.plus_lr_ratio"))]}
     return out
 
 
@@ -176,11 +180,14 @@ def test_lora_matches_peft_on_every_layout(setup):
         data = prepare(cfg, Path(models[model]), vocab_of(cfg), builder=True, barrier=None, progress=False)
         assert data.reused  # the runs' own prepared samples
         refs[name] = peft_reference(models[model], adapters[name], data, cfg)
+        if name == "all seven, r 8":
+            refs[name, 16.0] = peft_reference(models[model], adapters[name], data, cfg, plus=16.0)
     full = refs["all seven, r 8"]["losses"]
     assert rel(refs["q/v, rslora"]["losses"][1], full[1]) > 1e-3  # the targets change the curve: the test can fail
+    assert rel(refs["all seven, r 8", 16.0]["losses"][1], full[1]) > 1e-3  # and so does LoRA+
     for name, r in got.items():
         adapter = RUNS[name][0]
-        ref = refs[adapter]
+        ref = refs[adapter, RUNS[name][3][PLUS]] if PLUS in RUNS[name][3] else refs[adapter]
         assert all(rel(a, b) <= 1e-4 for a, b in zip(r["losses"], ref["losses"])), (name, r["losses"], ref["losses"])
         if RUNS[name][1][1] == 1:  # (a CP rank's forward takes its chunks of a sequence, not the whole probe)
             diff = (torch.as_tensor(r["before"]) - ref["before"]).abs().max().item()
@@ -189,6 +196,7 @@ def test_lora_matches_peft_on_every_layout(setup):
         assert all(".lora." in n or ("output_layer" in n and saved) for n in r["optimized"]), (name, r["optimized"])
         assert len(r["optimized"]) == 2 * len([n for n in ref["trained"] if "lora_A" in n]) + len(saved), name
         assert len(r["said"]) >= 1 and r["said"][0].startswith("lora: LoRA r"), r["said"]
+        assert any(ln.startswith("lora.plus_lr_ratio: LoRA+") for ln in r["said"]) == (PLUS in RUNS[name][3])
     # the export of the tp=2 run: PEFT's format, and PEFT gives nd-adapter's logits after training
     export = root / "export"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in export.iterdir()}
@@ -314,3 +322,30 @@ def test_bad_lora_input_is_one_line_status_2_and_writes_nothing(setup, tmp_path)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Fix:" in lines[0], (name, p.stderr)
         assert not (tmp_path / "out").exists(), name
+
+
+def _plus_resume_worker(rank, world, models, adapters, root):
+    from adapter.train.engine import init_distributed
+    from tests.helpers.runs import train as run
+
+    init_distributed()
+    lora = {**lora_section(ADAPTERS["all seven, r 8"][1], adapters["all seven, r 8"]), "plus_lr_ratio": 16.0}
+    out = {}
+    for stage in (2, 3):
+        def cfg(steps, ckpt, stage=stage):
+            return lora_cfg(models["untied"], root, (2, 1, 1), 1, lora, steps=steps, **{
+                "checkpoint.dir": f"{root}/plus-{ckpt}-{stage}", "deepspeed.zero_stage": stage,
+                "optimizer.schedule": "cosine", "optimizer.warmup_steps": 1})
+        whole = run(cfg(STEPS, "whole"), log=lambda s: None)
+        run(cfg(2, "cut"), log=lambda s: None)
+        out[stage] = (whole.losses, run(cfg(STEPS, "cut"), resume=True, log=lambda s: None).losses)
+    return out
+
+
+def test_lora_plus_resumes_on_its_own_rates(setup):
+    """LoRA+ (B at 16 × lr) under a warm-up and cosine schedule, saved after 2 steps and resumed under ZeRO-2 and
+    ZeRO-3: the resumed steps are the whole run's, each group back on its own rate (Engine.follow_schedule)."""
+    root, models, adapters = setup
+    got = run_workers(_plus_resume_worker, 2, models, adapters, str(root), timeout=900)[0]
+    for stage, (whole, resumed) in got.items():
+        assert len(whole) == STEPS and resumed == whole[2:], (stage, whole, resumed)

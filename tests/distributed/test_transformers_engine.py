@@ -606,9 +606,9 @@ def _check_dora(got, models, tmp_path) -> None:
 def _same_as_quantized_experts(losses, lora: dict, root: str, models, apart: float) -> None:
     """`losses` equal transformers + PEFT with Axolotl's quantised experts (`lora`) and at least `apart` away from the
     same run with 16-bit experts: the experts' codes are what it trained on."""
-    want = _reference(models["llama"], _cfg(models["llama"], root, True, lora=lora))
+    want = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], root, True, lora=lora))
     assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
-    plain = _reference(models["llama"], _cfg(models["llama"], root, True,
+    plain = _reference(models["qwen3_moe"], _cfg(models["qwen3_moe"], root, True,
                                                  lora={**lora, "quantize_experts": False}))
     assert max(rel(a, b) for a, b in zip(losses, plain)) > apart, (losses, plain)
 

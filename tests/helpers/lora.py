@@ -40,9 +40,11 @@ def lora_cfg(model_dir, root, shape, micro, lora: dict, world=2, steps=STEPS, **
 PROBE = [[5, 17, 300, 42, 7, 99, 512, 3, 8, 260, 61, 400, 2, 77, 31, 19]]  # token ids for the logit comparisons
 
 
-def peft_reference(model_dir: str, adapter_dir: str, data, cfg, global_batch: int = 2, **load):
+def peft_reference(model_dir: str, adapter_dir: str, data, cfg, global_batch: int = 2, plus: float | None = None,
+                   **load):
     """transformers + PEFT from the adapter, on the samples nd-adapter reads, each packed example on its own; `load`:
-    from_pretrained's keywords for the base (default fp32 on the CPU)."""
+    from_pretrained's keywords for the base (default fp32 on the CPU); `plus`: LoRA+'s ratio, the optimizer PEFT's
+    create_loraplus_optimizer as Axolotl calls it."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -56,7 +58,13 @@ def peft_reference(model_dir: str, adapter_dir: str, data, cfg, global_batch: in
     with torch.no_grad():
         before = model(input_ids=torch.tensor(PROBE, device=dev)).logits.float()
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    if plus is None:
+        opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    else:
+        from peft.optimizers import create_loraplus_optimizer
+
+        opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=LR, loraplus_lr_ratio=plus, betas=(0.9, 0.95),
+                                        eps=1e-8)
     losses = []
     for _ in range(STEPS):
         total, count = 0.0, 0.0

@@ -273,3 +273,33 @@ def test_dora_runs_on_the_transformers_engine_and_is_refused_elsewhere_in_one_li
                        "tensor_parallel_size": 2}, env={}, world_size=2)
     with pytest.raises(UserError, match=r"tensor_parallel_size=2: DoRA \(peft_use_dora\) split over tensor-parallel"):
         resolve_run(tp, gpu=False)
+
+
+def test_lora_plus_groups_are_peft_create_loraplus_optimizers():
+    """Axolotl's loraplus_lr_ratio / loraplus_lr_embedding (lora.plus_lr_ratio / plus_lr_embedding): on a PEFT
+    model (the transformers engine's adapters, DoRA's magnitudes and an embedding's adapters among them) each
+    parameter gets the learning rate and weight decay PEFT's create_loraplus_optimizer gives it; without `adapter`
+    Axolotl would still regroup a full fine-tune, so it is refused in one line."""
+    import peft
+    from peft.optimizers import create_loraplus_optimizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from adapter.train.engine import param_groups
+
+    cfg = build({"adapter": "lora", "loraplus_lr_ratio": 16, "loraplus_lr_embedding": 1e-5, "weight_decay": 0.1})
+    assert (cfg.lora.plus_lr_ratio, cfg.lora.plus_lr_embedding) == (16, 1e-5)
+    with pytest.raises(UserError, match=r"loraplus_lr_ratio=16: LoRA\+ without `adapter`") as e:
+        build({"loraplus_lr_ratio": 16})
+    assert "\n" not in str(e.value)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj", "embed_tokens"],
+                                                      use_dora=True, modules_to_save=["lm_head"]))
+    ref = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1e-3, loraplus_lr_ratio=16,
+                                    loraplus_lr_embedding=1e-5)
+    want = {id(p): (g["lr"], g["weight_decay"]) for g in ref.param_groups for p in g["params"]}
+    ours = param_groups(model, 0.1, plus=(1e-3, 16, 1e-5))
+    got = {id(p): (g["lr"], g["weight_decay"]) for g in ours for p in g["params"]}
+    assert got == want and len({lr for lr, _ in got.values()}) == 3, (sorted(got.values()), sorted(want.values()))
+    assert [g["lora_plus"] for g in ours] == ["a", "embedding", "b"]
