@@ -27,9 +27,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
     "relora_steps": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
     "relora": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
-    "lora_rank_pattern": ("per-module LoRA ranks are not supported", "remove it: lora_r applies to every adapter"),
-    "lora_alpha_pattern": ("per-module LoRA alphas are not supported",
-                           "remove it: lora_alpha applies to every adapter"),
     "peft_trainable_token_indices": ("training single token rows beside LoRA is not supported",
                                      "remove it, or list embed_tokens under lora_modules_to_save (all rows)"),
     "peft_ensure_weight_tying": ("tying trained copies of tied embeddings is not supported (each trains alone, as "

@@ -21,7 +21,8 @@ LORA_MAP = {"lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lor
             "peft_use_rslora": "lora.rslora", "peft_use_dora": "lora.use_dora", "lora_model_dir": "lora.init_from",
             "load_in_4bit": "lora.quantize_base",
             "lora_target_parameters": "lora.target_parameters", "quantize_moe_experts": "lora.quantize_experts",
-            "loraplus_lr_ratio": "lora.plus_lr_ratio", "loraplus_lr_embedding": "lora.plus_lr_embedding"}
+            "loraplus_lr_ratio": "lora.plus_lr_ratio", "loraplus_lr_embedding": "lora.plus_lr_embedding",
+            "lora_rank_pattern": "lora.rank_pattern", "lora_alpha_pattern": "lora.alpha_pattern"}
 LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_pattern", "peft_init_lora_weights",
                              "load_in_8bit", "lora_fan_in_fan_out"}
 # Schedule keys mapped by map_schedule (Axolotl key -> native key)
@@ -72,9 +73,12 @@ def map_lora(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
         notes.append("lora_fan_in_fan_out: true changes nothing: PEFT sets fan_in_fan_out from each layer's type "
                      "(false on nn.Linear and bitsandbytes' layers, true on GPT-2's Conv1D) whatever the key says")
     init = raw.get("peft_init_lora_weights")
-    if init is not None and init is not True:
-        raise bad("peft_init_lora_weights", init, "only PEFT's default initialisation is supported (A Kaiming-"
-                  "uniform, B zero)", "remove it")
+    if init == "gaussian":
+        set_dotted(out, "lora.init_weights", "gaussian")
+    elif init is not None and init is not True:
+        raise bad("peft_init_lora_weights", init, "only PEFT's default (A Kaiming-uniform, B zero) and gaussian "
+                  "initialisations are supported (PiSSA, OLoRA, LoftQ and the data-driven ones change or read the "
+                  "base weights)", "remove it, or use gaussian")
     pattern = raw.get("peft_layers_pattern")
     if pattern is not None and pattern not in ("layers", ["layers"]):
         raise bad("peft_layers_pattern", pattern, "these models' layers are `model.layers`", "remove it")

@@ -348,6 +348,13 @@ class LoraSection(_Strict):
     rslora: bool = Field(False, description="rank-stabilised scale alpha / sqrt(r) (peft_use_rslora)")
     use_dora: bool = Field(False, description="DoRA: PEFT's weight-decomposed LoRA, a trained magnitude per output "
                            "row of each adapted weight (peft_use_dora; the transformers engine)")
+    rank_pattern: dict[str, Int] | None = Field(None, description="per-module ranks, PEFT's rank_pattern {module "
+                                               "name or regex: r} (lora_rank_pattern; the transformers engine)")
+    alpha_pattern: dict[str, Float] | None = Field(None, description="per-module alphas, PEFT's alpha_pattern "
+                                                   "(lora_alpha_pattern; the transformers engine)")
+    init_weights: Literal["default", "gaussian"] = Field(
+        "default", description="PEFT's init_lora_weights: default (A Kaiming-uniform, B zero) or gaussian (A normal "
+                               "with std 1/r, B zero; peft_init_lora_weights; gaussian on the transformers engine)")
     plus_lr_ratio: Float | None = Field(None, gt=0, description="LoRA+: each B (and each 1-D trained tensor) at lr × "
                                         "this, as PEFT's create_loraplus_optimizer groups them (loraplus_lr_ratio)")
     plus_lr_embedding: Float = Field(1e-6, ge=0, description="LoRA+: the learning rate of LoRA adapters on embedding "

@@ -46,6 +46,9 @@ class PeftSpec:
     experts: tuple[int, ...] | None = None  # quantize_experts: each quantised expert weight's size (None: not asked)
     task_type: str = "CAUSAL_LM"            # PEFT's task: SEQ_CLS for a reward model (its score trained in full)
     use_dora: bool = False                  # PEFT's DoRA: a trained magnitude vector beside each adapter
+    rank_pattern: tuple[tuple[str, int], ...] = ()      # PEFT's rank_pattern / alpha_pattern, as (key, value) pairs
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    init_weights: str = "default"           # PEFT's init_lora_weights: default (True) or gaussian
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -55,7 +58,10 @@ class PeftSpec:
                 "target_parameters": list(self.target_parameters) or None,
                 "layers_to_transform": list(self.layers) if self.layers else None,
                 "modules_to_save": list(self.modules_to_save) or None, "task_type": self.task_type,
-                **({"use_dora": True} if self.use_dora else {})}
+                **({"use_dora": True} if self.use_dora else {}),
+                **({"rank_pattern": dict(self.rank_pattern)} if self.rank_pattern else {}),
+                **({"alpha_pattern": dict(self.alpha_pattern)} if self.alpha_pattern else {}),
+                **({"init_lora_weights": "gaussian"} if self.init_weights == "gaussian" else {})}
 
     def describe(self, arch, key: str) -> str:
         total = arch.param_count or 1
@@ -63,6 +69,9 @@ class PeftSpec:
         kind = "DoRA" if self.use_dora else "LoRA"
         return (f"{key}: {kind} r {self.r}, alpha {self.alpha:g}{', rslora' if self.rslora else ''} on "
                 f"{', '.join(self.matched)} (PEFT on transformers' model)"
+                + (f"; ranks {dict(self.rank_pattern)} by pattern" if self.rank_pattern else "")
+                + (f"; alphas {dict(self.alpha_pattern)} by pattern" if self.alpha_pattern else "")
+                + ("; A initialised gaussian (std 1/r)" if self.init_weights == "gaussian" else "")
                 + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
                 + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
                 "the base frozen" + (f", {QUANTIZED[self.quantize_base]}" if self.quantize_base else "")
@@ -89,7 +98,9 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
         targets = tuple(c.target_modules) if c.target_modules else ()
     params = tuple(c.target_parameters or ())
     spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
-                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base, params, use_dora=c.use_dora)
+                    tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base, params, use_dora=c.use_dora,
+                    rank_pattern=tuple((c.rank_pattern or {}).items()),
+                    alpha_pattern=tuple((c.alpha_pattern or {}).items()), init_weights=c.init_weights)
     kw = spec.lora_config()
     if not targets and not params:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it

@@ -161,7 +161,9 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         c = cfg.lora  # Axolotl's LoraConfig: all-linear, or the listed modules (none beside target_parameters)
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
-            target_parameters=c.target_parameters, use_dora=c.use_dora, task_type="CAUSAL_LM"))
+            target_parameters=c.target_parameters, use_dora=c.use_dora, rank_pattern=c.rank_pattern or {},
+            alpha_pattern=c.alpha_pattern or {}, init_lora_weights="gaussian" if c.init_weights == "gaussian" else True,
+            task_type="CAUSAL_LM"))
     if cfg.lora is not None and cfg.lora.quantize_experts and not cfg.lora.target_parameters:  # as Axolotl's loader
         # (monkeypatch/moe_quant.py); adapted experts hold their NF4 round trip as plain weights instead (above)
         _axolotl_quantize_experts(model, cfg.lora.quantize_base)
@@ -381,6 +383,9 @@ QEXPERTS = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj",
 INT8_EXPERTS = {**QEXPERTS, "quantize_base": "int8"}
 UNFROZEN = ["^model.layers.1.", "^lm_head.weight[:512]"]
 DORA = {**LORA, "use_dora": True}
+# Axolotl's lora_rank_pattern / lora_alpha_pattern and peft_init_lora_weights: gaussian, as PEFT applies them
+PATTERNS = {**LORA, "rank_pattern": {"q_proj": 8, "down_proj": 2}, "alpha_pattern": {"v_proj": 32},
+            "init_weights": "gaussian"}
 EXPERTS = {"r": 4, "alpha": 8, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
 # Axolotl's Gemma 4 26B-A4B QLoRA: the experts quantised (NF4) and adapted too, beside the attention's adapters
 QEXPERT_LORA = {**QEXPERTS, "target_parameters": EXPERTS["target_parameters"]}
@@ -502,10 +507,11 @@ def _lora(rank, world, models, root):
     out["moe unfrozen"] = (train(_cfg(models["qwen3_moe"], f"{root}/moe-unfrozen", True, unfrozen=UNFROZEN),
                                  log=lines.append).losses, [ln for ln in lines if ln.startswith("engine:")])
     out.update(_expert_lora(models, root))
-    lines = []  # DoRA on a native family: `auto` takes the transformers engine (PEFT's DoRA), ZeRO-3
-    res = train(_cfg(models["llama"], f"{root}/dora", True, lora=DORA, export=f"{root}/dora/adapter"),
-                log=lines.append)
-    out["dora"] = (res.losses, res.exported, [ln for ln in lines if ln.startswith(("engine:", "lora:"))])
+    for name, lora in (("dora", DORA), ("patterns", PATTERNS)):  # on a native family: `auto` takes the
+        lines = []  # transformers engine (PEFT's DoRA, per-module ranks and alphas, gaussian A), ZeRO-3
+        res = train(_cfg(models["llama"], f"{root}/{name}", True, lora=lora, export=f"{root}/{name}/adapter"),
+                    log=lines.append)
+        out[name] = (res.losses, res.exported, [ln for ln in lines if ln.startswith(("engine:", "lora:"))])
     return out
 
 
@@ -581,24 +587,30 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     losses, said = got["int8 experts"]
     _same_as_quantized_experts(losses, INT8_EXPERTS, f"{tmp_path}/int8-experts", models, apart=1e-5)
     assert "in int8 by Axolotl's parametrisation" in said[0], said
-    _check_dora(got["dora"], models, tmp_path)
+    for name, lora, why, line in (
+            ("dora", DORA, "DoRA (PEFT's weight-decomposed LoRA) is built on", "lora: DoRA r 4"),
+            ("patterns", PATTERNS, "per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern) are built on",
+             "lora: LoRA r 4")):
+        _check_peft_option(got[name], name, lora, why, line, models, tmp_path)
 
 
-def _check_dora(got, models, tmp_path) -> None:
-    """DoRA (Axolotl's peft_use_dora) on a native family: the transformers engine under `auto`, saying why; the
-    same losses as PEFT's DoRA on transformers' model at dp_shard=2 under ZeRO-3, and the export loads in PEFT as the
-    trained model."""
+def _check_peft_option(got, name: str, lora: dict, why: str, line: str, models, tmp_path) -> None:
+    """A PEFT option the native engine does not build (Axolotl's peft_use_dora, lora_rank_pattern /
+    lora_alpha_pattern, peft_init_lora_weights: gaussian) on a native family: the transformers engine under `auto`,
+    saying why; the same losses as PEFT with the option on transformers' model at dp_shard=2 under ZeRO-3, and the
+    export loads in PEFT as the trained model."""
     import peft
 
     losses, exported, said = got
-    assert any("DoRA (PEFT's weight-decomposed LoRA) is built on the transformers engine only" in ln for ln in said)
-    assert any(ln.startswith("lora: DoRA r 4") for ln in said), said
+    assert any(why in ln for ln in said) and any(ln.startswith(line) for ln in said), said
     trained: list = []
-    want = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/dora", True, lora=DORA),
+    want = _reference(models["llama"], _cfg(models["llama"], f"{tmp_path}/{name}", True, lora=lora),
                       model_out=trained)
-    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (losses, want)
+    assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
     loaded = peft.PeftModel.from_pretrained(reference_model(Path(models["llama"])), exported)
-    assert loaded.peft_config["default"].use_dora
+    saved = loaded.peft_config["default"]
+    assert (saved.use_dora, saved.rank_pattern, saved.alpha_pattern) == (
+        bool(lora.get("use_dora")), lora.get("rank_pattern", {}), lora.get("alpha_pattern", {}))
     probe = _probe(models["llama"])
     assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4
 

@@ -182,7 +182,8 @@ def test_lora_fan_in_fan_out_is_taken_and_changes_nothing_as_in_peft():
     ({"load_in_8bit": True}, r"load_in_8bit=True: a LoRA setting without `adapter`"),
     ({"adapter": "qlora", "load_in_4bit": True, "load_in_8bit": True}, r"load_in_8bit=True: conflicts"),
     ({"adapter": "ia3"}, r"adapter='ia3': only LoRA and QLoRA"),
-    ({"adapter": "lora", "peft_init_lora_weights": "gaussian"}, r"peft_init_lora_weights"),
+    ({"adapter": "lora", "peft_init_lora_weights": "pissa"}, r"peft_init_lora_weights='pissa': only PEFT's default "
+                                                             r"\(A Kaiming-uniform, B zero\) and gaussian"),
     ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
      r"bnb_4bit_quant_type='fp4'"),
 ])
@@ -253,8 +254,9 @@ def test_plan_counts_what_a_lora_run_holds_and_trains():
 
 def test_dora_runs_on_the_transformers_engine_and_is_refused_elsewhere_in_one_line(tmp_path):
     """Axolotl's peft_use_dora is PEFT's DoRA (lora.use_dora): on a native family `model.engine: auto` takes the
-    transformers engine and says why; `megatron` and tensor parallelism refuse it in one line (its tests against
-    PEFT: tests/distributed/test_transformers_engine.py)."""
+    transformers engine and says why; `megatron` and tensor parallelism refuse it in one line. So do
+    lora_rank_pattern / lora_alpha_pattern and peft_init_lora_weights: gaussian, passed to PEFT's LoraConfig as they
+    are (their tests against PEFT: tests/distributed/test_transformers_engine.py)."""
     from tests.helpers.sft_data import tiny_model
 
     model = tiny_model(tmp_path)
@@ -269,6 +271,17 @@ def test_dora_runs_on_the_transformers_engine_and_is_refused_elsewhere_in_one_li
                                         r"transformers engine only") as e:
         resolve_run(native, gpu=False)
     assert "\n" not in str(e.value)
+    patterns = build({"adapter": "lora", "lora_rank_pattern": {"q_proj": 16}, "lora_alpha_pattern": {"v_proj": 4},
+                      "peft_init_lora_weights": "gaussian", "base_model": str(model)})
+    got = resolve_run(patterns, gpu=False)
+    assert not got.arch.native and "(PEFT's rank_pattern / alpha_pattern) are built on the transformers engine only" \
+        in got.arch.engine_reason, got.arch.engine_reason
+    assert {k: got.peft.lora_config()[k] for k in ("rank_pattern", "alpha_pattern", "init_lora_weights")} == {
+        "rank_pattern": {"q_proj": 16}, "alpha_pattern": {"v_proj": 4}, "init_lora_weights": "gaussian"}
+    gaussian = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"use_dora": False,
+                                                                          "init_weights": "gaussian"})})
+    assert "PEFT's gaussian initialisation is built on the transformers engine only" in \
+        resolve_run(gaussian, gpu=False).arch.engine_reason
     tp = config.build({**AXOLOTL, "adapter": "lora", "peft_use_dora": True, "base_model": str(model),
                        "tensor_parallel_size": 2}, env={}, world_size=2)
     with pytest.raises(UserError, match=r"tensor_parallel_size=2: DoRA \(peft_use_dora\) split over tensor-parallel"):
