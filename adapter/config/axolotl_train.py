@@ -36,7 +36,7 @@ def map_lora(raw: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None
     refused, as Axolotl refuses them; lora_* keys without `adapter` are unused, as in Axolotl (its full fine-tune
     examples keep them beside an empty `adapter:`), and the first lines say so."""
     adapter = raw.get("adapter")
-    given = [k for k in (*LORA_MAP, "load_in_8bit") if axolotl_scope.is_on(raw.get(k)) and k != "loraplus_lr_embedding"]
+    given = [k for k in (*LORA_MAP, "load_in_8bit") if axolotl_scope.is_on(raw.get(k))]
     if not adapter and raw.get("loraplus_lr_ratio") is not None:  # Axolotl's trainer applies it to any model
         raise bad("loraplus_lr_ratio", raw["loraplus_lr_ratio"], "LoRA+ without `adapter`: Axolotl would still group "
                   "the full fine-tune's parameters as PEFT's create_loraplus_optimizer does (every norm and bias at "

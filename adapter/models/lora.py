@@ -282,19 +282,17 @@ def check_native(cfg, arch: ModelArch) -> None:
     if cfg.lora is not None and cfg.lora.quantize_experts and arch.moe:
         raise unbuilt(spell(cfg, "lora.quantize_experts"), True, "4-bit experts are built on the transformers engine "
                       "only", "set model.engine: auto (or transformers), which quantises transformers' own experts")
-    if cfg.lora is not None and (cfg.lora.rank_pattern or cfg.lora.alpha_pattern):
-        key = "lora.rank_pattern" if cfg.lora.rank_pattern else "lora.alpha_pattern"
-        raise unbuilt(spell(cfg, key), getattr(cfg.lora, key.split(".")[1]), "per-module ranks and alphas (PEFT's "
-                      "rank_pattern / alpha_pattern) are built on the transformers engine only",
-                      "set model.engine: auto (or transformers), which trains them with PEFT on transformers' model")
-    if cfg.lora is not None and cfg.lora.init_weights != "default":
-        raise unbuilt(spell(cfg, "lora.init_weights"), cfg.lora.init_weights, "PEFT's gaussian initialisation is "
-                      "built on the transformers engine only", "set model.engine: auto (or transformers), which "
-                      "initialises the adapters with PEFT on transformers' model")
-    if cfg.lora is not None and cfg.lora.use_dora:
-        raise unbuilt(spell(cfg, "lora.use_dora"), True, "DoRA (PEFT's weight-decomposed LoRA) is built on the "
-                      "transformers engine only", "set model.engine: auto (or transformers), which trains it with PEFT "
-                      "on transformers' model")
+    c = cfg.lora
+    for key, value, what in () if c is None else (  # PEFT's options, passed to its LoraConfig as they are
+            ("lora.rank_pattern", c.rank_pattern, "per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern) "
+                                                  "are"),
+            ("lora.alpha_pattern", c.alpha_pattern, "per-module ranks and alphas (PEFT's rank_pattern / "
+                                                    "alpha_pattern) are"),
+            ("lora.init_weights", c.init_weights != "default" and c.init_weights, "PEFT's gaussian initialisation is"),
+            ("lora.use_dora", c.use_dora, "DoRA (PEFT's weight-decomposed LoRA) is")):
+        if value:
+            raise unbuilt(spell(cfg, key), value, f"{what} built on the transformers engine only", "set model.engine: "
+                          "auto (or transformers), which runs it with PEFT on transformers' model")
     if cfg.lora is not None and cfg.lora.target_parameters:
         raise unbuilt(spell(cfg, "lora.target_parameters"), cfg.lora.target_parameters, "LoRA on parameters "
                       "(PEFT's target_parameters) is built on the transformers engine only",
