@@ -27,8 +27,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "lisa_n_layers": ("LISA (a few layers trained at a time) is not supported", _FULL),
     "relora_steps": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
     "relora": ("ReLoRA (adapters merged and restarted during training) is not supported", _LORA),
-    "peft_trainable_token_indices": ("training single token rows beside LoRA is not supported",
-                                     "remove it, or list embed_tokens under lora_modules_to_save (all rows)"),
     "peft_ensure_weight_tying": ("tying trained copies of tied embeddings is not supported (each trains alone, as "
                                  "PEFT's default does)", "remove it"),
     "loftq_config": ("LoftQ initialisation is not supported", "remove it (adapters start as PEFT's default)"),

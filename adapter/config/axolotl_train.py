@@ -22,7 +22,8 @@ LORA_MAP = {"lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lor
             "load_in_4bit": "lora.quantize_base",
             "lora_target_parameters": "lora.target_parameters", "quantize_moe_experts": "lora.quantize_experts",
             "loraplus_lr_ratio": "lora.plus_lr_ratio", "loraplus_lr_embedding": "lora.plus_lr_embedding",
-            "lora_rank_pattern": "lora.rank_pattern", "lora_alpha_pattern": "lora.alpha_pattern"}
+            "lora_rank_pattern": "lora.rank_pattern", "lora_alpha_pattern": "lora.alpha_pattern",
+            "peft_trainable_token_indices": "lora.trainable_token_indices"}
 LORA_KEYS = set(LORA_MAP) | {"adapter", "bnb_config_kwargs", "peft_layers_pattern", "peft_init_lora_weights",
                              "load_in_8bit", "lora_fan_in_fan_out"}
 # Schedule keys mapped by map_schedule (Axolotl key -> native key)

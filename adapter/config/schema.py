@@ -352,6 +352,10 @@ class LoraSection(_Strict):
                                                "name or regex: r} (lora_rank_pattern; the transformers engine)")
     alpha_pattern: dict[str, Float] | None = Field(None, description="per-module alphas, PEFT's alpha_pattern "
                                                    "(lora_alpha_pattern; the transformers engine)")
+    trainable_token_indices: list[Int] | dict[str, list[Int]] | None = Field(
+        None, description="token rows of embed_tokens trained beside the adapters (a list), or per embedding layer "
+                          "(a dict): PEFT's trainable_token_indices (peft_trainable_token_indices; the transformers "
+                          "engine)")
     init_weights: Literal["default", "gaussian"] = Field(
         "default", description="PEFT's init_lora_weights: default (A Kaiming-uniform, B zero) or gaussian (A normal "
                                "with std 1/r, B zero; peft_init_lora_weights; gaussian on the transformers engine)")

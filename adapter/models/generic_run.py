@@ -49,6 +49,7 @@ class PeftSpec:
     rank_pattern: tuple[tuple[str, int], ...] = ()      # PEFT's rank_pattern / alpha_pattern, as (key, value) pairs
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     init_weights: str = "default"           # PEFT's init_lora_weights: default (True) or gaussian
+    token_indices: str = ""                 # PEFT's trainable_token_indices as JSON (a list, or a dict of them)
 
     def lora_config(self) -> dict[str, Any]:
         """`peft.LoraConfig`'s keywords."""
@@ -61,7 +62,8 @@ class PeftSpec:
                 **({"use_dora": True} if self.use_dora else {}),
                 **({"rank_pattern": dict(self.rank_pattern)} if self.rank_pattern else {}),
                 **({"alpha_pattern": dict(self.alpha_pattern)} if self.alpha_pattern else {}),
-                **({"init_lora_weights": "gaussian"} if self.init_weights == "gaussian" else {})}
+                **({"init_lora_weights": "gaussian"} if self.init_weights == "gaussian" else {}),
+                **({"trainable_token_indices": json.loads(self.token_indices)} if self.token_indices else {})}
 
     def describe(self, arch, key: str) -> str:
         total = arch.param_count or 1
@@ -72,6 +74,7 @@ class PeftSpec:
                 + (f"; ranks {dict(self.rank_pattern)} by pattern" if self.rank_pattern else "")
                 + (f"; alphas {dict(self.alpha_pattern)} by pattern" if self.alpha_pattern else "")
                 + ("; A initialised gaussian (std 1/r)" if self.init_weights == "gaussian" else "")
+                + (f"; token rows {self.token_indices} trained" if self.token_indices else "")
                 + (f"; {' and '.join(self.modules_to_save)} trained in full" if self.modules_to_save else "")
                 + f": {self.trained:,} trained parameters ({100 * self.trained / total:.2f}% of {size}); "
                 "the base frozen" + (f", {QUANTIZED[self.quantize_base]}" if self.quantize_base else "")
@@ -100,7 +103,8 @@ def resolve_peft(cfg, config_json: dict[str, Any], *, trust_remote_code: bool, m
     spec = PeftSpec(c.r, c.alpha, c.dropout, c.rslora, targets, tuple(c.layers) if c.layers else None,
                     tuple(c.modules_to_save), c.init_from, 0, 0, (), c.quantize_base, params, use_dora=c.use_dora,
                     rank_pattern=tuple((c.rank_pattern or {}).items()),
-                    alpha_pattern=tuple((c.alpha_pattern or {}).items()), init_weights=c.init_weights)
+                    alpha_pattern=tuple((c.alpha_pattern or {}).items()), init_weights=c.init_weights,
+                    token_indices=json.dumps(c.trainable_token_indices) if c.trainable_token_indices else "")
     kw = spec.lora_config()
     if not targets and not params:
         kw.pop("target_modules")  # PEFT's default for the model type, as Axolotl leaves it

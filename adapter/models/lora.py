@@ -289,6 +289,8 @@ def check_native(cfg, arch: ModelArch) -> None:
             ("lora.alpha_pattern", c.alpha_pattern, "per-module ranks and alphas (PEFT's rank_pattern / "
                                                     "alpha_pattern) are"),
             ("lora.init_weights", c.init_weights != "default" and c.init_weights, "PEFT's gaussian initialisation is"),
+            ("lora.trainable_token_indices", c.trainable_token_indices, "training single token rows (PEFT's "
+                                                                        "trainable_token_indices) is"),
             ("lora.use_dora", c.use_dora, "DoRA (PEFT's weight-decomposed LoRA) is")):
         if value:
             raise unbuilt(spell(cfg, key), value, f"{what} built on the transformers engine only", "set model.engine: "

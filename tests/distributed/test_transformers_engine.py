@@ -162,6 +162,7 @@ def _reference(model_dir: str, cfg, dp: int = 2, model_out: list | None = None) 
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=c.r, lora_alpha=c.alpha, target_modules="all-linear" if c.target_linear else c.target_modules or [],
             target_parameters=c.target_parameters, use_dora=c.use_dora, rank_pattern=c.rank_pattern or {},
+            trainable_token_indices=c.trainable_token_indices,
             alpha_pattern=c.alpha_pattern or {}, init_lora_weights="gaussian" if c.init_weights == "gaussian" else True,
             task_type="CAUSAL_LM"))
     if cfg.lora is not None and cfg.lora.quantize_experts and not cfg.lora.target_parameters:  # as Axolotl's loader
@@ -386,6 +387,7 @@ DORA = {**LORA, "use_dora": True}
 # Axolotl's lora_rank_pattern / lora_alpha_pattern and peft_init_lora_weights: gaussian, as PEFT applies them
 PATTERNS = {**LORA, "rank_pattern": {"q_proj": 8, "down_proj": 2}, "alpha_pattern": {"v_proj": 32},
             "init_weights": "gaussian"}
+TOKENS = {**LORA, "trainable_token_indices": [3, 17, 200]}  # Axolotl's peft_trainable_token_indices
 EXPERTS = {"r": 4, "alpha": 8, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
 # Axolotl's Gemma 4 26B-A4B QLoRA: the experts quantised (NF4) and adapted too, beside the attention's adapters
 QEXPERT_LORA = {**QEXPERTS, "target_parameters": EXPERTS["target_parameters"]}
@@ -507,7 +509,7 @@ def _lora(rank, world, models, root):
     out["moe unfrozen"] = (train(_cfg(models["qwen3_moe"], f"{root}/moe-unfrozen", True, unfrozen=UNFROZEN),
                                  log=lines.append).losses, [ln for ln in lines if ln.startswith("engine:")])
     out.update(_expert_lora(models, root))
-    for name, lora in (("dora", DORA), ("patterns", PATTERNS)):  # on a native family: `auto` takes the
+    for name, lora in (("dora", DORA), ("patterns", PATTERNS), ("tokens", TOKENS)):  # a native family: `auto` takes the
         lines = []  # transformers engine (PEFT's DoRA, per-module ranks and alphas, gaussian A), ZeRO-3
         res = train(_cfg(models["llama"], f"{root}/{name}", True, lora=lora, export=f"{root}/{name}/adapter"),
                     log=lines.append)
@@ -590,6 +592,8 @@ def test_lora_and_qlora_through_peft_on_the_transformers_engine_match_peft_at_dp
     for name, lora, why, line in (
             ("dora", DORA, "DoRA (PEFT's weight-decomposed LoRA) is built on", "lora: DoRA r 4"),
             ("patterns", PATTERNS, "per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern) are built on",
+             "lora: LoRA r 4"),
+            ("tokens", TOKENS, "training single token rows (PEFT's trainable_token_indices) is built on",
              "lora: LoRA r 4")):
         _check_peft_option(got[name], name, lora, why, line, models, tmp_path)
 
@@ -609,8 +613,14 @@ def _check_peft_option(got, name: str, lora: dict, why: str, line: str, models, 
     assert max(rel(a, b) for a, b in zip(losses, want)) < 1e-4, (name, losses, want)
     loaded = peft.PeftModel.from_pretrained(reference_model(Path(models["llama"])), exported)
     saved = loaded.peft_config["default"]
-    assert (saved.use_dora, saved.rank_pattern, saved.alpha_pattern) == (
-        bool(lora.get("use_dora")), lora.get("rank_pattern", {}), lora.get("alpha_pattern", {}))
+    assert (saved.use_dora, saved.rank_pattern, saved.alpha_pattern, saved.trainable_token_indices) == (
+        bool(lora.get("use_dora")), lora.get("rank_pattern", {}), lora.get("alpha_pattern", {}),
+        lora.get("trainable_token_indices")), saved
+    rows = lora.get("trainable_token_indices")
+    if rows:  # the exported rows were trained: they left the base's
+        delta = loaded.base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta["default"]
+        base = reference_model(Path(models["llama"])).model.embed_tokens.weight[rows]
+        assert (delta - base).abs().max() > 1e-3, (delta - base).abs().max()
     probe = _probe(models["llama"])
     assert rel(float(hf_loss(loaded, probe)), float(hf_loss(trained[0], probe))) < 1e-4
 

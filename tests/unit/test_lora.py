@@ -255,8 +255,8 @@ def test_plan_counts_what_a_lora_run_holds_and_trains():
 def test_dora_runs_on_the_transformers_engine_and_is_refused_elsewhere_in_one_line(tmp_path):
     """Axolotl's peft_use_dora is PEFT's DoRA (lora.use_dora): on a native family `model.engine: auto` takes the
     transformers engine and says why; `megatron` and tensor parallelism refuse it in one line. So do
-    lora_rank_pattern / lora_alpha_pattern and peft_init_lora_weights: gaussian, passed to PEFT's LoraConfig as they
-    are (their tests against PEFT: tests/distributed/test_transformers_engine.py)."""
+    lora_rank_pattern / lora_alpha_pattern, peft_init_lora_weights: gaussian and peft_trainable_token_indices, passed
+    to PEFT's LoraConfig as they are (their tests against PEFT: tests/distributed/test_transformers_engine.py)."""
     from tests.helpers.sft_data import tiny_model
 
     model = tiny_model(tmp_path)
@@ -278,6 +278,11 @@ def test_dora_runs_on_the_transformers_engine_and_is_refused_elsewhere_in_one_li
         in got.arch.engine_reason, got.arch.engine_reason
     assert {k: got.peft.lora_config()[k] for k in ("rank_pattern", "alpha_pattern", "init_lora_weights")} == {
         "rank_pattern": {"q_proj": 16}, "alpha_pattern": {"v_proj": 4}, "init_lora_weights": "gaussian"}
+    tokens = resolve_run(build({"adapter": "lora", "peft_trainable_token_indices": {"embed_tokens": [5, 9]},
+                                "base_model": str(model)}), gpu=False)
+    assert "(PEFT's trainable_token_indices) is built on the transformers engine only" in tokens.arch.engine_reason
+    assert tokens.peft.lora_config()["trainable_token_indices"] == {"embed_tokens": [5, 9]}
+    assert tokens.peft.trained == tokens.peft.added + 2 * tokens.arch.hidden_size, tokens.peft  # the two rows
     gaussian = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"use_dora": False,
                                                                           "init_weights": "gaussian"})})
     assert "PEFT's gaussian initialisation is built on the transformers engine only" in \
