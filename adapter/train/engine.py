@@ -142,6 +142,12 @@ def plus_scales(lr: float, ratio: float, embedding_lr: float) -> dict[str, float
     return {"a": 1.0, "embedding": embedding_lr / lr, "b": ratio}
 
 
+def lora_plus(cfg: RunConfig) -> tuple[float, float, float] | None:
+    """(lr, lora.plus_lr_ratio, lora.plus_lr_embedding) where the run asks LoRA+, else None."""
+    c = cfg.lora
+    return (cfg.optimizer.lr, c.plus_lr_ratio, c.plus_lr_embedding) if c is not None and c.plus_lr_ratio else None
+
+
 def add_tp_grad_hooks(model, tp_group) -> None:
     """Sum, over TP, the grads Megatron leaves partial (sequence-parallel norms, q/k norms); DeepSpeed does not.
 
@@ -223,9 +229,9 @@ class Engine:
         sched = self.ds.lr_scheduler
         groups = sched.optimizer.param_groups  # the groups it writes (ZeRO's wrapper hands on the same list)
         old = float(groups[0]["lr"])
-        lr, c = cfg.optimizer.lr, cfg.lora
-        scales = plus_scales(lr, c.plus_lr_ratio, c.plus_lr_embedding) if c is not None and c.plus_lr_ratio else {}
-        sched.base_lrs = [lr * scales.get(group.get("lora_plus"), 1.0) for group in groups]  # LoRA+'s groups
+        plus = lora_plus(cfg)
+        scales = plus_scales(*plus) if plus else {}
+        sched.base_lrs = [cfg.optimizer.lr * scales.get(group.get("lora_plus"), 1.0) for group in groups]  # LoRA+
         for group, base, factor in zip(groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * factor(sched.last_epoch)
         sched._last_lr = [group["lr"] for group in groups]
@@ -428,9 +434,7 @@ def build_engine(run: ResolvedRun, groups: Groups, device, load_weights=None) ->
         experts12 = stage in (1, 2) and any(getattr(p, "nd_expert", False) and p.requires_grad
                                             for p in model.parameters())
 
-    o = cfg.optimizer
-    plus = (o.lr, cfg.lora.plus_lr_ratio, cfg.lora.plus_lr_embedding) if cfg.lora and cfg.lora.plus_lr_ratio \
-        else None
+    o, plus = cfg.optimizer, lora_plus(cfg)
 
     def optimizer_groups(weight_decay: float) -> list[dict]:
         found = param_groups(model, weight_decay, plus=plus)

@@ -11,20 +11,15 @@ import pytest
 from tests.helpers.dist import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-WORDS = "red green blue small large quick slow bright dark warm cold soft".split()
 LORA = {"r": 8, "alpha": 16, "target_linear": True}
 # name: objective, adapters, data type
 RUNS = {"lora sft": ("sft", LORA, "chat_template"), "full dpo": ("dpo", None, "chat_template.default"),
         "lora simpo": ("simpo", LORA, "chat_template.default"), "full simpo": ("simpo", None, "chat_template.default")}
 
 
-def _pairs(n: int = 24) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": f"Describe the {WORDS[i % 12]} thing {i}" + " again" * (i % 7)}],
-             "chosen": {"role": "assistant", "content": " ".join(WORDS[: 2 + i % 9]) + "."},
-             "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 4)}} for i in range(n)]
-
-
 def _chats(n: int = 48) -> list[dict]:
+    from tests.helpers.sft_data import WORDS
+
     return [{"messages": [{"role": "user", "content": f"Name the {WORDS[i % 12]} thing {i}" + " please" * (i % 5)},
                           {"role": "assistant", "content": " ".join(WORDS[i % 5: 3 + i % 11]) + "."}]}
             for i in range(n)]
@@ -62,11 +57,12 @@ def _worker(rank, world, model, pairs, chats, root):
 
 def test_runs_auto_compiles_follow_eager_on_cuda(tmp_path):
     from adapter.demo.build import make_tiny_llama
-    from tests.helpers.sft_data import tiny_model, write_jsonl
+    from tests.helpers.sft_data import tiny_model, varied_pairs, write_jsonl
 
     tok = tiny_model(tmp_path / "t", vocab=512)
     model = make_tiny_llama(tmp_path / "m", tokenizer_dir=tok, hidden=128, layers=2, heads=4, kv_heads=2, seed=0)
-    pairs, chats = write_jsonl(tmp_path / "pairs.jsonl", _pairs()), write_jsonl(tmp_path / "chats.jsonl", _chats())
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", varied_pairs())
+    chats = write_jsonl(tmp_path / "chats.jsonl", _chats())
     got = run_workers(_worker, 1, str(model), str(pairs), str(chats), str(tmp_path), timeout=900)[0]
     print({k: (v["losses"], v["compiled"], v["said"]) for k, v in got.items()})
     for name in RUNS:

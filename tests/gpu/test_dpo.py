@@ -10,14 +10,6 @@ import pytest
 from tests.helpers.dist import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-WORDS = "red green blue small large quick slow bright dark warm cold soft".split()
-
-
-def _rows(n: int = 24) -> list[dict]:
-    """Pairs whose prompts and answers differ in length, so every micro-batch's stream has its own length."""
-    return [{"messages": [{"role": "user", "content": f"Describe the {WORDS[i % 12]} thing {i}" + " again" * (i % 7)}],
-             "chosen": {"role": "assistant", "content": " ".join(WORDS[: 2 + i % 9]) + "."},
-             "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 4)}} for i in range(n)]
 
 
 def _worker(rank, world, model, data, root):
@@ -50,11 +42,11 @@ def _worker(rank, world, model, data, root):
 
 def test_dpo_stream_and_compiled_layers_match_padded_rows_on_cuda(tmp_path):
     from adapter.demo.build import make_tiny_llama
-    from tests.helpers.sft_data import tiny_model, write_jsonl
+    from tests.helpers.sft_data import tiny_model, varied_pairs, write_jsonl
 
     tok = tiny_model(tmp_path / "t", vocab=512)
     model = make_tiny_llama(tmp_path / "m", tokenizer_dir=tok, hidden=128, layers=2, heads=4, kv_heads=2, seed=0)
-    data = write_jsonl(tmp_path / "pairs.jsonl", _rows())
+    data = write_jsonl(tmp_path / "pairs.jsonl", varied_pairs())
     got = run_workers(_worker, 1, str(model), str(data), str(tmp_path), timeout=600)[0]
     print({k: (v["losses"], [r["logps/chosen"] for r in v["rewards"]], v["graphs"]) for k, v in got.items()})
     assert got["padded"]["pairs"] == [] and all(v["pairs"][0].startswith("pairs: each pair's prompt runs once")

@@ -22,7 +22,7 @@ def test_process_reward_model_on_cuda_follows_trl(tmp_path):
     from adapter import config
     from adapter.data.sft.prepare import prepare
     from tests.helpers.prm import prepared_rows, prm_model, rows, step_ids
-    from tests.helpers.reward import EPS, step_pairs
+    from tests.helpers.reward import one_gpu_head_run, step_pairs
     from tests.helpers.runs import vocab_of
     from tests.helpers.sft_data import write_jsonl
 
@@ -31,12 +31,9 @@ def test_process_reward_model_on_cuda_follows_trl(tmp_path):
     model = prm_model(tmp_path)
     data_rows = rows(20)
     data = write_jsonl(tmp_path / "steps.jsonl", data_rows)
-    raw = {"base_model": str(model), "model_type": "AutoModelForTokenClassification", "num_labels": 2,
-           "process_reward_model": True, "datasets": [{"path": str(data), "type": "stepwise_supervised"}],
-           "sequence_len": SEQ, "dataset_prepared_path": str(tmp_path / "prep"), "output_dir": str(tmp_path / "out"),
-           "micro_batch_size": 1, "gradient_accumulation_steps": GA, "max_steps": STEPS, "learning_rate": LR,
-           "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0, "adam_epsilon": EPS,
-           "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
+    raw = {**one_gpu_head_run(model, tmp_path, seq=SEQ, lr=LR, ga=GA, steps=STEPS),
+           "model_type": "AutoModelForTokenClassification", "num_labels": 2, "process_reward_model": True,
+           "datasets": [{"path": str(data), "type": "stepwise_supervised"}]}
     (losses,) = run_workers(cuda_train, 1, raw, ("losses",), timeout=600)[0]
     tok = AutoTokenizer.from_pretrained(str(model))
     cfg = config.build(raw, env={}, world_size=1)

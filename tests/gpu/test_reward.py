@@ -20,7 +20,7 @@ def test_reward_model_on_cuda_follows_trl(tmp_path):
 
     from adapter import config
     from adapter.data.sft import preference, templates
-    from tests.helpers.reward import EPS, bt_ids, reward_model, rows, step_pairs, trl_reward
+    from tests.helpers.reward import bt_ids, one_gpu_head_run, reward_model, rows, step_pairs, trl_reward
     from tests.helpers.sft_data import write_jsonl
 
     assert torch.cuda.is_available()
@@ -28,13 +28,10 @@ def test_reward_model_on_cuda_follows_trl(tmp_path):
     model = reward_model(tmp_path)
     data_rows = rows(20)
     data = write_jsonl(tmp_path / "bt.jsonl", data_rows)
-    raw = {"base_model": str(model), "model_type": "AutoModelForSequenceClassification", "num_labels": 1,
-           "reward_model": True, "center_rewards_coefficient": CENTER, "chat_template": "chatml",
-           "datasets": [{"path": str(data), "type": "bradley_terry.chat_template"}], "sequence_len": SEQ,
-           "dataset_prepared_path": str(tmp_path / "prep"), "output_dir": str(tmp_path / "out"),
-           "micro_batch_size": 1, "gradient_accumulation_steps": GA, "max_steps": STEPS, "learning_rate": LR,
-           "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0, "adam_epsilon": EPS,
-           "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
+    raw = {**one_gpu_head_run(model, tmp_path, seq=SEQ, lr=LR, ga=GA, steps=STEPS),
+           "model_type": "AutoModelForSequenceClassification", "num_labels": 1, "reward_model": True,
+           "center_rewards_coefficient": CENTER, "chat_template": "chatml",
+           "datasets": [{"path": str(data), "type": "bradley_terry.chat_template"}]}
     losses, rewards = run_workers(cuda_train, 1, raw, ("losses", "rewards"), timeout=600)[0]
     tok = AutoTokenizer.from_pretrained(str(model))
     tok.pad_token = tok.pad_token or tok.eos_token

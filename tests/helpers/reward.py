@@ -113,6 +113,16 @@ def in_order(trainer_cls):
     return InOrder, Logged(), seen, evals
 
 
+def one_gpu_head_run(model: Path, root: Path, *, seq: int, lr: float, ga: int, steps: int) -> dict:
+    """The schedule keys of the one-GPU classification-head tests (tests/gpu/test_reward.py, test_prm.py): an Axolotl
+    file of `steps` steps of `ga` rows, constant lr, no decay or clipping, torch's fused AdamW; the test adds the
+    head's and the data's keys."""
+    return {"base_model": str(model), "sequence_len": seq, "dataset_prepared_path": str(root / "prep"),
+            "output_dir": str(root / "out"), "micro_batch_size": 1, "gradient_accumulation_steps": ga,
+            "max_steps": steps, "learning_rate": lr, "lr_scheduler": "constant", "warmup_steps": 0,
+            "weight_decay": 0.0, "adam_epsilon": EPS, "max_grad_norm": 1e12, "optimizer": "adamw_torch_fused"}
+
+
 def step_pairs(seed: int, n: int, *, world: int, ga: int, steps: int) -> list[list[int]]:
     """The pairs of each step, as nd-adapter's sampler hands them to `world` ranks of `ga` micro-batches of one."""
     from adapter.data.sampler import DPSampler

@@ -29,6 +29,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+WORDS = "red green blue small large quick slow bright dark warm cold soft".split()
+
+
+def varied_pairs(n: int = 24) -> list[dict]:
+    """Preference pairs (chat_template.default rows) whose prompts and answers differ in length, so every
+    micro-batch's stream has its own length (the GPU tests of compiled layers on changing lengths)."""
+    return [{"messages": [{"role": "user", "content": f"Describe the {WORDS[i % 12]} thing {i}" + " again" * (i % 7)}],
+             "chosen": {"role": "assistant", "content": " ".join(WORDS[: 2 + i % 9]) + "."},
+             "rejected": {"role": "assistant", "content": f"No {i}" + " idea" * (1 + i % 4)}} for i in range(n)]
+
+
 def axolotl_cfg(model: Path, datasets: list[dict], root: Path, **top: Any):
     """An Axolotl-dialect RunConfig (as a user's YAML would give it), prepared data under root/prepared."""
     raw = {"base_model": str(model), "sequence_len": 128, "datasets": datasets, "learning_rate": 1e-5,

@@ -18,6 +18,23 @@ def _raw(model, data, **over) -> dict:
             "output_dir": str(data.parent / "out"), "learning_rate": 1e-4, **over}
 
 
+def _losses(train, model, processor, idx: list[int], family: str):
+    """nd-adapter's mean loss of the micro-batch of rows `idx` (through load()'s collate) and transformers' on the
+    processor's batch labelled by the family's rule, beside our batch and the reference's labels."""
+    import torch.nn.functional as F
+
+    from adapter.modeling.hf_build import CausalLMLosses
+
+    b = train.collate([train[i] for i in idx])
+    media = {k: v for k, v in b.items() if k.startswith("mm_")}
+    per_token = CausalLMLosses(model)(b["tokens"], None, labels=b["labels"], loss_mask=b["loss_mask"], **media)
+    got = (per_token * b["loss_mask"]).sum() / b["loss_mask"].sum()
+    ref, labels = batch(processor, [train.rows[i] for i in idx], family=family)
+    logits = model(**ref).logits.float()
+    want = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    return got, want, b, labels
+
+
 def _no_system(rs: list[dict]) -> list[dict]:  # Llama 3.2 Vision's template refuses a system turn beside an image
     return [{**r, "messages": [m for m in r["messages"] if m["role"] != "system"]} for r in rs]
 
@@ -30,12 +47,10 @@ def mllama(tmp_path_factory):
 
 def test_mllama_rows_and_loss_match_transformers(mllama):
     import torch
-    import torch.nn.functional as F
     from transformers import AutoProcessor, MllamaForConditionalGeneration
 
     from adapter import config
     from adapter.data.sft.multimodal import load
-    from adapter.modeling.hf_build import CausalLMLosses
 
     root, model_dir = mllama
     data = _no_system(rows(root, 8, images_every=2))  # rows 0, 2, ... with an image
@@ -45,14 +60,8 @@ def test_mllama_rows_and_loss_match_transformers(mllama):
     model = MllamaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
     for idx in ([0, 2], [0, 1], [1, 3]):  # images alone, an image beside a text row, text alone
-        b = train.collate([train[i] for i in idx])
-        media = {k: v for k, v in b.items() if k.startswith("mm_")}
-        assert ("mm_cross_attention_mask" in media) == (0 in idx), sorted(media)
-        per_token = CausalLMLosses(model)(b["tokens"], None, labels=b["labels"], loss_mask=b["loss_mask"], **media)
-        got = (per_token * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        ref, labels = batch(processor, [train.rows[i] for i in idx], family="mllama")
-        logits = model(**ref).logits.float()
-        want = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        got, want, b, labels = _losses(train, model, processor, idx, "mllama")
+        assert ("mm_cross_attention_mask" in b) == (0 in idx), sorted(k for k in b if k.startswith("mm_"))
         assert torch.allclose(got, want, rtol=1e-5, atol=0), (idx, float(got), float(want))
         assert (b["loss_mask"][:, :-1] > 0).sum() == (labels[:, 1:] != -100).sum()
 
@@ -114,12 +123,10 @@ def test_llava_rows_and_loss_match_transformers(tmp_path):
     through load(): one micro-batch each of images alone, an image beside a text row, and text alone, as transformers'
     loss on the processor's batch."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from adapter import config
     from adapter.data.sft.multimodal import load
-    from adapter.modeling.hf_build import CausalLMLosses
     from tests.helpers.image_text import llava_vlm
 
     model_dir = llava_vlm(tmp_path)
@@ -130,11 +137,5 @@ def test_llava_rows_and_loss_match_transformers(tmp_path):
     processor = AutoProcessor.from_pretrained(str(model_dir))
     model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).train()
     for idx in ([0, 2], [0, 1], [1, 3]):
-        b = train.collate([train[i] for i in idx])
-        media = {k: v for k, v in b.items() if k.startswith("mm_")}
-        per_token = CausalLMLosses(model)(b["tokens"], None, labels=b["labels"], loss_mask=b["loss_mask"], **media)
-        got = (per_token * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        ref, labels = batch(processor, [train.rows[i] for i in idx], family="llava")
-        logits = model(**ref).logits.float()
-        want = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        got, want, _, _ = _losses(train, model, processor, idx, "llava")
         assert torch.allclose(got, want, rtol=1e-5, atol=0), (idx, float(got), float(want))
